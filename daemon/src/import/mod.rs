@@ -1,0 +1,216 @@
+//! Importers: a GGUF file or a Hugging Face model directory, mapped to one architecture
+//! config, one tokenizer spec and one canonical tensor layout (Hugging Face names and row
+//! order) that the store writer packs into layer units.
+
+pub mod gguf;
+pub mod hf;
+
+use crate::dtype::DType;
+use crate::model::ArchConfig;
+use crate::store::format::{SpecialTokens, TokenizerSpec, UnitKind};
+use memmap2::Mmap;
+use std::collections::BTreeMap;
+use std::fs::File;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ImportError {
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}{}: {msg}", offset.map(|o| format!(" at offset {o}")).unwrap_or_default())]
+    Malformed { path: PathBuf, offset: Option<u64>, msg: String },
+    #[error("{path}: {msg}")]
+    Unsupported { path: PathBuf, msg: String },
+}
+
+impl ImportError {
+    pub fn malformed(path: &Path, offset: Option<u64>, msg: impl Into<String>) -> Self {
+        ImportError::Malformed { path: path.to_path_buf(), offset, msg: msg.into() }
+    }
+
+    pub fn unsupported(path: &Path, msg: impl Into<String>) -> Self {
+        ImportError::Unsupported { path: path.to_path_buf(), msg: msg.into() }
+    }
+}
+
+/// Where one tensor's bytes are in the source files.
+#[derive(Clone, Debug)]
+pub struct SourceTensor {
+    pub dtype: DType,
+    /// Row-major, last dimension contiguous.
+    pub shape: Vec<u64>,
+    pub file: usize,
+    pub offset: u64,
+    pub len: u64,
+    /// GGUF stores llama q/k rows permuted for interleaved rotary pairs; `Some(heads)` undoes
+    /// that on copy so every importer yields the Hugging Face (rotate-half) row order.
+    pub unpermute_heads: Option<u32>,
+}
+
+pub struct ImportedModel {
+    pub source: PathBuf,
+    pub arch: ArchConfig,
+    pub tokenizer: TokenizerSpec,
+    pub special: SpecialTokens,
+    pub chat_template: Option<String>,
+    pub files: Vec<(PathBuf, Mmap)>,
+    /// Canonical name -> source.
+    pub tensors: BTreeMap<String, SourceTensor>,
+}
+
+/// The tensors of one layer unit, in blob order.
+#[derive(Clone, Debug)]
+pub struct UnitSpec {
+    pub kind: UnitKind,
+    pub tensors: Vec<String>,
+}
+
+/// Opens a GGUF file or a Hugging Face model directory.
+pub fn open(src: &Path) -> Result<ImportedModel, ImportError> {
+    let meta = std::fs::metadata(src).map_err(|e| ImportError::Io { op: "open", path: src.into(), source: e })?;
+    if meta.is_dir() {
+        return hf::import(src);
+    }
+    let mut magic = [0u8; 4];
+    let n = {
+        use std::io::Read;
+        let mut f = File::open(src).map_err(|e| ImportError::Io { op: "open", path: src.into(), source: e })?;
+        f.read(&mut magic).map_err(|e| ImportError::Io { op: "read", path: src.into(), source: e })?
+    };
+    if n == 4 && &magic == b"GGUF" {
+        return gguf::import(src);
+    }
+    Err(ImportError::unsupported(
+        src,
+        "neither a GGUF file (magic \"GGUF\") nor a directory; pack a .gguf file or a Hugging Face model directory (config.json, *.safetensors, tokenizer.json)",
+    ))
+}
+
+pub(crate) fn mmap_file(path: &Path) -> Result<Mmap, ImportError> {
+    let f = File::open(path).map_err(|e| ImportError::Io { op: "open", path: path.into(), source: e })?;
+    // SAFETY: the source is opened read-only and only read while packing; a concurrent
+    // writer truncating it is outside what we promise (as for every mmap-based loader).
+    unsafe { Mmap::map(&f) }.map_err(|e| ImportError::Io { op: "mmap", path: path.into(), source: e })
+}
+
+impl ImportedModel {
+    /// The raw source bytes of a tensor (before any row un-permutation).
+    pub fn source_bytes(&self, t: &SourceTensor) -> &[u8] {
+        let map = &self.files[t.file].1;
+        &map[t.offset as usize..(t.offset + t.len) as usize]
+    }
+
+    /// Copies a tensor into `dst` in canonical row order.
+    pub fn copy_tensor(&self, t: &SourceTensor, dst: &mut [u8]) {
+        let src = self.source_bytes(t);
+        assert_eq!(src.len(), dst.len());
+        let Some(heads) = t.unpermute_heads else {
+            dst.copy_from_slice(src);
+            return;
+        };
+        // GGUF row (h, 2j + r) holds Hugging Face row (h, r * d/2 + j), d = head dim.
+        let rows = t.shape[0] as usize;
+        let row_bytes = src.len() / rows;
+        let d = rows / heads as usize;
+        let half = d / 2;
+        for h in 0..heads as usize {
+            for j in 0..half {
+                for r in 0..2 {
+                    let from = (h * d + 2 * j + r) * row_bytes;
+                    let to = (h * d + r * half + j) * row_bytes;
+                    dst[to..to + row_bytes].copy_from_slice(&src[from..from + row_bytes]);
+                }
+            }
+        }
+    }
+
+    /// Checks that every tensor the architecture needs is present with the right shape and
+    /// no unexpected one is, and groups them into layer units in forward order.
+    pub fn units(&self) -> Result<Vec<UnitSpec>, ImportError> {
+        let a = &self.arch;
+        let (h, q, kv, inter, vocab) = (a.hidden as u64, a.q_dim(), a.kv_dim(), a.intermediate as u64, a.vocab as u64);
+        let mut expected: Vec<(UnitKind, Vec<(String, Vec<u64>)>)> = Vec::new();
+        expected.push((UnitKind::Embedding, vec![("model.embed_tokens.weight".into(), vec![vocab, h])]));
+        for i in 0..a.n_layers {
+            let p = format!("model.layers.{i}");
+            let mut t = vec![
+                (format!("{p}.input_layernorm.weight"), vec![h]),
+                (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+            ];
+            if a.qkv_bias {
+                t.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+                t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+                t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+            }
+            t.extend([
+                (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
+                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
+                (format!("{p}.mlp.gate_proj.weight"), vec![inter, h]),
+                (format!("{p}.mlp.up_proj.weight"), vec![inter, h]),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, inter]),
+            ]);
+            expected.push((UnitKind::Decoder(i), t));
+        }
+        let mut head = vec![("model.norm.weight".to_string(), vec![h])];
+        if !a.tied_embeddings {
+            head.push(("lm_head.weight".into(), vec![vocab, h]));
+        }
+        expected.push((UnitKind::Head, head));
+
+        let mut units = Vec::with_capacity(expected.len());
+        let mut used = 0usize;
+        for (kind, tensors) in expected {
+            let mut names = Vec::with_capacity(tensors.len());
+            for (name, shape) in tensors {
+                let t = self.tensors.get(&name).ok_or_else(|| {
+                    ImportError::malformed(&self.source, None, format!("tensor {name} is missing ({kind} of a {} model with {} layers)", a.arch, a.n_layers))
+                })?;
+                if t.shape != shape {
+                    return Err(ImportError::malformed(
+                        &self.source,
+                        None,
+                        format!("tensor {name} has shape {:?}, the config needs {shape:?}", t.shape),
+                    ));
+                }
+                if shape.len() == 1 && t.dtype.is_quantized() {
+                    return Err(ImportError::unsupported(&self.source, format!("tensor {name} is {} but vectors must be f32, f16 or bf16", t.dtype)));
+                }
+                names.push(name);
+                used += 1;
+            }
+            units.push(UnitSpec { kind, tensors: names });
+        }
+        if used != self.tensors.len() {
+            let all: std::collections::BTreeSet<&str> = units.iter().flat_map(|u| u.tensors.iter().map(|s| s.as_str())).collect();
+            let extra: Vec<&str> = self.tensors.keys().map(|s| s.as_str()).filter(|n| !all.contains(n)).take(5).collect();
+            return Err(ImportError::unsupported(
+                &self.source,
+                format!("unexpected tensors for a {} model: {} (sluice would ignore weights the model needs)", a.arch, extra.join(", ")),
+            ));
+        }
+        Ok(units)
+    }
+}
+
+/// Finds the end-of-turn tokens a chat template uses among the vocabulary, so generation
+/// stops at them as well as at eos.
+pub(crate) fn end_of_turn_tokens(template: Option<&str>, lookup: impl Fn(&str) -> Option<u32>) -> Vec<u32> {
+    const END_OF_TURN: [&str; 6] = ["<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>"];
+    let Some(t) = template else { return Vec::new() };
+    END_OF_TURN.iter().filter(|s| t.contains(*s)).filter_map(|s| lookup(s)).collect()
+}
+
+pub(crate) fn push_unique(v: &mut Vec<u32>, id: Option<u32>) {
+    if let Some(id) = id {
+        if !v.contains(&id) {
+            v.push(id);
+        }
+    }
+}

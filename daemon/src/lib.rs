@@ -1,0 +1,8 @@
+//! sluice: run LLMs larger than accelerator memory by streaming compressed per-layer weight
+//! blobs from NVMe. See ARCHITECTURE.md for the map of modules and the data flow.
+
+pub mod dtype;
+pub mod import;
+pub mod model;
+pub mod store;
+pub mod util;

@@ -1,0 +1,412 @@
+//! Frame codecs and the byte-split filter (DESIGN.md "Store format").
+//!
+//! A frame is up to `frame_size` bytes of one tensor's decompressed blob. For 16- and 32-bit
+//! floats the frame is split into byte planes (most significant byte of every element first,
+//! then the next, ...): exponents cluster, so the high planes compress well and the low
+//! mantissa planes rarely do. Each plane is coded on its own and kept raw when coding does
+//! not save at least `KEEP_RAW_SAVING_MIN`; the whole frame is kept raw under the same rule,
+//! so quantized weights never pay decompression for nothing.
+
+use serde::{Deserialize, Serialize};
+use std::fmt;
+use std::str::FromStr;
+use xxhash_rust::xxh3::xxh3_64;
+
+/// A frame or plane is stored compressed only when that saves at least 3 % of its bytes:
+/// below that the decompression time costs more than the disk time it saves.
+pub const KEEP_RAW_SAVING_MIN: f64 = 0.03;
+
+/// zstd levels accepted by `zstd:N` (negative levels are zstd's "fast" modes).
+pub const ZSTD_LEVEL_MIN: i32 = -7;
+pub const ZSTD_LEVEL_MAX: i32 = 22;
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Codec {
+    None,
+    Lz4,
+    Zstd { level: i32 },
+}
+
+impl fmt::Display for Codec {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Codec::None => f.write_str("none"),
+            Codec::Lz4 => f.write_str("lz4"),
+            Codec::Zstd { level } => write!(f, "zstd:{level}"),
+        }
+    }
+}
+
+impl FromStr for Codec {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "none" => Ok(Codec::None),
+            "lz4" => Ok(Codec::Lz4),
+            "zstd" => Ok(Codec::Zstd { level: 3 }),
+            _ => {
+                let level = s.strip_prefix("zstd:").ok_or_else(|| {
+                    format!("unknown codec {s:?}: expected none, lz4, zstd or zstd:N")
+                })?;
+                let level: i32 = level
+                    .parse()
+                    .map_err(|_| format!("codec {s:?}: zstd level {level:?} is not an integer"))?;
+                if !(ZSTD_LEVEL_MIN..=ZSTD_LEVEL_MAX).contains(&level) {
+                    return Err(format!(
+                        "codec {s:?}: zstd level must be in {ZSTD_LEVEL_MIN}..={ZSTD_LEVEL_MAX}"
+                    ));
+                }
+                Ok(Codec::Zstd { level })
+            }
+        }
+    }
+}
+
+/// How one plane of a frame is stored.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Plane {
+    pub stored_len: u32,
+    /// Coded with the frame's codec; otherwise the raw plane bytes.
+    pub compressed: bool,
+}
+
+/// Why a frame failed to decode. The caller adds file, layer, frame and offset.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FrameFault {
+    Checksum { expected: u64, found: u64 },
+    Decompress(String),
+    Length { expected: u64, found: u64 },
+    /// The stored bytes could not be read (short file, EIO).
+    Read(String),
+}
+
+impl fmt::Display for FrameFault {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            FrameFault::Checksum { expected, found } => write!(
+                f,
+                "checksum mismatch (xxh3 expected {expected:016x}, found {found:016x}): the data on disk is corrupt"
+            ),
+            FrameFault::Decompress(msg) => write!(f, "decompression failed: {msg}"),
+            FrameFault::Length { expected, found } => {
+                write!(f, "length mismatch: expected {expected} bytes, got {found}")
+            }
+            FrameFault::Read(msg) => write!(f, "read failed: {msg}"),
+        }
+    }
+}
+
+/// Result of encoding one frame: the encoding to record and where its bytes are.
+pub struct Encoded<'a> {
+    pub codec: Codec,
+    pub planes: Vec<Plane>,
+    pub bytes: &'a [u8],
+}
+
+/// Reusable per-thread encoder state (packing only; not on the serving path).
+pub struct FrameEncoder {
+    codec: Codec,
+    zstd: Option<zstd::bulk::Compressor<'static>>,
+    plane: Vec<u8>,
+    coded: Vec<u8>,
+    out: Vec<u8>,
+}
+
+impl FrameEncoder {
+    pub fn new(codec: Codec) -> std::io::Result<Self> {
+        let zstd = match codec {
+            Codec::Zstd { level } => Some(zstd::bulk::Compressor::new(level)?),
+            _ => None,
+        };
+        Ok(FrameEncoder { codec, zstd, plane: Vec::new(), coded: Vec::new(), out: Vec::new() })
+    }
+
+    /// Encodes `raw`, split into `split_width` byte planes when that is 2 or 4.
+    pub fn encode(&mut self, raw: &[u8], split_width: usize) -> std::io::Result<Encoded<'_>> {
+        assert!(raw.len() <= u32::MAX as usize, "frame larger than 4 GiB");
+        let raw_frame = |out: &mut Vec<u8>| {
+            out.clear();
+            out.extend_from_slice(raw);
+            vec![Plane { stored_len: raw.len() as u32, compressed: false }]
+        };
+        if self.codec == Codec::None {
+            let planes = raw_frame(&mut self.out);
+            return Ok(Encoded { codec: Codec::None, planes, bytes: &self.out });
+        }
+        let width = if split_width > 1 && raw.len() % split_width == 0 { split_width } else { 1 };
+        let plane_len = raw.len() / width;
+        self.out.clear();
+        let mut planes = Vec::with_capacity(width);
+        for p in 0..width {
+            let src: &[u8] = if width == 1 {
+                raw
+            } else {
+                // Plane p holds byte (width-1-p) of every element: high bytes first.
+                let byte = width - 1 - p;
+                self.plane.clear();
+                self.plane.extend(raw.iter().skip(byte).step_by(width));
+                &self.plane
+            };
+            debug_assert_eq!(src.len(), plane_len);
+            compress_into(self.codec, self.zstd.as_mut(), src, &mut self.coded)?;
+            if worth_keeping(self.coded.len(), src.len()) {
+                self.out.extend_from_slice(&self.coded);
+                planes.push(Plane { stored_len: self.coded.len() as u32, compressed: true });
+            } else {
+                self.out.extend_from_slice(src);
+                planes.push(Plane { stored_len: src.len() as u32, compressed: false });
+            }
+        }
+        if !worth_keeping(self.out.len(), raw.len()) {
+            let planes = raw_frame(&mut self.out);
+            return Ok(Encoded { codec: Codec::None, planes, bytes: &self.out });
+        }
+        Ok(Encoded { codec: self.codec, planes, bytes: &self.out })
+    }
+}
+
+fn worth_keeping(coded_len: usize, raw_len: usize) -> bool {
+    (coded_len as f64) <= (raw_len as f64) * (1.0 - KEEP_RAW_SAVING_MIN)
+}
+
+fn compress_into(
+    codec: Codec,
+    zstd: Option<&mut zstd::bulk::Compressor<'static>>,
+    src: &[u8],
+    dst: &mut Vec<u8>,
+) -> std::io::Result<()> {
+    dst.clear();
+    match (codec, zstd) {
+        (Codec::Lz4, _) => {
+            dst.resize(lz4_flex::block::get_maximum_output_size(src.len()), 0);
+            let n = lz4_flex::block::compress_into(src, dst)
+                .map_err(|e| std::io::Error::other(format!("lz4: {e}")))?;
+            dst.truncate(n);
+        }
+        (Codec::Zstd { .. }, Some(z)) => {
+            dst.reserve(zstd::zstd_safe::compress_bound(src.len()));
+            z.compress_to_buffer(src, dst)?;
+        }
+        (codec, _) => unreachable!("compress_into called for {codec}"),
+    }
+    Ok(())
+}
+
+/// Reusable per-thread decoder state: one scratch buffer for split planes, allocated once
+/// at the frame size and reused for every frame.
+pub struct FrameDecoder {
+    scratch: Vec<u8>,
+    zstd: zstd::bulk::Decompressor<'static>,
+}
+
+impl FrameDecoder {
+    pub fn new(frame_size_max: usize) -> std::io::Result<Self> {
+        Ok(FrameDecoder {
+            scratch: vec![0; frame_size_max],
+            zstd: zstd::bulk::Decompressor::new()?,
+        })
+    }
+
+    /// Decodes one frame from its stored bytes straight into `dst` (its final place in the
+    /// layer's staging slot) and checks the checksum of the result.
+    pub fn decode(
+        &mut self,
+        codec: Codec,
+        planes: &[Plane],
+        checksum: u64,
+        stored: &[u8],
+        dst: &mut [u8],
+    ) -> Result<(), FrameFault> {
+        let stored_total: u64 = planes.iter().map(|p| p.stored_len as u64).sum();
+        if stored_total != stored.len() as u64 {
+            return Err(FrameFault::Length { expected: stored_total, found: stored.len() as u64 });
+        }
+        let width = planes.len();
+        if width == 1 {
+            let p = planes[0];
+            if p.compressed {
+                let n = decompress_into(codec, &mut self.zstd, stored, dst)?;
+                if n != dst.len() {
+                    return Err(FrameFault::Length { expected: dst.len() as u64, found: n as u64 });
+                }
+            } else {
+                if stored.len() != dst.len() {
+                    return Err(FrameFault::Length {
+                        expected: dst.len() as u64,
+                        found: stored.len() as u64,
+                    });
+                }
+                dst.copy_from_slice(stored);
+            }
+        } else {
+            if !matches!(width, 2 | 4) || dst.len() % width != 0 {
+                return Err(FrameFault::Decompress(format!(
+                    "{width} byte planes for a frame of {} bytes",
+                    dst.len()
+                )));
+            }
+            let plane_len = dst.len() / width;
+            if self.scratch.len() < dst.len() {
+                // Only reached when a caller sized the decoder below its frames; the memory
+                // plan sizes it from the manifest's largest frame.
+                self.scratch.resize(dst.len(), 0);
+            }
+            // Gather each plane's raw bytes: decompressed into scratch, or straight from the
+            // stored bytes when the plane was kept raw.
+            let mut sources: [(usize, bool); 4] = [(0, false); 4];
+            let mut at = 0usize;
+            for (i, p) in planes.iter().enumerate() {
+                let s = &stored[at..at + p.stored_len as usize];
+                if p.compressed {
+                    let region = &mut self.scratch[i * plane_len..(i + 1) * plane_len];
+                    let n = decompress_into(codec, &mut self.zstd, s, region)?;
+                    if n != plane_len {
+                        return Err(FrameFault::Length {
+                            expected: plane_len as u64,
+                            found: n as u64,
+                        });
+                    }
+                    sources[i] = (i * plane_len, true);
+                } else {
+                    if s.len() != plane_len {
+                        return Err(FrameFault::Length {
+                            expected: plane_len as u64,
+                            found: s.len() as u64,
+                        });
+                    }
+                    sources[i] = (at, false);
+                }
+                at += p.stored_len as usize;
+            }
+            let plane = |i: usize| -> &[u8] {
+                let (off, in_scratch) = sources[i];
+                if in_scratch {
+                    &self.scratch[off..off + plane_len]
+                } else {
+                    &stored[off..off + plane_len]
+                }
+            };
+            if width == 2 {
+                let (hi, lo) = (plane(0), plane(1));
+                for ((out, &h), &l) in dst.chunks_exact_mut(2).zip(hi).zip(lo) {
+                    out[0] = l;
+                    out[1] = h;
+                }
+            } else {
+                let (b3, b2, b1, b0) = (plane(0), plane(1), plane(2), plane(3));
+                for (i, out) in dst.chunks_exact_mut(4).enumerate() {
+                    out[0] = b0[i];
+                    out[1] = b1[i];
+                    out[2] = b2[i];
+                    out[3] = b3[i];
+                }
+            }
+        }
+        let found = xxh3_64(dst);
+        if found != checksum {
+            return Err(FrameFault::Checksum { expected: checksum, found });
+        }
+        Ok(())
+    }
+}
+
+fn decompress_into(
+    codec: Codec,
+    zstd: &mut zstd::bulk::Decompressor<'static>,
+    src: &[u8],
+    dst: &mut [u8],
+) -> Result<usize, FrameFault> {
+    match codec {
+        Codec::Lz4 => lz4_flex::block::decompress_into(src, dst)
+            .map_err(|e| FrameFault::Decompress(format!("lz4: {e}"))),
+        Codec::Zstd { .. } => zstd
+            .decompress_to_buffer(src, dst)
+            .map_err(|e| FrameFault::Decompress(format!("zstd: {e}"))),
+        Codec::None => Err(FrameFault::Decompress(
+            "plane marked compressed in a frame stored with codec none".into(),
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn floats_f32(n: usize) -> Vec<u8> {
+        // Small-magnitude values like trained weights: clustered exponents.
+        (0..n).flat_map(|i| (((i * 7919) % 1000) as f32 * 1e-4 - 0.05).to_le_bytes()).collect()
+    }
+
+    #[test]
+    fn every_codec_and_split_width_round_trips() {
+        let raw = floats_f32(16 * 1024);
+        for codec in [Codec::None, Codec::Lz4, Codec::Zstd { level: 1 }, Codec::Zstd { level: 3 }] {
+            for width in [1, 2, 4] {
+                let mut enc = FrameEncoder::new(codec).unwrap();
+                let e = enc.encode(&raw, width).unwrap();
+                let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
+                let mut dec = FrameDecoder::new(raw.len()).unwrap();
+                let mut out = vec![0u8; raw.len()];
+                dec.decode(c, &planes, xxh3_64(&raw), &stored, &mut out).unwrap();
+                assert_eq!(out, raw, "codec {codec} width {width}");
+            }
+        }
+    }
+
+    #[test]
+    fn split_planes_compress_floats_better_than_whole_frames() {
+        let raw = floats_f32(64 * 1024);
+        let mut enc = FrameEncoder::new(Codec::Zstd { level: 1 }).unwrap();
+        let whole = enc.encode(&raw, 1).unwrap().bytes.len();
+        let split = enc.encode(&raw, 4).unwrap().bytes.len();
+        assert!(split < whole, "split {split} >= whole {whole}");
+    }
+
+    #[test]
+    fn incompressible_frames_are_kept_raw() {
+        // xorshift noise does not compress: the frame must be stored raw, codec none.
+        let mut x = 0x9E3779B97F4A7C15u64;
+        let raw: Vec<u8> = (0..65536)
+            .map(|_| {
+                x ^= x << 13;
+                x ^= x >> 7;
+                x ^= x << 17;
+                x as u8
+            })
+            .collect();
+        let mut enc = FrameEncoder::new(Codec::Zstd { level: 3 }).unwrap();
+        let e = enc.encode(&raw, 1).unwrap();
+        assert_eq!(e.codec, Codec::None);
+        assert_eq!(e.planes, vec![Plane { stored_len: 65536, compressed: false }]);
+        assert_eq!(e.bytes, &raw[..]);
+    }
+
+    #[test]
+    fn a_flipped_byte_is_a_checksum_or_decompress_fault_never_wrong_data() {
+        let raw = floats_f32(4096);
+        for codec in [Codec::None, Codec::Lz4, Codec::Zstd { level: 3 }] {
+            let mut enc = FrameEncoder::new(codec).unwrap();
+            let e = enc.encode(&raw, 4).unwrap();
+            let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
+            let mut dec = FrameDecoder::new(raw.len()).unwrap();
+            for pos in (0..stored.len()).step_by(97) {
+                let mut bad = stored.clone();
+                bad[pos] ^= 0x20;
+                let mut out = vec![0u8; raw.len()];
+                let r = dec.decode(c, &planes, xxh3_64(&raw), &bad, &mut out);
+                assert!(r.is_err(), "codec {codec}: flip at {pos} went unnoticed");
+            }
+        }
+    }
+
+    #[test]
+    fn codec_names_parse_and_print() {
+        for s in ["none", "lz4", "zstd:1", "zstd:19", "zstd:-3"] {
+            assert_eq!(s.parse::<Codec>().unwrap().to_string(), s);
+        }
+        assert_eq!("zstd".parse::<Codec>().unwrap(), Codec::Zstd { level: 3 });
+        assert!("zstd:99".parse::<Codec>().is_err());
+        assert!("brotli".parse::<Codec>().unwrap_err().contains("unknown codec"));
+    }
+}

@@ -1,0 +1,330 @@
+//! Store format version 1: the manifest and its on-disk framing (DESIGN.md "Store format").
+//!
+//! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
+//! | payload (postcard) | xxh3-64 of everything before it (u64 LE).
+
+use super::codec::{Codec, Plane};
+use super::StoreError;
+use crate::dtype::DType;
+use crate::model::ArchConfig;
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+use xxhash_rust::xxh3::xxh3_64;
+
+pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
+pub const FORMAT_VERSION: u32 = 1;
+pub const MANIFEST_FILE: &str = "manifest.bin";
+pub const WEIGHTS_FILE: &str = "weights.bin";
+/// Every blob starts at a multiple of this in weights.bin, so it can be read with O_DIRECT.
+pub const BLOB_ALIGN: u64 = 4096;
+/// Every tensor starts at a multiple of this inside its decompressed blob (device copies
+/// and vector loads want aligned bases).
+pub const TENSOR_ALIGN: u64 = 256;
+/// Largest decompressed blob we accept (a sanity bound against crafted manifests: the
+/// largest layer unit of a 405B model is ~4 GiB).
+pub const BLOB_RAW_BYTES_MAX: u64 = 16 << 30;
+/// Largest frame we accept.
+pub const FRAME_RAW_BYTES_MAX: u32 = 64 << 20;
+const HEADER_LEN: usize = 8 + 4 + 8;
+const MANIFEST_BYTES_MAX: u64 = 1 << 30;
+
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum UnitKind {
+    /// Token embedding table (also the output head when embeddings are tied).
+    Embedding,
+    /// Decoder layer i.
+    Decoder(u32),
+    /// Final norm and, when untied, the output projection.
+    Head,
+}
+
+impl std::fmt::Display for UnitKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            UnitKind::Embedding => f.write_str("embedding"),
+            UnitKind::Decoder(i) => write!(f, "layer {i}"),
+            UnitKind::Head => f.write_str("head"),
+        }
+    }
+}
+
+/// One compressed frame of a blob.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Frame {
+    /// Absolute offset of the stored bytes in weights.bin.
+    pub file_offset: u64,
+    /// Offset of the decompressed bytes in the layer's blob.
+    pub raw_offset: u64,
+    pub raw_len: u32,
+    /// xxh3-64 of the decompressed bytes.
+    pub checksum: u64,
+    /// Codec of the planes marked compressed; `None` when the frame is stored raw.
+    pub codec: Codec,
+    /// One plane, or 2/4 byte planes (most significant byte first) for split floats.
+    pub planes: Vec<Plane>,
+}
+
+impl Frame {
+    pub fn stored_len(&self) -> u64 {
+        self.planes.iter().map(|p| p.stored_len as u64).sum()
+    }
+}
+
+/// A tensor inside a decompressed blob.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct TensorEntry {
+    /// Canonical (Hugging Face) name, e.g. `model.layers.3.self_attn.q_proj.weight`.
+    pub name: String,
+    pub dtype: DType,
+    /// Row-major; the last dimension is contiguous (PyTorch order, GGUF's reversed).
+    pub shape: Vec<u64>,
+    /// Offset in the decompressed blob, a multiple of TENSOR_ALIGN.
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// One layer unit: a contiguous blob in weights.bin.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct LayerUnit {
+    pub kind: UnitKind,
+    /// Offset of the blob in weights.bin, a multiple of BLOB_ALIGN.
+    pub file_offset: u64,
+    /// Stored bytes of the blob (sum of its frames; the file pads to BLOB_ALIGN after it).
+    pub stored_len: u64,
+    /// Bytes of the decompressed blob (the device slot size it needs).
+    pub raw_len: u64,
+    pub frames: Vec<Frame>,
+    pub tensors: Vec<TensorEntry>,
+}
+
+impl LayerUnit {
+    pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
+        self.tensors.iter().find(|t| t.name == name)
+    }
+
+    /// Index of the tensor whose region (its bytes and the padding after them) holds
+    /// `raw_offset`.
+    pub fn tensor_at(&self, raw_offset: u64) -> Option<usize> {
+        let i = self.tensors.partition_point(|t| t.offset <= raw_offset);
+        i.checked_sub(1)
+    }
+}
+
+/// The tokenizer as the source declared it; text/ builds the runtime tokenizer from it.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub enum TokenizerSpec {
+    /// A Hugging Face `tokenizer.json`, verbatim.
+    HfJson(String),
+    /// A GGUF vocabulary.
+    Gguf(GgufVocab),
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct GgufVocab {
+    /// `tokenizer.ggml.model`: "gpt2" (byte-level BPE) or "llama" (SentencePiece).
+    pub model: String,
+    /// `tokenizer.ggml.pre`: pre-tokenizer type, e.g. "smollm", "llama-bpe", "qwen2".
+    pub pre: Option<String>,
+    pub tokens: Vec<String>,
+    pub token_types: Vec<i32>,
+    pub merges: Vec<String>,
+    pub scores: Vec<f32>,
+    pub add_space_prefix: bool,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct SpecialTokens {
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    /// Every token that ends generation: eos, end-of-turn tokens the chat template uses.
+    pub end_tokens: Vec<u32>,
+    pub pad: Option<u32>,
+    pub unk: Option<u32>,
+    /// Prepend BOS when tokenizing a prompt.
+    pub add_bos: bool,
+}
+
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct Manifest {
+    pub arch: ArchConfig,
+    pub tokenizer: TokenizerSpec,
+    pub chat_template: Option<String>,
+    pub special: SpecialTokens,
+    /// In forward order: embedding, decoder layers 0..n, head.
+    pub units: Vec<LayerUnit>,
+    /// Length weights.bin must have.
+    pub weights_len: u64,
+    /// Codec and frame size the store was packed with (frames record their own codec).
+    pub codec: Codec,
+    pub frame_size: u32,
+    /// What the store was packed from (file name), for inspect.
+    pub source: String,
+}
+
+impl Manifest {
+    pub fn raw_bytes(&self) -> u64 {
+        self.units.iter().map(|u| u.raw_len).sum()
+    }
+
+    pub fn stored_bytes(&self) -> u64 {
+        self.units.iter().map(|u| u.stored_len).sum()
+    }
+
+    pub fn frame_raw_len_max(&self) -> u32 {
+        self.units.iter().flat_map(|u| &u.frames).map(|f| f.raw_len).max().unwrap_or(0)
+    }
+
+    /// Encodes manifest.bin.
+    pub fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
+        let payload = postcard::to_stdvec(self)?;
+        let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + 8);
+        out.extend_from_slice(&MAGIC);
+        out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
+        out.extend_from_slice(&(payload.len() as u64).to_le_bytes());
+        out.extend_from_slice(&payload);
+        let sum = xxh3_64(&out);
+        out.extend_from_slice(&sum.to_le_bytes());
+        Ok(out)
+    }
+
+    /// Decodes and validates manifest.bin; `path` is for error messages.
+    pub fn decode(bytes: &[u8], path: &Path) -> Result<Manifest, StoreError> {
+        let p = || path.to_path_buf();
+        if bytes.len() < HEADER_LEN + 8 {
+            return Err(StoreError::ManifestTruncated {
+                path: p(),
+                expected: (HEADER_LEN + 8) as u64,
+                found: bytes.len() as u64,
+            });
+        }
+        if bytes[..8] != MAGIC {
+            return Err(StoreError::BadMagic { path: p(), found: bytes[..8].to_vec() });
+        }
+        let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+        if version != FORMAT_VERSION {
+            return Err(StoreError::Version { path: p(), found: version });
+        }
+        let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
+        if len > MANIFEST_BYTES_MAX {
+            return Err(StoreError::invalid(path, format!("payload length {len} is implausible")));
+        }
+        let end = HEADER_LEN as u64 + len;
+        if (bytes.len() as u64) < end + 8 {
+            return Err(StoreError::ManifestTruncated {
+                path: p(),
+                expected: end + 8,
+                found: bytes.len() as u64,
+            });
+        }
+        let end = end as usize;
+        let stored = u64::from_le_bytes(bytes[end..end + 8].try_into().expect("8 bytes"));
+        let computed = xxh3_64(&bytes[..end]);
+        if stored != computed {
+            return Err(StoreError::ManifestChecksum { path: p(), stored, computed });
+        }
+        if bytes.len() != end + 8 {
+            return Err(StoreError::invalid(
+                path,
+                format!("{} trailing bytes after the checksum", bytes.len() - end - 8),
+            ));
+        }
+        let m: Manifest = postcard::from_bytes(&bytes[HEADER_LEN..end])
+            .map_err(|e| StoreError::invalid(path, format!("payload does not decode: {e}")))?;
+        m.validate().map_err(|msg| StoreError::invalid(path, msg))?;
+        Ok(m)
+    }
+
+    /// Checks every relation the readers rely on, so that a well-checksummed but wrong
+    /// manifest (a bug, a crafted file) is an error here and never an out-of-bounds access
+    /// or a huge allocation later.
+    pub fn validate(&self) -> Result<(), String> {
+        self.arch.validate().map_err(|e| format!("architecture config: {e}"))?;
+        if self.frame_size == 0 || self.frame_size > FRAME_RAW_BYTES_MAX {
+            return Err(format!("frame size {} out of range", self.frame_size));
+        }
+        let mut file_end = 0u64;
+        for (ui, u) in self.units.iter().enumerate() {
+            let at = |msg: String| format!("unit {ui} ({}): {msg}", u.kind);
+            if u.file_offset % BLOB_ALIGN != 0 {
+                return Err(at(format!("blob offset {} is not {BLOB_ALIGN}-aligned", u.file_offset)));
+            }
+            if u.file_offset < file_end {
+                return Err(at(format!("blob at {} overlaps the previous one", u.file_offset)));
+            }
+            if u.raw_len > BLOB_RAW_BYTES_MAX {
+                return Err(at(format!("raw length {} over {BLOB_RAW_BYTES_MAX}", u.raw_len)));
+            }
+            let mut raw_at = 0u64;
+            let mut file_at = u.file_offset;
+            for (fi, f) in u.frames.iter().enumerate() {
+                let at = |msg: String| at(format!("frame {fi}: {msg}"));
+                if f.raw_offset != raw_at {
+                    return Err(at(format!("raw offset {} != expected {raw_at}", f.raw_offset)));
+                }
+                if f.file_offset != file_at {
+                    return Err(at(format!("file offset {} != expected {file_at}", f.file_offset)));
+                }
+                if f.raw_len == 0 || f.raw_len > FRAME_RAW_BYTES_MAX {
+                    return Err(at(format!("raw length {} out of range", f.raw_len)));
+                }
+                let w = f.planes.len();
+                if !matches!(w, 1 | 2 | 4) || f.raw_len as usize % w != 0 {
+                    return Err(at(format!("{w} planes for {} raw bytes", f.raw_len)));
+                }
+                if f.codec == Codec::None && f.planes.iter().any(|p| p.compressed) {
+                    return Err(at("compressed plane in a raw frame".into()));
+                }
+                for p in &f.planes {
+                    // A raw plane is exactly its raw bytes; a compressed one is non-empty and
+                    // (by the 3 % rule) smaller than them.
+                    let plane_raw = f.raw_len / w as u32;
+                    let ok = if p.compressed {
+                        p.stored_len > 0 && p.stored_len < plane_raw
+                    } else {
+                        p.stored_len == plane_raw
+                    };
+                    if !ok {
+                        return Err(at(format!(
+                            "plane of {} stored bytes for {plane_raw} raw bytes",
+                            p.stored_len
+                        )));
+                    }
+                }
+                raw_at += f.raw_len as u64;
+                file_at += f.stored_len();
+            }
+            if raw_at != u.raw_len {
+                return Err(at(format!("frames cover {raw_at} raw bytes of {}", u.raw_len)));
+            }
+            if file_at - u.file_offset != u.stored_len {
+                return Err(at(format!(
+                    "frames hold {} stored bytes, unit says {}",
+                    file_at - u.file_offset,
+                    u.stored_len
+                )));
+            }
+            let mut t_end = 0u64;
+            for t in &u.tensors {
+                let bytes = t.dtype.tensor_bytes(&t.shape);
+                if bytes != Some(t.len) {
+                    return Err(at(format!(
+                        "tensor {} {:?} {} has {} bytes, its shape needs {:?}",
+                        t.name, t.shape, t.dtype, t.len, bytes
+                    )));
+                }
+                if t.offset % TENSOR_ALIGN != 0 || t.offset < t_end {
+                    return Err(at(format!("tensor {} at misaligned or overlapping offset {}", t.name, t.offset)));
+                }
+                t_end = t.offset.checked_add(t.len).ok_or_else(|| at("tensor end overflows".into()))?;
+                if t_end > u.raw_len {
+                    return Err(at(format!("tensor {} ends at {t_end}, past the blob ({})", t.name, u.raw_len)));
+                }
+            }
+            file_end = file_at;
+        }
+        if self.weights_len < file_end {
+            return Err(format!("weights length {} is shorter than its blobs ({file_end})", self.weights_len));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,123 @@
+//! Summaries of a store for `sluiced inspect`: per-unit and per-dtype sizes and ratios.
+
+use super::format::{Manifest, TokenizerSpec};
+use crate::dtype::DType;
+use crate::model::ArchConfig;
+use serde::Serialize;
+use std::collections::BTreeMap;
+
+#[derive(Serialize, Debug)]
+pub struct UnitSummary {
+    pub name: String,
+    pub tensors: usize,
+    pub frames: usize,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+    pub ratio: f64,
+}
+
+#[derive(Serialize, Debug)]
+pub struct DTypeSummary {
+    pub dtype: DType,
+    pub tensors: usize,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+    pub ratio: f64,
+    /// Frames of this dtype stored compressed (the rest are kept raw by the 3 % rule).
+    pub frames_compressed: usize,
+    pub frames: usize,
+}
+
+#[derive(Serialize, Debug)]
+pub struct TokenizerSummary {
+    pub kind: String,
+    pub tokens: usize,
+    pub merges: usize,
+    pub pre: Option<String>,
+}
+
+#[derive(Serialize, Debug)]
+pub struct Summary {
+    pub source: String,
+    pub config: ArchConfig,
+    pub tokenizer: TokenizerSummary,
+    pub bos: Option<u32>,
+    pub eos: Option<u32>,
+    pub end_tokens: Vec<u32>,
+    pub add_bos: bool,
+    pub chat_template: bool,
+    pub codec: String,
+    pub frame_size: u32,
+    pub frames: usize,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+    pub ratio: f64,
+    pub units: Vec<UnitSummary>,
+    pub dtypes: Vec<DTypeSummary>,
+}
+
+fn ratio(stored: u64, raw: u64) -> f64 {
+    if raw == 0 {
+        1.0
+    } else {
+        stored as f64 / raw as f64
+    }
+}
+
+pub fn summarize(m: &Manifest) -> Summary {
+    let mut dtypes: BTreeMap<DType, DTypeSummary> = BTreeMap::new();
+    let mut units = Vec::with_capacity(m.units.len());
+    for u in &m.units {
+        for t in &u.tensors {
+            let d = dtypes.entry(t.dtype).or_insert(DTypeSummary { dtype: t.dtype, tensors: 0, raw_bytes: 0, stored_bytes: 0, ratio: 1.0, frames_compressed: 0, frames: 0 });
+            d.tensors += 1;
+        }
+        for f in &u.frames {
+            // Frames never straddle tensors: each belongs to the tensor whose region holds it.
+            let Some(t) = u.tensor_at(f.raw_offset) else { continue };
+            let d = dtypes.get_mut(&u.tensors[t].dtype).expect("inserted above");
+            d.raw_bytes += f.raw_len as u64;
+            d.stored_bytes += f.stored_len();
+            d.frames += 1;
+            d.frames_compressed += f.planes.iter().any(|p| p.compressed) as usize;
+        }
+        units.push(UnitSummary {
+            name: u.kind.to_string(),
+            tensors: u.tensors.len(),
+            frames: u.frames.len(),
+            raw_bytes: u.raw_len,
+            stored_bytes: u.stored_len,
+            ratio: ratio(u.stored_len, u.raw_len),
+        });
+    }
+    let dtypes = dtypes
+        .into_values()
+        .map(|mut d| {
+            d.ratio = ratio(d.stored_bytes, d.raw_bytes);
+            d
+        })
+        .collect();
+    let tokenizer = match &m.tokenizer {
+        TokenizerSpec::HfJson(_) => TokenizerSummary { kind: "tokenizer.json".into(), tokens: 0, merges: 0, pre: None },
+        TokenizerSpec::Gguf(v) => TokenizerSummary { kind: format!("gguf {}", v.model), tokens: v.tokens.len(), merges: v.merges.len(), pre: v.pre.clone() },
+    };
+    let (raw, stored) = (m.raw_bytes(), m.stored_bytes());
+    Summary {
+        source: m.source.clone(),
+        config: m.arch.clone(),
+        tokenizer,
+        bos: m.special.bos,
+        eos: m.special.eos,
+        end_tokens: m.special.end_tokens.clone(),
+        add_bos: m.special.add_bos,
+        chat_template: m.chat_template.is_some(),
+        codec: m.codec.to_string(),
+        frame_size: m.frame_size,
+        frames: m.units.iter().map(|u| u.frames.len()).sum(),
+        raw_bytes: raw,
+        stored_bytes: stored,
+        ratio: ratio(stored, raw),
+        units,
+        dtypes,
+    }
+}

@@ -1,0 +1,54 @@
+//! The on-disk model store: manifest, frames, codecs, writer (pack), reader, verify.
+
+pub mod codec;
+pub mod format;
+pub mod inspect;
+pub mod reader;
+pub mod verify;
+pub mod writer;
+
+pub use codec::{Codec, FrameDecoder, FrameFault};
+pub use format::{LayerUnit, Manifest, TensorEntry, UnitKind};
+pub use reader::Store;
+
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("{op} {path}: {source}")]
+    Io {
+        op: &'static str,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("{path}: not a sluice manifest (starts with {found:02x?}, expected \"SLUICE\\0\\x01\"); point at a directory written by `sluiced pack`")]
+    BadMagic { path: PathBuf, found: Vec<u8> },
+    #[error("{path}: store format version {found}, this sluiced reads version {}; repack the model with this sluiced", format::FORMAT_VERSION)]
+    Version { path: PathBuf, found: u32 },
+    #[error("{path}: manifest truncated: needs {expected} bytes, file has {found}; repack the model")]
+    ManifestTruncated { path: PathBuf, expected: u64, found: u64 },
+    #[error("{path}: manifest checksum mismatch (stored {stored:016x}, computed {computed:016x}): the file is corrupt; repack the model")]
+    ManifestChecksum { path: PathBuf, stored: u64, computed: u64 },
+    #[error("{path}: invalid manifest: {msg}")]
+    Invalid { path: PathBuf, msg: String },
+    #[error("{path}: {found} bytes, but the manifest needs {expected} ({unit} ends at offset {unit_end}): the file is truncated; copy or repack it")]
+    WeightsTruncated { path: PathBuf, found: u64, expected: u64, unit: String, unit_end: u64 },
+    #[error("{path}: {unit}, frame {frame} at offset {offset} ({stored_len} stored bytes): {fault}")]
+    Frame { path: PathBuf, unit: String, frame: usize, offset: u64, stored_len: u64, fault: FrameFault },
+}
+
+impl StoreError {
+    pub fn io(op: &'static str, path: &Path, source: std::io::Error) -> Self {
+        StoreError::Io { op, path: path.to_path_buf(), source }
+    }
+
+    pub fn invalid(path: &Path, msg: impl Into<String>) -> Self {
+        StoreError::Invalid { path: path.to_path_buf(), msg: msg.into() }
+    }
+
+    /// True for faults in the stored data (checksum, decompression): DATA_LOSS for a server.
+    pub fn is_data_loss(&self) -> bool {
+        matches!(self, StoreError::Frame { .. } | StoreError::WeightsTruncated { .. })
+    }
+}

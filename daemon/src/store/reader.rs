@@ -1,0 +1,124 @@
+//! Opening a store and reading layer units. The I/O engine uses `LayerUnit` (frames with
+//! file offsets, lengths, codecs and checksums; the tensor table) to schedule its own reads;
+//! `read_unit` is the plain pread path for verify, tools and tests.
+
+use super::codec::{FrameDecoder, FrameFault};
+use super::format::{LayerUnit, Manifest, MANIFEST_FILE, WEIGHTS_FILE};
+use super::StoreError;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+
+pub struct Store {
+    dir: PathBuf,
+    manifest: Manifest,
+    weights_path: PathBuf,
+    weights_len: u64,
+}
+
+impl Store {
+    /// Opens and validates a store directory; a weights.bin shorter than the manifest says
+    /// is an error here, before any read.
+    pub fn open(dir: &Path) -> Result<Store, StoreError> {
+        let manifest_path = dir.join(MANIFEST_FILE);
+        let bytes = std::fs::read(&manifest_path).map_err(|e| {
+            if e.kind() == std::io::ErrorKind::NotFound && !dir.is_dir() {
+                StoreError::io("open store directory", dir, e)
+            } else {
+                StoreError::io("read", &manifest_path, e)
+            }
+        })?;
+        let manifest = Manifest::decode(&bytes, &manifest_path)?;
+        let weights_path = dir.join(WEIGHTS_FILE);
+        let weights_len = std::fs::metadata(&weights_path)
+            .map_err(|e| StoreError::io("stat", &weights_path, e))?
+            .len();
+        if weights_len < manifest.weights_len {
+            let (unit, unit_end) = manifest
+                .units
+                .iter()
+                .map(|u| (u.kind.to_string(), u.file_offset + u.stored_len))
+                .find(|&(_, end)| end > weights_len)
+                .unwrap_or_else(|| ("padding".into(), manifest.weights_len));
+            return Err(StoreError::WeightsTruncated {
+                path: weights_path,
+                found: weights_len,
+                expected: manifest.weights_len,
+                unit,
+                unit_end,
+            });
+        }
+        Ok(Store { dir: dir.to_path_buf(), manifest, weights_path, weights_len })
+    }
+
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    pub fn manifest(&self) -> &Manifest {
+        &self.manifest
+    }
+
+    pub fn units(&self) -> &[LayerUnit] {
+        &self.manifest.units
+    }
+
+    pub fn weights_path(&self) -> &Path {
+        &self.weights_path
+    }
+
+    pub fn weights_len(&self) -> u64 {
+        self.weights_len
+    }
+
+    pub fn open_weights(&self) -> Result<File, StoreError> {
+        File::open(&self.weights_path).map_err(|e| StoreError::io("open", &self.weights_path, e))
+    }
+
+    /// The error for a bad frame: names file, layer unit, frame index and file offset.
+    pub fn frame_error(&self, unit: usize, frame: usize, fault: FrameFault) -> StoreError {
+        let u = &self.manifest.units[unit];
+        let f = &u.frames[frame];
+        StoreError::Frame {
+            path: self.weights_path.clone(),
+            unit: u.kind.to_string(),
+            frame,
+            offset: f.file_offset,
+            stored_len: f.stored_len(),
+            fault,
+        }
+    }
+
+    /// Reads unit `idx` with pread and decodes every frame into `dst` (its raw length).
+    /// `stored` is a reusable buffer. Stops at the first bad frame.
+    pub fn read_unit(
+        &self,
+        file: &File,
+        idx: usize,
+        stored: &mut Vec<u8>,
+        dst: &mut [u8],
+        dec: &mut FrameDecoder,
+    ) -> Result<(), StoreError> {
+        let u = &self.manifest.units[idx];
+        assert_eq!(dst.len() as u64, u.raw_len, "destination sized for {}", u.kind);
+        stored.resize(u.stored_len as usize, 0);
+        if let Err(e) = file.read_exact_at(stored, u.file_offset) {
+            // Find the first frame the read could not deliver, for the message.
+            let frame = u.frames.iter().position(|f| f.file_offset + f.stored_len() > self.weights_len).unwrap_or(0);
+            return Err(self.frame_error(idx, frame, FrameFault::Read(e.to_string())));
+        }
+        for (fi, f) in u.frames.iter().enumerate() {
+            let s = (f.file_offset - u.file_offset) as usize;
+            let d = f.raw_offset as usize;
+            dec.decode(
+                f.codec,
+                &f.planes,
+                f.checksum,
+                &stored[s..s + f.stored_len() as usize],
+                &mut dst[d..d + f.raw_len as usize],
+            )
+            .map_err(|fault| self.frame_error(idx, fi, fault))?;
+        }
+        Ok(())
+    }
+}

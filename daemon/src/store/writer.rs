@@ -1,0 +1,234 @@
+//! `sluiced pack`: writes a store from an imported model, atomically.
+//!
+//! The store is written into `.NAME.partial` beside the target, every file is fsynced, then
+//! the directory is renamed into place and the parent fsynced: an interrupted pack leaves
+//! no half-written store at the target (the next pack removes the stale partial directory).
+
+use super::codec::{Codec, FrameEncoder};
+use super::format::{Frame, LayerUnit, Manifest, TensorEntry, BLOB_ALIGN, MANIFEST_FILE, TENSOR_ALIGN, WEIGHTS_FILE};
+use super::StoreError;
+use crate::import::{ImportedModel, UnitSpec};
+use std::fs::File;
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Mutex;
+
+/// Frame sizes must keep every frame a whole number of 4-byte elements and of 256-byte
+/// tensor alignment units.
+pub const FRAME_SIZE_MIN: u32 = 4096;
+pub const FRAME_SIZE_DEFAULT: u32 = 1 << 20;
+
+#[derive(Clone, Debug)]
+pub struct PackOptions {
+    pub codec: Codec,
+    pub frame_size: u32,
+    /// Compression threads.
+    pub threads: usize,
+    /// Replace an existing store at the target.
+    pub force: bool,
+}
+
+impl Default for PackOptions {
+    fn default() -> Self {
+        PackOptions {
+            codec: Codec::Zstd { level: 3 },
+            frame_size: FRAME_SIZE_DEFAULT,
+            threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
+            force: false,
+        }
+    }
+}
+
+#[derive(Debug)]
+pub struct PackReport {
+    pub units: usize,
+    pub frames: usize,
+    pub raw_bytes: u64,
+    pub stored_bytes: u64,
+}
+
+fn align_up(x: u64, a: u64) -> u64 {
+    x.div_ceil(a) * a
+}
+
+/// Removes the partial directory unless the pack completed.
+struct PartialDir {
+    path: PathBuf,
+    done: bool,
+}
+
+impl Drop for PartialDir {
+    fn drop(&mut self) {
+        if !self.done {
+            let _ = std::fs::remove_dir_all(&self.path);
+        }
+    }
+}
+
+fn fsync_dir(path: &Path) -> Result<(), StoreError> {
+    File::open(path)
+        .and_then(|d| d.sync_all())
+        .map_err(|e| StoreError::io("fsync directory", path, e))
+}
+
+/// Packs `model` into a store at `out`. `on_progress` receives raw bytes done per unit.
+pub fn pack(
+    model: &ImportedModel,
+    units: &[UnitSpec],
+    out: &Path,
+    opts: &PackOptions,
+    mut on_progress: impl FnMut(u64),
+) -> Result<PackReport, StoreError> {
+    if opts.frame_size < FRAME_SIZE_MIN || opts.frame_size % TENSOR_ALIGN as u32 != 0 || opts.frame_size > super::format::FRAME_RAW_BYTES_MAX {
+        return Err(StoreError::invalid(
+            out,
+            format!(
+                "frame size {} must be a multiple of {TENSOR_ALIGN} between {FRAME_SIZE_MIN} and {}",
+                opts.frame_size,
+                super::format::FRAME_RAW_BYTES_MAX
+            ),
+        ));
+    }
+    let name = out.file_name().ok_or_else(|| StoreError::invalid(out, "output path has no directory name"))?;
+    let parent = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
+    };
+    if out.exists() && !opts.force {
+        return Err(StoreError::invalid(out, "already exists; pass --force to replace it"));
+    }
+    std::fs::create_dir_all(&parent).map_err(|e| StoreError::io("create directory", &parent, e))?;
+    let partial = parent.join(format!(".{}.partial", name.to_string_lossy()));
+    if partial.exists() {
+        std::fs::remove_dir_all(&partial).map_err(|e| StoreError::io("remove stale partial store", &partial, e))?;
+    }
+    std::fs::create_dir(&partial).map_err(|e| StoreError::io("create directory", &partial, e))?;
+    let mut guard = PartialDir { path: partial.clone(), done: false };
+
+    let weights_path = partial.join(WEIGHTS_FILE);
+    let weights = File::create(&weights_path).map_err(|e| StoreError::io("create", &weights_path, e))?;
+    let mut w = std::io::BufWriter::with_capacity(8 << 20, weights);
+    let mut file_at = 0u64;
+    let mut layer_units = Vec::with_capacity(units.len());
+    let mut blob: Vec<u8> = Vec::new();
+    let mut report = PackReport { units: 0, frames: 0, raw_bytes: 0, stored_bytes: 0 };
+    let mut encoders: Vec<FrameEncoder> = (0..opts.threads.max(1))
+        .map(|_| FrameEncoder::new(opts.codec))
+        .collect::<Result<_, _>>()
+        .map_err(|e| StoreError::io("create encoder for", out, e))?;
+
+    for spec in units {
+        // Lay out tensors at aligned offsets and fill the decompressed blob.
+        let mut tensors = Vec::with_capacity(spec.tensors.len());
+        let mut raw_at = 0u64;
+        for name in &spec.tensors {
+            let t = &model.tensors[name];
+            raw_at = align_up(raw_at, TENSOR_ALIGN);
+            tensors.push(TensorEntry { name: name.clone(), dtype: t.dtype, shape: t.shape.clone(), offset: raw_at, len: t.len });
+            raw_at += t.len;
+        }
+        let raw_len = align_up(raw_at, TENSOR_ALIGN);
+        blob.clear();
+        blob.resize(raw_len as usize, 0);
+        for (entry, name) in tensors.iter().zip(&spec.tensors) {
+            let dst = &mut blob[entry.offset as usize..(entry.offset + entry.len) as usize];
+            model.copy_tensor(&model.tensors[name], dst);
+        }
+
+        // Frames: each tensor's region (its bytes and the padding after them) in
+        // frame_size pieces, so a frame holds one dtype and the byte split applies.
+        let mut pieces: Vec<(u64, u64, usize)> = Vec::new(); // (raw offset, len, split width)
+        for (i, t) in tensors.iter().enumerate() {
+            let end = tensors.get(i + 1).map_or(raw_len, |n| n.offset);
+            let mut at = t.offset;
+            while at < end {
+                let len = (end - at).min(opts.frame_size as u64);
+                pieces.push((at, len, t.dtype.split_width()));
+                at += len;
+            }
+        }
+        // Compress the frames in parallel; each result keeps its index.
+        let next = AtomicUsize::new(0);
+        let results: Mutex<Vec<Option<(Codec, Vec<super::codec::Plane>, Vec<u8>, u64)>>> = Mutex::new(vec![None; pieces.len()]);
+        let failure: Mutex<Option<std::io::Error>> = Mutex::new(None);
+        std::thread::scope(|s| {
+            for enc in encoders.iter_mut() {
+                let (pieces, blob, next, results, failure) = (&pieces, &blob, &next, &results, &failure);
+                s.spawn(move || loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    let Some(&(at, len, width)) = pieces.get(i) else { break };
+                    let raw = &blob[at as usize..(at + len) as usize];
+                    match enc.encode(raw, width) {
+                        Ok(e) => {
+                            let r = (e.codec, e.planes, e.bytes.to_vec(), xxhash_rust::xxh3::xxh3_64(raw));
+                            results.lock().expect("no panics while held")[i] = Some(r);
+                        }
+                        Err(e) => {
+                            *failure.lock().expect("no panics while held") = Some(e);
+                            break;
+                        }
+                    }
+                });
+            }
+        });
+        if let Some(e) = failure.into_inner().expect("threads joined") {
+            return Err(StoreError::io("compress frames for", out, e));
+        }
+
+        let unit_offset = file_at;
+        let mut frames = Vec::with_capacity(pieces.len());
+        for (&(at, len, _), r) in pieces.iter().zip(results.into_inner().expect("threads joined")) {
+            let (codec, planes, bytes, checksum) = r.expect("every frame encoded when no failure");
+            w.write_all(&bytes).map_err(|e| StoreError::io("write", &weights_path, e))?;
+            frames.push(Frame { file_offset: file_at, raw_offset: at, raw_len: len as u32, checksum, codec, planes });
+            file_at += bytes.len() as u64;
+        }
+        let stored_len = file_at - unit_offset;
+        let padded = align_up(file_at, BLOB_ALIGN);
+        w.write_all(&vec![0u8; (padded - file_at) as usize]).map_err(|e| StoreError::io("write", &weights_path, e))?;
+        file_at = padded;
+        report.units += 1;
+        report.frames += frames.len();
+        report.raw_bytes += raw_len;
+        report.stored_bytes += stored_len;
+        layer_units.push(LayerUnit { kind: spec.kind, file_offset: unit_offset, stored_len, raw_len, frames, tensors });
+        on_progress(raw_len);
+    }
+    let weights = w.into_inner().map_err(|e| StoreError::io("write", &weights_path, e.into_error()))?;
+    weights.sync_all().map_err(|e| StoreError::io("fsync", &weights_path, e))?;
+    drop(weights);
+
+    let manifest = Manifest {
+        arch: model.arch.clone(),
+        tokenizer: model.tokenizer.clone(),
+        chat_template: model.chat_template.clone(),
+        special: model.special.clone(),
+        units: layer_units,
+        weights_len: file_at,
+        codec: opts.codec,
+        frame_size: opts.frame_size,
+        source: model.source.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+    };
+    // Assert in pairs: what we wrote must pass the checks every reader applies.
+    manifest.validate().map_err(|e| StoreError::invalid(&partial, format!("packer produced an invalid manifest (a bug): {e}")))?;
+    let bytes = manifest.encode().map_err(|e| StoreError::invalid(&partial, format!("encode manifest: {e}")))?;
+    let manifest_path = partial.join(MANIFEST_FILE);
+    let mut mf = File::create(&manifest_path).map_err(|e| StoreError::io("create", &manifest_path, e))?;
+    mf.write_all(&bytes).and_then(|_| mf.sync_all()).map_err(|e| StoreError::io("write", &manifest_path, e))?;
+    fsync_dir(&partial)?;
+
+    if out.exists() {
+        // --force: move the old store aside first so the rename below cannot fail half-way.
+        let old = parent.join(format!(".{}.old", name.to_string_lossy()));
+        let _ = std::fs::remove_dir_all(&old);
+        std::fs::rename(out, &old).map_err(|e| StoreError::io("move aside", out, e))?;
+        std::fs::rename(&partial, out).map_err(|e| StoreError::io("rename into place", out, e))?;
+        let _ = std::fs::remove_dir_all(&old);
+    } else {
+        std::fs::rename(&partial, out).map_err(|e| StoreError::io("rename into place", out, e))?;
+    }
+    guard.done = true;
+    fsync_dir(&parent)?;
+    Ok(report)
+}
