@@ -7,7 +7,11 @@
 use clap::Parser;
 
 #[derive(Parser)]
-#[command(name = "sluice", version, about = "Client for the sluice daemon (commands arrive with the gRPC server; see README)")]
+#[command(
+    name = "sluice",
+    version,
+    about = "Client for the sluice daemon (commands arrive with the gRPC server; see README)"
+)]
 struct Cli {}
 
 fn main() {

@@ -6,14 +6,20 @@ use std::fmt;
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum DType {
+    #[serde(rename = "f32")]
     F32,
+    #[serde(rename = "f16")]
     F16,
+    #[serde(rename = "bf16")]
     BF16,
     /// 32 weights: f16 scale + 32 x i8. 34 bytes.
+    #[serde(rename = "q8_0")]
     Q8_0,
     /// 32 weights: f16 scale + 16 bytes of 4-bit values (offset 8). 18 bytes.
+    #[serde(rename = "q4_0")]
     Q4_0,
     /// 32 weights: f16 scale + f16 min + 16 bytes of 4-bit values. 20 bytes.
+    #[serde(rename = "q4_1")]
     Q4_1,
 }
 
@@ -62,7 +68,7 @@ impl DType {
 
     /// Bytes of one row of `n` elements, or None when `n` is not a whole number of blocks.
     pub fn row_bytes(self, n: u64) -> Option<u64> {
-        if n % self.block_elems() != 0 {
+        if !n.is_multiple_of(self.block_elems()) {
             return None;
         }
         (n / self.block_elems()).checked_mul(self.block_bytes())

@@ -3,9 +3,13 @@
 /// Parses sizes like `1MiB`, `64MiB`, `32GiB`, `4096`, `1.5GB` into bytes.
 pub fn parse_size(s: &str) -> Result<u64, String> {
     let t = s.trim();
-    let split = t.find(|c: char| !(c.is_ascii_digit() || c == '.')).unwrap_or(t.len());
+    let split = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: f64 = num.parse().map_err(|_| format!("size {s:?}: expected a number with an optional unit like 64MiB or 32GiB"))?;
+    let n: f64 = num.parse().map_err(|_| {
+        format!("size {s:?}: expected a number with an optional unit like 64MiB or 32GiB")
+    })?;
     let mult: u64 = match unit.trim().to_ascii_lowercase().as_str() {
         "" | "b" => 1,
         "k" | "kib" => 1 << 10,
@@ -16,7 +20,11 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         "mb" => 1_000_000,
         "gb" => 1_000_000_000,
         "tb" => 1_000_000_000_000,
-        u => return Err(format!("size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)")),
+        u => {
+            return Err(format!(
+                "size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB, TiB, KB, MB, GB, TB)"
+            ))
+        }
     };
     let bytes = n * mult as f64;
     if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
@@ -51,7 +59,9 @@ mod tests {
         assert_eq!(parse_size("32GiB").unwrap(), 32 << 30);
         assert_eq!(parse_size("4096").unwrap(), 4096);
         assert_eq!(parse_size("1.5GB").unwrap(), 1_500_000_000);
-        assert!(parse_size("12 parsecs").unwrap_err().contains("unknown unit"));
+        assert!(parse_size("12 parsecs")
+            .unwrap_err()
+            .contains("unknown unit"));
         assert!(parse_size("MiB").is_err());
     }
 }

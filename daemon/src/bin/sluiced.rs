@@ -8,7 +8,11 @@ use std::path::PathBuf;
 use std::time::Instant;
 
 #[derive(Parser)]
-#[command(name = "sluiced", version, about = "Run LLMs larger than accelerator memory by streaming compressed layers from NVMe")]
+#[command(
+    name = "sluiced",
+    version,
+    about = "Run LLMs larger than accelerator memory by streaming compressed layers from NVMe"
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -58,9 +62,11 @@ fn parse_size_u32(s: &str) -> Result<u32, String> {
 
 fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
     let pb = indicatif::ProgressBar::new(total);
-    let style = indicatif::ProgressStyle::with_template("{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}")
-        .map(|s| s.progress_chars("=> "))
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    let style = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+    )
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
     pb.set_style(style);
     pb.set_message(what.to_string());
     pb
@@ -68,7 +74,9 @@ fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
 
 fn main() -> std::process::ExitCode {
     tracing_subscriber::fmt()
-        .with_env_filter(tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()))
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
@@ -89,15 +97,24 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> Result<std::process::ExitCode> {
     match cli.cmd {
-        Cmd::Pack { src, output, codec, frame_size, threads, force } => {
+        Cmd::Pack {
+            src,
+            output,
+            codec,
+            frame_size,
+            threads,
+            force,
+        } => {
             let t0 = Instant::now();
-            let model = sluice::import::open(&src).with_context(|| format!("import {}", src.display()))?;
+            let model =
+                sluice::import::open(&src).with_context(|| format!("import {}", src.display()))?;
             let units = model.units()?;
             let total: u64 = model.tensors.values().map(|t| t.len).sum();
             let opts = store::writer::PackOptions {
                 codec,
                 frame_size,
-                threads: threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+                threads: threads
+                    .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
                 force,
             };
             let pb = progress_bar(total, "packing");
@@ -165,7 +182,9 @@ fn print_summary(dir: &std::path::Path, s: &store::inspect::Summary) {
     println!(
         "            rope theta {}, rope scaling {}, rms eps {:e}, tied embeddings {}, qkv bias {}",
         c.rope_theta,
-        c.rope_scaling.as_ref().map_or("none".to_string(), |r| format!("{r:?}")),
+        c.rope_scaling
+            .as_ref()
+            .map_or("none".to_string(), |r| format!("{r:?}")),
         c.rms_eps,
         c.tied_embeddings,
         c.qkv_bias
@@ -174,8 +193,15 @@ fn print_summary(dir: &std::path::Path, s: &store::inspect::Summary) {
     println!(
         "tokenizer   {}{}{}, bos {:?}, eos {:?}, end tokens {:?}, add bos {}, chat template {}",
         t.kind,
-        t.pre.as_ref().map(|p| format!(" (pre {p})")).unwrap_or_default(),
-        if t.tokens > 0 { format!(", {} tokens, {} merges", t.tokens, t.merges) } else { String::new() },
+        t.pre
+            .as_ref()
+            .map(|p| format!(" (pre {p})"))
+            .unwrap_or_default(),
+        if t.tokens > 0 {
+            format!(", {} tokens, {} merges", t.tokens, t.merges)
+        } else {
+            String::new()
+        },
         s.bos,
         s.eos,
         s.end_tokens,
@@ -192,7 +218,10 @@ fn print_summary(dir: &std::path::Path, s: &store::inspect::Summary) {
         s.ratio
     );
     println!();
-    println!("{:<8} {:>8} {:>12} {:>12} {:>7}  {:>11}", "dtype", "tensors", "raw", "stored", "ratio", "compressed");
+    println!(
+        "{:<8} {:>8} {:>12} {:>12} {:>7}  {:>11}",
+        "dtype", "tensors", "raw", "stored", "ratio", "compressed"
+    );
     for d in &s.dtypes {
         println!(
             "{:<8} {:>8} {:>12} {:>12} {:>7.3}  {:>5}/{:<5}",
@@ -206,8 +235,19 @@ fn print_summary(dir: &std::path::Path, s: &store::inspect::Summary) {
         );
     }
     println!();
-    println!("{:<12} {:>8} {:>7} {:>12} {:>12} {:>7}", "unit", "tensors", "frames", "raw", "stored", "ratio");
+    println!(
+        "{:<12} {:>8} {:>7} {:>12} {:>12} {:>7}",
+        "unit", "tensors", "frames", "raw", "stored", "ratio"
+    );
     for u in &s.units {
-        println!("{:<12} {:>8} {:>7} {:>12} {:>12} {:>7.3}", u.name, u.tensors, u.frames, fmt_bytes(u.raw_bytes), fmt_bytes(u.stored_bytes), u.ratio);
+        println!(
+            "{:<12} {:>8} {:>7} {:>12} {:>12} {:>7.3}",
+            u.name,
+            u.tensors,
+            u.frames,
+            fmt_bytes(u.raw_bytes),
+            fmt_bytes(u.stored_bytes),
+            u.ratio
+        );
     }
 }

@@ -116,13 +116,19 @@ impl<'a> Cursor<'a> {
         Ok(self.take(1, what)?[0])
     }
     fn u16(&mut self, what: &str) -> Result<u16, ImportError> {
-        Ok(u16::from_le_bytes(self.take(2, what)?.try_into().expect("2 bytes")))
+        Ok(u16::from_le_bytes(
+            self.take(2, what)?.try_into().expect("2 bytes"),
+        ))
     }
     fn u32(&mut self, what: &str) -> Result<u32, ImportError> {
-        Ok(u32::from_le_bytes(self.take(4, what)?.try_into().expect("4 bytes")))
+        Ok(u32::from_le_bytes(
+            self.take(4, what)?.try_into().expect("4 bytes"),
+        ))
     }
     fn u64(&mut self, what: &str) -> Result<u64, ImportError> {
-        Ok(u64::from_le_bytes(self.take(8, what)?.try_into().expect("8 bytes")))
+        Ok(u64::from_le_bytes(
+            self.take(8, what)?.try_into().expect("8 bytes"),
+        ))
     }
 
     /// A count of items that each take at least `item_bytes_min` bytes: bounded by what is
@@ -133,7 +139,9 @@ impl<'a> Cursor<'a> {
         let left = (self.buf.len() - self.pos) as u64;
         if n.saturating_mul(item_bytes_min as u64) > left {
             self.pos = at;
-            return Err(self.err(format!("{what} is {n}, more than the {left} bytes left in the file can hold")));
+            return Err(self.err(format!(
+                "{what} is {n}, more than the {left} bytes left in the file can hold"
+            )));
         }
         Ok(n as usize)
     }
@@ -143,7 +151,11 @@ impl<'a> Cursor<'a> {
         let at = self.pos;
         let bytes = self.take(n, what)?;
         String::from_utf8(bytes.to_vec()).map_err(|_| {
-            ImportError::malformed(self.path, Some(at as u64), format!("{what} is not valid UTF-8"))
+            ImportError::malformed(
+                self.path,
+                Some(at as u64),
+                format!("{what} is not valid UTF-8"),
+            )
         })
     }
 
@@ -188,11 +200,18 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Gguf, ImportError> {
     let mut c = Cursor { buf, pos: 0, path };
     let magic = c.take(4, "magic")?;
     if magic != b"GGUF" {
-        return Err(ImportError::malformed(path, Some(0), format!("bad magic {magic:02x?}, expected \"GGUF\"")));
+        return Err(ImportError::malformed(
+            path,
+            Some(0),
+            format!("bad magic {magic:02x?}, expected \"GGUF\""),
+        ));
     }
     let version = c.u32("version")?;
     if !(2..=3).contains(&version) {
-        return Err(ImportError::unsupported(path, format!("GGUF version {version}; sluice reads versions 2 and 3")));
+        return Err(ImportError::unsupported(
+            path,
+            format!("GGUF version {version}; sluice reads versions 2 and 3"),
+        ));
     }
     let n_tensors = c.count("tensor count", 8 + 4 + 4 + 8)?;
     let n_kv = c.count("metadata count", 8 + 4 + 1)?;
@@ -209,7 +228,11 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Gguf, ImportError> {
         let at = c.pos;
         let n_dims = c.u32(&name)?;
         if n_dims == 0 || n_dims > TENSOR_DIMS_MAX {
-            return Err(ImportError::malformed(path, Some(at as u64), format!("tensor {name}: {n_dims} dimensions")));
+            return Err(ImportError::malformed(
+                path,
+                Some(at as u64),
+                format!("tensor {name}: {n_dims} dimensions"),
+            ));
         }
         let mut dims = Vec::with_capacity(n_dims as usize);
         for _ in 0..n_dims {
@@ -217,26 +240,51 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Gguf, ImportError> {
         }
         let ggml_type = c.u32(&name)?;
         let offset = c.u64(&name)?;
-        tensors.push(TensorInfo { name, dims, ggml_type, offset });
+        tensors.push(TensorInfo {
+            name,
+            dims,
+            ggml_type,
+            offset,
+        });
     }
     let alignment = match metadata.get("general.alignment") {
         None => GGUF_ALIGNMENT_DEFAULT,
         Some(v) => match v.as_u64() {
             Some(a) if a.is_power_of_two() => a,
-            _ => return Err(ImportError::malformed(path, None, format!("general.alignment {v:?} is not a power of two"))),
+            _ => {
+                return Err(ImportError::malformed(
+                    path,
+                    None,
+                    format!("general.alignment {v:?} is not a power of two"),
+                ))
+            }
         },
     };
     let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
     let file_len = buf.len() as u64;
     for t in &tensors {
         if t.offset % alignment != 0 {
-            return Err(ImportError::malformed(path, None, format!("tensor {}: data offset {} is not {alignment}-aligned", t.name, t.offset)));
+            return Err(ImportError::malformed(
+                path,
+                None,
+                format!(
+                    "tensor {}: data offset {} is not {alignment}-aligned",
+                    t.name, t.offset
+                ),
+            ));
         }
         // Unknown types are reported by the importer with their name; here only sizes.
         if let Some(dt) = DType::from_ggml(t.ggml_type) {
             let shape: Vec<u64> = t.dims.iter().rev().copied().collect();
             let len = dt.tensor_bytes(&shape).ok_or_else(|| {
-                ImportError::malformed(path, None, format!("tensor {}: dims {:?} do not fit {dt} blocks", t.name, t.dims))
+                ImportError::malformed(
+                    path,
+                    None,
+                    format!(
+                        "tensor {}: dims {:?} do not fit {dt} blocks",
+                        t.name, t.dims
+                    ),
+                )
             })?;
             let start = data_start.checked_add(t.offset);
             let end = start.and_then(|s| s.checked_add(len));
@@ -252,7 +300,13 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Gguf, ImportError> {
             }
         }
     }
-    Ok(Gguf { version, metadata, tensors, data_start, alignment })
+    Ok(Gguf {
+        version,
+        metadata,
+        tensors,
+        data_start,
+        alignment,
+    })
 }
 
 struct Meta<'a> {
@@ -271,48 +325,80 @@ impl Meta<'_> {
                 .as_u64()
                 .and_then(|x| u32::try_from(x).ok())
                 .map(Some)
-                .ok_or_else(|| ImportError::malformed(self.path, None, format!("metadata {key} is {} {v:?}, expected an unsigned integer", v.type_name()))),
+                .ok_or_else(|| {
+                    ImportError::malformed(
+                        self.path,
+                        None,
+                        format!(
+                            "metadata {key} is {} {v:?}, expected an unsigned integer",
+                            v.type_name()
+                        ),
+                    )
+                }),
         }
     }
     fn u32(&self, key: &str) -> Result<u32, ImportError> {
-        self.u32_opt(key)?.ok_or_else(|| ImportError::malformed(self.path, None, format!("metadata {key} is missing")))
+        self.u32_opt(key)?.ok_or_else(|| {
+            ImportError::malformed(self.path, None, format!("metadata {key} is missing"))
+        })
     }
     fn f32_opt(&self, key: &str) -> Result<Option<f32>, ImportError> {
         match self.get(key) {
             None => Ok(None),
-            Some(v) => v
-                .as_f64()
-                .map(|x| Some(x as f32))
-                .ok_or_else(|| ImportError::malformed(self.path, None, format!("metadata {key} is {}, expected a number", v.type_name()))),
+            Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| {
+                ImportError::malformed(
+                    self.path,
+                    None,
+                    format!("metadata {key} is {}, expected a number", v.type_name()),
+                )
+            }),
         }
     }
     fn str_opt(&self, key: &str) -> Result<Option<&str>, ImportError> {
         match self.get(key) {
             None => Ok(None),
             Some(Value::Str(s)) => Ok(Some(s)),
-            Some(v) => Err(ImportError::malformed(self.path, None, format!("metadata {key} is {}, expected a string", v.type_name()))),
+            Some(v) => Err(ImportError::malformed(
+                self.path,
+                None,
+                format!("metadata {key} is {}, expected a string", v.type_name()),
+            )),
         }
     }
     fn bool_opt(&self, key: &str) -> Result<Option<bool>, ImportError> {
         match self.get(key) {
             None => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(v) => Err(ImportError::malformed(self.path, None, format!("metadata {key} is {}, expected a bool", v.type_name()))),
+            Some(v) => Err(ImportError::malformed(
+                self.path,
+                None,
+                format!("metadata {key} is {}, expected a bool", v.type_name()),
+            )),
         }
     }
     fn array_opt(&self, key: &str) -> Result<Option<&[Value]>, ImportError> {
         match self.get(key) {
             None => Ok(None),
             Some(Value::Array(a)) => Ok(Some(a)),
-            Some(v) => Err(ImportError::malformed(self.path, None, format!("metadata {key} is {}, expected an array", v.type_name()))),
+            Some(v) => Err(ImportError::malformed(
+                self.path,
+                None,
+                format!("metadata {key} is {}, expected an array", v.type_name()),
+            )),
         }
     }
     fn strings(&self, key: &str) -> Result<Vec<String>, ImportError> {
-        let Some(a) = self.array_opt(key)? else { return Ok(Vec::new()) };
+        let Some(a) = self.array_opt(key)? else {
+            return Ok(Vec::new());
+        };
         a.iter()
             .map(|v| match v {
                 Value::Str(s) => Ok(s.clone()),
-                v => Err(ImportError::malformed(self.path, None, format!("metadata {key}: item is {}, expected string", v.type_name()))),
+                v => Err(ImportError::malformed(
+                    self.path,
+                    None,
+                    format!("metadata {key}: item is {}, expected string", v.type_name()),
+                )),
             })
             .collect()
     }
@@ -351,8 +437,13 @@ fn canonical_name(gguf: &str) -> Option<String> {
 pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
     let map = mmap_file(path)?;
     let g = parse(&map, path)?;
-    let meta = Meta { m: &g.metadata, path };
-    let arch_name = meta.str_opt("general.architecture")?.ok_or_else(|| ImportError::malformed(path, None, "metadata general.architecture is missing"))?;
+    let meta = Meta {
+        m: &g.metadata,
+        path,
+    };
+    let arch_name = meta.str_opt("general.architecture")?.ok_or_else(|| {
+        ImportError::malformed(path, None, "metadata general.architecture is missing")
+    })?;
     let (arch, permuted_qk) = match arch_name {
         // llama.cpp's converter permutes llama q/k rows for interleaved rotary pairs; Mistral
         // checkpoints are converted as "llama" too.
@@ -365,13 +456,17 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
     let hidden = meta.u32(&format!("{p}.embedding_length"))?;
     let head_dim = match meta.u32_opt(&format!("{p}.attention.key_length"))? {
         Some(d) => d,
-        None => meta.u32_opt(&format!("{p}.rope.dimension_count"))?.unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 }),
+        None => meta
+            .u32_opt(&format!("{p}.rope.dimension_count"))?
+            .unwrap_or(hidden.checked_div(n_heads).unwrap_or(0)),
     };
 
     // Tensors: names mapped, dtypes checked, llama q/k rows marked for un-permutation.
     let mut tensors = BTreeMap::new();
     let mut rope_freqs: Option<Vec<f32>> = None;
-    let n_kv_heads = meta.u32_opt(&format!("{p}.attention.head_count_kv"))?.unwrap_or(n_heads);
+    let n_kv_heads = meta
+        .u32_opt(&format!("{p}.attention.head_count_kv"))?
+        .unwrap_or(n_heads);
     for t in &g.tensors {
         let dtype = DType::from_ggml(t.ggml_type).ok_or_else(|| {
             ImportError::unsupported(
@@ -389,13 +484,25 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         let offset = g.data_start + t.offset;
         if t.name == "rope_freqs.weight" {
             if dtype != DType::F32 {
-                return Err(ImportError::unsupported(path, format!("rope_freqs.weight is {dtype}, expected f32")));
+                return Err(ImportError::unsupported(
+                    path,
+                    format!("rope_freqs.weight is {dtype}, expected f32"),
+                ));
             }
             let b = &map[offset as usize..(offset + len) as usize];
-            rope_freqs = Some(b.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes"))).collect());
+            rope_freqs = Some(
+                b.chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect(),
+            );
             continue;
         }
-        let name = canonical_name(&t.name).ok_or_else(|| ImportError::unsupported(path, format!("unexpected tensor {} for a {arch_name} model", t.name)))?;
+        let name = canonical_name(&t.name).ok_or_else(|| {
+            ImportError::unsupported(
+                path,
+                format!("unexpected tensor {} for a {arch_name} model", t.name),
+            )
+        })?;
         let unpermute_heads = if permuted_qk && name.contains(".self_attn.q_proj.") {
             Some(n_heads)
         } else if permuted_qk && name.contains(".self_attn.k_proj.") {
@@ -405,28 +512,64 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         };
         if let Some(heads) = unpermute_heads {
             let rows = shape[0];
-            if heads == 0 || rows % (heads as u64 * 2) != 0 {
-                return Err(ImportError::malformed(path, None, format!("tensor {}: {rows} rows do not split into {heads} heads of rotary pairs", t.name)));
+            if heads == 0 || !rows.is_multiple_of(heads as u64 * 2) {
+                return Err(ImportError::malformed(
+                    path,
+                    None,
+                    format!(
+                        "tensor {}: {rows} rows do not split into {heads} heads of rotary pairs",
+                        t.name
+                    ),
+                ));
             }
         }
-        if tensors.insert(name.clone(), SourceTensor { dtype, shape, file: 0, offset, len, unpermute_heads }).is_some() {
-            return Err(ImportError::malformed(path, None, format!("tensor {} appears twice", t.name)));
+        if tensors
+            .insert(
+                name.clone(),
+                SourceTensor {
+                    dtype,
+                    shape,
+                    file: 0,
+                    offset,
+                    len,
+                    unpermute_heads,
+                },
+            )
+            .is_some()
+        {
+            return Err(ImportError::malformed(
+                path,
+                None,
+                format!("tensor {} appears twice", t.name),
+            ));
         }
     }
 
-    let embd = tensors.get("model.embed_tokens.weight").ok_or_else(|| ImportError::malformed(path, None, "tensor token_embd.weight is missing"))?;
+    let embd = tensors
+        .get("model.embed_tokens.weight")
+        .ok_or_else(|| ImportError::malformed(path, None, "tensor token_embd.weight is missing"))?;
     let vocab = embd.shape[0] as u32;
     let rope_scaling = match (rope_freqs, meta.str_opt(&format!("{p}.rope.scaling.type"))?) {
         (Some(f), _) => Some(RopeScaling::FreqFactors(f)),
         (None, Some("linear")) => Some(RopeScaling::Linear {
-            factor: meta.f32_opt(&format!("{p}.rope.scaling.factor"))?.unwrap_or(1.0),
+            factor: meta
+                .f32_opt(&format!("{p}.rope.scaling.factor"))?
+                .unwrap_or(1.0),
         }),
         (None, None | Some("none")) => None,
-        (None, Some(other)) => return Err(ImportError::unsupported(path, format!("rope scaling type {other:?}; sluice supports linear and llama3"))),
+        (None, Some(other)) => {
+            return Err(ImportError::unsupported(
+                path,
+                format!("rope scaling type {other:?}; sluice supports linear and llama3"),
+            ))
+        }
     };
     let arch_cfg = ArchConfig {
         arch,
-        name: meta.str_opt("general.name")?.unwrap_or_default().to_string(),
+        name: meta
+            .str_opt("general.name")?
+            .unwrap_or_default()
+            .to_string(),
         n_layers: meta.u32(&format!("{p}.block_count"))?,
         hidden,
         n_heads,
@@ -434,24 +577,49 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         head_dim,
         intermediate: meta.u32(&format!("{p}.feed_forward_length"))?,
         vocab,
-        max_context: meta.u32_opt(&format!("{p}.context_length"))?.unwrap_or(4096),
-        rope_theta: meta.f32_opt(&format!("{p}.rope.freq_base"))?.unwrap_or(10000.0),
+        max_context: meta
+            .u32_opt(&format!("{p}.context_length"))?
+            .unwrap_or(4096),
+        rope_theta: meta
+            .f32_opt(&format!("{p}.rope.freq_base"))?
+            .unwrap_or(10000.0),
         rope_scaling,
-        rms_eps: meta.f32_opt(&format!("{p}.attention.layer_norm_rms_epsilon"))?.unwrap_or(1e-5),
+        rms_eps: meta
+            .f32_opt(&format!("{p}.attention.layer_norm_rms_epsilon"))?
+            .unwrap_or(1e-5),
         tied_embeddings: !tensors.contains_key("lm_head.weight"),
         qkv_bias: tensors.contains_key("model.layers.0.self_attn.q_proj.bias"),
         sliding_window: None,
     };
-    arch_cfg.validate().map_err(|e| ImportError::malformed(path, None, format!("architecture metadata: {e}")))?;
+    arch_cfg
+        .validate()
+        .map_err(|e| ImportError::malformed(path, None, format!("architecture metadata: {e}")))?;
 
     // Tokenizer.
-    let model = meta.str_opt("tokenizer.ggml.model")?.ok_or_else(|| ImportError::malformed(path, None, "metadata tokenizer.ggml.model is missing: the GGUF has no tokenizer"))?.to_string();
+    let model = meta
+        .str_opt("tokenizer.ggml.model")?
+        .ok_or_else(|| {
+            ImportError::malformed(
+                path,
+                None,
+                "metadata tokenizer.ggml.model is missing: the GGUF has no tokenizer",
+            )
+        })?
+        .to_string();
     let tokens = meta.strings("tokenizer.ggml.tokens")?;
     if tokens.is_empty() {
-        return Err(ImportError::malformed(path, None, "metadata tokenizer.ggml.tokens is missing or empty"));
+        return Err(ImportError::malformed(
+            path,
+            None,
+            "metadata tokenizer.ggml.tokens is missing or empty",
+        ));
     }
     if tokens.len() as u64 > vocab as u64 {
-        return Err(ImportError::malformed(path, None, format!("{} tokens but the embedding has {vocab} rows", tokens.len())));
+        return Err(ImportError::malformed(
+            path,
+            None,
+            format!("{} tokens but the embedding has {vocab} rows", tokens.len()),
+        ));
     }
     let int_array = |key: &str| -> Result<Vec<i32>, ImportError> {
         meta.array_opt(key)?
@@ -459,24 +627,55 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
             .iter()
             .map(|v| match v {
                 Value::I32(x) => Ok(*x),
-                v => v.as_u64().and_then(|x| i32::try_from(x).ok()).ok_or_else(|| ImportError::malformed(path, None, format!("{key}: item {v:?} is not an i32"))),
+                v => v
+                    .as_u64()
+                    .and_then(|x| i32::try_from(x).ok())
+                    .ok_or_else(|| {
+                        ImportError::malformed(
+                            path,
+                            None,
+                            format!("{key}: item {v:?} is not an i32"),
+                        )
+                    }),
             })
             .collect()
     };
     let token_types = int_array("tokenizer.ggml.token_type")?;
     let scores = match meta.array_opt("tokenizer.ggml.scores")? {
         None => Vec::new(),
-        Some(a) => a.iter().map(|v| v.as_f64().map(|x| x as f32).ok_or_else(|| ImportError::malformed(path, None, "tokenizer.ggml.scores: item is not a number"))).collect::<Result<_, _>>()?,
+        Some(a) => a
+            .iter()
+            .map(|v| {
+                v.as_f64().map(|x| x as f32).ok_or_else(|| {
+                    ImportError::malformed(
+                        path,
+                        None,
+                        "tokenizer.ggml.scores: item is not a number",
+                    )
+                })
+            })
+            .collect::<Result<_, _>>()?,
     };
     for (what, n) in [("token_type", token_types.len()), ("scores", scores.len())] {
         if n != 0 && n != tokens.len() {
-            return Err(ImportError::malformed(path, None, format!("tokenizer.ggml.{what} has {n} entries for {} tokens", tokens.len())));
+            return Err(ImportError::malformed(
+                path,
+                None,
+                format!(
+                    "tokenizer.ggml.{what} has {n} entries for {} tokens",
+                    tokens.len()
+                ),
+            ));
         }
     }
     let n_tokens = tokens.len() as u32;
     let token_id = |key: &str| -> Result<Option<u32>, ImportError> {
         match meta.u32_opt(key)? {
-            Some(id) if id >= n_tokens => Err(ImportError::malformed(path, None, format!("{key} = {id}, past the {n_tokens} tokens"))),
+            Some(id) if id >= n_tokens => Err(ImportError::malformed(
+                path,
+                None,
+                format!("{key} = {id}, past the {n_tokens} tokens"),
+            )),
             v => Ok(v),
         }
     };
@@ -487,7 +686,9 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
     push_unique(&mut end_tokens, eos);
     push_unique(&mut end_tokens, token_id("tokenizer.ggml.eot_token_id")?);
     push_unique(&mut end_tokens, token_id("tokenizer.ggml.eom_token_id")?);
-    for id in end_of_turn_tokens(chat_template.as_deref(), |s| tokens.iter().position(|t| t == s).map(|i| i as u32)) {
+    for id in end_of_turn_tokens(chat_template.as_deref(), |s| {
+        tokens.iter().position(|t| t == s).map(|i| i as u32)
+    }) {
         push_unique(&mut end_tokens, Some(id));
     }
     let special = SpecialTokens {
@@ -497,18 +698,21 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         pad: token_id("tokenizer.ggml.padding_token_id")?,
         unk: token_id("tokenizer.ggml.unknown_token_id")?,
         // llama.cpp's default: SentencePiece vocabularies add BOS, BPE ones do not.
-        add_bos: meta.bool_opt("tokenizer.ggml.add_bos_token")?.unwrap_or(model == "llama"),
+        add_bos: meta
+            .bool_opt("tokenizer.ggml.add_bos_token")?
+            .unwrap_or(model == "llama"),
     };
     let tokenizer = TokenizerSpec::Gguf(GgufVocab {
         pre: meta.str_opt("tokenizer.ggml.pre")?.map(str::to_string),
         merges: meta.strings("tokenizer.ggml.merges")?,
-        add_space_prefix: meta.bool_opt("tokenizer.ggml.add_space_prefix")?.unwrap_or(model == "llama"),
+        add_space_prefix: meta
+            .bool_opt("tokenizer.ggml.add_space_prefix")?
+            .unwrap_or(model == "llama"),
         model,
         tokens,
         token_types,
         scores,
     });
-    drop(meta);
     Ok(ImportedModel {
         source: path.to_path_buf(),
         arch: arch_cfg,

@@ -11,8 +11,22 @@ use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
 fn read_json(path: &Path) -> Result<Value, ImportError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ImportError::Io { op: "read", path: path.into(), source: e })?;
-    serde_json::from_str(&text).map_err(|e| ImportError::malformed(path, None, format!("invalid JSON at line {} column {}: {e}", e.line(), e.column())))
+    let text = std::fs::read_to_string(path).map_err(|e| ImportError::Io {
+        op: "read",
+        path: path.into(),
+        source: e,
+    })?;
+    serde_json::from_str(&text).map_err(|e| {
+        ImportError::malformed(
+            path,
+            None,
+            format!(
+                "invalid JSON at line {} column {}: {e}",
+                e.line(),
+                e.column()
+            ),
+        )
+    })
 }
 
 fn read_json_opt(path: &Path) -> Result<Option<Value>, ImportError> {
@@ -32,23 +46,40 @@ impl Config<'_> {
     fn u32_opt(&self, key: &str) -> Result<Option<u32>, ImportError> {
         match self.v.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_u64().and_then(|x| u32::try_from(x).ok()).map(Some).ok_or_else(|| ImportError::malformed(self.path, None, format!("{key} is {v}, expected an unsigned integer"))),
+            Some(v) => v
+                .as_u64()
+                .and_then(|x| u32::try_from(x).ok())
+                .map(Some)
+                .ok_or_else(|| {
+                    ImportError::malformed(
+                        self.path,
+                        None,
+                        format!("{key} is {v}, expected an unsigned integer"),
+                    )
+                }),
         }
     }
     fn u32(&self, key: &str) -> Result<u32, ImportError> {
-        self.u32_opt(key)?.ok_or_else(|| ImportError::malformed(self.path, None, format!("{key} is missing")))
+        self.u32_opt(key)?
+            .ok_or_else(|| ImportError::malformed(self.path, None, format!("{key} is missing")))
     }
     fn f32_opt(&self, key: &str) -> Result<Option<f32>, ImportError> {
         match self.v.get(key) {
             None | Some(Value::Null) => Ok(None),
-            Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| ImportError::malformed(self.path, None, format!("{key} is {v}, expected a number"))),
+            Some(v) => v.as_f64().map(|x| Some(x as f32)).ok_or_else(|| {
+                ImportError::malformed(self.path, None, format!("{key} is {v}, expected a number"))
+            }),
         }
     }
     fn bool_opt(&self, key: &str) -> Result<Option<bool>, ImportError> {
         match self.v.get(key) {
             None | Some(Value::Null) => Ok(None),
             Some(Value::Bool(b)) => Ok(Some(*b)),
-            Some(v) => Err(ImportError::malformed(self.path, None, format!("{key} is {v}, expected true or false"))),
+            Some(v) => Err(ImportError::malformed(
+                self.path,
+                None,
+                format!("{key} is {v}, expected true or false"),
+            )),
         }
     }
 }
@@ -62,7 +93,12 @@ fn arch_config(dir: &Path) -> Result<ArchConfig, ImportError> {
         "llama" => Arch::Llama,
         "mistral" => Arch::Mistral,
         "qwen2" => Arch::Qwen2,
-        other => return Err(ImportError::unsupported(&path, format!("model_type {other:?}; sluice supports llama, mistral and qwen2"))),
+        other => {
+            return Err(ImportError::unsupported(
+                &path,
+                format!("model_type {other:?}; sluice supports llama, mistral and qwen2"),
+            ))
+        }
     };
     let hidden = c.u32("hidden_size")?;
     let n_heads = c.u32("num_attention_heads")?;
@@ -70,28 +106,46 @@ fn arch_config(dir: &Path) -> Result<ArchConfig, ImportError> {
         None | Some(Value::Null) => None,
         Some(rs) => {
             let rc = Config { v: rs, path: &path };
-            let ty = rs.get("rope_type").or_else(|| rs.get("type")).and_then(Value::as_str).unwrap_or("");
+            let ty = rs
+                .get("rope_type")
+                .or_else(|| rs.get("type"))
+                .and_then(Value::as_str)
+                .unwrap_or("");
             match ty {
                 "default" => None,
-                "linear" => Some(RopeScaling::Linear { factor: rc.f32_opt("factor")?.unwrap_or(1.0) }),
+                "linear" => Some(RopeScaling::Linear {
+                    factor: rc.f32_opt("factor")?.unwrap_or(1.0),
+                }),
                 "llama3" => Some(RopeScaling::Llama3 {
                     factor: rc.f32_opt("factor")?.unwrap_or(8.0),
                     low_freq_factor: rc.f32_opt("low_freq_factor")?.unwrap_or(1.0),
                     high_freq_factor: rc.f32_opt("high_freq_factor")?.unwrap_or(4.0),
-                    original_max_position: rc.u32_opt("original_max_position_embeddings")?.unwrap_or(8192),
+                    original_max_position: rc
+                        .u32_opt("original_max_position_embeddings")?
+                        .unwrap_or(8192),
                 }),
-                other => return Err(ImportError::unsupported(&path, format!("rope_scaling type {other:?}; sluice supports linear and llama3"))),
+                other => {
+                    return Err(ImportError::unsupported(
+                        &path,
+                        format!("rope_scaling type {other:?}; sluice supports linear and llama3"),
+                    ))
+                }
             }
         }
     };
     let cfg = ArchConfig {
         arch,
-        name: dir.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        name: dir
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
         n_layers: c.u32("num_hidden_layers")?,
         hidden,
         n_heads,
         n_kv_heads: c.u32_opt("num_key_value_heads")?.unwrap_or(n_heads),
-        head_dim: c.u32_opt("head_dim")?.unwrap_or(if n_heads > 0 { hidden / n_heads } else { 0 }),
+        head_dim: c
+            .u32_opt("head_dim")?
+            .unwrap_or(hidden.checked_div(n_heads).unwrap_or(0)),
         intermediate: c.u32("intermediate_size")?,
         vocab: c.u32("vocab_size")?,
         max_context: c.u32_opt("max_position_embeddings")?.unwrap_or(4096),
@@ -100,9 +154,14 @@ fn arch_config(dir: &Path) -> Result<ArchConfig, ImportError> {
         rms_eps: c.f32_opt("rms_norm_eps")?.unwrap_or(1e-6),
         tied_embeddings: c.bool_opt("tie_word_embeddings")?.unwrap_or(false),
         qkv_bias: arch == Arch::Qwen2 || c.bool_opt("attention_bias")?.unwrap_or(false),
-        sliding_window: if arch == Arch::Mistral { c.u32_opt("sliding_window")? } else { None },
+        sliding_window: if arch == Arch::Mistral {
+            c.u32_opt("sliding_window")?
+        } else {
+            None
+        },
     };
-    cfg.validate().map_err(|e| ImportError::malformed(&path, None, e))?;
+    cfg.validate()
+        .map_err(|e| ImportError::malformed(&path, None, e))?;
     Ok(cfg)
 }
 
@@ -111,19 +170,36 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ImportError> {
     let index = dir.join("model.safetensors.index.json");
     if index.exists() {
         let v = read_json(&index)?;
-        let map = v.get("weight_map").and_then(Value::as_object).ok_or_else(|| ImportError::malformed(&index, None, "weight_map is missing"))?;
+        let map = v
+            .get("weight_map")
+            .and_then(Value::as_object)
+            .ok_or_else(|| ImportError::malformed(&index, None, "weight_map is missing"))?;
         let mut shards = BTreeSet::new();
         for (name, file) in map {
-            let file = file.as_str().ok_or_else(|| ImportError::malformed(&index, None, format!("weight_map[{name}] is not a file name")))?;
+            let file = file.as_str().ok_or_else(|| {
+                ImportError::malformed(
+                    &index,
+                    None,
+                    format!("weight_map[{name}] is not a file name"),
+                )
+            })?;
             if file.contains('/') || file.contains("..") {
-                return Err(ImportError::malformed(&index, None, format!("weight_map[{name}] = {file:?} points outside the model directory")));
+                return Err(ImportError::malformed(
+                    &index,
+                    None,
+                    format!("weight_map[{name}] = {file:?} points outside the model directory"),
+                ));
             }
             shards.insert(file.to_string());
         }
         return Ok(shards.into_iter().map(|f| dir.join(f)).collect());
     }
     let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
-        .map_err(|e| ImportError::Io { op: "list", path: dir.into(), source: e })?
+        .map_err(|e| ImportError::Io {
+            op: "list",
+            path: dir.into(),
+            source: e,
+        })?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
         .collect();
@@ -151,7 +227,9 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
     for (fi, path) in safetensors_files(dir)?.into_iter().enumerate() {
         let map = mmap_file(&path)?;
         {
-            let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| ImportError::malformed(&path, None, format!("invalid safetensors: {e}")))?;
+            let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| {
+                ImportError::malformed(&path, None, format!("invalid safetensors: {e}"))
+            })?;
             let base = map.as_ptr() as usize;
             for (name, view) in st.tensors() {
                 if name.ends_with("rotary_emb.inv_freq") {
@@ -176,7 +254,11 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                     unpermute_heads: None,
                 };
                 if tensors.insert(name.clone(), t).is_some() {
-                    return Err(ImportError::malformed(&path, None, format!("tensor {name} appears in two shards")));
+                    return Err(ImportError::malformed(
+                        &path,
+                        None,
+                        format!("tensor {name} appears in two shards"),
+                    ));
                 }
             }
         }
@@ -184,20 +266,36 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
     }
 
     let tok_path = dir.join("tokenizer.json");
-    let tok_text = std::fs::read_to_string(&tok_path).map_err(|e| ImportError::Io { op: "read (sluice needs the fast tokenizer file)", path: tok_path.clone(), source: e })?;
-    let tok: Value = serde_json::from_str(&tok_text).map_err(|e| ImportError::malformed(&tok_path, None, format!("invalid JSON: {e}")))?;
+    let tok_text = std::fs::read_to_string(&tok_path).map_err(|e| ImportError::Io {
+        op: "read (sluice needs the fast tokenizer file)",
+        path: tok_path.clone(),
+        source: e,
+    })?;
+    let tok: Value = serde_json::from_str(&tok_text)
+        .map_err(|e| ImportError::malformed(&tok_path, None, format!("invalid JSON: {e}")))?;
     let lookup = |s: &str| -> Option<u32> {
-        let added = tok.get("added_tokens").and_then(Value::as_array).and_then(|a| {
-            a.iter().find(|t| t.get("content").and_then(Value::as_str) == Some(s)).and_then(|t| t.get("id")?.as_u64())
-        });
-        added.or_else(|| tok.get("model")?.get("vocab")?.get(s)?.as_u64()).and_then(|x| u32::try_from(x).ok())
+        let added = tok
+            .get("added_tokens")
+            .and_then(Value::as_array)
+            .and_then(|a| {
+                a.iter()
+                    .find(|t| t.get("content").and_then(Value::as_str) == Some(s))
+                    .and_then(|t| t.get("id")?.as_u64())
+            });
+        added
+            .or_else(|| tok.get("model")?.get("vocab")?.get(s)?.as_u64())
+            .and_then(|x| u32::try_from(x).ok())
     };
     let tc = read_json_opt(&dir.join("tokenizer_config.json"))?;
     let gc = read_json_opt(&dir.join("generation_config.json"))?;
     let chat_template = match tc.as_ref().and_then(|c| c.get("chat_template")) {
         Some(Value::String(s)) => Some(s.clone()),
         // A list of named templates: take "default".
-        Some(Value::Array(a)) => a.iter().find(|t| t.get("name").and_then(Value::as_str) == Some("default")).and_then(|t| t.get("template")?.as_str()).map(str::to_string),
+        Some(Value::Array(a)) => a
+            .iter()
+            .find(|t| t.get("name").and_then(Value::as_str) == Some("default"))
+            .and_then(|t| t.get("template")?.as_str())
+            .map(str::to_string),
         _ => None,
     };
     let bos = token_ref_id(tc.as_ref().and_then(|c| c.get("bos_token")), &lookup);
@@ -205,8 +303,16 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
     let mut end_tokens = Vec::new();
     push_unique(&mut end_tokens, eos);
     match gc.as_ref().and_then(|g| g.get("eos_token_id")) {
-        Some(Value::Array(ids)) => ids.iter().for_each(|id| push_unique(&mut end_tokens, id.as_u64().and_then(|x| u32::try_from(x).ok()))),
-        Some(id) => push_unique(&mut end_tokens, id.as_u64().and_then(|x| u32::try_from(x).ok())),
+        Some(Value::Array(ids)) => ids.iter().for_each(|id| {
+            push_unique(
+                &mut end_tokens,
+                id.as_u64().and_then(|x| u32::try_from(x).ok()),
+            )
+        }),
+        Some(id) => push_unique(
+            &mut end_tokens,
+            id.as_u64().and_then(|x| u32::try_from(x).ok()),
+        ),
         None => {}
     }
     for id in end_of_turn_tokens(chat_template.as_deref(), lookup) {
@@ -218,7 +324,11 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
         end_tokens,
         pad: token_ref_id(tc.as_ref().and_then(|c| c.get("pad_token")), &lookup),
         unk: token_ref_id(tc.as_ref().and_then(|c| c.get("unk_token")), &lookup),
-        add_bos: tc.as_ref().and_then(|c| c.get("add_bos_token")).and_then(Value::as_bool).unwrap_or(false),
+        add_bos: tc
+            .as_ref()
+            .and_then(|c| c.get("add_bos_token"))
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
     };
     Ok(ImportedModel {
         source: dir.to_path_buf(),

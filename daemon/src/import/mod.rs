@@ -23,18 +23,29 @@ pub enum ImportError {
         source: std::io::Error,
     },
     #[error("{path}{}: {msg}", offset.map(|o| format!(" at offset {o}")).unwrap_or_default())]
-    Malformed { path: PathBuf, offset: Option<u64>, msg: String },
+    Malformed {
+        path: PathBuf,
+        offset: Option<u64>,
+        msg: String,
+    },
     #[error("{path}: {msg}")]
     Unsupported { path: PathBuf, msg: String },
 }
 
 impl ImportError {
     pub fn malformed(path: &Path, offset: Option<u64>, msg: impl Into<String>) -> Self {
-        ImportError::Malformed { path: path.to_path_buf(), offset, msg: msg.into() }
+        ImportError::Malformed {
+            path: path.to_path_buf(),
+            offset,
+            msg: msg.into(),
+        }
     }
 
     pub fn unsupported(path: &Path, msg: impl Into<String>) -> Self {
-        ImportError::Unsupported { path: path.to_path_buf(), msg: msg.into() }
+        ImportError::Unsupported {
+            path: path.to_path_buf(),
+            msg: msg.into(),
+        }
     }
 }
 
@@ -63,6 +74,9 @@ pub struct ImportedModel {
     pub tensors: BTreeMap<String, SourceTensor>,
 }
 
+/// A tensor name and the shape the config says it must have.
+type NamedShape = (String, Vec<u64>);
+
 /// The tensors of one layer unit, in blob order.
 #[derive(Clone, Debug)]
 pub struct UnitSpec {
@@ -72,15 +86,27 @@ pub struct UnitSpec {
 
 /// Opens a GGUF file or a Hugging Face model directory.
 pub fn open(src: &Path) -> Result<ImportedModel, ImportError> {
-    let meta = std::fs::metadata(src).map_err(|e| ImportError::Io { op: "open", path: src.into(), source: e })?;
+    let meta = std::fs::metadata(src).map_err(|e| ImportError::Io {
+        op: "open",
+        path: src.into(),
+        source: e,
+    })?;
     if meta.is_dir() {
         return hf::import(src);
     }
     let mut magic = [0u8; 4];
     let n = {
         use std::io::Read;
-        let mut f = File::open(src).map_err(|e| ImportError::Io { op: "open", path: src.into(), source: e })?;
-        f.read(&mut magic).map_err(|e| ImportError::Io { op: "read", path: src.into(), source: e })?
+        let mut f = File::open(src).map_err(|e| ImportError::Io {
+            op: "open",
+            path: src.into(),
+            source: e,
+        })?;
+        f.read(&mut magic).map_err(|e| ImportError::Io {
+            op: "read",
+            path: src.into(),
+            source: e,
+        })?
     };
     if n == 4 && &magic == b"GGUF" {
         return gguf::import(src);
@@ -92,10 +118,18 @@ pub fn open(src: &Path) -> Result<ImportedModel, ImportError> {
 }
 
 pub(crate) fn mmap_file(path: &Path) -> Result<Mmap, ImportError> {
-    let f = File::open(path).map_err(|e| ImportError::Io { op: "open", path: path.into(), source: e })?;
+    let f = File::open(path).map_err(|e| ImportError::Io {
+        op: "open",
+        path: path.into(),
+        source: e,
+    })?;
     // SAFETY: the source is opened read-only and only read while packing; a concurrent
     // writer truncating it is outside what we promise (as for every mmap-based loader).
-    unsafe { Mmap::map(&f) }.map_err(|e| ImportError::Io { op: "mmap", path: path.into(), source: e })
+    unsafe { Mmap::map(&f) }.map_err(|e| ImportError::Io {
+        op: "mmap",
+        path: path.into(),
+        source: e,
+    })
 }
 
 impl ImportedModel {
@@ -133,9 +167,18 @@ impl ImportedModel {
     /// no unexpected one is, and groups them into layer units in forward order.
     pub fn units(&self) -> Result<Vec<UnitSpec>, ImportError> {
         let a = &self.arch;
-        let (h, q, kv, inter, vocab) = (a.hidden as u64, a.q_dim(), a.kv_dim(), a.intermediate as u64, a.vocab as u64);
-        let mut expected: Vec<(UnitKind, Vec<(String, Vec<u64>)>)> = Vec::new();
-        expected.push((UnitKind::Embedding, vec![("model.embed_tokens.weight".into(), vec![vocab, h])]));
+        let (h, q, kv, inter, vocab) = (
+            a.hidden as u64,
+            a.q_dim(),
+            a.kv_dim(),
+            a.intermediate as u64,
+            a.vocab as u64,
+        );
+        let mut expected: Vec<(UnitKind, Vec<NamedShape>)> = Vec::new();
+        expected.push((
+            UnitKind::Embedding,
+            vec![("model.embed_tokens.weight".into(), vec![vocab, h])],
+        ));
         for i in 0..a.n_layers {
             let p = format!("model.layers.{i}");
             let mut t = vec![
@@ -170,26 +213,54 @@ impl ImportedModel {
             let mut names = Vec::with_capacity(tensors.len());
             for (name, shape) in tensors {
                 let t = self.tensors.get(&name).ok_or_else(|| {
-                    ImportError::malformed(&self.source, None, format!("tensor {name} is missing ({kind} of a {} model with {} layers)", a.arch, a.n_layers))
+                    ImportError::malformed(
+                        &self.source,
+                        None,
+                        format!(
+                            "tensor {name} is missing ({kind} of a {} model with {} layers)",
+                            a.arch, a.n_layers
+                        ),
+                    )
                 })?;
                 if t.shape != shape {
                     return Err(ImportError::malformed(
                         &self.source,
                         None,
-                        format!("tensor {name} has shape {:?}, the config needs {shape:?}", t.shape),
+                        format!(
+                            "tensor {name} has shape {:?}, the config needs {shape:?}",
+                            t.shape
+                        ),
                     ));
                 }
                 if shape.len() == 1 && t.dtype.is_quantized() {
-                    return Err(ImportError::unsupported(&self.source, format!("tensor {name} is {} but vectors must be f32, f16 or bf16", t.dtype)));
+                    return Err(ImportError::unsupported(
+                        &self.source,
+                        format!(
+                            "tensor {name} is {} but vectors must be f32, f16 or bf16",
+                            t.dtype
+                        ),
+                    ));
                 }
                 names.push(name);
                 used += 1;
             }
-            units.push(UnitSpec { kind, tensors: names });
+            units.push(UnitSpec {
+                kind,
+                tensors: names,
+            });
         }
         if used != self.tensors.len() {
-            let all: std::collections::BTreeSet<&str> = units.iter().flat_map(|u| u.tensors.iter().map(|s| s.as_str())).collect();
-            let extra: Vec<&str> = self.tensors.keys().map(|s| s.as_str()).filter(|n| !all.contains(n)).take(5).collect();
+            let all: std::collections::BTreeSet<&str> = units
+                .iter()
+                .flat_map(|u| u.tensors.iter().map(|s| s.as_str()))
+                .collect();
+            let extra: Vec<&str> = self
+                .tensors
+                .keys()
+                .map(|s| s.as_str())
+                .filter(|n| !all.contains(n))
+                .take(5)
+                .collect();
             return Err(ImportError::unsupported(
                 &self.source,
                 format!("unexpected tensors for a {} model: {} (sluice would ignore weights the model needs)", a.arch, extra.join(", ")),
@@ -201,10 +272,24 @@ impl ImportedModel {
 
 /// Finds the end-of-turn tokens a chat template uses among the vocabulary, so generation
 /// stops at them as well as at eos.
-pub(crate) fn end_of_turn_tokens(template: Option<&str>, lookup: impl Fn(&str) -> Option<u32>) -> Vec<u32> {
-    const END_OF_TURN: [&str; 6] = ["<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>", "</s>"];
+pub(crate) fn end_of_turn_tokens(
+    template: Option<&str>,
+    lookup: impl Fn(&str) -> Option<u32>,
+) -> Vec<u32> {
+    const END_OF_TURN: [&str; 6] = [
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+    ];
     let Some(t) = template else { return Vec::new() };
-    END_OF_TURN.iter().filter(|s| t.contains(*s)).filter_map(|s| lookup(s)).collect()
+    END_OF_TURN
+        .iter()
+        .filter(|s| t.contains(*s))
+        .filter_map(|s| lookup(s))
+        .collect()
 }
 
 pub(crate) fn push_unique(v: &mut Vec<u32>, id: Option<u32>) {

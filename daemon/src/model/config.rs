@@ -5,6 +5,7 @@ use serde::{Deserialize, Serialize};
 use std::fmt;
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
 pub enum Arch {
     /// Llama 2/3 and models built on it (SmolLM2, TinyLlama, ...).
     Llama,
@@ -89,19 +90,22 @@ impl ArchConfig {
                 return Err(format!("{what} is 0"));
             }
         }
-        if self.n_heads % self.n_kv_heads != 0 {
+        if !self.n_heads.is_multiple_of(self.n_kv_heads) {
             return Err(format!(
                 "{} attention heads are not a multiple of {} kv heads (grouped-query attention needs that)",
                 self.n_heads, self.n_kv_heads
             ));
         }
-        if self.head_dim % 2 != 0 {
-            return Err(format!("head dim {} is odd; rotary embedding needs pairs", self.head_dim));
+        if !self.head_dim.is_multiple_of(2) {
+            return Err(format!(
+                "head dim {} is odd; rotary embedding needs pairs",
+                self.head_dim
+            ));
         }
         if !(self.rms_eps > 0.0 && self.rms_eps < 1.0) {
             return Err(format!("rms eps {} is outside (0, 1)", self.rms_eps));
         }
-        if !(self.rope_theta > 0.0) {
+        if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return Err(format!("rope theta {} is not positive", self.rope_theta));
         }
         if let Some(RopeScaling::FreqFactors(f)) = &self.rope_scaling {

@@ -74,9 +74,15 @@ pub struct Plane {
 /// Why a frame failed to decode. The caller adds file, layer, frame and offset.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum FrameFault {
-    Checksum { expected: u64, found: u64 },
+    Checksum {
+        expected: u64,
+        found: u64,
+    },
     Decompress(String),
-    Length { expected: u64, found: u64 },
+    Length {
+        expected: u64,
+        found: u64,
+    },
     /// The stored bytes could not be read (short file, EIO).
     Read(String),
 }
@@ -119,7 +125,13 @@ impl FrameEncoder {
             Codec::Zstd { level } => Some(zstd::bulk::Compressor::new(level)?),
             _ => None,
         };
-        Ok(FrameEncoder { codec, zstd, plane: Vec::new(), coded: Vec::new(), out: Vec::new() })
+        Ok(FrameEncoder {
+            codec,
+            zstd,
+            plane: Vec::new(),
+            coded: Vec::new(),
+            out: Vec::new(),
+        })
     }
 
     /// Encodes `raw`, split into `split_width` byte planes when that is 2 or 4.
@@ -128,13 +140,24 @@ impl FrameEncoder {
         let raw_frame = |out: &mut Vec<u8>| {
             out.clear();
             out.extend_from_slice(raw);
-            vec![Plane { stored_len: raw.len() as u32, compressed: false }]
+            vec![Plane {
+                stored_len: raw.len() as u32,
+                compressed: false,
+            }]
         };
         if self.codec == Codec::None {
             let planes = raw_frame(&mut self.out);
-            return Ok(Encoded { codec: Codec::None, planes, bytes: &self.out });
+            return Ok(Encoded {
+                codec: Codec::None,
+                planes,
+                bytes: &self.out,
+            });
         }
-        let width = if split_width > 1 && raw.len() % split_width == 0 { split_width } else { 1 };
+        let width = if split_width > 1 && raw.len().is_multiple_of(split_width) {
+            split_width
+        } else {
+            1
+        };
         let plane_len = raw.len() / width;
         self.out.clear();
         let mut planes = Vec::with_capacity(width);
@@ -152,17 +175,31 @@ impl FrameEncoder {
             compress_into(self.codec, self.zstd.as_mut(), src, &mut self.coded)?;
             if worth_keeping(self.coded.len(), src.len()) {
                 self.out.extend_from_slice(&self.coded);
-                planes.push(Plane { stored_len: self.coded.len() as u32, compressed: true });
+                planes.push(Plane {
+                    stored_len: self.coded.len() as u32,
+                    compressed: true,
+                });
             } else {
                 self.out.extend_from_slice(src);
-                planes.push(Plane { stored_len: src.len() as u32, compressed: false });
+                planes.push(Plane {
+                    stored_len: src.len() as u32,
+                    compressed: false,
+                });
             }
         }
         if !worth_keeping(self.out.len(), raw.len()) {
             let planes = raw_frame(&mut self.out);
-            return Ok(Encoded { codec: Codec::None, planes, bytes: &self.out });
+            return Ok(Encoded {
+                codec: Codec::None,
+                planes,
+                bytes: &self.out,
+            });
         }
-        Ok(Encoded { codec: self.codec, planes, bytes: &self.out })
+        Ok(Encoded {
+            codec: self.codec,
+            planes,
+            bytes: &self.out,
+        })
     }
 }
 
@@ -220,7 +257,10 @@ impl FrameDecoder {
     ) -> Result<(), FrameFault> {
         let stored_total: u64 = planes.iter().map(|p| p.stored_len as u64).sum();
         if stored_total != stored.len() as u64 {
-            return Err(FrameFault::Length { expected: stored_total, found: stored.len() as u64 });
+            return Err(FrameFault::Length {
+                expected: stored_total,
+                found: stored.len() as u64,
+            });
         }
         let width = planes.len();
         if width == 1 {
@@ -228,7 +268,10 @@ impl FrameDecoder {
             if p.compressed {
                 let n = decompress_into(codec, &mut self.zstd, stored, dst)?;
                 if n != dst.len() {
-                    return Err(FrameFault::Length { expected: dst.len() as u64, found: n as u64 });
+                    return Err(FrameFault::Length {
+                        expected: dst.len() as u64,
+                        found: n as u64,
+                    });
                 }
             } else {
                 if stored.len() != dst.len() {
@@ -240,7 +283,7 @@ impl FrameDecoder {
                 dst.copy_from_slice(stored);
             }
         } else {
-            if !matches!(width, 2 | 4) || dst.len() % width != 0 {
+            if !matches!(width, 2 | 4) || !dst.len().is_multiple_of(width) {
                 return Err(FrameFault::Decompress(format!(
                     "{width} byte planes for a frame of {} bytes",
                     dst.len()
@@ -305,7 +348,10 @@ impl FrameDecoder {
         }
         let found = xxh3_64(dst);
         if found != checksum {
-            return Err(FrameFault::Checksum { expected: checksum, found });
+            return Err(FrameFault::Checksum {
+                expected: checksum,
+                found,
+            });
         }
         Ok(())
     }
@@ -334,21 +380,37 @@ mod tests {
     use super::*;
 
     fn floats_f32(n: usize) -> Vec<u8> {
-        // Small-magnitude values like trained weights: clustered exponents.
-        (0..n).flat_map(|i| (((i * 7919) % 1000) as f32 * 1e-4 - 0.05).to_le_bytes()).collect()
+        // Pseudo-random small values like trained weights: clustered exponents, noisy
+        // mantissas (a sum of uniforms is roughly normal).
+        let mut x = 0x2545F4914F6CDD1Du64;
+        let mut uniform = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f32 / (1u64 << 53) as f32
+        };
+        (0..n)
+            .flat_map(|_| ((uniform() + uniform() + uniform() - 1.5) * 0.05).to_le_bytes())
+            .collect()
     }
 
     #[test]
     fn every_codec_and_split_width_round_trips() {
         let raw = floats_f32(16 * 1024);
-        for codec in [Codec::None, Codec::Lz4, Codec::Zstd { level: 1 }, Codec::Zstd { level: 3 }] {
+        for codec in [
+            Codec::None,
+            Codec::Lz4,
+            Codec::Zstd { level: 1 },
+            Codec::Zstd { level: 3 },
+        ] {
             for width in [1, 2, 4] {
                 let mut enc = FrameEncoder::new(codec).unwrap();
                 let e = enc.encode(&raw, width).unwrap();
                 let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
                 let mut dec = FrameDecoder::new(raw.len()).unwrap();
                 let mut out = vec![0u8; raw.len()];
-                dec.decode(c, &planes, xxh3_64(&raw), &stored, &mut out).unwrap();
+                dec.decode(c, &planes, xxh3_64(&raw), &stored, &mut out)
+                    .unwrap();
                 assert_eq!(out, raw, "codec {codec} width {width}");
             }
         }
@@ -378,7 +440,13 @@ mod tests {
         let mut enc = FrameEncoder::new(Codec::Zstd { level: 3 }).unwrap();
         let e = enc.encode(&raw, 1).unwrap();
         assert_eq!(e.codec, Codec::None);
-        assert_eq!(e.planes, vec![Plane { stored_len: 65536, compressed: false }]);
+        assert_eq!(
+            e.planes,
+            vec![Plane {
+                stored_len: 65536,
+                compressed: false
+            }]
+        );
         assert_eq!(e.bytes, &raw[..]);
     }
 
@@ -407,6 +475,9 @@ mod tests {
         }
         assert_eq!("zstd".parse::<Codec>().unwrap(), Codec::Zstd { level: 3 });
         assert!("zstd:99".parse::<Codec>().is_err());
-        assert!("brotli".parse::<Codec>().unwrap_err().contains("unknown codec"));
+        assert!("brotli"
+            .parse::<Codec>()
+            .unwrap_err()
+            .contains("unknown codec"));
     }
 }

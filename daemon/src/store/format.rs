@@ -171,7 +171,12 @@ impl Manifest {
     }
 
     pub fn frame_raw_len_max(&self) -> u32 {
-        self.units.iter().flat_map(|u| &u.frames).map(|f| f.raw_len).max().unwrap_or(0)
+        self.units
+            .iter()
+            .flat_map(|u| &u.frames)
+            .map(|f| f.raw_len)
+            .max()
+            .unwrap_or(0)
     }
 
     /// Encodes manifest.bin.
@@ -198,15 +203,24 @@ impl Manifest {
             });
         }
         if bytes[..8] != MAGIC {
-            return Err(StoreError::BadMagic { path: p(), found: bytes[..8].to_vec() });
+            return Err(StoreError::BadMagic {
+                path: p(),
+                found: bytes[..8].to_vec(),
+            });
         }
         let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
         if version != FORMAT_VERSION {
-            return Err(StoreError::Version { path: p(), found: version });
+            return Err(StoreError::Version {
+                path: p(),
+                found: version,
+            });
         }
         let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
         if len > MANIFEST_BYTES_MAX {
-            return Err(StoreError::invalid(path, format!("payload length {len} is implausible")));
+            return Err(StoreError::invalid(
+                path,
+                format!("payload length {len} is implausible"),
+            ));
         }
         let end = HEADER_LEN as u64 + len;
         if (bytes.len() as u64) < end + 8 {
@@ -220,12 +234,19 @@ impl Manifest {
         let stored = u64::from_le_bytes(bytes[end..end + 8].try_into().expect("8 bytes"));
         let computed = xxh3_64(&bytes[..end]);
         if stored != computed {
-            return Err(StoreError::ManifestChecksum { path: p(), stored, computed });
+            return Err(StoreError::ManifestChecksum {
+                path: p(),
+                stored,
+                computed,
+            });
         }
         if bytes.len() != end + 8 {
             return Err(StoreError::invalid(
                 path,
-                format!("{} trailing bytes after the checksum", bytes.len() - end - 8),
+                format!(
+                    "{} trailing bytes after the checksum",
+                    bytes.len() - end - 8
+                ),
             ));
         }
         let m: Manifest = postcard::from_bytes(&bytes[HEADER_LEN..end])
@@ -238,7 +259,9 @@ impl Manifest {
     /// manifest (a bug, a crafted file) is an error here and never an out-of-bounds access
     /// or a huge allocation later.
     pub fn validate(&self) -> Result<(), String> {
-        self.arch.validate().map_err(|e| format!("architecture config: {e}"))?;
+        self.arch
+            .validate()
+            .map_err(|e| format!("architecture config: {e}"))?;
         if self.frame_size == 0 || self.frame_size > FRAME_RAW_BYTES_MAX {
             return Err(format!("frame size {} out of range", self.frame_size));
         }
@@ -246,29 +269,44 @@ impl Manifest {
         for (ui, u) in self.units.iter().enumerate() {
             let at = |msg: String| format!("unit {ui} ({}): {msg}", u.kind);
             if u.file_offset % BLOB_ALIGN != 0 {
-                return Err(at(format!("blob offset {} is not {BLOB_ALIGN}-aligned", u.file_offset)));
+                return Err(at(format!(
+                    "blob offset {} is not {BLOB_ALIGN}-aligned",
+                    u.file_offset
+                )));
             }
             if u.file_offset < file_end {
-                return Err(at(format!("blob at {} overlaps the previous one", u.file_offset)));
+                return Err(at(format!(
+                    "blob at {} overlaps the previous one",
+                    u.file_offset
+                )));
             }
             if u.raw_len > BLOB_RAW_BYTES_MAX {
-                return Err(at(format!("raw length {} over {BLOB_RAW_BYTES_MAX}", u.raw_len)));
+                return Err(at(format!(
+                    "raw length {} over {BLOB_RAW_BYTES_MAX}",
+                    u.raw_len
+                )));
             }
             let mut raw_at = 0u64;
             let mut file_at = u.file_offset;
             for (fi, f) in u.frames.iter().enumerate() {
                 let at = |msg: String| at(format!("frame {fi}: {msg}"));
                 if f.raw_offset != raw_at {
-                    return Err(at(format!("raw offset {} != expected {raw_at}", f.raw_offset)));
+                    return Err(at(format!(
+                        "raw offset {} != expected {raw_at}",
+                        f.raw_offset
+                    )));
                 }
                 if f.file_offset != file_at {
-                    return Err(at(format!("file offset {} != expected {file_at}", f.file_offset)));
+                    return Err(at(format!(
+                        "file offset {} != expected {file_at}",
+                        f.file_offset
+                    )));
                 }
                 if f.raw_len == 0 || f.raw_len > FRAME_RAW_BYTES_MAX {
                     return Err(at(format!("raw length {} out of range", f.raw_len)));
                 }
                 let w = f.planes.len();
-                if !matches!(w, 1 | 2 | 4) || f.raw_len as usize % w != 0 {
+                if !matches!(w, 1 | 2 | 4) || !(f.raw_len as usize).is_multiple_of(w) {
                     return Err(at(format!("{w} planes for {} raw bytes", f.raw_len)));
                 }
                 if f.codec == Codec::None && f.planes.iter().any(|p| p.compressed) {
@@ -294,7 +332,10 @@ impl Manifest {
                 file_at += f.stored_len();
             }
             if raw_at != u.raw_len {
-                return Err(at(format!("frames cover {raw_at} raw bytes of {}", u.raw_len)));
+                return Err(at(format!(
+                    "frames cover {raw_at} raw bytes of {}",
+                    u.raw_len
+                )));
             }
             if file_at - u.file_offset != u.stored_len {
                 return Err(at(format!(
@@ -313,17 +354,29 @@ impl Manifest {
                     )));
                 }
                 if t.offset % TENSOR_ALIGN != 0 || t.offset < t_end {
-                    return Err(at(format!("tensor {} at misaligned or overlapping offset {}", t.name, t.offset)));
+                    return Err(at(format!(
+                        "tensor {} at misaligned or overlapping offset {}",
+                        t.name, t.offset
+                    )));
                 }
-                t_end = t.offset.checked_add(t.len).ok_or_else(|| at("tensor end overflows".into()))?;
+                t_end = t
+                    .offset
+                    .checked_add(t.len)
+                    .ok_or_else(|| at("tensor end overflows".into()))?;
                 if t_end > u.raw_len {
-                    return Err(at(format!("tensor {} ends at {t_end}, past the blob ({})", t.name, u.raw_len)));
+                    return Err(at(format!(
+                        "tensor {} ends at {t_end}, past the blob ({})",
+                        t.name, u.raw_len
+                    )));
                 }
             }
             file_end = file_at;
         }
         if self.weights_len < file_end {
-            return Err(format!("weights length {} is shorter than its blobs ({file_end})", self.weights_len));
+            return Err(format!(
+                "weights length {} is shorter than its blobs ({file_end})",
+                self.weights_len
+            ));
         }
         Ok(())
     }

@@ -69,12 +69,22 @@ pub fn summarize(m: &Manifest) -> Summary {
     let mut units = Vec::with_capacity(m.units.len());
     for u in &m.units {
         for t in &u.tensors {
-            let d = dtypes.entry(t.dtype).or_insert(DTypeSummary { dtype: t.dtype, tensors: 0, raw_bytes: 0, stored_bytes: 0, ratio: 1.0, frames_compressed: 0, frames: 0 });
+            let d = dtypes.entry(t.dtype).or_insert(DTypeSummary {
+                dtype: t.dtype,
+                tensors: 0,
+                raw_bytes: 0,
+                stored_bytes: 0,
+                ratio: 1.0,
+                frames_compressed: 0,
+                frames: 0,
+            });
             d.tensors += 1;
         }
         for f in &u.frames {
             // Frames never straddle tensors: each belongs to the tensor whose region holds it.
-            let Some(t) = u.tensor_at(f.raw_offset) else { continue };
+            let Some(t) = u.tensor_at(f.raw_offset) else {
+                continue;
+            };
             let d = dtypes.get_mut(&u.tensors[t].dtype).expect("inserted above");
             d.raw_bytes += f.raw_len as u64;
             d.stored_bytes += f.stored_len();
@@ -98,8 +108,18 @@ pub fn summarize(m: &Manifest) -> Summary {
         })
         .collect();
     let tokenizer = match &m.tokenizer {
-        TokenizerSpec::HfJson(_) => TokenizerSummary { kind: "tokenizer.json".into(), tokens: 0, merges: 0, pre: None },
-        TokenizerSpec::Gguf(v) => TokenizerSummary { kind: format!("gguf {}", v.model), tokens: v.tokens.len(), merges: v.merges.len(), pre: v.pre.clone() },
+        TokenizerSpec::HfJson(_) => TokenizerSummary {
+            kind: "tokenizer.json".into(),
+            tokens: 0,
+            merges: 0,
+            pre: None,
+        },
+        TokenizerSpec::Gguf(v) => TokenizerSummary {
+            kind: format!("gguf {}", v.model),
+            tokens: v.tokens.len(),
+            merges: v.merges.len(),
+            pre: v.pre.clone(),
+        },
     };
     let (raw, stored) = (m.raw_bytes(), m.stored_bytes());
     Summary {

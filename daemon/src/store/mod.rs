@@ -26,29 +26,64 @@ pub enum StoreError {
     BadMagic { path: PathBuf, found: Vec<u8> },
     #[error("{path}: store format version {found}, this sluiced reads version {}; repack the model with this sluiced", format::FORMAT_VERSION)]
     Version { path: PathBuf, found: u32 },
-    #[error("{path}: manifest truncated: needs {expected} bytes, file has {found}; repack the model")]
-    ManifestTruncated { path: PathBuf, expected: u64, found: u64 },
+    #[error(
+        "{path}: manifest truncated: needs {expected} bytes, file has {found}; repack the model"
+    )]
+    ManifestTruncated {
+        path: PathBuf,
+        expected: u64,
+        found: u64,
+    },
     #[error("{path}: manifest checksum mismatch (stored {stored:016x}, computed {computed:016x}): the file is corrupt; repack the model")]
-    ManifestChecksum { path: PathBuf, stored: u64, computed: u64 },
+    ManifestChecksum {
+        path: PathBuf,
+        stored: u64,
+        computed: u64,
+    },
     #[error("{path}: invalid manifest: {msg}")]
     Invalid { path: PathBuf, msg: String },
     #[error("{path}: {found} bytes, but the manifest needs {expected} ({unit} ends at offset {unit_end}): the file is truncated; copy or repack it")]
-    WeightsTruncated { path: PathBuf, found: u64, expected: u64, unit: String, unit_end: u64 },
-    #[error("{path}: {unit}, frame {frame} at offset {offset} ({stored_len} stored bytes): {fault}")]
-    Frame { path: PathBuf, unit: String, frame: usize, offset: u64, stored_len: u64, fault: FrameFault },
+    WeightsTruncated {
+        path: PathBuf,
+        found: u64,
+        expected: u64,
+        unit: String,
+        unit_end: u64,
+    },
+    #[error(
+        "{path}: {unit}, frame {frame} at offset {offset} ({stored_len} stored bytes): {fault}"
+    )]
+    Frame {
+        path: PathBuf,
+        unit: String,
+        frame: usize,
+        offset: u64,
+        stored_len: u64,
+        fault: FrameFault,
+    },
 }
 
 impl StoreError {
     pub fn io(op: &'static str, path: &Path, source: std::io::Error) -> Self {
-        StoreError::Io { op, path: path.to_path_buf(), source }
+        StoreError::Io {
+            op,
+            path: path.to_path_buf(),
+            source,
+        }
     }
 
     pub fn invalid(path: &Path, msg: impl Into<String>) -> Self {
-        StoreError::Invalid { path: path.to_path_buf(), msg: msg.into() }
+        StoreError::Invalid {
+            path: path.to_path_buf(),
+            msg: msg.into(),
+        }
     }
 
     /// True for faults in the stored data (checksum, decompression): DATA_LOSS for a server.
     pub fn is_data_loss(&self) -> bool {
-        matches!(self, StoreError::Frame { .. } | StoreError::WeightsTruncated { .. })
+        matches!(
+            self,
+            StoreError::Frame { .. } | StoreError::WeightsTruncated { .. }
+        )
     }
 }

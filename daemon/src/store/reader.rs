@@ -48,7 +48,12 @@ impl Store {
                 unit_end,
             });
         }
-        Ok(Store { dir: dir.to_path_buf(), manifest, weights_path, weights_len })
+        Ok(Store {
+            dir: dir.to_path_buf(),
+            manifest,
+            weights_path,
+            weights_len,
+        })
     }
 
     pub fn dir(&self) -> &Path {
@@ -100,11 +105,20 @@ impl Store {
         dec: &mut FrameDecoder,
     ) -> Result<(), StoreError> {
         let u = &self.manifest.units[idx];
-        assert_eq!(dst.len() as u64, u.raw_len, "destination sized for {}", u.kind);
+        assert_eq!(
+            dst.len() as u64,
+            u.raw_len,
+            "destination sized for {}",
+            u.kind
+        );
         stored.resize(u.stored_len as usize, 0);
         if let Err(e) = file.read_exact_at(stored, u.file_offset) {
             // Find the first frame the read could not deliver, for the message.
-            let frame = u.frames.iter().position(|f| f.file_offset + f.stored_len() > self.weights_len).unwrap_or(0);
+            let frame = u
+                .frames
+                .iter()
+                .position(|f| f.file_offset + f.stored_len() > self.weights_len)
+                .unwrap_or(0);
             return Err(self.frame_error(idx, frame, FrameFault::Read(e.to_string())));
         }
         for (fi, f) in u.frames.iter().enumerate() {

@@ -20,7 +20,8 @@ pub fn verify(store: &Store, mut on_unit: impl FnMut(u64)) -> Result<VerifyRepor
     let file = store.open_weights()?;
     let m = store.manifest();
     let frame_max = m.frame_raw_len_max() as usize;
-    let mut dec = FrameDecoder::new(frame_max).map_err(|e| StoreError::io("create decoder for", store.weights_path(), e))?;
+    let mut dec = FrameDecoder::new(frame_max)
+        .map_err(|e| StoreError::io("create decoder for", store.weights_path(), e))?;
     let mut stored = Vec::with_capacity(frame_max);
     let mut raw = vec![0u8; frame_max];
     let mut report = VerifyReport::default();
@@ -30,7 +31,10 @@ pub fn verify(store: &Store, mut on_unit: impl FnMut(u64)) -> Result<VerifyRepor
             stored.resize(len, 0);
             let out = &mut raw[..f.raw_len as usize];
             let result = match file.read_exact_at(&mut stored, f.file_offset) {
-                Err(e) => Err(FrameFault::Read(format!("{e} (weights.bin is {} bytes)", store.weights_len()))),
+                Err(e) => Err(FrameFault::Read(format!(
+                    "{e} (weights.bin is {} bytes)",
+                    store.weights_len()
+                ))),
                 Ok(()) => dec.decode(f.codec, &f.planes, f.checksum, &stored, out),
             };
             if let Err(fault) = result {

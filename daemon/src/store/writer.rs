@@ -5,7 +5,9 @@
 //! no half-written store at the target (the next pack removes the stale partial directory).
 
 use super::codec::{Codec, FrameEncoder};
-use super::format::{Frame, LayerUnit, Manifest, TensorEntry, BLOB_ALIGN, MANIFEST_FILE, TENSOR_ALIGN, WEIGHTS_FILE};
+use super::format::{
+    Frame, LayerUnit, Manifest, TensorEntry, BLOB_ALIGN, MANIFEST_FILE, TENSOR_ALIGN, WEIGHTS_FILE,
+};
 use super::StoreError;
 use crate::import::{ImportedModel, UnitSpec};
 use std::fs::File;
@@ -48,6 +50,9 @@ pub struct PackReport {
     pub stored_bytes: u64,
 }
 
+/// A compressed frame: codec, planes, stored bytes, checksum of the raw bytes.
+type EncodedFrame = (Codec, Vec<super::codec::Plane>, Vec<u8>, u64);
+
 fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
@@ -80,7 +85,10 @@ pub fn pack(
     opts: &PackOptions,
     mut on_progress: impl FnMut(u64),
 ) -> Result<PackReport, StoreError> {
-    if opts.frame_size < FRAME_SIZE_MIN || opts.frame_size % TENSOR_ALIGN as u32 != 0 || opts.frame_size > super::format::FRAME_RAW_BYTES_MAX {
+    if opts.frame_size < FRAME_SIZE_MIN
+        || !opts.frame_size.is_multiple_of(TENSOR_ALIGN as u32)
+        || opts.frame_size > super::format::FRAME_RAW_BYTES_MAX
+    {
         return Err(StoreError::invalid(
             out,
             format!(
@@ -90,29 +98,44 @@ pub fn pack(
             ),
         ));
     }
-    let name = out.file_name().ok_or_else(|| StoreError::invalid(out, "output path has no directory name"))?;
+    let name = out
+        .file_name()
+        .ok_or_else(|| StoreError::invalid(out, "output path has no directory name"))?;
     let parent = match out.parent() {
         Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
         _ => PathBuf::from("."),
     };
     if out.exists() && !opts.force {
-        return Err(StoreError::invalid(out, "already exists; pass --force to replace it"));
+        return Err(StoreError::invalid(
+            out,
+            "already exists; pass --force to replace it",
+        ));
     }
     std::fs::create_dir_all(&parent).map_err(|e| StoreError::io("create directory", &parent, e))?;
     let partial = parent.join(format!(".{}.partial", name.to_string_lossy()));
     if partial.exists() {
-        std::fs::remove_dir_all(&partial).map_err(|e| StoreError::io("remove stale partial store", &partial, e))?;
+        std::fs::remove_dir_all(&partial)
+            .map_err(|e| StoreError::io("remove stale partial store", &partial, e))?;
     }
     std::fs::create_dir(&partial).map_err(|e| StoreError::io("create directory", &partial, e))?;
-    let mut guard = PartialDir { path: partial.clone(), done: false };
+    let mut guard = PartialDir {
+        path: partial.clone(),
+        done: false,
+    };
 
     let weights_path = partial.join(WEIGHTS_FILE);
-    let weights = File::create(&weights_path).map_err(|e| StoreError::io("create", &weights_path, e))?;
+    let weights =
+        File::create(&weights_path).map_err(|e| StoreError::io("create", &weights_path, e))?;
     let mut w = std::io::BufWriter::with_capacity(8 << 20, weights);
     let mut file_at = 0u64;
     let mut layer_units = Vec::with_capacity(units.len());
     let mut blob: Vec<u8> = Vec::new();
-    let mut report = PackReport { units: 0, frames: 0, raw_bytes: 0, stored_bytes: 0 };
+    let mut report = PackReport {
+        units: 0,
+        frames: 0,
+        raw_bytes: 0,
+        stored_bytes: 0,
+    };
     let mut encoders: Vec<FrameEncoder> = (0..opts.threads.max(1))
         .map(|_| FrameEncoder::new(opts.codec))
         .collect::<Result<_, _>>()
@@ -125,7 +148,13 @@ pub fn pack(
         for name in &spec.tensors {
             let t = &model.tensors[name];
             raw_at = align_up(raw_at, TENSOR_ALIGN);
-            tensors.push(TensorEntry { name: name.clone(), dtype: t.dtype, shape: t.shape.clone(), offset: raw_at, len: t.len });
+            tensors.push(TensorEntry {
+                name: name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                offset: raw_at,
+                len: t.len,
+            });
             raw_at += t.len;
         }
         let raw_len = align_up(raw_at, TENSOR_ALIGN);
@@ -150,18 +179,26 @@ pub fn pack(
         }
         // Compress the frames in parallel; each result keeps its index.
         let next = AtomicUsize::new(0);
-        let results: Mutex<Vec<Option<(Codec, Vec<super::codec::Plane>, Vec<u8>, u64)>>> = Mutex::new(vec![None; pieces.len()]);
+        let results: Mutex<Vec<Option<EncodedFrame>>> = Mutex::new(vec![None; pieces.len()]);
         let failure: Mutex<Option<std::io::Error>> = Mutex::new(None);
         std::thread::scope(|s| {
             for enc in encoders.iter_mut() {
-                let (pieces, blob, next, results, failure) = (&pieces, &blob, &next, &results, &failure);
+                let (pieces, blob, next, results, failure) =
+                    (&pieces, &blob, &next, &results, &failure);
                 s.spawn(move || loop {
                     let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(at, len, width)) = pieces.get(i) else { break };
+                    let Some(&(at, len, width)) = pieces.get(i) else {
+                        break;
+                    };
                     let raw = &blob[at as usize..(at + len) as usize];
                     match enc.encode(raw, width) {
                         Ok(e) => {
-                            let r = (e.codec, e.planes, e.bytes.to_vec(), xxhash_rust::xxh3::xxh3_64(raw));
+                            let r = (
+                                e.codec,
+                                e.planes,
+                                e.bytes.to_vec(),
+                                xxhash_rust::xxh3::xxh3_64(raw),
+                            );
                             results.lock().expect("no panics while held")[i] = Some(r);
                         }
                         Err(e) => {
@@ -178,25 +215,48 @@ pub fn pack(
 
         let unit_offset = file_at;
         let mut frames = Vec::with_capacity(pieces.len());
-        for (&(at, len, _), r) in pieces.iter().zip(results.into_inner().expect("threads joined")) {
+        for (&(at, len, _), r) in pieces
+            .iter()
+            .zip(results.into_inner().expect("threads joined"))
+        {
             let (codec, planes, bytes, checksum) = r.expect("every frame encoded when no failure");
-            w.write_all(&bytes).map_err(|e| StoreError::io("write", &weights_path, e))?;
-            frames.push(Frame { file_offset: file_at, raw_offset: at, raw_len: len as u32, checksum, codec, planes });
+            w.write_all(&bytes)
+                .map_err(|e| StoreError::io("write", &weights_path, e))?;
+            frames.push(Frame {
+                file_offset: file_at,
+                raw_offset: at,
+                raw_len: len as u32,
+                checksum,
+                codec,
+                planes,
+            });
             file_at += bytes.len() as u64;
         }
         let stored_len = file_at - unit_offset;
         let padded = align_up(file_at, BLOB_ALIGN);
-        w.write_all(&vec![0u8; (padded - file_at) as usize]).map_err(|e| StoreError::io("write", &weights_path, e))?;
+        w.write_all(&vec![0u8; (padded - file_at) as usize])
+            .map_err(|e| StoreError::io("write", &weights_path, e))?;
         file_at = padded;
         report.units += 1;
         report.frames += frames.len();
         report.raw_bytes += raw_len;
         report.stored_bytes += stored_len;
-        layer_units.push(LayerUnit { kind: spec.kind, file_offset: unit_offset, stored_len, raw_len, frames, tensors });
+        layer_units.push(LayerUnit {
+            kind: spec.kind,
+            file_offset: unit_offset,
+            stored_len,
+            raw_len,
+            frames,
+            tensors,
+        });
         on_progress(raw_len);
     }
-    let weights = w.into_inner().map_err(|e| StoreError::io("write", &weights_path, e.into_error()))?;
-    weights.sync_all().map_err(|e| StoreError::io("fsync", &weights_path, e))?;
+    let weights = w
+        .into_inner()
+        .map_err(|e| StoreError::io("write", &weights_path, e.into_error()))?;
+    weights
+        .sync_all()
+        .map_err(|e| StoreError::io("fsync", &weights_path, e))?;
     drop(weights);
 
     let manifest = Manifest {
@@ -208,14 +268,28 @@ pub fn pack(
         weights_len: file_at,
         codec: opts.codec,
         frame_size: opts.frame_size,
-        source: model.source.file_name().map(|n| n.to_string_lossy().into_owned()).unwrap_or_default(),
+        source: model
+            .source
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
     };
     // Assert in pairs: what we wrote must pass the checks every reader applies.
-    manifest.validate().map_err(|e| StoreError::invalid(&partial, format!("packer produced an invalid manifest (a bug): {e}")))?;
-    let bytes = manifest.encode().map_err(|e| StoreError::invalid(&partial, format!("encode manifest: {e}")))?;
+    manifest.validate().map_err(|e| {
+        StoreError::invalid(
+            &partial,
+            format!("packer produced an invalid manifest (a bug): {e}"),
+        )
+    })?;
+    let bytes = manifest
+        .encode()
+        .map_err(|e| StoreError::invalid(&partial, format!("encode manifest: {e}")))?;
     let manifest_path = partial.join(MANIFEST_FILE);
-    let mut mf = File::create(&manifest_path).map_err(|e| StoreError::io("create", &manifest_path, e))?;
-    mf.write_all(&bytes).and_then(|_| mf.sync_all()).map_err(|e| StoreError::io("write", &manifest_path, e))?;
+    let mut mf =
+        File::create(&manifest_path).map_err(|e| StoreError::io("create", &manifest_path, e))?;
+    mf.write_all(&bytes)
+        .and_then(|_| mf.sync_all())
+        .map_err(|e| StoreError::io("write", &manifest_path, e))?;
     fsync_dir(&partial)?;
 
     if out.exists() {

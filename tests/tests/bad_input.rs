@@ -1,0 +1,406 @@
+//! Every bad input gets a clear error naming what and where, never a panic and never a
+//! silently wrong tensor; an interrupted pack leaves no store behind.
+
+use sluice::import;
+use sluice::store::codec::Codec;
+use sluice::store::verify::verify;
+use sluice::store::writer::{pack, PackOptions};
+use sluice::store::{FrameDecoder, Store, StoreError};
+use sluice_tests::*;
+use std::path::{Path, PathBuf};
+
+fn import_err(path: &Path) -> String {
+    match import::open(path).and_then(|m| m.units().map(|_| ())) {
+        Ok(()) => panic!("{} imported but should not have", path.display()),
+        Err(e) => e.to_string(),
+    }
+}
+
+fn find(hay: &[u8], needle: &[u8]) -> usize {
+    hay.windows(needle.len())
+        .position(|w| w == needle)
+        .expect("needle in file")
+}
+
+#[test]
+fn truncated_gguf_is_an_error_at_every_cut() {
+    let bytes = std::fs::read(fixture("tiny-llama.gguf")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("cut.gguf");
+    let mut cuts: Vec<usize> = (0..bytes.len()).step_by(1009).collect();
+    cuts.extend([4, 8, 16, 23, 24, 25, bytes.len() - 1]);
+    for cut in cuts {
+        std::fs::write(&path, &bytes[..cut]).unwrap();
+        let e = import_err(&path);
+        assert!(
+            e.contains("cut.gguf"),
+            "cut at {cut}: error does not name the file: {e}"
+        );
+        if cut >= 4 {
+            assert!(
+                e.contains("truncated") || e.contains("offset"),
+                "cut at {cut}: {e}"
+            );
+        }
+    }
+    // In the data section the error names the tensor that runs past the end.
+    std::fs::write(&path, &bytes[..bytes.len() - 100]).unwrap();
+    let e = import_err(&path);
+    assert!(
+        e.contains("tensor") && e.contains("past the end of the file"),
+        "{e}"
+    );
+    // Through the CLI: an error, a non-zero exit, no panic, no store.
+    let out = tmp.path().join("store");
+    let e = sluiced_err(&["pack", path.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(e.contains("cut.gguf"), "{e}");
+    assert!(!out.exists());
+}
+
+#[test]
+fn corrupted_gguf_headers_are_clear_errors() {
+    let bytes = std::fs::read(fixture("tiny-llama.gguf")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("bad.gguf");
+    let write = |b: &[u8]| std::fs::write(&path, b).unwrap();
+
+    // Wrong magic: not recognised as GGUF at all.
+    let mut b = bytes.clone();
+    b[0] = b'X';
+    write(&b);
+    assert!(import_err(&path).contains("neither a GGUF file"));
+    assert!(sluice::import::gguf::parse(&b, &path)
+        .err()
+        .unwrap()
+        .to_string()
+        .contains("bad magic"));
+
+    // Unsupported version.
+    let mut b = bytes.clone();
+    b[4..8].copy_from_slice(&7u32.to_le_bytes());
+    write(&b);
+    assert!(import_err(&path).contains("GGUF version 7"));
+
+    // A tensor count no file could hold is refused before any allocation.
+    let mut b = bytes.clone();
+    b[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+    write(&b);
+    let e = import_err(&path);
+    assert!(e.contains("tensor count") && e.contains("offset 8"), "{e}");
+
+    // An unsupported dtype names the tensor and the type.
+    let mut b = bytes.clone();
+    let name = b"blk.0.attn_q.weight";
+    let type_at = find(&b, name) + name.len() + 4 + 2 * 8;
+    b[type_at..type_at + 4].copy_from_slice(&6u32.to_le_bytes()); // Q5_0
+    write(&b);
+    let e = import_err(&path);
+    assert!(
+        e.contains("blk.0.attn_q.weight") && e.contains("Q5_0"),
+        "{e}"
+    );
+
+    // An unknown architecture is named.
+    let mut b = bytes.clone();
+    let at = find(&b, b"general.architecture") + "general.architecture".len() + 4 + 8;
+    b[at..at + 5].copy_from_slice(b"mamba");
+    write(&b);
+    let e = import_err(&path);
+    assert!(e.contains("\"mamba\"") && e.contains("supports"), "{e}");
+}
+
+/// A copy of a fixture model directory the test may damage.
+fn hf_copy(name: &str, tmp: &Path) -> PathBuf {
+    let dir = tmp.join(name);
+    copy_dir(&fixture(name), &dir);
+    dir
+}
+
+#[test]
+fn bad_hugging_face_directories_are_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+
+    // A truncated shard names the file.
+    let dir = hf_copy("tiny-llama", &tmp.path().join("a"));
+    let shard = dir.join("model-00002-of-00002.safetensors");
+    let len = std::fs::metadata(&shard).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&shard)
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    let e = import_err(&dir);
+    assert!(
+        e.contains("model-00002-of-00002.safetensors") && e.contains("invalid safetensors"),
+        "{e}"
+    );
+
+    // A garbage header length.
+    let dir = hf_copy("tiny-llama", &tmp.path().join("b"));
+    let shard = dir.join("model-00001-of-00002.safetensors");
+    let mut b = std::fs::read(&shard).unwrap();
+    b[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+    std::fs::write(&shard, b).unwrap();
+    assert!(import_err(&dir).contains("model-00001-of-00002.safetensors"));
+
+    // An unsupported dtype names the tensor (same width, so the file stays well formed).
+    let dir = hf_copy("tiny-qwen2", &tmp.path().join("c"));
+    let st = dir.join("model.safetensors");
+    let mut b = std::fs::read(&st).unwrap();
+    let at = find(&b, b"\"F32\"");
+    b[at + 1..at + 4].copy_from_slice(b"I32");
+    std::fs::write(&st, b).unwrap();
+    let e = import_err(&dir);
+    assert!(e.contains("I32") && e.contains("tensor"), "{e}");
+
+    // Config problems: unknown model type, a layer the weights lack, a wrong size.
+    let edit_config = |sub: &str, from: &str, to: &str| -> String {
+        let dir = hf_copy("tiny-llama", &tmp.path().join(sub));
+        let cfg = dir.join("config.json");
+        let text = std::fs::read_to_string(&cfg).unwrap();
+        assert!(text.contains(from));
+        std::fs::write(&cfg, text.replace(from, to)).unwrap();
+        import_err(&dir)
+    };
+    let e = edit_config(
+        "d",
+        "\"model_type\": \"llama\"",
+        "\"model_type\": \"gpt_neox\"",
+    );
+    assert!(e.contains("gpt_neox") && e.contains("config.json"), "{e}");
+    let e = edit_config("e", "\"num_hidden_layers\": 2", "\"num_hidden_layers\": 3");
+    assert!(
+        e.contains("model.layers.2.input_layernorm.weight is missing"),
+        "{e}"
+    );
+    let e = edit_config(
+        "f",
+        "\"intermediate_size\": 128",
+        "\"intermediate_size\": 96",
+    );
+    assert!(
+        e.contains("mlp.gate_proj.weight has shape [128, 64]") && e.contains("[96, 64]"),
+        "{e}"
+    );
+    let e = edit_config("g", "\"hidden_size\": 64", "\"hidden_size\": 64,,");
+    assert!(e.contains("invalid JSON at line"), "{e}");
+    let e = edit_config(
+        "h",
+        "\"num_key_value_heads\": 2",
+        "\"num_key_value_heads\": 3",
+    );
+    assert!(e.contains("not a multiple of 3 kv heads"), "{e}");
+}
+
+fn packed_tiny(dir: &Path, codec: &str) -> Store {
+    let model = import::open(&fixture("tiny-llama")).unwrap();
+    let units = model.units().unwrap();
+    let opts = PackOptions {
+        codec: codec.parse::<Codec>().unwrap(),
+        frame_size: 4096,
+        threads: 2,
+        force: true,
+    };
+    pack(&model, &units, dir, &opts, |_| {}).unwrap();
+    Store::open(dir).unwrap()
+}
+
+#[test]
+fn damaged_manifests_are_clear_errors() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    packed_tiny(&dir, "zstd:3");
+    let mpath = dir.join("manifest.bin");
+    let good = std::fs::read(&mpath).unwrap();
+    let open_err = |b: &[u8]| -> String {
+        std::fs::write(&mpath, b).unwrap();
+        let e = Store::open(&dir).err().expect("open must fail").to_string();
+        assert!(
+            e.contains("manifest.bin"),
+            "error does not name the file: {e}"
+        );
+        e
+    };
+    let mut b = good.clone();
+    b[0] = b'X';
+    assert!(open_err(&b).contains("not a sluice manifest"));
+    let mut b = good.clone();
+    b[8] = 2;
+    assert!(open_err(&b).contains("store format version 2"));
+    for pos in [20, good.len() / 2, good.len() - 9] {
+        let mut b = good.clone();
+        b[pos] ^= 1;
+        assert!(open_err(&b).contains("checksum mismatch"), "flip at {pos}");
+    }
+    assert!(open_err(&good[..good.len() - 3]).contains("truncated"));
+    assert!(open_err(&good[..10]).contains("truncated"));
+    let mut b = good.clone();
+    b.push(0);
+    assert!(open_err(&b).contains("trailing bytes"));
+    std::fs::write(&mpath, &good).unwrap();
+    Store::open(&dir).unwrap();
+    // A missing store directory says so.
+    let e = Store::open(&tmp.path().join("nope"))
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("open store directory") && e.contains("nope"),
+        "{e}"
+    );
+}
+
+#[test]
+fn short_weights_file_is_an_error_naming_the_layer() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    let store = packed_tiny(&dir, "zstd:3");
+    let last = store.units().last().unwrap().clone();
+    drop(store);
+    let w = dir.join("weights.bin");
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&w)
+        .unwrap()
+        .set_len(last.file_offset + 10)
+        .unwrap();
+    let e = Store::open(&dir).err().unwrap();
+    assert!(e.is_data_loss());
+    let e = e.to_string();
+    assert!(
+        e.contains("weights.bin") && e.contains("head") && e.contains("truncated"),
+        "{e}"
+    );
+    let e = sluiced_err(&["verify", dir.to_str().unwrap()]);
+    assert!(e.contains("weights.bin") && e.contains("truncated"), "{e}");
+}
+
+#[test]
+fn a_flipped_byte_in_any_frame_is_found_and_named() {
+    let tmp = tempfile::tempdir().unwrap();
+    for codec in ["none", "lz4", "zstd:3"] {
+        let dir = tmp.path().join(codec.replace(':', "-"));
+        let store = packed_tiny(&dir, codec);
+        let w = dir.join("weights.bin");
+        let good = std::fs::read(&w).unwrap();
+        let frames: Vec<(usize, usize, u64, u64)> = store
+            .units()
+            .iter()
+            .enumerate()
+            .flat_map(|(ui, u)| {
+                u.frames
+                    .iter()
+                    .enumerate()
+                    .map(move |(fi, f)| (ui, fi, f.file_offset, f.stored_len()))
+            })
+            .collect();
+        drop(store);
+        for &(ui, fi, offset, len) in &frames {
+            for pos in [offset, offset + len / 2, offset + len - 1] {
+                let mut b = good.clone();
+                b[pos as usize] ^= 0x10;
+                std::fs::write(&w, &b).unwrap();
+                let store = Store::open(&dir).unwrap();
+                let report = verify(&store, |_| {}).unwrap();
+                assert_eq!(
+                    report.faults.len(),
+                    1,
+                    "{codec}: flip at {pos} in unit {ui} frame {fi}: {:?}",
+                    report.faults
+                );
+                match &report.faults[0] {
+                    StoreError::Frame {
+                        path,
+                        unit,
+                        frame,
+                        offset: o,
+                        ..
+                    } => {
+                        assert_eq!(
+                            (unit.as_str(), *frame, *o),
+                            (store.units()[ui].kind.to_string().as_str(), fi, offset)
+                        );
+                        assert!(path.ends_with("weights.bin"));
+                    }
+                    other => panic!("unexpected fault {other}"),
+                }
+                // The plain reader refuses the unit too: no silently wrong tensor.
+                let file = store.open_weights().unwrap();
+                let mut dec = FrameDecoder::new(4096).unwrap();
+                let mut raw = vec![0u8; store.units()[ui].raw_len as usize];
+                let e = store
+                    .read_unit(&file, ui, &mut Vec::new(), &mut raw, &mut dec)
+                    .unwrap_err();
+                assert!(e.is_data_loss());
+            }
+        }
+        std::fs::write(&w, &good).unwrap();
+        // The CLI names file, layer, frame and offset, and exits non-zero.
+        let (ui, fi, offset, len) = frames[frames.len() / 2];
+        let mut b = good.clone();
+        b[(offset + len / 2) as usize] ^= 0x10;
+        std::fs::write(&w, &b).unwrap();
+        let e = sluiced_err(&["verify", dir.to_str().unwrap()]);
+        let unit = Store::open(&dir).unwrap().units()[ui].kind.to_string();
+        for want in [
+            "weights.bin".to_string(),
+            format!("{unit}, frame {fi} at offset {offset}"),
+            "1 of".into(),
+        ] {
+            assert!(
+                e.contains(&want),
+                "{codec}: verify output lacks {want:?}: {e}"
+            );
+        }
+    }
+}
+
+#[test]
+fn an_interrupted_pack_leaves_no_store_behind() {
+    let gguf = smollm2_gguf();
+    let tmp = tempfile::tempdir().unwrap();
+    let out = tmp.path().join("smollm2");
+    // zstd:19 takes many seconds on this model: kill the pack while it writes.
+    let mut child = std::process::Command::new(bin("sluiced"))
+        .args([
+            "pack",
+            gguf.to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--codec",
+            "zstd:19",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let partial = tmp.path().join(".smollm2.partial");
+    let t0 = std::time::Instant::now();
+    while !partial.join("weights.bin").exists() && t0.elapsed().as_secs() < 30 {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    assert!(
+        child.try_wait().unwrap().is_none(),
+        "pack finished before it could be interrupted"
+    );
+    child.kill().unwrap();
+    child.wait().unwrap();
+    assert!(!out.exists(), "a killed pack left a store at the target");
+    assert!(Store::open(&out).is_err());
+    // A rerun removes the stale partial directory and completes.
+    sluiced_ok(&[
+        "pack",
+        gguf.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--codec",
+        "lz4",
+    ]);
+    assert!(!partial.exists());
+    sluiced_ok(&["verify", out.to_str().unwrap()]);
+    // Packing over an existing store needs --force.
+    let e = sluiced_err(&["pack", gguf.to_str().unwrap(), "-o", out.to_str().unwrap()]);
+    assert!(e.contains("already exists") && e.contains("--force"), "{e}");
+}
