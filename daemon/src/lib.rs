@@ -3,6 +3,7 @@
 
 pub mod dtype;
 pub mod import;
+pub mod io;
 pub mod model;
 pub mod store;
 pub mod util;

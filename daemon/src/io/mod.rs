@@ -1,0 +1,152 @@
+//! The I/O engine: moves layer blobs from NVMe into staging slots (DESIGN.md "I/O engine",
+//! "Data flow").
+//!
+//! One thread owns the reads (an io_uring with O_DIRECT reads into registered buffers, or a
+//! pread thread pool when io_uring or O_DIRECT is unavailable) and all the bookkeeping;
+//! a pool of worker threads checksums and decompresses each frame straight into its final
+//! place in the layer's staging slot. Reads are sized for the device, not for frames: a
+//! blob is read in `request_bytes` pieces and frames are decoded out of the read buffers
+//! wherever they fall, a frame spanning two reads included.
+//!
+//! Every buffer (read buffers, staging slots, decoder scratch) is allocated once in
+//! `IoEngine::new`; a full pool is back-pressure, never an allocation.
+
+pub mod buffers;
+mod engine;
+mod pread;
+mod uring;
+
+pub use engine::{IoEngine, PoolStatus, SlotGuard, Ticket};
+
+use crate::store::StoreError;
+use serde::Serialize;
+use std::fmt;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum EngineKind {
+    Uring,
+    Pread,
+}
+
+impl fmt::Display for EngineKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            EngineKind::Uring => "uring",
+            EngineKind::Pread => "pread",
+        })
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EngineChoice {
+    /// io_uring with O_DIRECT when both work, else the pread pool (one log line says why).
+    Auto,
+    Uring,
+    Pread,
+}
+
+impl std::str::FromStr for EngineChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(EngineChoice::Auto),
+            "uring" | "io_uring" => Ok(EngineChoice::Uring),
+            "pread" => Ok(EngineChoice::Pread),
+            _ => Err(format!(
+                "unknown I/O engine {s:?}: expected auto, uring or pread"
+            )),
+        }
+    }
+}
+
+/// Limits of the I/O engine. Relations between them are checked in `IoEngine::new`.
+#[derive(Clone, Debug)]
+pub struct IoConfig {
+    pub engine: EngineChoice,
+    /// Read with O_DIRECT (bypassing the page cache) when the file system allows it.
+    pub direct: bool,
+    /// Reads in flight at most.
+    pub queue_depth: usize,
+    /// Bytes per read request (a multiple of 4096).
+    pub request_bytes: usize,
+    /// Read buffers of `request_bytes` each; at least `queue_depth` keeps the queue full.
+    pub read_buffers: usize,
+    /// Staging slots, each the size of the largest decompressed layer blob.
+    pub staging_slots: usize,
+    /// Decompression worker threads.
+    pub workers: usize,
+    /// Threads of the pread pool (its queue depth).
+    pub pread_threads: usize,
+    /// Decode frames (checksum + decompress). Off only to measure raw read speed.
+    pub decompress: bool,
+}
+
+pub const QUEUE_DEPTH_DEFAULT: usize = 64;
+pub const REQUEST_BYTES_DEFAULT: usize = 4 << 20;
+pub const QUEUE_DEPTH_MAX: usize = 4096;
+
+impl Default for IoConfig {
+    fn default() -> Self {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        IoConfig {
+            engine: EngineChoice::Auto,
+            direct: true,
+            queue_depth: QUEUE_DEPTH_DEFAULT,
+            request_bytes: REQUEST_BYTES_DEFAULT,
+            read_buffers: QUEUE_DEPTH_DEFAULT,
+            staging_slots: 3,
+            // One core is left for the engine thread that runs the layers.
+            workers: cores.saturating_sub(1).max(1),
+            pread_threads: 16,
+            decompress: true,
+        }
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum IoError {
+    /// Bad stored data or a failed read: DATA_LOSS for the requests that needed the layer.
+    #[error(transparent)]
+    Data(#[from] StoreError),
+    #[error("I/O engine setup for {path}: {msg}")]
+    Setup {
+        path: std::path::PathBuf,
+        msg: String,
+    },
+    #[error("unit {unit} does not exist (the store has {units})")]
+    NoSuchUnit { unit: usize, units: usize },
+    #[error("the I/O engine has stopped")]
+    Stopped,
+}
+
+impl IoError {
+    pub fn is_data_loss(&self) -> bool {
+        matches!(self, IoError::Data(e) if e.is_data_loss())
+    }
+}
+
+/// Counters since the engine started (or since `reset_stats`).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct IoStats {
+    /// Bytes read from the file (blobs rounded out to 4096).
+    pub read_bytes: u64,
+    pub read_ops: u64,
+    /// Reads that returned fewer bytes than asked and were resubmitted.
+    pub short_reads: u64,
+    /// Seconds with at least one read in flight.
+    pub read_busy_s: f64,
+    /// Stored bytes of the frames decoded, and the raw bytes they produced.
+    pub decoded_stored_bytes: u64,
+    pub decompressed_bytes: u64,
+    /// Seconds the workers spent decoding, summed over workers.
+    pub decompress_busy_s: f64,
+    /// Seconds callers spent blocked in `wait`.
+    pub wait_stall_s: f64,
+    /// Seconds reads waited for a free read buffer (decompression holding them).
+    pub buffer_stall_s: f64,
+    /// Seconds requests waited for a free staging slot (the consumer holding them).
+    pub slot_stall_s: f64,
+    pub units_done: u64,
+    pub units_failed: u64,
+}

@@ -1,0 +1,101 @@
+//! The fallback reader: a pool of threads doing pread, for when io_uring is unavailable
+//! (seccomp, kernel.io_uring_disabled, old kernels) or O_DIRECT is refused. Completions come
+//! back as messages, so the engine loop is the same for both readers.
+
+use super::engine::{Msg, Reader, Waker};
+use std::fs::File;
+use std::os::fd::AsRawFd;
+use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+
+struct ReadJob {
+    op: usize,
+    ptr: usize,
+    len: usize,
+    offset: u64,
+}
+
+pub(super) struct PreadReader {
+    jobs: Sender<ReadJob>,
+}
+
+impl PreadReader {
+    pub(super) fn new(
+        file: &File,
+        threads: usize,
+        waker: Waker,
+    ) -> std::io::Result<(PreadReader, Vec<std::thread::JoinHandle<()>>)> {
+        let file = Arc::new(file.try_clone()?);
+        let (tx, rx) = channel::<ReadJob>();
+        let rx = Arc::new(Mutex::new(rx));
+        let mut handles = Vec::with_capacity(threads);
+        for i in 0..threads {
+            let (file, rx, waker) = (file.clone(), rx.clone(), waker.clone());
+            handles.push(
+                std::thread::Builder::new()
+                    .name(format!("sluice-pread-{i}"))
+                    .spawn(move || loop {
+                        let job = match rx.lock().expect("pread queue lock").recv() {
+                            Ok(j) => j,
+                            Err(_) => return,
+                        };
+                        // SAFETY: the engine keeps the target buffer region alive and untouched until
+                        // this op's completion is handled; ptr/len lie inside one read buffer.
+                        let n = unsafe {
+                            libc::pread(
+                                file.as_raw_fd(),
+                                job.ptr as *mut libc::c_void,
+                                job.len,
+                                job.offset as libc::off_t,
+                            )
+                        };
+                        let res = if n < 0 {
+                            -std::io::Error::last_os_error()
+                                .raw_os_error()
+                                .unwrap_or(libc::EIO)
+                        } else {
+                            n as i32
+                        };
+                        waker.send(Msg::ReadDone { op: job.op, res });
+                    })?,
+            );
+        }
+        Ok((PreadReader { jobs: tx }, handles))
+    }
+}
+
+impl Reader for PreadReader {
+    fn push(
+        &mut self,
+        op: usize,
+        _buf: usize,
+        ptr: *mut u8,
+        len: usize,
+        offset: u64,
+    ) -> std::io::Result<()> {
+        self.jobs
+            .send(ReadJob {
+                op,
+                ptr: ptr as usize,
+                len,
+                offset,
+            })
+            .map_err(|_| std::io::Error::other("pread pool stopped"))
+    }
+
+    fn wait(
+        &mut self,
+        rx: &Receiver<Msg>,
+        msgs: &mut Vec<Msg>,
+        _done: &mut Vec<(usize, i32)>,
+    ) -> std::io::Result<()> {
+        let m = rx
+            .recv()
+            .map_err(|_| std::io::Error::other("engine channel closed"))?;
+        msgs.push(m);
+        while let Ok(m) = rx.try_recv() {
+            msgs.push(m);
+        }
+        Ok(())
+    }
+}
