@@ -1,9 +1,12 @@
 //! sluice: run LLMs larger than accelerator memory by streaming compressed per-layer weight
 //! blobs from NVMe. See ARCHITECTURE.md for the map of modules and the data flow.
 
+pub mod backend;
 pub mod dtype;
+pub mod engine;
 pub mod import;
 pub mod io;
 pub mod model;
 pub mod store;
+pub mod text;
 pub mod util;

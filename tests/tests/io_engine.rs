@@ -311,3 +311,35 @@ fn dropped_tickets_and_guards_return_their_slots() {
     let e = IoEngine::new(store.clone(), IoConfig::default()).unwrap();
     assert!(e.request(99).is_err());
 }
+
+#[test]
+fn reading_without_decoding_returns_every_buffer() {
+    // bench-io measures the raw read rate with decoding off; frames that span reads must
+    // still give their buffers back.
+    let tmp = tempfile::tempdir().unwrap();
+    let store = packed(&fixture("tiny-llama"), &tmp.path().join("s"), "none", 4096);
+    for (name, cfg) in configs() {
+        let e = engine(
+            &store,
+            &IoConfig {
+                decompress: false,
+                read_buffers: 4,
+                ..cfg
+            },
+        );
+        for _ in 0..3 {
+            let tickets: Vec<_> = (0..store.units().len())
+                .map(|u| e.request(u).unwrap())
+                .collect();
+            for t in tickets {
+                drop(e.wait(t).unwrap());
+            }
+        }
+        wait_pools_full(&e);
+        assert_eq!(
+            e.stats().units_done as usize,
+            3 * store.units().len(),
+            "{name}"
+        );
+    }
+}

@@ -49,6 +49,129 @@ enum Cmd {
     },
     /// Read every frame of a store and check every checksum.
     Verify { dir: PathBuf },
+    /// Generate text from a prompt on the CPU backend and report tokens/s.
+    Run(RunArgs),
+    /// Write a synthetic Llama-shaped store with random weights, for benchmarks.
+    Synth {
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Decoder layers (or give --size).
+        #[arg(long)]
+        layers: Option<u32>,
+        /// Pick the layer count so the model's raw size is about this (e.g. 4GiB).
+        #[arg(long, value_parser = parse_size)]
+        size: Option<u64>,
+        #[arg(long, default_value_t = 2048)]
+        hidden: u32,
+        /// Matrix dtype: f32, f16, bf16, q8_0, q4_0 or q4_1.
+        #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
+        dtype: sluice::dtype::DType,
+        /// Default: ~8/3 hidden rounded to 256.
+        #[arg(long)]
+        intermediate: Option<u32>,
+        #[arg(long)]
+        heads: Option<u32>,
+        #[arg(long)]
+        kv_heads: Option<u32>,
+        #[arg(long, default_value_t = 32000)]
+        vocab: u32,
+        #[arg(long, default_value_t = 1)]
+        seed: u64,
+        #[arg(long, default_value = "zstd:1", value_parser = parse_codec)]
+        codec: Codec,
+        #[arg(long, default_value = "1MiB", value_parser = parse_size_u32)]
+        frame_size: u32,
+        #[arg(long)]
+        force: bool,
+    },
+    /// Stream every layer of a store through the I/O engine and report rates against
+    /// their limits measured in the same run.
+    BenchIo {
+        dir: PathBuf,
+        /// auto, uring or pread.
+        #[arg(long, default_value = "auto")]
+        engine: sluice::io::EngineChoice,
+        /// Reads in flight.
+        #[arg(long, default_value_t = sluice::io::QUEUE_DEPTH_DEFAULT)]
+        qd: usize,
+        /// Bytes per read request.
+        #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+        request_size: u64,
+        /// Read buffers (default: the queue depth).
+        #[arg(long)]
+        read_buffers: Option<usize>,
+        /// Decompression workers (default: cores - 1).
+        #[arg(long)]
+        workers: Option<usize>,
+        /// Staging slots; the benchmark keeps all but one requested ahead.
+        #[arg(long, default_value_t = 4)]
+        slots: usize,
+        #[arg(long, default_value_t = 3)]
+        passes: usize,
+        /// Read through the page cache instead of O_DIRECT.
+        #[arg(long)]
+        buffered: bool,
+        /// Print one JSON object.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompt_ids"])))]
+struct RunArgs {
+    /// Store directory (from `sluiced pack`).
+    dir: PathBuf,
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Token ids given directly, e.g. 1,2,3 (no template, no BOS added).
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Render the prompt as a user message with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// A system message (with --chat).
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when the text contains this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Positions of KV cache (default: the model's context, at most 4096).
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// Tokens per prefill step.
+    #[arg(long, default_value_t = 512)]
+    batch_tokens: usize,
+    /// Compute threads (default: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// Print one JSON object instead of the text.
+    #[arg(long)]
+    json: bool,
+}
+
+fn parse_dtype(s: &str) -> Result<sluice::dtype::DType, String> {
+    sluice::dtype::ALL_DTYPES
+        .iter()
+        .copied()
+        .find(|d| d.name() == s)
+        .ok_or_else(|| format!("unknown dtype {s:?}: expected f32, f16, bf16, q8_0, q4_0 or q4_1"))
 }
 
 fn parse_codec(s: &str) -> Result<Codec, String> {
@@ -97,6 +220,89 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> Result<std::process::ExitCode> {
     match cli.cmd {
+        Cmd::Run(a) => {
+            run_prompt(a)?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Cmd::Synth {
+            output,
+            layers,
+            size,
+            hidden,
+            dtype,
+            intermediate,
+            heads,
+            kv_heads,
+            vocab,
+            seed,
+            codec,
+            frame_size,
+            force,
+        } => {
+            let mut spec = sluice::import::synth::SynthSpec::llama_like(hidden, 0, dtype);
+            spec.intermediate = intermediate.unwrap_or(spec.intermediate);
+            spec.heads = heads.unwrap_or(spec.heads);
+            spec.kv_heads = kv_heads.unwrap_or(if heads.is_some() {
+                spec.heads
+            } else {
+                spec.kv_heads
+            });
+            spec.vocab = vocab;
+            spec.seed = seed;
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            synth(
+                output,
+                layers,
+                size,
+                spec,
+                store::writer::PackOptions {
+                    codec,
+                    frame_size,
+                    threads,
+                    force,
+                },
+            )?;
+            Ok(std::process::ExitCode::SUCCESS)
+        }
+        Cmd::BenchIo {
+            dir,
+            engine,
+            qd,
+            request_size,
+            read_buffers,
+            workers,
+            slots,
+            passes,
+            buffered,
+            json,
+        } => {
+            let store = std::sync::Arc::new(Store::open(&dir)?);
+            let defaults = sluice::io::IoConfig::default();
+            let cfg = sluice::io::IoConfig {
+                engine,
+                direct: !buffered,
+                queue_depth: qd,
+                request_bytes: usize::try_from(request_size).context("--request-size")?,
+                read_buffers: read_buffers.unwrap_or(qd),
+                staging_slots: slots.max(2),
+                workers: workers.unwrap_or(defaults.workers),
+                pread_threads: qd.min(64),
+                decompress: true,
+            };
+            let opts = sluice::io::bench::BenchIoOptions {
+                cfg,
+                passes: passes.max(1),
+                ahead: slots.max(2) - 1,
+                core_sample_bytes: 512 << 20,
+            };
+            let report = sluice::io::bench::bench_io(store, &opts)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&report)?);
+            } else {
+                print_bench_io(&report);
+            }
+            Ok(std::process::ExitCode::SUCCESS)
+        }
         Cmd::Pack {
             src,
             output,
@@ -167,6 +373,266 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
                 bail!("{}: {} of {} frames are bad (listed above); repack the model or restore weights.bin", dir.display(), report.faults.len(), report.frames)
             }
         }
+    }
+}
+
+fn synth(
+    output: PathBuf,
+    layers: Option<u32>,
+    size: Option<u64>,
+    spec: sluice::import::synth::SynthSpec,
+    opts: store::writer::PackOptions,
+) -> Result<()> {
+    use sluice::import::synth;
+    if spec.vocab < 256 {
+        bail!(
+            "--vocab {} is below 256 (the synthetic vocabulary holds every byte)",
+            spec.vocab
+        );
+    }
+    if spec.heads == 0
+        || !spec.hidden.is_multiple_of(spec.heads)
+        || spec.kv_heads == 0
+        || !spec.heads.is_multiple_of(spec.kv_heads)
+    {
+        bail!(
+            "--heads {} must divide --hidden {} and be a multiple of --kv-heads {}",
+            spec.heads,
+            spec.hidden,
+            spec.kv_heads
+        );
+    }
+    let mut spec = spec;
+    spec.layers = match (layers, size) {
+        (Some(l), _) => l,
+        (None, Some(bytes)) => {
+            (bytes.saturating_sub(spec.fixed_bytes()) / spec.layer_bytes().max(1)).max(1) as u32
+        }
+        (None, None) => bail!("give --layers N or --size SIZE"),
+    };
+    let model = synth::model(&spec);
+    let units = model.units()?;
+    println!(
+        "note: random weights do not compress like trained ones: ratios and decode rates measured on this store differ from a real model's (trained bf16 reaches ~0.68 with zstd:1 + byte split; random bf16 does worse)"
+    );
+    let total: u64 = model.tensors.values().map(|t| t.len).sum();
+    let pb = progress_bar(total, "synth");
+    let t0 = Instant::now();
+    let report = store::writer::pack(&model, &units, &output, &opts, |b| pb.inc(b))?;
+    pb.finish_and_clear();
+    println!(
+        "wrote {}: {} layers x hidden {} ({}, intermediate {}, heads {}/{}), {} raw -> {} stored (ratio {:.3}, {}) in {:.1} s",
+        output.display(),
+        spec.layers,
+        spec.hidden,
+        spec.dtype,
+        spec.intermediate,
+        spec.heads,
+        spec.kv_heads,
+        fmt_bytes(report.raw_bytes),
+        fmt_bytes(report.stored_bytes),
+        report.stored_bytes as f64 / report.raw_bytes.max(1) as f64,
+        opts.codec,
+        t0.elapsed().as_secs_f64()
+    );
+    Ok(())
+}
+
+fn run_prompt(a: RunArgs) -> Result<()> {
+    use sluice::backend::{cpu::CpuBackend, Backend};
+    use sluice::engine::generate::{generate, GenerateParams};
+    use sluice::text::{ChatMessage, ChatTemplate, SamplingParams, Tokenizer};
+    use std::io::Write;
+    let store = std::sync::Arc::new(Store::open(&a.dir)?);
+    let m = store.manifest();
+    let tok = Tokenizer::from_manifest(m)?;
+    let prompt_ids = if let Some(ids) = a.prompt_ids.clone() {
+        if let Some(bad) = ids.iter().find(|&&i| i >= m.arch.vocab) {
+            bail!(
+                "--prompt-ids: token id {bad} is past the vocabulary ({})",
+                m.arch.vocab
+            );
+        }
+        ids
+    } else {
+        let text = match (&a.prompt, &a.prompt_file) {
+            (Some(p), _) => p.clone(),
+            (None, Some(f)) => std::fs::read_to_string(f)
+                .with_context(|| format!("read --prompt-file {}", f.display()))?,
+            (None, None) => unreachable!("clap requires one input"),
+        };
+        if a.chat {
+            let src = m
+                .chat_template
+                .as_deref()
+                .context("--chat: this model has no chat template")?;
+            let piece = |id: Option<u32>| id.map(|i| tok.piece(i)).unwrap_or_default();
+            let t = ChatTemplate::new(src, piece(m.special.bos), piece(m.special.eos))?;
+            let mut msgs = Vec::new();
+            if let Some(s) = &a.system {
+                msgs.push(ChatMessage {
+                    role: "system".into(),
+                    content: s.clone(),
+                });
+            }
+            msgs.push(ChatMessage {
+                role: "user".into(),
+                content: text,
+            });
+            tok.encode(&t.render(&msgs, true)?, false)?
+        } else {
+            tok.encode(&text, true)?
+        }
+    };
+    let max_context = a
+        .max_context
+        .unwrap_or((m.arch.max_context as usize).min(4096));
+    let opts = sluice::model::ModelOptions {
+        max_context,
+        kv_slots: 1,
+        max_batch_tokens: a.batch_tokens.max(1),
+    };
+    let budget = m.raw_bytes()
+        + sluice::model::llama::kv_cache_bytes(&m.arch, &opts)
+        + sluice::model::llama::workspace_bytes(&m.arch, &opts)
+        + 4096 * (m.units.len() as u64 + 16);
+    let backend = CpuBackend::new(budget, a.threads)?;
+    let threads = backend.threads();
+    let io = sluice::io::IoConfig {
+        staging_slots: 2,
+        queue_depth: 16,
+        read_buffers: 16,
+        ..Default::default()
+    };
+    let mut runner = sluice::engine::Runner::load_resident(backend, store.clone(), opts, io)?;
+    let params = GenerateParams {
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            seed: a.seed,
+        },
+        stop: a.stop.clone(),
+    };
+    let stdout = std::io::stdout();
+    let out = generate(&mut runner, &tok, &prompt_ids, &params, |piece| {
+        if !a.json {
+            let mut l = stdout.lock();
+            let _ = l.write_all(piece.as_bytes());
+            let _ = l.flush();
+        }
+    })?;
+    let b = &runner.backend;
+    if a.json {
+        let j = serde_json::json!({
+            "prompt_token_ids": out.prompt_token_ids,
+            "generated_token_ids": out.generated_token_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+            "prompt_tokens": out.prompt_token_ids.len(),
+            "generated_tokens": out.generated_token_ids.len(),
+            "prefill_s": out.prefill_s,
+            "decode_s": out.decode_s,
+            "prefill_tokens_per_s": out.prefill_tokens_per_s(),
+            "decode_tokens_per_s": out.decode_tokens_per_s(),
+            "backend": b.name(),
+            "threads": threads,
+            "device_bytes_budget": b.budget().limit(),
+            "device_bytes_peak": b.budget().peak(),
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+    } else {
+        println!();
+        eprintln!(
+            "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens in {:.3} s ({:.1} tokens/s); finish: {:?}; device memory peak {} of {}",
+            out.prompt_token_ids.len(),
+            out.prefill_s,
+            out.prefill_tokens_per_s(),
+            out.decode_steps,
+            out.decode_s,
+            out.decode_tokens_per_s(),
+            out.finish_reason,
+            fmt_bytes(b.budget().peak()),
+            fmt_bytes(b.budget().limit())
+        );
+    }
+    Ok(())
+}
+
+fn print_bench_io(r: &sluice::io::bench::BenchIoReport) {
+    println!(
+        "engine {}{} (qd {}, request {}, {} read buffers, {} workers), {} passes over {} units",
+        r.engine,
+        if r.direct {
+            " + O_DIRECT"
+        } else {
+            " (buffered)"
+        },
+        r.queue_depth,
+        fmt_bytes(r.request_bytes as u64),
+        r.read_buffers,
+        r.workers,
+        r.passes,
+        r.units
+    );
+    if !r.fallback_reason.is_empty() {
+        println!("fallback: {}", r.fallback_reason);
+    }
+    println!("page cache between passes: {}", r.cache_drop);
+    println!(
+        "per pass: {} stored -> {} raw (ratio {:.3})",
+        fmt_bytes(r.stored_bytes_per_pass),
+        fmt_bytes(r.raw_bytes_per_pass),
+        r.ratio
+    );
+    println!();
+    println!("{:<34} {:>10}", "rate", "GB/s");
+    println!("{:<34} {:>10.3}", "read (compressed bytes)", r.read_gbps);
+    println!(
+        "{:<34} {:>10.3}",
+        "decompressed bytes produced", r.decompressed_gbps
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "limit: raw read, decode off", r.raw_read_gbps
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "limit: one core decoding", r.core_decompress_gbps
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "bound min(read/ratio, workers*core)", r.bound_gbps
+    );
+    println!("{:<34} {:>10.3}", "decompressed / bound", r.bound_ratio);
+    println!();
+    let st = &r.stalls;
+    println!("{:<34} {:>10}", "stage time", "seconds");
+    println!("{:<34} {:>10.3}", "wall", r.seconds);
+    println!(
+        "{:<34} {:>10.3}",
+        "disk busy (a read in flight)", st.read_busy_s
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "decode busy (summed over workers)", st.decompress_busy_s
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "stall: consumer waiting for layers", st.consumer_wait_s
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "stall: reads waiting for buffers", st.read_buffer_s
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "stall: requests waiting for slots", st.staging_slot_s
+    );
+    if r.short_reads > 0 {
+        println!("short reads resubmitted: {}", r.short_reads);
     }
 }
 

@@ -533,6 +533,7 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
                     offset,
                     len,
                     unpermute_heads,
+                    synthetic_seed: None,
                 },
             )
             .is_some()

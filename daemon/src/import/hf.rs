@@ -252,6 +252,7 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                     offset: (data.as_ptr() as usize - base) as u64,
                     len: data.len() as u64,
                     unpermute_heads: None,
+                    synthetic_seed: None,
                 };
                 if tensors.insert(name.clone(), t).is_some() {
                     return Err(ImportError::malformed(

@@ -4,6 +4,7 @@
 
 pub mod gguf;
 pub mod hf;
+pub mod synth;
 
 use crate::dtype::DType;
 use crate::model::ArchConfig;
@@ -61,6 +62,8 @@ pub struct SourceTensor {
     /// GGUF stores llama q/k rows permuted for interleaved rotary pairs; `Some(heads)` undoes
     /// that on copy so every importer yields the Hugging Face (rotate-half) row order.
     pub unpermute_heads: Option<u32>,
+    /// Generated rather than read (`sluiced synth`): the seed of its random weights.
+    pub synthetic_seed: Option<u64>,
 }
 
 pub struct ImportedModel {
@@ -141,6 +144,10 @@ impl ImportedModel {
 
     /// Copies a tensor into `dst` in canonical row order.
     pub fn copy_tensor(&self, t: &SourceTensor, dst: &mut [u8]) {
+        if let Some(seed) = t.synthetic_seed {
+            synth::fill(t.dtype, &t.shape, seed, dst);
+            return;
+        }
         let src = self.source_bytes(t);
         assert_eq!(src.len(), dst.len());
         let Some(heads) = t.unpermute_heads else {

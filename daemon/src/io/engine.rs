@@ -1046,12 +1046,26 @@ impl Loop {
             .read_bytes
             .fetch_add(res as u64, Ordering::Relaxed);
         a.chunks[chunk_idx].done = true;
-        // Dispatch every frame of this chunk whose reads have all landed.
+        // Dispatch every frame of this chunk whose reads have all landed. Without decoding
+        // a frame completes right here, so every chunk its frames span may free too.
         let frames = a.chunks[chunk_idx].frames.clone();
+        let req = self.cfg.request_bytes as u64;
+        let unit_frames = &self.store.units()[a.unit].frames;
+        let span = |f: usize| {
+            Self::chunks_of(
+                a,
+                (unit_frames[f].file_offset, unit_frames[f].stored_len()),
+                req,
+            )
+        };
+        let touched = match (frames.clone().next(), frames.clone().last()) {
+            (Some(lo), Some(hi)) => span(lo).start.min(chunk_idx)..span(hi).end.max(chunk_idx + 1),
+            _ => chunk_idx..chunk_idx + 1,
+        };
         for f in frames {
             self.dispatch(slot, f);
         }
-        self.release_chunks(slot, chunk_idx..chunk_idx + 1);
+        self.release_chunks(slot, touched);
         self.maybe_finish(slot);
     }
 
@@ -1199,7 +1213,10 @@ impl Loop {
         };
         if a.aborted {
             if a.ops == 0 && a.at_worker == 0 {
-                debug_assert!(a.chunks.iter().all(|c| c.buf.is_none()));
+                assert!(
+                    a.chunks.iter().all(|c| c.buf.is_none()),
+                    "a finished unit still holds read buffers"
+                );
                 self.active[slot] = None;
                 self.order.retain(|&s| s != slot);
                 self.free_slot(slot);
@@ -1207,7 +1224,10 @@ impl Loop {
             return;
         }
         if a.frames_left == 0 && a.ops == 0 {
-            debug_assert!(a.chunks.iter().all(|c| c.buf.is_none()));
+            assert!(
+                a.chunks.iter().all(|c| c.buf.is_none()),
+                "a finished unit still holds read buffers"
+            );
             let ticket = a.ticket;
             self.active[slot] = None;
             self.order.retain(|&s| s != slot);
@@ -1239,7 +1259,8 @@ impl Loop {
                 .as_ref()
                 .is_some_and(|a| !a.aborted && a.next_chunk < a.chunks.len())
         });
-        let buf_starved = wants_buf && self.free_bufs.is_empty();
+        // Only when the queue has room: a full queue is the disk's pace, not a stall.
+        let buf_starved = wants_buf && self.free_bufs.is_empty() && !self.free_ops.is_empty();
         let slot_starved = !self.queue.is_empty();
         let c = &self.shared.counters;
         match (buf_starved, self.buf_starved_since) {

@@ -11,6 +11,7 @@
 //! Every buffer (read buffers, staging slots, decoder scratch) is allocated once in
 //! `IoEngine::new`; a full pool is back-pressure, never an allocation.
 
+pub mod bench;
 pub mod buffers;
 mod engine;
 mod pread;

@@ -1,0 +1,446 @@
+//! The CPU backend: device memory is host memory carved from a budgeted arena (so the
+//! streaming path and its budget are real without a GPU), ops are multi-threaded with
+//! rayon, dense tiles go through `matrixmultiply`'s sgemm, and quantized weights are
+//! dequantized a tile of rows at a time (never a whole matrix).
+
+pub mod kernels;
+
+use super::{AttnShape, AttnStep, Backend, BackendError, MemBudget, WeightRef};
+use crate::dtype::DType;
+use crate::io::buffers::AlignedBuf;
+use rayon::prelude::*;
+use std::cell::RefCell;
+use std::sync::Arc;
+
+/// Rows of activations up to which a matmul runs as dot products (each weight row read
+/// once per activation row); above it, weight tiles are dequantized once and multiplied
+/// with sgemm.
+const GEMV_ROWS_MAX: usize = 3;
+/// Weight rows per sgemm tile.
+const TILE_ROWS: usize = 32;
+
+/// A device allocation of the CPU backend.
+pub struct CpuMem {
+    buf: AlignedBuf,
+    len: usize,
+    budget: Arc<MemBudget>,
+}
+
+impl Drop for CpuMem {
+    fn drop(&mut self) {
+        self.budget.release(self.buf.len() as u64);
+    }
+}
+
+impl CpuMem {
+    pub fn bytes(&self) -> &[u8] {
+        &self.buf.as_slice()[..self.len]
+    }
+
+    pub fn f32s(&self) -> &[f32] {
+        // SAFETY: the buffer is 4096-aligned, every bit pattern is a valid f32, and the
+        // length is rounded down to whole elements.
+        unsafe { std::slice::from_raw_parts(self.buf.as_ptr() as *const f32, self.len / 4) }
+    }
+
+    pub fn f32s_mut(&mut self) -> &mut [f32] {
+        // SAFETY: as above, with exclusive access through &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.buf.as_ptr() as *mut f32, self.len / 4) }
+    }
+}
+
+pub struct CpuBackend {
+    budget: Arc<MemBudget>,
+    pool: rayon::ThreadPool,
+}
+
+impl CpuBackend {
+    /// `threads` compute threads (0: all cores).
+    pub fn new(budget_bytes: u64, threads: usize) -> Result<CpuBackend, BackendError> {
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .thread_name(|i| format!("sluice-cpu-{i}"))
+            .build()
+            .map_err(|e| BackendError::Invalid(format!("compute threads: {e}")))?;
+        Ok(CpuBackend {
+            budget: Arc::new(MemBudget::new(budget_bytes)),
+            pool,
+        })
+    }
+
+    pub fn threads(&self) -> usize {
+        self.pool.current_num_threads()
+    }
+}
+
+fn weight_bytes<'a>(w: &WeightRef<'a, CpuMem>) -> &'a [u8] {
+    let rb = w.dtype.row_bytes(w.cols as u64).expect("validated shapes") as usize;
+    &w.mem.bytes()[w.offset..w.offset + rb * w.rows]
+}
+
+fn f32_vector<'a>(w: &WeightRef<'a, CpuMem>, scratch: &'a mut Vec<f32>) -> &'a [f32] {
+    let n = w.rows * w.cols;
+    let bytes = weight_bytes(w);
+    if w.dtype == DType::F32 && w.offset.is_multiple_of(4) {
+        // SAFETY: 4-aligned (allocation aligned, offset checked), n f32 inside the bytes.
+        return unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, n) };
+    }
+    scratch.resize(n, 0.0);
+    kernels::dequant_rows(w.dtype, bytes, bytes.len() / w.rows.max(1), w.cols, scratch);
+    scratch
+}
+
+/// A pointer that parallel tasks write through at disjoint places.
+#[derive(Clone, Copy)]
+struct SharedPtr(*mut f32);
+// SAFETY: each use below writes disjoint elements from different tasks.
+unsafe impl Send for SharedPtr {}
+unsafe impl Sync for SharedPtr {}
+
+thread_local! {
+    static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+}
+
+impl Backend for CpuBackend {
+    type Mem = CpuMem;
+
+    fn name(&self) -> &'static str {
+        "cpu"
+    }
+
+    fn budget(&self) -> &MemBudget {
+        &self.budget
+    }
+
+    fn alloc(&self, bytes: usize, what: &str) -> Result<CpuMem, BackendError> {
+        let rounded =
+            bytes.max(1).div_ceil(crate::io::buffers::IO_ALIGN) * crate::io::buffers::IO_ALIGN;
+        self.budget.reserve(rounded as u64, what)?;
+        match AlignedBuf::new(rounded) {
+            Some(buf) => Ok(CpuMem {
+                buf,
+                len: bytes,
+                budget: self.budget.clone(),
+            }),
+            None => {
+                self.budget.release(rounded as u64);
+                Err(BackendError::Alloc {
+                    what: what.to_string(),
+                    bytes: bytes as u64,
+                })
+            }
+        }
+    }
+
+    fn mem_len(&self, mem: &CpuMem) -> usize {
+        mem.len
+    }
+
+    fn upload(&self, dst: &mut CpuMem, src: &[u8]) -> Result<(), BackendError> {
+        if src.len() > dst.len {
+            return Err(BackendError::Invalid(format!(
+                "upload of {} bytes into an allocation of {}",
+                src.len(),
+                dst.len
+            )));
+        }
+        dst.buf.as_mut_slice()[..src.len()].copy_from_slice(src);
+        Ok(())
+    }
+
+    fn download_f32(&self, src: &CpuMem, offset: usize, out: &mut [f32]) {
+        out.copy_from_slice(&src.f32s()[offset..offset + out.len()]);
+    }
+
+    fn embedding(&self, table: WeightRef<'_, CpuMem>, ids: &[u32], out: &mut CpuMem) {
+        let cols = table.cols;
+        let rb = table.dtype.row_bytes(cols as u64).expect("validated") as usize;
+        let bytes = weight_bytes(&table);
+        let o = &mut out.f32s_mut()[..ids.len() * cols];
+        for (row, &id) in o.chunks_exact_mut(cols).zip(ids) {
+            let id = id as usize;
+            assert!(
+                id < table.rows,
+                "token id {id} past the {} embedding rows",
+                table.rows
+            );
+            kernels::dequant_rows(table.dtype, &bytes[id * rb..(id + 1) * rb], rb, cols, row);
+        }
+    }
+
+    fn rms_norm(
+        &self,
+        x: &CpuMem,
+        w: WeightRef<'_, CpuMem>,
+        eps: f32,
+        rows: usize,
+        out: &mut CpuMem,
+    ) {
+        let cols = w.cols * w.rows;
+        let mut scratch = Vec::new();
+        let wv = f32_vector(&w, &mut scratch);
+        let xs = &x.f32s()[..rows * cols];
+        let os = &mut out.f32s_mut()[..rows * cols];
+        for (xr, or) in xs.chunks_exact(cols).zip(os.chunks_exact_mut(cols)) {
+            let ss: f32 = xr.iter().map(|v| v * v).sum::<f32>() / cols as f32;
+            let inv = 1.0 / (ss + eps).sqrt();
+            for ((o, &v), &g) in or.iter_mut().zip(xr).zip(wv) {
+                *o = g * (v * inv);
+            }
+        }
+    }
+
+    fn matmul(
+        &self,
+        x: &CpuMem,
+        rows: usize,
+        w: WeightRef<'_, CpuMem>,
+        bias: Option<WeightRef<'_, CpuMem>>,
+        out: &mut CpuMem,
+    ) {
+        let (m, k) = (w.rows, w.cols);
+        assert!(
+            x.len / 4 >= rows * k && out.len / 4 >= rows * m,
+            "matmul shapes: x {} f32, out {} f32 for [{rows}, {k}] x [{m}, {k}]^T",
+            x.len / 4,
+            out.len / 4
+        );
+        let rb = w.dtype.row_bytes(k as u64).expect("validated") as usize;
+        let wb = weight_bytes(&w);
+        let xs = &x.f32s()[..rows * k];
+        let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
+        let threads = self.pool.current_num_threads();
+        self.pool.install(|| {
+            if rows <= GEMV_ROWS_MAX {
+                // Split weight rows into about 4 tasks per thread.
+                let chunk = m.div_ceil(threads * 4).max(16);
+                (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
+                    let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
+                    for r in 0..rows {
+                        let p = optr;
+                        // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
+                        let o =
+                            unsafe { std::slice::from_raw_parts_mut(p.0.add(r * m + j0), j1 - j0) };
+                        kernels::gemv(
+                            w.dtype,
+                            &wb[j0 * rb..j1 * rb],
+                            rb,
+                            &xs[r * k..(r + 1) * k],
+                            o,
+                        );
+                    }
+                });
+            } else {
+                (0..m.div_ceil(TILE_ROWS)).into_par_iter().for_each(|t| {
+                    let (j0, j1) = (t * TILE_ROWS, ((t + 1) * TILE_ROWS).min(m));
+                    let nb = j1 - j0;
+                    TILE.with(|tile| {
+                        let mut tile = tile.borrow_mut();
+                        tile.resize(TILE_ROWS * k, 0.0);
+                        kernels::dequant_rows(
+                            w.dtype,
+                            &wb[j0 * rb..j1 * rb],
+                            rb,
+                            k,
+                            &mut tile[..nb * k],
+                        );
+                        let p = optr;
+                        // SAFETY: C = X[rows, k] . T^T lands in out[.., j0..j1] (row stride m),
+                        // disjoint across tasks; A and B are live slices of the given sizes.
+                        unsafe {
+                            matrixmultiply::sgemm(
+                                rows,
+                                k,
+                                nb,
+                                1.0,
+                                xs.as_ptr(),
+                                k as isize,
+                                1,
+                                tile.as_ptr(),
+                                1,
+                                k as isize,
+                                0.0,
+                                p.0.add(j0),
+                                m as isize,
+                                1,
+                            );
+                        }
+                    });
+                });
+            }
+        });
+        if let Some(b) = bias {
+            let mut scratch = Vec::new();
+            let bv = f32_vector(&b, &mut scratch);
+            for orow in out.f32s_mut()[..rows * m].chunks_exact_mut(m) {
+                for (o, bb) in orow.iter_mut().zip(bv) {
+                    *o += bb;
+                }
+            }
+        }
+    }
+
+    fn rope(
+        &self,
+        x: &mut CpuMem,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        table: &CpuMem,
+    ) {
+        let half = head_dim / 2;
+        let t = table.f32s();
+        let xs = &mut x.f32s_mut()[..rows * heads * head_dim];
+        for (r, row) in xs.chunks_exact_mut(heads * head_dim).enumerate() {
+            let cs = &t[positions[r] as usize * half * 2..(positions[r] as usize + 1) * half * 2];
+            for h in row.chunks_exact_mut(head_dim) {
+                let (a, b) = h.split_at_mut(half);
+                for i in 0..half {
+                    let (c, s) = (cs[2 * i], cs[2 * i + 1]);
+                    let (x1, x2) = (a[i], b[i]);
+                    a[i] = x1 * c - x2 * s;
+                    b[i] = x2 * c + x1 * s;
+                }
+            }
+        }
+    }
+
+    fn kv_store(
+        &self,
+        k: &CpuMem,
+        v: &CpuMem,
+        cache_k: &mut CpuMem,
+        cache_v: &mut CpuMem,
+        step: &AttnStep<'_>,
+    ) {
+        let (layer, spans, shape) = (step.layer, step.spans, step.shape);
+        let width = shape.kv_heads * shape.head_dim;
+        let base = layer * shape.layer_elems();
+        for (src, dst) in [(k, cache_k), (v, cache_v)] {
+            let s = src.f32s();
+            let d = dst.f32s_mut();
+            for sp in spans {
+                assert!(
+                    sp.pos + sp.n <= shape.max_context && sp.slot < shape.slots,
+                    "span {sp:?} outside the KV cache"
+                );
+                let at = base + (sp.slot * shape.max_context + sp.pos) * width;
+                d[at..at + sp.n * width]
+                    .copy_from_slice(&s[sp.row * width..(sp.row + sp.n) * width]);
+            }
+        }
+    }
+
+    fn attention(
+        &self,
+        q: &CpuMem,
+        cache_k: &CpuMem,
+        cache_v: &CpuMem,
+        step: &AttnStep<'_>,
+        out: &mut CpuMem,
+    ) {
+        let (layer, spans, shape) = (step.layer, step.spans, step.shape);
+        let AttnShape {
+            heads,
+            kv_heads,
+            head_dim,
+            max_context,
+            ..
+        } = shape;
+        let group = heads / kv_heads;
+        let width_q = heads * head_dim;
+        let width_kv = kv_heads * head_dim;
+        let base = layer * shape.layer_elems();
+        let (qs, ks, vs) = (q.f32s(), cache_k.f32s(), cache_v.f32s());
+        let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
+        let scale = 1.0 / (head_dim as f32).sqrt();
+        let tasks: Vec<(usize, usize)> = spans
+            .iter()
+            .enumerate()
+            .flat_map(|(i, _)| (0..heads).map(move |h| (i, h)))
+            .collect();
+        self.pool.install(|| {
+            tasks.par_iter().for_each(|&(si, h)| {
+                let sp = spans[si];
+                let g = h / group;
+                let slot_base = base + sp.slot * max_context * width_kv;
+                SCORES.with(|sc| {
+                    let mut sc = sc.borrow_mut();
+                    for t in 0..sp.n {
+                        let p = sp.pos + t; // attends to positions 0..=p
+                        let qrow = &qs[(sp.row + t) * width_q + h * head_dim..][..head_dim];
+                        sc.resize(p + 1, 0.0);
+                        let mut mx = f32::NEG_INFINITY;
+                        for (j, s) in sc.iter_mut().enumerate() {
+                            let krow = &ks[slot_base + j * width_kv + g * head_dim..][..head_dim];
+                            let mut acc = [0f32; 8];
+                            for (qc, kc) in qrow.chunks_exact(8).zip(krow.chunks_exact(8)) {
+                                for l in 0..8 {
+                                    acc[l] += qc[l] * kc[l];
+                                }
+                            }
+                            let mut d: f32 = acc.iter().sum();
+                            for i in head_dim / 8 * 8..head_dim {
+                                d += qrow[i] * krow[i];
+                            }
+                            *s = d * scale;
+                            mx = mx.max(*s);
+                        }
+                        let mut sum = 0f32;
+                        for s in sc.iter_mut() {
+                            *s = (*s - mx).exp();
+                            sum += *s;
+                        }
+                        let inv = 1.0 / sum;
+                        let p_out = optr;
+                        // SAFETY: task (span, head) writes its own head's columns of its own
+                        // rows; no two tasks share a (row, head).
+                        let o = unsafe {
+                            std::slice::from_raw_parts_mut(
+                                p_out.0.add((sp.row + t) * width_q + h * head_dim),
+                                head_dim,
+                            )
+                        };
+                        o.fill(0.0);
+                        for (j, &s) in sc.iter().enumerate() {
+                            let w = s * inv;
+                            let vrow = &vs[slot_base + j * width_kv + g * head_dim..][..head_dim];
+                            for (ov, &vv) in o.iter_mut().zip(vrow) {
+                                *ov += w * vv;
+                            }
+                        }
+                    }
+                });
+            });
+        });
+    }
+
+    fn silu_mul(&self, gate: &mut CpuMem, up: &CpuMem, n: usize) {
+        for (g, &u) in gate.f32s_mut()[..n].iter_mut().zip(&up.f32s()[..n]) {
+            *g = *g / (1.0 + (-*g).exp()) * u;
+        }
+    }
+
+    fn add(&self, x: &mut CpuMem, y: &CpuMem, n: usize) {
+        for (a, &b) in x.f32s_mut()[..n].iter_mut().zip(&y.f32s()[..n]) {
+            *a += b;
+        }
+    }
+
+    fn copy_row(
+        &self,
+        src: &CpuMem,
+        src_row: usize,
+        dst: &mut CpuMem,
+        dst_row: usize,
+        cols: usize,
+    ) {
+        let s = &src.f32s()[src_row * cols..(src_row + 1) * cols];
+        dst.f32s_mut()[dst_row * cols..(dst_row + 1) * cols].copy_from_slice(s);
+    }
+}
+
+#[cfg(test)]
+mod tests;

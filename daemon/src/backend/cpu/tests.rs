@@ -1,0 +1,298 @@
+//! Every CPU op against a naive f64 reference on seeded random inputs (STYLE.md 10).
+
+use super::CpuBackend;
+use crate::backend::{rope_table, AttnShape, AttnStep, Backend, SeqSpan, WeightRef};
+use crate::dtype::{DType, ALL_DTYPES};
+use crate::model::{Arch, ArchConfig, RopeScaling};
+use half::{bf16, f16};
+
+struct Rng(u64);
+impl Rng {
+    fn f(&mut self) -> f32 {
+        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
+    }
+    fn vec(&mut self, n: usize) -> Vec<f32> {
+        (0..n).map(|_| self.f()).collect()
+    }
+}
+
+fn backend() -> CpuBackend {
+    CpuBackend::new(1 << 30, 2).unwrap()
+}
+
+fn mem_f32(b: &CpuBackend, v: &[f32]) -> super::CpuMem {
+    let mut m = b.alloc(v.len() * 4, "test").unwrap();
+    m.f32s_mut()[..v.len()].copy_from_slice(v);
+    m
+}
+
+fn mem_bytes(b: &CpuBackend, v: &[u8]) -> super::CpuMem {
+    let mut m = b.alloc(v.len(), "test").unwrap();
+    b.upload(&mut m, v).unwrap();
+    m
+}
+
+/// Quantizes like llama.cpp's reference quantizers; returns bytes and the exact values the
+/// bytes encode (the reference multiplies with those).
+fn encode(dtype: DType, v: &[f32]) -> (Vec<u8>, Vec<f64>) {
+    let mut out = Vec::new();
+    let mut exact = Vec::new();
+    match dtype {
+        DType::F32 => v.iter().for_each(|x| {
+            out.extend_from_slice(&x.to_le_bytes());
+            exact.push(*x as f64);
+        }),
+        DType::F16 => v.iter().for_each(|x| {
+            let h = f16::from_f32(*x);
+            out.extend_from_slice(&h.to_le_bytes());
+            exact.push(h.to_f64());
+        }),
+        DType::BF16 => v.iter().for_each(|x| {
+            let h = bf16::from_f32(*x);
+            out.extend_from_slice(&h.to_le_bytes());
+            exact.push(h.to_f64());
+        }),
+        DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            for b in v.chunks(32) {
+                let (mn, mx) = b.iter().fold((f32::MAX, f32::MIN), |(a, c), x| (a.min(*x), c.max(*x)));
+                let amax = mx.abs().max(mn.abs());
+                let (d, m) = match dtype {
+                    DType::Q8_0 => (amax / 127.0, 0.0),
+                    DType::Q4_0 => (amax / 8.0, 0.0),
+                    _ => ((mx - mn) / 15.0, mn),
+                };
+                let dh = f16::from_f32(d);
+                let mh = f16::from_f32(m);
+                out.extend_from_slice(&dh.to_le_bytes());
+                if dtype == DType::Q4_1 {
+                    out.extend_from_slice(&mh.to_le_bytes());
+                }
+                let (d64, m64) = (dh.to_f64(), mh.to_f64());
+                let q = |x: f32| -> i32 {
+                    let d = dh.to_f32();
+                    if d == 0.0 {
+                        return if dtype == DType::Q4_0 { 8 } else { 0 };
+                    }
+                    match dtype {
+                        DType::Q8_0 => ((x / d).round() as i32).clamp(-127, 127),
+                        DType::Q4_0 => ((x / d).round() as i32 + 8).clamp(0, 15),
+                        _ => (((x - mh.to_f32()) / d).round() as i32).clamp(0, 15),
+                    }
+                };
+                let qs: Vec<i32> = b.iter().map(|&x| q(x)).collect();
+                if dtype == DType::Q8_0 {
+                    qs.iter().for_each(|&q| out.push(q as i8 as u8));
+                } else {
+                    (0..16).for_each(|j| out.push((qs[j] | (qs[j + 16] << 4)) as u8));
+                }
+                for &q in &qs {
+                    exact.push(match dtype {
+                        DType::Q8_0 => d64 * q as f64,
+                        DType::Q4_0 => d64 * (q - 8) as f64,
+                        _ => d64 * q as f64 + m64,
+                    });
+                }
+            }
+        }
+    }
+    (out, exact)
+}
+
+#[test]
+fn matmul_matches_f64_for_every_dtype_in_both_paths() {
+    let b = backend();
+    let mut r = Rng(1);
+    let (m, k) = (70, 96);
+    for dtype in ALL_DTYPES {
+        let (wb, wx) = encode(dtype, &r.vec(m * k));
+        let w = mem_bytes(&b, &wb);
+        let bias = r.vec(m);
+        let bias_mem = mem_f32(&b, &bias);
+        // 1 and 3 rows take the dot-product path, 5 and 17 the sgemm tile path.
+        for rows in [1, 3, 5, 17] {
+            let x = r.vec(rows * k);
+            let xm = mem_f32(&b, &x);
+            let mut out = b.alloc(rows * m * 4, "out").unwrap();
+            let wr = WeightRef { mem: &w, offset: 0, dtype, rows: m, cols: k };
+            let br = WeightRef { mem: &bias_mem, offset: 0, dtype: DType::F32, rows: 1, cols: m };
+            b.matmul(&xm, rows, wr, Some(br), &mut out);
+            for i in 0..rows {
+                for j in 0..m {
+                    let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * wx[j * k + c]).sum::<f64>() + bias[j] as f64;
+                    let got = out.f32s()[i * m + j] as f64;
+                    assert!((got - want).abs() <= 2e-5 * (1.0 + want.abs()), "{dtype} rows {rows} [{i},{j}]: {got} vs {want}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn embedding_rms_norm_silu_add_match_f64() {
+    let b = backend();
+    let mut r = Rng(2);
+    let (vocab, h) = (40, 64);
+    for dtype in ALL_DTYPES {
+        let (tb, tx) = encode(dtype, &r.vec(vocab * h));
+        let t = mem_bytes(&b, &tb);
+        let ids = [3u32, 0, 39, 3];
+        let mut out = b.alloc(ids.len() * h * 4, "out").unwrap();
+        b.embedding(WeightRef { mem: &t, offset: 0, dtype, rows: vocab, cols: h }, &ids, &mut out);
+        for (i, &id) in ids.iter().enumerate() {
+            for c in 0..h {
+                let want = tx[id as usize * h + c];
+                assert!((out.f32s()[i * h + c] as f64 - want).abs() <= 1e-6 * want.abs().max(1e-3), "{dtype}");
+            }
+        }
+    }
+    let rows = 3;
+    let x = r.vec(rows * h);
+    let g = r.vec(h);
+    let (xm, gm) = (mem_f32(&b, &x), mem_f32(&b, &g));
+    let mut out = b.alloc(rows * h * 4, "out").unwrap();
+    b.rms_norm(&xm, WeightRef { mem: &gm, offset: 0, dtype: DType::F32, rows: 1, cols: h }, 1e-5, rows, &mut out);
+    for i in 0..rows {
+        let ms: f64 = x[i * h..(i + 1) * h].iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / h as f64;
+        for c in 0..h {
+            let want = x[i * h + c] as f64 / (ms + 1e-5).sqrt() * g[c] as f64;
+            assert!((out.f32s()[i * h + c] as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()));
+        }
+    }
+    let (gate, up) = (r.vec(100), r.vec(100));
+    let mut gm = mem_f32(&b, &gate);
+    let um = mem_f32(&b, &up);
+    b.silu_mul(&mut gm, &um, 100);
+    for i in 0..100 {
+        let g = gate[i] as f64;
+        let want = g / (1.0 + (-g).exp()) * up[i] as f64;
+        assert!((gm.f32s()[i] as f64 - want).abs() <= 1e-6);
+    }
+    let mut am = mem_f32(&b, &gate);
+    b.add(&mut am, &um, 100);
+    assert!((0..100).all(|i| am.f32s()[i] == gate[i] + up[i]));
+}
+
+fn cfg(head_dim: u32, rope_scaling: Option<RopeScaling>) -> ArchConfig {
+    ArchConfig {
+        arch: Arch::Llama,
+        name: String::new(),
+        n_layers: 1,
+        hidden: 64,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim,
+        intermediate: 64,
+        vocab: 10,
+        max_context: 64,
+        rope_theta: 500000.0,
+        rope_scaling,
+        rms_eps: 1e-5,
+        tied_embeddings: true,
+        qkv_bias: false,
+        sliding_window: None,
+    }
+}
+
+#[test]
+fn rope_matches_f64_rotate_half_for_default_and_llama3_scaling() {
+    let b = backend();
+    let mut r = Rng(3);
+    let hd = 16usize;
+    let llama3 = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 64 };
+    for scaling in [None, Some(llama3)] {
+        let c = cfg(hd as u32, scaling.clone());
+        let table = rope_table(&c, 64);
+        let tm = mem_f32(&b, &table);
+        let heads = 3;
+        let positions = [0u32, 5, 63];
+        let x = r.vec(positions.len() * heads * hd);
+        let mut xm = mem_f32(&b, &x);
+        b.rope(&mut xm, positions.len(), heads, hd, &positions, &tm);
+        // transformers: inv_freq (with llama3 smoothing), rotate_half.
+        let inv: Vec<f64> = crate::backend::inv_freq(&c);
+        if scaling.is_some() {
+            // The lowest frequencies are divided by the factor, the highest kept.
+            let base: Vec<f64> = (0..hd / 2).map(|i| 1.0 / 500000f64.powf(2.0 * i as f64 / hd as f64)).collect();
+            assert_eq!(inv[0], base[0]);
+            assert!((inv[hd / 2 - 1] - base[hd / 2 - 1] / 8.0).abs() < 1e-18);
+        }
+        for (ri, &p) in positions.iter().enumerate() {
+            for h in 0..heads {
+                let at = (ri * heads + h) * hd;
+                for i in 0..hd {
+                    let (x1, x2) = (x[at + i] as f64, if i < hd / 2 { -(x[at + i + hd / 2] as f64) } else { x[at + i - hd / 2] as f64 });
+                    let a = p as f64 * inv[i % (hd / 2)];
+                    let want = x1 * a.cos() + x2 * a.sin();
+                    assert!((xm.f32s()[at + i] as f64 - want).abs() <= 1e-5, "pos {p} head {h} dim {i}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn attention_is_causal_grouped_query_over_the_cache() {
+    let b = backend();
+    let mut r = Rng(4);
+    let shape = AttnShape { heads: 4, kv_heads: 2, head_dim: 16, max_context: 32, slots: 3 };
+    let (wq, wkv) = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim);
+    // Two sequences in one step: slot 2 prefills 5 tokens, slot 0 decodes 1 token at
+    // position 6 (its cache already holds 6 positions).
+    let spans = [SeqSpan { row: 0, n: 5, pos: 0, slot: 2 }, SeqSpan { row: 5, n: 1, pos: 6, slot: 0 }];
+    let rows = 6;
+    let mut ck = b.alloc(2 * shape.layer_elems() * 4, "k").unwrap();
+    let mut cv = b.alloc(2 * shape.layer_elems() * 4, "v").unwrap();
+    let layer = 1;
+    // Earlier positions of slot 0.
+    let old_k = r.vec(6 * wkv);
+    let old_v = r.vec(6 * wkv);
+    let base = layer * shape.layer_elems();
+    ck.f32s_mut()[base..base + 6 * wkv].copy_from_slice(&old_k);
+    cv.f32s_mut()[base..base + 6 * wkv].copy_from_slice(&old_v);
+    let (q, k, v) = (r.vec(rows * wq), r.vec(rows * wkv), r.vec(rows * wkv));
+    let (qm, km, vm) = (mem_f32(&b, &q), mem_f32(&b, &k), mem_f32(&b, &v));
+    let mut out = b.alloc(rows * wq * 4, "out").unwrap();
+    let step = AttnStep { layer, spans: &spans, shape };
+    b.kv_store(&km, &vm, &mut ck, &mut cv, &step);
+    b.attention(&qm, &ck, &cv, &step, &mut out);
+    // Reference: for each query row, keys/values of its own sequence up to its position.
+    let seq_kv = |si: usize| -> (Vec<f32>, Vec<f32>) {
+        if si == 0 {
+            (k[..5 * wkv].to_vec(), v[..5 * wkv].to_vec())
+        } else {
+            ([old_k.clone(), k[5 * wkv..].to_vec()].concat(), [old_v.clone(), v[5 * wkv..].to_vec()].concat())
+        }
+    };
+    for (si, sp) in spans.iter().enumerate() {
+        let (ks, vs) = seq_kv(si);
+        for t in 0..sp.n {
+            let p = sp.pos + t;
+            for h in 0..shape.heads {
+                let g = h / 2;
+                let qr = &q[(sp.row + t) * wq + h * 16..][..16];
+                let scores: Vec<f64> = (0..=p).map(|j| (0..16).map(|d| qr[d] as f64 * ks[j * wkv + g * 16 + d] as f64).sum::<f64>() / 4.0).collect();
+                let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
+                let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..16 {
+                    let want: f64 = (0..=p).map(|j| e[j] / z * vs[j * wkv + g * 16 + d] as f64).sum();
+                    let got = out.f32s()[(sp.row + t) * wq + h * 16 + d] as f64;
+                    assert!((got - want).abs() <= 1e-5, "seq {si} t {t} head {h} dim {d}: {got} vs {want}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_budget_refuses_past_its_limit_and_reports_the_peak() {
+    let b = CpuBackend::new(64 << 10, 1).unwrap();
+    let a = b.alloc(40 << 10, "a").unwrap();
+    let e = b.alloc(40 << 10, "weights of layer 3").err().unwrap().to_string();
+    assert!(e.contains("weights of layer 3") && e.contains("--device-memory"), "{e}");
+    drop(a);
+    let _c = b.alloc(60 << 10, "c").unwrap();
+    assert_eq!(b.budget().peak(), 60 << 10);
+    assert_eq!(b.budget().used(), 60 << 10);
+}

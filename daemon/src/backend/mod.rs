@@ -1,0 +1,278 @@
+//! The narrow interface the model needs from a device (DESIGN.md "Backends"): allocate
+//! within a budget, upload a staging slot into a device allocation, and the ops of a
+//! Llama-family forward pass. Activations are f32 everywhere; weights stay in their stored
+//! dtype and quantized weights are dequantized inside the kernels.
+//!
+//! `cpu` is always built and is what CI and the tests run; a CUDA backend implements the
+//! same trait.
+
+pub mod cpu;
+
+use crate::dtype::DType;
+use std::sync::atomic::{AtomicU64, Ordering};
+
+#[derive(Debug, thiserror::Error)]
+pub enum BackendError {
+    #[error("device memory budget exceeded: {what} needs {bytes} bytes, {used} of {limit} are in use ({free} free); raise --device-memory or lower --max-batch / --max-context")]
+    OutOfBudget {
+        what: String,
+        bytes: u64,
+        used: u64,
+        limit: u64,
+        free: u64,
+    },
+    #[error("allocation of {bytes} bytes for {what} failed")]
+    Alloc { what: String, bytes: u64 },
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// Device memory accounting: a hard limit, the bytes in use and the peak. Every device
+/// allocation reserves here first, so a budget is enforced, not advised.
+#[derive(Debug)]
+pub struct MemBudget {
+    limit: u64,
+    used: AtomicU64,
+    peak: AtomicU64,
+}
+
+impl MemBudget {
+    pub fn new(limit: u64) -> MemBudget {
+        MemBudget {
+            limit,
+            used: AtomicU64::new(0),
+            peak: AtomicU64::new(0),
+        }
+    }
+
+    pub fn limit(&self) -> u64 {
+        self.limit
+    }
+
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Acquire)
+    }
+
+    pub fn peak(&self) -> u64 {
+        self.peak.load(Ordering::Acquire)
+    }
+
+    pub fn reserve(&self, bytes: u64, what: &str) -> Result<(), BackendError> {
+        let mut used = self.used.load(Ordering::Acquire);
+        loop {
+            let new = used
+                .checked_add(bytes)
+                .filter(|&n| n <= self.limit)
+                .ok_or_else(|| BackendError::OutOfBudget {
+                    what: what.to_string(),
+                    bytes,
+                    used,
+                    limit: self.limit,
+                    free: self.limit.saturating_sub(used),
+                })?;
+            match self
+                .used
+                .compare_exchange(used, new, Ordering::AcqRel, Ordering::Acquire)
+            {
+                Ok(_) => {
+                    self.peak.fetch_max(new, Ordering::AcqRel);
+                    return Ok(());
+                }
+                Err(u) => used = u,
+            }
+        }
+    }
+
+    pub fn release(&self, bytes: u64) {
+        let prev = self.used.fetch_sub(bytes, Ordering::AcqRel);
+        debug_assert!(prev >= bytes, "released more than reserved");
+    }
+}
+
+/// A weight tensor inside a device allocation: `rows` x `cols` of `dtype`, row-major,
+/// starting `offset` bytes in.
+#[derive(Clone, Copy)]
+pub struct WeightRef<'a, M> {
+    pub mem: &'a M,
+    pub offset: usize,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+/// One sequence's part of a batch step: `n` new tokens at batch rows `row..row + n`, at
+/// positions `pos..pos + n` of KV-cache slot `slot`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SeqSpan {
+    pub row: usize,
+    pub n: usize,
+    pub pos: usize,
+    pub slot: usize,
+}
+
+/// Shapes of the attention step.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnShape {
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub head_dim: usize,
+    /// Positions per KV-cache slot.
+    pub max_context: usize,
+    /// KV-cache slots per layer.
+    pub slots: usize,
+}
+
+impl AttnShape {
+    /// f32 elements of one layer's K (or V) cache.
+    pub fn layer_elems(&self) -> usize {
+        self.slots * self.max_context * self.kv_heads * self.head_dim
+    }
+}
+
+/// Where an attention step reads and writes: one layer, the batch's spans.
+#[derive(Clone, Copy, Debug)]
+pub struct AttnStep<'a> {
+    pub layer: usize,
+    pub spans: &'a [SeqSpan],
+    pub shape: AttnShape,
+}
+
+/// Ops take device allocations (`Mem`) holding f32 activations unless a `WeightRef` says
+/// otherwise; sizes are in elements. Each op checks its shapes against the allocations.
+pub trait Backend: Send + Sync {
+    type Mem: Send;
+
+    fn name(&self) -> &'static str;
+    fn budget(&self) -> &MemBudget;
+    /// Allocates `bytes` of device memory within the budget.
+    fn alloc(&self, bytes: usize, what: &str) -> Result<Self::Mem, BackendError>;
+    fn mem_len(&self, mem: &Self::Mem) -> usize;
+    /// Copies host bytes (a staging slot) into a device allocation.
+    fn upload(&self, dst: &mut Self::Mem, src: &[u8]) -> Result<(), BackendError>;
+    /// Copies f32 values out of a device allocation.
+    fn download_f32(&self, src: &Self::Mem, offset: usize, out: &mut [f32]);
+
+    /// out[i] = table[ids[i]] (rows dequantized to f32).
+    fn embedding(&self, table: WeightRef<'_, Self::Mem>, ids: &[u32], out: &mut Self::Mem);
+    /// out = x * rsqrt(mean(x^2) + eps) * w, for `rows` rows of w.cols.
+    fn rms_norm(
+        &self,
+        x: &Self::Mem,
+        w: WeightRef<'_, Self::Mem>,
+        eps: f32,
+        rows: usize,
+        out: &mut Self::Mem,
+    );
+    /// out[rows, w.rows] = x[rows, w.cols] @ w^T (+ bias).
+    fn matmul(
+        &self,
+        x: &Self::Mem,
+        rows: usize,
+        w: WeightRef<'_, Self::Mem>,
+        bias: Option<WeightRef<'_, Self::Mem>>,
+        out: &mut Self::Mem,
+    );
+    /// Rotates `heads` heads of each row in place (rotate-half pairs (i, i + d/2)), row r at
+    /// position `positions[r]`, with the cos/sin table made by `rope_table`.
+    fn rope(
+        &self,
+        x: &mut Self::Mem,
+        rows: usize,
+        heads: usize,
+        head_dim: usize,
+        positions: &[u32],
+        table: &Self::Mem,
+    );
+    /// Writes the new K and V rows of each span into the layer's cache.
+    fn kv_store(
+        &self,
+        k: &Self::Mem,
+        v: &Self::Mem,
+        cache_k: &mut Self::Mem,
+        cache_v: &mut Self::Mem,
+        step: &AttnStep<'_>,
+    );
+    /// Causal grouped-query attention of each span's new queries over its cached keys.
+    fn attention(
+        &self,
+        q: &Self::Mem,
+        cache_k: &Self::Mem,
+        cache_v: &Self::Mem,
+        step: &AttnStep<'_>,
+        out: &mut Self::Mem,
+    );
+    /// gate = silu(gate) * up, n elements.
+    fn silu_mul(&self, gate: &mut Self::Mem, up: &Self::Mem, n: usize);
+    /// x += y, n elements.
+    fn add(&self, x: &mut Self::Mem, y: &Self::Mem, n: usize);
+    /// Copies `cols` f32 of row `src_row` of `src` to row `dst_row` of `dst`.
+    fn copy_row(
+        &self,
+        src: &Self::Mem,
+        src_row: usize,
+        dst: &mut Self::Mem,
+        dst_row: usize,
+        cols: usize,
+    );
+}
+
+/// The rotary table: for position p and pair i, cos and sin of p * inv_freq[i], laid out
+/// [max_context][head_dim / 2][cos, sin] in f32 (computed in f64, rounded once).
+pub fn rope_table(cfg: &crate::model::ArchConfig, max_context: usize) -> Vec<f32> {
+    let half = cfg.head_dim as usize / 2;
+    let inv = inv_freq(cfg);
+    let mut t = Vec::with_capacity(max_context * half * 2);
+    for p in 0..max_context {
+        for f in inv.iter().take(half) {
+            let a = p as f64 * *f;
+            t.push(a.cos() as f32);
+            t.push(a.sin() as f32);
+        }
+    }
+    t
+}
+
+/// Rotary inverse frequencies with the model's scaling applied (transformers'
+/// `_compute_default_rope_parameters` and `_compute_llama3_parameters`).
+pub fn inv_freq(cfg: &crate::model::ArchConfig) -> Vec<f64> {
+    use crate::model::RopeScaling;
+    let d = cfg.head_dim as f64;
+    let base: Vec<f64> = (0..cfg.head_dim as usize / 2)
+        .map(|i| 1.0 / (cfg.rope_theta as f64).powf(2.0 * i as f64 / d))
+        .collect();
+    match &cfg.rope_scaling {
+        None => base,
+        Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / *factor as f64).collect(),
+        Some(RopeScaling::FreqFactors(ff)) => {
+            base.iter().zip(ff).map(|(f, s)| f / *s as f64).collect()
+        }
+        Some(RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position,
+        }) => {
+            let (factor, lo, hi, orig) = (
+                *factor as f64,
+                *low_freq_factor as f64,
+                *high_freq_factor as f64,
+                *original_max_position as f64,
+            );
+            let low_wavelen = orig / lo;
+            let high_wavelen = orig / hi;
+            base.iter()
+                .map(|&f| {
+                    let wavelen = 2.0 * std::f64::consts::PI / f;
+                    if wavelen < high_wavelen {
+                        f
+                    } else if wavelen > low_wavelen {
+                        f / factor
+                    } else {
+                        let smooth = (orig / wavelen - lo) / (hi - lo);
+                        (1.0 - smooth) * f / factor + smooth * f
+                    }
+                })
+                .collect()
+        }
+    }
+}

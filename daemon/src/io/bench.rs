@@ -1,0 +1,225 @@
+//! `sluiced bench-io`: streams every layer of a store through the engine and compares the
+//! rates with their limits measured in the same run: the raw read rate of the same engine
+//! with decoding off, and one core's in-memory decode rate times the worker count.
+
+use super::{IoConfig, IoEngine, IoError, IoStats};
+use crate::store::codec::FrameDecoder;
+use crate::store::Store;
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::FileExt;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct BenchIoOptions {
+    pub cfg: IoConfig,
+    pub passes: usize,
+    /// Requests kept outstanding by the consumer.
+    pub ahead: usize,
+    /// Stored bytes decoded on one core to measure the per-core decode rate.
+    pub core_sample_bytes: u64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct Stalls {
+    /// The consumer waited for a layer (the engine as a whole is the bottleneck).
+    pub consumer_wait_s: f64,
+    /// Reads waited for a free read buffer (decompression is the bottleneck).
+    pub read_buffer_s: f64,
+    /// Requests waited for a free staging slot (the consumer is the bottleneck).
+    pub staging_slot_s: f64,
+    /// Seconds with a read in flight, and decode seconds summed over workers.
+    pub read_busy_s: f64,
+    pub decompress_busy_s: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BenchIoReport {
+    pub engine: String,
+    pub direct: bool,
+    pub fallback_reason: String,
+    pub cache_drop: String,
+    pub queue_depth: usize,
+    pub request_bytes: usize,
+    pub read_buffers: usize,
+    pub workers: usize,
+    pub passes: usize,
+    pub units: usize,
+    /// Per pass: bytes stored (compressed) and produced (decompressed).
+    pub stored_bytes_per_pass: u64,
+    pub raw_bytes_per_pass: u64,
+    pub ratio: f64,
+    pub seconds: f64,
+    pub read_bytes: u64,
+    pub read_gbps: f64,
+    pub decompressed_bytes: u64,
+    pub decompressed_gbps: f64,
+    /// The same engine reading only (no decode): the disk's rate through this engine.
+    pub raw_read_gbps: f64,
+    /// One core decoding from memory, raw bytes out per second.
+    pub core_decompress_gbps: f64,
+    /// min(raw read rate / ratio, workers x core rate): what decoding from disk can reach.
+    pub bound_gbps: f64,
+    /// decompressed_gbps / bound_gbps.
+    pub bound_ratio: f64,
+    pub short_reads: u64,
+    pub stalls: Stalls,
+}
+
+/// Evicts the file from the page cache between passes when reads are buffered.
+fn drop_cache(store: &Store, direct: bool) -> String {
+    if direct {
+        return "not needed (O_DIRECT)".into();
+    }
+    let mut how = Vec::new();
+    if let Ok(f) = std::fs::File::open(store.weights_path()) {
+        // SAFETY: plain syscall on a descriptor we own.
+        if unsafe { libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) } == 0 {
+            how.push("fadvise(DONTNEED)");
+        }
+    }
+    if std::fs::write("/proc/sys/vm/drop_caches", "1").is_ok() {
+        how.push("drop_caches");
+    }
+    if how.is_empty() {
+        "not permitted: later passes may read from the page cache".into()
+    } else {
+        how.join(" + ")
+    }
+}
+
+/// Streams every unit `passes` times; returns the wall time.
+fn stream(
+    engine: &IoEngine,
+    units: usize,
+    passes: usize,
+    ahead: usize,
+    direct: bool,
+) -> Result<(f64, String), IoError> {
+    let mut total = 0.0;
+    let mut cache = String::new();
+    for _ in 0..passes {
+        cache = drop_cache(engine.store(), direct);
+        let t0 = Instant::now();
+        let mut tickets = VecDeque::new();
+        let mut next = 0;
+        while next < units || !tickets.is_empty() {
+            while next < units && tickets.len() < ahead {
+                tickets.push_back(engine.request(next)?);
+                next += 1;
+            }
+            if let Some(t) = tickets.pop_front() {
+                drop(engine.wait(t)?);
+            }
+        }
+        total += t0.elapsed().as_secs_f64();
+    }
+    Ok((total, cache))
+}
+
+/// One core decoding frames from memory: raw bytes per second.
+fn core_decode_gbps(store: &Store, sample_bytes: u64) -> Result<f64, IoError> {
+    let file = store.open_weights()?;
+    let m = store.manifest();
+    let mut dec =
+        FrameDecoder::new(m.frame_raw_len_max() as usize).map_err(|e| IoError::Setup {
+            path: store.weights_path().into(),
+            msg: e.to_string(),
+        })?;
+    let mut raw = vec![0u8; m.frame_raw_len_max() as usize];
+    let (mut decoded_raw, mut secs, mut taken) = (0u64, 0.0, 0u64);
+    // Sample units spread over the model (the embedding differs from the layers).
+    for (ui, u) in m.units.iter().enumerate() {
+        if taken >= sample_bytes {
+            break;
+        }
+        let mut stored = vec![0u8; u.stored_len as usize];
+        file.read_exact_at(&mut stored, u.file_offset)
+            .map_err(|e| crate::store::StoreError::io("read", store.weights_path(), e))?;
+        taken += u.stored_len;
+        let t0 = Instant::now();
+        for (fi, f) in u.frames.iter().enumerate() {
+            let s = (f.file_offset - u.file_offset) as usize;
+            dec.decode(
+                f.codec,
+                &f.planes,
+                f.checksum,
+                &stored[s..s + f.stored_len() as usize],
+                &mut raw[..f.raw_len as usize],
+            )
+            .map_err(|fault| IoError::Data(store.frame_error(ui, fi, fault)))?;
+            decoded_raw += f.raw_len as u64;
+        }
+        secs += t0.elapsed().as_secs_f64();
+    }
+    Ok(decoded_raw as f64 / secs.max(1e-9) / 1e9)
+}
+
+pub fn bench_io(store: Arc<Store>, opts: &BenchIoOptions) -> Result<BenchIoReport, IoError> {
+    let units = store.units().len();
+    let m = store.manifest();
+    let (stored, raw) = (m.stored_bytes(), m.raw_bytes());
+
+    // 1. Reading only: the disk's rate through this engine.
+    let read_only = IoEngine::new(
+        store.clone(),
+        IoConfig {
+            decompress: false,
+            ..opts.cfg.clone()
+        },
+    )?;
+    let (t_raw, _) = stream(
+        &read_only,
+        units,
+        opts.passes,
+        opts.ahead,
+        read_only.direct(),
+    )?;
+    let raw_read_gbps = read_only.stats().read_bytes as f64 / t_raw / 1e9;
+    drop(read_only);
+
+    // 2. One core decoding from memory.
+    let core = core_decode_gbps(&store, opts.core_sample_bytes)?;
+
+    // 3. The whole engine: read + checksum + decompress into staging slots.
+    let engine = IoEngine::new(store.clone(), opts.cfg.clone())?;
+    let (secs, cache) = stream(&engine, units, opts.passes, opts.ahead, engine.direct())?;
+    let s: IoStats = engine.stats();
+    let ratio = stored as f64 / raw.max(1) as f64;
+    let decompressed_gbps = s.decompressed_bytes as f64 / secs / 1e9;
+    let bound = (raw_read_gbps / ratio).min(opts.cfg.workers as f64 * core);
+    Ok(BenchIoReport {
+        engine: engine.kind().to_string(),
+        direct: engine.direct(),
+        fallback_reason: engine.fallback_reason().to_string(),
+        cache_drop: cache,
+        queue_depth: opts.cfg.queue_depth,
+        request_bytes: opts.cfg.request_bytes,
+        read_buffers: opts.cfg.read_buffers,
+        workers: opts.cfg.workers,
+        passes: opts.passes,
+        units,
+        stored_bytes_per_pass: stored,
+        raw_bytes_per_pass: raw,
+        ratio,
+        seconds: secs,
+        read_bytes: s.read_bytes,
+        read_gbps: s.read_bytes as f64 / secs / 1e9,
+        decompressed_bytes: s.decompressed_bytes,
+        decompressed_gbps,
+        raw_read_gbps,
+        core_decompress_gbps: core,
+        bound_gbps: bound,
+        bound_ratio: decompressed_gbps / bound,
+        short_reads: s.short_reads,
+        stalls: Stalls {
+            consumer_wait_s: s.wait_stall_s,
+            read_buffer_s: s.buffer_stall_s,
+            staging_slot_s: s.slot_stall_s,
+            read_busy_s: s.read_busy_s,
+            decompress_busy_s: s.decompress_busy_s,
+        },
+    })
+}

@@ -1,0 +1,454 @@
+//! The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2), written against the
+//! `Backend` trait so every backend runs the same code. A step runs a batch of sequences,
+//! each with its new tokens (a prefill chunk or one decode token), through one layer unit
+//! at a time: `forward_unit` is the loop body the streaming pipeline drives, so one pass
+//! over the weights serves the whole batch.
+
+use super::{ArchConfig, RopeScaling};
+use crate::backend::{rope_table, AttnShape, AttnStep, Backend, BackendError, SeqSpan, WeightRef};
+use crate::dtype::DType;
+use crate::store::format::{LayerUnit, Manifest, UnitKind};
+
+/// Where a tensor is inside its unit's blob.
+#[derive(Clone, Copy, Debug)]
+pub struct TensorLoc {
+    pub offset: usize,
+    pub dtype: DType,
+    pub rows: usize,
+    pub cols: usize,
+}
+
+impl TensorLoc {
+    fn at<'a, M>(&self, mem: &'a M) -> WeightRef<'a, M> {
+        WeightRef {
+            mem,
+            offset: self.offset,
+            dtype: self.dtype,
+            rows: self.rows,
+            cols: self.cols,
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+struct LayerTensors {
+    attn_norm: TensorLoc,
+    q: TensorLoc,
+    k: TensorLoc,
+    v: TensorLoc,
+    qkv_bias: Option<[TensorLoc; 3]>,
+    o: TensorLoc,
+    ffn_norm: TensorLoc,
+    gate: TensorLoc,
+    up: TensorLoc,
+    down: TensorLoc,
+}
+
+/// Limits of one model instance; the memory plan derives them from config.
+#[derive(Clone, Copy, Debug)]
+pub struct ModelOptions {
+    /// Positions per sequence in the KV cache.
+    pub max_context: usize,
+    /// Sequences the KV cache holds (the maximum batch).
+    pub kv_slots: usize,
+    /// Tokens one step may carry over all sequences (prefill chunk size).
+    pub max_batch_tokens: usize,
+}
+
+/// One sequence's part of a step.
+#[derive(Clone, Debug)]
+pub struct SeqStep {
+    /// KV-cache slot of the sequence.
+    pub slot: usize,
+    /// Tokens already in its cache (the position of the first new token).
+    pub pos: usize,
+    pub tokens: Vec<u32>,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error("model layout: {0}")]
+    Layout(String),
+    #[error("invalid step: {0}")]
+    Step(String),
+}
+
+struct Workspace<M> {
+    x: M,
+    xn: M,
+    proj: M,
+    q: M,
+    k: M,
+    v: M,
+    attn: M,
+    gate: M,
+    up: M,
+    last: M,
+    last_n: M,
+    logits: M,
+}
+
+pub struct Llama<B: Backend> {
+    cfg: ArchConfig,
+    opts: ModelOptions,
+    shape: AttnShape,
+    embed: TensorLoc,
+    norm: TensorLoc,
+    /// The output projection; in the embedding unit when tied.
+    lm_head: TensorLoc,
+    layers: Vec<LayerTensors>,
+    unit_kinds: Vec<UnitKind>,
+    rope: B::Mem,
+    cache_k: B::Mem,
+    cache_v: B::Mem,
+    ws: Workspace<B::Mem>,
+    // The step in progress.
+    spans: Vec<SeqSpan>,
+    positions: Vec<u32>,
+    ids: Vec<u32>,
+    rows: usize,
+}
+
+fn loc(unit: &LayerUnit, name: &str, rows: u64, cols: u64) -> Result<TensorLoc, ModelError> {
+    let t = unit
+        .tensor(name)
+        .ok_or_else(|| ModelError::Layout(format!("{} lacks tensor {name}", unit.kind)))?;
+    let shape_ok = if rows == 1 {
+        t.shape == [cols]
+    } else {
+        t.shape == [rows, cols]
+    };
+    if !shape_ok {
+        return Err(ModelError::Layout(format!(
+            "{name} has shape {:?}, expected [{rows}, {cols}]",
+            t.shape
+        )));
+    }
+    Ok(TensorLoc {
+        offset: t.offset as usize,
+        dtype: t.dtype,
+        rows: rows as usize,
+        cols: cols as usize,
+    })
+}
+
+/// Bytes of KV cache for these options (K and V, every layer, f32).
+pub fn kv_cache_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
+    2 * cfg.n_layers as u64 * opts.kv_slots as u64 * opts.max_context as u64 * cfg.kv_dim() * 4
+}
+
+/// Bytes of activation workspace (and rotary table) for these options.
+pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
+    let t = opts.max_batch_tokens as u64;
+    let (h, q, kv, i, v) = (
+        cfg.hidden as u64,
+        cfg.q_dim(),
+        cfg.kv_dim(),
+        cfg.intermediate as u64,
+        cfg.vocab as u64,
+    );
+    let s = opts.kv_slots as u64;
+    let f32s = t * (3 * h + 2 * q + 2 * kv + 2 * i) + s * (2 * h + v);
+    let rope = opts.max_context as u64 * cfg.head_dim as u64;
+    // Each allocation rounds up to 4096 bytes.
+    4 * (f32s + rope) + 13 * 4096
+}
+
+impl<B: Backend> Llama<B> {
+    /// Lays out the model from the manifest and allocates its KV cache, rotary table and
+    /// workspace from the backend's budget (reserved before any weights).
+    pub fn new(backend: &B, m: &Manifest, opts: ModelOptions) -> Result<Self, ModelError> {
+        let c = m.arch.clone();
+        if opts.max_context == 0 || opts.kv_slots == 0 || opts.max_batch_tokens == 0 {
+            return Err(ModelError::Layout(
+                "max context, KV slots and batch tokens must be at least 1".into(),
+            ));
+        }
+        let (h, q, kv, inter, vocab) = (
+            c.hidden as u64,
+            c.q_dim(),
+            c.kv_dim(),
+            c.intermediate as u64,
+            c.vocab as u64,
+        );
+        let kinds: Vec<UnitKind> = m.units.iter().map(|u| u.kind).collect();
+        let expected: Vec<UnitKind> = std::iter::once(UnitKind::Embedding)
+            .chain((0..c.n_layers).map(UnitKind::Decoder))
+            .chain(std::iter::once(UnitKind::Head))
+            .collect();
+        if kinds != expected {
+            return Err(ModelError::Layout(format!(
+                "units {kinds:?} are not embedding, {} decoder layers, head",
+                c.n_layers
+            )));
+        }
+        let embed = loc(&m.units[0], "model.embed_tokens.weight", vocab, h)?;
+        let head = m.units.last().expect("checked");
+        let norm = loc(head, "model.norm.weight", 1, h)?;
+        let lm_head = if c.tied_embeddings {
+            embed
+        } else {
+            loc(head, "lm_head.weight", vocab, h)?
+        };
+        let mut layers = Vec::with_capacity(c.n_layers as usize);
+        for (i, u) in m.units[1..=c.n_layers as usize].iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            let qkv_bias = if c.qkv_bias {
+                Some([
+                    loc(u, &format!("{p}.self_attn.q_proj.bias"), 1, q)?,
+                    loc(u, &format!("{p}.self_attn.k_proj.bias"), 1, kv)?,
+                    loc(u, &format!("{p}.self_attn.v_proj.bias"), 1, kv)?,
+                ])
+            } else {
+                None
+            };
+            layers.push(LayerTensors {
+                attn_norm: loc(u, &format!("{p}.input_layernorm.weight"), 1, h)?,
+                q: loc(u, &format!("{p}.self_attn.q_proj.weight"), q, h)?,
+                k: loc(u, &format!("{p}.self_attn.k_proj.weight"), kv, h)?,
+                v: loc(u, &format!("{p}.self_attn.v_proj.weight"), kv, h)?,
+                qkv_bias,
+                o: loc(u, &format!("{p}.self_attn.o_proj.weight"), h, q)?,
+                ffn_norm: loc(u, &format!("{p}.post_attention_layernorm.weight"), 1, h)?,
+                gate: loc(u, &format!("{p}.mlp.gate_proj.weight"), inter, h)?,
+                up: loc(u, &format!("{p}.mlp.up_proj.weight"), inter, h)?,
+                down: loc(u, &format!("{p}.mlp.down_proj.weight"), h, inter)?,
+            });
+        }
+        if let Some(RopeScaling::FreqFactors(f)) = &c.rope_scaling {
+            if f.len() != c.head_dim as usize / 2 {
+                return Err(ModelError::Layout(
+                    "rope frequency factors do not match the head dim".into(),
+                ));
+            }
+        }
+        let shape = AttnShape {
+            heads: c.n_heads as usize,
+            kv_heads: c.n_kv_heads as usize,
+            head_dim: c.head_dim as usize,
+            max_context: opts.max_context,
+            slots: opts.kv_slots,
+        };
+        // KV cache first, then workspace: the plan reserves them before any weights.
+        let cache_bytes = c.n_layers as usize * shape.layer_elems() * 4;
+        let cache_k = backend.alloc(cache_bytes, "KV cache (keys)")?;
+        let cache_v = backend.alloc(cache_bytes, "KV cache (values)")?;
+        let table = rope_table(&c, opts.max_context);
+        let mut rope = backend.alloc(table.len() * 4, "rotary table")?;
+        let table_bytes: Vec<u8> = table.iter().flat_map(|f| f.to_le_bytes()).collect();
+        backend.upload(&mut rope, &table_bytes)?;
+        let t = opts.max_batch_tokens;
+        let s = opts.kv_slots;
+        let a = |n: u64, what: &str| backend.alloc(n as usize * 4, what);
+        let ws = Workspace {
+            x: a(t as u64 * h, "activations")?,
+            xn: a(t as u64 * h, "activations")?,
+            proj: a(t as u64 * h, "activations")?,
+            q: a(t as u64 * q, "activations")?,
+            k: a(t as u64 * kv, "activations")?,
+            v: a(t as u64 * kv, "activations")?,
+            attn: a(t as u64 * q, "activations")?,
+            gate: a(t as u64 * inter, "activations")?,
+            up: a(t as u64 * inter, "activations")?,
+            last: a(s as u64 * h, "activations")?,
+            last_n: a(s as u64 * h, "activations")?,
+            logits: a(s as u64 * vocab, "logits")?,
+        };
+        Ok(Llama {
+            cfg: c,
+            opts,
+            shape,
+            embed,
+            norm,
+            lm_head,
+            layers,
+            unit_kinds: kinds,
+            rope,
+            cache_k,
+            cache_v,
+            ws,
+            spans: Vec::new(),
+            positions: Vec::new(),
+            ids: Vec::new(),
+            rows: 0,
+        })
+    }
+
+    pub fn config(&self) -> &ArchConfig {
+        &self.cfg
+    }
+
+    pub fn options(&self) -> &ModelOptions {
+        &self.opts
+    }
+
+    pub fn units(&self) -> usize {
+        self.unit_kinds.len()
+    }
+
+    /// Index of the unit whose blob the output projection reads (embedding when tied).
+    pub fn lm_head_unit(&self) -> usize {
+        if self.cfg.tied_embeddings {
+            0
+        } else {
+            self.unit_kinds.len() - 1
+        }
+    }
+
+    /// Starts a step: checks it against the limits and lays out the batch rows.
+    pub fn begin(&mut self, steps: &[SeqStep]) -> Result<(), ModelError> {
+        if steps.is_empty() || steps.len() > self.opts.kv_slots {
+            return Err(ModelError::Step(format!(
+                "{} sequences in a step; 1..={} allowed",
+                steps.len(),
+                self.opts.kv_slots
+            )));
+        }
+        self.spans.clear();
+        self.positions.clear();
+        self.ids.clear();
+        let mut row = 0;
+        for (i, s) in steps.iter().enumerate() {
+            if s.tokens.is_empty() {
+                return Err(ModelError::Step(format!("sequence {i} has no tokens")));
+            }
+            if s.slot >= self.opts.kv_slots || steps[..i].iter().any(|o| o.slot == s.slot) {
+                return Err(ModelError::Step(format!(
+                    "sequence {i}: KV slot {} is out of range or used twice",
+                    s.slot
+                )));
+            }
+            if s.pos + s.tokens.len() > self.opts.max_context {
+                return Err(ModelError::Step(format!(
+                    "sequence {i}: {} + {} tokens exceed the context of {}",
+                    s.pos,
+                    s.tokens.len(),
+                    self.opts.max_context
+                )));
+            }
+            if let Some(&bad) = s.tokens.iter().find(|&&t| t >= self.cfg.vocab) {
+                return Err(ModelError::Step(format!(
+                    "sequence {i}: token id {bad} is past the vocabulary ({})",
+                    self.cfg.vocab
+                )));
+            }
+            self.spans.push(SeqSpan {
+                row,
+                n: s.tokens.len(),
+                pos: s.pos,
+                slot: s.slot,
+            });
+            self.positions
+                .extend((s.pos..s.pos + s.tokens.len()).map(|p| p as u32));
+            self.ids.extend_from_slice(&s.tokens);
+            row += s.tokens.len();
+        }
+        if row > self.opts.max_batch_tokens {
+            return Err(ModelError::Step(format!(
+                "{row} tokens in a step; at most {}",
+                self.opts.max_batch_tokens
+            )));
+        }
+        self.rows = row;
+        Ok(())
+    }
+
+    /// Runs unit `unit` of the step begun with `begin`, its weights in `mem`. The head needs
+    /// the output projection's unit too when embeddings are tied: `lm_head` (else `None`).
+    pub fn forward_unit(&mut self, b: &B, unit: usize, mem: &B::Mem, lm_head: Option<&B::Mem>) {
+        let _span = tracing::trace_span!("unit", unit).entered();
+        match self.unit_kinds[unit] {
+            UnitKind::Embedding => b.embedding(self.embed.at(mem), &self.ids, &mut self.ws.x),
+            UnitKind::Decoder(i) => self.decoder(b, i as usize, mem),
+            UnitKind::Head => {
+                let lm = if self.cfg.tied_embeddings {
+                    lm_head.expect("tied head needs the embedding unit")
+                } else {
+                    mem
+                };
+                self.head(b, mem, lm);
+            }
+        }
+    }
+
+    fn decoder(&mut self, b: &B, i: usize, mem: &B::Mem) {
+        let l = &self.layers[i];
+        let (rows, c) = (self.rows, &self.cfg);
+        let (h, qd, kvd, inter) = (
+            c.hidden as usize,
+            c.q_dim() as usize,
+            c.kv_dim() as usize,
+            c.intermediate as usize,
+        );
+        let ws = &mut self.ws;
+        b.rms_norm(&ws.x, l.attn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
+        let bias = |k: usize| l.qkv_bias.map(|bs| bs[k].at(mem));
+        b.matmul(&ws.xn, rows, l.q.at(mem), bias(0), &mut ws.q);
+        b.matmul(&ws.xn, rows, l.k.at(mem), bias(1), &mut ws.k);
+        b.matmul(&ws.xn, rows, l.v.at(mem), bias(2), &mut ws.v);
+        b.rope(
+            &mut ws.q,
+            rows,
+            c.n_heads as usize,
+            c.head_dim as usize,
+            &self.positions,
+            &self.rope,
+        );
+        b.rope(
+            &mut ws.k,
+            rows,
+            c.n_kv_heads as usize,
+            c.head_dim as usize,
+            &self.positions,
+            &self.rope,
+        );
+        let step = AttnStep {
+            layer: i,
+            spans: &self.spans,
+            shape: self.shape,
+        };
+        b.kv_store(&ws.k, &ws.v, &mut self.cache_k, &mut self.cache_v, &step);
+        b.attention(&ws.q, &self.cache_k, &self.cache_v, &step, &mut ws.attn);
+        b.matmul(&ws.attn, rows, l.o.at(mem), None, &mut ws.proj);
+        b.add(&mut ws.x, &ws.proj, rows * h);
+        b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
+        b.matmul(&ws.xn, rows, l.gate.at(mem), None, &mut ws.gate);
+        b.matmul(&ws.xn, rows, l.up.at(mem), None, &mut ws.up);
+        b.silu_mul(&mut ws.gate, &ws.up, rows * inter);
+        b.matmul(&ws.gate, rows, l.down.at(mem), None, &mut ws.proj);
+        b.add(&mut ws.x, &ws.proj, rows * h);
+        debug_assert!(qd >= kvd);
+    }
+
+    fn head(&mut self, b: &B, mem: &B::Mem, lm: &B::Mem) {
+        let h = self.cfg.hidden as usize;
+        // Only each sequence's last position needs logits.
+        for (i, sp) in self.spans.iter().enumerate() {
+            b.copy_row(&self.ws.x, sp.row + sp.n - 1, &mut self.ws.last, i, h);
+        }
+        let n = self.spans.len();
+        b.rms_norm(
+            &self.ws.last,
+            self.norm.at(mem),
+            self.cfg.rms_eps,
+            n,
+            &mut self.ws.last_n,
+        );
+        b.matmul(
+            &self.ws.last_n,
+            n,
+            self.lm_head.at(lm),
+            None,
+            &mut self.ws.logits,
+        );
+    }
+
+    /// The logits of the step: one row of `vocab` per sequence, in step order.
+    pub fn logits(&self, b: &B, out: &mut Vec<f32>) {
+        let v = self.cfg.vocab as usize;
+        out.resize(self.spans.len() * v, 0.0);
+        b.download_f32(&self.ws.logits, 0, out);
+    }
+}

@@ -1,0 +1,10 @@
+//! Text: tokenizer, chat template, sampler, incremental detokenization, stop strings.
+
+pub mod detok;
+pub mod sampler;
+pub mod template;
+pub mod tokenizer;
+
+pub use sampler::{Sampler, SamplingParams};
+pub use template::{ChatMessage, ChatTemplate};
+pub use tokenizer::Tokenizer;

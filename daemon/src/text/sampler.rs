@@ -1,0 +1,194 @@
+//! Sampling: greedy, or temperature followed by top-k, top-p and min-p (transformers'
+//! warper order), drawn with a seeded generator so a seed reproduces a completion.
+
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct SamplingParams {
+    /// 0: greedy (argmax).
+    pub temperature: f32,
+    /// 0: off.
+    pub top_k: usize,
+    /// 1 (or 0): off.
+    pub top_p: f32,
+    /// 0: off.
+    pub min_p: f32,
+    pub seed: u64,
+}
+
+impl Default for SamplingParams {
+    fn default() -> Self {
+        SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+        }
+    }
+}
+
+impl SamplingParams {
+    pub fn validate(&self) -> Result<(), String> {
+        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+            return Err(format!(
+                "temperature {} must be a finite number >= 0",
+                self.temperature
+            ));
+        }
+        if !(0.0..=1.0).contains(&self.top_p) {
+            return Err(format!("top_p {} must be in [0, 1]", self.top_p));
+        }
+        if !(0.0..=1.0).contains(&self.min_p) {
+            return Err(format!("min_p {} must be in [0, 1]", self.min_p));
+        }
+        Ok(())
+    }
+}
+
+pub struct Sampler {
+    params: SamplingParams,
+    state: u64,
+    cand: Vec<(f32, u32)>,
+}
+
+/// Index of the largest value; the first on ties (as torch.argmax).
+pub fn argmax(logits: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, &v) in logits.iter().enumerate() {
+        if v > logits[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+impl Sampler {
+    pub fn new(params: SamplingParams) -> Sampler {
+        Sampler {
+            params,
+            state: params.seed ^ 0x9E3779B97F4A7C15,
+            cand: Vec::new(),
+        }
+    }
+
+    fn uniform(&mut self) -> f32 {
+        // splitmix64
+        self.state = self.state.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = self.state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
+    }
+
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        let p = self.params;
+        if p.temperature <= 0.0 {
+            return argmax(logits);
+        }
+        self.cand.clear();
+        self.cand.extend(
+            logits
+                .iter()
+                .enumerate()
+                .map(|(i, &l)| (l / p.temperature, i as u32)),
+        );
+        let by_logit_desc =
+            |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
+        if p.top_k > 0 && p.top_k < self.cand.len() {
+            self.cand.select_nth_unstable_by(p.top_k - 1, by_logit_desc);
+            self.cand.truncate(p.top_k);
+        }
+        self.cand.sort_unstable_by(by_logit_desc);
+        // Softmax over the survivors (logits become probabilities in place).
+        let mx = self.cand[0].0;
+        let mut sum = 0.0;
+        for c in self.cand.iter_mut() {
+            c.0 = (c.0 - mx).exp();
+            sum += c.0;
+        }
+        for c in self.cand.iter_mut() {
+            c.0 /= sum;
+        }
+        if p.top_p > 0.0 && p.top_p < 1.0 {
+            let mut acc = 0.0;
+            let mut keep = self.cand.len();
+            for (i, c) in self.cand.iter().enumerate() {
+                acc += c.0;
+                if acc >= p.top_p {
+                    keep = i + 1;
+                    break;
+                }
+            }
+            self.cand.truncate(keep);
+        }
+        if p.min_p > 0.0 {
+            let floor = p.min_p * self.cand[0].0;
+            let keep = self.cand.iter().take_while(|c| c.0 >= floor).count().max(1);
+            self.cand.truncate(keep);
+        }
+        let total: f32 = self.cand.iter().map(|c| c.0).sum();
+        let mut r = self.uniform() * total;
+        for c in &self.cand {
+            r -= c.0;
+            if r < 0.0 {
+                return c.1;
+            }
+        }
+        self.cand.last().map_or(0, |c| c.1)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn greedy_takes_the_first_maximum() {
+        assert_eq!(argmax(&[0.1, 3.0, 3.0, -1.0]), 1);
+        let mut s = Sampler::new(SamplingParams::default());
+        assert_eq!(s.sample(&[0.0, 1.0, 5.0]), 2);
+    }
+
+    #[test]
+    fn filters_leave_only_allowed_tokens_and_seeds_repeat() {
+        let logits: Vec<f32> = (0..100).map(|i| (i as f32 * 0.37).sin() * 4.0).collect();
+        let mut order: Vec<u32> = (0..100).collect();
+        order.sort_by(|&a, &b| logits[b as usize].total_cmp(&logits[a as usize]));
+        let top3 = &order[..3];
+        let p = SamplingParams {
+            temperature: 1.5,
+            top_k: 3,
+            seed: 7,
+            ..Default::default()
+        };
+        let draws: Vec<u32> = {
+            let mut s = Sampler::new(p);
+            (0..200).map(|_| s.sample(&logits)).collect()
+        };
+        assert!(draws.iter().all(|d| top3.contains(d)));
+        assert!(
+            top3.iter().all(|t| draws.contains(t)),
+            "all of the top 3 should be drawn at T=1.5"
+        );
+        let again: Vec<u32> = {
+            let mut s = Sampler::new(p);
+            (0..200).map(|_| s.sample(&logits)).collect()
+        };
+        assert_eq!(draws, again);
+        // min_p = 1 keeps only the most likely token.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            min_p: 1.0,
+            seed: 3,
+            ..Default::default()
+        });
+        assert!((0..50).all(|_| s.sample(&logits) == order[0]));
+        // A tiny top_p keeps only the most likely token too.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            top_p: 1e-6,
+            seed: 3,
+            ..Default::default()
+        });
+        assert!((0..50).all(|_| s.sample(&logits) == order[0]));
+    }
+}

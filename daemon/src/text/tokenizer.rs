@@ -1,0 +1,144 @@
+//! The tokenizer: the `tokenizers` crate, from a tokenizer.json or rebuilt from a GGUF
+//! byte-level BPE vocabulary with the pre-tokenizer its `tokenizer.ggml.pre` names (the
+//! regexes are llama.cpp's, llama-vocab.cpp).
+
+use crate::store::format::{GgufVocab, Manifest, SpecialTokens, TokenizerSpec};
+use serde_json::{json, Value};
+
+#[derive(Debug, thiserror::Error)]
+pub enum TokenizerError {
+    #[error("tokenizer: {0}")]
+    Build(String),
+    #[error("tokenize: {0}")]
+    Encode(String),
+}
+
+pub struct Tokenizer {
+    inner: tokenizers::Tokenizer,
+    special: SpecialTokens,
+    /// GGUF vocabularies carry add_bos outside the tokenizer; tokenizer.json files say it in
+    /// their post-processor.
+    prepend_bos: bool,
+    vocab: u32,
+}
+
+/// GPT-2's pre-tokenizer regex.
+const GPT2_REGEX: &str = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)";
+
+/// The split regexes of a GGUF pre-tokenizer type, applied in order.
+fn pre_regexes(pre: Option<&str>) -> Result<Vec<&'static str>, TokenizerError> {
+    Ok(match pre.unwrap_or("default") {
+        "default" | "gpt2" | "gpt-2" => vec![GPT2_REGEX],
+        // SmolLM2 and StarCoder split every digit on its own, then apply GPT-2's regex.
+        "smollm" | "starcoder" | "refact" | "codeshell" | "command-r" | "minerva" | "exaone" => vec![r"\p{N}", GPT2_REGEX],
+        "llama-bpe" | "llama3" | "dbrx" | "smaug-bpe" => vec![r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+        "qwen2" | "deepseek-r1-qwen" => vec![r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"],
+        other => {
+            return Err(TokenizerError::Build(format!(
+                "GGUF pre-tokenizer {other:?} is not supported (supported: default, gpt2, smollm, starcoder, llama-bpe, qwen2); pack the Hugging Face directory instead"
+            )))
+        }
+    })
+}
+
+/// A tokenizer.json equivalent of a GGUF byte-level BPE vocabulary.
+fn gguf_tokenizer_json(v: &GgufVocab) -> Result<Value, TokenizerError> {
+    if v.model != "gpt2" {
+        return Err(TokenizerError::Build(format!(
+            "GGUF tokenizer model {:?} is not supported yet (only byte-level BPE, \"gpt2\"); pack the Hugging Face directory (tokenizer.json) instead",
+            v.model
+        )));
+    }
+    // CONTROL (3) and USER_DEFINED (4) tokens are matched whole in text, as llama.cpp does.
+    let added: Vec<Value> = v
+        .token_types
+        .iter()
+        .enumerate()
+        .filter(|(_, &t)| t == 3 || t == 4)
+        .map(|(id, &t)| json!({"id": id, "content": v.tokens[id], "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": t == 3}))
+        .collect();
+    let mut splits: Vec<Value> = pre_regexes(v.pre.as_deref())?
+        .into_iter()
+        .map(|r| json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false}))
+        .collect();
+    splits.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}));
+    let vocab: serde_json::Map<String, Value> = v
+        .tokens
+        .iter()
+        .enumerate()
+        .map(|(i, t)| (t.clone(), json!(i)))
+        .collect();
+    Ok(json!({
+        "version": "1.0",
+        "truncation": null,
+        "padding": null,
+        "added_tokens": added,
+        "normalizer": null,
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": splits},
+        "post_processor": null,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
+        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null,
+                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": v.merges},
+    }))
+}
+
+impl Tokenizer {
+    pub fn from_manifest(m: &Manifest) -> Result<Tokenizer, TokenizerError> {
+        let (json, prepend_bos) = match &m.tokenizer {
+            TokenizerSpec::HfJson(s) => (s.clone(), false),
+            TokenizerSpec::Gguf(v) => (gguf_tokenizer_json(v)?.to_string(), m.special.add_bos),
+        };
+        let inner: tokenizers::Tokenizer = json
+            .parse()
+            .map_err(|e| TokenizerError::Build(format!("{e}")))?;
+        Ok(Tokenizer {
+            inner,
+            special: m.special.clone(),
+            prepend_bos: prepend_bos && m.special.bos.is_some(),
+            vocab: m.arch.vocab,
+        })
+    }
+
+    /// Token ids of `text`. With `add_special`, BOS is added when the model asks for it
+    /// (prompts); without, text is tokenized as is (chat templates carry their own).
+    pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizerError> {
+        let enc = self
+            .inner
+            .encode(text, add_special)
+            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
+        let mut ids = enc.get_ids().to_vec();
+        if add_special && self.prepend_bos {
+            let bos = self.special.bos.expect("checked at build");
+            if ids.first() != Some(&bos) {
+                ids.insert(0, bos);
+            }
+        }
+        Ok(ids)
+    }
+
+    /// Text of `ids`, special tokens left out.
+    pub fn decode(&self, ids: &[u32]) -> String {
+        self.inner.decode(ids, true).unwrap_or_default()
+    }
+
+    /// The token's own string (e.g. "Ġthe"), for Tokenize responses.
+    pub fn piece(&self, id: u32) -> String {
+        self.inner.id_to_token(id).unwrap_or_default()
+    }
+
+    pub fn token_id(&self, s: &str) -> Option<u32> {
+        self.inner.token_to_id(s)
+    }
+
+    pub fn special(&self) -> &SpecialTokens {
+        &self.special
+    }
+
+    pub fn is_end(&self, id: u32) -> bool {
+        self.special.end_tokens.contains(&id)
+    }
+
+    pub fn vocab(&self) -> u32 {
+        self.vocab
+    }
+}
