@@ -11,7 +11,7 @@ for the model tests. Writes small JSON files into tests/fixtures/reference/:
                                     last position, 40-token greedy continuations, 3 prompts
                                     (one chat-templated)
 
-    pip install torch transformers gguf numpy
+    pip install torch transformers accelerate gguf numpy
     python3 scripts/make_reference.py [path/to/SmolLM2-135M-Instruct.Q4_1.gguf]
 """
 import json
@@ -71,7 +71,11 @@ def smollm2(gguf_path):
     cases = []
     for p in prompts:
         if p["kind"] == "chat":
-            ids = tok.apply_chat_template(p["messages"], add_generation_prompt=True)
+            rendered_ids = tok.apply_chat_template(p["messages"], add_generation_prompt=True)
+            # Newer transformers return an encoding object rather than a list.
+            ids = list(rendered_ids if isinstance(rendered_ids, list) else rendered_ids["input_ids"])
+            if ids and isinstance(ids[0], list):
+                ids = ids[0]
             rendered = tok.apply_chat_template(p["messages"], add_generation_prompt=True, tokenize=False)
         else:
             ids = tok(p["text"], add_special_tokens=True)["input_ids"]
