@@ -225,7 +225,85 @@ fn dequant_rows_impl(dtype: DType, w: &[u8], row_bytes: usize, cols: usize, out:
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    //! Hand-written AVX2 dot products for the block formats (the loops the compiler does
+    //! not vectorize well: nibble and byte unpacking to f32). Activations stay f32, so the
+    //! results match a dequantize-then-multiply reference to f32 rounding.
     use super::*;
+    use std::arch::x86_64::*;
+
+    #[inline(always)]
+    unsafe fn f16_scalar(b: &[u8], at: usize) -> f32 {
+        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+            u16::from_le_bytes([b[at], b[at + 1]]) as i32,
+        )))
+    }
+
+    #[inline(always)]
+    unsafe fn hsum256(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+        _mm_cvtss_f32(s)
+    }
+
+    /// Sum over blocks of d * dot(q, x) (+ off * sum(x)), q unsigned nibbles.
+    #[inline(always)]
+    unsafe fn dot_q4(w: &[u8], x: &[f32], bb: usize, qo: usize, q4_0: bool) -> f32 {
+        let m4 = _mm_set1_epi8(0x0F);
+        let mut acc = _mm256_setzero_ps();
+        let mut macc = _mm256_setzero_ps();
+        let nb = x.len() / 32;
+        let (wp, xp) = (w.as_ptr(), x.as_ptr());
+        for b in 0..nb {
+            let blk = wp.add(b * bb);
+            let d = f16_scalar(w, b * bb);
+            let off = if q4_0 {
+                -8.0 * d
+            } else {
+                f16_scalar(w, b * bb + 2)
+            };
+            let q = _mm_loadu_si128(blk.add(qo) as *const __m128i);
+            let lo = _mm_and_si128(q, m4);
+            let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+            let xb = xp.add(b * 32);
+            let (x0, x1, x2, x3) = (
+                _mm256_loadu_ps(xb),
+                _mm256_loadu_ps(xb.add(8)),
+                _mm256_loadu_ps(xb.add(16)),
+                _mm256_loadu_ps(xb.add(24)),
+            );
+            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+            let mut s = _mm256_mul_ps(f(lo), x0);
+            s = _mm256_fmadd_ps(f(_mm_srli_si128(lo, 8)), x1, s);
+            s = _mm256_fmadd_ps(f(hi), x2, s);
+            s = _mm256_fmadd_ps(f(_mm_srli_si128(hi, 8)), x3, s);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
+            let xs = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
+            macc = _mm256_fmadd_ps(_mm256_set1_ps(off), xs, macc);
+        }
+        hsum256(acc) + hsum256(macc)
+    }
+
+    #[inline(always)]
+    unsafe fn dot_q8_0(w: &[u8], x: &[f32]) -> f32 {
+        let mut acc = _mm256_setzero_ps();
+        let nb = x.len() / 32;
+        let (wp, xp) = (w.as_ptr(), x.as_ptr());
+        for b in 0..nb {
+            let blk = wp.add(b * 34);
+            let d = f16_scalar(w, b * 34);
+            let q0 = _mm_loadu_si128(blk.add(2) as *const __m128i);
+            let q1 = _mm_loadu_si128(blk.add(18) as *const __m128i);
+            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+            let xb = xp.add(b * 32);
+            let mut s = _mm256_mul_ps(f(q0), _mm256_loadu_ps(xb));
+            s = _mm256_fmadd_ps(f(_mm_srli_si128(q0, 8)), _mm256_loadu_ps(xb.add(8)), s);
+            s = _mm256_fmadd_ps(f(q1), _mm256_loadu_ps(xb.add(16)), s);
+            s = _mm256_fmadd_ps(f(_mm_srli_si128(q1, 8)), _mm256_loadu_ps(xb.add(24)), s);
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
+        }
+        hsum256(acc)
+    }
 
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn gemv(
@@ -235,7 +313,23 @@ mod avx2 {
         x: &[f32],
         out: &mut [f32],
     ) {
-        gemv_impl::<true>(dtype, w, row_bytes, x, out)
+        // The block kernels read whole blocks: rows are whole blocks (validated shapes).
+        debug_assert!(!dtype.is_quantized() || x.len() % 32 == 0);
+        match dtype {
+            DType::Q4_0 => out
+                .iter_mut()
+                .zip(w.chunks_exact(row_bytes))
+                .for_each(|(o, r)| *o = dot_q4(r, x, 18, 2, true)),
+            DType::Q4_1 => out
+                .iter_mut()
+                .zip(w.chunks_exact(row_bytes))
+                .for_each(|(o, r)| *o = dot_q4(r, x, 20, 4, false)),
+            DType::Q8_0 => out
+                .iter_mut()
+                .zip(w.chunks_exact(row_bytes))
+                .for_each(|(o, r)| *o = dot_q8_0(r, x)),
+            _ => gemv_impl::<true>(dtype, w, row_bytes, x, out),
+        }
     }
 
     #[target_feature(enable = "avx2,fma,f16c")]

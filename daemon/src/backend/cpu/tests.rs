@@ -9,7 +9,10 @@ use half::{bf16, f16};
 struct Rng(u64);
 impl Rng {
     fn f(&mut self) -> f32 {
-        self.0 = self.0.wrapping_mul(6364136223846793005).wrapping_add(1442695040888963407);
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
         ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
     }
     fn vec(&mut self, n: usize) -> Vec<f32> {
@@ -55,7 +58,9 @@ fn encode(dtype: DType, v: &[f32]) -> (Vec<u8>, Vec<f64>) {
         }),
         DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
             for b in v.chunks(32) {
-                let (mn, mx) = b.iter().fold((f32::MAX, f32::MIN), |(a, c), x| (a.min(*x), c.max(*x)));
+                let (mn, mx) = b
+                    .iter()
+                    .fold((f32::MAX, f32::MIN), |(a, c), x| (a.min(*x), c.max(*x)));
                 let amax = mx.abs().max(mn.abs());
                 let (d, m) = match dtype {
                     DType::Q8_0 => (amax / 127.0, 0.0),
@@ -114,14 +119,32 @@ fn matmul_matches_f64_for_every_dtype_in_both_paths() {
             let x = r.vec(rows * k);
             let xm = mem_f32(&b, &x);
             let mut out = b.alloc(rows * m * 4, "out").unwrap();
-            let wr = WeightRef { mem: &w, offset: 0, dtype, rows: m, cols: k };
-            let br = WeightRef { mem: &bias_mem, offset: 0, dtype: DType::F32, rows: 1, cols: m };
+            let wr = WeightRef {
+                mem: &w,
+                offset: 0,
+                dtype,
+                rows: m,
+                cols: k,
+            };
+            let br = WeightRef {
+                mem: &bias_mem,
+                offset: 0,
+                dtype: DType::F32,
+                rows: 1,
+                cols: m,
+            };
             b.matmul(&xm, rows, wr, Some(br), &mut out);
             for i in 0..rows {
                 for j in 0..m {
-                    let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * wx[j * k + c]).sum::<f64>() + bias[j] as f64;
+                    let want: f64 = (0..k)
+                        .map(|c| x[i * k + c] as f64 * wx[j * k + c])
+                        .sum::<f64>()
+                        + bias[j] as f64;
                     let got = out.f32s()[i * m + j] as f64;
-                    assert!((got - want).abs() <= 2e-5 * (1.0 + want.abs()), "{dtype} rows {rows} [{i},{j}]: {got} vs {want}");
+                    assert!(
+                        (got - want).abs() <= 2e-5 * (1.0 + want.abs()),
+                        "{dtype} rows {rows} [{i},{j}]: {got} vs {want}"
+                    );
                 }
             }
         }
@@ -138,11 +161,24 @@ fn embedding_rms_norm_silu_add_match_f64() {
         let t = mem_bytes(&b, &tb);
         let ids = [3u32, 0, 39, 3];
         let mut out = b.alloc(ids.len() * h * 4, "out").unwrap();
-        b.embedding(WeightRef { mem: &t, offset: 0, dtype, rows: vocab, cols: h }, &ids, &mut out);
+        b.embedding(
+            WeightRef {
+                mem: &t,
+                offset: 0,
+                dtype,
+                rows: vocab,
+                cols: h,
+            },
+            &ids,
+            &mut out,
+        );
         for (i, &id) in ids.iter().enumerate() {
             for c in 0..h {
                 let want = tx[id as usize * h + c];
-                assert!((out.f32s()[i * h + c] as f64 - want).abs() <= 1e-6 * want.abs().max(1e-3), "{dtype}");
+                assert!(
+                    (out.f32s()[i * h + c] as f64 - want).abs() <= 1e-6 * want.abs().max(1e-3),
+                    "{dtype}"
+                );
             }
         }
     }
@@ -151,9 +187,25 @@ fn embedding_rms_norm_silu_add_match_f64() {
     let g = r.vec(h);
     let (xm, gm) = (mem_f32(&b, &x), mem_f32(&b, &g));
     let mut out = b.alloc(rows * h * 4, "out").unwrap();
-    b.rms_norm(&xm, WeightRef { mem: &gm, offset: 0, dtype: DType::F32, rows: 1, cols: h }, 1e-5, rows, &mut out);
+    b.rms_norm(
+        &xm,
+        WeightRef {
+            mem: &gm,
+            offset: 0,
+            dtype: DType::F32,
+            rows: 1,
+            cols: h,
+        },
+        1e-5,
+        rows,
+        &mut out,
+    );
     for i in 0..rows {
-        let ms: f64 = x[i * h..(i + 1) * h].iter().map(|&v| (v as f64).powi(2)).sum::<f64>() / h as f64;
+        let ms: f64 = x[i * h..(i + 1) * h]
+            .iter()
+            .map(|&v| (v as f64).powi(2))
+            .sum::<f64>()
+            / h as f64;
         for c in 0..h {
             let want = x[i * h + c] as f64 / (ms + 1e-5).sqrt() * g[c] as f64;
             assert!((out.f32s()[i * h + c] as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()));
@@ -199,7 +251,12 @@ fn rope_matches_f64_rotate_half_for_default_and_llama3_scaling() {
     let b = backend();
     let mut r = Rng(3);
     let hd = 16usize;
-    let llama3 = RopeScaling::Llama3 { factor: 8.0, low_freq_factor: 1.0, high_freq_factor: 4.0, original_max_position: 64 };
+    let llama3 = RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position: 64,
+    };
     for scaling in [None, Some(llama3)] {
         let c = cfg(hd as u32, scaling.clone());
         let table = rope_table(&c, 64);
@@ -213,7 +270,9 @@ fn rope_matches_f64_rotate_half_for_default_and_llama3_scaling() {
         let inv: Vec<f64> = crate::backend::inv_freq(&c);
         if scaling.is_some() {
             // The lowest frequencies are divided by the factor, the highest kept.
-            let base: Vec<f64> = (0..hd / 2).map(|i| 1.0 / 500000f64.powf(2.0 * i as f64 / hd as f64)).collect();
+            let base: Vec<f64> = (0..hd / 2)
+                .map(|i| 1.0 / 500000f64.powf(2.0 * i as f64 / hd as f64))
+                .collect();
             assert_eq!(inv[0], base[0]);
             assert!((inv[hd / 2 - 1] - base[hd / 2 - 1] / 8.0).abs() < 1e-18);
         }
@@ -221,10 +280,20 @@ fn rope_matches_f64_rotate_half_for_default_and_llama3_scaling() {
             for h in 0..heads {
                 let at = (ri * heads + h) * hd;
                 for i in 0..hd {
-                    let (x1, x2) = (x[at + i] as f64, if i < hd / 2 { -(x[at + i + hd / 2] as f64) } else { x[at + i - hd / 2] as f64 });
+                    let (x1, x2) = (
+                        x[at + i] as f64,
+                        if i < hd / 2 {
+                            -(x[at + i + hd / 2] as f64)
+                        } else {
+                            x[at + i - hd / 2] as f64
+                        },
+                    );
                     let a = p as f64 * inv[i % (hd / 2)];
                     let want = x1 * a.cos() + x2 * a.sin();
-                    assert!((xm.f32s()[at + i] as f64 - want).abs() <= 1e-5, "pos {p} head {h} dim {i}");
+                    assert!(
+                        (xm.f32s()[at + i] as f64 - want).abs() <= 1e-5,
+                        "pos {p} head {h} dim {i}"
+                    );
                 }
             }
         }
@@ -235,11 +304,33 @@ fn rope_matches_f64_rotate_half_for_default_and_llama3_scaling() {
 fn attention_is_causal_grouped_query_over_the_cache() {
     let b = backend();
     let mut r = Rng(4);
-    let shape = AttnShape { heads: 4, kv_heads: 2, head_dim: 16, max_context: 32, slots: 3 };
-    let (wq, wkv) = (shape.heads * shape.head_dim, shape.kv_heads * shape.head_dim);
+    let shape = AttnShape {
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        max_context: 32,
+        slots: 3,
+    };
+    let (wq, wkv) = (
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+    );
     // Two sequences in one step: slot 2 prefills 5 tokens, slot 0 decodes 1 token at
     // position 6 (its cache already holds 6 positions).
-    let spans = [SeqSpan { row: 0, n: 5, pos: 0, slot: 2 }, SeqSpan { row: 5, n: 1, pos: 6, slot: 0 }];
+    let spans = [
+        SeqSpan {
+            row: 0,
+            n: 5,
+            pos: 0,
+            slot: 2,
+        },
+        SeqSpan {
+            row: 5,
+            n: 1,
+            pos: 6,
+            slot: 0,
+        },
+    ];
     let rows = 6;
     let mut ck = b.alloc(2 * shape.layer_elems() * 4, "k").unwrap();
     let mut cv = b.alloc(2 * shape.layer_elems() * 4, "v").unwrap();
@@ -253,7 +344,11 @@ fn attention_is_causal_grouped_query_over_the_cache() {
     let (q, k, v) = (r.vec(rows * wq), r.vec(rows * wkv), r.vec(rows * wkv));
     let (qm, km, vm) = (mem_f32(&b, &q), mem_f32(&b, &k), mem_f32(&b, &v));
     let mut out = b.alloc(rows * wq * 4, "out").unwrap();
-    let step = AttnStep { layer, spans: &spans, shape };
+    let step = AttnStep {
+        layer,
+        spans: &spans,
+        shape,
+    };
     b.kv_store(&km, &vm, &mut ck, &mut cv, &step);
     b.attention(&qm, &ck, &cv, &step, &mut out);
     // Reference: for each query row, keys/values of its own sequence up to its position.
@@ -261,7 +356,10 @@ fn attention_is_causal_grouped_query_over_the_cache() {
         if si == 0 {
             (k[..5 * wkv].to_vec(), v[..5 * wkv].to_vec())
         } else {
-            ([old_k.clone(), k[5 * wkv..].to_vec()].concat(), [old_v.clone(), v[5 * wkv..].to_vec()].concat())
+            (
+                [old_k.clone(), k[5 * wkv..].to_vec()].concat(),
+                [old_v.clone(), v[5 * wkv..].to_vec()].concat(),
+            )
         }
     };
     for (si, sp) in spans.iter().enumerate() {
@@ -271,14 +369,26 @@ fn attention_is_causal_grouped_query_over_the_cache() {
             for h in 0..shape.heads {
                 let g = h / 2;
                 let qr = &q[(sp.row + t) * wq + h * 16..][..16];
-                let scores: Vec<f64> = (0..=p).map(|j| (0..16).map(|d| qr[d] as f64 * ks[j * wkv + g * 16 + d] as f64).sum::<f64>() / 4.0).collect();
+                let scores: Vec<f64> = (0..=p)
+                    .map(|j| {
+                        (0..16)
+                            .map(|d| qr[d] as f64 * ks[j * wkv + g * 16 + d] as f64)
+                            .sum::<f64>()
+                            / 4.0
+                    })
+                    .collect();
                 let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
                 let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
                 let z: f64 = e.iter().sum();
                 for d in 0..16 {
-                    let want: f64 = (0..=p).map(|j| e[j] / z * vs[j * wkv + g * 16 + d] as f64).sum();
+                    let want: f64 = (0..=p)
+                        .map(|j| e[j] / z * vs[j * wkv + g * 16 + d] as f64)
+                        .sum();
                     let got = out.f32s()[(sp.row + t) * wq + h * 16 + d] as f64;
-                    assert!((got - want).abs() <= 1e-5, "seq {si} t {t} head {h} dim {d}: {got} vs {want}");
+                    assert!(
+                        (got - want).abs() <= 1e-5,
+                        "seq {si} t {t} head {h} dim {d}: {got} vs {want}"
+                    );
                 }
             }
         }
@@ -289,8 +399,15 @@ fn attention_is_causal_grouped_query_over_the_cache() {
 fn the_budget_refuses_past_its_limit_and_reports_the_peak() {
     let b = CpuBackend::new(64 << 10, 1).unwrap();
     let a = b.alloc(40 << 10, "a").unwrap();
-    let e = b.alloc(40 << 10, "weights of layer 3").err().unwrap().to_string();
-    assert!(e.contains("weights of layer 3") && e.contains("--device-memory"), "{e}");
+    let e = b
+        .alloc(40 << 10, "weights of layer 3")
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("weights of layer 3") && e.contains("--device-memory"),
+        "{e}"
+    );
     drop(a);
     let _c = b.alloc(60 << 10, "c").unwrap();
     assert_eq!(b.budget().peak(), 60 << 10);
