@@ -314,7 +314,7 @@ mod avx2 {
         out: &mut [f32],
     ) {
         // The block kernels read whole blocks: rows are whole blocks (validated shapes).
-        debug_assert!(!dtype.is_quantized() || x.len() % 32 == 0);
+        debug_assert!(!dtype.is_quantized() || x.len().is_multiple_of(32));
         match dtype {
             DType::Q4_0 => out
                 .iter_mut()
