@@ -184,6 +184,7 @@ fn smollm2_greedy_continuations_match_transformers() {
             max_tokens: want.len(),
             sampling: SamplingParams::default(),
             stop: Vec::new(),
+            ignore_eos: false,
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(

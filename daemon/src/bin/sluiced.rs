@@ -152,6 +152,9 @@ struct RunArgs {
     /// Stop when the text contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// Keep generating past end tokens (benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
     /// Positions of KV cache (default: the model's context, at most 4096).
     #[arg(long)]
     max_context: Option<usize>,
@@ -515,6 +518,7 @@ fn run_prompt(a: RunArgs) -> Result<()> {
             seed: a.seed,
         },
         stop: a.stop.clone(),
+        ignore_eos: a.ignore_eos,
     };
     let stdout = std::io::stdout();
     let out = generate(&mut runner, &tok, &prompt_ids, &params, |piece| {

@@ -14,6 +14,8 @@ pub struct GenerateParams {
     pub max_tokens: usize,
     pub sampling: SamplingParams,
     pub stop: Vec<String>,
+    /// Generate past end tokens (benchmarks); they are then ordinary tokens.
+    pub ignore_eos: bool,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -96,7 +98,7 @@ pub fn generate<B: Backend>(
     let mut steps = 0;
     let finish = loop {
         generated.push(next);
-        if tok.is_end(next) {
+        if tok.is_end(next) && !params.ignore_eos {
             break FinishReason::Stop;
         }
         let (out, stopped) = stops.push(&detok.push(tok, next));
