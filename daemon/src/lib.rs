@@ -7,6 +7,8 @@ pub mod engine;
 pub mod import;
 pub mod io;
 pub mod model;
+pub mod pipeline;
+pub mod plan;
 pub mod store;
 pub mod text;
 pub mod util;

@@ -62,7 +62,18 @@ fn load(src: &Path, dir: &Path, max_context: usize) -> Runner<CpuBackend> {
         request_bytes: 1 << 20,
         ..IoConfig::default()
     };
-    Runner::load_resident(CpuBackend::new(1 << 30, 2).unwrap(), store, opts, io).unwrap()
+    sluice::engine::cpu_runner(
+        store,
+        &sluice::plan::PlanInput {
+            device_budget: None,
+            host_cache_budget: 0,
+            opts,
+            prefetch: None,
+        },
+        2,
+        io,
+    )
+    .unwrap()
 }
 
 /// max |a - b| / max |b|: the relative error of a logits vector.

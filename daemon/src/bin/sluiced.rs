@@ -84,6 +84,32 @@ enum Cmd {
         #[arg(long)]
         force: bool,
     },
+    /// Measure streaming: overlap (pass time vs compute-only and streaming-only) and decode
+    /// tokens/s at several batch sizes under a device budget.
+    BenchStream {
+        dir: PathBuf,
+        /// Device budget for the weights as a share of the model's raw size (e.g. 50%), on top
+        /// of KV cache, workspace and streaming slots; or an absolute --device-memory.
+        #[arg(long, default_value = "50%")]
+        weights_budget: String,
+        /// Total device budget (overrides --weights-budget).
+        #[arg(long, value_parser = parse_size)]
+        device_memory: Option<u64>,
+        #[arg(long, value_parser = parse_size, default_value = "0")]
+        host_cache: u64,
+        #[arg(long)]
+        prefetch: Option<usize>,
+        #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+        batch: Vec<usize>,
+        #[arg(long, default_value_t = 4)]
+        steps: usize,
+        #[arg(long, default_value_t = 4)]
+        prompt_tokens: usize,
+        #[arg(long, default_value_t = 0)]
+        threads: usize,
+        #[arg(long)]
+        json: bool,
+    },
     /// Stream every layer of a store through the I/O engine and report rates against
     /// their limits measured in the same run.
     BenchIo {
@@ -161,6 +187,16 @@ struct RunArgs {
     /// Tokens per prefill step.
     #[arg(long, default_value_t = 512)]
     batch_tokens: usize,
+    /// Device memory budget (e.g. 64MiB, 32GiB); below the model's size, layers stream.
+    /// Default: enough for every layer resident.
+    #[arg(long, value_parser = parse_size)]
+    device_memory: Option<u64>,
+    /// Host memory for decompressed copies of streamed layers.
+    #[arg(long, value_parser = parse_size, default_value = "0")]
+    host_cache: u64,
+    /// Layers requested ahead of the one computing.
+    #[arg(long)]
+    prefetch: Option<usize>,
     /// Compute threads (default: all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -223,6 +259,85 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> Result<std::process::ExitCode> {
     match cli.cmd {
+        Cmd::BenchStream {
+            dir,
+            weights_budget,
+            device_memory,
+            host_cache,
+            prefetch,
+            batch,
+            steps,
+            prompt_tokens,
+            threads,
+            json,
+        } => {
+            let store = std::sync::Arc::new(Store::open(&dir)?);
+            let m = store.manifest();
+            let max_batch = *batch.iter().max().context("--batch is empty")?;
+            let opts = sluice::model::ModelOptions {
+                max_context: prompt_tokens + steps + 2,
+                kv_slots: max_batch,
+                max_batch_tokens: (max_batch * prompt_tokens).max(max_batch),
+            };
+            let budget = match device_memory {
+                Some(b) => b,
+                None => {
+                    let pct: f64 = weights_budget.trim_end_matches('%').parse().with_context(|| format!("--weights-budget {weights_budget:?}: expected a percentage like 50%"))?;
+                    // KV cache and workspace as the plan reserves them, plus the share of the
+                    // weights, which must hold the streaming slots too.
+                    let p = sluice::plan::plan(
+                        m,
+                        &sluice::plan::PlanInput {
+                            device_budget: None,
+                            host_cache_budget: 0,
+                            opts,
+                            prefetch,
+                        },
+                    )?;
+                    p.kv_cache_bytes
+                        + p.workspace_bytes
+                        + (p.resident_bytes as f64 * pct / 100.0) as u64
+                }
+            };
+            let io = sluice::io::IoConfig {
+                queue_depth: 32,
+                read_buffers: 32,
+                ..Default::default()
+            };
+            let o = sluice::pipeline::bench::BenchStreamOptions {
+                device_budget: budget,
+                host_cache_budget: host_cache,
+                prefetch,
+                threads,
+                io,
+                batches: batch,
+                steps,
+                prompt_tokens,
+            };
+            let r = sluice::pipeline::bench::bench_stream(store.clone(), &o)?;
+            if json {
+                println!("{}", serde_json::to_string_pretty(&r)?);
+            } else {
+                println!("model {} raw, device budget {} ({} units resident, {} streamed); per pass {} from disk, {} uploaded", fmt_bytes(r.model_raw_bytes), fmt_bytes(r.device_budget), r.layers_resident, r.layers_streamed, fmt_bytes(r.disk_bytes_per_pass), fmt_bytes(r.upload_bytes_per_pass));
+                println!("pass time: compute-only {:.2} ms, streaming-only {:.2} ms, streamed {:.2} ms -> streamed / max = {:.3}", r.compute_only_pass_s * 1e3, r.streaming_only_pass_s * 1e3, r.streamed_pass_s * 1e3, r.overlap_ratio);
+                println!(
+                    "{:>6} {:>10} {:>12} {:>10} {:>12} {:>12}",
+                    "batch", "pass ms", "tokens/s", "vs linear", "stall ms", "compute ms"
+                );
+                for b in &r.batches {
+                    println!(
+                        "{:>6} {:>10.2} {:>12.1} {:>10.3} {:>12.2} {:>12.2}",
+                        b.batch,
+                        b.pass_s * 1e3,
+                        b.tokens_per_s,
+                        b.vs_linear,
+                        b.load_stall_s_per_pass * 1e3,
+                        b.compute_s_per_pass * 1e3
+                    );
+                }
+            }
+            Ok(std::process::ExitCode::SUCCESS)
+        }
         Cmd::Run(a) => {
             run_prompt(a)?;
             Ok(std::process::ExitCode::SUCCESS)
@@ -442,7 +557,7 @@ fn synth(
 }
 
 fn run_prompt(a: RunArgs) -> Result<()> {
-    use sluice::backend::{cpu::CpuBackend, Backend};
+    use sluice::backend::Backend;
     use sluice::engine::generate::{generate, GenerateParams};
     use sluice::text::{ChatMessage, ChatTemplate, SamplingParams, Tokenizer};
     use std::io::Write;
@@ -495,19 +610,22 @@ fn run_prompt(a: RunArgs) -> Result<()> {
         kv_slots: 1,
         max_batch_tokens: a.batch_tokens.max(1),
     };
-    let budget = m.raw_bytes()
-        + sluice::model::llama::kv_cache_bytes(&m.arch, &opts)
-        + sluice::model::llama::workspace_bytes(&m.arch, &opts)
-        + 4096 * (m.units.len() as u64 + 16);
-    let backend = CpuBackend::new(budget, a.threads)?;
-    let threads = backend.threads();
+    let input = sluice::plan::PlanInput {
+        device_budget: a.device_memory,
+        host_cache_budget: a.host_cache,
+        opts,
+        prefetch: a.prefetch,
+    };
     let io = sluice::io::IoConfig {
-        staging_slots: 2,
         queue_depth: 16,
         read_buffers: 16,
         ..Default::default()
     };
-    let mut runner = sluice::engine::Runner::load_resident(backend, store.clone(), opts, io)?;
+    let mut runner = sluice::engine::cpu_runner(store.clone(), &input, a.threads, io)?;
+    let threads = runner.backend.threads();
+    if !a.json {
+        eprint!("{}", runner.plan.table());
+    }
     let params = GenerateParams {
         max_tokens: a.max_tokens,
         sampling: SamplingParams {
@@ -529,6 +647,9 @@ fn run_prompt(a: RunArgs) -> Result<()> {
         }
     })?;
     let b = &runner.backend;
+    let total = runner.total().clone();
+    let passes = total.passes.max(1) as f64;
+    let plan = &runner.plan;
     if a.json {
         let j = serde_json::json!({
             "prompt_token_ids": out.prompt_token_ids,
@@ -545,12 +666,24 @@ fn run_prompt(a: RunArgs) -> Result<()> {
             "threads": threads,
             "device_bytes_budget": b.budget().limit(),
             "device_bytes_peak": b.budget().peak(),
+            "layers_resident": plan.layers_resident(),
+            "layers_streamed": plan.layers_streamed(),
+            "bytes_streamed": total.bytes_uploaded,
+            "bytes_read": total.bytes_read,
+            "bytes_decompressed": total.bytes_decompressed,
+            "bytes_from_host_cache": total.bytes_from_host_cache,
+            "passes": total.passes,
+            "pass_time_s": total.pass_time_s / passes,
+            "compute_s": total.compute_s,
+            "upload_s": total.upload_s,
+            "stall_load_s": total.load_stall_s,
+            "plan": plan,
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
         println!();
         eprintln!(
-            "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens in {:.3} s ({:.1} tokens/s); finish: {:?}; device memory peak {} of {}",
+            "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens in {:.3} s ({:.1} tokens/s); finish: {:?}",
             out.prompt_token_ids.len(),
             out.prefill_s,
             out.prefill_tokens_per_s(),
@@ -558,6 +691,16 @@ fn run_prompt(a: RunArgs) -> Result<()> {
             out.decode_s,
             out.decode_tokens_per_s(),
             out.finish_reason,
+        );
+        eprintln!(
+            "passes: {}, {:.2} ms each; per pass {} read, {} uploaded; compute {:.3} s, upload {:.3} s, waiting for loads {:.3} s; device memory peak {} of {}",
+            total.passes,
+            total.pass_time_s / passes * 1e3,
+            fmt_bytes((total.bytes_read as f64 / passes) as u64),
+            fmt_bytes((total.bytes_uploaded as f64 / passes) as u64),
+            total.compute_s,
+            total.upload_s,
+            total.load_stall_s,
             fmt_bytes(b.budget().peak()),
             fmt_bytes(b.budget().limit())
         );

@@ -61,7 +61,7 @@ pub fn generate<B: Backend>(
     mut on_text: impl FnMut(&str),
 ) -> Result<GenerateOutput, EngineError> {
     params.sampling.validate().map_err(EngineError::Invalid)?;
-    let opts = *runner.model.options();
+    let opts = *runner.options();
     if prompt.is_empty() {
         return Err(EngineError::Invalid("the prompt is empty".into()));
     }

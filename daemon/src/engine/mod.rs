@@ -3,9 +3,12 @@
 
 pub mod generate;
 
-use crate::backend::{Backend, BackendError};
-use crate::io::{IoConfig, IoEngine, IoError};
-use crate::model::{Llama, ModelError, ModelOptions, SeqStep};
+use crate::backend::cpu::CpuBackend;
+use crate::backend::BackendError;
+use crate::io::IoConfig;
+use crate::io::IoError;
+use crate::model::ModelError;
+use crate::plan::PlanInput;
 use crate::store::Store;
 use std::sync::Arc;
 
@@ -21,6 +24,8 @@ pub enum EngineError {
     Tokenizer(#[from] crate::text::tokenizer::TokenizerError),
     #[error(transparent)]
     Template(#[from] crate::text::template::TemplateError),
+    #[error(transparent)]
+    Plan(#[from] crate::plan::PlanError),
     #[error("{0}")]
     Invalid(String),
 }
@@ -32,63 +37,19 @@ impl EngineError {
     }
 }
 
-/// A model with every layer unit resident in device memory.
-pub struct Runner<B: Backend> {
-    pub backend: B,
-    pub model: Llama<B>,
-    pub store: Arc<Store>,
-    weights: Vec<B::Mem>,
-}
+/// The runner of forward passes: the streaming pipeline (with every unit resident when
+/// the plan says so).
+pub type Runner<B> = crate::pipeline::Pipeline<B>;
 
-impl<B: Backend> Runner<B> {
-    /// Reserves KV cache and workspace, then loads every unit through the I/O engine and
-    /// uploads it.
-    pub fn load_resident(
-        backend: B,
-        store: Arc<Store>,
-        opts: ModelOptions,
-        io: IoConfig,
-    ) -> Result<Self, EngineError> {
-        let model = Llama::new(&backend, store.manifest(), opts)?;
-        let engine = IoEngine::new(store.clone(), io)?;
-        let n = store.units().len();
-        let mut weights = Vec::with_capacity(n);
-        // Two requests in flight: the next unit loads while this one uploads.
-        let mut pending = std::collections::VecDeque::new();
-        let mut next = 0;
-        for u in 0..n {
-            while next < n && pending.len() < 2 {
-                pending.push_back(engine.request(next)?);
-                next += 1;
-            }
-            let ticket = pending.pop_front().expect("requested above");
-            let slot = engine.wait(ticket)?;
-            let kind = store.units()[u].kind;
-            let mut mem = backend.alloc(slot.data().len(), &format!("weights of {kind}"))?;
-            backend.upload(&mut mem, slot.data())?;
-            weights.push(mem);
-        }
-        Ok(Runner {
-            backend,
-            model,
-            store,
-            weights,
-        })
-    }
-
-    /// Runs one step over every unit and fills `logits` (one row per sequence).
-    pub fn step(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), EngineError> {
-        self.model.begin(steps)?;
-        let head = self.model.lm_head_unit();
-        for u in 0..self.weights.len() {
-            self.model.forward_unit(
-                &self.backend,
-                u,
-                &self.weights[u],
-                Some(&self.weights[head]),
-            );
-        }
-        self.model.logits(&self.backend, logits);
-        Ok(())
-    }
+/// Plans memory for `store` and builds a CPU runner whose arena is exactly the planned
+/// device budget (so the budget is enforced, as on a GPU).
+pub fn cpu_runner(
+    store: Arc<Store>,
+    input: &PlanInput,
+    threads: usize,
+    io: IoConfig,
+) -> Result<Runner<CpuBackend>, EngineError> {
+    let plan = crate::plan::plan(store.manifest(), input)?;
+    let backend = CpuBackend::new(plan.device_budget, threads)?;
+    Runner::new(backend, store, plan, input.opts, io)
 }

@@ -1,0 +1,190 @@
+//! `sluiced bench-stream`: does the overlap work, and does batching amortize streaming?
+//! All figures come from one run: compute-only (every unit resident), streaming-only
+//! (the plan's loads with compute skipped) and the real streamed pass, then decode
+//! tokens/s at several batch sizes under the same budget.
+
+use crate::backend::cpu::CpuBackend;
+use crate::backend::Backend;
+use crate::engine::{cpu_runner, EngineError, Runner};
+use crate::io::IoConfig;
+use crate::model::{ModelOptions, SeqStep};
+use crate::plan::PlanInput;
+use crate::store::Store;
+use serde::Serialize;
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Clone, Debug)]
+pub struct BenchStreamOptions {
+    pub device_budget: u64,
+    pub host_cache_budget: u64,
+    pub prefetch: Option<usize>,
+    pub threads: usize,
+    pub io: IoConfig,
+    pub batches: Vec<usize>,
+    /// Decode steps timed per batch size.
+    pub steps: usize,
+    /// Prompt tokens prefilled per sequence before decoding.
+    pub prompt_tokens: usize,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BatchResult {
+    pub batch: usize,
+    pub pass_s: f64,
+    pub tokens_per_s: f64,
+    /// tokens_per_s / (batch x the batch-1 rate).
+    pub vs_linear: f64,
+    pub load_stall_s_per_pass: f64,
+    pub compute_s_per_pass: f64,
+}
+
+#[derive(Debug, Serialize)]
+pub struct BenchStreamReport {
+    pub model_raw_bytes: u64,
+    pub device_budget: u64,
+    pub layers_resident: usize,
+    pub layers_streamed: usize,
+    pub disk_bytes_per_pass: u64,
+    pub upload_bytes_per_pass: u64,
+    pub compute_only_pass_s: f64,
+    pub streaming_only_pass_s: f64,
+    pub streamed_pass_s: f64,
+    /// streamed / max(compute-only, streaming-only): 1.0 is perfect overlap.
+    pub overlap_ratio: f64,
+    pub batches: Vec<BatchResult>,
+}
+
+fn token_ids(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
+    let mut s = seed;
+    (0..n)
+        .map(|_| {
+            s = s
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            // Stay clear of the special ids at the start of most vocabularies.
+            256 + ((s >> 33) % (vocab as u64 - 256).max(1)) as u32
+        })
+        .collect()
+}
+
+/// Prefills `batch` sequences, then times `steps` decode steps; returns (seconds per pass,
+/// load stall per pass, compute per pass).
+fn decode_passes(
+    r: &mut Runner<CpuBackend>,
+    batch: usize,
+    prompt: usize,
+    steps: usize,
+    vocab: u32,
+) -> Result<(f64, f64, f64), EngineError> {
+    let mut logits = Vec::new();
+    let seqs: Vec<SeqStep> = (0..batch)
+        .map(|b| SeqStep {
+            slot: b,
+            pos: 0,
+            tokens: token_ids(prompt, vocab, b as u64 + 1),
+        })
+        .collect();
+    let per_step = (r.options().max_batch_tokens / prompt).max(1);
+    for chunk in seqs.chunks(per_step) {
+        r.step(chunk, &mut logits)?;
+    }
+    // One untimed decode step warms the caches.
+    let mut pos = prompt;
+    let mut step = |r: &mut Runner<CpuBackend>, pos: usize| -> Result<(), EngineError> {
+        let s: Vec<SeqStep> = (0..batch)
+            .map(|b| SeqStep {
+                slot: b,
+                pos,
+                tokens: token_ids(1, vocab, (pos * 131 + b) as u64),
+            })
+            .collect();
+        r.step(&s, &mut logits)
+    };
+    step(r, pos)?;
+    pos += 1;
+    let t0 = Instant::now();
+    let (mut stall, mut compute) = (0.0, 0.0);
+    for _ in 0..steps {
+        step(r, pos)?;
+        pos += 1;
+        stall += r.last_pass().load_stall_s;
+        compute += r.last_pass().compute_s;
+    }
+    let n = steps as f64;
+    Ok((t0.elapsed().as_secs_f64() / n, stall / n, compute / n))
+}
+
+pub fn bench_stream(
+    store: Arc<Store>,
+    o: &BenchStreamOptions,
+) -> Result<BenchStreamReport, EngineError> {
+    let m = store.manifest();
+    let vocab = m.arch.vocab;
+    let max_batch = *o.batches.iter().max().unwrap_or(&1);
+    let opts = ModelOptions {
+        max_context: o.prompt_tokens + o.steps + 2,
+        kv_slots: max_batch,
+        max_batch_tokens: (max_batch * o.prompt_tokens).max(max_batch),
+    };
+    let input = |budget: Option<u64>| PlanInput {
+        device_budget: budget,
+        host_cache_budget: o.host_cache_budget,
+        opts,
+        prefetch: o.prefetch,
+    };
+
+    // Compute alone: every unit resident, batch 1.
+    let compute_only = {
+        let mut r = cpu_runner(store.clone(), &input(None), o.threads, o.io.clone())?;
+        decode_passes(&mut r, 1, o.prompt_tokens, o.steps, vocab)?.0
+    };
+    let mut r = cpu_runner(
+        store.clone(),
+        &input(Some(o.device_budget)),
+        o.threads,
+        o.io.clone(),
+    )?;
+    // Streaming alone: the same loads, compute skipped.
+    r.skip_compute = true;
+    let streaming_only = decode_passes(&mut r, 1, o.prompt_tokens, o.steps, vocab)?.0;
+    r.skip_compute = false;
+    let mut batches = Vec::new();
+    let mut rate1 = 0.0;
+    for &b in &o.batches {
+        let (pass, stall, compute) = decode_passes(&mut r, b, o.prompt_tokens, o.steps, vocab)?;
+        let rate = b as f64 / pass;
+        if b == 1 {
+            rate1 = rate;
+        }
+        batches.push(BatchResult {
+            batch: b,
+            pass_s: pass,
+            tokens_per_s: rate,
+            vs_linear: if rate1 > 0.0 {
+                rate / (b as f64 * rate1)
+            } else {
+                0.0
+            },
+            load_stall_s_per_pass: stall,
+            compute_s_per_pass: compute,
+        });
+    }
+    let streamed = batches
+        .iter()
+        .find(|x| x.batch == 1)
+        .map_or(0.0, |x| x.pass_s);
+    Ok(BenchStreamReport {
+        model_raw_bytes: m.raw_bytes(),
+        device_budget: r.backend.budget().limit(),
+        layers_resident: r.plan.layers_resident(),
+        layers_streamed: r.plan.layers_streamed(),
+        disk_bytes_per_pass: r.plan.disk_bytes_per_pass,
+        upload_bytes_per_pass: r.plan.upload_bytes_per_pass,
+        compute_only_pass_s: compute_only,
+        streaming_only_pass_s: streaming_only,
+        streamed_pass_s: streamed,
+        overlap_ratio: streamed / compute_only.max(streaming_only),
+        batches,
+    })
+}

@@ -1,0 +1,280 @@
+//! The streaming pipeline (DESIGN.md "Data flow"): every forward pass runs the layer units
+//! in order; resident units run in place, streamed ones are requested from the I/O engine
+//! `prefetch` units ahead, uploaded into a device streaming slot just before they run, and
+//! the staging slot goes back to the engine as soon as the upload is done. Units with a
+//! host-cache copy skip disk and decompression. One pass serves every sequence of the batch.
+
+pub mod bench;
+
+use crate::backend::Backend;
+use crate::engine::EngineError;
+use crate::io::buffers::AlignedBuf;
+use crate::io::{IoConfig, IoEngine, Ticket};
+use crate::model::{Llama, ModelOptions, SeqStep};
+use crate::plan::{Placement, Plan};
+use crate::store::format::UnitKind;
+use crate::store::Store;
+use serde::Serialize;
+use std::collections::VecDeque;
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Statistics of forward passes (one pass, or summed).
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct PassStats {
+    pub passes: u64,
+    pub pass_time_s: f64,
+    /// Time in layer compute.
+    pub compute_s: f64,
+    /// Time copying units into device slots.
+    pub upload_s: f64,
+    /// Time waiting for the I/O engine (disk read and decompression behind the compute).
+    pub load_stall_s: f64,
+    pub bytes_read: u64,
+    pub bytes_decompressed: u64,
+    pub bytes_uploaded: u64,
+    pub bytes_from_host_cache: u64,
+}
+
+impl PassStats {
+    fn add(&mut self, o: &PassStats) {
+        self.passes += o.passes;
+        self.pass_time_s += o.pass_time_s;
+        self.compute_s += o.compute_s;
+        self.upload_s += o.upload_s;
+        self.load_stall_s += o.load_stall_s;
+        self.bytes_read += o.bytes_read;
+        self.bytes_decompressed += o.bytes_decompressed;
+        self.bytes_uploaded += o.bytes_uploaded;
+        self.bytes_from_host_cache += o.bytes_from_host_cache;
+    }
+}
+
+pub struct Pipeline<B: Backend> {
+    pub backend: B,
+    pub model: Llama<B>,
+    pub store: Arc<Store>,
+    pub plan: Plan,
+    resident: Vec<Option<B::Mem>>,
+    slots: Vec<B::Mem>,
+    host_cache: Vec<Option<AlignedBuf>>,
+    io: IoEngine,
+    /// Streamed loads of one pass in order (the tied embedding twice).
+    loads: Vec<usize>,
+    /// Skip the layer compute (measures streaming alone).
+    pub skip_compute: bool,
+    last: PassStats,
+    total: PassStats,
+}
+
+impl<B: Backend> Pipeline<B> {
+    /// Reserves KV cache and workspace, then streaming slots, then loads resident units
+    /// and the host cache through the I/O engine.
+    pub fn new(
+        backend: B,
+        store: Arc<Store>,
+        plan: Plan,
+        opts: ModelOptions,
+        io_cfg: IoConfig,
+    ) -> Result<Self, EngineError> {
+        let model = Llama::new(&backend, store.manifest(), opts)?;
+        let mut slots = Vec::with_capacity(plan.stream_slots);
+        for i in 0..plan.stream_slots {
+            slots.push(backend.alloc(
+                plan.stream_slot_bytes as usize,
+                &format!("streaming slot {i}"),
+            )?);
+        }
+        let n = store.units().len();
+        let io = IoEngine::new(
+            store.clone(),
+            IoConfig {
+                staging_slots: plan.prefetch.max(1) + 1,
+                ..io_cfg
+            },
+        )?;
+        let mut resident: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
+        let mut host_cache: Vec<Option<AlignedBuf>> = (0..n).map(|_| None).collect();
+        // Load what stays put, two units in flight.
+        let wanted: Vec<usize> = (0..n)
+            .filter(|&u| plan.placement(u) != Placement::Streamed)
+            .collect();
+        let mut pending = VecDeque::new();
+        let mut next = 0;
+        for _ in 0..wanted.len() {
+            while next < wanted.len() && pending.len() < 2 {
+                pending.push_back(io.request(wanted[next])?);
+                next += 1;
+            }
+            let ticket: Ticket = pending.pop_front().expect("requested above");
+            let u = ticket.unit();
+            let slot = io.wait(ticket)?;
+            let kind = store.units()[u].kind;
+            match plan.placement(u) {
+                Placement::Resident => {
+                    let mut mem =
+                        backend.alloc(slot.data().len(), &format!("weights of {kind}"))?;
+                    backend.upload(&mut mem, slot.data())?;
+                    resident[u] = Some(mem);
+                }
+                Placement::HostCached => {
+                    let mut buf = AlignedBuf::new(slot.data().len()).ok_or_else(|| {
+                        EngineError::Invalid(format!(
+                            "host cache: cannot allocate {} bytes for {kind}",
+                            slot.data().len()
+                        ))
+                    })?;
+                    buf.as_mut_slice()[..slot.data().len()].copy_from_slice(slot.data());
+                    host_cache[u] = Some(buf);
+                }
+                Placement::Streamed => unreachable!("filtered above"),
+            }
+        }
+        let mut loads: Vec<usize> = (0..n).filter(|&u| resident[u].is_none()).collect();
+        if store.manifest().arch.tied_embeddings && resident[0].is_none() {
+            // The head needs the embedding matrix again: load it just before the head.
+            let head_at = loads
+                .iter()
+                .position(|&u| u == n - 1)
+                .unwrap_or(loads.len());
+            loads.insert(head_at, 0);
+        }
+        Ok(Pipeline {
+            backend,
+            model,
+            store,
+            plan,
+            resident,
+            slots,
+            host_cache,
+            io,
+            loads,
+            skip_compute: false,
+            last: PassStats::default(),
+            total: PassStats::default(),
+        })
+    }
+
+    /// Statistics of the last pass, and of all passes so far.
+    pub fn last_pass(&self) -> &PassStats {
+        &self.last
+    }
+
+    pub fn total(&self) -> &PassStats {
+        &self.total
+    }
+
+    pub fn io(&self) -> &IoEngine {
+        &self.io
+    }
+
+    /// Runs one step of the batch over every unit and fills `logits` (a row per sequence).
+    pub fn step(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), EngineError> {
+        self.model.begin(steps)?;
+        let t_pass = Instant::now();
+        let io0 = self.io.stats();
+        let mut st = PassStats {
+            passes: 1,
+            ..PassStats::default()
+        };
+        let n = self.resident.len();
+        let prefetch = self.plan.prefetch.max(1);
+        let tied = self.store.manifest().arch.tied_embeddings;
+        // Tickets of the loads requested ahead (None: served from the host cache).
+        let mut ahead: VecDeque<Option<Ticket>> = VecDeque::new();
+        let mut next_load = 0;
+        let mut load_at = 0;
+        let mut slot_rr = 0;
+        // Which streaming slot holds which unit right now.
+        let mut in_slot: Vec<Option<usize>> = vec![None; self.slots.len()];
+        for u in 0..n {
+            // Units this unit needs: itself, and for a tied head the embedding.
+            let mut need = vec![u];
+            if tied && self.store.units()[u].kind == UnitKind::Head {
+                need.insert(0, 0);
+            }
+            for &w in &need {
+                if self.resident[w].is_some() {
+                    continue;
+                }
+                while next_load < self.loads.len() && ahead.len() < prefetch {
+                    let lu = self.loads[next_load];
+                    ahead.push_back(if self.host_cache[lu].is_some() {
+                        None
+                    } else {
+                        Some(self.io.request(lu)?)
+                    });
+                    next_load += 1;
+                }
+                debug_assert_eq!(self.loads[load_at], w, "loads follow the pass order");
+                load_at += 1;
+                let t = ahead
+                    .pop_front()
+                    .expect("a load is requested for every streamed unit");
+                let slot = slot_rr;
+                slot_rr = (slot_rr + 1) % self.slots.len();
+                match t {
+                    Some(t) => {
+                        let t0 = Instant::now();
+                        let guard = self.io.wait(t)?;
+                        st.load_stall_s += t0.elapsed().as_secs_f64();
+                        let t1 = Instant::now();
+                        self.backend.upload(&mut self.slots[slot], guard.data())?;
+                        st.upload_s += t1.elapsed().as_secs_f64();
+                        st.bytes_uploaded += guard.data().len() as u64;
+                    }
+                    None => {
+                        let data = self.host_cache[w].as_ref().expect("host-cached unit");
+                        let len = self.store.units()[w].raw_len as usize;
+                        let t1 = Instant::now();
+                        self.backend
+                            .upload(&mut self.slots[slot], &data.as_slice()[..len])?;
+                        st.upload_s += t1.elapsed().as_secs_f64();
+                        st.bytes_uploaded += len as u64;
+                        st.bytes_from_host_cache += len as u64;
+                    }
+                }
+                in_slot[slot] = Some(w);
+            }
+            let mem_of = |w: usize| -> &B::Mem {
+                match &self.resident[w] {
+                    Some(m) => m,
+                    None => {
+                        let s = in_slot
+                            .iter()
+                            .rposition(|&x| x == Some(w))
+                            .expect("loaded above");
+                        &self.slots[s]
+                    }
+                }
+            };
+            if !self.skip_compute {
+                let t0 = Instant::now();
+                let mem = mem_of(u);
+                let is_head = self.store.units()[u].kind == UnitKind::Head;
+                let lm = if tied && is_head {
+                    Some(mem_of(0))
+                } else {
+                    None
+                };
+                self.model.forward_unit(&self.backend, u, mem, lm);
+                st.compute_s += t0.elapsed().as_secs_f64();
+            }
+        }
+        debug_assert!(ahead.is_empty() && load_at == self.loads.len());
+        if !self.skip_compute {
+            self.model.logits(&self.backend, logits);
+        }
+        let io1 = self.io.stats();
+        st.bytes_read = io1.read_bytes - io0.read_bytes;
+        st.bytes_decompressed = io1.decompressed_bytes - io0.decompressed_bytes;
+        st.pass_time_s = t_pass.elapsed().as_secs_f64();
+        self.total.add(&st);
+        self.last = st;
+        Ok(())
+    }
+
+    pub fn options(&self) -> &ModelOptions {
+        self.model.options()
+    }
+}

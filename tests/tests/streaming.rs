@@ -1,0 +1,367 @@
+//! Layer streaming: any device budget gives bit-identical outputs to the all-resident run,
+//! the arena never exceeds its budget, an impossible budget is refused with its numbers,
+//! and a corrupted streamed layer fails only the step that needed it.
+
+use sluice::backend::cpu::CpuBackend;
+use sluice::backend::Backend;
+use sluice::engine::{cpu_runner, Runner};
+use sluice::import;
+use sluice::io::IoConfig;
+use sluice::model::{ModelOptions, SeqStep};
+use sluice::plan::{plan, PlanInput};
+use sluice::store::writer::{pack, PackOptions};
+use sluice::store::Store;
+use sluice_tests::*;
+use std::path::Path;
+use std::sync::Arc;
+
+const OPTS: ModelOptions = ModelOptions {
+    max_context: 96,
+    kv_slots: 2,
+    max_batch_tokens: 64,
+};
+
+fn store(src: &Path, dir: &Path) -> Arc<Store> {
+    let model = import::open(src).unwrap();
+    let units = model.units().unwrap();
+    pack(
+        &model,
+        &units,
+        dir,
+        &PackOptions {
+            codec: "zstd:1".parse().unwrap(),
+            frame_size: 64 << 10,
+            threads: 2,
+            force: true,
+        },
+        |_| {},
+    )
+    .unwrap();
+    Arc::new(Store::open(dir).unwrap())
+}
+
+fn io() -> IoConfig {
+    IoConfig {
+        queue_depth: 8,
+        read_buffers: 8,
+        request_bytes: 256 << 10,
+        ..IoConfig::default()
+    }
+}
+
+fn runner(s: &Arc<Store>, budget: Option<u64>, host_cache: u64) -> Runner<CpuBackend> {
+    cpu_runner(
+        s.clone(),
+        &PlanInput {
+            device_budget: budget,
+            host_cache_budget: host_cache,
+            opts: OPTS,
+            prefetch: Some(3),
+        },
+        2,
+        io(),
+    )
+    .unwrap()
+}
+
+/// Budgets from all-resident down to the least that runs: KV + workspace + 2 slots.
+fn budgets(s: &Store) -> Vec<(String, Option<u64>)> {
+    let p = plan(
+        s.manifest(),
+        &PlanInput {
+            device_budget: None,
+            host_cache_budget: 0,
+            opts: OPTS,
+            prefetch: None,
+        },
+    )
+    .unwrap();
+    let fixed = p.kv_cache_bytes + p.workspace_bytes;
+    let sizes: Vec<u64> = s
+        .units()
+        .iter()
+        .map(|u| u.raw_len.div_ceil(4096) * 4096)
+        .collect();
+    let (largest, smallest) = (*sizes.iter().max().unwrap(), *sizes.iter().min().unwrap());
+    vec![
+        ("all resident".into(), None),
+        // Half the weights, or (for the tiny models, whose units are a third of them each)
+        // two slots and one resident unit.
+        (
+            "partial".into(),
+            Some(fixed + (p.resident_bytes / 2).max(2 * largest + smallest)),
+        ),
+        ("two slots".into(), Some(fixed + 2 * largest)),
+    ]
+}
+
+/// Logits of a two-sequence prefill step and a decode step, and a greedy continuation.
+fn outputs(r: &mut Runner<CpuBackend>, vocab: u32) -> (Vec<u32>, Vec<u32>) {
+    let a: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % vocab).collect();
+    let b: Vec<u32> = (0..7).map(|i| (i * 11 + 3) % vocab).collect();
+    let mut logits = Vec::new();
+    r.step(
+        &[
+            SeqStep {
+                slot: 0,
+                pos: 0,
+                tokens: a.clone(),
+            },
+            SeqStep {
+                slot: 1,
+                pos: 0,
+                tokens: b.clone(),
+            },
+        ],
+        &mut logits,
+    )
+    .unwrap();
+    let mut bits: Vec<u32> = logits.iter().map(|f| f.to_bits()).collect();
+    r.step(
+        &[
+            SeqStep {
+                slot: 1,
+                pos: 7,
+                tokens: vec![9],
+            },
+            SeqStep {
+                slot: 0,
+                pos: 20,
+                tokens: vec![4],
+            },
+        ],
+        &mut logits,
+    )
+    .unwrap();
+    bits.extend(logits.iter().map(|f| f.to_bits()));
+    let mut ids = Vec::new();
+    let mut next = sluice::text::sampler::argmax(&logits[..vocab as usize]);
+    for pos in 21..33 {
+        ids.push(next);
+        r.step(
+            &[SeqStep {
+                slot: 0,
+                pos,
+                tokens: vec![next],
+            }],
+            &mut logits,
+        )
+        .unwrap();
+        next = sluice::text::sampler::argmax(&logits);
+    }
+    (bits, ids)
+}
+
+#[test]
+fn every_budget_gives_bit_identical_outputs_within_its_arena() {
+    let tmp = tempfile::tempdir().unwrap();
+    for src in [
+        fixture("tiny-llama"),
+        fixture("tiny-qwen2.gguf"),
+        fixture("tiny-llama-q.gguf"),
+        smollm2_gguf(),
+    ] {
+        let name = src.file_name().unwrap().to_string_lossy().to_string();
+        let s = store(&src, &tmp.path().join(&name));
+        let vocab = s.manifest().arch.vocab;
+        let mut want = None;
+        for (label, budget) in budgets(&s) {
+            let mut r = runner(&s, budget, 0);
+            let streamed = r.plan.layers_streamed();
+            match label.as_str() {
+                "all resident" => assert_eq!(streamed, 0),
+                "two slots" => {
+                    // The planner may keep the largest unit resident and stream the rest
+                    // through smaller slots, whichever streams fewer bytes.
+                    assert!(r.plan.stream_slots >= 2, "{name}");
+                    assert!(
+                        streamed >= s.units().len() / 2,
+                        "{name}: only {streamed} units stream at the least budget"
+                    );
+                }
+                _ => assert!(streamed > 0, "{name}: nothing streams at half the model"),
+            }
+            let got = outputs(&mut r, vocab);
+            let b = r.backend.budget();
+            assert!(
+                b.peak() <= b.limit(),
+                "{name} {label}: peak {} over budget {}",
+                b.peak(),
+                b.limit()
+            );
+            if let Some(budget) = budget {
+                assert_eq!(b.limit(), budget);
+                assert!(
+                    r.total().bytes_uploaded > 0,
+                    "{name} {label}: nothing was uploaded"
+                );
+            }
+            match &want {
+                None => want = Some(got),
+                Some(w) => assert!(
+                    w == &got,
+                    "{name}: outputs at budget {label} differ from all-resident"
+                ),
+            }
+        }
+    }
+}
+
+#[test]
+fn the_host_cache_serves_streamed_layers_without_disk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = store(&fixture("tiny-llama"), &tmp.path().join("t"));
+    let vocab = s.manifest().arch.vocab;
+    let (_, half) = budgets(&s)[1].clone();
+    let want = outputs(&mut runner(&s, None, 0), vocab);
+    let mut r = runner(&s, half, 1 << 30);
+    assert!(r
+        .plan
+        .units
+        .iter()
+        .any(|u| u.placement == sluice::plan::Placement::HostCached));
+    assert_eq!(r.plan.disk_bytes_per_pass, 0);
+    let got = outputs(&mut r, vocab);
+    assert!(got == want);
+    assert_eq!(
+        r.total().bytes_read,
+        0,
+        "host-cached layers must not touch the disk"
+    );
+    assert!(r.total().bytes_from_host_cache > 0);
+}
+
+#[test]
+fn a_budget_too_small_fails_at_start_with_the_numbers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = store(&fixture("tiny-llama"), &tmp.path().join("t"));
+    let e = cpu_runner(
+        s.clone(),
+        &PlanInput {
+            device_budget: Some(64 << 10),
+            host_cache_budget: 0,
+            opts: OPTS,
+            prefetch: None,
+        },
+        1,
+        io(),
+    )
+    .err()
+    .unwrap()
+    .to_string();
+    for want in [
+        "too small",
+        "KV cache",
+        "workspace",
+        "streaming slots",
+        "--device-memory",
+    ] {
+        assert!(e.contains(want), "{e}");
+    }
+    let e = sluiced_err(&[
+        "run",
+        s.dir().to_str().unwrap(),
+        "--prompt-ids",
+        "1,2",
+        "--device-memory",
+        "100KiB",
+    ]);
+    assert!(e.contains("too small") && e.contains("KV cache"), "{e}");
+}
+
+#[test]
+fn a_corrupted_streamed_layer_fails_its_step_and_the_pipeline_keeps_serving() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = store(&fixture("tiny-llama"), &tmp.path().join("t"));
+    let vocab = s.manifest().arch.vocab;
+    let want = outputs(&mut runner(&s, None, 0), vocab);
+    let (_, two) = budgets(&s)[2].clone();
+    let mut r = runner(&s, two, 0);
+    let unit = (0..s.units().len())
+        .find(|&u| {
+            r.plan.placement(u) == sluice::plan::Placement::Streamed
+                && s.units()[u].kind.to_string().starts_with("layer")
+        })
+        .unwrap();
+    let f = s.units()[unit].frames[0].clone();
+    let w = s.weights_path().to_path_buf();
+    let good = std::fs::read(&w).unwrap();
+    let mut bad = good.clone();
+    bad[(f.file_offset + f.stored_len() / 2) as usize] ^= 0x08;
+    std::fs::write(&w, &bad).unwrap();
+    let mut logits = Vec::new();
+    for _ in 0..3 {
+        let e = r
+            .step(
+                &[SeqStep {
+                    slot: 0,
+                    pos: 0,
+                    tokens: vec![1, 2, 3],
+                }],
+                &mut logits,
+            )
+            .unwrap_err();
+        assert!(e.is_data_loss(), "{e}");
+        let msg = e.to_string();
+        assert!(
+            msg.contains(&s.units()[unit].kind.to_string())
+                && msg.contains(&format!("offset {}", f.file_offset)),
+            "{msg}"
+        );
+    }
+    // Nothing leaked: every staging slot and read buffer is back.
+    let t0 = std::time::Instant::now();
+    loop {
+        let p = r.io().pool_status();
+        if p.slots_free == p.slots && p.read_buffers_free == p.read_buffers {
+            break;
+        }
+        assert!(t0.elapsed().as_secs() < 10, "pools not full: {p:?}");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // The data is repaired (restored from a backup): the same pipeline serves again, exactly.
+    std::fs::write(&w, &good).unwrap();
+    assert!(outputs(&mut r, vocab) == want);
+}
+
+#[test]
+fn sluiced_run_streams_under_a_budget_and_reports_it() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    sluiced_ok(&[
+        "pack",
+        smollm2_gguf().to_str().unwrap(),
+        "-o",
+        dir.to_str().unwrap(),
+        "--codec",
+        "zstd:3",
+    ]);
+    let args = |dm: &str| -> serde_json::Value {
+        let mut a = vec![
+            "run",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "The history of the printing press begins",
+            "--max-tokens",
+            "12",
+            "--max-context",
+            "256",
+            "--json",
+        ];
+        if !dm.is_empty() {
+            a.extend(["--device-memory", dm]);
+        }
+        serde_json::from_str(&sluiced_ok(&a)).unwrap()
+    };
+    let full = args("");
+    let streamed = args("80MiB");
+    assert_eq!(full["generated_token_ids"], streamed["generated_token_ids"]);
+    assert_eq!(full["layers_streamed"], 0);
+    assert!(streamed["layers_streamed"].as_u64().unwrap() > 0);
+    assert_eq!(streamed["device_bytes_budget"], 80 << 20);
+    assert!(streamed["device_bytes_peak"].as_u64().unwrap() <= 80 << 20);
+    assert!(streamed["bytes_streamed"].as_u64().unwrap() > 0);
+    for k in ["pass_time_s", "stall_load_s", "compute_s", "upload_s"] {
+        assert!(streamed[k].as_f64().is_some(), "{k} missing");
+    }
+}
