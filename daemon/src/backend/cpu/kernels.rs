@@ -305,6 +305,121 @@ mod avx2 {
         hsum256(acc)
     }
 
+    /// Up to four activation rows against one weight row: the block is unpacked once and
+    /// used for every row. `xsum[r]` holds row r's per-block sums (for the offset term).
+    #[inline(always)]
+    unsafe fn dot4_q4(
+        w: &[u8],
+        xs: &[&[f32]; 4],
+        xsum: &[&[f32]; 4],
+        bb: usize,
+        qo: usize,
+        q4_0: bool,
+    ) -> [f32; 4] {
+        let m4 = _mm_set1_epi8(0x0F);
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let mut moff = [0f32; 4];
+        let nb = xs[0].len() / 32;
+        let wp = w.as_ptr();
+        for b in 0..nb {
+            let blk = wp.add(b * bb);
+            let d = f16_scalar(w, b * bb);
+            let off = if q4_0 {
+                -8.0 * d
+            } else {
+                f16_scalar(w, b * bb + 2)
+            };
+            let q = _mm_loadu_si128(blk.add(qo) as *const __m128i);
+            let lo = _mm_and_si128(q, m4);
+            let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+            let (w0, w1, w2, w3) = (
+                f(lo),
+                f(_mm_srli_si128(lo, 8)),
+                f(hi),
+                f(_mm_srli_si128(hi, 8)),
+            );
+            let dv = _mm256_set1_ps(d);
+            for r in 0..4 {
+                let xb = xs[r].as_ptr().add(b * 32);
+                let mut s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
+                s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb.add(8)), s);
+                s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb.add(16)), s);
+                s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb.add(24)), s);
+                acc[r] = _mm256_fmadd_ps(dv, s, acc[r]);
+                moff[r] = off.mul_add(xsum[r][b], moff[r]);
+            }
+        }
+        [
+            hsum256(acc[0]) + moff[0],
+            hsum256(acc[1]) + moff[1],
+            hsum256(acc[2]) + moff[2],
+            hsum256(acc[3]) + moff[3],
+        ]
+    }
+
+    #[inline(always)]
+    unsafe fn dot4_q8_0(w: &[u8], xs: &[&[f32]; 4]) -> [f32; 4] {
+        let mut acc = [_mm256_setzero_ps(); 4];
+        let nb = xs[0].len() / 32;
+        let wp = w.as_ptr();
+        for b in 0..nb {
+            let blk = wp.add(b * 34);
+            let d = f16_scalar(w, b * 34);
+            let q0 = _mm_loadu_si128(blk.add(2) as *const __m128i);
+            let q1 = _mm_loadu_si128(blk.add(18) as *const __m128i);
+            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+            let (w0, w1, w2, w3) = (
+                f(q0),
+                f(_mm_srli_si128(q0, 8)),
+                f(q1),
+                f(_mm_srli_si128(q1, 8)),
+            );
+            let dv = _mm256_set1_ps(d);
+            for r in 0..4 {
+                let xb = xs[r].as_ptr().add(b * 32);
+                let mut s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
+                s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb.add(8)), s);
+                s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb.add(16)), s);
+                s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb.add(24)), s);
+                acc[r] = _mm256_fmadd_ps(dv, s, acc[r]);
+            }
+        }
+        [
+            hsum256(acc[0]),
+            hsum256(acc[1]),
+            hsum256(acc[2]),
+            hsum256(acc[3]),
+        ]
+    }
+
+    /// out[r][j] = dot(w row j, x row r) for four activation rows (`xs`, repeated to pad).
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(super) unsafe fn gemv4(
+        dtype: DType,
+        w: &[u8],
+        row_bytes: usize,
+        xs: &[&[f32]; 4],
+        xsum: &[&[f32]; 4],
+        out: &mut [[f32; 4]],
+    ) {
+        match dtype {
+            DType::Q4_0 => out
+                .iter_mut()
+                .zip(w.chunks_exact(row_bytes))
+                .for_each(|(o, r)| *o = dot4_q4(r, xs, xsum, 18, 2, true)),
+            DType::Q4_1 => out
+                .iter_mut()
+                .zip(w.chunks_exact(row_bytes))
+                .for_each(|(o, r)| *o = dot4_q4(r, xs, xsum, 20, 4, false)),
+            DType::Q8_0 => out
+                .iter_mut()
+                .zip(w.chunks_exact(row_bytes))
+                .for_each(|(o, r)| *o = dot4_q8_0(r, xs)),
+            _ => unreachable!("gemv4 is for block formats"),
+        }
+    }
+
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn gemv(
         dtype: DType,
@@ -363,6 +478,37 @@ pub fn gemv(dtype: DType, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]
         return unsafe { avx2::gemv(dtype, w, row_bytes, x, out) };
     }
     gemv_impl::<false>(dtype, w, row_bytes, x, out)
+}
+
+/// Whether `gemv4` has a fast kernel for this dtype on this CPU.
+pub fn has_gemv4(dtype: DType) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        dtype.is_quantized() && has_avx2()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = dtype;
+        false
+    }
+}
+
+/// Four activation rows at once against `out.len()` weight rows (block formats, AVX2; see
+/// `has_gemv4`). `xsum[r]` are row r's sums per 32-element block.
+pub fn gemv4(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    xs: &[&[f32]; 4],
+    xsum: &[&[f32]; 4],
+    out: &mut [[f32; 4]],
+) {
+    assert!(has_gemv4(dtype), "gemv4 needs a block format and AVX2");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: AVX2/FMA/F16C present (asserted); rows are whole blocks (validated shapes).
+    unsafe {
+        avx2::gemv4(dtype, w, row_bytes, xs, xsum, out)
+    }
 }
 
 /// Dequantizes rows of `w` into `out` (rows x cols f32).

@@ -16,6 +16,9 @@ use std::sync::Arc;
 /// once per activation row); above it, weight tiles are dequantized once and multiplied
 /// with sgemm.
 const GEMV_ROWS_MAX: usize = 3;
+/// Rows of activations up to which block-format weights run through `gemv4` (each block
+/// unpacked once for four rows); above, the tile path's dequantization pays off.
+const GEMV4_ROWS_MAX: usize = 16;
 /// Weight rows per sgemm tile.
 const TILE_ROWS: usize = 32;
 
@@ -212,7 +215,35 @@ impl Backend for CpuBackend {
         let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
         let threads = self.pool.current_num_threads();
         self.pool.install(|| {
-            if rows <= GEMV_ROWS_MAX {
+            if rows > 1 && rows <= GEMV4_ROWS_MAX && kernels::has_gemv4(w.dtype) {
+                // Per-block sums of every activation row, for the q4 offset terms.
+                let nb = k / 32;
+                let xsums: Vec<f32> = xs.chunks_exact(32).map(|c| c.iter().sum()).collect();
+                let chunk = m.div_ceil(threads * 4).max(16);
+                (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
+                    let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
+                    let mut res = vec![[0f32; 4]; j1 - j0];
+                    for r0 in (0..rows).step_by(4) {
+                        // Pad a short group by repeating its last row (results dropped).
+                        let pick = |i: usize| (r0 + i).min(rows - 1);
+                        let xr: [&[f32]; 4] =
+                            std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
+                        let xsr: [&[f32]; 4] =
+                            std::array::from_fn(|i| &xsums[pick(i) * nb..(pick(i) + 1) * nb]);
+                        kernels::gemv4(w.dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, &mut res);
+                        for i in 0..(rows - r0).min(4) {
+                            let p = optr;
+                            // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
+                            let o = unsafe {
+                                std::slice::from_raw_parts_mut(p.0.add((r0 + i) * m + j0), j1 - j0)
+                            };
+                            for (oj, rj) in o.iter_mut().zip(&res) {
+                                *oj = rj[i];
+                            }
+                        }
+                    }
+                });
+            } else if rows <= GEMV_ROWS_MAX {
                 // Split weight rows into about 4 tasks per thread.
                 let chunk = m.div_ceil(threads * 4).max(16);
                 (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
