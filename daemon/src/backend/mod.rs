@@ -91,7 +91,6 @@ impl MemBudget {
 
 /// A weight tensor inside a device allocation: `rows` x `cols` of `dtype`, row-major,
 /// starting `offset` bytes in.
-#[derive(Clone, Copy)]
 pub struct WeightRef<'a, M> {
     pub mem: &'a M,
     pub offset: usize,
@@ -99,6 +98,14 @@ pub struct WeightRef<'a, M> {
     pub rows: usize,
     pub cols: usize,
 }
+
+// Manual impls: a derive would require `M: Copy`, but only the reference is copied.
+impl<M> Clone for WeightRef<'_, M> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+impl<M> Copy for WeightRef<'_, M> {}
 
 /// One sequence's part of a batch step: `n` new tokens at batch rows `row..row + n`, at
 /// positions `pos..pos + n` of KV-cache slot `slot`.
@@ -163,11 +170,14 @@ pub trait Backend: Send + Sync {
         rows: usize,
         out: &mut Self::Mem,
     );
-    /// out[rows, w.rows] = x[rows, w.cols] @ w^T (+ bias).
+    /// out[rows, w.rows] = x[rows, w.cols] @ w^T (+ bias). The first `gemv_rows` rows are
+    /// single-token (decode) rows; a backend must give every row the same result whatever
+    /// the other rows are, so that batching never changes a sequence's output.
     fn matmul(
         &self,
         x: &Self::Mem,
         rows: usize,
+        gemv_rows: usize,
         w: WeightRef<'_, Self::Mem>,
         bias: Option<WeightRef<'_, Self::Mem>>,
         out: &mut Self::Mem,

@@ -104,8 +104,11 @@ pub struct Llama<B: Backend> {
     cache_k: B::Mem,
     cache_v: B::Mem,
     ws: Workspace<B::Mem>,
-    // The step in progress.
+    // The step in progress. Single-token spans come first (their rows take the decode
+    // kernels); `step_of` maps a span back to its index in the caller's step.
     spans: Vec<SeqSpan>,
+    step_of: Vec<usize>,
+    gemv_rows: usize,
     positions: Vec<u32>,
     ids: Vec<u32>,
     rows: usize,
@@ -270,6 +273,8 @@ impl<B: Backend> Llama<B> {
             cache_v,
             ws,
             spans: Vec::new(),
+            step_of: Vec::new(),
+            gemv_rows: 0,
             positions: Vec::new(),
             ids: Vec::new(),
             rows: 0,
@@ -306,10 +311,6 @@ impl<B: Backend> Llama<B> {
                 self.opts.kv_slots
             )));
         }
-        self.spans.clear();
-        self.positions.clear();
-        self.ids.clear();
-        let mut row = 0;
         for (i, s) in steps.iter().enumerate() {
             if s.tokens.is_empty() {
                 return Err(ModelError::Step(format!("sequence {i} has no tokens")));
@@ -334,23 +335,38 @@ impl<B: Backend> Llama<B> {
                     self.cfg.vocab
                 )));
             }
+        }
+        let total: usize = steps.iter().map(|s| s.tokens.len()).sum();
+        if total > self.opts.max_batch_tokens {
+            return Err(ModelError::Step(format!(
+                "{total} tokens in a step; at most {}",
+                self.opts.max_batch_tokens
+            )));
+        }
+        self.spans.clear();
+        self.step_of.clear();
+        self.positions.clear();
+        self.ids.clear();
+        // Single-token spans first, then prefill chunks, each group in step order.
+        let order = (0..steps.len())
+            .filter(|&i| steps[i].tokens.len() == 1)
+            .chain((0..steps.len()).filter(|&i| steps[i].tokens.len() > 1));
+        let mut row = 0;
+        for i in order {
+            let s = &steps[i];
             self.spans.push(SeqSpan {
                 row,
                 n: s.tokens.len(),
                 pos: s.pos,
                 slot: s.slot,
             });
+            self.step_of.push(i);
             self.positions
                 .extend((s.pos..s.pos + s.tokens.len()).map(|p| p as u32));
             self.ids.extend_from_slice(&s.tokens);
             row += s.tokens.len();
         }
-        if row > self.opts.max_batch_tokens {
-            return Err(ModelError::Step(format!(
-                "{row} tokens in a step; at most {}",
-                self.opts.max_batch_tokens
-            )));
-        }
+        self.gemv_rows = steps.iter().filter(|s| s.tokens.len() == 1).count();
         self.rows = row;
         Ok(())
     }
@@ -385,9 +401,30 @@ impl<B: Backend> Llama<B> {
         let ws = &mut self.ws;
         b.rms_norm(&ws.x, l.attn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
         let bias = |k: usize| l.qkv_bias.map(|bs| bs[k].at(mem));
-        b.matmul(&ws.xn, rows, l.q.at(mem), bias(0), &mut ws.q);
-        b.matmul(&ws.xn, rows, l.k.at(mem), bias(1), &mut ws.k);
-        b.matmul(&ws.xn, rows, l.v.at(mem), bias(2), &mut ws.v);
+        b.matmul(
+            &ws.xn,
+            rows,
+            self.gemv_rows,
+            l.q.at(mem),
+            bias(0),
+            &mut ws.q,
+        );
+        b.matmul(
+            &ws.xn,
+            rows,
+            self.gemv_rows,
+            l.k.at(mem),
+            bias(1),
+            &mut ws.k,
+        );
+        b.matmul(
+            &ws.xn,
+            rows,
+            self.gemv_rows,
+            l.v.at(mem),
+            bias(2),
+            &mut ws.v,
+        );
         b.rope(
             &mut ws.q,
             rows,
@@ -411,13 +448,34 @@ impl<B: Backend> Llama<B> {
         };
         b.kv_store(&ws.k, &ws.v, &mut self.cache_k, &mut self.cache_v, &step);
         b.attention(&ws.q, &self.cache_k, &self.cache_v, &step, &mut ws.attn);
-        b.matmul(&ws.attn, rows, l.o.at(mem), None, &mut ws.proj);
+        b.matmul(
+            &ws.attn,
+            rows,
+            self.gemv_rows,
+            l.o.at(mem),
+            None,
+            &mut ws.proj,
+        );
         b.add(&mut ws.x, &ws.proj, rows * h);
         b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
-        b.matmul(&ws.xn, rows, l.gate.at(mem), None, &mut ws.gate);
-        b.matmul(&ws.xn, rows, l.up.at(mem), None, &mut ws.up);
+        b.matmul(
+            &ws.xn,
+            rows,
+            self.gemv_rows,
+            l.gate.at(mem),
+            None,
+            &mut ws.gate,
+        );
+        b.matmul(&ws.xn, rows, self.gemv_rows, l.up.at(mem), None, &mut ws.up);
         b.silu_mul(&mut ws.gate, &ws.up, rows * inter);
-        b.matmul(&ws.gate, rows, l.down.at(mem), None, &mut ws.proj);
+        b.matmul(
+            &ws.gate,
+            rows,
+            self.gemv_rows,
+            l.down.at(mem),
+            None,
+            &mut ws.proj,
+        );
         b.add(&mut ws.x, &ws.proj, rows * h);
         debug_assert!(qd >= kvd);
     }
@@ -425,7 +483,8 @@ impl<B: Backend> Llama<B> {
     fn head(&mut self, b: &B, mem: &B::Mem, lm: &B::Mem) {
         let h = self.cfg.hidden as usize;
         // Only each sequence's last position needs logits.
-        for (i, sp) in self.spans.iter().enumerate() {
+        // Rows go in the caller's step order, so the logits come out in it.
+        for (sp, &i) in self.spans.iter().zip(&self.step_of) {
             b.copy_row(&self.ws.x, sp.row + sp.n - 1, &mut self.ws.last, i, h);
         }
         let n = self.spans.len();
@@ -436,8 +495,10 @@ impl<B: Backend> Llama<B> {
             n,
             &mut self.ws.last_n,
         );
+        // One row per sequence: every row through the decode kernels (batch-invariant).
         b.matmul(
             &self.ws.last_n,
+            n,
             n,
             self.lm_head.at(lm),
             None,

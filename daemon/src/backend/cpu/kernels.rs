@@ -248,10 +248,14 @@ mod avx2 {
 
     /// Sum over blocks of d * dot(q, x) (+ off * sum(x)), q unsigned nibbles.
     #[inline(always)]
-    unsafe fn dot_q4(w: &[u8], x: &[f32], bb: usize, qo: usize, q4_0: bool) -> f32 {
+    /// One activation row; per row the arithmetic is exactly `dot4_q4`'s, so a sequence's
+    /// results do not depend on how many others share its batch.
+    // The block index addresses raw pointers into w and x and the sums in lockstep.
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn dot_q4(w: &[u8], x: &[f32], xsum: &[f32], bb: usize, qo: usize, q4_0: bool) -> f32 {
         let m4 = _mm_set1_epi8(0x0F);
         let mut acc = _mm256_setzero_ps();
-        let mut macc = _mm256_setzero_ps();
+        let mut moff = 0f32;
         let nb = x.len() / 32;
         let (wp, xp) = (w.as_ptr(), x.as_ptr());
         for b in 0..nb {
@@ -278,10 +282,9 @@ mod avx2 {
             s = _mm256_fmadd_ps(f(hi), x2, s);
             s = _mm256_fmadd_ps(f(_mm_srli_si128(hi, 8)), x3, s);
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
-            let xs = _mm256_add_ps(_mm256_add_ps(x0, x1), _mm256_add_ps(x2, x3));
-            macc = _mm256_fmadd_ps(_mm256_set1_ps(off), xs, macc);
+            moff = off.mul_add(xsum[b], moff);
         }
-        hsum256(acc) + hsum256(macc)
+        hsum256(acc) + moff
     }
 
     #[inline(always)]
@@ -308,6 +311,8 @@ mod avx2 {
     /// Up to four activation rows against one weight row: the block is unpacked once and
     /// used for every row. `xsum[r]` holds row r's per-block sums (for the offset term).
     #[inline(always)]
+    // As in dot_q4: one index for weights, activations and sums.
+    #[allow(clippy::needless_range_loop)]
     unsafe fn dot4_q4(
         w: &[u8],
         xs: &[&[f32]; 4],
@@ -426,6 +431,7 @@ mod avx2 {
         w: &[u8],
         row_bytes: usize,
         x: &[f32],
+        xsum: &[f32],
         out: &mut [f32],
     ) {
         // The block kernels read whole blocks: rows are whole blocks (validated shapes).
@@ -434,11 +440,11 @@ mod avx2 {
             DType::Q4_0 => out
                 .iter_mut()
                 .zip(w.chunks_exact(row_bytes))
-                .for_each(|(o, r)| *o = dot_q4(r, x, 18, 2, true)),
+                .for_each(|(o, r)| *o = dot_q4(r, x, xsum, 18, 2, true)),
             DType::Q4_1 => out
                 .iter_mut()
                 .zip(w.chunks_exact(row_bytes))
-                .for_each(|(o, r)| *o = dot_q4(r, x, 20, 4, false)),
+                .for_each(|(o, r)| *o = dot_q4(r, x, xsum, 20, 4, false)),
             DType::Q8_0 => out
                 .iter_mut()
                 .zip(w.chunks_exact(row_bytes))
@@ -475,9 +481,16 @@ pub fn gemv(dtype: DType, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
         // SAFETY: the CPU supports avx2, fma and f16c (checked above).
-        return unsafe { avx2::gemv(dtype, w, row_bytes, x, out) };
+        let xsum = block_sums(x);
+        return unsafe { avx2::gemv(dtype, w, row_bytes, x, &xsum, out) };
     }
     gemv_impl::<false>(dtype, w, row_bytes, x, out)
+}
+
+/// Sums of each 32-element block of `x`, added in order (the q4 offset terms use them; the
+/// one- and four-row kernels must agree on them bit for bit).
+pub fn block_sums(x: &[f32]) -> Vec<f32> {
+    x.chunks_exact(32).map(|c| c.iter().sum()).collect()
 }
 
 /// Whether `gemv4` has a fast kernel for this dtype on this CPU.

@@ -12,13 +12,6 @@ use rayon::prelude::*;
 use std::cell::RefCell;
 use std::sync::Arc;
 
-/// Rows of activations up to which a matmul runs as dot products (each weight row read
-/// once per activation row); above it, weight tiles are dequantized once and multiplied
-/// with sgemm.
-const GEMV_ROWS_MAX: usize = 3;
-/// Rows of activations up to which block-format weights run through `gemv4` (each block
-/// unpacked once for four rows); above, the tile path's dequantization pays off.
-const GEMV4_ROWS_MAX: usize = 16;
 /// Weight rows per sgemm tile.
 const TILE_ROWS: usize = 32;
 
@@ -198,6 +191,7 @@ impl Backend for CpuBackend {
         &self,
         x: &CpuMem,
         rows: usize,
+        gemv_rows: usize,
         w: WeightRef<'_, CpuMem>,
         bias: Option<WeightRef<'_, CpuMem>>,
         out: &mut CpuMem,
@@ -214,26 +208,46 @@ impl Backend for CpuBackend {
         let xs = &x.f32s()[..rows * k];
         let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
         let threads = self.pool.current_num_threads();
+        assert!(gemv_rows <= rows);
         self.pool.install(|| {
-            if rows > 1 && rows <= GEMV4_ROWS_MAX && kernels::has_gemv4(w.dtype) {
-                // Per-block sums of every activation row, for the q4 offset terms.
+            // Single-token rows (decode) run through the dot-product kernels, whose result for
+            // a row does not depend on the other rows; the rest (prefill chunks) through
+            // dequantized tiles and sgemm, also row by row independent. So a sequence's
+            // numbers are the same alone or in any batch.
+            let g = gemv_rows;
+            if g > 0 && kernels::has_gemv4(w.dtype) {
                 let nb = k / 32;
-                let xsums: Vec<f32> = xs.chunks_exact(32).map(|c| c.iter().sum()).collect();
+                let xsums = kernels::block_sums(&xs[..g * k]);
                 let chunk = m.div_ceil(threads * 4).max(16);
                 (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
                     let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
                     let mut res = vec![[0f32; 4]; j1 - j0];
-                    for r0 in (0..rows).step_by(4) {
+                    for r0 in (0..g).step_by(4) {
+                        if g - r0 == 1 {
+                            let p = optr;
+                            // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
+                            let o = unsafe {
+                                std::slice::from_raw_parts_mut(p.0.add(r0 * m + j0), j1 - j0)
+                            };
+                            kernels::gemv(
+                                w.dtype,
+                                &wb[j0 * rb..j1 * rb],
+                                rb,
+                                &xs[r0 * k..(r0 + 1) * k],
+                                o,
+                            );
+                            continue;
+                        }
                         // Pad a short group by repeating its last row (results dropped).
-                        let pick = |i: usize| (r0 + i).min(rows - 1);
+                        let pick = |i: usize| (r0 + i).min(g - 1);
                         let xr: [&[f32]; 4] =
                             std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
                         let xsr: [&[f32]; 4] =
                             std::array::from_fn(|i| &xsums[pick(i) * nb..(pick(i) + 1) * nb]);
                         kernels::gemv4(w.dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, &mut res);
-                        for i in 0..(rows - r0).min(4) {
+                        for i in 0..(g - r0).min(4) {
                             let p = optr;
-                            // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
+                            // SAFETY: as above.
                             let o = unsafe {
                                 std::slice::from_raw_parts_mut(p.0.add((r0 + i) * m + j0), j1 - j0)
                             };
@@ -243,12 +257,11 @@ impl Backend for CpuBackend {
                         }
                     }
                 });
-            } else if rows <= GEMV_ROWS_MAX {
-                // Split weight rows into about 4 tasks per thread.
+            } else if g > 0 {
                 let chunk = m.div_ceil(threads * 4).max(16);
                 (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
                     let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
-                    for r in 0..rows {
+                    for r in 0..g {
                         let p = optr;
                         // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
                         let o =
@@ -262,9 +275,12 @@ impl Backend for CpuBackend {
                         );
                     }
                 });
-            } else {
-                (0..m.div_ceil(TILE_ROWS)).into_par_iter().for_each(|t| {
-                    let (j0, j1) = (t * TILE_ROWS, ((t + 1) * TILE_ROWS).min(m));
+            }
+            let t = rows - g;
+            if t > 0 {
+                let xt = &xs[g * k..rows * k];
+                (0..m.div_ceil(TILE_ROWS)).into_par_iter().for_each(|ti| {
+                    let (j0, j1) = (ti * TILE_ROWS, ((ti + 1) * TILE_ROWS).min(m));
                     let nb = j1 - j0;
                     TILE.with(|tile| {
                         let mut tile = tile.borrow_mut();
@@ -277,22 +293,22 @@ impl Backend for CpuBackend {
                             &mut tile[..nb * k],
                         );
                         let p = optr;
-                        // SAFETY: C = X[rows, k] . T^T lands in out[.., j0..j1] (row stride m),
+                        // SAFETY: C = X[t, k] . T^T lands in out[g.., j0..j1] (row stride m),
                         // disjoint across tasks; A and B are live slices of the given sizes.
                         unsafe {
                             matrixmultiply::sgemm(
-                                rows,
+                                t,
                                 k,
                                 nb,
                                 1.0,
-                                xs.as_ptr(),
+                                xt.as_ptr(),
                                 k as isize,
                                 1,
                                 tile.as_ptr(),
                                 1,
                                 k as isize,
                                 0.0,
-                                p.0.add(j0),
+                                p.0.add(g * m + j0),
                                 m as isize,
                                 1,
                             );

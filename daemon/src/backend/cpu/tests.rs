@@ -114,8 +114,8 @@ fn matmul_matches_f64_for_every_dtype_in_both_paths() {
         let w = mem_bytes(&b, &wb);
         let bias = r.vec(m);
         let bias_mem = mem_f32(&b, &bias);
-        // 1 and 3 rows take the dot-product path, 5 and 17 the sgemm tile path.
-        for rows in [1, 3, 5, 17] {
+        // gemv rows (decode kernels) and tile rows (sgemm) in several mixes.
+        for (rows, gemv_rows) in [(1, 1), (3, 3), (5, 5), (5, 0), (17, 2), (17, 17), (1, 0)] {
             let x = r.vec(rows * k);
             let xm = mem_f32(&b, &x);
             let mut out = b.alloc(rows * m * 4, "out").unwrap();
@@ -133,7 +133,7 @@ fn matmul_matches_f64_for_every_dtype_in_both_paths() {
                 rows: 1,
                 cols: m,
             };
-            b.matmul(&xm, rows, wr, Some(br), &mut out);
+            b.matmul(&xm, rows, gemv_rows, wr, Some(br), &mut out);
             for i in 0..rows {
                 for j in 0..m {
                     let want: f64 = (0..k)
@@ -412,4 +412,50 @@ fn the_budget_refuses_past_its_limit_and_reports_the_peak() {
     let _c = b.alloc(60 << 10, "c").unwrap();
     assert_eq!(b.budget().peak(), 60 << 10);
     assert_eq!(b.budget().used(), 60 << 10);
+}
+
+#[test]
+fn a_rows_result_does_not_depend_on_the_other_rows() {
+    // Batch invariance: a sequence gets bit-identical numbers alone or in any batch, for
+    // decode rows (1, 2-4, 5-8 rows through the dot kernels) and prefill rows (sgemm tiles
+    // with different row counts).
+    let b = backend();
+    let mut r = Rng(9);
+    let (m, k) = (50, 128);
+    for dtype in ALL_DTYPES {
+        let (wb, _) = encode(dtype, &r.vec(m * k));
+        let w = mem_bytes(&b, &wb);
+        let wr = WeightRef {
+            mem: &w,
+            offset: 0,
+            dtype,
+            rows: m,
+            cols: k,
+        };
+        let x = r.vec(9 * k);
+        let run = |rows: usize, gemv_rows: usize, first_row: usize| -> Vec<u32> {
+            let xm = mem_f32(&b, &x[first_row * k..(first_row + rows) * k]);
+            let mut out = b.alloc(rows * m * 4, "out").unwrap();
+            b.matmul(&xm, rows, gemv_rows, wr, None, &mut out);
+            out.f32s()[..m].iter().map(|v| v.to_bits()).collect()
+        };
+        // Row 0 as a decode row alone, with 1, 3 and 8 others.
+        let alone = run(1, 1, 0);
+        for n in [2, 4, 9] {
+            assert_eq!(
+                run(n, n, 0),
+                alone,
+                "{dtype}: decode row changes in a batch of {n}"
+            );
+        }
+        // Row 0 as a prefill row in tiles of 2, 5 and 9 rows, and after decode rows.
+        let tile = run(2, 0, 0);
+        for n in [5, 9] {
+            assert_eq!(
+                run(n, 0, 0),
+                tile,
+                "{dtype}: prefill row changes with {n} rows"
+            );
+        }
+    }
 }
