@@ -1,23 +1,620 @@
 //! `sluice`: the command-line client of the sluice daemon.
-//!
-//! The gRPC service (`sluice.v1.Inference`) is defined in proto/sluice.proto; the daemon
-//! does not serve it yet, so this client has no commands yet: `generate`, `chat`, `batch`,
-//! `status`, `models` and `tokenize` arrive with the server (see README "Status").
 
-use clap::Parser;
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+use sluice_client::{connect, pb, resolve_addr};
+use std::collections::HashSet;
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use tokio_stream::StreamExt;
 
 #[derive(Parser)]
 #[command(
     name = "sluice",
     version,
-    about = "Client for the sluice daemon (commands arrive with the gRPC server; see README)"
+    about = "Client for the sluice daemon (sluice.v1.Inference)"
 )]
-struct Cli {}
+struct Cli {
+    /// Daemon address: http://host:port or unix:/path (default: $SLUICE_ADDR, else http://127.0.0.1:50051).
+    #[arg(long, global = true)]
+    addr: Option<String>,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
 
-fn main() {
-    let _ = Cli::parse();
-    // Referencing the generated types keeps the proto crate linked and checked in builds.
-    let _ = sluice_proto::v1::GenerateRequest::default();
-    eprintln!("sluice: no commands yet; the daemon's gRPC server is not built yet (see README \"Status\")");
-    std::process::exit(2);
+#[derive(clap::Args, Clone)]
+struct Sampling {
+    #[arg(long, default_value_t = 0)]
+    max_tokens: u32,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when the text contains this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+}
+
+impl Sampling {
+    fn request(&self) -> pb::GenerateRequest {
+        pb::GenerateRequest {
+            max_tokens: self.max_tokens,
+            sampling: Some(pb::SamplingParams {
+                temperature: self.temperature,
+                top_p: self.top_p,
+                top_k: self.top_k,
+                min_p: self.min_p,
+                seed: self.seed,
+            }),
+            stop: self.stop.clone(),
+            ..Default::default()
+        }
+    }
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Generate text; it streams to stdout.
+    Generate {
+        prompt: String,
+        /// Send the prompt as a user message through the model's chat template.
+        #[arg(long)]
+        chat: bool,
+        #[arg(long)]
+        system: Option<String>,
+        #[command(flatten)]
+        s: Sampling,
+        /// Print one JSON object (token ids, text, stats) instead of streaming.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Interactive chat with history (the model's chat template); /exit or EOF ends it.
+    Chat {
+        #[arg(long)]
+        system: Option<String>,
+        #[command(flatten)]
+        s: Sampling,
+    },
+    /// Run a JSONL file of {"id", "text"} through the model; resumable.
+    Batch {
+        input: PathBuf,
+        #[arg(short, long)]
+        output: PathBuf,
+        /// Prompt template; {text} is replaced by the item's text.
+        #[arg(long, default_value = "Summarize the following text.\n\n{text}")]
+        template: String,
+        /// Requests in flight (match the daemon's max batch to fill its passes).
+        #[arg(long, default_value_t = 8)]
+        concurrency: usize,
+        /// Only this shard of the ids, K/N with K in 1..=N (split a job across machines).
+        #[arg(long)]
+        shard: Option<String>,
+        /// Send the prompt raw instead of through the chat template.
+        #[arg(long)]
+        raw: bool,
+        #[command(flatten)]
+        s: Sampling,
+    },
+    /// The daemon's memory plan, streaming statistics and queue.
+    Status {
+        #[arg(long)]
+        json: bool,
+    },
+    /// The models the daemon serves.
+    Models,
+    /// Token ids of a text.
+    Tokenize {
+        text: String,
+        #[arg(long)]
+        add_special_tokens: bool,
+    },
+}
+
+fn finish_name(f: i32) -> &'static str {
+    match pb::FinishReason::try_from(f).unwrap_or(pb::FinishReason::Unspecified) {
+        pb::FinishReason::Stop => "stop",
+        pb::FinishReason::Length => "length",
+        pb::FinishReason::StopString => "stop_string",
+        pb::FinishReason::Context => "context",
+        pb::FinishReason::Cancelled => "cancelled",
+        pb::FinishReason::Unspecified => "unspecified",
+    }
+}
+
+struct Outcome {
+    text: String,
+    done: pb::GenerateDone,
+}
+
+/// Runs one Generate call; `on_piece` sees text as it streams.
+async fn generate(
+    client: &mut pb::inference_client::InferenceClient<tonic::transport::Channel>,
+    req: pb::GenerateRequest,
+    mut on_piece: impl FnMut(&str),
+) -> Result<Outcome, tonic::Status> {
+    let mut stream = client.generate(req).await?.into_inner();
+    let mut text = String::new();
+    while let Some(msg) = stream.next().await {
+        match msg?.event {
+            Some(pb::generate_response::Event::Piece(p)) => {
+                on_piece(&p.text);
+                text.push_str(&p.text);
+            }
+            Some(pb::generate_response::Event::Done(done)) => return Ok(Outcome { text, done }),
+            None => {}
+        }
+    }
+    Err(tonic::Status::unavailable(
+        "the stream ended without a final message",
+    ))
+}
+
+fn chat_request(
+    s: &Sampling,
+    system: &Option<String>,
+    history: &[pb::ChatMessage],
+) -> pb::GenerateRequest {
+    let mut r = s.request();
+    if let Some(sys) = system {
+        r.messages.push(pb::ChatMessage {
+            role: "system".into(),
+            content: sys.clone(),
+        });
+    }
+    r.messages.extend(history.iter().cloned());
+    r
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() -> std::process::ExitCode {
+    match run(Cli::parse()).await {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(cli: Cli) -> Result<()> {
+    let addr = resolve_addr(cli.addr.as_deref());
+    match cli.cmd {
+        Cmd::Generate {
+            prompt,
+            chat,
+            system,
+            s,
+            json,
+        } => {
+            let mut client = connect(&addr).await?;
+            let req = if chat {
+                chat_request(
+                    &s,
+                    &system,
+                    &[pb::ChatMessage {
+                        role: "user".into(),
+                        content: prompt,
+                    }],
+                )
+            } else {
+                pb::GenerateRequest {
+                    prompt,
+                    ..s.request()
+                }
+            };
+            let out = generate(&mut client, req, |t| {
+                if !json {
+                    let mut o = std::io::stdout().lock();
+                    let _ = o.write_all(t.as_bytes());
+                    let _ = o.flush();
+                }
+            })
+            .await
+            .map_err(|st| anyhow::anyhow!("{}: {}", st.code(), st.message()))?;
+            let stats = out.done.stats.unwrap_or_default();
+            if json {
+                let j = serde_json::json!({
+                    "prompt_token_ids": out.done.prompt_token_ids,
+                    "generated_token_ids": out.done.generated_token_ids,
+                    "text": out.text,
+                    "finish_reason": finish_name(out.done.finish_reason),
+                    "prompt_tokens": stats.prompt_tokens,
+                    "generated_tokens": stats.generated_tokens,
+                    "time_to_first_token_s": stats.time_to_first_token_s,
+                    "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+                    "decode_tokens_per_s": stats.decode_tokens_per_s,
+                    "bytes_streamed": stats.bytes_streamed,
+                });
+                println!("{j}");
+            } else {
+                println!();
+                eprintln!(
+                    "[{} | prompt {} tokens, generated {} | first token {:.3} s | decode {:.1} tokens/s]",
+                    finish_name(out.done.finish_reason),
+                    stats.prompt_tokens,
+                    stats.generated_tokens,
+                    stats.time_to_first_token_s,
+                    stats.decode_tokens_per_s
+                );
+            }
+        }
+        Cmd::Chat { system, s } => {
+            let mut client = connect(&addr).await?;
+            let mut history: Vec<pb::ChatMessage> = Vec::new();
+            let stdin = std::io::stdin();
+            loop {
+                eprint!("> ");
+                let mut line = String::new();
+                if stdin.lock().read_line(&mut line)? == 0 {
+                    break;
+                }
+                let line = line.trim_end_matches(['\n', '\r']).to_string();
+                if line == "/exit" || line == "/quit" {
+                    break;
+                }
+                if line.is_empty() {
+                    continue;
+                }
+                history.push(pb::ChatMessage {
+                    role: "user".into(),
+                    content: line,
+                });
+                let out = generate(&mut client, chat_request(&s, &system, &history), |t| {
+                    let mut o = std::io::stdout().lock();
+                    let _ = o.write_all(t.as_bytes());
+                    let _ = o.flush();
+                })
+                .await;
+                println!();
+                match out {
+                    Ok(o) => history.push(pb::ChatMessage {
+                        role: "assistant".into(),
+                        content: o.text,
+                    }),
+                    Err(st) => {
+                        eprintln!("error: {}: {}", st.code(), st.message());
+                        history.pop();
+                    }
+                }
+            }
+        }
+        Cmd::Batch {
+            input,
+            output,
+            template,
+            concurrency,
+            shard,
+            raw,
+            s,
+        } => {
+            batch(
+                &addr,
+                input,
+                output,
+                template,
+                concurrency.max(1),
+                shard,
+                raw,
+                s,
+            )
+            .await?
+        }
+        Cmd::Status { json } => {
+            let mut client = connect(&addr).await?;
+            let st = client
+                .status(pb::StatusRequest {})
+                .await
+                .map_err(|e| anyhow::anyhow!("{}: {}", e.code(), e.message()))?
+                .into_inner();
+            if json {
+                let layers: Vec<_> = st.layers.iter().map(|l| serde_json::json!({"layer": l.layer, "placement": l.placement, "raw_bytes": l.raw_bytes})).collect();
+                let stages: Vec<_> = st.stages.iter().map(|s| serde_json::json!({"stage": s.stage, "bytes_per_s": s.bytes_per_s, "seconds_last_pass": s.stall_s})).collect();
+                println!(
+                    "{}",
+                    serde_json::json!({
+                        "model": st.model, "backend": st.backend, "device_bytes_budget": st.device_bytes_budget,
+                        "device_bytes_peak": st.device_bytes_peak, "kv_cache_bytes": st.kv_cache_bytes,
+                        "host_cache_bytes": st.host_cache_bytes, "layers_resident": st.layers_resident,
+                        "layers_streamed": st.layers_streamed, "bytes_streamed_per_pass": st.bytes_streamed_per_pass,
+                        "last_pass_time_s": st.last_pass_time_s, "decode_tokens_per_s": st.decode_tokens_per_s,
+                        "queue_depth": st.queue_depth, "active_sequences": st.active_sequences,
+                        "limiting_stage": st.limiting_stage, "stages": stages, "layers": layers,
+                    })
+                );
+            } else {
+                let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1048576.0);
+                println!("model            {} ({} backend)", st.model, st.backend);
+                println!(
+                    "device memory    {} peak of {} budget; KV cache {}; host cache {}",
+                    mib(st.device_bytes_peak),
+                    mib(st.device_bytes_budget),
+                    mib(st.kv_cache_bytes),
+                    mib(st.host_cache_bytes)
+                );
+                println!(
+                    "layers           {} resident, {} streamed ({} per pass)",
+                    st.layers_resident,
+                    st.layers_streamed,
+                    mib(st.bytes_streamed_per_pass)
+                );
+                println!(
+                    "last pass        {:.2} ms; decode {:.1} tokens/s",
+                    st.last_pass_time_s * 1e3,
+                    st.decode_tokens_per_s
+                );
+                println!(
+                    "queue            {} waiting, {} active",
+                    st.queue_depth, st.active_sequences
+                );
+                println!("stages (last pass seconds, rate):");
+                for s in &st.stages {
+                    println!(
+                        "  {:<11} {:>8.2} ms  {:>9.1} MB/s{}",
+                        s.stage,
+                        s.stall_s * 1e3,
+                        s.bytes_per_s / 1e6,
+                        if s.stage == st.limiting_stage {
+                            "  <- limits the pass"
+                        } else {
+                            ""
+                        }
+                    );
+                }
+            }
+        }
+        Cmd::Models => {
+            let mut client = connect(&addr).await?;
+            let r = client
+                .list_models(pb::ListModelsRequest {})
+                .await
+                .map_err(|e| anyhow::anyhow!("{}: {}", e.code(), e.message()))?
+                .into_inner();
+            for m in r.models {
+                println!(
+                    "{}  {} layers {} hidden {} vocab {} context {} stored {:.1} MiB raw {:.1} MiB",
+                    m.name,
+                    m.architecture,
+                    m.layers,
+                    m.hidden_size,
+                    m.vocab_size,
+                    m.context_length,
+                    m.stored_bytes as f64 / 1048576.0,
+                    m.raw_bytes as f64 / 1048576.0
+                );
+            }
+        }
+        Cmd::Tokenize {
+            text,
+            add_special_tokens,
+        } => {
+            let mut client = connect(&addr).await?;
+            let r = client
+                .tokenize(pb::TokenizeRequest {
+                    model: String::new(),
+                    text,
+                    add_special_tokens,
+                })
+                .await
+                .map_err(|e| anyhow::anyhow!("{}: {}", e.code(), e.message()))?
+                .into_inner();
+            println!(
+                "{}",
+                serde_json::json!({"token_ids": r.token_ids, "pieces": r.pieces})
+            );
+        }
+    }
+    Ok(())
+}
+
+/// FNV-1a: a stable hash for sharding ids across machines.
+fn fnv1a(s: &str) -> u64 {
+    s.bytes().fold(0xcbf29ce484222325u64, |h, b| {
+        (h ^ b as u64).wrapping_mul(0x100000001b3)
+    })
+}
+
+fn item_id(v: &serde_json::Value) -> Option<String> {
+    match v.get("id")? {
+        serde_json::Value::String(s) => Some(s.clone()),
+        serde_json::Value::Number(n) => Some(n.to_string()),
+        _ => None,
+    }
+}
+
+/// Ids already in OUT. A last line without its newline (a killed run) is cut off, so the
+/// item is done again and written whole.
+fn done_ids(output: &std::path::Path) -> Result<HashSet<String>> {
+    let mut done = HashSet::new();
+    let Ok(bytes) = std::fs::read(output) else {
+        return Ok(done);
+    };
+    let complete = match bytes.iter().rposition(|&b| b == b'\n') {
+        Some(i) => i + 1,
+        None => 0,
+    };
+    if complete < bytes.len() {
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(output)
+            .with_context(|| format!("open {}", output.display()))?;
+        f.set_len(complete as u64)
+            .with_context(|| format!("truncate the partial last line of {}", output.display()))?;
+        eprintln!(
+            "{}: removed a partial last line ({} bytes) left by an interrupted run",
+            output.display(),
+            bytes.len() - complete
+        );
+    }
+    for line in bytes[..complete]
+        .split(|&b| b == b'\n')
+        .filter(|l| !l.is_empty())
+    {
+        if let Some(id) = serde_json::from_slice::<serde_json::Value>(line)
+            .ok()
+            .as_ref()
+            .and_then(item_id)
+        {
+            done.insert(id);
+        }
+    }
+    Ok(done)
+}
+
+#[allow(clippy::too_many_arguments)]
+async fn batch(
+    addr: &str,
+    input: PathBuf,
+    output: PathBuf,
+    template: String,
+    concurrency: usize,
+    shard: Option<String>,
+    raw: bool,
+    s: Sampling,
+) -> Result<()> {
+    let shard = match shard {
+        None => None,
+        Some(sh) => {
+            let (k, n) = sh.split_once('/').context("--shard takes K/N, e.g. 2/8")?;
+            let (k, n): (u64, u64) = (
+                k.parse().context("--shard K")?,
+                n.parse().context("--shard N")?,
+            );
+            if n == 0 || k == 0 || k > n {
+                bail!("--shard {sh}: K must be in 1..=N");
+            }
+            Some((k - 1, n))
+        }
+    };
+    let done = done_ids(&output)?;
+    let text =
+        std::fs::read_to_string(&input).with_context(|| format!("read {}", input.display()))?;
+    let mut items = Vec::new();
+    let mut seen = HashSet::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .with_context(|| format!("{}:{}: not JSON", input.display(), i + 1))?;
+        let id = item_id(&v).with_context(|| {
+            format!(
+                "{}:{}: no \"id\" (string or number)",
+                input.display(),
+                i + 1
+            )
+        })?;
+        let body = v
+            .get("text")
+            .or_else(|| v.get("prompt"))
+            .and_then(|t| t.as_str())
+            .with_context(|| format!("{}:{}: no \"text\"", input.display(), i + 1))?;
+        if !seen.insert(id.clone()) {
+            bail!("{}:{}: id {id:?} appears twice", input.display(), i + 1);
+        }
+        if shard.is_some_and(|(k, n)| fnv1a(&id) % n != k) || done.contains(&id) {
+            continue;
+        }
+        items.push((id, template.replace("{text}", body)));
+    }
+    eprintln!(
+        "{} items to do ({} already in {})",
+        items.len(),
+        done.len(),
+        output.display()
+    );
+    let pb = indicatif::ProgressBar::new(items.len() as u64);
+    pb.set_style(
+        indicatif::ProgressStyle::with_template(
+            "[{elapsed_precise}] {bar:40} {pos}/{len} {per_sec} eta {eta}",
+        )
+        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+    );
+    let mut out = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(&output)
+        .with_context(|| format!("open {}", output.display()))?;
+    let (tx, mut rx) =
+        tokio::sync::mpsc::channel::<(String, Result<Outcome, tonic::Status>)>(concurrency);
+    let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(concurrency));
+    let client = connect(addr).await?;
+    let total = items.len();
+    tokio::spawn(async move {
+        for (id, prompt) in items {
+            let Ok(permit) = sem.clone().acquire_owned().await else {
+                return;
+            };
+            let (mut client, tx, s) = (client.clone(), tx.clone(), s.clone());
+            tokio::spawn(async move {
+                let req = if raw {
+                    pb::GenerateRequest {
+                        prompt,
+                        ..s.request()
+                    }
+                } else {
+                    chat_request(
+                        &s,
+                        &None,
+                        &[pb::ChatMessage {
+                            role: "user".into(),
+                            content: prompt,
+                        }],
+                    )
+                };
+                // A full daemon queue is back-pressure: wait and retry.
+                let mut wait = std::time::Duration::from_millis(100);
+                let r = loop {
+                    match generate(&mut client, req.clone(), |_| {}).await {
+                        Err(st) if st.code() == tonic::Code::ResourceExhausted => {
+                            tokio::time::sleep(wait).await;
+                            wait = (wait * 2).min(std::time::Duration::from_secs(5));
+                        }
+                        r => break r,
+                    }
+                };
+                let _ = tx.send((id, r)).await;
+                drop(permit);
+            });
+        }
+    });
+    let mut failed = 0;
+    for _ in 0..total {
+        let Some((id, r)) = rx.recv().await else {
+            break;
+        };
+        match r {
+            Ok(o) => {
+                let stats = o.done.stats.unwrap_or_default();
+                let line = serde_json::json!({
+                    "id": id, "output": o.text, "finish_reason": finish_name(o.done.finish_reason),
+                    "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
+                    "bytes_streamed": stats.bytes_streamed,
+                });
+                // One write of the whole line, then flush: a kill leaves whole lines, or one
+                // partial last line that the next run removes.
+                out.write_all(format!("{line}\n").as_bytes())
+                    .with_context(|| format!("write {}", output.display()))?;
+                out.flush()?;
+            }
+            Err(st) => {
+                failed += 1;
+                pb.suspend(|| eprintln!("{id}: {}: {}", st.code(), st.message()));
+            }
+        }
+        pb.inc(1);
+    }
+    pb.finish_and_clear();
+    if failed > 0 {
+        bail!("{failed} of {total} items failed (not written; rerun to retry them)");
+    }
+    eprintln!("done: {total} items written to {}", output.display());
+    Ok(())
 }

@@ -9,6 +9,7 @@ pub mod io;
 pub mod model;
 pub mod pipeline;
 pub mod plan;
+pub mod server;
 pub mod store;
 pub mod text;
 pub mod util;

@@ -7,6 +7,9 @@ use sluice::util::{fmt_bytes, parse_size};
 use std::path::PathBuf;
 use std::time::Instant;
 
+#[path = "sluiced/serve.rs"]
+mod serve;
+
 #[derive(Parser)]
 #[command(
     name = "sluiced",
@@ -51,6 +54,8 @@ enum Cmd {
     Verify { dir: PathBuf },
     /// Generate text from a prompt on the CPU backend and report tokens/s.
     Run(RunArgs),
+    /// Serve sluice.v1.Inference over gRPC (flags override the config file).
+    Serve(ServeArgs),
     /// Write a synthetic Llama-shaped store with random weights, for benchmarks.
     Synth {
         #[arg(short, long)]
@@ -141,6 +146,73 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// Store directory.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Config file (default /etc/sluice/sluiced.toml when it exists).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// TCP address (default 127.0.0.1:50051).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Also serve on this Unix socket.
+    #[arg(long)]
+    unix: Option<PathBuf>,
+    #[arg(long)]
+    device_memory: Option<String>,
+    #[arg(long)]
+    host_cache: Option<String>,
+    #[arg(long)]
+    max_batch: Option<usize>,
+    #[arg(long)]
+    max_context: Option<usize>,
+    #[arg(long)]
+    batch_tokens: Option<usize>,
+    #[arg(long)]
+    queue_max: Option<usize>,
+    #[arg(long)]
+    prefetch: Option<usize>,
+    #[arg(long)]
+    threads: Option<usize>,
+    #[arg(long)]
+    shutdown_grace_s: Option<u64>,
+}
+
+impl ServeArgs {
+    fn config(self) -> Result<sluice::server::ServeConfig> {
+        let mut c = sluice::server::ServeConfig::load(self.config.as_deref())
+            .map_err(anyhow::Error::msg)?;
+        macro_rules! set {
+            ($($f:ident),*) => { $(if let Some(v) = self.$f { c.$f = v; })* };
+        }
+        set!(
+            listen,
+            max_batch,
+            max_context,
+            batch_tokens,
+            queue_max,
+            threads,
+            shutdown_grace_s,
+            host_cache
+        );
+        if self.model.is_some() {
+            c.model = self.model;
+        }
+        if self.unix.is_some() {
+            c.unix = self.unix;
+        }
+        if self.device_memory.is_some() {
+            c.device_memory = self.device_memory;
+        }
+        if self.prefetch.is_some() {
+            c.prefetch = self.prefetch;
+        }
+        Ok(c)
+    }
 }
 
 #[derive(clap::Args)]
@@ -242,6 +314,16 @@ fn main() -> std::process::ExitCode {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
+    if let Cmd::Serve(a) = cli.cmd {
+        // The daemon keeps the default SIGPIPE handling (ignored) for its sockets.
+        return match a.config().and_then(serve::serve) {
+            Ok(()) => std::process::ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("error: {e:#}");
+                std::process::ExitCode::FAILURE
+            }
+        };
+    }
     // The model tools write tables for pipes like `| head`: die quietly on a closed pipe
     // as Unix tools do, instead of panicking in println!.
     // SAFETY: setting a signal disposition to SIG_DFL at start, before any thread exists.
@@ -259,6 +341,7 @@ fn main() -> std::process::ExitCode {
 
 fn run(cli: Cli) -> Result<std::process::ExitCode> {
     match cli.cmd {
+        Cmd::Serve(_) => unreachable!("handled in main"),
         Cmd::BenchStream {
             dir,
             weights_budget,

@@ -2,6 +2,7 @@
 //! `Runner` owns the backend, the model and where each unit's weights live.
 
 pub mod generate;
+pub mod scheduler;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::BackendError;

@@ -1,0 +1,46 @@
+//! Typed client for `sluice.v1.Inference`: connects over TCP (`http://host:port`) or a Unix
+//! socket (`unix:/path`).
+
+use pb::inference_client::InferenceClient;
+pub use sluice_proto::v1 as pb;
+use tonic::transport::{Channel, Endpoint, Uri};
+
+pub const DEFAULT_ADDR: &str = "http://127.0.0.1:50051";
+
+/// The address from `--addr`, else SLUICE_ADDR, else the default.
+pub fn resolve_addr(flag: Option<&str>) -> String {
+    flag.map(str::to_string)
+        .or_else(|| std::env::var("SLUICE_ADDR").ok())
+        .unwrap_or_else(|| DEFAULT_ADDR.to_string())
+}
+
+pub async fn connect(addr: &str) -> anyhow::Result<InferenceClient<Channel>> {
+    let channel = if let Some(path) = addr.strip_prefix("unix:") {
+        let path = std::path::PathBuf::from(path);
+        // The URI is a placeholder: the connector dials the socket.
+        Endpoint::try_from("http://[::1]:50051")?
+            .connect_with_connector(tower::service_fn(move |_: Uri| {
+                let path = path.clone();
+                async move {
+                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
+                        tokio::net::UnixStream::connect(path).await?,
+                    ))
+                }
+            }))
+            .await
+            .map_err(|e| anyhow::anyhow!("connect to {addr}: {e}"))?
+    } else {
+        let uri = if addr.contains("://") {
+            addr.to_string()
+        } else {
+            format!("http://{addr}")
+        };
+        Endpoint::from_shared(uri.clone())?
+            .connect()
+            .await
+            .map_err(|e| {
+                anyhow::anyhow!("connect to {uri}: {e}; is sluiced serve running there?")
+            })?
+    };
+    Ok(InferenceClient::new(channel).max_decoding_message_size(64 << 20))
+}

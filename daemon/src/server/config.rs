@@ -1,0 +1,110 @@
+//! `sluiced serve` configuration: a TOML file (`--config`, default /etc/sluice/sluiced.toml
+//! when present) with command-line flags overriding it. deploy/sluiced.toml documents it.
+
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+pub const DEFAULT_CONFIG: &str = "/etc/sluice/sluiced.toml";
+
+#[derive(Clone, Debug, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ServeConfig {
+    /// Store directory (from `sluiced pack`).
+    pub model: Option<PathBuf>,
+    /// TCP address, e.g. "127.0.0.1:50051".
+    pub listen: String,
+    /// Also serve on this Unix socket.
+    pub unix: Option<PathBuf>,
+    /// Device memory budget, e.g. "8GiB"; unset: every layer resident.
+    pub device_memory: Option<String>,
+    /// Host memory for decompressed streamed layers.
+    pub host_cache: String,
+    /// Sequences per pass (KV-cache slots).
+    pub max_batch: usize,
+    /// Positions per sequence (prompt + generated).
+    pub max_context: usize,
+    /// Tokens per pass over all sequences (prefill chunk budget).
+    pub batch_tokens: usize,
+    /// Requests waiting for a slot at most; beyond, RESOURCE_EXHAUSTED.
+    pub queue_max: usize,
+    /// Layers requested ahead of the one computing.
+    pub prefetch: Option<usize>,
+    /// Compute threads (0: all cores).
+    pub threads: usize,
+    /// max_tokens when a request gives 0.
+    pub max_tokens_default: u32,
+    /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
+    pub shutdown_grace_s: u64,
+}
+
+impl Default for ServeConfig {
+    fn default() -> Self {
+        ServeConfig {
+            model: None,
+            listen: "127.0.0.1:50051".into(),
+            unix: None,
+            device_memory: None,
+            host_cache: "0".into(),
+            max_batch: 8,
+            max_context: 4096,
+            batch_tokens: 512,
+            queue_max: 64,
+            prefetch: None,
+            threads: 0,
+            max_tokens_default: 256,
+            shutdown_grace_s: 30,
+        }
+    }
+}
+
+impl ServeConfig {
+    /// Reads `path`, or the default file when it exists, or the defaults.
+    pub fn load(path: Option<&Path>) -> Result<ServeConfig, String> {
+        let (path, required) = match path {
+            Some(p) => (p.to_path_buf(), true),
+            None => (PathBuf::from(DEFAULT_CONFIG), false),
+        };
+        match std::fs::read_to_string(&path) {
+            Ok(text) => toml::from_str(&text).map_err(|e| format!("{}: {e}", path.display())),
+            Err(e) if !required && e.kind() == std::io::ErrorKind::NotFound => {
+                Ok(ServeConfig::default())
+            }
+            Err(e) => Err(format!("read {}: {e}", path.display())),
+        }
+    }
+
+    /// Relations between limits, each with its reason.
+    pub fn validate(&self) -> Result<(), String> {
+        if self.max_batch == 0 || self.max_context < 2 || self.queue_max == 0 {
+            return Err(
+                "max_batch and queue_max must be at least 1, max_context at least 2".into(),
+            );
+        }
+        // Every decoding sequence puts one token in each pass.
+        if self.batch_tokens < self.max_batch {
+            return Err(format!("batch_tokens ({}) must be at least max_batch ({}): each decoding sequence adds a token to every pass", self.batch_tokens, self.max_batch));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_documented_example_config_parses_and_unknown_keys_are_refused() {
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../deploy/sluiced.toml"
+        ))
+        .unwrap();
+        let c: ServeConfig = toml::from_str(&text).unwrap();
+        c.validate().unwrap();
+        assert!(c.model.is_some());
+        let e = toml::from_str::<ServeConfig>("max_bacth = 3")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("max_bacth"), "{e}");
+    }
+}

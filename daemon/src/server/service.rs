@@ -1,0 +1,262 @@
+//! The `sluice.v1.Inference` service. Conversion between engine errors and gRPC status
+//! codes happens here and nowhere else.
+
+use crate::engine::generate::GenerateParams;
+use crate::engine::scheduler::{Event, Finish, Request, Scheduler, SubmitError};
+use crate::plan::{Placement, Plan};
+use crate::text::{ChatMessage, ChatTemplate, SamplingParams};
+use sluice_proto::v1 as pb;
+use sluice_proto::v1::inference_server::Inference;
+use std::pin::Pin;
+use std::sync::Arc;
+use tokio_stream::{Stream, StreamExt};
+use tonic::{Request as GrpcRequest, Response, Status};
+
+pub struct ModelMeta {
+    pub name: String,
+    pub architecture: String,
+    pub layers: u32,
+    pub hidden: u32,
+    pub vocab: u32,
+    pub context: u32,
+    pub stored_bytes: u64,
+    pub raw_bytes: u64,
+}
+
+pub struct Service {
+    pub sched: Scheduler,
+    pub meta: ModelMeta,
+    pub template: Option<Arc<ChatTemplate>>,
+    pub plan: Plan,
+    pub backend: String,
+    pub device_budget: u64,
+    pub max_tokens_default: u32,
+}
+
+/// The one place engine errors become gRPC status codes.
+fn status_of(e: SubmitError) -> Status {
+    match e {
+        SubmitError::QueueFull(_) => Status::resource_exhausted(e.to_string()),
+        SubmitError::ShuttingDown => Status::unavailable(e.to_string()),
+        SubmitError::Invalid(_) => Status::invalid_argument(e.to_string()),
+    }
+}
+
+fn finish_reason(f: Finish) -> pb::FinishReason {
+    match f {
+        Finish::Stop => pb::FinishReason::Stop,
+        Finish::Length => pb::FinishReason::Length,
+        Finish::StopString => pb::FinishReason::StopString,
+        Finish::Context => pb::FinishReason::Context,
+        Finish::Cancelled => pb::FinishReason::Cancelled,
+    }
+}
+
+impl Service {
+    fn check_model(&self, model: &str) -> Result<(), Status> {
+        if model.is_empty() || model == self.meta.name {
+            Ok(())
+        } else {
+            Err(Status::not_found(format!(
+                "model {model:?} is not served here; this daemon serves {:?}",
+                self.meta.name
+            )))
+        }
+    }
+
+    fn prompt_ids(&self, r: &pb::GenerateRequest) -> Result<Vec<u32>, Status> {
+        let tok = &self.sched.tokenizer;
+        if !r.prompt_token_ids.is_empty() {
+            return Ok(r.prompt_token_ids.clone());
+        }
+        if !r.messages.is_empty() {
+            let t = self.template.as_ref().ok_or_else(|| {
+                Status::invalid_argument(
+                    "this model has no chat template; send `prompt` instead of `messages`",
+                )
+            })?;
+            let msgs: Vec<ChatMessage> = r
+                .messages
+                .iter()
+                .map(|m| ChatMessage {
+                    role: m.role.clone(),
+                    content: m.content.clone(),
+                })
+                .collect();
+            let text = t
+                .render(&msgs, true)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?;
+            return tok
+                .encode(&text, false)
+                .map_err(|e| Status::invalid_argument(e.to_string()));
+        }
+        if r.prompt.is_empty() {
+            return Err(Status::invalid_argument(
+                "the request has no prompt, messages or prompt_token_ids",
+            ));
+        }
+        tok.encode(&r.prompt, true)
+            .map_err(|e| Status::invalid_argument(e.to_string()))
+    }
+}
+
+type GenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl Inference for Service {
+    type GenerateStream = GenStream;
+
+    async fn generate(
+        &self,
+        req: GrpcRequest<pb::GenerateRequest>,
+    ) -> Result<Response<GenStream>, Status> {
+        let r = req.into_inner();
+        self.check_model(&r.model)?;
+        let prompt_ids = self.prompt_ids(&r)?;
+        let s = r.sampling.unwrap_or_default();
+        let params = GenerateParams {
+            max_tokens: if r.max_tokens == 0 {
+                self.max_tokens_default
+            } else {
+                r.max_tokens
+            } as usize,
+            sampling: SamplingParams {
+                temperature: s.temperature,
+                top_k: s.top_k as usize,
+                top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
+                min_p: s.min_p,
+                seed: s.seed,
+            },
+            stop: r.stop,
+            ignore_eos: false,
+        };
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        self.sched
+            .submit(Request {
+                prompt_ids,
+                params,
+                events: tx,
+            })
+            .map_err(status_of)?;
+        // The stream ends after Done (the engine drops its sender); a client that goes away
+        // drops the receiver, which the engine sees and evicts the sequence.
+        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|ev| match ev {
+            Event::Piece { text, token_ids } => Ok(pb::GenerateResponse {
+                event: Some(pb::generate_response::Event::Piece(pb::TokenPiece {
+                    text,
+                    token_ids,
+                })),
+            }),
+            Event::Done(d) => Ok(pb::GenerateResponse {
+                event: Some(pb::generate_response::Event::Done(pb::GenerateDone {
+                    finish_reason: finish_reason(d.finish) as i32,
+                    stats: Some(pb::GenerateStats {
+                        prompt_tokens: d.prompt_token_ids.len() as u32,
+                        generated_tokens: d.generated_token_ids.len() as u32,
+                        time_to_first_token_s: d.time_to_first_token_s,
+                        prefill_tokens_per_s: d.prefill_tokens_per_s,
+                        decode_tokens_per_s: d.decode_tokens_per_s,
+                        bytes_streamed: d.bytes_streamed,
+                    }),
+                    prompt_token_ids: d.prompt_token_ids,
+                    generated_token_ids: d.generated_token_ids,
+                })),
+            }),
+            Event::Failed {
+                data_loss: true,
+                message,
+            } => Err(Status::data_loss(message)),
+            Event::Failed {
+                data_loss: false,
+                message,
+            } => Err(Status::internal(message)),
+        });
+        Ok(Response::new(Box::pin(stream)))
+    }
+
+    async fn tokenize(
+        &self,
+        req: GrpcRequest<pb::TokenizeRequest>,
+    ) -> Result<Response<pb::TokenizeResponse>, Status> {
+        let r = req.into_inner();
+        self.check_model(&r.model)?;
+        let tok = &self.sched.tokenizer;
+        let ids = tok
+            .encode(&r.text, r.add_special_tokens)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let pieces = ids.iter().map(|&i| tok.piece(i)).collect();
+        Ok(Response::new(pb::TokenizeResponse {
+            token_ids: ids,
+            pieces,
+        }))
+    }
+
+    async fn list_models(
+        &self,
+        _req: GrpcRequest<pb::ListModelsRequest>,
+    ) -> Result<Response<pb::ListModelsResponse>, Status> {
+        let m = &self.meta;
+        Ok(Response::new(pb::ListModelsResponse {
+            models: vec![pb::ModelInfo {
+                name: m.name.clone(),
+                architecture: m.architecture.clone(),
+                layers: m.layers,
+                hidden_size: m.hidden,
+                vocab_size: m.vocab,
+                context_length: m.context,
+                stored_bytes: m.stored_bytes,
+                raw_bytes: m.raw_bytes,
+            }],
+        }))
+    }
+
+    async fn status(
+        &self,
+        _req: GrpcRequest<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusResponse>, Status> {
+        let s = self.sched.status();
+        let p = &self.plan;
+        let st = &s.stages;
+        let stage = |name: &str, rate: f64, secs: f64| pb::StageThroughput {
+            stage: name.into(),
+            bytes_per_s: rate,
+            stall_s: secs,
+        };
+        Ok(Response::new(pb::StatusResponse {
+            model: self.meta.name.clone(),
+            backend: self.backend.clone(),
+            device_bytes_budget: self.device_budget,
+            device_bytes_peak: s.device_bytes_peak,
+            kv_cache_bytes: p.kv_cache_bytes,
+            host_cache_bytes: p.host_cache_bytes,
+            layers: p
+                .units
+                .iter()
+                .map(|u| pb::LayerPlacement {
+                    layer: u.unit.clone(),
+                    placement: match u.placement {
+                        Placement::Resident => "resident",
+                        Placement::Streamed => "streamed",
+                        Placement::HostCached => "host-cached",
+                    }
+                    .into(),
+                    raw_bytes: u.raw_bytes,
+                })
+                .collect(),
+            layers_resident: p.layers_resident() as u32,
+            layers_streamed: p.layers_streamed() as u32,
+            bytes_streamed_per_pass: p.upload_bytes_per_pass,
+            last_pass_time_s: s.last_pass_time_s,
+            decode_tokens_per_s: s.decode_tokens_per_s,
+            queue_depth: s.queue_depth as u32,
+            active_sequences: s.active_sequences as u32,
+            stages: vec![
+                stage("disk_read", st.disk_read_bytes_per_s, st.disk_read_s),
+                stage("decompress", st.decompress_bytes_per_s, st.decompress_s),
+                stage("upload", st.upload_bytes_per_s, st.upload_s),
+                stage("compute", st.compute_weight_bytes_per_s, st.compute_s),
+            ],
+            limiting_stage: st.limiting_stage.clone(),
+        }))
+    }
+}
