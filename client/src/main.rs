@@ -217,7 +217,7 @@ async fn run(cli: Cli) -> Result<()> {
                 }
             })
             .await
-            .map_err(|st| anyhow::anyhow!("{}: {}", st.code(), st.message()))?;
+            .map_err(|st| anyhow::anyhow!("{:?}: {}", st.code(), st.message()))?;
             let stats = out.done.stats.unwrap_or_default();
             if json {
                 let j = serde_json::json!({
@@ -279,7 +279,7 @@ async fn run(cli: Cli) -> Result<()> {
                         content: o.text,
                     }),
                     Err(st) => {
-                        eprintln!("error: {}: {}", st.code(), st.message());
+                        eprintln!("error: {:?}: {}", st.code(), st.message());
                         history.pop();
                     }
                 }
@@ -311,7 +311,7 @@ async fn run(cli: Cli) -> Result<()> {
             let st = client
                 .status(pb::StatusRequest {})
                 .await
-                .map_err(|e| anyhow::anyhow!("{}: {}", e.code(), e.message()))?
+                .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
                 .into_inner();
             if json {
                 let layers: Vec<_> = st.layers.iter().map(|l| serde_json::json!({"layer": l.layer, "placement": l.placement, "raw_bytes": l.raw_bytes})).collect();
@@ -326,6 +326,7 @@ async fn run(cli: Cli) -> Result<()> {
                         "last_pass_time_s": st.last_pass_time_s, "decode_tokens_per_s": st.decode_tokens_per_s,
                         "queue_depth": st.queue_depth, "active_sequences": st.active_sequences,
                         "limiting_stage": st.limiting_stage, "stages": stages, "layers": layers,
+                        "passes": st.passes, "bytes_streamed_total": st.bytes_streamed_total,
                     })
                 );
             } else {
@@ -374,7 +375,7 @@ async fn run(cli: Cli) -> Result<()> {
             let r = client
                 .list_models(pb::ListModelsRequest {})
                 .await
-                .map_err(|e| anyhow::anyhow!("{}: {}", e.code(), e.message()))?
+                .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
                 .into_inner();
             for m in r.models {
                 println!(
@@ -402,7 +403,7 @@ async fn run(cli: Cli) -> Result<()> {
                     add_special_tokens,
                 })
                 .await
-                .map_err(|e| anyhow::anyhow!("{}: {}", e.code(), e.message()))?
+                .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
                 .into_inner();
             println!(
                 "{}",
@@ -606,7 +607,7 @@ async fn batch(
             }
             Err(st) => {
                 failed += 1;
-                pb.suspend(|| eprintln!("{id}: {}: {}", st.code(), st.message()));
+                pb.suspend(|| eprintln!("{id}: {:?}: {}", st.code(), st.message()));
             }
         }
         pb.inc(1);

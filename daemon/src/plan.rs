@@ -253,15 +253,31 @@ pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
             }
         }
         let Some((_, res, n, s)) = best else {
+            // The least budget that runs: for some slot size, two slots plus every unit
+            // larger than a slot kept resident.
+            let (need, slot) = sizes
+                .iter()
+                .map(|&s| {
+                    (
+                        fixed
+                            + STREAM_SLOTS_MIN as u64 * s
+                            + raw.iter().filter(|&&r| r > s).sum::<u64>(),
+                        s,
+                    )
+                })
+                .min()
+                .expect("a model has units");
+            let _ = smallest_slot;
             return Err(PlanError(format!(
-                "device budget {} ({} bytes) is too small: KV cache {} + workspace {} + {STREAM_SLOTS_MIN} streaming slots of {} (the largest layer unit) = {} ({} bytes); raise --device-memory or lower --max-context / --max-batch",
+                "device budget {} ({} bytes) is too small: KV cache {} + workspace {} + {STREAM_SLOTS_MIN} streaming slots of {} + {} of units larger than a slot kept resident = {} ({} bytes) at least; raise --device-memory or lower --max-context / --max-batch",
                 fmt_bytes(budget),
                 budget,
                 fmt_bytes(kv),
                 fmt_bytes(ws),
-                fmt_bytes(smallest_slot),
-                fmt_bytes(fixed + STREAM_SLOTS_MIN as u64 * smallest_slot),
-                fixed + STREAM_SLOTS_MIN as u64 * smallest_slot
+                fmt_bytes(slot),
+                fmt_bytes(need - fixed - STREAM_SLOTS_MIN as u64 * slot),
+                fmt_bytes(need),
+                need
             )));
         };
         resident = res;

@@ -257,6 +257,8 @@ impl Inference for Service {
                 stage("compute", st.compute_weight_bytes_per_s, st.compute_s),
             ],
             limiting_stage: st.limiting_stage.clone(),
+            passes: s.passes,
+            bytes_streamed_total: s.bytes_streamed_total,
         }))
     }
 }

