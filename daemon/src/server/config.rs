@@ -98,9 +98,9 @@ mod tests {
             env!("CARGO_MANIFEST_DIR"),
             "/../deploy/sluiced.toml"
         ))
-        .unwrap();
-        let c: ServeConfig = toml::from_str(&text).unwrap();
-        c.validate().unwrap();
+        .expect("test setup");
+        let c: ServeConfig = toml::from_str(&text).expect("test setup");
+        c.validate().expect("test setup");
         assert!(c.model.is_some());
         let e = toml::from_str::<ServeConfig>("max_bacth = 3")
             .unwrap_err()

@@ -404,13 +404,13 @@ mod tests {
             Codec::Zstd { level: 3 },
         ] {
             for width in [1, 2, 4] {
-                let mut enc = FrameEncoder::new(codec).unwrap();
-                let e = enc.encode(&raw, width).unwrap();
+                let mut enc = FrameEncoder::new(codec).expect("test setup");
+                let e = enc.encode(&raw, width).expect("test setup");
                 let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
-                let mut dec = FrameDecoder::new(raw.len()).unwrap();
+                let mut dec = FrameDecoder::new(raw.len()).expect("test setup");
                 let mut out = vec![0u8; raw.len()];
                 dec.decode(c, &planes, xxh3_64(&raw), &stored, &mut out)
-                    .unwrap();
+                    .expect("test setup");
                 assert_eq!(out, raw, "codec {codec} width {width}");
             }
         }
@@ -419,9 +419,9 @@ mod tests {
     #[test]
     fn split_planes_compress_floats_better_than_whole_frames() {
         let raw = floats_f32(64 * 1024);
-        let mut enc = FrameEncoder::new(Codec::Zstd { level: 1 }).unwrap();
-        let whole = enc.encode(&raw, 1).unwrap().bytes.len();
-        let split = enc.encode(&raw, 4).unwrap().bytes.len();
+        let mut enc = FrameEncoder::new(Codec::Zstd { level: 1 }).expect("test setup");
+        let whole = enc.encode(&raw, 1).expect("test setup").bytes.len();
+        let split = enc.encode(&raw, 4).expect("test setup").bytes.len();
         assert!(split < whole, "split {split} >= whole {whole}");
     }
 
@@ -437,8 +437,8 @@ mod tests {
                 x as u8
             })
             .collect();
-        let mut enc = FrameEncoder::new(Codec::Zstd { level: 3 }).unwrap();
-        let e = enc.encode(&raw, 1).unwrap();
+        let mut enc = FrameEncoder::new(Codec::Zstd { level: 3 }).expect("test setup");
+        let e = enc.encode(&raw, 1).expect("test setup");
         assert_eq!(e.codec, Codec::None);
         assert_eq!(
             e.planes,
@@ -454,10 +454,10 @@ mod tests {
     fn a_flipped_byte_is_a_checksum_or_decompress_fault_never_wrong_data() {
         let raw = floats_f32(4096);
         for codec in [Codec::None, Codec::Lz4, Codec::Zstd { level: 3 }] {
-            let mut enc = FrameEncoder::new(codec).unwrap();
-            let e = enc.encode(&raw, 4).unwrap();
+            let mut enc = FrameEncoder::new(codec).expect("test setup");
+            let e = enc.encode(&raw, 4).expect("test setup");
             let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
-            let mut dec = FrameDecoder::new(raw.len()).unwrap();
+            let mut dec = FrameDecoder::new(raw.len()).expect("test setup");
             for pos in (0..stored.len()).step_by(97) {
                 let mut bad = stored.clone();
                 bad[pos] ^= 0x20;
@@ -471,9 +471,12 @@ mod tests {
     #[test]
     fn codec_names_parse_and_print() {
         for s in ["none", "lz4", "zstd:1", "zstd:19", "zstd:-3"] {
-            assert_eq!(s.parse::<Codec>().unwrap().to_string(), s);
+            assert_eq!(s.parse::<Codec>().expect("test setup").to_string(), s);
         }
-        assert_eq!("zstd".parse::<Codec>().unwrap(), Codec::Zstd { level: 3 });
+        assert_eq!(
+            "zstd".parse::<Codec>().expect("test setup"),
+            Codec::Zstd { level: 3 }
+        );
         assert!("zstd:99".parse::<Codec>().is_err());
         assert!("brotli"
             .parse::<Codec>()
