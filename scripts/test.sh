@@ -4,6 +4,12 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export SLUICE_SMOLLM2_GGUF="$(scripts/fetch-model.sh)"
+# NVRTC for the kernel compile test: the CUDA NVRTC wheel's library, when installed (.ci/run
+# installs it); a CUDA toolkit on the library path works too.
+nvrtc_lib=$(python3 -c 'import nvidia.cuda_nvrtc as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null || true)
+if [ -n "$nvrtc_lib" ] && [ -d "$nvrtc_lib" ]; then
+  export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+fi
 # The end-to-end tests run the real binaries; `cargo test` builds only the test harnesses of
 # other packages' binaries, so build them first.
 cargo build --release --workspace

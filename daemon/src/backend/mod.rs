@@ -7,6 +7,7 @@
 //! same trait.
 
 pub mod cpu;
+pub mod cuda;
 
 use crate::dtype::DType;
 use std::sync::atomic::{AtomicU64, Ordering};

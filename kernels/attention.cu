@@ -1,0 +1,45 @@
+// Causal grouped-query attention over the KV cache, for prefill rows and decode rows alike:
+// query row r (position pos[r]) of head h attends to positions 0..pos[r] of its sequence,
+// whose cache starts at element base[r]; kv head = h / (heads / kv_heads).
+// Grid: (rows, heads); block: 128 threads; dynamic shared memory: (max position + 1) floats.
+#include "common.cuh"
+
+extern "C" __global__ void attention_f32(const float* q, const float* cache_k, const float* cache_v, float* out,
+                                         const u32* pos, const unsigned long long* base,
+                                         int heads, int kv_heads, int head_dim, float scale) {
+    extern __shared__ float scores[];
+    const int r = blockIdx.x, h = blockIdx.y;
+    const int g = h / (heads / kv_heads);
+    const int width_kv = kv_heads * head_dim;
+    const int n = (int)pos[r] + 1;
+    const float* qr = q + ((size_t)r * heads + h) * head_dim;
+    const float* kb = cache_k + base[r] + (size_t)g * head_dim;
+    const float* vb = cache_v + base[r] + (size_t)g * head_dim;
+    // Scores: one warp per position, lanes over the head dimension.
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = blockDim.x >> 5;
+    for (int j = warp; j < n; j += warps) {
+        const float* kr = kb + (size_t)j * width_kv;
+        float d = 0.0f;
+        for (int i = lane; i < head_dim; i += 32) d += qr[i] * kr[i];
+        d = warp_sum(d);
+        if (lane == 0) scores[j] = d * scale;
+    }
+    __syncthreads();
+    float m = -3.402823466e38f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) m = fmaxf(m, scores[j]);
+    m = block_max(m);
+    float sum = 0.0f;
+    for (int j = threadIdx.x; j < n; j += blockDim.x) {
+        const float e = __expf(scores[j] - m);
+        scores[j] = e;
+        sum += e;
+    }
+    sum = block_sum(sum);
+    const float inv = 1.0f / sum;
+    float* o = out + ((size_t)r * heads + h) * head_dim;
+    for (int i = threadIdx.x; i < head_dim; i += blockDim.x) {
+        float acc = 0.0f;
+        for (int j = 0; j < n; j++) acc += scores[j] * vb[(size_t)j * width_kv + i];
+        o[i] = acc * inv;
+    }
+}

@@ -1,0 +1,90 @@
+// Shared helpers for the sluice kernels. Compiled by NVRTC at start (no toolkit headers:
+// types and conversions are defined here).
+#pragma once
+
+typedef unsigned char u8;
+typedef signed char i8;
+typedef unsigned short u16;
+typedef unsigned int u32;
+
+// f16 -> f32 without cuda_fp16.h.
+__device__ __forceinline__ float f16_to_f32(u16 h) {
+    float f;
+    asm("{ cvt.f32.f16 %0, %1; }" : "=f"(f) : "h"(h));
+    return f;
+}
+
+__device__ __forceinline__ float bf16_to_f32(u16 h) {
+    return __int_as_float(((u32)h) << 16);
+}
+
+__device__ __forceinline__ u16 load_u16(const u8* p) {
+    return (u16)p[0] | ((u16)p[1] << 8);
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    return v;
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    return v;
+}
+
+// Block-wide sum for blocks of up to 1024 threads; every thread gets the result.
+__device__ __forceinline__ float block_sum(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_sum(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < (unsigned)warps) ? partial[threadIdx.x] : 0.0f;
+    if (warp == 0) v = warp_sum(v);
+    if (threadIdx.x == 0) partial[0] = v;
+    __syncthreads();
+    v = partial[0];
+    __syncthreads();
+    return v;
+}
+
+// Block-wide max, like block_sum.
+__device__ __forceinline__ float block_max(float v) {
+    __shared__ float partial[32];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    v = warp_max(v);
+    if (lane == 0) partial[warp] = v;
+    __syncthreads();
+    const int warps = (blockDim.x + 31) >> 5;
+    v = (threadIdx.x < (unsigned)warps) ? partial[threadIdx.x] : -3.402823466e38f;
+    if (warp == 0) v = warp_max(v);
+    if (threadIdx.x == 0) partial[0] = v;
+    __syncthreads();
+    v = partial[0];
+    __syncthreads();
+    return v;
+}
+
+// GGML block layouts (ggml-common.h), 32 weights per block.
+//   q8_0: f16 d, 32 x i8                 value = d * q
+//   q4_0: f16 d, 16 bytes of nibbles      value = d * (q - 8)
+//   q4_1: f16 d, f16 m, 16 bytes          value = d * q + m
+// In the 4-bit formats byte j holds element j (low nibble) and element j + 16 (high).
+#define QK 32
+#define Q8_0_BYTES 34
+#define Q4_0_BYTES 18
+#define Q4_1_BYTES 20
+
+// Element i (0..31) of a block, dequantized.
+__device__ __forceinline__ float deq_q8_0(const u8* b, int i) { return f16_to_f32(load_u16(b)) * (float)(i8)b[2 + i]; }
+__device__ __forceinline__ float deq_q4_0(const u8* b, int i) {
+    const u8 q = b[2 + (i & 15)];
+    const int v = i < 16 ? (q & 15) : (q >> 4);
+    return f16_to_f32(load_u16(b)) * (float)(v - 8);
+}
+__device__ __forceinline__ float deq_q4_1(const u8* b, int i) {
+    const u8 q = b[4 + (i & 15)];
+    const int v = i < 16 ? (q & 15) : (q >> 4);
+    return f16_to_f32(load_u16(b)) * (float)v + f16_to_f32(load_u16(b + 2));
+}
