@@ -246,41 +246,64 @@ mod avx2 {
         _mm_cvtss_f32(s)
     }
 
-    /// Sum over blocks of d * dot(q, x) (+ off * sum(x)), q unsigned nibbles.
+    /// The 32 products of one unpacked block (four vectors of eight weights) with x, in the
+    /// one order every kernel uses, so one-row and four-row results agree bit for bit.
     #[inline(always)]
+    unsafe fn dot32(w: &[__m256; 4], xb: *const f32) -> __m256 {
+        let mut s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+        s = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb.add(8)), s);
+        s = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb.add(16)), s);
+        _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb.add(24)), s)
+    }
+
+    /// The 32 nibbles of a q4 block (16 bytes at `q`) as four vectors of f32: elements
+    /// 0..8, 8..16 (low nibbles), 16..24, 24..32 (high nibbles).
+    #[inline(always)]
+    unsafe fn unpack_q4(q: *const u8) -> [__m256; 4] {
+        let m4 = _mm_set1_epi8(0x0F);
+        let v = _mm_loadu_si128(q as *const __m128i);
+        let lo = _mm_and_si128(v, m4);
+        let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+        let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+        [
+            f(lo),
+            f(_mm_srli_si128(lo, 8)),
+            f(hi),
+            f(_mm_srli_si128(hi, 8)),
+        ]
+    }
+
+    /// The 32 signed bytes of a q8_0 block (at `q`) as four vectors of f32.
+    #[inline(always)]
+    unsafe fn unpack_q8(q: *const u8) -> [__m256; 4] {
+        let q0 = _mm_loadu_si128(q as *const __m128i);
+        let q1 = _mm_loadu_si128(q.add(16) as *const __m128i);
+        let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+        [
+            f(q0),
+            f(_mm_srli_si128(q0, 8)),
+            f(q1),
+            f(_mm_srli_si128(q1, 8)),
+        ]
+    }
+
     /// One activation row; per row the arithmetic is exactly `dot4_q4`'s, so a sequence's
     /// results do not depend on how many others share its batch.
     // The block index addresses raw pointers into w and x and the sums in lockstep.
+    #[inline(always)]
     #[allow(clippy::needless_range_loop)]
     unsafe fn dot_q4(w: &[u8], x: &[f32], xsum: &[f32], bb: usize, qo: usize, q4_0: bool) -> f32 {
-        let m4 = _mm_set1_epi8(0x0F);
         let mut acc = _mm256_setzero_ps();
         let mut moff = 0f32;
-        let nb = x.len() / 32;
         let (wp, xp) = (w.as_ptr(), x.as_ptr());
-        for b in 0..nb {
-            let blk = wp.add(b * bb);
+        for b in 0..x.len() / 32 {
             let d = f16_scalar(w, b * bb);
             let off = if q4_0 {
                 -8.0 * d
             } else {
                 f16_scalar(w, b * bb + 2)
             };
-            let q = _mm_loadu_si128(blk.add(qo) as *const __m128i);
-            let lo = _mm_and_si128(q, m4);
-            let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
-            let xb = xp.add(b * 32);
-            let (x0, x1, x2, x3) = (
-                _mm256_loadu_ps(xb),
-                _mm256_loadu_ps(xb.add(8)),
-                _mm256_loadu_ps(xb.add(16)),
-                _mm256_loadu_ps(xb.add(24)),
-            );
-            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-            let mut s = _mm256_mul_ps(f(lo), x0);
-            s = _mm256_fmadd_ps(f(_mm_srli_si128(lo, 8)), x1, s);
-            s = _mm256_fmadd_ps(f(hi), x2, s);
-            s = _mm256_fmadd_ps(f(_mm_srli_si128(hi, 8)), x3, s);
+            let s = dot32(&unpack_q4(wp.add(b * bb + qo)), xp.add(b * 32));
             acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
             moff = off.mul_add(xsum[b], moff);
         }
@@ -290,20 +313,10 @@ mod avx2 {
     #[inline(always)]
     unsafe fn dot_q8_0(w: &[u8], x: &[f32]) -> f32 {
         let mut acc = _mm256_setzero_ps();
-        let nb = x.len() / 32;
         let (wp, xp) = (w.as_ptr(), x.as_ptr());
-        for b in 0..nb {
-            let blk = wp.add(b * 34);
-            let d = f16_scalar(w, b * 34);
-            let q0 = _mm_loadu_si128(blk.add(2) as *const __m128i);
-            let q1 = _mm_loadu_si128(blk.add(18) as *const __m128i);
-            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-            let xb = xp.add(b * 32);
-            let mut s = _mm256_mul_ps(f(q0), _mm256_loadu_ps(xb));
-            s = _mm256_fmadd_ps(f(_mm_srli_si128(q0, 8)), _mm256_loadu_ps(xb.add(8)), s);
-            s = _mm256_fmadd_ps(f(q1), _mm256_loadu_ps(xb.add(16)), s);
-            s = _mm256_fmadd_ps(f(_mm_srli_si128(q1, 8)), _mm256_loadu_ps(xb.add(24)), s);
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
+        for b in 0..x.len() / 32 {
+            let s = dot32(&unpack_q8(wp.add(b * 34 + 2)), xp.add(b * 32));
+            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_scalar(w, b * 34)), s, acc);
         }
         hsum256(acc)
     }
@@ -321,84 +334,40 @@ mod avx2 {
         qo: usize,
         q4_0: bool,
     ) -> [f32; 4] {
-        let m4 = _mm_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); 4];
         let mut moff = [0f32; 4];
-        let nb = xs[0].len() / 32;
         let wp = w.as_ptr();
-        for b in 0..nb {
-            let blk = wp.add(b * bb);
+        for b in 0..xs[0].len() / 32 {
             let d = f16_scalar(w, b * bb);
             let off = if q4_0 {
                 -8.0 * d
             } else {
                 f16_scalar(w, b * bb + 2)
             };
-            let q = _mm_loadu_si128(blk.add(qo) as *const __m128i);
-            let lo = _mm_and_si128(q, m4);
-            let hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
-            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-            let (w0, w1, w2, w3) = (
-                f(lo),
-                f(_mm_srli_si128(lo, 8)),
-                f(hi),
-                f(_mm_srli_si128(hi, 8)),
-            );
+            let wv = unpack_q4(wp.add(b * bb + qo));
             let dv = _mm256_set1_ps(d);
             for r in 0..4 {
-                let xb = xs[r].as_ptr().add(b * 32);
-                let mut s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
-                s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb.add(8)), s);
-                s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb.add(16)), s);
-                s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb.add(24)), s);
-                acc[r] = _mm256_fmadd_ps(dv, s, acc[r]);
+                acc[r] = _mm256_fmadd_ps(dv, dot32(&wv, xs[r].as_ptr().add(b * 32)), acc[r]);
                 moff[r] = off.mul_add(xsum[r][b], moff[r]);
             }
         }
-        [
-            hsum256(acc[0]) + moff[0],
-            hsum256(acc[1]) + moff[1],
-            hsum256(acc[2]) + moff[2],
-            hsum256(acc[3]) + moff[3],
-        ]
+        std::array::from_fn(|r| hsum256(acc[r]) + moff[r])
     }
 
     #[inline(always)]
     unsafe fn dot4_q8_0(w: &[u8], xs: &[&[f32]; 4]) -> [f32; 4] {
         let mut acc = [_mm256_setzero_ps(); 4];
-        let nb = xs[0].len() / 32;
         let wp = w.as_ptr();
-        for b in 0..nb {
-            let blk = wp.add(b * 34);
-            let d = f16_scalar(w, b * 34);
-            let q0 = _mm_loadu_si128(blk.add(2) as *const __m128i);
-            let q1 = _mm_loadu_si128(blk.add(18) as *const __m128i);
-            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-            let (w0, w1, w2, w3) = (
-                f(q0),
-                f(_mm_srli_si128(q0, 8)),
-                f(q1),
-                f(_mm_srli_si128(q1, 8)),
-            );
-            let dv = _mm256_set1_ps(d);
-            for r in 0..4 {
-                let xb = xs[r].as_ptr().add(b * 32);
-                let mut s = _mm256_mul_ps(w0, _mm256_loadu_ps(xb));
-                s = _mm256_fmadd_ps(w1, _mm256_loadu_ps(xb.add(8)), s);
-                s = _mm256_fmadd_ps(w2, _mm256_loadu_ps(xb.add(16)), s);
-                s = _mm256_fmadd_ps(w3, _mm256_loadu_ps(xb.add(24)), s);
-                acc[r] = _mm256_fmadd_ps(dv, s, acc[r]);
+        for b in 0..xs[0].len() / 32 {
+            let wv = unpack_q8(wp.add(b * 34 + 2));
+            let dv = _mm256_set1_ps(f16_scalar(w, b * 34));
+            for (a, x) in acc.iter_mut().zip(xs) {
+                *a = _mm256_fmadd_ps(dv, dot32(&wv, x.as_ptr().add(b * 32)), *a);
             }
         }
-        [
-            hsum256(acc[0]),
-            hsum256(acc[1]),
-            hsum256(acc[2]),
-            hsum256(acc[3]),
-        ]
+        std::array::from_fn(|r| hsum256(acc[r]))
     }
 
-    /// out[r][j] = dot(w row j, x row r) for four activation rows (`xs`, repeated to pad).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn gemv4(
         dtype: DType,
