@@ -61,6 +61,13 @@ pub struct Pipeline<B: Backend> {
     io: IoEngine,
     /// Streamed loads of one pass in order (the tied embedding twice).
     loads: Vec<usize>,
+    /// Loads requested ahead, in `loads` order, across passes: the front is the next load
+    /// the running (or next) pass needs. `next_issue` is the index in `loads` of the next
+    /// request to make.
+    ahead: VecDeque<Option<Ticket>>,
+    next_issue: usize,
+    /// I/O counters at the end of the last pass (reads between passes count for the next).
+    io_mark: crate::io::IoStats,
     /// Skip the layer compute (measures streaming alone).
     pub skip_compute: bool,
     last: PassStats,
@@ -147,8 +154,11 @@ impl<B: Backend> Pipeline<B> {
             resident,
             slots,
             host_cache,
+            io_mark: io.stats(),
             io,
             loads,
+            ahead: VecDeque::new(),
+            next_issue: 0,
             skip_compute: false,
             last: PassStats::default(),
             total: PassStats::default(),
@@ -168,21 +178,44 @@ impl<B: Backend> Pipeline<B> {
         &self.io
     }
 
+    /// Requests loads in pass order, wrapping into the next pass, until `prefetch` are
+    /// outstanding: the next pass's first units load while this one finishes.
+    fn top_up(&mut self) -> Result<(), EngineError> {
+        let prefetch = self.plan.prefetch.max(1);
+        while !self.loads.is_empty() && self.ahead.len() < prefetch {
+            let lu = self.loads[self.next_issue];
+            let t = if self.host_cache[lu].is_some() {
+                None
+            } else {
+                Some(self.io.request(lu)?)
+            };
+            self.ahead.push_back(t);
+            self.next_issue = (self.next_issue + 1) % self.loads.len();
+        }
+        Ok(())
+    }
+
     /// Runs one step of the batch over every unit and fills `logits` (a row per sequence).
     pub fn step(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), EngineError> {
+        let r = self.pass(steps, logits);
+        if r.is_err() {
+            // Drop what was requested ahead (the tickets cancel); the next pass starts clean.
+            self.ahead.clear();
+            self.next_issue = 0;
+        }
+        r
+    }
+
+    fn pass(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), EngineError> {
         self.model.begin(steps)?;
         let t_pass = Instant::now();
-        let io0 = self.io.stats();
         let mut st = PassStats {
             passes: 1,
             ..PassStats::default()
         };
         let n = self.resident.len();
-        let prefetch = self.plan.prefetch.max(1);
         let tied = self.store.manifest().arch.tied_embeddings;
-        // Tickets of the loads requested ahead (None: served from the host cache).
-        let mut ahead: VecDeque<Option<Ticket>> = VecDeque::new();
-        let mut next_load = 0;
+        self.top_up()?;
         let mut load_at = 0;
         let mut slot_rr = 0;
         // Which streaming slot holds which unit right now.
@@ -197,18 +230,11 @@ impl<B: Backend> Pipeline<B> {
                 if self.resident[w].is_some() {
                     continue;
                 }
-                while next_load < self.loads.len() && ahead.len() < prefetch {
-                    let lu = self.loads[next_load];
-                    ahead.push_back(if self.host_cache[lu].is_some() {
-                        None
-                    } else {
-                        Some(self.io.request(lu)?)
-                    });
-                    next_load += 1;
-                }
+                self.top_up()?;
                 debug_assert_eq!(self.loads[load_at], w, "loads follow the pass order");
                 load_at += 1;
-                let t = ahead
+                let t = self
+                    .ahead
                     .pop_front()
                     .expect("a load is requested for every streamed unit");
                 let slot = slot_rr;
@@ -235,6 +261,8 @@ impl<B: Backend> Pipeline<B> {
                     }
                 }
                 in_slot[slot] = Some(w);
+                // The slot just freed in the I/O engine goes to the next load at once.
+                self.top_up()?;
             }
             let mem_of = |w: usize| -> &B::Mem {
                 match &self.resident[w] {
@@ -261,13 +289,16 @@ impl<B: Backend> Pipeline<B> {
                 st.compute_s += t0.elapsed().as_secs_f64();
             }
         }
-        debug_assert!(ahead.is_empty() && load_at == self.loads.len());
+        debug_assert!(load_at == self.loads.len());
         if !self.skip_compute {
             self.model.logits(&self.backend, logits);
         }
         let io1 = self.io.stats();
-        st.bytes_read = io1.read_bytes - io0.read_bytes;
-        st.bytes_decompressed = io1.decompressed_bytes - io0.decompressed_bytes;
+        st.bytes_read = io1.read_bytes.saturating_sub(self.io_mark.read_bytes);
+        st.bytes_decompressed = io1
+            .decompressed_bytes
+            .saturating_sub(self.io_mark.decompressed_bytes);
+        self.io_mark = io1;
         st.pass_time_s = t_pass.elapsed().as_secs_f64();
         self.total.add(&st);
         self.last = st;
