@@ -489,6 +489,7 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
                 workers: workers.unwrap_or(defaults.workers),
                 pread_threads: qd.min(64),
                 decompress: true,
+                units: None,
             };
             let opts = sluice::io::bench::BenchIoOptions {
                 cfg,

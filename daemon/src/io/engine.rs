@@ -372,7 +372,15 @@ impl IoEngine {
                 cfg.read_buffers, cfg.request_bytes
             )));
         }
-        let slot_bytes = m.units.iter().map(|u| u.raw_len).max().unwrap_or(0) as usize;
+        let slot_bytes = match &cfg.units {
+            None => m.units.iter().map(|u| u.raw_len).max().unwrap_or(0),
+            Some(us) => us
+                .iter()
+                .filter_map(|&u| m.units.get(u))
+                .map(|u| u.raw_len)
+                .max()
+                .unwrap_or(0),
+        } as usize;
         let alloc = |n: usize, len: usize, what: &str| -> Result<Vec<AlignedBuf>, IoError> {
             (0..n)
                 .map(|_| {
@@ -514,6 +522,14 @@ impl IoEngine {
         let units = self.store.units().len();
         if unit >= units {
             return Err(IoError::NoSuchUnit { unit, units });
+        }
+        if let Some(us) = &self.cfg.units {
+            if !us.contains(&unit) {
+                return Err(IoError::Setup {
+                    path: self.store.weights_path().to_path_buf(),
+                    msg: format!("unit {unit} was not among the units this engine's staging slots were sized for"),
+                });
+            }
         }
         if self.shared.stopped.load(Ordering::Acquire) {
             return Err(IoError::Stopped);

@@ -75,6 +75,9 @@ pub struct IoConfig {
     pub read_buffers: usize,
     /// Staging slots, each the size of the largest decompressed layer blob.
     pub staging_slots: usize,
+    /// Only these units will be requested (None: any): staging slots are sized for the
+    /// largest of them, so a large resident unit does not size the streaming slots.
+    pub units: Option<Vec<usize>>,
     /// Decompression worker threads.
     pub workers: usize,
     /// Threads of the pread pool (its queue depth).
@@ -97,6 +100,7 @@ impl Default for IoConfig {
             request_bytes: REQUEST_BYTES_DEFAULT,
             read_buffers: QUEUE_DEPTH_DEFAULT,
             staging_slots: 3,
+            units: None,
             // One core is left for the engine thread that runs the layers.
             workers: cores.saturating_sub(1).max(1),
             pread_threads: 16,

@@ -93,19 +93,25 @@ impl<B: Backend> Pipeline<B> {
             )?);
         }
         let n = store.units().len();
-        let io = IoEngine::new(
+        // Loading what stays put uses its own engine with two slots of the largest such
+        // unit, dropped once loaded: the streaming engine's slots (prefetch + 1 of them, in
+        // host memory, later page-locked) are sized for the streamed units only.
+        let kept: Vec<usize> = (0..n)
+            .filter(|&u| plan.placement(u) != Placement::Streamed)
+            .collect();
+        let loader = IoEngine::new(
             store.clone(),
             IoConfig {
-                staging_slots: plan.prefetch.max(1) + 1,
-                ..io_cfg
+                staging_slots: 2,
+                units: Some(kept.clone()),
+                ..io_cfg.clone()
             },
         )?;
+        let io = loader;
         let mut resident: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
         let mut host_cache: Vec<Option<AlignedBuf>> = (0..n).map(|_| None).collect();
         // Load what stays put, two units in flight.
-        let wanted: Vec<usize> = (0..n)
-            .filter(|&u| plan.placement(u) != Placement::Streamed)
-            .collect();
+        let wanted = kept;
         let mut pending = VecDeque::new();
         let mut next = 0;
         for _ in 0..wanted.len() {
@@ -137,6 +143,18 @@ impl<B: Backend> Pipeline<B> {
                 Placement::Streamed => unreachable!("filtered above"),
             }
         }
+        drop(io);
+        let streamed: Vec<usize> = (0..n)
+            .filter(|&u| plan.placement(u) != Placement::Resident)
+            .collect();
+        let io = IoEngine::new(
+            store.clone(),
+            IoConfig {
+                staging_slots: plan.prefetch.max(1) + 1,
+                units: Some(streamed),
+                ..io_cfg
+            },
+        )?;
         let mut loads: Vec<usize> = (0..n).filter(|&u| resident[u].is_none()).collect();
         if store.manifest().arch.tied_embeddings && resident[0].is_none() {
             // The head needs the embedding matrix again: load it just before the head.
