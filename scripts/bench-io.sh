@@ -18,6 +18,25 @@ fio_gbps() {
     python3 -c 'import json,sys; print("%.3f" % (json.load(sys.stdin)["jobs"][0]["read"]["bw_bytes"]/1e9))'
 }
 
+# Raw reads alternated with fio on the same file, three rounds: the disk drifts, so each
+# engine read is compared with the better of the fio runs just before and after it.
+raw_rounds() {
+  local prev cur engine
+  prev=$(fio_gbps)
+  for round in 1 2 3; do
+    for engine in uring pread; do
+      raw=$($sluiced bench-io "$1" --engine "$engine" --passes 2 --raw-only | python3 -c 'import json,sys; print("%.3f" % json.load(sys.stdin)["raw_read_gbps"])')
+      cur=$(fio_gbps)
+      best=$(python3 -c "print(max($prev, $cur))")
+      printf '  round %d  %-6s raw %s GB/s   fio before %s after %s   raw/fio %s\n' "$round" "$engine" "$raw" "$prev" "$cur" "$(python3 -c "print('%.3f' % ($raw / $best))")"
+      prev=$cur
+    done
+  done
+}
+echo "raw read vs fio, interleaved ($first_weights):"
+raw_rounds "$1"
+echo
+
 before=$(fio_gbps)
 results=()
 for store in "$@"; do

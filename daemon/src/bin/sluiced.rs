@@ -142,6 +142,9 @@ enum Cmd {
         /// Read through the page cache instead of O_DIRECT.
         #[arg(long)]
         buffered: bool,
+        /// Only the read pass (decoding off): prints {"engine", "raw_read_gbps"}.
+        #[arg(long)]
+        raw_only: bool,
         /// Print one JSON object.
         #[arg(long)]
         json: bool,
@@ -475,6 +478,7 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
             slots,
             passes,
             buffered,
+            raw_only,
             json,
         } => {
             let store = std::sync::Arc::new(Store::open(&dir)?);
@@ -497,6 +501,14 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
                 ahead: slots.max(2) - 1,
                 core_sample_bytes: 512 << 20,
             };
+            if raw_only {
+                let (engine, gbps, depth) = sluice::io::bench::bench_raw_read(store, &opts)?;
+                println!(
+                    "{}",
+                    serde_json::json!({"engine": engine, "raw_read_gbps": gbps, "queue_depth_avg": depth})
+                );
+                return Ok(std::process::ExitCode::SUCCESS);
+            }
             let report = sluice::io::bench::bench_io(store, &opts)?;
             if json {
                 println!("{}", serde_json::to_string_pretty(&report)?);

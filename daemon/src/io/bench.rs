@@ -157,6 +157,28 @@ fn core_decode_gbps(store: &Store, sample_bytes: u64) -> Result<f64, IoError> {
     Ok(decoded_raw as f64 / secs.max(1e-9) / 1e9)
 }
 
+/// Reading only (decoding off): GB/s the engine reads over `passes` passes, for comparing
+/// with fio run just before and after.
+pub fn bench_raw_read(
+    store: Arc<Store>,
+    opts: &BenchIoOptions,
+) -> Result<(String, f64, f64), IoError> {
+    let e = IoEngine::new(
+        store.clone(),
+        IoConfig {
+            decompress: false,
+            ..opts.cfg.clone()
+        },
+    )?;
+    let (secs, _) = stream(&e, store.units().len(), opts.passes, opts.ahead, e.direct())?;
+    let st = e.stats();
+    Ok((
+        e.kind().to_string(),
+        st.read_bytes as f64 / secs / 1e9,
+        st.queue_depth_avg,
+    ))
+}
+
 pub fn bench_io(store: Arc<Store>, opts: &BenchIoOptions) -> Result<BenchIoReport, IoError> {
     let units = store.units().len();
     let m = store.manifest();

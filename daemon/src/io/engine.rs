@@ -140,6 +140,8 @@ struct Counters {
     slot_stall_ns: AtomicU64,
     units_done: AtomicU64,
     units_failed: AtomicU64,
+    /// Sum over time of reads in flight (ns x reads), for the average queue depth.
+    inflight_ns: AtomicU64,
 }
 
 struct Shared {
@@ -469,6 +471,7 @@ impl IoEngine {
             ops: (0..cfg.queue_depth).map(|_| None).collect(),
             free_ops: (0..cfg.queue_depth).rev().collect(),
             in_flight: 0,
+            in_flight_since: Instant::now(),
             jobs: job_tx,
             shutting_down: false,
             busy_since: None,
@@ -611,6 +614,9 @@ impl IoEngine {
             slot_stall_s: s(&c.slot_stall_ns),
             units_done: c.units_done.load(Ordering::Relaxed),
             units_failed: c.units_failed.load(Ordering::Relaxed),
+            queue_depth_avg: c.inflight_ns.load(Ordering::Relaxed) as f64
+                / 1e9
+                / s(&c.read_busy_ns).max(1e-9),
         }
     }
 
@@ -629,6 +635,7 @@ impl IoEngine {
             &c.slot_stall_ns,
             &c.units_done,
             &c.units_failed,
+            &c.inflight_ns,
         ] {
             a.store(0, Ordering::Relaxed);
         }
@@ -769,6 +776,8 @@ struct Loop {
     ops: Vec<Option<Op>>,
     free_ops: Vec<usize>,
     in_flight: usize,
+    /// When `in_flight` last changed (for the queue-depth integral).
+    in_flight_since: Instant,
     jobs: Sender<Job>,
     shutting_down: bool,
     busy_since: Option<Instant>,
@@ -974,6 +983,7 @@ impl Loop {
         if self.in_flight == 0 {
             self.busy_since = Some(Instant::now());
         }
+        self.note_depth();
         self.in_flight += 1;
         self.shared
             .counters
@@ -986,7 +996,19 @@ impl Loop {
         }
     }
 
+    /// Adds the time at the current depth to the queue-depth integral.
+    fn note_depth(&mut self) {
+        let now = Instant::now();
+        let dt = (now - self.in_flight_since).as_nanos() as u64;
+        self.shared
+            .counters
+            .inflight_ns
+            .fetch_add(dt * self.in_flight as u64, Ordering::Relaxed);
+        self.in_flight_since = now;
+    }
+
     fn complete(&mut self, op: usize, res: i32) {
+        self.note_depth();
         self.in_flight -= 1;
         if self.in_flight == 0 {
             if let Some(t) = self.busy_since.take() {

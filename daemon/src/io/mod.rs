@@ -154,4 +154,6 @@ pub struct IoStats {
     pub slot_stall_s: f64,
     pub units_done: u64,
     pub units_failed: u64,
+    /// Reads in flight on average while any was (the queue depth achieved).
+    pub queue_depth_avg: f64,
 }
