@@ -87,6 +87,18 @@ impl Drop for Daemon {
     }
 }
 
+/// `sluice --addr ADDR ARGS...` running in the background, stdout and stderr piped.
+fn spawn_sluice(addr: &str, args: &[&str]) -> Child {
+    Command::new(bin("sluice"))
+        .arg("--addr")
+        .arg(addr)
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn sluice")
+}
+
 fn sluice(addr: &str, args: &[&str]) -> std::process::Output {
     Command::new(bin("sluice"))
         .arg("--addr")
@@ -216,22 +228,7 @@ fn sixteen_concurrent_clients_get_the_outputs_they_get_alone() {
         .collect();
     let children: Vec<_> = PROMPTS
         .iter()
-        .map(|p| {
-            Command::new(bin("sluice"))
-                .args([
-                    "--addr",
-                    &d.addr,
-                    "generate",
-                    p,
-                    "--max-tokens",
-                    "20",
-                    "--json",
-                ])
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
+        .map(|p| spawn_sluice(&d.addr, &["generate", p, "--max-tokens", "20", "--json"]))
         .collect();
     for (i, c) in children.into_iter().enumerate() {
         let o = c.wait_with_output().unwrap();
@@ -273,19 +270,10 @@ fn a_client_that_disconnects_frees_its_slot() {
     let d = Daemon::start(&["--max-context", "2100", "--max-batch", "1"]);
     // 2000 tokens take well over 10 s here: the slot can only be free sooner if the
     // disconnect cancelled the sequence.
-    let mut c = Command::new(bin("sluice"))
-        .args([
-            "--addr",
-            &d.addr,
-            "generate",
-            "Once upon a time",
-            "--max-tokens",
-            "2000",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
+    let mut c = spawn_sluice(
+        &d.addr,
+        &["generate", "Once upon a time", "--max-tokens", "2000"],
+    );
     let mut first = [0u8; 8];
     c.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
     wait_active(&d.addr, 1, Duration::from_secs(20));
@@ -313,19 +301,10 @@ fn a_full_queue_and_an_over_long_prompt_get_their_status_codes() {
         "1",
     ]);
     let long = || {
-        Command::new(bin("sluice"))
-            .args([
-                "--addr",
-                &d.addr,
-                "generate",
-                "Once upon a time",
-                "--max-tokens",
-                "480",
-            ])
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap()
+        spawn_sluice(
+            &d.addr,
+            &["generate", "Once upon a time", "--max-tokens", "480"],
+        )
     };
     // One request holds the only slot, a second waits in the one-place queue...
     let running = long();
@@ -499,20 +478,16 @@ fn a_batch_killed_mid_run_resumes_with_every_id_exactly_once() {
 #[test]
 fn sigterm_drains_in_flight_requests_and_exits_zero() {
     let mut d = Daemon::start(&["--max-context", "256", "--shutdown-grace-s", "20"]);
-    let c = Command::new(bin("sluice"))
-        .args([
-            "--addr",
-            &d.addr,
+    let c = spawn_sluice(
+        &d.addr,
+        &[
             "generate",
             "Once upon a time",
             "--max-tokens",
             "150",
             "--json",
-        ])
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+        ],
+    );
     wait_active(&d.addr, 1, Duration::from_secs(20));
     // SAFETY: plain kill(2) on our child's pid.
     unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
