@@ -140,6 +140,21 @@ impl Plan {
             ),
         );
         line(&mut s, "prefetch depth", self.prefetch.to_string());
+        // Host staging of the I/O engine: prefetch + 1 slots of the largest streamed unit.
+        let staged = self
+            .units
+            .iter()
+            .filter(|u| u.placement == Placement::Streamed)
+            .map(|u| u.raw_bytes)
+            .max()
+            .unwrap_or(0);
+        if staged > 0 {
+            line(
+                &mut s,
+                "host staging",
+                format!("{} x {}", self.prefetch + 1, fmt_bytes(staged)),
+            );
+        }
         line(
             &mut s,
             "per pass from disk",
