@@ -107,21 +107,19 @@ impl<B: Backend> Pipeline<B> {
                 ..io_cfg.clone()
             },
         )?;
-        let io = loader;
         let mut resident: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
         let mut host_cache: Vec<Option<AlignedBuf>> = (0..n).map(|_| None).collect();
         // Load what stays put, two units in flight.
-        let wanted = kept;
         let mut pending = VecDeque::new();
         let mut next = 0;
-        for _ in 0..wanted.len() {
-            while next < wanted.len() && pending.len() < 2 {
-                pending.push_back(io.request(wanted[next])?);
+        for _ in 0..kept.len() {
+            while next < kept.len() && pending.len() < 2 {
+                pending.push_back(loader.request(kept[next])?);
                 next += 1;
             }
             let ticket: Ticket = pending.pop_front().expect("requested above");
             let u = ticket.unit();
-            let slot = io.wait(ticket)?;
+            let slot = loader.wait(ticket)?;
             let kind = store.units()[u].kind;
             match plan.placement(u) {
                 Placement::Resident => {
@@ -143,7 +141,7 @@ impl<B: Backend> Pipeline<B> {
                 Placement::Streamed => unreachable!("filtered above"),
             }
         }
-        drop(io);
+        drop(loader);
         let streamed: Vec<usize> = (0..n)
             .filter(|&u| plan.placement(u) != Placement::Resident)
             .collect();
