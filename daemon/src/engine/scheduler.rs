@@ -332,7 +332,7 @@ impl Scheduler {
                         tokens: vec![t],
                     });
                     members.push(k);
-                    left -= 1;
+                    left = left.saturating_sub(1);
                 }
             }
             for (k, s) in active.iter().enumerate() {
