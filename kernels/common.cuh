@@ -27,21 +27,21 @@ __device__ __forceinline__ float warp_sum(float v) {
     return v;
 }
 
-__device__ __forceinline__ float warp_max(float v) {
-    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
-    return v;
-}
+struct SumOp { __device__ float operator()(float a, float b) const { return a + b; } static constexpr float identity = 0.0f; };
+struct MaxOp { __device__ float operator()(float a, float b) const { return fmaxf(a, b); } static constexpr float identity = -3.402823466e38f; };
 
-// Block-wide sum for blocks of up to 1024 threads; every thread gets the result.
-__device__ __forceinline__ float block_sum(float v) {
+// Block-wide reduction for blocks of up to 1024 threads; every thread gets the result.
+template <typename Op>
+__device__ __forceinline__ float block_reduce(float v, Op op) {
     __shared__ float partial[32];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_sum(v);
+    for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     if (lane == 0) partial[warp] = v;
     __syncthreads();
     const int warps = (blockDim.x + 31) >> 5;
-    v = (threadIdx.x < (unsigned)warps) ? partial[threadIdx.x] : 0.0f;
-    if (warp == 0) v = warp_sum(v);
+    v = (threadIdx.x < (unsigned)warps) ? partial[threadIdx.x] : Op::identity;
+    if (warp == 0)
+        for (int o = 16; o > 0; o >>= 1) v = op(v, __shfl_xor_sync(0xffffffffu, v, o));
     if (threadIdx.x == 0) partial[0] = v;
     __syncthreads();
     v = partial[0];
@@ -49,22 +49,8 @@ __device__ __forceinline__ float block_sum(float v) {
     return v;
 }
 
-// Block-wide max, like block_sum.
-__device__ __forceinline__ float block_max(float v) {
-    __shared__ float partial[32];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    v = warp_max(v);
-    if (lane == 0) partial[warp] = v;
-    __syncthreads();
-    const int warps = (blockDim.x + 31) >> 5;
-    v = (threadIdx.x < (unsigned)warps) ? partial[threadIdx.x] : -3.402823466e38f;
-    if (warp == 0) v = warp_max(v);
-    if (threadIdx.x == 0) partial[0] = v;
-    __syncthreads();
-    v = partial[0];
-    __syncthreads();
-    return v;
-}
+__device__ __forceinline__ float block_sum(float v) { return block_reduce(v, SumOp()); }
+__device__ __forceinline__ float block_max(float v) { return block_reduce(v, MaxOp()); }
 
 // GGML block layouts (ggml-common.h), 32 weights per block.
 //   q8_0: f16 d, 32 x i8                 value = d * q

@@ -105,3 +105,23 @@ pub fn copy_dir(from: &Path, to: &Path) {
         }
     }
 }
+
+/// Imports `src` (a fixture or the real model), packs it into a store at `out` with
+/// `codec` and `frame_size`, and opens it: the setup most tests share.
+pub fn pack_store(
+    src: &Path,
+    out: &Path,
+    codec: &str,
+    frame_size: u32,
+) -> std::sync::Arc<sluice::store::Store> {
+    let model = sluice::import::open(src).expect("import the source model");
+    let units = model.units().expect("units of the source model");
+    let opts = sluice::store::writer::PackOptions {
+        codec: codec.parse().expect("codec"),
+        frame_size,
+        threads: 2,
+        force: true,
+    };
+    sluice::store::writer::pack(&model, &units, out, &opts, |_| {}).expect("pack");
+    std::sync::Arc::new(sluice::store::Store::open(out).expect("open the packed store"))
+}

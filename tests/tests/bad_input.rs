@@ -2,9 +2,7 @@
 //! silently wrong tensor; an interrupted pack leaves no store behind.
 
 use sluice::import;
-use sluice::store::codec::Codec;
 use sluice::store::verify::verify;
-use sluice::store::writer::{pack, PackOptions};
 use sluice::store::{FrameDecoder, Store, StoreError};
 use sluice_tests::*;
 use std::path::{Path, PathBuf};
@@ -193,17 +191,8 @@ fn bad_hugging_face_directories_are_clear_errors() {
     assert!(e.contains("not a multiple of 3 kv heads"), "{e}");
 }
 
-fn packed_tiny(dir: &Path, codec: &str) -> Store {
-    let model = import::open(&fixture("tiny-llama")).unwrap();
-    let units = model.units().unwrap();
-    let opts = PackOptions {
-        codec: codec.parse::<Codec>().unwrap(),
-        frame_size: 4096,
-        threads: 2,
-        force: true,
-    };
-    pack(&model, &units, dir, &opts, |_| {}).unwrap();
-    Store::open(dir).unwrap()
+fn packed_tiny(dir: &Path, codec: &str) -> std::sync::Arc<Store> {
+    pack_store(&fixture("tiny-llama"), dir, codec, 4096)
 }
 
 #[test]

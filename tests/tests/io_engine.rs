@@ -2,9 +2,7 @@
 //! without O_DIRECT, deliver every layer bit-exactly; faults fail only the layers they hit,
 //! name file, layer, frame and offset, and leak no buffer.
 
-use sluice::import;
 use sluice::io::{EngineChoice, EngineKind, IoConfig, IoEngine};
-use sluice::store::writer::{pack, PackOptions};
 use sluice::store::{FrameDecoder, Store};
 use sluice_tests::*;
 use std::path::Path;
@@ -12,16 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn packed(src: &Path, out: &Path, codec: &str, frame_size: u32) -> Arc<Store> {
-    let model = import::open(src).unwrap();
-    let units = model.units().unwrap();
-    let opts = PackOptions {
-        codec: codec.parse().unwrap(),
-        frame_size,
-        threads: 2,
-        force: true,
-    };
-    pack(&model, &units, out, &opts, |_| {}).unwrap();
-    Arc::new(Store::open(out).unwrap())
+    pack_store(src, out, codec, frame_size)
 }
 
 /// Every unit decoded by the plain reader, the reference for the engine.

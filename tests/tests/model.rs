@@ -15,7 +15,6 @@ use sluice::text::sampler::argmax;
 use sluice::text::{ChatMessage, ChatTemplate, SamplingParams, Tokenizer};
 use sluice_tests::*;
 use std::path::Path;
-use std::sync::Arc;
 
 fn reference(name: &str) -> Value {
     let p = fixture("reference").join(name);
@@ -34,22 +33,7 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn load(src: &Path, dir: &Path, max_context: usize) -> Runner<CpuBackend> {
-    let model = import::open(src).unwrap();
-    let units = model.units().unwrap();
-    pack(
-        &model,
-        &units,
-        dir,
-        &PackOptions {
-            codec: "zstd:1".parse().unwrap(),
-            frame_size: 1 << 20,
-            threads: 2,
-            force: true,
-        },
-        |_| {},
-    )
-    .unwrap();
-    let store = Arc::new(Store::open(dir).unwrap());
+    let store = pack_store(src, dir, "zstd:1", 1 << 20);
     let opts = ModelOptions {
         max_context,
         kv_slots: 1,

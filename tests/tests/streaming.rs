@@ -5,11 +5,9 @@
 use sluice::backend::cpu::CpuBackend;
 use sluice::backend::Backend;
 use sluice::engine::{cpu_runner, Runner};
-use sluice::import;
 use sluice::io::IoConfig;
 use sluice::model::{ModelOptions, SeqStep};
 use sluice::plan::{plan, PlanInput};
-use sluice::store::writer::{pack, PackOptions};
 use sluice::store::Store;
 use sluice_tests::*;
 use std::path::Path;
@@ -22,22 +20,7 @@ const OPTS: ModelOptions = ModelOptions {
 };
 
 fn store(src: &Path, dir: &Path) -> Arc<Store> {
-    let model = import::open(src).unwrap();
-    let units = model.units().unwrap();
-    pack(
-        &model,
-        &units,
-        dir,
-        &PackOptions {
-            codec: "zstd:1".parse().unwrap(),
-            frame_size: 64 << 10,
-            threads: 2,
-            force: true,
-        },
-        |_| {},
-    )
-    .unwrap();
-    Arc::new(Store::open(dir).unwrap())
+    pack_store(src, dir, "zstd:1", 64 << 10)
 }
 
 fn io() -> IoConfig {
