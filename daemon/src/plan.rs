@@ -33,6 +33,9 @@ pub struct PlanInput {
     pub opts: ModelOptions,
     /// Units requested ahead of the one computing (default PREFETCH_DEFAULT).
     pub prefetch: Option<usize>,
+    /// Device bytes the backend keeps for itself (CUDA: kernel metadata, cuBLAS scratch
+    /// and workspace; CPU: 0), reserved before anything else.
+    pub backend_reserved: u64,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -57,6 +60,8 @@ pub struct Plan {
     pub device_budget: u64,
     pub kv_cache_bytes: u64,
     pub workspace_bytes: u64,
+    /// The backend's own scratch (see PlanInput::backend_reserved).
+    pub backend_bytes: u64,
     pub stream_slots: usize,
     pub stream_slot_bytes: u64,
     pub resident_bytes: u64,
@@ -96,6 +101,7 @@ impl Plan {
     pub fn device_bytes(&self) -> u64 {
         self.kv_cache_bytes
             + self.workspace_bytes
+            + self.backend_bytes
             + self.stream_slots as u64 * self.stream_slot_bytes
             + self.resident_bytes
     }
@@ -108,6 +114,9 @@ impl Plan {
         line(&mut s, "device budget", fmt_bytes(self.device_budget));
         line(&mut s, "KV cache", fmt_bytes(self.kv_cache_bytes));
         line(&mut s, "workspace", fmt_bytes(self.workspace_bytes));
+        if self.backend_bytes > 0 {
+            line(&mut s, "backend scratch", fmt_bytes(self.backend_bytes));
+        }
         line(
             &mut s,
             "streaming slots",
@@ -203,8 +212,9 @@ pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
     // K and V are one allocation each.
     let kv = 2 * round(kv_cache_bytes(a, &opts) / 2);
     let ws = round(workspace_bytes(a, &opts));
+    let backend = round(input.backend_reserved);
     let raw: Vec<u64> = m.units.iter().map(|u| round(u.raw_len)).collect();
-    let all_resident = kv + ws + raw.iter().sum::<u64>();
+    let all_resident = kv + ws + backend + raw.iter().sum::<u64>();
     let budget = input.device_budget.unwrap_or(all_resident);
     let tied = a.tied_embeddings;
     let prefetch = input.prefetch.unwrap_or(PREFETCH_DEFAULT).max(1);
@@ -215,7 +225,7 @@ pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
     if all_resident <= budget {
         resident.iter_mut().for_each(|r| *r = true);
     } else {
-        let fixed = kv + ws;
+        let fixed = kv + ws + backend;
         let smallest_slot = *raw.iter().max().expect("a model has units");
         // Value of keeping a unit resident: the bytes it would stream each pass (the tied
         // embedding streams twice: gather at the start, logits at the end).
@@ -284,11 +294,11 @@ pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
                 .expect("a model has units");
             let _ = smallest_slot;
             return Err(PlanError(format!(
-                "device budget {} ({} bytes) is too small: KV cache {} + workspace {} + {STREAM_SLOTS_MIN} streaming slots of {} + {} of units larger than a slot kept resident = {} ({} bytes) at least; raise --device-memory or lower --max-context / --max-batch",
+                "device budget {} ({} bytes) is too small: KV cache {} + workspace {} (with backend scratch) + {STREAM_SLOTS_MIN} streaming slots of {} + {} of units larger than a slot kept resident = {} ({} bytes) at least; raise --device-memory or lower --max-context / --max-batch",
                 fmt_bytes(budget),
                 budget,
                 fmt_bytes(kv),
-                fmt_bytes(ws),
+                fmt_bytes(ws + backend),
                 fmt_bytes(slot),
                 fmt_bytes(need - fixed - STREAM_SLOTS_MIN as u64 * slot),
                 fmt_bytes(need),
@@ -361,6 +371,7 @@ pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
         device_budget: budget,
         kv_cache_bytes: kv,
         workspace_bytes: ws,
+        backend_bytes: backend,
         stream_slots: slots,
         stream_slot_bytes: slot_bytes,
         resident_bytes,

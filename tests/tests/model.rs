@@ -53,6 +53,7 @@ fn load(src: &Path, dir: &Path, max_context: usize) -> Runner<CpuBackend> {
             host_cache_budget: 0,
             opts,
             prefetch: None,
+            backend_reserved: 0,
         },
         2,
         io,

@@ -33,9 +33,30 @@ fn every_kernel_compiles_cleanly_for_sm80_and_sm90() {
             count += entries.len();
         }
     }
-    // 27 kernels today (add 2, argmax 1, attention 1, embedding 6, kv_store 1, matmul_q 11,
-    // rms_norm 3, rope 1, silu_mul 1), each for two architectures.
-    assert!(count >= 2 * 27, "only {count} kernel entries compiled");
+    // 29 kernels today (add 2, argmax 1, attention 1, convert 2, embedding 6, kv_store 1,
+    // matmul_q 11, rms_norm 3, rope 1, silu_mul 1), each for two architectures.
+    assert!(count >= 2 * 29, "only {count} kernel entries compiled");
+}
+
+/// What the CUDA backend loads: machine code for the device (no PTX JIT in the driver).
+#[test]
+fn every_kernel_compiles_to_a_cubin_for_sm90() {
+    if let Err(e) = nvrtc::library_present() {
+        panic!("{e}");
+    }
+    for (name, src) in KERNELS {
+        let (bin, log) =
+            nvrtc::compile_cubin(name, &source(src), "sm_90").unwrap_or_else(|e| panic!("{e}"));
+        assert!(log.is_empty(), "{name}: NVRTC printed:\n{log}");
+        // An ELF image, as cuModuleLoadData expects for a CUBIN.
+        assert_eq!(&bin[..4], b"\x7fELF", "{name}: not an ELF CUBIN");
+        for e in entry_points(src) {
+            assert!(
+                bin.windows(e.len()).any(|w| w == e.as_bytes()),
+                "{name}: CUBIN lacks kernel {e}"
+            );
+        }
+    }
 }
 
 #[test]

@@ -40,6 +40,7 @@ fn runner(s: &Arc<Store>, budget: Option<u64>, host_cache: u64) -> Runner<CpuBac
             host_cache_budget: host_cache,
             opts: OPTS,
             prefetch: Some(3),
+            backend_reserved: 0,
         },
         2,
         io(),
@@ -56,6 +57,7 @@ fn budgets(s: &Store) -> Vec<(String, Option<u64>)> {
             host_cache_budget: 0,
             opts: OPTS,
             prefetch: None,
+            backend_reserved: 0,
         },
     )
     .unwrap();
@@ -225,6 +227,7 @@ fn a_budget_too_small_fails_at_start_with_the_numbers() {
             host_cache_budget: 0,
             opts: OPTS,
             prefetch: None,
+            backend_reserved: 0,
         },
         1,
         io(),

@@ -3,14 +3,28 @@
 //! Llama-family forward pass. Activations are f32 everywhere; weights stay in their stored
 //! dtype and quantized weights are dequantized inside the kernels.
 //!
-//! `cpu` is always built and is what CI and the tests run; a CUDA backend implements the
-//! same trait.
+//! `cpu` is always built and is what CI and the tests run; `cuda` implements the same trait
+//! on an NVIDIA GPU (loaded at run time: the binary starts without CUDA installed).
+//!
+//! Ops may run asynchronously (CUDA enqueues them on a compute stream): their errors surface
+//! through `check`, and only `download_f32` returns data to the host.
 
 pub mod cpu;
 pub mod cuda;
 
 use crate::dtype::DType;
+use crate::io::buffers::Pinner;
+use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering};
+
+/// What the copy engine did for the asynchronous uploads so far (device-timed).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct CopyStats {
+    pub uploads: u64,
+    pub bytes: u64,
+    /// Seconds the copies took on the device, from each copy's start to its end.
+    pub seconds: f64,
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum BackendError {
@@ -26,6 +40,9 @@ pub enum BackendError {
     Alloc { what: String, bytes: u64 },
     #[error("{0}")]
     Invalid(String),
+    /// A device-side failure (driver, launch, copy), with what was being done.
+    #[error("{0}")]
+    Device(String),
 }
 
 /// Device memory accounting: a hard limit, the bytes in use and the peak. Every device
@@ -157,8 +174,36 @@ pub trait Backend: Send + Sync {
     fn mem_len(&self, mem: &Self::Mem) -> usize;
     /// Copies host bytes (a staging slot) into a device allocation.
     fn upload(&self, dst: &mut Self::Mem, src: &[u8]) -> Result<(), BackendError>;
-    /// Copies f32 values out of a device allocation.
+    /// Copies f32 values out of a device allocation (waiting for the ops before it).
     fn download_f32(&self, src: &Self::Mem, offset: usize, out: &mut [f32]);
+
+    /// Errors of work the device ran asynchronously since the last call (a failed launch
+    /// or copy), which the ops cannot return themselves. Synchronous backends: always Ok.
+    fn check(&self) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Starts copying `src` into `dst` (a streaming slot) and may return before the copy is
+    /// done. The copy starts after the ops that last read `dst` (see `release_after`) and
+    /// finishes before any op enqueued after this call reads `dst`. `src` must stay valid
+    /// and unchanged until `upload_wait(dst)` returns.
+    fn upload_async(&self, dst: &mut Self::Mem, src: &[u8]) -> Result<(), BackendError> {
+        self.upload(dst, src)
+    }
+    /// Blocks until the last `upload_async` into `dst` has read all of its source.
+    fn upload_wait(&self, _dst: &Self::Mem) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// Marks the ops enqueued so far as the last readers of `mem`: the next `upload_async`
+    /// into it waits for them, not for everything.
+    fn release_after(&self, _mem: &Self::Mem) {}
+    /// Page-locks host buffers that uploads read from, when the device gains from it.
+    fn pinner(&self) -> Option<Pinner> {
+        None
+    }
+    /// Device-timed figures of the asynchronous uploads so far.
+    fn copy_stats(&self) -> CopyStats {
+        CopyStats::default()
+    }
 
     /// out[i] = table[ids[i]] (rows dequantized to f32).
     fn embedding(&self, table: WeightRef<'_, Self::Mem>, ids: &[u32], out: &mut Self::Mem);

@@ -2,6 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
+use sluice::engine::BackendChoice;
 use sluice::store::{self, Codec, Store};
 use sluice::util::{fmt_bytes, parse_size};
 use std::path::PathBuf;
@@ -112,6 +113,12 @@ enum Cmd {
         prompt_tokens: usize,
         #[arg(long, default_value_t = 0)]
         threads: usize,
+        /// auto, cpu or cuda.
+        #[arg(long, default_value = "auto")]
+        backend: BackendChoice,
+        /// CUDA device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: usize,
         #[arg(long)]
         json: bool,
     },
@@ -181,6 +188,12 @@ struct ServeArgs {
     prefetch: Option<usize>,
     #[arg(long)]
     threads: Option<usize>,
+    /// auto, cpu or cuda.
+    #[arg(long)]
+    backend: Option<BackendChoice>,
+    /// CUDA device ordinal.
+    #[arg(long)]
+    device: Option<usize>,
     #[arg(long)]
     shutdown_grace_s: Option<u64>,
 }
@@ -200,7 +213,9 @@ impl ServeArgs {
             queue_max,
             threads,
             shutdown_grace_s,
-            host_cache
+            host_cache,
+            backend,
+            device
         );
         if self.model.is_some() {
             c.model = self.model;
@@ -272,9 +287,15 @@ struct RunArgs {
     /// Layers requested ahead of the one computing.
     #[arg(long)]
     prefetch: Option<usize>,
-    /// Compute threads (default: all cores).
+    /// Compute threads of the CPU backend (default: all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
+    /// auto (CUDA when a usable GPU is there, else the CPU, saying why), cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    backend: BackendChoice,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
     /// Print one JSON object instead of the text.
     #[arg(long)]
     json: bool,
@@ -355,9 +376,17 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
             steps,
             prompt_tokens,
             threads,
+            backend,
+            device,
             json,
         } => {
             let store = std::sync::Arc::new(Store::open(&dir)?);
+            let chosen = sluice::engine::choose_backend(backend, device)?;
+            if let sluice::engine::Chosen::Cpu { why } = &chosen {
+                if backend == BackendChoice::Auto {
+                    tracing::info!("CPU backend: {why}");
+                }
+            }
             let m = store.manifest();
             let max_batch = *batch.iter().max().context("--batch is empty")?;
             let opts = sluice::model::ModelOptions {
@@ -378,10 +407,18 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
                             host_cache_budget: 0,
                             opts,
                             prefetch,
+                            backend_reserved: 0,
                         },
                     )?;
+                    let scratch = match chosen {
+                        sluice::engine::Chosen::Cuda(_) => {
+                            sluice::backend::cuda::scratch_bytes(&m.arch, &opts)
+                        }
+                        sluice::engine::Chosen::Cpu { .. } => 0,
+                    };
                     p.kv_cache_bytes
                         + p.workspace_bytes
+                        + scratch
                         + (p.resident_bytes as f64 * pct / 100.0) as u64
                 }
             };
@@ -400,12 +437,37 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
                 steps,
                 prompt_tokens,
             };
-            let r = sluice::pipeline::bench::bench_stream(store.clone(), &o)?;
+            let r = match chosen {
+                sluice::engine::Chosen::Cpu { .. } => sluice::pipeline::bench::bench_stream(
+                    store.clone(),
+                    &o,
+                    &|input| {
+                        sluice::engine::cpu_runner(store.clone(), input, threads, o.io.clone())
+                    },
+                    &|_, _| None,
+                )?,
+                sluice::engine::Chosen::Cuda(_) => sluice::pipeline::bench::bench_stream(
+                    store.clone(),
+                    &o,
+                    &|input| {
+                        sluice::engine::cuda_runner(store.clone(), input, device, o.io.clone())
+                    },
+                    &|b, bytes| b.plain_h2d_gbps(bytes, 5).ok(),
+                )?,
+            };
             if json {
                 println!("{}", serde_json::to_string_pretty(&r)?);
             } else {
                 println!("model {} raw, device budget {} ({} units resident, {} streamed); per pass {} from disk, {} uploaded", fmt_bytes(r.model_raw_bytes), fmt_bytes(r.device_budget), r.layers_resident, r.layers_streamed, fmt_bytes(r.disk_bytes_per_pass), fmt_bytes(r.upload_bytes_per_pass));
+                println!("backend {}", r.backend);
                 println!("pass time: compute-only {:.2} ms, streaming-only {:.2} ms, streamed {:.2} ms -> streamed / max = {:.3}", r.compute_only_pass_s * 1e3, r.streaming_only_pass_s * 1e3, r.streamed_pass_s * 1e3, r.overlap_ratio);
+                println!(
+                    "decode batch 1: {:.1} tokens/s all resident, {:.1} tokens/s streamed",
+                    r.resident_tokens_per_s, r.streamed_tokens_per_s
+                );
+                if r.copy_gbps > 0.0 {
+                    println!("copy stream while streaming {:.2} GB/s; plain pinned cuMemcpyHtoD {:.2} GB/s -> ratio {:.3}", r.copy_gbps, r.plain_h2d_gbps, r.copy_vs_plain);
+                }
                 println!(
                     "{:>6} {:>10} {:>12} {:>10} {:>12} {:>12}",
                     "batch", "pass ms", "tokens/s", "vs linear", "stall ms", "compute ms"
@@ -494,6 +556,7 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
                 pread_threads: qd.min(64),
                 decompress: true,
                 units: None,
+                pinner: None,
             };
             let opts = sluice::io::bench::BenchIoOptions {
                 cfg,
@@ -653,10 +716,7 @@ fn synth(
 }
 
 fn run_prompt(a: RunArgs) -> Result<()> {
-    use sluice::backend::Backend;
-    use sluice::engine::generate::{generate, GenerateParams};
-    use sluice::text::{ChatMessage, ChatTemplate, SamplingParams, Tokenizer};
-    use std::io::Write;
+    use sluice::text::{ChatMessage, ChatTemplate, Tokenizer};
     let store = std::sync::Arc::new(Store::open(&a.dir)?);
     let m = store.manifest();
     let tok = Tokenizer::from_manifest(m)?;
@@ -711,14 +771,40 @@ fn run_prompt(a: RunArgs) -> Result<()> {
         host_cache_budget: a.host_cache,
         opts,
         prefetch: a.prefetch,
+        backend_reserved: 0,
     };
     let io = sluice::io::IoConfig {
         queue_depth: 16,
         read_buffers: 16,
         ..Default::default()
     };
-    let mut runner = sluice::engine::cpu_runner(store.clone(), &input, a.threads, io)?;
-    let threads = runner.backend.threads();
+    match sluice::engine::choose_backend(a.backend, a.device)? {
+        sluice::engine::Chosen::Cpu { why } => {
+            if a.backend == BackendChoice::Auto {
+                tracing::info!("CPU backend: {why}");
+            }
+            let runner = sluice::engine::cpu_runner(store.clone(), &input, a.threads, io)?;
+            let threads = runner.backend.threads();
+            run_generate(runner, &a, &tok, &prompt_ids, threads)
+        }
+        sluice::engine::Chosen::Cuda(_) => {
+            let runner = sluice::engine::cuda_runner(store.clone(), &input, a.device, io)?;
+            run_generate(runner, &a, &tok, &prompt_ids, 0)
+        }
+    }
+}
+
+/// Generates for `sluiced run` on whichever backend was chosen.
+fn run_generate<B: sluice::backend::Backend>(
+    mut runner: sluice::engine::Runner<B>,
+    a: &RunArgs,
+    tok: &sluice::text::Tokenizer,
+    prompt_ids: &[u32],
+    threads: usize,
+) -> Result<()> {
+    use sluice::engine::generate::{generate, GenerateParams};
+    use sluice::text::SamplingParams;
+    use std::io::Write;
     if !a.json {
         eprint!("{}", runner.plan.table());
     }
@@ -735,7 +821,7 @@ fn run_prompt(a: RunArgs) -> Result<()> {
         ignore_eos: a.ignore_eos,
     };
     let stdout = std::io::stdout();
-    let out = generate(&mut runner, &tok, &prompt_ids, &params, |piece| {
+    let out = generate(&mut runner, tok, prompt_ids, &params, |piece| {
         if !a.json {
             let mut l = stdout.lock();
             let _ = l.write_all(piece.as_bytes());
@@ -760,6 +846,8 @@ fn run_prompt(a: RunArgs) -> Result<()> {
             "decode_tokens_per_s": out.decode_tokens_per_s(),
             "backend": b.name(),
             "threads": threads,
+            "copy_device_s": total.copy_device_s,
+            "copy_gbps": if total.copy_device_s > 0.0 { total.bytes_uploaded as f64 / total.copy_device_s / 1e9 } else { 0.0 },
             "device_bytes_budget": b.budget().limit(),
             "device_bytes_peak": b.budget().peak(),
             "layers_resident": plan.layers_resident(),

@@ -5,6 +5,7 @@ pub mod generate;
 pub mod scheduler;
 
 use crate::backend::cpu::CpuBackend;
+use crate::backend::cuda::{self, CudaBackend, DeviceInfo};
 use crate::backend::BackendError;
 use crate::io::IoConfig;
 use crate::io::IoError;
@@ -52,5 +53,103 @@ pub fn cpu_runner(
 ) -> Result<Runner<CpuBackend>, EngineError> {
     let plan = crate::plan::plan(store.manifest(), input)?;
     let backend = CpuBackend::new(plan.device_budget, threads)?;
+    Runner::new(backend, store, plan, input.opts, io)
+}
+
+/// `--backend`: where the layers run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum BackendChoice {
+    /// CUDA when a usable device is there, else the CPU (saying why).
+    Auto,
+    Cpu,
+    Cuda,
+}
+
+impl std::str::FromStr for BackendChoice {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "auto" => Ok(BackendChoice::Auto),
+            "cpu" => Ok(BackendChoice::Cpu),
+            "cuda" => Ok(BackendChoice::Cuda),
+            _ => Err(format!("backend {s:?}: expected auto, cpu or cuda")),
+        }
+    }
+}
+
+/// The backend chosen, and for the CPU why CUDA was not.
+#[derive(Clone, Debug)]
+pub enum Chosen {
+    Cpu { why: String },
+    Cuda(DeviceInfo),
+}
+
+/// Checks what CUDA needs, in order: the driver library, a device, NVRTC (the kernels are
+/// compiled at start) and cuBLAS. Never touches a library that is not there (cudarc
+/// panics on a missing library).
+pub fn cuda_usable(device: usize) -> Result<DeviceInfo, String> {
+    let info = cuda::probe(device)?;
+    cuda::nvrtc::library_present().map_err(|e| {
+        format!(
+            "{} is present, but the kernels cannot be compiled: {e}",
+            info.name
+        )
+    })?;
+    // SAFETY: only tries to open the library.
+    if !unsafe { cudarc::cublas::sys::is_culib_present() } {
+        return Err(format!(
+            "{} is present, but cuBLAS is not (searched {:?}); install the CUDA toolkit or `pip install nvidia-cublas-cu12` and put its lib directory on LD_LIBRARY_PATH",
+            info.name,
+            cudarc::get_lib_name_candidates("cublas")
+        ));
+    }
+    Ok(info)
+}
+
+/// Resolves `--backend`: `cuda` fails with the reason when CUDA is not usable, `auto`
+/// falls back to the CPU with it.
+pub fn choose_backend(choice: BackendChoice, device: usize) -> Result<Chosen, EngineError> {
+    match choice {
+        BackendChoice::Cpu => Ok(Chosen::Cpu {
+            why: "--backend cpu".into(),
+        }),
+        BackendChoice::Cuda => cuda_usable(device)
+            .map(Chosen::Cuda)
+            .map_err(|e| EngineError::Invalid(format!("--backend cuda: {e}"))),
+        BackendChoice::Auto => Ok(match cuda_usable(device) {
+            Ok(i) => Chosen::Cuda(i),
+            Err(why) => Chosen::Cpu { why },
+        }),
+    }
+}
+
+/// Device memory left free when no budget is given: the driver, cuBLAS and other
+/// processes need some (1 GiB, or 2 % of the device when that is more).
+pub fn cuda_headroom(total: u64) -> u64 {
+    (total / 50).max(1 << 30)
+}
+
+/// Plans memory for `store` on CUDA device `device` and builds its runner: the budget
+/// defaults to the device's free memory minus `cuda_headroom`, and the device allocation
+/// is exactly what the plan uses (backend scratch included).
+pub fn cuda_runner(
+    store: Arc<Store>,
+    input: &PlanInput,
+    device: usize,
+    io: IoConfig,
+) -> Result<Runner<CudaBackend>, EngineError> {
+    let info = cuda_usable(device).map_err(EngineError::Invalid)?;
+    let m = store.manifest();
+    let mut input = input.clone();
+    input.backend_reserved = cuda::scratch_bytes(&m.arch, &input.opts);
+    if input.device_budget.is_none() {
+        input.device_budget = Some(
+            info.free_bytes
+                .saturating_sub(cuda_headroom(info.total_bytes)),
+        );
+    }
+    let plan = crate::plan::plan(m, &input)?;
+    let backend = CudaBackend::new(device, plan.device_bytes(), &m.arch, &input.opts)?;
     Runner::new(backend, store, plan, input.opts, io)
 }

@@ -1,6 +1,7 @@
 //! Page-aligned host buffers, allocated once at start. O_DIRECT needs the buffer address,
 //! the file offset and the length aligned to the device's logical block size; 4096 covers
-//! every device we meet. The CUDA backend will page-lock these same allocations.
+//! every device we meet. The CUDA backend page-locks these same allocations (`pin`), so the
+//! decompression workers write straight into memory the GPU's copy engine reads by DMA.
 
 use std::alloc::{alloc_zeroed, dealloc, Layout};
 use std::ptr::NonNull;
@@ -12,10 +13,45 @@ pub const IO_ALIGN: usize = 4096;
 /// memsets every byte up front: gigabytes of staging slots touched at start for nothing.)
 const MMAP_MIN: usize = 1 << 20;
 
+/// Page-locks host memory for a device's DMA engine (the CUDA backend registers it with
+/// cuMemHostRegister). A buffer is pinned once, at start, and unpinned before it is freed.
+pub trait HostPinner: Send + Sync {
+    /// Pins `len` bytes at `ptr` (page-aligned). The error says what to change.
+    fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String>;
+    /// Unpins a region `pin` accepted.
+    fn unpin(&self, ptr: *mut u8);
+}
+
+/// A shared `HostPinner` that configuration structs can carry (Debug and Clone).
+#[derive(Clone)]
+pub struct Pinner(pub std::sync::Arc<dyn HostPinner>);
+
+impl std::fmt::Debug for Pinner {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Pinner")
+    }
+}
+
+/// The soft memory-lock limit in bytes (None: unlimited), for error messages.
+pub fn memlock_limit() -> Option<u64> {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit fills the struct it is given.
+    let ok = unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } == 0;
+    if !ok || r.rlim_cur == libc::RLIM_INFINITY {
+        None
+    } else {
+        Some(r.rlim_cur)
+    }
+}
+
 /// A zeroed, 4096-aligned buffer of fixed length.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
+    pinned: Option<Pinner>,
 }
 
 // SAFETY: AlignedBuf owns its allocation like a Box<[u8]>; sharing rules are those of the
@@ -45,12 +81,40 @@ impl AlignedBuf {
             return Some(AlignedBuf {
                 ptr: NonNull::new(p as *mut u8)?,
                 len,
+                pinned: None,
             });
         }
         let layout = Layout::from_size_align(len, IO_ALIGN).ok()?;
         // SAFETY: layout has non-zero size.
         let ptr = NonNull::new(unsafe { alloc_zeroed(layout) })?;
-        Some(AlignedBuf { ptr, len })
+        Some(AlignedBuf {
+            ptr,
+            len,
+            pinned: None,
+        })
+    }
+
+    /// Page-locks the buffer for DMA until it is dropped. The error names the size and,
+    /// when the memory-lock limit is below it, the limit and the unit-file setting.
+    pub fn pin(&mut self, pinner: &Pinner) -> Result<(), String> {
+        if self.pinned.is_some() {
+            return Ok(());
+        }
+        pinner.0.pin(self.ptr.as_ptr(), self.len).map_err(|e| {
+            let hint = match memlock_limit() {
+                Some(l) if l < self.len as u64 => format!(
+                    "; the memory-lock limit (RLIMIT_MEMLOCK) is {l} bytes: set LimitMEMLOCK=infinity in the sluiced unit file (deploy/sluiced.service) or raise `ulimit -l`"
+                ),
+                _ => String::new(),
+            };
+            format!("page-locking a host buffer of {} bytes: {e}{hint}", self.len)
+        })?;
+        self.pinned = Some(pinner.clone());
+        Ok(())
+    }
+
+    pub fn is_pinned(&self) -> bool {
+        self.pinned.is_some()
     }
 
     pub fn len(&self) -> usize {
@@ -78,6 +142,9 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
+        if let Some(p) = self.pinned.take() {
+            p.0.unpin(self.ptr.as_ptr());
+        }
         if self.len >= MMAP_MIN {
             // SAFETY: mapped in new() with exactly this length.
             unsafe { libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.len) };

@@ -224,6 +224,43 @@ impl Drop for SlotGuard<'_> {
     }
 }
 
+impl SlotGuard<'_> {
+    /// The same hold on the staging slot without a borrow of the engine, for a consumer
+    /// that keeps it across calls (an asynchronous upload still reading it).
+    pub fn detach(self) -> HeldSlot {
+        let held = HeldSlot {
+            waker: self.engine.waker.clone(),
+            slots: self.engine.slots.clone(),
+            slot: self.slot,
+            len: self.len,
+        };
+        std::mem::forget(self);
+        held
+    }
+}
+
+/// A staging slot held past its guard (see `SlotGuard::detach`); dropping it releases the
+/// slot. It keeps the slot memory alive even if the engine stops first.
+pub struct HeldSlot {
+    waker: Waker,
+    slots: Arc<Vec<AlignedBuf>>,
+    slot: usize,
+    len: usize,
+}
+
+impl HeldSlot {
+    pub fn data(&self) -> &[u8] {
+        // SAFETY: as for SlotGuard::data: the slot is ours until this is dropped.
+        unsafe { std::slice::from_raw_parts(self.slots[self.slot].as_ptr(), self.len) }
+    }
+}
+
+impl Drop for HeldSlot {
+    fn drop(&mut self) {
+        self.waker.send(Msg::Release { slot: self.slot });
+    }
+}
+
 /// Free/total counts of the engine's pools (tests check they return to full after errors).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct PoolStatus {
@@ -392,7 +429,13 @@ impl IoEngine {
                 .collect()
         };
         let read_bufs = Arc::new(alloc(cfg.read_buffers, cfg.request_bytes, "read buffers")?);
-        let slots = Arc::new(alloc(cfg.staging_slots, slot_bytes, "staging slots")?);
+        let mut slots = alloc(cfg.staging_slots, slot_bytes, "staging slots")?;
+        if let Some(p) = &cfg.pinner {
+            for s in &mut slots {
+                s.pin(p).map_err(|e| setup(format!("staging slots: {e}")))?;
+            }
+        }
+        let slots = Arc::new(slots);
 
         let (tx, rx) = channel::<Msg>();
         let shared = Arc::new(Shared {

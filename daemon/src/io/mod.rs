@@ -17,7 +17,7 @@ mod engine;
 mod pread;
 mod uring;
 
-pub use engine::{IoEngine, PoolStatus, SlotGuard, Ticket};
+pub use engine::{HeldSlot, IoEngine, PoolStatus, SlotGuard, Ticket};
 
 use crate::store::StoreError;
 use serde::Serialize;
@@ -84,6 +84,8 @@ pub struct IoConfig {
     pub pread_threads: usize,
     /// Decode frames (checksum + decompress). Off only to measure raw read speed.
     pub decompress: bool,
+    /// Page-locks the staging slots at start (the CUDA backend's copy stream reads them).
+    pub pinner: Option<buffers::Pinner>,
 }
 
 pub const QUEUE_DEPTH_DEFAULT: usize = 64;
@@ -105,6 +107,7 @@ impl Default for IoConfig {
             workers: cores.saturating_sub(1).max(1),
             pread_threads: 16,
             decompress: true,
+            pinner: None,
         }
     }
 }

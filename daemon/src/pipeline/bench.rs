@@ -3,9 +3,8 @@
 //! (the plan's loads with compute skipped) and the real streamed pass, then decode
 //! tokens/s at several batch sizes under the same budget.
 
-use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
-use crate::engine::{cpu_runner, EngineError, Runner};
+use crate::engine::{EngineError, Runner};
 use crate::io::IoConfig;
 use crate::model::{ModelOptions, SeqStep};
 use crate::plan::PlanInput;
@@ -41,6 +40,7 @@ pub struct BatchResult {
 
 #[derive(Debug, Serialize)]
 pub struct BenchStreamReport {
+    pub backend: String,
     pub model_raw_bytes: u64,
     pub device_budget: u64,
     pub layers_resident: usize,
@@ -52,6 +52,16 @@ pub struct BenchStreamReport {
     pub streamed_pass_s: f64,
     /// streamed / max(compute-only, streaming-only): 1.0 is perfect overlap.
     pub overlap_ratio: f64,
+    /// Decode tokens/s at batch 1 with every unit resident, and streamed under the budget.
+    pub resident_tokens_per_s: f64,
+    pub streamed_tokens_per_s: f64,
+    /// Copy-stream bandwidth while streaming (bytes uploaded / device time of the copies)
+    /// over the streamed batch-1 passes; 0 for a synchronous backend.
+    pub copy_gbps: f64,
+    /// A plain page-locked host-to-device copy of one streaming slot's size, same run.
+    pub plain_h2d_gbps: f64,
+    /// copy_gbps / plain_h2d_gbps (target >= 0.9).
+    pub copy_vs_plain: f64,
     pub batches: Vec<BatchResult>,
 }
 
@@ -70,8 +80,8 @@ fn token_ids(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
 
 /// Prefills `batch` sequences, then times `steps` decode steps; returns (seconds per pass,
 /// load stall per pass, compute per pass).
-fn decode_passes(
-    r: &mut Runner<CpuBackend>,
+fn decode_passes<B: Backend>(
+    r: &mut Runner<B>,
     batch: usize,
     prompt: usize,
     steps: usize,
@@ -91,7 +101,7 @@ fn decode_passes(
     }
     // One untimed decode step warms the caches.
     let mut pos = prompt;
-    let mut step = |r: &mut Runner<CpuBackend>, pos: usize| -> Result<(), EngineError> {
+    let mut step = |r: &mut Runner<B>, pos: usize| -> Result<(), EngineError> {
         let s: Vec<SeqStep> = (0..batch)
             .map(|b| SeqStep {
                 slot: b,
@@ -115,9 +125,13 @@ fn decode_passes(
     Ok((t0.elapsed().as_secs_f64() / n, stall / n, compute / n))
 }
 
-pub fn bench_stream(
+/// Runs the benchmark with runners from `make` (one backend); `plain_h2d(backend, bytes)`
+/// measures the reference copy rate where the backend has one.
+pub fn bench_stream<B: Backend>(
     store: Arc<Store>,
     o: &BenchStreamOptions,
+    make: &dyn Fn(&PlanInput) -> Result<Runner<B>, EngineError>,
+    plain_h2d: &dyn Fn(&B, usize) -> Option<f64>,
 ) -> Result<BenchStreamReport, EngineError> {
     let m = store.manifest();
     let vocab = m.arch.vocab;
@@ -132,27 +146,32 @@ pub fn bench_stream(
         host_cache_budget: o.host_cache_budget,
         opts,
         prefetch: o.prefetch,
+        backend_reserved: 0,
     };
 
     // Compute alone: every unit resident, batch 1.
     let compute_only = {
-        let mut r = cpu_runner(store.clone(), &input(None), o.threads, o.io.clone())?;
+        let mut r = make(&input(None))?;
         decode_passes(&mut r, 1, o.prompt_tokens, o.steps, vocab)?.0
     };
-    let mut r = cpu_runner(
-        store.clone(),
-        &input(Some(o.device_budget)),
-        o.threads,
-        o.io.clone(),
-    )?;
+    let mut r = make(&input(Some(o.device_budget)))?;
     // Streaming alone: the same loads, compute skipped.
     r.skip_compute = true;
     let streaming_only = decode_passes(&mut r, 1, o.prompt_tokens, o.steps, vocab)?.0;
     r.skip_compute = false;
     let mut batches = Vec::new();
     let mut rate1 = 0.0;
+    let mut copy_gbps = 0.0;
     for &b in &o.batches {
+        let before = r.total().clone();
         let (pass, stall, compute) = decode_passes(&mut r, b, o.prompt_tokens, o.steps, vocab)?;
+        if b == 1 {
+            let t = r.total();
+            let secs = t.copy_device_s - before.copy_device_s;
+            if secs > 0.0 {
+                copy_gbps = (t.bytes_uploaded - before.bytes_uploaded) as f64 / secs / 1e9;
+            }
+        }
         let rate = b as f64 / pass;
         if b == 1 {
             rate1 = rate;
@@ -174,7 +193,13 @@ pub fn bench_stream(
         .iter()
         .find(|x| x.batch == 1)
         .map_or(0.0, |x| x.pass_s);
+    let plain = if r.plan.stream_slots > 0 {
+        plain_h2d(&r.backend, r.plan.stream_slot_bytes as usize).unwrap_or(0.0)
+    } else {
+        0.0
+    };
     Ok(BenchStreamReport {
+        backend: r.backend.name().to_string(),
         model_raw_bytes: m.raw_bytes(),
         device_budget: r.backend.budget().limit(),
         layers_resident: r.plan.layers_resident(),
@@ -185,6 +210,11 @@ pub fn bench_stream(
         streaming_only_pass_s: streaming_only,
         streamed_pass_s: streamed,
         overlap_ratio: streamed / compute_only.max(streaming_only),
+        resident_tokens_per_s: 1.0 / compute_only,
+        streamed_tokens_per_s: if streamed > 0.0 { 1.0 / streamed } else { 0.0 },
+        copy_gbps,
+        plain_h2d_gbps: plain,
+        copy_vs_plain: if plain > 0.0 { copy_gbps / plain } else { 0.0 },
         batches,
     })
 }

@@ -3,6 +3,13 @@
 //! `prefetch` units ahead, uploaded into a device streaming slot just before they run, and
 //! the staging slot goes back to the engine as soon as the upload is done. Units with a
 //! host-cache copy skip disk and decompression. One pass serves every sequence of the batch.
+//!
+//! With an asynchronous backend (CUDA) the loop only enqueues: the upload of a unit goes on
+//! the copy stream, ordered after the compute that last read its slot (`release_after`),
+//! and the unit's compute on the compute stream waits for that upload. The host waits for
+//! an upload to finish reading its staging slot (`upload_wait`) only after the unit's
+//! compute is enqueued, so disk, decompression, copy and compute all overlap; the host runs
+//! at most as many units ahead of the device as there are streaming slots.
 
 pub mod bench;
 
@@ -26,8 +33,11 @@ pub struct PassStats {
     pub pass_time_s: f64,
     /// Time in layer compute.
     pub compute_s: f64,
-    /// Time copying units into device slots.
+    /// Host time in upload calls (the copy itself for a synchronous backend).
     pub upload_s: f64,
+    /// Device time of the copies (asynchronous backends; 0 otherwise): bytes_uploaded /
+    /// copy_device_s is the copy stream's bandwidth while streaming.
+    pub copy_device_s: f64,
     /// Time waiting for the I/O engine (disk read and decompression behind the compute).
     pub load_stall_s: f64,
     pub bytes_read: u64,
@@ -42,6 +52,7 @@ impl PassStats {
         self.pass_time_s += o.pass_time_s;
         self.compute_s += o.compute_s;
         self.upload_s += o.upload_s;
+        self.copy_device_s += o.copy_device_s;
         self.load_stall_s += o.load_stall_s;
         self.bytes_read += o.bytes_read;
         self.bytes_decompressed += o.bytes_decompressed;
@@ -68,6 +79,8 @@ pub struct Pipeline<B: Backend> {
     next_issue: usize,
     /// I/O counters at the end of the last pass (reads between passes count for the next).
     io_mark: crate::io::IoStats,
+    /// Staging slots an asynchronous upload may still be reading, by streaming slot.
+    held: Vec<(usize, crate::io::HeldSlot)>,
     /// Skip the layer compute (measures streaming alone).
     pub skip_compute: bool,
     last: PassStats,
@@ -135,6 +148,12 @@ impl<B: Backend> Pipeline<B> {
                             slot.data().len()
                         ))
                     })?;
+                    if let Some(p) = backend.pinner() {
+                        // Pinned copies upload at full speed; unpinned ones still work.
+                        if let Err(e) = buf.pin(&p) {
+                            tracing::warn!("host cache of {kind} stays pageable: {e}");
+                        }
+                    }
                     buf.as_mut_slice()[..slot.data().len()].copy_from_slice(slot.data());
                     host_cache[u] = Some(buf);
                 }
@@ -150,6 +169,8 @@ impl<B: Backend> Pipeline<B> {
             IoConfig {
                 staging_slots: plan.prefetch.max(1) + 1,
                 units: Some(streamed),
+                // The copy stream reads the staging slots by DMA.
+                pinner: backend.pinner(),
                 ..io_cfg
             },
         )?;
@@ -175,6 +196,7 @@ impl<B: Backend> Pipeline<B> {
             loads,
             ahead: VecDeque::new(),
             next_issue: 0,
+            held: Vec::new(),
             skip_compute: false,
             last: PassStats::default(),
             total: PassStats::default(),
@@ -215,6 +237,11 @@ impl<B: Backend> Pipeline<B> {
     pub fn step(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), EngineError> {
         let r = self.pass(steps, logits);
         if r.is_err() {
+            // A staging slot goes back only once no copy reads it any more.
+            for (s, guard) in std::mem::take(&mut self.held) {
+                let _ = self.backend.upload_wait(&self.slots[s]);
+                drop(guard);
+            }
             // Drop what was requested ahead (the tickets cancel); the next pass starts clean.
             self.ahead.clear();
             self.next_issue = 0;
@@ -234,6 +261,7 @@ impl<B: Backend> Pipeline<B> {
         self.top_up()?;
         let mut load_at = 0;
         let mut slot_rr = 0;
+        let copy0 = self.backend.copy_stats();
         // Which streaming slot holds which unit right now.
         let mut in_slot: Vec<Option<usize>> = vec![None; self.slots.len()];
         for u in 0..n {
@@ -242,6 +270,7 @@ impl<B: Backend> Pipeline<B> {
             if tied && self.store.units()[u].kind == UnitKind::Head {
                 need.insert(0, 0);
             }
+            let mut used = Vec::with_capacity(2);
             for &w in &need {
                 if self.resident[w].is_some() {
                     continue;
@@ -258,27 +287,29 @@ impl<B: Backend> Pipeline<B> {
                 match t {
                     Some(t) => {
                         let t0 = Instant::now();
-                        let guard = self.io.wait(t)?;
+                        let guard = self.io.wait(t)?.detach();
                         st.load_stall_s += t0.elapsed().as_secs_f64();
                         let t1 = Instant::now();
-                        self.backend.upload(&mut self.slots[slot], guard.data())?;
+                        self.backend
+                            .upload_async(&mut self.slots[slot], guard.data())?;
                         st.upload_s += t1.elapsed().as_secs_f64();
                         st.bytes_uploaded += guard.data().len() as u64;
+                        self.held.push((slot, guard));
                     }
                     None => {
                         let data = self.host_cache[w].as_ref().expect("host-cached unit");
                         let len = self.store.units()[w].raw_len as usize;
                         let t1 = Instant::now();
+                        // The host cache lives as long as the pipeline: nothing to release.
                         self.backend
-                            .upload(&mut self.slots[slot], &data.as_slice()[..len])?;
+                            .upload_async(&mut self.slots[slot], &data.as_slice()[..len])?;
                         st.upload_s += t1.elapsed().as_secs_f64();
                         st.bytes_uploaded += len as u64;
                         st.bytes_from_host_cache += len as u64;
                     }
                 }
                 in_slot[slot] = Some(w);
-                // The slot just freed in the I/O engine goes to the next load at once.
-                self.top_up()?;
+                used.push(slot);
             }
             let mem_of = |w: usize| -> &B::Mem {
                 match &self.resident[w] {
@@ -304,11 +335,32 @@ impl<B: Backend> Pipeline<B> {
                 self.model.forward_unit(&self.backend, u, mem, lm);
                 st.compute_s += t0.elapsed().as_secs_f64();
             }
+            for &s in &used {
+                // The next upload into this slot waits for this unit's compute only.
+                self.backend.release_after(&self.slots[s]);
+            }
+            // The unit's compute is enqueued; once its upload has read the staging slots,
+            // they go back to the I/O engine for the next loads.
+            for (s, guard) in std::mem::take(&mut self.held) {
+                let t1 = Instant::now();
+                self.backend.upload_wait(&self.slots[s])?;
+                st.upload_s += t1.elapsed().as_secs_f64();
+                drop(guard);
+            }
+            self.top_up()?;
         }
         debug_assert!(load_at == self.loads.len());
         if !self.skip_compute {
             self.model.logits(&self.backend, logits);
+        } else {
+            // Streaming alone: the pass ends when the last upload has landed.
+            for s in &self.slots {
+                self.backend.upload_wait(s)?;
+            }
         }
+        self.backend.check()?;
+        let copy1 = self.backend.copy_stats();
+        st.copy_device_s = copy1.seconds - copy0.seconds;
         let io1 = self.io.stats();
         st.bytes_read = io1.read_bytes.saturating_sub(self.io_mark.read_bytes);
         st.bytes_decompressed = io1

@@ -29,8 +29,12 @@ pub struct ServeConfig {
     pub queue_max: usize,
     /// Layers requested ahead of the one computing.
     pub prefetch: Option<usize>,
-    /// Compute threads (0: all cores).
+    /// Compute threads of the CPU backend (0: all cores).
     pub threads: usize,
+    /// "auto" (CUDA when a usable GPU is there, else the CPU), "cpu" or "cuda".
+    pub backend: crate::engine::BackendChoice,
+    /// CUDA device ordinal.
+    pub device: usize,
     /// max_tokens when a request gives 0.
     pub max_tokens_default: u32,
     /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
@@ -51,6 +55,8 @@ impl Default for ServeConfig {
             queue_max: 64,
             prefetch: None,
             threads: 0,
+            backend: crate::engine::BackendChoice::Auto,
+            device: 0,
             max_tokens_default: 256,
             shutdown_grace_s: 30,
         }

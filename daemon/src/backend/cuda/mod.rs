@@ -1,9 +1,29 @@
-//! CUDA: the kernels in kernels/ (one file per op, compiled by NVRTC for the device's
-//! compute capability). What exists today is the kernel sources and their NVRTC
-//! compilation, checked in CI for sm_80 and sm_90; the device side of the backend
-//! (streams, events, pinned staging, cuBLAS, the `Backend` impl) is not built yet.
+//! CUDA: the kernels in kernels/ (one file per op, compiled by NVRTC at start for the
+//! device's compute capability and cached), and the backend that runs them (`device`):
+//! compute and copy streams, an event per streaming slot, page-locked staging, one device
+//! allocation carved into every role (`arena`), cuBLAS for prefill rows. The driver, NVRTC
+//! and cuBLAS are loaded at run time: `sluiced` builds and starts without CUDA, and
+//! `--backend auto` falls back to the CPU with the reason.
 
+pub mod arena;
+pub mod device;
 pub mod nvrtc;
+
+pub use device::{driver_present, probe, scratch_bytes, CudaBackend, CudaMem};
+
+/// What `probe` found.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct DeviceInfo {
+    pub ordinal: usize,
+    pub name: String,
+    pub compute_capability: (i32, i32),
+    pub total_bytes: u64,
+    pub free_bytes: u64,
+    /// As cuDriverGetVersion reports it (12040 = 12.4).
+    pub driver_version: i32,
+    /// Shared memory one block may opt into.
+    pub max_shared_per_block: usize,
+}
 
 /// Included by every kernel file.
 pub const COMMON: &str = include_str!("../../../../kernels/common.cuh");
@@ -12,6 +32,7 @@ pub const COMMON: &str = include_str!("../../../../kernels/common.cuh");
 pub const KERNELS: &[(&str, &str)] = &[
     ("add", include_str!("../../../../kernels/add.cu")),
     ("argmax", include_str!("../../../../kernels/argmax.cu")),
+    ("convert", include_str!("../../../../kernels/convert.cu")),
     (
         "attention",
         include_str!("../../../../kernels/attention.cu"),

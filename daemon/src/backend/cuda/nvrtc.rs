@@ -35,8 +35,59 @@ pub struct Compiled {
     pub log: String,
 }
 
+/// NVRTC's version (major, minor).
+pub fn version() -> Result<(i32, i32), String> {
+    library_present()?;
+    let (mut major, mut minor) = (0, 0);
+    // SAFETY: the library is present; nvrtcVersion writes two ints.
+    let r = unsafe { cudarc::nvrtc::sys::nvrtcVersion(&mut major, &mut minor) };
+    if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+        return Err(format!("nvrtcVersion: {r:?}"));
+    }
+    Ok((major, minor))
+}
+
+/// Compiles `src` to a CUBIN for a real architecture (e.g. "sm_90"): machine code the
+/// driver loads without a PTX JIT, so a newer NVRTC works with an older driver.
+pub fn compile_cubin(name: &str, src: &str, sm: &str) -> Result<(Vec<u8>, String), String> {
+    compile_with(name, src, sm, |prog| {
+        let mut size = 0usize;
+        // SAFETY: prog compiled successfully; NVRTC writes the size, then that many bytes.
+        let r = unsafe { cudarc::nvrtc::sys::nvrtcGetCUBINSize(prog, &mut size) };
+        if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS || size == 0 {
+            return Err(format!("{name} for {sm}: no CUBIN ({r:?})"));
+        }
+        let mut bin = vec![0u8; size];
+        // SAFETY: bin has the size NVRTC reported.
+        let r = unsafe { cudarc::nvrtc::sys::nvrtcGetCUBIN(prog, bin.as_mut_ptr() as *mut _) };
+        if r != cudarc::nvrtc::sys::nvrtcResult::NVRTC_SUCCESS {
+            return Err(format!("{name} for {sm}: get CUBIN: {r:?}"));
+        }
+        Ok(bin)
+    })
+}
+
 /// Compiles `src` for `arch` (e.g. "compute_80"). Fails with the log on any error.
 pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled, String> {
+    compile_with(name, src, arch, |prog| {
+        // SAFETY: prog compiled successfully.
+        match unsafe { result::get_ptx(prog) } {
+            // SAFETY: NVRTC returns NUL-terminated PTX.
+            Ok(raw) => Ok(unsafe { CStr::from_ptr(raw.as_ptr()) }
+                .to_string_lossy()
+                .into_owned()),
+            Err(e) => Err(format!("{name} for {arch}: get PTX: {e:?}")),
+        }
+    })
+    .map(|(ptx, log)| Compiled { ptx, log })
+}
+
+fn compile_with<T>(
+    name: &str,
+    src: &str,
+    arch: &str,
+    output: impl FnOnce(cudarc::nvrtc::sys::nvrtcProgram) -> Result<T, String>,
+) -> Result<(T, String), String> {
     library_present()?;
     let src_c = CString::new(src).map_err(|_| format!("{name}: source contains a NUL byte"))?;
     let name_c = CString::new(format!("{name}.cu")).map_err(|_| format!("{name}: bad name"))?;
@@ -61,19 +112,7 @@ pub fn compile(name: &str, src: &str, arch: &str) -> Result<Compiled, String> {
         .unwrap_or_default();
     let out = match compiled {
         Err(e) => Err(format!("{name} for {arch}: {e:?}\n{log}")),
-        Ok(()) => {
-            // SAFETY: as above; compile succeeded.
-            match unsafe { result::get_ptx(prog) } {
-                // SAFETY: NVRTC returns NUL-terminated PTX.
-                Ok(raw) => Ok(Compiled {
-                    ptx: unsafe { CStr::from_ptr(raw.as_ptr()) }
-                        .to_string_lossy()
-                        .into_owned(),
-                    log,
-                }),
-                Err(e) => Err(format!("{name} for {arch}: get PTX: {e:?}")),
-            }
-        }
+        Ok(()) => output(prog).map(|o| (o, log)),
     };
     // SAFETY: prog is live and not used after this.
     let _ = unsafe { result::destroy_program(prog) };

@@ -52,14 +52,34 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         host_cache_budget: host_cache,
         opts,
         prefetch: cfg.prefetch,
+        backend_reserved: 0,
     };
     let io = sluice::io::IoConfig {
         queue_depth: 32,
         read_buffers: 32,
         ..Default::default()
     };
-    let runner = sluice::engine::cpu_runner(store.clone(), &input, cfg.threads, io)?;
-    let plan = runner.plan.clone();
+    let chosen = sluice::engine::choose_backend(cfg.backend, cfg.device)?;
+    let sched_cfg = SchedulerConfig {
+        queue_max: cfg.queue_max,
+    };
+    let (plan, sched, engine, backend_name) = match chosen {
+        sluice::engine::Chosen::Cpu { why } => {
+            if cfg.backend == sluice::engine::BackendChoice::Auto {
+                tracing::info!("CPU backend: {why}");
+            }
+            let runner = sluice::engine::cpu_runner(store.clone(), &input, cfg.threads, io)?;
+            let plan = runner.plan.clone();
+            let (s, e) = Scheduler::start(runner, tokenizer, sched_cfg);
+            (plan, s, e, "cpu")
+        }
+        sluice::engine::Chosen::Cuda(_) => {
+            let runner = sluice::engine::cuda_runner(store.clone(), &input, cfg.device, io)?;
+            let plan = runner.plan.clone();
+            let (s, e) = Scheduler::start(runner, tokenizer, sched_cfg);
+            (plan, s, e, "cuda")
+        }
+    };
     let budget = plan.device_budget;
     tracing::info!("{}\n{}", dir.display(), plan.table());
     let name = dir
@@ -76,19 +96,12 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         stored_bytes: m.stored_bytes(),
         raw_bytes: m.raw_bytes(),
     };
-    let (sched, engine) = Scheduler::start(
-        runner,
-        tokenizer,
-        SchedulerConfig {
-            queue_max: cfg.queue_max,
-        },
-    );
     let service = Service {
         sched: sched.clone(),
         meta,
         template,
         plan,
-        backend: "cpu".into(),
+        backend: backend_name.into(),
         device_budget: budget,
         max_tokens_default: cfg.max_tokens_default,
     };

@@ -1,0 +1,734 @@
+//! The CUDA backend against the CPU backend. The tests marked `ignore` need an NVIDIA GPU
+//! (with driver, NVRTC and cuBLAS); scripts/gpu-check.sh runs them with --include-ignored,
+//! where a missing GPU fails them. The others run everywhere: backend selection must say
+//! why CUDA is not used, and `--backend cuda` must fail cleanly without one.
+
+use sluice::backend::cpu::CpuBackend;
+use sluice::backend::cuda::{self, CudaBackend};
+use sluice::backend::{AttnShape, AttnStep, Backend, SeqSpan, WeightRef};
+use sluice::dtype::DType;
+use sluice::engine::{choose_backend, cpu_runner, cuda_runner, BackendChoice, Chosen, Runner};
+use sluice::io::IoConfig;
+use sluice::model::{Arch, ArchConfig, ModelOptions, SeqStep};
+use sluice::plan::PlanInput;
+use sluice::store::Store;
+use sluice_tests::*;
+use std::path::Path;
+use std::sync::Arc;
+
+const GPU: &str = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it";
+
+#[test]
+fn backend_auto_says_why_not_cuda_and_cuda_fails_cleanly() {
+    if cuda::driver_present() {
+        // A GPU machine: auto takes CUDA when it is usable; otherwise the reason is given.
+        match choose_backend(BackendChoice::Auto, 0).unwrap() {
+            Chosen::Cuda(info) => assert!(info.total_bytes > 0),
+            Chosen::Cpu { why } => assert!(!why.is_empty()),
+        }
+        return;
+    }
+    match choose_backend(BackendChoice::Auto, 0).unwrap() {
+        Chosen::Cpu { why } => assert!(why.contains("libcuda.so.1"), "{why}"),
+        Chosen::Cuda(_) => panic!("CUDA chosen without a driver library"),
+    }
+    let e = choose_backend(BackendChoice::Cuda, 0)
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("--backend cuda: no NVIDIA driver library"),
+        "{e}"
+    );
+    assert!(matches!(
+        choose_backend(BackendChoice::Cpu, 0).unwrap(),
+        Chosen::Cpu { .. }
+    ));
+
+    // The binary: `--backend cuda` is a clear error, not a panic; auto runs on the CPU
+    // and logs why.
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    pack_store(&fixture("tiny-llama"), &dir, "none", 1 << 20);
+    let d = dir.to_str().unwrap();
+    let e = sluiced_err(&[
+        "run",
+        d,
+        "--prompt-ids",
+        "1,2,3",
+        "--max-tokens",
+        "2",
+        "--backend",
+        "cuda",
+    ]);
+    assert!(
+        e.contains("--backend cuda: no NVIDIA driver library"),
+        "{e}"
+    );
+    assert!(!e.contains("panicked"), "{e}");
+    let o = std::process::Command::new(bin("sluiced"))
+        .args([
+            "run",
+            d,
+            "--prompt-ids",
+            "1,2,3",
+            "--max-tokens",
+            "2",
+            "--json",
+        ])
+        .env("RUST_LOG", "info")
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(
+        stderr(&o).contains("CPU backend: no NVIDIA driver library"),
+        "{}",
+        stderr(&o)
+    );
+    let j: serde_json::Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(j["backend"], "cpu");
+}
+
+// ---- ops, on random inputs, against the CPU backend ----
+
+fn test_cfg() -> ArchConfig {
+    ArchConfig {
+        arch: Arch::Llama,
+        name: "ops".into(),
+        n_layers: 2,
+        hidden: 256,
+        n_heads: 8,
+        n_kv_heads: 2,
+        head_dim: 32,
+        intermediate: 512,
+        vocab: 1000,
+        max_context: 64,
+        rope_theta: 10000.0,
+        rope_scaling: None,
+        rms_eps: 1e-5,
+        tied_embeddings: false,
+        qkv_bias: false,
+        sliding_window: None,
+    }
+}
+
+const OPS_OPTS: ModelOptions = ModelOptions {
+    max_context: 64,
+    kv_slots: 4,
+    max_batch_tokens: 64,
+};
+
+struct Rng(u64);
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 = self
+            .0
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        self.0 >> 11
+    }
+    /// Uniform in [-1, 1).
+    fn f(&mut self) -> f32 {
+        (self.next() as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
+    }
+}
+
+/// f16 bits of a normal number (test data only: |x| in [2^-14, 65504]).
+fn f16_bits(x: f32) -> u16 {
+    let s = if x < 0.0 { 0x8000 } else { 0 };
+    let a = x.abs();
+    let e = a.log2().floor() as i32;
+    let m = ((a / 2f32.powi(e) - 1.0) * 1024.0).round() as u32;
+    let (e, m) = if m == 1024 { (e + 1, 0) } else { (e, m) };
+    s | (((e + 15) as u16) << 10) | m as u16
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// `rows` x `cols` weights of `dtype` with random values of a trained model's scale.
+fn random_weights(dtype: DType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
+    let n = rows * cols;
+    let mut out = Vec::new();
+    match dtype {
+        DType::F32 => out = f32_bytes(&(0..n).map(|_| rng.f() * 0.1).collect::<Vec<_>>()),
+        DType::F16 => {
+            for _ in 0..n {
+                out.extend_from_slice(&f16_bits(rng.f() * 0.1 + 0.0001).to_le_bytes())
+            }
+        }
+        DType::BF16 => {
+            for _ in 0..n {
+                out.extend_from_slice(&(((rng.f() * 0.1).to_bits() >> 16) as u16).to_le_bytes())
+            }
+        }
+        DType::Q8_0 => {
+            for _ in 0..n / 32 {
+                out.extend_from_slice(&f16_bits(0.001 + 0.002 * rng.f().abs()).to_le_bytes());
+                out.extend((0..32).map(|_| (rng.next() % 256) as u8));
+            }
+        }
+        DType::Q4_0 | DType::Q4_1 => {
+            for _ in 0..n / 32 {
+                out.extend_from_slice(&f16_bits(0.005 + 0.01 * rng.f().abs()).to_le_bytes());
+                if dtype == DType::Q4_1 {
+                    out.extend_from_slice(&f16_bits(-0.04 - 0.01 * rng.f().abs()).to_le_bytes());
+                }
+                out.extend((0..16).map(|_| (rng.next() % 256) as u8));
+            }
+        }
+    }
+    assert_eq!(
+        out.len() as u64,
+        dtype.row_bytes(cols as u64).unwrap() * rows as u64
+    );
+    out
+}
+
+fn wref<M>(mem: &M, dtype: DType, rows: usize, cols: usize) -> WeightRef<'_, M> {
+    WeightRef {
+        mem,
+        offset: 0,
+        dtype,
+        rows,
+        cols,
+    }
+}
+
+struct Pair {
+    cpu: CpuBackend,
+    gpu: CudaBackend,
+}
+
+impl Pair {
+    fn new() -> Pair {
+        let cfg = test_cfg();
+        let arena = 256 << 20;
+        Pair {
+            cpu: CpuBackend::new(arena, 2).unwrap(),
+            gpu: CudaBackend::new(0, arena, &cfg, &OPS_OPTS).expect("a CUDA device"),
+        }
+    }
+
+    fn put(&self, bytes: &[u8]) -> (sluice::backend::cpu::CpuMem, cuda::CudaMem) {
+        let mut c = self.cpu.alloc(bytes.len(), "test").unwrap();
+        let mut g = self.gpu.alloc(bytes.len(), "test").unwrap();
+        self.cpu.upload(&mut c, bytes).unwrap();
+        self.gpu.upload(&mut g, bytes).unwrap();
+        (c, g)
+    }
+
+    fn zeros(&self, n: usize) -> (sluice::backend::cpu::CpuMem, cuda::CudaMem) {
+        self.put(&vec![0u8; n * 4])
+    }
+
+    fn get(
+        &self,
+        m: &(sluice::backend::cpu::CpuMem, cuda::CudaMem),
+        n: usize,
+    ) -> (Vec<f32>, Vec<f32>) {
+        let (mut a, mut b) = (vec![0f32; n], vec![0f32; n]);
+        self.cpu.download_f32(&m.0, 0, &mut a);
+        self.gpu.download_f32(&m.1, 0, &mut b);
+        self.gpu.check().expect("no device error");
+        (a, b)
+    }
+}
+
+/// max |gpu - cpu| over max |cpu| (row by row when `cols` is given), must be below `tol`.
+fn close(what: &str, cpu: &[f32], gpu: &[f32], cols: usize, tol: f64) {
+    assert_eq!(cpu.len(), gpu.len());
+    for (r, (c, g)) in cpu.chunks(cols).zip(gpu.chunks(cols)).enumerate() {
+        let scale = c.iter().fold(1e-6f64, |m, x| m.max(x.abs() as f64));
+        let err = c
+            .iter()
+            .zip(g)
+            .fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()));
+        assert!(
+            err / scale <= tol,
+            "{what}: row {r}: relative error {:.3e} > {tol:.1e} (cpu {:?} gpu {:?})",
+            err / scale,
+            &c[..c.len().min(4)],
+            &g[..g.len().min(4)]
+        );
+        assert!(
+            g.iter().all(|x| x.is_finite()),
+            "{what}: row {r} not finite"
+        );
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn ops_match_the_cpu_backend() {
+    let _ = GPU;
+    let p = Pair::new();
+    let mut rng = Rng(7);
+    let (rows, gemv_rows, k, m) = (23usize, 5usize, 256usize, 160usize);
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.f()).collect();
+    let xm = p.put(&f32_bytes(&x));
+
+    // matmul: decode rows through the GEMV kernels, prefill rows through cuBLAS, with and
+    // without a bias, for every weight type.
+    for dt in [
+        DType::F32,
+        DType::F16,
+        DType::BF16,
+        DType::Q8_0,
+        DType::Q4_0,
+        DType::Q4_1,
+    ] {
+        let w = random_weights(dt, m, k, &mut rng);
+        let wm = p.put(&w);
+        let bias = random_weights(DType::F32, 1, m, &mut rng);
+        let bm = p.put(&bias);
+        for with_bias in [false, true] {
+            let out = p.zeros(rows * m);
+            let (mut oc, mut og) = out;
+            p.cpu.matmul(
+                &xm.0,
+                rows,
+                gemv_rows,
+                wref(&wm.0, dt, m, k),
+                with_bias.then(|| wref(&bm.0, DType::F32, 1, m)),
+                &mut oc,
+            );
+            p.gpu.matmul(
+                &xm.1,
+                rows,
+                gemv_rows,
+                wref(&wm.1, dt, m, k),
+                with_bias.then(|| wref(&bm.1, DType::F32, 1, m)),
+                &mut og,
+            );
+            let (c, g) = p.get(&(oc, og), rows * m);
+            // Decode rows: f32 activations on both sides, only the summation order differs.
+            close(
+                &format!("matmul {dt:?} decode"),
+                &c[..gemv_rows * m],
+                &g[..gemv_rows * m],
+                m,
+                1e-4,
+            );
+            // Prefill rows: 16-bit weights meet 16-bit activations in cuBLAS.
+            let tol = if matches!(dt, DType::F16 | DType::BF16) {
+                2e-2
+            } else {
+                1e-4
+            };
+            close(
+                &format!("matmul {dt:?} prefill"),
+                &c[gemv_rows * m..],
+                &g[gemv_rows * m..],
+                m,
+                tol,
+            );
+        }
+        // A 16-bit bias (Qwen2 in bf16).
+        if dt == DType::BF16 {
+            let b16 = random_weights(DType::BF16, 1, m, &mut rng);
+            let bm = p.put(&b16);
+            let (mut oc, mut og) = p.zeros(rows * m);
+            p.cpu.matmul(
+                &xm.0,
+                rows,
+                rows,
+                wref(&wm.0, dt, m, k),
+                Some(wref(&bm.0, DType::BF16, 1, m)),
+                &mut oc,
+            );
+            p.gpu.matmul(
+                &xm.1,
+                rows,
+                rows,
+                wref(&wm.1, dt, m, k),
+                Some(wref(&bm.1, DType::BF16, 1, m)),
+                &mut og,
+            );
+            let (c, g) = p.get(&(oc, og), rows * m);
+            close("matmul bf16 + bf16 bias", &c, &g, m, 1e-4);
+        }
+
+        // Embedding gather of every dtype (rows of the same weights as a table).
+        let ids: Vec<u32> = (0..rows as u32).map(|i| (i * 37) % m as u32).collect();
+        let (mut oc, mut og) = p.zeros(rows * k);
+        p.cpu.embedding(wref(&wm.0, dt, m, k), &ids, &mut oc);
+        p.gpu.embedding(wref(&wm.1, dt, m, k), &ids, &mut og);
+        let (c, g) = p.get(&(oc, og), rows * k);
+        close(&format!("embedding {dt:?}"), &c, &g, k, 1e-6);
+    }
+
+    // rms_norm with f32 and bf16 weights.
+    for dt in [DType::F32, DType::BF16, DType::F16] {
+        let w = random_weights(dt, 1, k, &mut rng);
+        let wm = p.put(&w);
+        let (mut oc, mut og) = p.zeros(rows * k);
+        p.cpu
+            .rms_norm(&xm.0, wref(&wm.0, dt, 1, k), 1e-5, rows, &mut oc);
+        p.gpu
+            .rms_norm(&xm.1, wref(&wm.1, dt, 1, k), 1e-5, rows, &mut og);
+        let (c, g) = p.get(&(oc, og), rows * k);
+        close(&format!("rms_norm {dt:?}"), &c, &g, k, 1e-5);
+    }
+
+    // silu_mul, add, copy_row.
+    let y: Vec<f32> = (0..rows * k).map(|_| rng.f() * 3.0).collect();
+    let ym = p.put(&f32_bytes(&y));
+    let (mut gc, mut gg) = p.put(&f32_bytes(&x));
+    p.cpu.silu_mul(&mut gc, &ym.0, rows * k);
+    p.gpu.silu_mul(&mut gg, &ym.1, rows * k);
+    p.cpu.add(&mut gc, &ym.0, rows * k);
+    p.gpu.add(&mut gg, &ym.1, rows * k);
+    let (mut rc, mut rg) = p.zeros(4 * k);
+    p.cpu.copy_row(&gc, 7, &mut rc, 2, k);
+    p.gpu.copy_row(&gg, 7, &mut rg, 2, k);
+    let (c, g) = p.get(&(gc, gg), rows * k);
+    close("silu_mul + add", &c, &g, k, 1e-5);
+    let (c, g) = p.get(&(rc, rg), 4 * k);
+    close("copy_row", &c, &g, k, 0.0);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn rope_kv_cache_and_attention_match_the_cpu_backend() {
+    let p = Pair::new();
+    let cfg = test_cfg();
+    let mut rng = Rng(11);
+    let shape = AttnShape {
+        heads: cfg.n_heads as usize,
+        kv_heads: cfg.n_kv_heads as usize,
+        head_dim: cfg.head_dim as usize,
+        max_context: OPS_OPTS.max_context,
+        slots: OPS_OPTS.kv_slots,
+    };
+    let (wq, wkv) = (
+        shape.heads * shape.head_dim,
+        shape.kv_heads * shape.head_dim,
+    );
+    let table = sluice::backend::rope_table(&cfg, OPS_OPTS.max_context);
+    let tm = p.put(&f32_bytes(&table));
+    let cache_bytes = cfg.n_layers as usize * shape.layer_elems() * 4;
+    let (mut ckc, mut ckg) = p.put(&vec![0u8; cache_bytes]);
+    let (mut cvc, mut cvg) = p.put(&vec![0u8; cache_bytes]);
+    // Step 1: two prefill spans (slots 2 and 0); step 2: two decode rows and a prefill
+    // chunk continuing a sequence, on layer 1.
+    let steps: [Vec<SeqSpan>; 2] = [
+        vec![
+            SeqSpan {
+                row: 0,
+                n: 9,
+                pos: 0,
+                slot: 2,
+            },
+            SeqSpan {
+                row: 9,
+                n: 5,
+                pos: 0,
+                slot: 0,
+            },
+        ],
+        vec![
+            SeqSpan {
+                row: 0,
+                n: 1,
+                pos: 9,
+                slot: 2,
+            },
+            SeqSpan {
+                row: 1,
+                n: 1,
+                pos: 5,
+                slot: 0,
+            },
+            SeqSpan {
+                row: 2,
+                n: 30,
+                pos: 0,
+                slot: 3,
+            },
+        ],
+    ];
+    for layer in [0usize, 1] {
+        for spans in &steps {
+            let rows: usize = spans.iter().map(|s| s.n).sum();
+            let positions: Vec<u32> = spans
+                .iter()
+                .flat_map(|s| (s.pos..s.pos + s.n).map(|x| x as u32))
+                .collect();
+            let q: Vec<f32> = (0..rows * wq).map(|_| rng.f()).collect();
+            let k: Vec<f32> = (0..rows * wkv).map(|_| rng.f()).collect();
+            let v: Vec<f32> = (0..rows * wkv).map(|_| rng.f()).collect();
+            let (mut qc, mut qg) = p.put(&f32_bytes(&q));
+            let (mut kc, mut kg) = p.put(&f32_bytes(&k));
+            let vm = p.put(&f32_bytes(&v));
+            p.cpu.rope(
+                &mut qc,
+                rows,
+                shape.heads,
+                shape.head_dim,
+                &positions,
+                &tm.0,
+            );
+            p.gpu.rope(
+                &mut qg,
+                rows,
+                shape.heads,
+                shape.head_dim,
+                &positions,
+                &tm.1,
+            );
+            p.cpu.rope(
+                &mut kc,
+                rows,
+                shape.kv_heads,
+                shape.head_dim,
+                &positions,
+                &tm.0,
+            );
+            p.gpu.rope(
+                &mut kg,
+                rows,
+                shape.kv_heads,
+                shape.head_dim,
+                &positions,
+                &tm.1,
+            );
+            let step = AttnStep {
+                layer,
+                spans,
+                shape,
+            };
+            p.cpu.kv_store(&kc, &vm.0, &mut ckc, &mut cvc, &step);
+            p.gpu.kv_store(&kg, &vm.1, &mut ckg, &mut cvg, &step);
+            let (mut oc, mut og) = p.zeros(rows * wq);
+            p.cpu.attention(&qc, &ckc, &cvc, &step, &mut oc);
+            p.gpu.attention(&qg, &ckg, &cvg, &step, &mut og);
+            let (c, g) = p.get(&(qc, qg), rows * wq);
+            close("rope", &c, &g, wq, 1e-5);
+            let (c, g) = p.get(&(oc, og), rows * wq);
+            close(
+                &format!("attention layer {layer}"),
+                &c,
+                &g,
+                shape.head_dim,
+                1e-4,
+            );
+        }
+    }
+    let n = cache_bytes / 4;
+    let (c, g) = p.get(&(ckc, ckg), n);
+    close("K cache", &c, &g, n, 1e-5);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn async_uploads_wait_for_the_slot_s_previous_reader() {
+    // Upload A into a slot, enqueue a read of it, upload B into the same slot at once:
+    // the read must see A (the copy waits for `release_after`), a read after sees B.
+    let p = Pair::new();
+    let n = 1 << 20;
+    let a: Vec<f32> = (0..n).map(|i| i as f32).collect();
+    let b: Vec<f32> = (0..n).map(|i| -(i as f32)).collect();
+    let (ab, bb) = (f32_bytes(&a), f32_bytes(&b));
+    let mut slot = p.gpu.alloc(n * 4, "slot").unwrap();
+    let mut acc = p.gpu.alloc(n * 4, "acc").unwrap();
+    p.gpu.upload(&mut acc, &vec![0u8; n * 4]).unwrap();
+    for _ in 0..3 {
+        p.gpu.upload_async(&mut slot, &ab).unwrap();
+        p.gpu.add(&mut acc, &slot, n);
+        p.gpu.release_after(&slot);
+        p.gpu.upload_async(&mut slot, &bb).unwrap();
+        p.gpu.add(&mut acc, &slot, n);
+        p.gpu.add(&mut acc, &slot, n);
+        p.gpu.release_after(&slot);
+        p.gpu.upload_wait(&slot).unwrap();
+    }
+    let mut out = vec![0f32; n];
+    p.gpu.download_f32(&acc, 0, &mut out);
+    p.gpu.check().unwrap();
+    // 3 x (a + 2b) = -3i.
+    for (i, o) in out.iter().enumerate().step_by(997) {
+        assert_eq!(*o, -3.0 * i as f32, "element {i}");
+    }
+    let c = p.gpu.copy_stats();
+    assert_eq!(c.uploads, 6);
+    assert_eq!(c.bytes, 6 * n as u64 * 4);
+    assert!(c.seconds > 0.0);
+}
+
+// ---- whole models ----
+
+fn io() -> IoConfig {
+    IoConfig {
+        queue_depth: 8,
+        read_buffers: 8,
+        request_bytes: 1 << 20,
+        ..IoConfig::default()
+    }
+}
+
+fn input(budget: Option<u64>, opts: ModelOptions) -> PlanInput {
+    PlanInput {
+        device_budget: budget,
+        host_cache_budget: 0,
+        opts,
+        prefetch: None,
+        backend_reserved: 0,
+    }
+}
+
+/// Logits of a prefill step of two sequences, then `decode` greedy steps of both (feeding
+/// `forced` tokens instead when given, so two backends see the same inputs).
+fn run<B: Backend>(
+    r: &mut Runner<B>,
+    vocab: u32,
+    prompt: usize,
+    decode: usize,
+    forced: Option<&[Vec<u32>]>,
+) -> (Vec<Vec<f32>>, Vec<Vec<u32>>) {
+    let seqs: Vec<Vec<u32>> = (0..2u32)
+        .map(|s| {
+            (0..prompt as u32)
+                .map(|i| (i * 37 + 11 * s + 5) % vocab)
+                .collect()
+        })
+        .collect();
+    let mut logits = Vec::new();
+    let mut all = Vec::new();
+    let steps: Vec<SeqStep> = seqs
+        .iter()
+        .enumerate()
+        .map(|(s, t)| SeqStep {
+            slot: s,
+            pos: 0,
+            tokens: t.clone(),
+        })
+        .collect();
+    r.step(&steps, &mut logits).unwrap();
+    all.push(logits.clone());
+    let v = vocab as usize;
+    let mut tokens: Vec<Vec<u32>> = vec![Vec::new(); 2];
+    for d in 0..decode {
+        for s in 0..2 {
+            tokens[s].push(sluice::text::sampler::argmax(&logits[s * v..(s + 1) * v]));
+        }
+        let feed = |s: usize| forced.map_or(tokens[s][d], |f| f[s][d]);
+        let steps: Vec<SeqStep> = (0..2)
+            .map(|s| SeqStep {
+                slot: s,
+                pos: prompt + d,
+                tokens: vec![feed(s)],
+            })
+            .collect();
+        r.step(&steps, &mut logits).unwrap();
+        all.push(logits.clone());
+    }
+    (all, tokens)
+}
+
+fn compare_model(src: &Path, tol: f64, decode: usize) {
+    let tmp = tempfile::tempdir().unwrap();
+    let store: Arc<Store> = pack_store(src, &tmp.path().join("s"), "zstd:1", 1 << 20);
+    let m = store.manifest().clone();
+    let vocab = m.arch.vocab;
+    let opts = ModelOptions {
+        max_context: 128,
+        kv_slots: 2,
+        max_batch_tokens: 64,
+    };
+    let mut cpu = cpu_runner(store.clone(), &input(None, opts), 2, io()).unwrap();
+    let (lc, tc) = run(&mut cpu, vocab, 24, decode, None);
+    drop(cpu);
+    let mut gpu = cuda_runner(store.clone(), &input(None, opts), 0, io()).unwrap();
+    assert_eq!(gpu.plan.layers_streamed(), 0);
+    // The GPU is fed the CPU's greedy tokens, so every step compares like with like.
+    let (lg, tg) = run(&mut gpu, vocab, 24, decode, Some(&tc));
+    let v = vocab as usize;
+    let mut decided = 0;
+    for (i, (c, g)) in lc.iter().zip(&lg).enumerate() {
+        close(
+            &format!("{} logits of step {i}", src.display()),
+            c,
+            g,
+            v,
+            tol,
+        );
+        // Greedy choices agree wherever the CPU's top two are further apart than the
+        // tolerance allows the backends to differ.
+        for s in 0..2 {
+            if i == lc.len() - 1 {
+                break;
+            }
+            let row = &c[s * v..(s + 1) * v];
+            let scale = row.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+            let mut sorted = row.to_vec();
+            sorted.sort_by(|a, b| b.total_cmp(a));
+            if ((sorted[0] - sorted[1]) as f64) > 4.0 * tol * scale {
+                assert_eq!(
+                    tc[s][i],
+                    tg[s][i],
+                    "{}: greedy token {i} of sequence {s}",
+                    src.display()
+                );
+                decided += 1;
+            }
+        }
+    }
+    assert!(
+        decided > 0,
+        "{}: no greedy step was clear enough to compare",
+        src.display()
+    );
+    // Streamed on the GPU (two slots plus the rest resident where it fits) against the
+    // GPU all resident: the same kernels on the same data, so bit-identical.
+    let p = &gpu.plan;
+    let budget = p.kv_cache_bytes
+        + p.workspace_bytes
+        + p.backend_bytes
+        + p.resident_bytes / 2
+        + 2 * store
+            .units()
+            .iter()
+            .map(|u| u.raw_len.div_ceil(4096) * 4096)
+            .max()
+            .unwrap();
+    drop(gpu);
+    let mut streamed = cuda_runner(store.clone(), &input(Some(budget), opts), 0, io()).unwrap();
+    assert!(
+        streamed.plan.layers_streamed() > 0,
+        "the budget must make layers stream"
+    );
+    let mut resident = cuda_runner(store.clone(), &input(None, opts), 0, io()).unwrap();
+    let (ls, ts) = run(&mut streamed, vocab, 24, decode, None);
+    let (lr, tr) = run(&mut resident, vocab, 24, decode, None);
+    assert_eq!(ts, tr, "{}: streamed vs resident tokens", src.display());
+    for (i, (a, b)) in ls.iter().zip(&lr).enumerate() {
+        assert!(
+            a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits()),
+            "{}: streamed logits of step {i} differ from resident",
+            src.display()
+        );
+    }
+    assert!(streamed.total().bytes_uploaded > 0);
+    assert!(streamed.total().copy_device_s > 0.0);
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn tiny_models_on_cuda_match_the_cpu_backend() {
+    for f in [
+        "tiny-llama",
+        "tiny-llama.gguf",
+        "tiny-llama-q.gguf",
+        "tiny-qwen2",
+        "tiny-qwen2.gguf",
+    ] {
+        compare_model(&fixture(f), 3e-2, 8);
+    }
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn smollm2_on_cuda_matches_the_cpu_backend() {
+    compare_model(&smollm2_gguf(), 1e-2, 8);
+}
