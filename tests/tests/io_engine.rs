@@ -332,3 +332,98 @@ fn reading_without_decoding_returns_every_buffer() {
         );
     }
 }
+
+/// Records what the engine asks to page-lock; refuses when `fail` is set.
+struct RecordingPinner {
+    fail: bool,
+    pinned: std::sync::Mutex<Vec<(usize, usize)>>,
+    unpinned: std::sync::Mutex<Vec<usize>>,
+}
+
+impl sluice::io::buffers::HostPinner for RecordingPinner {
+    fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
+        if self.fail {
+            return Err("CUDA_ERROR_OUT_OF_MEMORY".into());
+        }
+        self.pinned.lock().unwrap().push((ptr as usize, len));
+        Ok(())
+    }
+    fn unpin(&self, ptr: *mut u8) {
+        self.unpinned.lock().unwrap().push(ptr as usize);
+    }
+}
+
+#[test]
+fn staging_slots_are_pinned_once_and_unpinned_before_they_are_freed() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = packed(
+        &fixture("tiny-llama"),
+        &tmp.path().join("s"),
+        "lz4",
+        64 << 10,
+    );
+    let want = reference(&store);
+    let p = Arc::new(RecordingPinner {
+        fail: false,
+        pinned: Default::default(),
+        unpinned: Default::default(),
+    });
+    let largest = store.units().iter().map(|u| u.raw_len).max().unwrap() as usize;
+    let cfg = IoConfig {
+        staging_slots: 3,
+        pinner: Some(sluice::io::buffers::Pinner(p.clone())),
+        ..configs()[0].1.clone()
+    };
+    let e = engine(&store, &cfg);
+    {
+        let pinned = p.pinned.lock().unwrap();
+        assert_eq!(pinned.len(), 3, "one registration per staging slot");
+        for &(ptr, len) in pinned.iter() {
+            assert_eq!(ptr % 4096, 0);
+            assert!(len >= largest && len % 4096 == 0);
+        }
+        assert!(p.unpinned.lock().unwrap().is_empty());
+    }
+    // Pinned slots deliver the same bytes; a held slot is released when dropped.
+    stream_all(&e, &want, 1, 2);
+    let t = e.request(1).unwrap();
+    let held = e.wait(t).unwrap().detach();
+    assert_eq!(held.data(), &want[1][..]);
+    drop(held);
+    wait_pools_full(&e);
+    drop(e);
+    let mut a: Vec<usize> = p.pinned.lock().unwrap().iter().map(|x| x.0).collect();
+    let mut b = p.unpinned.lock().unwrap().clone();
+    a.sort();
+    b.sort();
+    assert_eq!(a, b, "every pinned slot is unpinned");
+
+    // A refused registration is a setup error that says what failed and how large.
+    let bad = Arc::new(RecordingPinner {
+        fail: true,
+        pinned: Default::default(),
+        unpinned: Default::default(),
+    });
+    let cfg = IoConfig {
+        pinner: Some(sluice::io::buffers::Pinner(bad)),
+        ..cfg
+    };
+    let err = IoEngine::new(store.clone(), cfg).err().unwrap().to_string();
+    assert!(
+        err.contains("staging slots: page-locking a host buffer of")
+            && err.contains("CUDA_ERROR_OUT_OF_MEMORY"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_low_memlock_limit_names_the_unit_file_setting() {
+    use sluice::io::buffers::memlock_hint;
+    let h = memlock_hint(1 << 30, Some(64 << 10));
+    assert!(h.contains("RLIMIT_MEMLOCK) is 65536 bytes"), "{h}");
+    assert!(h.contains("LimitMEMLOCK=infinity"), "{h}");
+    assert!(h.contains("ulimit -l"), "{h}");
+    // No hint when the limit is not the reason.
+    assert_eq!(memlock_hint(1 << 30, None), "");
+    assert_eq!(memlock_hint(1 << 20, Some(1 << 30)), "");
+}

@@ -47,6 +47,16 @@ pub fn memlock_limit() -> Option<u64> {
     }
 }
 
+/// What to change when pinning `bytes` failed under memory-lock limit `limit`.
+pub fn memlock_hint(bytes: u64, limit: Option<u64>) -> String {
+    match limit {
+        Some(l) if l < bytes => format!(
+            "; the memory-lock limit (RLIMIT_MEMLOCK) is {l} bytes: set LimitMEMLOCK=infinity in the sluiced unit file (deploy/sluiced.service) or raise `ulimit -l`"
+        ),
+        _ => String::new(),
+    }
+}
+
 /// A zeroed, 4096-aligned buffer of fixed length.
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
@@ -101,13 +111,11 @@ impl AlignedBuf {
             return Ok(());
         }
         pinner.0.pin(self.ptr.as_ptr(), self.len).map_err(|e| {
-            let hint = match memlock_limit() {
-                Some(l) if l < self.len as u64 => format!(
-                    "; the memory-lock limit (RLIMIT_MEMLOCK) is {l} bytes: set LimitMEMLOCK=infinity in the sluiced unit file (deploy/sluiced.service) or raise `ulimit -l`"
-                ),
-                _ => String::new(),
-            };
-            format!("page-locking a host buffer of {} bytes: {e}{hint}", self.len)
+            format!(
+                "page-locking a host buffer of {} bytes: {e}{}",
+                self.len,
+                memlock_hint(self.len as u64, memlock_limit())
+            )
         })?;
         self.pinned = Some(pinner.clone());
         Ok(())

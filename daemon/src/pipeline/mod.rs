@@ -117,6 +117,7 @@ impl<B: Backend> Pipeline<B> {
             IoConfig {
                 staging_slots: 2,
                 units: Some(kept.clone()),
+                pinner: backend.pinner(),
                 ..io_cfg.clone()
             },
         )?;
