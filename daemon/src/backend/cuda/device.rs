@@ -180,14 +180,51 @@ impl HostPinner for CudaPinner {
     }
 }
 
-struct Blas(bsys::cublasHandle_t);
+/// A cuBLAS handle, destroyed when dropped.
+struct Blas(bsys::cublasHandle_t, Arc<CudaContext>);
 // SAFETY: the handle is only used under the backend's mutex.
 unsafe impl Send for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        let _ = self.1.bind_to_thread();
+        // SAFETY: a live handle; the backend synchronized its streams before its fields drop.
+        let _ = unsafe { blas::destroy_handle(self.0) };
+    }
+}
+
+/// The one device allocation, freed when dropped.
+struct DeviceAlloc {
+    ptr: u64,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for DeviceAlloc {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by malloc_sync; no work uses it (streams synchronized first).
+        let _ = unsafe { result::free_sync(self.ptr) };
+    }
+}
+
+/// Page-locked host memory from cuMemHostAlloc, freed when dropped.
+struct PinnedHost {
+    ptr: *mut c_void,
+    ctx: Arc<CudaContext>,
+}
+
+impl Drop for PinnedHost {
+    fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
+        // SAFETY: allocated by malloc_host; no copy reads it (streams synchronized first).
+        let _ = unsafe { result::free_host(self.ptr) };
+    }
+}
 
 /// Step metadata on the device and the host copies it was made from, so it is uploaded
 /// once per step, not once per layer.
 struct Meta {
-    host: *mut u8,
+    host: PinnedHost,
     ids: Option<Vec<u32>>,
     pos: Option<Vec<u32>>,
     kv: Option<Vec<u64>>,
@@ -213,7 +250,7 @@ pub struct CudaBackend {
     funcs: HashMap<String, CudaFunction>,
     blas: Mutex<Blas>,
     arena: Arc<Mutex<Arena>>,
-    base: u64,
+    base: DeviceAlloc,
     budget: Arc<MemBudget>,
     layout: Layout,
     meta_dev: CudaMem,
@@ -248,8 +285,13 @@ impl CudaBackend {
         cfg: &ArchConfig,
         opts: &ModelOptions,
     ) -> Result<CudaBackend, BackendError> {
-        let info = probe(ordinal).map_err(BackendError::Device)?;
+        if !driver_present() {
+            return Err(BackendError::Device(
+                "no NVIDIA driver library (libcuda.so.1) could be loaded".into(),
+            ));
+        }
         let ctx = CudaContext::new(ordinal).map_err(dev_err("CUDA context"))?;
+        let info = info_of(&ctx).map_err(BackendError::Device)?;
         // Event tracking would make cudarc record an event per kernel argument; the
         // backend orders its streams itself.
         // SAFETY: no cudarc-tracked allocations exist in this context's use here.
@@ -282,39 +324,47 @@ impl CudaBackend {
             attn_smem as i32,
         )
         .map_err(dev_err("attention shared memory"))?;
-        // SAFETY: a plain device allocation, freed in Drop.
-        let base = unsafe { result::malloc_sync(arena_bytes.max(1) as usize) }.map_err(|e| {
-            BackendError::Device(format!(
-                "allocating {arena_bytes} bytes on {}: {e}",
-                info.name
-            ))
-        })?;
+        // SAFETY: a plain device allocation, owned (and freed) by the guard.
+        let base = DeviceAlloc {
+            ptr: unsafe { result::malloc_sync(arena_bytes.max(1) as usize) }.map_err(|e| {
+                BackendError::Device(format!(
+                    "allocating {arena_bytes} bytes on {}: {e}",
+                    info.name
+                ))
+            })?,
+            ctx: ctx.clone(),
+        };
         let arena = Arc::new(Mutex::new(Arena::new(arena_bytes as usize)));
         let budget = Arc::new(MemBudget::new(arena_bytes));
         let carve = |bytes: u64, what: &str| -> Result<CudaMem, BackendError> {
-            carve(&arena, &budget, base, bytes as usize, what)
+            carve(&arena, &budget, base.ptr, bytes as usize, what)
         };
         let meta_dev = carve(layout.meta, "kernel metadata")?;
         let half = carve(layout.half, "half-precision activations")?;
         let tile = carve(layout.tile, "dequantization tile")?;
         let bias = carve(layout.bias, "bias")?;
         let blas_ws = carve(BLAS_WORKSPACE, "cuBLAS workspace")?;
-        let handle = blas::create_handle().map_err(|e| {
-            BackendError::Device(format!(
-                "cuBLAS: {e:?} (is libcublas.so.12 or .13 installed and on the library path?)"
-            ))
-        })?;
+        let handle = blas::create_handle()
+            .map(|h| Blas(h, ctx.clone()))
+            .map_err(|e| {
+                BackendError::Device(format!(
+                    "cuBLAS: {e:?} (is libcublas.so.12 or .13 installed and on the library path?)"
+                ))
+            })?;
         // SAFETY: a live handle; the stream and workspace outlive it (dropped after it).
         unsafe {
-            blas::set_stream(handle, compute.cu_stream() as _)
+            blas::set_stream(handle.0, compute.cu_stream() as _)
                 .map_err(|e| BackendError::Device(format!("cuBLAS stream: {e:?}")))?;
-            bsys::cublasSetWorkspace_v2(handle, blas_ws.ptr as *mut c_void, blas_ws.len)
+            bsys::cublasSetWorkspace_v2(handle.0, blas_ws.ptr as *mut c_void, blas_ws.len)
                 .result()
                 .map_err(|e| BackendError::Device(format!("cuBLAS workspace: {e:?}")))?;
         }
-        // SAFETY: pinned host memory for the metadata, freed in Drop.
-        let host = unsafe { result::malloc_host(layout.meta as usize, 0) }
-            .map_err(dev_err("pinned metadata"))? as *mut u8;
+        // SAFETY: pinned host memory for the metadata, owned (and freed) by the guard.
+        let host = PinnedHost {
+            ptr: unsafe { result::malloc_host(layout.meta as usize, 0) }
+                .map_err(dev_err("pinned metadata"))?,
+            ctx: ctx.clone(),
+        };
         let ev = || {
             ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
                 .map_err(dev_err("event"))
@@ -338,7 +388,7 @@ impl CudaBackend {
             compute,
             copy,
             funcs,
-            blas: Mutex::new(Blas(handle)),
+            blas: Mutex::new(handle),
             arena,
             base,
             budget,
@@ -488,7 +538,9 @@ impl CudaBackend {
             .synchronize()
             .map_err(|e| e.to_string())?;
         // SAFETY: host holds layout.meta bytes; off + bytes.len() <= rows * 24 by the check.
-        let host = unsafe { std::slice::from_raw_parts_mut(m.host.add(off), bytes.len()) };
+        let host = unsafe {
+            std::slice::from_raw_parts_mut((m.host.ptr as *mut u8).add(off), bytes.len())
+        };
         host.copy_from_slice(bytes);
         // SAFETY: dev..dev+len is inside the metadata allocation; host is pinned and is not
         // written again before `copied` completes.
@@ -879,20 +931,12 @@ fn write_atomic(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
 
 impl Drop for CudaBackend {
     fn drop(&mut self) {
+        // The fields (cuBLAS handle, pinned metadata, the device allocation) free
+        // themselves after this; nothing may still be running then. Allocations that
+        // outlive the backend only return their range to the (shared) bookkeeping.
         let _ = self.ctx.bind_to_thread();
         let _ = self.compute.synchronize();
         let _ = self.copy.synchronize();
-        if let Ok(b) = self.blas.lock() {
-            // SAFETY: the handle is live and no work uses it any more.
-            let _ = unsafe { blas::destroy_handle(b.0) };
-        }
-        if let Ok(m) = self.meta.lock() {
-            // SAFETY: allocated with malloc_host in new; no copy reads it (synchronized).
-            let _ = unsafe { result::free_host(m.host as *mut c_void) };
-        }
-        // SAFETY: the arena's one allocation; both streams are idle. Allocations that
-        // outlive the backend only return their range to the (shared) bookkeeping.
-        let _ = unsafe { result::free_sync(self.base) };
     }
 }
 
@@ -908,7 +952,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, bytes: usize, what: &str) -> Result<CudaMem, BackendError> {
-        carve(&self.arena, &self.budget, self.base, bytes, what)
+        carve(&self.arena, &self.budget, self.base.ptr, bytes, what)
     }
 
     fn mem_len(&self, mem: &CudaMem) -> usize {
