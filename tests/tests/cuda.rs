@@ -65,6 +65,41 @@ fn backend_auto_says_why_not_cuda_and_cuda_fails_cleanly() {
         "{e}"
     );
     assert!(!e.contains("panicked"), "{e}");
+    // The daemon too, from its flag or its config file.
+    let e = sluiced_err(&[
+        "serve",
+        "--model",
+        d,
+        "--listen",
+        "127.0.0.1:0",
+        "--backend",
+        "cuda",
+    ]);
+    assert!(
+        e.contains("--backend cuda: no NVIDIA driver library"),
+        "{e}"
+    );
+    let conf = tmp.path().join("sluiced.toml");
+    std::fs::write(&conf, "backend = \"cuda\"\ndevice = 0\n").unwrap();
+    let e = sluiced_err(&[
+        "serve",
+        "--model",
+        d,
+        "--listen",
+        "127.0.0.1:0",
+        "--config",
+        conf.to_str().unwrap(),
+    ]);
+    assert!(
+        e.contains("--backend cuda: no NVIDIA driver library"),
+        "{e}"
+    );
+    std::fs::write(&conf, "backend = \"gpu\"\n").unwrap();
+    let e = sluiced_err(&["serve", "--model", d, "--config", conf.to_str().unwrap()]);
+    assert!(
+        e.contains("unknown variant `gpu`") && e.contains("sluiced.toml"),
+        "{e}"
+    );
     let o = std::process::Command::new(bin("sluiced"))
         .args([
             "run",

@@ -427,3 +427,48 @@ fn a_low_memlock_limit_names_the_unit_file_setting() {
     assert_eq!(memlock_hint(1 << 30, None), "");
     assert_eq!(memlock_hint(1 << 20, Some(1 << 30)), "");
 }
+
+#[test]
+fn decoded_prefixes_are_exact_and_a_dropped_ticket_mid_load_returns_its_slot() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = packed(
+        &fixture("tiny-llama"),
+        &tmp.path().join("s"),
+        "zstd:1",
+        4096,
+    );
+    let want = reference(&store);
+    let unit = (0..want.len()).max_by_key(|&u| want[u].len()).unwrap();
+    assert!(store.units()[unit].frames.len() > 4);
+    for (name, cfg) in configs().into_iter().step_by(3) {
+        let e = engine(&store, &cfg);
+        for pass in 0..3 {
+            let t = e.request(unit).unwrap();
+            let mut have = 0;
+            let mut parts = 0;
+            while let Some(prefix) = e.wait_progress(&t, have + 1).unwrap() {
+                assert!(prefix.len() > have, "{name}: no progress");
+                assert_eq!(prefix, &want[unit][..prefix.len()], "{name}: prefix bytes");
+                have = prefix.len();
+                parts += 1;
+                if pass == 2 {
+                    break;
+                }
+            }
+            if pass == 2 {
+                // Drop the ticket mid-load (after its first part, if the load was not done
+                // by then): the slot comes back.
+                drop(t);
+                wait_pools_full(&e);
+                continue;
+            }
+            let g = e.wait(t).unwrap();
+            assert_eq!(
+                g.data(),
+                &want[unit][..],
+                "{name}: whole unit after {parts} parts"
+            );
+        }
+        wait_pools_full(&e);
+    }
+}

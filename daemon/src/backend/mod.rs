@@ -182,14 +182,31 @@ pub trait Backend: Send + Sync {
     fn check(&self) -> Result<(), BackendError> {
         Ok(())
     }
-    /// Starts copying `src` into `dst` (a streaming slot) and may return before the copy is
-    /// done. The copy starts after the ops that last read `dst` (see `release_after`) and
-    /// finishes before any op enqueued after this call reads `dst`. `src` must stay valid
-    /// and unchanged until `upload_wait(dst)` returns.
-    fn upload_async(&self, dst: &mut Self::Mem, src: &[u8]) -> Result<(), BackendError> {
-        self.upload(dst, src)
+    /// Starts an upload into `dst` (a streaming slot) made of parts: the copies start after
+    /// the ops that last read `dst` (see `release_after`).
+    fn upload_begin(&self, _dst: &mut Self::Mem) -> Result<(), BackendError> {
+        Ok(())
     }
-    /// Blocks until the last `upload_async` into `dst` has read all of its source.
+    /// Copies `src` to `offset` in `dst`, possibly returning before the copy is done. `src`
+    /// must stay valid and unchanged until `upload_wait(dst)` returns.
+    fn upload_part(
+        &self,
+        dst: &mut Self::Mem,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), BackendError>;
+    /// Ends the upload begun with `upload_begin`: ops enqueued from now on that read `dst`
+    /// see every part.
+    fn upload_end(&self, _dst: &mut Self::Mem) -> Result<(), BackendError> {
+        Ok(())
+    }
+    /// An upload of one part at offset 0.
+    fn upload_async(&self, dst: &mut Self::Mem, src: &[u8]) -> Result<(), BackendError> {
+        self.upload_begin(dst)?;
+        self.upload_part(dst, 0, src)?;
+        self.upload_end(dst)
+    }
+    /// Blocks until the last upload into `dst` has read all of its sources.
     fn upload_wait(&self, _dst: &Self::Mem) -> Result<(), BackendError> {
         Ok(())
     }
@@ -270,6 +287,16 @@ pub trait Backend: Send + Sync {
         dst_row: usize,
         cols: usize,
     );
+}
+
+/// An upload of `len` bytes at `offset` must fit the allocation of `cap` bytes.
+pub fn check_upload(cap: usize, offset: usize, len: usize) -> Result<(), BackendError> {
+    if offset.checked_add(len).is_none_or(|end| end > cap) {
+        return Err(BackendError::Invalid(format!(
+            "upload of {len} bytes at offset {offset} into an allocation of {cap}"
+        )));
+    }
+    Ok(())
 }
 
 /// The rotary table: for position p and pair i, cos and sin of p * inv_freq[i], laid out

@@ -122,8 +122,18 @@ pub(super) trait Reader: Send {
 #[derive(Debug)]
 enum TicketState {
     Queued,
-    Ready { slot: usize },
+    /// Loading into `slot`; the first `ready` bytes of the blob are decoded.
+    Loading {
+        slot: usize,
+        ready: usize,
+    },
+    Ready {
+        slot: usize,
+    },
     Failed(IoError),
+    /// Failed, and `wait_progress` returned the error; the consumer still holds the
+    /// ticket (and may still be copying the prefix).
+    FailureReported,
 }
 
 #[derive(Default)]
@@ -603,7 +613,7 @@ impl IoEngine {
         let mut tickets = self.shared.tickets.lock().expect("ticket lock");
         let result = loop {
             match tickets.get(&ticket.id) {
-                Some(TicketState::Queued) => {
+                Some(TicketState::Queued | TicketState::Loading { .. }) => {
                     if self.shared.stopped.load(Ordering::Acquire) {
                         tickets.remove(&ticket.id);
                         break Err(IoError::Stopped);
@@ -622,18 +632,79 @@ impl IoEngine {
                     });
                 }
                 Some(TicketState::Failed(_)) => match tickets.remove(&ticket.id) {
-                    Some(TicketState::Failed(e)) => break Err(e),
+                    Some(TicketState::Failed(e)) => {
+                        // Dropping the ticket tells the engine it may free a slot it kept
+                        // for a failed unit whose decoded prefix was handed out.
+                        ticket.consumed = false;
+                        break Err(e);
+                    }
                     _ => unreachable!("matched Failed above"),
                 },
+                Some(TicketState::FailureReported) => {
+                    tickets.remove(&ticket.id);
+                    ticket.consumed = false;
+                    break Err(IoError::FailureReported);
+                }
                 None => break Err(IoError::Stopped),
             }
         };
         drop(tickets);
+        self.count_stall(t0);
+        result
+    }
+
+    /// Blocks until at least `at_least` bytes at the start of the ticket's unit are decoded
+    /// (frames finish in any order; this is the contiguous prefix), or the unit is complete
+    /// (`Ok(None)`: `wait` then returns it at once), or its load failed. The prefix stays
+    /// valid and unchanged while the ticket lives, even if a later frame fails: the slot is
+    /// then kept until the ticket is dropped, so a copy still reading the prefix is safe.
+    pub fn wait_progress<'a>(
+        &'a self,
+        ticket: &'a Ticket,
+        at_least: usize,
+    ) -> Result<Option<&'a [u8]>, IoError> {
+        let t0 = Instant::now();
+        let mut tickets = self.shared.tickets.lock().expect("ticket lock");
+        let result = loop {
+            match tickets.get(&ticket.id) {
+                Some(TicketState::Loading { slot, ready }) if *ready >= at_least => {
+                    // SAFETY: the first `ready` bytes of the slot were written by workers
+                    // whose FrameDone the engine handled before publishing (under this
+                    // mutex); no frame writes there again, and the slot is not freed or
+                    // reused while the ticket lives (see `maybe_finish`).
+                    let data = unsafe {
+                        std::slice::from_raw_parts(self.slots[*slot].as_ptr() as *const u8, *ready)
+                    };
+                    break Ok(Some(data));
+                }
+                Some(TicketState::Ready { .. }) => break Ok(None),
+                Some(TicketState::Queued | TicketState::Loading { .. }) => {
+                    if self.shared.stopped.load(Ordering::Acquire) {
+                        break Err(IoError::Stopped);
+                    }
+                    tickets = self.shared.ready.wait(tickets).expect("ticket lock");
+                }
+                Some(TicketState::Failed(_) | TicketState::FailureReported) => {
+                    // The entry stays until the ticket is dropped: the engine keeps the
+                    // slot while it is there.
+                    match tickets.insert(ticket.id, TicketState::FailureReported) {
+                        Some(TicketState::Failed(e)) => break Err(e),
+                        _ => break Err(IoError::FailureReported),
+                    }
+                }
+                None => break Err(IoError::Stopped),
+            }
+        };
+        drop(tickets);
+        self.count_stall(t0);
+        result
+    }
+
+    fn count_stall(&self, since: Instant) {
         self.shared
             .counters
             .wait_stall_ns
-            .fetch_add(t0.elapsed().as_nanos() as u64, Ordering::Relaxed);
-        result
+            .fetch_add(since.elapsed().as_nanos() as u64, Ordering::Relaxed);
     }
 
     /// Releases a slot (the same as dropping the guard).
@@ -789,6 +860,10 @@ struct Active {
     next_chunk: usize,
     frames: Vec<FrameState>,
     frames_left: usize,
+    /// Frames done from the first one on, without a gap (the decoded prefix).
+    prefix: usize,
+    /// A decoded prefix was published: a consumer may be copying out of the slot.
+    progressed: bool,
     at_worker: usize,
     ops: usize,
     /// Failed or cancelled: nothing more is read or dispatched; the slot is freed once the
@@ -969,6 +1044,8 @@ impl Loop {
                 next_chunk: 0,
                 frames: vec![FrameState::Waiting; n],
                 frames_left: n,
+                prefix: 0,
+                progressed: false,
                 at_worker: 0,
                 ops: 0,
                 aborted: false,
@@ -1229,7 +1306,20 @@ impl Loop {
         let frame = &self.store.units()[a.unit].frames[f];
         let range = Self::chunks_of(a, (frame.file_offset, frame.stored_len()), req);
         match fault {
-            None => a.frames_left -= 1,
+            None => {
+                a.frames_left -= 1;
+                let before = a.prefix;
+                while a.prefix < a.frames.len() && a.frames[a.prefix] == FrameState::Done {
+                    a.prefix += 1;
+                }
+                if a.prefix > before && a.frames_left > 0 && !a.aborted {
+                    let last = &self.store.units()[a.unit].frames[a.prefix - 1];
+                    let ready = (last.raw_offset + last.raw_len as u64) as usize;
+                    a.progressed = true;
+                    self.shared
+                        .publish(a.ticket, TicketState::Loading { slot, ready });
+                }
+            }
             Some(fault) => {
                 let unit = a.unit;
                 let err = self.store.frame_error(unit, f, fault);
@@ -1298,9 +1388,24 @@ impl Loop {
                     a.chunks.iter().all(|c| c.buf.is_none()),
                     "a finished unit still holds read buffers"
                 );
+                let (ticket, progressed) = (a.ticket, a.progressed);
                 self.active[slot] = None;
                 self.order.retain(|&s| s != slot);
-                self.free_slot(slot);
+                // A failed unit whose prefix was handed out keeps its slot until the
+                // ticket is dropped (its Cancel frees a Held slot): a copy may still be
+                // reading the prefix. A cancelled ticket is already gone from the map.
+                let consumer_alive = progressed
+                    && self
+                        .shared
+                        .tickets
+                        .lock()
+                        .expect("ticket lock")
+                        .contains_key(&ticket);
+                if consumer_alive {
+                    self.slot_state[slot] = SlotState::Held(ticket);
+                } else {
+                    self.free_slot(slot);
+                }
             }
             return;
         }

@@ -10,6 +10,9 @@
 //!
 //! Every buffer (read buffers, staging slots, decoder scratch) is allocated once in
 //! `IoEngine::new`; a full pool is back-pressure, never an allocation.
+//!
+//! A consumer may take a unit whole (`wait`) or as its decoded prefix grows
+//! (`wait_progress`), to start copying it to the device before its last frame is done.
 
 pub mod bench;
 pub mod buffers;
@@ -126,6 +129,8 @@ pub enum IoError {
     NoSuchUnit { unit: usize, units: usize },
     #[error("the I/O engine has stopped")]
     Stopped,
+    #[error("this load failed and its error was already returned by wait_progress")]
+    FailureReported,
 }
 
 impl IoError {

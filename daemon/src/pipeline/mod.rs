@@ -4,6 +4,10 @@
 //! the staging slot goes back to the engine as soon as the upload is done. Units with a
 //! host-cache copy skip disk and decompression. One pass serves every sequence of the batch.
 //!
+//! A unit's upload does not wait for the whole unit: each time another `upload_chunk` bytes
+//! at its start are decoded (frames finish in any order; the engine reports the contiguous
+//! prefix), that part is copied while the rest is still being read and decompressed.
+//!
 //! With an asynchronous backend (CUDA) the loop only enqueues: the upload of a unit goes on
 //! the copy stream, ordered after the compute that last read its slot (`release_after`),
 //! and the unit's compute on the compute stream waits for that upload. The host waits for
@@ -26,6 +30,11 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 use std::time::Instant;
 
+/// A unit's upload starts once this much of it is decoded, and continues in parts of this
+/// size as frames finish: large enough that each copy runs near the bus's rate, small enough
+/// that a big layer's copy overlaps its own decompression.
+pub const UPLOAD_CHUNK_DEFAULT: usize = 8 << 20;
+
 /// Statistics of forward passes (one pass, or summed).
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct PassStats {
@@ -44,6 +53,8 @@ pub struct PassStats {
     pub bytes_decompressed: u64,
     pub bytes_uploaded: u64,
     pub bytes_from_host_cache: u64,
+    /// Upload parts copied before their unit had finished decompressing.
+    pub partial_uploads: u64,
 }
 
 impl PassStats {
@@ -58,6 +69,7 @@ impl PassStats {
         self.bytes_decompressed += o.bytes_decompressed;
         self.bytes_uploaded += o.bytes_uploaded;
         self.bytes_from_host_cache += o.bytes_from_host_cache;
+        self.partial_uploads += o.partial_uploads;
     }
 }
 
@@ -83,6 +95,10 @@ pub struct Pipeline<B: Backend> {
     held: Vec<(usize, crate::io::HeldSlot)>,
     /// Skip the layer compute (measures streaming alone).
     pub skip_compute: bool,
+    /// Bytes of a unit's decoded prefix worth an upload of their own (UPLOAD_CHUNK_DEFAULT).
+    pub upload_chunk: usize,
+    /// Upload parts made before their unit was complete, failed passes included.
+    partial_uploads: u64,
     last: PassStats,
     total: PassStats,
 }
@@ -199,6 +215,8 @@ impl<B: Backend> Pipeline<B> {
             next_issue: 0,
             held: Vec::new(),
             skip_compute: false,
+            upload_chunk: UPLOAD_CHUNK_DEFAULT,
+            partial_uploads: 0,
             last: PassStats::default(),
             total: PassStats::default(),
         })
@@ -217,6 +235,12 @@ impl<B: Backend> Pipeline<B> {
         &self.io
     }
 
+    /// Upload parts made before their unit had finished decompressing, over every pass
+    /// (failed ones too).
+    pub fn partial_uploads(&self) -> u64 {
+        self.partial_uploads
+    }
+
     /// Requests loads in pass order, wrapping into the next pass, until `prefetch` are
     /// outstanding: the next pass's first units load while this one finishes.
     fn top_up(&mut self) -> Result<(), EngineError> {
@@ -231,6 +255,62 @@ impl<B: Backend> Pipeline<B> {
             self.ahead.push_back(t);
             self.next_issue = (self.next_issue + 1) % self.loads.len();
         }
+        Ok(())
+    }
+
+    /// Uploads the unit of `t` into streaming slot `slot` as it decodes: each time another
+    /// `upload_chunk` bytes at its start are ready, they are copied while the rest is still
+    /// being read and decompressed; the staging slot is held until `upload_wait`.
+    fn load_into(
+        &mut self,
+        t: Ticket,
+        slot: usize,
+        len: usize,
+        st: &mut PassStats,
+    ) -> Result<(), EngineError> {
+        let chunk = self.upload_chunk.max(1);
+        let mut sent = 0;
+        self.backend.upload_begin(&mut self.slots[slot])?;
+        let progressive = loop {
+            let t0 = Instant::now();
+            let r = self.io.wait_progress(&t, (sent + chunk).min(len));
+            st.load_stall_s += t0.elapsed().as_secs_f64();
+            match r {
+                Ok(Some(prefix)) => {
+                    let t1 = Instant::now();
+                    let r = self
+                        .backend
+                        .upload_part(&mut self.slots[slot], sent, &prefix[sent..]);
+                    st.upload_s += t1.elapsed().as_secs_f64();
+                    if let Err(e) = r {
+                        break Err(EngineError::from(e));
+                    }
+                    st.partial_uploads += 1;
+                    self.partial_uploads += 1;
+                    sent = prefix.len();
+                }
+                Ok(None) => break Ok(()),
+                Err(e) => break Err(EngineError::from(e)),
+            }
+        };
+        if let Err(e) = progressive {
+            // The staging slot is the engine's again once the ticket is dropped: no copy
+            // may still be reading it by then.
+            let _ = self.backend.upload_end(&mut self.slots[slot]);
+            let _ = self.backend.upload_wait(&self.slots[slot]);
+            drop(t);
+            return Err(e);
+        }
+        let t0 = Instant::now();
+        let guard = self.io.wait(t)?.detach();
+        st.load_stall_s += t0.elapsed().as_secs_f64();
+        let t1 = Instant::now();
+        self.backend
+            .upload_part(&mut self.slots[slot], sent, &guard.data()[sent..])?;
+        self.backend.upload_end(&mut self.slots[slot])?;
+        st.upload_s += t1.elapsed().as_secs_f64();
+        st.bytes_uploaded += len as u64;
+        self.held.push((slot, guard));
         Ok(())
     }
 
@@ -287,15 +367,8 @@ impl<B: Backend> Pipeline<B> {
                 slot_rr = (slot_rr + 1) % self.slots.len();
                 match t {
                     Some(t) => {
-                        let t0 = Instant::now();
-                        let guard = self.io.wait(t)?.detach();
-                        st.load_stall_s += t0.elapsed().as_secs_f64();
-                        let t1 = Instant::now();
-                        self.backend
-                            .upload_async(&mut self.slots[slot], guard.data())?;
-                        st.upload_s += t1.elapsed().as_secs_f64();
-                        st.bytes_uploaded += guard.data().len() as u64;
-                        self.held.push((slot, guard));
+                        let len = self.store.units()[w].raw_len as usize;
+                        self.load_into(t, slot, len, &mut st)?;
                     }
                     None => {
                         let data = self.host_cache[w].as_ref().expect("host-cached unit");

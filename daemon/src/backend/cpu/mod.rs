@@ -5,7 +5,7 @@
 
 pub mod kernels;
 
-use super::{AttnShape, AttnStep, Backend, BackendError, MemBudget, WeightRef};
+use super::{check_upload, AttnShape, AttnStep, Backend, BackendError, MemBudget, WeightRef};
 use crate::dtype::DType;
 use crate::io::buffers::AlignedBuf;
 use rayon::prelude::*;
@@ -134,14 +134,12 @@ impl Backend for CpuBackend {
     }
 
     fn upload(&self, dst: &mut CpuMem, src: &[u8]) -> Result<(), BackendError> {
-        if src.len() > dst.len {
-            return Err(BackendError::Invalid(format!(
-                "upload of {} bytes into an allocation of {}",
-                src.len(),
-                dst.len
-            )));
-        }
-        dst.buf.as_mut_slice()[..src.len()].copy_from_slice(src);
+        self.upload_part(dst, 0, src)
+    }
+
+    fn upload_part(&self, dst: &mut CpuMem, offset: usize, src: &[u8]) -> Result<(), BackendError> {
+        check_upload(dst.len, offset, src.len())?;
+        dst.buf.as_mut_slice()[offset..offset + src.len()].copy_from_slice(src);
         Ok(())
     }
 

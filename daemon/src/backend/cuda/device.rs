@@ -1012,14 +1012,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn upload_async(&self, dst: &mut CudaMem, src: &[u8]) -> Result<(), BackendError> {
-        if src.len() > dst.len {
-            return Err(BackendError::Invalid(format!(
-                "upload of {} bytes into an allocation of {}",
-                src.len(),
-                dst.len
-            )));
-        }
+    fn upload_begin(&self, dst: &mut CudaMem) -> Result<(), BackendError> {
         self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
         if dst.ev.is_none() {
             let ev = |flags| self.ctx.new_event(Some(flags)).map_err(dev_err("event"));
@@ -1031,9 +1024,8 @@ impl Backend for CudaBackend {
                 bytes: Cell::new(0),
             });
         }
-        let ev = dst.ev.as_ref().expect("made above");
-        if ev.pending.get() {
-            // Its previous copy was never waited for: account for it now.
+        if dst.ev.as_ref().is_some_and(|e| e.pending.get()) {
+            // Its previous upload was never waited for: account for it now.
             self.upload_wait(dst)?;
         }
         let ev = dst.ev.as_ref().expect("made above");
@@ -1043,16 +1035,42 @@ impl Backend for CudaBackend {
             .wait(&ev.consumed)
             .map_err(dev_err("copy stream wait"))?;
         ev.start.record(&self.copy).map_err(dev_err("event"))?;
-        // SAFETY: dst has room for src; the caller keeps src unchanged until upload_wait.
-        unsafe { result::memcpy_htod_async(dst.ptr, src, self.copy.cu_stream()) }
+        ev.bytes.set(0);
+        Ok(())
+    }
+
+    fn upload_part(
+        &self,
+        dst: &mut CudaMem,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), BackendError> {
+        crate::backend::check_upload(dst.len, offset, src.len())?;
+        let Some(ev) = dst.ev.as_ref() else {
+            return Err(BackendError::Invalid(
+                "upload_part before upload_begin".into(),
+            ));
+        };
+        // SAFETY: the range is inside dst (checked); the caller keeps src unchanged until
+        // upload_wait.
+        unsafe { result::memcpy_htod_async(dst.ptr + offset as u64, src, self.copy.cu_stream()) }
             .map_err(dev_err("cuMemcpyHtoDAsync"))?;
+        ev.bytes.set(ev.bytes.get() + src.len() as u64);
+        Ok(())
+    }
+
+    fn upload_end(&self, dst: &mut CudaMem) -> Result<(), BackendError> {
+        let Some(ev) = dst.ev.as_ref() else {
+            return Err(BackendError::Invalid(
+                "upload_end before upload_begin".into(),
+            ));
+        };
         ev.end.record(&self.copy).map_err(dev_err("event"))?;
-        // Ops enqueued from now on read the slot only after the copy.
+        // Ops enqueued from now on read the slot only after the copies.
         self.compute
             .wait(&ev.end)
             .map_err(dev_err("compute stream wait"))?;
         ev.pending.set(true);
-        ev.bytes.set(src.len() as u64);
         Ok(())
     }
 
