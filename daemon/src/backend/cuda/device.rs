@@ -1051,6 +1051,7 @@ impl Backend for CudaBackend {
                 "upload_part before upload_begin".into(),
             ));
         };
+        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
         // SAFETY: the range is inside dst (checked); the caller keeps src unchanged until
         // upload_wait.
         unsafe { result::memcpy_htod_async(dst.ptr + offset as u64, src, self.copy.cu_stream()) }
