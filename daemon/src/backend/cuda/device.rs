@@ -310,7 +310,9 @@ impl CudaBackend {
         let compute = ctx.new_stream().map_err(dev_err("compute stream"))?;
         let copy = ctx.new_stream().map_err(dev_err("copy stream"))?;
         let funcs = load_kernels(&ctx, &info)?;
-        let attn = &funcs["attention_f32"];
+        let attn = funcs
+            .get("attention_f32")
+            .ok_or_else(|| BackendError::Device("kernel attention_f32 is not loaded".into()))?;
         let static_smem = attn.shared_size_bytes().unwrap_or(0).max(0) as usize;
         let attn_smem = info.max_shared_per_block.saturating_sub(static_smem);
         if attn_need > attn_smem {
@@ -344,6 +346,13 @@ impl CudaBackend {
         let tile = carve(layout.tile, "dequantization tile")?;
         let bias = carve(layout.bias, "bias")?;
         let blas_ws = carve(BLAS_WORKSPACE, "cuBLAS workspace")?;
+        // SAFETY: only tries to open the library (cudarc panics on first use without it).
+        if !unsafe { bsys::is_culib_present() } {
+            return Err(BackendError::Device(format!(
+                "cuBLAS could not be loaded (searched {:?})",
+                cudarc::get_lib_name_candidates("cublas")
+            )));
+        }
         let handle = blas::create_handle()
             .map(|h| Blas(h, ctx.clone()))
             .map_err(|e| {
@@ -514,7 +523,12 @@ impl CudaBackend {
             MetaKind::Kv => (rows * 8, 8),
             MetaKind::Base => (rows * 16, 8),
         };
-        debug_assert_eq!(std::mem::size_of::<T>(), size);
+        if std::mem::size_of::<T>() != size {
+            return Err(format!(
+                "metadata of {} bytes per row, expected {size}",
+                std::mem::size_of::<T>()
+            ));
+        }
         let mut m = self.meta.lock().map_err(|_| "metadata lock poisoned")?;
         // SAFETY: u32 and u64 arrays viewed as their bytes.
         let bytes = unsafe {
