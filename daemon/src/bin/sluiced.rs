@@ -53,7 +53,7 @@ enum Cmd {
     },
     /// Read every frame of a store and check every checksum.
     Verify { dir: PathBuf },
-    /// Generate text from a prompt on the CPU backend and report tokens/s.
+    /// Generate text from a prompt (CPU or CUDA backend) and report tokens/s.
     Run(RunArgs),
     /// Serve sluice.v1.Inference over gRPC (flags override the config file).
     Serve(ServeArgs),

@@ -5,10 +5,11 @@
 //!
 //! Ops are enqueued on the compute stream and return at once; their errors are kept and
 //! reported by `check` (the pipeline calls it after every pass). Streaming slots carry
-//! three events: `start`/`end` bracket the slot's last upload on the copy stream (the
-//! compute stream waits for `end`; `upload_wait` sleeps on it), and `consumed` is recorded
-//! on the compute stream after the last unit that read the slot, so the next upload into
-//! the slot waits for exactly that work.
+//! events: `end` closes the slot's last upload on the copy stream (the compute stream waits
+//! for it; `upload_wait` sleeps on it), a start/end pair brackets each part of the upload
+//! (the copy's own time, for its bandwidth), and `consumed` is recorded on the compute
+//! stream after the last unit that read the slot, so the next upload into the slot waits
+//! for exactly that work.
 
 use super::arena::Arena;
 use super::{DeviceInfo, KERNELS};
@@ -132,9 +133,13 @@ pub struct CudaMem {
 }
 
 struct SlotEvents {
-    start: CudaEvent,
     end: CudaEvent,
     consumed: CudaEvent,
+    /// Start and end of each part of the upload in flight (the copy's own time, without
+    /// the gaps while the host waits for frames); made as needed, reused every upload.
+    parts: Vec<(CudaEvent, CudaEvent)>,
+    /// Parts of the upload in flight.
+    used: Cell<usize>,
     /// An upload was enqueued and `upload_wait` has not seen it finish.
     pending: Cell<bool>,
     bytes: Cell<u64>,
@@ -1031,9 +1036,10 @@ impl Backend for CudaBackend {
         if dst.ev.is_none() {
             let ev = |flags| self.ctx.new_event(Some(flags)).map_err(dev_err("event"));
             dst.ev = Some(SlotEvents {
-                start: ev(sys::CUevent_flags::CU_EVENT_DEFAULT)?,
                 end: ev(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)?,
                 consumed: ev(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?,
+                parts: Vec::new(),
+                used: Cell::new(0),
                 pending: Cell::new(false),
                 bytes: Cell::new(0),
             });
@@ -1048,8 +1054,8 @@ impl Backend for CudaBackend {
         self.copy
             .wait(&ev.consumed)
             .map_err(dev_err("copy stream wait"))?;
-        ev.start.record(&self.copy).map_err(dev_err("event"))?;
         ev.bytes.set(0);
+        ev.used.set(0);
         Ok(())
     }
 
@@ -1060,16 +1066,28 @@ impl Backend for CudaBackend {
         src: &[u8],
     ) -> Result<(), BackendError> {
         crate::backend::check_upload(dst.len, offset, src.len())?;
-        let Some(ev) = dst.ev.as_ref() else {
+        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
+        let Some(ev) = dst.ev.as_mut() else {
             return Err(BackendError::Invalid(
                 "upload_part before upload_begin".into(),
             ));
         };
-        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
+        let i = ev.used.get();
+        if i == ev.parts.len() {
+            let timed = || {
+                self.ctx
+                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
+                    .map_err(dev_err("event"))
+            };
+            ev.parts.push((timed()?, timed()?));
+        }
+        ev.parts[i].0.record(&self.copy).map_err(dev_err("event"))?;
         // SAFETY: the range is inside dst (checked); the caller keeps src unchanged until
         // upload_wait.
         unsafe { result::memcpy_htod_async(dst.ptr + offset as u64, src, self.copy.cu_stream()) }
             .map_err(dev_err("cuMemcpyHtoDAsync"))?;
+        ev.parts[i].1.record(&self.copy).map_err(dev_err("event"))?;
+        ev.used.set(i + 1);
         ev.bytes.set(ev.bytes.get() + src.len() as u64);
         Ok(())
     }
@@ -1099,14 +1117,15 @@ impl Backend for CudaBackend {
             .synchronize()
             .map_err(dev_err("waiting for an upload"))?;
         ev.pending.set(false);
-        let ms = ev
-            .start
-            .elapsed_ms(&ev.end)
-            .map_err(dev_err("copy timing"))?;
+        let mut ms = 0f64;
+        for (a, b) in &ev.parts[..ev.used.get()] {
+            ms += a.elapsed_ms(b).map_err(dev_err("copy timing"))? as f64;
+        }
+        ev.used.set(0);
         if let Ok(mut c) = self.copies.lock() {
             c.uploads += 1;
             c.bytes += ev.bytes.get();
-            c.seconds += ms as f64 / 1e3;
+            c.seconds += ms / 1e3;
         }
         Ok(())
     }
