@@ -4,11 +4,16 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-/// The committed tiny fixture models (tests/fixtures, made by make_tiny.py).
+/// The committed tiny fixture models (tests/fixtures, made by make_tiny.py); from
+/// $SLUICE_FIXTURES when set (a test binary run away from its build tree, as
+/// scripts/gpu-check.sh does with a prebuilt bundle).
 pub fn fixture(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("fixtures")
-        .join(name)
+    match std::env::var_os("SLUICE_FIXTURES") {
+        Some(dir) => PathBuf::from(dir).join(name),
+        None => Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("fixtures")
+            .join(name),
+    }
 }
 
 /// The real SmolLM2-135M-Instruct GGUF. Tests that need it fail (never skip) when it is
