@@ -301,6 +301,7 @@ impl<B: Backend> Pipeline<B> {
             drop(t);
             return Err(e);
         }
+        // Complete: `wait` returns at once (it can only fail if the engine stopped).
         let t0 = Instant::now();
         let guard = self.io.wait(t)?.detach();
         st.load_stall_s += t0.elapsed().as_secs_f64();
@@ -414,13 +415,19 @@ impl<B: Backend> Pipeline<B> {
                 self.backend.release_after(&self.slots[s]);
             }
             // The unit's compute is enqueued; once its upload has read the staging slots,
-            // they go back to the I/O engine for the next loads.
-            for (s, guard) in std::mem::take(&mut self.held) {
-                let t1 = Instant::now();
-                self.backend.upload_wait(&self.slots[s])?;
-                st.upload_s += t1.elapsed().as_secs_f64();
-                drop(guard);
+            // they go back to the I/O engine for the next loads (every one waited for, even
+            // after a failed wait, before any is released).
+            let t1 = Instant::now();
+            let mut waited = Ok(());
+            let held = std::mem::take(&mut self.held);
+            for (s, _) in &held {
+                if let Err(e) = self.backend.upload_wait(&self.slots[*s]) {
+                    waited = waited.and(Err(e));
+                }
             }
+            drop(held);
+            st.upload_s += t1.elapsed().as_secs_f64();
+            waited?;
             self.top_up()?;
         }
         debug_assert!(load_at == self.loads.len());
