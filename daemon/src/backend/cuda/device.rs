@@ -909,26 +909,36 @@ fn load_kernels(
         let path = dir
             .as_ref()
             .map(|d| d.join(format!("{op}-{sm}-{key:016x}.cubin")));
-        let cached = path.as_ref().and_then(|p| std::fs::read(p).ok());
-        let bin = match cached {
-            Some(b) => b,
-            None => {
-                let (bin, log) = super::nvrtc::compile_cubin(op, &full, &sm)
-                    .map_err(|e| BackendError::Device(format!("compiling kernels/{op}.cu: {e}")))?;
-                if !log.is_empty() {
-                    tracing::warn!("NVRTC on kernels/{op}.cu: {log}");
-                }
-                if let Some(p) = &path {
-                    if let Err(e) = write_atomic(p, &bin) {
-                        tracing::warn!("kernel cache {}: {e}", p.display());
-                    }
-                }
-                bin
+        let compile = || -> Result<Vec<u8>, BackendError> {
+            let (bin, log) = super::nvrtc::compile_cubin(op, &full, &sm)
+                .map_err(|e| BackendError::Device(format!("compiling kernels/{op}.cu: {e}")))?;
+            if !log.is_empty() {
+                tracing::warn!("NVRTC on kernels/{op}.cu: {log}");
             }
+            if let Some(p) = &path {
+                if let Err(e) = write_atomic(p, &bin) {
+                    tracing::warn!("kernel cache {}: {e}", p.display());
+                }
+            }
+            Ok(bin)
         };
-        let module = ctx
-            .load_module(cudarc::nvrtc::Ptx::from_binary(bin))
-            .map_err(|e| BackendError::Device(format!("loading kernels/{op}.cu for {sm}: {e}")))?;
+        let load = |bin: Vec<u8>| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin));
+        let module = match path.as_ref().and_then(|p| std::fs::read(p).ok()) {
+            Some(cached) => match load(cached) {
+                Ok(m) => m,
+                Err(e) => {
+                    // A cache file the driver refuses (damaged, or another driver's):
+                    // compile again and replace it.
+                    tracing::warn!("cached kernels/{op}.cu for {sm} refused ({e}); recompiling");
+                    load(compile()?).map_err(|e| {
+                        BackendError::Device(format!("loading kernels/{op}.cu for {sm}: {e}"))
+                    })?
+                }
+            },
+            None => load(compile()?).map_err(|e| {
+                BackendError::Device(format!("loading kernels/{op}.cu for {sm}: {e}"))
+            })?,
+        };
         for name in super::entry_points(&full) {
             let f = module
                 .load_function(&name)
