@@ -210,8 +210,8 @@ pub trait Backend: Send + Sync {
     fn upload_wait(&self, _dst: &Self::Mem) -> Result<(), BackendError> {
         Ok(())
     }
-    /// Marks the ops enqueued so far as the last readers of `mem`: the next `upload_async`
-    /// into it waits for them, not for everything.
+    /// Marks the ops enqueued so far as the last readers of `mem`: the next upload into it
+    /// (`upload_begin`) waits for them, not for everything.
     fn release_after(&self, _mem: &Self::Mem) {}
     /// Page-locks host buffers that uploads read from, when the device gains from it.
     fn pinner(&self) -> Option<Pinner> {
