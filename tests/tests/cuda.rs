@@ -7,7 +7,9 @@ use sluice::backend::cpu::CpuBackend;
 use sluice::backend::cuda::{self, CudaBackend};
 use sluice::backend::{AttnShape, AttnStep, Backend, SeqSpan, WeightRef};
 use sluice::dtype::DType;
-use sluice::engine::{choose_backend, cpu_runner, cuda_runner, BackendChoice, Chosen, Runner};
+use sluice::engine::{
+    choose_backend, cpu_runner, cuda_runner, cuda_usable, BackendChoice, Chosen, Runner,
+};
 use sluice::io::IoConfig;
 use sluice::model::{Arch, ArchConfig, ModelOptions, SeqStep};
 use sluice::plan::PlanInput;
@@ -677,7 +679,8 @@ fn compare_model(src: &Path, tol: f64, decode: usize) {
     let mut cpu = cpu_runner(store.clone(), &input(None, opts), 2, io()).unwrap();
     let (lc, tc) = run(&mut cpu, vocab, 24, decode, None);
     drop(cpu);
-    let mut gpu = cuda_runner(store.clone(), &input(None, opts), 0, io()).unwrap();
+    let dev = cuda_usable(0).expect("a usable CUDA device");
+    let mut gpu = cuda_runner(store.clone(), &input(None, opts), &dev, io()).unwrap();
     assert_eq!(gpu.plan.layers_streamed(), 0);
     // The GPU is fed the CPU's greedy tokens, so every step compares like with like.
     let (lg, tg) = run(&mut gpu, vocab, 24, decode, Some(&tc));
@@ -732,12 +735,12 @@ fn compare_model(src: &Path, tol: f64, decode: usize) {
         .unwrap();
     let budget = p.kv_cache_bytes + p.workspace_bytes + p.backend_bytes + 2 * largest;
     drop(gpu);
-    let mut streamed = cuda_runner(store.clone(), &input(Some(budget), opts), 0, io()).unwrap();
+    let mut streamed = cuda_runner(store.clone(), &input(Some(budget), opts), &dev, io()).unwrap();
     assert!(
         streamed.plan.layers_streamed() > 0,
         "the budget must make layers stream"
     );
-    let mut resident = cuda_runner(store.clone(), &input(None, opts), 0, io()).unwrap();
+    let mut resident = cuda_runner(store.clone(), &input(None, opts), &dev, io()).unwrap();
     let (ls, ts) = run(&mut streamed, vocab, 24, decode, None);
     let (lr, tr) = run(&mut resident, vocab, 24, decode, None);
     assert_eq!(ts, tr, "{}: streamed vs resident tokens", src.display());

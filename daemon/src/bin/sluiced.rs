@@ -382,11 +382,6 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
         } => {
             let store = std::sync::Arc::new(Store::open(&dir)?);
             let chosen = sluice::engine::choose_backend(backend, device)?;
-            if let sluice::engine::Chosen::Cpu { why } = &chosen {
-                if backend == BackendChoice::Auto {
-                    tracing::info!("CPU backend: {why}");
-                }
-            }
             let m = store.manifest();
             let max_batch = *batch.iter().max().context("--batch is empty")?;
             let opts = sluice::model::ModelOptions {
@@ -446,12 +441,10 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
                     },
                     &|_, _| None,
                 )?,
-                sluice::engine::Chosen::Cuda(_) => sluice::pipeline::bench::bench_stream(
+                sluice::engine::Chosen::Cuda(info) => sluice::pipeline::bench::bench_stream(
                     store.clone(),
                     &o,
-                    &|input| {
-                        sluice::engine::cuda_runner(store.clone(), input, device, o.io.clone())
-                    },
+                    &|input| sluice::engine::cuda_runner(store.clone(), input, &info, o.io.clone()),
                     &|b, bytes| b.plain_h2d_gbps(bytes, 5).ok(),
                 )?,
             };
@@ -779,16 +772,13 @@ fn run_prompt(a: RunArgs) -> Result<()> {
         ..Default::default()
     };
     match sluice::engine::choose_backend(a.backend, a.device)? {
-        sluice::engine::Chosen::Cpu { why } => {
-            if a.backend == BackendChoice::Auto {
-                tracing::info!("CPU backend: {why}");
-            }
+        sluice::engine::Chosen::Cpu { .. } => {
             let runner = sluice::engine::cpu_runner(store.clone(), &input, a.threads, io)?;
             let threads = runner.backend.threads();
             run_generate(runner, &a, &tok, &prompt_ids, threads)
         }
-        sluice::engine::Chosen::Cuda(_) => {
-            let runner = sluice::engine::cuda_runner(store.clone(), &input, a.device, io)?;
+        sluice::engine::Chosen::Cuda(info) => {
+            let runner = sluice::engine::cuda_runner(store.clone(), &input, &info, io)?;
             run_generate(runner, &a, &tok, &prompt_ids, 0)
         }
     }

@@ -108,7 +108,7 @@ pub fn cuda_usable(device: usize) -> Result<DeviceInfo, String> {
 }
 
 /// Resolves `--backend`: `cuda` fails with the reason when CUDA is not usable, `auto`
-/// falls back to the CPU with it.
+/// falls back to the CPU and logs it.
 pub fn choose_backend(choice: BackendChoice, device: usize) -> Result<Chosen, EngineError> {
     match choice {
         BackendChoice::Cpu => Ok(Chosen::Cpu {
@@ -119,7 +119,10 @@ pub fn choose_backend(choice: BackendChoice, device: usize) -> Result<Chosen, En
             .map_err(|e| EngineError::Invalid(format!("--backend cuda: {e}"))),
         BackendChoice::Auto => Ok(match cuda_usable(device) {
             Ok(i) => Chosen::Cuda(i),
-            Err(why) => Chosen::Cpu { why },
+            Err(why) => {
+                tracing::info!("CPU backend: {why}");
+                Chosen::Cpu { why }
+            }
         }),
     }
 }
@@ -130,16 +133,16 @@ pub fn cuda_headroom(total: u64) -> u64 {
     (total / 50).max(1 << 30)
 }
 
-/// Plans memory for `store` on CUDA device `device` and builds its runner: the budget
-/// defaults to the device's free memory minus `cuda_headroom`, and the device allocation
-/// is exactly what the plan uses (backend scratch included).
+/// Plans memory for `store` on the CUDA device `info` describes (from `choose_backend` or
+/// `cuda_usable`) and builds its runner: the budget defaults to the device's free memory
+/// minus `cuda_headroom`, and the device allocation is exactly what the plan uses (backend
+/// scratch included).
 pub fn cuda_runner(
     store: Arc<Store>,
     input: &PlanInput,
-    device: usize,
+    info: &DeviceInfo,
     io: IoConfig,
 ) -> Result<Runner<CudaBackend>, EngineError> {
-    let info = cuda_usable(device).map_err(EngineError::Invalid)?;
     let m = store.manifest();
     let mut input = input.clone();
     input.backend_reserved = cuda::scratch_bytes(&m.arch, &input.opts);
@@ -150,6 +153,6 @@ pub fn cuda_runner(
         );
     }
     let plan = crate::plan::plan(m, &input)?;
-    let backend = CudaBackend::new(device, plan.device_bytes(), &m.arch, &input.opts)?;
+    let backend = CudaBackend::new(info.ordinal, plan.device_bytes(), &m.arch, &input.opts)?;
     Runner::new(backend, store, plan, input.opts, io)
 }

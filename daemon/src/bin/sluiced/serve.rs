@@ -64,17 +64,14 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         queue_max: cfg.queue_max,
     };
     let (plan, sched, engine, backend_name) = match chosen {
-        sluice::engine::Chosen::Cpu { why } => {
-            if cfg.backend == sluice::engine::BackendChoice::Auto {
-                tracing::info!("CPU backend: {why}");
-            }
+        sluice::engine::Chosen::Cpu { .. } => {
             let runner = sluice::engine::cpu_runner(store.clone(), &input, cfg.threads, io)?;
             let plan = runner.plan.clone();
             let (s, e) = Scheduler::start(runner, tokenizer, sched_cfg);
             (plan, s, e, "cpu")
         }
-        sluice::engine::Chosen::Cuda(_) => {
-            let runner = sluice::engine::cuda_runner(store.clone(), &input, cfg.device, io)?;
+        sluice::engine::Chosen::Cuda(info) => {
+            let runner = sluice::engine::cuda_runner(store.clone(), &input, &info, io)?;
             let plan = runner.plan.clone();
             let (s, e) = Scheduler::start(runner, tokenizer, sched_cfg);
             (plan, s, e, "cuda")
