@@ -230,10 +230,8 @@ impl Drop for PinnedHost {
 /// once per step, not once per layer.
 struct Meta {
     host: PinnedHost,
-    ids: Option<Vec<u32>>,
-    pos: Option<Vec<u32>>,
-    kv: Option<Vec<u64>>,
-    base: Option<Vec<u64>>,
+    /// Per kind: the bytes the device holds (None before the first upload).
+    held: [Option<Vec<u8>>; 4],
     /// Per kind: recorded after the last copy out of its part of `host`.
     copied: [CudaEvent; 4],
 }
@@ -414,10 +412,7 @@ impl CudaBackend {
             _blas_ws: blas_ws,
             meta: Mutex::new(Meta {
                 host,
-                ids: None,
-                pos: None,
-                kv: None,
-                base: None,
+                held: [None, None, None, None],
                 copied,
             }),
             err: Mutex::new(None),
@@ -435,36 +430,26 @@ impl CudaBackend {
     /// bandwidth is compared with): median GB/s of `reps` copies.
     pub fn plain_h2d_gbps(&self, bytes: usize, reps: usize) -> Result<f64, BackendError> {
         self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
-        // SAFETY: pinned host and device buffers of `bytes`, freed below on every path.
-        let host = unsafe { result::malloc_host(bytes, 0) }.map_err(dev_err("pinned buffer"))?;
-        let dev = match unsafe { result::malloc_sync(bytes) } {
-            Ok(d) => d,
-            Err(e) => {
-                // SAFETY: allocated above.
-                unsafe { result::free_host(host) }.ok();
-                return Err(BackendError::Device(format!("device buffer: {e}")));
-            }
+        // SAFETY: pinned host and device buffers of `bytes`, owned (and freed) by the guards.
+        let host = PinnedHost {
+            ptr: unsafe { result::malloc_host(bytes, 0) }.map_err(dev_err("pinned buffer"))?,
+            ctx: self.ctx.clone(),
+        };
+        let dev = DeviceAlloc {
+            ptr: unsafe { result::malloc_sync(bytes) }.map_err(dev_err("device buffer"))?,
+            ctx: self.ctx.clone(),
         };
         // SAFETY: host is `bytes` long; touching it first keeps page faults out of the timing.
-        let src = unsafe { std::slice::from_raw_parts_mut(host as *mut u8, bytes) };
+        let src = unsafe { std::slice::from_raw_parts_mut(host.ptr as *mut u8, bytes) };
         src.fill(1);
-        let mut rates = Vec::with_capacity(reps);
-        let mut res = Ok(());
+        let mut rates = Vec::with_capacity(reps + 1);
         for _ in 0..reps.max(1) + 1 {
             let t = std::time::Instant::now();
-            // SAFETY: dev and src are both `bytes` long.
-            if let Err(e) = unsafe { result::memcpy_htod_sync(dev, &src[..]) } {
-                res = Err(BackendError::Device(format!("cuMemcpyHtoD: {e}")));
-                break;
-            }
+            // SAFETY: dev and src are both `bytes` long; the copy is synchronous.
+            unsafe { result::memcpy_htod_sync(dev.ptr, &src[..]) }
+                .map_err(dev_err("cuMemcpyHtoD"))?;
             rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
         }
-        // SAFETY: both allocated above, no copy in flight (the copies were synchronous).
-        unsafe {
-            result::free_sync(dev).ok();
-            result::free_host(host).ok();
-        }
-        res?;
         rates.remove(0); // the first copy warms the mapping
         rates.sort_by(|a, b| a.total_cmp(b));
         Ok(rates[rates.len() / 2])
@@ -514,7 +499,7 @@ impl CudaBackend {
 
     /// Uploads one metadata array when it differs from what the device holds; returns its
     /// device address.
-    fn meta<T: Copy + PartialEq>(&self, kind: MetaKind, data: &[T]) -> Result<u64, String> {
+    fn meta<T: Copy>(&self, kind: MetaKind, data: &[T]) -> Result<u64, String> {
         let rows = self.layout.rows as usize;
         if data.len() > rows {
             return Err(format!(
@@ -539,15 +524,7 @@ impl CudaBackend {
         let bytes = unsafe {
             std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data))
         };
-        let same = {
-            let cached: Option<&[u8]> = match kind {
-                MetaKind::Ids => m.ids.as_deref().map(as_bytes),
-                MetaKind::Pos => m.pos.as_deref().map(as_bytes),
-                MetaKind::Kv => m.kv.as_deref().map(as_bytes),
-                MetaKind::Base => m.base.as_deref().map(as_bytes),
-            };
-            cached == Some(bytes)
-        };
+        let same = m.held[kind as usize].as_deref() == Some(bytes);
         let dev = self.meta_dev.ptr + off as u64;
         if same {
             return Ok(dev);
@@ -568,12 +545,7 @@ impl CudaBackend {
         m.copied[kind as usize]
             .record(&self.compute)
             .map_err(|e| e.to_string())?;
-        match kind {
-            MetaKind::Ids => m.ids = Some(as_u32(bytes)),
-            MetaKind::Pos => m.pos = Some(as_u32(bytes)),
-            MetaKind::Kv => m.kv = Some(as_u64(bytes)),
-            MetaKind::Base => m.base = Some(as_u64(bytes)),
-        }
+        m.held[kind as usize] = Some(bytes.to_vec());
         Ok(dev)
     }
 
@@ -792,23 +764,6 @@ fn check_span(sp: &SeqSpan, sh: &crate::backend::AttnShape, rows: usize) -> Resu
     Ok(())
 }
 
-fn as_bytes<T>(v: &[T]) -> &[u8] {
-    // SAFETY: plain integers viewed as bytes.
-    unsafe { std::slice::from_raw_parts(v.as_ptr() as *const u8, std::mem::size_of_val(v)) }
-}
-
-fn as_u32(b: &[u8]) -> Vec<u32> {
-    b.chunks_exact(4)
-        .map(|c| u32::from_ne_bytes([c[0], c[1], c[2], c[3]]))
-        .collect()
-}
-
-fn as_u64(b: &[u8]) -> Vec<u64> {
-    b.chunks_exact(8)
-        .map(|c| u64::from_ne_bytes([c[0], c[1], c[2], c[3], c[4], c[5], c[6], c[7]]))
-        .collect()
-}
-
 /// A kernel argument: the address of its value.
 fn p<T>(v: &mut T) -> *mut c_void {
     v as *mut T as *mut c_void
@@ -989,13 +944,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload(&self, dst: &mut CudaMem, src: &[u8]) -> Result<(), BackendError> {
-        if src.len() > dst.len {
-            return Err(BackendError::Invalid(format!(
-                "upload of {} bytes into an allocation of {}",
-                src.len(),
-                dst.len
-            )));
-        }
+        crate::backend::check_upload(dst.len, 0, src.len())?;
         self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
         // Ordered after everything enqueued so far, done when this returns.
         self.compute.synchronize().map_err(dev_err("synchronize"))?;
