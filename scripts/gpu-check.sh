@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA backend on a machine with an NVIDIA GPU, in one go (meant to finish well under
 # 8 minutes: the tests take about a minute, the benchmarks a few):
-#   1. build (or, where cargo is missing or SLUICE_PREBUILT=1, use .gpu-bundle/ made by
-#      scripts/gpu-bundle.sh on another machine),
+#   1. build into .gpu-bundle/ with scripts/gpu-bundle.sh (or, where cargo is missing or
+#      SLUICE_PREBUILT=1, use the .gpu-bundle/ it made on another machine),
 #   2. the GPU tests: every op against the CPU backend on random inputs, whole-model
 #      logits of the tiny models and SmolLM2 against the CPU backend, streamed vs all
 #      resident on the GPU bit for bit (tests/tests/cuda.rs, --include-ignored),
@@ -54,23 +54,16 @@ if [ -n "$libdirs" ]; then
 fi
 echo "library path for NVRTC/cuBLAS: ${libdirs:-(system default)}"
 
-if [ "${SLUICE_PREBUILT:-0}" = 1 ] || ! command -v cargo >/dev/null; then
-  [ -x .gpu-bundle/sluiced ] && [ -x .gpu-bundle/deps/cuda ] || {
-    echo "gpu-check: no cargo here and no .gpu-bundle/ (make it with scripts/gpu-bundle.sh)" >&2
-    exit 1
-  }
-  sluiced=.gpu-bundle/sluiced
-  tests=.gpu-bundle/deps/cuda
-else
-  cargo build --release --workspace
-  tests=$(cargo test --release -p sluice-tests --test cuda --no-run --message-format=json 2>/dev/null |
-    python3 -c 'import json,sys
-for l in sys.stdin:
-    m = json.loads(l)
-    if m.get("reason") == "compiler-artifact" and m.get("target", {}).get("name") == "cuda" and m.get("executable"):
-        print(m["executable"])')
-  sluiced=./target/release/sluiced
+# Build into .gpu-bundle/ where cargo is here; else run the bundle carried from elsewhere.
+if [ "${SLUICE_PREBUILT:-0}" != 1 ] && command -v cargo >/dev/null; then
+  scripts/gpu-bundle.sh
 fi
+[ -x .gpu-bundle/sluiced ] && [ -x .gpu-bundle/deps/cuda ] || {
+  echo "gpu-check: no cargo here and no .gpu-bundle/ (make it with scripts/gpu-bundle.sh)" >&2
+  exit 1
+}
+sluiced=.gpu-bundle/sluiced
+tests=.gpu-bundle/deps/cuda
 export SLUICE_FIXTURES="$PWD/tests/fixtures"
 
 smol_note=""
