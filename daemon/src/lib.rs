@@ -4,6 +4,7 @@
 pub mod backend;
 pub mod dtype;
 pub mod engine;
+pub mod hostbuf;
 pub mod import;
 pub mod io;
 pub mod model;

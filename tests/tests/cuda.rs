@@ -7,11 +7,10 @@ use sluice::backend::cpu::CpuBackend;
 use sluice::backend::cuda::{self, CudaBackend};
 use sluice::backend::{AttnShape, AttnStep, Backend, SeqSpan, WeightRef};
 use sluice::dtype::DType;
-use sluice::engine::{
-    choose_backend, cpu_runner, cuda_runner, cuda_usable, BackendChoice, Chosen, Runner,
-};
+use sluice::engine::{choose_backend, cpu_runner, cuda_runner, cuda_usable, BackendChoice, Chosen};
 use sluice::io::IoConfig;
 use sluice::model::{Arch, ArchConfig, ModelOptions, SeqStep};
+use sluice::pipeline::Pipeline;
 use sluice::plan::PlanInput;
 use sluice::store::Store;
 use sluice_tests::*;
@@ -246,7 +245,7 @@ impl Pair {
         let arena = 256 << 20;
         Pair {
             cpu: CpuBackend::new(arena, 2).unwrap(),
-            gpu: CudaBackend::new(0, arena, &cfg, &OPS_OPTS).expect("a CUDA device"),
+            gpu: CudaBackend::new(0, arena, &OPS_OPTS.scratch_shape(&cfg)).expect("a CUDA device"),
         }
     }
 
@@ -445,7 +444,7 @@ fn rope_kv_cache_and_attention_match_the_cpu_backend() {
         shape.heads * shape.head_dim,
         shape.kv_heads * shape.head_dim,
     );
-    let table = sluice::backend::rope_table(&cfg, OPS_OPTS.max_context);
+    let table = sluice::model::rope_table(&cfg, OPS_OPTS.max_context);
     let tm = p.put(&f32_bytes(&table));
     let cache_bytes = cfg.n_layers as usize * shape.layer_elems() * 4;
     let (mut ckc, mut ckg) = p.put(&vec![0u8; cache_bytes]);
@@ -620,7 +619,7 @@ fn input(budget: Option<u64>, opts: ModelOptions) -> PlanInput {
 /// Logits of a prefill step of two sequences, then `decode` greedy steps of both (feeding
 /// `forced` tokens instead when given, so two backends see the same inputs).
 fn run<B: Backend>(
-    r: &mut Runner<B>,
+    r: &mut Pipeline<B>,
     vocab: u32,
     prompt: usize,
     decode: usize,

@@ -340,7 +340,7 @@ struct RecordingPinner {
     unpinned: std::sync::Mutex<Vec<usize>>,
 }
 
-impl sluice::io::buffers::HostPinner for RecordingPinner {
+impl sluice::hostbuf::HostPinner for RecordingPinner {
     fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
         if self.fail {
             return Err("CUDA_ERROR_OUT_OF_MEMORY".into());
@@ -371,7 +371,7 @@ fn staging_slots_are_pinned_once_and_unpinned_before_they_are_freed() {
     let largest = store.units().iter().map(|u| u.raw_len).max().unwrap() as usize;
     let cfg = IoConfig {
         staging_slots: 3,
-        pinner: Some(sluice::io::buffers::Pinner(p.clone())),
+        pinner: Some(sluice::hostbuf::Pinner(p.clone())),
         ..configs()[0].1.clone()
     };
     let e = engine(&store, &cfg);
@@ -405,7 +405,7 @@ fn staging_slots_are_pinned_once_and_unpinned_before_they_are_freed() {
         unpinned: Default::default(),
     });
     let cfg = IoConfig {
-        pinner: Some(sluice::io::buffers::Pinner(bad)),
+        pinner: Some(sluice::hostbuf::Pinner(bad)),
         ..cfg
     };
     let err = IoEngine::new(store.clone(), cfg).err().unwrap().to_string();
@@ -418,7 +418,7 @@ fn staging_slots_are_pinned_once_and_unpinned_before_they_are_freed() {
 
 #[test]
 fn a_low_memlock_limit_names_the_unit_file_setting() {
-    use sluice::io::buffers::memlock_hint;
+    use sluice::hostbuf::memlock_hint;
     let h = memlock_hint(1 << 30, Some(64 << 10));
     assert!(h.contains("RLIMIT_MEMLOCK) is 65536 bytes"), "{h}");
     assert!(h.contains("LimitMEMLOCK=infinity"), "{h}");

@@ -5,10 +5,10 @@
 use serde_json::Value;
 use sluice::backend::cpu::CpuBackend;
 use sluice::engine::generate::{generate, GenerateParams};
-use sluice::engine::Runner;
 use sluice::import;
 use sluice::io::IoConfig;
 use sluice::model::{ModelOptions, SeqStep};
+use sluice::pipeline::Pipeline;
 use sluice::store::writer::{pack, PackOptions};
 use sluice::store::Store;
 use sluice::text::sampler::argmax;
@@ -32,7 +32,7 @@ fn ids(v: &Value) -> Vec<u32> {
         .collect()
 }
 
-fn load(src: &Path, dir: &Path, max_context: usize) -> Runner<CpuBackend> {
+fn load(src: &Path, dir: &Path, max_context: usize) -> Pipeline<CpuBackend> {
     let store = pack_store(src, dir, "zstd:1", 1 << 20);
     let opts = ModelOptions {
         max_context,

@@ -59,7 +59,7 @@ fn every_dtype_and_codec_round_trips_bit_exactly() {
                 assert_eq!(got.len(), model.tensors.len());
                 for (name, t) in &model.tensors {
                     let mut want = vec![0u8; t.len as usize];
-                    model.copy_tensor(t, &mut want);
+                    model.copy_source(t, &mut want);
                     let (dtype, shape, bytes) = &got[name];
                     assert_eq!(dtype, &t.dtype.to_string(), "{src} {codec} {name}");
                     assert_eq!(shape, &t.shape, "{src} {codec} {name}");
@@ -119,7 +119,7 @@ fn gguf_and_safetensors_importers_yield_identical_tensors() {
     let b = import::open(&fixture("tiny-llama.gguf")).unwrap();
     let q = &b.tensors["model.layers.1.self_attn.q_proj.weight"];
     let mut canon = vec![0u8; q.len as usize];
-    b.copy_tensor(q, &mut canon);
+    b.copy_source(q, &mut canon);
     assert_ne!(canon, b.source_bytes(q));
 }
 
@@ -174,7 +174,7 @@ fn smollm2_packs_inspects_and_verifies() {
     let got = read_all(&store);
     for (name, t) in &model.tensors {
         let mut want = vec![0u8; t.len as usize];
-        model.copy_tensor(t, &mut want);
+        model.copy_source(t, &mut want);
         assert!(got[name].2 == want, "tensor {name} differs");
     }
     assert_eq!(store.units()[0].kind, UnitKind::Embedding);

@@ -4,9 +4,10 @@
 
 use sluice::backend::cpu::CpuBackend;
 use sluice::backend::Backend;
-use sluice::engine::{cpu_runner, Runner};
+use sluice::engine::cpu_runner;
 use sluice::io::IoConfig;
 use sluice::model::{ModelOptions, SeqStep};
+use sluice::pipeline::Pipeline;
 use sluice::plan::{plan, PlanInput};
 use sluice::store::Store;
 use sluice_tests::*;
@@ -32,7 +33,7 @@ fn io() -> IoConfig {
     }
 }
 
-fn runner(s: &Arc<Store>, budget: Option<u64>, host_cache: u64) -> Runner<CpuBackend> {
+fn runner(s: &Arc<Store>, budget: Option<u64>, host_cache: u64) -> Pipeline<CpuBackend> {
     cpu_runner(
         s.clone(),
         &PlanInput {
@@ -81,7 +82,7 @@ fn budgets(s: &Store) -> Vec<(String, Option<u64>)> {
 }
 
 /// Logits of a two-sequence prefill step and a decode step, and a greedy continuation.
-fn outputs(r: &mut Runner<CpuBackend>, vocab: u32) -> (Vec<u32>, Vec<u32>) {
+fn outputs(r: &mut Pipeline<CpuBackend>, vocab: u32) -> (Vec<u32>, Vec<u32>) {
     let a: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % vocab).collect();
     let b: Vec<u32> = (0..7).map(|i| (i * 11 + 3) % vocab).collect();
     let mut logits = Vec::new();

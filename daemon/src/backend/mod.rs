@@ -13,7 +13,7 @@ pub mod cpu;
 pub mod cuda;
 
 use crate::dtype::DType;
-use crate::io::buffers::Pinner;
+use crate::hostbuf::Pinner;
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -221,6 +221,11 @@ pub trait Backend: Send + Sync {
     fn copy_stats(&self) -> CopyStats {
         CopyStats::default()
     }
+    /// GB/s of a plain host-to-device copy of `bytes` from page-locked memory, the
+    /// reference the streamed uploads are compared with; None where there is no such copy.
+    fn reference_copy_gbps(&self, _bytes: usize) -> Option<f64> {
+        None
+    }
 
     /// out[i] = table[ids[i]] (rows dequantized to f32).
     fn embedding(&self, table: WeightRef<'_, Self::Mem>, ids: &[u32], out: &mut Self::Mem);
@@ -289,6 +294,20 @@ pub trait Backend: Send + Sync {
     );
 }
 
+/// The sizes a backend's scratch depends on (the model's shape and the step limits), so a
+/// backend sizes itself without knowing the model's config.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct ScratchShape {
+    /// Rows one step may carry: the larger of tokens per step and sequences per batch.
+    pub rows: u64,
+    pub hidden: u64,
+    pub q_dim: u64,
+    pub intermediate: u64,
+    pub vocab: u64,
+    /// Positions per sequence in the KV cache.
+    pub max_context: usize,
+}
+
 /// An upload of `len` bytes at `offset` must fit the allocation of `cap` bytes.
 pub fn check_upload(cap: usize, offset: usize, len: usize) -> Result<(), BackendError> {
     if offset.checked_add(len).is_none_or(|end| end > cap) {
@@ -297,65 +316,4 @@ pub fn check_upload(cap: usize, offset: usize, len: usize) -> Result<(), Backend
         )));
     }
     Ok(())
-}
-
-/// The rotary table: for position p and pair i, cos and sin of p * inv_freq[i], laid out
-/// [max_context][head_dim / 2][cos, sin] in f32 (computed in f64, rounded once).
-pub fn rope_table(cfg: &crate::model::ArchConfig, max_context: usize) -> Vec<f32> {
-    let half = cfg.head_dim as usize / 2;
-    let inv = inv_freq(cfg);
-    let mut t = Vec::with_capacity(max_context * half * 2);
-    for p in 0..max_context {
-        for f in inv.iter().take(half) {
-            let a = p as f64 * *f;
-            t.push(a.cos() as f32);
-            t.push(a.sin() as f32);
-        }
-    }
-    t
-}
-
-/// Rotary inverse frequencies with the model's scaling applied (transformers'
-/// `_compute_default_rope_parameters` and `_compute_llama3_parameters`).
-pub fn inv_freq(cfg: &crate::model::ArchConfig) -> Vec<f64> {
-    use crate::model::RopeScaling;
-    let d = cfg.head_dim as f64;
-    let base: Vec<f64> = (0..cfg.head_dim as usize / 2)
-        .map(|i| 1.0 / (cfg.rope_theta as f64).powf(2.0 * i as f64 / d))
-        .collect();
-    match &cfg.rope_scaling {
-        None => base,
-        Some(RopeScaling::Linear { factor }) => base.iter().map(|f| f / *factor as f64).collect(),
-        Some(RopeScaling::FreqFactors(ff)) => {
-            base.iter().zip(ff).map(|(f, s)| f / *s as f64).collect()
-        }
-        Some(RopeScaling::Llama3 {
-            factor,
-            low_freq_factor,
-            high_freq_factor,
-            original_max_position,
-        }) => {
-            let (factor, lo, hi, orig) = (
-                *factor as f64,
-                *low_freq_factor as f64,
-                *high_freq_factor as f64,
-                *original_max_position as f64,
-            );
-            let low_wavelen = orig / lo;
-            let high_wavelen = orig / hi;
-            base.iter()
-                .map(|&f| {
-                    let wavelen = 2.0 * std::f64::consts::PI / f;
-                    if wavelen < high_wavelen {
-                        f
-                    } else if wavelen > low_wavelen {
-                        f / factor
-                    } else {
-                        let smooth = (orig / wavelen - lo) / (hi - lo);
-                        (1.0 - smooth) * f / factor + smooth * f
-                    }
-                })
-                .collect()
-        }
-    }
 }

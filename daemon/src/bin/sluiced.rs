@@ -407,7 +407,7 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
                     )?;
                     let scratch = match chosen {
                         sluice::engine::Chosen::Cuda(_) => {
-                            sluice::backend::cuda::scratch_bytes(&m.arch, &opts)
+                            sluice::backend::cuda::scratch_bytes(&opts.scratch_shape(&m.arch))
                         }
                         sluice::engine::Chosen::Cpu { .. } => 0,
                     };
@@ -422,7 +422,7 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
                 read_buffers: 32,
                 ..Default::default()
             };
-            let o = sluice::pipeline::bench::BenchStreamOptions {
+            let o = sluice::engine::bench_stream::BenchStreamOptions {
                 device_budget: budget,
                 host_cache_budget: host_cache,
                 prefetch,
@@ -433,19 +433,17 @@ fn run(cli: Cli) -> Result<std::process::ExitCode> {
                 prompt_tokens,
             };
             let r = match chosen {
-                sluice::engine::Chosen::Cpu { .. } => sluice::pipeline::bench::bench_stream(
+                sluice::engine::Chosen::Cpu { .. } => sluice::engine::bench_stream::bench_stream(
                     store.clone(),
                     &o,
                     &|input| {
                         sluice::engine::cpu_runner(store.clone(), input, threads, o.io.clone())
                     },
-                    &|_, _| None,
                 )?,
-                sluice::engine::Chosen::Cuda(info) => sluice::pipeline::bench::bench_stream(
+                sluice::engine::Chosen::Cuda(info) => sluice::engine::bench_stream::bench_stream(
                     store.clone(),
                     &o,
                     &|input| sluice::engine::cuda_runner(store.clone(), input, &info, o.io.clone()),
-                    &|b, bytes| b.plain_h2d_gbps(bytes, 5).ok(),
                 )?,
             };
             if json {
@@ -786,7 +784,7 @@ fn run_prompt(a: RunArgs) -> Result<()> {
 
 /// Generates for `sluiced run` on whichever backend was chosen.
 fn run_generate<B: sluice::backend::Backend>(
-    mut runner: sluice::engine::Runner<B>,
+    mut runner: sluice::pipeline::Pipeline<B>,
     a: &RunArgs,
     tok: &sluice::text::Tokenizer,
     prompt_ids: &[u32],

@@ -1,9 +1,10 @@
 //! Generation for one sequence: chunked prefill, then decode steps with sampling, end
 //! tokens, stop strings, incremental text and timings.
 
-use super::{EngineError, Runner};
+use super::EngineError;
 use crate::backend::Backend;
 use crate::model::SeqStep;
+use crate::pipeline::Pipeline;
 use crate::text::detok::{Detokenizer, StopMatcher};
 use crate::text::{Sampler, SamplingParams, Tokenizer};
 use serde::Serialize;
@@ -54,7 +55,7 @@ impl GenerateOutput {
 
 /// Generates from `prompt` (token ids) in KV slot 0, calling `on_text` with each new piece.
 pub fn generate<B: Backend>(
-    runner: &mut Runner<B>,
+    runner: &mut Pipeline<B>,
     tok: &Tokenizer,
     prompt: &[u32],
     params: &GenerateParams,

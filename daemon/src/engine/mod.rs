@@ -1,17 +1,20 @@
 //! The engine: runs forward passes over a model's layer units and generates text.
-//! `Runner` owns the backend, the model and where each unit's weights live.
+//! `cpu_runner` / `cuda_runner` plan memory and build the `Pipeline` that runs the passes.
 
+pub mod bench_stream;
 pub mod generate;
 pub mod scheduler;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{self, CudaBackend, DeviceInfo};
-use crate::backend::BackendError;
+use crate::backend::{Backend, BackendError};
 use crate::io::IoConfig;
 use crate::io::IoError;
-use crate::model::ModelError;
+use crate::model::{ModelError, ModelOptions};
+use crate::pipeline::Pipeline;
+use crate::pipeline::PipelineError;
 use crate::plan::PlanInput;
-use crate::store::Store;
+use crate::store::{Manifest, Store};
 use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +25,8 @@ pub enum EngineError {
     Backend(#[from] BackendError),
     #[error(transparent)]
     Io(#[from] IoError),
+    #[error(transparent)]
+    Pipeline(#[from] PipelineError),
     #[error(transparent)]
     Tokenizer(#[from] crate::text::tokenizer::TokenizerError),
     #[error(transparent)]
@@ -35,13 +40,13 @@ pub enum EngineError {
 impl EngineError {
     /// True when stored model data is bad (DATA_LOSS for a server).
     pub fn is_data_loss(&self) -> bool {
-        matches!(self, EngineError::Io(e) if e.is_data_loss())
+        match self {
+            EngineError::Io(e) => e.is_data_loss(),
+            EngineError::Pipeline(e) => e.is_data_loss(),
+            _ => false,
+        }
     }
 }
-
-/// The runner of forward passes: the streaming pipeline (with every unit resident when
-/// the plan says so).
-pub type Runner<B> = crate::pipeline::Pipeline<B>;
 
 /// Plans memory for `store` and builds a CPU runner whose arena is exactly the planned
 /// device budget (so the budget is enforced, as on a GPU).
@@ -50,10 +55,10 @@ pub fn cpu_runner(
     input: &PlanInput,
     threads: usize,
     io: IoConfig,
-) -> Result<Runner<CpuBackend>, EngineError> {
+) -> Result<Pipeline<CpuBackend>, EngineError> {
     let plan = crate::plan::plan(store.manifest(), input)?;
     let backend = CpuBackend::new(plan.device_budget, threads)?;
-    Runner::new(backend, store, plan, input.opts, io)
+    Ok(Pipeline::new(backend, store, plan, input.opts, io)?)
 }
 
 /// `--backend`: where the layers run.
@@ -127,6 +132,47 @@ pub fn choose_backend(choice: BackendChoice, device: usize) -> Result<Chosen, En
     }
 }
 
+/// Device memory the chosen backend keeps for itself for this model and these limits
+/// (the plan counts it first).
+pub fn backend_scratch_bytes(chosen: &Chosen, m: &Manifest, opts: &ModelOptions) -> u64 {
+    match chosen {
+        Chosen::Cpu { .. } => 0,
+        Chosen::Cuda(_) => cuda::scratch_bytes(&opts.scratch_shape(&m.arch)),
+    }
+}
+
+/// What to do with pipelines on whichever backend was chosen. A trait rather than a
+/// closure because the body is generic over the backend type.
+pub trait OnBackend {
+    type Output;
+    /// `make` plans memory for an input and builds a pipeline on the chosen backend.
+    fn call<B: Backend + 'static>(
+        self,
+        make: &dyn Fn(&PlanInput) -> Result<Pipeline<B>, EngineError>,
+    ) -> Result<Self::Output, EngineError>
+    where
+        B::Mem: 'static;
+}
+
+/// The one place that dispatches on the chosen backend: hands `f` a builder of pipelines
+/// on it (`cpu_runner` with `threads`, or `cuda_runner` on the probed device).
+pub fn on_backend<F: OnBackend>(
+    chosen: &Chosen,
+    store: &Arc<Store>,
+    threads: usize,
+    io: &IoConfig,
+    f: F,
+) -> Result<F::Output, EngineError> {
+    match chosen {
+        Chosen::Cpu { .. } => {
+            f.call(&|input: &PlanInput| cpu_runner(store.clone(), input, threads, io.clone()))
+        }
+        Chosen::Cuda(info) => {
+            f.call(&|input: &PlanInput| cuda_runner(store.clone(), input, info, io.clone()))
+        }
+    }
+}
+
 /// Device memory left free when no budget is given: the driver, cuBLAS and other
 /// processes need some (1 GiB, or 2 % of the device when that is more).
 pub fn cuda_headroom(total: u64) -> u64 {
@@ -142,10 +188,10 @@ pub fn cuda_runner(
     input: &PlanInput,
     info: &DeviceInfo,
     io: IoConfig,
-) -> Result<Runner<CudaBackend>, EngineError> {
+) -> Result<Pipeline<CudaBackend>, EngineError> {
     let m = store.manifest();
     let mut input = input.clone();
-    input.backend_reserved = cuda::scratch_bytes(&m.arch, &input.opts);
+    input.backend_reserved = cuda::scratch_bytes(&input.opts.scratch_shape(&m.arch));
     if input.device_budget.is_none() {
         input.device_budget = Some(
             info.free_bytes
@@ -153,6 +199,10 @@ pub fn cuda_runner(
         );
     }
     let plan = crate::plan::plan(m, &input)?;
-    let backend = CudaBackend::new(info.ordinal, plan.device_bytes(), &m.arch, &input.opts)?;
-    Runner::new(backend, store, plan, input.opts, io)
+    let backend = CudaBackend::new(
+        info.ordinal,
+        plan.device_bytes(),
+        &input.opts.scratch_shape(&m.arch),
+    )?;
+    Ok(Pipeline::new(backend, store, plan, input.opts, io)?)
 }

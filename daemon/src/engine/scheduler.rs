@@ -6,9 +6,10 @@
 //! never grown.
 
 use super::generate::{FinishReason, GenerateParams};
-use super::{EngineError, Runner};
+use super::EngineError;
 use crate::backend::Backend;
 use crate::model::SeqStep;
+use crate::pipeline::Pipeline;
 use crate::text::detok::{Detokenizer, StopMatcher};
 use crate::text::{Sampler, Tokenizer};
 use serde::Serialize;
@@ -150,7 +151,7 @@ struct Seq {
 impl Scheduler {
     /// Starts the engine thread with `runner`; returns the handle and the thread.
     pub fn start<B: Backend + 'static>(
-        runner: Runner<B>,
+        runner: Pipeline<B>,
         tokenizer: Arc<Tokenizer>,
         cfg: SchedulerConfig,
     ) -> (Scheduler, std::thread::JoinHandle<()>)
@@ -231,7 +232,7 @@ impl Scheduler {
         *self.deadline.lock().expect("deadline lock") = Some(Instant::now() + grace);
     }
 
-    fn run<B: Backend>(self, mut runner: Runner<B>, rx: Receiver<Request>) {
+    fn run<B: Backend>(self, mut runner: Pipeline<B>, rx: Receiver<Request>) {
         let max_batch = runner.options().kv_slots;
         let budget = runner.options().max_batch_tokens;
         let mut free_slots: Vec<usize> = (0..max_batch).rev().collect();
@@ -429,7 +430,7 @@ impl Scheduler {
         }
     }
 
-    fn publish<B: Backend>(&self, runner: &Runner<B>, active: usize, decode_rate: f64) {
+    fn publish<B: Backend>(&self, runner: &Pipeline<B>, active: usize, decode_rate: f64) {
         let p = runner.last_pass();
         let t = runner.total();
         let io = runner.io().stats();

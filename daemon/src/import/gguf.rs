@@ -3,7 +3,7 @@
 
 use super::{end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor};
 use crate::dtype::{ggml_type_name, DType};
-use crate::model::{Arch, ArchConfig, RopeScaling};
+use crate::store::arch::{Arch, ArchConfig, RopeScaling};
 use crate::store::format::{GgufVocab, SpecialTokens, TokenizerSpec};
 use std::collections::BTreeMap;
 use std::path::Path;

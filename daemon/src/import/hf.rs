@@ -4,7 +4,7 @@
 
 use super::{end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor};
 use crate::dtype::DType;
-use crate::model::{Arch, ArchConfig, RopeScaling};
+use crate::store::arch::{Arch, ArchConfig, RopeScaling};
 use crate::store::format::{SpecialTokens, TokenizerSpec};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};

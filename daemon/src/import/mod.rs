@@ -7,8 +7,10 @@ pub mod hf;
 pub mod synth;
 
 use crate::dtype::DType;
-use crate::model::ArchConfig;
+use crate::store::arch::ArchConfig;
 use crate::store::format::{SpecialTokens, TokenizerSpec, UnitKind};
+pub use crate::store::writer::UnitSpec;
+use crate::store::writer::{ModelHeader, PackSource, TensorLayout};
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -80,13 +82,6 @@ pub struct ImportedModel {
 /// A tensor name and the shape the config says it must have.
 type NamedShape = (String, Vec<u64>);
 
-/// The tensors of one layer unit, in blob order.
-#[derive(Clone, Debug)]
-pub struct UnitSpec {
-    pub kind: UnitKind,
-    pub tensors: Vec<String>,
-}
-
 /// Opens a GGUF file or a Hugging Face model directory.
 pub fn open(src: &Path) -> Result<ImportedModel, ImportError> {
     let meta = std::fs::metadata(src).map_err(|e| ImportError::Io {
@@ -143,7 +138,7 @@ impl ImportedModel {
     }
 
     /// Copies a tensor into `dst` in canonical row order.
-    pub fn copy_tensor(&self, t: &SourceTensor, dst: &mut [u8]) {
+    pub fn copy_source(&self, t: &SourceTensor, dst: &mut [u8]) {
         if let Some(seed) = t.synthetic_seed {
             synth::fill(t.dtype, &t.shape, seed, dst);
             return;
@@ -274,6 +269,36 @@ impl ImportedModel {
             ));
         }
         Ok(units)
+    }
+}
+
+impl PackSource for ImportedModel {
+    fn header(&self) -> ModelHeader {
+        ModelHeader {
+            arch: self.arch.clone(),
+            tokenizer: self.tokenizer.clone(),
+            special: self.special.clone(),
+            chat_template: self.chat_template.clone(),
+            source: self
+                .source
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        }
+    }
+
+    fn tensor(&self, name: &str) -> Option<TensorLayout> {
+        self.tensors.get(name).map(|t| TensorLayout {
+            dtype: t.dtype,
+            shape: t.shape.clone(),
+            len: t.len,
+        })
+    }
+
+    fn copy_tensor(&self, name: &str, dst: &mut [u8]) {
+        // `pack` asks `tensor` for every name before copying it.
+        let t = &self.tensors[name];
+        self.copy_source(t, dst);
     }
 }
 

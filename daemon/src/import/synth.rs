@@ -5,7 +5,7 @@
 
 use super::{ImportedModel, SourceTensor};
 use crate::dtype::DType;
-use crate::model::{Arch, ArchConfig};
+use crate::store::arch::{Arch, ArchConfig};
 use crate::store::format::{GgufVocab, SpecialTokens, TokenizerSpec};
 use half::{bf16, f16};
 use std::collections::BTreeMap;

@@ -14,13 +14,21 @@
 //! A consumer may take a unit whole (`wait`) or as its decoded prefix grows
 //! (`wait_progress`), to start copying it to the device before its last frame is done.
 
+mod api;
 pub mod bench;
-pub mod buffers;
-mod engine;
+mod event_loop;
+mod limits;
+#[cfg(test)]
+mod loop_tests;
 mod pread;
+mod reader;
+mod stats;
+mod tickets;
 mod uring;
+mod workers;
 
-pub use engine::{HeldSlot, IoEngine, PoolStatus, SlotGuard, Ticket};
+pub use api::{HeldSlot, IoEngine, PoolStatus, SlotGuard, Ticket};
+pub use stats::IoStats;
 
 use crate::store::StoreError;
 use serde::Serialize;
@@ -88,12 +96,40 @@ pub struct IoConfig {
     /// Decode frames (checksum + decompress). Off only to measure raw read speed.
     pub decompress: bool,
     /// Page-locks the staging slots at start (the CUDA backend's copy stream reads them).
-    pub pinner: Option<buffers::Pinner>,
+    pub pinner: Option<crate::hostbuf::Pinner>,
 }
 
 pub const QUEUE_DEPTH_DEFAULT: usize = 64;
 pub const REQUEST_BYTES_DEFAULT: usize = 4 << 20;
 pub const QUEUE_DEPTH_MAX: usize = 4096;
+
+/// Reads in flight (and read buffers) for one sequence at a time (`sluiced run`):
+/// 16 x 4 MiB = 64 MiB of read buffers keeps a single stream's disk busy.
+pub const QUEUE_DEPTH_SINGLE: usize = 16;
+/// Reads in flight for the daemon and `bench-stream`, whose passes serve a batch:
+/// 32 x 4 MiB = 128 MiB of read buffers.
+pub const QUEUE_DEPTH_SERVING: usize = 32;
+
+impl IoConfig {
+    /// The preset of `sluiced run`: `QUEUE_DEPTH_SINGLE` reads in flight.
+    pub fn single_stream() -> IoConfig {
+        IoConfig {
+            queue_depth: QUEUE_DEPTH_SINGLE,
+            read_buffers: QUEUE_DEPTH_SINGLE,
+            ..Default::default()
+        }
+    }
+
+    /// The preset of `sluiced serve` and `bench-stream`: `QUEUE_DEPTH_SERVING` reads in
+    /// flight.
+    pub fn serving() -> IoConfig {
+        IoConfig {
+            queue_depth: QUEUE_DEPTH_SERVING,
+            read_buffers: QUEUE_DEPTH_SERVING,
+            ..Default::default()
+        }
+    }
+}
 
 impl Default for IoConfig {
     fn default() -> Self {
@@ -137,31 +173,4 @@ impl IoError {
     pub fn is_data_loss(&self) -> bool {
         matches!(self, IoError::Data(e) if e.is_data_loss())
     }
-}
-
-/// Counters since the engine started (or since `reset_stats`).
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct IoStats {
-    /// Bytes read from the file (blobs rounded out to 4096).
-    pub read_bytes: u64,
-    pub read_ops: u64,
-    /// Reads that returned fewer bytes than asked and were resubmitted.
-    pub short_reads: u64,
-    /// Seconds with at least one read in flight.
-    pub read_busy_s: f64,
-    /// Stored bytes of the frames decoded, and the raw bytes they produced.
-    pub decoded_stored_bytes: u64,
-    pub decompressed_bytes: u64,
-    /// Seconds the workers spent decoding, summed over workers.
-    pub decompress_busy_s: f64,
-    /// Seconds callers spent blocked in `wait`.
-    pub wait_stall_s: f64,
-    /// Seconds reads waited for a free read buffer (decompression holding them).
-    pub buffer_stall_s: f64,
-    /// Seconds requests waited for a free staging slot (the consumer holding them).
-    pub slot_stall_s: f64,
-    pub units_done: u64,
-    pub units_failed: u64,
-    /// Reads in flight on average while any was (the queue depth achieved).
-    pub queue_depth_avg: f64,
 }

@@ -2,7 +2,7 @@
 //! (seccomp, kernel.io_uring_disabled, old kernels) or O_DIRECT is refused. Completions come
 //! back as messages, so the engine loop is the same for both readers.
 
-use super::engine::{Msg, Reader, Waker};
+use super::reader::{Msg, Reader, Waker};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::mpsc::{channel, Receiver, Sender};

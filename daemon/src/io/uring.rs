@@ -2,8 +2,8 @@
 //! up to `queue_depth` in flight, and a poll on an eventfd so that messages from callers
 //! and workers wake the thread that waits on the ring.
 
-use super::buffers::AlignedBuf;
-use super::engine::{EventFd, Msg, Reader};
+use super::reader::{EventFd, Msg, Reader};
+use crate::hostbuf::AlignedBuf;
 use io_uring::{opcode, types, IoUring};
 use std::fs::File;
 use std::os::fd::AsRawFd;

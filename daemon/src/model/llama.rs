@@ -4,8 +4,11 @@
 //! at a time: `forward_unit` is the loop body the streaming pipeline drives, so one pass
 //! over the weights serves the whole batch.
 
+use super::rope::rope_table;
 use super::{ArchConfig, RopeScaling};
-use crate::backend::{rope_table, AttnShape, AttnStep, Backend, BackendError, SeqSpan, WeightRef};
+use crate::backend::{
+    AttnShape, AttnStep, Backend, BackendError, ScratchShape, SeqSpan, WeightRef,
+};
 use crate::dtype::DType;
 use crate::store::format::{LayerUnit, Manifest, UnitKind};
 
@@ -53,6 +56,20 @@ pub struct ModelOptions {
     pub kv_slots: usize,
     /// Tokens one step may carry over all sequences (prefill chunk size).
     pub max_batch_tokens: usize,
+}
+
+impl ModelOptions {
+    /// What a backend needs to size its scratch for this model under these limits.
+    pub fn scratch_shape(&self, cfg: &ArchConfig) -> ScratchShape {
+        ScratchShape {
+            rows: self.max_batch_tokens.max(self.kv_slots) as u64,
+            hidden: cfg.hidden as u64,
+            q_dim: cfg.q_dim(),
+            intermediate: cfg.intermediate as u64,
+            vocab: cfg.vocab as u64,
+            max_context: self.max_context,
+        }
+    }
 }
 
 /// One sequence's part of a step.

@@ -15,12 +15,12 @@
 //! compute is enqueued, so disk, decompression, copy and compute all overlap; the host runs
 //! at most as many units ahead of the device as there are streaming slots.
 
-pub mod bench;
-
 use crate::backend::Backend;
-use crate::engine::EngineError;
-use crate::io::buffers::AlignedBuf;
+use crate::backend::BackendError;
+use crate::hostbuf::AlignedBuf;
+use crate::io::IoError;
 use crate::io::{IoConfig, IoEngine, Ticket};
+use crate::model::ModelError;
 use crate::model::{Llama, ModelOptions, SeqStep};
 use crate::plan::{Placement, Plan};
 use crate::store::format::UnitKind;
@@ -28,6 +28,27 @@ use crate::store::Store;
 use serde::Serialize;
 use std::collections::VecDeque;
 use std::sync::Arc;
+
+/// What can stop a pass: the model's layout, the backend, or the I/O engine (which names
+/// the unit, frame and offset of a data fault).
+#[derive(Debug, thiserror::Error)]
+pub enum PipelineError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error(transparent)]
+    Backend(#[from] BackendError),
+    #[error(transparent)]
+    Io(#[from] IoError),
+    #[error("host cache: cannot allocate {bytes} bytes for {unit}; lower --host-cache")]
+    HostCacheAlloc { unit: UnitKind, bytes: u64 },
+}
+
+impl PipelineError {
+    /// True when stored model data is bad (DATA_LOSS for a server).
+    pub fn is_data_loss(&self) -> bool {
+        matches!(self, PipelineError::Io(e) if e.is_data_loss())
+    }
+}
 use std::time::Instant;
 
 /// A unit's upload starts once this much of it is decoded, and continues in parts of this
@@ -112,7 +133,7 @@ impl<B: Backend> Pipeline<B> {
         plan: Plan,
         opts: ModelOptions,
         io_cfg: IoConfig,
-    ) -> Result<Self, EngineError> {
+    ) -> Result<Self, PipelineError> {
         let model = Llama::new(&backend, store.manifest(), opts)?;
         let mut slots = Vec::with_capacity(plan.stream_slots);
         for i in 0..plan.stream_slots {
@@ -159,12 +180,12 @@ impl<B: Backend> Pipeline<B> {
                     resident[u] = Some(mem);
                 }
                 Placement::HostCached => {
-                    let mut buf = AlignedBuf::new(slot.data().len()).ok_or_else(|| {
-                        EngineError::Invalid(format!(
-                            "host cache: cannot allocate {} bytes for {kind}",
-                            slot.data().len()
-                        ))
-                    })?;
+                    let mut buf = AlignedBuf::new(slot.data().len()).ok_or(
+                        PipelineError::HostCacheAlloc {
+                            unit: kind,
+                            bytes: slot.data().len() as u64,
+                        },
+                    )?;
                     if let Some(p) = backend.pinner() {
                         // Pinned copies upload at full speed; unpinned ones still work.
                         if let Err(e) = buf.pin(&p) {
@@ -243,7 +264,7 @@ impl<B: Backend> Pipeline<B> {
 
     /// Requests loads in pass order, wrapping into the next pass, until `prefetch` are
     /// outstanding: the next pass's first units load while this one finishes.
-    fn top_up(&mut self) -> Result<(), EngineError> {
+    fn top_up(&mut self) -> Result<(), PipelineError> {
         let prefetch = self.plan.prefetch.max(1);
         while !self.loads.is_empty() && self.ahead.len() < prefetch {
             let lu = self.loads[self.next_issue];
@@ -267,7 +288,7 @@ impl<B: Backend> Pipeline<B> {
         slot: usize,
         len: usize,
         st: &mut PassStats,
-    ) -> Result<(), EngineError> {
+    ) -> Result<(), PipelineError> {
         let chunk = self.upload_chunk.max(1);
         let mut sent = 0;
         self.backend.upload_begin(&mut self.slots[slot])?;
@@ -283,14 +304,14 @@ impl<B: Backend> Pipeline<B> {
                         .upload_part(&mut self.slots[slot], sent, &prefix[sent..]);
                     st.upload_s += t1.elapsed().as_secs_f64();
                     if let Err(e) = r {
-                        break Err(EngineError::from(e));
+                        break Err(PipelineError::from(e));
                     }
                     st.partial_uploads += 1;
                     self.partial_uploads += 1;
                     sent = prefix.len();
                 }
                 Ok(None) => break Ok(()),
-                Err(e) => break Err(EngineError::from(e)),
+                Err(e) => break Err(PipelineError::from(e)),
             }
         };
         if let Err(e) = progressive {
@@ -316,7 +337,7 @@ impl<B: Backend> Pipeline<B> {
     }
 
     /// Runs one step of the batch over every unit and fills `logits` (a row per sequence).
-    pub fn step(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), EngineError> {
+    pub fn step(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), PipelineError> {
         let r = self.pass(steps, logits);
         if r.is_err() {
             // A staging slot goes back only once no copy reads it any more.
@@ -331,7 +352,7 @@ impl<B: Backend> Pipeline<B> {
         r
     }
 
-    fn pass(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), EngineError> {
+    fn pass(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), PipelineError> {
         self.model.begin(steps)?;
         let t_pass = Instant::now();
         let mut st = PassStats {

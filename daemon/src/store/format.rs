@@ -3,10 +3,10 @@
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
 //! | payload (postcard) | xxh3-64 of everything before it (u64 LE).
 
+use super::arch::ArchConfig;
 use super::codec::{Codec, Plane};
 use super::StoreError;
 use crate::dtype::DType;
-use crate::model::ArchConfig;
 use serde::{Deserialize, Serialize};
 use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;

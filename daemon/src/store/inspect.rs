@@ -1,8 +1,8 @@
 //! Summaries of a store for `sluiced inspect`: per-unit and per-dtype sizes and ratios.
 
+use super::arch::ArchConfig;
 use super::format::{Manifest, TokenizerSpec};
 use crate::dtype::DType;
-use crate::model::ArchConfig;
 use serde::Serialize;
 use std::collections::BTreeMap;
 

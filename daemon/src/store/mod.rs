@@ -1,5 +1,6 @@
 //! The on-disk model store: manifest, frames, codecs, writer (pack), reader, verify.
 
+pub mod arch;
 pub mod codec;
 pub mod format;
 pub mod inspect;
@@ -7,6 +8,7 @@ pub mod reader;
 pub mod verify;
 pub mod writer;
 
+pub use arch::{Arch, ArchConfig, RopeScaling};
 pub use codec::{Codec, FrameDecoder, FrameFault};
 pub use format::{LayerUnit, Manifest, TensorEntry, UnitKind};
 pub use reader::Store;

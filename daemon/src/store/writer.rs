@@ -4,12 +4,14 @@
 //! the directory is renamed into place and the parent fsynced: an interrupted pack leaves
 //! no half-written store at the target (the next pack removes the stale partial directory).
 
+use super::arch::ArchConfig;
 use super::codec::{Codec, FrameEncoder};
 use super::format::{
     Frame, LayerUnit, Manifest, TensorEntry, BLOB_ALIGN, MANIFEST_FILE, TENSOR_ALIGN, WEIGHTS_FILE,
 };
+use super::format::{SpecialTokens, TokenizerSpec, UnitKind};
 use super::StoreError;
-use crate::import::{ImportedModel, UnitSpec};
+use crate::dtype::DType;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -50,6 +52,43 @@ pub struct PackReport {
     pub stored_bytes: u64,
 }
 
+/// The tensors of one layer unit, in blob order.
+#[derive(Clone, Debug)]
+pub struct UnitSpec {
+    pub kind: UnitKind,
+    pub tensors: Vec<String>,
+}
+
+/// The manifest fields that describe the model rather than its bytes.
+#[derive(Clone, Debug)]
+pub struct ModelHeader {
+    pub arch: ArchConfig,
+    pub tokenizer: TokenizerSpec,
+    pub special: SpecialTokens,
+    pub chat_template: Option<String>,
+    /// File name of the source, for `inspect`.
+    pub source: String,
+}
+
+/// Dtype, shape (row-major, last dimension contiguous) and byte length of one tensor.
+#[derive(Clone, Debug)]
+pub struct TensorLayout {
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub len: u64,
+}
+
+/// What `pack` writes, in the store's own terms: an importer provides it, so the store
+/// never learns where a model came from.
+pub trait PackSource {
+    fn header(&self) -> ModelHeader;
+    /// The layout of a tensor a unit spec names, or None when the source lacks it.
+    fn tensor(&self, name: &str) -> Option<TensorLayout>;
+    /// Writes the tensor's bytes, already in the store's canonical layout, into `dst`
+    /// (exactly the tensor's `len` bytes).
+    fn copy_tensor(&self, name: &str, dst: &mut [u8]);
+}
+
 /// A compressed frame: codec, planes, stored bytes, checksum of the raw bytes.
 type EncodedFrame = (Codec, Vec<super::codec::Plane>, Vec<u8>, u64);
 
@@ -79,7 +118,7 @@ fn fsync_dir(path: &Path) -> Result<(), StoreError> {
 
 /// Packs `model` into a store at `out`. `on_progress` receives raw bytes done per unit.
 pub fn pack(
-    model: &ImportedModel,
+    model: &impl PackSource,
     units: &[UnitSpec],
     out: &Path,
     opts: &PackOptions,
@@ -146,12 +185,20 @@ pub fn pack(
         let mut tensors = Vec::with_capacity(spec.tensors.len());
         let mut raw_at = 0u64;
         for name in &spec.tensors {
-            let t = &model.tensors[name];
+            let t = model.tensor(name).ok_or_else(|| {
+                StoreError::invalid(
+                    out,
+                    format!(
+                        "{}: the source has no tensor {name:?} (a bug in the unit spec)",
+                        spec.kind
+                    ),
+                )
+            })?;
             raw_at = align_up(raw_at, TENSOR_ALIGN);
             tensors.push(TensorEntry {
                 name: name.clone(),
                 dtype: t.dtype,
-                shape: t.shape.clone(),
+                shape: t.shape,
                 offset: raw_at,
                 len: t.len,
             });
@@ -162,7 +209,7 @@ pub fn pack(
         blob.resize(raw_len as usize, 0);
         for (entry, name) in tensors.iter().zip(&spec.tensors) {
             let dst = &mut blob[entry.offset as usize..(entry.offset + entry.len) as usize];
-            model.copy_tensor(&model.tensors[name], dst);
+            model.copy_tensor(name, dst);
         }
 
         // Frames: each tensor's region (its bytes and the padding after them) in
@@ -259,20 +306,17 @@ pub fn pack(
         .map_err(|e| StoreError::io("fsync", &weights_path, e))?;
     drop(weights);
 
+    let header = model.header();
     let manifest = Manifest {
-        arch: model.arch.clone(),
-        tokenizer: model.tokenizer.clone(),
-        chat_template: model.chat_template.clone(),
-        special: model.special.clone(),
+        arch: header.arch,
+        tokenizer: header.tokenizer,
+        chat_template: header.chat_template,
+        special: header.special,
         units: layer_units,
         weights_len: file_at,
         codec: opts.codec,
         frame_size: opts.frame_size,
-        source: model
-            .source
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
+        source: header.source,
     };
     // Assert in pairs: what we wrote must pass the checks every reader applies.
     manifest.validate().map_err(|e| {

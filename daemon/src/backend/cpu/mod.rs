@@ -7,7 +7,7 @@ pub mod kernels;
 
 use super::{check_upload, AttnShape, AttnStep, Backend, BackendError, MemBudget, WeightRef};
 use crate::dtype::DType;
-use crate::io::buffers::AlignedBuf;
+use crate::hostbuf::{AlignedBuf, IO_ALIGN};
 use rayon::prelude::*;
 use std::cell::RefCell;
 use std::sync::Arc;
@@ -110,8 +110,7 @@ impl Backend for CpuBackend {
     }
 
     fn alloc(&self, bytes: usize, what: &str) -> Result<CpuMem, BackendError> {
-        let rounded =
-            bytes.max(1).div_ceil(crate::io::buffers::IO_ALIGN) * crate::io::buffers::IO_ALIGN;
+        let rounded = bytes.max(1).div_ceil(IO_ALIGN) * IO_ALIGN;
         self.budget.reserve(rounded as u64, what)?;
         match AlignedBuf::new(rounded) {
             Some(buf) => Ok(CpuMem {

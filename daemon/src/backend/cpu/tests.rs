@@ -1,9 +1,8 @@
 //! Every CPU op against a naive f64 reference on seeded random inputs (STYLE.md 10).
 
 use super::CpuBackend;
-use crate::backend::{rope_table, AttnShape, AttnStep, Backend, SeqSpan, WeightRef};
+use crate::backend::{AttnShape, AttnStep, Backend, SeqSpan, WeightRef};
 use crate::dtype::{DType, ALL_DTYPES};
-use crate::model::{Arch, ArchConfig, RopeScaling};
 use half::{bf16, f16};
 
 struct Rng(u64);
@@ -223,81 +222,6 @@ fn embedding_rms_norm_silu_add_match_f64() {
     let mut am = mem_f32(&b, &gate);
     b.add(&mut am, &um, 100);
     assert!((0..100).all(|i| am.f32s()[i] == gate[i] + up[i]));
-}
-
-fn cfg(head_dim: u32, rope_scaling: Option<RopeScaling>) -> ArchConfig {
-    ArchConfig {
-        arch: Arch::Llama,
-        name: String::new(),
-        n_layers: 1,
-        hidden: 64,
-        n_heads: 4,
-        n_kv_heads: 2,
-        head_dim,
-        intermediate: 64,
-        vocab: 10,
-        max_context: 64,
-        rope_theta: 500000.0,
-        rope_scaling,
-        rms_eps: 1e-5,
-        tied_embeddings: true,
-        qkv_bias: false,
-        sliding_window: None,
-    }
-}
-
-#[test]
-fn rope_matches_f64_rotate_half_for_default_and_llama3_scaling() {
-    let b = backend();
-    let mut r = Rng(3);
-    let hd = 16usize;
-    let llama3 = RopeScaling::Llama3 {
-        factor: 8.0,
-        low_freq_factor: 1.0,
-        high_freq_factor: 4.0,
-        original_max_position: 64,
-    };
-    for scaling in [None, Some(llama3)] {
-        let c = cfg(hd as u32, scaling.clone());
-        let table = rope_table(&c, 64);
-        let tm = mem_f32(&b, &table);
-        let heads = 3;
-        let positions = [0u32, 5, 63];
-        let x = r.vec(positions.len() * heads * hd);
-        let mut xm = mem_f32(&b, &x);
-        b.rope(&mut xm, positions.len(), heads, hd, &positions, &tm);
-        // transformers: inv_freq (with llama3 smoothing), rotate_half.
-        let inv: Vec<f64> = crate::backend::inv_freq(&c);
-        if scaling.is_some() {
-            // The lowest frequencies are divided by the factor, the highest kept.
-            let base: Vec<f64> = (0..hd / 2)
-                .map(|i| 1.0 / 500000f64.powf(2.0 * i as f64 / hd as f64))
-                .collect();
-            assert_eq!(inv[0], base[0]);
-            assert!((inv[hd / 2 - 1] - base[hd / 2 - 1] / 8.0).abs() < 1e-18);
-        }
-        for (ri, &p) in positions.iter().enumerate() {
-            for h in 0..heads {
-                let at = (ri * heads + h) * hd;
-                for i in 0..hd {
-                    let (x1, x2) = (
-                        x[at + i] as f64,
-                        if i < hd / 2 {
-                            -(x[at + i + hd / 2] as f64)
-                        } else {
-                            x[at + i - hd / 2] as f64
-                        },
-                    );
-                    let a = p as f64 * inv[i % (hd / 2)];
-                    let want = x1 * a.cos() + x2 * a.sin();
-                    assert!(
-                        (xm.f32s()[at + i] as f64 - want).abs() <= 1e-5,
-                        "pos {p} head {h} dim {i}"
-                    );
-                }
-            }
-        }
-    }
 }
 
 #[test]

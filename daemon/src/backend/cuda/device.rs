@@ -13,10 +13,11 @@
 
 use super::arena::Arena;
 use super::{DeviceInfo, KERNELS};
-use crate::backend::{AttnStep, Backend, BackendError, CopyStats, MemBudget, SeqSpan, WeightRef};
+use crate::backend::{
+    AttnStep, Backend, BackendError, CopyStats, MemBudget, ScratchShape, SeqSpan, WeightRef,
+};
 use crate::dtype::DType;
-use crate::io::buffers::{HostPinner, Pinner};
-use crate::model::{ArchConfig, ModelOptions};
+use crate::hostbuf::{HostPinner, Pinner};
 use cudarc::cublas::{result as blas, sys as bsys};
 use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream};
 use std::cell::Cell;
@@ -34,8 +35,8 @@ const BLAS_WORKSPACE: u64 = 32 << 20;
 /// metadata (token ids, positions, KV offsets), f16/bf16 copies of prefill activations,
 /// the dequantization tile and bias buffer of the cuBLAS path, and cuBLAS's workspace. The
 /// memory plan counts it before anything else.
-pub fn scratch_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
-    let l = Layout::new(cfg, opts);
+pub fn scratch_bytes(shape: &ScratchShape) -> u64 {
+    let l = Layout::new(shape);
     l.meta + l.half + l.tile + l.bias + BLAS_WORKSPACE
 }
 
@@ -48,15 +49,10 @@ struct Layout {
 }
 
 impl Layout {
-    fn new(cfg: &ArchConfig, opts: &ModelOptions) -> Layout {
+    fn new(shape: &ScratchShape) -> Layout {
         let r = |b: u64| b.div_ceil(4096) * 4096;
-        let rows = opts.max_batch_tokens.max(opts.kv_slots) as u64;
-        let (h, q, i, v) = (
-            cfg.hidden as u64,
-            cfg.q_dim(),
-            cfg.intermediate as u64,
-            cfg.vocab as u64,
-        );
+        let rows = shape.rows;
+        let (h, q, i, v) = (shape.hidden, shape.q_dim, shape.intermediate, shape.vocab);
         let kmax = h.max(q).max(i);
         let widest = v.max(i).max(q).max(h);
         Layout {
@@ -285,8 +281,7 @@ impl CudaBackend {
     pub fn new(
         ordinal: usize,
         arena_bytes: u64,
-        cfg: &ArchConfig,
-        opts: &ModelOptions,
+        shape: &ScratchShape,
     ) -> Result<CudaBackend, BackendError> {
         if !driver_present() {
             return Err(BackendError::Device(
@@ -308,8 +303,8 @@ impl CudaBackend {
                 free: info.free_bytes,
             });
         }
-        let layout = Layout::new(cfg, opts);
-        let attn_need = opts.max_context * 4;
+        let layout = Layout::new(shape);
+        let attn_need = shape.max_context * 4;
         let compute = ctx.new_stream().map_err(dev_err("compute stream"))?;
         let copy = ctx.new_stream().map_err(dev_err("copy stream"))?;
         let funcs = load_kernels(&ctx, &info)?;
@@ -321,7 +316,7 @@ impl CudaBackend {
         if attn_need > attn_smem {
             return Err(BackendError::Invalid(format!(
                 "a context of {} positions needs {attn_need} bytes of shared memory per attention block for its scores; {} allows {attn_smem}: lower --max-context",
-                opts.max_context, info.name
+                shape.max_context, info.name
             )));
         }
         attn.set_attribute(
@@ -1102,6 +1097,10 @@ impl Backend for CudaBackend {
 
     fn pinner(&self) -> Option<Pinner> {
         Some(self.pinner.clone())
+    }
+
+    fn reference_copy_gbps(&self, bytes: usize) -> Option<f64> {
+        self.plain_h2d_gbps(bytes, 5).ok()
     }
 
     fn copy_stats(&self) -> CopyStats {

@@ -1,5 +1,8 @@
 //! One architecture config for every supported family, filled alike by the GGUF and the
 //! Hugging Face importers so that the model code never looks at where a model came from.
+//!
+//! It is part of the manifest schema (written by `pack`, read by the model), so it lives
+//! with the store format and changes with its format version.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

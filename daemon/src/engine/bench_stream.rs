@@ -4,9 +4,10 @@
 //! tokens/s at several batch sizes under the same budget.
 
 use crate::backend::Backend;
-use crate::engine::{EngineError, Runner};
+use crate::engine::{backend_scratch_bytes, Chosen, EngineError};
 use crate::io::IoConfig;
 use crate::model::{ModelOptions, SeqStep};
+use crate::pipeline::Pipeline;
 use crate::plan::PlanInput;
 use crate::store::Store;
 use serde::Serialize;
@@ -81,7 +82,7 @@ fn token_ids(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
 /// Prefills `batch` sequences, then times `steps` decode steps; returns (seconds per pass,
 /// load stall per pass, compute per pass).
 fn decode_passes<B: Backend>(
-    r: &mut Runner<B>,
+    r: &mut Pipeline<B>,
     batch: usize,
     prompt: usize,
     steps: usize,
@@ -101,7 +102,7 @@ fn decode_passes<B: Backend>(
     }
     // One untimed decode step warms the caches.
     let mut pos = prompt;
-    let mut step = |r: &mut Runner<B>, pos: usize| -> Result<(), EngineError> {
+    let mut step = |r: &mut Pipeline<B>, pos: usize| -> Result<(), EngineError> {
         let s: Vec<SeqStep> = (0..batch)
             .map(|b| SeqStep {
                 slot: b,
@@ -109,7 +110,7 @@ fn decode_passes<B: Backend>(
                 tokens: token_ids(1, vocab, (pos * 131 + b) as u64),
             })
             .collect();
-        r.step(&s, &mut logits)
+        Ok(r.step(&s, &mut logits)?)
     };
     step(r, pos)?;
     pos += 1;
@@ -125,22 +126,54 @@ fn decode_passes<B: Backend>(
     Ok((t0.elapsed().as_secs_f64() / n, stall / n, compute / n))
 }
 
-/// Runs the benchmark with runners from `make` (one backend); `plain_h2d(backend, bytes)`
-/// measures the reference copy rate where the backend has one.
+/// The model limits the benchmark runs under: a context for the prompt and the timed
+/// steps, one KV slot per sequence of the largest batch.
+pub fn model_options(batches: &[usize], prompt_tokens: usize, steps: usize) -> ModelOptions {
+    let max_batch = batches.iter().copied().max().unwrap_or(1).max(1);
+    ModelOptions {
+        max_context: prompt_tokens + steps + 2,
+        kv_slots: max_batch,
+        max_batch_tokens: (max_batch * prompt_tokens).max(max_batch),
+    }
+}
+
+/// The device budget that leaves `weights_pct` percent of the model's weights resident:
+/// KV cache and workspace as the plan reserves them, the backend's scratch, and that
+/// share of the weights (which must hold the streaming slots too).
+pub fn budget_for_weights_share(
+    store: &Store,
+    opts: ModelOptions,
+    prefetch: Option<usize>,
+    weights_pct: f64,
+    chosen: &Chosen,
+) -> Result<u64, EngineError> {
+    let m = store.manifest();
+    let p = crate::plan::plan(
+        m,
+        &PlanInput {
+            device_budget: None,
+            host_cache_budget: 0,
+            opts,
+            prefetch,
+            backend_reserved: 0,
+        },
+    )?;
+    let scratch = backend_scratch_bytes(chosen, m, &opts);
+    Ok(p.kv_cache_bytes
+        + p.workspace_bytes
+        + scratch
+        + (p.resident_bytes as f64 * weights_pct / 100.0) as u64)
+}
+
+/// Runs the benchmark with pipelines from `make` (one backend).
 pub fn bench_stream<B: Backend>(
     store: Arc<Store>,
     o: &BenchStreamOptions,
-    make: &dyn Fn(&PlanInput) -> Result<Runner<B>, EngineError>,
-    plain_h2d: &dyn Fn(&B, usize) -> Option<f64>,
+    make: &dyn Fn(&PlanInput) -> Result<Pipeline<B>, EngineError>,
 ) -> Result<BenchStreamReport, EngineError> {
     let m = store.manifest();
     let vocab = m.arch.vocab;
-    let max_batch = *o.batches.iter().max().unwrap_or(&1);
-    let opts = ModelOptions {
-        max_context: o.prompt_tokens + o.steps + 2,
-        kv_slots: max_batch,
-        max_batch_tokens: (max_batch * o.prompt_tokens).max(max_batch),
-    };
+    let opts = model_options(&o.batches, o.prompt_tokens, o.steps);
     let input = |budget: Option<u64>| PlanInput {
         device_budget: budget,
         host_cache_budget: o.host_cache_budget,
@@ -194,7 +227,9 @@ pub fn bench_stream<B: Backend>(
         .find(|x| x.batch == 1)
         .map_or(0.0, |x| x.pass_s);
     let plain = if r.plan.stream_slots > 0 {
-        plain_h2d(&r.backend, r.plan.stream_slot_bytes as usize).unwrap_or(0.0)
+        r.backend
+            .reference_copy_gbps(r.plan.stream_slot_bytes as usize)
+            .unwrap_or(0.0)
     } else {
         0.0
     };

@@ -1,4 +1,5 @@
-//! Page-aligned host buffers, allocated once at start. O_DIRECT needs the buffer address,
+//! Page-aligned host buffers, allocated once at start, below both the I/O engine (read
+//! buffers, staging slots) and the backends (the CPU arena, pinned staging). O_DIRECT needs the buffer address,
 //! the file offset and the length aligned to the device's logical block size; 4096 covers
 //! every device we meet. The CUDA backend page-locks these same allocations (`pin`), so the
 //! decompression workers write straight into memory the GPU's copy engine reads by DMA.

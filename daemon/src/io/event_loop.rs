@@ -1,0 +1,692 @@
+//! The I/O thread's loop: it owns requests, read chunks, read buffers and staging slots,
+//! issues reads oldest request first, hands frames whose reads have landed to the
+//! workers, frees each buffer once its frames are decoded, and publishes progress.
+
+use super::reader::{Msg, Reader};
+use super::tickets::{Shared, TicketState};
+use super::workers::Job;
+use super::{IoConfig, IoError};
+use crate::hostbuf::{AlignedBuf, IO_ALIGN};
+use crate::store::codec::FrameFault;
+use crate::store::Store;
+use std::collections::VecDeque;
+use std::ops::Range;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{Receiver, Sender};
+use std::sync::Arc;
+use std::time::Instant;
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum SlotState {
+    Free,
+    Loading,
+    /// Ready and handed to the caller of ticket `.0` (or waiting to be).
+    Held(u64),
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum FrameState {
+    Waiting,
+    AtWorker,
+    Done,
+}
+
+struct Chunk {
+    offset: u64,
+    len: usize,
+    buf: Option<usize>,
+    done: bool,
+    frames: Range<usize>,
+}
+
+struct Active {
+    ticket: u64,
+    unit: usize,
+    chunks: Vec<Chunk>,
+    next_chunk: usize,
+    frames: Vec<FrameState>,
+    frames_left: usize,
+    /// Frames done from the first one on, without a gap (the decoded prefix).
+    prefix: usize,
+    /// A decoded prefix was published: a consumer may be copying out of the slot.
+    progressed: bool,
+    at_worker: usize,
+    ops: usize,
+    /// Failed or cancelled: nothing more is read or dispatched; the slot is freed once the
+    /// reads in flight and the frames at workers are back.
+    aborted: bool,
+}
+
+struct Op {
+    slot: usize,
+    chunk: usize,
+    /// Bytes of the chunk already read (short reads resubmit the rest).
+    done: usize,
+}
+
+pub(super) struct Loop {
+    store: Arc<Store>,
+    cfg: IoConfig,
+    reader: Box<dyn Reader>,
+    shared: Arc<Shared>,
+    read_bufs: Arc<Vec<AlignedBuf>>,
+    free_bufs: Vec<usize>,
+    slots: Arc<Vec<AlignedBuf>>,
+    slot_state: Vec<SlotState>,
+    active: Vec<Option<Active>>,
+    /// Active slots in admission order: older requests' reads go first.
+    order: VecDeque<usize>,
+    queue: VecDeque<(u64, usize)>,
+    ops: Vec<Option<Op>>,
+    free_ops: Vec<usize>,
+    in_flight: usize,
+    /// When `in_flight` last changed (for the queue-depth integral).
+    in_flight_since: Instant,
+    jobs: Sender<Job>,
+    shutting_down: bool,
+    busy_since: Option<Instant>,
+    buf_starved_since: Option<Instant>,
+    slot_starved_since: Option<Instant>,
+    path: std::path::PathBuf,
+}
+
+/// Marks the engine stopped and wakes waiters however the loop ends (a panic included).
+struct StopOnDrop(Arc<Shared>);
+
+impl Drop for StopOnDrop {
+    fn drop(&mut self) {
+        self.0.stopped.store(true, Ordering::Release);
+        let _g = self.0.tickets.lock();
+        self.0.ready.notify_all();
+    }
+}
+
+impl Loop {
+    pub(super) fn new(
+        store: Arc<Store>,
+        cfg: IoConfig,
+        reader: Box<dyn Reader>,
+        shared: Arc<Shared>,
+        read_bufs: Arc<Vec<AlignedBuf>>,
+        slots: Arc<Vec<AlignedBuf>>,
+        jobs: Sender<Job>,
+    ) -> Loop {
+        let path = store.weights_path().to_path_buf();
+        Loop {
+            store,
+            reader,
+            shared,
+            read_bufs,
+            free_bufs: (0..cfg.read_buffers).rev().collect(),
+            slots,
+            slot_state: vec![SlotState::Free; cfg.staging_slots],
+            active: (0..cfg.staging_slots).map(|_| None).collect(),
+            order: VecDeque::new(),
+            queue: VecDeque::new(),
+            ops: (0..cfg.queue_depth).map(|_| None).collect(),
+            free_ops: (0..cfg.queue_depth).rev().collect(),
+            in_flight: 0,
+            in_flight_since: Instant::now(),
+            jobs,
+            shutting_down: false,
+            busy_since: None,
+            buf_starved_since: None,
+            slot_starved_since: None,
+            path,
+            cfg,
+        }
+    }
+
+    pub(super) fn run(mut self, rx: Receiver<Msg>) {
+        let _stop = StopOnDrop(self.shared.clone());
+        let mut msgs = Vec::new();
+        let mut done = Vec::new();
+        loop {
+            for m in msgs.drain(..) {
+                self.handle(m);
+            }
+            for (op, res) in done.drain(..) {
+                self.complete(op, res);
+            }
+            self.admit();
+            self.submit();
+            self.account();
+            if self.shutting_down
+                && self.in_flight == 0
+                && self.active.iter().flatten().all(|a| a.at_worker == 0)
+            {
+                return;
+            }
+            if let Err(e) = self.reader.wait(&rx, &mut msgs, &mut done) {
+                // The ring itself failed: nothing can be read any more. Fail everything
+                // that waits, and stop.
+                tracing::error!(path = %self.path.display(), "I/O engine stopped: {e}");
+                return;
+            }
+        }
+    }
+
+    fn handle(&mut self, m: Msg) {
+        match m {
+            Msg::Request { ticket, unit } => {
+                if self.shutting_down {
+                    self.shared
+                        .publish(ticket, TicketState::Failed(IoError::Stopped));
+                } else {
+                    self.queue.push_back((ticket, unit));
+                }
+            }
+            Msg::Cancel { ticket } => {
+                self.queue.retain(|&(t, _)| t != ticket);
+                if let Some(slot) = self
+                    .slot_state
+                    .iter()
+                    .position(|&s| s == SlotState::Held(ticket))
+                {
+                    self.free_slot(slot);
+                }
+                let found = self
+                    .active
+                    .iter()
+                    .position(|a| a.as_ref().is_some_and(|a| a.ticket == ticket));
+                if let Some(slot) = found {
+                    self.abort(slot, None);
+                }
+            }
+            Msg::Release { slot } => {
+                debug_assert!(matches!(self.slot_state[slot], SlotState::Held(_)));
+                self.free_slot(slot);
+            }
+            Msg::FrameDone { slot, frame, fault } => self.frame_done(slot, frame, fault),
+            Msg::ReadDone { op, res } => self.complete(op, res),
+            Msg::Shutdown => {
+                self.shutting_down = true;
+                for (ticket, _) in std::mem::take(&mut self.queue) {
+                    self.shared
+                        .publish(ticket, TicketState::Failed(IoError::Stopped));
+                }
+                for slot in 0..self.active.len() {
+                    if self.active[slot].is_some() {
+                        self.abort(slot, Some(IoError::Stopped));
+                    }
+                }
+            }
+        }
+    }
+
+    fn free_slot(&mut self, slot: usize) {
+        self.slot_state[slot] = SlotState::Free;
+        self.shared.free_slots.fetch_add(1, Ordering::AcqRel);
+    }
+
+    fn free_buf(&mut self, buf: usize) {
+        self.free_bufs.push(buf);
+        self.shared.free_read_buffers.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// Gives queued requests free slots and lays out their reads.
+    fn admit(&mut self) {
+        while let Some(&(ticket, unit)) = self.queue.front() {
+            let Some(slot) = self.slot_state.iter().position(|&s| s == SlotState::Free) else {
+                break;
+            };
+            self.queue.pop_front();
+            self.slot_state[slot] = SlotState::Loading;
+            self.shared.free_slots.fetch_sub(1, Ordering::AcqRel);
+            let u = &self.store.units()[unit];
+            // The blob starts 4096-aligned; its end is rounded up (the file is padded).
+            let (start, end) = (
+                u.file_offset,
+                (u.file_offset + u.stored_len).div_ceil(IO_ALIGN as u64) * IO_ALIGN as u64,
+            );
+            let req = self.cfg.request_bytes as u64;
+            let mut chunks = Vec::new();
+            let mut at = start;
+            while at < end {
+                let len = (end - at).min(req);
+                let lo = u
+                    .frames
+                    .partition_point(|f| f.file_offset + f.stored_len() <= at);
+                let hi = u.frames.partition_point(|f| f.file_offset < at + len);
+                chunks.push(Chunk {
+                    offset: at,
+                    len: len as usize,
+                    buf: None,
+                    done: false,
+                    frames: lo..hi,
+                });
+                at += len;
+            }
+            let n = u.frames.len();
+            self.active[slot] = Some(Active {
+                ticket,
+                unit,
+                chunks,
+                next_chunk: 0,
+                frames: vec![FrameState::Waiting; n],
+                frames_left: n,
+                prefix: 0,
+                progressed: false,
+                at_worker: 0,
+                ops: 0,
+                aborted: false,
+            });
+            self.order.push_back(slot);
+            self.maybe_finish(slot);
+        }
+    }
+
+    /// Issues reads, oldest request first, while buffers and queue slots last.
+    fn submit(&mut self) {
+        let order: Vec<usize> = self.order.iter().copied().collect();
+        'outer: for slot in order {
+            loop {
+                let Some(a) = self.active[slot].as_mut() else {
+                    continue 'outer;
+                };
+                if a.aborted || a.next_chunk >= a.chunks.len() {
+                    continue 'outer;
+                }
+                if self.free_bufs.is_empty() || self.free_ops.is_empty() {
+                    break 'outer;
+                }
+                let (Some(buf), Some(op)) = (self.free_bufs.pop(), self.free_ops.pop()) else {
+                    unreachable!("checked non-empty")
+                };
+                self.shared.free_read_buffers.fetch_sub(1, Ordering::AcqRel);
+                let c = a.next_chunk;
+                a.next_chunk += 1;
+                a.ops += 1;
+                let chunk = &mut a.chunks[c];
+                chunk.buf = Some(buf);
+                let (offset, len) = (chunk.offset, chunk.len);
+                self.ops[op] = Some(Op {
+                    slot,
+                    chunk: c,
+                    done: 0,
+                });
+                self.push_read(op, buf, 0, len, offset);
+            }
+        }
+    }
+
+    fn push_read(&mut self, op: usize, buf: usize, at: usize, len: usize, offset: u64) {
+        let b = &self.read_bufs[buf];
+        // Assert the O_DIRECT preconditions before every submission (STYLE.md 4).
+        assert!(at + len <= b.len(), "read past its buffer");
+        debug_assert!(
+            offset.is_multiple_of(IO_ALIGN as u64) || at != 0,
+            "unaligned read offset"
+        );
+        // SAFETY: `at + len` is inside the buffer (asserted); the buffer stays with this op
+        // until its completion is handled.
+        let ptr = unsafe { b.as_ptr().add(at) };
+        if self.in_flight == 0 {
+            self.busy_since = Some(Instant::now());
+        }
+        self.note_depth();
+        self.in_flight += 1;
+        self.shared
+            .counters
+            .read_ops
+            .fetch_add(1, Ordering::Relaxed);
+        if let Err(e) = self.reader.push(op, buf, ptr, len, offset) {
+            // Could not even queue it: complete it as failed right here.
+            self.in_flight -= 1;
+            self.complete_with(op, -e.raw_os_error().unwrap_or(libc::EIO));
+        }
+    }
+
+    /// Adds the time at the current depth to the queue-depth integral.
+    fn note_depth(&mut self) {
+        let now = Instant::now();
+        let dt = (now - self.in_flight_since).as_nanos() as u64;
+        self.shared
+            .counters
+            .inflight_ns
+            .fetch_add(dt * self.in_flight as u64, Ordering::Relaxed);
+        self.in_flight_since = now;
+    }
+
+    fn complete(&mut self, op: usize, res: i32) {
+        self.note_depth();
+        self.in_flight -= 1;
+        if self.in_flight == 0 {
+            if let Some(t) = self.busy_since.take() {
+                self.shared
+                    .counters
+                    .read_busy_ns
+                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            }
+        }
+        self.complete_with(op, res);
+    }
+
+    fn complete_with(&mut self, op: usize, res: i32) {
+        let Some(mut o) = self.ops[op].take() else {
+            debug_assert!(false, "completion for a free op {op}");
+            return;
+        };
+        let slot = o.slot;
+        let a = self.active[slot]
+            .as_mut()
+            .expect("an op's unit stays active until its completion");
+        let chunk = &a.chunks[o.chunk];
+        let (buf, offset, len) = (
+            chunk.buf.expect("submitted chunk has a buffer"),
+            chunk.offset,
+            chunk.len,
+        );
+        if res > 0 && !a.aborted && (o.done + res as usize) < len {
+            // Short read: ask for the rest into the same buffer.
+            o.done += res as usize;
+            self.shared
+                .counters
+                .short_reads
+                .fetch_add(1, Ordering::Relaxed);
+            self.shared
+                .counters
+                .read_bytes
+                .fetch_add(res as u64, Ordering::Relaxed);
+            let done = o.done;
+            self.ops[op] = Some(o);
+            self.push_read(op, buf, done, len - done, offset + done as u64);
+            return;
+        }
+        self.free_ops.push(op);
+        a.ops -= 1;
+        let chunk_idx = o.chunk;
+        if res <= 0 || a.aborted {
+            let a = self.active[slot].as_mut().expect("active");
+            a.chunks[chunk_idx].done = true;
+            if !a.aborted {
+                let what = if res == 0 {
+                    format!("read at offset {} returned end of file after {} of {len} bytes: weights.bin is shorter than the manifest says", offset + o.done as u64, o.done)
+                } else {
+                    format!(
+                        "read of {len} bytes at offset {offset} failed: {}",
+                        std::io::Error::from_raw_os_error(-res)
+                    )
+                };
+                let unit = a.unit;
+                let frame = a.chunks[chunk_idx]
+                    .frames
+                    .start
+                    .min(self.store.units()[unit].frames.len().saturating_sub(1));
+                let err = self.store.frame_error(unit, frame, FrameFault::Read(what));
+                self.abort(slot, Some(IoError::Data(err)));
+            }
+            self.release_chunks(slot, chunk_idx..chunk_idx + 1);
+            self.maybe_finish(slot);
+            return;
+        }
+        self.shared
+            .counters
+            .read_bytes
+            .fetch_add(res as u64, Ordering::Relaxed);
+        a.chunks[chunk_idx].done = true;
+        // Dispatch every frame of this chunk whose reads have all landed. Without decoding
+        // a frame completes right here, so every chunk its frames span may free too.
+        let frames = a.chunks[chunk_idx].frames.clone();
+        let req = self.cfg.request_bytes as u64;
+        let unit_frames = &self.store.units()[a.unit].frames;
+        let span = |f: usize| {
+            Self::chunks_of(
+                a,
+                (unit_frames[f].file_offset, unit_frames[f].stored_len()),
+                req,
+            )
+        };
+        let touched = match (frames.clone().next(), frames.clone().last()) {
+            (Some(lo), Some(hi)) => span(lo).start.min(chunk_idx)..span(hi).end.max(chunk_idx + 1),
+            _ => chunk_idx..chunk_idx + 1,
+        };
+        for f in frames {
+            self.dispatch(slot, f);
+        }
+        self.release_chunks(slot, touched);
+        self.maybe_finish(slot);
+    }
+
+    /// Chunks overlapping frame `f` of `a`.
+    fn chunks_of(a: &Active, frame_file: (u64, u64), req: u64) -> Range<usize> {
+        let base = a.chunks.first().map_or(0, |c| c.offset);
+        let (fo, fl) = frame_file;
+        let first = ((fo - base) / req) as usize;
+        let last = ((fo + fl.max(1) - 1 - base) / req) as usize;
+        first..(last + 1).min(a.chunks.len())
+    }
+
+    fn dispatch(&mut self, slot: usize, f: usize) {
+        let req = self.cfg.request_bytes as u64;
+        let a = self.active[slot].as_mut().expect("active");
+        if a.aborted || a.frames[f] != FrameState::Waiting {
+            return;
+        }
+        let frame = &self.store.units()[a.unit].frames[f];
+        let (fo, fl) = (frame.file_offset, frame.stored_len());
+        let range = Self::chunks_of(a, (fo, fl), req);
+        if !a.chunks[range.clone()].iter().all(|c| c.done) {
+            return;
+        }
+        if !self.cfg.decompress {
+            a.frames[f] = FrameState::Done;
+            a.frames_left -= 1;
+            return;
+        }
+        let mut pieces = Vec::with_capacity(range.len());
+        for c in &a.chunks[range] {
+            let lo = fo.max(c.offset);
+            let hi = (fo + fl).min(c.offset + c.len as u64);
+            if hi <= lo {
+                continue;
+            }
+            let buf = &self.read_bufs[c
+                .buf
+                .expect("done chunk holds its buffer until its frames are done")];
+            // SAFETY: lo - c.offset + (hi - lo) <= c.len <= buffer length; the buffer is kept
+            // (not reused, not freed) until this frame's FrameDone, by release_chunks.
+            pieces.push((
+                unsafe { buf.as_ptr().add((lo - c.offset) as usize) } as *const u8,
+                (hi - lo) as usize,
+            ));
+        }
+        // SAFETY: raw_offset + raw_len <= unit raw_len <= slot length (validated manifest,
+        // slots sized to the largest unit); frames cover disjoint raw ranges, and the slot
+        // is Loading (no caller holds it) until every frame is back.
+        let dst = unsafe { self.slots[slot].as_ptr().add(frame.raw_offset as usize) };
+        a.frames[f] = FrameState::AtWorker;
+        a.at_worker += 1;
+        let job = Job {
+            slot,
+            unit: a.unit,
+            frame: f,
+            pieces,
+            dst,
+        };
+        if self.jobs.send(job).is_err() {
+            // Workers are gone (only at teardown): treat as a failed frame.
+            self.frame_done(
+                slot,
+                f,
+                Some(FrameFault::Decompress(
+                    "decompression workers stopped".into(),
+                )),
+            );
+        }
+    }
+
+    fn frame_done(&mut self, slot: usize, f: usize, fault: Option<FrameFault>) {
+        let req = self.cfg.request_bytes as u64;
+        let a = self.active[slot]
+            .as_mut()
+            .expect("a frame's unit stays active until it is back");
+        debug_assert!(a.frames[f] == FrameState::AtWorker);
+        a.frames[f] = FrameState::Done;
+        a.at_worker -= 1;
+        let frame = &self.store.units()[a.unit].frames[f];
+        let range = Self::chunks_of(a, (frame.file_offset, frame.stored_len()), req);
+        match fault {
+            None => {
+                a.frames_left -= 1;
+                let before = a.prefix;
+                while a.prefix < a.frames.len() && a.frames[a.prefix] == FrameState::Done {
+                    a.prefix += 1;
+                }
+                if a.prefix > before && a.frames_left > 0 && !a.aborted {
+                    let last = &self.store.units()[a.unit].frames[a.prefix - 1];
+                    let ready = (last.raw_offset + last.raw_len as u64) as usize;
+                    a.progressed = true;
+                    self.shared
+                        .publish(a.ticket, TicketState::Loading { slot, ready });
+                }
+            }
+            Some(fault) => {
+                let unit = a.unit;
+                let err = self.store.frame_error(unit, f, fault);
+                self.abort(slot, Some(IoError::Data(err)));
+            }
+        }
+        self.release_chunks(slot, range);
+        self.maybe_finish(slot);
+    }
+
+    /// Returns the buffers of chunks whose frames no longer need them.
+    fn release_chunks(&mut self, slot: usize, range: Range<usize>) {
+        let mut freed = Vec::new();
+        {
+            let Some(a) = self.active[slot].as_mut() else {
+                return;
+            };
+            for c in range {
+                let ch = &a.chunks[c];
+                if ch.buf.is_none() || !ch.done {
+                    continue;
+                }
+                let settled = a.frames[ch.frames.clone()]
+                    .iter()
+                    .all(|&s| s == FrameState::Done || (a.aborted && s == FrameState::Waiting));
+                if settled {
+                    freed.push(a.chunks[c].buf.take().expect("checked"));
+                }
+            }
+        }
+        for b in freed {
+            self.free_buf(b);
+        }
+    }
+
+    /// Fails (err = Some) or cancels (None) the unit in `slot`.
+    fn abort(&mut self, slot: usize, err: Option<IoError>) {
+        let Some(a) = self.active[slot].as_mut() else {
+            return;
+        };
+        if a.aborted {
+            return;
+        }
+        a.aborted = true;
+        let ticket = a.ticket;
+        let n = a.chunks.len();
+        if let Some(e) = err {
+            self.shared
+                .counters
+                .units_failed
+                .fetch_add(1, Ordering::Relaxed);
+            self.shared.publish(ticket, TicketState::Failed(e));
+        }
+        self.release_chunks(slot, 0..n);
+        self.maybe_finish(slot);
+    }
+
+    /// Completes or cleans up the unit in `slot` once nothing of it is outstanding.
+    fn maybe_finish(&mut self, slot: usize) {
+        let Some(a) = self.active[slot].as_ref() else {
+            return;
+        };
+        if a.aborted {
+            if a.ops == 0 && a.at_worker == 0 {
+                assert!(
+                    a.chunks.iter().all(|c| c.buf.is_none()),
+                    "a finished unit still holds read buffers"
+                );
+                let (ticket, progressed) = (a.ticket, a.progressed);
+                self.active[slot] = None;
+                self.order.retain(|&s| s != slot);
+                // A failed unit whose prefix was handed out keeps its slot until the
+                // ticket is dropped (its Cancel frees a Held slot): a copy may still be
+                // reading the prefix. A cancelled ticket is already gone from the map.
+                let consumer_alive = progressed
+                    && self
+                        .shared
+                        .tickets
+                        .lock()
+                        .expect("ticket lock")
+                        .contains_key(&ticket);
+                if consumer_alive {
+                    self.slot_state[slot] = SlotState::Held(ticket);
+                } else {
+                    self.free_slot(slot);
+                }
+            }
+            return;
+        }
+        if a.frames_left == 0 && a.ops == 0 {
+            assert!(
+                a.chunks.iter().all(|c| c.buf.is_none()),
+                "a finished unit still holds read buffers"
+            );
+            let ticket = a.ticket;
+            self.active[slot] = None;
+            self.order.retain(|&s| s != slot);
+            self.slot_state[slot] = SlotState::Held(ticket);
+            self.shared
+                .counters
+                .units_done
+                .fetch_add(1, Ordering::Relaxed);
+            let waiting = self
+                .shared
+                .tickets
+                .lock()
+                .expect("ticket lock")
+                .contains_key(&ticket);
+            if waiting {
+                self.shared.publish(ticket, TicketState::Ready { slot });
+            } else {
+                // Cancelled while its last frame was at a worker.
+                self.free_slot(slot);
+            }
+        }
+    }
+
+    /// Stall accounting: time with reads waiting for buffers, requests waiting for slots.
+    fn account(&mut self) {
+        let now = Instant::now();
+        let wants_buf = self.order.iter().any(|&s| {
+            self.active[s]
+                .as_ref()
+                .is_some_and(|a| !a.aborted && a.next_chunk < a.chunks.len())
+        });
+        // Only when the queue has room: a full queue is the disk's pace, not a stall.
+        let buf_starved = wants_buf && self.free_bufs.is_empty() && !self.free_ops.is_empty();
+        let slot_starved = !self.queue.is_empty();
+        let c = &self.shared.counters;
+        match (buf_starved, self.buf_starved_since) {
+            (true, None) => self.buf_starved_since = Some(now),
+            (false, Some(t)) => {
+                c.buffer_stall_ns
+                    .fetch_add((now - t).as_nanos() as u64, Ordering::Relaxed);
+                self.buf_starved_since = None;
+            }
+            _ => {}
+        }
+        match (slot_starved, self.slot_starved_since) {
+            (true, None) => self.slot_starved_since = Some(now),
+            (false, Some(t)) => {
+                c.slot_stall_ns
+                    .fetch_add((now - t).as_nanos() as u64, Ordering::Relaxed);
+                self.slot_starved_since = None;
+            }
+            _ => {}
+        }
+    }
+}
