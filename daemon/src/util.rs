@@ -1,4 +1,4 @@
-//! Small shared helpers: human-readable byte sizes.
+//! Small shared helpers: byte sizes as people write them, and as people read them.
 
 /// Parses sizes like `1MiB`, `64MiB`, `32GiB`, `4096`, `1.5GB` into bytes.
 pub fn parse_size(s: &str) -> Result<u64, String> {
@@ -31,6 +31,35 @@ pub fn parse_size(s: &str) -> Result<u64, String> {
         return Err(format!("size {s:?} is out of range"));
     }
     Ok(bytes.round() as u64)
+}
+
+/// A byte count written as a size (`64MiB`, `32GiB`, `4096`): flags and config files
+/// parse it with the same `parse_size`; a config file may also give a plain integer.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ByteSize(pub u64);
+
+impl std::str::FromStr for ByteSize {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_size(s).map(ByteSize)
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for ByteSize {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(serde::Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            Bytes(u64),
+            Text(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::Bytes(b) => Ok(ByteSize(b)),
+            Raw::Text(s) => parse_size(&s)
+                .map(ByteSize)
+                .map_err(serde::de::Error::custom),
+        }
+    }
 }
 
 /// Formats bytes with a binary unit, e.g. `98.3 MiB`.

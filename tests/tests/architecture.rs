@@ -43,14 +43,14 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ),
 ];
 
-/// Test-only files (`tests.rs`, `*_tests.rs`) may also name these, to make fixtures (a
+/// Test-only files (`tests.rs`, `*_tests.rs`, `test_*.rs`) may also name these, to make fixtures (a
 /// synthetic model to pack); nothing they name reaches the library's code.
 const TEST_FIXTURES: &[&str] = &["import", "store"];
 
 fn is_test_file(rel: &Path) -> bool {
     rel.file_name()
         .and_then(|n| n.to_str())
-        .is_some_and(|n| n == "tests.rs" || n.ends_with("_tests.rs"))
+        .is_some_and(|n| n == "tests.rs" || n.ends_with("_tests.rs") || n.starts_with("test_"))
 }
 
 fn src_root() -> PathBuf {

@@ -4,7 +4,8 @@
 
 use serde_json::Value;
 use sluice::backend::cpu::CpuBackend;
-use sluice::engine::generate::{generate, GenerateParams};
+use sluice::engine::generate::generate;
+use sluice::engine::sequence::GenerateParams;
 use sluice::import;
 use sluice::io::IoConfig;
 use sluice::model::{ModelOptions, SeqStep};

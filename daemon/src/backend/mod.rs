@@ -221,6 +221,10 @@ pub trait Backend: Send + Sync {
     fn copy_stats(&self) -> CopyStats {
         CopyStats::default()
     }
+    /// Host threads the ops run on (the CPU backend's pool; 0 where a device computes).
+    fn host_threads(&self) -> usize {
+        0
+    }
     /// GB/s of a plain host-to-device copy of `bytes` from page-locked memory, the
     /// reference the streamed uploads are compared with; None where there is no such copy.
     fn reference_copy_gbps(&self, _bytes: usize) -> Option<f64> {

@@ -4,7 +4,7 @@
 //! tokens/s at several batch sizes under the same budget.
 
 use crate::backend::Backend;
-use crate::engine::{backend_scratch_bytes, Chosen, EngineError};
+use crate::engine::{backend_scratch_bytes, on_backend, Chosen, EngineError, OnBackend};
 use crate::io::IoConfig;
 use crate::model::{ModelOptions, SeqStep};
 use crate::pipeline::Pipeline;
@@ -163,6 +163,25 @@ pub fn budget_for_weights_share(
         + p.workspace_bytes
         + scratch
         + (p.resident_bytes as f64 * weights_pct / 100.0) as u64)
+}
+
+/// Runs the benchmark on the chosen backend.
+pub fn run(
+    chosen: &Chosen,
+    store: Arc<Store>,
+    o: &BenchStreamOptions,
+) -> Result<BenchStreamReport, EngineError> {
+    struct Job<'a>(Arc<Store>, &'a BenchStreamOptions);
+    impl OnBackend for Job<'_> {
+        type Output = BenchStreamReport;
+        fn call<B: Backend + 'static>(
+            self,
+            make: &dyn Fn(&PlanInput) -> Result<Pipeline<B>, EngineError>,
+        ) -> Result<BenchStreamReport, EngineError> {
+            bench_stream(self.0, self.1, make)
+        }
+    }
+    on_backend(chosen, &store, o.threads, &o.io, Job(store.clone(), o))
 }
 
 /// Runs the benchmark with pipelines from `make` (one backend).

@@ -1,34 +1,13 @@
-//! Generation for one sequence: chunked prefill, then decode steps with sampling, end
-//! tokens, stop strings, incremental text and timings.
+//! `sluiced run`'s generation: one `Sequence` in KV slot 0 driven to its end, one step
+//! at a time, with the text as it becomes final and the timings.
 
+use super::sequence::{Finish, GenerateParams, SeqLimits, Sequence};
 use super::EngineError;
 use crate::backend::Backend;
-use crate::model::SeqStep;
 use crate::pipeline::Pipeline;
-use crate::text::detok::{Detokenizer, StopMatcher};
-use crate::text::{Sampler, SamplingParams, Tokenizer};
+use crate::text::Tokenizer;
 use serde::Serialize;
 use std::time::Instant;
-
-#[derive(Clone, Debug)]
-pub struct GenerateParams {
-    pub max_tokens: usize,
-    pub sampling: SamplingParams,
-    pub stop: Vec<String>,
-    /// Generate past end tokens (benchmarks); they are then ordinary tokens.
-    pub ignore_eos: bool,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum FinishReason {
-    /// An end token (eos, end of turn).
-    Stop,
-    Length,
-    StopString,
-    /// The context limit.
-    Context,
-}
 
 #[derive(Clone, Debug, Serialize)]
 pub struct GenerateOutput {
@@ -36,7 +15,7 @@ pub struct GenerateOutput {
     /// Every sampled token, the end token included when one ended generation.
     pub generated_token_ids: Vec<u32>,
     pub text: String,
-    pub finish_reason: FinishReason,
+    pub finish_reason: Finish,
     pub prefill_s: f64,
     pub decode_s: f64,
     /// Decode steps run (each after the first sampled token).
@@ -61,88 +40,46 @@ pub fn generate<B: Backend>(
     params: &GenerateParams,
     mut on_text: impl FnMut(&str),
 ) -> Result<GenerateOutput, EngineError> {
-    params.sampling.validate().map_err(EngineError::Invalid)?;
     let opts = *runner.options();
-    if prompt.is_empty() {
-        return Err(EngineError::Invalid("the prompt is empty".into()));
-    }
-    if prompt.len() >= opts.max_context {
-        return Err(EngineError::Invalid(format!(
-            "the prompt has {} tokens; the context holds {}",
-            prompt.len(),
-            opts.max_context
-        )));
-    }
-    let mut logits = Vec::new();
-    let t0 = Instant::now();
-    let mut pos = 0;
-    for chunk in prompt.chunks(opts.max_batch_tokens) {
-        runner.step(
-            &[SeqStep {
-                slot: 0,
-                pos,
-                tokens: chunk.to_vec(),
-            }],
-            &mut logits,
-        )?;
-        pos += chunk.len();
-    }
-    let mut sampler = Sampler::new(params.sampling);
-    let mut next = sampler.sample(&logits);
-    let prefill_s = t0.elapsed().as_secs_f64();
-
-    let t1 = Instant::now();
-    let mut detok = Detokenizer::default();
-    let mut stops = StopMatcher::new(params.stop.clone());
-    let mut generated = Vec::new();
-    let mut text = String::new();
-    let mut steps = 0;
-    let finish = loop {
-        generated.push(next);
-        if tok.is_end(next) && !params.ignore_eos {
-            break FinishReason::Stop;
-        }
-        let (out, stopped) = stops.push(&detok.push(tok, next));
-        if !out.is_empty() {
-            on_text(&out);
-            text.push_str(&out);
-        }
-        if stopped {
-            break FinishReason::StopString;
-        }
-        if generated.len() >= params.max_tokens {
-            break FinishReason::Length;
-        }
-        if pos + 1 > opts.max_context {
-            break FinishReason::Context;
-        }
-        runner.step(
-            &[SeqStep {
-                slot: 0,
-                pos,
-                tokens: vec![next],
-            }],
-            &mut logits,
-        )?;
-        pos += 1;
-        steps += 1;
-        next = sampler.sample(&logits);
+    let limits = SeqLimits {
+        max_context: opts.max_context,
+        vocab: tok.vocab(),
     };
-    if finish != FinishReason::StopString {
-        let (tail, _) = stops.push(&detok.flush(tok));
-        let tail = tail + &stops.finish();
-        if !tail.is_empty() {
-            on_text(&tail);
-            text.push_str(&tail);
+    let mut seq =
+        Sequence::new(prompt.to_vec(), params.clone(), 0, limits).map_err(EngineError::Invalid)?;
+    let mut logits = Vec::new();
+    let mut text = String::new();
+    let t0 = Instant::now();
+    let mut decode_start = None;
+    while let Some(step) = seq.next_step(opts.max_batch_tokens) {
+        runner.step(std::slice::from_ref(&step), &mut logits)?;
+        let piece = seq.advance(step.tokens.len(), &logits, tok, 0);
+        if decode_start.is_none() && !seq.generated().is_empty() {
+            decode_start = Some(Instant::now());
+        }
+        if let Some(p) = piece {
+            on_text(&p.text);
+            text.push_str(&p.text);
+        }
+    }
+    let t1 = decode_start.unwrap_or_else(Instant::now);
+    let prefill_s = (t1 - t0).as_secs_f64();
+    let decode_steps = seq.decode_steps();
+    // `next_step` returns None only once the sequence has finished.
+    let (tail, done) = seq.close(Finish::Length, tok);
+    if let Some(p) = tail {
+        if !p.text.is_empty() {
+            on_text(&p.text);
+            text.push_str(&p.text);
         }
     }
     Ok(GenerateOutput {
-        prompt_token_ids: prompt.to_vec(),
-        generated_token_ids: generated,
+        prompt_token_ids: done.prompt_token_ids,
+        generated_token_ids: done.generated_token_ids,
         text,
-        finish_reason: finish,
+        finish_reason: done.finish,
         prefill_s,
         decode_s: t1.elapsed().as_secs_f64(),
-        decode_steps: steps,
+        decode_steps,
     })
 }

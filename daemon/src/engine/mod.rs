@@ -4,6 +4,13 @@
 pub mod bench_stream;
 pub mod generate;
 pub mod scheduler;
+#[cfg(test)]
+mod scheduler_tests;
+pub mod sequence;
+#[cfg(test)]
+mod sequence_tests;
+#[cfg(test)]
+mod test_model;
 
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{self, CudaBackend, DeviceInfo};

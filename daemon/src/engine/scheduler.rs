@@ -5,13 +5,12 @@
 //! cancelled sequences at once. The request queue is bounded: a full queue is refused,
 //! never grown.
 
-use super::generate::{FinishReason, GenerateParams};
-use super::EngineError;
+pub use super::sequence::{Done, Finish};
+use super::sequence::{GenerateParams, Piece, SeqLimits, Sequence};
 use crate::backend::Backend;
 use crate::model::SeqStep;
 use crate::pipeline::Pipeline;
-use crate::text::detok::{Detokenizer, StopMatcher};
-use crate::text::{Sampler, Tokenizer};
+use crate::text::Tokenizer;
 use serde::Serialize;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc::{
@@ -20,39 +19,6 @@ use std::sync::mpsc::{
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::UnboundedSender;
-
-/// Why a request ended (the wire enum adds nothing to this).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Finish {
-    Stop,
-    Length,
-    StopString,
-    Context,
-    Cancelled,
-}
-
-impl From<FinishReason> for Finish {
-    fn from(f: FinishReason) -> Finish {
-        match f {
-            FinishReason::Stop => Finish::Stop,
-            FinishReason::Length => Finish::Length,
-            FinishReason::StopString => Finish::StopString,
-            FinishReason::Context => Finish::Context,
-        }
-    }
-}
-
-#[derive(Clone, Debug, Serialize)]
-pub struct Done {
-    pub finish: Finish,
-    pub prompt_token_ids: Vec<u32>,
-    pub generated_token_ids: Vec<u32>,
-    pub time_to_first_token_s: f64,
-    pub prefill_tokens_per_s: f64,
-    pub decode_tokens_per_s: f64,
-    pub bytes_streamed: u64,
-}
 
 /// What a request's stream carries.
 #[derive(Debug)]
@@ -131,21 +97,33 @@ pub struct Scheduler {
     queue_max: usize,
 }
 
-struct Seq {
-    req: Request,
-    slot: usize,
-    prefilled: usize,
-    pos: usize,
-    pending: Option<u32>,
-    generated: Vec<u32>,
-    unsent_ids: Vec<u32>,
-    sampler: Sampler,
-    detok: Detokenizer,
-    stops: StopMatcher,
-    t_admit: Instant,
-    t_first: Option<Instant>,
-    decode_steps: usize,
-    bytes_streamed: u64,
+/// An admitted request: its sequence and where its events go.
+struct Active {
+    seq: Sequence,
+    events: UnboundedSender<Event>,
+}
+
+/// The engine thread's state between steps. Every buffer here is kept across steps.
+struct EngineState<B: Backend> {
+    runner: Pipeline<B>,
+    rx: Receiver<Request>,
+    free_slots: Vec<usize>,
+    active: Vec<Active>,
+    logits: Vec<f32>,
+    /// The step being built: one row group per member.
+    steps: Vec<SeqStep>,
+    /// Index into `active` of each entry of `steps`.
+    members: Vec<usize>,
+    /// Decode tokens per second, smoothed over steps.
+    decode_rate: f64,
+}
+
+/// What admission found.
+enum Admitted {
+    /// Keep running.
+    Running,
+    /// The queue is closed and empty: the engine thread ends.
+    Closed,
 }
 
 impl Scheduler {
@@ -185,25 +163,7 @@ impl Scheduler {
         if !self.accepting.load(Ordering::Acquire) {
             return Err(SubmitError::ShuttingDown);
         }
-        if req.prompt_ids.is_empty() {
-            return Err(SubmitError::Invalid("the prompt is empty".into()));
-        }
-        if req.prompt_ids.len() >= self.max_context {
-            return Err(SubmitError::Invalid(format!(
-                "the prompt has {} tokens; the context holds {} (prompt plus generated tokens)",
-                req.prompt_ids.len(),
-                self.max_context
-            )));
-        }
-        let vocab = self.tokenizer.vocab();
-        if let Some(bad) = req.prompt_ids.iter().find(|&&t| t >= vocab) {
-            return Err(SubmitError::Invalid(format!(
-                "token id {bad} is past the vocabulary ({vocab})"
-            )));
-        }
-        req.params
-            .sampling
-            .validate()
+        super::sequence::validate(&req.prompt_ids, &req.params, self.limits())
             .map_err(SubmitError::Invalid)?;
         self.queued.fetch_add(1, Ordering::AcqRel);
         match self.tx.try_send(req) {
@@ -216,6 +176,13 @@ impl Scheduler {
                 self.queued.fetch_sub(1, Ordering::AcqRel);
                 Err(SubmitError::ShuttingDown)
             }
+        }
+    }
+
+    fn limits(&self) -> SeqLimits {
+        SeqLimits {
+            max_context: self.max_context,
+            vocab: self.tokenizer.vocab(),
         }
     }
 
@@ -232,201 +199,159 @@ impl Scheduler {
         *self.deadline.lock().expect("deadline lock") = Some(Instant::now() + grace);
     }
 
-    fn run<B: Backend>(self, mut runner: Pipeline<B>, rx: Receiver<Request>) {
+    fn run<B: Backend>(self, runner: Pipeline<B>, rx: Receiver<Request>) {
         let max_batch = runner.options().kv_slots;
-        let budget = runner.options().max_batch_tokens;
-        let mut free_slots: Vec<usize> = (0..max_batch).rev().collect();
-        let mut active: Vec<Seq> = Vec::new();
-        let mut logits = Vec::new();
-        let mut decode_rate = 0.0;
+        let mut st = EngineState {
+            runner,
+            rx,
+            free_slots: (0..max_batch).rev().collect(),
+            active: Vec::with_capacity(max_batch),
+            logits: Vec::new(),
+            steps: Vec::with_capacity(max_batch),
+            members: Vec::with_capacity(max_batch),
+            decode_rate: 0.0,
+        };
         loop {
-            // Admit while slots are free; block only when there is nothing to run.
-            while let Some(&slot) = free_slots.last() {
-                let next = if active.is_empty() {
-                    match rx.recv_timeout(Duration::from_millis(50)) {
-                        Ok(r) => Ok(r),
-                        Err(RecvTimeoutError::Timeout) => Err(TryRecvError::Empty),
-                        Err(RecvTimeoutError::Disconnected) => Err(TryRecvError::Disconnected),
-                    }
-                } else {
-                    rx.try_recv()
-                };
-                match next {
-                    Ok(req) => {
-                        self.queued.fetch_sub(1, Ordering::AcqRel);
-                        free_slots.pop();
-                        let p = req.params.clone();
-                        active.push(Seq {
-                            slot,
-                            prefilled: 0,
-                            pos: 0,
-                            pending: None,
-                            generated: Vec::new(),
-                            unsent_ids: Vec::new(),
-                            sampler: Sampler::new(p.sampling),
-                            detok: Detokenizer::default(),
-                            stops: StopMatcher::new(p.stop.clone()),
-                            t_admit: Instant::now(),
-                            t_first: None,
-                            decode_steps: 0,
-                            bytes_streamed: 0,
-                            req,
-                        });
-                    }
-                    Err(TryRecvError::Empty) => break,
-                    Err(TryRecvError::Disconnected) => return,
-                }
+            if let Admitted::Closed = self.admit(&mut st) {
+                return;
             }
-            let past_deadline = self
-                .deadline
-                .lock()
-                .expect("deadline lock")
-                .is_some_and(|d| Instant::now() >= d);
-            if past_deadline {
-                // Grace is over: cancel what runs and what waits.
-                for s in active.drain(..) {
-                    free_slots.push(s.slot);
-                    finish(&self.tokenizer, s, Finish::Cancelled, false);
-                }
-                while let Ok(req) = rx.try_recv() {
-                    self.queued.fetch_sub(1, Ordering::AcqRel);
-                    let _ = req.events.send(Event::Done(Done {
-                        finish: Finish::Cancelled,
-                        prompt_token_ids: req.prompt_ids,
-                        generated_token_ids: Vec::new(),
-                        time_to_first_token_s: 0.0,
-                        prefill_tokens_per_s: 0.0,
-                        decode_tokens_per_s: 0.0,
-                        bytes_streamed: 0,
-                    }));
-                }
-            }
+            self.cancel_past_deadline(&mut st);
             // A client that went away cancels its sequence; its slot is free at once.
             let mut i = 0;
-            while i < active.len() {
-                if active[i].req.events.is_closed() {
-                    let s = active.swap_remove(i);
-                    free_slots.push(s.slot);
+            while i < st.active.len() {
+                if st.active[i].events.is_closed() {
+                    let a = st.active.swap_remove(i);
+                    st.free_slots.push(a.seq.slot());
                 } else {
                     i += 1;
                 }
             }
-            if active.is_empty() {
+            if st.active.is_empty() {
                 if !self.accepting.load(Ordering::Acquire)
                     && self.queued.load(Ordering::Acquire) == 0
                 {
                     return;
                 }
-                self.publish(&runner, 0, decode_rate);
+                self.publish(&st.runner, 0, st.decode_rate);
                 continue;
             }
-            // One step: every decoding sequence's next token, then prefill chunks in the
-            // remaining token budget.
-            let mut steps = Vec::new();
-            let mut members = Vec::new();
-            let mut left = budget;
-            for (k, s) in active.iter().enumerate() {
-                if let Some(t) = s.pending {
-                    steps.push(SeqStep {
-                        slot: s.slot,
-                        pos: s.pos,
-                        tokens: vec![t],
-                    });
-                    members.push(k);
-                    left = left.saturating_sub(1);
-                }
-            }
-            for (k, s) in active.iter().enumerate() {
-                if s.pending.is_none() && s.prefilled < s.req.prompt_ids.len() && left > 0 {
-                    let n = (s.req.prompt_ids.len() - s.prefilled).min(left);
-                    steps.push(SeqStep {
-                        slot: s.slot,
-                        pos: s.pos,
-                        tokens: s.req.prompt_ids[s.prefilled..s.prefilled + n].to_vec(),
-                    });
-                    members.push(k);
-                    left -= n;
-                }
-            }
+            build_step(&mut st);
             let t0 = Instant::now();
-            if let Err(e) = runner.step(&steps, &mut logits) {
-                let data_loss = e.is_data_loss();
-                tracing::error!("step of {} sequences failed: {e}", steps.len());
-                let mut gone: Vec<usize> = members.clone();
-                gone.sort_unstable_by(|a, b| b.cmp(a));
-                for k in gone {
-                    let s = active.swap_remove(k);
-                    free_slots.push(s.slot);
-                    let _ = s.req.events.send(Event::Failed {
-                        data_loss,
-                        message: e.to_string(),
-                    });
-                }
+            if let Err(e) = st.runner.step(&st.steps, &mut st.logits) {
+                fail_step(&mut st, &e);
                 continue;
             }
-            let step_s = t0.elapsed().as_secs_f64();
-            let pass_bytes = runner.last_pass().bytes_uploaded;
-            let vocab = self.tokenizer.vocab() as usize;
-            let mut finished = Vec::new();
-            let mut decoded = 0usize;
-            for (row, (&k, st)) in members.iter().zip(&steps).enumerate() {
-                let s = &mut active[k];
-                s.bytes_streamed += pass_bytes;
-                s.pos += st.tokens.len();
-                if s.pending.is_some() {
-                    s.pending = None;
-                    s.decode_steps += 1;
-                    decoded += 1;
-                } else {
-                    s.prefilled += st.tokens.len();
-                    if s.prefilled < s.req.prompt_ids.len() {
-                        continue;
-                    }
+            self.apply_results(&mut st, t0.elapsed().as_secs_f64());
+            self.publish(&st.runner, st.active.len(), st.decode_rate);
+        }
+    }
+
+    /// Admits queued requests while KV slots are free; blocks (briefly) only when nothing
+    /// runs.
+    fn admit<B: Backend>(&self, st: &mut EngineState<B>) -> Admitted {
+        while let Some(&slot) = st.free_slots.last() {
+            let next = if st.active.is_empty() {
+                match st.rx.recv_timeout(Duration::from_millis(50)) {
+                    Ok(r) => Ok(r),
+                    Err(RecvTimeoutError::Timeout) => Err(TryRecvError::Empty),
+                    Err(RecvTimeoutError::Disconnected) => Err(TryRecvError::Disconnected),
                 }
-                let token = s.sampler.sample(&logits[row * vocab..(row + 1) * vocab]);
-                if s.t_first.is_none() {
-                    s.t_first = Some(Instant::now());
-                }
-                s.generated.push(token);
-                s.unsent_ids.push(token);
-                let p = &s.req.params;
-                if self.tokenizer.is_end(token) && !p.ignore_eos {
-                    finished.push((k, Finish::Stop));
-                    continue;
-                }
-                let (text, stopped) = s.stops.push(&s.detok.push(&self.tokenizer, token));
-                if !text.is_empty() {
-                    let ids = std::mem::take(&mut s.unsent_ids);
-                    let _ = s.req.events.send(Event::Piece {
-                        text,
-                        token_ids: ids,
+            } else {
+                st.rx.try_recv()
+            };
+            let req = match next {
+                Ok(req) => req,
+                Err(TryRecvError::Empty) => break,
+                Err(TryRecvError::Disconnected) => return Admitted::Closed,
+            };
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            match Sequence::new(req.prompt_ids, req.params, slot, self.limits()) {
+                Ok(seq) => {
+                    st.free_slots.pop();
+                    st.active.push(Active {
+                        seq,
+                        events: req.events,
                     });
                 }
-                if stopped {
-                    finished.push((k, Finish::StopString));
-                } else if s.generated.len() >= p.max_tokens {
-                    finished.push((k, Finish::Length));
-                } else if s.pos + 1 > self.max_context {
-                    finished.push((k, Finish::Context));
-                } else {
-                    s.pending = Some(token);
+                // `submit` validated it against the same limits: unreachable in practice,
+                // answered all the same.
+                Err(message) => {
+                    let _ = req.events.send(Event::Failed {
+                        data_loss: false,
+                        message,
+                    });
                 }
             }
-            if decoded > 0 {
-                let rate = decoded as f64 / step_s;
-                decode_rate = if decode_rate == 0.0 {
-                    rate
-                } else {
-                    0.8 * decode_rate + 0.2 * rate
-                };
+        }
+        Admitted::Running
+    }
+
+    /// Once the shutdown grace period is over: cancels what runs and what waits.
+    fn cancel_past_deadline<B: Backend>(&self, st: &mut EngineState<B>) {
+        let past_deadline = self
+            .deadline
+            .lock()
+            .expect("deadline lock")
+            .is_some_and(|d| Instant::now() >= d);
+        if !past_deadline {
+            return;
+        }
+        for a in st.active.drain(..) {
+            st.free_slots.push(a.seq.slot());
+            let (_, done) = a.seq.close(Finish::Cancelled, &self.tokenizer);
+            let _ = a.events.send(Event::Done(done));
+        }
+        while let Ok(req) = st.rx.try_recv() {
+            self.queued.fetch_sub(1, Ordering::AcqRel);
+            let _ = req.events.send(Event::Done(Done {
+                finish: Finish::Cancelled,
+                prompt_token_ids: req.prompt_ids,
+                generated_token_ids: Vec::new(),
+                time_to_first_token_s: 0.0,
+                prefill_tokens_per_s: 0.0,
+                decode_tokens_per_s: 0.0,
+                bytes_streamed: 0,
+            }));
+        }
+    }
+
+    /// Hands each member of the step that ran its logits row, streams new text, and closes
+    /// the sequences that finished.
+    fn apply_results<B: Backend>(&self, st: &mut EngineState<B>, step_s: f64) {
+        let pass_bytes = st.runner.last_pass().bytes_uploaded;
+        let vocab = self.tokenizer.vocab() as usize;
+        let mut decoded = 0usize;
+        for (row, (&k, step)) in st.members.iter().zip(&st.steps).enumerate() {
+            let a = &mut st.active[k];
+            decoded += usize::from(a.seq.is_decoding());
+            let logits = &st.logits[row * vocab..(row + 1) * vocab];
+            if let Some(Piece { text, token_ids }) =
+                a.seq
+                    .advance(step.tokens.len(), logits, &self.tokenizer, pass_bytes)
+            {
+                let _ = a.events.send(Event::Piece { text, token_ids });
             }
-            finished.sort_unstable_by_key(|f| std::cmp::Reverse(f.0));
-            for (k, why) in finished {
-                let s = active.swap_remove(k);
-                free_slots.push(s.slot);
-                finish(&self.tokenizer, s, why, why != Finish::StopString);
+        }
+        if decoded > 0 {
+            let rate = decoded as f64 / step_s;
+            st.decode_rate = if st.decode_rate == 0.0 {
+                rate
+            } else {
+                0.8 * st.decode_rate + 0.2 * rate
+            };
+        }
+        let mut k = st.active.len();
+        while k > 0 {
+            k -= 1;
+            if let Some(why) = st.active[k].seq.finished() {
+                let a = st.active.swap_remove(k);
+                st.free_slots.push(a.seq.slot());
+                let (tail, done) = a.seq.close(why, &self.tokenizer);
+                if let Some(Piece { text, token_ids }) = tail {
+                    let _ = a.events.send(Event::Piece { text, token_ids });
+                }
+                let _ = a.events.send(Event::Done(done));
             }
-            self.publish(&runner, active.len(), decode_rate);
         }
     }
 
@@ -471,34 +396,38 @@ impl Scheduler {
     }
 }
 
-fn finish(tok: &Tokenizer, mut s: Seq, why: Finish, flush: bool) {
-    if flush {
-        let (tail, _) = s.stops.push(&s.detok.flush(tok));
-        let tail = tail + &s.stops.finish();
-        if !tail.is_empty() || !s.unsent_ids.is_empty() {
-            let _ = s.req.events.send(Event::Piece {
-                text: tail,
-                token_ids: std::mem::take(&mut s.unsent_ids),
-            });
+/// One step: every decoding sequence's next token first (decode rows lead the batch),
+/// then prefill chunks in the remaining token budget.
+fn build_step<B: Backend>(st: &mut EngineState<B>) {
+    let budget = st.runner.options().max_batch_tokens;
+    st.steps.clear();
+    st.members.clear();
+    let mut left = budget;
+    for decoding in [true, false] {
+        for (k, a) in st.active.iter().enumerate() {
+            if a.seq.is_decoding() != decoding {
+                continue;
+            }
+            if let Some(step) = a.seq.next_step(left) {
+                left -= step.tokens.len();
+                st.steps.push(step);
+                st.members.push(k);
+            }
         }
     }
-    let now = Instant::now();
-    let first = s.t_first.unwrap_or(now);
-    let prefill = (first - s.t_admit).as_secs_f64();
-    let decode = (now - first).as_secs_f64();
-    let _ = s.req.events.send(Event::Done(Done {
-        finish: why,
-        prompt_token_ids: s.req.prompt_ids.clone(),
-        generated_token_ids: s.generated,
-        time_to_first_token_s: prefill,
-        prefill_tokens_per_s: s.req.prompt_ids.len() as f64 / prefill.max(1e-9),
-        decode_tokens_per_s: s.decode_steps as f64 / decode.max(1e-9),
-        bytes_streamed: s.bytes_streamed,
-    }));
 }
 
-impl From<EngineError> for SubmitError {
-    fn from(e: EngineError) -> SubmitError {
-        SubmitError::Invalid(e.to_string())
+/// A failed step fails every sequence that was in it (DATA_LOSS for bad stored data).
+fn fail_step<B: Backend>(st: &mut EngineState<B>, e: &crate::pipeline::PipelineError) {
+    let data_loss = e.is_data_loss();
+    tracing::error!("step of {} sequences failed: {e}", st.steps.len());
+    st.members.sort_unstable_by(|a, b| b.cmp(a));
+    for &k in &st.members {
+        let a = st.active.swap_remove(k);
+        st.free_slots.push(a.seq.slot());
+        let _ = a.events.send(Event::Failed {
+            data_loss,
+            message: e.to_string(),
+        });
     }
 }

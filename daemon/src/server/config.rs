@@ -1,6 +1,7 @@
 //! `sluiced serve` configuration: a TOML file (`--config`, default /etc/sluice/sluiced.toml
 //! when present) with command-line flags overriding it. deploy/sluiced.toml documents it.
 
+use crate::util::ByteSize;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
 
@@ -16,9 +17,9 @@ pub struct ServeConfig {
     /// Also serve on this Unix socket.
     pub unix: Option<PathBuf>,
     /// Device memory budget, e.g. "8GiB"; unset: every layer resident.
-    pub device_memory: Option<String>,
+    pub device_memory: Option<ByteSize>,
     /// Host memory for decompressed streamed layers.
-    pub host_cache: String,
+    pub host_cache: ByteSize,
     /// Sequences per pass (KV-cache slots).
     pub max_batch: usize,
     /// Positions per sequence (prompt + generated).
@@ -48,7 +49,7 @@ impl Default for ServeConfig {
             listen: "127.0.0.1:50051".into(),
             unix: None,
             device_memory: None,
-            host_cache: "0".into(),
+            host_cache: ByteSize(0),
             max_batch: 8,
             max_context: 4096,
             batch_tokens: 512,
@@ -112,5 +113,14 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("max_bacth"), "{e}");
+        // Sizes parse as the flags do, and say what is wrong when they do not.
+        let c: ServeConfig = toml::from_str("device_memory = \"1.5GiB\"\nhost_cache = 4096")
+            .expect("sizes as text and as a number");
+        assert_eq!(c.device_memory, Some(ByteSize(3 << 29)));
+        assert_eq!(c.host_cache, ByteSize(4096));
+        let e = toml::from_str::<ServeConfig>("device_memory = \"12 parsecs\"")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("unknown unit"), "{e}");
     }
 }

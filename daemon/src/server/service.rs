@@ -1,8 +1,8 @@
 //! The `sluice.v1.Inference` service. Conversion between engine errors and gRPC status
 //! codes happens here and nowhere else.
 
-use crate::engine::generate::GenerateParams;
 use crate::engine::scheduler::{Event, Finish, Request, Scheduler, SubmitError};
+use crate::engine::sequence::GenerateParams;
 use crate::plan::{Placement, Plan};
 use crate::text::{ChatMessage, ChatTemplate, SamplingParams};
 use sluice_proto::v1 as pb;

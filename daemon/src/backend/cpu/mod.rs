@@ -101,6 +101,10 @@ thread_local! {
 impl Backend for CpuBackend {
     type Mem = CpuMem;
 
+    fn host_threads(&self) -> usize {
+        self.threads()
+    }
+
     fn name(&self) -> &'static str {
         "cpu"
     }

@@ -2,15 +2,135 @@
 //! (and a Unix socket), tell systemd when ready, drain on SIGTERM.
 
 use anyhow::{bail, Context, Result};
+use sluice::backend::Backend;
 use sluice::engine::scheduler::{Scheduler, SchedulerConfig};
+use sluice::engine::{BackendChoice, EngineError, OnBackend};
+use sluice::pipeline::Pipeline;
+use sluice::plan::Plan;
 use sluice::server::service::{ModelMeta, Service};
 use sluice::server::ServeConfig;
 use sluice::store::Store;
 use sluice::text::{ChatTemplate, Tokenizer};
-use sluice::util::{fmt_bytes, parse_size};
+use sluice::util::{fmt_bytes, ByteSize};
 use sluice_proto::v1::inference_server::InferenceServer;
+use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+
+#[derive(clap::Args)]
+pub struct ServeArgs {
+    /// Store directory (from `sluiced pack`).
+    #[arg(long)]
+    pub model: Option<PathBuf>,
+    /// Config file (default /etc/sluice/sluiced.toml when it exists); flags override it.
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// TCP address to listen on (default 127.0.0.1:50051).
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Also serve on this Unix socket.
+    #[arg(long)]
+    pub unix: Option<PathBuf>,
+    /// Device memory budget (e.g. 300MiB, 24GiB); below the model's size, layers stream.
+    /// Default: every layer resident on the CPU; on CUDA the device's free memory minus
+    /// headroom.
+    #[arg(long, value_parser = parse_byte_size)]
+    pub device_memory: Option<ByteSize>,
+    /// Host memory for decompressed copies of streamed layers (default 0).
+    #[arg(long, value_parser = parse_byte_size)]
+    pub host_cache: Option<ByteSize>,
+    /// Sequences in one pass over the weights, i.e. KV-cache slots (default 8).
+    #[arg(long)]
+    pub max_batch: Option<usize>,
+    /// Positions per sequence, prompt and generated tokens together (default 4096).
+    #[arg(long)]
+    pub max_context: Option<usize>,
+    /// Tokens per pass over all sequences, the prefill chunk budget (default 512).
+    #[arg(long)]
+    pub batch_tokens: Option<usize>,
+    /// Requests waiting for a slot at most; beyond, RESOURCE_EXHAUSTED (default 64).
+    #[arg(long)]
+    pub queue_max: Option<usize>,
+    /// Layers requested ahead of the one computing while layers stream (default 4).
+    #[arg(long)]
+    pub prefetch: Option<usize>,
+    /// Compute threads of the CPU backend (default 0: all cores).
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// auto (CUDA when a usable GPU is there, else the CPU, saying why), cpu or cuda.
+    #[arg(long)]
+    pub backend: Option<BackendChoice>,
+    /// CUDA device ordinal (default 0).
+    #[arg(long)]
+    pub device: Option<usize>,
+    /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled
+    /// (default 30).
+    #[arg(long)]
+    pub shutdown_grace_s: Option<u64>,
+}
+
+fn parse_byte_size(s: &str) -> Result<ByteSize, String> {
+    s.parse()
+}
+
+impl ServeArgs {
+    pub fn config(self) -> Result<sluice::server::ServeConfig> {
+        let mut c = sluice::server::ServeConfig::load(self.config.as_deref())
+            .map_err(anyhow::Error::msg)?;
+        macro_rules! set {
+            ($($f:ident),*) => { $(if let Some(v) = self.$f { c.$f = v; })* };
+        }
+        set!(
+            listen,
+            max_batch,
+            max_context,
+            batch_tokens,
+            queue_max,
+            threads,
+            shutdown_grace_s,
+            host_cache,
+            backend,
+            device
+        );
+        if self.model.is_some() {
+            c.model = self.model;
+        }
+        if self.unix.is_some() {
+            c.unix = self.unix;
+        }
+        if self.device_memory.is_some() {
+            c.device_memory = self.device_memory;
+        }
+        if self.prefetch.is_some() {
+            c.prefetch = self.prefetch;
+        }
+        Ok(c)
+    }
+}
+
+/// Builds the pipeline on the chosen backend and starts the scheduler's engine thread.
+struct StartScheduler {
+    input: sluice::plan::PlanInput,
+    tokenizer: Arc<Tokenizer>,
+    cfg: SchedulerConfig,
+}
+
+impl OnBackend for StartScheduler {
+    type Output = (Plan, Scheduler, std::thread::JoinHandle<()>, &'static str);
+    fn call<B: Backend + 'static>(
+        self,
+        make: &dyn Fn(&sluice::plan::PlanInput) -> Result<Pipeline<B>, EngineError>,
+    ) -> Result<Self::Output, EngineError>
+    where
+        B::Mem: 'static,
+    {
+        let runner = make(&self.input)?;
+        let plan = runner.plan.clone();
+        let name = runner.backend.name();
+        let (s, e) = Scheduler::start(runner, self.tokenizer, self.cfg);
+        Ok((plan, s, e, name))
+    }
+}
 
 pub fn serve(cfg: ServeConfig) -> Result<()> {
     cfg.validate().map_err(anyhow::Error::msg)?;
@@ -37,16 +157,8 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         kv_slots: cfg.max_batch,
         max_batch_tokens: cfg.batch_tokens,
     };
-    let device_budget = cfg
-        .device_memory
-        .as_deref()
-        .map(parse_size)
-        .transpose()
-        .map_err(anyhow::Error::msg)
-        .context("device_memory")?;
-    let host_cache = parse_size(&cfg.host_cache)
-        .map_err(anyhow::Error::msg)
-        .context("host_cache")?;
+    let device_budget = cfg.device_memory.map(|b| b.0);
+    let host_cache = cfg.host_cache.0;
     let input = sluice::plan::PlanInput {
         device_budget,
         host_cache_budget: host_cache,
@@ -54,29 +166,17 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         prefetch: cfg.prefetch,
         backend_reserved: 0,
     };
-    let io = sluice::io::IoConfig {
-        queue_depth: 32,
-        read_buffers: 32,
-        ..Default::default()
-    };
     let chosen = sluice::engine::choose_backend(cfg.backend, cfg.device)?;
-    let sched_cfg = SchedulerConfig {
-        queue_max: cfg.queue_max,
+    let start = StartScheduler {
+        input,
+        tokenizer,
+        cfg: SchedulerConfig {
+            queue_max: cfg.queue_max,
+        },
     };
-    let (plan, sched, engine, backend_name) = match chosen {
-        sluice::engine::Chosen::Cpu { .. } => {
-            let runner = sluice::engine::cpu_runner(store.clone(), &input, cfg.threads, io)?;
-            let plan = runner.plan.clone();
-            let (s, e) = Scheduler::start(runner, tokenizer, sched_cfg);
-            (plan, s, e, "cpu")
-        }
-        sluice::engine::Chosen::Cuda(info) => {
-            let runner = sluice::engine::cuda_runner(store.clone(), &input, &info, io)?;
-            let plan = runner.plan.clone();
-            let (s, e) = Scheduler::start(runner, tokenizer, sched_cfg);
-            (plan, s, e, "cuda")
-        }
-    };
+    let io = sluice::io::IoConfig::serving();
+    let (plan, sched, engine, backend_name) =
+        sluice::engine::on_backend(&chosen, &store, cfg.threads, &io, start)?;
     let budget = plan.device_budget;
     tracing::info!("{}\n{}", dir.display(), plan.table());
     let name = dir

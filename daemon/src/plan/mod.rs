@@ -10,6 +10,9 @@ use crate::model::llama::{kv_cache_bytes, workspace_bytes};
 use crate::model::ModelOptions;
 use crate::store::format::{Manifest, UnitKind};
 use crate::util::fmt_bytes;
+
+#[cfg(test)]
+mod tests;
 use serde::Serialize;
 
 /// Device allocations are rounded to this (the CPU arena's granularity; CUDA's is finer).
@@ -77,9 +80,31 @@ pub struct Plan {
     pub embedding_loads_per_pass: usize,
 }
 
-#[derive(Debug, thiserror::Error)]
-#[error("{0}")]
-pub struct PlanError(pub String);
+/// The budget cannot hold even the smallest streaming plan; the numbers say what it
+/// needs and the message what to change.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "device budget {} ({budget} bytes) is too small: KV cache {} + workspace {} (with backend scratch) + {slots} streaming slots of {} + {} of units larger than a slot kept resident = {} ({need} bytes) at least; raise --device-memory or lower --max-context / --max-batch",
+    fmt_bytes(*budget),
+    fmt_bytes(*kv_cache),
+    fmt_bytes(*workspace),
+    fmt_bytes(*slot),
+    fmt_bytes(*oversized_resident),
+    fmt_bytes(*need)
+)]
+pub struct PlanError {
+    pub budget: u64,
+    pub kv_cache: u64,
+    /// Workspace and the backend's scratch.
+    pub workspace: u64,
+    pub slots: usize,
+    /// Bytes of one streaming slot in the least plan.
+    pub slot: u64,
+    /// Units larger than that slot, which must stay resident.
+    pub oversized_resident: u64,
+    /// The least budget that runs.
+    pub need: u64,
+}
 
 impl Plan {
     pub fn placement(&self, unit: usize) -> Placement {
@@ -199,6 +224,103 @@ impl Plan {
     }
 }
 
+/// One way to split the units between resident and streamed.
+struct Candidate {
+    /// Bytes streamed per pass (the tied embedding counts twice).
+    streamed: u64,
+    resident: Vec<bool>,
+    slots: usize,
+    slot_bytes: u64,
+}
+
+/// The split that streams the fewest bytes per pass within `budget` (of which `fixed`
+/// is taken), trying every slot size from the largest unit down, two or three slots each:
+/// units larger than the slot must be resident, then units are kept resident greedily by
+/// the bytes they save per pass. None when no slot size fits.
+fn choose_residency(raw: &[u64], tied: bool, budget: u64, fixed: u64) -> Option<Candidate> {
+    // Value of keeping a unit resident: the bytes it would stream each pass (the tied
+    // embedding streams twice: gather at the start, logits at the end).
+    let value = |u: usize| raw[u] * if tied && u == 0 { 2 } else { 1 };
+    let mut order: Vec<usize> = (0..raw.len()).collect();
+    order.sort_by(|&x, &y| value(y).cmp(&value(x)).then(x.cmp(&y)));
+    let mut sizes: Vec<u64> = raw.to_vec();
+    sizes.sort_unstable_by(|x, y| y.cmp(x));
+    sizes.dedup();
+    let mut best: Option<Candidate> = None;
+    for &s in &sizes {
+        // A third slot lets an asynchronous backend upload one unit ahead.
+        for n_slots in [STREAM_SLOTS_MIN + 1, STREAM_SLOTS_MIN] {
+            let Some(mut left) = budget.checked_sub(fixed + n_slots as u64 * s) else {
+                continue;
+            };
+            let mut res = vec![false; raw.len()];
+            // Units larger than the slot must be resident.
+            let mut ok = true;
+            for u in 0..raw.len() {
+                if raw[u] > s {
+                    if raw[u] > left {
+                        ok = false;
+                        break;
+                    }
+                    left -= raw[u];
+                    res[u] = true;
+                }
+            }
+            if !ok {
+                continue;
+            }
+            for &u in &order {
+                if !res[u] && raw[u] <= left {
+                    left -= raw[u];
+                    res[u] = true;
+                }
+            }
+            let streamed: u64 = (0..raw.len()).filter(|&u| !res[u]).map(value).sum();
+            // Prefer fewer bytes streamed, then more slots (deeper prefetch).
+            let better = best.as_ref().is_none_or(|b| {
+                streamed < b.streamed || (streamed == b.streamed && n_slots > b.slots)
+            });
+            if better {
+                best = Some(Candidate {
+                    streamed,
+                    resident: res,
+                    slots: n_slots,
+                    slot_bytes: s,
+                });
+            }
+        }
+    }
+    best
+}
+
+/// The least budget that runs: for some slot size, two slots plus every unit larger than
+/// a slot kept resident.
+fn least_budget_error(raw: &[u64], budget: u64, kv: u64, workspace: u64) -> PlanError {
+    let fixed = kv + workspace;
+    let mut sizes: Vec<u64> = raw.to_vec();
+    sizes.sort_unstable_by(|x, y| y.cmp(x));
+    sizes.dedup();
+    let (need, slot) = sizes
+        .iter()
+        .map(|&s| {
+            (
+                fixed + STREAM_SLOTS_MIN as u64 * s + raw.iter().filter(|&&r| r > s).sum::<u64>(),
+                s,
+            )
+        })
+        .min()
+        .unwrap_or((fixed, 0));
+    PlanError {
+        budget,
+        kv_cache: kv,
+        workspace,
+        slots: STREAM_SLOTS_MIN,
+        slot,
+        oversized_resident: need - fixed - STREAM_SLOTS_MIN as u64 * slot,
+        need,
+    }
+}
+
 pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
     let a = &m.arch;
     let opts = input.opts;
@@ -219,104 +341,20 @@ pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
     let tied = a.tied_embeddings;
     let prefetch = input.prefetch.unwrap_or(PREFETCH_DEFAULT).max(1);
 
-    let mut resident = vec![false; raw.len()];
-    let mut slots = 0usize;
-    let mut slot_bytes = 0u64;
-    if all_resident <= budget {
-        resident.iter_mut().for_each(|r| *r = true);
+    let (resident, slots, slot_bytes) = if all_resident <= budget {
+        (vec![true; raw.len()], 0, 0)
     } else {
         let fixed = kv + ws + backend;
-        let smallest_slot = *raw.iter().max().expect("a model has units");
-        // Value of keeping a unit resident: the bytes it would stream each pass (the tied
-        // embedding streams twice: gather at the start, logits at the end).
-        let value = |u: usize| raw[u] * if tied && u == 0 { 2 } else { 1 };
-        let mut order: Vec<usize> = (0..raw.len()).collect();
-        order.sort_by(|&x, &y| value(y).cmp(&value(x)).then(x.cmp(&y)));
-        // Slots must hold the largest streamed unit; try slot sizes from the largest unit
-        // down, keeping the plan that leaves the fewest bytes streamed.
-        let mut sizes: Vec<u64> = raw.clone();
-        sizes.sort_unstable_by(|x, y| y.cmp(x));
-        sizes.dedup();
-        let mut best: Option<(u64, Vec<bool>, usize, u64)> = None;
-        for &s in &sizes {
-            // A third slot lets an asynchronous backend upload one unit ahead.
-            for n_slots in [STREAM_SLOTS_MIN + 1, STREAM_SLOTS_MIN] {
-                let Some(mut left) = budget.checked_sub(fixed + n_slots as u64 * s) else {
-                    continue;
-                };
-                let mut res = vec![false; raw.len()];
-                // Units larger than the slot must be resident.
-                let mut ok = true;
-                for u in 0..raw.len() {
-                    if raw[u] > s {
-                        if raw[u] > left {
-                            ok = false;
-                            break;
-                        }
-                        left -= raw[u];
-                        res[u] = true;
-                    }
-                }
-                if !ok {
-                    continue;
-                }
-                for &u in &order {
-                    if !res[u] && raw[u] <= left {
-                        left -= raw[u];
-                        res[u] = true;
-                    }
-                }
-                let streamed: u64 = (0..raw.len()).filter(|&u| !res[u]).map(value).sum();
-                // Prefer fewer bytes streamed, then more slots (deeper prefetch).
-                let better = match &best {
-                    None => true,
-                    Some((b, _, bn, _)) => streamed < *b || (streamed == *b && n_slots > *bn),
-                };
-                if better {
-                    best = Some((streamed, res, n_slots, s));
-                }
-            }
-        }
-        let Some((_, res, n, s)) = best else {
-            // The least budget that runs: for some slot size, two slots plus every unit
-            // larger than a slot kept resident.
-            let (need, slot) = sizes
-                .iter()
-                .map(|&s| {
-                    (
-                        fixed
-                            + STREAM_SLOTS_MIN as u64 * s
-                            + raw.iter().filter(|&&r| r > s).sum::<u64>(),
-                        s,
-                    )
-                })
-                .min()
-                .expect("a model has units");
-            let _ = smallest_slot;
-            return Err(PlanError(format!(
-                "device budget {} ({} bytes) is too small: KV cache {} + workspace {} (with backend scratch) + {STREAM_SLOTS_MIN} streaming slots of {} + {} of units larger than a slot kept resident = {} ({} bytes) at least; raise --device-memory or lower --max-context / --max-batch",
-                fmt_bytes(budget),
-                budget,
-                fmt_bytes(kv),
-                fmt_bytes(ws + backend),
-                fmt_bytes(slot),
-                fmt_bytes(need - fixed - STREAM_SLOTS_MIN as u64 * slot),
-                fmt_bytes(need),
-                need
-            )));
-        };
-        resident = res;
-        slots = n;
-        slot_bytes = s;
+        let c = choose_residency(&raw, tied, budget, fixed)
+            .ok_or_else(|| least_budget_error(&raw, budget, kv, ws + backend))?;
         // Shrink slots to the largest unit that actually streams.
-        if let Some(mx) = (0..raw.len())
-            .filter(|&u| !resident[u])
+        let slot_bytes = (0..raw.len())
+            .filter(|&u| !c.resident[u])
             .map(|u| raw[u])
             .max()
-        {
-            slot_bytes = mx;
-        }
-    }
+            .unwrap_or(c.slot_bytes);
+        (c.resident, c.slots, slot_bytes)
+    };
 
     // Host cache: decompressed copies of streamed units, most bytes-per-pass first.
     let mut cached = vec![false; raw.len()];

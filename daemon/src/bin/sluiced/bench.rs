@@ -1,0 +1,276 @@
+//! `sluiced bench-stream` and `sluiced bench-io`: figures and ratios from one run each.
+
+use anyhow::{Context, Result};
+use sluice::engine::{bench_stream, BackendChoice};
+use sluice::store::Store;
+use sluice::util::{fmt_bytes, parse_size};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct BenchStreamArgs {
+    pub dir: PathBuf,
+    /// Device budget for the weights as a share of the model's raw size (e.g. 50%), on top
+    /// of KV cache, workspace and streaming slots; or an absolute --device-memory.
+    #[arg(long, default_value = "50%")]
+    pub weights_budget: String,
+    /// Total device budget (overrides --weights-budget).
+    #[arg(long, value_parser = parse_size)]
+    pub device_memory: Option<u64>,
+    #[arg(long, value_parser = parse_size, default_value = "0")]
+    pub host_cache: u64,
+    #[arg(long)]
+    pub prefetch: Option<usize>,
+    #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
+    pub batch: Vec<usize>,
+    #[arg(long, default_value_t = 4)]
+    pub steps: usize,
+    #[arg(long, default_value_t = 4)]
+    pub prompt_tokens: usize,
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// auto, cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    pub backend: BackendChoice,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
+    let BenchStreamArgs {
+        dir,
+        weights_budget,
+        device_memory,
+        host_cache,
+        prefetch,
+        batch,
+        steps,
+        prompt_tokens,
+        threads,
+        backend,
+        device,
+        json,
+    } = a;
+    let store = std::sync::Arc::new(Store::open(&dir)?);
+    let chosen = sluice::engine::choose_backend(backend, device)?;
+    if batch.is_empty() {
+        anyhow::bail!("--batch is empty");
+    }
+    let budget = match device_memory {
+        Some(b) => b,
+        None => {
+            let pct: f64 = weights_budget
+                .trim_end_matches('%')
+                .parse()
+                .with_context(|| {
+                    format!("--weights-budget {weights_budget:?}: expected a percentage like 50%")
+                })?;
+            let opts = bench_stream::model_options(&batch, prompt_tokens, steps);
+            bench_stream::budget_for_weights_share(&store, opts, prefetch, pct, &chosen)?
+        }
+    };
+    let o = bench_stream::BenchStreamOptions {
+        device_budget: budget,
+        host_cache_budget: host_cache,
+        prefetch,
+        threads,
+        io: sluice::io::IoConfig::serving(),
+        batches: batch,
+        steps,
+        prompt_tokens,
+    };
+    let r = bench_stream::run(&chosen, store, &o)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        println!("model {} raw, device budget {} ({} units resident, {} streamed); per pass {} from disk, {} uploaded", fmt_bytes(r.model_raw_bytes), fmt_bytes(r.device_budget), r.layers_resident, r.layers_streamed, fmt_bytes(r.disk_bytes_per_pass), fmt_bytes(r.upload_bytes_per_pass));
+        println!("backend {}", r.backend);
+        println!("pass time: compute-only {:.2} ms, streaming-only {:.2} ms, streamed {:.2} ms -> streamed / max = {:.3}", r.compute_only_pass_s * 1e3, r.streaming_only_pass_s * 1e3, r.streamed_pass_s * 1e3, r.overlap_ratio);
+        println!(
+            "decode batch 1: {:.1} tokens/s all resident, {:.1} tokens/s streamed",
+            r.resident_tokens_per_s, r.streamed_tokens_per_s
+        );
+        if r.copy_gbps > 0.0 {
+            println!("copy stream while streaming {:.2} GB/s; plain pinned cuMemcpyHtoD {:.2} GB/s -> ratio {:.3}", r.copy_gbps, r.plain_h2d_gbps, r.copy_vs_plain);
+        }
+        println!(
+            "{:>6} {:>10} {:>12} {:>10} {:>12} {:>12}",
+            "batch", "pass ms", "tokens/s", "vs linear", "stall ms", "compute ms"
+        );
+        for b in &r.batches {
+            println!(
+                "{:>6} {:>10.2} {:>12.1} {:>10.3} {:>12.2} {:>12.2}",
+                b.batch,
+                b.pass_s * 1e3,
+                b.tokens_per_s,
+                b.vs_linear,
+                b.load_stall_s_per_pass * 1e3,
+                b.compute_s_per_pass * 1e3
+            );
+        }
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[derive(clap::Args)]
+pub struct BenchIoArgs {
+    pub dir: PathBuf,
+    /// auto, uring or pread.
+    #[arg(long, default_value = "auto")]
+    pub engine: sluice::io::EngineChoice,
+    /// Reads in flight.
+    #[arg(long, default_value_t = sluice::io::QUEUE_DEPTH_DEFAULT)]
+    pub qd: usize,
+    /// Bytes per read request.
+    #[arg(long, default_value = "4MiB", value_parser = parse_size)]
+    pub request_size: u64,
+    /// Read buffers (default: the queue depth).
+    #[arg(long)]
+    pub read_buffers: Option<usize>,
+    /// Decompression workers (default: cores - 1).
+    #[arg(long)]
+    pub workers: Option<usize>,
+    /// Staging slots; the benchmark keeps all but one requested ahead.
+    #[arg(long, default_value_t = 4)]
+    pub slots: usize,
+    #[arg(long, default_value_t = 3)]
+    pub passes: usize,
+    /// Read through the page cache instead of O_DIRECT.
+    #[arg(long)]
+    pub buffered: bool,
+    /// Only the read pass (decoding off): prints {"engine", "raw_read_gbps"}.
+    #[arg(long)]
+    pub raw_only: bool,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
+    let BenchIoArgs {
+        dir,
+        engine,
+        qd,
+        request_size,
+        read_buffers,
+        workers,
+        slots,
+        passes,
+        buffered,
+        raw_only,
+        json,
+    } = a;
+    let store = std::sync::Arc::new(Store::open(&dir)?);
+    let defaults = sluice::io::IoConfig::default();
+    let cfg = sluice::io::IoConfig {
+        engine,
+        direct: !buffered,
+        queue_depth: qd,
+        request_bytes: usize::try_from(request_size).context("--request-size")?,
+        read_buffers: read_buffers.unwrap_or(qd),
+        staging_slots: slots.max(2),
+        workers: workers.unwrap_or(defaults.workers),
+        pread_threads: qd.min(64),
+        decompress: true,
+        units: None,
+        pinner: None,
+    };
+    let opts = sluice::io::bench::BenchIoOptions {
+        cfg,
+        passes: passes.max(1),
+        ahead: slots.max(2) - 1,
+        core_sample_bytes: 512 << 20,
+    };
+    if raw_only {
+        let (engine, gbps, depth) = sluice::io::bench::bench_raw_read(store, &opts)?;
+        println!(
+            "{}",
+            serde_json::json!({"engine": engine, "raw_read_gbps": gbps, "queue_depth_avg": depth})
+        );
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
+    let report = sluice::io::bench::bench_io(store, &opts)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&report)?);
+    } else {
+        print_bench_io(&report);
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+fn print_bench_io(r: &sluice::io::bench::BenchIoReport) {
+    println!(
+        "engine {}{} (qd {}, request {}, {} read buffers, {} workers), {} passes over {} units",
+        r.engine,
+        if r.direct {
+            " + O_DIRECT"
+        } else {
+            " (buffered)"
+        },
+        r.queue_depth,
+        fmt_bytes(r.request_bytes as u64),
+        r.read_buffers,
+        r.workers,
+        r.passes,
+        r.units
+    );
+    if !r.fallback_reason.is_empty() {
+        println!("fallback: {}", r.fallback_reason);
+    }
+    println!("page cache between passes: {}", r.cache_drop);
+    println!(
+        "per pass: {} stored -> {} raw (ratio {:.3})",
+        fmt_bytes(r.stored_bytes_per_pass),
+        fmt_bytes(r.raw_bytes_per_pass),
+        r.ratio
+    );
+    println!();
+    println!("{:<34} {:>10}", "rate", "GB/s");
+    println!("{:<34} {:>10.3}", "read (compressed bytes)", r.read_gbps);
+    println!(
+        "{:<34} {:>10.3}",
+        "decompressed bytes produced", r.decompressed_gbps
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "limit: raw read, decode off", r.raw_read_gbps
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "limit: one core decoding", r.core_decompress_gbps
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "bound min(read/ratio, workers*core)", r.bound_gbps
+    );
+    println!("{:<34} {:>10.3}", "decompressed / bound", r.bound_ratio);
+    println!();
+    let st = &r.stalls;
+    println!("{:<34} {:>10}", "stage time", "seconds");
+    println!("{:<34} {:>10.3}", "wall", r.seconds);
+    println!(
+        "{:<34} {:>10.3}",
+        "disk busy (a read in flight)", st.read_busy_s
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "decode busy (summed over workers)", st.decompress_busy_s
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "stall: consumer waiting for layers", st.consumer_wait_s
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "stall: reads waiting for buffers", st.read_buffer_s
+    );
+    println!(
+        "{:<34} {:>10.3}",
+        "stall: requests waiting for slots", st.staging_slot_s
+    );
+    if r.short_reads > 0 {
+        println!("short reads resubmitted: {}", r.short_reads);
+    }
+}

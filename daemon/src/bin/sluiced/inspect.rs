@@ -1,0 +1,146 @@
+//! `sluiced inspect` and `sluiced verify`: what a store holds, and whether every frame
+//! still matches its checksum.
+
+use super::util::progress_bar;
+use anyhow::{bail, Result};
+use sluice::store::{self, Store};
+use sluice::util::fmt_bytes;
+use std::path::PathBuf;
+use std::time::Instant;
+
+#[derive(clap::Args)]
+pub struct InspectArgs {
+    pub dir: PathBuf,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
+    let InspectArgs { dir, json } = a;
+    let store = Store::open(&dir)?;
+    let s = store::inspect::summarize(store.manifest());
+    if json {
+        println!("{}", serde_json::to_string_pretty(&s)?);
+    } else {
+        print_summary(&dir, &s);
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+#[derive(clap::Args)]
+pub struct VerifyArgs {
+    pub dir: PathBuf,
+}
+
+pub fn verify(a: VerifyArgs) -> Result<std::process::ExitCode> {
+    let VerifyArgs { dir } = a;
+    let store = Store::open(&dir)?;
+    let pb = progress_bar(store.manifest().stored_bytes(), "verifying");
+    let t0 = Instant::now();
+    let report = store::verify::verify(&store, |b| pb.inc(b))?;
+    pb.finish_and_clear();
+    for f in &report.faults {
+        eprintln!("bad frame: {f}");
+    }
+    let secs = t0.elapsed().as_secs_f64();
+    if report.faults.is_empty() {
+        println!(
+            "ok: {} units, {} frames, {} stored, {} raw checked in {secs:.2} s",
+            report.units,
+            report.frames,
+            fmt_bytes(report.stored_bytes),
+            fmt_bytes(report.raw_bytes)
+        );
+        Ok(std::process::ExitCode::SUCCESS)
+    } else {
+        bail!(
+            "{}: {} of {} frames are bad (listed above); repack the model or restore weights.bin",
+            dir.display(),
+            report.faults.len(),
+            report.frames
+        )
+    }
+}
+
+fn print_summary(dir: &std::path::Path, s: &store::inspect::Summary) {
+    let c = &s.config;
+    println!("store       {}", dir.display());
+    println!("source      {}", s.source);
+    println!("model       {} ({})", c.name, c.arch);
+    println!(
+        "config      layers {}, hidden {}, heads {}, kv heads {}, head dim {}, intermediate {}, vocab {}, context {}",
+        c.n_layers, c.hidden, c.n_heads, c.n_kv_heads, c.head_dim, c.intermediate, c.vocab, c.max_context
+    );
+    println!(
+        "            rope theta {}, rope scaling {}, rms eps {:e}, tied embeddings {}, qkv bias {}",
+        c.rope_theta,
+        c.rope_scaling
+            .as_ref()
+            .map_or("none".to_string(), |r| format!("{r:?}")),
+        c.rms_eps,
+        c.tied_embeddings,
+        c.qkv_bias
+    );
+    let t = &s.tokenizer;
+    println!(
+        "tokenizer   {}{}{}, bos {:?}, eos {:?}, end tokens {:?}, add bos {}, chat template {}",
+        t.kind,
+        t.pre
+            .as_ref()
+            .map(|p| format!(" (pre {p})"))
+            .unwrap_or_default(),
+        if t.tokens > 0 {
+            format!(", {} tokens, {} merges", t.tokens, t.merges)
+        } else {
+            String::new()
+        },
+        s.bos,
+        s.eos,
+        s.end_tokens,
+        s.add_bos,
+        if s.chat_template { "yes" } else { "no" }
+    );
+    println!(
+        "store       codec {}, frame size {}, {} frames, {} raw, {} stored, ratio {:.3}",
+        s.codec,
+        fmt_bytes(s.frame_size as u64),
+        s.frames,
+        fmt_bytes(s.raw_bytes),
+        fmt_bytes(s.stored_bytes),
+        s.ratio
+    );
+    println!();
+    println!(
+        "{:<8} {:>8} {:>12} {:>12} {:>7}  {:>11}",
+        "dtype", "tensors", "raw", "stored", "ratio", "compressed"
+    );
+    for d in &s.dtypes {
+        println!(
+            "{:<8} {:>8} {:>12} {:>12} {:>7.3}  {:>5}/{:<5}",
+            d.dtype.name(),
+            d.tensors,
+            fmt_bytes(d.raw_bytes),
+            fmt_bytes(d.stored_bytes),
+            d.ratio,
+            d.frames_compressed,
+            d.frames
+        );
+    }
+    println!();
+    println!(
+        "{:<12} {:>8} {:>7} {:>12} {:>12} {:>7}",
+        "unit", "tensors", "frames", "raw", "stored", "ratio"
+    );
+    for u in &s.units {
+        println!(
+            "{:<12} {:>8} {:>7} {:>12} {:>12} {:>7.3}",
+            u.name,
+            u.tensors,
+            u.frames,
+            fmt_bytes(u.raw_bytes),
+            fmt_bytes(u.stored_bytes),
+            u.ratio
+        );
+    }
+}

@@ -1,0 +1,269 @@
+//! `sluiced run`: one prompt without a daemon, on the chosen backend, with the plan, the
+//! text and the pass statistics (or one JSON object).
+
+use anyhow::{bail, Context, Result};
+use sluice::backend::Backend;
+use sluice::engine::{on_backend, BackendChoice, EngineError, OnBackend};
+use sluice::io::IoConfig;
+use sluice::pipeline::Pipeline;
+use sluice::store::Store;
+use sluice::text::{ChatMessage, ChatTemplate, Tokenizer};
+use sluice::util::{fmt_bytes, parse_size};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+#[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompt_ids"])))]
+pub struct RunArgs {
+    /// Store directory (from `sluiced pack`).
+    dir: PathBuf,
+    #[arg(long)]
+    prompt: Option<String>,
+    /// Read the prompt from a file.
+    #[arg(long)]
+    prompt_file: Option<PathBuf>,
+    /// Token ids given directly, e.g. 1,2,3 (no template, no BOS added).
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    /// Render the prompt as a user message with the model's chat template.
+    #[arg(long)]
+    chat: bool,
+    /// A system message (with --chat).
+    #[arg(long)]
+    system: Option<String>,
+    #[arg(long, default_value_t = 128)]
+    max_tokens: usize,
+    /// 0 is greedy.
+    #[arg(long, default_value_t = 0.0)]
+    temperature: f32,
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0.0)]
+    min_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Stop when the text contains this string (repeatable).
+    #[arg(long)]
+    stop: Vec<String>,
+    /// Keep generating past end tokens (benchmarks).
+    #[arg(long)]
+    ignore_eos: bool,
+    /// Positions of KV cache (default: the model's context, at most 4096).
+    #[arg(long)]
+    max_context: Option<usize>,
+    /// Tokens per prefill step.
+    #[arg(long, default_value_t = 512)]
+    batch_tokens: usize,
+    /// Device memory budget (e.g. 64MiB, 32GiB); below the model's size, layers stream.
+    /// Default: enough for every layer resident.
+    #[arg(long, value_parser = parse_size)]
+    device_memory: Option<u64>,
+    /// Host memory for decompressed copies of streamed layers.
+    #[arg(long, value_parser = parse_size, default_value = "0")]
+    host_cache: u64,
+    /// Layers requested ahead of the one computing.
+    #[arg(long)]
+    prefetch: Option<usize>,
+    /// Compute threads of the CPU backend (default: all cores).
+    #[arg(long, default_value_t = 0)]
+    threads: usize,
+    /// auto (CUDA when a usable GPU is there, else the CPU, saying why), cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    backend: BackendChoice,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    device: usize,
+    /// Print one JSON object instead of the text.
+    #[arg(long)]
+    json: bool,
+}
+
+pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
+    let store = std::sync::Arc::new(Store::open(&a.dir)?);
+    let m = store.manifest();
+    let tok = Tokenizer::from_manifest(m)?;
+    let prompt_ids = prompt_ids(&a, m, &tok)?;
+    let max_context = a
+        .max_context
+        .unwrap_or((m.arch.max_context as usize).min(4096));
+    let opts = sluice::model::ModelOptions {
+        max_context,
+        kv_slots: 1,
+        max_batch_tokens: a.batch_tokens.max(1),
+    };
+    let input = sluice::plan::PlanInput {
+        device_budget: a.device_memory,
+        host_cache_budget: a.host_cache,
+        opts,
+        prefetch: a.prefetch,
+        backend_reserved: 0,
+    };
+    let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
+    let job = Generate {
+        a: &a,
+        tok: &tok,
+        prompt_ids: &prompt_ids,
+        input,
+    };
+    on_backend(&chosen, &store, a.threads, &IoConfig::single_stream(), job)??;
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The prompt's token ids: given directly, or the prompt (or file) encoded, rendered with
+/// the chat template under --chat.
+fn prompt_ids(a: &RunArgs, m: &sluice::store::Manifest, tok: &Tokenizer) -> Result<Vec<u32>> {
+    if let Some(ids) = a.prompt_ids.clone() {
+        if let Some(bad) = ids.iter().find(|&&i| i >= m.arch.vocab) {
+            bail!(
+                "--prompt-ids: token id {bad} is past the vocabulary ({})",
+                m.arch.vocab
+            );
+        }
+        return Ok(ids);
+    }
+    let text = match (&a.prompt, &a.prompt_file) {
+        (Some(p), _) => p.clone(),
+        (None, Some(f)) => std::fs::read_to_string(f)
+            .with_context(|| format!("read --prompt-file {}", f.display()))?,
+        (None, None) => bail!("give --prompt, --prompt-file or --prompt-ids"),
+    };
+    if !a.chat {
+        return Ok(tok.encode(&text, true)?);
+    }
+    let src = m
+        .chat_template
+        .as_deref()
+        .context("--chat: this model has no chat template")?;
+    let piece = |id: Option<u32>| id.map(|i| tok.piece(i)).unwrap_or_default();
+    let t = ChatTemplate::new(src, piece(m.special.bos), piece(m.special.eos))?;
+    let mut msgs = Vec::new();
+    if let Some(s) = &a.system {
+        msgs.push(ChatMessage {
+            role: "system".into(),
+            content: s.clone(),
+        });
+    }
+    msgs.push(ChatMessage {
+        role: "user".into(),
+        content: text,
+    });
+    Ok(tok.encode(&t.render(&msgs, true)?, false)?)
+}
+
+/// `sluiced run`'s work once the backend is known.
+struct Generate<'a> {
+    a: &'a RunArgs,
+    tok: &'a Tokenizer,
+    prompt_ids: &'a [u32],
+    input: sluice::plan::PlanInput,
+}
+
+impl OnBackend for Generate<'_> {
+    type Output = Result<()>;
+    fn call<B: Backend + 'static>(
+        self,
+        make: &dyn Fn(&sluice::plan::PlanInput) -> Result<Pipeline<B>, EngineError>,
+    ) -> Result<Result<()>, EngineError> {
+        let runner = make(&self.input)?;
+        Ok(run_generate(runner, self.a, self.tok, self.prompt_ids))
+    }
+}
+
+/// Generates for `sluiced run` on whichever backend was chosen.
+fn run_generate<B: Backend>(
+    mut runner: Pipeline<B>,
+    a: &RunArgs,
+    tok: &Tokenizer,
+    prompt_ids: &[u32],
+) -> Result<()> {
+    use sluice::engine::generate::generate;
+    use sluice::engine::sequence::GenerateParams;
+    use sluice::text::SamplingParams;
+    use std::io::Write;
+    if !a.json {
+        eprint!("{}", runner.plan.table());
+    }
+    let params = GenerateParams {
+        max_tokens: a.max_tokens,
+        sampling: SamplingParams {
+            temperature: a.temperature,
+            top_k: a.top_k,
+            top_p: a.top_p,
+            min_p: a.min_p,
+            seed: a.seed,
+        },
+        stop: a.stop.clone(),
+        ignore_eos: a.ignore_eos,
+    };
+    let stdout = std::io::stdout();
+    let out = generate(&mut runner, tok, prompt_ids, &params, |piece| {
+        if !a.json {
+            let mut l = stdout.lock();
+            let _ = l.write_all(piece.as_bytes());
+            let _ = l.flush();
+        }
+    })?;
+    let b = &runner.backend;
+    let total = runner.total().clone();
+    let passes = total.passes.max(1) as f64;
+    let plan = &runner.plan;
+    if a.json {
+        let j = serde_json::json!({
+            "prompt_token_ids": out.prompt_token_ids,
+            "generated_token_ids": out.generated_token_ids,
+            "text": out.text,
+            "finish_reason": out.finish_reason,
+            "prompt_tokens": out.prompt_token_ids.len(),
+            "generated_tokens": out.generated_token_ids.len(),
+            "prefill_s": out.prefill_s,
+            "decode_s": out.decode_s,
+            "prefill_tokens_per_s": out.prefill_tokens_per_s(),
+            "decode_tokens_per_s": out.decode_tokens_per_s(),
+            "backend": b.name(),
+            "threads": b.host_threads(),
+            "copy_device_s": total.copy_device_s,
+            "copy_gbps": if total.copy_device_s > 0.0 { total.bytes_uploaded as f64 / total.copy_device_s / 1e9 } else { 0.0 },
+            "device_bytes_budget": b.budget().limit(),
+            "device_bytes_peak": b.budget().peak(),
+            "layers_resident": plan.layers_resident(),
+            "layers_streamed": plan.layers_streamed(),
+            "bytes_streamed": total.bytes_uploaded,
+            "bytes_read": total.bytes_read,
+            "bytes_decompressed": total.bytes_decompressed,
+            "bytes_from_host_cache": total.bytes_from_host_cache,
+            "passes": total.passes,
+            "pass_time_s": total.pass_time_s / passes,
+            "compute_s": total.compute_s,
+            "upload_s": total.upload_s,
+            "stall_load_s": total.load_stall_s,
+            "plan": plan,
+        });
+        println!("{}", serde_json::to_string_pretty(&j)?);
+    } else {
+        println!();
+        eprintln!(
+            "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens in {:.3} s ({:.1} tokens/s); finish: {:?}",
+            out.prompt_token_ids.len(),
+            out.prefill_s,
+            out.prefill_tokens_per_s(),
+            out.decode_steps,
+            out.decode_s,
+            out.decode_tokens_per_s(),
+            out.finish_reason,
+        );
+        eprintln!(
+            "passes: {}, {:.2} ms each; per pass {} read, {} uploaded; compute {:.3} s, upload {:.3} s, waiting for loads {:.3} s; device memory peak {} of {}",
+            total.passes,
+            total.pass_time_s / passes * 1e3,
+            fmt_bytes((total.bytes_read as f64 / passes) as u64),
+            fmt_bytes((total.bytes_uploaded as f64 / passes) as u64),
+            total.compute_s,
+            total.upload_s,
+            total.load_stall_s,
+            fmt_bytes(b.budget().peak()),
+            fmt_bytes(b.budget().limit())
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,33 @@
+//! Helpers the commands share: value parsers for flags and the progress bar.
+
+use sluice::store::Codec;
+use sluice::util::parse_size;
+
+pub fn parse_dtype(s: &str) -> Result<sluice::dtype::DType, String> {
+    sluice::dtype::ALL_DTYPES
+        .iter()
+        .copied()
+        .find(|d| d.name() == s)
+        .ok_or_else(|| format!("unknown dtype {s:?}: expected f32, f16, bf16, q8_0, q4_0 or q4_1"))
+}
+
+pub fn parse_codec(s: &str) -> Result<Codec, String> {
+    s.parse()
+}
+
+pub fn parse_size_u32(s: &str) -> Result<u32, String> {
+    let b = parse_size(s)?;
+    u32::try_from(b).map_err(|_| format!("{s} is over 4 GiB"))
+}
+
+pub fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
+    let pb = indicatif::ProgressBar::new(total);
+    let style = indicatif::ProgressStyle::with_template(
+        "{msg} [{bar:40}] {bytes}/{total_bytes} {binary_bytes_per_sec} eta {eta}",
+    )
+    .map(|s| s.progress_chars("=> "))
+    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar());
+    pb.set_style(style);
+    pb.set_message(what.to_string());
+    pb
+}

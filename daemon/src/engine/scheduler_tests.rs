@@ -1,0 +1,158 @@
+//! The scheduler on a real (tiny) pipeline: a request's greedy tokens are the same alone
+//! through `generate` and in a batch, a full queue is refused without blocking, and a
+//! shutdown past its grace period cancels what runs and what waits.
+
+use super::generate::generate;
+use super::scheduler::{Event, Finish, Request, Scheduler, SchedulerConfig, SubmitError};
+use super::sequence::GenerateParams;
+use super::test_model;
+use crate::io::IoConfig;
+use crate::model::ModelOptions;
+use crate::pipeline::Pipeline;
+use crate::plan::PlanInput;
+use crate::text::{SamplingParams, Tokenizer};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
+
+fn params(max_tokens: usize) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+        },
+        stop: Vec::new(),
+        ignore_eos: true,
+    }
+}
+
+fn pipeline(
+    store: &Arc<crate::store::Store>,
+    batch: usize,
+) -> Pipeline<crate::backend::cpu::CpuBackend> {
+    let input = PlanInput {
+        device_budget: None,
+        host_cache_budget: 0,
+        opts: ModelOptions {
+            max_context: 64,
+            kv_slots: batch,
+            max_batch_tokens: 16,
+        },
+        prefetch: None,
+        backend_reserved: 0,
+    };
+    super::cpu_runner(store.clone(), &input, 1, IoConfig::single_stream()).expect("pipeline")
+}
+
+/// Collects a request's events until Done; returns its generated ids and finish.
+fn collect(mut rx: UnboundedReceiver<Event>) -> (Vec<u32>, Finish) {
+    let mut ids = Vec::new();
+    loop {
+        match rx.blocking_recv().expect("the stream ends with Done") {
+            Event::Piece { token_ids, .. } => ids.extend(token_ids),
+            Event::Done(d) => {
+                // A cancelled sequence releases no held-back piece; Done still lists all.
+                if d.finish != Finish::Cancelled {
+                    assert_eq!(
+                        ids, d.generated_token_ids,
+                        "pieces carry every generated id"
+                    );
+                }
+                return (d.generated_token_ids, d.finish);
+            }
+            Event::Failed { message, .. } => panic!("request failed: {message}"),
+        }
+    }
+}
+
+fn submit(
+    s: &Scheduler,
+    prompt: Vec<u32>,
+    max_tokens: usize,
+) -> Result<UnboundedReceiver<Event>, SubmitError> {
+    let (tx, rx) = unbounded_channel();
+    s.submit(Request {
+        prompt_ids: prompt,
+        params: params(max_tokens),
+        events: tx,
+    })?;
+    Ok(rx)
+}
+
+fn prompts() -> Vec<Vec<u32>> {
+    vec![vec![10, 20, 30], (1..40).collect(), vec![7; 17]]
+}
+
+#[test]
+fn a_batch_gives_each_request_the_tokens_it_gets_alone() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = test_model::store(tmp.path());
+    let tok = Arc::new(Tokenizer::from_manifest(store.manifest()).expect("tokenizer"));
+    let alone: Vec<Vec<u32>> = prompts()
+        .iter()
+        .map(|p| {
+            let mut r = pipeline(&store, 1);
+            generate(&mut r, &tok, p, &params(12), |_| {})
+                .expect("generate")
+                .generated_token_ids
+        })
+        .collect();
+    let (s, engine) = Scheduler::start(pipeline(&store, 3), tok, SchedulerConfig { queue_max: 8 });
+    let rxs: Vec<_> = prompts()
+        .into_iter()
+        .map(|p| submit(&s, p, 12).expect("submit"))
+        .collect();
+    for (rx, want) in rxs.into_iter().zip(&alone) {
+        let (got, finish) = collect(rx);
+        assert_eq!(finish, Finish::Length);
+        assert_eq!(
+            &got, want,
+            "batched greedy tokens differ from the request alone"
+        );
+    }
+    s.shutdown(Duration::from_secs(5));
+    engine.join().expect("engine thread");
+}
+
+#[test]
+fn a_full_queue_is_refused_and_a_shutdown_past_grace_cancels_everything() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = test_model::store(tmp.path());
+    let tok = Arc::new(Tokenizer::from_manifest(store.manifest()).expect("tokenizer"));
+    let (s, engine) = Scheduler::start(pipeline(&store, 1), tok, SchedulerConfig { queue_max: 1 });
+    // One long request takes the only slot...
+    let running = submit(&s, vec![1, 2, 3], 60).expect("submit");
+    let t0 = Instant::now();
+    while s.status().active_sequences != 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the request was never admitted"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    // ...one waits in the queue, and the next is refused at once.
+    let queued = submit(&s, vec![4, 5], 4).expect("one request fits the queue");
+    match submit(&s, vec![6], 4) {
+        Err(SubmitError::QueueFull(1)) => {}
+        other => panic!("expected QueueFull(1), got {:?}", other.map(|_| ())),
+    }
+    match submit(&s, vec![], 4) {
+        Err(SubmitError::Invalid(m)) => assert!(m.contains("empty"), "{m}"),
+        other => panic!("expected Invalid, got {:?}", other.map(|_| ())),
+    }
+    s.shutdown(Duration::ZERO);
+    let (ids, finish) = collect(running);
+    assert_eq!(finish, Finish::Cancelled);
+    assert!(ids.len() < 60, "cancelled before its last token");
+    let (ids, finish) = collect(queued);
+    assert_eq!((ids.len(), finish), (0, Finish::Cancelled));
+    assert!(matches!(
+        submit(&s, vec![1], 1),
+        Err(SubmitError::ShuttingDown)
+    ));
+    engine.join().expect("engine thread");
+}

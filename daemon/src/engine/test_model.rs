@@ -1,0 +1,62 @@
+//! A tiny synthetic model packed into a temporary store, for the engine's unit tests:
+//! 2 layers, hidden 64, a 300-token byte-level vocabulary whose token 299 ends a turn.
+
+use crate::dtype::DType;
+use crate::import::synth::{self, SynthSpec};
+use crate::store::format::{GgufVocab, TokenizerSpec};
+use crate::store::writer::{pack, PackOptions};
+use crate::store::Store;
+use std::sync::Arc;
+
+pub const END_TOKEN: u32 = 299;
+pub const VOCAB: u32 = 300;
+
+pub fn store(dir: &std::path::Path) -> Arc<Store> {
+    let mut spec = SynthSpec::llama_like(64, 2, DType::F32);
+    spec.vocab = VOCAB;
+    let mut model = synth::model(&spec);
+    model.special.end_tokens = vec![END_TOKEN];
+    model.tokenizer = TokenizerSpec::Gguf(byte_level_vocab());
+    let units = model.units().expect("units");
+    let out = dir.join("tiny");
+    let opts = PackOptions {
+        codec: "lz4".parse().expect("codec"),
+        frame_size: 1 << 16,
+        threads: 1,
+        force: true,
+    };
+    pack(&model, &units, &out, &opts, |_| {}).expect("pack the tiny model");
+    Arc::new(Store::open(&out).expect("open the tiny model"))
+}
+
+/// A byte-level BPE vocabulary without merges: token b (< 256) is byte b, in GPT-2's
+/// byte-to-character mapping; the rest are control tokens.
+fn byte_level_vocab() -> GgufVocab {
+    let printable = |b: u32| {
+        (b'!' as u32..=b'~' as u32).contains(&b)
+            || (0xA1..=0xAC).contains(&b)
+            || (0xAE..=0xFF).contains(&b)
+    };
+    let mut extra = 0;
+    let mut tokens: Vec<String> = (0..256u32)
+        .map(|b| {
+            let c = if printable(b) {
+                b
+            } else {
+                extra += 1;
+                255 + extra
+            };
+            char::from_u32(c).expect("a valid char").to_string()
+        })
+        .collect();
+    tokens.extend((256..VOCAB).map(|i| format!("<ctl{i}>")));
+    GgufVocab {
+        model: "gpt2".into(),
+        pre: None,
+        token_types: (0..VOCAB).map(|i| if i < 256 { 1 } else { 3 }).collect(),
+        tokens,
+        merges: Vec::new(),
+        scores: Vec::new(),
+        add_space_prefix: false,
+    }
+}
