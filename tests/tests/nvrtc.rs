@@ -85,3 +85,59 @@ fn a_broken_kernel_fails_with_its_log() {
         c.log
     );
 }
+
+/// The typed launchers pass exactly what each kernel declares: every kernel a source
+/// defines is in the kernel table with the same parameter types, in order, and every
+/// entry of the table is defined by some source. Needs no NVRTC.
+#[test]
+fn the_kernel_table_matches_every_kernel_signature_in_the_sources() {
+    use sluice::backend::cuda::entry_signatures;
+    use sluice::backend::cuda::kernels::Kernel;
+    let mut seen = std::collections::BTreeSet::new();
+    for (file, src) in KERNELS {
+        for (name, params) in entry_signatures(src) {
+            let k = Kernel::by_name(&name).unwrap_or_else(|| {
+                panic!("kernels/{file}.cu defines {name}, which the table lacks")
+            });
+            assert_eq!(
+                k.signature(),
+                params.as_slice(),
+                "kernels/{file}.cu: {name} takes ({}), the launcher passes ({})",
+                params.join(", "),
+                k.signature().join(", ")
+            );
+            assert!(seen.insert(name.clone()), "{name} is defined twice");
+        }
+    }
+    for k in Kernel::ALL {
+        assert!(
+            seen.contains(k.name()),
+            "the table has {}, which no source defines",
+            k.name()
+        );
+    }
+    assert_eq!(seen.len(), 29, "kernels: {seen:?}");
+    // The parser sees through parameter names, spacing and macros.
+    let sigs = entry_signatures(
+        "extern \"C\" __global__ void a(float *x,\n   const unsigned long long* d, int n) {}\n\
+         #define MK(name, b) \\\n  extern \"C\" __global__ void name(const u8* w, float s) { }\n\
+         MK(mk_one, 1)\n",
+    );
+    assert_eq!(
+        sigs,
+        vec![
+            (
+                "a".to_string(),
+                vec![
+                    "float*".to_string(),
+                    "const unsigned long long*".to_string(),
+                    "int".to_string()
+                ]
+            ),
+            (
+                "mk_one".to_string(),
+                vec!["const u8*".to_string(), "float".to_string()]
+            ),
+        ]
+    );
+}

@@ -12,16 +12,17 @@
 //! for exactly that work.
 
 use super::arena::Arena;
-use super::{DeviceInfo, KERNELS};
+use super::handles::{carve, dev_err, Blas, CudaMem, CudaPinner, DeviceAlloc, PinnedHost};
+use super::kernels::{Dims, Kernel, KernelTable};
+use super::meta::{Meta, MetaKind, SpanMeta};
+use super::probe::{driver_present, info_of};
+use super::DeviceInfo;
 use crate::backend::{
-    AttnStep, Backend, BackendError, CopyStats, MemBudget, ScratchShape, SeqSpan, WeightRef,
+    AttnStep, Backend, BackendError, CopyStats, MemBudget, ScratchShape, WeightRef,
 };
-use crate::dtype::DType;
-use crate::hostbuf::{HostPinner, Pinner};
+use crate::hostbuf::Pinner;
 use cudarc::cublas::{result as blas, sys as bsys};
-use cudarc::driver::{result, sys, CudaContext, CudaEvent, CudaFunction, CudaStream};
-use std::cell::Cell;
-use std::collections::HashMap;
+use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
@@ -40,12 +41,12 @@ pub fn scratch_bytes(shape: &ScratchShape) -> u64 {
     l.meta + l.half + l.tile + l.bias + BLAS_WORKSPACE
 }
 
-struct Layout {
-    rows: u64,
-    meta: u64,
-    half: u64,
-    tile: u64,
-    bias: u64,
+pub(super) struct Layout {
+    pub(super) rows: u64,
+    pub(super) meta: u64,
+    pub(super) half: u64,
+    pub(super) tile: u64,
+    pub(super) bias: u64,
 }
 
 impl Layout {
@@ -66,214 +67,35 @@ impl Layout {
     }
 }
 
-/// The driver library is loadable (cudarc panics on first use when it is not).
-pub fn driver_present() -> bool {
-    // SAFETY: only tries to open the library.
-    unsafe { sys::is_culib_present() }
-}
-
-/// Whether a CUDA device can be used, and what it is; the error says why not.
-pub fn probe(ordinal: usize) -> Result<DeviceInfo, String> {
-    if !driver_present() {
-        return Err(
-            "no NVIDIA driver library (libcuda.so.1) could be loaded: no driver installed, or not visible in this container".into(),
-        );
-    }
-    result::init().map_err(|e| format!("CUDA driver initialisation failed: {e}"))?;
-    let count = result::device::get_count().map_err(|e| format!("counting CUDA devices: {e}"))?;
-    if count <= 0 {
-        return Err("the NVIDIA driver reports no CUDA device".into());
-    }
-    if ordinal >= count as usize {
-        return Err(format!(
-            "CUDA device {ordinal} does not exist ({count} present)"
-        ));
-    }
-    let ctx =
-        CudaContext::new(ordinal).map_err(|e| format!("CUDA context on device {ordinal}: {e}"))?;
-    info_of(&ctx)
-}
-
-fn info_of(ctx: &Arc<CudaContext>) -> Result<DeviceInfo, String> {
-    let e = |what: &str, e: result::DriverError| format!("{what}: {e}");
-    let (major, minor) = ctx
-        .compute_capability()
-        .map_err(|x| e("compute capability", x))?;
-    let (free, total) = ctx.mem_get_info().map_err(|x| e("memory info", x))?;
-    let mut driver = 0;
-    // SAFETY: the driver is initialised (a context exists); writes one int.
-    unsafe { sys::cuDriverGetVersion(&mut driver) };
-    let smem = ctx
-        .attribute(sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-        .map_err(|x| e("shared memory limit", x))?;
-    Ok(DeviceInfo {
-        ordinal: ctx.ordinal(),
-        name: ctx.name().unwrap_or_else(|_| "unknown".into()),
-        compute_capability: (major, minor),
-        total_bytes: total as u64,
-        free_bytes: free as u64,
-        driver_version: driver,
-        max_shared_per_block: smem.max(0) as usize,
-    })
-}
-
-/// A device allocation: a range of the backend's arena.
-pub struct CudaMem {
-    ptr: u64,
-    off: usize,
-    len: usize,
-    arena: Arc<Mutex<Arena>>,
-    budget: Arc<MemBudget>,
-    /// Events of a streaming slot (made at its first asynchronous upload).
-    ev: Option<SlotEvents>,
-}
-
-struct SlotEvents {
-    end: CudaEvent,
-    consumed: CudaEvent,
-    /// Start and end of each part of the upload in flight (the copy's own time, without
-    /// the gaps while the host waits for frames); made as needed, reused every upload.
-    parts: Vec<(CudaEvent, CudaEvent)>,
-    /// Parts of the upload in flight.
-    used: Cell<usize>,
-    /// An upload was enqueued and `upload_wait` has not seen it finish.
-    pending: Cell<bool>,
-    bytes: Cell<u64>,
-}
-
-impl CudaMem {
-    /// The device address (for tests that compare backends).
-    pub fn device_ptr(&self) -> u64 {
-        self.ptr
-    }
-}
-
-impl Drop for CudaMem {
-    fn drop(&mut self) {
-        if let Ok(mut a) = self.arena.lock() {
-            a.free(self.off, self.len);
-        }
-        self.budget.release(Arena::rounded(self.len) as u64);
-    }
-}
-
-/// Registers host buffers with the driver (cuMemHostRegister): page-locked, mapped for
-/// DMA, so copies from them run at the bus's speed and truly asynchronously.
-struct CudaPinner {
-    ctx: Arc<CudaContext>,
-}
-
-impl HostPinner for CudaPinner {
-    fn pin(&self, ptr: *mut u8, len: usize) -> Result<(), String> {
-        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-        // SAFETY: ptr..ptr+len is a live page-aligned allocation the caller keeps until unpin.
-        let r = unsafe {
-            sys::cuMemHostRegister_v2(ptr as *mut c_void, len, sys::CU_MEMHOSTREGISTER_PORTABLE)
-        };
-        r.result().map_err(|e| format!("cuMemHostRegister: {e}"))
-    }
-
-    fn unpin(&self, ptr: *mut u8) {
-        if self.ctx.bind_to_thread().is_ok() {
-            // SAFETY: ptr was registered by pin and is still mapped.
-            let _ = unsafe { sys::cuMemHostUnregister(ptr as *mut c_void) };
-        }
-    }
-}
-
-/// A cuBLAS handle, destroyed when dropped.
-struct Blas(bsys::cublasHandle_t, Arc<CudaContext>);
-// SAFETY: the handle is only used under the backend's mutex.
-unsafe impl Send for Blas {}
-
-impl Drop for Blas {
-    fn drop(&mut self) {
-        let _ = self.1.bind_to_thread();
-        // SAFETY: a live handle; the backend synchronized its streams before its fields drop.
-        let _ = unsafe { blas::destroy_handle(self.0) };
-    }
-}
-
-/// The one device allocation, freed when dropped.
-struct DeviceAlloc {
-    ptr: u64,
-    ctx: Arc<CudaContext>,
-}
-
-impl Drop for DeviceAlloc {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: allocated by malloc_sync; no work uses it (streams synchronized first).
-        let _ = unsafe { result::free_sync(self.ptr) };
-    }
-}
-
-/// Page-locked host memory from cuMemHostAlloc, freed when dropped.
-struct PinnedHost {
-    ptr: *mut c_void,
-    ctx: Arc<CudaContext>,
-}
-
-impl Drop for PinnedHost {
-    fn drop(&mut self) {
-        let _ = self.ctx.bind_to_thread();
-        // SAFETY: allocated by malloc_host; no copy reads it (streams synchronized first).
-        let _ = unsafe { result::free_host(self.ptr) };
-    }
-}
-
-/// Step metadata on the device and the host copies it was made from, so it is uploaded
-/// once per step, not once per layer.
-struct Meta {
-    host: PinnedHost,
-    /// Per kind: the bytes the device holds (None before the first upload).
-    held: [Option<Vec<u8>>; 4],
-    /// Per kind: recorded after the last copy out of its part of `host`.
-    copied: [CudaEvent; 4],
-}
-// SAFETY: `host` is a pinned allocation owned by the backend, used under its mutex.
-unsafe impl Send for Meta {}
-
-#[derive(Clone, Copy)]
-enum MetaKind {
-    Ids,
-    Pos,
-    Kv,
-    Base,
-}
-
 pub struct CudaBackend {
-    ctx: Arc<CudaContext>,
-    compute: Arc<CudaStream>,
-    copy: Arc<CudaStream>,
-    funcs: HashMap<String, CudaFunction>,
-    blas: Mutex<Blas>,
-    arena: Arc<Mutex<Arena>>,
-    base: DeviceAlloc,
-    budget: Arc<MemBudget>,
-    layout: Layout,
-    meta_dev: CudaMem,
-    half: CudaMem,
-    tile: CudaMem,
-    bias: CudaMem,
-    _blas_ws: CudaMem,
-    meta: Mutex<Meta>,
-    err: Mutex<Option<String>>,
-    copies: Mutex<CopyStats>,
-    info: DeviceInfo,
+    pub(super) ctx: Arc<CudaContext>,
+    pub(super) compute: Arc<CudaStream>,
+    pub(super) copy: Arc<CudaStream>,
+    pub(super) kernels: KernelTable,
+    pub(super) blas: Mutex<Blas>,
+    pub(super) arena: Arc<Mutex<Arena>>,
+    pub(super) base: DeviceAlloc,
+    pub(super) budget: Arc<MemBudget>,
+    pub(super) layout: Layout,
+    /// The metadata's arena range (`Meta` holds its address).
+    pub(super) _meta_dev: CudaMem,
+    pub(super) half: CudaMem,
+    pub(super) tile: CudaMem,
+    pub(super) bias: CudaMem,
+    pub(super) _blas_ws: CudaMem,
+    pub(super) meta: Mutex<Meta>,
+    pub(super) err: Mutex<Option<String>>,
+    pub(super) copies: Mutex<CopyStats>,
+    pub(super) info: DeviceInfo,
     /// Dynamic shared memory the attention kernel may use (its scores: one f32 per position).
-    attn_smem: usize,
-    pinner: Pinner,
+    pub(super) attn_smem: usize,
+    pub(super) pinner: Pinner,
 }
 
 // SAFETY: the raw pointers inside (arena base, pinned metadata) are owned by the backend;
 // mutable state is behind mutexes, and the driver API is thread-safe for one context.
 unsafe impl Send for CudaBackend {}
 unsafe impl Sync for CudaBackend {}
-
-fn dev_err(what: &str) -> impl Fn(result::DriverError) -> BackendError + '_ {
-    move |e| BackendError::Device(format!("{what}: {e}"))
-}
 
 impl CudaBackend {
     /// Opens device `ordinal`, makes one device allocation of `arena_bytes` (the plan's
@@ -304,13 +126,12 @@ impl CudaBackend {
             });
         }
         let layout = Layout::new(shape);
+        let rows = layout.rows as usize;
         let attn_need = shape.max_context * 4;
         let compute = ctx.new_stream().map_err(dev_err("compute stream"))?;
         let copy = ctx.new_stream().map_err(dev_err("copy stream"))?;
-        let funcs = load_kernels(&ctx, &info)?;
-        let attn = funcs
-            .get("attention_f32")
-            .ok_or_else(|| BackendError::Device("kernel attention_f32 is not loaded".into()))?;
+        let kernels = KernelTable::load(&ctx, &info)?;
+        let attn = kernels.get(Kernel::AttentionF32);
         let static_smem = attn.shared_size_bytes().unwrap_or(0).max(0) as usize;
         let attn_smem = info.max_shared_per_block.saturating_sub(static_smem);
         if attn_need > attn_smem {
@@ -340,6 +161,7 @@ impl CudaBackend {
             carve(&arena, &budget, base.ptr, bytes as usize, what)
         };
         let meta_dev = carve(layout.meta, "kernel metadata")?;
+        let meta_dev_ptr = meta_dev.ptr;
         let half = carve(layout.half, "half-precision activations")?;
         let tile = carve(layout.tile, "dequantization tile")?;
         let bias = carve(layout.bias, "bias")?;
@@ -394,21 +216,27 @@ impl CudaBackend {
             ctx,
             compute,
             copy,
-            funcs,
+            kernels,
             blas: Mutex::new(handle),
             arena,
             base,
             budget,
             layout,
-            meta_dev,
+            _meta_dev: meta_dev,
             half,
             tile,
             bias,
             _blas_ws: blas_ws,
             meta: Mutex::new(Meta {
                 host,
-                held: [None, None, None, None],
+                held: std::array::from_fn(|_| Vec::with_capacity(rows * 8)),
+                valid: [false; 4],
                 copied,
+                pos: Vec::with_capacity(rows),
+                kv: Vec::with_capacity(rows),
+                base: Vec::with_capacity(rows),
+                dev: meta_dev_ptr,
+                rows,
             }),
             err: Mutex::new(None),
             copies: Mutex::new(CopyStats::default()),
@@ -421,36 +249,19 @@ impl CudaBackend {
         &self.info
     }
 
-    /// A plain page-locked cuMemcpyHtoD of `bytes` (the reference the copy stream's
-    /// bandwidth is compared with): median GB/s of `reps` copies.
-    pub fn plain_h2d_gbps(&self, bytes: usize, reps: usize) -> Result<f64, BackendError> {
-        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
-        // SAFETY: pinned host and device buffers of `bytes`, owned (and freed) by the guards.
-        let host = PinnedHost {
-            ptr: unsafe { result::malloc_host(bytes, 0) }.map_err(dev_err("pinned buffer"))?,
-            ctx: self.ctx.clone(),
-        };
-        let dev = DeviceAlloc {
-            ptr: unsafe { result::malloc_sync(bytes) }.map_err(dev_err("device buffer"))?,
-            ctx: self.ctx.clone(),
-        };
-        // SAFETY: host is `bytes` long; touching it first keeps page faults out of the timing.
-        let src = unsafe { std::slice::from_raw_parts_mut(host.ptr as *mut u8, bytes) };
-        src.fill(1);
-        let mut rates = Vec::with_capacity(reps + 1);
-        for _ in 0..reps.max(1) + 1 {
-            let t = std::time::Instant::now();
-            // SAFETY: dev and src are both `bytes` long; the copy is synchronous.
-            unsafe { result::memcpy_htod_sync(dev.ptr, &src[..]) }
-                .map_err(dev_err("cuMemcpyHtoD"))?;
-            rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
-        }
-        rates.remove(0); // the first copy warms the mapping
-        rates.sort_by(|a, b| a.total_cmp(b));
-        Ok(rates[rates.len() / 2])
+    /// Uploads one metadata array (when it changed); returns its device address.
+    fn meta<T: Copy>(&self, kind: MetaKind, data: &[T]) -> Result<u64, String> {
+        let mut m = self.meta.lock().map_err(|_| "metadata lock poisoned")?;
+        m.upload(&self.compute, kind, data)
     }
 
-    fn record(&self, what: &str, r: Result<(), String>) {
+    /// The per-row metadata of a step's spans, on the device.
+    fn spans_meta(&self, step: &AttnStep<'_>) -> Result<SpanMeta, String> {
+        let mut m = self.meta.lock().map_err(|_| "metadata lock poisoned")?;
+        m.spans(&self.compute, step)
+    }
+
+    pub(super) fn record(&self, what: &str, r: Result<(), String>) {
         if let Err(e) = r {
             if let Ok(mut slot) = self.err.lock() {
                 if slot.is_none() {
@@ -460,250 +271,10 @@ impl CudaBackend {
         }
     }
 
-    fn func(&self, name: &str) -> Result<&CudaFunction, String> {
-        self.funcs
-            .get(name)
-            .ok_or_else(|| format!("kernel {name} is not loaded"))
-    }
-
-    /// Launches `name` on the compute stream. `args` point at the argument values.
-    fn launch(
-        &self,
-        name: &str,
-        grid: (u32, u32, u32),
-        block: u32,
-        smem: u32,
-        args: &mut [*mut c_void],
-    ) -> Result<(), String> {
-        let f = self.func(name)?;
-        // SAFETY: the kernel's parameters are exactly `args` (checked by each caller against
-        // the kernel source), every pointer argument is inside the arena, and the values
-        // live until the launch returns (the driver copies them).
-        unsafe {
-            result::launch_kernel(
-                f.cu_function(),
-                grid,
-                (block, 1, 1),
-                smem,
-                self.compute.cu_stream(),
-                args,
-            )
-        }
-        .map_err(|e| format!("launching {name}: {e}"))
-    }
-
-    /// Uploads one metadata array when it differs from what the device holds; returns its
-    /// device address.
-    fn meta<T: Copy>(&self, kind: MetaKind, data: &[T]) -> Result<u64, String> {
-        let rows = self.layout.rows as usize;
-        if data.len() > rows {
-            return Err(format!(
-                "{} rows in a step; the backend was sized for {rows}",
-                data.len()
-            ));
-        }
-        let (off, size) = match kind {
-            MetaKind::Ids => (0, 4),
-            MetaKind::Pos => (rows * 4, 4),
-            MetaKind::Kv => (rows * 8, 8),
-            MetaKind::Base => (rows * 16, 8),
-        };
-        if std::mem::size_of::<T>() != size {
-            return Err(format!(
-                "metadata of {} bytes per row, expected {size}",
-                std::mem::size_of::<T>()
-            ));
-        }
-        let mut m = self.meta.lock().map_err(|_| "metadata lock poisoned")?;
-        // SAFETY: u32 and u64 arrays viewed as their bytes.
-        let bytes = unsafe {
-            std::slice::from_raw_parts(data.as_ptr() as *const u8, std::mem::size_of_val(data))
-        };
-        let same = m.held[kind as usize].as_deref() == Some(bytes);
-        let dev = self.meta_dev.ptr + off as u64;
-        if same {
-            return Ok(dev);
-        }
-        // The previous copy out of the pinned buffer must be done before it is rewritten.
-        m.copied[kind as usize]
-            .synchronize()
-            .map_err(|e| e.to_string())?;
-        // SAFETY: host holds layout.meta bytes; off + bytes.len() <= rows * 24 by the check.
-        let host = unsafe {
-            std::slice::from_raw_parts_mut((m.host.ptr as *mut u8).add(off), bytes.len())
-        };
-        host.copy_from_slice(bytes);
-        // SAFETY: dev..dev+len is inside the metadata allocation; host is pinned and is not
-        // written again before `copied` completes.
-        unsafe { result::memcpy_htod_async(dev, &host[..], self.compute.cu_stream()) }
-            .map_err(|e| e.to_string())?;
-        m.copied[kind as usize]
-            .record(&self.compute)
-            .map_err(|e| e.to_string())?;
-        m.held[kind as usize] = Some(bytes.to_vec());
-        Ok(dev)
-    }
-
-    fn matmul_inner(
-        &self,
-        x: &CudaMem,
-        rows: usize,
-        g: usize,
-        w: WeightRef<'_, CudaMem>,
-        bias: Option<WeightRef<'_, CudaMem>>,
-        out: &mut CudaMem,
-    ) -> Result<(), String> {
-        let (m, k) = (w.rows, w.cols);
-        if x.len < rows * k * 4 || out.len < rows * m * 4 || g > rows {
-            return Err(format!(
-                "shapes: x {} bytes, out {} bytes for [{rows}, {k}] x [{m}, {k}]^T",
-                x.len, out.len
-            ));
-        }
-        let rb = w.dtype.row_bytes(k as u64).ok_or("row size")? as usize;
-        let wptr = w.mem.ptr + w.offset as u64;
-        if w.offset + rb * m > w.mem.len {
-            return Err(format!("weight of {} bytes past its allocation", rb * m));
-        }
-        let (mi, ki) = (m as i32, k as i32);
-        if g > 0 {
-            // Decode rows: one warp per weight row, dequantized in registers; a row's result
-            // never depends on the other rows.
-            let name = format!("gemv_{}", w.dtype.name());
-            let (mut a0, mut a1, mut a2) = (wptr, x.ptr, out.ptr);
-            let (mut a3, mut a4) = (mi, ki);
-            self.launch(
-                &name,
-                (m.div_ceil(4) as u32, g as u32, 1),
-                128,
-                0,
-                &mut [p(&mut a0), p(&mut a1), p(&mut a2), p(&mut a3), p(&mut a4)],
-            )?;
-        }
-        let t = rows - g;
-        if t > 0 {
-            let xp = x.ptr + (g * k * 4) as u64;
-            let op = out.ptr + (g * m * 4) as u64;
-            let blas_h = self.blas.lock().map_err(|_| "cuBLAS lock poisoned")?;
-            match w.dtype {
-                DType::F32 => sgemm(blas_h.0, m, t, k, wptr, xp, op, m)?,
-                DType::F16 | DType::BF16 => {
-                    if (t * k * 2) as u64 > self.layout.half {
-                        return Err(format!(
-                            "{t} prefill rows exceed the half-precision scratch"
-                        ));
-                    }
-                    let (conv, ty) = if w.dtype == DType::F16 {
-                        ("f32_to_f16", bsys::cudaDataType::CUDA_R_16F)
-                    } else {
-                        ("f32_to_bf16", bsys::cudaDataType::CUDA_R_16BF)
-                    };
-                    let n = (t * k) as u64;
-                    let (mut a0, mut a1, mut a2) = (xp, self.half.ptr, n);
-                    self.launch(
-                        conv,
-                        (n.div_ceil(256) as u32, 1, 1),
-                        256,
-                        0,
-                        &mut [p(&mut a0), p(&mut a1), p(&mut a2)],
-                    )?;
-                    let (alpha, beta) = (1f32, 0f32);
-                    // out^T[m, t] = W[m, k] . X^T[k, t] in cuBLAS's column-major terms:
-                    // W row-major is W^T column-major (ld k), X row-major is X^T (ld k).
-                    // SAFETY: pointers inside the arena with the sizes checked above.
-                    unsafe {
-                        blas::gemm_ex(
-                            blas_h.0,
-                            bsys::cublasOperation_t::CUBLAS_OP_T,
-                            bsys::cublasOperation_t::CUBLAS_OP_N,
-                            mi,
-                            t as i32,
-                            ki,
-                            &alpha as *const f32 as *const c_void,
-                            wptr as *const c_void,
-                            ty,
-                            ki,
-                            self.half.ptr as *const c_void,
-                            ty,
-                            ki,
-                            &beta as *const f32 as *const c_void,
-                            op as *mut c_void,
-                            bsys::cudaDataType::CUDA_R_32F,
-                            mi,
-                            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                            bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                        )
-                    }
-                    .map_err(|e| format!("cublasGemmEx: {e:?}"))?;
-                }
-                DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-                    // Quantized: dequantize a tile of weight rows to f32, then sgemm it.
-                    let tile_rows = (self.layout.tile as usize / (k * 4)).max(1).min(m);
-                    let name = format!("dequant_{}", w.dtype.name());
-                    let mut j0 = 0;
-                    while j0 < m {
-                        let nb = tile_rows.min(m - j0);
-                        let n = (nb * k) as u64;
-                        let (mut a0, mut a1, mut a2) = (wptr + (j0 * rb) as u64, self.tile.ptr, n);
-                        self.launch(
-                            &name,
-                            (n.div_ceil(256) as u32, 1, 1),
-                            256,
-                            0,
-                            &mut [p(&mut a0), p(&mut a1), p(&mut a2)],
-                        )?;
-                        sgemm(
-                            blas_h.0,
-                            nb,
-                            t,
-                            k,
-                            self.tile.ptr,
-                            xp,
-                            op + (j0 * 4) as u64,
-                            m,
-                        )?;
-                        j0 += nb;
-                    }
-                }
-            }
-        }
-        if let Some(b) = bias {
-            let n = b.rows * b.cols;
-            if n != m {
-                return Err(format!("bias of {n} values for {m} outputs"));
-            }
-            let bptr = match b.dtype {
-                DType::F32 => b.mem.ptr + b.offset as u64,
-                DType::F16 | DType::BF16 => {
-                    let (mut a0, mut a1, mut a2) =
-                        (b.mem.ptr + b.offset as u64, self.bias.ptr, n as u64);
-                    self.launch(
-                        &format!("dequant_{}", b.dtype.name()),
-                        ((n as u64).div_ceil(256) as u32, 1, 1),
-                        256,
-                        0,
-                        &mut [p(&mut a0), p(&mut a1), p(&mut a2)],
-                    )?;
-                    self.bias.ptr
-                }
-                d => return Err(format!("a {d:?} bias")),
-            };
-            let (mut a0, mut a1, mut a2, mut a3) = (out.ptr, bptr, rows as i32, mi);
-            self.launch(
-                "add_bias_f32",
-                ((rows * m).div_ceil(256) as u32, 1, 1),
-                256,
-                0,
-                &mut [p(&mut a0), p(&mut a1), p(&mut a2), p(&mut a3)],
-            )?;
-        }
-        Ok(())
-    }
-
-    /// `name(x, y, n)`: an elementwise kernel that updates x from y.
+    /// `kernel(x, y, n)`: an elementwise kernel that updates x from y.
     fn elementwise(
         &self,
-        name: &str,
+        kernel: Kernel,
         x: &mut CudaMem,
         y: &CudaMem,
         n: usize,
@@ -715,197 +286,10 @@ impl CudaBackend {
             ));
         }
         self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-        let (mut a0, mut a1, mut a2) = (x.ptr, y.ptr, n as i32);
-        self.launch(
-            name,
-            (n.div_ceil(256) as u32, 1, 1),
-            256,
-            0,
-            &mut [p(&mut a0), p(&mut a1), p(&mut a2)],
-        )
+        let dims = Dims::per_element(n as u64);
+        self.kernels
+            .elementwise(&self.compute, kernel, dims, x.ptr, y.ptr, n as i32)
     }
-
-    fn spans_meta(&self, step: &AttnStep<'_>) -> Result<(u64, u64, u64, usize), String> {
-        let sh = step.shape;
-        let width = (sh.kv_heads * sh.head_dim) as u64;
-        let rows: usize = step.spans.iter().map(|s| s.n).sum();
-        let mut pos = vec![0u32; rows];
-        let mut kv = vec![0u64; rows];
-        let mut base = vec![0u64; rows];
-        let mut max_pos = 0;
-        for sp in step.spans {
-            check_span(sp, &step.shape, rows)?;
-            for t in 0..sp.n {
-                let r = sp.row + t;
-                pos[r] = (sp.pos + t) as u32;
-                kv[r] = ((sp.slot * sh.max_context + sp.pos + t) as u64) * width;
-                base[r] = (sp.slot * sh.max_context) as u64 * width;
-                max_pos = max_pos.max(sp.pos + t);
-            }
-        }
-        Ok((
-            self.meta(MetaKind::Pos, &pos)?,
-            self.meta(MetaKind::Kv, &kv)?,
-            self.meta(MetaKind::Base, &base)?,
-            max_pos,
-        ))
-    }
-}
-
-fn check_span(sp: &SeqSpan, sh: &crate::backend::AttnShape, rows: usize) -> Result<(), String> {
-    if sp.pos + sp.n > sh.max_context || sp.slot >= sh.slots || sp.row + sp.n > rows {
-        return Err(format!("span {sp:?} outside the KV cache"));
-    }
-    Ok(())
-}
-
-/// A kernel argument: the address of its value.
-fn p<T>(v: &mut T) -> *mut c_void {
-    v as *mut T as *mut c_void
-}
-
-/// out[t, m] (row stride ldo) = X[t, k] . W[m, k]^T, all f32, through cuBLAS (full f32
-/// math: the default math mode does not use TF32).
-#[allow(clippy::too_many_arguments)]
-fn sgemm(
-    h: bsys::cublasHandle_t,
-    m: usize,
-    t: usize,
-    k: usize,
-    w: u64,
-    x: u64,
-    out: u64,
-    ldo: usize,
-) -> Result<(), String> {
-    let (alpha, beta) = (1f32, 0f32);
-    // SAFETY: pointers inside the arena; sizes checked by the caller.
-    unsafe {
-        blas::sgemm(
-            h,
-            bsys::cublasOperation_t::CUBLAS_OP_T,
-            bsys::cublasOperation_t::CUBLAS_OP_N,
-            m as i32,
-            t as i32,
-            k as i32,
-            &alpha,
-            w as *const f32,
-            k as i32,
-            x as *const f32,
-            k as i32,
-            &beta,
-            out as *mut f32,
-            ldo as i32,
-        )
-    }
-    .map_err(|e| format!("cublasSgemm: {e:?}"))
-}
-
-fn carve(
-    arena: &Arc<Mutex<Arena>>,
-    budget: &Arc<MemBudget>,
-    base: u64,
-    bytes: usize,
-    what: &str,
-) -> Result<CudaMem, BackendError> {
-    budget.reserve(Arena::rounded(bytes) as u64, what)?;
-    let off = arena
-        .lock()
-        .map_err(|_| BackendError::Invalid("arena lock poisoned".into()))?
-        .alloc(bytes);
-    match off {
-        Some(off) => Ok(CudaMem {
-            ptr: base + off as u64,
-            off,
-            len: bytes,
-            arena: arena.clone(),
-            budget: budget.clone(),
-            ev: None,
-        }),
-        None => {
-            budget.release(Arena::rounded(bytes) as u64);
-            Err(BackendError::Alloc {
-                what: format!("{what} (the device allocation is fragmented)"),
-                bytes: bytes as u64,
-            })
-        }
-    }
-}
-
-/// Where compiled kernels are cached: $SLUICE_CACHE/kernels or ~/.cache/sluice/kernels.
-fn cache_dir() -> Option<std::path::PathBuf> {
-    let root = std::env::var_os("SLUICE_CACHE")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache/sluice"))
-        })?;
-    Some(root.join("kernels"))
-}
-
-/// Compiles every kernel file for the device (a CUBIN for sm_XY, so the driver needs no
-/// PTX JIT), caching the result by source, NVRTC version and architecture.
-fn load_kernels(
-    ctx: &Arc<CudaContext>,
-    info: &DeviceInfo,
-) -> Result<HashMap<String, CudaFunction>, BackendError> {
-    let (major, minor) = info.compute_capability;
-    let sm = format!("sm_{major}{minor}");
-    let nv = super::nvrtc::version().map_err(BackendError::Device)?;
-    let dir = cache_dir();
-    let mut funcs = HashMap::new();
-    for (op, src) in KERNELS {
-        let full = super::source(src);
-        let key =
-            xxhash_rust::xxh3::xxh3_64(format!("{full}\n{sm}\nnvrtc {}.{}", nv.0, nv.1).as_bytes());
-        let path = dir
-            .as_ref()
-            .map(|d| d.join(format!("{op}-{sm}-{key:016x}.cubin")));
-        let compile = || -> Result<Vec<u8>, BackendError> {
-            let (bin, log) = super::nvrtc::compile_cubin(op, &full, &sm)
-                .map_err(|e| BackendError::Device(format!("compiling kernels/{op}.cu: {e}")))?;
-            if !log.is_empty() {
-                tracing::warn!("NVRTC on kernels/{op}.cu: {log}");
-            }
-            if let Some(p) = &path {
-                if let Err(e) = write_atomic(p, &bin) {
-                    tracing::warn!("kernel cache {}: {e}", p.display());
-                }
-            }
-            Ok(bin)
-        };
-        let load = |bin: Vec<u8>| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin));
-        let module = match path.as_ref().and_then(|p| std::fs::read(p).ok()) {
-            Some(cached) => match load(cached) {
-                Ok(m) => m,
-                Err(e) => {
-                    // A cache file the driver refuses (damaged, or another driver's):
-                    // compile again and replace it.
-                    tracing::warn!("cached kernels/{op}.cu for {sm} refused ({e}); recompiling");
-                    load(compile()?).map_err(|e| {
-                        BackendError::Device(format!("loading kernels/{op}.cu for {sm}: {e}"))
-                    })?
-                }
-            },
-            None => load(compile()?).map_err(|e| {
-                BackendError::Device(format!("loading kernels/{op}.cu for {sm}: {e}"))
-            })?,
-        };
-        for name in super::entry_points(&full) {
-            let f = module
-                .load_function(&name)
-                .map_err(|e| BackendError::Device(format!("kernel {name}: {e}")))?;
-            funcs.insert(name, f);
-        }
-    }
-    Ok(funcs)
-}
-
-fn write_atomic(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
-    if let Some(d) = path.parent() {
-        std::fs::create_dir_all(d)?;
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, data)?;
-    std::fs::rename(&tmp, path)
 }
 
 impl Drop for CudaBackend {
@@ -986,31 +370,7 @@ impl Backend for CudaBackend {
     }
 
     fn upload_begin(&self, dst: &mut CudaMem) -> Result<(), BackendError> {
-        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
-        if dst.ev.is_none() {
-            let ev = |flags| self.ctx.new_event(Some(flags)).map_err(dev_err("event"));
-            dst.ev = Some(SlotEvents {
-                end: ev(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)?,
-                consumed: ev(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?,
-                parts: Vec::new(),
-                used: Cell::new(0),
-                pending: Cell::new(false),
-                bytes: Cell::new(0),
-            });
-        }
-        if dst.ev.as_ref().is_some_and(|e| e.pending.get()) {
-            // Its previous upload was never waited for: account for it now.
-            self.upload_wait(dst)?;
-        }
-        let ev = dst.ev.as_ref().expect("made above");
-        // The slot's previous unit must have finished computing (an event never recorded
-        // counts as complete).
-        self.copy
-            .wait(&ev.consumed)
-            .map_err(dev_err("copy stream wait"))?;
-        ev.bytes.set(0);
-        ev.used.set(0);
-        Ok(())
+        self.begin_upload(dst)
     }
 
     fn upload_part(
@@ -1019,80 +379,19 @@ impl Backend for CudaBackend {
         offset: usize,
         src: &[u8],
     ) -> Result<(), BackendError> {
-        crate::backend::check_upload(dst.len, offset, src.len())?;
-        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
-        let Some(ev) = dst.ev.as_mut() else {
-            return Err(BackendError::Invalid(
-                "upload_part before upload_begin".into(),
-            ));
-        };
-        let i = ev.used.get();
-        if i == ev.parts.len() {
-            let timed = || {
-                self.ctx
-                    .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(dev_err("event"))
-            };
-            ev.parts.push((timed()?, timed()?));
-        }
-        ev.parts[i].0.record(&self.copy).map_err(dev_err("event"))?;
-        // SAFETY: the range is inside dst (checked); the caller keeps src unchanged until
-        // upload_wait.
-        unsafe { result::memcpy_htod_async(dst.ptr + offset as u64, src, self.copy.cu_stream()) }
-            .map_err(dev_err("cuMemcpyHtoDAsync"))?;
-        ev.parts[i].1.record(&self.copy).map_err(dev_err("event"))?;
-        ev.used.set(i + 1);
-        ev.bytes.set(ev.bytes.get() + src.len() as u64);
-        Ok(())
+        self.upload_slot_part(dst, offset, src)
     }
 
     fn upload_end(&self, dst: &mut CudaMem) -> Result<(), BackendError> {
-        let Some(ev) = dst.ev.as_ref() else {
-            return Err(BackendError::Invalid(
-                "upload_end before upload_begin".into(),
-            ));
-        };
-        ev.end.record(&self.copy).map_err(dev_err("event"))?;
-        // Ops enqueued from now on read the slot only after the copies.
-        self.compute
-            .wait(&ev.end)
-            .map_err(dev_err("compute stream wait"))?;
-        ev.pending.set(true);
-        Ok(())
+        self.end_upload(dst)
     }
 
     fn upload_wait(&self, dst: &CudaMem) -> Result<(), BackendError> {
-        let Some(ev) = &dst.ev else { return Ok(()) };
-        if !ev.pending.get() {
-            return Ok(());
-        }
-        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
-        ev.end
-            .synchronize()
-            .map_err(dev_err("waiting for an upload"))?;
-        ev.pending.set(false);
-        let mut ms = 0f64;
-        for (a, b) in &ev.parts[..ev.used.get()] {
-            ms += a.elapsed_ms(b).map_err(dev_err("copy timing"))? as f64;
-        }
-        ev.used.set(0);
-        if let Ok(mut c) = self.copies.lock() {
-            c.uploads += 1;
-            c.bytes += ev.bytes.get();
-            c.seconds += ms / 1e3;
-        }
-        Ok(())
+        self.wait_upload(dst)
     }
 
     fn release_after(&self, mem: &CudaMem) {
-        if let Some(ev) = &mem.ev {
-            let r = self
-                .ctx
-                .bind_to_thread()
-                .and_then(|_| ev.consumed.record(&self.compute))
-                .map_err(|e| e.to_string());
-            self.record("marking a slot consumed", r);
-        }
+        self.mark_consumed(mem)
     }
 
     fn pinner(&self) -> Option<Pinner> {
@@ -1121,19 +420,19 @@ impl Backend for CudaBackend {
             }
             self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
             let ids_dev = self.meta(MetaKind::Ids, ids)?;
-            let name = format!("embedding_{}", table.dtype.name());
-            let (mut a0, mut a1, mut a2, mut a3) = (
+            let dims = Dims {
+                grid: (ids.len() as u32, 1, 1),
+                block: 256,
+                smem: 0,
+            };
+            self.kernels.embedding(
+                &self.compute,
+                Kernel::embedding(table.dtype),
+                dims,
                 table.mem.ptr + table.offset as u64,
                 ids_dev,
                 out.ptr,
                 cols as i32,
-            );
-            self.launch(
-                &name,
-                (ids.len() as u32, 1, 1),
-                256,
-                0,
-                &mut [p(&mut a0), p(&mut a1), p(&mut a2), p(&mut a3)],
             )
         })();
         self.record("embedding", r);
@@ -1152,27 +451,24 @@ impl Backend for CudaBackend {
             if x.len < rows * cols * 4 || out.len < rows * cols * 4 {
                 return Err("shapes".into());
             }
-            let name = match w.dtype {
-                DType::F32 | DType::F16 | DType::BF16 => {
-                    format!("rms_norm_{}", w.dtype.name())
-                }
-                d => return Err(format!("a {d:?} norm weight")),
+            let Some(kernel) = Kernel::rms_norm(w.dtype) else {
+                return Err(format!("a {:?} norm weight", w.dtype));
             };
             self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-            let (mut a0, mut a1, mut a2, mut a3, mut a4) = (
+            let dims = Dims {
+                grid: (rows as u32, 1, 1),
+                block: (cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32,
+                smem: 0,
+            };
+            self.kernels.rms_norm(
+                &self.compute,
+                kernel,
+                dims,
                 x.ptr,
                 w.mem.ptr + w.offset as u64,
                 out.ptr,
                 cols as i32,
                 eps,
-            );
-            let block = (cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024) as u32;
-            self.launch(
-                &name,
-                (rows as u32, 1, 1),
-                block,
-                0,
-                &mut [p(&mut a0), p(&mut a1), p(&mut a2), p(&mut a3), p(&mut a4)],
             )
         })();
         self.record("rms_norm", r);
@@ -1217,14 +513,20 @@ impl Backend for CudaBackend {
             }
             self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
             let pos = self.meta(MetaKind::Pos, &positions[..rows])?;
-            let (mut a0, mut a1, mut a2, mut a3, mut a4) =
-                (x.ptr, table.ptr, pos, heads as i32, head_dim as i32);
-            self.launch(
-                "rope_f32",
-                (rows as u32, heads as u32, 1),
-                half.max(1) as u32,
-                0,
-                &mut [p(&mut a0), p(&mut a1), p(&mut a2), p(&mut a3), p(&mut a4)],
+            let dims = Dims {
+                grid: (rows as u32, heads as u32, 1),
+                block: half.max(1) as u32,
+                smem: 0,
+            };
+            self.kernels.rope(
+                &self.compute,
+                Kernel::RopeF32,
+                dims,
+                x.ptr,
+                table.ptr,
+                pos,
+                heads as i32,
+                head_dim as i32,
             )
         })();
         self.record("rope", r);
@@ -1252,29 +554,23 @@ impl Backend for CudaBackend {
             if k.len < rows * width * 4 || v.len < rows * width * 4 {
                 return Err("shapes".into());
             }
-            let (_, kv, _, _) = self.spans_meta(step)?;
+            let kv = self.spans_meta(step)?.kv_dst;
             let off = step.layer as u64 * layer_bytes;
-            let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5) = (
+            let dims = Dims {
+                grid: (rows as u32, 1, 1),
+                block: 256,
+                smem: 0,
+            };
+            self.kernels.kv_store(
+                &self.compute,
+                Kernel::KvStoreF32,
+                dims,
                 k.ptr,
                 v.ptr,
                 cache_k.ptr + off,
                 cache_v.ptr + off,
                 kv,
                 width as i32,
-            );
-            self.launch(
-                "kv_store_f32",
-                (rows as u32, 1, 1),
-                256,
-                0,
-                &mut [
-                    p(&mut a0),
-                    p(&mut a1),
-                    p(&mut a2),
-                    p(&mut a3),
-                    p(&mut a4),
-                    p(&mut a5),
-                ],
             )
         })();
         self.record("kv_store", r);
@@ -1300,7 +596,9 @@ impl Backend for CudaBackend {
                 return Err("shapes".into());
             }
             self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-            let (pos, _, base, max_pos) = self.spans_meta(step)?;
+            let SpanMeta {
+                pos, base, max_pos, ..
+            } = self.spans_meta(step)?;
             let smem = (max_pos + 1) * 4;
             if smem > self.attn_smem {
                 return Err(format!(
@@ -1312,49 +610,37 @@ impl Backend for CudaBackend {
             }
             let off = step.layer as u64 * layer_bytes;
             let scale = 1.0 / (sh.head_dim as f32).sqrt();
-            let (mut a0, mut a1, mut a2, mut a3, mut a4, mut a5) = (
+            let dims = Dims {
+                grid: (rows as u32, sh.heads as u32, 1),
+                block: 128,
+                smem: smem as u32,
+            };
+            self.kernels.attention(
+                &self.compute,
+                Kernel::AttentionF32,
+                dims,
                 q.ptr,
                 cache_k.ptr + off,
                 cache_v.ptr + off,
                 out.ptr,
                 pos,
                 base,
-            );
-            let (mut a6, mut a7, mut a8, mut a9) = (
                 sh.heads as i32,
                 sh.kv_heads as i32,
                 sh.head_dim as i32,
                 scale,
-            );
-            self.launch(
-                "attention_f32",
-                (rows as u32, sh.heads as u32, 1),
-                128,
-                smem as u32,
-                &mut [
-                    p(&mut a0),
-                    p(&mut a1),
-                    p(&mut a2),
-                    p(&mut a3),
-                    p(&mut a4),
-                    p(&mut a5),
-                    p(&mut a6),
-                    p(&mut a7),
-                    p(&mut a8),
-                    p(&mut a9),
-                ],
             )
         })();
         self.record("attention", r);
     }
 
     fn silu_mul(&self, gate: &mut CudaMem, up: &CudaMem, n: usize) {
-        let r = self.elementwise("silu_mul_f32", gate, up, n);
+        let r = self.elementwise(Kernel::SiluMulF32, gate, up, n);
         self.record("silu_mul", r);
     }
 
     fn add(&self, x: &mut CudaMem, y: &CudaMem, n: usize) {
-        let r = self.elementwise("add_f32", x, y, n);
+        let r = self.elementwise(Kernel::AddF32, x, y, n);
         self.record("add", r);
     }
 

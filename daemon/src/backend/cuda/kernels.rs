@@ -1,0 +1,371 @@
+//! The kernel table: every `extern "C"` kernel of kernels/*.cu with its parameter list,
+//! resolved to a loaded function once at start, and one typed launcher per family of
+//! kernels that share a signature. A launcher takes exactly the kernel's parameters, in
+//! its order and at its widths, so no call site builds a pointer array by hand; the
+//! parameter lists here are checked against the kernel sources (`entry_signatures`) by
+//! tests/tests/nvrtc.rs.
+
+use super::{entry_signatures, source, DeviceInfo, KERNELS};
+use crate::backend::BackendError;
+use crate::dtype::DType;
+use cudarc::driver::{result, CudaContext, CudaFunction, CudaStream};
+use std::ffi::c_void;
+use std::sync::Arc;
+
+/// Grid, block and dynamic shared memory of one launch.
+#[derive(Clone, Copy, Debug)]
+pub struct Dims {
+    pub grid: (u32, u32, u32),
+    pub block: u32,
+    pub smem: u32,
+}
+
+impl Dims {
+    /// One thread per element, 256 to a block.
+    pub fn per_element(n: u64) -> Dims {
+        Dims {
+            grid: (n.div_ceil(256) as u32, 1, 1),
+            block: 256,
+            smem: 0,
+        }
+    }
+}
+
+macro_rules! kernels {
+    ($(
+        $(#[$doc:meta])*
+        $family:ident($($arg:ident: $rty:ty = $cty:literal),* $(,)?) {
+            $($variant:ident = $name:literal),* $(,)?
+        }
+    )*) => {
+        /// Every kernel in kernels/*.cu.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Kernel {
+            $($($variant,)*)*
+        }
+
+        /// Each family's parameter list as the kernel sources declare it (types only).
+        // The families are named as their launchers, in lower case.
+        #[allow(non_upper_case_globals)]
+        mod signature {
+            $(pub const $family: &[&str] = &[$($cty),*];)*
+        }
+
+        impl Kernel {
+            pub const ALL: &'static [Kernel] = &[$($(Kernel::$variant,)*)*];
+
+            /// The `extern "C"` name.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($(Kernel::$variant => $name,)*)*
+                }
+            }
+
+            /// The parameter types, normalized as `entry_signatures` writes them.
+            pub fn signature(self) -> &'static [&'static str] {
+                match self {
+                    $($(Kernel::$variant => signature::$family,)*)*
+                }
+            }
+        }
+
+        impl KernelTable {
+            $(
+                $(#[$doc])*
+                #[allow(clippy::too_many_arguments)] // exactly the kernel's parameters
+                pub fn $family(
+                    &self,
+                    stream: &CudaStream,
+                    kernel: Kernel,
+                    dims: Dims,
+                    $($arg: $rty),*
+                ) -> Result<(), String> {
+                    if !matches!(kernel, $(Kernel::$variant)|*) {
+                        return Err(format!(
+                            "kernel {} does not take the parameters of {}",
+                            kernel.name(),
+                            stringify!($family)
+                        ));
+                    }
+                    $(let mut $arg = $arg;)*
+                    let mut args = [$(&mut $arg as *mut $rty as *mut c_void),*];
+                    self.launch(stream, kernel, dims, &mut args)
+                }
+            )*
+        }
+    };
+}
+
+kernels! {
+    /// `x[i] op= y[i]` for `n` elements.
+    elementwise(x: u64 = "float*", y: u64 = "const float*", n: i32 = "int") {
+        AddF32 = "add_f32",
+        SiluMulF32 = "silu_mul_f32",
+    }
+    /// `out[r][c] += bias[c]`.
+    add_bias(out: u64 = "float*", bias: u64 = "const float*", rows: i32 = "int", cols: i32 = "int") {
+        AddBiasF32 = "add_bias_f32",
+    }
+    /// Index of the largest logit of each row.
+    argmax(logits: u64 = "const float*", vocab: i32 = "int", out: u64 = "u32*") {
+        ArgmaxF32 = "argmax_f32",
+    }
+    /// Causal grouped-query attention of each row over its sequence's cache.
+    attention(
+        q: u64 = "const float*",
+        cache_k: u64 = "const float*",
+        cache_v: u64 = "const float*",
+        out: u64 = "float*",
+        pos: u64 = "const u32*",
+        base: u64 = "const unsigned long long*",
+        heads: i32 = "int",
+        kv_heads: i32 = "int",
+        head_dim: i32 = "int",
+        scale: f32 = "float",
+    ) {
+        AttentionF32 = "attention_f32",
+    }
+    /// f32 activations to 16-bit floats for cuBLAS GemmEx.
+    convert(x: u64 = "const float*", out: u64 = "u16*", n: u64 = "unsigned long long") {
+        F32ToF16 = "f32_to_f16",
+        F32ToBf16 = "f32_to_bf16",
+    }
+    /// Gathers embedding rows, dequantized to f32.
+    embedding(table: u64 = "const u8*", ids: u64 = "const u32*", out: u64 = "float*", cols: i32 = "int") {
+        EmbeddingF32 = "embedding_f32",
+        EmbeddingF16 = "embedding_f16",
+        EmbeddingBf16 = "embedding_bf16",
+        EmbeddingQ8_0 = "embedding_q8_0",
+        EmbeddingQ4_0 = "embedding_q4_0",
+        EmbeddingQ4_1 = "embedding_q4_1",
+    }
+    /// Writes each row's K and V into the cache at its destination.
+    kv_store(
+        k: u64 = "const float*",
+        v: u64 = "const float*",
+        cache_k: u64 = "float*",
+        cache_v: u64 = "float*",
+        dst: u64 = "const unsigned long long*",
+        width: i32 = "int",
+    ) {
+        KvStoreF32 = "kv_store_f32",
+    }
+    /// Decode rows: one warp per weight row, dequantized in registers.
+    gemv(w: u64 = "const u8*", x: u64 = "const float*", out: u64 = "float*", m: i32 = "int", k: i32 = "int") {
+        GemvF32 = "gemv_f32",
+        GemvF16 = "gemv_f16",
+        GemvBf16 = "gemv_bf16",
+        GemvQ8_0 = "gemv_q8_0",
+        GemvQ4_0 = "gemv_q4_0",
+        GemvQ4_1 = "gemv_q4_1",
+    }
+    /// A weight tile (or a bias) to f32, for the cuBLAS path.
+    dequant(w: u64 = "const u8*", out: u64 = "float*", n: u64 = "unsigned long long") {
+        DequantF16 = "dequant_f16",
+        DequantBf16 = "dequant_bf16",
+        DequantQ8_0 = "dequant_q8_0",
+        DequantQ4_0 = "dequant_q4_0",
+        DequantQ4_1 = "dequant_q4_1",
+    }
+    /// RMS norm of each row times the norm weight.
+    rms_norm(x: u64 = "const float*", w: u64 = "const u8*", out: u64 = "float*", cols: i32 = "int", eps: f32 = "float") {
+        RmsNormF32 = "rms_norm_f32",
+        RmsNormF16 = "rms_norm_f16",
+        RmsNormBf16 = "rms_norm_bf16",
+    }
+    /// Rotates each head's pairs by its row's position (rotate-half layout).
+    rope(x: u64 = "float*", table: u64 = "const float*", pos: u64 = "const u32*", heads: i32 = "int", head_dim: i32 = "int") {
+        RopeF32 = "rope_f32",
+    }
+}
+
+impl Kernel {
+    pub fn by_name(name: &str) -> Option<Kernel> {
+        Kernel::ALL.iter().copied().find(|k| k.name() == name)
+    }
+
+    /// The GEMV for a weight dtype.
+    pub fn gemv(d: DType) -> Kernel {
+        match d {
+            DType::F32 => Kernel::GemvF32,
+            DType::F16 => Kernel::GemvF16,
+            DType::BF16 => Kernel::GemvBf16,
+            DType::Q8_0 => Kernel::GemvQ8_0,
+            DType::Q4_0 => Kernel::GemvQ4_0,
+            DType::Q4_1 => Kernel::GemvQ4_1,
+        }
+    }
+
+    /// The embedding gather for a table dtype.
+    pub fn embedding(d: DType) -> Kernel {
+        match d {
+            DType::F32 => Kernel::EmbeddingF32,
+            DType::F16 => Kernel::EmbeddingF16,
+            DType::BF16 => Kernel::EmbeddingBf16,
+            DType::Q8_0 => Kernel::EmbeddingQ8_0,
+            DType::Q4_0 => Kernel::EmbeddingQ4_0,
+            DType::Q4_1 => Kernel::EmbeddingQ4_1,
+        }
+    }
+
+    /// The dequantization to f32 for a dtype (None for f32 itself).
+    pub fn dequant(d: DType) -> Option<Kernel> {
+        match d {
+            DType::F32 => None,
+            DType::F16 => Some(Kernel::DequantF16),
+            DType::BF16 => Some(Kernel::DequantBf16),
+            DType::Q8_0 => Some(Kernel::DequantQ8_0),
+            DType::Q4_0 => Some(Kernel::DequantQ4_0),
+            DType::Q4_1 => Some(Kernel::DequantQ4_1),
+        }
+    }
+
+    /// The RMS norm for a norm-weight dtype (norm weights are floats).
+    pub fn rms_norm(d: DType) -> Option<Kernel> {
+        match d {
+            DType::F32 => Some(Kernel::RmsNormF32),
+            DType::F16 => Some(Kernel::RmsNormF16),
+            DType::BF16 => Some(Kernel::RmsNormBf16),
+            _ => None,
+        }
+    }
+}
+
+/// Every kernel's loaded function, indexed by `Kernel as usize`: resolved once at start,
+/// so a launch is an index, not a name lookup.
+pub struct KernelTable {
+    funcs: Vec<CudaFunction>,
+}
+
+impl KernelTable {
+    pub fn get(&self, k: Kernel) -> &CudaFunction {
+        &self.funcs[k as usize]
+    }
+
+    fn launch(
+        &self,
+        stream: &CudaStream,
+        kernel: Kernel,
+        dims: Dims,
+        args: &mut [*mut c_void],
+    ) -> Result<(), String> {
+        let f = self.get(kernel);
+        // SAFETY: `args` are exactly the kernel's parameters, in order and at their widths
+        // (the family launchers are generated from the signature that tests/tests/nvrtc.rs
+        // checks against the source); every pointer argument is a device address inside
+        // the backend's arena (callers check sizes); the values live until the launch
+        // returns (the driver copies them).
+        unsafe {
+            result::launch_kernel(
+                f.cu_function(),
+                dims.grid,
+                (dims.block, 1, 1),
+                dims.smem,
+                stream.cu_stream(),
+                args,
+            )
+        }
+        .map_err(|e| format!("launching {}: {e}", kernel.name()))
+    }
+
+    /// Compiles every kernel file for the device (a CUBIN for sm_XY, so the driver needs no
+    /// PTX JIT), caching the result by source, NVRTC version and architecture, and resolves
+    /// every kernel of the table.
+    pub fn load(ctx: &Arc<CudaContext>, info: &DeviceInfo) -> Result<KernelTable, BackendError> {
+        let (major, minor) = info.compute_capability;
+        let sm = format!("sm_{major}{minor}");
+        let nv = super::nvrtc::version().map_err(BackendError::Device)?;
+        let dir = cache_dir();
+        let mut found: Vec<Option<CudaFunction>> = vec![None; Kernel::ALL.len()];
+        for (op, src) in KERNELS {
+            let full = source(src);
+            let key = xxhash_rust::xxh3::xxh3_64(
+                format!("{full}\n{sm}\nnvrtc {}.{}", nv.0, nv.1).as_bytes(),
+            );
+            let path = dir
+                .as_ref()
+                .map(|d| d.join(format!("{op}-{sm}-{key:016x}.cubin")));
+            let module = load_module(ctx, op, &full, &sm, path.as_deref())?;
+            for (name, _) in entry_signatures(src) {
+                let k = Kernel::by_name(&name).ok_or_else(|| {
+                    BackendError::Device(format!(
+                        "kernels/{op}.cu defines {name}, which the kernel table does not know"
+                    ))
+                })?;
+                let f = module
+                    .load_function(&name)
+                    .map_err(|e| BackendError::Device(format!("kernel {name}: {e}")))?;
+                found[k as usize] = Some(f);
+            }
+        }
+        let funcs = Kernel::ALL
+            .iter()
+            .zip(found)
+            .map(|(k, f)| {
+                f.ok_or_else(|| {
+                    BackendError::Device(format!("kernel {} is in no kernels/*.cu", k.name()))
+                })
+            })
+            .collect::<Result<_, _>>()?;
+        Ok(KernelTable { funcs })
+    }
+}
+
+/// One kernel file's module: the cached CUBIN when the driver takes it, else compiled
+/// (and the cache replaced).
+fn load_module(
+    ctx: &Arc<CudaContext>,
+    op: &str,
+    full: &str,
+    sm: &str,
+    path: Option<&std::path::Path>,
+) -> Result<Arc<cudarc::driver::CudaModule>, BackendError> {
+    let compile = || -> Result<Vec<u8>, BackendError> {
+        let (bin, log) = super::nvrtc::compile_cubin(op, full, sm)
+            .map_err(|e| BackendError::Device(format!("compiling kernels/{op}.cu: {e}")))?;
+        if !log.is_empty() {
+            tracing::warn!("NVRTC on kernels/{op}.cu: {log}");
+        }
+        if let Some(p) = path {
+            if let Err(e) = write_atomic(p, &bin) {
+                tracing::warn!("kernel cache {}: {e}", p.display());
+            }
+        }
+        Ok(bin)
+    };
+    let load = |bin: Vec<u8>| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin));
+    let loaded = |r: Result<_, _>| {
+        r.map_err(|e| BackendError::Device(format!("loading kernels/{op}.cu for {sm}: {e}")))
+    };
+    match path.and_then(|p| std::fs::read(p).ok()) {
+        Some(cached) => match load(cached) {
+            Ok(m) => Ok(m),
+            Err(e) => {
+                // A cache file the driver refuses (damaged, or another driver's): compile
+                // again and replace it.
+                tracing::warn!("cached kernels/{op}.cu for {sm} refused ({e}); recompiling");
+                loaded(load(compile()?))
+            }
+        },
+        None => loaded(load(compile()?)),
+    }
+}
+
+/// Where compiled kernels are cached: $SLUICE_CACHE/kernels or ~/.cache/sluice/kernels.
+fn cache_dir() -> Option<std::path::PathBuf> {
+    let root = std::env::var_os("SLUICE_CACHE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| {
+            std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache/sluice"))
+        })?;
+    Some(root.join("kernels"))
+}
+
+fn write_atomic(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, data)?;
+    std::fs::rename(&tmp, path)
+}

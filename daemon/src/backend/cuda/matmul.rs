@@ -1,0 +1,203 @@
+//! Matrix products on the device: decode rows through the GEMV kernels (dequantizing in
+//! registers), prefill rows through cuBLAS (f32 SGEMM; GemmEx on f16/bf16 weights; quantized
+//! weights dequantized tile by tile into f32 first), then the bias.
+
+use super::device::CudaBackend;
+use super::handles::CudaMem;
+use super::kernels::{Dims, Kernel};
+use crate::backend::WeightRef;
+use crate::dtype::DType;
+use cudarc::cublas::{result as blas, sys as bsys};
+use std::ffi::c_void;
+
+impl CudaBackend {
+    pub(super) fn matmul_inner(
+        &self,
+        x: &CudaMem,
+        rows: usize,
+        g: usize,
+        w: WeightRef<'_, CudaMem>,
+        bias: Option<WeightRef<'_, CudaMem>>,
+        out: &mut CudaMem,
+    ) -> Result<(), String> {
+        let (m, k) = (w.rows, w.cols);
+        if x.len < rows * k * 4 || out.len < rows * m * 4 || g > rows {
+            return Err(format!(
+                "shapes: x {} bytes, out {} bytes for [{rows}, {k}] x [{m}, {k}]^T",
+                x.len, out.len
+            ));
+        }
+        let rb = w.dtype.row_bytes(k as u64).ok_or("row size")? as usize;
+        let wptr = w.mem.ptr + w.offset as u64;
+        if w.offset + rb * m > w.mem.len {
+            return Err(format!("weight of {} bytes past its allocation", rb * m));
+        }
+        let (mi, ki) = (m as i32, k as i32);
+        if g > 0 {
+            // Decode rows: one warp per weight row, dequantized in registers; a row's result
+            // never depends on the other rows.
+            let dims = Dims {
+                grid: (m.div_ceil(4) as u32, g as u32, 1),
+                block: 128,
+                smem: 0,
+            };
+            let gemv = Kernel::gemv(w.dtype);
+            self.kernels
+                .gemv(&self.compute, gemv, dims, wptr, x.ptr, out.ptr, mi, ki)?;
+        }
+        let t = rows - g;
+        if t > 0 {
+            let xp = x.ptr + (g * k * 4) as u64;
+            let op = out.ptr + (g * m * 4) as u64;
+            let blas_h = self.blas.lock().map_err(|_| "cuBLAS lock poisoned")?;
+            match w.dtype {
+                DType::F32 => sgemm(blas_h.0, m, t, k, wptr, xp, op, m)?,
+                DType::F16 | DType::BF16 => {
+                    if (t * k * 2) as u64 > self.layout.half {
+                        return Err(format!(
+                            "{t} prefill rows exceed the half-precision scratch"
+                        ));
+                    }
+                    let (conv, ty) = if w.dtype == DType::F16 {
+                        (Kernel::F32ToF16, bsys::cudaDataType::CUDA_R_16F)
+                    } else {
+                        (Kernel::F32ToBf16, bsys::cudaDataType::CUDA_R_16BF)
+                    };
+                    let n = (t * k) as u64;
+                    let dims = Dims::per_element(n);
+                    self.kernels
+                        .convert(&self.compute, conv, dims, xp, self.half.ptr, n)?;
+                    let (alpha, beta) = (1f32, 0f32);
+                    // out^T[m, t] = W[m, k] . X^T[k, t] in cuBLAS's column-major terms:
+                    // W row-major is W^T column-major (ld k), X row-major is X^T (ld k).
+                    // SAFETY: pointers inside the arena with the sizes checked above.
+                    unsafe {
+                        blas::gemm_ex(
+                            blas_h.0,
+                            bsys::cublasOperation_t::CUBLAS_OP_T,
+                            bsys::cublasOperation_t::CUBLAS_OP_N,
+                            mi,
+                            t as i32,
+                            ki,
+                            &alpha as *const f32 as *const c_void,
+                            wptr as *const c_void,
+                            ty,
+                            ki,
+                            self.half.ptr as *const c_void,
+                            ty,
+                            ki,
+                            &beta as *const f32 as *const c_void,
+                            op as *mut c_void,
+                            bsys::cudaDataType::CUDA_R_32F,
+                            mi,
+                            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                            bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                        )
+                    }
+                    .map_err(|e| format!("cublasGemmEx: {e:?}"))?;
+                }
+                DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+                    // Quantized: dequantize a tile of weight rows to f32, then sgemm it.
+                    let tile_rows = (self.layout.tile as usize / (k * 4)).max(1).min(m);
+                    let dequant =
+                        Kernel::dequant(w.dtype).ok_or("an f32 weight has no dequantization")?;
+                    let mut j0 = 0;
+                    while j0 < m {
+                        let nb = tile_rows.min(m - j0);
+                        let n = (nb * k) as u64;
+                        let rows_at = wptr + (j0 * rb) as u64;
+                        self.kernels.dequant(
+                            &self.compute,
+                            dequant,
+                            Dims::per_element(n),
+                            rows_at,
+                            self.tile.ptr,
+                            n,
+                        )?;
+                        sgemm(
+                            blas_h.0,
+                            nb,
+                            t,
+                            k,
+                            self.tile.ptr,
+                            xp,
+                            op + (j0 * 4) as u64,
+                            m,
+                        )?;
+                        j0 += nb;
+                    }
+                }
+            }
+        }
+        if let Some(b) = bias {
+            let n = b.rows * b.cols;
+            if n != m {
+                return Err(format!("bias of {n} values for {m} outputs"));
+            }
+            let bptr = match b.dtype {
+                DType::F32 => b.mem.ptr + b.offset as u64,
+                DType::F16 | DType::BF16 => {
+                    let dequant = if b.dtype == DType::F16 {
+                        Kernel::DequantF16
+                    } else {
+                        Kernel::DequantBf16
+                    };
+                    let n = n as u64;
+                    let src = b.mem.ptr + b.offset as u64;
+                    let dims = Dims::per_element(n);
+                    self.kernels
+                        .dequant(&self.compute, dequant, dims, src, self.bias.ptr, n)?;
+                    self.bias.ptr
+                }
+                d => return Err(format!("a {d:?} bias")),
+            };
+            let dims = Dims::per_element((rows * m) as u64);
+            self.kernels.add_bias(
+                &self.compute,
+                Kernel::AddBiasF32,
+                dims,
+                out.ptr,
+                bptr,
+                rows as i32,
+                mi,
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// out[t, m] (row stride ldo) = X[t, k] . W[m, k]^T, all f32, through cuBLAS (full f32
+/// math: the default math mode does not use TF32).
+#[allow(clippy::too_many_arguments)]
+fn sgemm(
+    h: bsys::cublasHandle_t,
+    m: usize,
+    t: usize,
+    k: usize,
+    w: u64,
+    x: u64,
+    out: u64,
+    ldo: usize,
+) -> Result<(), String> {
+    let (alpha, beta) = (1f32, 0f32);
+    // SAFETY: pointers inside the arena; sizes checked by the caller.
+    unsafe {
+        blas::sgemm(
+            h,
+            bsys::cublasOperation_t::CUBLAS_OP_T,
+            bsys::cublasOperation_t::CUBLAS_OP_N,
+            m as i32,
+            t as i32,
+            k as i32,
+            &alpha,
+            w as *const f32,
+            k as i32,
+            x as *const f32,
+            k as i32,
+            &beta,
+            out as *mut f32,
+            ldo as i32,
+        )
+    }
+    .map_err(|e| format!("cublasSgemm: {e:?}"))
+}
