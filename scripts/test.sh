@@ -10,6 +10,10 @@ nvrtc_lib=$(python3 -c 'import nvidia.cuda_nvrtc as m, os; print(os.path.join(li
 if [ -n "$nvrtc_lib" ] && [ -d "$nvrtc_lib" ]; then
   export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 fi
+# Style and lints first: formatting is checked, and every clippy warning is an error (an
+# #[allow] carries a comment saying why). Clippy shares the release profile's dependencies.
+cargo fmt --all -- --check
+cargo clippy --release --workspace --all-targets -- -D warnings
 # The end-to-end tests run the real binaries; `cargo test` builds only the test harnesses of
 # other packages' binaries, so build them first.
 cargo build --release --workspace

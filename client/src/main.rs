@@ -192,99 +192,8 @@ async fn run(cli: Cli) -> Result<()> {
             system,
             s,
             json,
-        } => {
-            let mut client = connect(&addr).await?;
-            let req = if chat {
-                chat_request(
-                    &s,
-                    &system,
-                    &[pb::ChatMessage {
-                        role: "user".into(),
-                        content: prompt,
-                    }],
-                )
-            } else {
-                pb::GenerateRequest {
-                    prompt,
-                    ..s.request()
-                }
-            };
-            let out = generate(&mut client, req, |t| {
-                if !json {
-                    let mut o = std::io::stdout().lock();
-                    let _ = o.write_all(t.as_bytes());
-                    let _ = o.flush();
-                }
-            })
-            .await
-            .map_err(|st| anyhow::anyhow!("{:?}: {}", st.code(), st.message()))?;
-            let stats = out.done.stats.unwrap_or_default();
-            if json {
-                let j = serde_json::json!({
-                    "prompt_token_ids": out.done.prompt_token_ids,
-                    "generated_token_ids": out.done.generated_token_ids,
-                    "text": out.text,
-                    "finish_reason": finish_name(out.done.finish_reason),
-                    "prompt_tokens": stats.prompt_tokens,
-                    "generated_tokens": stats.generated_tokens,
-                    "time_to_first_token_s": stats.time_to_first_token_s,
-                    "prefill_tokens_per_s": stats.prefill_tokens_per_s,
-                    "decode_tokens_per_s": stats.decode_tokens_per_s,
-                    "bytes_streamed": stats.bytes_streamed,
-                });
-                println!("{j}");
-            } else {
-                println!();
-                eprintln!(
-                    "[{} | prompt {} tokens, generated {} | first token {:.3} s | decode {:.1} tokens/s]",
-                    finish_name(out.done.finish_reason),
-                    stats.prompt_tokens,
-                    stats.generated_tokens,
-                    stats.time_to_first_token_s,
-                    stats.decode_tokens_per_s
-                );
-            }
-        }
-        Cmd::Chat { system, s } => {
-            let mut client = connect(&addr).await?;
-            let mut history: Vec<pb::ChatMessage> = Vec::new();
-            let stdin = std::io::stdin();
-            loop {
-                eprint!("> ");
-                let mut line = String::new();
-                if stdin.lock().read_line(&mut line)? == 0 {
-                    break;
-                }
-                let line = line.trim_end_matches(['\n', '\r']).to_string();
-                if line == "/exit" || line == "/quit" {
-                    break;
-                }
-                if line.is_empty() {
-                    continue;
-                }
-                history.push(pb::ChatMessage {
-                    role: "user".into(),
-                    content: line,
-                });
-                let out = generate(&mut client, chat_request(&s, &system, &history), |t| {
-                    let mut o = std::io::stdout().lock();
-                    let _ = o.write_all(t.as_bytes());
-                    let _ = o.flush();
-                })
-                .await;
-                println!();
-                match out {
-                    Ok(o) => history.push(pb::ChatMessage {
-                        role: "assistant".into(),
-                        content: o.text,
-                    }),
-                    Err(st) => {
-                        eprintln!("error: {:?}: {}", st.code(), st.message());
-                        history.pop();
-                    }
-                }
-            }
-        }
+        } => cmd_generate(&addr, prompt, chat, system, s, json).await,
+        Cmd::Chat { system, s } => cmd_chat(&addr, system, s).await,
         Cmd::Batch {
             input,
             output,
@@ -294,123 +203,239 @@ async fn run(cli: Cli) -> Result<()> {
             raw,
             s,
         } => {
-            batch(
-                &addr,
+            let job = BatchJob {
                 input,
                 output,
                 template,
-                concurrency.max(1),
+                concurrency: concurrency.max(1),
                 shard,
                 raw,
                 s,
-            )
-            .await?
+            };
+            batch(&addr, job).await
         }
-        Cmd::Status { json } => {
-            let mut client = connect(&addr).await?;
-            let st = client
-                .status(pb::StatusRequest {})
-                .await
-                .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
-                .into_inner();
-            if json {
-                let layers: Vec<_> = st.layers.iter().map(|l| serde_json::json!({"layer": l.layer, "placement": l.placement, "raw_bytes": l.raw_bytes})).collect();
-                let stages: Vec<_> = st.stages.iter().map(|s| serde_json::json!({"stage": s.stage, "bytes_per_s": s.bytes_per_s, "seconds_last_pass": s.stall_s})).collect();
-                println!(
-                    "{}",
-                    serde_json::json!({
-                        "model": st.model, "backend": st.backend, "device_bytes_budget": st.device_bytes_budget,
-                        "device_bytes_peak": st.device_bytes_peak, "kv_cache_bytes": st.kv_cache_bytes,
-                        "host_cache_bytes": st.host_cache_bytes, "layers_resident": st.layers_resident,
-                        "layers_streamed": st.layers_streamed, "bytes_streamed_per_pass": st.bytes_streamed_per_pass,
-                        "last_pass_time_s": st.last_pass_time_s, "decode_tokens_per_s": st.decode_tokens_per_s,
-                        "queue_depth": st.queue_depth, "active_sequences": st.active_sequences,
-                        "limiting_stage": st.limiting_stage, "stages": stages, "layers": layers,
-                        "passes": st.passes, "bytes_streamed_total": st.bytes_streamed_total,
-                    })
-                );
-            } else {
-                let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1048576.0);
-                println!("model            {} ({} backend)", st.model, st.backend);
-                println!(
-                    "device memory    {} peak of {} budget; KV cache {}; host cache {}",
-                    mib(st.device_bytes_peak),
-                    mib(st.device_bytes_budget),
-                    mib(st.kv_cache_bytes),
-                    mib(st.host_cache_bytes)
-                );
-                println!(
-                    "layers           {} resident, {} streamed ({} per pass)",
-                    st.layers_resident,
-                    st.layers_streamed,
-                    mib(st.bytes_streamed_per_pass)
-                );
-                println!(
-                    "last pass        {:.2} ms; decode {:.1} tokens/s",
-                    st.last_pass_time_s * 1e3,
-                    st.decode_tokens_per_s
-                );
-                println!(
-                    "queue            {} waiting, {} active",
-                    st.queue_depth, st.active_sequences
-                );
-                println!("stages (last pass seconds, rate):");
-                for s in &st.stages {
-                    println!(
-                        "  {:<11} {:>8.2} ms  {:>9.1} MB/s{}",
-                        s.stage,
-                        s.stall_s * 1e3,
-                        s.bytes_per_s / 1e6,
-                        if s.stage == st.limiting_stage {
-                            "  <- limits the pass"
-                        } else {
-                            ""
-                        }
-                    );
-                }
-            }
-        }
-        Cmd::Models => {
-            let mut client = connect(&addr).await?;
-            let r = client
-                .list_models(pb::ListModelsRequest {})
-                .await
-                .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
-                .into_inner();
-            for m in r.models {
-                println!(
-                    "{}  {} layers {} hidden {} vocab {} context {} stored {:.1} MiB raw {:.1} MiB",
-                    m.name,
-                    m.architecture,
-                    m.layers,
-                    m.hidden_size,
-                    m.vocab_size,
-                    m.context_length,
-                    m.stored_bytes as f64 / 1048576.0,
-                    m.raw_bytes as f64 / 1048576.0
-                );
-            }
-        }
+        Cmd::Status { json } => cmd_status(&addr, json).await,
+        Cmd::Models => cmd_models(&addr).await,
         Cmd::Tokenize {
             text,
             add_special_tokens,
-        } => {
-            let mut client = connect(&addr).await?;
-            let r = client
-                .tokenize(pb::TokenizeRequest {
-                    model: String::new(),
-                    text,
-                    add_special_tokens,
-                })
-                .await
-                .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
-                .into_inner();
+        } => cmd_tokenize(&addr, text, add_special_tokens).await,
+    }
+}
+
+/// `sluice generate`: streams the text, or prints one JSON object.
+async fn cmd_generate(
+    addr: &str,
+    prompt: String,
+    chat: bool,
+    system: Option<String>,
+    s: Sampling,
+    json: bool,
+) -> Result<()> {
+    let mut client = connect(addr).await?;
+    let req = if chat {
+        chat_request(
+            &s,
+            &system,
+            &[pb::ChatMessage {
+                role: "user".into(),
+                content: prompt,
+            }],
+        )
+    } else {
+        pb::GenerateRequest {
+            prompt,
+            ..s.request()
+        }
+    };
+    let out = generate(&mut client, req, |t| {
+        if !json {
+            let mut o = std::io::stdout().lock();
+            let _ = o.write_all(t.as_bytes());
+            let _ = o.flush();
+        }
+    })
+    .await
+    .map_err(|st| anyhow::anyhow!("{:?}: {}", st.code(), st.message()))?;
+    let stats = out.done.stats.unwrap_or_default();
+    if json {
+        let j = serde_json::json!({
+            "prompt_token_ids": out.done.prompt_token_ids,
+            "generated_token_ids": out.done.generated_token_ids,
+            "text": out.text,
+            "finish_reason": finish_name(out.done.finish_reason),
+            "prompt_tokens": stats.prompt_tokens,
+            "generated_tokens": stats.generated_tokens,
+            "time_to_first_token_s": stats.time_to_first_token_s,
+            "prefill_tokens_per_s": stats.prefill_tokens_per_s,
+            "decode_tokens_per_s": stats.decode_tokens_per_s,
+            "bytes_streamed": stats.bytes_streamed,
+        });
+        println!("{j}");
+    } else {
+        println!();
+        eprintln!(
+            "[{} | prompt {} tokens, generated {} | first token {:.3} s | decode {:.1} tokens/s]",
+            finish_name(out.done.finish_reason),
+            stats.prompt_tokens,
+            stats.generated_tokens,
+            stats.time_to_first_token_s,
+            stats.decode_tokens_per_s
+        );
+    }
+    Ok(())
+}
+
+/// `sluice chat`: an interactive chat that keeps the history.
+async fn cmd_chat(addr: &str, system: Option<String>, s: Sampling) -> Result<()> {
+    let mut client = connect(addr).await?;
+    let mut history: Vec<pb::ChatMessage> = Vec::new();
+    let stdin = std::io::stdin();
+    loop {
+        eprint!("> ");
+        let mut line = String::new();
+        if stdin.lock().read_line(&mut line)? == 0 {
+            break;
+        }
+        let line = line.trim_end_matches(['\n', '\r']).to_string();
+        if line == "/exit" || line == "/quit" {
+            break;
+        }
+        if line.is_empty() {
+            continue;
+        }
+        history.push(pb::ChatMessage {
+            role: "user".into(),
+            content: line,
+        });
+        let out = generate(&mut client, chat_request(&s, &system, &history), |t| {
+            let mut o = std::io::stdout().lock();
+            let _ = o.write_all(t.as_bytes());
+            let _ = o.flush();
+        })
+        .await;
+        println!();
+        match out {
+            Ok(o) => history.push(pb::ChatMessage {
+                role: "assistant".into(),
+                content: o.text,
+            }),
+            Err(st) => {
+                eprintln!("error: {:?}: {}", st.code(), st.message());
+                history.pop();
+            }
+        }
+    }
+    Ok(())
+}
+
+/// `sluice status`: the daemon's plan, per-stage rates and queue.
+async fn cmd_status(addr: &str, json: bool) -> Result<()> {
+    let mut client = connect(addr).await?;
+    let st = client
+        .status(pb::StatusRequest {})
+        .await
+        .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
+        .into_inner();
+    if json {
+        let layers: Vec<_> = st.layers.iter().map(|l| serde_json::json!({"layer": l.layer, "placement": l.placement, "raw_bytes": l.raw_bytes})).collect();
+        let stages: Vec<_> = st.stages.iter().map(|s| serde_json::json!({"stage": s.stage, "bytes_per_s": s.bytes_per_s, "seconds_last_pass": s.stall_s})).collect();
+        println!(
+            "{}",
+            serde_json::json!({
+                "model": st.model, "backend": st.backend, "device_bytes_budget": st.device_bytes_budget,
+                "device_bytes_peak": st.device_bytes_peak, "kv_cache_bytes": st.kv_cache_bytes,
+                "host_cache_bytes": st.host_cache_bytes, "layers_resident": st.layers_resident,
+                "layers_streamed": st.layers_streamed, "bytes_streamed_per_pass": st.bytes_streamed_per_pass,
+                "last_pass_time_s": st.last_pass_time_s, "decode_tokens_per_s": st.decode_tokens_per_s,
+                "queue_depth": st.queue_depth, "active_sequences": st.active_sequences,
+                "limiting_stage": st.limiting_stage, "stages": stages, "layers": layers,
+                "passes": st.passes, "bytes_streamed_total": st.bytes_streamed_total,
+            })
+        );
+    } else {
+        let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1048576.0);
+        println!("model            {} ({} backend)", st.model, st.backend);
+        println!(
+            "device memory    {} peak of {} budget; KV cache {}; host cache {}",
+            mib(st.device_bytes_peak),
+            mib(st.device_bytes_budget),
+            mib(st.kv_cache_bytes),
+            mib(st.host_cache_bytes)
+        );
+        println!(
+            "layers           {} resident, {} streamed ({} per pass)",
+            st.layers_resident,
+            st.layers_streamed,
+            mib(st.bytes_streamed_per_pass)
+        );
+        println!(
+            "last pass        {:.2} ms; decode {:.1} tokens/s",
+            st.last_pass_time_s * 1e3,
+            st.decode_tokens_per_s
+        );
+        println!(
+            "queue            {} waiting, {} active",
+            st.queue_depth, st.active_sequences
+        );
+        println!("stages (last pass seconds, rate):");
+        for s in &st.stages {
             println!(
-                "{}",
-                serde_json::json!({"token_ids": r.token_ids, "pieces": r.pieces})
+                "  {:<11} {:>8.2} ms  {:>9.1} MB/s{}",
+                s.stage,
+                s.stall_s * 1e3,
+                s.bytes_per_s / 1e6,
+                if s.stage == st.limiting_stage {
+                    "  <- limits the pass"
+                } else {
+                    ""
+                }
             );
         }
     }
+    Ok(())
+}
+
+/// `sluice models`.
+async fn cmd_models(addr: &str) -> Result<()> {
+    let mut client = connect(addr).await?;
+    let r = client
+        .list_models(pb::ListModelsRequest {})
+        .await
+        .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
+        .into_inner();
+    for m in r.models {
+        println!(
+            "{}  {} layers {} hidden {} vocab {} context {} stored {:.1} MiB raw {:.1} MiB",
+            m.name,
+            m.architecture,
+            m.layers,
+            m.hidden_size,
+            m.vocab_size,
+            m.context_length,
+            m.stored_bytes as f64 / 1048576.0,
+            m.raw_bytes as f64 / 1048576.0
+        );
+    }
+    Ok(())
+}
+
+/// `sluice tokenize`.
+async fn cmd_tokenize(addr: &str, text: String, add_special_tokens: bool) -> Result<()> {
+    let mut client = connect(addr).await?;
+    let r = client
+        .tokenize(pb::TokenizeRequest {
+            model: String::new(),
+            text,
+            add_special_tokens,
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
+        .into_inner();
+    println!(
+        "{}",
+        serde_json::json!({"token_ids": r.token_ids, "pieces": r.pieces})
+    );
     Ok(())
 }
 
@@ -468,9 +493,9 @@ fn done_ids(output: &std::path::Path) -> Result<HashSet<String>> {
     Ok(done)
 }
 
-#[allow(clippy::too_many_arguments)]
-async fn batch(
-    addr: &str,
+/// A `sluice batch` job: input and output JSONL, the prompt template, requests in flight,
+/// the shard of the ids, and sampling.
+struct BatchJob {
     input: PathBuf,
     output: PathBuf,
     template: String,
@@ -478,7 +503,18 @@ async fn batch(
     shard: Option<String>,
     raw: bool,
     s: Sampling,
-) -> Result<()> {
+}
+
+async fn batch(addr: &str, job: BatchJob) -> Result<()> {
+    let BatchJob {
+        input,
+        output,
+        template,
+        concurrency,
+        shard,
+        raw,
+        s,
+    } = job;
     let shard = match shard {
         None => None,
         Some(sh) => {

@@ -1,5 +1,5 @@
 //! Element types of stored tensors. Quantized types are GGML block formats: they stay
-//! quantized on disk, across PCIe and in device memory (DESIGN.md "Dtypes").
+//! quantized on disk, across PCIe and in device memory.
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

@@ -1,6 +1,10 @@
 //! sluice: run LLMs larger than accelerator memory by streaming compressed per-layer weight
 //! blobs from NVMe. See ARCHITECTURE.md for the map of modules and the data flow.
 
+// Every unsafe operation sits in an `unsafe` block with its SAFETY argument, inside unsafe
+// functions too.
+#![deny(unsafe_op_in_unsafe_fn)]
+
 pub mod backend;
 pub mod dtype;
 pub mod engine;

@@ -1,4 +1,4 @@
-//! The narrow interface the model needs from a device (DESIGN.md "Backends"): allocate
+//! The narrow interface the model needs from a device: allocate
 //! within a budget, upload a staging slot into a device allocation, and the ops of a
 //! Llama-family forward pass. Activations are f32 everywhere; weights stay in their stored
 //! dtype and quantized weights are dequantized inside the kernels.
@@ -40,9 +40,28 @@ pub enum BackendError {
     Alloc { what: String, bytes: u64 },
     #[error("{0}")]
     Invalid(String),
-    /// A device-side failure (driver, launch, copy), with what was being done.
-    #[error("{0}")]
-    Device(String),
+    /// A device-side failure (driver, launch, copy): what was being done, on which device,
+    /// and what the driver or library said.
+    #[error("{op} on {device}: {cause}")]
+    Device {
+        op: String,
+        device: String,
+        cause: String,
+    },
+}
+
+impl BackendError {
+    pub fn device(
+        op: impl Into<String>,
+        device: impl Into<String>,
+        cause: impl std::fmt::Display,
+    ) -> Self {
+        BackendError::Device {
+            op: op.into(),
+            device: device.into(),
+            cause: cause.to_string(),
+        }
+    }
 }
 
 /// Device memory accounting: a hard limit, the bytes in use and the peak. Every device

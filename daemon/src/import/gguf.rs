@@ -461,12 +461,49 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
             .unwrap_or(hidden.checked_div(n_heads).unwrap_or(0)),
     };
 
-    // Tensors: names mapped, dtypes checked, llama q/k rows marked for un-permutation.
-    let mut tensors = BTreeMap::new();
-    let mut rope_freqs: Option<Vec<f32>> = None;
     let n_kv_heads = meta
         .u32_opt(&format!("{p}.attention.head_count_kv"))?
         .unwrap_or(n_heads);
+    let heads = Heads {
+        q: n_heads,
+        kv: n_kv_heads,
+        permuted_qk,
+    };
+    let (tensors, rope_freqs) = map_tensors(&g, &map, path, arch_name, heads)?;
+    let arch_cfg = arch_config(&meta, &tensors, rope_freqs, arch, hidden, heads, head_dim)?;
+    let (tokenizer, special, chat_template) = tokenizer(&meta, arch_cfg.vocab)?;
+    Ok(ImportedModel {
+        source: path.to_path_buf(),
+        arch: arch_cfg,
+        tokenizer,
+        special,
+        chat_template,
+        files: vec![(path.to_path_buf(), map)],
+        tensors,
+    })
+}
+
+/// Attention heads, and whether llama.cpp's converter permuted the q/k rows.
+#[derive(Clone, Copy)]
+struct Heads {
+    q: u32,
+    kv: u32,
+    permuted_qk: bool,
+}
+
+/// Every tensor under its Hugging Face name, dtypes checked, llama q/k rows marked for
+/// un-permutation; `rope_freqs.weight` (llama3 scaling) taken out as numbers.
+#[allow(clippy::type_complexity)] // (tensors by name, rope frequency factors)
+fn map_tensors(
+    g: &Gguf,
+    map: &[u8],
+    path: &Path,
+    arch_name: &str,
+    heads: Heads,
+) -> Result<(BTreeMap<String, SourceTensor>, Option<Vec<f32>>), ImportError> {
+    let (n_heads, n_kv_heads, permuted_qk) = (heads.q, heads.kv, heads.permuted_qk);
+    let mut tensors = BTreeMap::new();
+    let mut rope_freqs: Option<Vec<f32>> = None;
     for t in &g.tensors {
         let dtype = DType::from_ggml(t.ggml_type).ok_or_else(|| {
             ImportError::unsupported(
@@ -546,6 +583,22 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         }
     }
 
+    Ok((tensors, rope_freqs))
+}
+
+/// The architecture config from the `{arch}.*` metadata and the tensors present.
+fn arch_config(
+    meta: &Meta<'_>,
+    tensors: &BTreeMap<String, SourceTensor>,
+    rope_freqs: Option<Vec<f32>>,
+    arch: Arch,
+    hidden: u32,
+    heads: Heads,
+    head_dim: u32,
+) -> Result<ArchConfig, ImportError> {
+    let path = meta.path;
+    let p = arch.to_string();
+    let (n_heads, n_kv_heads) = (heads.q, heads.kv);
     let embd = tensors
         .get("model.embed_tokens.weight")
         .ok_or_else(|| ImportError::malformed(path, None, "tensor token_embd.weight is missing"))?;
@@ -595,8 +648,15 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
     arch_cfg
         .validate()
         .map_err(|e| ImportError::malformed(path, None, format!("architecture metadata: {e}")))?;
+    Ok(arch_cfg)
+}
 
-    // Tokenizer.
+/// The vocabulary, special tokens and chat template from the `tokenizer.*` metadata.
+fn tokenizer(
+    meta: &Meta<'_>,
+    vocab: u32,
+) -> Result<(TokenizerSpec, SpecialTokens, Option<String>), ImportError> {
+    let path = meta.path;
     let model = meta
         .str_opt("tokenizer.ggml.model")?
         .ok_or_else(|| {
@@ -714,13 +774,5 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         token_types,
         scores,
     });
-    Ok(ImportedModel {
-        source: path.to_path_buf(),
-        arch: arch_cfg,
-        tokenizer,
-        special,
-        chat_template,
-        files: vec![(path.to_path_buf(), map)],
-        tensors,
-    })
+    Ok((tokenizer, special, chat_template))
 }

@@ -3,7 +3,7 @@
 //! slot. Everything that changes engine state is a message to the I/O thread.
 
 use super::event_loop::Loop;
-use super::limits;
+use super::limits::{self, Pools};
 use super::pread::PreadReader;
 use super::reader::{Msg, Reader, Waker};
 use super::tickets::{Shared, TicketState};
@@ -15,7 +15,7 @@ use crate::store::codec::FrameDecoder;
 use crate::store::Store;
 use std::fs::File;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::mpsc::channel;
+use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -155,36 +155,6 @@ fn probe_direct(file: &File) -> std::io::Result<()> {
     std::os::unix::fs::FileExt::read_at(file, b.as_mut_slice(), 0).map(|_| ())
 }
 
-/// Every buffer the engine uses, allocated once at start.
-struct Pools {
-    read_bufs: Arc<Vec<AlignedBuf>>,
-    slots: Arc<Vec<AlignedBuf>>,
-}
-
-impl Pools {
-    fn allocate(cfg: &IoConfig, sizes: &limits::Sizes) -> Result<Pools, String> {
-        let alloc = |n: usize, len: usize, what: &str| -> Result<Vec<AlignedBuf>, String> {
-            (0..n)
-                .map(|_| {
-                    AlignedBuf::new(len)
-                        .ok_or_else(|| format!("cannot allocate {n} {what} of {len} bytes"))
-                })
-                .collect()
-        };
-        let read_bufs = alloc(cfg.read_buffers, cfg.request_bytes, "read buffers")?;
-        let mut slots = alloc(cfg.staging_slots, sizes.slot_bytes, "staging slots")?;
-        if let Some(p) = &cfg.pinner {
-            for s in &mut slots {
-                s.pin(p).map_err(|e| format!("staging slots: {e}"))?;
-            }
-        }
-        Ok(Pools {
-            read_bufs: Arc::new(read_bufs),
-            slots: Arc::new(slots),
-        })
-    }
-}
-
 /// The reader chosen and what the caller side keeps of that choice.
 struct Started {
     kind: EngineKind,
@@ -257,7 +227,7 @@ impl IoEngine {
         };
         let sizes = limits::check(&cfg, store.manifest()).map_err(setup)?;
         let pools = Pools::allocate(&cfg, &sizes).map_err(setup)?;
-        let (tx, rx) = channel::<Msg>();
+        let (tx, rx) = sync_channel::<Msg>(sizes.message_capacity(&cfg));
         // The reader: io_uring, or the pread pool when asked or when io_uring fails.
         let mut uring = None;
         if matches!(choice, EngineChoice::Auto | EngineChoice::Uring) {
@@ -281,8 +251,9 @@ impl IoEngine {
             ),
             None => {
                 let waker = Waker { tx, eventfd: None };
-                let (r, handles) = PreadReader::new(&file, cfg.pread_threads, waker.clone())
-                    .map_err(|e| setup(format!("pread pool: {e}")))?;
+                let (r, handles) =
+                    PreadReader::new(&file, cfg.pread_threads, cfg.queue_depth, waker.clone())
+                        .map_err(|e| setup(format!("pread pool: {e}")))?;
                 threads.extend(handles);
                 (Box::new(r), waker, EngineKind::Pread)
             }
@@ -329,7 +300,7 @@ impl IoEngine {
         } = started;
         let shared = Arc::new(Shared::new(cfg.read_buffers, cfg.staging_slots));
         // Decompression workers share one job queue.
-        let (job_tx, job_rx) = channel::<Job>();
+        let (job_tx, job_rx) = sync_channel::<Job>(sizes.job_capacity(&cfg));
         let job_rx = Arc::new(Mutex::new(job_rx));
         let frame_raw_max = store.manifest().frame_raw_len_max() as usize;
         for i in 0..cfg.workers {
@@ -350,9 +321,9 @@ impl IoEngine {
             cfg.clone(),
             reader,
             shared.clone(),
-            pools.read_bufs,
-            pools.slots,
+            &pools,
             job_tx,
+            &sizes,
         );
         let io_thread = std::thread::Builder::new()
             .name("sluice-io".into())
@@ -388,7 +359,7 @@ impl IoEngine {
             path: store.weights_path().to_path_buf(),
             msg,
         })?;
-        let (tx, rx) = channel::<Msg>();
+        let (tx, rx) = sync_channel::<Msg>(sizes.message_capacity(&cfg));
         let started = Started {
             kind: EngineKind::Pread,
             direct: false,

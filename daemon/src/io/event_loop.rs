@@ -2,6 +2,7 @@
 //! issues reads oldest request first, hands frames whose reads have landed to the
 //! workers, frees each buffer once its frames are decoded, and publishes progress.
 
+use super::limits::{Pools, Sizes};
 use super::reader::{Msg, Reader};
 use super::tickets::{Shared, TicketState};
 use super::workers::Job;
@@ -12,7 +13,7 @@ use crate::store::Store;
 use std::collections::VecDeque;
 use std::ops::Range;
 use std::sync::atomic::Ordering;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -82,7 +83,15 @@ pub(super) struct Loop {
     in_flight: usize,
     /// When `in_flight` last changed (for the queue-depth integral).
     in_flight_since: Instant,
-    jobs: Sender<Job>,
+    jobs: SyncSender<Job>,
+    /// Per staging slot, the chunk and frame lists its next unit reuses.
+    spare: Vec<(Vec<Chunk>, Vec<FrameState>)>,
+    /// Emptied piece lists back from the workers, for the next jobs.
+    spare_pieces: Vec<Vec<(usize, usize)>>,
+    /// `order` copied for `submit` to walk while it changes.
+    order_scratch: Vec<usize>,
+    /// Messages (and completions) one wait can return at most.
+    msg_capacity: usize,
     shutting_down: bool,
     busy_since: Option<Instant>,
     buf_starved_since: Option<Instant>,
@@ -107,10 +116,11 @@ impl Loop {
         cfg: IoConfig,
         reader: Box<dyn Reader>,
         shared: Arc<Shared>,
-        read_bufs: Arc<Vec<AlignedBuf>>,
-        slots: Arc<Vec<AlignedBuf>>,
-        jobs: Sender<Job>,
+        pools: &Pools,
+        jobs: SyncSender<Job>,
+        sizes: &Sizes,
     ) -> Loop {
+        let (read_bufs, slots) = (pools.read_bufs.clone(), pools.slots.clone());
         let path = store.weights_path().to_path_buf();
         Loop {
             store,
@@ -128,6 +138,19 @@ impl Loop {
             in_flight: 0,
             in_flight_since: Instant::now(),
             jobs,
+            spare: (0..cfg.staging_slots)
+                .map(|_| {
+                    (
+                        Vec::with_capacity(sizes.chunks_per_unit_max),
+                        Vec::with_capacity(sizes.frames_per_unit_max),
+                    )
+                })
+                .collect(),
+            spare_pieces: (0..sizes.job_capacity(&cfg))
+                .map(|_| Vec::with_capacity(sizes.pieces_per_frame_max(&cfg)))
+                .collect(),
+            msg_capacity: sizes.message_capacity(&cfg),
+            order_scratch: Vec::with_capacity(cfg.staging_slots),
             shutting_down: false,
             busy_since: None,
             buf_starved_since: None,
@@ -139,8 +162,8 @@ impl Loop {
 
     pub(super) fn run(mut self, rx: Receiver<Msg>) {
         let _stop = StopOnDrop(self.shared.clone());
-        let mut msgs = Vec::new();
-        let mut done = Vec::new();
+        let mut msgs = Vec::with_capacity(self.msg_capacity);
+        let mut done = Vec::with_capacity(self.cfg.queue_depth);
         loop {
             for m in msgs.drain(..) {
                 self.handle(m);
@@ -197,7 +220,15 @@ impl Loop {
                 debug_assert!(matches!(self.slot_state[slot], SlotState::Held(_)));
                 self.free_slot(slot);
             }
-            Msg::FrameDone { slot, frame, fault } => self.frame_done(slot, frame, fault),
+            Msg::FrameDone {
+                slot,
+                frame,
+                fault,
+                pieces,
+            } => {
+                self.spare_pieces.push(pieces);
+                self.frame_done(slot, frame, fault)
+            }
             Msg::ReadDone { op, res } => self.complete(op, res),
             Msg::Shutdown => {
                 self.shutting_down = true;
@@ -240,7 +271,9 @@ impl Loop {
                 (u.file_offset + u.stored_len).div_ceil(IO_ALIGN as u64) * IO_ALIGN as u64,
             );
             let req = self.cfg.request_bytes as u64;
-            let mut chunks = Vec::new();
+            let (mut chunks, mut frames) = std::mem::take(&mut self.spare[slot]);
+            chunks.clear();
+            frames.clear();
             let mut at = start;
             while at < end {
                 let len = (end - at).min(req);
@@ -258,12 +291,13 @@ impl Loop {
                 at += len;
             }
             let n = u.frames.len();
+            frames.resize(n, FrameState::Waiting);
             self.active[slot] = Some(Active {
                 ticket,
                 unit,
                 chunks,
                 next_chunk: 0,
-                frames: vec![FrameState::Waiting; n],
+                frames,
                 frames_left: n,
                 prefix: 0,
                 progressed: false,
@@ -278,8 +312,10 @@ impl Loop {
 
     /// Issues reads, oldest request first, while buffers and queue slots last.
     fn submit(&mut self) {
-        let order: Vec<usize> = self.order.iter().copied().collect();
-        'outer: for slot in order {
+        let mut order = std::mem::take(&mut self.order_scratch);
+        order.clear();
+        order.extend(self.order.iter().copied());
+        'outer: for &slot in &order {
             loop {
                 let Some(a) = self.active[slot].as_mut() else {
                     continue 'outer;
@@ -308,11 +344,12 @@ impl Loop {
                 self.push_read(op, buf, 0, len, offset);
             }
         }
+        self.order_scratch = order;
     }
 
     fn push_read(&mut self, op: usize, buf: usize, at: usize, len: usize, offset: u64) {
         let b = &self.read_bufs[buf];
-        // Assert the O_DIRECT preconditions before every submission (STYLE.md 4).
+        // Assert the O_DIRECT preconditions before every submission.
         assert!(at + len <= b.len(), "read past its buffer");
         debug_assert!(
             offset.is_multiple_of(IO_ALIGN as u64) || at != 0,
@@ -474,7 +511,8 @@ impl Loop {
             a.frames_left -= 1;
             return;
         }
-        let mut pieces = Vec::with_capacity(range.len());
+        let mut pieces = self.spare_pieces.pop().unwrap_or_default();
+        pieces.clear();
         for c in &a.chunks[range] {
             let lo = fo.max(c.offset);
             let hi = (fo + fl).min(c.offset + c.len as u64);
@@ -487,7 +525,7 @@ impl Loop {
             // SAFETY: lo - c.offset + (hi - lo) <= c.len <= buffer length; the buffer is kept
             // (not reused, not freed) until this frame's FrameDone, by release_chunks.
             pieces.push((
-                unsafe { buf.as_ptr().add((lo - c.offset) as usize) } as *const u8,
+                unsafe { buf.as_ptr().add((lo - c.offset) as usize) } as usize,
                 (hi - lo) as usize,
             ));
         }
@@ -504,8 +542,9 @@ impl Loop {
             pieces,
             dst,
         };
-        if self.jobs.send(job).is_err() {
+        if let Err(std::sync::mpsc::SendError(job)) = self.jobs.send(job) {
             // Workers are gone (only at teardown): treat as a failed frame.
+            self.spare_pieces.push(job.pieces);
             self.frame_done(
                 slot,
                 f,
@@ -553,27 +592,30 @@ impl Loop {
 
     /// Returns the buffers of chunks whose frames no longer need them.
     fn release_chunks(&mut self, slot: usize, range: Range<usize>) {
-        let mut freed = Vec::new();
-        {
+        for c in range {
             let Some(a) = self.active[slot].as_mut() else {
                 return;
             };
-            for c in range {
-                let ch = &a.chunks[c];
-                if ch.buf.is_none() || !ch.done {
-                    continue;
-                }
-                let settled = a.frames[ch.frames.clone()]
-                    .iter()
-                    .all(|&s| s == FrameState::Done || (a.aborted && s == FrameState::Waiting));
-                if settled {
-                    freed.push(a.chunks[c].buf.take().expect("checked"));
-                }
+            let ch = &a.chunks[c];
+            if ch.buf.is_none() || !ch.done {
+                continue;
+            }
+            let settled = a.frames[ch.frames.clone()]
+                .iter()
+                .all(|&s| s == FrameState::Done || (a.aborted && s == FrameState::Waiting));
+            if settled {
+                let b = a.chunks[c].buf.take().expect("checked");
+                self.free_buf(b);
             }
         }
-        for b in freed {
-            self.free_buf(b);
+    }
+
+    /// Ends the unit in `slot`: its chunk and frame lists go back for the slot's next unit.
+    fn retire(&mut self, slot: usize) {
+        if let Some(a) = self.active[slot].take() {
+            self.spare[slot] = (a.chunks, a.frames);
         }
+        self.order.retain(|&s| s != slot);
     }
 
     /// Fails (err = Some) or cancels (None) the unit in `slot`.
@@ -610,8 +652,7 @@ impl Loop {
                     "a finished unit still holds read buffers"
                 );
                 let (ticket, progressed) = (a.ticket, a.progressed);
-                self.active[slot] = None;
-                self.order.retain(|&s| s != slot);
+                self.retire(slot);
                 // A failed unit whose prefix was handed out keeps its slot until the
                 // ticket is dropped (its Cancel frees a Held slot): a copy may still be
                 // reading the prefix. A cancelled ticket is already gone from the map.
@@ -636,8 +677,7 @@ impl Loop {
                 "a finished unit still holds read buffers"
             );
             let ticket = a.ticket;
-            self.active[slot] = None;
-            self.order.retain(|&s| s != slot);
+            self.retire(slot);
             self.slot_state[slot] = SlotState::Held(ticket);
             self.shared
                 .counters

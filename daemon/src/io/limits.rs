@@ -1,9 +1,11 @@
 //! The engine's limits and the relations between them, each with the reason it must
-//! hold, checked once at start against the store it will read.
+//! hold, checked once at start against the store it will read; and the buffers they imply,
+//! allocated then.
 
 use super::IoConfig;
-use crate::hostbuf::IO_ALIGN;
+use crate::hostbuf::{AlignedBuf, IO_ALIGN};
 use crate::store::Manifest;
+use std::sync::Arc;
 
 /// Reads return their byte count as an i32 (io_uring's cqe result): keep requests well below.
 const REQUEST_BYTES_MAX: usize = 1 << 30;
@@ -14,6 +16,28 @@ pub(super) struct Sizes {
     pub(super) frame_stored_max: usize,
     /// Bytes of a staging slot: the largest decompressed unit this engine will load.
     pub(super) slot_bytes: usize,
+    /// Frames and read chunks of the largest unit (per-slot bookkeeping is sized once).
+    pub(super) frames_per_unit_max: usize,
+    pub(super) chunks_per_unit_max: usize,
+}
+
+impl Sizes {
+    /// Messages that can be outstanding to the I/O thread at once: every read's
+    /// completion, every frame's FrameDone, a Release per slot, and callers' requests and
+    /// cancels (a full channel makes a caller wait for the loop to drain it).
+    pub(super) fn message_capacity(&self, cfg: &IoConfig) -> usize {
+        cfg.queue_depth + cfg.staging_slots * (self.frames_per_unit_max + 2) + 1024
+    }
+
+    /// Read-buffer pieces one frame's stored bytes may span.
+    pub(super) fn pieces_per_frame_max(&self, cfg: &IoConfig) -> usize {
+        (self.frame_stored_max + 2 * IO_ALIGN).div_ceil(cfg.request_bytes) + 1
+    }
+
+    /// Frames that can wait for a worker at once: every frame of every loading unit.
+    pub(super) fn job_capacity(&self, cfg: &IoConfig) -> usize {
+        cfg.staging_slots * self.frames_per_unit_max + 1
+    }
 }
 
 /// Checks `cfg` against the store; the message says which limit and what to change.
@@ -63,8 +87,49 @@ pub(super) fn check(cfg: &IoConfig, m: &Manifest) -> Result<Sizes, String> {
             .max()
             .unwrap_or(0),
     } as usize;
+    let frames_per_unit_max = m.units.iter().map(|u| u.frames.len()).max().unwrap_or(0);
+    let chunks_per_unit_max = m
+        .units
+        .iter()
+        .map(|u| {
+            ((u.stored_len as usize).div_ceil(IO_ALIGN) * IO_ALIGN).div_ceil(cfg.request_bytes) + 1
+        })
+        .max()
+        .unwrap_or(0);
     Ok(Sizes {
         frame_stored_max,
         slot_bytes,
+        frames_per_unit_max,
+        chunks_per_unit_max,
     })
+}
+
+/// Every buffer the engine uses, allocated once at start.
+pub(super) struct Pools {
+    pub(super) read_bufs: Arc<Vec<AlignedBuf>>,
+    pub(super) slots: Arc<Vec<AlignedBuf>>,
+}
+
+impl Pools {
+    pub(super) fn allocate(cfg: &IoConfig, sizes: &Sizes) -> Result<Pools, String> {
+        let alloc = |n: usize, len: usize, what: &str| -> Result<Vec<AlignedBuf>, String> {
+            (0..n)
+                .map(|_| {
+                    AlignedBuf::new(len)
+                        .ok_or_else(|| format!("cannot allocate {n} {what} of {len} bytes"))
+                })
+                .collect()
+        };
+        let read_bufs = alloc(cfg.read_buffers, cfg.request_bytes, "read buffers")?;
+        let mut slots = alloc(cfg.staging_slots, sizes.slot_bytes, "staging slots")?;
+        if let Some(p) = &cfg.pinner {
+            for s in &mut slots {
+                s.pin(p).map_err(|e| format!("staging slots: {e}"))?;
+            }
+        }
+        Ok(Pools {
+            read_bufs: Arc::new(read_bufs),
+            slots: Arc::new(slots),
+        })
+    }
 }

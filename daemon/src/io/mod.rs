@@ -1,5 +1,4 @@
-//! The I/O engine: moves layer blobs from NVMe into staging slots (DESIGN.md "I/O engine",
-//! "Data flow").
+//! The I/O engine: moves layer blobs from NVMe into staging slots.
 //!
 //! One thread owns the reads (an io_uring with O_DIRECT reads into registered buffers, or a
 //! pread thread pool when io_uring or O_DIRECT is unavailable) and all the bookkeeping;

@@ -5,7 +5,7 @@
 use super::reader::{Msg, Reader, Waker};
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::mpsc::{channel, Receiver, Sender};
+use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
 use std::sync::{Arc, Mutex};
 
 struct ReadJob {
@@ -16,17 +16,19 @@ struct ReadJob {
 }
 
 pub(super) struct PreadReader {
-    jobs: Sender<ReadJob>,
+    jobs: SyncSender<ReadJob>,
 }
 
 impl PreadReader {
     pub(super) fn new(
         file: &File,
         threads: usize,
+        queue_depth: usize,
         waker: Waker,
     ) -> std::io::Result<(PreadReader, Vec<std::thread::JoinHandle<()>>)> {
         let file = Arc::new(file.try_clone()?);
-        let (tx, rx) = channel::<ReadJob>();
+        // At most `queue_depth` reads are in flight: the queue never fills.
+        let (tx, rx) = sync_channel::<ReadJob>(queue_depth);
         let rx = Arc::new(Mutex::new(rx));
         let mut handles = Vec::with_capacity(threads);
         for i in 0..threads {

@@ -4,7 +4,7 @@
 
 use crate::store::codec::FrameFault;
 use std::os::fd::AsRawFd;
-use std::sync::mpsc::{Receiver, Sender};
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 
 /// Messages to the engine thread. Everything that changes engine state goes through here,
@@ -24,6 +24,8 @@ pub(super) enum Msg {
         slot: usize,
         frame: usize,
         fault: Option<FrameFault>,
+        /// The job's piece list, emptied, for the next job (nothing is allocated per frame).
+        pieces: Vec<(usize, usize)>,
     },
     /// A pread completion: bytes read, or -errno.
     ReadDone {
@@ -36,7 +38,7 @@ pub(super) enum Msg {
 /// Sends to the engine thread and wakes it (io_uring waits on an eventfd).
 #[derive(Clone)]
 pub(super) struct Waker {
-    pub(super) tx: Sender<Msg>,
+    pub(super) tx: SyncSender<Msg>,
     pub(super) eventfd: Option<Arc<EventFd>>,
 }
 

@@ -15,7 +15,8 @@ pub(super) struct Job {
     pub(super) slot: usize,
     pub(super) unit: usize,
     pub(super) frame: usize,
-    pub(super) pieces: Vec<(*const u8, usize)>,
+    /// (address, length) of each read-buffer piece of the frame's stored bytes.
+    pub(super) pieces: Vec<(usize, usize)>,
     pub(super) dst: *mut u8,
 }
 // SAFETY: the pointers target read buffers and a staging slot that the engine thread keeps
@@ -43,12 +44,13 @@ pub(super) fn worker(
         let dst = unsafe { std::slice::from_raw_parts_mut(job.dst, f.raw_len as usize) };
         let stored: &[u8] = if job.pieces.len() == 1 {
             // SAFETY: as above.
-            unsafe { std::slice::from_raw_parts(job.pieces[0].0, job.pieces[0].1) }
+            unsafe { std::slice::from_raw_parts(job.pieces[0].0 as *const u8, job.pieces[0].1) }
         } else {
             // A frame spanning reads is joined into this worker's scratch: the one copy
             // the engine makes, for a few frames per layer.
             let mut at = 0;
             for &(p, n) in &job.pieces {
+                let p = p as *const u8;
                 // SAFETY: as above.
                 joined[at..at + n].copy_from_slice(unsafe { std::slice::from_raw_parts(p, n) });
                 at += n;
@@ -68,10 +70,13 @@ pub(super) fn worker(
             c.decompressed_bytes
                 .fetch_add(f.raw_len as u64, Ordering::Relaxed);
         }
+        let mut pieces = job.pieces;
+        pieces.clear();
         waker.send(Msg::FrameDone {
             slot: job.slot,
             frame: job.frame,
             fault,
+            pieces,
         });
     }
 }

@@ -1,4 +1,4 @@
-//! The streaming pipeline (DESIGN.md "Data flow"): every forward pass runs the layer units
+//! The streaming pipeline: every forward pass runs the layer units
 //! in order; resident units run in place, streamed ones are requested from the I/O engine
 //! `prefetch` units ahead, uploaded into a device streaming slot just before they run, and
 //! the staging slot goes back to the engine as soon as the upload is done. Units with a
@@ -114,6 +114,10 @@ pub struct Pipeline<B: Backend> {
     io_mark: crate::io::IoStats,
     /// Staging slots an asynchronous upload may still be reading, by streaming slot.
     held: Vec<(usize, crate::io::HeldSlot)>,
+    /// `held`'s twin, swapped in while the held slots are waited for (no allocation).
+    held_spare: Vec<(usize, crate::io::HeldSlot)>,
+    /// Which unit each streaming slot holds during a pass.
+    in_slot: Vec<Option<usize>>,
     /// Skip the layer compute (measures streaming alone).
     pub skip_compute: bool,
     /// Bytes of a unit's decoded prefix worth an upload of their own (UPLOAD_CHUNK_DEFAULT).
@@ -135,7 +139,8 @@ impl<B: Backend> Pipeline<B> {
         io_cfg: IoConfig,
     ) -> Result<Self, PipelineError> {
         let model = Llama::new(&backend, store.manifest(), opts)?;
-        let mut slots = Vec::with_capacity(plan.stream_slots);
+        let plan_slots = plan.stream_slots;
+        let mut slots = Vec::with_capacity(plan_slots);
         for i in 0..plan.stream_slots {
             slots.push(backend.alloc(
                 plan.stream_slot_bytes as usize,
@@ -234,7 +239,9 @@ impl<B: Backend> Pipeline<B> {
             loads,
             ahead: VecDeque::new(),
             next_issue: 0,
-            held: Vec::new(),
+            held: Vec::with_capacity(plan_slots),
+            held_spare: Vec::with_capacity(plan_slots),
+            in_slot: vec![None; plan_slots],
             skip_compute: false,
             upload_chunk: UPLOAD_CHUNK_DEFAULT,
             partial_uploads: 0,
@@ -366,15 +373,20 @@ impl<B: Backend> Pipeline<B> {
         let mut slot_rr = 0;
         let copy0 = self.backend.copy_stats();
         // Which streaming slot holds which unit right now.
-        let mut in_slot: Vec<Option<usize>> = vec![None; self.slots.len()];
+        self.in_slot.fill(None);
         for u in 0..n {
-            // Units this unit needs: itself, and for a tied head the embedding.
-            let mut need = vec![u];
-            if tied && self.store.units()[u].kind == UnitKind::Head {
-                need.insert(0, 0);
-            }
-            let mut used = Vec::with_capacity(2);
-            for &w in &need {
+            // Units this unit needs: itself, and for a tied head the embedding first.
+            let tied_head = tied && self.store.units()[u].kind == UnitKind::Head;
+            let need_all = [0, u];
+            let need = if tied_head {
+                &need_all[..]
+            } else {
+                &need_all[1..]
+            };
+            // Streaming slots this unit's compute reads (at most one per unit it needs).
+            let mut used = [0usize; 2];
+            let mut n_used = 0;
+            for &w in need {
                 if self.resident[w].is_some() {
                     continue;
                 }
@@ -404,14 +416,16 @@ impl<B: Backend> Pipeline<B> {
                         st.bytes_from_host_cache += len as u64;
                     }
                 }
-                in_slot[slot] = Some(w);
-                used.push(slot);
+                self.in_slot[slot] = Some(w);
+                used[n_used] = slot;
+                n_used += 1;
             }
             let mem_of = |w: usize| -> &B::Mem {
                 match &self.resident[w] {
                     Some(m) => m,
                     None => {
-                        let s = in_slot
+                        let s = self
+                            .in_slot
                             .iter()
                             .rposition(|&x| x == Some(w))
                             .expect("loaded above");
@@ -431,7 +445,7 @@ impl<B: Backend> Pipeline<B> {
                 self.model.forward_unit(&self.backend, u, mem, lm);
                 st.compute_s += t0.elapsed().as_secs_f64();
             }
-            for &s in &used {
+            for &s in &used[..n_used] {
                 // The next upload into this slot waits for this unit's compute only.
                 self.backend.release_after(&self.slots[s]);
             }
@@ -440,13 +454,16 @@ impl<B: Backend> Pipeline<B> {
             // after a failed wait, before any is released).
             let t1 = Instant::now();
             let mut waited = Ok(());
-            let held = std::mem::take(&mut self.held);
+            let mut held = std::mem::take(&mut self.held_spare);
+            std::mem::swap(&mut held, &mut self.held);
             for (s, _) in &held {
                 if let Err(e) = self.backend.upload_wait(&self.slots[*s]) {
                     waited = waited.and(Err(e));
                 }
             }
-            drop(held);
+            // Dropping the guards hands the staging slots back to the I/O engine.
+            held.clear();
+            self.held_spare = held;
             st.upload_s += t1.elapsed().as_secs_f64();
             waited?;
             self.top_up()?;

@@ -1,4 +1,4 @@
-//! The memory planner (DESIGN.md "Memory plan"): given the device budget, the host cache
+//! The memory planner: given the device budget, the host cache
 //! budget, the batch and context limits and the manifest, decide what is resident, what
 //! streams and through how many slots, and what the host keeps decompressed.
 //!

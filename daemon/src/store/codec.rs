@@ -1,4 +1,4 @@
-//! Frame codecs and the byte-split filter (DESIGN.md "Store format").
+//! Frame codecs and the byte-split filter.
 //!
 //! A frame is up to `frame_size` bytes of one tensor's decompressed blob. For 16- and 32-bit
 //! floats the frame is split into byte planes (most significant byte of every element first,

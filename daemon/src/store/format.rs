@@ -1,4 +1,4 @@
-//! Store format version 1: the manifest and its on-disk framing (DESIGN.md "Store format").
+//! Store format version 1: the manifest and its on-disk framing.
 //!
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
 //! | payload (postcard) | xxh3-64 of everything before it (u64 LE).

@@ -90,16 +90,81 @@ pub trait PackSource {
 }
 
 /// A compressed frame: codec, planes, stored bytes, checksum of the raw bytes.
-type EncodedFrame = (Codec, Vec<super::codec::Plane>, Vec<u8>, u64);
+#[derive(Clone)]
+struct EncodedFrame {
+    codec: Codec,
+    planes: Vec<super::codec::Plane>,
+    bytes: Vec<u8>,
+    /// xxh3-64 of the raw bytes.
+    checksum: u64,
+}
 
 fn align_up(x: u64, a: u64) -> u64 {
     x.div_ceil(a) * a
 }
 
-/// Removes the partial directory unless the pack completed.
+/// `.NAME.partial` beside the target, removed unless the pack completed.
 struct PartialDir {
     path: PathBuf,
+    parent: PathBuf,
+    name: std::ffi::OsString,
     done: bool,
+}
+
+impl PartialDir {
+    /// Makes a fresh partial directory for `out` (replacing a stale one); refuses an
+    /// existing `out` unless `force`.
+    fn create(out: &Path, force: bool) -> Result<PartialDir, StoreError> {
+        let name = out
+            .file_name()
+            .ok_or_else(|| StoreError::invalid(out, "output path has no directory name"))?
+            .to_os_string();
+        let parent = match out.parent() {
+            Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+            _ => PathBuf::from("."),
+        };
+        if out.exists() && !force {
+            return Err(StoreError::invalid(
+                out,
+                "already exists; pass --force to replace it",
+            ));
+        }
+        std::fs::create_dir_all(&parent)
+            .map_err(|e| StoreError::io("create directory", &parent, e))?;
+        let path = parent.join(format!(".{}.partial", name.to_string_lossy()));
+        if path.exists() {
+            std::fs::remove_dir_all(&path)
+                .map_err(|e| StoreError::io("remove stale partial store", &path, e))?;
+        }
+        std::fs::create_dir(&path).map_err(|e| StoreError::io("create directory", &path, e))?;
+        Ok(PartialDir {
+            path,
+            parent,
+            name,
+            done: false,
+        })
+    }
+
+    /// Renames the finished store to `out` and fsyncs the parent.
+    fn commit(&mut self, out: &Path) -> Result<(), StoreError> {
+        if out.exists() {
+            // --force: move the old store aside first so the rename below cannot fail
+            // half-way.
+            let old = self
+                .parent
+                .join(format!(".{}.old", self.name.to_string_lossy()));
+            let _ = std::fs::remove_dir_all(&old);
+            std::fs::rename(out, &old).map_err(|e| StoreError::io("move aside", out, e))?;
+            std::fs::rename(&self.path, out)
+                .map_err(|e| StoreError::io("rename into place", out, e))?;
+            let _ = std::fs::remove_dir_all(&old);
+        } else {
+            std::fs::rename(&self.path, out)
+                .map_err(|e| StoreError::io("rename into place", out, e))?;
+        }
+        self.done = true;
+        fsync_dir(&self.parent)
+    }
 }
 
 impl Drop for PartialDir {
@@ -124,49 +189,16 @@ pub fn pack(
     opts: &PackOptions,
     mut on_progress: impl FnMut(u64),
 ) -> Result<PackReport, StoreError> {
-    if opts.frame_size < FRAME_SIZE_MIN
-        || !opts.frame_size.is_multiple_of(TENSOR_ALIGN as u32)
-        || opts.frame_size > super::format::FRAME_RAW_BYTES_MAX
-    {
-        return Err(StoreError::invalid(
-            out,
-            format!(
-                "frame size {} must be a multiple of {TENSOR_ALIGN} between {FRAME_SIZE_MIN} and {}",
-                opts.frame_size,
-                super::format::FRAME_RAW_BYTES_MAX
-            ),
-        ));
-    }
-    let name = out
-        .file_name()
-        .ok_or_else(|| StoreError::invalid(out, "output path has no directory name"))?;
-    let parent = match out.parent() {
-        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
-        _ => PathBuf::from("."),
-    };
-    if out.exists() && !opts.force {
-        return Err(StoreError::invalid(
-            out,
-            "already exists; pass --force to replace it",
-        ));
-    }
-    std::fs::create_dir_all(&parent).map_err(|e| StoreError::io("create directory", &parent, e))?;
-    let partial = parent.join(format!(".{}.partial", name.to_string_lossy()));
-    if partial.exists() {
-        std::fs::remove_dir_all(&partial)
-            .map_err(|e| StoreError::io("remove stale partial store", &partial, e))?;
-    }
-    std::fs::create_dir(&partial).map_err(|e| StoreError::io("create directory", &partial, e))?;
-    let mut guard = PartialDir {
-        path: partial.clone(),
-        done: false,
-    };
-
-    let weights_path = partial.join(WEIGHTS_FILE);
+    check_frame_size(out, opts.frame_size)?;
+    let mut partial = PartialDir::create(out, opts.force)?;
+    let weights_path = partial.path.join(WEIGHTS_FILE);
     let weights =
         File::create(&weights_path).map_err(|e| StoreError::io("create", &weights_path, e))?;
-    let mut w = std::io::BufWriter::with_capacity(8 << 20, weights);
-    let mut file_at = 0u64;
+    let mut w = WeightsWriter {
+        out: std::io::BufWriter::with_capacity(8 << 20, weights),
+        path: weights_path,
+        at: 0,
+    };
     let mut layer_units = Vec::with_capacity(units.len());
     let mut blob: Vec<u8> = Vec::new();
     let mut report = PackReport {
@@ -181,129 +213,32 @@ pub fn pack(
         .map_err(|e| StoreError::io("create encoder for", out, e))?;
 
     for spec in units {
-        // Lay out tensors at aligned offsets and fill the decompressed blob.
-        let mut tensors = Vec::with_capacity(spec.tensors.len());
-        let mut raw_at = 0u64;
-        for name in &spec.tensors {
-            let t = model.tensor(name).ok_or_else(|| {
-                StoreError::invalid(
-                    out,
-                    format!(
-                        "{}: the source has no tensor {name:?} (a bug in the unit spec)",
-                        spec.kind
-                    ),
-                )
-            })?;
-            raw_at = align_up(raw_at, TENSOR_ALIGN);
-            tensors.push(TensorEntry {
-                name: name.clone(),
-                dtype: t.dtype,
-                shape: t.shape,
-                offset: raw_at,
-                len: t.len,
-            });
-            raw_at += t.len;
-        }
-        let raw_len = align_up(raw_at, TENSOR_ALIGN);
+        let (tensors, raw_len) = lay_out(model, spec, out)?;
         blob.clear();
         blob.resize(raw_len as usize, 0);
         for (entry, name) in tensors.iter().zip(&spec.tensors) {
             let dst = &mut blob[entry.offset as usize..(entry.offset + entry.len) as usize];
             model.copy_tensor(name, dst);
         }
-
-        // Frames: each tensor's region (its bytes and the padding after them) in
-        // frame_size pieces, so a frame holds one dtype and the byte split applies.
-        let mut pieces: Vec<(u64, u64, usize)> = Vec::new(); // (raw offset, len, split width)
-        for (i, t) in tensors.iter().enumerate() {
-            let end = tensors.get(i + 1).map_or(raw_len, |n| n.offset);
-            let mut at = t.offset;
-            while at < end {
-                let len = (end - at).min(opts.frame_size as u64);
-                pieces.push((at, len, t.dtype.split_width()));
-                at += len;
-            }
-        }
-        // Compress the frames in parallel; each result keeps its index.
-        let next = AtomicUsize::new(0);
-        let results: Mutex<Vec<Option<EncodedFrame>>> = Mutex::new(vec![None; pieces.len()]);
-        let failure: Mutex<Option<std::io::Error>> = Mutex::new(None);
-        std::thread::scope(|s| {
-            for enc in encoders.iter_mut() {
-                let (pieces, blob, next, results, failure) =
-                    (&pieces, &blob, &next, &results, &failure);
-                s.spawn(move || loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed);
-                    let Some(&(at, len, width)) = pieces.get(i) else {
-                        break;
-                    };
-                    let raw = &blob[at as usize..(at + len) as usize];
-                    match enc.encode(raw, width) {
-                        Ok(e) => {
-                            let r = (
-                                e.codec,
-                                e.planes,
-                                e.bytes.to_vec(),
-                                xxhash_rust::xxh3::xxh3_64(raw),
-                            );
-                            results.lock().expect("no panics while held")[i] = Some(r);
-                        }
-                        Err(e) => {
-                            *failure.lock().expect("no panics while held") = Some(e);
-                            break;
-                        }
-                    }
-                });
-            }
-        });
-        if let Some(e) = failure.into_inner().expect("threads joined") {
-            return Err(StoreError::io("compress frames for", out, e));
-        }
-
-        let unit_offset = file_at;
-        let mut frames = Vec::with_capacity(pieces.len());
-        for (&(at, len, _), r) in pieces
-            .iter()
-            .zip(results.into_inner().expect("threads joined"))
-        {
-            let (codec, planes, bytes, checksum) = r.expect("every frame encoded when no failure");
-            w.write_all(&bytes)
-                .map_err(|e| StoreError::io("write", &weights_path, e))?;
-            frames.push(Frame {
-                file_offset: file_at,
-                raw_offset: at,
-                raw_len: len as u32,
-                checksum,
-                codec,
-                planes,
-            });
-            file_at += bytes.len() as u64;
-        }
-        let stored_len = file_at - unit_offset;
-        let padded = align_up(file_at, BLOB_ALIGN);
-        w.write_all(&vec![0u8; (padded - file_at) as usize])
-            .map_err(|e| StoreError::io("write", &weights_path, e))?;
-        file_at = padded;
+        let pieces = frame_pieces(&tensors, raw_len, opts.frame_size);
+        let encoded = compress(&mut encoders, &pieces, &blob)
+            .map_err(|e| StoreError::io("compress frames for", out, e))?;
+        let unit = w.write_unit(spec.kind, &pieces, encoded, raw_len, tensors)?;
         report.units += 1;
-        report.frames += frames.len();
+        report.frames += unit.frames.len();
         report.raw_bytes += raw_len;
-        report.stored_bytes += stored_len;
-        layer_units.push(LayerUnit {
-            kind: spec.kind,
-            file_offset: unit_offset,
-            stored_len,
-            raw_len,
-            frames,
-            tensors,
-        });
+        report.stored_bytes += unit.stored_len;
+        layer_units.push(unit);
         on_progress(raw_len);
     }
+    let file_at = w.at;
     let weights = w
+        .out
         .into_inner()
-        .map_err(|e| StoreError::io("write", &weights_path, e.into_error()))?;
+        .map_err(|e| StoreError::io("write", &w.path, e.into_error()))?;
     weights
         .sync_all()
-        .map_err(|e| StoreError::io("fsync", &weights_path, e))?;
+        .map_err(|e| StoreError::io("fsync", &w.path, e))?;
     drop(weights);
 
     let header = model.header();
@@ -318,35 +253,201 @@ pub fn pack(
         frame_size: opts.frame_size,
         source: header.source,
     };
+    write_manifest(&partial.path, &manifest)?;
+    partial.commit(out)?;
+    Ok(report)
+}
+
+fn check_frame_size(out: &Path, frame_size: u32) -> Result<(), StoreError> {
+    if frame_size < FRAME_SIZE_MIN
+        || !frame_size.is_multiple_of(TENSOR_ALIGN as u32)
+        || frame_size > super::format::FRAME_RAW_BYTES_MAX
+    {
+        return Err(StoreError::invalid(
+            out,
+            format!(
+                "frame size {frame_size} must be a multiple of {TENSOR_ALIGN} between {FRAME_SIZE_MIN} and {}",
+                super::format::FRAME_RAW_BYTES_MAX
+            ),
+        ));
+    }
+    Ok(())
+}
+
+/// A unit's tensors at aligned offsets in its decompressed blob, and the blob's length.
+fn lay_out(
+    model: &impl PackSource,
+    spec: &UnitSpec,
+    out: &Path,
+) -> Result<(Vec<TensorEntry>, u64), StoreError> {
+    let mut tensors = Vec::with_capacity(spec.tensors.len());
+    let mut raw_at = 0u64;
+    for name in &spec.tensors {
+        let t = model.tensor(name).ok_or_else(|| {
+            StoreError::invalid(
+                out,
+                format!(
+                    "{}: the source has no tensor {name:?} (a bug in the unit spec)",
+                    spec.kind
+                ),
+            )
+        })?;
+        raw_at = align_up(raw_at, TENSOR_ALIGN);
+        tensors.push(TensorEntry {
+            name: name.clone(),
+            dtype: t.dtype,
+            shape: t.shape,
+            offset: raw_at,
+            len: t.len,
+        });
+        raw_at += t.len;
+    }
+    Ok((tensors, align_up(raw_at, TENSOR_ALIGN)))
+}
+
+/// One frame's place in the blob.
+struct Piece {
+    raw_offset: u64,
+    len: u64,
+    /// Byte-split width of its dtype.
+    split_width: usize,
+}
+
+/// Each tensor's region (its bytes and the padding after them) in `frame_size` pieces,
+/// so a frame holds one dtype and the byte split applies.
+fn frame_pieces(tensors: &[TensorEntry], raw_len: u64, frame_size: u32) -> Vec<Piece> {
+    let mut pieces = Vec::new();
+    for (i, t) in tensors.iter().enumerate() {
+        let end = tensors.get(i + 1).map_or(raw_len, |n| n.offset);
+        let mut at = t.offset;
+        while at < end {
+            let len = (end - at).min(frame_size as u64);
+            pieces.push(Piece {
+                raw_offset: at,
+                len,
+                split_width: t.dtype.split_width(),
+            });
+            at += len;
+        }
+    }
+    pieces
+}
+
+/// Compresses the pieces of `blob` in parallel, one encoder per thread; each result keeps
+/// its index.
+fn compress(
+    encoders: &mut [FrameEncoder],
+    pieces: &[Piece],
+    blob: &[u8],
+) -> std::io::Result<Vec<EncodedFrame>> {
+    let next = AtomicUsize::new(0);
+    let results: Mutex<Vec<Option<EncodedFrame>>> = Mutex::new(vec![None; pieces.len()]);
+    let failure: Mutex<Option<std::io::Error>> = Mutex::new(None);
+    std::thread::scope(|s| {
+        for enc in encoders.iter_mut() {
+            let (next, results, failure) = (&next, &results, &failure);
+            s.spawn(move || loop {
+                let i = next.fetch_add(1, Ordering::Relaxed);
+                let Some(p) = pieces.get(i) else {
+                    break;
+                };
+                let raw = &blob[p.raw_offset as usize..(p.raw_offset + p.len) as usize];
+                match enc.encode(raw, p.split_width) {
+                    Ok(e) => {
+                        let r = EncodedFrame {
+                            codec: e.codec,
+                            planes: e.planes,
+                            bytes: e.bytes.to_vec(),
+                            checksum: xxhash_rust::xxh3::xxh3_64(raw),
+                        };
+                        results.lock().expect("no panics while held")[i] = Some(r);
+                    }
+                    Err(e) => {
+                        *failure.lock().expect("no panics while held") = Some(e);
+                        break;
+                    }
+                }
+            });
+        }
+    });
+    if let Some(e) = failure.into_inner().expect("threads joined") {
+        return Err(e);
+    }
+    Ok(results
+        .into_inner()
+        .expect("threads joined")
+        .into_iter()
+        .map(|r| r.expect("every frame encoded when no failure"))
+        .collect())
+}
+
+/// weights.bin as it is written: blobs back to back, each padded to `BLOB_ALIGN`.
+struct WeightsWriter {
+    out: std::io::BufWriter<File>,
+    path: PathBuf,
+    /// Bytes written so far (the next blob's offset).
+    at: u64,
+}
+
+impl WeightsWriter {
+    fn write_unit(
+        &mut self,
+        kind: UnitKind,
+        pieces: &[Piece],
+        encoded: Vec<EncodedFrame>,
+        raw_len: u64,
+        tensors: Vec<TensorEntry>,
+    ) -> Result<LayerUnit, StoreError> {
+        let unit_offset = self.at;
+        let mut frames = Vec::with_capacity(pieces.len());
+        for (p, e) in pieces.iter().zip(encoded) {
+            self.out
+                .write_all(&e.bytes)
+                .map_err(|err| StoreError::io("write", &self.path, err))?;
+            frames.push(Frame {
+                file_offset: self.at,
+                raw_offset: p.raw_offset,
+                raw_len: p.len as u32,
+                checksum: e.checksum,
+                codec: e.codec,
+                planes: e.planes,
+            });
+            self.at += e.bytes.len() as u64;
+        }
+        let stored_len = self.at - unit_offset;
+        let padded = align_up(self.at, BLOB_ALIGN);
+        self.out
+            .write_all(&vec![0u8; (padded - self.at) as usize])
+            .map_err(|e| StoreError::io("write", &self.path, e))?;
+        self.at = padded;
+        Ok(LayerUnit {
+            kind,
+            file_offset: unit_offset,
+            stored_len,
+            raw_len,
+            frames,
+            tensors,
+        })
+    }
+}
+
+/// Checks the manifest as every reader will, then writes and fsyncs it and its directory.
+fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), StoreError> {
     // Assert in pairs: what we wrote must pass the checks every reader applies.
     manifest.validate().map_err(|e| {
         StoreError::invalid(
-            &partial,
+            dir,
             format!("packer produced an invalid manifest (a bug): {e}"),
         )
     })?;
     let bytes = manifest
         .encode()
-        .map_err(|e| StoreError::invalid(&partial, format!("encode manifest: {e}")))?;
-    let manifest_path = partial.join(MANIFEST_FILE);
+        .map_err(|e| StoreError::invalid(dir, format!("encode manifest: {e}")))?;
+    let manifest_path = dir.join(MANIFEST_FILE);
     let mut mf =
         File::create(&manifest_path).map_err(|e| StoreError::io("create", &manifest_path, e))?;
     mf.write_all(&bytes)
         .and_then(|_| mf.sync_all())
         .map_err(|e| StoreError::io("write", &manifest_path, e))?;
-    fsync_dir(&partial)?;
-
-    if out.exists() {
-        // --force: move the old store aside first so the rename below cannot fail half-way.
-        let old = parent.join(format!(".{}.old", name.to_string_lossy()));
-        let _ = std::fs::remove_dir_all(&old);
-        std::fs::rename(out, &old).map_err(|e| StoreError::io("move aside", out, e))?;
-        std::fs::rename(&partial, out).map_err(|e| StoreError::io("rename into place", out, e))?;
-        let _ = std::fs::remove_dir_all(&old);
-    } else {
-        std::fs::rename(&partial, out).map_err(|e| StoreError::io("rename into place", out, e))?;
-    }
-    guard.done = true;
-    fsync_dir(&parent)?;
-    Ok(report)
+    fsync_dir(dir)
 }

@@ -231,98 +231,143 @@ mod avx2 {
     use super::*;
     use std::arch::x86_64::*;
 
+    /// # Safety
+    /// The CPU supports F16C. (`b[at..at + 2]` is bounds-checked.)
     #[inline(always)]
     unsafe fn f16_scalar(b: &[u8], at: usize) -> f32 {
-        _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
-            u16::from_le_bytes([b[at], b[at + 1]]) as i32,
-        )))
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
+                u16::from_le_bytes([b[at], b[at + 1]]) as i32,
+            )))
+        }
     }
 
+    /// # Safety
+    /// The CPU supports AVX.
     #[inline(always)]
     unsafe fn hsum256(v: __m256) -> f32 {
-        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-        let s = _mm_add_ss(s, _mm_movehdup_ps(s));
-        _mm_cvtss_f32(s)
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+            let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+            let s = _mm_add_ss(s, _mm_movehdup_ps(s));
+            _mm_cvtss_f32(s)
+        }
     }
 
     /// The 32 products of one unpacked block (four vectors of eight weights) with x, in the
     /// one order every kernel uses, so one-row and four-row results agree bit for bit.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2 and FMA; `xb` points at 32 readable f32.
     #[inline(always)]
     unsafe fn dot32(w: &[__m256; 4], xb: *const f32) -> __m256 {
-        let mut s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
-        s = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb.add(8)), s);
-        s = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb.add(16)), s);
-        _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb.add(24)), s)
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let mut s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
+            s = _mm256_fmadd_ps(w[1], _mm256_loadu_ps(xb.add(8)), s);
+            s = _mm256_fmadd_ps(w[2], _mm256_loadu_ps(xb.add(16)), s);
+            _mm256_fmadd_ps(w[3], _mm256_loadu_ps(xb.add(24)), s)
+        }
     }
 
     /// The 32 nibbles of a q4 block (16 bytes at `q`) as four vectors of f32: elements
     /// 0..8, 8..16 (low nibbles), 16..24, 24..32 (high nibbles).
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `q` points at 16 readable bytes.
     #[inline(always)]
     unsafe fn unpack_q4(q: *const u8) -> [__m256; 4] {
-        let m4 = _mm_set1_epi8(0x0F);
-        let v = _mm_loadu_si128(q as *const __m128i);
-        let lo = _mm_and_si128(v, m4);
-        let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-        let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
-        [
-            f(lo),
-            f(_mm_srli_si128(lo, 8)),
-            f(hi),
-            f(_mm_srli_si128(hi, 8)),
-        ]
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let m4 = _mm_set1_epi8(0x0F);
+            let v = _mm_loadu_si128(q as *const __m128i);
+            let lo = _mm_and_si128(v, m4);
+            let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
+            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+            [
+                f(lo),
+                f(_mm_srli_si128(lo, 8)),
+                f(hi),
+                f(_mm_srli_si128(hi, 8)),
+            ]
+        }
     }
 
     /// The 32 signed bytes of a q8_0 block (at `q`) as four vectors of f32.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2; `q` points at 32 readable bytes.
     #[inline(always)]
     unsafe fn unpack_q8(q: *const u8) -> [__m256; 4] {
-        let q0 = _mm_loadu_si128(q as *const __m128i);
-        let q1 = _mm_loadu_si128(q.add(16) as *const __m128i);
-        let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-        [
-            f(q0),
-            f(_mm_srli_si128(q0, 8)),
-            f(q1),
-            f(_mm_srli_si128(q1, 8)),
-        ]
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let q0 = _mm_loadu_si128(q as *const __m128i);
+            let q1 = _mm_loadu_si128(q.add(16) as *const __m128i);
+            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+            [
+                f(q0),
+                f(_mm_srli_si128(q0, 8)),
+                f(q1),
+                f(_mm_srli_si128(q1, 8)),
+            ]
+        }
     }
 
     /// One activation row; per row the arithmetic is exactly `dot4_q4`'s, so a sequence's
     /// results do not depend on how many others share its batch.
+    ///
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C; `x.len()` is a multiple of 32, `w` holds
+    /// `x.len() / 32` blocks of `bb` bytes with the 16 quant bytes at `qo`, and `xsum` one
+    /// sum per block.
     // The block index addresses raw pointers into w and x and the sums in lockstep.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)]
     unsafe fn dot_q4(w: &[u8], x: &[f32], xsum: &[f32], bb: usize, qo: usize, q4_0: bool) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        let mut moff = 0f32;
-        let (wp, xp) = (w.as_ptr(), x.as_ptr());
-        for b in 0..x.len() / 32 {
-            let d = f16_scalar(w, b * bb);
-            let off = if q4_0 {
-                -8.0 * d
-            } else {
-                f16_scalar(w, b * bb + 2)
-            };
-            let s = dot32(&unpack_q4(wp.add(b * bb + qo)), xp.add(b * 32));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
-            moff = off.mul_add(xsum[b], moff);
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let mut acc = _mm256_setzero_ps();
+            let mut moff = 0f32;
+            let (wp, xp) = (w.as_ptr(), x.as_ptr());
+            for b in 0..x.len() / 32 {
+                let d = f16_scalar(w, b * bb);
+                let off = if q4_0 {
+                    -8.0 * d
+                } else {
+                    f16_scalar(w, b * bb + 2)
+                };
+                let s = dot32(&unpack_q4(wp.add(b * bb + qo)), xp.add(b * 32));
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
+                moff = off.mul_add(xsum[b], moff);
+            }
+            hsum256(acc) + moff
         }
-        hsum256(acc) + moff
     }
 
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C; `x.len()` is a multiple of 32 and `w` holds
+    /// `x.len() / 32` q8_0 blocks of 34 bytes.
     #[inline(always)]
     unsafe fn dot_q8_0(w: &[u8], x: &[f32]) -> f32 {
-        let mut acc = _mm256_setzero_ps();
-        let (wp, xp) = (w.as_ptr(), x.as_ptr());
-        for b in 0..x.len() / 32 {
-            let s = dot32(&unpack_q8(wp.add(b * 34 + 2)), xp.add(b * 32));
-            acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_scalar(w, b * 34)), s, acc);
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let mut acc = _mm256_setzero_ps();
+            let (wp, xp) = (w.as_ptr(), x.as_ptr());
+            for b in 0..x.len() / 32 {
+                let s = dot32(&unpack_q8(wp.add(b * 34 + 2)), xp.add(b * 32));
+                acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_scalar(w, b * 34)), s, acc);
+            }
+            hsum256(acc)
         }
-        hsum256(acc)
     }
 
     /// Up to four activation rows against one weight row: the block is unpacked once and
     /// used for every row. `xsum[r]` holds row r's per-block sums (for the offset term).
+    ///
+    /// # Safety
+    /// As `dot_q4`, for each of the four rows (all of one length).
     #[inline(always)]
     // As in dot_q4: one index for weights, activations and sums.
     #[allow(clippy::needless_range_loop)]
@@ -334,40 +379,50 @@ mod avx2 {
         qo: usize,
         q4_0: bool,
     ) -> [f32; 4] {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let mut moff = [0f32; 4];
-        let wp = w.as_ptr();
-        for b in 0..xs[0].len() / 32 {
-            let d = f16_scalar(w, b * bb);
-            let off = if q4_0 {
-                -8.0 * d
-            } else {
-                f16_scalar(w, b * bb + 2)
-            };
-            let wv = unpack_q4(wp.add(b * bb + qo));
-            let dv = _mm256_set1_ps(d);
-            for r in 0..4 {
-                acc[r] = _mm256_fmadd_ps(dv, dot32(&wv, xs[r].as_ptr().add(b * 32)), acc[r]);
-                moff[r] = off.mul_add(xsum[r][b], moff[r]);
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let mut moff = [0f32; 4];
+            let wp = w.as_ptr();
+            for b in 0..xs[0].len() / 32 {
+                let d = f16_scalar(w, b * bb);
+                let off = if q4_0 {
+                    -8.0 * d
+                } else {
+                    f16_scalar(w, b * bb + 2)
+                };
+                let wv = unpack_q4(wp.add(b * bb + qo));
+                let dv = _mm256_set1_ps(d);
+                for r in 0..4 {
+                    acc[r] = _mm256_fmadd_ps(dv, dot32(&wv, xs[r].as_ptr().add(b * 32)), acc[r]);
+                    moff[r] = off.mul_add(xsum[r][b], moff[r]);
+                }
             }
+            std::array::from_fn(|r| hsum256(acc[r]) + moff[r])
         }
-        std::array::from_fn(|r| hsum256(acc[r]) + moff[r])
     }
 
+    /// # Safety
+    /// As `dot_q8_0`, for each of the four rows (all of one length).
     #[inline(always)]
     unsafe fn dot4_q8_0(w: &[u8], xs: &[&[f32]; 4]) -> [f32; 4] {
-        let mut acc = [_mm256_setzero_ps(); 4];
-        let wp = w.as_ptr();
-        for b in 0..xs[0].len() / 32 {
-            let wv = unpack_q8(wp.add(b * 34 + 2));
-            let dv = _mm256_set1_ps(f16_scalar(w, b * 34));
-            for (a, x) in acc.iter_mut().zip(xs) {
-                *a = _mm256_fmadd_ps(dv, dot32(&wv, x.as_ptr().add(b * 32)), *a);
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            let wp = w.as_ptr();
+            for b in 0..xs[0].len() / 32 {
+                let wv = unpack_q8(wp.add(b * 34 + 2));
+                let dv = _mm256_set1_ps(f16_scalar(w, b * 34));
+                for (a, x) in acc.iter_mut().zip(xs) {
+                    *a = _mm256_fmadd_ps(dv, dot32(&wv, x.as_ptr().add(b * 32)), *a);
+                }
             }
+            std::array::from_fn(|r| hsum256(acc[r]))
         }
-        std::array::from_fn(|r| hsum256(acc[r]))
     }
 
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C. Rows are whole blocks (validated shapes).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn gemv4(
         dtype: DType,
@@ -377,23 +432,28 @@ mod avx2 {
         xsum: &[&[f32]; 4],
         out: &mut [[f32; 4]],
     ) {
-        match dtype {
-            DType::Q4_0 => out
-                .iter_mut()
-                .zip(w.chunks_exact(row_bytes))
-                .for_each(|(o, r)| *o = dot4_q4(r, xs, xsum, 18, 2, true)),
-            DType::Q4_1 => out
-                .iter_mut()
-                .zip(w.chunks_exact(row_bytes))
-                .for_each(|(o, r)| *o = dot4_q4(r, xs, xsum, 20, 4, false)),
-            DType::Q8_0 => out
-                .iter_mut()
-                .zip(w.chunks_exact(row_bytes))
-                .for_each(|(o, r)| *o = dot4_q8_0(r, xs)),
-            _ => unreachable!("gemv4 is for block formats"),
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            match dtype {
+                DType::Q4_0 => out
+                    .iter_mut()
+                    .zip(w.chunks_exact(row_bytes))
+                    .for_each(|(o, r)| *o = dot4_q4(r, xs, xsum, 18, 2, true)),
+                DType::Q4_1 => out
+                    .iter_mut()
+                    .zip(w.chunks_exact(row_bytes))
+                    .for_each(|(o, r)| *o = dot4_q4(r, xs, xsum, 20, 4, false)),
+                DType::Q8_0 => out
+                    .iter_mut()
+                    .zip(w.chunks_exact(row_bytes))
+                    .for_each(|(o, r)| *o = dot4_q8_0(r, xs)),
+                _ => unreachable!("gemv4 is for block formats"),
+            }
         }
     }
 
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C. Rows are whole blocks (validated shapes).
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn gemv(
         dtype: DType,
@@ -403,25 +463,30 @@ mod avx2 {
         xsum: &[f32],
         out: &mut [f32],
     ) {
-        // The block kernels read whole blocks: rows are whole blocks (validated shapes).
-        debug_assert!(!dtype.is_quantized() || x.len().is_multiple_of(32));
-        match dtype {
-            DType::Q4_0 => out
-                .iter_mut()
-                .zip(w.chunks_exact(row_bytes))
-                .for_each(|(o, r)| *o = dot_q4(r, x, xsum, 18, 2, true)),
-            DType::Q4_1 => out
-                .iter_mut()
-                .zip(w.chunks_exact(row_bytes))
-                .for_each(|(o, r)| *o = dot_q4(r, x, xsum, 20, 4, false)),
-            DType::Q8_0 => out
-                .iter_mut()
-                .zip(w.chunks_exact(row_bytes))
-                .for_each(|(o, r)| *o = dot_q8_0(r, x)),
-            _ => gemv_impl::<true>(dtype, w, row_bytes, x, out),
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            // The block kernels read whole blocks: rows are whole blocks (validated shapes).
+            debug_assert!(!dtype.is_quantized() || x.len().is_multiple_of(32));
+            match dtype {
+                DType::Q4_0 => out
+                    .iter_mut()
+                    .zip(w.chunks_exact(row_bytes))
+                    .for_each(|(o, r)| *o = dot_q4(r, x, xsum, 18, 2, true)),
+                DType::Q4_1 => out
+                    .iter_mut()
+                    .zip(w.chunks_exact(row_bytes))
+                    .for_each(|(o, r)| *o = dot_q4(r, x, xsum, 20, 4, false)),
+                DType::Q8_0 => out
+                    .iter_mut()
+                    .zip(w.chunks_exact(row_bytes))
+                    .for_each(|(o, r)| *o = dot_q8_0(r, x)),
+                _ => gemv_impl::<true>(dtype, w, row_bytes, x, out),
+            }
         }
     }
 
+    /// # Safety
+    /// The CPU supports AVX2, FMA and F16C.
     #[target_feature(enable = "avx2,fma,f16c")]
     pub(super) unsafe fn dequant_rows(
         dtype: DType,
@@ -449,9 +514,12 @@ pub fn gemv(dtype: DType, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]
     debug_assert_eq!(w.len(), row_bytes * out.len());
     #[cfg(target_arch = "x86_64")]
     if has_avx2() {
-        // SAFETY: the CPU supports avx2, fma and f16c (checked above).
-        let xsum = block_sums(x);
-        return unsafe { avx2::gemv(dtype, w, row_bytes, x, &xsum, out) };
+        return XSUM.with(|xsum| {
+            let mut xsum = xsum.borrow_mut();
+            block_sums_into(x, &mut xsum);
+            // SAFETY: the CPU supports avx2, fma and f16c (checked above).
+            unsafe { avx2::gemv(dtype, w, row_bytes, x, &xsum, out) }
+        });
     }
     gemv_impl::<false>(dtype, w, row_bytes, x, out)
 }
@@ -459,7 +527,20 @@ pub fn gemv(dtype: DType, w: &[u8], row_bytes: usize, x: &[f32], out: &mut [f32]
 /// Sums of each 32-element block of `x`, added in order (the q4 offset terms use them; the
 /// one- and four-row kernels must agree on them bit for bit).
 pub fn block_sums(x: &[f32]) -> Vec<f32> {
-    x.chunks_exact(32).map(|c| c.iter().sum()).collect()
+    let mut out = Vec::new();
+    block_sums_into(x, &mut out);
+    out
+}
+
+/// `block_sums` into a reused vector.
+pub fn block_sums_into(x: &[f32], out: &mut Vec<f32>) {
+    out.clear();
+    out.extend(x.chunks_exact(32).map(|c| c.iter().sum::<f32>()));
+}
+
+thread_local! {
+    /// The block sums of one GEMV's activation row.
+    static XSUM: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
 /// Whether `gemv4` has a fast kernel for this dtype on this CPU.
@@ -508,7 +589,7 @@ pub fn dequant_rows(dtype: DType, w: &[u8], row_bytes: usize, cols: usize, out: 
 mod tests {
     use super::*;
 
-    /// Naive f64 references on random inputs, per dtype (STYLE.md 10).
+    /// Naive f64 references on random inputs, per dtype.
     fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
         (0..n)

@@ -10,7 +10,8 @@ use crate::dtype::DType;
 use crate::hostbuf::{AlignedBuf, IO_ALIGN};
 use rayon::prelude::*;
 use std::cell::RefCell;
-use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
 
 /// Weight rows per sgemm tile.
 const TILE_ROWS: usize = 32;
@@ -48,6 +49,45 @@ impl CpuMem {
 pub struct CpuBackend {
     budget: Arc<MemBudget>,
     pool: rayon::ThreadPool,
+    threads: usize,
+    /// Buffers the ops reuse on the calling thread (nothing is allocated per step).
+    scratch: Mutex<Scratch>,
+    /// Ops handed to the pool from outside it (each one job in rayon's injector queue).
+    submissions: AtomicU64,
+}
+
+#[derive(Default)]
+struct Scratch {
+    /// Per-block sums of the decode rows (q4 offset terms).
+    xsums: Vec<f32>,
+    /// (span, head) pairs of an attention op.
+    tasks: Vec<(usize, usize)>,
+    /// A norm weight or bias converted to f32.
+    weights: Vec<f32>,
+}
+
+/// How an op's independent tasks run: on the pool, or in order on the calling thread
+/// when the backend has one thread (no hand-off, so nothing is queued or allocated).
+struct Par {
+    sequential: bool,
+}
+
+impl Par {
+    fn for_each(&self, n: usize, f: impl Fn(usize) + Sync + Send) {
+        if self.sequential {
+            (0..n).for_each(f);
+        } else {
+            (0..n).into_par_iter().for_each(f);
+        }
+    }
+
+    fn for_each_in<T: Sync>(&self, items: &[T], f: impl Fn(&T) + Sync + Send) {
+        if self.sequential {
+            items.iter().for_each(f);
+        } else {
+            items.par_iter().for_each(f);
+        }
+    }
 }
 
 impl CpuBackend {
@@ -58,14 +98,41 @@ impl CpuBackend {
             .thread_name(|i| format!("sluice-cpu-{i}"))
             .build()
             .map_err(|e| BackendError::Invalid(format!("compute threads: {e}")))?;
+        let threads = pool.current_num_threads();
         Ok(CpuBackend {
             budget: Arc::new(MemBudget::new(budget_bytes)),
             pool,
+            threads,
+            scratch: Mutex::new(Scratch::default()),
+            submissions: AtomicU64::new(0),
         })
     }
 
     pub fn threads(&self) -> usize {
-        self.pool.current_num_threads()
+        self.threads
+    }
+
+    /// Ops handed to the thread pool so far. Each is one job in rayon's injector queue,
+    /// which allocates one block per 63 jobs: the one allocation the hot path makes with
+    /// more than one thread, amortized (tests/tests/alloc.rs counts against this).
+    pub fn pool_submissions(&self) -> u64 {
+        self.submissions.load(Ordering::Relaxed)
+    }
+
+    /// Runs an op's body with its tasks on the pool (one hand-off for the whole op), or on
+    /// this thread when there is one compute thread.
+    fn run<R: Send>(&self, body: impl FnOnce(&Par) -> R + Send) -> R {
+        if self.threads == 1 {
+            body(&Par { sequential: true })
+        } else {
+            self.submissions.fetch_add(1, Ordering::Relaxed);
+            self.pool.install(|| body(&Par { sequential: false }))
+        }
+    }
+
+    fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
+        // A panicked op leaves only stale scratch contents behind.
+        self.scratch.lock().unwrap_or_else(|e| e.into_inner())
     }
 }
 
@@ -96,6 +163,8 @@ unsafe impl Sync for SharedPtr {}
 thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// A four-row GEMV task's results.
+    static RES4: RefCell<Vec<[f32; 4]>> = const { RefCell::new(Vec::new()) };
 }
 
 impl Backend for CpuBackend {
@@ -175,8 +244,8 @@ impl Backend for CpuBackend {
         out: &mut CpuMem,
     ) {
         let cols = w.cols * w.rows;
-        let mut scratch = Vec::new();
-        let wv = f32_vector(&w, &mut scratch);
+        let mut scratch = self.scratch();
+        let wv = f32_vector(&w, &mut scratch.weights);
         let xs = &x.f32s()[..rows * cols];
         let os = &mut out.f32s_mut()[..rows * cols];
         for (xr, or) in xs.chunks_exact(cols).zip(os.chunks_exact_mut(cols)) {
@@ -208,9 +277,11 @@ impl Backend for CpuBackend {
         let wb = weight_bytes(&w);
         let xs = &x.f32s()[..rows * k];
         let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
-        let threads = self.pool.current_num_threads();
+        let threads = self.threads;
         assert!(gemv_rows <= rows);
-        self.pool.install(|| {
+        let mut scratch = self.scratch();
+        let xsums = &mut scratch.xsums;
+        self.run(|par| {
             // Single-token rows (decode) run through the dot-product kernels, whose result for
             // a row does not depend on the other rows; the rest (prefill chunks) through
             // dequantized tiles and sgemm, also row by row independent. So a sequence's
@@ -218,49 +289,57 @@ impl Backend for CpuBackend {
             let g = gemv_rows;
             if g > 0 && kernels::has_gemv4(w.dtype) {
                 let nb = k / 32;
-                let xsums = kernels::block_sums(&xs[..g * k]);
+                kernels::block_sums_into(&xs[..g * k], xsums);
+                let xsums = &*xsums;
                 let chunk = m.div_ceil(threads * 4).max(16);
-                (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
+                par.for_each(m.div_ceil(chunk), |c| {
                     let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
-                    let mut res = vec![[0f32; 4]; j1 - j0];
-                    for r0 in (0..g).step_by(4) {
-                        if g - r0 == 1 {
-                            let p = optr;
-                            // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
-                            let o = unsafe {
-                                std::slice::from_raw_parts_mut(p.0.add(r0 * m + j0), j1 - j0)
-                            };
-                            kernels::gemv(
-                                w.dtype,
-                                &wb[j0 * rb..j1 * rb],
-                                rb,
-                                &xs[r0 * k..(r0 + 1) * k],
-                                o,
-                            );
-                            continue;
-                        }
-                        // Pad a short group by repeating its last row (results dropped).
-                        let pick = |i: usize| (r0 + i).min(g - 1);
-                        let xr: [&[f32]; 4] =
-                            std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
-                        let xsr: [&[f32]; 4] =
-                            std::array::from_fn(|i| &xsums[pick(i) * nb..(pick(i) + 1) * nb]);
-                        kernels::gemv4(w.dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, &mut res);
-                        for i in 0..(g - r0).min(4) {
-                            let p = optr;
-                            // SAFETY: as above.
-                            let o = unsafe {
-                                std::slice::from_raw_parts_mut(p.0.add((r0 + i) * m + j0), j1 - j0)
-                            };
-                            for (oj, rj) in o.iter_mut().zip(&res) {
-                                *oj = rj[i];
+                    RES4.with(|res| {
+                        let mut res = res.borrow_mut();
+                        res.clear();
+                        res.resize(j1 - j0, [0f32; 4]);
+                        for r0 in (0..g).step_by(4) {
+                            if g - r0 == 1 {
+                                let p = optr;
+                                // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
+                                let o = unsafe {
+                                    std::slice::from_raw_parts_mut(p.0.add(r0 * m + j0), j1 - j0)
+                                };
+                                kernels::gemv(
+                                    w.dtype,
+                                    &wb[j0 * rb..j1 * rb],
+                                    rb,
+                                    &xs[r0 * k..(r0 + 1) * k],
+                                    o,
+                                );
+                                continue;
+                            }
+                            // Pad a short group by repeating its last row (results dropped).
+                            let pick = |i: usize| (r0 + i).min(g - 1);
+                            let xr: [&[f32]; 4] =
+                                std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
+                            let xsr: [&[f32]; 4] =
+                                std::array::from_fn(|i| &xsums[pick(i) * nb..(pick(i) + 1) * nb]);
+                            kernels::gemv4(w.dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, &mut res);
+                            for i in 0..(g - r0).min(4) {
+                                let p = optr;
+                                // SAFETY: as above.
+                                let o = unsafe {
+                                    std::slice::from_raw_parts_mut(
+                                        p.0.add((r0 + i) * m + j0),
+                                        j1 - j0,
+                                    )
+                                };
+                                for (oj, rj) in o.iter_mut().zip(res.iter()) {
+                                    *oj = rj[i];
+                                }
                             }
                         }
-                    }
+                    });
                 });
             } else if g > 0 {
                 let chunk = m.div_ceil(threads * 4).max(16);
-                (0..m.div_ceil(chunk)).into_par_iter().for_each(|c| {
+                par.for_each(m.div_ceil(chunk), |c| {
                     let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
                     for r in 0..g {
                         let p = optr;
@@ -280,7 +359,7 @@ impl Backend for CpuBackend {
             let t = rows - g;
             if t > 0 {
                 let xt = &xs[g * k..rows * k];
-                (0..m.div_ceil(TILE_ROWS)).into_par_iter().for_each(|ti| {
+                par.for_each(m.div_ceil(TILE_ROWS), |ti| {
                     let (j0, j1) = (ti * TILE_ROWS, ((ti + 1) * TILE_ROWS).min(m));
                     let nb = j1 - j0;
                     TILE.with(|tile| {
@@ -319,8 +398,7 @@ impl Backend for CpuBackend {
             }
         });
         if let Some(b) = bias {
-            let mut scratch = Vec::new();
-            let bv = f32_vector(&b, &mut scratch);
+            let bv = f32_vector(&b, &mut scratch.weights);
             for orow in out.f32s_mut()[..rows * m].chunks_exact_mut(m) {
                 for (o, bb) in orow.iter_mut().zip(bv) {
                     *o += bb;
@@ -404,18 +482,21 @@ impl Backend for CpuBackend {
         let (qs, ks, vs) = (q.f32s(), cache_k.f32s(), cache_v.f32s());
         let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
         let scale = 1.0 / (head_dim as f32).sqrt();
-        let tasks: Vec<(usize, usize)> = spans
-            .iter()
-            .enumerate()
-            .flat_map(|(i, _)| (0..heads).map(move |h| (i, h)))
-            .collect();
-        self.pool.install(|| {
-            tasks.par_iter().for_each(|&(si, h)| {
+        let mut scratch = self.scratch();
+        let tasks = &mut scratch.tasks;
+        tasks.clear();
+        tasks.extend((0..spans.len()).flat_map(|i| (0..heads).map(move |h| (i, h))));
+        let tasks = &*tasks;
+        self.run(|par| {
+            par.for_each_in(tasks, |&(si, h)| {
                 let sp = spans[si];
                 let g = h / group;
                 let slot_base = base + sp.slot * max_context * width_kv;
                 SCORES.with(|sc| {
                     let mut sc = sc.borrow_mut();
+                    // Room for the whole context once, not a doubling as positions grow.
+                    let len = sc.len();
+                    sc.reserve(max_context.saturating_sub(len));
                     for t in 0..sp.n {
                         let p = sp.pos + t; // attends to positions 0..=p
                         let qrow = &qs[(sp.row + t) * width_q + h * head_dim..][..head_dim];

@@ -1,4 +1,4 @@
-//! Every CPU op against a naive f64 reference on seeded random inputs (STYLE.md 10).
+//! Every CPU op against a naive f64 reference on seeded random inputs.
 
 use super::CpuBackend;
 use crate::backend::{AttnShape, AttnStep, Backend, SeqSpan, WeightRef};

@@ -1,4 +1,4 @@
-//! The CUDA backend (DESIGN.md "Backends"): one context on one device, a compute stream
+//! The CUDA backend: one context on one device, a compute stream
 //! and a copy stream, one device allocation carved into every role, the kernels of
 //! kernels/ compiled by NVRTC for the device at start (cached on disk), and cuBLAS for the
 //! prefill rows of dense and dequantized matrices.
@@ -84,7 +84,8 @@ pub struct CudaBackend {
     pub(super) bias: CudaMem,
     pub(super) _blas_ws: CudaMem,
     pub(super) meta: Mutex<Meta>,
-    pub(super) err: Mutex<Option<String>>,
+    /// The first failure of enqueued work: what was being done, and why it failed.
+    pub(super) err: Mutex<Option<(String, String)>>,
     pub(super) copies: Mutex<CopyStats>,
     pub(super) info: DeviceInfo,
     /// Dynamic shared memory the attention kernel may use (its scores: one f32 per position).
@@ -105,13 +106,17 @@ impl CudaBackend {
         arena_bytes: u64,
         shape: &ScratchShape,
     ) -> Result<CudaBackend, BackendError> {
+        let dev = format!("CUDA device {ordinal}");
         if !driver_present() {
-            return Err(BackendError::Device(
-                "no NVIDIA driver library (libcuda.so.1) could be loaded".into(),
+            return Err(BackendError::device(
+                "opening the driver",
+                &dev,
+                "no NVIDIA driver library (libcuda.so.1) could be loaded",
             ));
         }
-        let ctx = CudaContext::new(ordinal).map_err(dev_err("CUDA context"))?;
-        let info = info_of(&ctx).map_err(BackendError::Device)?;
+        let ctx = CudaContext::new(ordinal).map_err(dev_err(&dev, "creating a context"))?;
+        let info = info_of(&ctx).map_err(|e| BackendError::device("probing", &dev, e))?;
+        let dev = info.name.clone();
         // Event tracking would make cudarc record an event per kernel argument; the
         // backend orders its streams itself.
         // SAFETY: no cudarc-tracked allocations exist in this context's use here.
@@ -128,8 +133,8 @@ impl CudaBackend {
         let layout = Layout::new(shape);
         let rows = layout.rows as usize;
         let attn_need = shape.max_context * 4;
-        let compute = ctx.new_stream().map_err(dev_err("compute stream"))?;
-        let copy = ctx.new_stream().map_err(dev_err("copy stream"))?;
+        let compute = ctx.new_stream().map_err(dev_err(&dev, "compute stream"))?;
+        let copy = ctx.new_stream().map_err(dev_err(&dev, "copy stream"))?;
         let kernels = KernelTable::load(&ctx, &info)?;
         let attn = kernels.get(Kernel::AttentionF32);
         let static_smem = attn.shared_size_bytes().unwrap_or(0).max(0) as usize;
@@ -144,14 +149,11 @@ impl CudaBackend {
             sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
             attn_smem as i32,
         )
-        .map_err(dev_err("attention shared memory"))?;
+        .map_err(dev_err(&dev, "attention shared memory"))?;
         // SAFETY: a plain device allocation, owned (and freed) by the guard.
         let base = DeviceAlloc {
             ptr: unsafe { result::malloc_sync(arena_bytes.max(1) as usize) }.map_err(|e| {
-                BackendError::Device(format!(
-                    "allocating {arena_bytes} bytes on {}: {e}",
-                    info.name
-                ))
+                BackendError::device(format!("allocating {arena_bytes} bytes"), &dev, e)
             })?,
             ctx: ctx.clone(),
         };
@@ -168,35 +170,44 @@ impl CudaBackend {
         let blas_ws = carve(BLAS_WORKSPACE, "cuBLAS workspace")?;
         // SAFETY: only tries to open the library (cudarc panics on first use without it).
         if !unsafe { bsys::is_culib_present() } {
-            return Err(BackendError::Device(format!(
-                "cuBLAS could not be loaded (searched {:?})",
-                cudarc::get_lib_name_candidates("cublas")
-            )));
+            return Err(BackendError::device(
+                "loading cuBLAS",
+                &dev,
+                format!(
+                    "not found (searched {:?})",
+                    cudarc::get_lib_name_candidates("cublas")
+                ),
+            ));
         }
         let handle = blas::create_handle()
             .map(|h| Blas(h, ctx.clone()))
             .map_err(|e| {
-                BackendError::Device(format!(
-                    "cuBLAS: {e:?} (is libcublas.so.12 or .13 installed and on the library path?)"
-                ))
+                BackendError::device(
+                    "creating a cuBLAS handle",
+                    &dev,
+                    format!("{e:?} (is libcublas.so.12 or .13 installed and on the library path?)"),
+                )
             })?;
         // SAFETY: a live handle; the stream and workspace outlive it (dropped after it).
         unsafe {
-            blas::set_stream(handle.0, compute.cu_stream() as _)
-                .map_err(|e| BackendError::Device(format!("cuBLAS stream: {e:?}")))?;
+            blas::set_stream(handle.0, compute.cu_stream() as _).map_err(|e| {
+                BackendError::device("setting the cuBLAS stream", &dev, format!("{e:?}"))
+            })?;
             bsys::cublasSetWorkspace_v2(handle.0, blas_ws.ptr as *mut c_void, blas_ws.len)
                 .result()
-                .map_err(|e| BackendError::Device(format!("cuBLAS workspace: {e:?}")))?;
+                .map_err(|e| {
+                    BackendError::device("setting the cuBLAS workspace", &dev, format!("{e:?}"))
+                })?;
         }
         // SAFETY: pinned host memory for the metadata, owned (and freed) by the guard.
         let host = PinnedHost {
             ptr: unsafe { result::malloc_host(layout.meta as usize, 0) }
-                .map_err(dev_err("pinned metadata"))?,
+                .map_err(dev_err(&dev, "pinned metadata"))?,
             ctx: ctx.clone(),
         };
         let ev = || {
             ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
-                .map_err(dev_err("event"))
+                .map_err(dev_err(&dev, "event"))
         };
         let copied = [ev()?, ev()?, ev()?, ev()?];
         tracing::info!(
@@ -265,7 +276,7 @@ impl CudaBackend {
         if let Err(e) = r {
             if let Ok(mut slot) = self.err.lock() {
                 if slot.is_none() {
-                    *slot = Some(format!("{what}: {e}"));
+                    *slot = Some((what.to_string(), e));
                 }
             }
         }
@@ -324,11 +335,16 @@ impl Backend for CudaBackend {
 
     fn upload(&self, dst: &mut CudaMem, src: &[u8]) -> Result<(), BackendError> {
         crate::backend::check_upload(dst.len, 0, src.len())?;
-        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(dev_err(&self.info.name, "bind"))?;
         // Ordered after everything enqueued so far, done when this returns.
-        self.compute.synchronize().map_err(dev_err("synchronize"))?;
+        self.compute
+            .synchronize()
+            .map_err(dev_err(&self.info.name, "synchronize"))?;
         // SAFETY: dst has room for src (checked); the copy is synchronous.
-        unsafe { result::memcpy_htod_sync(dst.ptr, src) }.map_err(dev_err("cuMemcpyHtoD"))
+        unsafe { result::memcpy_htod_sync(dst.ptr, src) }
+            .map_err(dev_err(&self.info.name, "cuMemcpyHtoD"))
     }
 
     fn download_f32(&self, src: &CudaMem, offset: usize, out: &mut [f32]) {
@@ -359,13 +375,14 @@ impl Backend for CudaBackend {
     fn check(&self) -> Result<(), BackendError> {
         match self.err.lock() {
             Ok(mut e) => match e.take() {
-                Some(msg) => Err(BackendError::Device(format!(
-                    "{msg} (on {})",
-                    self.info.name
-                ))),
+                Some((op, cause)) => Err(BackendError::device(op, &self.info.name, cause)),
                 None => Ok(()),
             },
-            Err(_) => Err(BackendError::Device("error slot poisoned".into())),
+            Err(_) => Err(BackendError::device(
+                "reading the error of enqueued work",
+                &self.info.name,
+                "the error slot is poisoned",
+            )),
         }
     }
 

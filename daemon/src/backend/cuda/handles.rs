@@ -117,8 +117,12 @@ impl Drop for PinnedHost {
     }
 }
 
-pub(super) fn dev_err(what: &str) -> impl Fn(result::DriverError) -> BackendError + '_ {
-    move |e| BackendError::Device(format!("{what}: {e}"))
+/// Maps a driver error of `what` on `device` to a `BackendError`.
+pub(super) fn dev_err<'a>(
+    device: &'a str,
+    what: &'a str,
+) -> impl Fn(result::DriverError) -> BackendError + 'a {
+    move |e| BackendError::device(what, device, e)
 }
 
 pub(super) fn carve(

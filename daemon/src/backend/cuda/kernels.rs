@@ -274,7 +274,9 @@ impl KernelTable {
     pub fn load(ctx: &Arc<CudaContext>, info: &DeviceInfo) -> Result<KernelTable, BackendError> {
         let (major, minor) = info.compute_capability;
         let sm = format!("sm_{major}{minor}");
-        let nv = super::nvrtc::version().map_err(BackendError::Device)?;
+        let dev = info.name.as_str();
+        let nv = super::nvrtc::version()
+            .map_err(|e| BackendError::device("reading the NVRTC version", dev, e))?;
         let dir = cache_dir();
         let mut found: Vec<Option<CudaFunction>> = vec![None; Kernel::ALL.len()];
         for (op, src) in KERNELS {
@@ -285,16 +287,18 @@ impl KernelTable {
             let path = dir
                 .as_ref()
                 .map(|d| d.join(format!("{op}-{sm}-{key:016x}.cubin")));
-            let module = load_module(ctx, op, &full, &sm, path.as_deref())?;
+            let module = load_module(ctx, dev, op, &full, &sm, path.as_deref())?;
             for (name, _) in entry_signatures(src) {
                 let k = Kernel::by_name(&name).ok_or_else(|| {
-                    BackendError::Device(format!(
-                        "kernels/{op}.cu defines {name}, which the kernel table does not know"
-                    ))
+                    BackendError::device(
+                        format!("loading kernels/{op}.cu"),
+                        dev,
+                        format!("it defines {name}, which the kernel table does not know"),
+                    )
                 })?;
                 let f = module
                     .load_function(&name)
-                    .map_err(|e| BackendError::Device(format!("kernel {name}: {e}")))?;
+                    .map_err(|e| BackendError::device(format!("loading kernel {name}"), dev, e))?;
                 found[k as usize] = Some(f);
             }
         }
@@ -303,7 +307,11 @@ impl KernelTable {
             .zip(found)
             .map(|(k, f)| {
                 f.ok_or_else(|| {
-                    BackendError::Device(format!("kernel {} is in no kernels/*.cu", k.name()))
+                    BackendError::device(
+                        format!("loading kernel {}", k.name()),
+                        dev,
+                        "no kernels/*.cu defines it",
+                    )
                 })
             })
             .collect::<Result<_, _>>()?;
@@ -315,14 +323,16 @@ impl KernelTable {
 /// (and the cache replaced).
 fn load_module(
     ctx: &Arc<CudaContext>,
+    dev: &str,
     op: &str,
     full: &str,
     sm: &str,
     path: Option<&std::path::Path>,
 ) -> Result<Arc<cudarc::driver::CudaModule>, BackendError> {
     let compile = || -> Result<Vec<u8>, BackendError> {
-        let (bin, log) = super::nvrtc::compile_cubin(op, full, sm)
-            .map_err(|e| BackendError::Device(format!("compiling kernels/{op}.cu: {e}")))?;
+        let (bin, log) = super::nvrtc::compile_cubin(op, full, sm).map_err(|e| {
+            BackendError::device(format!("compiling kernels/{op}.cu for {sm}"), dev, e)
+        })?;
         if !log.is_empty() {
             tracing::warn!("NVRTC on kernels/{op}.cu: {log}");
         }
@@ -335,7 +345,7 @@ fn load_module(
     };
     let load = |bin: Vec<u8>| ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin));
     let loaded = |r: Result<_, _>| {
-        r.map_err(|e| BackendError::Device(format!("loading kernels/{op}.cu for {sm}: {e}")))
+        r.map_err(|e| BackendError::device(format!("loading kernels/{op}.cu for {sm}"), dev, e))
     };
     match path.and_then(|p| std::fs::read(p).ok()) {
         Some(cached) => match load(cached) {

@@ -168,6 +168,7 @@ impl CudaBackend {
 
 /// out[t, m] (row stride ldo) = X[t, k] . W[m, k]^T, all f32, through cuBLAS (full f32
 /// math: the default math mode does not use TF32).
+// The operands of one GEMM, as cuBLAS takes them.
 #[allow(clippy::too_many_arguments)]
 fn sgemm(
     h: bsys::cublasHandle_t,

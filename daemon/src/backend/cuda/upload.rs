@@ -13,14 +13,18 @@ impl CudaBackend {
     /// A plain page-locked cuMemcpyHtoD of `bytes` (the reference the copy stream's
     /// bandwidth is compared with): median GB/s of `reps` copies.
     pub fn plain_h2d_gbps(&self, bytes: usize, reps: usize) -> Result<f64, BackendError> {
-        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(dev_err(&self.info.name, "bind"))?;
         // SAFETY: pinned host and device buffers of `bytes`, owned (and freed) by the guards.
         let host = PinnedHost {
-            ptr: unsafe { result::malloc_host(bytes, 0) }.map_err(dev_err("pinned buffer"))?,
+            ptr: unsafe { result::malloc_host(bytes, 0) }
+                .map_err(dev_err(&self.info.name, "pinned buffer"))?,
             ctx: self.ctx.clone(),
         };
         let dev = DeviceAlloc {
-            ptr: unsafe { result::malloc_sync(bytes) }.map_err(dev_err("device buffer"))?,
+            ptr: unsafe { result::malloc_sync(bytes) }
+                .map_err(dev_err(&self.info.name, "device buffer"))?,
             ctx: self.ctx.clone(),
         };
         // SAFETY: host is `bytes` long; touching it first keeps page faults out of the timing.
@@ -31,7 +35,7 @@ impl CudaBackend {
             let t = std::time::Instant::now();
             // SAFETY: dev and src are both `bytes` long; the copy is synchronous.
             unsafe { result::memcpy_htod_sync(dev.ptr, &src[..]) }
-                .map_err(dev_err("cuMemcpyHtoD"))?;
+                .map_err(dev_err(&self.info.name, "cuMemcpyHtoD"))?;
             rates.push(bytes as f64 / t.elapsed().as_secs_f64() / 1e9);
         }
         rates.remove(0); // the first copy warms the mapping
@@ -40,9 +44,15 @@ impl CudaBackend {
     }
 
     pub(super) fn begin_upload(&self, dst: &mut CudaMem) -> Result<(), BackendError> {
-        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(dev_err(&self.info.name, "bind"))?;
         if dst.ev.is_none() {
-            let ev = |flags| self.ctx.new_event(Some(flags)).map_err(dev_err("event"));
+            let ev = |flags| {
+                self.ctx
+                    .new_event(Some(flags))
+                    .map_err(dev_err(&self.info.name, "event"))
+            };
             dst.ev = Some(SlotEvents {
                 end: ev(sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC)?,
                 consumed: ev(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING)?,
@@ -61,7 +71,7 @@ impl CudaBackend {
         // counts as complete).
         self.copy
             .wait(&ev.consumed)
-            .map_err(dev_err("copy stream wait"))?;
+            .map_err(dev_err(&self.info.name, "copy stream wait"))?;
         ev.bytes.set(0);
         ev.used.set(0);
         Ok(())
@@ -74,7 +84,9 @@ impl CudaBackend {
         src: &[u8],
     ) -> Result<(), BackendError> {
         crate::backend::check_upload(dst.len, offset, src.len())?;
-        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(dev_err(&self.info.name, "bind"))?;
         let Some(ev) = dst.ev.as_mut() else {
             return Err(BackendError::Invalid(
                 "upload_part before upload_begin".into(),
@@ -85,16 +97,22 @@ impl CudaBackend {
             let timed = || {
                 self.ctx
                     .new_event(Some(sys::CUevent_flags::CU_EVENT_DEFAULT))
-                    .map_err(dev_err("event"))
+                    .map_err(dev_err(&self.info.name, "event"))
             };
             ev.parts.push((timed()?, timed()?));
         }
-        ev.parts[i].0.record(&self.copy).map_err(dev_err("event"))?;
+        ev.parts[i]
+            .0
+            .record(&self.copy)
+            .map_err(dev_err(&self.info.name, "event"))?;
         // SAFETY: the range is inside dst (checked); the caller keeps src unchanged until
         // upload_wait.
         unsafe { result::memcpy_htod_async(dst.ptr + offset as u64, src, self.copy.cu_stream()) }
-            .map_err(dev_err("cuMemcpyHtoDAsync"))?;
-        ev.parts[i].1.record(&self.copy).map_err(dev_err("event"))?;
+            .map_err(dev_err(&self.info.name, "cuMemcpyHtoDAsync"))?;
+        ev.parts[i]
+            .1
+            .record(&self.copy)
+            .map_err(dev_err(&self.info.name, "event"))?;
         ev.used.set(i + 1);
         ev.bytes.set(ev.bytes.get() + src.len() as u64);
         Ok(())
@@ -106,11 +124,13 @@ impl CudaBackend {
                 "upload_end before upload_begin".into(),
             ));
         };
-        ev.end.record(&self.copy).map_err(dev_err("event"))?;
+        ev.end
+            .record(&self.copy)
+            .map_err(dev_err(&self.info.name, "event"))?;
         // Ops enqueued from now on read the slot only after the copies.
         self.compute
             .wait(&ev.end)
-            .map_err(dev_err("compute stream wait"))?;
+            .map_err(dev_err(&self.info.name, "compute stream wait"))?;
         ev.pending.set(true);
         Ok(())
     }
@@ -120,14 +140,18 @@ impl CudaBackend {
         if !ev.pending.get() {
             return Ok(());
         }
-        self.ctx.bind_to_thread().map_err(dev_err("bind"))?;
+        self.ctx
+            .bind_to_thread()
+            .map_err(dev_err(&self.info.name, "bind"))?;
         ev.end
             .synchronize()
-            .map_err(dev_err("waiting for an upload"))?;
+            .map_err(dev_err(&self.info.name, "waiting for an upload"))?;
         ev.pending.set(false);
         let mut ms = 0f64;
         for (a, b) in &ev.parts[..ev.used.get()] {
-            ms += a.elapsed_ms(b).map_err(dev_err("copy timing"))? as f64;
+            ms += a
+                .elapsed_ms(b)
+                .map_err(dev_err(&self.info.name, "copy timing"))? as f64;
         }
         ev.used.set(0);
         if let Ok(mut c) = self.copies.lock() {

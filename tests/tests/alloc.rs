@@ -1,0 +1,226 @@
+//! The hot path never allocates: a counting global allocator watches decode steps on the
+//! CPU backend, with every unit resident and with most of them streaming through the I/O
+//! engine. After warm-up, with one compute thread, a step allocates nothing on any thread
+//! (pipeline, model, kernels, I/O loop, workers). With more threads the one allocation
+//! left is rayon's: its injector queue takes a new block per 63 jobs handed to the pool,
+//! and the test holds the count to that.
+//!
+//! `SLUICE_ALLOC_TRACE=1` prints a backtrace for each allocation in the counted window,
+//! to find the one that broke the rule.
+
+use sluice::engine::cpu_runner;
+use sluice::io::IoConfig;
+use sluice::model::{ModelOptions, SeqStep};
+use sluice::pipeline::Pipeline;
+use sluice::plan::{plan, PlanInput};
+use sluice_tests::*;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::cell::Cell;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Mutex;
+
+struct Counting;
+
+static COUNTING: AtomicBool = AtomicBool::new(false);
+static ALLOCS: AtomicU64 = AtomicU64::new(0);
+static TRACE: AtomicBool = AtomicBool::new(false);
+
+thread_local! {
+    static IN_TRACE: Cell<bool> = const { Cell::new(false) };
+}
+
+fn note() {
+    if !COUNTING.load(Ordering::Relaxed) {
+        return;
+    }
+    ALLOCS.fetch_add(1, Ordering::Relaxed);
+    if TRACE.load(Ordering::Relaxed) && !IN_TRACE.with(|t| t.replace(true)) {
+        let bt = std::backtrace::Backtrace::force_capture();
+        eprintln!(
+            "allocation on {:?}:\n{bt}",
+            std::thread::current().name().unwrap_or("?")
+        );
+        IN_TRACE.with(|t| t.set(false));
+    }
+}
+
+// SAFETY: forwards every call to the system allocator unchanged; counting touches only
+// atomics (and, when tracing, allocates through the same path with the guard set).
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: the caller's contract, passed on.
+        unsafe { System.alloc(layout) }
+    }
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        note();
+        // SAFETY: as above.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        note();
+        // SAFETY: as above.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        // SAFETY: as above.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+}
+
+#[global_allocator]
+static GLOBAL: Counting = Counting;
+
+/// One test at a time: the counter is global.
+static SERIAL: Mutex<()> = Mutex::new(());
+
+const OPTS: ModelOptions = ModelOptions {
+    max_context: 64,
+    kv_slots: 2,
+    max_batch_tokens: 32,
+};
+
+fn pipeline(
+    store: &std::sync::Arc<sluice::store::Store>,
+    budget: Option<u64>,
+    threads: usize,
+) -> Pipeline<sluice::backend::cpu::CpuBackend> {
+    let io = IoConfig {
+        queue_depth: 8,
+        read_buffers: 8,
+        request_bytes: 256 << 10,
+        workers: 1,
+        ..IoConfig::default()
+    };
+    let input = PlanInput {
+        device_budget: budget,
+        host_cache_budget: 0,
+        opts: OPTS,
+        prefetch: Some(2),
+        backend_reserved: 0,
+    };
+    cpu_runner(store.clone(), &input, threads, io).expect("pipeline")
+}
+
+/// Allocations and thread-pool submissions during the counted decode steps of a batch of
+/// two (after warm-up), and the number of steps counted.
+fn allocations_per_step(r: &mut Pipeline<sluice::backend::cpu::CpuBackend>) -> (u64, u64, u64) {
+    let vocab = r.store.manifest().arch.vocab;
+    let mut logits = Vec::new();
+    let prompt: Vec<u32> = (1..9).map(|t| t * 7 % vocab).collect();
+    let mut steps = vec![
+        SeqStep {
+            slot: 0,
+            pos: 0,
+            tokens: prompt.clone(),
+        },
+        SeqStep {
+            slot: 1,
+            pos: 0,
+            tokens: prompt,
+        },
+    ];
+    r.step(&steps, &mut logits).expect("prefill");
+    for s in &mut steps {
+        s.pos = s.tokens.len();
+        s.tokens.clear();
+        s.tokens.push(3);
+    }
+    let (warm, counted) = (4, 12);
+    let mut submitted0 = 0;
+    for i in 0..warm + counted {
+        if i == warm {
+            // Threads spawned at start (I/O, decompression, compute) may not have run
+            // their start-up yet on a busy machine; their one-time allocations are not
+            // the hot path's.
+            std::thread::sleep(std::time::Duration::from_millis(100));
+            ALLOCS.store(0, Ordering::SeqCst);
+            TRACE.store(
+                std::env::var_os("SLUICE_ALLOC_TRACE").is_some(),
+                Ordering::SeqCst,
+            );
+            submitted0 = r.backend.pool_submissions();
+            COUNTING.store(true, Ordering::SeqCst);
+        }
+        r.step(&steps, &mut logits).expect("decode step");
+        for s in &mut steps {
+            s.pos += 1;
+            s.tokens[0] = (s.tokens[0] * 31 + 7) % vocab;
+        }
+    }
+    COUNTING.store(false, Ordering::SeqCst);
+    TRACE.store(false, Ordering::SeqCst);
+    let submitted = r.backend.pool_submissions() - submitted0;
+    (ALLOCS.load(Ordering::SeqCst), submitted, counted)
+}
+
+fn check(src: &std::path::Path, name: &str) {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = pack_store(src, &tmp.path().join("s"), "zstd:1", 64 << 10);
+    let full = plan(
+        store.manifest(),
+        &PlanInput {
+            device_budget: None,
+            host_cache_budget: 0,
+            opts: OPTS,
+            prefetch: Some(2),
+            backend_reserved: 0,
+        },
+    )
+    .expect("plan");
+    // The least budget that runs streams nearly every unit.
+    let least = plan(
+        store.manifest(),
+        &PlanInput {
+            device_budget: Some(4096),
+            host_cache_budget: 0,
+            opts: OPTS,
+            prefetch: Some(2),
+            backend_reserved: 0,
+        },
+    )
+    .expect_err("4 KiB is too small")
+    .need;
+    for threads in [1, 2] {
+        for (what, budget) in [("all resident", None), ("streamed", Some(least))] {
+            let mut r = pipeline(&store, budget, threads);
+            if budget.is_some() {
+                assert!(r.plan.layers_streamed() > 0, "{name}: nothing streams");
+            } else {
+                assert_eq!(r.plan.device_budget, full.device_budget);
+            }
+            let (allocs, submitted, steps) = allocations_per_step(&mut r);
+            let at = format!("{name}, {what}, {threads} threads");
+            if threads == 1 {
+                // One compute thread: ops run on the caller, and nothing at all allocates.
+                assert_eq!(submitted, 0, "{at}: ops went to the pool");
+                assert_eq!(
+                    allocs, 0,
+                    "{at}: {allocs} allocations in {steps} decode steps (run with SLUICE_ALLOC_TRACE=1 to see where)"
+                );
+            } else {
+                // More threads: each op is one job in rayon's injector queue, which
+                // allocates a block per 63 jobs (crossbeam's Injector). That is the only
+                // allocation allowed: any of ours, per op or per unit, would exceed it.
+                assert!(submitted >= steps, "{at}: ops did not use the pool");
+                let allowed = submitted.div_ceil(63) + 1;
+                assert!(
+                    allocs <= allowed,
+                    "{at}: {allocs} allocations in {steps} decode steps, {submitted} pool jobs (rayon's queue blocks allow {allowed}; run with SLUICE_ALLOC_TRACE=1 to see where)"
+                );
+            }
+            eprintln!("{at}: {allocs} allocations, {submitted} pool jobs in {steps} decode steps");
+        }
+    }
+}
+
+#[test]
+fn decode_steps_allocate_nothing_on_f32_weights() {
+    check(&fixture("tiny-llama"), "tiny-llama (f32 safetensors)");
+}
+
+#[test]
+fn decode_steps_allocate_nothing_on_quantized_weights() {
+    check(&fixture("tiny-llama-q.gguf"), "tiny-llama-q (q8_0/q4 gguf)");
+}
