@@ -493,45 +493,29 @@ fn done_ids(output: &std::path::Path) -> Result<HashSet<String>> {
     Ok(done)
 }
 
-/// A `sluice batch` job: input and output JSONL, the prompt template, requests in flight,
-/// the shard of the ids, and sampling.
-struct BatchJob {
-    input: PathBuf,
-    output: PathBuf,
-    template: String,
-    concurrency: usize,
-    shard: Option<String>,
-    raw: bool,
-    s: Sampling,
+/// `--shard K/N` as (K - 1, N).
+fn parse_shard(sh: &str) -> Result<(u64, u64)> {
+    let (k, n) = sh.split_once('/').context("--shard takes K/N, e.g. 2/8")?;
+    let (k, n): (u64, u64) = (
+        k.parse().context("--shard K")?,
+        n.parse().context("--shard N")?,
+    );
+    if n == 0 || k == 0 || k > n {
+        bail!("--shard {sh}: K must be in 1..=N");
+    }
+    Ok((k - 1, n))
 }
 
-async fn batch(addr: &str, job: BatchJob) -> Result<()> {
-    let BatchJob {
-        input,
-        output,
-        template,
-        concurrency,
-        shard,
-        raw,
-        s,
-    } = job;
-    let shard = match shard {
-        None => None,
-        Some(sh) => {
-            let (k, n) = sh.split_once('/').context("--shard takes K/N, e.g. 2/8")?;
-            let (k, n): (u64, u64) = (
-                k.parse().context("--shard K")?,
-                n.parse().context("--shard N")?,
-            );
-            if n == 0 || k == 0 || k > n {
-                bail!("--shard {sh}: K must be in 1..=N");
-            }
-            Some((k - 1, n))
-        }
-    };
-    let done = done_ids(&output)?;
+/// The (id, prompt) pairs of `input` still to do: in this shard and not in `done`. Every
+/// line is checked (JSON, an id, a text, no id twice) before anything is sent.
+fn todo_items(
+    input: &std::path::Path,
+    template: &str,
+    shard: Option<(u64, u64)>,
+    done: &HashSet<String>,
+) -> Result<Vec<(String, String)>> {
     let text =
-        std::fs::read_to_string(&input).with_context(|| format!("read {}", input.display()))?;
+        std::fs::read_to_string(input).with_context(|| format!("read {}", input.display()))?;
     let mut items = Vec::new();
     let mut seen = HashSet::new();
     for (i, line) in text
@@ -561,6 +545,34 @@ async fn batch(addr: &str, job: BatchJob) -> Result<()> {
         }
         items.push((id, template.replace("{text}", body)));
     }
+    Ok(items)
+}
+
+/// A `sluice batch` job: input and output JSONL, the prompt template, requests in flight,
+/// the shard of the ids, and sampling.
+struct BatchJob {
+    input: PathBuf,
+    output: PathBuf,
+    template: String,
+    concurrency: usize,
+    shard: Option<String>,
+    raw: bool,
+    s: Sampling,
+}
+
+async fn batch(addr: &str, job: BatchJob) -> Result<()> {
+    let BatchJob {
+        input,
+        output,
+        template,
+        concurrency,
+        shard,
+        raw,
+        s,
+    } = job;
+    let shard = shard.as_deref().map(parse_shard).transpose()?;
+    let done = done_ids(&output)?;
+    let items = todo_items(&input, &template, shard, &done)?;
     eprintln!(
         "{} items to do ({} already in {})",
         items.len(),

@@ -2,7 +2,7 @@
 //! without O_DIRECT, deliver every layer bit-exactly; faults fail only the layers they hit,
 //! name file, layer, frame and offset, and leak no buffer.
 
-use sluice::io::{EngineChoice, EngineKind, IoConfig, IoEngine};
+use sluice::io::{IoConfig, IoEngine, ReaderChoice, ReaderKind};
 use sluice::store::{FrameDecoder, Store};
 use sluice_tests::*;
 use std::path::Path;
@@ -33,11 +33,11 @@ fn reference(store: &Store) -> Vec<Vec<u8>> {
 /// request size small enough that frames span several reads.
 fn configs() -> Vec<(String, IoConfig)> {
     let mut v = Vec::new();
-    for engine in [EngineChoice::Uring, EngineChoice::Pread] {
+    for engine in [ReaderChoice::Uring, ReaderChoice::Pread] {
         for direct in [true, false] {
             for request_bytes in [8192usize, 64 << 10, 4 << 20] {
                 let cfg = IoConfig {
-                    engine,
+                    reader: engine,
                     direct,
                     queue_depth: 8,
                     request_bytes,
@@ -59,10 +59,10 @@ fn configs() -> Vec<(String, IoConfig)> {
 
 fn engine(store: &Arc<Store>, cfg: &IoConfig) -> IoEngine {
     let e = IoEngine::new(store.clone(), cfg.clone()).unwrap();
-    let want = if cfg.engine == EngineChoice::Uring {
-        EngineKind::Uring
+    let want = if cfg.reader == ReaderChoice::Uring {
+        ReaderKind::Uring
     } else {
-        EngineKind::Pread
+        ReaderKind::Pread
     };
     // uring is used only with O_DIRECT when asked for auto; asked for explicitly it runs buffered too.
     assert_eq!(e.kind(), want);
@@ -132,9 +132,9 @@ fn smollm2_streams_through_both_readers() {
     let tmp = tempfile::tempdir().unwrap();
     let store = packed(&smollm2_gguf(), &tmp.path().join("s"), "zstd:3", 1 << 20);
     let want = reference(&store);
-    for engine_choice in [EngineChoice::Uring, EngineChoice::Pread] {
+    for engine_choice in [ReaderChoice::Uring, ReaderChoice::Pread] {
         let cfg = IoConfig {
-            engine: engine_choice,
+            reader: engine_choice,
             queue_depth: 16,
             request_bytes: 1 << 20,
             read_buffers: 16,

@@ -9,7 +9,7 @@ use super::reader::{Msg, Reader, Waker};
 use super::tickets::{Shared, TicketState};
 use super::uring::UringReader;
 use super::workers::{worker, Job};
-use super::{EngineChoice, EngineKind, IoConfig, IoError, IoStats};
+use super::{IoConfig, IoError, IoStats, ReaderChoice, ReaderKind};
 use crate::hostbuf::{AlignedBuf, IO_ALIGN};
 use crate::store::codec::FrameDecoder;
 use crate::store::Store;
@@ -127,7 +127,7 @@ pub struct PoolStatus {
 
 pub struct IoEngine {
     store: Arc<Store>,
-    kind: EngineKind,
+    kind: ReaderKind,
     direct: bool,
     why: String,
     cfg: IoConfig,
@@ -157,7 +157,7 @@ fn probe_direct(file: &File) -> std::io::Result<()> {
 
 /// The reader chosen and what the caller side keeps of that choice.
 struct Started {
-    kind: EngineKind,
+    kind: ReaderKind,
     direct: bool,
     why: String,
     reader: Box<dyn Reader>,
@@ -192,10 +192,10 @@ impl IoEngine {
             Some(f) => f,
             None => open_weights(&path, false).map_err(|e| setup(format!("open: {e}")))?,
         };
-        let mut choice = cfg.engine;
-        if choice == EngineChoice::Auto && !direct {
+        let mut choice = cfg.reader;
+        if choice == ReaderChoice::Auto && !direct {
             why.push("io_uring is used with O_DIRECT only".into());
-            choice = EngineChoice::Pread;
+            choice = ReaderChoice::Pread;
         }
         Self::start(store, file, direct, choice, cfg, why)
     }
@@ -208,7 +208,7 @@ impl IoEngine {
         direct: bool,
         cfg: IoConfig,
     ) -> Result<IoEngine, IoError> {
-        let choice = cfg.engine;
+        let choice = cfg.reader;
         Self::start(store, file, direct, choice, cfg, Vec::new())
     }
 
@@ -216,7 +216,7 @@ impl IoEngine {
         store: Arc<Store>,
         file: File,
         direct: bool,
-        choice: EngineChoice,
+        choice: ReaderChoice,
         cfg: IoConfig,
         mut why: Vec<String>,
     ) -> Result<IoEngine, IoError> {
@@ -230,24 +230,24 @@ impl IoEngine {
         let (tx, rx) = sync_channel::<Msg>(sizes.message_capacity(&cfg));
         // The reader: io_uring, or the pread pool when asked or when io_uring fails.
         let mut uring = None;
-        if matches!(choice, EngineChoice::Auto | EngineChoice::Uring) {
+        if matches!(choice, ReaderChoice::Auto | ReaderChoice::Uring) {
             match UringReader::new(&file, &pools.read_bufs, cfg.queue_depth) {
                 Ok(r) => uring = Some(r),
-                Err(e) if choice == EngineChoice::Uring => {
+                Err(e) if choice == ReaderChoice::Uring => {
                     return Err(setup(format!("io_uring: {e}")))
                 }
                 Err(e) => why.push(format!("io_uring unavailable ({e})")),
             }
         }
         let mut threads = Vec::new();
-        let (reader, waker, kind): (Box<dyn Reader>, Waker, EngineKind) = match uring {
+        let (reader, waker, kind): (Box<dyn Reader>, Waker, ReaderKind) = match uring {
             Some((r, eventfd)) => (
                 Box::new(r),
                 Waker {
                     tx,
                     eventfd: Some(eventfd),
                 },
-                EngineKind::Uring,
+                ReaderKind::Uring,
             ),
             None => {
                 let waker = Waker { tx, eventfd: None };
@@ -255,11 +255,11 @@ impl IoEngine {
                     PreadReader::new(&file, cfg.pread_threads, cfg.queue_depth, waker.clone())
                         .map_err(|e| setup(format!("pread pool: {e}")))?;
                 threads.extend(handles);
-                (Box::new(r), waker, EngineKind::Pread)
+                (Box::new(r), waker, ReaderKind::Pread)
             }
         };
         let why = why.join("; ");
-        if kind == EngineKind::Pread && !why.is_empty() {
+        if kind == ReaderKind::Pread && !why.is_empty() {
             tracing::info!(path = %path.display(), "I/O engine: pread thread pool: {why}");
         } else {
             tracing::debug!(path = %path.display(), %kind, direct, "I/O engine started");
@@ -361,7 +361,7 @@ impl IoEngine {
         })?;
         let (tx, rx) = sync_channel::<Msg>(sizes.message_capacity(&cfg));
         let started = Started {
-            kind: EngineKind::Pread,
+            kind: ReaderKind::Pread,
             direct: false,
             why: String::new(),
             reader: make(&pools.read_bufs),
@@ -372,7 +372,7 @@ impl IoEngine {
         Self::run_threads(store, cfg, sizes, pools, started)
     }
 
-    pub fn kind(&self) -> EngineKind {
+    pub fn kind(&self) -> ReaderKind {
         self.kind
     }
 

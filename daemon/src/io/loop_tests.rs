@@ -4,7 +4,7 @@
 //! deterministically. The bytes still come from the real packed file.
 
 use super::reader::{Msg, Reader};
-use super::{EngineChoice, IoConfig, IoEngine, IoError, PoolStatus};
+use super::{IoConfig, IoEngine, IoError, PoolStatus, ReaderChoice};
 use crate::dtype::DType;
 use crate::import::synth::{self, SynthSpec};
 use crate::store::codec::FrameDecoder;
@@ -139,7 +139,7 @@ fn packed(dir: &std::path::Path) -> Arc<Store> {
 
 fn config() -> IoConfig {
     IoConfig {
-        engine: EngineChoice::Pread,
+        reader: ReaderChoice::Pread,
         direct: false,
         queue_depth: 4,
         request_bytes: 4096,

@@ -33,37 +33,39 @@ use crate::store::StoreError;
 use serde::Serialize;
 use std::fmt;
 
+/// The reader the I/O engine runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum EngineKind {
+pub enum ReaderKind {
     Uring,
     Pread,
 }
 
-impl fmt::Display for EngineKind {
+impl fmt::Display for ReaderKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
-            EngineKind::Uring => "uring",
-            EngineKind::Pread => "pread",
+            ReaderKind::Uring => "uring",
+            ReaderKind::Pread => "pread",
         })
     }
 }
 
+/// The reader asked for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum EngineChoice {
+pub enum ReaderChoice {
     /// io_uring with O_DIRECT when both work, else the pread pool (one log line says why).
     Auto,
     Uring,
     Pread,
 }
 
-impl std::str::FromStr for EngineChoice {
+impl std::str::FromStr for ReaderChoice {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, String> {
         match s {
-            "auto" => Ok(EngineChoice::Auto),
-            "uring" | "io_uring" => Ok(EngineChoice::Uring),
-            "pread" => Ok(EngineChoice::Pread),
+            "auto" => Ok(ReaderChoice::Auto),
+            "uring" | "io_uring" => Ok(ReaderChoice::Uring),
+            "pread" => Ok(ReaderChoice::Pread),
             _ => Err(format!(
                 "unknown I/O engine {s:?}: expected auto, uring or pread"
             )),
@@ -74,7 +76,8 @@ impl std::str::FromStr for EngineChoice {
 /// Limits of the I/O engine. Relations between them are checked in `IoEngine::new`.
 #[derive(Clone, Debug)]
 pub struct IoConfig {
-    pub engine: EngineChoice,
+    /// Which reader does the reads (`--engine` of bench-io).
+    pub reader: ReaderChoice,
     /// Read with O_DIRECT (bypassing the page cache) when the file system allows it.
     pub direct: bool,
     /// Reads in flight at most.
@@ -134,7 +137,7 @@ impl Default for IoConfig {
     fn default() -> Self {
         let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
         IoConfig {
-            engine: EngineChoice::Auto,
+            reader: ReaderChoice::Auto,
             direct: true,
             queue_depth: QUEUE_DEPTH_DEFAULT,
             request_bytes: REQUEST_BYTES_DEFAULT,

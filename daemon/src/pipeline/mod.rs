@@ -399,23 +399,7 @@ impl<B: Backend> Pipeline<B> {
                     .expect("a load is requested for every streamed unit");
                 let slot = slot_rr;
                 slot_rr = (slot_rr + 1) % self.slots.len();
-                match t {
-                    Some(t) => {
-                        let len = self.store.units()[w].raw_len as usize;
-                        self.load_into(t, slot, len, &mut st)?;
-                    }
-                    None => {
-                        let data = self.host_cache[w].as_ref().expect("host-cached unit");
-                        let len = self.store.units()[w].raw_len as usize;
-                        let t1 = Instant::now();
-                        // The host cache lives as long as the pipeline: nothing to release.
-                        self.backend
-                            .upload_async(&mut self.slots[slot], &data.as_slice()[..len])?;
-                        st.upload_s += t1.elapsed().as_secs_f64();
-                        st.bytes_uploaded += len as u64;
-                        st.bytes_from_host_cache += len as u64;
-                    }
-                }
+                self.stage(w, t, slot, &mut st)?;
                 self.in_slot[slot] = Some(w);
                 used[n_used] = slot;
                 n_used += 1;
@@ -452,20 +436,7 @@ impl<B: Backend> Pipeline<B> {
             // The unit's compute is enqueued; once its upload has read the staging slots,
             // they go back to the I/O engine for the next loads (every one waited for, even
             // after a failed wait, before any is released).
-            let t1 = Instant::now();
-            let mut waited = Ok(());
-            let mut held = std::mem::take(&mut self.held_spare);
-            std::mem::swap(&mut held, &mut self.held);
-            for (s, _) in &held {
-                if let Err(e) = self.backend.upload_wait(&self.slots[*s]) {
-                    waited = waited.and(Err(e));
-                }
-            }
-            // Dropping the guards hands the staging slots back to the I/O engine.
-            held.clear();
-            self.held_spare = held;
-            st.upload_s += t1.elapsed().as_secs_f64();
-            waited?;
+            self.release_held(&mut st)?;
             self.top_up()?;
         }
         debug_assert!(load_at == self.loads.len());
@@ -478,6 +449,58 @@ impl<B: Backend> Pipeline<B> {
             }
         }
         self.backend.check()?;
+        self.account(st, copy0, t_pass);
+        Ok(())
+    }
+
+    /// Puts unit `w` into streaming slot `slot`: from its I/O ticket (frame by frame), or
+    /// from the host cache when it has no ticket.
+    fn stage(
+        &mut self,
+        w: usize,
+        ticket: Option<Ticket>,
+        slot: usize,
+        st: &mut PassStats,
+    ) -> Result<(), PipelineError> {
+        let len = self.store.units()[w].raw_len as usize;
+        match ticket {
+            Some(t) => self.load_into(t, slot, len, st),
+            None => {
+                let data = self.host_cache[w].as_ref().expect("host-cached unit");
+                let t1 = Instant::now();
+                // The host cache lives as long as the pipeline: nothing to release.
+                self.backend
+                    .upload_async(&mut self.slots[slot], &data.as_slice()[..len])?;
+                st.upload_s += t1.elapsed().as_secs_f64();
+                st.bytes_uploaded += len as u64;
+                st.bytes_from_host_cache += len as u64;
+                Ok(())
+            }
+        }
+    }
+
+    /// Once a unit's compute is enqueued: waits until every held upload has read its
+    /// staging slot, then hands the slots back to the I/O engine (every one waited for,
+    /// even after a failed wait, before any is released).
+    fn release_held(&mut self, st: &mut PassStats) -> Result<(), PipelineError> {
+        let t1 = Instant::now();
+        let mut waited = Ok(());
+        let mut held = std::mem::take(&mut self.held_spare);
+        std::mem::swap(&mut held, &mut self.held);
+        for (s, _) in &held {
+            if let Err(e) = self.backend.upload_wait(&self.slots[*s]) {
+                waited = waited.and(Err(e));
+            }
+        }
+        // Dropping the guards hands the staging slots back to the I/O engine.
+        held.clear();
+        self.held_spare = held;
+        st.upload_s += t1.elapsed().as_secs_f64();
+        Ok(waited?)
+    }
+
+    /// The pass's copy, read and decompression figures, into the last and total stats.
+    fn account(&mut self, mut st: PassStats, copy0: crate::backend::CopyStats, t_pass: Instant) {
         let copy1 = self.backend.copy_stats();
         st.copy_device_s = copy1.seconds - copy0.seconds;
         let io1 = self.io.stats();
@@ -489,7 +512,6 @@ impl<B: Backend> Pipeline<B> {
         st.pass_time_s = t_pass.elapsed().as_secs_f64();
         self.total.add(&st);
         self.last = st;
-        Ok(())
     }
 
     pub fn options(&self) -> &ModelOptions {

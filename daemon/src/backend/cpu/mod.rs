@@ -277,10 +277,19 @@ impl Backend for CpuBackend {
         let wb = weight_bytes(&w);
         let xs = &x.f32s()[..rows * k];
         let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
-        let threads = self.threads;
         assert!(gemv_rows <= rows);
         let mut scratch = self.scratch();
         let xsums = &mut scratch.xsums;
+        let mm = Matmul {
+            dtype: w.dtype,
+            wb,
+            rb,
+            xs,
+            k,
+            m,
+            out: optr,
+            threads: self.threads,
+        };
         self.run(|par| {
             // Single-token rows (decode) run through the dot-product kernels, whose result for
             // a row does not depend on the other rows; the rest (prefill chunks) through
@@ -288,113 +297,13 @@ impl Backend for CpuBackend {
             // numbers are the same alone or in any batch.
             let g = gemv_rows;
             if g > 0 && kernels::has_gemv4(w.dtype) {
-                let nb = k / 32;
                 kernels::block_sums_into(&xs[..g * k], xsums);
-                let xsums = &*xsums;
-                let chunk = m.div_ceil(threads * 4).max(16);
-                par.for_each(m.div_ceil(chunk), |c| {
-                    let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
-                    RES4.with(|res| {
-                        let mut res = res.borrow_mut();
-                        res.clear();
-                        res.resize(j1 - j0, [0f32; 4]);
-                        for r0 in (0..g).step_by(4) {
-                            if g - r0 == 1 {
-                                let p = optr;
-                                // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
-                                let o = unsafe {
-                                    std::slice::from_raw_parts_mut(p.0.add(r0 * m + j0), j1 - j0)
-                                };
-                                kernels::gemv(
-                                    w.dtype,
-                                    &wb[j0 * rb..j1 * rb],
-                                    rb,
-                                    &xs[r0 * k..(r0 + 1) * k],
-                                    o,
-                                );
-                                continue;
-                            }
-                            // Pad a short group by repeating its last row (results dropped).
-                            let pick = |i: usize| (r0 + i).min(g - 1);
-                            let xr: [&[f32]; 4] =
-                                std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
-                            let xsr: [&[f32]; 4] =
-                                std::array::from_fn(|i| &xsums[pick(i) * nb..(pick(i) + 1) * nb]);
-                            kernels::gemv4(w.dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, &mut res);
-                            for i in 0..(g - r0).min(4) {
-                                let p = optr;
-                                // SAFETY: as above.
-                                let o = unsafe {
-                                    std::slice::from_raw_parts_mut(
-                                        p.0.add((r0 + i) * m + j0),
-                                        j1 - j0,
-                                    )
-                                };
-                                for (oj, rj) in o.iter_mut().zip(res.iter()) {
-                                    *oj = rj[i];
-                                }
-                            }
-                        }
-                    });
-                });
+                mm.decode_rows4(par, g, xsums);
             } else if g > 0 {
-                let chunk = m.div_ceil(threads * 4).max(16);
-                par.for_each(m.div_ceil(chunk), |c| {
-                    let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
-                    for r in 0..g {
-                        let p = optr;
-                        // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
-                        let o =
-                            unsafe { std::slice::from_raw_parts_mut(p.0.add(r * m + j0), j1 - j0) };
-                        kernels::gemv(
-                            w.dtype,
-                            &wb[j0 * rb..j1 * rb],
-                            rb,
-                            &xs[r * k..(r + 1) * k],
-                            o,
-                        );
-                    }
-                });
+                mm.decode_rows(par, g);
             }
-            let t = rows - g;
-            if t > 0 {
-                let xt = &xs[g * k..rows * k];
-                par.for_each(m.div_ceil(TILE_ROWS), |ti| {
-                    let (j0, j1) = (ti * TILE_ROWS, ((ti + 1) * TILE_ROWS).min(m));
-                    let nb = j1 - j0;
-                    TILE.with(|tile| {
-                        let mut tile = tile.borrow_mut();
-                        tile.resize(TILE_ROWS * k, 0.0);
-                        kernels::dequant_rows(
-                            w.dtype,
-                            &wb[j0 * rb..j1 * rb],
-                            rb,
-                            k,
-                            &mut tile[..nb * k],
-                        );
-                        let p = optr;
-                        // SAFETY: C = X[t, k] . T^T lands in out[g.., j0..j1] (row stride m),
-                        // disjoint across tasks; A and B are live slices of the given sizes.
-                        unsafe {
-                            matrixmultiply::sgemm(
-                                t,
-                                k,
-                                nb,
-                                1.0,
-                                xt.as_ptr(),
-                                k as isize,
-                                1,
-                                tile.as_ptr(),
-                                1,
-                                k as isize,
-                                0.0,
-                                p.0.add(g * m + j0),
-                                m as isize,
-                                1,
-                            );
-                        }
-                    });
-                });
+            if rows > g {
+                mm.prefill_rows(par, g, rows - g);
             }
         });
         if let Some(b) = bias {
@@ -568,6 +477,150 @@ impl Backend for CpuBackend {
     ) {
         let s = &src.f32s()[src_row * cols..(src_row + 1) * cols];
         dst.f32s_mut()[dst_row * cols..(dst_row + 1) * cols].copy_from_slice(s);
+    }
+}
+
+/// One matrix product's operands, shared by its tasks: weight rows `wb` (`rb` bytes each,
+/// `m` of them), activations `xs` (rows of `k`), and the output rows (`m` wide).
+struct Matmul<'a> {
+    dtype: DType,
+    wb: &'a [u8],
+    rb: usize,
+    xs: &'a [f32],
+    k: usize,
+    m: usize,
+    out: SharedPtr,
+    threads: usize,
+}
+
+impl Matmul<'_> {
+    /// The first `g` rows through the four-row block kernels (`xsums`: their block sums).
+    fn decode_rows4(&self, par: &Par, g: usize, xsums: &[f32]) {
+        let Matmul {
+            dtype,
+            wb,
+            rb,
+            xs,
+            k,
+            m,
+            out: optr,
+            threads,
+        } = *self;
+        let w_dtype = dtype;
+        let nb = k / 32;
+        let chunk = m.div_ceil(threads * 4).max(16);
+        par.for_each(m.div_ceil(chunk), |c| {
+            let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
+            RES4.with(|res| {
+                let mut res = res.borrow_mut();
+                res.clear();
+                res.resize(j1 - j0, [0f32; 4]);
+                for r0 in (0..g).step_by(4) {
+                    if g - r0 == 1 {
+                        let p = optr;
+                        // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
+                        let o = unsafe {
+                            std::slice::from_raw_parts_mut(p.0.add(r0 * m + j0), j1 - j0)
+                        };
+                        kernels::gemv(
+                            w_dtype,
+                            &wb[j0 * rb..j1 * rb],
+                            rb,
+                            &xs[r0 * k..(r0 + 1) * k],
+                            o,
+                        );
+                        continue;
+                    }
+                    // Pad a short group by repeating its last row (results dropped).
+                    let pick = |i: usize| (r0 + i).min(g - 1);
+                    let xr: [&[f32]; 4] =
+                        std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
+                    let xsr: [&[f32]; 4] =
+                        std::array::from_fn(|i| &xsums[pick(i) * nb..(pick(i) + 1) * nb]);
+                    kernels::gemv4(w_dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, &mut res);
+                    for i in 0..(g - r0).min(4) {
+                        let p = optr;
+                        // SAFETY: as above.
+                        let o = unsafe {
+                            std::slice::from_raw_parts_mut(p.0.add((r0 + i) * m + j0), j1 - j0)
+                        };
+                        for (oj, rj) in o.iter_mut().zip(res.iter()) {
+                            *oj = rj[i];
+                        }
+                    }
+                }
+            });
+        });
+    }
+
+    /// The first `g` rows through the one-row dot products.
+    fn decode_rows(&self, par: &Par, g: usize) {
+        let Matmul {
+            dtype,
+            wb,
+            rb,
+            xs,
+            k,
+            m,
+            out: optr,
+            threads,
+        } = *self;
+        let chunk = m.div_ceil(threads * 4).max(16);
+        par.for_each(m.div_ceil(chunk), |c| {
+            let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
+            for r in 0..g {
+                let p = optr;
+                // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
+                let o = unsafe { std::slice::from_raw_parts_mut(p.0.add(r * m + j0), j1 - j0) };
+                kernels::gemv(dtype, &wb[j0 * rb..j1 * rb], rb, &xs[r * k..(r + 1) * k], o);
+            }
+        });
+    }
+
+    /// `t` prefill rows from row `g` on: weight tiles dequantized to f32, then sgemm.
+    fn prefill_rows(&self, par: &Par, g: usize, t: usize) {
+        let Matmul {
+            dtype,
+            wb,
+            rb,
+            xs,
+            k,
+            m,
+            out: optr,
+            ..
+        } = *self;
+        let rows = g + t;
+        let xt = &xs[g * k..rows * k];
+        par.for_each(m.div_ceil(TILE_ROWS), |ti| {
+            let (j0, j1) = (ti * TILE_ROWS, ((ti + 1) * TILE_ROWS).min(m));
+            let nb = j1 - j0;
+            TILE.with(|tile| {
+                let mut tile = tile.borrow_mut();
+                tile.resize(TILE_ROWS * k, 0.0);
+                kernels::dequant_rows(dtype, &wb[j0 * rb..j1 * rb], rb, k, &mut tile[..nb * k]);
+                let p = optr;
+                // SAFETY: C = X[t, k] . T^T lands in out[g.., j0..j1] (row stride m),
+                // disjoint across tasks; A and B are live slices of the given sizes.
+                unsafe {
+                    matrixmultiply::sgemm(
+                        t,
+                        k,
+                        nb,
+                        1.0,
+                        xt.as_ptr(),
+                        k as isize,
+                        1,
+                        tile.as_ptr(),
+                        1,
+                        k as isize,
+                        0.0,
+                        p.0.add(g * m + j0),
+                        m as isize,
+                        1,
+                    );
+                }
+            });
+        });
     }
 }
 

@@ -132,24 +132,10 @@ impl CudaBackend {
         }
         let layout = Layout::new(shape);
         let rows = layout.rows as usize;
-        let attn_need = shape.max_context * 4;
         let compute = ctx.new_stream().map_err(dev_err(&dev, "compute stream"))?;
         let copy = ctx.new_stream().map_err(dev_err(&dev, "copy stream"))?;
         let kernels = KernelTable::load(&ctx, &info)?;
-        let attn = kernels.get(Kernel::AttentionF32);
-        let static_smem = attn.shared_size_bytes().unwrap_or(0).max(0) as usize;
-        let attn_smem = info.max_shared_per_block.saturating_sub(static_smem);
-        if attn_need > attn_smem {
-            return Err(BackendError::Invalid(format!(
-                "a context of {} positions needs {attn_need} bytes of shared memory per attention block for its scores; {} allows {attn_smem}: lower --max-context",
-                shape.max_context, info.name
-            )));
-        }
-        attn.set_attribute(
-            sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-            attn_smem as i32,
-        )
-        .map_err(dev_err(&dev, "attention shared memory"))?;
+        let attn_smem = attention_smem(&kernels, &info, shape.max_context)?;
         // SAFETY: a plain device allocation, owned (and freed) by the guard.
         let base = DeviceAlloc {
             ptr: unsafe { result::malloc_sync(arena_bytes.max(1) as usize) }.map_err(|e| {
@@ -168,37 +154,7 @@ impl CudaBackend {
         let tile = carve(layout.tile, "dequantization tile")?;
         let bias = carve(layout.bias, "bias")?;
         let blas_ws = carve(BLAS_WORKSPACE, "cuBLAS workspace")?;
-        // SAFETY: only tries to open the library (cudarc panics on first use without it).
-        if !unsafe { bsys::is_culib_present() } {
-            return Err(BackendError::device(
-                "loading cuBLAS",
-                &dev,
-                format!(
-                    "not found (searched {:?})",
-                    cudarc::get_lib_name_candidates("cublas")
-                ),
-            ));
-        }
-        let handle = blas::create_handle()
-            .map(|h| Blas(h, ctx.clone()))
-            .map_err(|e| {
-                BackendError::device(
-                    "creating a cuBLAS handle",
-                    &dev,
-                    format!("{e:?} (is libcublas.so.12 or .13 installed and on the library path?)"),
-                )
-            })?;
-        // SAFETY: a live handle; the stream and workspace outlive it (dropped after it).
-        unsafe {
-            blas::set_stream(handle.0, compute.cu_stream() as _).map_err(|e| {
-                BackendError::device("setting the cuBLAS stream", &dev, format!("{e:?}"))
-            })?;
-            bsys::cublasSetWorkspace_v2(handle.0, blas_ws.ptr as *mut c_void, blas_ws.len)
-                .result()
-                .map_err(|e| {
-                    BackendError::device("setting the cuBLAS workspace", &dev, format!("{e:?}"))
-                })?;
-        }
+        let handle = blas_on(&ctx, &dev, &compute, &blas_ws)?;
         // SAFETY: pinned host memory for the metadata, owned (and freed) by the guard.
         let host = PinnedHost {
             ptr: unsafe { result::malloc_host(layout.meta as usize, 0) }
@@ -301,6 +257,73 @@ impl CudaBackend {
         self.kernels
             .elementwise(&self.compute, kernel, dims, x.ptr, y.ptr, n as i32)
     }
+}
+
+/// Dynamic shared memory the attention kernel may use (its scores, one f32 per position),
+/// opted into once; a context that does not fit is refused with what to change.
+fn attention_smem(
+    kernels: &KernelTable,
+    info: &DeviceInfo,
+    max_context: usize,
+) -> Result<usize, BackendError> {
+    let dev = info.name.as_str();
+    let attn_need = max_context * 4;
+    let attn = kernels.get(Kernel::AttentionF32);
+    let static_smem = attn.shared_size_bytes().unwrap_or(0).max(0) as usize;
+    let attn_smem = info.max_shared_per_block.saturating_sub(static_smem);
+    if attn_need > attn_smem {
+        return Err(BackendError::Invalid(format!(
+            "a context of {} positions needs {attn_need} bytes of shared memory per attention block for its scores; {} allows {attn_smem}: lower --max-context",
+            max_context, info.name
+        )));
+    }
+    attn.set_attribute(
+        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+        attn_smem as i32,
+    )
+    .map_err(dev_err(dev, "attention shared memory"))?;
+    Ok(attn_smem)
+}
+
+/// A cuBLAS handle on the compute stream with its workspace from the arena.
+fn blas_on(
+    ctx: &Arc<CudaContext>,
+    dev: &str,
+    compute: &CudaStream,
+    ws: &CudaMem,
+) -> Result<Blas, BackendError> {
+    // SAFETY: only tries to open the library (cudarc panics on first use without it).
+    if !unsafe { bsys::is_culib_present() } {
+        return Err(BackendError::device(
+            "loading cuBLAS",
+            dev,
+            format!(
+                "not found (searched {:?})",
+                cudarc::get_lib_name_candidates("cublas")
+            ),
+        ));
+    }
+    let handle = blas::create_handle()
+        .map(|h| Blas(h, ctx.clone()))
+        .map_err(|e| {
+            BackendError::device(
+                "creating a cuBLAS handle",
+                dev,
+                format!("{e:?} (is libcublas.so.12 or .13 installed and on the library path?)"),
+            )
+        })?;
+    // SAFETY: a live handle; the stream and workspace outlive it (dropped after it).
+    unsafe {
+        blas::set_stream(handle.0, compute.cu_stream() as _).map_err(|e| {
+            BackendError::device("setting the cuBLAS stream", dev, format!("{e:?}"))
+        })?;
+        bsys::cublasSetWorkspace_v2(handle.0, ws.ptr as *mut c_void, ws.len)
+            .result()
+            .map_err(|e| {
+                BackendError::device("setting the cuBLAS workspace", dev, format!("{e:?}"))
+            })?;
+    }
+    Ok(handle)
 }
 
 impl Drop for CudaBackend {

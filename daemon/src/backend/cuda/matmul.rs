@@ -49,119 +49,150 @@ impl CudaBackend {
         if t > 0 {
             let xp = x.ptr + (g * k * 4) as u64;
             let op = out.ptr + (g * m * 4) as u64;
-            let blas_h = self.blas.lock().map_err(|_| "cuBLAS lock poisoned")?;
-            match w.dtype {
-                DType::F32 => sgemm(blas_h.0, m, t, k, wptr, xp, op, m)?,
-                DType::F16 | DType::BF16 => {
-                    if (t * k * 2) as u64 > self.layout.half {
-                        return Err(format!(
-                            "{t} prefill rows exceed the half-precision scratch"
-                        ));
-                    }
-                    let (conv, ty) = if w.dtype == DType::F16 {
-                        (Kernel::F32ToF16, bsys::cudaDataType::CUDA_R_16F)
-                    } else {
-                        (Kernel::F32ToBf16, bsys::cudaDataType::CUDA_R_16BF)
-                    };
-                    let n = (t * k) as u64;
-                    let dims = Dims::per_element(n);
-                    self.kernels
-                        .convert(&self.compute, conv, dims, xp, self.half.ptr, n)?;
-                    let (alpha, beta) = (1f32, 0f32);
-                    // out^T[m, t] = W[m, k] . X^T[k, t] in cuBLAS's column-major terms:
-                    // W row-major is W^T column-major (ld k), X row-major is X^T (ld k).
-                    // SAFETY: pointers inside the arena with the sizes checked above.
-                    unsafe {
-                        blas::gemm_ex(
-                            blas_h.0,
-                            bsys::cublasOperation_t::CUBLAS_OP_T,
-                            bsys::cublasOperation_t::CUBLAS_OP_N,
-                            mi,
-                            t as i32,
-                            ki,
-                            &alpha as *const f32 as *const c_void,
-                            wptr as *const c_void,
-                            ty,
-                            ki,
-                            self.half.ptr as *const c_void,
-                            ty,
-                            ki,
-                            &beta as *const f32 as *const c_void,
-                            op as *mut c_void,
-                            bsys::cudaDataType::CUDA_R_32F,
-                            mi,
-                            bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
-                            bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
-                        )
-                    }
-                    .map_err(|e| format!("cublasGemmEx: {e:?}"))?;
-                }
-                DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
-                    // Quantized: dequantize a tile of weight rows to f32, then sgemm it.
-                    let tile_rows = (self.layout.tile as usize / (k * 4)).max(1).min(m);
-                    let dequant =
-                        Kernel::dequant(w.dtype).ok_or("an f32 weight has no dequantization")?;
-                    let mut j0 = 0;
-                    while j0 < m {
-                        let nb = tile_rows.min(m - j0);
-                        let n = (nb * k) as u64;
-                        let rows_at = wptr + (j0 * rb) as u64;
-                        self.kernels.dequant(
-                            &self.compute,
-                            dequant,
-                            Dims::per_element(n),
-                            rows_at,
-                            self.tile.ptr,
-                            n,
-                        )?;
-                        sgemm(
-                            blas_h.0,
-                            nb,
-                            t,
-                            k,
-                            self.tile.ptr,
-                            xp,
-                            op + (j0 * 4) as u64,
-                            m,
-                        )?;
-                        j0 += nb;
-                    }
-                }
-            }
+            self.prefill_rows(&w, wptr, rb, t, xp, op)?;
         }
         if let Some(b) = bias {
-            let n = b.rows * b.cols;
-            if n != m {
-                return Err(format!("bias of {n} values for {m} outputs"));
-            }
-            let bptr = match b.dtype {
-                DType::F32 => b.mem.ptr + b.offset as u64,
-                DType::F16 | DType::BF16 => {
-                    let dequant = if b.dtype == DType::F16 {
-                        Kernel::DequantF16
-                    } else {
-                        Kernel::DequantBf16
-                    };
-                    let n = n as u64;
-                    let src = b.mem.ptr + b.offset as u64;
-                    let dims = Dims::per_element(n);
-                    self.kernels
-                        .dequant(&self.compute, dequant, dims, src, self.bias.ptr, n)?;
-                    self.bias.ptr
-                }
-                d => return Err(format!("a {d:?} bias")),
-            };
-            let dims = Dims::per_element((rows * m) as u64);
-            self.kernels.add_bias(
-                &self.compute,
-                Kernel::AddBiasF32,
-                dims,
-                out.ptr,
-                bptr,
-                rows as i32,
-                mi,
-            )?;
+            self.add_bias(&b, m, rows, out.ptr)?;
         }
+        Ok(())
+    }
+
+    /// `t` prefill rows (activations at `xp`, outputs at `op`, row stride m) through cuBLAS:
+    /// f32 weights by SGEMM, f16/bf16 by GemmEx on converted activations, quantized ones
+    /// dequantized a tile of rows at a time into f32 first.
+    fn prefill_rows(
+        &self,
+        w: &WeightRef<'_, CudaMem>,
+        wptr: u64,
+        rb: usize,
+        t: usize,
+        xp: u64,
+        op: u64,
+    ) -> Result<(), String> {
+        let (m, k) = (w.rows, w.cols);
+        let (mi, ki) = (m as i32, k as i32);
+        let blas_h = self.blas.lock().map_err(|_| "cuBLAS lock poisoned")?;
+        match w.dtype {
+            DType::F32 => sgemm(blas_h.0, m, t, k, wptr, xp, op, m)?,
+            DType::F16 | DType::BF16 => {
+                if (t * k * 2) as u64 > self.layout.half {
+                    return Err(format!(
+                        "{t} prefill rows exceed the half-precision scratch"
+                    ));
+                }
+                let (conv, ty) = if w.dtype == DType::F16 {
+                    (Kernel::F32ToF16, bsys::cudaDataType::CUDA_R_16F)
+                } else {
+                    (Kernel::F32ToBf16, bsys::cudaDataType::CUDA_R_16BF)
+                };
+                let n = (t * k) as u64;
+                let dims = Dims::per_element(n);
+                self.kernels
+                    .convert(&self.compute, conv, dims, xp, self.half.ptr, n)?;
+                let (alpha, beta) = (1f32, 0f32);
+                // out^T[m, t] = W[m, k] . X^T[k, t] in cuBLAS's column-major terms:
+                // W row-major is W^T column-major (ld k), X row-major is X^T (ld k).
+                // SAFETY: pointers inside the arena with the sizes checked above.
+                unsafe {
+                    blas::gemm_ex(
+                        blas_h.0,
+                        bsys::cublasOperation_t::CUBLAS_OP_T,
+                        bsys::cublasOperation_t::CUBLAS_OP_N,
+                        mi,
+                        t as i32,
+                        ki,
+                        &alpha as *const f32 as *const c_void,
+                        wptr as *const c_void,
+                        ty,
+                        ki,
+                        self.half.ptr as *const c_void,
+                        ty,
+                        ki,
+                        &beta as *const f32 as *const c_void,
+                        op as *mut c_void,
+                        bsys::cudaDataType::CUDA_R_32F,
+                        mi,
+                        bsys::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                        bsys::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                    )
+                }
+                .map_err(|e| format!("cublasGemmEx: {e:?}"))?;
+            }
+            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+                // Quantized: dequantize a tile of weight rows to f32, then sgemm it.
+                let tile_rows = (self.layout.tile as usize / (k * 4)).max(1).min(m);
+                let dequant =
+                    Kernel::dequant(w.dtype).ok_or("an f32 weight has no dequantization")?;
+                let mut j0 = 0;
+                while j0 < m {
+                    let nb = tile_rows.min(m - j0);
+                    let n = (nb * k) as u64;
+                    let rows_at = wptr + (j0 * rb) as u64;
+                    self.kernels.dequant(
+                        &self.compute,
+                        dequant,
+                        Dims::per_element(n),
+                        rows_at,
+                        self.tile.ptr,
+                        n,
+                    )?;
+                    sgemm(
+                        blas_h.0,
+                        nb,
+                        t,
+                        k,
+                        self.tile.ptr,
+                        xp,
+                        op + (j0 * 4) as u64,
+                        m,
+                    )?;
+                    j0 += nb;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// out[r][c] += bias[c] for `rows` rows of `m` (a 16-bit bias is converted first).
+    fn add_bias(
+        &self,
+        b: &WeightRef<'_, CudaMem>,
+        m: usize,
+        rows: usize,
+        out: u64,
+    ) -> Result<(), String> {
+        let mi = m as i32;
+        let n = b.rows * b.cols;
+        if n != m {
+            return Err(format!("bias of {n} values for {m} outputs"));
+        }
+        let bptr = match b.dtype {
+            DType::F32 => b.mem.ptr + b.offset as u64,
+            DType::F16 | DType::BF16 => {
+                let dequant = if b.dtype == DType::F16 {
+                    Kernel::DequantF16
+                } else {
+                    Kernel::DequantBf16
+                };
+                let n = n as u64;
+                let src = b.mem.ptr + b.offset as u64;
+                let dims = Dims::per_element(n);
+                self.kernels
+                    .dequant(&self.compute, dequant, dims, src, self.bias.ptr, n)?;
+                self.bias.ptr
+            }
+            d => return Err(format!("a {d:?} bias")),
+        };
+        let dims = Dims::per_element((rows * m) as u64);
+        self.kernels.add_bias(
+            &self.compute,
+            Kernel::AddBiasF32,
+            dims,
+            out,
+            bptr,
+            rows as i32,
+            mi,
+        )?;
         Ok(())
     }
 }

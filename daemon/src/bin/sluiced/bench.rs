@@ -119,7 +119,7 @@ pub struct BenchIoArgs {
     pub dir: PathBuf,
     /// auto, uring or pread.
     #[arg(long, default_value = "auto")]
-    pub engine: sluice::io::EngineChoice,
+    pub engine: sluice::io::ReaderChoice,
     /// Reads in flight.
     #[arg(long, default_value_t = sluice::io::QUEUE_DEPTH_DEFAULT)]
     pub qd: usize,
@@ -165,7 +165,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
     let store = std::sync::Arc::new(Store::open(&dir)?);
     let defaults = sluice::io::IoConfig::default();
     let cfg = sluice::io::IoConfig {
-        engine,
+        reader: engine,
         direct: !buffered,
         queue_depth: qd,
         request_bytes: usize::try_from(request_size).context("--request-size")?,

@@ -203,6 +203,19 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         max_tokens_default: cfg.max_tokens_default,
     };
 
+    listen_until_stopped(&cfg, service, sched, engine, &name, budget)
+}
+
+/// Serves gRPC on TCP (and the Unix socket) until SIGTERM or SIGINT, then drains: stops
+/// admission, lets in-flight requests finish within the grace period, joins the engine.
+fn listen_until_stopped(
+    cfg: &ServeConfig,
+    service: Service,
+    sched: Scheduler,
+    engine: std::thread::JoinHandle<()>,
+    name: &str,
+    budget: u64,
+) -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("sluice-grpc")
