@@ -1,13 +1,15 @@
 //! The hot path never allocates: a counting global allocator watches decode steps on the
 //! CPU backend, with every unit resident and with most of them streaming through the I/O
-//! engine. After warm-up, with one compute thread, a step allocates nothing on any thread
-//! (pipeline, model, kernels, I/O loop, workers). With more threads the one allocation
-//! left is rayon's: its injector queue takes a new block per 63 jobs handed to the pool,
-//! and the test holds the count to that.
+//! engine, with one and with two compute threads. After warm-up a step allocates nothing,
+//! on any thread (pipeline, model, kernels, I/O loop, workers, the compute pool). The
+//! steps run where `sluiced run` and the scheduler run them, on the backend's executor, so
+//! every op forks inside the pool (an op handed in from outside would queue a rayon job,
+//! and rayon allocates a queue block per 63 of those).
 //!
 //! `SLUICE_ALLOC_TRACE=1` prints a backtrace for each allocation in the counted window,
 //! to find the one that broke the rule.
 
+use sluice::backend::Backend;
 use sluice::engine::cpu_runner;
 use sluice::io::IoConfig;
 use sluice::model::{ModelOptions, SeqStep};
@@ -190,26 +192,17 @@ fn check(src: &std::path::Path, name: &str) {
             } else {
                 assert_eq!(r.plan.device_budget, full.device_budget);
             }
-            let (allocs, submitted, steps) = allocations_per_step(&mut r);
+            let on = r.backend.executor();
+            let (allocs, submitted, steps) = on.run(|| allocations_per_step(&mut r));
             let at = format!("{name}, {what}, {threads} threads");
-            if threads == 1 {
-                // One compute thread: ops run on the caller, and nothing at all allocates.
-                assert_eq!(submitted, 0, "{at}: ops went to the pool");
-                assert_eq!(
-                    allocs, 0,
-                    "{at}: {allocs} allocations in {steps} decode steps (run with SLUICE_ALLOC_TRACE=1 to see where)"
-                );
-            } else {
-                // More threads: each op is one job in rayon's injector queue, which
-                // allocates a block per 63 jobs (crossbeam's Injector). That is the only
-                // allocation allowed: any of ours, per op or per unit, would exceed it.
-                assert!(submitted >= steps, "{at}: ops did not use the pool");
-                let allowed = submitted.div_ceil(63) + 1;
-                assert!(
-                    allocs <= allowed,
-                    "{at}: {allocs} allocations in {steps} decode steps, {submitted} pool jobs (rayon's queue blocks allow {allowed}; run with SLUICE_ALLOC_TRACE=1 to see where)"
-                );
-            }
+            assert_eq!(
+                submitted, 0,
+                "{at}: ops were handed to the pool from outside it"
+            );
+            assert_eq!(
+                allocs, 0,
+                "{at}: {allocs} allocations in {steps} decode steps (run with SLUICE_ALLOC_TRACE=1 to see where)"
+            );
             eprintln!("{at}: {allocs} allocations, {submitted} pool jobs in {steps} decode steps");
         }
     }

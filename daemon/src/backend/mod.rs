@@ -17,6 +17,26 @@ use crate::hostbuf::Pinner;
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// Where a backend's host-side compute runs, for a caller that runs its whole loop there:
+/// on the CPU backend's pool, each op then forks from inside the pool instead of being
+/// handed over from outside (which queues a job, and allocates one block per 63 of them).
+#[derive(Clone)]
+pub enum Executor {
+    /// On the calling thread.
+    Inline,
+    /// On one of the pool's threads.
+    Pool(std::sync::Arc<rayon::ThreadPool>),
+}
+
+impl Executor {
+    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
+        match self {
+            Executor::Inline => f(),
+            Executor::Pool(p) => p.install(f),
+        }
+    }
+}
+
 /// What the copy engine did for the asynchronous uploads so far (device-timed).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct CopyStats {
@@ -239,6 +259,10 @@ pub trait Backend: Send + Sync {
     /// Device-timed figures of the asynchronous uploads so far.
     fn copy_stats(&self) -> CopyStats {
         CopyStats::default()
+    }
+    /// Where a caller's step loop runs best (see `Executor`).
+    fn executor(&self) -> Executor {
+        Executor::Inline
     }
     /// Host threads the ops run on (the CPU backend's pool; 0 where a device computes).
     fn host_threads(&self) -> usize {

@@ -80,8 +80,20 @@ fn token_ids(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
 }
 
 /// Prefills `batch` sequences, then times `steps` decode steps; returns (seconds per pass,
-/// load stall per pass, compute per pass).
+/// load stall per pass, compute per pass). Runs where the daemon runs its steps: on the
+/// backend's executor.
 fn decode_passes<B: Backend>(
+    r: &mut Pipeline<B>,
+    batch: usize,
+    prompt: usize,
+    steps: usize,
+    vocab: u32,
+) -> Result<(f64, f64, f64), EngineError> {
+    let on = r.backend.executor();
+    on.run(|| decode_passes_here(r, batch, prompt, steps, vocab))
+}
+
+fn decode_passes_here<B: Backend>(
     r: &mut Pipeline<B>,
     batch: usize,
     prompt: usize,

@@ -48,7 +48,7 @@ impl CpuMem {
 
 pub struct CpuBackend {
     budget: Arc<MemBudget>,
-    pool: rayon::ThreadPool,
+    pool: Arc<rayon::ThreadPool>,
     threads: usize,
     /// Buffers the ops reuse on the calling thread (nothing is allocated per step).
     scratch: Mutex<Scratch>,
@@ -101,7 +101,7 @@ impl CpuBackend {
         let threads = pool.current_num_threads();
         Ok(CpuBackend {
             budget: Arc::new(MemBudget::new(budget_bytes)),
-            pool,
+            pool: Arc::new(pool),
             threads,
             scratch: Mutex::new(Scratch::default()),
             submissions: AtomicU64::new(0),
@@ -119,11 +119,14 @@ impl CpuBackend {
         self.submissions.load(Ordering::Relaxed)
     }
 
-    /// Runs an op's body with its tasks on the pool (one hand-off for the whole op), or on
-    /// this thread when there is one compute thread.
+    /// Runs an op's body: its tasks on the pool, forked from this thread when it is one of
+    /// the pool's (see `Backend::executor`) or handed over in one job when it is not; in
+    /// order on this thread when there is one compute thread.
     fn run<R: Send>(&self, body: impl FnOnce(&Par) -> R + Send) -> R {
         if self.threads == 1 {
             body(&Par { sequential: true })
+        } else if self.pool.current_thread_index().is_some() {
+            body(&Par { sequential: false })
         } else {
             self.submissions.fetch_add(1, Ordering::Relaxed);
             self.pool.install(|| body(&Par { sequential: false }))
@@ -172,6 +175,14 @@ impl Backend for CpuBackend {
 
     fn host_threads(&self) -> usize {
         self.threads()
+    }
+
+    fn executor(&self) -> super::Executor {
+        if self.threads == 1 {
+            super::Executor::Inline
+        } else {
+            super::Executor::Pool(self.pool.clone())
+        }
     }
 
     fn name(&self) -> &'static str {
