@@ -90,52 +90,44 @@ fn decode_passes<B: Backend>(
     vocab: u32,
 ) -> Result<(f64, f64, f64), EngineError> {
     let on = r.backend.executor();
-    on.run(|| decode_passes_here(r, batch, prompt, steps, vocab))
-}
-
-fn decode_passes_here<B: Backend>(
-    r: &mut Pipeline<B>,
-    batch: usize,
-    prompt: usize,
-    steps: usize,
-    vocab: u32,
-) -> Result<(f64, f64, f64), EngineError> {
-    let mut logits = Vec::new();
-    let seqs: Vec<SeqStep> = (0..batch)
-        .map(|b| SeqStep {
-            slot: b,
-            pos: 0,
-            tokens: token_ids(prompt, vocab, b as u64 + 1),
-        })
-        .collect();
-    let per_step = (r.options().max_batch_tokens / prompt).max(1);
-    for chunk in seqs.chunks(per_step) {
-        r.step(chunk, &mut logits)?;
-    }
-    // One untimed decode step warms the caches.
-    let mut pos = prompt;
-    let mut step = |r: &mut Pipeline<B>, pos: usize| -> Result<(), EngineError> {
-        let s: Vec<SeqStep> = (0..batch)
+    on.run(move || {
+        let mut logits = Vec::new();
+        let seqs: Vec<SeqStep> = (0..batch)
             .map(|b| SeqStep {
                 slot: b,
-                pos,
-                tokens: token_ids(1, vocab, (pos * 131 + b) as u64),
+                pos: 0,
+                tokens: token_ids(prompt, vocab, b as u64 + 1),
             })
             .collect();
-        Ok(r.step(&s, &mut logits)?)
-    };
-    step(r, pos)?;
-    pos += 1;
-    let t0 = Instant::now();
-    let (mut stall, mut compute) = (0.0, 0.0);
-    for _ in 0..steps {
+        let per_step = (r.options().max_batch_tokens / prompt).max(1);
+        for chunk in seqs.chunks(per_step) {
+            r.step(chunk, &mut logits)?;
+        }
+        // One untimed decode step warms the caches.
+        let mut pos = prompt;
+        let mut step = |r: &mut Pipeline<B>, pos: usize| -> Result<(), EngineError> {
+            let s: Vec<SeqStep> = (0..batch)
+                .map(|b| SeqStep {
+                    slot: b,
+                    pos,
+                    tokens: token_ids(1, vocab, (pos * 131 + b) as u64),
+                })
+                .collect();
+            Ok(r.step(&s, &mut logits)?)
+        };
         step(r, pos)?;
         pos += 1;
-        stall += r.last_pass().load_stall_s;
-        compute += r.last_pass().compute_s;
-    }
-    let n = steps as f64;
-    Ok((t0.elapsed().as_secs_f64() / n, stall / n, compute / n))
+        let t0 = Instant::now();
+        let (mut stall, mut compute) = (0.0, 0.0);
+        for _ in 0..steps {
+            step(r, pos)?;
+            pos += 1;
+            stall += r.last_pass().load_stall_s;
+            compute += r.last_pass().compute_s;
+        }
+        let n = steps as f64;
+        Ok((t0.elapsed().as_secs_f64() / n, stall / n, compute / n))
+    })
 }
 
 /// The model limits the benchmark runs under: a context for the prompt and the timed

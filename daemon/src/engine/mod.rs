@@ -65,6 +65,7 @@ pub fn cpu_runner(
 ) -> Result<Pipeline<CpuBackend>, EngineError> {
     let plan = crate::plan::plan(store.manifest(), input)?;
     let backend = CpuBackend::new(plan.device_budget, threads)?;
+    backend.reserve_scratch(&input.opts.scratch_shape(&store.manifest().arch));
     Ok(Pipeline::new(backend, store, plan, input.opts, io)?)
 }
 

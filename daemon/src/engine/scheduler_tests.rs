@@ -10,24 +10,13 @@ use crate::io::IoConfig;
 use crate::model::ModelOptions;
 use crate::pipeline::Pipeline;
 use crate::plan::PlanInput;
-use crate::text::{SamplingParams, Tokenizer};
+use crate::text::Tokenizer;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 fn params(max_tokens: usize) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: 0,
-        },
-        stop: Vec::new(),
-        ignore_eos: true,
-    }
+    test_model::greedy(max_tokens, &[], true)
 }
 
 fn pipeline(

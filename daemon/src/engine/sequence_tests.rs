@@ -3,21 +3,10 @@
 
 use super::sequence::{validate, Finish, GenerateParams, Piece, SeqLimits, Sequence};
 use super::test_model::{self, END_TOKEN, VOCAB};
-use crate::text::{SamplingParams, Tokenizer};
+use crate::text::Tokenizer;
 
 fn params(max_tokens: usize, stop: &[&str]) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: 0,
-        },
-        stop: stop.iter().map(|s| s.to_string()).collect(),
-        ignore_eos: false,
-    }
+    test_model::greedy(max_tokens, stop, false)
 }
 
 const LIMITS: SeqLimits = SeqLimits {

@@ -1,11 +1,13 @@
 //! A tiny synthetic model packed into a temporary store, for the engine's unit tests:
 //! 2 layers, hidden 64, a 300-token byte-level vocabulary whose token 299 ends a turn.
 
+use super::sequence::GenerateParams;
 use crate::dtype::DType;
 use crate::import::synth::{self, SynthSpec};
 use crate::store::format::{GgufVocab, TokenizerSpec};
 use crate::store::writer::{pack, PackOptions};
 use crate::store::Store;
+use crate::text::SamplingParams;
 use std::sync::Arc;
 
 pub const END_TOKEN: u32 = 299;
@@ -58,5 +60,21 @@ fn byte_level_vocab() -> GgufVocab {
         merges: Vec::new(),
         scores: Vec::new(),
         add_space_prefix: false,
+    }
+}
+
+/// Greedy sampling, `max_tokens` at most, stop strings as given.
+pub fn greedy(max_tokens: usize, stop: &[&str], ignore_eos: bool) -> GenerateParams {
+    GenerateParams {
+        max_tokens,
+        sampling: SamplingParams {
+            temperature: 0.0,
+            top_k: 0,
+            top_p: 1.0,
+            min_p: 0.0,
+            seed: 0,
+        },
+        stop: stop.iter().map(|s| s.to_string()).collect(),
+        ignore_eos,
     }
 }

@@ -543,6 +543,15 @@ thread_local! {
     static XSUM: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
 }
 
+/// Gives this thread's GEMV scratch room for rows of `k_max` elements.
+pub fn reserve_thread_scratch(k_max: usize) {
+    XSUM.with(|x| {
+        let mut x = x.borrow_mut();
+        let len = x.len();
+        x.reserve((k_max / 32).saturating_sub(len));
+    });
+}
+
 /// Whether `gemv4` has a fast kernel for this dtype on this CPU.
 pub fn has_gemv4(dtype: DType) -> bool {
     #[cfg(target_arch = "x86_64")]

@@ -5,7 +5,9 @@
 
 pub mod kernels;
 
-use super::{check_upload, AttnShape, AttnStep, Backend, BackendError, MemBudget, WeightRef};
+use super::{
+    check_upload, AttnShape, AttnStep, Backend, BackendError, MemBudget, ScratchShape, WeightRef,
+};
 use crate::dtype::DType;
 use crate::hostbuf::{AlignedBuf, IO_ALIGN};
 use rayon::prelude::*;
@@ -130,6 +132,35 @@ impl CpuBackend {
         } else {
             self.submissions.fetch_add(1, Ordering::Relaxed);
             self.pool.install(|| body(&Par { sequential: false }))
+        }
+    }
+
+    /// Gives every compute thread's scratch (GEMV sums, four-row results, attention
+    /// scores, dequantized tiles) room for the largest op of this shape at once, so that no
+    /// thread grows one mid-run (which thread runs which task is the pool's choice).
+    pub fn reserve_scratch(&self, shape: &ScratchShape) {
+        let k_max = shape.hidden.max(shape.q_dim).max(shape.intermediate) as usize;
+        let m_max = shape
+            .vocab
+            .max(shape.intermediate)
+            .max(shape.q_dim)
+            .max(shape.hidden) as usize;
+        let chunk_max = m_max.div_ceil(self.threads * 4).max(16);
+        let max_context = shape.max_context;
+        let reserve = move || {
+            kernels::reserve_thread_scratch(k_max);
+            fn grow<T>(v: &mut Vec<T>, n: usize) {
+                let len = v.len();
+                v.reserve(n.saturating_sub(len));
+            }
+            RES4.with(|r| grow(&mut r.borrow_mut(), chunk_max));
+            SCORES.with(|s| grow(&mut s.borrow_mut(), max_context));
+            TILE.with(|t| grow(&mut t.borrow_mut(), TILE_ROWS * k_max));
+        };
+        if self.threads == 1 {
+            reserve();
+        } else {
+            self.pool.broadcast(|_| reserve());
         }
     }
 
