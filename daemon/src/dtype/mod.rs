@@ -1,6 +1,8 @@
 //! Element types of stored tensors. Quantized types are GGML block formats: they stay
 //! quantized on disk, across PCIe and in device memory.
 
+pub mod ggml;
+
 use serde::{Deserialize, Serialize};
 use std::fmt;
 

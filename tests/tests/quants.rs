@@ -1,0 +1,80 @@
+//! Every GGML block type sluice decodes, bit for bit against gguf-py's
+//! `gguf.quants.dequantize` (tests/fixtures/make_quant_reference.py wrote its outputs):
+//! seeded random blocks and blocks with extreme scales (the largest finite f16 and its
+//! negative, the smallest subnormal, zero, infinity; E8M0 exponents 0, 1, 2, 127, 254, 255).
+
+use sluice::dtype::ggml::{dequantize, BlockType};
+use sluice_tests::fixture;
+
+fn reference(t: BlockType) -> (Vec<u8>, Vec<f32>) {
+    let dir = fixture("reference/quants");
+    let name = t.name().to_ascii_lowercase();
+    let input = std::fs::read(dir.join(format!("{name}.in")))
+        .unwrap_or_else(|e| panic!("{name}.in: {e} (run tests/fixtures/make_quant_reference.py)"));
+    let out = std::fs::read(dir.join(format!("{name}.out"))).expect("reference output");
+    let values = out
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    (input, values)
+}
+
+#[test]
+fn every_block_type_dequantizes_bit_exactly_like_gguf_py() {
+    let mut checked = 0;
+    for t in BlockType::ALL {
+        let (input, want) = reference(t);
+        assert_eq!(
+            input.len() % t.block_bytes(),
+            0,
+            "{}: fixture is not whole blocks",
+            t.name()
+        );
+        let blocks = input.len() / t.block_bytes();
+        assert!(blocks >= 30, "{}: only {blocks} blocks", t.name());
+        assert_eq!(want.len(), blocks * t.block_elems(), "{}", t.name());
+        let mut got = vec![0f32; want.len()];
+        dequantize(t, &input, &mut got).expect("whole blocks");
+        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+            // Bit for bit; a NaN (an infinite scale times a zero level) only has to be NaN.
+            let same = g.to_bits() == w.to_bits() || (g.is_nan() && w.is_nan());
+            assert!(
+                same,
+                "{}: value {i} (block {}, element {}) is {g:e} ({:#010x}), gguf-py gives {w:e} ({:#010x})",
+                t.name(),
+                i / t.block_elems(),
+                i % t.block_elems(),
+                g.to_bits(),
+                w.to_bits()
+            );
+        }
+        checked += want.len();
+        // The extreme-scale blocks really are extreme.
+        let (inf, tiny) = (
+            want.iter().filter(|v| !v.is_finite()).count(),
+            want.iter().filter(|v| **v != 0.0 && v.abs() < 1e-5).count(),
+        );
+        assert!(
+            inf > 0 && tiny > 0,
+            "{}: {inf} non-finite, {tiny} tiny values",
+            t.name()
+        );
+    }
+    assert!(checked > 50_000, "{checked} values checked");
+}
+
+#[test]
+fn a_truncated_block_is_an_error_naming_the_type() {
+    for t in BlockType::ALL {
+        let bytes = vec![0u8; t.block_bytes() * 2 - 1];
+        let mut out = vec![0f32; t.block_elems() * 2];
+        let e = dequantize(t, &bytes, &mut out).expect_err("a partial block");
+        assert!(e.starts_with(t.name()) && e.contains("whole blocks"), "{e}");
+        assert_eq!(BlockType::from_ggml(t.ggml_type()), Some(t));
+    }
+    assert_eq!(
+        BlockType::from_ggml(2),
+        None,
+        "Q4_0 is a DType already, not a BlockType"
+    );
+}
