@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The whole test suite: fetches the real test model (cached), then runs every test of the
+# The whole test suite: fetches the real test models (cached), then runs every test of the
 # workspace in release mode (the same build `cargo build --release` makes, so it is reused).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export SLUICE_SMOLLM2_GGUF="$(scripts/fetch-model.sh)"
+export SLUICE_GEMMA3_GGUF="$(scripts/fetch-model.sh gemma3-270m)"
 # NVRTC for the kernel compile test: the CUDA NVRTC wheel's library, when installed (.ci/run
 # installs it); a CUDA toolkit on the library path works too.
 nvrtc_lib=$(python3 -c 'import nvidia.cuda_nvrtc as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null || true)

@@ -16,26 +16,42 @@ pub fn fixture(name: &str) -> PathBuf {
     }
 }
 
-/// The real SmolLM2-135M-Instruct GGUF. Tests that need it fail (never skip) when it is
-/// missing: scripts/test.sh fetches it first.
-pub fn smollm2_gguf() -> PathBuf {
-    let path = std::env::var_os("SLUICE_SMOLLM2_GGUF")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            let home = std::env::var_os("HOME")
-                .map(PathBuf::from)
-                .unwrap_or_default();
-            let cache = std::env::var_os("SLUICE_CACHE")
-                .map(PathBuf::from)
-                .unwrap_or(home.join(".cache/sluice"));
-            cache.join("models/SmolLM2-135M-Instruct.Q4_1.gguf")
-        });
+/// A real model's GGUF: the path in `env`, else `file` in the model cache. Tests that need
+/// it fail (never skip) when it is missing: scripts/test.sh fetches it first.
+fn real_model(env: &str, file: &str, fetch: &str) -> PathBuf {
+    let path = std::env::var_os(env).map(PathBuf::from).unwrap_or_else(|| {
+        let home = std::env::var_os("HOME")
+            .map(PathBuf::from)
+            .unwrap_or_default();
+        let cache = std::env::var_os("SLUICE_CACHE")
+            .map(PathBuf::from)
+            .unwrap_or(home.join(".cache/sluice"));
+        cache.join("models").join(file)
+    });
     assert!(
         path.is_file(),
-        "{} is missing: run scripts/fetch-model.sh (scripts/test.sh does)",
+        "{} is missing: run scripts/fetch-model.sh {fetch} (scripts/test.sh does)",
         path.display()
     );
     path
+}
+
+/// The real SmolLM2-135M-Instruct GGUF (Q4_1).
+pub fn smollm2_gguf() -> PathBuf {
+    real_model(
+        "SLUICE_SMOLLM2_GGUF",
+        "SmolLM2-135M-Instruct.Q4_1.gguf",
+        "smollm2",
+    )
+}
+
+/// The real Gemma 3 270M GGUF (Q4_K_M: F32, Q8_0, Q5_0, Q4_K, Q6_K).
+pub fn gemma3_gguf() -> PathBuf {
+    real_model(
+        "SLUICE_GEMMA3_GGUF",
+        "gemma-3-270m-q4_k_m.gguf",
+        "gemma3-270m",
+    )
 }
 
 /// A binary of the workspace, from the same target directory as the test executable.

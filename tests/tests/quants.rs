@@ -78,3 +78,69 @@ fn a_truncated_block_is_an_error_naming_the_type() {
         "Q4_0 is a DType already, not a BlockType"
     );
 }
+
+/// Every tensor of the real Gemma 3 270M (F32, Q8_0, Q5_0, Q4_K, Q6_K), dequantized by
+/// sluice, hashes like gguf-py's dequantization of it
+/// (tests/fixtures/make_gemma_tensor_hashes.py).
+#[test]
+fn gemma3_270m_every_tensor_dequantizes_like_gguf_py() {
+    use sluice::dtype::DType;
+    let path = sluice_tests::gemma3_gguf();
+    let bytes = std::fs::read(&path).expect("read the GGUF");
+    let g = sluice::import::gguf::parse(&bytes, &path).expect("parse the GGUF");
+    let refs: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture("reference/gemma3-270m-tensors.json"))
+            .expect("reference hashes"),
+    )
+    .expect("JSON");
+    let refs = refs["tensors"].as_object().expect("tensors");
+    assert_eq!(g.tensors.len(), refs.len(), "tensor count");
+    let mut by_type = std::collections::BTreeMap::new();
+    for t in &g.tensors {
+        let want = &refs[&t.name];
+        let n: u64 = t.dims.iter().product();
+        assert_eq!(want["elements"].as_u64(), Some(n), "{}", t.name);
+        let at = (g.data_start + t.offset) as usize;
+        let mut values = vec![0f32; n as usize];
+        let name = match (
+            BlockType::from_ggml(t.ggml_type),
+            DType::from_ggml(t.ggml_type),
+        ) {
+            (Some(bt), _) => {
+                let len = n as usize / bt.block_elems() * bt.block_bytes();
+                dequantize(bt, &bytes[at..at + len], &mut values).expect(&t.name);
+                bt.name().to_string()
+            }
+            (None, Some(dt)) => {
+                let cols = t.dims[0];
+                let rows = n / cols;
+                let rb = dt.row_bytes(cols).expect("whole blocks") as usize;
+                sluice::backend::cpu::kernels::dequant_rows(
+                    dt,
+                    &bytes[at..at + rb * rows as usize],
+                    rb,
+                    cols as usize,
+                    &mut values,
+                );
+                dt.name().to_ascii_uppercase()
+            }
+            (None, None) => panic!("{}: GGML type {}", t.name, t.ggml_type),
+        };
+        let raw: Vec<u8> = values.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let got = format!("{:016x}", xxhash_rust::xxh3::xxh3_64(&raw));
+        assert_eq!(
+            Some(got.as_str()),
+            want["xxh3"].as_str(),
+            "{} ({name}): dequantized values differ from gguf-py's",
+            t.name
+        );
+        *by_type.entry(name).or_insert(0) += 1;
+    }
+    eprintln!("tensors checked by type: {by_type:?}");
+    for ty in ["F32", "Q8_0", "Q5_0", "Q4_K", "Q6_K"] {
+        assert!(
+            by_type.contains_key(ty),
+            "no {ty} tensor checked: {by_type:?}"
+        );
+    }
+}
