@@ -157,126 +157,153 @@ pub fn dequantize(t: BlockType, src: &[u8], out: &mut [f32]) -> Result<(), Strin
 /// One block (`t.block_bytes()` bytes) into `t.block_elems()` values.
 pub fn dequantize_block(t: BlockType, b: &[u8], y: &mut [f32]) {
     match t {
-        BlockType::Q5_0 | BlockType::Q5_1 => {
-            let d = f16_at(b, 0);
-            let (m, at) = if t == BlockType::Q5_1 {
-                (Some(f16_at(b, 2)), 4)
-            } else {
-                (None, 2)
-            };
-            let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
-            let qs = &b[at + 4..at + 20];
-            for (i, out) in y.iter_mut().enumerate().take(32) {
-                let lo = if i < 16 {
-                    qs[i] & 0x0F
-                } else {
-                    qs[i - 16] >> 4
-                };
-                let q = lo | ((((qh >> i) & 1) as u8) << 4);
-                *out = match m {
-                    None => d * (q as i8 - 16) as f32,
-                    Some(m) => d * q as f32 + m,
-                };
-            }
+        BlockType::Q5_0 | BlockType::Q5_1 => q5(t, b, y),
+        BlockType::Q2K => q2_k(b, y),
+        BlockType::Q3K => q3_k(b, y),
+        BlockType::Q4K | BlockType::Q5K => q4_k_q5_k(t, b, y),
+        BlockType::Q6K => q6_k(b, y),
+        BlockType::Iq4Nl => iq4_nl(b, y),
+        BlockType::Iq4Xs => iq4_xs(b, y),
+        BlockType::Mxfp4 => mxfp4(b, y),
+    }
+}
+
+/// Q5_0 (d f16, qh u32, qs[16]: q - 16) and Q5_1 (d, m f16, qh, qs: q * d + m): the fifth
+/// bit of element i is bit i of qh.
+fn q5(t: BlockType, b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let (m, at) = if t == BlockType::Q5_1 {
+        (Some(f16_at(b, 2)), 4)
+    } else {
+        (None, 2)
+    };
+    let qh = u32::from_le_bytes([b[at], b[at + 1], b[at + 2], b[at + 3]]);
+    let qs = &b[at + 4..at + 20];
+    for (i, out) in y.iter_mut().enumerate().take(32) {
+        let lo = if i < 16 {
+            qs[i] & 0x0F
+        } else {
+            qs[i - 16] >> 4
+        };
+        let q = lo | ((((qh >> i) & 1) as u8) << 4);
+        *out = match m {
+            None => d * (q as i8 - 16) as f32,
+            Some(m) => d * q as f32 + m,
+        };
+    }
+}
+
+/// Q2_K: scales[16] (4-bit scale, 4-bit min per 16 values), qs[64] (2 bits), d, dmin.
+fn q2_k(b: &[u8], y: &mut [f32]) {
+    let (scales, qs) = (&b[0..16], &b[16..80]);
+    let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
+    for (i, out) in y.iter_mut().enumerate().take(QK_K) {
+        let (h, j, l) = (i / 128, (i / 32) % 4, i % 32);
+        let q = (qs[32 * h + l] >> (2 * j)) & 3;
+        let sc = scales[i / 16];
+        let dl = d * (sc & 0x0F) as f32;
+        let ml = dmin * (sc >> 4) as f32;
+        *out = dl * q as f32 - ml;
+    }
+}
+
+/// Q3_K: hmask[32] (the third bit, inverted), qs[64] (2 bits), scales[12] (16 signed 6-bit
+/// scales), d.
+fn q3_k(b: &[u8], y: &mut [f32]) {
+    let (hmask, qs, s) = (&b[0..32], &b[32..96], &b[96..108]);
+    let d = f16_at(b, 108);
+    for (i, out) in y.iter_mut().enumerate().take(QK_K) {
+        let sub = i / 16;
+        let lo = (s[sub % 8] >> (4 * (sub / 8))) & 0x0F;
+        let hi = (s[8 + sub % 4] >> (2 * (sub / 4))) & 0x03;
+        let scale = ((lo | (hi << 4)) as i8).wrapping_sub(32) as f32;
+        let dl = d * scale;
+        let (h, j, l) = (i / 128, (i / 32) % 4, i % 32);
+        let ql = ((qs[32 * h + l] >> (2 * j)) & 3) as i8;
+        let hbit = (hmask[i % 32] >> (i / 32)) & 1;
+        let q = ql - (((hbit ^ 1) << 2) as i8);
+        *out = dl * q as f32;
+    }
+}
+
+/// Q4_K: d, dmin, scales[12] (8 six-bit scale/min pairs), qs[128] (4 bits); Q5_K adds
+/// qh[32] (the fifth bit) before qs.
+fn q4_k_q5_k(t: BlockType, b: &[u8], y: &mut [f32]) {
+    let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
+    let s = &b[4..16];
+    let (qh, qs) = if t == BlockType::Q5K {
+        (Some(&b[16..48]), &b[48..176])
+    } else {
+        (None, &b[16..144])
+    };
+    for (i, out) in y.iter_mut().enumerate().take(QK_K) {
+        let (sub, l) = (i / 32, i % 32);
+        let (sc, m) = scale_min_k4(s, sub);
+        let dl = d * sc;
+        let dm = dmin * m;
+        let mut q = (qs[32 * (sub / 2) + l] >> (4 * (sub % 2))) & 0x0F;
+        if let Some(qh) = qh {
+            q |= ((qh[l] >> sub) & 1) << 4;
         }
-        BlockType::Q2K => {
-            let (scales, qs) = (&b[0..16], &b[16..80]);
-            let (d, dmin) = (f16_at(b, 80), f16_at(b, 82));
-            for (i, out) in y.iter_mut().enumerate().take(QK_K) {
-                let (h, j, l) = (i / 128, (i / 32) % 4, i % 32);
-                let q = (qs[32 * h + l] >> (2 * j)) & 3;
-                let sc = scales[i / 16];
-                let dl = d * (sc & 0x0F) as f32;
-                let ml = dmin * (sc >> 4) as f32;
-                *out = dl * q as f32 - ml;
-            }
-        }
-        BlockType::Q3K => {
-            let (hmask, qs, s) = (&b[0..32], &b[32..96], &b[96..108]);
-            let d = f16_at(b, 108);
-            for (i, out) in y.iter_mut().enumerate().take(QK_K) {
-                let sub = i / 16;
-                let lo = (s[sub % 8] >> (4 * (sub / 8))) & 0x0F;
-                let hi = (s[8 + sub % 4] >> (2 * (sub / 4))) & 0x03;
-                let scale = ((lo | (hi << 4)) as i8).wrapping_sub(32) as f32;
-                let dl = d * scale;
-                let (h, j, l) = (i / 128, (i / 32) % 4, i % 32);
-                let ql = ((qs[32 * h + l] >> (2 * j)) & 3) as i8;
-                let hbit = (hmask[i % 32] >> (i / 32)) & 1;
-                let q = ql - (((hbit ^ 1) << 2) as i8);
-                *out = dl * q as f32;
-            }
-        }
-        BlockType::Q4K | BlockType::Q5K => {
-            let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
-            let s = &b[4..16];
-            let (qh, qs) = if t == BlockType::Q5K {
-                (Some(&b[16..48]), &b[48..176])
-            } else {
-                (None, &b[16..144])
-            };
-            for (i, out) in y.iter_mut().enumerate().take(QK_K) {
-                let (sub, l) = (i / 32, i % 32);
-                let (sc, m) = scale_min_k4(s, sub);
-                let dl = d * sc;
-                let dm = dmin * m;
-                let mut q = (qs[32 * (sub / 2) + l] >> (4 * (sub % 2))) & 0x0F;
-                if let Some(qh) = qh {
-                    q |= ((qh[l] >> sub) & 1) << 4;
-                }
-                *out = dl * q as f32 - dm;
-            }
-        }
-        BlockType::Q6K => {
-            let (ql, qh, scales) = (&b[0..128], &b[128..192], &b[192..208]);
-            let d = f16_at(b, 208);
-            for (i, out) in y.iter_mut().enumerate().take(QK_K) {
-                let (h, t4, l) = (i / 128, (i / 32) % 4, i % 32);
-                let lo = (ql[64 * h + 32 * (t4 % 2) + l] >> (4 * (t4 / 2))) & 0x0F;
-                let hi = (qh[32 * h + l] >> (2 * t4)) & 0x03;
-                let q = ((lo | (hi << 4)) as i8).wrapping_sub(32);
-                let dl = d * (scales[i / 16] as i8) as f32;
-                *out = dl * q as f32;
-            }
-        }
-        BlockType::Iq4Nl => {
-            let d = f16_at(b, 0);
-            let qs = &b[2..18];
-            for (i, out) in y.iter_mut().enumerate().take(32) {
-                let n = if i < 16 {
-                    qs[i] & 0x0F
-                } else {
-                    qs[i - 16] >> 4
-                };
-                *out = d * KVALUES_IQ4NL[n as usize] as f32;
-            }
-        }
-        BlockType::Iq4Xs => {
-            let d = f16_at(b, 0);
-            let scales_h = u16::from_le_bytes([b[2], b[3]]);
-            let (scales_l, qs) = (&b[4..8], &b[8..136]);
-            for (i, out) in y.iter_mut().enumerate().take(QK_K) {
-                let (ib, j) = (i / 32, i % 32);
-                let lo = (scales_l[ib / 2] >> (4 * (ib % 2))) & 0x0F;
-                let hi = ((scales_h >> (2 * ib)) & 0x03) as u8;
-                let ls = ((lo | (hi << 4)) as i8).wrapping_sub(32);
-                let dl = d * ls as f32;
-                let byte = qs[16 * ib + j % 16];
-                let n = if j < 16 { byte & 0x0F } else { byte >> 4 };
-                *out = dl * KVALUES_IQ4NL[n as usize] as f32;
-            }
-        }
-        BlockType::Mxfp4 => {
-            let d = e8m0_to_f32_half(b[0]);
-            let qs = &b[1..17];
-            for (i, out) in y.iter_mut().enumerate().take(32) {
-                let n = if i < 16 {
-                    qs[i] & 0x0F
-                } else {
-                    qs[i - 16] >> 4
-                };
-                *out = d * KVALUES_MXFP4[n as usize] as f32;
-            }
-        }
+        *out = dl * q as f32 - dm;
+    }
+}
+
+/// Q6_K: ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (i8), d: q - 32.
+fn q6_k(b: &[u8], y: &mut [f32]) {
+    let (ql, qh, scales) = (&b[0..128], &b[128..192], &b[192..208]);
+    let d = f16_at(b, 208);
+    for (i, out) in y.iter_mut().enumerate().take(QK_K) {
+        let (h, t4, l) = (i / 128, (i / 32) % 4, i % 32);
+        let lo = (ql[64 * h + 32 * (t4 % 2) + l] >> (4 * (t4 / 2))) & 0x0F;
+        let hi = (qh[32 * h + l] >> (2 * t4)) & 0x03;
+        let q = ((lo | (hi << 4)) as i8).wrapping_sub(32);
+        let dl = d * (scales[i / 16] as i8) as f32;
+        *out = dl * q as f32;
+    }
+}
+
+/// IQ4_NL: d, qs[16]: 4-bit indices into the non-linear levels.
+fn iq4_nl(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let qs = &b[2..18];
+    for (i, out) in y.iter_mut().enumerate().take(32) {
+        let n = if i < 16 {
+            qs[i] & 0x0F
+        } else {
+            qs[i - 16] >> 4
+        };
+        *out = d * KVALUES_IQ4NL[n as usize] as f32;
+    }
+}
+
+/// IQ4_XS: d, scales_h u16, scales_l[4] (8 six-bit scales - 32), qs[128]: IQ4_NL levels.
+fn iq4_xs(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let scales_h = u16::from_le_bytes([b[2], b[3]]);
+    let (scales_l, qs) = (&b[4..8], &b[8..136]);
+    for (i, out) in y.iter_mut().enumerate().take(QK_K) {
+        let (ib, j) = (i / 32, i % 32);
+        let lo = (scales_l[ib / 2] >> (4 * (ib % 2))) & 0x0F;
+        let hi = ((scales_h >> (2 * ib)) & 0x03) as u8;
+        let ls = ((lo | (hi << 4)) as i8).wrapping_sub(32);
+        let dl = d * ls as f32;
+        let byte = qs[16 * ib + j % 16];
+        let n = if j < 16 { byte & 0x0F } else { byte >> 4 };
+        *out = dl * KVALUES_IQ4NL[n as usize] as f32;
+    }
+}
+
+/// MXFP4: an E8M0 exponent, qs[16]: 4-bit E2M1 values.
+fn mxfp4(b: &[u8], y: &mut [f32]) {
+    let d = e8m0_to_f32_half(b[0]);
+    let qs = &b[1..17];
+    for (i, out) in y.iter_mut().enumerate().take(32) {
+        let n = if i < 16 {
+            qs[i] & 0x0F
+        } else {
+            qs[i - 16] >> 4
+        };
+        *out = d * KVALUES_MXFP4[n as usize] as f32;
     }
 }

@@ -315,6 +315,40 @@ struct Meta<'a> {
 }
 
 impl Meta<'_> {
+    /// An array of i32 (GGUF may store small ids as any integer type); missing: empty.
+    fn i32_array(&self, key: &str) -> Result<Vec<i32>, ImportError> {
+        self.array_opt(key)?
+            .unwrap_or(&[])
+            .iter()
+            .map(|v| match v {
+                Value::I32(x) => Ok(*x),
+                v => v
+                    .as_u64()
+                    .and_then(|x| i32::try_from(x).ok())
+                    .ok_or_else(|| {
+                        ImportError::malformed(
+                            self.path,
+                            None,
+                            format!("{key}: item {v:?} is not an i32"),
+                        )
+                    }),
+            })
+            .collect()
+    }
+
+    /// An array of numbers as f32; missing: empty.
+    fn f32_array(&self, key: &str) -> Result<Vec<f32>, ImportError> {
+        self.array_opt(key)?
+            .unwrap_or(&[])
+            .iter()
+            .map(|v| {
+                v.as_f64().map(|x| x as f32).ok_or_else(|| {
+                    ImportError::malformed(self.path, None, format!("{key}: item is not a number"))
+                })
+            })
+            .collect()
+    }
+
     fn get(&self, key: &str) -> Option<&Value> {
         self.m.get(key)
     }
@@ -682,41 +716,8 @@ fn tokenizer(
             format!("{} tokens but the embedding has {vocab} rows", tokens.len()),
         ));
     }
-    let int_array = |key: &str| -> Result<Vec<i32>, ImportError> {
-        meta.array_opt(key)?
-            .unwrap_or(&[])
-            .iter()
-            .map(|v| match v {
-                Value::I32(x) => Ok(*x),
-                v => v
-                    .as_u64()
-                    .and_then(|x| i32::try_from(x).ok())
-                    .ok_or_else(|| {
-                        ImportError::malformed(
-                            path,
-                            None,
-                            format!("{key}: item {v:?} is not an i32"),
-                        )
-                    }),
-            })
-            .collect()
-    };
-    let token_types = int_array("tokenizer.ggml.token_type")?;
-    let scores = match meta.array_opt("tokenizer.ggml.scores")? {
-        None => Vec::new(),
-        Some(a) => a
-            .iter()
-            .map(|v| {
-                v.as_f64().map(|x| x as f32).ok_or_else(|| {
-                    ImportError::malformed(
-                        path,
-                        None,
-                        "tokenizer.ggml.scores: item is not a number",
-                    )
-                })
-            })
-            .collect::<Result<_, _>>()?,
-    };
+    let token_types = meta.i32_array("tokenizer.ggml.token_type")?;
+    let scores = meta.f32_array("tokenizer.ggml.scores")?;
     for (what, n) in [("token_type", token_types.len()), ("scores", scores.len())] {
         if n != 0 && n != tokens.len() {
             return Err(ImportError::malformed(

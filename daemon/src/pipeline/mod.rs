@@ -128,6 +128,72 @@ pub struct Pipeline<B: Backend> {
     total: PassStats,
 }
 
+/// Resident units and host-cached copies, loaded through their own I/O engine with two
+/// staging slots of the largest such unit, dropped once loaded: the streaming engine's
+/// slots (prefetch + 1 of them, in host memory, later page-locked) are sized for the
+/// streamed units only.
+#[allow(clippy::type_complexity)] // (device copy per unit, host copy per unit)
+fn load_kept<B: Backend>(
+    backend: &B,
+    store: &Arc<Store>,
+    plan: &Plan,
+    io_cfg: &IoConfig,
+) -> Result<(Vec<Option<B::Mem>>, Vec<Option<AlignedBuf>>), PipelineError> {
+    let n = store.units().len();
+    let kept: Vec<usize> = (0..n)
+        .filter(|&u| plan.placement(u) != Placement::Streamed)
+        .collect();
+    let loader = IoEngine::new(
+        store.clone(),
+        IoConfig {
+            staging_slots: 2,
+            units: Some(kept.clone()),
+            pinner: backend.pinner(),
+            ..io_cfg.clone()
+        },
+    )?;
+    let mut resident: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
+    let mut host_cache: Vec<Option<AlignedBuf>> = (0..n).map(|_| None).collect();
+    // Load what stays put, two units in flight.
+    let mut pending = VecDeque::new();
+    let mut next = 0;
+    for _ in 0..kept.len() {
+        while next < kept.len() && pending.len() < 2 {
+            pending.push_back(loader.request(kept[next])?);
+            next += 1;
+        }
+        let ticket: Ticket = pending.pop_front().expect("requested above");
+        let u = ticket.unit();
+        let slot = loader.wait(ticket)?;
+        let kind = store.units()[u].kind;
+        match plan.placement(u) {
+            Placement::Resident => {
+                let mut mem = backend.alloc(slot.data().len(), &format!("weights of {kind}"))?;
+                backend.upload(&mut mem, slot.data())?;
+                resident[u] = Some(mem);
+            }
+            Placement::HostCached => {
+                let mut buf =
+                    AlignedBuf::new(slot.data().len()).ok_or(PipelineError::HostCacheAlloc {
+                        unit: kind,
+                        bytes: slot.data().len() as u64,
+                    })?;
+                if let Some(p) = backend.pinner() {
+                    // Pinned copies upload at full speed; unpinned ones still work.
+                    if let Err(e) = buf.pin(&p) {
+                        tracing::warn!("host cache of {kind} stays pageable: {e}");
+                    }
+                }
+                buf.as_mut_slice()[..slot.data().len()].copy_from_slice(slot.data());
+                host_cache[u] = Some(buf);
+            }
+            Placement::Streamed => unreachable!("filtered above"),
+        }
+    }
+    drop(loader);
+    Ok((resident, host_cache))
+}
+
 impl<B: Backend> Pipeline<B> {
     /// Reserves KV cache and workspace, then streaming slots, then loads resident units
     /// and the host cache through the I/O engine.
@@ -148,62 +214,7 @@ impl<B: Backend> Pipeline<B> {
             )?);
         }
         let n = store.units().len();
-        // Loading what stays put uses its own engine with two slots of the largest such
-        // unit, dropped once loaded: the streaming engine's slots (prefetch + 1 of them, in
-        // host memory, later page-locked) are sized for the streamed units only.
-        let kept: Vec<usize> = (0..n)
-            .filter(|&u| plan.placement(u) != Placement::Streamed)
-            .collect();
-        let loader = IoEngine::new(
-            store.clone(),
-            IoConfig {
-                staging_slots: 2,
-                units: Some(kept.clone()),
-                pinner: backend.pinner(),
-                ..io_cfg.clone()
-            },
-        )?;
-        let mut resident: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
-        let mut host_cache: Vec<Option<AlignedBuf>> = (0..n).map(|_| None).collect();
-        // Load what stays put, two units in flight.
-        let mut pending = VecDeque::new();
-        let mut next = 0;
-        for _ in 0..kept.len() {
-            while next < kept.len() && pending.len() < 2 {
-                pending.push_back(loader.request(kept[next])?);
-                next += 1;
-            }
-            let ticket: Ticket = pending.pop_front().expect("requested above");
-            let u = ticket.unit();
-            let slot = loader.wait(ticket)?;
-            let kind = store.units()[u].kind;
-            match plan.placement(u) {
-                Placement::Resident => {
-                    let mut mem =
-                        backend.alloc(slot.data().len(), &format!("weights of {kind}"))?;
-                    backend.upload(&mut mem, slot.data())?;
-                    resident[u] = Some(mem);
-                }
-                Placement::HostCached => {
-                    let mut buf = AlignedBuf::new(slot.data().len()).ok_or(
-                        PipelineError::HostCacheAlloc {
-                            unit: kind,
-                            bytes: slot.data().len() as u64,
-                        },
-                    )?;
-                    if let Some(p) = backend.pinner() {
-                        // Pinned copies upload at full speed; unpinned ones still work.
-                        if let Err(e) = buf.pin(&p) {
-                            tracing::warn!("host cache of {kind} stays pageable: {e}");
-                        }
-                    }
-                    buf.as_mut_slice()[..slot.data().len()].copy_from_slice(slot.data());
-                    host_cache[u] = Some(buf);
-                }
-                Placement::Streamed => unreachable!("filtered above"),
-            }
-        }
-        drop(loader);
+        let (resident, host_cache) = load_kept(&backend, &store, &plan, &io_cfg)?;
         let streamed: Vec<usize> = (0..n)
             .filter(|&u| plan.placement(u) != Placement::Resident)
             .collect();
