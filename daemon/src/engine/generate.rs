@@ -4,6 +4,7 @@
 use super::sequence::{Finish, GenerateParams, SeqLimits, Sequence};
 use super::EngineError;
 use crate::backend::Backend;
+use crate::model::SeqStep;
 use crate::pipeline::Pipeline;
 use crate::text::Tokenizer;
 use serde::Serialize;
@@ -51,7 +52,12 @@ pub fn generate<B: Backend>(
     let mut text = String::new();
     let t0 = Instant::now();
     let mut decode_start = None;
-    while let Some(step) = seq.next_step(opts.max_batch_tokens) {
+    let mut step = SeqStep {
+        slot: 0,
+        pos: 0,
+        tokens: Vec::with_capacity(opts.max_batch_tokens),
+    };
+    while seq.fill_step(opts.max_batch_tokens, &mut step) {
         runner.step(std::slice::from_ref(&step), &mut logits)?;
         let piece = seq.advance(step.tokens.len(), &logits, tok, 0);
         if decode_start.is_none() && !seq.generated().is_empty() {
@@ -65,7 +71,7 @@ pub fn generate<B: Backend>(
     let t1 = decode_start.unwrap_or_else(Instant::now);
     let prefill_s = (t1 - t0).as_secs_f64();
     let decode_steps = seq.decode_steps();
-    // `next_step` returns None only once the sequence has finished.
+    // `fill_step` returns false only once the sequence has finished.
     let (tail, done) = seq.close(Finish::Length, tok);
     if let Some(p) = tail {
         if !p.text.is_empty() {

@@ -110,8 +110,10 @@ struct EngineState<B: Backend> {
     free_slots: Vec<usize>,
     active: Vec<Active>,
     logits: Vec<f32>,
-    /// The step being built: one row group per member.
+    /// The step being built: its first `n_steps` entries, one row group per member (the
+    /// entries are reused step after step, token lists and all).
     steps: Vec<SeqStep>,
+    n_steps: usize,
     /// Index into `active` of each entry of `steps`.
     members: Vec<usize>,
     /// Decode tokens per second, smoothed over steps.
@@ -213,6 +215,7 @@ impl Scheduler {
             active: Vec::with_capacity(max_batch),
             logits: Vec::new(),
             steps: Vec::with_capacity(max_batch),
+            n_steps: 0,
             members: Vec::with_capacity(max_batch),
             decode_rate: 0.0,
         };
@@ -242,7 +245,7 @@ impl Scheduler {
             }
             build_step(&mut st);
             let t0 = Instant::now();
-            if let Err(e) = st.runner.step(&st.steps, &mut st.logits) {
+            if let Err(e) = st.runner.step(&st.steps[..st.n_steps], &mut st.logits) {
                 fail_step(&mut st, &e);
                 continue;
             }
@@ -326,7 +329,7 @@ impl Scheduler {
         let pass_bytes = st.runner.last_pass().bytes_uploaded;
         let vocab = self.tokenizer.vocab() as usize;
         let mut decoded = 0usize;
-        for (row, (&k, step)) in st.members.iter().zip(&st.steps).enumerate() {
+        for (row, (&k, step)) in st.members.iter().zip(&st.steps[..st.n_steps]).enumerate() {
             let a = &mut st.active[k];
             decoded += usize::from(a.seq.is_decoding());
             let logits = &st.logits[row * vocab..(row + 1) * vocab];
@@ -405,7 +408,7 @@ impl Scheduler {
 /// then prefill chunks in the remaining token budget.
 fn build_step<B: Backend>(st: &mut EngineState<B>) {
     let budget = st.runner.options().max_batch_tokens;
-    st.steps.clear();
+    st.n_steps = 0;
     st.members.clear();
     let mut left = budget;
     for decoding in [true, false] {
@@ -413,9 +416,17 @@ fn build_step<B: Backend>(st: &mut EngineState<B>) {
             if a.seq.is_decoding() != decoding {
                 continue;
             }
-            if let Some(step) = a.seq.next_step(left) {
+            if st.n_steps == st.steps.len() {
+                st.steps.push(SeqStep {
+                    slot: 0,
+                    pos: 0,
+                    tokens: Vec::new(),
+                });
+            }
+            let step = &mut st.steps[st.n_steps];
+            if a.seq.fill_step(left, step) {
                 left -= step.tokens.len();
-                st.steps.push(step);
+                st.n_steps += 1;
                 st.members.push(k);
             }
         }
@@ -425,7 +436,7 @@ fn build_step<B: Backend>(st: &mut EngineState<B>) {
 /// A failed step fails every sequence that was in it (DATA_LOSS for bad stored data).
 fn fail_step<B: Backend>(st: &mut EngineState<B>, e: &crate::pipeline::PipelineError) {
     let data_loss = e.is_data_loss();
-    tracing::error!("step of {} sequences failed: {e}", st.steps.len());
+    tracing::error!("step of {} sequences failed: {e}", st.n_steps);
     st.members.sort_unstable_by(|a, b| b.cmp(a));
     for &k in &st.members {
         let a = st.active.swap_remove(k);

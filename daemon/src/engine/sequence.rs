@@ -173,22 +173,33 @@ impl Sequence {
     /// token when decoding, else the next chunk of its prompt. None when it has ended or
     /// the budget is spent.
     pub fn next_step(&self, budget: usize) -> Option<SeqStep> {
+        let mut step = SeqStep {
+            slot: 0,
+            pos: 0,
+            tokens: Vec::new(),
+        };
+        self.fill_step(budget, &mut step).then_some(step)
+    }
+
+    /// `next_step` into a step the caller reuses (its token list keeps its capacity, so a
+    /// step loop allocates nothing); false where `next_step` gives None.
+    pub fn fill_step(&self, budget: usize, out: &mut SeqStep) -> bool {
         if self.finished.is_some() || budget == 0 {
-            return None;
+            return false;
         }
-        let tokens = match self.pending {
-            Some(t) => vec![t],
+        out.tokens.clear();
+        match self.pending {
+            Some(t) => out.tokens.push(t),
             None if self.prefilled < self.prompt.len() => {
                 let n = (self.prompt.len() - self.prefilled).min(budget);
-                self.prompt[self.prefilled..self.prefilled + n].to_vec()
+                out.tokens
+                    .extend_from_slice(&self.prompt[self.prefilled..self.prefilled + n]);
             }
-            None => return None,
-        };
-        Some(SeqStep {
-            slot: self.slot,
-            pos: self.pos,
-            tokens,
-        })
+            None => return false,
+        }
+        out.slot = self.slot;
+        out.pos = self.pos;
+        true
     }
 
     /// Takes the result of a step that ran `ran` of this sequence's tokens and produced

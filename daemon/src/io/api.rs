@@ -155,6 +155,14 @@ fn probe_direct(file: &File) -> std::io::Result<()> {
     std::os::unix::fs::FileExt::read_at(file, b.as_mut_slice(), 0).map(|_| ())
 }
 
+/// Maps a setup failure's message to an error naming the weights file.
+fn setup_err(path: &std::path::Path) -> impl Fn(String) -> IoError + '_ {
+    move |msg| IoError::Setup {
+        path: path.to_path_buf(),
+        msg,
+    }
+}
+
 /// The reader chosen and what the caller side keeps of that choice.
 struct Started {
     kind: ReaderKind,
@@ -170,10 +178,7 @@ impl IoEngine {
     /// Opens the store's weights.bin and starts the engine.
     pub fn new(store: Arc<Store>, cfg: IoConfig) -> Result<IoEngine, IoError> {
         let path = store.weights_path().to_path_buf();
-        let setup = |msg: String| IoError::Setup {
-            path: path.clone(),
-            msg,
-        };
+        let setup = setup_err(&path);
         let mut why = Vec::new();
         let mut direct = false;
         let mut file = None;
@@ -221,12 +226,9 @@ impl IoEngine {
         mut why: Vec<String>,
     ) -> Result<IoEngine, IoError> {
         let path = store.weights_path().to_path_buf();
-        let setup = |msg: String| IoError::Setup {
-            path: path.clone(),
-            msg,
-        };
-        let sizes = limits::check(&cfg, store.manifest()).map_err(setup)?;
-        let pools = Pools::allocate(&cfg, &sizes).map_err(setup)?;
+        let setup = setup_err(&path);
+        let sizes = limits::check(&cfg, store.manifest()).map_err(&setup)?;
+        let pools = Pools::allocate(&cfg, &sizes).map_err(&setup)?;
         let (tx, rx) = sync_channel::<Msg>(sizes.message_capacity(&cfg));
         // The reader: io_uring, or the pread pool when asked or when io_uring fails.
         let mut uring = None;
@@ -285,10 +287,7 @@ impl IoEngine {
         started: Started,
     ) -> Result<IoEngine, IoError> {
         let path = store.weights_path().to_path_buf();
-        let setup = |msg: String| IoError::Setup {
-            path: path.clone(),
-            msg,
-        };
+        let setup = setup_err(&path);
         let Started {
             kind,
             direct,
@@ -351,14 +350,10 @@ impl IoEngine {
         cfg: IoConfig,
         make: impl FnOnce(&[AlignedBuf]) -> Box<dyn Reader>,
     ) -> Result<IoEngine, IoError> {
-        let sizes = limits::check(&cfg, store.manifest()).map_err(|msg| IoError::Setup {
-            path: store.weights_path().to_path_buf(),
-            msg,
-        })?;
-        let pools = Pools::allocate(&cfg, &sizes).map_err(|msg| IoError::Setup {
-            path: store.weights_path().to_path_buf(),
-            msg,
-        })?;
+        let path = store.weights_path().to_path_buf();
+        let setup = setup_err(&path);
+        let sizes = limits::check(&cfg, store.manifest()).map_err(&setup)?;
+        let pools = Pools::allocate(&cfg, &sizes).map_err(&setup)?;
         let (tx, rx) = sync_channel::<Msg>(sizes.message_capacity(&cfg));
         let started = Started {
             kind: ReaderKind::Pread,

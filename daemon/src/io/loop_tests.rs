@@ -175,6 +175,19 @@ fn reference(store: &Store, unit: usize) -> Vec<u8> {
     dst
 }
 
+/// Loads unit `u` through the engine and checks it against the plain pread path.
+fn assert_loads_like_pread(e: &IoEngine, store: &Store, u: usize) {
+    let got = e
+        .wait(e.request(u).expect("request"))
+        .expect("load")
+        .data()
+        .to_vec();
+    assert!(
+        got == reference(store, u),
+        "unit {u} differs from the plain read"
+    );
+}
+
 fn full(e: &IoEngine) -> PoolStatus {
     let s = e.pool_status();
     PoolStatus {
@@ -222,16 +235,7 @@ fn short_reads_are_resubmitted_and_the_unit_is_bit_exact() {
         store.units()[u].frames.len() > 2,
         "the test needs a unit of several frames"
     );
-    let got = e
-        .wait(e.request(u).expect("request"))
-        .expect("load")
-        .data()
-        .to_vec();
-    assert_eq!(
-        got,
-        reference(&store, u),
-        "unit {u} differs from the plain read"
-    );
+    assert_loads_like_pread(&e, &store, u);
     assert!(e.stats().short_reads >= 2, "{:?}", e.stats());
     wait_full(&e);
 }
@@ -264,12 +268,7 @@ fn a_read_error_fails_its_unit_with_the_offset_and_the_next_load_works() {
     );
     wait_full(&e);
     // The script is spent: the same unit now loads, bit for bit.
-    let got = e
-        .wait(e.request(u).expect("request"))
-        .expect("load")
-        .data()
-        .to_vec();
-    assert_eq!(got, reference(&store, u));
+    assert_loads_like_pread(&e, &store, u);
     assert_eq!(e.stats().units_failed, 1);
     wait_full(&e);
 }
@@ -308,11 +307,6 @@ fn a_ticket_dropped_with_reads_in_flight_frees_everything_once_they_land() {
     );
     script.release.store(true, Ordering::SeqCst);
     wait_full(&e);
-    let got = e
-        .wait(e.request(u).expect("request"))
-        .expect("load")
-        .data()
-        .to_vec();
-    assert_eq!(got, reference(&store, u));
+    assert_loads_like_pread(&e, &store, u);
     wait_full(&e);
 }

@@ -194,6 +194,23 @@ struct SharedPtr(*mut f32);
 unsafe impl Send for SharedPtr {}
 unsafe impl Sync for SharedPtr {}
 
+impl SharedPtr {
+    /// The address of element `i` (a method, so a closure captures the whole `SharedPtr`).
+    fn at(self, i: usize) -> *mut f32 {
+        self.0.wrapping_add(i)
+    }
+
+    /// `len` elements from element `at`.
+    ///
+    /// # Safety
+    /// The range is inside the allocation, and no other task reads or writes it while the
+    /// slice lives.
+    unsafe fn slice<'o>(self, at: usize, len: usize) -> &'o mut [f32] {
+        // SAFETY: the caller's contract.
+        unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
+    }
+}
+
 thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
@@ -474,15 +491,10 @@ impl Backend for CpuBackend {
                             sum += *s;
                         }
                         let inv = 1.0 / sum;
-                        let p_out = optr;
                         // SAFETY: task (span, head) writes its own head's columns of its own
                         // rows; no two tasks share a (row, head).
-                        let o = unsafe {
-                            std::slice::from_raw_parts_mut(
-                                p_out.0.add((sp.row + t) * width_q + h * head_dim),
-                                head_dim,
-                            )
-                        };
+                        let o =
+                            unsafe { optr.slice((sp.row + t) * width_q + h * head_dim, head_dim) };
                         o.fill(0.0);
                         for (j, &s) in sc.iter().enumerate() {
                             let w = s * inv;
@@ -536,6 +548,11 @@ struct Matmul<'a> {
 }
 
 impl Matmul<'_> {
+    /// Output columns per decode task: about four tasks per thread, at least 16.
+    fn decode_chunk(&self) -> usize {
+        self.m.div_ceil(self.threads * 4).max(16)
+    }
+
     /// The first `g` rows through the four-row block kernels (`xsums`: their block sums).
     fn decode_rows4(&self, par: &Par, g: usize, xsums: &[f32]) {
         let Matmul {
@@ -546,11 +563,10 @@ impl Matmul<'_> {
             k,
             m,
             out: optr,
-            threads,
+            ..
         } = *self;
-        let w_dtype = dtype;
         let nb = k / 32;
-        let chunk = m.div_ceil(threads * 4).max(16);
+        let chunk = self.decode_chunk();
         par.for_each(m.div_ceil(chunk), |c| {
             let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
             RES4.with(|res| {
@@ -559,13 +575,10 @@ impl Matmul<'_> {
                 res.resize(j1 - j0, [0f32; 4]);
                 for r0 in (0..g).step_by(4) {
                     if g - r0 == 1 {
-                        let p = optr;
                         // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
-                        let o = unsafe {
-                            std::slice::from_raw_parts_mut(p.0.add(r0 * m + j0), j1 - j0)
-                        };
+                        let o = unsafe { optr.slice(r0 * m + j0, j1 - j0) };
                         kernels::gemv(
-                            w_dtype,
+                            dtype,
                             &wb[j0 * rb..j1 * rb],
                             rb,
                             &xs[r0 * k..(r0 + 1) * k],
@@ -579,13 +592,10 @@ impl Matmul<'_> {
                         std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
                     let xsr: [&[f32]; 4] =
                         std::array::from_fn(|i| &xsums[pick(i) * nb..(pick(i) + 1) * nb]);
-                    kernels::gemv4(w_dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, &mut res);
+                    kernels::gemv4(dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, &mut res);
                     for i in 0..(g - r0).min(4) {
-                        let p = optr;
                         // SAFETY: as above.
-                        let o = unsafe {
-                            std::slice::from_raw_parts_mut(p.0.add((r0 + i) * m + j0), j1 - j0)
-                        };
+                        let o = unsafe { optr.slice((r0 + i) * m + j0, j1 - j0) };
                         for (oj, rj) in o.iter_mut().zip(res.iter()) {
                             *oj = rj[i];
                         }
@@ -605,15 +615,14 @@ impl Matmul<'_> {
             k,
             m,
             out: optr,
-            threads,
+            ..
         } = *self;
-        let chunk = m.div_ceil(threads * 4).max(16);
+        let chunk = self.decode_chunk();
         par.for_each(m.div_ceil(chunk), |c| {
             let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
             for r in 0..g {
-                let p = optr;
                 // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
-                let o = unsafe { std::slice::from_raw_parts_mut(p.0.add(r * m + j0), j1 - j0) };
+                let o = unsafe { optr.slice(r * m + j0, j1 - j0) };
                 kernels::gemv(dtype, &wb[j0 * rb..j1 * rb], rb, &xs[r * k..(r + 1) * k], o);
             }
         });
@@ -640,7 +649,6 @@ impl Matmul<'_> {
                 let mut tile = tile.borrow_mut();
                 tile.resize(TILE_ROWS * k, 0.0);
                 kernels::dequant_rows(dtype, &wb[j0 * rb..j1 * rb], rb, k, &mut tile[..nb * k]);
-                let p = optr;
                 // SAFETY: C = X[t, k] . T^T lands in out[g.., j0..j1] (row stride m),
                 // disjoint across tasks; A and B are live slices of the given sizes.
                 unsafe {
@@ -656,7 +664,7 @@ impl Matmul<'_> {
                         1,
                         k as isize,
                         0.0,
-                        p.0.add(g * m + j0),
+                        optr.at(g * m + j0),
                         m as isize,
                         1,
                     );
