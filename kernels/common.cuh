@@ -74,3 +74,16 @@ __device__ __forceinline__ float deq_q4_1(const u8* b, int i) {
     const int v = i < 16 ? (q & 15) : (q >> 4);
     return f16_to_f32(load_u16(b)) * (float)v + f16_to_f32(load_u16(b + 2));
 }
+
+// One warp per weight row of a decode-row GEMV: out[r][j] = dot(W[j], x[r]), the dot
+// split across the warp's lanes by `dot` and summed. Grid: (ceil(m / 4), n_rows); block:
+// 128 threads = 4 warps.
+template <typename Dot>
+__device__ void gemv(const u8* w, const float* x, float* out, int m, int k, size_t row_bytes, Dot dot) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j = blockIdx.x * 4 + warp;
+    const int r = blockIdx.y;
+    if (j >= m) return;
+    const float s = warp_sum(dot(w + (size_t)j * row_bytes, x + (size_t)r * k, k, lane));
+    if (lane == 0) out[(size_t)r * m + j] = s;
+}

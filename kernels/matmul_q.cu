@@ -5,16 +5,6 @@
 //   dequant_*: out[i] = W element i, for n elements. Grid: ceil(n / 256); block: 256.
 #include "common.cuh"
 
-template <typename Dot>
-__device__ void gemv(const u8* w, const float* x, float* out, int m, int k, size_t row_bytes, Dot dot) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int j = blockIdx.x * 4 + warp;
-    const int r = blockIdx.y;
-    if (j >= m) return;
-    const float s = warp_sum(dot(w + (size_t)j * row_bytes, x + (size_t)r * k, k, lane));
-    if (lane == 0) out[(size_t)r * m + j] = s;
-}
-
 // Each lane takes every 32nd block (quantized) or element (dense).
 struct DotQ8_0 { __device__ float operator()(const u8* w, const float* x, int k, int lane) const {
     float s = 0.0f;

@@ -86,15 +86,31 @@ fn corrupted_gguf_headers_are_clear_errors() {
     let e = import_err(&path);
     assert!(e.contains("tensor count") && e.contains("offset 8"), "{e}");
 
-    // An unsupported dtype names the tensor and the type.
-    let mut b = bytes.clone();
+    // An unsupported dtype names the tensor, the type and what is supported.
     let name = b"blk.0.attn_q.weight";
-    let type_at = find(&b, name) + name.len() + 4 + 2 * 8;
-    b[type_at..type_at + 4].copy_from_slice(&6u32.to_le_bytes()); // Q5_0
+    let type_at = find(&bytes, name) + name.len() + 4 + 2 * 8;
+    for (id, want) in [(16u32, "IQ2_XXS"), (99, "unknown")] {
+        let mut b = bytes.clone();
+        b[type_at..type_at + 4].copy_from_slice(&id.to_le_bytes());
+        write(&b);
+        let e = import_err(&path);
+        assert!(
+            e.contains("blk.0.attn_q.weight")
+                && e.contains(&format!("GGML type {id} ({want})"))
+                && e.contains("Q4_K")
+                && e.contains("llama-quantize"),
+            "{e}"
+        );
+    }
+
+    // A K-quant tensor whose rows (64 here) are not whole super-blocks of 256.
+    let mut b = bytes.clone();
+    b[type_at..type_at + 4].copy_from_slice(&12u32.to_le_bytes()); // Q4_K
     write(&b);
     let e = import_err(&path);
     assert!(
-        e.contains("blk.0.attn_q.weight") && e.contains("Q5_0"),
+        e.contains("blk.0.attn_q.weight")
+            && e.contains("a row of 64 elements is not a whole number of Q4_K blocks (256"),
         "{e}"
     );
 

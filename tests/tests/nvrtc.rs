@@ -116,12 +116,16 @@ fn the_kernel_table_matches_every_kernel_signature_in_the_sources() {
             k.name()
         );
     }
-    assert_eq!(seen.len(), 29, "kernels: {seen:?}");
+    // 29 for the first six dtypes and the other ops, three for each of the ten
+    // K-quant-era block formats.
+    assert_eq!(seen.len(), 29 + 3 * 10, "kernels: {seen:?}");
     // The parser sees through parameter names, spacing and macros.
     let sigs = entry_signatures(
         "extern \"C\" __global__ void a(float *x,\n   const unsigned long long* d, int n) {}\n\
          #define MK(name, b) \\\n  extern \"C\" __global__ void name(const u8* w, float s) { }\n\
-         MK(mk_one, 1)\n",
+         MK(mk_one, 1)\n\
+         #define PAIR(t, b) \\\n  extern \"C\" __global__ void gemv_##t(int m) { } \\\n  extern \"C\" __global__ void t##_x(float s) { }\n\
+         PAIR(q9, 3)\n",
     );
     assert_eq!(
         sigs,
@@ -138,6 +142,8 @@ fn the_kernel_table_matches_every_kernel_signature_in_the_sources() {
                 "mk_one".to_string(),
                 vec!["const u8*".to_string(), "float".to_string()]
             ),
+            ("gemv_q9".to_string(), vec!["int".to_string()]),
+            ("q9_x".to_string(), vec!["float".to_string()]),
         ]
     );
 }

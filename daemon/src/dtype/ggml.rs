@@ -4,103 +4,14 @@
 //! same order as `gguf.quants.dequantize`, so the results are bit-identical to it
 //! (tests/tests/quants.rs checks every type against its output, extreme scales included).
 //!
-//! These are the reference (scalar) decoders: the matmul kernels that consume the blocks
-//! in place are built on them.
+//! These are the reference (scalar) decoders. The CPU matmul kernels use them for the
+//! formats without a fused kernel of their own and for prefill tiles; `sample_blocks`
+//! makes well-formed random blocks for kernel tests and synthetic models.
 
+use super::DType;
 use half::f16;
 
-/// Elements per K-quant super-block.
-pub const QK_K: usize = 256;
-
-/// A GGML block format beyond the ones `DType` carries today.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum BlockType {
-    Q5_0,
-    Q5_1,
-    Q2K,
-    Q3K,
-    Q4K,
-    Q5K,
-    Q6K,
-    Iq4Nl,
-    Iq4Xs,
-    Mxfp4,
-}
-
-impl BlockType {
-    pub const ALL: [BlockType; 10] = [
-        BlockType::Q5_0,
-        BlockType::Q5_1,
-        BlockType::Q2K,
-        BlockType::Q3K,
-        BlockType::Q4K,
-        BlockType::Q5K,
-        BlockType::Q6K,
-        BlockType::Iq4Nl,
-        BlockType::Iq4Xs,
-        BlockType::Mxfp4,
-    ];
-
-    /// The GGML type id (`ggml_type`) of the format.
-    pub fn ggml_type(self) -> u32 {
-        match self {
-            BlockType::Q5_0 => 6,
-            BlockType::Q5_1 => 7,
-            BlockType::Q2K => 10,
-            BlockType::Q3K => 11,
-            BlockType::Q4K => 12,
-            BlockType::Q5K => 13,
-            BlockType::Q6K => 14,
-            BlockType::Iq4Nl => 20,
-            BlockType::Iq4Xs => 23,
-            BlockType::Mxfp4 => 39,
-        }
-    }
-
-    pub fn from_ggml(t: u32) -> Option<BlockType> {
-        BlockType::ALL.into_iter().find(|b| b.ggml_type() == t)
-    }
-
-    /// The name GGUF tools print (`Q4_K`, `IQ4_XS`, ...).
-    pub fn name(self) -> &'static str {
-        match self {
-            BlockType::Q5_0 => "Q5_0",
-            BlockType::Q5_1 => "Q5_1",
-            BlockType::Q2K => "Q2_K",
-            BlockType::Q3K => "Q3_K",
-            BlockType::Q4K => "Q4_K",
-            BlockType::Q5K => "Q5_K",
-            BlockType::Q6K => "Q6_K",
-            BlockType::Iq4Nl => "IQ4_NL",
-            BlockType::Iq4Xs => "IQ4_XS",
-            BlockType::Mxfp4 => "MXFP4",
-        }
-    }
-
-    /// Elements per block.
-    pub fn block_elems(self) -> usize {
-        match self {
-            BlockType::Q5_0 | BlockType::Q5_1 | BlockType::Iq4Nl | BlockType::Mxfp4 => 32,
-            _ => QK_K,
-        }
-    }
-
-    /// Bytes per block.
-    pub fn block_bytes(self) -> usize {
-        match self {
-            BlockType::Q5_0 => 22,
-            BlockType::Q5_1 => 24,
-            BlockType::Q2K => 84,
-            BlockType::Q3K => 110,
-            BlockType::Q4K => 144,
-            BlockType::Q5K => 176,
-            BlockType::Q6K => 210,
-            BlockType::Iq4Nl => 18,
-            BlockType::Iq4Xs => 136,
-            BlockType::Mxfp4 => 17,
-        }
-    }
-}
+const QK_K: usize = super::QK_K as usize;
 
 /// The 16 non-linear levels of IQ4_NL and IQ4_XS.
 const KVALUES_IQ4NL: [i8; 16] = [
@@ -125,7 +36,7 @@ fn e8m0_to_f32_half(e: u8) -> f32 {
 }
 
 /// The 6-bit scale and min of sub-block `j` (0..8) of a Q4_K/Q5_K block's 12 scale bytes.
-fn scale_min_k4(s: &[u8], j: usize) -> (f32, f32) {
+pub(crate) fn scale_min_k4(s: &[u8], j: usize) -> (f32, f32) {
     if j < 4 {
         ((s[j] & 0x3F) as f32, (s[j + 4] & 0x3F) as f32)
     } else {
@@ -138,15 +49,18 @@ fn scale_min_k4(s: &[u8], j: usize) -> (f32, f32) {
 }
 
 /// Dequantizes whole blocks of `t` from `src` into `out`; the lengths must agree.
-pub fn dequantize(t: BlockType, src: &[u8], out: &mut [f32]) -> Result<(), String> {
-    let (be, bb) = (t.block_elems(), t.block_bytes());
+pub fn dequantize(t: DType, src: &[u8], out: &mut [f32]) -> Result<(), String> {
+    let (be, bb) = (t.block_elems() as usize, t.block_bytes() as usize);
     if !src.len().is_multiple_of(bb) || src.len() / bb * be != out.len() {
         return Err(format!(
             "{}: {} bytes are not whole blocks of {bb} for {} values ({be} per block)",
-            t.name(),
+            t.ggml_name(),
             src.len(),
             out.len()
         ));
+    }
+    if !t.is_quantized() {
+        return Err(format!("{}: not a block format", t.ggml_name()));
     }
     for (b, y) in src.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
         dequantize_block(t, b, y);
@@ -154,25 +68,50 @@ pub fn dequantize(t: BlockType, src: &[u8], out: &mut [f32]) -> Result<(), Strin
     Ok(())
 }
 
-/// One block (`t.block_bytes()` bytes) into `t.block_elems()` values.
-pub fn dequantize_block(t: BlockType, b: &[u8], y: &mut [f32]) {
+/// One block (`t.block_bytes()` bytes) of a block format into `t.block_elems()` values.
+#[inline]
+pub fn dequantize_block(t: DType, b: &[u8], y: &mut [f32]) {
     match t {
-        BlockType::Q5_0 | BlockType::Q5_1 => q5(t, b, y),
-        BlockType::Q2K => q2_k(b, y),
-        BlockType::Q3K => q3_k(b, y),
-        BlockType::Q4K | BlockType::Q5K => q4_k_q5_k(t, b, y),
-        BlockType::Q6K => q6_k(b, y),
-        BlockType::Iq4Nl => iq4_nl(b, y),
-        BlockType::Iq4Xs => iq4_xs(b, y),
-        BlockType::Mxfp4 => mxfp4(b, y),
+        DType::Q8_0 => {
+            let d = f16_at(b, 0);
+            for (o, &q) in y.iter_mut().zip(&b[2..34]) {
+                *o = d * q as i8 as f32;
+            }
+        }
+        DType::Q4_0 | DType::Q4_1 => q4(t, b, y),
+        DType::Q5_0 | DType::Q5_1 => q5(t, b, y),
+        DType::Q2K => q2_k(b, y),
+        DType::Q3K => q3_k(b, y),
+        DType::Q4K | DType::Q5K => q4_k_q5_k(t, b, y),
+        DType::Q6K => q6_k(b, y),
+        DType::Iq4Nl => iq4_nl(b, y),
+        DType::Iq4Xs => iq4_xs(b, y),
+        DType::Mxfp4 => mxfp4(b, y),
+        DType::F32 | DType::F16 | DType::BF16 => unreachable!("{t} is not a block format"),
+    }
+}
+
+/// Q4_0 (d, qs[16]: q - 8) and Q4_1 (d, m, qs: q * d + m); byte j holds element j in its
+/// low nibble and j + 16 in its high one.
+fn q4(t: DType, b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    let (m, at) = if t == DType::Q4_1 {
+        (f16_at(b, 2), 4)
+    } else {
+        (-8.0 * d, 2)
+    };
+    for j in 0..16 {
+        let q = b[at + j];
+        y[j] = (q & 15) as f32 * d + m;
+        y[j + 16] = (q >> 4) as f32 * d + m;
     }
 }
 
 /// Q5_0 (d f16, qh u32, qs[16]: q - 16) and Q5_1 (d, m f16, qh, qs: q * d + m): the fifth
 /// bit of element i is bit i of qh.
-fn q5(t: BlockType, b: &[u8], y: &mut [f32]) {
+fn q5(t: DType, b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
-    let (m, at) = if t == BlockType::Q5_1 {
+    let (m, at) = if t == DType::Q5_1 {
         (Some(f16_at(b, 2)), 4)
     } else {
         (None, 2)
@@ -228,10 +167,10 @@ fn q3_k(b: &[u8], y: &mut [f32]) {
 
 /// Q4_K: d, dmin, scales[12] (8 six-bit scale/min pairs), qs[128] (4 bits); Q5_K adds
 /// qh[32] (the fifth bit) before qs.
-fn q4_k_q5_k(t: BlockType, b: &[u8], y: &mut [f32]) {
+fn q4_k_q5_k(t: DType, b: &[u8], y: &mut [f32]) {
     let (d, dmin) = (f16_at(b, 0), f16_at(b, 2));
     let s = &b[4..16];
-    let (qh, qs) = if t == BlockType::Q5K {
+    let (qh, qs) = if t == DType::Q5K {
         (Some(&b[16..48]), &b[48..176])
     } else {
         (None, &b[16..144])
@@ -306,4 +245,51 @@ fn mxfp4(b: &[u8], y: &mut [f32]) {
         };
         *out = d * KVALUES_MXFP4[n as usize] as f32;
     }
+}
+
+/// `n` well-formed blocks of `t` from a seeded generator: random quant bits, and scales
+/// that are moderate random f16 (or E8M0 exponents near 1), so dot products stay in range.
+/// For kernel tests and synthetic models; plain floats get uniform values in [-1, 1).
+pub fn sample_blocks(t: DType, n: usize, seed: u64) -> Vec<u8> {
+    let mut s = seed ^ 0x9E37_79B9_7F4A_7C15;
+    let mut next = move || {
+        s = s
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        (s >> 33) as u32
+    };
+    let bb = t.block_bytes() as usize;
+    let mut out: Vec<u8> = (0..n * bb).map(|_| next() as u8).collect();
+    let unit = |r: u32| (r as f32 / (1u64 << 31) as f32) * 2.0 - 1.0;
+    let put_f16 = |blk: &mut [u8], at: usize, v: f32| {
+        blk[at..at + 2].copy_from_slice(&f16::from_f32(v).to_le_bytes());
+    };
+    for blk in out.chunks_exact_mut(bb) {
+        let (a, b) = (unit(next()), unit(next()));
+        match t {
+            DType::F32 => blk.copy_from_slice(&a.to_le_bytes()),
+            DType::F16 => put_f16(blk, 0, a),
+            DType::BF16 => blk.copy_from_slice(&half::bf16::from_f32(a).to_le_bytes()),
+            // Scales for weights of at most about 1 in magnitude.
+            DType::Q4_0 | DType::Q5_0 => put_f16(blk, 0, 0.05 * a),
+            DType::Q8_0 | DType::Iq4Nl => put_f16(blk, 0, 0.005 * a),
+            DType::Iq4Xs => put_f16(blk, 0, 0.0003 * a),
+            DType::Q4_1 | DType::Q5_1 => {
+                put_f16(blk, 0, 0.05 * a);
+                put_f16(blk, 2, 0.5 * b);
+            }
+            DType::Q4K | DType::Q5K => {
+                put_f16(blk, 0, 0.001 * a);
+                put_f16(blk, 2, 0.001 * b);
+            }
+            DType::Q2K => {
+                put_f16(blk, 80, 0.02 * a);
+                put_f16(blk, 82, 0.02 * b);
+            }
+            DType::Q3K => put_f16(blk, 108, 0.01 * a),
+            DType::Q6K => put_f16(blk, 208, 0.0003 * a),
+            DType::Mxfp4 => blk[0] = 120 + (next() % 8) as u8,
+        }
+    }
+    out
 }

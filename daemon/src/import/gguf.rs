@@ -281,8 +281,12 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Gguf, ImportError> {
                     path,
                     None,
                     format!(
-                        "tensor {}: dims {:?} do not fit {dt} blocks",
-                        t.name, t.dims
+                        "tensor {}: dims {:?}: a row of {} elements is not a whole number of {} blocks ({} elements each)",
+                        t.name,
+                        t.dims,
+                        t.dims.first().copied().unwrap_or(0),
+                        dt.ggml_name(),
+                        dt.block_elems()
                     ),
                 )
             })?;
@@ -525,6 +529,15 @@ struct Heads {
     permuted_qk: bool,
 }
 
+/// The GGML types sluice reads, as GGUF tools name them.
+fn supported_names() -> String {
+    let names: Vec<String> = crate::dtype::ALL_DTYPES
+        .iter()
+        .map(|d| d.ggml_name())
+        .collect();
+    names.join(", ")
+}
+
 /// Every tensor under its Hugging Face name, dtypes checked, llama q/k rows marked for
 /// un-permutation; `rope_freqs.weight` (llama3 scaling) taken out as numbers.
 #[allow(clippy::type_complexity)] // (tensors by name, rope frequency factors)
@@ -543,10 +556,11 @@ fn map_tensors(
             ImportError::unsupported(
                 path,
                 format!(
-                    "tensor {} has GGML type {} ({}); sluice supports F32, F16, BF16, Q8_0, Q4_0 and Q4_1: requantize with llama-quantize to one of those",
+                    "tensor {} has GGML type {} ({}); sluice supports {}: requantize with llama-quantize to one of those (Q4_K_M is a good default)",
                     t.name,
                     t.ggml_type,
-                    ggml_type_name(t.ggml_type)
+                    ggml_type_name(t.ggml_type),
+                    supported_names()
                 ),
             )
         })?;

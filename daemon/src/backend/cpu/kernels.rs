@@ -5,8 +5,10 @@
 //! GGML block layouts (ggml-common.h): q8_0 = f16 d + 32 x i8, value d*q; q4_0 = f16 d +
 //! 16 bytes, value d*(q-8); q4_1 = f16 d + f16 m + 16 bytes, value d*q + m. In both 4-bit
 //! formats byte j holds element j in its low nibble and element j+16 in its high nibble.
+//! The formats of K-quant GGUFs (Q4_K, Q6_K, ...) have their AVX2 kernels in `kquant.rs`;
+//! without AVX2 they, like everything here, go through the scalar loops below.
 
-use crate::dtype::DType;
+use crate::dtype::{ggml, DType};
 use half::{bf16, f16};
 
 #[inline(always)]
@@ -149,6 +151,20 @@ fn dot_impl<const FMA: bool>(dtype: DType, w: &[u8], x: &[f32]) -> f32 {
             }
             hsum(acc) + macc
         }
+        _ => {
+            // Each block through the reference decoder, then the same 8-lane sums.
+            let (be, bb) = (dtype.block_elems() as usize, dtype.block_bytes() as usize);
+            let mut tmp = [0f32; 256];
+            for (blk, xs) in w.chunks_exact(bb).zip(x.chunks_exact(be)) {
+                ggml::dequantize_block(dtype, blk, &mut tmp[..be]);
+                for (tc, xc) in tmp[..be].chunks_exact(8).zip(xs.chunks_exact(8)) {
+                    for l in 0..8 {
+                        acc[l] = madd::<FMA>(tc[l], xc[l], acc[l]);
+                    }
+                }
+            }
+            hsum(acc)
+        }
     }
 }
 
@@ -199,6 +215,12 @@ fn dequant_impl(dtype: DType, w: &[u8], out: &mut [f32]) {
                 }
             }
         }
+        _ => {
+            let (be, bb) = (dtype.block_elems() as usize, dtype.block_bytes() as usize);
+            for (blk, o) in w.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
+                ggml::dequantize_block(dtype, blk, o);
+            }
+        }
     }
 }
 
@@ -224,7 +246,7 @@ fn dequant_rows_impl(dtype: DType, w: &[u8], row_bytes: usize, cols: usize, out:
 }
 
 #[cfg(target_arch = "x86_64")]
-mod avx2 {
+pub(super) mod avx2 {
     //! Hand-written AVX2 dot products for the block formats (the loops the compiler does
     //! not vectorize well: nibble and byte unpacking to f32). Activations stay f32, so the
     //! results match a dequantize-then-multiply reference to f32 rounding.
@@ -234,7 +256,7 @@ mod avx2 {
     /// # Safety
     /// The CPU supports F16C. (`b[at..at + 2]` is bounds-checked.)
     #[inline(always)]
-    unsafe fn f16_scalar(b: &[u8], at: usize) -> f32 {
+    pub(in crate::backend::cpu) unsafe fn f16_scalar(b: &[u8], at: usize) -> f32 {
         // SAFETY: this function's contract, which its caller upholds.
         unsafe {
             _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(
@@ -246,7 +268,7 @@ mod avx2 {
     /// # Safety
     /// The CPU supports AVX.
     #[inline(always)]
-    unsafe fn hsum256(v: __m256) -> f32 {
+    pub(in crate::backend::cpu) unsafe fn hsum256(v: __m256) -> f32 {
         // SAFETY: this function's contract, which its caller upholds.
         unsafe {
             let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -262,7 +284,7 @@ mod avx2 {
     /// # Safety
     /// The CPU supports AVX2 and FMA; `xb` points at 32 readable f32.
     #[inline(always)]
-    unsafe fn dot32(w: &[__m256; 4], xb: *const f32) -> __m256 {
+    pub(in crate::backend::cpu) unsafe fn dot32(w: &[__m256; 4], xb: *const f32) -> __m256 {
         // SAFETY: this function's contract, which its caller upholds.
         unsafe {
             let mut s = _mm256_mul_ps(w[0], _mm256_loadu_ps(xb));
@@ -447,6 +469,14 @@ mod avx2 {
                     .iter_mut()
                     .zip(w.chunks_exact(row_bytes))
                     .for_each(|(o, r)| *o = dot4_q8_0(r, xs)),
+                t if super::super::kquant::covers(t) => super::super::kquant::gemv_rows(
+                    t,
+                    w,
+                    row_bytes,
+                    xs,
+                    xsum,
+                    out.as_flattened_mut(),
+                ),
                 _ => unreachable!("gemv4 is for block formats"),
             }
         }
@@ -467,6 +497,7 @@ mod avx2 {
         unsafe {
             // The block kernels read whole blocks: rows are whole blocks (validated shapes).
             debug_assert!(!dtype.is_quantized() || x.len().is_multiple_of(32));
+            debug_assert!(x.len().is_multiple_of(dtype.block_elems() as usize));
             match dtype {
                 DType::Q4_0 => out
                     .iter_mut()
@@ -480,6 +511,9 @@ mod avx2 {
                     .iter_mut()
                     .zip(w.chunks_exact(row_bytes))
                     .for_each(|(o, r)| *o = dot_q8_0(r, x)),
+                t if super::super::kquant::covers(t) => {
+                    super::super::kquant::gemv_rows(t, w, row_bytes, &[x], &[xsum], out)
+                }
                 _ => gemv_impl::<true>(dtype, w, row_bytes, x, out),
             }
         }
@@ -657,6 +691,9 @@ mod tests {
                     }
                 }
             }
+            // The K-quant-era formats: seeded random blocks (their decoder is checked
+            // bit-exactly against gguf-py in tests/tests/quants.rs).
+            _ => return ggml::sample_blocks(dtype, v.len() / dtype.block_elems() as usize, 5),
         }
         out
     }
@@ -685,12 +722,19 @@ mod tests {
                     f16v(bb * b) * q + f16v(bb * b + 2)
                 }
             }
+            _ => {
+                let (be, bb) = (dtype.block_elems() as usize, dtype.block_bytes() as usize);
+                let mut y = vec![0f32; be];
+                let blk = i / be;
+                ggml::dequantize_block(dtype, &w[blk * bb..(blk + 1) * bb], &mut y);
+                y[i % be] as f64
+            }
         }
     }
 
     #[test]
     fn gemv_and_dequant_match_f64_references_for_every_dtype() {
-        let (rows, cols) = (7, 96);
+        let (rows, cols) = (7, 512);
         let x = rand_vec(cols, 7);
         for dtype in crate::dtype::ALL_DTYPES {
             let w = quantize(dtype, &rand_vec(rows * cols, 11));

@@ -4,6 +4,8 @@
 //! dequantized a tile of rows at a time (never a whole matrix).
 
 pub mod kernels;
+#[cfg(target_arch = "x86_64")]
+mod kquant;
 
 use super::{
     check_upload, AttnShape, AttnStep, Backend, BackendError, MemBudget, ScratchShape, WeightRef,

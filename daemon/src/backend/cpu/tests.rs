@@ -99,6 +99,15 @@ fn encode(dtype: DType, v: &[f32]) -> (Vec<u8>, Vec<f64>) {
                 }
             }
         }
+        // The K-quant-era formats: seeded random blocks, valued by the reference decoder
+        // (bit-exact against gguf-py, tests/tests/quants.rs).
+        _ => {
+            out =
+                crate::dtype::ggml::sample_blocks(dtype, v.len() / dtype.block_elems() as usize, 3);
+            let mut vals = vec![0f32; v.len()];
+            crate::dtype::ggml::dequantize(dtype, &out, &mut vals).unwrap();
+            exact = vals.iter().map(|&x| x as f64).collect();
+        }
     }
     (out, exact)
 }
@@ -107,7 +116,8 @@ fn encode(dtype: DType, v: &[f32]) -> (Vec<u8>, Vec<f64>) {
 fn matmul_matches_f64_for_every_dtype_in_both_paths() {
     let b = backend();
     let mut r = Rng(1);
-    let (m, k) = (70, 96);
+    // k is whole K-quant super-blocks (256).
+    let (m, k) = (70, 512);
     for dtype in ALL_DTYPES {
         let (wb, wx) = encode(dtype, &r.vec(m * k));
         let w = mem_bytes(&b, &wb);
@@ -154,7 +164,7 @@ fn matmul_matches_f64_for_every_dtype_in_both_paths() {
 fn embedding_rms_norm_silu_add_match_f64() {
     let b = backend();
     let mut r = Rng(2);
-    let (vocab, h) = (40, 64);
+    let (vocab, h) = (40, 256);
     for dtype in ALL_DTYPES {
         let (tb, tx) = encode(dtype, &r.vec(vocab * h));
         let t = mem_bytes(&b, &tb);
@@ -345,7 +355,7 @@ fn a_rows_result_does_not_depend_on_the_other_rows() {
     // with different row counts).
     let b = backend();
     let mut r = Rng(9);
-    let (m, k) = (50, 128);
+    let (m, k) = (50, 256);
     for dtype in ALL_DTYPES {
         let (wb, _) = encode(dtype, &r.vec(m * k));
         let w = mem_bytes(&b, &wb);

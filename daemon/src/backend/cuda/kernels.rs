@@ -138,6 +138,16 @@ kernels! {
         EmbeddingQ8_0 = "embedding_q8_0",
         EmbeddingQ4_0 = "embedding_q4_0",
         EmbeddingQ4_1 = "embedding_q4_1",
+        EmbeddingQ5_0 = "embedding_q5_0",
+        EmbeddingQ5_1 = "embedding_q5_1",
+        EmbeddingQ2K = "embedding_q2_k",
+        EmbeddingQ3K = "embedding_q3_k",
+        EmbeddingQ4K = "embedding_q4_k",
+        EmbeddingQ5K = "embedding_q5_k",
+        EmbeddingQ6K = "embedding_q6_k",
+        EmbeddingIq4Nl = "embedding_iq4_nl",
+        EmbeddingIq4Xs = "embedding_iq4_xs",
+        EmbeddingMxfp4 = "embedding_mxfp4",
     }
     /// Writes each row's K and V into the cache at its destination.
     kv_store(
@@ -158,6 +168,16 @@ kernels! {
         GemvQ8_0 = "gemv_q8_0",
         GemvQ4_0 = "gemv_q4_0",
         GemvQ4_1 = "gemv_q4_1",
+        GemvQ5_0 = "gemv_q5_0",
+        GemvQ5_1 = "gemv_q5_1",
+        GemvQ2K = "gemv_q2_k",
+        GemvQ3K = "gemv_q3_k",
+        GemvQ4K = "gemv_q4_k",
+        GemvQ5K = "gemv_q5_k",
+        GemvQ6K = "gemv_q6_k",
+        GemvIq4Nl = "gemv_iq4_nl",
+        GemvIq4Xs = "gemv_iq4_xs",
+        GemvMxfp4 = "gemv_mxfp4",
     }
     /// A weight tile (or a bias) to f32, for the cuBLAS path.
     dequant(w: u64 = "const u8*", out: u64 = "float*", n: u64 = "unsigned long long") {
@@ -166,6 +186,16 @@ kernels! {
         DequantQ8_0 = "dequant_q8_0",
         DequantQ4_0 = "dequant_q4_0",
         DequantQ4_1 = "dequant_q4_1",
+        DequantQ5_0 = "dequant_q5_0",
+        DequantQ5_1 = "dequant_q5_1",
+        DequantQ2K = "dequant_q2_k",
+        DequantQ3K = "dequant_q3_k",
+        DequantQ4K = "dequant_q4_k",
+        DequantQ5K = "dequant_q5_k",
+        DequantQ6K = "dequant_q6_k",
+        DequantIq4Nl = "dequant_iq4_nl",
+        DequantIq4Xs = "dequant_iq4_xs",
+        DequantMxfp4 = "dequant_mxfp4",
     }
     /// RMS norm of each row times the norm weight.
     rms_norm(x: u64 = "const float*", w: u64 = "const u8*", out: u64 = "float*", cols: i32 = "int", eps: f32 = "float") {
@@ -193,6 +223,16 @@ impl Kernel {
             DType::Q8_0 => Kernel::GemvQ8_0,
             DType::Q4_0 => Kernel::GemvQ4_0,
             DType::Q4_1 => Kernel::GemvQ4_1,
+            DType::Q5_0 => Kernel::GemvQ5_0,
+            DType::Q5_1 => Kernel::GemvQ5_1,
+            DType::Q2K => Kernel::GemvQ2K,
+            DType::Q3K => Kernel::GemvQ3K,
+            DType::Q4K => Kernel::GemvQ4K,
+            DType::Q5K => Kernel::GemvQ5K,
+            DType::Q6K => Kernel::GemvQ6K,
+            DType::Iq4Nl => Kernel::GemvIq4Nl,
+            DType::Iq4Xs => Kernel::GemvIq4Xs,
+            DType::Mxfp4 => Kernel::GemvMxfp4,
         }
     }
 
@@ -205,6 +245,16 @@ impl Kernel {
             DType::Q8_0 => Kernel::EmbeddingQ8_0,
             DType::Q4_0 => Kernel::EmbeddingQ4_0,
             DType::Q4_1 => Kernel::EmbeddingQ4_1,
+            DType::Q5_0 => Kernel::EmbeddingQ5_0,
+            DType::Q5_1 => Kernel::EmbeddingQ5_1,
+            DType::Q2K => Kernel::EmbeddingQ2K,
+            DType::Q3K => Kernel::EmbeddingQ3K,
+            DType::Q4K => Kernel::EmbeddingQ4K,
+            DType::Q5K => Kernel::EmbeddingQ5K,
+            DType::Q6K => Kernel::EmbeddingQ6K,
+            DType::Iq4Nl => Kernel::EmbeddingIq4Nl,
+            DType::Iq4Xs => Kernel::EmbeddingIq4Xs,
+            DType::Mxfp4 => Kernel::EmbeddingMxfp4,
         }
     }
 
@@ -217,6 +267,16 @@ impl Kernel {
             DType::Q8_0 => Some(Kernel::DequantQ8_0),
             DType::Q4_0 => Some(Kernel::DequantQ4_0),
             DType::Q4_1 => Some(Kernel::DequantQ4_1),
+            DType::Q5_0 => Some(Kernel::DequantQ5_0),
+            DType::Q5_1 => Some(Kernel::DequantQ5_1),
+            DType::Q2K => Some(Kernel::DequantQ2K),
+            DType::Q3K => Some(Kernel::DequantQ3K),
+            DType::Q4K => Some(Kernel::DequantQ4K),
+            DType::Q5K => Some(Kernel::DequantQ5K),
+            DType::Q6K => Some(Kernel::DequantQ6K),
+            DType::Iq4Nl => Some(Kernel::DequantIq4Nl),
+            DType::Iq4Xs => Some(Kernel::DequantIq4Xs),
+            DType::Mxfp4 => Some(Kernel::DequantMxfp4),
         }
     }
 

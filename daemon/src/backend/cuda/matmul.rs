@@ -118,7 +118,7 @@ impl CudaBackend {
                 }
                 .map_err(|e| format!("cublasGemmEx: {e:?}"))?;
             }
-            DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
+            _ => {
                 // Quantized: dequantize a tile of weight rows to f32, then sgemm it.
                 let tile_rows = (self.layout.tile as usize / (k * 4)).max(1).min(m);
                 let dequant =

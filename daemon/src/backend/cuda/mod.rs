@@ -50,6 +50,7 @@ pub const KERNELS: &[(&str, &str)] = &[
         include_str!("../../../../kernels/embedding.cu"),
     ),
     ("kv_store", include_str!("../../../../kernels/kv_store.cu")),
+    ("matmul_k", include_str!("../../../../kernels/matmul_k.cu")),
     ("matmul_q", include_str!("../../../../kernels/matmul_q.cu")),
     ("rms_norm", include_str!("../../../../kernels/rms_norm.cu")),
     ("rope", include_str!("../../../../kernels/rope.cu")),
@@ -68,13 +69,22 @@ pub fn entry_points(src: &str) -> Vec<String> {
 }
 
 /// The `extern "C"` kernels a source defines, directly or through a macro whose body
-/// defines the kernel named by its first argument (EMBED_Q, DEQUANT_Q), each with its
-/// parameter types normalized: the parameter name dropped, `*` against the type
-/// (`const float*`, `int`, `unsigned long long`).
+/// defines kernels named by its first argument, as is (EMBED_Q, DEQUANT_Q) or pasted
+/// into a name (`gemv_##name` in BLOCK_FORMAT), each with its parameter types
+/// normalized: the parameter name dropped, `*` against the type (`const float*`, `int`,
+/// `unsigned long long`).
 pub fn entry_signatures(src: &str) -> Vec<(String, Vec<String>)> {
     const DECL: &str = "extern \"C\" __global__ void ";
+    let ident = |s: &str| -> String {
+        s.chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '#')
+            .collect()
+    };
     let joined = src.replace("\\\n", " ");
-    let mut macros: Vec<(String, Vec<String>)> = Vec::new();
+    // Per macro: the kernels of its body, as (name with the first argument's parameter
+    // still in it, parameter types), and that parameter.
+    type Macro = (String, String, Vec<(String, Vec<String>)>);
+    let mut macros: Vec<Macro> = Vec::new();
     let mut plain = String::new();
     for line in joined.lines() {
         match line.trim_start().strip_prefix("#define ") {
@@ -83,13 +93,20 @@ pub fn entry_signatures(src: &str) -> Vec<(String, Vec<String>)> {
                     continue;
                 };
                 let first_arg = rest.split([',', ')']).next().unwrap_or("").trim();
-                if let Some(at) = rest.find(DECL) {
-                    let decl = &rest[at + DECL.len()..];
-                    if decl.trim_start().starts_with(first_arg) {
+                let mut kernels = Vec::new();
+                let mut body = rest;
+                while let Some(at) = body.find(DECL) {
+                    let decl = &body[at + DECL.len()..];
+                    let name = ident(decl.trim_start());
+                    if !first_arg.is_empty() && name.contains(first_arg) {
                         if let Some(params) = param_list(decl) {
-                            macros.push((mac.trim().to_string(), params));
+                            kernels.push((name, params));
                         }
                     }
+                    body = decl;
+                }
+                if !kernels.is_empty() {
+                    macros.push((mac.trim().to_string(), first_arg.to_string(), kernels));
                 }
             }
             None => {
@@ -102,10 +119,7 @@ pub fn entry_signatures(src: &str) -> Vec<(String, Vec<String>)> {
     let mut rest = plain.as_str();
     while let Some(at) = rest.find(DECL) {
         let decl = &rest[at + DECL.len()..];
-        let name: String = decl
-            .chars()
-            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-            .collect();
+        let name = ident(decl);
         if let Some(params) = param_list(decl) {
             out.push((name, params));
         }
@@ -113,14 +127,17 @@ pub fn entry_signatures(src: &str) -> Vec<(String, Vec<String>)> {
     }
     for line in plain.lines() {
         let l = line.trim_start();
-        for (mac, params) in &macros {
+        for (mac, param, kernels) in &macros {
             if let Some(args) = l
                 .strip_prefix(mac.as_str())
                 .and_then(|r| r.strip_prefix('('))
             {
-                let name = args.split([',', ')']).next().unwrap_or("").trim();
-                if !name.is_empty() {
-                    out.push((name.to_string(), params.clone()));
+                let arg = args.split([',', ')']).next().unwrap_or("").trim();
+                if !arg.is_empty() {
+                    for (name, params) in kernels {
+                        let name = name.replace(param.as_str(), arg).replace("##", "");
+                        out.push((name, params.clone()));
+                    }
                 }
             }
         }

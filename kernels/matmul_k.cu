@@ -1,0 +1,147 @@
+// The block formats of K-quant and newer GGUFs: Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
+// IQ4_NL, IQ4_XS, MXFP4 (layouts: ggml-common.h, described in daemon/src/dtype/ggml.rs).
+// For each: a decode-row GEMV that dequantizes in registers (gemv_*, grid (ceil(m / 4),
+// n_rows), block 128: one warp per weight row, each lane eight consecutive weights at a
+// time), the dequantization into f32 tiles for the cuBLAS path (dequant_*, one thread per
+// element, grid ceil(n / 256), block 256), and the embedding gather (embedding_*, grid
+// rows).
+//
+// deq_*(block, i) is element i of one block with the same f32 operations in the same
+// order as the reference decoder (and gguf-py's dequantize): products and sums are
+// written with __fmul_rn / __fadd_rn so the compiler cannot contract them into FMAs, and
+// the tiles are bit-identical to the CPU's.
+#include "common.cuh"
+
+#define QK_K 256
+
+__device__ __forceinline__ float f16_at(const u8* b, int at) { return f16_to_f32(load_u16(b + at)); }
+__device__ __forceinline__ u32 load_u32(const u8* p) {
+    return (u32)p[0] | ((u32)p[1] << 8) | ((u32)p[2] << 16) | ((u32)p[3] << 24);
+}
+// The low nibble of byte i for elements 0..15 of a 32-weight block, the high one after.
+__device__ __forceinline__ int nibble32(const u8* qs, int i) { return i < 16 ? (qs[i] & 15) : (qs[i - 16] >> 4); }
+
+__constant__ signed char KVALUES_IQ4NL[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+__constant__ signed char KVALUES_MXFP4[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+
+// Q5_0: d, qh (u32, bit i = fifth bit of element i), qs[16]; d * (q - 16). 22 bytes.
+__device__ __forceinline__ float deq_q5_0(const u8* b, int i) {
+    const int q = nibble32(b + 6, i) | (((load_u32(b + 2) >> i) & 1) << 4);
+    return __fmul_rn(f16_at(b, 0), (float)(q - 16));
+}
+// Q5_1: d, m, qh, qs; d * q + m. 24 bytes.
+__device__ __forceinline__ float deq_q5_1(const u8* b, int i) {
+    const int q = nibble32(b + 8, i) | (((load_u32(b + 4) >> i) & 1) << 4);
+    return __fadd_rn(__fmul_rn(f16_at(b, 0), (float)q), f16_at(b, 2));
+}
+// Q2_K: scales[16] (low nibble scale, high nibble min per 16), qs[64], d, dmin. 84 bytes.
+__device__ __forceinline__ float deq_q2_k(const u8* b, int i) {
+    const int h = i / 128, j = (i / 32) % 4, l = i % 32;
+    const int q = (b[16 + 32 * h + l] >> (2 * j)) & 3;
+    const u8 sc = b[i / 16];
+    const float dl = __fmul_rn(f16_at(b, 80), (float)(sc & 15));
+    const float ml = __fmul_rn(f16_at(b, 82), (float)(sc >> 4));
+    return __fsub_rn(__fmul_rn(dl, (float)q), ml);
+}
+// Q3_K: hmask[32], qs[64], scales[12] (16 six-bit scales, offset 32), d. 110 bytes.
+__device__ __forceinline__ float deq_q3_k(const u8* b, int i) {
+    const u8* s = b + 96;
+    const int sub = i / 16;
+    const int lo = (s[sub % 8] >> (4 * (sub / 8))) & 15;
+    const int hi = (s[8 + sub % 4] >> (2 * (sub / 4))) & 3;
+    const float dl = __fmul_rn(f16_at(b, 108), (float)((lo | (hi << 4)) - 32));
+    const int h = i / 128, j = (i / 32) % 4, l = i % 32;
+    const int ql = (b[32 + 32 * h + l] >> (2 * j)) & 3;
+    const int hbit = (b[i % 32] >> (i / 32)) & 1;
+    return __fmul_rn(dl, (float)(ql - ((hbit ^ 1) << 2)));
+}
+// The 6-bit scale and min of sub-block j of a Q4_K/Q5_K block's 12 scale bytes.
+__device__ __forceinline__ void scale_min_k4(const u8* s, int j, float* sc, float* m) {
+    if (j < 4) {
+        *sc = (float)(s[j] & 63);
+        *m = (float)(s[j + 4] & 63);
+    } else {
+        *sc = (float)((s[j + 4] & 15) | ((s[j - 4] >> 6) << 4));
+        *m = (float)((s[j + 4] >> 4) | ((s[j] >> 6) << 4));
+    }
+}
+// Q4_K: d, dmin, scales[12], qs[128]; Q5_K adds qh[32] before qs. dl * q - dm.
+__device__ __forceinline__ float deq_q45_k(const u8* b, int i, bool q5) {
+    const int sub = i / 32, l = i % 32;
+    float sc, m;
+    scale_min_k4(b + 4, sub, &sc, &m);
+    const float dl = __fmul_rn(f16_at(b, 0), sc), dm = __fmul_rn(f16_at(b, 2), m);
+    const u8* qs = b + (q5 ? 48 : 16);
+    int q = (qs[32 * (sub / 2) + l] >> (4 * (sub % 2))) & 15;
+    if (q5) q |= ((b[16 + l] >> sub) & 1) << 4;
+    return __fsub_rn(__fmul_rn(dl, (float)q), dm);
+}
+__device__ __forceinline__ float deq_q4_k(const u8* b, int i) { return deq_q45_k(b, i, false); }
+__device__ __forceinline__ float deq_q5_k(const u8* b, int i) { return deq_q45_k(b, i, true); }
+// Q6_K: ql[128], qh[64], scales[16] (i8), d; dl * (q - 32). 210 bytes.
+__device__ __forceinline__ float deq_q6_k(const u8* b, int i) {
+    const int h = i / 128, t4 = (i / 32) % 4, l = i % 32;
+    const int lo = (b[64 * h + 32 * (t4 % 2) + l] >> (4 * (t4 / 2))) & 15;
+    const int hi = (b[128 + 32 * h + l] >> (2 * t4)) & 3;
+    const float dl = __fmul_rn(f16_at(b, 208), (float)(i8)b[192 + i / 16]);
+    return __fmul_rn(dl, (float)((lo | (hi << 4)) - 32));
+}
+// IQ4_NL: d, qs[16] indexing the 16 non-linear levels. 18 bytes.
+__device__ __forceinline__ float deq_iq4_nl(const u8* b, int i) {
+    return __fmul_rn(f16_at(b, 0), (float)KVALUES_IQ4NL[nibble32(b + 2, i)]);
+}
+// IQ4_XS: d, scales_h (u16), scales_l[4] (8 six-bit scales, offset 32), qs[128]. 136 bytes.
+__device__ __forceinline__ float deq_iq4_xs(const u8* b, int i) {
+    const int ib = i / 32, j = i % 32;
+    const int lo = (b[4 + ib / 2] >> (4 * (ib % 2))) & 15;
+    const int hi = (load_u16(b + 2) >> (2 * ib)) & 3;
+    const float dl = __fmul_rn(f16_at(b, 0), (float)((lo | (hi << 4)) - 32));
+    const u8 byte = b[8 + 16 * ib + j % 16];
+    return __fmul_rn(dl, (float)KVALUES_IQ4NL[j < 16 ? (byte & 15) : (byte >> 4)]);
+}
+// MXFP4: an E8M0 exponent (as 2^(e - 128): the levels are doubled), qs[16] of E2M1. 17 bytes.
+__device__ __forceinline__ float deq_mxfp4(const u8* b, int i) {
+    const u32 e = b[0];
+    const float d = __uint_as_float(e < 2 ? (0x00200000u << e) : ((e - 1) << 23));
+    return __fmul_rn(d, (float)KVALUES_MXFP4[nibble32(b + 1, i)]);
+}
+
+// A dot product over whole blocks: lane l takes weights 8c..8c+8 for c = l, l + 32, ...
+template <int BE, int BB, float (*DEQ)(const u8*, int)>
+struct DotBlocks { __device__ float operator()(const u8* w, const float* x, int k, int lane) const {
+    float s = 0.0f;
+    for (int c = lane; c < k / 8; c += 32) {
+        const int i0 = c * 8;
+        const u8* blk = w + (size_t)(i0 / BE) * BB;
+        const int e0 = i0 % BE;
+        float t = 0.0f;
+        for (int e = 0; e < 8; e++) t += DEQ(blk, e0 + e) * x[i0 + e];
+        s += t;
+    }
+    return s;
+} };
+
+#define BLOCK_FORMAT(name, be, bb)                                                                         \
+    extern "C" __global__ void gemv_##name(const u8* w, const float* x, float* out, int m, int k) {       \
+        gemv(w, x, out, m, k, (size_t)(k / be) * bb, DotBlocks<be, bb, deq_##name>());                    \
+    }                                                                                                      \
+    extern "C" __global__ void dequant_##name(const u8* w, float* out, unsigned long long n) {            \
+        const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;           \
+        if (i < n) out[i] = deq_##name(w + (i / be) * bb, (int)(i % be));                                \
+    }                                                                                                      \
+    extern "C" __global__ void embedding_##name(const u8* t, const u32* ids, float* out, int cols) {     \
+        const u8* row = t + (size_t)ids[blockIdx.x] * (cols / be) * bb;                                   \
+        for (int i = threadIdx.x; i < cols; i += blockDim.x)                                               \
+            out[(size_t)blockIdx.x * cols + i] = deq_##name(row + (i / be) * bb, i % be);                 \
+    }
+
+BLOCK_FORMAT(q5_0, 32, 22)
+BLOCK_FORMAT(q5_1, 32, 24)
+BLOCK_FORMAT(q2_k, QK_K, 84)
+BLOCK_FORMAT(q3_k, QK_K, 110)
+BLOCK_FORMAT(q4_k, QK_K, 144)
+BLOCK_FORMAT(q5_k, QK_K, 176)
+BLOCK_FORMAT(q6_k, QK_K, 210)
+BLOCK_FORMAT(iq4_nl, 32, 18)
+BLOCK_FORMAT(iq4_xs, QK_K, 136)
+BLOCK_FORMAT(mxfp4, 32, 17)
