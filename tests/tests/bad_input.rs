@@ -231,8 +231,28 @@ fn damaged_manifests_are_clear_errors() {
     b[0] = b'X';
     assert!(open_err(&b).contains("not a sluice manifest"));
     let mut b = good.clone();
-    b[8] = 2;
-    assert!(open_err(&b).contains("store format version 2"));
+    b[8] = 3;
+    assert!(open_err(&b).contains("store format version 3"));
+    // A format-1 store (the manifest without the trailing architecture extension: four
+    // zero bytes, its empty options and list, for a Llama model) still opens, with the
+    // Llama defaults.
+    let end = good.len() - 8;
+    assert_eq!(&good[end - 4..end], &[0u8; 4], "a Llama model's extension");
+    let mut v1 = good[..end - 4].to_vec();
+    v1[8..12].copy_from_slice(&1u32.to_le_bytes());
+    let len = u64::from_le_bytes(v1[12..20].try_into().unwrap()) - 4;
+    v1[12..20].copy_from_slice(&len.to_le_bytes());
+    let sum = xxhash_rust::xxh3::xxh3_64(&v1);
+    v1.extend_from_slice(&sum.to_le_bytes());
+    std::fs::write(&mpath, &v1).unwrap();
+    let old = Store::open(&dir).expect("a format-1 store opens");
+    assert_eq!(old.manifest().arch.ext, Default::default());
+    // The same bytes claiming format 2 lack the extension: an error, not a guess.
+    v1.truncate(v1.len() - 8);
+    v1[8..12].copy_from_slice(&2u32.to_le_bytes());
+    let sum = xxhash_rust::xxh3::xxh3_64(&v1);
+    v1.extend_from_slice(&sum.to_le_bytes());
+    assert!(open_err(&v1).contains("payload does not decode"));
     for pos in [20, good.len() / 2, good.len() - 9] {
         let mut b = good.clone();
         b[pos] ^= 1;

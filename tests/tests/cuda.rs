@@ -143,7 +143,12 @@ fn test_cfg() -> ArchConfig {
         rms_eps: 1e-5,
         tied_embeddings: false,
         qkv_bias: false,
-        sliding_window: None,
+        // Layer 1 attends through a window of 5 in a ring (Gemma 3 and Mistral layers).
+        sliding_window: Some(5),
+        ext: sluice::model::ArchExt {
+            sliding_layers: vec![1],
+            ..Default::default()
+        },
     }
 }
 
@@ -449,14 +454,22 @@ fn rope_kv_cache_and_attention_match_the_cpu_backend() {
         head_dim: cfg.head_dim as usize,
         max_context: OPS_OPTS.max_context,
         slots: OPS_OPTS.kv_slots,
+        scale: 1.0 / (cfg.head_dim as f32).sqrt(),
     };
+    // Steps of at most 16 tokens: layer 1's ring holds 5 + 15 positions of the 64.
+    let ring_opts = ModelOptions {
+        max_batch_tokens: 16,
+        ..OPS_OPTS
+    };
+    let (layout, cache_elems) = sluice::model::decoder::kv_layout(&cfg, &ring_opts);
+    assert!(layout[1].cap < OPS_OPTS.max_context, "layer 1 is a ring");
     let (wq, wkv) = (
         shape.heads * shape.head_dim,
         shape.kv_heads * shape.head_dim,
     );
     let table = sluice::model::rope_table(&cfg, OPS_OPTS.max_context);
     let tm = p.put(&f32_bytes(&table));
-    let cache_bytes = cfg.n_layers as usize * shape.layer_elems() * 4;
+    let cache_bytes = cache_elems * 4;
     let (mut ckc, mut ckg) = p.put(&vec![0u8; cache_bytes]);
     let (mut cvc, mut cvg) = p.put(&vec![0u8; cache_bytes]);
     // Step 1: two prefill spans (slots 2 and 0); step 2: two decode rows and a prefill
@@ -546,6 +559,7 @@ fn rope_kv_cache_and_attention_match_the_cpu_backend() {
                 layer,
                 spans,
                 shape,
+                cache: layout[layer],
             };
             p.cpu.kv_store(&kc, &vm.0, &mut ckc, &mut cvc, &step);
             p.gpu.kv_store(&kg, &vm.1, &mut ckg, &mut cvg, &step);

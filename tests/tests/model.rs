@@ -34,32 +34,7 @@ fn ids(v: &Value) -> Vec<u32> {
 }
 
 fn load(src: &Path, dir: &Path, max_context: usize) -> Pipeline<CpuBackend> {
-    let store = pack_store(src, dir, "zstd:1", 1 << 20);
-    let opts = ModelOptions {
-        max_context,
-        kv_slots: 1,
-        max_batch_tokens: 64,
-    };
-    let io = IoConfig {
-        staging_slots: 2,
-        queue_depth: 8,
-        read_buffers: 8,
-        request_bytes: 1 << 20,
-        ..IoConfig::default()
-    };
-    sluice::engine::cpu_runner(
-        store,
-        &sluice::plan::PlanInput {
-            device_budget: None,
-            host_cache_budget: 0,
-            opts,
-            prefetch: None,
-            backend_reserved: 0,
-        },
-        2,
-        io,
-    )
-    .unwrap()
+    load_chunked(src, dir, max_context, 64)
 }
 
 /// max |a - b| / max |b|: the relative error of a logits vector.
@@ -131,6 +106,176 @@ fn tiny_models_match_transformers_logits_and_greedy_continuations() {
             );
         }
     }
+}
+
+/// A pipeline whose steps carry at most `batch` tokens (a sliding-window layer's ring is
+/// then window + batch - 1 positions).
+fn load_chunked(src: &Path, dir: &Path, max_context: usize, batch: usize) -> Pipeline<CpuBackend> {
+    let store = pack_store(src, dir, "zstd:1", 1 << 20);
+    let opts = ModelOptions {
+        max_context,
+        kv_slots: 1,
+        max_batch_tokens: batch,
+    };
+    let io = IoConfig {
+        staging_slots: 2,
+        queue_depth: 8,
+        read_buffers: 8,
+        request_bytes: 1 << 20,
+        ..IoConfig::default()
+    };
+    sluice::engine::cpu_runner(
+        store,
+        &sluice::plan::PlanInput {
+            device_budget: None,
+            host_cache_budget: 0,
+            opts,
+            prefetch: None,
+            backend_reserved: 0,
+        },
+        2,
+        io,
+    )
+    .unwrap()
+}
+
+fn floats(v: &Value) -> Vec<f64> {
+    v.as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap())
+        .collect()
+}
+
+/// Qwen3 (q/k norm, head dim 32 over hidden 64 / 4 heads) and Gemma 3 (scaled embeddings,
+/// four norms per layer, GeGLU, q/k norm, query_pre_attn_scalar 24, window 8 on six of
+/// seven layers with their own RoPE base, linear RoPE scaling on the global one, tied
+/// embeddings), random weights made with transformers (tests/fixtures/
+/// make_tiny_new_arch.py), each from its Hugging Face directory (bf16 / f16) and from the
+/// GGUF llama.cpp's converter wrote of it: the logits at every prompt position and the
+/// greedy tokens equal transformers'. Prompts go in chunks of 16, so Gemma's ring (8 + 15
+/// positions) wraps on the 40-token prompt.
+///
+/// Not tiny-gemma3.gguf: a Gemma 3 GGUF does not carry query_pre_attn_scalar, and
+/// llama.cpp scales by the head dim (32) where this model's config says 24, so the file
+/// means a different model to llama.cpp than the checkpoint does to transformers (see
+/// `gemma3_gguf_reads_as_llama_cpp_does`).
+#[test]
+fn qwen3_and_gemma3_match_transformers_at_every_position() {
+    let tmp = tempfile::tempdir().unwrap();
+    let cases = [
+        ("tiny-qwen3", "tiny-qwen3.json"),
+        ("tiny-qwen3.gguf", "tiny-qwen3.json"),
+        ("tiny-gemma3", "tiny-gemma3.json"),
+    ];
+    for (src, refname) in cases {
+        let r = reference(refname);
+        let mut runner = load_chunked(&fixture(src), &tmp.path().join(src), 64, 16);
+        let mut decisive = 0;
+        for (ci, c) in r["cases"].as_array().unwrap().iter().enumerate() {
+            let prompt = ids(&c["prompt_token_ids"]);
+            let per_pos = c["logits"].as_array().unwrap();
+            assert_eq!(per_pos.len(), prompt.len());
+            // Every position's logits: the prompt in chunks of up to 16, each chunk's
+            // last row read out, then the rest one token at a time.
+            let mut logits = Vec::new();
+            let mut pos = 0;
+            for chunk in prompt.chunks(16) {
+                runner
+                    .step(
+                        &[SeqStep {
+                            slot: 0,
+                            pos,
+                            tokens: chunk.to_vec(),
+                        }],
+                        &mut logits,
+                    )
+                    .unwrap();
+                pos += chunk.len();
+                let e = rel_err(&logits, &floats(&per_pos[pos - 1]));
+                assert!(
+                    e <= 1e-3,
+                    "{src} case {ci} position {}: logits relative error {e:.2e}",
+                    pos - 1
+                );
+            }
+            let last = floats(&c["last_logits"]);
+            assert!(
+                rel_err(&logits, &last) <= 1e-3,
+                "{src} case {ci}: last logits"
+            );
+            // Position by position from a fresh sequence (the decode kernels).
+            let mut step_logits = Vec::new();
+            for (p, &t) in prompt.iter().enumerate() {
+                runner
+                    .step(
+                        &[SeqStep {
+                            slot: 0,
+                            pos: p,
+                            tokens: vec![t],
+                        }],
+                        &mut step_logits,
+                    )
+                    .unwrap();
+                let e = rel_err(&step_logits, &floats(&per_pos[p]));
+                assert!(
+                    e <= 1e-3,
+                    "{src} case {ci} decode position {p}: logits relative error {e:.2e}"
+                );
+            }
+            // Greedy tokens, up to the first step transformers itself nearly tied on.
+            let want = ids(&c["greedy"]);
+            let margins = floats(&c["greedy_margins"]);
+            let sure = margins.iter().position(|&m| m < 0.01).unwrap_or(want.len());
+            let mut next = argmax(&step_logits);
+            let mut got = Vec::new();
+            for p in prompt.len()..prompt.len() + sure {
+                got.push(next);
+                runner
+                    .step(
+                        &[SeqStep {
+                            slot: 0,
+                            pos: p,
+                            tokens: vec![next],
+                        }],
+                        &mut step_logits,
+                    )
+                    .unwrap();
+                next = argmax(&step_logits);
+            }
+            assert_eq!(got, want[..sure], "{src} case {ci}: greedy tokens differ");
+            decisive += sure;
+        }
+        // Random weights tie now and then; enough steps must still be compared.
+        assert!(
+            decisive >= 16,
+            "{src}: only {decisive} greedy steps were decisive"
+        );
+    }
+}
+
+/// The Gemma 3 GGUF of the tiny model maps to the same config as its checkpoint, except
+/// for what llama.cpp itself derives (the attention scale from the head dim).
+#[test]
+fn gemma3_gguf_reads_as_llama_cpp_does() {
+    let hf = import::open(&fixture("tiny-gemma3")).unwrap().arch;
+    let gg = import::open(&fixture("tiny-gemma3.gguf")).unwrap().arch;
+    assert_eq!(hf.ext.sliding_layers, vec![0, 1, 2, 3, 4, 6]);
+    assert_eq!(gg.ext.sliding_layers, hf.ext.sliding_layers);
+    assert_eq!(gg.ext.rope_local_theta, Some(10000.0));
+    assert_eq!(gg.ext.embed_scale, hf.ext.embed_scale);
+    assert_eq!(hf.ext.attn_scale, Some(24f64.powf(-0.5) as f32));
+    assert_eq!(gg.ext.attn_scale, Some(32f64.powf(-0.5) as f32));
+    assert_eq!(
+        (gg.sliding_window, gg.rope_theta, &gg.rope_scaling),
+        (hf.sliding_window, hf.rope_theta, &hf.rope_scaling)
+    );
+    let gg = sluice::store::arch::ArchConfig {
+        ext: hf.ext.clone(),
+        name: hf.name.clone(),
+        ..gg
+    };
+    assert_eq!(gg, hf);
 }
 
 #[test]

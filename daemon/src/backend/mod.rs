@@ -180,16 +180,53 @@ pub struct AttnShape {
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,
-    /// Positions per KV-cache slot.
+    /// Positions per sequence (the longest a full-attention layer's slot holds).
     pub max_context: usize,
     /// KV-cache slots per layer.
     pub slots: usize,
+    /// What scores are multiplied by (1 / sqrt(head dim) unless the model says otherwise).
+    pub scale: f32,
 }
 
-impl AttnShape {
-    /// f32 elements of one layer's K (or V) cache.
-    pub fn layer_elems(&self) -> usize {
-        self.slots * self.max_context * self.kv_heads * self.head_dim
+/// One layer's part of the KV cache: where it starts, how many positions each slot holds,
+/// and which positions a query sees.
+///
+/// A full-attention layer holds every position (`cap` = max context). A sliding-window
+/// layer keeps a ring per slot: position p lives at p % `cap`, and `cap` is the window
+/// plus the most tokens one step writes, so a step's new rows never overwrite positions
+/// its own earlier queries still need.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LayerCache {
+    /// f32 elements before this layer's part of the K (and of the V) allocation.
+    pub base: usize,
+    /// Positions each slot holds.
+    pub cap: usize,
+    /// A query at p sees positions p - window < j <= p; None: all of 0..=p.
+    pub window: Option<usize>,
+}
+
+impl LayerCache {
+    /// f32 elements of this layer's K (or V) cache.
+    pub fn elems(&self, shape: &AttnShape) -> usize {
+        shape.slots * self.cap * shape.kv_heads * shape.head_dim
+    }
+
+    /// Element offset of position `pos` of `slot`.
+    pub fn at(&self, shape: &AttnShape, slot: usize, pos: usize) -> usize {
+        let width = shape.kv_heads * shape.head_dim;
+        self.base + (slot * self.cap + pos % self.cap) * width
+    }
+
+    /// The first position a query at `pos` attends to.
+    pub fn first_visible(&self, pos: usize) -> usize {
+        self.window.map_or(0, |w| (pos + 1).saturating_sub(w))
+    }
+
+    /// Whether a span of `n` new tokens at `pos` fits: inside the context, and (in a ring)
+    /// not so long that its last rows overwrite what its first query sees.
+    pub fn fits(&self, shape: &AttnShape, pos: usize, n: usize) -> bool {
+        let live = pos + n - self.first_visible(pos);
+        pos + n <= shape.max_context && live <= self.cap
     }
 }
 
@@ -199,6 +236,7 @@ pub struct AttnStep<'a> {
     pub layer: usize,
     pub spans: &'a [SeqSpan],
     pub shape: AttnShape,
+    pub cache: LayerCache,
 }
 
 /// Ops take device allocations (`Mem`) holding f32 activations unless a `WeightRef` says
@@ -328,6 +366,10 @@ pub trait Backend: Send + Sync {
     );
     /// gate = silu(gate) * up, n elements.
     fn silu_mul(&self, gate: &mut Self::Mem, up: &Self::Mem, n: usize);
+    /// gate = gelu_tanh(gate) * up, n elements (GeGLU, GELU's tanh approximation).
+    fn gelu_mul(&self, gate: &mut Self::Mem, up: &Self::Mem, n: usize);
+    /// x *= s, n elements.
+    fn scale(&self, x: &mut Self::Mem, s: f32, n: usize);
     /// x += y, n elements.
     fn add(&self, x: &mut Self::Mem, y: &Self::Mem, n: usize);
     /// Copies `cols` f32 of row `src_row` of `src` to row `dst_row` of `dst`.

@@ -3,7 +3,7 @@
 
 use super::{end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor};
 use crate::dtype::{ggml_type_name, DType};
-use crate::store::arch::{Arch, ArchConfig, RopeScaling};
+use crate::store::arch::{every_but_nth, Arch, ArchConfig, ArchExt, RopeScaling};
 use crate::store::format::{GgufVocab, SpecialTokens, TokenizerSpec};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -442,8 +442,9 @@ impl Meta<'_> {
     }
 }
 
-/// Maps a GGUF tensor name to the canonical (Hugging Face) name.
-fn canonical_name(gguf: &str) -> Option<String> {
+/// Maps a GGUF tensor name to the canonical (Hugging Face) name of `arch`'s recipe.
+fn canonical_name(gguf: &str, arch: Arch) -> Option<String> {
+    let r = arch.recipe();
     Some(match gguf {
         "token_embd.weight" => "model.embed_tokens.weight".into(),
         "output_norm.weight" => "model.norm.weight".into(),
@@ -453,19 +454,26 @@ fn canonical_name(gguf: &str) -> Option<String> {
             let (layer, tail) = rest.split_once('.')?;
             let layer: u32 = layer.parse().ok()?;
             let hf = match tail {
-                "attn_norm.weight" => "input_layernorm.weight",
-                "attn_q.weight" => "self_attn.q_proj.weight",
-                "attn_k.weight" => "self_attn.k_proj.weight",
-                "attn_v.weight" => "self_attn.v_proj.weight",
-                "attn_q.bias" => "self_attn.q_proj.bias",
-                "attn_k.bias" => "self_attn.k_proj.bias",
-                "attn_v.bias" => "self_attn.v_proj.bias",
-                "attn_output.weight" => "self_attn.o_proj.weight",
-                "ffn_norm.weight" => "post_attention_layernorm.weight",
-                "ffn_gate.weight" => "mlp.gate_proj.weight",
-                "ffn_up.weight" => "mlp.up_proj.weight",
-                "ffn_down.weight" => "mlp.down_proj.weight",
-                _ => return None,
+                "attn_norm.weight" => format!("{}.weight", r.attn_norm),
+                "ffn_norm.weight" => format!("{}.weight", r.ffn_norm),
+                "post_attention_norm.weight" => format!("{}.weight", r.post_attn_norm?),
+                "post_ffw_norm.weight" => format!("{}.weight", r.post_ffn_norm?),
+                "attn_q_norm.weight" if r.qk_norm => "self_attn.q_norm.weight".into(),
+                "attn_k_norm.weight" if r.qk_norm => "self_attn.k_norm.weight".into(),
+                other => match other {
+                    "attn_q.weight" => "self_attn.q_proj.weight",
+                    "attn_k.weight" => "self_attn.k_proj.weight",
+                    "attn_v.weight" => "self_attn.v_proj.weight",
+                    "attn_q.bias" => "self_attn.q_proj.bias",
+                    "attn_k.bias" => "self_attn.k_proj.bias",
+                    "attn_v.bias" => "self_attn.v_proj.bias",
+                    "attn_output.weight" => "self_attn.o_proj.weight",
+                    "ffn_gate.weight" => "mlp.gate_proj.weight",
+                    "ffn_up.weight" => "mlp.up_proj.weight",
+                    "ffn_down.weight" => "mlp.down_proj.weight",
+                    _ => return None,
+                }
+                .to_string(),
             };
             format!("model.layers.{layer}.{hf}")
         }
@@ -487,7 +495,9 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         // checkpoints are converted as "llama" too.
         "llama" => (Arch::Llama, true),
         "qwen2" => (Arch::Qwen2, false),
-        other => return Err(ImportError::unsupported(path, format!("architecture {other:?}; sluice supports llama (Llama 2/3, Mistral, SmolLM2) and qwen2"))),
+        "qwen3" => (Arch::Qwen3, false),
+        "gemma3" => (Arch::Gemma3, false),
+        other => return Err(ImportError::unsupported(path, format!("architecture {other:?}; sluice supports llama (Llama 2/3, Mistral, SmolLM2), qwen2, qwen3 and gemma3"))),
     };
     let p = arch_name;
     let n_heads = meta.u32(&format!("{p}.attention.head_count"))?;
@@ -507,7 +517,7 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         kv: n_kv_heads,
         permuted_qk,
     };
-    let (tensors, rope_freqs) = map_tensors(&g, &map, path, arch_name, heads)?;
+    let (tensors, rope_freqs) = map_tensors(&g, &map, path, arch, heads)?;
     let arch_cfg = arch_config(&meta, &tensors, rope_freqs, arch, hidden, heads, head_dim)?;
     let (tokenizer, special, chat_template) = tokenizer(&meta, arch_cfg.vocab)?;
     Ok(ImportedModel {
@@ -545,7 +555,7 @@ fn map_tensors(
     g: &Gguf,
     map: &[u8],
     path: &Path,
-    arch_name: &str,
+    arch: Arch,
     heads: Heads,
 ) -> Result<(BTreeMap<String, SourceTensor>, Option<Vec<f32>>), ImportError> {
     let (n_heads, n_kv_heads, permuted_qk) = (heads.q, heads.kv, heads.permuted_qk);
@@ -582,10 +592,10 @@ fn map_tensors(
             );
             continue;
         }
-        let name = canonical_name(&t.name).ok_or_else(|| {
+        let name = canonical_name(&t.name, arch).ok_or_else(|| {
             ImportError::unsupported(
                 path,
-                format!("unexpected tensor {} for a {arch_name} model", t.name),
+                format!("unexpected tensor {} for a {arch} model", t.name),
             )
         })?;
         let unpermute_heads = if permuted_qk && name.contains(".self_attn.q_proj.") {
@@ -619,6 +629,7 @@ fn map_tensors(
                     len,
                     unpermute_heads,
                     synthetic_seed: None,
+                    plus_one_from: None,
                 },
             )
             .is_some()
@@ -691,8 +702,43 @@ fn arch_config(
             .unwrap_or(1e-5),
         tied_embeddings: !tensors.contains_key("lm_head.weight"),
         qkv_bias: tensors.contains_key("model.layers.0.self_attn.q_proj.bias"),
-        sliding_window: None,
+        sliding_window: meta.u32_opt(&format!("{p}.attention.sliding_window"))?,
+        ext: Default::default(),
     };
+    let mut arch_cfg = arch_cfg;
+    if arch == Arch::Gemma3 {
+        // As llama.cpp reads a Gemma 3 GGUF (src/models/gemma3.cpp): five sliding-window
+        // layers to one global (or the file's pattern), the sliding ones with RoPE base
+        // freq_base_swa (10 000); scores scaled by
+        // query_pre_attn_scalar ^ -0.5, which is the head dim except in the 27B model
+        // (62 layers: hidden / heads). The norms in the file already hold 1 + w.
+        let pre_attn = match arch_cfg.n_layers {
+            62 => hidden / n_heads.max(1),
+            _ => head_dim,
+        };
+        if let Some(cap) = meta.f32_opt(&format!("{p}.final_logit_softcapping"))? {
+            if cap != 0.0 {
+                return Err(ImportError::unsupported(
+                    path,
+                    format!(
+                        "{p}.final_logit_softcapping = {cap}: logit soft-capping is not supported"
+                    ),
+                ));
+            }
+        }
+        let pattern = meta
+            .u32_opt(&format!("{p}.attention.sliding_window_pattern"))?
+            .unwrap_or(6);
+        arch_cfg.ext = ArchExt {
+            embed_scale: Some((hidden as f32).sqrt()),
+            attn_scale: Some((pre_attn as f64).powf(-0.5) as f32),
+            sliding_layers: every_but_nth(arch_cfg.n_layers, pattern),
+            rope_local_theta: Some(
+                meta.f32_opt(&format!("{p}.rope.freq_base_swa"))?
+                    .unwrap_or(10000.0),
+            ),
+        };
+    }
     arch_cfg
         .validate()
         .map_err(|e| ImportError::malformed(path, None, format!("architecture metadata: {e}")))?;

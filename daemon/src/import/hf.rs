@@ -4,7 +4,7 @@
 
 use super::{end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor};
 use crate::dtype::DType;
-use crate::store::arch::{Arch, ArchConfig, RopeScaling};
+use crate::store::arch::{every_but_nth, Arch, ArchConfig, ArchExt, RopeScaling};
 use crate::store::format::{SpecialTokens, TokenizerSpec};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -86,52 +86,106 @@ impl Config<'_> {
 
 fn arch_config(dir: &Path) -> Result<ArchConfig, ImportError> {
     let path = dir.join("config.json");
-    let v = read_json(&path)?;
+    let top = read_json(&path)?;
+    let model_type = top.get("model_type").and_then(Value::as_str).unwrap_or("");
+    // A multimodal Gemma 3 keeps its language model's config under text_config.
+    let v = match (model_type, top.get("text_config")) {
+        ("gemma3", Some(t)) => t.clone(),
+        _ => top.clone(),
+    };
     let c = Config { v: &v, path: &path };
-    let model_type = v.get("model_type").and_then(Value::as_str).unwrap_or("");
     let arch = match model_type {
         "llama" => Arch::Llama,
         "mistral" => Arch::Mistral,
         "qwen2" => Arch::Qwen2,
+        "qwen3" => Arch::Qwen3,
+        "gemma3" | "gemma3_text" => Arch::Gemma3,
         other => {
             return Err(ImportError::unsupported(
                 &path,
-                format!("model_type {other:?}; sluice supports llama, mistral and qwen2"),
+                format!("model_type {other:?}; sluice supports llama, mistral, qwen2, qwen3 and gemma3 (gemma3_text)"),
             ))
         }
     };
-    let hidden = c.u32("hidden_size")?;
-    let n_heads = c.u32("num_attention_heads")?;
-    let rope_scaling = match v.get("rope_scaling") {
-        None | Some(Value::Null) => None,
-        Some(rs) => {
-            let rc = Config { v: rs, path: &path };
-            let ty = rs
-                .get("rope_type")
-                .or_else(|| rs.get("type"))
-                .and_then(Value::as_str)
-                .unwrap_or("");
-            match ty {
-                "default" => None,
-                "linear" => Some(RopeScaling::Linear {
-                    factor: rc.f32_opt("factor")?.unwrap_or(1.0),
-                }),
-                "llama3" => Some(RopeScaling::Llama3 {
-                    factor: rc.f32_opt("factor")?.unwrap_or(8.0),
-                    low_freq_factor: rc.f32_opt("low_freq_factor")?.unwrap_or(1.0),
-                    high_freq_factor: rc.f32_opt("high_freq_factor")?.unwrap_or(4.0),
-                    original_max_position: rc
-                        .u32_opt("original_max_position_embeddings")?
-                        .unwrap_or(8192),
-                }),
-                other => {
-                    return Err(ImportError::unsupported(
-                        &path,
-                        format!("rope_scaling type {other:?}; sluice supports linear and llama3"),
-                    ))
-                }
+    let gemma = arch == Arch::Gemma3;
+    if gemma {
+        for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
+            if let Some(x) = c.f32_opt(key)? {
+                return Err(ImportError::unsupported(
+                    &path,
+                    format!("{key} = {x}: logit soft-capping (Gemma 2) is not supported"),
+                ));
             }
         }
+        if let Some(act) = v.get("hidden_activation").and_then(Value::as_str) {
+            if act != "gelu_pytorch_tanh" {
+                return Err(ImportError::unsupported(
+                    &path,
+                    format!("hidden_activation {act:?}; Gemma 3 uses gelu_pytorch_tanh"),
+                ));
+            }
+        }
+    }
+    let hidden = c.u32("hidden_size")?;
+    let n_heads = c.u32("num_attention_heads")?;
+    let n_layers = c.u32("num_hidden_layers")?;
+    // transformers 5 writes rope_parameters (per attention type for Gemma 3); older
+    // configs rope_theta and rope_scaling.
+    let rp = v.get("rope_parameters");
+    let rp_global = rp.map(|r| r.get("full_attention").unwrap_or(r));
+    let rp_local = rp.and_then(|r| r.get("sliding_attention"));
+    let theta_of = |r: Option<&Value>| -> Result<Option<f32>, ImportError> {
+        match r {
+            Some(r) => Config { v: r, path: &path }.f32_opt("rope_theta"),
+            None => Ok(None),
+        }
+    };
+    let rope_theta = match theta_of(rp_global)? {
+        Some(t) => t,
+        None => c.f32_opt("rope_theta")?.unwrap_or(10000.0),
+    };
+    let scaling = match rp_global {
+        Some(r) => Some(r),
+        None => v.get("rope_scaling"),
+    };
+    let rope_scaling = rope_scaling(scaling, &path)?;
+    let sliding_window = match arch {
+        Arch::Mistral | Arch::Gemma3 => c.u32_opt("sliding_window")?,
+        _ => None,
+    };
+    let sliding_layers = match v.get("layer_types").and_then(Value::as_array) {
+        Some(types) if gemma => {
+            if types.len() != n_layers as usize {
+                return Err(ImportError::malformed(
+                    &path,
+                    None,
+                    format!(
+                        "layer_types has {} entries for {n_layers} layers",
+                        types.len()
+                    ),
+                ));
+            }
+            (0..n_layers)
+                .filter(|&i| types[i as usize].as_str() == Some("sliding_attention"))
+                .collect()
+        }
+        _ if gemma => every_but_nth(n_layers, c.u32_opt("sliding_window_pattern")?.unwrap_or(6)),
+        _ => Vec::new(),
+    };
+    let ext = if gemma {
+        ArchExt {
+            embed_scale: Some((hidden as f32).sqrt()),
+            attn_scale: Some(
+                (c.f32_opt("query_pre_attn_scalar")?.unwrap_or(256.0) as f64).powf(-0.5) as f32,
+            ),
+            sliding_layers,
+            rope_local_theta: Some(match theta_of(rp_local)? {
+                Some(t) => t,
+                None => c.f32_opt("rope_local_base_freq")?.unwrap_or(10000.0),
+            }),
+        }
+    } else {
+        ArchExt::default()
     };
     let cfg = ArchConfig {
         arch,
@@ -139,7 +193,7 @@ fn arch_config(dir: &Path) -> Result<ArchConfig, ImportError> {
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
-        n_layers: c.u32("num_hidden_layers")?,
+        n_layers,
         hidden,
         n_heads,
         n_kv_heads: c.u32_opt("num_key_value_heads")?.unwrap_or(n_heads),
@@ -149,20 +203,56 @@ fn arch_config(dir: &Path) -> Result<ArchConfig, ImportError> {
         intermediate: c.u32("intermediate_size")?,
         vocab: c.u32("vocab_size")?,
         max_context: c.u32_opt("max_position_embeddings")?.unwrap_or(4096),
-        rope_theta: c.f32_opt("rope_theta")?.unwrap_or(10000.0),
+        rope_theta,
         rope_scaling,
         rms_eps: c.f32_opt("rms_norm_eps")?.unwrap_or(1e-6),
-        tied_embeddings: c.bool_opt("tie_word_embeddings")?.unwrap_or(false),
+        tied_embeddings: c.bool_opt("tie_word_embeddings")?.unwrap_or(gemma),
         qkv_bias: arch == Arch::Qwen2 || c.bool_opt("attention_bias")?.unwrap_or(false),
-        sliding_window: if arch == Arch::Mistral {
-            c.u32_opt("sliding_window")?
-        } else {
-            None
-        },
+        sliding_window,
+        ext,
     };
     cfg.validate()
         .map_err(|e| ImportError::malformed(&path, None, e))?;
     Ok(cfg)
+}
+
+/// A `rope_scaling` (or transformers 5 `rope_parameters`) object.
+fn rope_scaling(rs: Option<&Value>, path: &Path) -> Result<Option<RopeScaling>, ImportError> {
+    let rs = match rs {
+        None | Some(Value::Null) => return Ok(None),
+        Some(rs) => rs,
+    };
+    let rc = Config { v: rs, path };
+    let ty = rs
+        .get("rope_type")
+        .or_else(|| rs.get("type"))
+        .and_then(Value::as_str)
+        .unwrap_or("default");
+    Ok(match ty {
+        "default" => None,
+        "linear" => Some(RopeScaling::Linear {
+            factor: rc.f32_opt("factor")?.unwrap_or(1.0),
+        }),
+        "llama3" => Some(RopeScaling::Llama3 {
+            factor: rc.f32_opt("factor")?.unwrap_or(8.0),
+            low_freq_factor: rc.f32_opt("low_freq_factor")?.unwrap_or(1.0),
+            high_freq_factor: rc.f32_opt("high_freq_factor")?.unwrap_or(4.0),
+            original_max_position: rc
+                .u32_opt("original_max_position_embeddings")?
+                .unwrap_or(8192),
+        }),
+        other => {
+            return Err(ImportError::unsupported(
+                path,
+                format!("rope_scaling type {other:?}; sluice supports linear and llama3"),
+            ))
+        }
+    })
+}
+
+/// Whether a tensor is an RMSNorm weight (`*norm.weight`, `*_layernorm.weight`).
+fn is_norm(name: &str) -> bool {
+    name.ends_with("norm.weight")
 }
 
 /// The safetensors files of a model: the index's shards, or every *.safetensors file.
@@ -245,14 +335,21 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                     other => return Err(ImportError::unsupported(&path, format!("tensor {name} has dtype {other:?}; sluice imports F32, F16 and BF16 safetensors"))),
                 };
                 let data = view.data();
+                // Gemma's norms are applied as x * (1 + w): store 1 + w (see SourceTensor).
+                let plus_one = arch.arch == Arch::Gemma3 && is_norm(&name);
                 let t = SourceTensor {
-                    dtype,
+                    dtype: if plus_one { DType::F32 } else { dtype },
                     shape: view.shape().iter().map(|&d| d as u64).collect(),
                     file: fi,
                     offset: (data.as_ptr() as usize - base) as u64,
-                    len: data.len() as u64,
+                    len: if plus_one {
+                        data.len() as u64 / dtype.block_bytes() * 4
+                    } else {
+                        data.len() as u64
+                    },
                     unpermute_heads: None,
                     synthetic_seed: None,
+                    plus_one_from: plus_one.then_some(dtype),
                 };
                 if tensors.insert(name.clone(), t).is_some() {
                     return Err(ImportError::malformed(

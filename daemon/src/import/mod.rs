@@ -66,6 +66,11 @@ pub struct SourceTensor {
     pub unpermute_heads: Option<u32>,
     /// Generated rather than read (`sluiced synth`): the seed of its random weights.
     pub synthetic_seed: Option<u64>,
+    /// Stored as 1 + w in f32, from a source of this dtype (Gemma's norms in a Hugging
+    /// Face checkpoint, which transformers applies as x * (1 + w) in f32; llama.cpp's
+    /// converter writes 1 + w into the GGUF the same way). `dtype` and `len` are then
+    /// the f32 result's.
+    pub plus_one_from: Option<DType>,
 }
 
 pub struct ImportedModel {
@@ -134,7 +139,11 @@ impl ImportedModel {
     /// The raw source bytes of a tensor (before any row un-permutation).
     pub fn source_bytes(&self, t: &SourceTensor) -> &[u8] {
         let map = &self.files[t.file].1;
-        &map[t.offset as usize..(t.offset + t.len) as usize]
+        let len = match t.plus_one_from {
+            Some(from) => t.len / 4 * from.block_bytes(),
+            None => t.len,
+        };
+        &map[t.offset as usize..(t.offset + len) as usize]
     }
 
     /// Copies a tensor into `dst` in canonical row order.
@@ -144,6 +153,18 @@ impl ImportedModel {
             return;
         }
         let src = self.source_bytes(t);
+        if let Some(from) = t.plus_one_from {
+            let w = from.block_bytes() as usize;
+            for (o, c) in dst.chunks_exact_mut(4).zip(src.chunks_exact(w)) {
+                let v = match from {
+                    DType::F16 => half::f16::from_le_bytes([c[0], c[1]]).to_f32(),
+                    DType::BF16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
+                    _ => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
+                };
+                o.copy_from_slice(&(1.0 + v).to_le_bytes());
+            }
+            return;
+        }
         assert_eq!(src.len(), dst.len());
         let Some(heads) = t.unpermute_heads else {
             dst.copy_from_slice(src);
@@ -169,39 +190,14 @@ impl ImportedModel {
     /// no unexpected one is, and groups them into layer units in forward order.
     pub fn units(&self) -> Result<Vec<UnitSpec>, ImportError> {
         let a = &self.arch;
-        let (h, q, kv, inter, vocab) = (
-            a.hidden as u64,
-            a.q_dim(),
-            a.kv_dim(),
-            a.intermediate as u64,
-            a.vocab as u64,
-        );
+        let (h, vocab) = (a.hidden as u64, a.vocab as u64);
         let mut expected: Vec<(UnitKind, Vec<NamedShape>)> = Vec::new();
         expected.push((
             UnitKind::Embedding,
             vec![("model.embed_tokens.weight".into(), vec![vocab, h])],
         ));
         for i in 0..a.n_layers {
-            let p = format!("model.layers.{i}");
-            let mut t = vec![
-                (format!("{p}.input_layernorm.weight"), vec![h]),
-                (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-                (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-                (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-            ];
-            if a.qkv_bias {
-                t.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
-                t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
-                t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
-            }
-            t.extend([
-                (format!("{p}.self_attn.o_proj.weight"), vec![h, q]),
-                (format!("{p}.post_attention_layernorm.weight"), vec![h]),
-                (format!("{p}.mlp.gate_proj.weight"), vec![inter, h]),
-                (format!("{p}.mlp.up_proj.weight"), vec![inter, h]),
-                (format!("{p}.mlp.down_proj.weight"), vec![h, inter]),
-            ]);
-            expected.push((UnitKind::Decoder(i), t));
+            expected.push((UnitKind::Decoder(i), a.layer_tensors(i)));
         }
         let mut head = vec![("model.norm.weight".to_string(), vec![h])];
         if !a.tied_embeddings {

@@ -157,6 +157,7 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
                 len,
                 unpermute_heads: None,
                 synthetic_seed: Some(seed),
+                plus_one_from: None,
             },
         );
     };
@@ -208,6 +209,7 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
             tied_embeddings: false,
             qkv_bias: false,
             sliding_window: None,
+            ext: Default::default(),
         },
         tokenizer: TokenizerSpec::Gguf(GgufVocab {
             model: "llama".into(),

@@ -1,8 +1,9 @@
-//! The Llama-family model: architecture config (importers fill it) and the forward pass.
+//! The model: the architecture config (importers fill it; its recipes say which tensors
+//! a layer of each architecture has) and the decoder every architecture runs.
 
-pub mod llama;
+pub mod decoder;
 pub mod rope;
 
-pub use crate::store::arch::{Arch, ArchConfig, RopeScaling};
-pub use llama::{Llama, ModelError, ModelOptions, SeqStep};
+pub use crate::store::arch::{Activation, Arch, ArchConfig, ArchExt, Recipe, RopeScaling};
+pub use decoder::{Decoder, ModelError, ModelOptions, SeqStep};
 pub use rope::{inv_freq, rope_table};

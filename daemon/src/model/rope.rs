@@ -105,6 +105,7 @@ mod tests {
             tied_embeddings: true,
             qkv_bias: false,
             sliding_window: None,
+            ext: Default::default(),
         }
     }
 

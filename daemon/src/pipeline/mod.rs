@@ -21,7 +21,7 @@ use crate::hostbuf::AlignedBuf;
 use crate::io::IoError;
 use crate::io::{IoConfig, IoEngine, Ticket};
 use crate::model::ModelError;
-use crate::model::{Llama, ModelOptions, SeqStep};
+use crate::model::{Decoder, ModelOptions, SeqStep};
 use crate::plan::{Placement, Plan};
 use crate::store::format::UnitKind;
 use crate::store::Store;
@@ -96,7 +96,7 @@ impl PassStats {
 
 pub struct Pipeline<B: Backend> {
     pub backend: B,
-    pub model: Llama<B>,
+    pub model: Decoder<B>,
     pub store: Arc<Store>,
     pub plan: Plan,
     resident: Vec<Option<B::Mem>>,
@@ -204,7 +204,7 @@ impl<B: Backend> Pipeline<B> {
         opts: ModelOptions,
         io_cfg: IoConfig,
     ) -> Result<Self, PipelineError> {
-        let model = Llama::new(&backend, store.manifest(), opts)?;
+        let model = Decoder::new(&backend, store.manifest(), opts)?;
         let plan_slots = plan.stream_slots;
         let mut slots = Vec::with_capacity(plan_slots);
         for i in 0..plan.stream_slots {

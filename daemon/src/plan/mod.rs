@@ -6,7 +6,7 @@
 //! then streaming slots (at least 2: one computing, one loading), then whole units
 //! resident, chosen to minimise the bytes streamed per pass, then the host cache.
 
-use crate::model::llama::{kv_cache_bytes, workspace_bytes};
+use crate::model::decoder::{kv_cache_bytes, workspace_bytes};
 use crate::model::ModelOptions;
 use crate::store::format::{Manifest, UnitKind};
 use crate::util::fmt_bytes;

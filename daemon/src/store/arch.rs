@@ -16,6 +16,79 @@ pub enum Arch {
     Mistral,
     /// Qwen2: Llama layout with q/k/v biases.
     Qwen2,
+    /// Qwen3: per-head RMSNorm on q and k, head dim set apart from hidden / heads.
+    Qwen3,
+    /// Gemma 3: scaled embeddings, norms around attention and MLP, GeGLU, q/k norm, five
+    /// sliding-window layers to one global.
+    Gemma3,
+}
+
+/// What a decoder layer of an architecture is made of, under `model.layers.{i}.` (Hugging
+/// Face names: the GGUF importer maps to them). Every layer has q/k/v/o projections and a
+/// gated MLP (`mlp.{gate,up,down}_proj`); the recipe names its norms and says which
+/// optional blocks it has. Adding an architecture is a variant here with its recipe, and
+/// its config mapping in the importers.
+#[derive(Clone, Copy, Debug)]
+pub struct Recipe {
+    /// Before attention.
+    pub attn_norm: &'static str,
+    /// On the attention output, before the residual add (Gemma 2/3).
+    pub post_attn_norm: Option<&'static str>,
+    /// Before the MLP.
+    pub ffn_norm: &'static str,
+    /// On the MLP output, before the residual add (Gemma 2/3).
+    pub post_ffn_norm: Option<&'static str>,
+    /// Per-head RMSNorm of q and k before RoPE (`self_attn.q_norm` / `k_norm`).
+    pub qk_norm: bool,
+    pub activation: Activation,
+}
+
+/// Llama 2/3, Mistral, Qwen2, SmolLM2: a norm before attention and before a SwiGLU MLP.
+/// (Mistral's sliding window and Qwen2's biases are config.)
+const LLAMA: Recipe = Recipe {
+    attn_norm: "input_layernorm",
+    post_attn_norm: None,
+    ffn_norm: "post_attention_layernorm",
+    post_ffn_norm: None,
+    qk_norm: false,
+    activation: Activation::Silu,
+};
+
+/// Qwen3: Llama with q/k norm (and a head dim of its own, which is config).
+const QWEN3: Recipe = Recipe {
+    qk_norm: true,
+    ..LLAMA
+};
+
+/// Gemma 3: norms before and after attention and the MLP (Gemma's norm is x * (1 + w):
+/// the importers store 1 + w, so a plain RMSNorm applies it), GeGLU with tanh GELU, q/k
+/// norm. Its scaled embeddings, attention scale, sliding-window layers and their RoPE
+/// base are config (`ArchExt`).
+const GEMMA3: Recipe = Recipe {
+    attn_norm: "input_layernorm",
+    post_attn_norm: Some("post_attention_layernorm"),
+    ffn_norm: "pre_feedforward_layernorm",
+    post_ffn_norm: Some("post_feedforward_layernorm"),
+    qk_norm: true,
+    activation: Activation::GeluTanh,
+};
+
+impl Arch {
+    pub fn recipe(self) -> &'static Recipe {
+        match self {
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 => &LLAMA,
+            Arch::Qwen3 => &QWEN3,
+            Arch::Gemma3 => &GEMMA3,
+        }
+    }
+}
+
+/// The layers of a Gemma 3 model that use the sliding window: all but every `pattern`-th
+/// (`sliding_window_pattern` 6, as llama.cpp's swa pattern).
+pub fn every_but_nth(n_layers: u32, pattern: u32) -> Vec<u32> {
+    (0..n_layers)
+        .filter(|i| pattern == 0 || (i + 1) % pattern != 0)
+        .collect()
 }
 
 impl fmt::Display for Arch {
@@ -24,6 +97,8 @@ impl fmt::Display for Arch {
             Arch::Llama => "llama",
             Arch::Mistral => "mistral",
             Arch::Qwen2 => "qwen2",
+            Arch::Qwen3 => "qwen3",
+            Arch::Gemma3 => "gemma3",
         })
     }
 }
@@ -64,8 +139,40 @@ pub struct ArchConfig {
     pub tied_embeddings: bool,
     /// q/k/v projections carry biases (Qwen2).
     pub qkv_bias: bool,
-    /// Sliding-window attention size, when the source declares one (Mistral).
+    /// Sliding-window attention size, when the source declares one (Mistral, Gemma 3):
+    /// a query sees itself and the `window - 1` positions before it. Applied to the
+    /// layers `ext.sliding_layers` names, or to every layer when that is empty.
     pub sliding_window: Option<u32>,
+    /// Store format 2's additions (written after the format-1 manifest, see
+    /// `store::format`); defaults for a format-1 store.
+    #[serde(skip)]
+    pub ext: ArchExt,
+}
+
+/// The MLP's gate activation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Activation {
+    /// SwiGLU: silu(gate) * up.
+    Silu,
+    /// GeGLU with the tanh approximation of GELU (Gemma).
+    GeluTanh,
+}
+
+/// What the architectures after format 1 added to the config.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct ArchExt {
+    /// Token embeddings are multiplied by this (Gemma: sqrt(hidden), rounded to the
+    /// activation dtype as transformers does).
+    pub embed_scale: Option<f32>,
+    /// Attention scores are scaled by this instead of 1 / sqrt(head dim) (Gemma 3:
+    /// query_pre_attn_scalar ^ -0.5).
+    pub attn_scale: Option<f32>,
+    /// Layers that attend through `sliding_window` (empty: every layer, when a window is
+    /// set). The others attend to the whole context.
+    pub sliding_layers: Vec<u32>,
+    /// RoPE base of the sliding-window layers, unscaled (Gemma 3: 10 000); the others use
+    /// `rope_theta` with `rope_scaling`.
+    pub rope_local_theta: Option<f32>,
 }
 
 impl ArchConfig {
@@ -75,6 +182,55 @@ impl ArchConfig {
 
     pub fn kv_dim(&self) -> u64 {
         self.n_kv_heads as u64 * self.head_dim as u64
+    }
+
+    /// The tensors of decoder layer `i` and their shapes, in unit order.
+    pub fn layer_tensors(&self, i: u32) -> Vec<(String, Vec<u64>)> {
+        let (h, q, kv, inter, hd) = (
+            self.hidden as u64,
+            self.q_dim(),
+            self.kv_dim(),
+            self.intermediate as u64,
+            self.head_dim as u64,
+        );
+        let r = self.arch.recipe();
+        let p = format!("model.layers.{i}");
+        let mut t = vec![
+            (format!("{p}.{}.weight", r.attn_norm), vec![h]),
+            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
+            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
+            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
+        ];
+        if self.qkv_bias {
+            t.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
+            t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
+            t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
+        }
+        if r.qk_norm {
+            t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+            t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+        }
+        t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+        if let Some(n) = r.post_attn_norm {
+            t.push((format!("{p}.{n}.weight"), vec![h]));
+        }
+        t.extend([
+            (format!("{p}.{}.weight", r.ffn_norm), vec![h]),
+            (format!("{p}.mlp.gate_proj.weight"), vec![inter, h]),
+            (format!("{p}.mlp.up_proj.weight"), vec![inter, h]),
+            (format!("{p}.mlp.down_proj.weight"), vec![h, inter]),
+        ]);
+        if let Some(n) = r.post_ffn_norm {
+            t.push((format!("{p}.{n}.weight"), vec![h]));
+        }
+        t
+    }
+
+    /// The attention window of layer `layer`, if it is a sliding-window layer.
+    pub fn window(&self, layer: u32) -> Option<u32> {
+        let w = self.sliding_window?;
+        (self.ext.sliding_layers.is_empty() || self.ext.sliding_layers.contains(&layer))
+            .then_some(w)
     }
 
     /// Checks the relations the forward pass relies on; the message says which one fails.
@@ -110,6 +266,31 @@ impl ArchConfig {
         }
         if self.rope_theta.is_nan() || self.rope_theta <= 0.0 {
             return Err(format!("rope theta {} is not positive", self.rope_theta));
+        }
+        if self.sliding_window == Some(0) {
+            return Err("sliding window is 0".into());
+        }
+        if let Some(&l) = self
+            .ext
+            .sliding_layers
+            .iter()
+            .find(|&&l| l >= self.n_layers)
+        {
+            return Err(format!(
+                "sliding-window layer {l} is past the {} layers",
+                self.n_layers
+            ));
+        }
+        for (what, v) in [
+            ("embedding scale", self.ext.embed_scale),
+            ("attention scale", self.ext.attn_scale),
+            ("local rope theta", self.ext.rope_local_theta),
+        ] {
+            if let Some(v) = v {
+                if !(v.is_finite() && v > 0.0) {
+                    return Err(format!("{what} {v} is not a positive number"));
+                }
+            }
         }
         if let Some(RopeScaling::FreqFactors(f)) = &self.rope_scaling {
             if f.len() as u32 != self.head_dim / 2 {

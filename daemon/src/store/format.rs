@@ -1,9 +1,13 @@
-//! Store format version 1: the manifest and its on-disk framing.
+//! Store format version 2: the manifest and its on-disk framing.
 //!
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
 //! | payload (postcard) | xxh3-64 of everything before it (u64 LE).
+//!
+//! The payload of version 1 is the `Manifest`; version 2 appends the `ArchExt` (the
+//! config of the architectures added since: q/k norm, sliding-window layers, ...) after
+//! it. Version 1 stores still open, with the defaults of a Llama-family model.
 
-use super::arch::ArchConfig;
+use super::arch::{ArchConfig, ArchExt};
 use super::codec::{Codec, Plane};
 use super::StoreError;
 use crate::dtype::DType;
@@ -12,7 +16,9 @@ use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;
 
 pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// The oldest format this sluiced still reads.
+pub const FORMAT_VERSION_MIN: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.bin";
 pub const WEIGHTS_FILE: &str = "weights.bin";
 /// Every blob starts at a multiple of this in weights.bin, so it can be read with O_DIRECT.
@@ -181,7 +187,8 @@ impl Manifest {
 
     /// Encodes manifest.bin.
     pub fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
-        let payload = postcard::to_stdvec(self)?;
+        let mut payload = postcard::to_stdvec(self)?;
+        payload.extend_from_slice(&postcard::to_stdvec(&self.arch.ext)?);
         let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + 8);
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -209,7 +216,7 @@ impl Manifest {
             });
         }
         let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
-        if version != FORMAT_VERSION {
+        if !(FORMAT_VERSION_MIN..=FORMAT_VERSION).contains(&version) {
             return Err(StoreError::Version {
                 path: p(),
                 found: version,
@@ -249,8 +256,23 @@ impl Manifest {
                 ),
             ));
         }
-        let m: Manifest = postcard::from_bytes(&bytes[HEADER_LEN..end])
-            .map_err(|e| StoreError::invalid(path, format!("payload does not decode: {e}")))?;
+        let bad =
+            |e: postcard::Error| StoreError::invalid(path, format!("payload does not decode: {e}"));
+        let (mut m, rest): (Manifest, _) =
+            postcard::take_from_bytes(&bytes[HEADER_LEN..end]).map_err(bad)?;
+        let rest = if version >= 2 {
+            let (ext, rest): (ArchExt, _) = postcard::take_from_bytes(rest).map_err(bad)?;
+            m.arch.ext = ext;
+            rest
+        } else {
+            rest
+        };
+        if !rest.is_empty() {
+            return Err(StoreError::invalid(
+                path,
+                format!("{} bytes after the payload of format {version}", rest.len()),
+            ));
+        }
         m.validate().map_err(|msg| StoreError::invalid(path, msg))?;
         Ok(m)
     }

@@ -26,7 +26,7 @@ pub enum StoreError {
     },
     #[error("{path}: not a sluice manifest (starts with {found:02x?}, expected \"SLUICE\\0\\x01\"); point at a directory written by `sluiced pack`")]
     BadMagic { path: PathBuf, found: Vec<u8> },
-    #[error("{path}: store format version {found}, this sluiced reads version {}; repack the model with this sluiced", format::FORMAT_VERSION)]
+    #[error("{path}: store format version {found}, this sluiced reads versions {} to {}; repack the model with this sluiced", format::FORMAT_VERSION_MIN, format::FORMAT_VERSION)]
     Version { path: PathBuf, found: u32 },
     #[error(
         "{path}: manifest truncated: needs {expected} bytes, file has {found}; repack the model"

@@ -1,6 +1,7 @@
 //! The tokenizer: the `tokenizers` crate, from a tokenizer.json or rebuilt from a GGUF
 //! byte-level BPE vocabulary with the pre-tokenizer its `tokenizer.ggml.pre` names (the
-//! regexes are llama.cpp's, llama-vocab.cpp).
+//! regexes are llama.cpp's, llama-vocab.cpp); a GGUF SentencePiece vocabulary through
+//! `spm` (llama.cpp's algorithm).
 
 use crate::store::format::{GgufVocab, Manifest, SpecialTokens, TokenizerSpec};
 use serde_json::{json, Value};
@@ -13,8 +14,13 @@ pub enum TokenizerError {
     Encode(String),
 }
 
+enum Inner {
+    Hf(Box<tokenizers::Tokenizer>),
+    Spm(super::spm::Spm),
+}
+
 pub struct Tokenizer {
-    inner: tokenizers::Tokenizer,
+    inner: Inner,
     special: SpecialTokens,
     /// GGUF vocabularies carry add_bos outside the tokenizer; tokenizer.json files say it in
     /// their post-processor.
@@ -82,15 +88,24 @@ fn gguf_tokenizer_json(v: &GgufVocab) -> Result<Value, TokenizerError> {
     }))
 }
 
+fn parse_json(json: &str) -> Result<tokenizers::Tokenizer, TokenizerError> {
+    json.parse()
+        .map_err(|e| TokenizerError::Build(format!("{e}")))
+}
+
 impl Tokenizer {
     pub fn from_manifest(m: &Manifest) -> Result<Tokenizer, TokenizerError> {
-        let (json, prepend_bos) = match &m.tokenizer {
-            TokenizerSpec::HfJson(s) => (s.clone(), false),
-            TokenizerSpec::Gguf(v) => (gguf_tokenizer_json(v)?.to_string(), m.special.add_bos),
+        let (inner, prepend_bos) = match &m.tokenizer {
+            TokenizerSpec::Gguf(v) if v.model == "llama" => (
+                Inner::Spm(super::spm::Spm::new(v).map_err(TokenizerError::Build)?),
+                m.special.add_bos,
+            ),
+            TokenizerSpec::HfJson(s) => (Inner::Hf(Box::new(parse_json(s)?)), false),
+            TokenizerSpec::Gguf(v) => (
+                Inner::Hf(Box::new(parse_json(&gguf_tokenizer_json(v)?.to_string())?)),
+                m.special.add_bos,
+            ),
         };
-        let inner: tokenizers::Tokenizer = json
-            .parse()
-            .map_err(|e| TokenizerError::Build(format!("{e}")))?;
         Ok(Tokenizer {
             inner,
             special: m.special.clone(),
@@ -102,11 +117,15 @@ impl Tokenizer {
     /// Token ids of `text`. With `add_special`, BOS is added when the model asks for it
     /// (prompts); without, text is tokenized as is (chat templates carry their own).
     pub fn encode(&self, text: &str, add_special: bool) -> Result<Vec<u32>, TokenizerError> {
-        let enc = self
-            .inner
-            .encode(text, add_special)
-            .map_err(|e| TokenizerError::Encode(e.to_string()))?;
-        let mut ids = enc.get_ids().to_vec();
+        let mut ids = match &self.inner {
+            Inner::Hf(t) => t
+                .encode(text, add_special)
+                .map_err(|e| TokenizerError::Encode(e.to_string()))?
+                .get_ids()
+                .to_vec(),
+            // Special tokens in the text are parsed, as tokenizer.json's added tokens are.
+            Inner::Spm(t) => t.encode(text, true),
+        };
         if add_special && self.prepend_bos {
             let bos = self.special.bos.expect("checked at build");
             if ids.first() != Some(&bos) {
@@ -118,16 +137,25 @@ impl Tokenizer {
 
     /// Text of `ids`, special tokens left out.
     pub fn decode(&self, ids: &[u32]) -> String {
-        self.inner.decode(ids, true).unwrap_or_default()
+        match &self.inner {
+            Inner::Hf(t) => t.decode(ids, true).unwrap_or_default(),
+            Inner::Spm(t) => t.decode(ids, false),
+        }
     }
 
-    /// The token's own string (e.g. "Ġthe"), for Tokenize responses.
+    /// The token's own string (e.g. "Ġthe", "▁the"), for Tokenize responses.
     pub fn piece(&self, id: u32) -> String {
-        self.inner.id_to_token(id).unwrap_or_default()
+        match &self.inner {
+            Inner::Hf(t) => t.id_to_token(id).unwrap_or_default(),
+            Inner::Spm(t) => t.token(id).unwrap_or_default().to_string(),
+        }
     }
 
     pub fn token_id(&self, s: &str) -> Option<u32> {
-        self.inner.token_to_id(s)
+        match &self.inner {
+            Inner::Hf(t) => t.token_to_id(s),
+            Inner::Spm(t) => t.token_id(s),
+        }
     }
 
     pub fn special(&self) -> &SpecialTokens {

@@ -411,20 +411,22 @@ impl Backend for CpuBackend {
         cache_v: &mut CpuMem,
         step: &AttnStep<'_>,
     ) {
-        let (layer, spans, shape) = (step.layer, step.spans, step.shape);
+        let (spans, shape, cache) = (step.spans, step.shape, step.cache);
         let width = shape.kv_heads * shape.head_dim;
-        let base = layer * shape.layer_elems();
         for (src, dst) in [(k, cache_k), (v, cache_v)] {
             let s = src.f32s();
             let d = dst.f32s_mut();
             for sp in spans {
                 assert!(
-                    sp.pos + sp.n <= shape.max_context && sp.slot < shape.slots,
-                    "span {sp:?} outside the KV cache"
+                    cache.fits(&shape, sp.pos, sp.n) && sp.slot < shape.slots,
+                    "span {sp:?} outside the KV cache of layer {} ({cache:?})",
+                    step.layer
                 );
-                let at = base + (sp.slot * shape.max_context + sp.pos) * width;
-                d[at..at + sp.n * width]
-                    .copy_from_slice(&s[sp.row * width..(sp.row + sp.n) * width]);
+                for t in 0..sp.n {
+                    let at = cache.at(&shape, sp.slot, sp.pos + t);
+                    let row = sp.row + t;
+                    d[at..at + width].copy_from_slice(&s[row * width..(row + 1) * width]);
+                }
             }
         }
     }
@@ -437,21 +439,19 @@ impl Backend for CpuBackend {
         step: &AttnStep<'_>,
         out: &mut CpuMem,
     ) {
-        let (layer, spans, shape) = (step.layer, step.spans, step.shape);
+        let (spans, shape, cache) = (step.spans, step.shape, step.cache);
         let AttnShape {
             heads,
             kv_heads,
             head_dim,
             max_context,
+            scale,
             ..
         } = shape;
         let group = heads / kv_heads;
         let width_q = heads * head_dim;
-        let width_kv = kv_heads * head_dim;
-        let base = layer * shape.layer_elems();
         let (qs, ks, vs) = (q.f32s(), cache_k.f32s(), cache_v.f32s());
         let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
-        let scale = 1.0 / (head_dim as f32).sqrt();
         let mut scratch = self.scratch();
         let tasks = &mut scratch.tasks;
         tasks.clear();
@@ -461,19 +461,21 @@ impl Backend for CpuBackend {
             par.for_each_in(tasks, |&(si, h)| {
                 let sp = spans[si];
                 let g = h / group;
-                let slot_base = base + sp.slot * max_context * width_kv;
                 SCORES.with(|sc| {
                     let mut sc = sc.borrow_mut();
                     // Room for the whole context once, not a doubling as positions grow.
                     let len = sc.len();
                     sc.reserve(max_context.saturating_sub(len));
                     for t in 0..sp.n {
-                        let p = sp.pos + t; // attends to positions 0..=p
+                        // Attends to positions lo..=p (all of them, or its window).
+                        let p = sp.pos + t;
+                        let lo = cache.first_visible(p);
+                        let kv_row = |j: usize| cache.at(&shape, sp.slot, j) + g * head_dim;
                         let qrow = &qs[(sp.row + t) * width_q + h * head_dim..][..head_dim];
-                        sc.resize(p + 1, 0.0);
+                        sc.resize(p + 1 - lo, 0.0);
                         let mut mx = f32::NEG_INFINITY;
                         for (j, s) in sc.iter_mut().enumerate() {
-                            let krow = &ks[slot_base + j * width_kv + g * head_dim..][..head_dim];
+                            let krow = &ks[kv_row(lo + j)..][..head_dim];
                             let mut acc = [0f32; 8];
                             for (qc, kc) in qrow.chunks_exact(8).zip(krow.chunks_exact(8)) {
                                 for l in 0..8 {
@@ -500,7 +502,7 @@ impl Backend for CpuBackend {
                         o.fill(0.0);
                         for (j, &s) in sc.iter().enumerate() {
                             let w = s * inv;
-                            let vrow = &vs[slot_base + j * width_kv + g * head_dim..][..head_dim];
+                            let vrow = &vs[kv_row(lo + j)..][..head_dim];
                             for (ov, &vv) in o.iter_mut().zip(vrow) {
                                 *ov += w * vv;
                             }
@@ -515,6 +517,16 @@ impl Backend for CpuBackend {
         for (g, &u) in gate.f32s_mut()[..n].iter_mut().zip(&up.f32s()[..n]) {
             *g = *g / (1.0 + (-*g).exp()) * u;
         }
+    }
+
+    fn gelu_mul(&self, gate: &mut CpuMem, up: &CpuMem, n: usize) {
+        for (g, &u) in gate.f32s_mut()[..n].iter_mut().zip(&up.f32s()[..n]) {
+            *g = gelu_tanh(*g) * u;
+        }
+    }
+
+    fn scale(&self, x: &mut CpuMem, s: f32, n: usize) {
+        x.f32s_mut()[..n].iter_mut().for_each(|v| *v *= s);
     }
 
     fn add(&self, x: &mut CpuMem, y: &CpuMem, n: usize) {
@@ -674,6 +686,13 @@ impl Matmul<'_> {
             });
         });
     }
+}
+
+/// GELU with the tanh approximation, as transformers' `gelu_pytorch_tanh`:
+/// 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+pub fn gelu_tanh(x: f32) -> f32 {
+    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
+    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
 }
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
 //! Every CPU op against a naive f64 reference on seeded random inputs.
 
 use super::CpuBackend;
-use crate::backend::{AttnShape, AttnStep, Backend, SeqSpan, WeightRef};
+use crate::backend::{AttnShape, AttnStep, Backend, LayerCache, SeqSpan, WeightRef};
 use crate::dtype::{DType, ALL_DTYPES};
 use half::{bf16, f16};
 
@@ -244,6 +244,7 @@ fn attention_is_causal_grouped_query_over_the_cache() {
         head_dim: 16,
         max_context: 32,
         slots: 3,
+        scale: 0.25,
     };
     let (wq, wkv) = (
         shape.heads * shape.head_dim,
@@ -266,13 +267,19 @@ fn attention_is_causal_grouped_query_over_the_cache() {
         },
     ];
     let rows = 6;
-    let mut ck = b.alloc(2 * shape.layer_elems() * 4, "k").unwrap();
-    let mut cv = b.alloc(2 * shape.layer_elems() * 4, "v").unwrap();
+    let layer_elems = shape.slots * shape.max_context * wkv;
+    let mut ck = b.alloc(2 * layer_elems * 4, "k").unwrap();
+    let mut cv = b.alloc(2 * layer_elems * 4, "v").unwrap();
     let layer = 1;
+    let cache = LayerCache {
+        base: layer_elems,
+        cap: shape.max_context,
+        window: None,
+    };
     // Earlier positions of slot 0.
     let old_k = r.vec(6 * wkv);
     let old_v = r.vec(6 * wkv);
-    let base = layer * shape.layer_elems();
+    let base = layer * layer_elems;
     ck.f32s_mut()[base..base + 6 * wkv].copy_from_slice(&old_k);
     cv.f32s_mut()[base..base + 6 * wkv].copy_from_slice(&old_v);
     let (q, k, v) = (r.vec(rows * wq), r.vec(rows * wkv), r.vec(rows * wkv));
@@ -282,6 +289,7 @@ fn attention_is_causal_grouped_query_over_the_cache() {
         layer,
         spans: &spans,
         shape,
+        cache,
     };
     b.kv_store(&km, &vm, &mut ck, &mut cv, &step);
     b.attention(&qm, &ck, &cv, &step, &mut out);
@@ -326,6 +334,113 @@ fn attention_is_causal_grouped_query_over_the_cache() {
                 }
             }
         }
+    }
+}
+
+#[test]
+fn a_sliding_window_ring_attends_to_its_window_only() {
+    // One sequence through 40 positions in steps of 1 to 7 tokens, window 6, in a ring of
+    // 6 + 7 - 1 = 12 positions: every query sees exactly positions p - 5..=p (checked in
+    // f64 against the whole history), though the ring wrapped three times.
+    let b = backend();
+    let mut r = Rng(5);
+    let shape = AttnShape {
+        heads: 2,
+        kv_heads: 1,
+        head_dim: 8,
+        max_context: 64,
+        slots: 2,
+        scale: 0.3,
+    };
+    let (window, chunk) = (6, 7);
+    let cache = LayerCache {
+        base: 0,
+        cap: window + chunk - 1,
+        window: Some(window),
+    };
+    let elems = cache.elems(&shape);
+    let mut ck = b.alloc(elems * 4, "k").unwrap();
+    let mut cv = b.alloc(elems * 4, "v").unwrap();
+    let (mut all_k, mut all_v) = (Vec::new(), Vec::new());
+    let mut pos = 0;
+    for n in [7, 1, 3, 7, 2, 1, 7, 5, 7] {
+        let (q, k, v) = (r.vec(n * 16), r.vec(n * 8), r.vec(n * 8));
+        all_k.extend_from_slice(&k);
+        all_v.extend_from_slice(&v);
+        let spans = [SeqSpan {
+            row: 0,
+            n,
+            pos,
+            slot: 1,
+        }];
+        assert!(cache.fits(&shape, pos, n));
+        let step = AttnStep {
+            layer: 0,
+            spans: &spans,
+            shape,
+            cache,
+        };
+        let (qm, km, vm) = (mem_f32(&b, &q), mem_f32(&b, &k), mem_f32(&b, &v));
+        let mut out = b.alloc(n * 16 * 4, "out").unwrap();
+        b.kv_store(&km, &vm, &mut ck, &mut cv, &step);
+        b.attention(&qm, &ck, &cv, &step, &mut out);
+        for t in 0..n {
+            let p = pos + t;
+            let lo = (p + 1).saturating_sub(window);
+            for h in 0..2 {
+                let qr = &q[t * 16 + h * 8..][..8];
+                let s: Vec<f64> = (lo..=p)
+                    .map(|j| {
+                        (0..8)
+                            .map(|d| qr[d] as f64 * all_k[j * 8 + d] as f64)
+                            .sum::<f64>()
+                            * 0.3
+                    })
+                    .collect();
+                let mx = s.iter().cloned().fold(f64::MIN, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+                let z: f64 = e.iter().sum();
+                for d in 0..8 {
+                    let want: f64 = (lo..=p)
+                        .map(|j| e[j - lo] / z * all_v[j * 8 + d] as f64)
+                        .sum();
+                    let got = out.f32s()[t * 16 + h * 8 + d] as f64;
+                    assert!(
+                        (got - want).abs() <= 1e-5,
+                        "pos {p} head {h}: {got} vs {want}"
+                    );
+                }
+            }
+        }
+        pos += n;
+    }
+    // A span longer than the ring leaves room for is refused, not silently wrong.
+    assert!(!cache.fits(&shape, pos, chunk + 1));
+}
+
+#[test]
+fn gelu_mul_and_scale_match_f64() {
+    let b = backend();
+    let mut r = Rng(6);
+    let (gate, up) = (r.vec(100), r.vec(100));
+    let mut gm = mem_f32(&b, &gate.iter().map(|x| x * 4.0).collect::<Vec<_>>());
+    let um = mem_f32(&b, &up);
+    b.gelu_mul(&mut gm, &um, 100);
+    for i in 0..100 {
+        let g = gate[i] as f64 * 4.0;
+        let gelu = 0.5
+            * g
+            * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (g + 0.044715 * g.powi(3))).tanh());
+        let want = gelu * up[i] as f64;
+        assert!((gm.f32s()[i] as f64 - want).abs() <= 1e-5, "{i}");
+    }
+    let x = r.vec(50);
+    let mut xm = mem_f32(&b, &x);
+    b.scale(&mut xm, 25.3, 40);
+    for (i, &v) in x.iter().enumerate() {
+        // The first 40 scaled (rounded once, like x * s in f32), the rest untouched.
+        let want = if i < 40 { v * 25.3 } else { v };
+        assert_eq!(xm.f32s()[i], want, "{i}");
     }
 }
 

@@ -582,10 +582,8 @@ impl Backend for CudaBackend {
     ) {
         let r = (|| -> Result<(), String> {
             let sh = step.shape;
-            let layer_bytes = (sh.layer_elems() * 4) as u64;
-            if (step.layer as u64 + 1) * layer_bytes > cache_k.len as u64
-                || cache_v.len != cache_k.len
-            {
+            let end = (step.cache.base + step.cache.elems(&sh)) as u64 * 4;
+            if end > cache_k.len as u64 || cache_v.len != cache_k.len {
                 return Err(format!("layer {} outside the KV cache", step.layer));
             }
             self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
@@ -595,7 +593,7 @@ impl Backend for CudaBackend {
                 return Err("shapes".into());
             }
             let kv = self.spans_meta(step)?.kv_dst;
-            let off = step.layer as u64 * layer_bytes;
+            let off = step.cache.base as u64 * 4;
             let dims = Dims {
                 grid: (rows as u32, 1, 1),
                 block: 256,
@@ -626,8 +624,8 @@ impl Backend for CudaBackend {
     ) {
         let r = (|| -> Result<(), String> {
             let sh = step.shape;
-            let layer_bytes = (sh.layer_elems() * 4) as u64;
-            if (step.layer as u64 + 1) * layer_bytes > cache_k.len as u64 {
+            let end = (step.cache.base + step.cache.elems(&sh)) as u64 * 4;
+            if end > cache_k.len as u64 || cache_v.len != cache_k.len {
                 return Err(format!("layer {} outside the KV cache", step.layer));
             }
             let rows: usize = step.spans.iter().map(|s| s.n).sum();
@@ -639,17 +637,19 @@ impl Backend for CudaBackend {
             let SpanMeta {
                 pos, base, max_pos, ..
             } = self.spans_meta(step)?;
-            let smem = (max_pos + 1) * 4;
+            // One score per position seen: at most the window in a sliding layer.
+            let seen = step
+                .cache
+                .window
+                .map_or(max_pos + 1, |w| w.min(max_pos + 1));
+            let smem = seen * 4;
             if smem > self.attn_smem {
                 return Err(format!(
-                    "{} positions need {smem} bytes of shared memory; {} allows {}",
-                    max_pos + 1,
-                    self.info.name,
-                    self.attn_smem
+                    "{seen} positions need {smem} bytes of shared memory; {} allows {}",
+                    self.info.name, self.attn_smem
                 ));
             }
-            let off = step.layer as u64 * layer_bytes;
-            let scale = 1.0 / (sh.head_dim as f32).sqrt();
+            let off = step.cache.base as u64 * 4;
             let dims = Dims {
                 grid: (rows as u32, sh.heads as u32, 1),
                 block: 128,
@@ -668,7 +668,9 @@ impl Backend for CudaBackend {
                 sh.heads as i32,
                 sh.kv_heads as i32,
                 sh.head_dim as i32,
-                scale,
+                sh.scale,
+                step.cache.cap as i32,
+                step.cache.window.map_or(0, |w| w as i32),
             )
         })();
         self.record("attention", r);
@@ -677,6 +679,27 @@ impl Backend for CudaBackend {
     fn silu_mul(&self, gate: &mut CudaMem, up: &CudaMem, n: usize) {
         let r = self.elementwise(Kernel::SiluMulF32, gate, up, n);
         self.record("silu_mul", r);
+    }
+
+    fn gelu_mul(&self, gate: &mut CudaMem, up: &CudaMem, n: usize) {
+        let r = self.elementwise(Kernel::GeluMulF32, gate, up, n);
+        self.record("gelu_mul", r);
+    }
+
+    fn scale(&self, x: &mut CudaMem, s: f32, n: usize) {
+        let r = (|| -> Result<(), String> {
+            if x.len < n * 4 {
+                return Err(format!(
+                    "{n} elements past an allocation of {} bytes",
+                    x.len
+                ));
+            }
+            self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+            let dims = Dims::per_element(n as u64);
+            self.kernels
+                .scale(&self.compute, Kernel::ScaleF32, dims, x.ptr, s, n as i32)
+        })();
+        self.record("scale", r);
     }
 
     fn add(&self, x: &mut CudaMem, y: &CudaMem, n: usize) {

@@ -101,6 +101,11 @@ kernels! {
     elementwise(x: u64 = "float*", y: u64 = "const float*", n: i32 = "int") {
         AddF32 = "add_f32",
         SiluMulF32 = "silu_mul_f32",
+        GeluMulF32 = "gelu_mul_f32",
+    }
+    /// `x[i] *= s` for `n` elements.
+    scale(x: u64 = "float*", s: f32 = "float", n: i32 = "int") {
+        ScaleF32 = "scale_f32",
     }
     /// `out[r][c] += bias[c]`.
     add_bias(out: u64 = "float*", bias: u64 = "const float*", rows: i32 = "int", cols: i32 = "int") {
@@ -122,6 +127,8 @@ kernels! {
         kv_heads: i32 = "int",
         head_dim: i32 = "int",
         scale: f32 = "float",
+        cap: i32 = "int",
+        window: i32 = "int",
     ) {
         AttentionF32 = "attention_f32",
     }

@@ -2,7 +2,7 @@
 //! per step through preallocated pinned and device buffers, and only when it changed.
 
 use super::handles::PinnedHost;
-use crate::backend::{AttnShape, AttnStep, SeqSpan};
+use crate::backend::{AttnStep, SeqSpan};
 use cudarc::driver::{result, CudaEvent, CudaStream};
 
 /// Step metadata on the device and the host copies it was made from, so it is uploaded
@@ -27,9 +27,9 @@ pub(super) struct Meta {
 pub(super) struct SpanMeta {
     /// u32 position of each row.
     pub(super) pos: u64,
-    /// u64 element offset in the KV cache where each row's K and V go.
+    /// u64 element offset in the layer's KV cache where each row's K and V go.
     pub(super) kv_dst: u64,
-    /// u64 element offset of each row's sequence in the KV cache.
+    /// u64 element offset of each row's slot in the layer's KV cache.
     pub(super) base: u64,
     pub(super) max_pos: usize,
 }
@@ -130,12 +130,13 @@ impl Meta {
         base.resize(rows, 0);
         let mut max_pos = 0;
         for sp in step.spans {
-            check_span(sp, &step.shape, rows)?;
+            check_span(sp, step, rows)?;
             for t in 0..sp.n {
                 let r = sp.row + t;
                 pos[r] = (sp.pos + t) as u32;
-                kv[r] = ((sp.slot * sh.max_context + sp.pos + t) as u64) * width;
-                base[r] = (sp.slot * sh.max_context) as u64 * width;
+                // Offsets inside the layer's part of the cache (the caller adds its base).
+                kv[r] = (step.cache.at(&sh, sp.slot, sp.pos + t) - step.cache.base) as u64;
+                base[r] = (sp.slot * step.cache.cap) as u64 * width;
                 max_pos = max_pos.max(sp.pos + t);
             }
         }
@@ -150,8 +151,9 @@ impl Meta {
     }
 }
 
-fn check_span(sp: &SeqSpan, sh: &AttnShape, rows: usize) -> Result<(), String> {
-    if sp.pos + sp.n > sh.max_context || sp.slot >= sh.slots || sp.row + sp.n > rows {
+fn check_span(sp: &SeqSpan, step: &AttnStep<'_>, rows: usize) -> Result<(), String> {
+    let sh = &step.shape;
+    if !step.cache.fits(sh, sp.pos, sp.n) || sp.slot >= sh.slots || sp.row + sp.n > rows {
         return Err(format!("span {sp:?} outside the KV cache"));
     }
     Ok(())

@@ -1,13 +1,19 @@
-//! The Llama-family decoder (Llama 2/3, Mistral, Qwen2, SmolLM2), written against the
-//! `Backend` trait so every backend runs the same code. A step runs a batch of sequences,
-//! each with its new tokens (a prefill chunk or one decode token), through one layer unit
-//! at a time: `forward_unit` is the loop body the streaming pipeline drives, so one pass
-//! over the weights serves the whole batch.
+//! The decoder every architecture runs: pre-norm transformer layers of grouped-query
+//! attention and a gated MLP, with the blocks an architecture switches on (q/k norm, norms
+//! after attention and MLP, GeGLU, scaled embeddings, sliding-window layers with their own
+//! RoPE base). Which blocks a layer has and what its tensors are called is the
+//! architecture's `Recipe` (store/arch.rs); the numbers come from the `ArchConfig` the
+//! importers fill.
+//!
+//! Written against the `Backend` trait so every backend runs the same code. A step runs a
+//! batch of sequences, each with its new tokens (a prefill chunk or one decode token),
+//! through one layer unit at a time: `forward_unit` is the loop body the streaming
+//! pipeline drives, so one pass over the weights serves the whole batch.
 
 use super::rope::rope_table;
-use super::{ArchConfig, RopeScaling};
+use super::{Activation, ArchConfig, RopeScaling};
 use crate::backend::{
-    AttnShape, AttnStep, Backend, BackendError, ScratchShape, SeqSpan, WeightRef,
+    AttnShape, AttnStep, Backend, BackendError, LayerCache, ScratchShape, SeqSpan, WeightRef,
 };
 use crate::dtype::DType;
 use crate::store::format::{LayerUnit, Manifest, UnitKind};
@@ -40,11 +46,19 @@ struct LayerTensors {
     k: TensorLoc,
     v: TensorLoc,
     qkv_bias: Option<[TensorLoc; 3]>,
+    /// Per-head norms of q and k.
+    qk_norm: Option<[TensorLoc; 2]>,
     o: TensorLoc,
+    post_attn_norm: Option<TensorLoc>,
     ffn_norm: TensorLoc,
     gate: TensorLoc,
     up: TensorLoc,
     down: TensorLoc,
+    post_ffn_norm: Option<TensorLoc>,
+    /// Its part of the KV cache (a ring for sliding-window layers).
+    cache: LayerCache,
+    /// RoPE with the local (sliding-window) base.
+    local_rope: bool,
 }
 
 /// Limits of one model instance; the memory plan derives them from config.
@@ -105,9 +119,11 @@ struct Workspace<M> {
     last: M,
     last_n: M,
     logits: M,
+    /// Room for q and k after their per-head norm (models with q/k norm).
+    qk_normed: Option<(M, M)>,
 }
 
-pub struct Llama<B: Backend> {
+pub struct Decoder<B: Backend> {
     cfg: ArchConfig,
     opts: ModelOptions,
     shape: AttnShape,
@@ -118,6 +134,8 @@ pub struct Llama<B: Backend> {
     layers: Vec<LayerTensors>,
     unit_kinds: Vec<UnitKind>,
     rope: B::Mem,
+    /// The sliding-window layers' RoPE table, when their base differs.
+    rope_local: Option<B::Mem>,
     cache_k: B::Mem,
     cache_v: B::Mem,
     ws: Workspace<B::Mem>,
@@ -154,12 +172,38 @@ fn loc(unit: &LayerUnit, name: &str, rows: u64, cols: u64) -> Result<TensorLoc, 
     })
 }
 
+/// Each layer's part of the KV cache under these options, and the f32 elements of the
+/// whole K (or V) cache. A sliding-window layer's slot holds the window plus the longest
+/// span one step may write (so a prefill chunk does not overwrite what its own first
+/// queries see), never more than the context.
+pub fn kv_layout(cfg: &ArchConfig, opts: &ModelOptions) -> (Vec<LayerCache>, usize) {
+    let width = cfg.kv_dim() as usize;
+    let mut base = 0;
+    let layers = (0..cfg.n_layers)
+        .map(|i| {
+            let window = cfg.window(i).map(|w| w as usize);
+            let cap = window.map_or(opts.max_context, |w| {
+                (w + opts.max_batch_tokens.saturating_sub(1)).min(opts.max_context)
+            });
+            let c = LayerCache { base, cap, window };
+            base += opts.kv_slots * cap * width;
+            c
+        })
+        .collect();
+    (layers, base)
+}
+
 /// Bytes of KV cache for these options (K and V, every layer, f32).
 pub fn kv_cache_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
+    2 * kv_layout(cfg, opts).1 as u64 * 4
+}
+
+/// Bytes of the KV cache if every layer held the whole context (no sliding-window ring).
+pub fn kv_cache_bytes_full(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
     2 * cfg.n_layers as u64 * opts.kv_slots as u64 * opts.max_context as u64 * cfg.kv_dim() * 4
 }
 
-/// Bytes of activation workspace (and rotary table) for these options.
+/// Bytes of activation workspace (and rotary tables) for these options.
 pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
     let t = opts.max_batch_tokens as u64;
     let (h, q, kv, i, v) = (
@@ -170,13 +214,23 @@ pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
         cfg.vocab as u64,
     );
     let s = opts.kv_slots as u64;
-    let f32s = t * (3 * h + 2 * q + 2 * kv + 2 * i) + s * (2 * h + v);
-    let rope = opts.max_context as u64 * cfg.head_dim as u64;
+    let qk = if cfg.arch.recipe().qk_norm {
+        t * (q + kv)
+    } else {
+        0
+    };
+    let f32s = t * (3 * h + 2 * q + 2 * kv + 2 * i) + s * (2 * h + v) + qk;
+    let tables = if cfg.ext.rope_local_theta.is_some() {
+        2
+    } else {
+        1
+    };
+    let rope = tables * opts.max_context as u64 * cfg.head_dim as u64;
     // Each allocation rounds up to 4096 bytes.
-    4 * (f32s + rope) + 13 * 4096
+    4 * (f32s + rope) + 16 * 4096
 }
 
-impl<B: Backend> Llama<B> {
+impl<B: Backend> Decoder<B> {
     /// Lays out the model from the manifest and allocates its KV cache, rotary table and
     /// workspace from the backend's budget (reserved before any weights).
     pub fn new(backend: &B, m: &Manifest, opts: ModelOptions) -> Result<Self, ModelError> {
@@ -212,6 +266,8 @@ impl<B: Backend> Llama<B> {
         } else {
             loc(head, "lm_head.weight", vocab, h)?
         };
+        let names = c.arch.recipe();
+        let (caches, cache_elems) = kv_layout(&c, &opts);
         let mut layers = Vec::with_capacity(c.n_layers as usize);
         for (i, u) in m.units[1..=c.n_layers as usize].iter().enumerate() {
             let p = format!("model.layers.{i}");
@@ -224,17 +280,36 @@ impl<B: Backend> Llama<B> {
             } else {
                 None
             };
+            let hd = c.head_dim as u64;
+            let qk_norm = if names.qk_norm {
+                Some([
+                    loc(u, &format!("{p}.self_attn.q_norm.weight"), 1, hd)?,
+                    loc(u, &format!("{p}.self_attn.k_norm.weight"), 1, hd)?,
+                ])
+            } else {
+                None
+            };
+            let post = |name: Option<&str>| -> Result<Option<TensorLoc>, ModelError> {
+                name.map(|n| loc(u, &format!("{p}.{n}.weight"), 1, h))
+                    .transpose()
+            };
+            let cache = caches[i];
             layers.push(LayerTensors {
-                attn_norm: loc(u, &format!("{p}.input_layernorm.weight"), 1, h)?,
+                attn_norm: loc(u, &format!("{p}.{}.weight", names.attn_norm), 1, h)?,
                 q: loc(u, &format!("{p}.self_attn.q_proj.weight"), q, h)?,
                 k: loc(u, &format!("{p}.self_attn.k_proj.weight"), kv, h)?,
                 v: loc(u, &format!("{p}.self_attn.v_proj.weight"), kv, h)?,
                 qkv_bias,
+                qk_norm,
                 o: loc(u, &format!("{p}.self_attn.o_proj.weight"), h, q)?,
-                ffn_norm: loc(u, &format!("{p}.post_attention_layernorm.weight"), 1, h)?,
+                post_attn_norm: post(names.post_attn_norm)?,
+                ffn_norm: loc(u, &format!("{p}.{}.weight", names.ffn_norm), 1, h)?,
                 gate: loc(u, &format!("{p}.mlp.gate_proj.weight"), inter, h)?,
                 up: loc(u, &format!("{p}.mlp.up_proj.weight"), inter, h)?,
                 down: loc(u, &format!("{p}.mlp.down_proj.weight"), h, inter)?,
+                post_ffn_norm: post(names.post_ffn_norm)?,
+                cache,
+                local_rope: cache.window.is_some() && c.ext.rope_local_theta.is_some(),
             });
         }
         if let Some(RopeScaling::FreqFactors(f)) = &c.rope_scaling {
@@ -250,15 +325,28 @@ impl<B: Backend> Llama<B> {
             head_dim: c.head_dim as usize,
             max_context: opts.max_context,
             slots: opts.kv_slots,
+            scale: c.ext.attn_scale.unwrap_or(1.0 / (c.head_dim as f32).sqrt()),
         };
         // KV cache first, then workspace: the plan reserves them before any weights.
-        let cache_bytes = c.n_layers as usize * shape.layer_elems() * 4;
-        let cache_k = backend.alloc(cache_bytes, "KV cache (keys)")?;
-        let cache_v = backend.alloc(cache_bytes, "KV cache (values)")?;
-        let table = rope_table(&c, opts.max_context);
-        let mut rope = backend.alloc(table.len() * 4, "rotary table")?;
-        let table_bytes: Vec<u8> = table.iter().flat_map(|f| f.to_le_bytes()).collect();
-        backend.upload(&mut rope, &table_bytes)?;
+        let cache_k = backend.alloc(cache_elems * 4, "KV cache (keys)")?;
+        let cache_v = backend.alloc(cache_elems * 4, "KV cache (values)")?;
+        let upload_table = |cfg: &ArchConfig| -> Result<B::Mem, ModelError> {
+            let table = rope_table(cfg, opts.max_context);
+            let mut mem = backend.alloc(table.len() * 4, "rotary table")?;
+            let bytes: Vec<u8> = table.iter().flat_map(|f| f.to_le_bytes()).collect();
+            backend.upload(&mut mem, &bytes)?;
+            Ok(mem)
+        };
+        let rope = upload_table(&c)?;
+        // The sliding-window layers' own base, unscaled (Gemma 3).
+        let rope_local = match c.ext.rope_local_theta {
+            Some(theta) => Some(upload_table(&ArchConfig {
+                rope_theta: theta,
+                rope_scaling: None,
+                ..c.clone()
+            })?),
+            None => None,
+        };
         let t = opts.max_batch_tokens;
         let s = opts.kv_slots;
         let a = |n: u64, what: &str| backend.alloc(n as usize * 4, what);
@@ -275,8 +363,16 @@ impl<B: Backend> Llama<B> {
             last: a(s as u64 * h, "activations")?,
             last_n: a(s as u64 * h, "activations")?,
             logits: a(s as u64 * vocab, "logits")?,
+            qk_normed: if c.arch.recipe().qk_norm {
+                Some((
+                    a(t as u64 * q, "activations")?,
+                    a(t as u64 * kv, "activations")?,
+                ))
+            } else {
+                None
+            },
         };
-        Ok(Llama {
+        Ok(Decoder {
             cfg: c,
             opts,
             shape,
@@ -286,6 +382,7 @@ impl<B: Backend> Llama<B> {
             layers,
             unit_kinds: kinds,
             rope,
+            rope_local,
             cache_k,
             cache_v,
             ws,
@@ -393,7 +490,12 @@ impl<B: Backend> Llama<B> {
     pub fn forward_unit(&mut self, b: &B, unit: usize, mem: &B::Mem, lm_head: Option<&B::Mem>) {
         let _span = tracing::trace_span!("unit", unit).entered();
         match self.unit_kinds[unit] {
-            UnitKind::Embedding => b.embedding(self.embed.at(mem), &self.ids, &mut self.ws.x),
+            UnitKind::Embedding => {
+                b.embedding(self.embed.at(mem), &self.ids, &mut self.ws.x);
+                if let Some(s) = self.cfg.ext.embed_scale {
+                    b.scale(&mut self.ws.x, s, self.rows * self.cfg.hidden as usize);
+                }
+            }
             UnitKind::Decoder(i) => self.decoder(b, i as usize, mem),
             UnitKind::Head => {
                 let lm = if self.cfg.tied_embeddings {
@@ -442,26 +544,29 @@ impl<B: Backend> Llama<B> {
             bias(2),
             &mut ws.v,
         );
-        b.rope(
-            &mut ws.q,
-            rows,
+        let (heads, kv_heads, hd) = (
             c.n_heads as usize,
-            c.head_dim as usize,
-            &self.positions,
-            &self.rope,
-        );
-        b.rope(
-            &mut ws.k,
-            rows,
             c.n_kv_heads as usize,
             c.head_dim as usize,
-            &self.positions,
-            &self.rope,
         );
+        // Per-head RMSNorm of q and k (each head a row of head_dim), before RoPE.
+        if let (Some([qn, kn]), Some((qo, ko))) = (l.qk_norm, ws.qk_normed.as_mut()) {
+            b.rms_norm(&ws.q, qn.at(mem), c.rms_eps, rows * heads, qo);
+            b.rms_norm(&ws.k, kn.at(mem), c.rms_eps, rows * kv_heads, ko);
+            std::mem::swap(&mut ws.q, qo);
+            std::mem::swap(&mut ws.k, ko);
+        }
+        let table = match (&self.rope_local, l.local_rope) {
+            (Some(t), true) => t,
+            _ => &self.rope,
+        };
+        b.rope(&mut ws.q, rows, heads, hd, &self.positions, table);
+        b.rope(&mut ws.k, rows, kv_heads, hd, &self.positions, table);
         let step = AttnStep {
             layer: i,
             spans: &self.spans,
             shape: self.shape,
+            cache: l.cache,
         };
         b.kv_store(&ws.k, &ws.v, &mut self.cache_k, &mut self.cache_v, &step);
         b.attention(&ws.q, &self.cache_k, &self.cache_v, &step, &mut ws.attn);
@@ -473,7 +578,16 @@ impl<B: Backend> Llama<B> {
             None,
             &mut ws.proj,
         );
-        b.add(&mut ws.x, &ws.proj, rows * h);
+        residual(
+            b,
+            &mut ws.x,
+            &mut ws.proj,
+            &mut ws.xn,
+            l.post_attn_norm.map(|n| n.at(mem)),
+            c.rms_eps,
+            rows,
+            h,
+        );
         b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
         b.matmul(
             &ws.xn,
@@ -484,7 +598,10 @@ impl<B: Backend> Llama<B> {
             &mut ws.gate,
         );
         b.matmul(&ws.xn, rows, self.gemv_rows, l.up.at(mem), None, &mut ws.up);
-        b.silu_mul(&mut ws.gate, &ws.up, rows * inter);
+        match c.arch.recipe().activation {
+            Activation::Silu => b.silu_mul(&mut ws.gate, &ws.up, rows * inter),
+            Activation::GeluTanh => b.gelu_mul(&mut ws.gate, &ws.up, rows * inter),
+        }
         b.matmul(
             &ws.gate,
             rows,
@@ -493,7 +610,16 @@ impl<B: Backend> Llama<B> {
             None,
             &mut ws.proj,
         );
-        b.add(&mut ws.x, &ws.proj, rows * h);
+        residual(
+            b,
+            &mut ws.x,
+            &mut ws.proj,
+            &mut ws.xn,
+            l.post_ffn_norm.map(|n| n.at(mem)),
+            c.rms_eps,
+            rows,
+            h,
+        );
         debug_assert!(qd >= kvd);
     }
 
@@ -528,5 +654,27 @@ impl<B: Backend> Llama<B> {
         let v = self.cfg.vocab as usize;
         out.resize(self.spans.len() * v, 0.0);
         b.download_f32(&self.ws.logits, 0, out);
+    }
+}
+
+/// x += y, or x += norm(y) when the architecture norms a block's output first (`tmp` is
+/// free room of the same size).
+#[allow(clippy::too_many_arguments)] // the residual's buffers and the norm's parameters
+fn residual<B: Backend>(
+    b: &B,
+    x: &mut B::Mem,
+    y: &mut B::Mem,
+    tmp: &mut B::Mem,
+    norm: Option<WeightRef<'_, B::Mem>>,
+    eps: f32,
+    rows: usize,
+    h: usize,
+) {
+    match norm {
+        Some(w) => {
+            b.rms_norm(y, w, eps, rows, tmp);
+            b.add(x, tmp, rows * h);
+        }
+        None => b.add(x, y, rows * h),
     }
 }
