@@ -462,3 +462,58 @@ fn sluiced_run_json_reports_ids_text_and_rates() {
     let e = sluiced_err(&["run", dir.to_str().unwrap(), "--prompt-ids", "1,999999"]);
     assert!(e.contains("999999") && e.contains("vocabulary"), "{e}");
 }
+
+/// Gemma 3 270M's SentencePiece vocabulary (262 144 tokens, byte fallback, no space
+/// prefix) on ~300 varied strings: ids equal llama.cpp's (llama-cpp-python, vocab_only)
+/// for every string, and transformers' wherever transformers agrees with llama.cpp (two
+/// long runs of spaces it splits differently; scripts/make_gemma_reference.py); decoding
+/// gives the text back.
+#[test]
+fn gemma3_sentencepiece_matches_llama_cpp_and_transformers() {
+    let r = reference("gemma3-270m-tokens.json");
+    let tmp = tempfile::tempdir().unwrap();
+    let store = pack_store(&gemma3_gguf(), &tmp.path().join("g"), "none", 1 << 20);
+    let tok = Tokenizer::from_manifest(store.manifest()).unwrap();
+    let cases = r["cases"].as_array().unwrap();
+    assert!(cases.len() >= 300);
+    let disagree: Vec<u64> = r["disagreements"]["indices"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_u64().unwrap())
+        .collect();
+    assert!(disagree.len() <= 2, "{disagree:?}");
+    let (mut bad, mut vs_hf) = (Vec::new(), 0);
+    for (i, c) in cases.iter().enumerate() {
+        let text = c["text"].as_str().unwrap();
+        let got = tok.encode(text, false).unwrap();
+        if got != ids(&c["llama_cpp"]) {
+            bad.push(format!(
+                "{text:?}: got {got:?}, llama.cpp {:?}",
+                ids(&c["llama_cpp"])
+            ));
+        }
+        if !disagree.contains(&(i as u64)) {
+            assert_eq!(got, ids(&c["transformers"]), "{text:?}: transformers");
+            vs_hf += 1;
+        }
+        // Control tokens (<bos>, <unused0>, ...) decode to nothing, as llama.cpp's do.
+        let has_special = text.contains('<') && text.contains('>');
+        if !has_special {
+            assert_eq!(tok.decode(&got), text, "decode of {got:?}");
+        }
+    }
+    assert!(
+        bad.is_empty(),
+        "{} of {} strings tokenize differently from llama.cpp:\n{}",
+        bad.len(),
+        cases.len(),
+        bad.join("\n")
+    );
+    assert!(vs_hf >= 300, "{vs_hf} compared with transformers");
+    // A prompt gets BOS (the vocabulary asks for it), as llama.cpp's add_bos does.
+    assert_eq!(
+        tok.encode("Hello world", true).unwrap(),
+        vec![2, 9259, 1902]
+    );
+}

@@ -115,7 +115,11 @@ pub fn summarize(m: &Manifest) -> Summary {
             pre: None,
         },
         TokenizerSpec::Gguf(v) => TokenizerSummary {
-            kind: format!("gguf {}", v.model),
+            kind: match v.model.as_str() {
+                "llama" => "gguf llama (SentencePiece)".into(),
+                "gpt2" => "gguf gpt2 (byte-level BPE)".into(),
+                other => format!("gguf {other}"),
+            },
             tokens: v.tokens.len(),
             merges: v.merges.len(),
             pre: v.pre.clone(),

@@ -82,6 +82,22 @@ fn print_summary(dir: &std::path::Path, s: &store::inspect::Summary) {
         c.tied_embeddings,
         c.qkv_bias
     );
+    let r = c.arch.recipe();
+    let e = &c.ext;
+    let window = match (c.sliding_window, e.sliding_layers.len()) {
+        (None, _) => "none".to_string(),
+        (Some(w), 0) => format!("{w} on every layer"),
+        (Some(w), n) => format!("{w} on {n} of {} layers", c.n_layers),
+    };
+    println!(
+        "            sliding window {window}, local rope theta {}, q/k norm {}, post norms {}, activation {:?}, embedding scale {}, attention scale {}",
+        e.rope_local_theta.map_or("-".into(), |t| t.to_string()),
+        r.qk_norm,
+        r.post_attn_norm.is_some(),
+        r.activation,
+        e.embed_scale.map_or("-".into(), |s| format!("{s:.4}")),
+        e.attn_scale.map_or("-".into(), |s| format!("{s:.5}")),
+    );
     let t = &s.tokenizer;
     println!(
         "tokenizer   {}{}{}, bos {:?}, eos {:?}, end tokens {:?}, add bos {}, chat template {}",
