@@ -1,13 +1,14 @@
 //! SentencePiece vocabularies of GGUF files (`tokenizer.ggml.model = "llama"`: Llama 2,
 //! Mistral, Gemma and their fine-tunes), tokenized as llama.cpp does (llama-vocab.cpp,
 //! `llm_tokenizer_spm`): user-defined tokens, and control tokens when specials are parsed,
-//! are matched whole in the text; each stretch of text between them gets a leading space
-//! when the vocabulary says so (`add_space_prefix`, after the start or a special token),
+//! are matched whole in the text (leftmost, longest at a position); each stretch of text
+//! between them gets a leading space when the vocabulary says so (`add_space_prefix`),
 //! spaces become U+2581, and adjacent pieces merge greedily by the score of the token they
 //! would form (highest first, leftmost on a tie); a character no token covers falls back
 //! to its UTF-8 bytes as `<0xNN>` tokens.
 
 use crate::store::format::GgufVocab;
+use aho_corasick::{AhoCorasick, MatchKind};
 use std::collections::{BinaryHeap, HashMap};
 
 /// GGUF token types (llama.cpp `llama_token_type`).
@@ -24,8 +25,11 @@ pub struct Spm {
     by_text: HashMap<String, u32>,
     /// `<0xNN>` for each byte.
     bytes: Vec<u32>,
-    /// Tokens matched whole in text, longest first: (text, id, is control or unknown).
-    specials: Vec<(String, u32, bool)>,
+    /// The tokens matched whole in text, leftmost first and longest at a position: with
+    /// control and unknown tokens (specials parsed) and without (user-defined only), each
+    /// with the ids of its patterns.
+    all_specials: (AhoCorasick, Vec<u32>),
+    user_defined: (AhoCorasick, Vec<u32>),
     add_space_prefix: bool,
 }
 
@@ -92,62 +96,58 @@ impl Spm {
                 )
             })?;
         }
-        let mut specials: Vec<(String, u32, bool)> = types
-            .iter()
-            .enumerate()
-            .filter(|(i, &t)| {
-                matches!(t, CONTROL | USER_DEFINED | UNKNOWN) && !v.tokens[*i].is_empty()
-            })
-            .map(|(i, &t)| (v.tokens[i].clone(), i as u32, t != USER_DEFINED))
-            .collect();
-        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let matcher = |keep: &dyn Fn(i32) -> bool| -> Result<(AhoCorasick, Vec<u32>), String> {
+            let ids: Vec<u32> = (0..n)
+                .filter(|&i| keep(types[i]) && !v.tokens[i].is_empty())
+                .map(|i| i as u32)
+                .collect();
+            let ac = AhoCorasick::builder()
+                .match_kind(MatchKind::LeftmostLongest)
+                .build(ids.iter().map(|&i| &v.tokens[i as usize]))
+                .map_err(|e| format!("SentencePiece special tokens: {e}"))?;
+            Ok((ac, ids))
+        };
+        let all_specials = matcher(&|t| matches!(t, CONTROL | USER_DEFINED | UNKNOWN))?;
+        let user_defined = matcher(&|t| t == USER_DEFINED)?;
         Ok(Spm {
             tokens: v.tokens.clone(),
             types,
             scores: v.scores.clone(),
             by_text,
             bytes,
-            specials,
+            all_specials,
+            user_defined,
             add_space_prefix: v.add_space_prefix,
         })
     }
 
     /// Token ids of `text`; `parse_special` matches control tokens in it too.
     pub fn encode(&self, text: &str, parse_special: bool) -> Vec<u32> {
+        let (ac, ids) = if parse_special {
+            &self.all_specials
+        } else {
+            &self.user_defined
+        };
+        // Every stretch of text starts the text or follows a special token, so each gets
+        // the space prefix (when the vocabulary has one), as in llama.cpp.
         let mut out = Vec::new();
-        let mut prev_special = true;
-        let mut rest = text;
-        while !rest.is_empty() {
-            // The earliest special token in the rest (longest at a given position).
-            let found = self
-                .specials
-                .iter()
-                .filter(|s| parse_special || !s.2)
-                .filter_map(|s| rest.find(s.0.as_str()).map(|at| (at, s)))
-                .min_by_key(|(at, s)| (*at, std::cmp::Reverse(s.0.len())));
-            let (raw, special) = match found {
-                Some((at, s)) => (&rest[..at], Some(s)),
-                None => (rest, None),
-            };
-            if !raw.is_empty() {
-                self.encode_raw(raw, prev_special, &mut out);
+        let mut at = 0;
+        for m in ac.find_iter(text) {
+            if m.start() > at {
+                self.encode_raw(&text[at..m.start()], &mut out);
             }
-            match special {
-                Some((s, id, _)) => {
-                    out.push(*id);
-                    rest = &rest[raw.len() + s.len()..];
-                    // Text after a special token counts as a start (for the space prefix).
-                    prev_special = true;
-                }
-                None => break,
-            }
+            out.push(ids[m.pattern().as_usize()]);
+            at = m.end();
+        }
+        if at < text.len() {
+            self.encode_raw(&text[at..], &mut out);
         }
         out
     }
 
-    fn encode_raw(&self, raw: &str, prev_special: bool, out: &mut Vec<u32>) {
+    fn encode_raw(&self, raw: &str, out: &mut Vec<u32>) {
         let mut text = String::with_capacity(raw.len() + 3);
-        if self.add_space_prefix && prev_special {
+        if self.add_space_prefix {
             text.push(' ');
         }
         text.push_str(raw);

@@ -16,7 +16,7 @@ pub enum TokenizerError {
 
 enum Inner {
     Hf(Box<tokenizers::Tokenizer>),
-    Spm(super::spm::Spm),
+    Spm(Box<super::spm::Spm>),
 }
 
 pub struct Tokenizer {
@@ -97,7 +97,9 @@ impl Tokenizer {
     pub fn from_manifest(m: &Manifest) -> Result<Tokenizer, TokenizerError> {
         let (inner, prepend_bos) = match &m.tokenizer {
             TokenizerSpec::Gguf(v) if v.model == "llama" => (
-                Inner::Spm(super::spm::Spm::new(v).map_err(TokenizerError::Build)?),
+                Inner::Spm(Box::new(
+                    super::spm::Spm::new(v).map_err(TokenizerError::Build)?,
+                )),
                 m.special.add_bos,
             ),
             TokenizerSpec::HfJson(s) => (Inner::Hf(Box::new(parse_json(s)?)), false),
