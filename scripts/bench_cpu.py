@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
-"""SmolLM2 on the CPU: sluice beside llama.cpp (llama-cpp-python) on the same GGUF, the
-same threads and the same 512-token prompt, measured in one run. Prints prefill and decode
+"""A GGUF on the CPU (SmolLM2 by default; --gguf for another, e.g. Gemma 3 270M): sluice
+beside llama.cpp (llama-cpp-python) on the same GGUF, the same threads and the same 512-token prompt, measured in one run. Prints prefill and decode
 tokens/s of each and the ratios.
 
     pip install llama-cpp-python
@@ -62,7 +62,7 @@ def main():
         for r in range(a.rounds):
             rows.append(("llama.cpp", *llama_cpp_run(a.gguf, ids, a.threads, a.decode)))
             rows.append(("sluice", *sluice_run(store, ids, a.threads, a.decode)))
-    print(f"SmolLM2-135M-Instruct Q4_1, {a.threads} threads, 512-token prompt, {a.decode} decode tokens, {a.rounds} rounds alternating")
+    print(f"{os.path.basename(a.gguf)}, {a.threads} threads, 512-token prompt, {a.decode} decode tokens, {a.rounds} rounds alternating")
     print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for name, p, d in rows:
         print(f"{name:<10} {p:>14.1f} {d:>13.1f}")

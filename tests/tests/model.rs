@@ -25,6 +25,20 @@ fn reference(name: &str) -> Value {
     .unwrap()
 }
 
+/// One sequence (slot 0) steps `tokens` at `pos`; its last row's logits into `logits`.
+fn step(runner: &mut Pipeline<CpuBackend>, pos: usize, tokens: Vec<u32>, logits: &mut Vec<f32>) {
+    runner
+        .step(
+            &[SeqStep {
+                slot: 0,
+                pos,
+                tokens,
+            }],
+            logits,
+        )
+        .unwrap();
+}
+
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
@@ -70,16 +84,7 @@ fn tiny_models_match_transformers_logits_and_greedy_continuations() {
                 .map(|x| x.as_f64().unwrap())
                 .collect();
             let mut logits = Vec::new();
-            runner
-                .step(
-                    &[SeqStep {
-                        slot: 0,
-                        pos: 0,
-                        tokens: prompt.clone(),
-                    }],
-                    &mut logits,
-                )
-                .unwrap();
+            step(&mut runner, 0, prompt.clone(), &mut logits);
             let e = rel_err(&logits, &want);
             assert!(e <= 1e-3, "{src} case {ci}: logits relative error {e:.2e}");
             // Greedy continuation, eos ignored as in the reference.
@@ -87,16 +92,7 @@ fn tiny_models_match_transformers_logits_and_greedy_continuations() {
             let mut next = argmax(&logits);
             for pos in prompt.len()..prompt.len() + ids(&c["greedy"]).len() {
                 got.push(next);
-                runner
-                    .step(
-                        &[SeqStep {
-                            slot: 0,
-                            pos,
-                            tokens: vec![next],
-                        }],
-                        &mut logits,
-                    )
-                    .unwrap();
+                step(&mut runner, pos, vec![next], &mut logits);
                 next = argmax(&logits);
             }
             assert_eq!(
@@ -181,16 +177,7 @@ fn qwen3_and_gemma3_match_transformers_at_every_position() {
             let mut logits = Vec::new();
             let mut pos = 0;
             for chunk in prompt.chunks(16) {
-                runner
-                    .step(
-                        &[SeqStep {
-                            slot: 0,
-                            pos,
-                            tokens: chunk.to_vec(),
-                        }],
-                        &mut logits,
-                    )
-                    .unwrap();
+                step(&mut runner, pos, chunk.to_vec(), &mut logits);
                 pos += chunk.len();
                 let e = rel_err(&logits, &floats(&per_pos[pos - 1]));
                 assert!(
@@ -207,16 +194,7 @@ fn qwen3_and_gemma3_match_transformers_at_every_position() {
             // Position by position from a fresh sequence (the decode kernels).
             let mut step_logits = Vec::new();
             for (p, &t) in prompt.iter().enumerate() {
-                runner
-                    .step(
-                        &[SeqStep {
-                            slot: 0,
-                            pos: p,
-                            tokens: vec![t],
-                        }],
-                        &mut step_logits,
-                    )
-                    .unwrap();
+                step(&mut runner, p, vec![t], &mut step_logits);
                 let e = rel_err(&step_logits, &floats(&per_pos[p]));
                 assert!(
                     e <= 1e-3,
@@ -231,16 +209,7 @@ fn qwen3_and_gemma3_match_transformers_at_every_position() {
             let mut got = Vec::new();
             for p in prompt.len()..prompt.len() + sure {
                 got.push(next);
-                runner
-                    .step(
-                        &[SeqStep {
-                            slot: 0,
-                            pos: p,
-                            tokens: vec![next],
-                        }],
-                        &mut step_logits,
-                    )
-                    .unwrap();
+                step(&mut runner, p, vec![next], &mut step_logits);
                 next = argmax(&step_logits);
             }
             assert_eq!(got, want[..sure], "{src} case {ci}: greedy tokens differ");
@@ -336,16 +305,7 @@ fn smollm2_greedy_continuations_match_transformers() {
         assert_eq!(out.text, tok.decode(&want));
         // The top logits agree too.
         let mut logits = Vec::new();
-        runner
-            .step(
-                &[SeqStep {
-                    slot: 0,
-                    pos: 0,
-                    tokens: prompt.clone(),
-                }],
-                &mut logits,
-            )
-            .unwrap();
+        step(&mut runner, 0, prompt.clone(), &mut logits);
         let top = c["top_logits"].as_array().unwrap();
         let scale = top[0][1].as_f64().unwrap().abs();
         for pair in top {
@@ -543,16 +503,7 @@ fn gemma3_270m_matches_transformers() {
             "case {ci}: llama.cpp's ids"
         );
         let mut logits = Vec::new();
-        runner
-            .step(
-                &[SeqStep {
-                    slot: 0,
-                    pos: 0,
-                    tokens: prompt.clone(),
-                }],
-                &mut logits,
-            )
-            .unwrap();
+        step(&mut runner, 0, prompt.clone(), &mut logits);
         for t in c["top_logits"].as_array().unwrap() {
             let (id, want) = (t[0].as_u64().unwrap() as usize, t[1].as_f64().unwrap());
             worst = worst.max((logits[id] as f64 - want).abs());

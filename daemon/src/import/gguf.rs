@@ -729,15 +729,11 @@ fn arch_config(
         let pattern = meta
             .u32_opt(&format!("{p}.attention.sliding_window_pattern"))?
             .unwrap_or(6);
-        arch_cfg.ext = ArchExt {
-            embed_scale: Some((hidden as f32).sqrt()),
-            attn_scale: Some((pre_attn as f64).powf(-0.5) as f32),
-            sliding_layers: every_but_nth(arch_cfg.n_layers, pattern),
-            rope_local_theta: Some(
-                meta.f32_opt(&format!("{p}.rope.freq_base_swa"))?
-                    .unwrap_or(10000.0),
-            ),
-        };
+        let local = meta
+            .f32_opt(&format!("{p}.rope.freq_base_swa"))?
+            .unwrap_or(10000.0);
+        let sliding = every_but_nth(arch_cfg.n_layers, pattern);
+        arch_cfg.ext = ArchExt::gemma3(hidden, pre_attn as f64, sliding, local);
     }
     arch_cfg
         .validate()

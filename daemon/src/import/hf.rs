@@ -173,17 +173,12 @@ fn arch_config(dir: &Path) -> Result<ArchConfig, ImportError> {
         _ => Vec::new(),
     };
     let ext = if gemma {
-        ArchExt {
-            embed_scale: Some((hidden as f32).sqrt()),
-            attn_scale: Some(
-                (c.f32_opt("query_pre_attn_scalar")?.unwrap_or(256.0) as f64).powf(-0.5) as f32,
-            ),
-            sliding_layers,
-            rope_local_theta: Some(match theta_of(rp_local)? {
-                Some(t) => t,
-                None => c.f32_opt("rope_local_base_freq")?.unwrap_or(10000.0),
-            }),
-        }
+        let local = match theta_of(rp_local)? {
+            Some(t) => t,
+            None => c.f32_opt("rope_local_base_freq")?.unwrap_or(10000.0),
+        };
+        let scalar = c.f32_opt("query_pre_attn_scalar")?.unwrap_or(256.0) as f64;
+        ArchExt::gemma3(hidden, scalar, sliding_layers, local)
     } else {
         ArchExt::default()
     };

@@ -198,11 +198,6 @@ pub fn kv_cache_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
     2 * kv_layout(cfg, opts).1 as u64 * 4
 }
 
-/// Bytes of the KV cache if every layer held the whole context (no sliding-window ring).
-pub fn kv_cache_bytes_full(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
-    2 * cfg.n_layers as u64 * opts.kv_slots as u64 * opts.max_context as u64 * cfg.kv_dim() * 4
-}
-
 /// Bytes of activation workspace (and rotary tables) for these options.
 pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
     let t = opts.max_batch_tokens as u64;

@@ -83,6 +83,24 @@ impl Arch {
     }
 }
 
+impl ArchExt {
+    /// Gemma 3's: embeddings scaled by sqrt(hidden), scores by
+    /// query_pre_attn_scalar ^ -0.5, the sliding layers with their own RoPE base.
+    pub fn gemma3(
+        hidden: u32,
+        query_pre_attn_scalar: f64,
+        sliding_layers: Vec<u32>,
+        rope_local_theta: f32,
+    ) -> ArchExt {
+        ArchExt {
+            embed_scale: Some((hidden as f32).sqrt()),
+            attn_scale: Some(query_pre_attn_scalar.powf(-0.5) as f32),
+            sliding_layers,
+            rope_local_theta: Some(rope_local_theta),
+        }
+    }
+}
+
 /// The layers of a Gemma 3 model that use the sliding window: all but every `pattern`-th
 /// (`sliding_window_pattern` 6, as llama.cpp's swa pattern).
 pub fn every_but_nth(n_layers: u32, pattern: u32) -> Vec<u32> {

@@ -250,6 +250,7 @@ pub(super) mod avx2 {
     //! Hand-written AVX2 dot products for the block formats (the loops the compiler does
     //! not vectorize well: nibble and byte unpacking to f32). Activations stay f32, so the
     //! results match a dequantize-then-multiply reference to f32 rounding.
+    use super::super::kquant;
     use super::*;
     use std::arch::x86_64::*;
 
@@ -469,14 +470,9 @@ pub(super) mod avx2 {
                     .iter_mut()
                     .zip(w.chunks_exact(row_bytes))
                     .for_each(|(o, r)| *o = dot4_q8_0(r, xs)),
-                t if super::super::kquant::covers(t) => super::super::kquant::gemv_rows(
-                    t,
-                    w,
-                    row_bytes,
-                    xs,
-                    xsum,
-                    out.as_flattened_mut(),
-                ),
+                t if kquant::covers(t) => {
+                    kquant::gemv_rows(t, w, row_bytes, xs, xsum, out.as_flattened_mut())
+                }
                 _ => unreachable!("gemv4 is for block formats"),
             }
         }
@@ -511,9 +507,7 @@ pub(super) mod avx2 {
                     .iter_mut()
                     .zip(w.chunks_exact(row_bytes))
                     .for_each(|(o, r)| *o = dot_q8_0(r, x)),
-                t if super::super::kquant::covers(t) => {
-                    super::super::kquant::gemv_rows(t, w, row_bytes, &[x], &[xsum], out)
-                }
+                t if kquant::covers(t) => kquant::gemv_rows(t, w, row_bytes, &[x], &[xsum], out),
                 _ => gemv_impl::<true>(dtype, w, row_bytes, x, out),
             }
         }
