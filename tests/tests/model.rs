@@ -152,10 +152,11 @@ fn floats(v: &Value) -> Vec<f64> {
 /// greedy tokens equal transformers'. Prompts go in chunks of 16, so Gemma's ring (8 + 15
 /// positions) wraps on the 40-token prompt.
 ///
-/// Not tiny-gemma3.gguf: a Gemma 3 GGUF does not carry query_pre_attn_scalar, and
-/// llama.cpp scales by the head dim (32) where this model's config says 24, so the file
-/// means a different model to llama.cpp than the checkpoint does to transformers (see
-/// `gemma3_gguf_reads_as_llama_cpp_does`).
+/// tiny-gemma3.gguf has a reference of its own: a Gemma 3 GGUF does not carry
+/// query_pre_attn_scalar, and llama.cpp scales by the head dim (32) where the checkpoint
+/// says 24 (`gemma3_gguf_reads_as_llama_cpp_does`), so the file is the model transformers
+/// runs with the config as llama.cpp reads it (and whose logits llama.cpp's own run,
+/// recorded beside them, matches to 6e-3).
 #[test]
 fn qwen3_and_gemma3_match_transformers_at_every_position() {
     let tmp = tempfile::tempdir().unwrap();
@@ -163,6 +164,7 @@ fn qwen3_and_gemma3_match_transformers_at_every_position() {
         ("tiny-qwen3", "tiny-qwen3.json"),
         ("tiny-qwen3.gguf", "tiny-qwen3.json"),
         ("tiny-gemma3", "tiny-gemma3.json"),
+        ("tiny-gemma3.gguf", "tiny-gemma3-gguf.json"),
     ];
     for (src, refname) in cases {
         let r = reference(refname);
@@ -195,6 +197,15 @@ fn qwen3_and_gemma3_match_transformers_at_every_position() {
             let mut step_logits = Vec::new();
             for (p, &t) in prompt.iter().enumerate() {
                 step(&mut runner, p, vec![t], &mut step_logits);
+                // And llama.cpp's own logits, where the reference has them (its f16
+                // intermediates put it 6e-3 from transformers' f32).
+                if let Some(lc) = c.get("llama_cpp_logits") {
+                    let e = rel_err(&step_logits, &floats(&lc[p]));
+                    assert!(
+                        e <= 1e-2,
+                        "{src} case {ci} position {p}: {e:.2e} from llama.cpp"
+                    );
+                }
                 let e = rel_err(&step_logits, &floats(&per_pos[p]));
                 assert!(
                     e <= 1e-3,
