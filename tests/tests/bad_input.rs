@@ -123,6 +123,52 @@ fn corrupted_gguf_headers_are_clear_errors() {
     assert!(e.contains("\"mamba\"") && e.contains("supports"), "{e}");
 }
 
+#[test]
+fn a_truncated_k_quant_block_and_a_vocabulary_without_byte_fallback_are_named() {
+    // The last tensor in the file becomes Q4_K rows of 256 (144 bytes each), one row more
+    // than the file has room for: its final block is cut.
+    let bytes = std::fs::read(fixture("tiny-llama.gguf")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("cut.gguf");
+    let g = sluice::import::gguf::parse(&bytes, &path).unwrap();
+    let last = g.tensors.iter().max_by_key(|t| t.offset).unwrap();
+    assert_eq!(last.dims.len(), 2, "{}", last.name);
+    let room = bytes.len() as u64 - g.data_start - last.offset;
+    let rows = room / 144 + 1;
+    let mut b = bytes.clone();
+    // Its tensor info: the name as a GGUF string (u64 length first, so that "output.weight"
+    // is not found inside "blk.0.attn_output.weight"), n_dims u32, dims, type.
+    let key = [&(last.name.len() as u64).to_le_bytes()[..], last.name.as_bytes()].concat();
+    let info = find(&b, &key) + key.len() + 4;
+    b[info..info + 8].copy_from_slice(&256u64.to_le_bytes());
+    b[info + 8..info + 16].copy_from_slice(&rows.to_le_bytes());
+    b[info + 16..info + 20].copy_from_slice(&12u32.to_le_bytes()); // Q4_K
+                                                                   // The file ends inside the last block.
+    let end = g.data_start + last.offset + rows * 144;
+    assert!(end > b.len() as u64 && end - (b.len() as u64) <= 144);
+    std::fs::write(&path, &b).unwrap();
+    let e = import_err(&path);
+    assert!(
+        e.contains(&format!("tensor {} (q4_k", last.name))
+            && e.contains("past the end of the file")
+            && e.contains("cut.gguf"),
+        "{e}"
+    );
+
+    // A SentencePiece vocabulary with no <0xNN> tokens cannot cover arbitrary text.
+    let vocab = sluice::store::format::GgufVocab {
+        model: "llama".into(),
+        pre: None,
+        tokens: vec!["<unk>".into(), "<s>".into(), "\u{2581}a".into(), "b".into()],
+        token_types: vec![2, 3, 1, 1],
+        merges: Vec::new(),
+        scores: vec![0.0, 0.0, -1.0, -2.0],
+        add_space_prefix: true,
+    };
+    let e = sluice::text::spm::Spm::new(&vocab).err().expect("refused");
+    assert!(e.contains("byte-fallback token <0x00>"), "{e}");
+}
+
 /// A copy of a fixture model directory the test may damage.
 fn hf_copy(name: &str, tmp: &Path) -> PathBuf {
     let dir = tmp.join(name);

@@ -124,7 +124,18 @@ fn matmul_matches_f64_for_every_dtype_in_both_paths() {
         let bias = r.vec(m);
         let bias_mem = mem_f32(&b, &bias);
         // gemv rows (decode kernels) and tile rows (sgemm) in several mixes.
-        for (rows, gemv_rows) in [(1, 1), (3, 3), (5, 5), (5, 0), (17, 2), (17, 17), (1, 0)] {
+        for (rows, gemv_rows, with_bias) in [
+            (1, 1, true),
+            (1, 1, false),
+            (3, 3, true),
+            (3, 3, false),
+            (5, 5, true),
+            (5, 0, false),
+            (17, 2, true),
+            (17, 17, false),
+            (17, 0, true),
+            (1, 0, false),
+        ] {
             let x = r.vec(rows * k);
             let xm = mem_f32(&b, &x);
             let mut out = b.alloc(rows * m * 4, "out").unwrap();
@@ -142,17 +153,18 @@ fn matmul_matches_f64_for_every_dtype_in_both_paths() {
                 rows: 1,
                 cols: m,
             };
-            b.matmul(&xm, rows, gemv_rows, wr, Some(br), &mut out);
+            b.matmul(&xm, rows, gemv_rows, wr, with_bias.then_some(br), &mut out);
             for i in 0..rows {
                 for j in 0..m {
+                    let b = if with_bias { bias[j] as f64 } else { 0.0 };
                     let want: f64 = (0..k)
                         .map(|c| x[i * k + c] as f64 * wx[j * k + c])
                         .sum::<f64>()
-                        + bias[j] as f64;
+                        + b;
                     let got = out.f32s()[i * m + j] as f64;
                     assert!(
                         (got - want).abs() <= 2e-5 * (1.0 + want.abs()),
-                        "{dtype} rows {rows} [{i},{j}]: {got} vs {want}"
+                        "{dtype} rows {rows} (bias {with_bias}) [{i},{j}]: {got} vs {want}"
                     );
                 }
             }
