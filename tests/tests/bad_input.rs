@@ -138,7 +138,11 @@ fn a_truncated_k_quant_block_and_a_vocabulary_without_byte_fallback_are_named() 
     let mut b = bytes.clone();
     // Its tensor info: the name as a GGUF string (u64 length first, so that "output.weight"
     // is not found inside "blk.0.attn_output.weight"), n_dims u32, dims, type.
-    let key = [&(last.name.len() as u64).to_le_bytes()[..], last.name.as_bytes()].concat();
+    let key = [
+        &(last.name.len() as u64).to_le_bytes()[..],
+        last.name.as_bytes(),
+    ]
+    .concat();
     let info = find(&b, &key) + key.len() + 4;
     b[info..info + 8].copy_from_slice(&256u64.to_le_bytes());
     b[info + 8..info + 16].copy_from_slice(&rows.to_le_bytes());

@@ -146,6 +146,8 @@ fn every_budget_gives_bit_identical_outputs_within_its_arena() {
         fixture("tiny-llama"),
         fixture("tiny-qwen2.gguf"),
         fixture("tiny-llama-q.gguf"),
+        fixture("tiny-qwen3"),
+        fixture("tiny-gemma3"),
         smollm2_gguf(),
     ] {
         let name = src.file_name().unwrap().to_string_lossy().to_string();
@@ -215,6 +217,44 @@ fn every_budget_gives_bit_identical_outputs_within_its_arena() {
         partial > 0,
         "no unit was ever uploaded before it was complete"
     );
+}
+
+/// Gemma 3 270M streams its decoder layers with bit-identical outputs. Its tied
+/// embedding (170 MiB of its 235) is needed at both ends of every pass, so a budget below
+/// it cannot run; this one holds the embedding and half the layers' bytes.
+#[test]
+fn gemma3_270m_streamed_is_bit_identical_to_resident() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = store(&gemma3_gguf(), &tmp.path().join("g"));
+    let vocab = s.manifest().arch.vocab;
+    let p = plan(
+        s.manifest(),
+        &PlanInput {
+            device_budget: None,
+            host_cache_budget: 0,
+            opts: OPTS,
+            prefetch: None,
+            backend_reserved: 0,
+        },
+    )
+    .unwrap();
+    let units = s.units();
+    let embedding = units[0].raw_len.div_ceil(4096) * 4096;
+    let layers: u64 = units[1..].iter().map(|u| u.raw_len).sum();
+    let budget = p.kv_cache_bytes + p.workspace_bytes + embedding + layers / 2;
+    let want = outputs(&mut runner(&s, None, 0), vocab);
+    let mut r = runner(&s, Some(budget), 0);
+    assert!(
+        r.plan.layers_streamed() >= units.len() / 3,
+        "only {} of {} units stream",
+        r.plan.layers_streamed(),
+        units.len()
+    );
+    assert!(
+        outputs(&mut r, vocab) == want,
+        "streamed outputs differ from resident"
+    );
+    assert!(r.total().bytes_uploaded > 0);
 }
 
 #[test]
