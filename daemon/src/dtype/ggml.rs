@@ -14,19 +14,19 @@ use half::f16;
 const QK_K: usize = super::QK_K as usize;
 
 /// The 16 non-linear levels of IQ4_NL and IQ4_XS.
-const KVALUES_IQ4NL: [i8; 16] = [
+pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
     -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
 ];
 
 /// MXFP4's E2M1 values, doubled (the scale is halved to match).
-const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
+pub(crate) const KVALUES_MXFP4: [i8; 16] = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
 }
 
 /// An E8M0 exponent as the f32 2^(e - 128) (half the scale: the values are doubled).
-fn e8m0_to_f32_half(e: u8) -> f32 {
+pub(crate) fn e8m0_to_f32_half(e: u8) -> f32 {
     let bits = if e < 2 {
         0x0020_0000u32 << e
     } else {

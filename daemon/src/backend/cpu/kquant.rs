@@ -1,7 +1,6 @@
 //! AVX2 dot products for the block formats of K-quant GGUFs, dequantizing in registers:
-//! fused kernels for Q4_K, Q5_K, Q6_K, Q5_0 and Q5_1 (what Q4_K_M and Q5_K_M files are
-//! made of), and for Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 a block-at-a-time path through
-//! the reference decoder (`dtype::ggml`) into a stack buffer, then the same vector dot.
+//! Q2_K, Q3_K, Q4_K, Q5_K, Q6_K, Q5_0, Q5_1, and the look-up formats IQ4_NL, IQ4_XS and
+//! MXFP4 (a byte shuffle through their 16 levels).
 //!
 //! Every kernel is generic over the number of activation rows `N` it applies one weight
 //! row to, with one fixed order of operations per row: a row's result is the same whether
@@ -250,31 +249,178 @@ unsafe fn dot_q5<const N: usize>(
     }
 }
 
-/// Any block format: each block through the reference decoder into a stack buffer, then
-/// the vector dot of its 32-weight pieces.
+/// Sixteen-weight halves of a 32-weight piece with their own scales: adds
+/// `sa * dot(w[0..16], x) + sb * dot(w[16..32], x)` (minus `ma * sum(x[0..16]) + mb *
+/// sum(x[16..32])` when `mins`) to `acc`, all in vectors.
 ///
 /// # Safety
-/// AVX2 and FMA; rows are whole blocks of `t`.
+/// AVX2 and FMA; `xp` points at 32 readable f32.
 #[inline(always)]
-unsafe fn dot_decoded<const N: usize>(t: DType, w: &[u8], xs: &[&[f32]; N]) -> [f32; N] {
+unsafe fn halves(
+    acc: __m256,
+    wv: &[__m256; 4],
+    xp: *const f32,
+    (sa, sb): (__m256, __m256),
+    mins: Option<(__m256, __m256)>,
+) -> __m256 {
     // SAFETY: this function's contract, which its caller upholds.
     unsafe {
+        let x = [
+            _mm256_loadu_ps(xp),
+            _mm256_loadu_ps(xp.add(8)),
+            _mm256_loadu_ps(xp.add(16)),
+            _mm256_loadu_ps(xp.add(24)),
+        ];
+        let pa = _mm256_fmadd_ps(wv[1], x[1], _mm256_mul_ps(wv[0], x[0]));
+        let pb = _mm256_fmadd_ps(wv[3], x[3], _mm256_mul_ps(wv[2], x[2]));
+        let mut acc = _mm256_fmadd_ps(sb, pb, _mm256_fmadd_ps(sa, pa, acc));
+        if let Some((ma, mb)) = mins {
+            acc = _mm256_fnmadd_ps(ma, _mm256_add_ps(x[0], x[1]), acc);
+            acc = _mm256_fnmadd_ps(mb, _mm256_add_ps(x[2], x[3]), acc);
+        }
+        acc
+    }
+}
+
+/// Q2_K: per 16 weights, d * (scale & 15) * q - dmin * (scale >> 4).
+///
+/// # Safety
+/// As `dot_q45k`.
+#[inline(always)]
+unsafe fn dot_q2k<const N: usize>(w: &[u8], xs: &[&[f32]; N]) -> [f32; N] {
+    // SAFETY: this function's contract, which its caller upholds.
+    unsafe {
+        let m3 = _mm256_set1_epi8(0x03);
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..xs[0].len() / 256 {
+            let blk = &w[b * 84..(b + 1) * 84];
+            let (d, dmin) = (f16_scalar(blk, 80), f16_scalar(blk, 82));
+            for h in 0..2 {
+                let qs = _mm256_loadu_si256(blk[16 + 32 * h..48 + 32 * h].as_ptr() as *const __m256i);
+                for j in 0..4 {
+                    let q = _mm256_and_si256(
+                        _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32)),
+                        m3,
+                    );
+                    let wv = u8x32_f32(q);
+                    let c = 4 * h + j;
+                    let (sa, sb) = (blk[2 * c], blk[2 * c + 1]);
+                    let scales = (
+                        _mm256_set1_ps(d * (sa & 15) as f32),
+                        _mm256_set1_ps(d * (sb & 15) as f32),
+                    );
+                    let mins = (
+                        _mm256_set1_ps(dmin * (sa >> 4) as f32),
+                        _mm256_set1_ps(dmin * (sb >> 4) as f32),
+                    );
+                    for r in 0..N {
+                        let xp = xs[r].as_ptr().add(256 * b + 32 * c);
+                        acc[r] = halves(acc[r], &wv, xp, scales, Some(mins));
+                    }
+                }
+            }
+        }
+        std::array::from_fn(|r| hsum256(acc[r]))
+    }
+}
+
+/// Q3_K: per 16 weights, d * (six-bit scale - 32) * (two bits - 4 unless the high bit).
+///
+/// # Safety
+/// As `dot_q45k`.
+#[inline(always)]
+unsafe fn dot_q3k<const N: usize>(w: &[u8], xs: &[&[f32]; N]) -> [f32; N] {
+    // SAFETY: this function's contract, which its caller upholds.
+    unsafe {
+        let (m3, k4) = (_mm256_set1_epi8(0x03), _mm256_set1_epi8(4));
+        let mut acc = [_mm256_setzero_ps(); N];
+        for b in 0..xs[0].len() / 256 {
+            let blk = &w[b * 110..(b + 1) * 110];
+            let d = f16_scalar(blk, 108);
+            let s = &blk[96..108];
+            let scale = |sub: usize| {
+                let lo = (s[sub % 8] >> (4 * (sub / 8))) & 0x0F;
+                let hi = (s[8 + sub % 4] >> (2 * (sub / 4))) & 0x03;
+                _mm256_set1_ps(d * ((lo | (hi << 4)) as i8 - 32) as f32)
+            };
+            let hmask = _mm256_loadu_si256(blk[0..32].as_ptr() as *const __m256i);
+            for h in 0..2 {
+                let qs = _mm256_loadu_si256(blk[32 + 32 * h..64 + 32 * h].as_ptr() as *const __m256i);
+                for j in 0..4 {
+                    let c = 4 * h + j;
+                    let ql = _mm256_and_si256(
+                        _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32)),
+                        m3,
+                    );
+                    let bit = _mm256_set1_epi8((1u8 << c) as i8);
+                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit);
+                    let q = _mm256_sub_epi8(ql, _mm256_andnot_si256(set, k4));
+                    let wv = i8x32_f32(q);
+                    let scales = (scale(2 * c), scale(2 * c + 1));
+                    for r in 0..N {
+                        let xp = xs[r].as_ptr().add(256 * b + 32 * c);
+                        acc[r] = halves(acc[r], &wv, xp, scales, None);
+                    }
+                }
+            }
+        }
+        std::array::from_fn(|r| hsum256(acc[r]))
+    }
+}
+
+/// 32 four-bit indices (16 bytes: low nibbles are elements 0..16, high ones 16..32)
+/// through a table of 16 signed levels.
+///
+/// # Safety
+/// The CPU supports AVX2; `q` points at 16 readable bytes.
+#[inline(always)]
+unsafe fn lookup32(lut: __m128i, q: *const u8) -> [__m256; 4] {
+    // SAFETY: this function's contract, which its caller upholds.
+    unsafe {
+        let m4 = _mm_set1_epi8(0x0F);
+        let v = _mm_loadu_si128(q as *const __m128i);
+        let lo = _mm_shuffle_epi8(lut, _mm_and_si128(v, m4));
+        let hi = _mm_shuffle_epi8(lut, _mm_and_si128(_mm_srli_epi16::<4>(v), m4));
+        i8x32_f32(_mm256_set_m128i(hi, lo))
+    }
+}
+
+/// IQ4_NL (d, 16 levels), MXFP4 (an E8M0 exponent, E2M1 levels) and IQ4_XS (d times a
+/// six-bit scale per 32, IQ4_NL levels): level * scale per weight.
+///
+/// # Safety
+/// AVX2, FMA, F16C; rows are whole blocks of `t`.
+#[inline(always)]
+unsafe fn dot_lookup<const N: usize>(t: DType, w: &[u8], xs: &[&[f32]; N]) -> [f32; N] {
+    // SAFETY: this function's contract, which its caller upholds.
+    unsafe {
+        let table = if t == DType::Mxfp4 {
+            &ggml::KVALUES_MXFP4
+        } else {
+            &ggml::KVALUES_IQ4NL
+        };
+        let lut = _mm_loadu_si128(table.as_ptr() as *const __m128i);
         let (be, bb) = (t.block_elems() as usize, t.block_bytes() as usize);
-        let mut tmp = [0f32; 256];
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..xs[0].len() / be {
-            ggml::dequantize_block(t, &w[b * bb..(b + 1) * bb], &mut tmp[..be]);
-            for c in 0..be / 32 {
-                let tp = tmp[32 * c..32 * c + 32].as_ptr();
-                let wv = [
-                    _mm256_loadu_ps(tp),
-                    _mm256_loadu_ps(tp.add(8)),
-                    _mm256_loadu_ps(tp.add(16)),
-                    _mm256_loadu_ps(tp.add(24)),
-                ];
+            let blk = &w[b * bb..(b + 1) * bb];
+            // Each 32-weight piece: its scale and its 16 bytes of indices.
+            for ib in 0..be / 32 {
+                let (d, qs) = match t {
+                    DType::Iq4Nl => (f16_scalar(blk, 0), &blk[2..18]),
+                    DType::Mxfp4 => (ggml::e8m0_to_f32_half(blk[0]), &blk[1..17]),
+                    _ => {
+                        let lo = (blk[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
+                        let hi = ((u16::from_le_bytes([blk[2], blk[3]]) >> (2 * ib)) & 3) as u8;
+                        let ls = (lo | (hi << 4)) as i8 - 32;
+                        (f16_scalar(blk, 0) * ls as f32, &blk[8 + 16 * ib..24 + 16 * ib])
+                    }
+                };
+                let wv = lookup32(lut, qs.as_ptr());
+                let dv = _mm256_set1_ps(d);
                 for r in 0..N {
-                    let xp = xs[r].as_ptr().add(be * b + 32 * c);
-                    acc[r] = _mm256_add_ps(acc[r], dot32(&wv, xp));
+                    let xp = xs[r].as_ptr().add(be * b + 32 * ib);
+                    acc[r] = _mm256_fmadd_ps(dv, dot32(&wv, xp), acc[r]);
                 }
             }
         }
@@ -283,7 +429,7 @@ unsafe fn dot_decoded<const N: usize>(t: DType, w: &[u8], xs: &[&[f32]; N]) -> [
 }
 
 /// `out[j * N + r] = dot(row j of w, xs[r])` for the K-quant-era formats (not F32/F16/
-/// BF16/Q8_0/Q4_0/Q4_1, which `kernels` handles). `xsum[r]` are row r's 32-element sums.
+/// BF16/Q8_0/Q4_0/Q4_1, which `kernels` handles; `covers` says which). `xsum[r]` are row r's 32-element sums.
 ///
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C; `w` is whole rows of `row_bytes`, each row whole
@@ -306,7 +452,9 @@ pub(super) unsafe fn gemv_rows<const N: usize>(
                 DType::Q6K => dot_q6k(row, xs),
                 DType::Q5_0 => dot_q5(row, xs, xsum, false),
                 DType::Q5_1 => dot_q5(row, xs, xsum, true),
-                _ => dot_decoded(t, row, xs),
+                DType::Q2K => dot_q2k(row, xs),
+                DType::Q3K => dot_q3k(row, xs),
+                _ => dot_lookup(t, row, xs),
             };
             o.copy_from_slice(&v);
         }
