@@ -296,12 +296,11 @@ unsafe fn dot_q2k<const N: usize>(w: &[u8], xs: &[&[f32]; N]) -> [f32; N] {
             let blk = &w[b * 84..(b + 1) * 84];
             let (d, dmin) = (f16_scalar(blk, 80), f16_scalar(blk, 82));
             for h in 0..2 {
-                let qs = _mm256_loadu_si256(blk[16 + 32 * h..48 + 32 * h].as_ptr() as *const __m256i);
+                let qs =
+                    _mm256_loadu_si256(blk[16 + 32 * h..48 + 32 * h].as_ptr() as *const __m256i);
                 for j in 0..4 {
-                    let q = _mm256_and_si256(
-                        _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32)),
-                        m3,
-                    );
+                    let q =
+                        _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32)), m3);
                     let wv = u8x32_f32(q);
                     let c = 4 * h + j;
                     let (sa, sb) = (blk[2 * c], blk[2 * c + 1]);
@@ -345,13 +344,12 @@ unsafe fn dot_q3k<const N: usize>(w: &[u8], xs: &[&[f32]; N]) -> [f32; N] {
             };
             let hmask = _mm256_loadu_si256(blk[0..32].as_ptr() as *const __m256i);
             for h in 0..2 {
-                let qs = _mm256_loadu_si256(blk[32 + 32 * h..64 + 32 * h].as_ptr() as *const __m256i);
+                let qs =
+                    _mm256_loadu_si256(blk[32 + 32 * h..64 + 32 * h].as_ptr() as *const __m256i);
                 for j in 0..4 {
                     let c = 4 * h + j;
-                    let ql = _mm256_and_si256(
-                        _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32)),
-                        m3,
-                    );
+                    let ql =
+                        _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32)), m3);
                     let bit = _mm256_set1_epi8((1u8 << c) as i8);
                     let set = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit);
                     let q = _mm256_sub_epi8(ql, _mm256_andnot_si256(set, k4));
@@ -413,7 +411,10 @@ unsafe fn dot_lookup<const N: usize>(t: DType, w: &[u8], xs: &[&[f32]; N]) -> [f
                         let lo = (blk[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
                         let hi = ((u16::from_le_bytes([blk[2], blk[3]]) >> (2 * ib)) & 3) as u8;
                         let ls = (lo | (hi << 4)) as i8 - 32;
-                        (f16_scalar(blk, 0) * ls as f32, &blk[8 + 16 * ib..24 + 16 * ib])
+                        (
+                            f16_scalar(blk, 0) * ls as f32,
+                            &blk[8 + 16 * ib..24 + 16 * ib],
+                        )
                     }
                 };
                 let wv = lookup32(lut, qs.as_ptr());
