@@ -19,7 +19,9 @@ pub struct SynthArgs {
     pub size: Option<u64>,
     #[arg(long, default_value_t = 2048)]
     pub hidden: u32,
-    /// Matrix dtype: f32, f16, bf16, q8_0, q4_0 or q4_1.
+    /// Matrix dtype: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k,
+    /// q6_k, iq4_nl, iq4_xs or mxfp4 (K-quant-era formats need a hidden size and
+    /// intermediate size that are multiples of their block, 256 for the _k and iq4_xs).
     #[arg(long, default_value = "bf16", value_parser = parse_dtype)]
     pub dtype: sluice::dtype::DType,
     /// Default: ~8/3 hidden rounded to 256.

@@ -8,7 +8,10 @@ pub fn parse_dtype(s: &str) -> Result<sluice::dtype::DType, String> {
         .iter()
         .copied()
         .find(|d| d.name() == s)
-        .ok_or_else(|| format!("unknown dtype {s:?}: expected f32, f16, bf16, q8_0, q4_0 or q4_1"))
+        .ok_or_else(|| {
+            let names: Vec<&str> = sluice::dtype::ALL_DTYPES.iter().map(|d| d.name()).collect();
+            format!("unknown dtype {s:?}: expected one of {}", names.join(", "))
+        })
 }
 
 pub fn parse_codec(s: &str) -> Result<Codec, String> {
