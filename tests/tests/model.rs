@@ -8,7 +8,7 @@ use sluice::engine::generate::generate;
 use sluice::engine::sequence::GenerateParams;
 use sluice::import;
 use sluice::io::IoConfig;
-use sluice::model::{ModelOptions, SeqStep};
+use sluice::model::{ArchConfig, ModelOptions, SeqStep};
 use sluice::pipeline::Pipeline;
 use sluice::store::writer::{pack, PackOptions};
 use sluice::store::Store;
@@ -259,6 +259,60 @@ fn gemma3_gguf_reads_as_llama_cpp_does() {
         ..gg
     };
     assert_eq!(gg, hf);
+}
+
+/// A multimodal Gemma 3 checkpoint (config under text_config, the text model's tensors
+/// under model.language_model., a vision tower beside them) imports as its text model.
+#[test]
+fn a_multimodal_gemma3_checkpoint_imports_as_its_text_model() {
+    let src = fixture("tiny-gemma3");
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("mm");
+    copy_dir(&src, &dir);
+    let text: Value =
+        serde_json::from_str(&std::fs::read_to_string(src.join("config.json")).unwrap()).unwrap();
+    let config = serde_json::json!({
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "model_type": "gemma3",
+        "text_config": text,
+        "vision_config": {"model_type": "siglip_vision_model"},
+    });
+    std::fs::write(dir.join("config.json"), config.to_string()).unwrap();
+    let bytes = std::fs::read(src.join("model.safetensors")).unwrap();
+    let st = safetensors::SafeTensors::deserialize(&bytes).unwrap();
+    let vision = [0u8; 16];
+    let mut views: Vec<(String, safetensors::tensor::TensorView<'_>)> = st
+        .tensors()
+        .into_iter()
+        .map(|(n, v)| {
+            (
+                format!("model.language_model.{}", n.trim_start_matches("model.")),
+                v,
+            )
+        })
+        .collect();
+    views.push((
+        "model.vision_tower.patch_embedding.weight".into(),
+        safetensors::tensor::TensorView::new(safetensors::Dtype::F32, vec![4], &vision).unwrap(),
+    ));
+    safetensors::serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let (a, b) = (import::open(&src).unwrap(), import::open(&dir).unwrap());
+    assert_eq!(
+        a.arch,
+        ArchConfig {
+            name: a.arch.name.clone(),
+            ..b.arch.clone()
+        }
+    );
+    let shapes = |m: &import::ImportedModel| -> Vec<(String, Vec<u64>)> {
+        m.tensors
+            .iter()
+            .map(|(n, t)| (n.clone(), t.shape.clone()))
+            .collect()
+    };
+    assert_eq!(shapes(&a), shapes(&b));
+    b.units()
+        .expect("the text model's units, nothing unexpected");
 }
 
 #[test]

@@ -245,6 +245,34 @@ fn rope_scaling(rs: Option<&Value>, path: &Path) -> Result<Option<RopeScaling>, 
     })
 }
 
+/// The text model's name of a tensor of a multimodal Gemma 3 checkpoint
+/// (`language_model.model.*` as transformers 4 writes it, `model.language_model.*` as 5
+/// does), None for its vision tower and projector; other names as they are.
+fn language_model_name(arch: Arch, name: &str) -> Option<String> {
+    if arch != Arch::Gemma3 {
+        return Some(name.to_string());
+    }
+    for vision in ["vision_tower.", "multi_modal_projector."] {
+        if name.starts_with(vision)
+            || name
+                .strip_prefix("model.")
+                .is_some_and(|n| n.starts_with(vision))
+        {
+            return None;
+        }
+    }
+    Some(
+        match (
+            name.strip_prefix("language_model."),
+            name.strip_prefix("model.language_model."),
+        ) {
+            (Some(rest), _) => rest.to_string(),
+            (None, Some(rest)) => format!("model.{rest}"),
+            (None, None) => name.to_string(),
+        },
+    )
+}
+
 /// Whether a tensor is an RMSNorm weight (`*norm.weight`, `*_layernorm.weight`).
 fn is_norm(name: &str) -> bool {
     name.ends_with("norm.weight")
@@ -320,6 +348,10 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                 if name.ends_with("rotary_emb.inv_freq") {
                     continue; // recomputed from rope_theta
                 }
+                let name = match language_model_name(arch.arch, &name) {
+                    Some(n) => n,
+                    None => continue, // a multimodal Gemma 3's vision tower
+                };
                 if arch.tied_embeddings && name == "lm_head.weight" {
                     continue; // some checkpoints store the tied head anyway
                 }
