@@ -351,6 +351,8 @@ async fn cmd_status(addr: &str, json: bool) -> Result<()> {
                 "queue_depth": st.queue_depth, "active_sequences": st.active_sequences,
                 "limiting_stage": st.limiting_stage, "stages": stages, "layers": layers,
                 "passes": st.passes, "bytes_streamed_total": st.bytes_streamed_total,
+                "host_bytes_budget": st.host_bytes_budget, "host_bytes_planned": st.host_bytes_planned,
+                "host_bytes_peak": st.host_bytes_peak, "host_bytes_peak_source": st.host_bytes_peak_source,
             })
         );
     } else {
@@ -362,6 +364,17 @@ async fn cmd_status(addr: &str, json: bool) -> Result<()> {
             mib(st.device_bytes_budget),
             mib(st.kv_cache_bytes),
             mib(st.host_cache_bytes)
+        );
+        println!(
+            "host memory      {} peak ({}) of {} planned, budget {}",
+            mib(st.host_bytes_peak),
+            st.host_bytes_peak_source,
+            mib(st.host_bytes_planned),
+            if st.host_bytes_budget > 0 {
+                mib(st.host_bytes_budget)
+            } else {
+                "not limited".into()
+            }
         );
         println!(
             "layers           {} resident, {} streamed ({} per pass)",

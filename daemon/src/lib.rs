@@ -9,6 +9,7 @@ pub mod backend;
 pub mod dtype;
 pub mod engine;
 pub mod hostbuf;
+pub mod hostmem;
 pub mod import;
 pub mod io;
 pub mod model;

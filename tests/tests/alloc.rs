@@ -100,6 +100,7 @@ fn pipeline(
         opts: OPTS,
         prefetch: Some(2),
         backend_reserved: 0,
+        host: Default::default(),
     };
     cpu_runner(store.clone(), &input, threads, io).expect("pipeline")
 }
@@ -168,6 +169,7 @@ fn check(src: &std::path::Path, name: &str) {
             opts: OPTS,
             prefetch: Some(2),
             backend_reserved: 0,
+            host: Default::default(),
         },
     )
     .expect("plan");
@@ -180,10 +182,11 @@ fn check(src: &std::path::Path, name: &str) {
             opts: OPTS,
             prefetch: Some(2),
             backend_reserved: 0,
+            host: Default::default(),
         },
     )
     .expect_err("4 KiB is too small")
-    .need;
+    .need();
     for threads in [1, 2] {
         for (what, budget) in [("all resident", None), ("streamed", Some(least))] {
             let mut r = pipeline(&store, budget, threads);

@@ -14,6 +14,7 @@ const ALLOWED: &[(&str, &[&str])] = &[
     ("dtype", &[]),
     ("util", &[]),
     ("hostbuf", &["util"]),
+    ("hostmem", &["util"]),
     ("store", &["dtype", "util"]),
     ("import", &["store", "dtype", "util"]),
     ("io", &["store", "hostbuf", "dtype", "util"]),
@@ -24,21 +25,21 @@ const ALLOWED: &[(&str, &[&str])] = &[
     (
         "pipeline",
         &[
-            "io", "backend", "model", "plan", "store", "hostbuf", "dtype", "util",
+            "io", "backend", "model", "plan", "store", "hostbuf", "hostmem", "dtype", "util",
         ],
     ),
     (
         "engine",
         &[
-            "pipeline", "io", "backend", "model", "plan", "store", "text", "hostbuf", "dtype",
-            "util",
+            "pipeline", "io", "backend", "model", "plan", "store", "text", "hostbuf", "hostmem",
+            "dtype", "util",
         ],
     ),
     (
         "server",
         &[
             "engine", "pipeline", "io", "backend", "model", "plan", "store", "text", "hostbuf",
-            "dtype", "util",
+            "hostmem", "dtype", "util",
         ],
     ),
 ];

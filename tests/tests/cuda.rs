@@ -637,6 +637,7 @@ fn input(budget: Option<u64>, opts: ModelOptions) -> PlanInput {
         opts,
         prefetch: None,
         backend_reserved: 0,
+        host: Default::default(),
     }
 }
 

@@ -128,6 +128,7 @@ fn load_chunked(src: &Path, dir: &Path, max_context: usize, batch: usize) -> Pip
             opts,
             prefetch: None,
             backend_reserved: 0,
+            host: Default::default(),
         },
         2,
         io,

@@ -33,8 +33,20 @@ fn io() -> IoConfig {
     }
 }
 
-fn runner(s: &Arc<Store>, budget: Option<u64>, host_cache: u64) -> Pipeline<CpuBackend> {
-    cpu_runner(
+/// A pipeline on the CPU as it runs (unified: streamed units computed in their staging
+/// slots), or acting as a discrete device (copied into arena slots, as on a GPU).
+fn runner_as(
+    s: &Arc<Store>,
+    budget: Option<u64>,
+    host_cache: u64,
+    unified: bool,
+) -> Pipeline<CpuBackend> {
+    let make = if unified {
+        cpu_runner
+    } else {
+        sluice::engine::cpu_runner_discrete
+    };
+    make(
         s.clone(),
         &PlanInput {
             device_budget: budget,
@@ -42,11 +54,16 @@ fn runner(s: &Arc<Store>, budget: Option<u64>, host_cache: u64) -> Pipeline<CpuB
             opts: OPTS,
             prefetch: Some(3),
             backend_reserved: 0,
+            host: Default::default(),
         },
         2,
         io(),
     )
     .unwrap()
+}
+
+fn runner(s: &Arc<Store>, budget: Option<u64>, host_cache: u64) -> Pipeline<CpuBackend> {
+    runner_as(s, budget, host_cache, false)
 }
 
 /// Budgets from all-resident down to the least that runs: KV + workspace + 2 slots.
@@ -59,6 +76,7 @@ fn budgets(s: &Store) -> Vec<(String, Option<u64>)> {
             opts: OPTS,
             prefetch: None,
             backend_reserved: 0,
+            host: Default::default(),
         },
     )
     .unwrap();
@@ -154,62 +172,70 @@ fn every_budget_gives_bit_identical_outputs_within_its_arena() {
         let s = store(&src, &tmp.path().join(&name));
         let vocab = s.manifest().arch.vocab;
         let mut want = None;
-        for (label, budget) in budgets(&s) {
-            let mut r = runner(&s, budget, 0);
-            let streamed = r.plan.layers_streamed();
-            match label.as_str() {
-                "all resident" => assert_eq!(streamed, 0),
-                "two slots" => {
-                    // The planner may keep the largest unit resident and stream the rest
-                    // through smaller slots, whichever streams fewer bytes.
-                    assert!(r.plan.stream_slots >= 2, "{name}");
-                    assert!(
-                        streamed >= s.units().len() / 2,
-                        "{name}: only {streamed} units stream at the least budget"
-                    );
-                }
-                _ => assert!(streamed > 0, "{name}: nothing streams at half the model"),
-            }
-            let got = outputs(&mut r, vocab);
-            let b = r.backend.budget();
-            assert!(
-                b.peak() <= b.limit(),
-                "{name} {label}: peak {} over budget {}",
-                b.peak(),
-                b.limit()
-            );
-            if let Some(budget) = budget {
-                assert_eq!(b.limit(), budget);
-                assert!(
-                    r.total().bytes_uploaded > 0,
-                    "{name} {label}: nothing was uploaded"
-                );
-            }
-            match &want {
-                None => want = Some(got),
-                Some(w) => assert!(
-                    w == &got,
-                    "{name}: outputs at budget {label} differ from all-resident"
-                ),
-            }
-            if label == "two slots" {
-                // Uploads in parts as frames finish decompressing (4 KiB parts: many per
-                // unit) give the same outputs.
-                // Whether the pipeline catches up with a unit still decompressing is a
-                // matter of timing: repeat a few times so that some run does.
-                let mut r = runner(&s, budget, 0);
-                r.upload_chunk = 4096;
-                for _ in 0..10 {
-                    let got = outputs(&mut r, vocab);
-                    assert!(
-                        want.as_ref() == Some(&got),
-                        "{name}: outputs with partial uploads differ"
-                    );
-                    if r.partial_uploads() > 0 {
-                        break;
+        for unified in [false, true] {
+            for (label, budget) in budgets(&s) {
+                let mut r = runner_as(&s, budget, 0, unified);
+                let streamed = r.plan.layers_streamed();
+                match label.as_str() {
+                    "all resident" => assert_eq!(streamed, 0),
+                    // Unified: the budget caps the arena alone (staging slots are host
+                    // memory outside it), so less streams.
+                    "two slots" if unified => {
+                        assert!(streamed > 0, "{name}: nothing streams at the least budget");
+                        assert!(r.plan.host.staging_slots >= 2, "{name}");
                     }
+                    "two slots" => {
+                        // The planner may keep the largest unit resident and stream the rest
+                        // through smaller slots, whichever streams fewer bytes.
+                        assert!(r.plan.stream_slots >= 2, "{name}");
+                        assert!(
+                            streamed >= s.units().len() / 2,
+                            "{name}: only {streamed} units stream at the least budget"
+                        );
+                    }
+                    _ => assert!(streamed > 0, "{name}: nothing streams at half the model"),
                 }
-                partial += r.partial_uploads();
+                let got = outputs(&mut r, vocab);
+                let b = r.backend.budget();
+                assert!(
+                    b.peak() <= b.limit(),
+                    "{name} {label}: peak {} over budget {}",
+                    b.peak(),
+                    b.limit()
+                );
+                if let Some(budget) = budget {
+                    assert_eq!(b.limit(), budget);
+                    assert!(
+                        r.total().bytes_uploaded > 0,
+                        "{name} {label}: nothing was uploaded"
+                    );
+                }
+                match &want {
+                    None => want = Some(got),
+                    Some(w) => assert!(
+                        w == &got,
+                        "{name}: outputs at budget {label} differ from all-resident"
+                    ),
+                }
+                if label == "two slots" && !unified {
+                    // Uploads in parts as frames finish decompressing (4 KiB parts: many per
+                    // unit) give the same outputs.
+                    // Whether the pipeline catches up with a unit still decompressing is a
+                    // matter of timing: repeat a few times so that some run does.
+                    let mut r = runner(&s, budget, 0);
+                    r.upload_chunk = 4096;
+                    for _ in 0..10 {
+                        let got = outputs(&mut r, vocab);
+                        assert!(
+                            want.as_ref() == Some(&got),
+                            "{name}: outputs with partial uploads differ"
+                        );
+                        if r.partial_uploads() > 0 {
+                            break;
+                        }
+                    }
+                    partial += r.partial_uploads();
+                }
             }
         }
     }
@@ -235,6 +261,7 @@ fn gemma3_270m_streamed_is_bit_identical_to_resident() {
             opts: OPTS,
             prefetch: None,
             backend_reserved: 0,
+            host: Default::default(),
         },
     )
     .unwrap();
@@ -293,6 +320,7 @@ fn a_budget_too_small_fails_at_start_with_the_numbers() {
             opts: OPTS,
             prefetch: None,
             backend_reserved: 0,
+            host: Default::default(),
         },
         1,
         io(),
@@ -322,7 +350,8 @@ fn a_budget_too_small_fails_at_start_with_the_numbers() {
 
 #[test]
 fn a_corrupted_streamed_layer_fails_its_step_and_the_pipeline_keeps_serving() {
-    corrupted_layer(false);
+    corrupted_layer(false, false);
+    corrupted_layer(false, true);
 }
 
 /// The same with the unit's last frame corrupted and 4 KiB upload parts: the unit fails
@@ -330,10 +359,12 @@ fn a_corrupted_streamed_layer_fails_its_step_and_the_pipeline_keeps_serving() {
 /// the pipeline has waited for the copy, then takes it back.
 #[test]
 fn a_layer_failing_after_partial_uploads_returns_its_staging_slot() {
-    corrupted_layer(true);
+    corrupted_layer(true, false);
 }
 
-fn corrupted_layer(last_frame_with_parts: bool) {
+/// `unified`: the CPU as it runs (streamed units computed in their staging slots), where
+/// partial uploads do not exist; else acting as a discrete device.
+fn corrupted_layer(last_frame_with_parts: bool, unified: bool) {
     let tmp = tempfile::tempdir().unwrap();
     let s = store(&fixture("tiny-llama"), &tmp.path().join("t"));
     let vocab = s.manifest().arch.vocab;
@@ -341,7 +372,21 @@ fn corrupted_layer(last_frame_with_parts: bool) {
     let (_, two) = budgets(&s)[2].clone();
     // One decompression worker: frames finish in file order, so the unit's prefix is handed
     // out (and copied) before its last frame fails.
-    let mut r = cpu_runner(
+    let make = if unified {
+        cpu_runner
+    } else {
+        sluice::engine::cpu_runner_discrete
+    };
+    // Unified, the device budget caps the arena only: one slot's worth less keeps layers
+    // streaming.
+    let largest = s
+        .units()
+        .iter()
+        .map(|u| u.raw_len.div_ceil(4096) * 4096)
+        .max()
+        .unwrap();
+    let two = two.map(|b| if unified { b - largest } else { b });
+    let mut r = make(
         s.clone(),
         &PlanInput {
             device_budget: two,
@@ -349,6 +394,7 @@ fn corrupted_layer(last_frame_with_parts: bool) {
             opts: OPTS,
             prefetch: Some(3),
             backend_reserved: 0,
+            host: Default::default(),
         },
         2,
         IoConfig { workers: 1, ..io() },

@@ -291,6 +291,27 @@ pub trait Backend: Send + Sync {
     /// (`upload_begin`) waits for them, not for everything.
     fn release_after(&self, _mem: &Self::Mem) {}
     /// Page-locks host buffers that uploads read from, when the device gains from it.
+    /// Device memory is host memory (the CPU backend): streamed units run straight from
+    /// the I/O engine's staging slots (`borrow_host`) and resident units are decoded
+    /// straight into their allocation (`host_bytes_mut`), so nothing is copied twice.
+    fn unified(&self) -> bool {
+        false
+    }
+
+    /// A unified backend's view of host bytes as device memory, for weights only (no op
+    /// writes through it). None on other backends.
+    ///
+    /// # Safety
+    /// `data` must stay alive and unchanged while the returned memory is in use.
+    unsafe fn borrow_host(&self, _data: &[u8]) -> Option<Self::Mem> {
+        None
+    }
+
+    /// A unified backend's allocation as host bytes to fill (None on other backends).
+    fn host_bytes_mut<'m>(&self, _mem: &'m mut Self::Mem) -> Option<&'m mut [u8]> {
+        None
+    }
+
     fn pinner(&self) -> Option<Pinner> {
         None
     }

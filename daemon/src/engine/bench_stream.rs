@@ -16,8 +16,11 @@ use std::time::Instant;
 
 #[derive(Clone, Debug)]
 pub struct BenchStreamOptions {
-    pub device_budget: u64,
+    /// The streamed run's device budget (None: the host budget decides).
+    pub device_budget: Option<u64>,
     pub host_cache_budget: u64,
+    /// The streamed run's host side (None: not limited).
+    pub host: Option<crate::plan::HostInput>,
     pub prefetch: Option<usize>,
     pub threads: usize,
     pub io: IoConfig,
@@ -56,6 +59,11 @@ pub struct BenchStreamReport {
     /// Decode tokens/s at batch 1 with every unit resident, and streamed under the budget.
     pub resident_tokens_per_s: f64,
     pub streamed_tokens_per_s: f64,
+    /// The streamed run's host budget, its plan's host total, and the process's peak
+    /// resident set (VmHWM, over the whole benchmark).
+    pub host_bytes_budget: Option<u64>,
+    pub host_bytes_planned: u64,
+    pub host_bytes_peak: u64,
     /// Copy-stream bandwidth while streaming (bytes uploaded / device time of the copies)
     /// over the streamed batch-1 passes; 0 for a synchronous backend.
     pub copy_gbps: f64,
@@ -160,6 +168,7 @@ pub fn budget_for_weights_share(
             opts,
             prefetch,
             backend_reserved: 0,
+            host: Default::default(),
         },
     )?;
     let scratch = backend_scratch_bytes(chosen, m, &opts);
@@ -197,20 +206,21 @@ pub fn bench_stream<B: Backend>(
     let m = store.manifest();
     let vocab = m.arch.vocab;
     let opts = model_options(&o.batches, o.prompt_tokens, o.steps);
-    let input = |budget: Option<u64>| PlanInput {
+    let input = |budget: Option<u64>, host: Option<&crate::plan::HostInput>| PlanInput {
         device_budget: budget,
         host_cache_budget: o.host_cache_budget,
         opts,
         prefetch: o.prefetch,
         backend_reserved: 0,
+        host: host.cloned().unwrap_or_default(),
     };
 
     // Compute alone: every unit resident, batch 1.
     let compute_only = {
-        let mut r = make(&input(None))?;
+        let mut r = make(&input(None, None))?;
         decode_passes(&mut r, 1, o.prompt_tokens, o.steps, vocab)?.0
     };
-    let mut r = make(&input(Some(o.device_budget)))?;
+    let mut r = make(&input(o.device_budget, o.host.as_ref()))?;
     // Streaming alone: the same loads, compute skipped.
     r.skip_compute = true;
     let streaming_only = decode_passes(&mut r, 1, o.prompt_tokens, o.steps, vocab)?.0;
@@ -273,6 +283,9 @@ pub fn bench_stream<B: Backend>(
         copy_gbps,
         plain_h2d_gbps: plain,
         copy_vs_plain: if plain > 0.0 { copy_gbps / plain } else { 0.0 },
+        host_bytes_budget: r.plan.host.budget,
+        host_bytes_planned: r.plan.host.total_bytes,
+        host_bytes_peak: crate::hostmem::peak_rss_bytes().unwrap_or(0),
         batches,
     })
 }

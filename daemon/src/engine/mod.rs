@@ -20,7 +20,7 @@ use crate::io::IoError;
 use crate::model::{ModelError, ModelOptions};
 use crate::pipeline::Pipeline;
 use crate::pipeline::PipelineError;
-use crate::plan::PlanInput;
+use crate::plan::{HostInput, PlanInput};
 use crate::store::{Manifest, Store};
 use std::sync::Arc;
 
@@ -56,17 +56,75 @@ impl EngineError {
 }
 
 /// Plans memory for `store` and builds a CPU runner whose arena is exactly the planned
-/// device budget (so the budget is enforced, as on a GPU).
+/// device budget (so the budget is enforced, as on a GPU). Device memory is host memory:
+/// one budget, and streamed units run from their staging slots.
 pub fn cpu_runner(
     store: Arc<Store>,
     input: &PlanInput,
     threads: usize,
     io: IoConfig,
 ) -> Result<Pipeline<CpuBackend>, EngineError> {
-    let plan = crate::plan::plan(store.manifest(), input)?;
-    let backend = CpuBackend::new(plan.device_budget, threads)?;
+    cpu_runner_as(store, input, threads, io, true)
+}
+
+/// `cpu_runner` with the CPU acting as a discrete device (`CpuBackend::new_discrete`):
+/// streamed units are copied into arena slots as on a GPU. For tests of that path.
+pub fn cpu_runner_discrete(
+    store: Arc<Store>,
+    input: &PlanInput,
+    threads: usize,
+    io: IoConfig,
+) -> Result<Pipeline<CpuBackend>, EngineError> {
+    cpu_runner_as(store, input, threads, io, false)
+}
+
+fn cpu_runner_as(
+    store: Arc<Store>,
+    input: &PlanInput,
+    threads: usize,
+    io: IoConfig,
+    unified: bool,
+) -> Result<Pipeline<CpuBackend>, EngineError> {
+    let mut input = input.clone();
+    input.host.unified = unified;
+    fit_reads(&mut input, &io);
+    let plan = crate::plan::plan(store.manifest(), &input)?;
+    let backend = if unified {
+        CpuBackend::new(plan.device_budget, threads)?
+    } else {
+        CpuBackend::new_discrete(plan.device_budget, threads)?
+    };
     backend.reserve_scratch(&input.opts.scratch_shape(&store.manifest().arch));
     Ok(Pipeline::new(backend, store, plan, input.opts, io)?)
+}
+
+/// The I/O engine's shape as the plan's upper bounds: reads in flight, their size, the
+/// workers.
+fn fit_reads(input: &mut PlanInput, io: &IoConfig) {
+    input.host.reads_max_bytes = (io.read_buffers * io.request_bytes) as u64;
+    input.host.request_bytes_max = io.request_bytes as u64;
+    input.host.workers = io.workers;
+}
+
+/// The host side of a plan for `sluiced run`, `serve` and `bench-stream`: the budget given
+/// (`--host-memory`) or the default (a share of MemAvailable or of the memory cgroup's
+/// room, logged), and the overhead measured now plus `extra` bytes the caller will
+/// allocate outside the plan (logits rows, request state).
+pub fn host_input(budget: Option<u64>, extra: u64) -> HostInput {
+    let (budget, budget_source) = match budget {
+        Some(b) => (Some(b), "--host-memory".to_string()),
+        None => {
+            let (b, why) = crate::hostmem::default_host_budget();
+            tracing::info!("{why}");
+            (b, why)
+        }
+    };
+    HostInput {
+        budget,
+        budget_source,
+        overhead: crate::hostmem::overhead_now(extra),
+        ..HostInput::default()
+    }
 }
 
 /// `--backend`: where the layers run.
@@ -206,6 +264,7 @@ pub fn cuda_runner(
                 .saturating_sub(cuda_headroom(info.total_bytes)),
         );
     }
+    fit_reads(&mut input, &io);
     let plan = crate::plan::plan(m, &input)?;
     let backend = CudaBackend::new(
         info.ordinal,

@@ -33,6 +33,7 @@ fn pipeline(
         },
         prefetch: None,
         backend_reserved: 0,
+        host: Default::default(),
     };
     super::cpu_runner(store.clone(), &input, 1, IoConfig::single_stream()).expect("pipeline")
 }

@@ -148,6 +148,15 @@ fn open_weights(path: &std::path::Path, direct: bool) -> std::io::Result<File> {
     o.open(path)
 }
 
+/// Opens `path` for reads with O_DIRECT when the file system takes it (opened and a block
+/// read back), else without; says which.
+pub fn open_direct(path: &std::path::Path) -> std::io::Result<(File, bool)> {
+    match open_weights(path, true).and_then(|f| probe_direct(&f).map(|_| f)) {
+        Ok(f) => Ok((f, true)),
+        Err(_) => Ok((open_weights(path, false)?, false)),
+    }
+}
+
 /// Reads the first block with O_DIRECT: some file systems accept the flag at open and
 /// refuse the reads.
 fn probe_direct(file: &File) -> std::io::Result<()> {

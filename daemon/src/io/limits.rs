@@ -64,13 +64,7 @@ pub(super) fn check(cfg: &IoConfig, m: &Manifest) -> Result<Sizes, String> {
     // A frame is decoded only once every read it overlaps has landed, and reads are
     // issued in order: the largest frame (plus the alignment slack at both ends) must
     // fit in the read buffers at once, or the engine could wait forever.
-    let frame_stored_max = m
-        .units
-        .iter()
-        .flat_map(|u| &u.frames)
-        .map(|f| f.stored_len())
-        .max()
-        .unwrap_or(0) as usize;
+    let frame_stored_max = m.frame_stored_len_max() as usize;
     let buffers_needed = (frame_stored_max + 2 * IO_ALIGN).div_ceil(cfg.request_bytes) + 1;
     if cfg.read_buffers < buffers_needed {
         return Err(format!(

@@ -26,7 +26,7 @@ mod tickets;
 mod uring;
 mod workers;
 
-pub use api::{HeldSlot, IoEngine, PoolStatus, SlotGuard, Ticket};
+pub use api::{open_direct, HeldSlot, IoEngine, PoolStatus, SlotGuard, Ticket};
 pub use stats::IoStats;
 
 use crate::store::StoreError;

@@ -51,6 +51,19 @@ impl PreadReader {
                                 job.offset as libc::off_t,
                             )
                         };
+                        if n > 0 {
+                            // Without O_DIRECT the pages stay cached and charged to this
+                            // process's memory cgroup: drop them (no-op under O_DIRECT).
+                            // SAFETY: advice on our own descriptor; changes no memory.
+                            unsafe {
+                                libc::posix_fadvise(
+                                    file.as_raw_fd(),
+                                    job.offset as libc::off_t,
+                                    n as libc::off_t,
+                                    libc::POSIX_FADV_DONTNEED,
+                                );
+                            }
+                        }
                         let res = if n < 0 {
                             -std::io::Error::last_os_error()
                                 .raw_os_error()

@@ -118,6 +118,11 @@ pub struct Pipeline<B: Backend> {
     held_spare: Vec<(usize, crate::io::HeldSlot)>,
     /// Which unit each streaming slot holds during a pass.
     in_slot: Vec<Option<usize>>,
+    /// Device memory is host memory: streamed units run from their staging slots.
+    unified: bool,
+    /// On a unified backend, the units the running unit reads from staging slots: the
+    /// unit, its view as device memory, and the slot (dropped in that order).
+    borrowed: Vec<(usize, B::Mem, crate::io::HeldSlot)>,
     /// Skip the layer compute (measures streaming alone).
     pub skip_compute: bool,
     /// Bytes of a unit's decoded prefix worth an upload of their own (UPLOAD_CHUNK_DEFAULT).
@@ -194,6 +199,126 @@ fn load_kept<B: Backend>(
     Ok((resident, host_cache))
 }
 
+/// Resident units on a unified backend (device memory is host memory): every frame is
+/// read (O_DIRECT where the file system takes it, else with its pages dropped after) into
+/// a per-thread bounce buffer and decoded straight into the unit's allocation, by
+/// `workers` threads taking frames in turn. No staging slot, no second copy, nothing left
+/// in the page cache: the host holds the arena and a frame per thread.
+fn load_resident_direct<B: Backend>(
+    backend: &B,
+    store: &Arc<Store>,
+    plan: &Plan,
+    workers: usize,
+) -> Result<Vec<Option<B::Mem>>, PipelineError> {
+    use crate::store::codec::{FrameDecoder, FrameFault};
+    use std::os::unix::fs::FileExt;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let path = store.weights_path();
+    let (file, direct) = crate::io::open_direct(path)
+        .map_err(|e| IoError::Data(crate::store::StoreError::io("open", path, e)))?;
+    let m = store.manifest();
+    let frame_stored_max = m.frame_stored_len_max() as usize;
+    let bounce_len = frame_stored_max + 2 * crate::hostbuf::IO_ALIGN;
+    let raw_max = m.frame_raw_len_max() as usize;
+    let n = store.units().len();
+    let mut resident: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
+    for (u, unit) in store.units().iter().enumerate() {
+        if plan.placement(u) != Placement::Resident {
+            continue;
+        }
+        let mut mem = backend.alloc(unit.raw_len as usize, &format!("weights of {}", unit.kind))?;
+        let dst = backend
+            .host_bytes_mut(&mut mem)
+            .expect("a unified backend's memory is host bytes");
+        /// Disjoint frame ranges of one unit, written from several threads.
+        struct Dst(*mut u8, usize);
+        // SAFETY: each frame's raw range is written by the one thread that took it.
+        unsafe impl Sync for Dst {}
+        impl Dst {
+            /// SAFETY: no other live slice may overlap d..d+len.
+            #[allow(clippy::mut_from_ref)]
+            unsafe fn range(&self, d: usize, len: usize) -> &mut [u8] {
+                assert!(d + len <= self.1, "frame inside its unit (validated)");
+                // SAFETY: inside the allocation; exclusivity is the caller's.
+                unsafe { std::slice::from_raw_parts_mut(self.0.add(d), len) }
+            }
+        }
+        let out = Dst(dst.as_mut_ptr(), dst.len());
+        let next = AtomicUsize::new(0);
+        let first_err: std::sync::Mutex<Option<(usize, FrameFault)>> = Default::default();
+        std::thread::scope(|sc| {
+            for _ in 0..workers.max(1).min(unit.frames.len().max(1)) {
+                sc.spawn(|| {
+                    let fail = |fi: usize, fault: FrameFault| {
+                        let mut e = first_err.lock().unwrap_or_else(|p| p.into_inner());
+                        if e.as_ref().is_none_or(|(f, _)| fi < *f) {
+                            *e = Some((fi, fault));
+                        }
+                    };
+                    let (Some(mut bounce), Ok(mut dec)) =
+                        (AlignedBuf::new(bounce_len), FrameDecoder::new(raw_max))
+                    else {
+                        fail(0, FrameFault::Read("cannot allocate a frame buffer".into()));
+                        return;
+                    };
+                    loop {
+                        let fi = next.fetch_add(1, Ordering::Relaxed);
+                        let Some(f) = unit.frames.get(fi) else { break };
+                        let align = crate::hostbuf::IO_ALIGN as u64;
+                        let start = f.file_offset / align * align;
+                        let end = (f.file_offset + f.stored_len()).div_ceil(align) * align;
+                        let want = (end - start) as usize;
+                        let buf = &mut bounce.as_mut_slice()[..want];
+                        let mut got = 0;
+                        while got < want {
+                            match file.read_at(&mut buf[got..], start + got as u64) {
+                                Ok(0) => break,
+                                Ok(k) => got += k,
+                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                                Err(e) => {
+                                    fail(fi, FrameFault::Read(e.to_string()));
+                                    return;
+                                }
+                            }
+                        }
+                        let skip = (f.file_offset - start) as usize;
+                        let len = f.stored_len() as usize;
+                        if got < skip + len {
+                            fail(
+                                fi,
+                                FrameFault::Read(format!(
+                                    "short read: {} of {} bytes",
+                                    got.saturating_sub(skip),
+                                    len
+                                )),
+                            );
+                            return;
+                        }
+                        let (d, dl) = (f.raw_offset as usize, f.raw_len as usize);
+                        // SAFETY: frames of a unit cover disjoint raw ranges inside it
+                        // (validated with the manifest); this thread alone took frame fi.
+                        let dst = unsafe { out.range(d, dl) };
+                        if let Err(fault) =
+                            dec.decode(f.codec, &f.planes, f.checksum, &buf[skip..skip + len], dst)
+                        {
+                            fail(fi, fault);
+                            return;
+                        }
+                    }
+                });
+            }
+        });
+        if let Some((fi, fault)) = first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(IoError::Data(store.frame_error(u, fi, fault)).into());
+        }
+        resident[u] = Some(mem);
+    }
+    if !direct {
+        crate::hostmem::drop_cached(&file);
+    }
+    Ok(resident)
+}
+
 impl<B: Backend> Pipeline<B> {
     /// Reserves KV cache and workspace, then streaming slots, then loads resident units
     /// and the host cache through the I/O engine.
@@ -205,6 +330,14 @@ impl<B: Backend> Pipeline<B> {
         io_cfg: IoConfig,
     ) -> Result<Self, PipelineError> {
         let model = Decoder::new(&backend, store.manifest(), opts)?;
+        // Reads as the plan sized them (in bytes in flight, within the host budget).
+        let io_cfg = IoConfig {
+            read_buffers: plan.host.read_buffers,
+            queue_depth: io_cfg.queue_depth.min(plan.host.read_buffers).max(1),
+            request_bytes: plan.host.request_bytes as usize,
+            ..io_cfg
+        };
+        let unified = backend.unified();
         let plan_slots = plan.stream_slots;
         let mut slots = Vec::with_capacity(plan_slots);
         for i in 0..plan.stream_slots {
@@ -214,14 +347,19 @@ impl<B: Backend> Pipeline<B> {
             )?);
         }
         let n = store.units().len();
-        let (resident, host_cache) = load_kept(&backend, &store, &plan, &io_cfg)?;
+        let (resident, host_cache) = if unified {
+            let resident = load_resident_direct(&backend, &store, &plan, io_cfg.workers)?;
+            (resident, (0..n).map(|_| None).collect())
+        } else {
+            load_kept(&backend, &store, &plan, &io_cfg)?
+        };
         let streamed: Vec<usize> = (0..n)
             .filter(|&u| plan.placement(u) != Placement::Resident)
             .collect();
         let io = IoEngine::new(
             store.clone(),
             IoConfig {
-                staging_slots: plan.prefetch.max(1) + 1,
+                staging_slots: plan.host.staging_slots.max(1),
                 units: Some(streamed),
                 // The copy stream reads the staging slots by DMA.
                 pinner: backend.pinner(),
@@ -252,6 +390,8 @@ impl<B: Backend> Pipeline<B> {
             next_issue: 0,
             held: Vec::with_capacity(plan_slots),
             held_spare: Vec::with_capacity(plan_slots),
+            unified,
+            borrowed: Vec::with_capacity(2),
             in_slot: vec![None; plan_slots],
             skip_compute: false,
             upload_chunk: UPLOAD_CHUNK_DEFAULT,
@@ -358,6 +498,7 @@ impl<B: Backend> Pipeline<B> {
     pub fn step(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), PipelineError> {
         let r = self.pass(steps, logits);
         if r.is_err() {
+            self.borrowed.clear();
             // A staging slot goes back only once no copy reads it any more.
             for (s, guard) in std::mem::take(&mut self.held) {
                 let _ = self.backend.upload_wait(&self.slots[s]);
@@ -408,6 +549,10 @@ impl<B: Backend> Pipeline<B> {
                     .ahead
                     .pop_front()
                     .expect("a load is requested for every streamed unit");
+                if self.unified {
+                    self.borrow(w, t, &mut st)?;
+                    continue;
+                }
                 let slot = slot_rr;
                 slot_rr = (slot_rr + 1) % self.slots.len();
                 self.stage(w, t, slot, &mut st)?;
@@ -418,14 +563,17 @@ impl<B: Backend> Pipeline<B> {
             let mem_of = |w: usize| -> &B::Mem {
                 match &self.resident[w] {
                     Some(m) => m,
-                    None => {
-                        let s = self
-                            .in_slot
-                            .iter()
-                            .rposition(|&x| x == Some(w))
-                            .expect("loaded above");
-                        &self.slots[s]
-                    }
+                    None => match self.in_slot.iter().rposition(|&x| x == Some(w)) {
+                        Some(s) => &self.slots[s],
+                        None => {
+                            &self
+                                .borrowed
+                                .iter()
+                                .find(|b| b.0 == w)
+                                .expect("loaded above")
+                                .1
+                        }
+                    },
                 }
             };
             if !self.skip_compute {
@@ -444,6 +592,8 @@ impl<B: Backend> Pipeline<B> {
                 // The next upload into this slot waits for this unit's compute only.
                 self.backend.release_after(&self.slots[s]);
             }
+            // A unified backend's compute has read its staging slots: they go back.
+            self.borrowed.clear();
             // The unit's compute is enqueued; once its upload has read the staging slots,
             // they go back to the I/O engine for the next loads (every one waited for, even
             // after a failed wait, before any is released).
@@ -461,6 +611,28 @@ impl<B: Backend> Pipeline<B> {
         }
         self.backend.check()?;
         self.account(st, copy0, t_pass);
+        Ok(())
+    }
+
+    /// On a unified backend: waits for unit `w` whole and lends its staging slot to the
+    /// compute as device memory (no copy); the slot goes back once the unit has run.
+    fn borrow(
+        &mut self,
+        w: usize,
+        ticket: Option<Ticket>,
+        st: &mut PassStats,
+    ) -> Result<(), PipelineError> {
+        let len = self.store.units()[w].raw_len as usize;
+        let t =
+            ticket.expect("a unified backend has no host cache: every streamed unit has a ticket");
+        let t0 = Instant::now();
+        let held = self.io.wait(t)?.detach();
+        st.load_stall_s += t0.elapsed().as_secs_f64();
+        // SAFETY: the slot stays held (and unchanged) in `borrowed` until the view is dropped.
+        let mem = unsafe { self.backend.borrow_host(&held.data()[..len]) }
+            .expect("a unified backend lends host bytes");
+        st.bytes_uploaded += len as u64;
+        self.borrowed.push((w, mem, held));
         Ok(())
     }
 

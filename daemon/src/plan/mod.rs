@@ -39,6 +39,82 @@ pub struct PlanInput {
     /// Device bytes the backend keeps for itself (CUDA: kernel metadata, cuBLAS scratch
     /// and workspace; CPU: 0), reserved before anything else.
     pub backend_reserved: u64,
+    /// The host side: its budget and what is already spent.
+    pub host: HostInput,
+}
+
+/// What the plan needs to know of the host.
+#[derive(Clone, Debug)]
+pub struct HostInput {
+    /// Memory the whole process may use (`--host-memory`); None: the host side is planned
+    /// and reported but not limited.
+    pub budget: Option<u64>,
+    /// Where the budget came from, for the plan table (`--host-memory`, or the default's
+    /// sentence from `hostmem::default_host_budget`).
+    pub budget_source: String,
+    /// Bytes in use before the plan allocates anything: the process's resident set at
+    /// start (code, tokenizer, runtime) and a margin (`hostmem::overhead_now`).
+    pub overhead: u64,
+    /// Device memory is host memory (the CPU backend): the device arena counts against
+    /// the host budget, streamed units run straight from their staging slots (no device
+    /// streaming slots, no copy) and a host cache is pointless (it would be resident).
+    pub unified: bool,
+    /// Bytes in flight the reads may use at most, and the largest read.
+    pub reads_max_bytes: u64,
+    pub request_bytes_max: u64,
+    /// Decompression workers (each has scratch of the largest frame).
+    pub workers: usize,
+}
+
+impl Default for HostInput {
+    fn default() -> Self {
+        HostInput {
+            budget: None,
+            budget_source: "no host budget".into(),
+            overhead: 0,
+            unified: false,
+            // The I/O engine's `sluiced run` preset (16 reads of 4 MiB); the runners set the
+            // engine's actual shape.
+            reads_max_bytes: 64 << 20,
+            request_bytes_max: 4 << 20,
+            workers: 1,
+        }
+    }
+}
+
+/// The host side of a plan: every role the process allocates on the host.
+#[derive(Clone, Debug, Serialize)]
+pub struct HostPlan {
+    /// The budget (None: not limited).
+    pub budget: Option<u64>,
+    pub budget_source: String,
+    /// Resident set at start plus margin (see HostInput::overhead).
+    pub overhead_bytes: u64,
+    /// The I/O engine's read buffers: count x size (the bytes reads may have in flight).
+    pub read_buffers: usize,
+    pub request_bytes: u64,
+    /// Staging slots the streamed units decompress into (on a unified backend their
+    /// compute reads them there).
+    pub staging_slots: usize,
+    pub staging_slot_bytes: u64,
+    /// Decompression workers' scratch (a frame each) and the loader's bounce buffers.
+    pub scratch_bytes: u64,
+    pub host_cache_bytes: u64,
+    /// The device arena when device memory is host memory (0 otherwise).
+    pub arena_bytes: u64,
+    /// Extra bytes held only while resident units load at start (CUDA: the loader's
+    /// staging), 0 once running.
+    pub load_transient_bytes: u64,
+    /// The most the plan holds at once: overhead + everything above (the larger of the
+    /// loading and the running phase).
+    pub total_bytes: u64,
+}
+
+impl HostPlan {
+    /// Bytes of the I/O engine's read buffers.
+    pub fn read_bytes(&self) -> u64 {
+        self.read_buffers as u64 * self.request_bytes
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
@@ -78,10 +154,31 @@ pub struct Plan {
     pub upload_bytes_per_pass: u64,
     /// The embedding is also the output head (tied) and streams: it loads twice a pass.
     pub embedding_loads_per_pass: usize,
+    /// Every host role, within the host budget.
+    pub host: HostPlan,
 }
 
-/// The budget cannot hold even the smallest streaming plan; the numbers say what it
-/// needs and the message what to change.
+/// A plan that cannot be made: the device budget or the host budget is too small.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum PlanError {
+    #[error(transparent)]
+    Device(#[from] DeviceBudgetError),
+    #[error(transparent)]
+    Host(#[from] HostBudgetError),
+}
+
+impl PlanError {
+    /// The least budget (of the kind that was short) that runs.
+    pub fn need(&self) -> u64 {
+        match self {
+            PlanError::Device(e) => e.need,
+            PlanError::Host(e) => e.need,
+        }
+    }
+}
+
+/// The device budget cannot hold even the smallest streaming plan; the numbers say what
+/// it needs and the message what to change.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
     "device budget {} ({budget} bytes) is too small: KV cache {} + workspace {} (with backend scratch) + {slots} streaming slots of {} + {} of units larger than a slot kept resident = {} ({need} bytes) at least; raise --device-memory or lower --max-context / --max-batch",
@@ -92,7 +189,7 @@ pub struct Plan {
     fmt_bytes(*oversized_resident),
     fmt_bytes(*need)
 )]
-pub struct PlanError {
+pub struct DeviceBudgetError {
     pub budget: u64,
     pub kv_cache: u64,
     /// Workspace and the backend's scratch.
@@ -104,6 +201,51 @@ pub struct PlanError {
     pub oversized_resident: u64,
     /// The least budget that runs.
     pub need: u64,
+}
+
+/// The host budget cannot hold the least plan: every host role with its bytes.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error(
+    "host budget {} ({budget} bytes) is too small: process overhead {} + read buffers {} + decoder scratch {} + {} {} + staging slots {}{} = {} ({need} bytes) at least; raise --host-memory, or lower --max-context / --max-batch",
+    fmt_bytes(*budget),
+    fmt_bytes(*overhead),
+    fmt_bytes(*reads),
+    fmt_bytes(*scratch),
+    if *unified { "device arena (KV cache, workspace, units that must stay resident)" } else { "host cache" },
+    fmt_bytes(*device),
+    fmt_bytes(*staging),
+    if *load_transient > 0 { format!(" + loading staging {}", fmt_bytes(*load_transient)) } else { String::new() },
+    fmt_bytes(*need)
+)]
+pub struct HostBudgetError {
+    pub budget: u64,
+    pub overhead: u64,
+    pub reads: u64,
+    pub scratch: u64,
+    /// The arena on a unified backend (host cache on a discrete one).
+    pub device: u64,
+    pub staging: u64,
+    pub load_transient: u64,
+    pub need: u64,
+    pub unified: bool,
+}
+
+impl HostBudgetError {
+    /// The error for `h`'s budget with these roles: reads, scratch, the arena (unified) or
+    /// host cache, staging, loading staging; the need is their sum with the overhead.
+    fn new(h: &HostInput, [reads, scratch, held, staging, load_transient]: [u64; 5]) -> Self {
+        HostBudgetError {
+            budget: h.budget.unwrap_or(0),
+            overhead: h.overhead,
+            reads,
+            scratch,
+            device: held,
+            staging,
+            load_transient,
+            need: h.overhead + reads + scratch + held + staging + load_transient,
+            unified: h.unified,
+        }
+    }
 }
 
 impl Plan {
@@ -174,21 +316,45 @@ impl Plan {
             ),
         );
         line(&mut s, "prefetch depth", self.prefetch.to_string());
-        // Host staging of the I/O engine: prefetch + 1 slots of the largest streamed unit.
-        let staged = self
-            .units
-            .iter()
-            .filter(|u| u.placement == Placement::Streamed)
-            .map(|u| u.raw_bytes)
-            .max()
-            .unwrap_or(0);
-        if staged > 0 {
+        let h = &self.host;
+        s.push_str(
+            "  host
+",
+        );
+        line(
+            &mut s,
+            "  budget",
+            match h.budget {
+                Some(b) => fmt_bytes(b),
+                None => "not limited".into(),
+            },
+        );
+        line(&mut s, "  process overhead", fmt_bytes(h.overhead_bytes));
+        line(
+            &mut s,
+            "  read buffers",
+            format!("{} x {}", h.read_buffers, fmt_bytes(h.request_bytes)),
+        );
+        line(
+            &mut s,
+            "  staging slots",
+            format!("{} x {}", h.staging_slots, fmt_bytes(h.staging_slot_bytes)),
+        );
+        line(&mut s, "  decoder scratch", fmt_bytes(h.scratch_bytes));
+        if h.arena_bytes > 0 {
+            line(&mut s, "  device arena (= host)", fmt_bytes(h.arena_bytes));
+        }
+        if h.host_cache_bytes > 0 {
+            line(&mut s, "  host cache", fmt_bytes(h.host_cache_bytes));
+        }
+        if h.load_transient_bytes > 0 {
             line(
                 &mut s,
-                "host staging",
-                format!("{} x {}", self.prefetch + 1, fmt_bytes(staged)),
+                "  staging while loading",
+                fmt_bytes(h.load_transient_bytes),
             );
         }
+        line(&mut s, "  host total", fmt_bytes(h.total_bytes));
         line(
             &mut s,
             "per pass from disk",
@@ -233,24 +399,34 @@ struct Candidate {
     slot_bytes: u64,
 }
 
-/// The split that streams the fewest bytes per pass within `budget` (of which `fixed`
-/// is taken), trying every slot size from the largest unit down, two or three slots each:
-/// units larger than the slot must be resident, then units are kept resident greedily by
-/// the bytes they save per pass. None when no slot size fits.
-fn choose_residency(raw: &[u64], tied: bool, budget: u64, fixed: u64) -> Option<Candidate> {
+/// The split that streams the fewest bytes per pass, trying every slot size `s` from the
+/// largest unit down and each slot count `n` of `counts`; `room(s, n)` is the memory left
+/// for resident units with `n` slots of `s` (None: they do not fit). Units larger than the
+/// slot must be resident, then units are kept resident greedily by the bytes they save per
+/// pass. None when no slot size fits.
+fn choose_residency(
+    raw: &[u64],
+    tied: bool,
+    counts: &[usize],
+    room: impl Fn(u64, usize) -> Option<u64>,
+) -> Option<Candidate> {
     // Value of keeping a unit resident: the bytes it would stream each pass (the tied
     // embedding streams twice: gather at the start, logits at the end).
     let value = |u: usize| raw[u] * if tied && u == 0 { 2 } else { 1 };
+    // Among units of equal value, in bit-reversed index order: those left to stream are
+    // then spread over the pass (each load overlaps resident units' compute) rather than
+    // bunched at its end.
+    let bits = usize::BITS - raw.len().max(1).leading_zeros();
+    let spread = |u: usize| (u.reverse_bits() >> (usize::BITS - bits), u);
     let mut order: Vec<usize> = (0..raw.len()).collect();
-    order.sort_by(|&x, &y| value(y).cmp(&value(x)).then(x.cmp(&y)));
+    order.sort_by(|&x, &y| value(y).cmp(&value(x)).then(spread(x).cmp(&spread(y))));
     let mut sizes: Vec<u64> = raw.to_vec();
     sizes.sort_unstable_by(|x, y| y.cmp(x));
     sizes.dedup();
     let mut best: Option<Candidate> = None;
     for &s in &sizes {
-        // A third slot lets an asynchronous backend upload one unit ahead.
-        for n_slots in [STREAM_SLOTS_MIN + 1, STREAM_SLOTS_MIN] {
-            let Some(mut left) = budget.checked_sub(fixed + n_slots as u64 * s) else {
+        for &n_slots in counts {
+            let Some(mut left) = room(s, n_slots) else {
                 continue;
             };
             let mut res = vec![false; raw.len()];
@@ -293,37 +469,91 @@ fn choose_residency(raw: &[u64], tied: bool, budget: u64, fixed: u64) -> Option<
     best
 }
 
-/// The least budget that runs: for some slot size, two slots plus every unit larger than
-/// a slot kept resident.
-fn least_budget_error(raw: &[u64], budget: u64, kv: u64, workspace: u64) -> PlanError {
-    let fixed = kv + workspace;
+/// For each slot size: (bytes of units larger than it, which must be resident, the size).
+fn oversized(raw: &[u64]) -> Vec<(u64, u64)> {
     let mut sizes: Vec<u64> = raw.to_vec();
     sizes.sort_unstable_by(|x, y| y.cmp(x));
     sizes.dedup();
-    let (need, slot) = sizes
+    sizes
         .iter()
-        .map(|&s| {
-            (
-                fixed + STREAM_SLOTS_MIN as u64 * s + raw.iter().filter(|&&r| r > s).sum::<u64>(),
-                s,
-            )
-        })
+        .map(|&s| (raw.iter().filter(|&&r| r > s).sum::<u64>(), s))
+        .collect()
+}
+
+/// The least device budget that runs: for some slot size, `slots` slots (2 on a discrete
+/// device, 0 where units run from host staging) plus every unit larger than a slot kept
+/// resident.
+fn least_budget_error(
+    raw: &[u64],
+    budget: u64,
+    kv: u64,
+    workspace: u64,
+    slots: usize,
+) -> PlanError {
+    let fixed = kv + workspace;
+    let (need, slot) = oversized(raw)
+        .into_iter()
+        .map(|(big, s)| (fixed + slots as u64 * s + big, s))
         .min()
         .unwrap_or((fixed, 0));
-    PlanError {
+    PlanError::Device(DeviceBudgetError {
         budget,
         kv_cache: kv,
         workspace,
-        slots: STREAM_SLOTS_MIN,
+        slots,
         slot,
-        oversized_resident: need - fixed - STREAM_SLOTS_MIN as u64 * slot,
+        oversized_resident: need - fixed - slots as u64 * slot,
         need,
+    })
+}
+
+/// Reads sized in bytes in flight, not in units: at most the caller's maximum and a
+/// sixteenth of the host budget, in requests small enough that at least eight are in
+/// flight (a small unit is then several parallel reads), and enough buffers to hold the
+/// largest frame at once (the engine's own rule).
+fn read_shape(h: &HostInput, frame_stored_max: u64) -> (usize, u64) {
+    const REQUEST_MIN: u64 = 128 << 10;
+    let mut in_flight = h.reads_max_bytes.max(REQUEST_MIN);
+    if let Some(b) = h.budget {
+        in_flight = in_flight.min((b / 16).max(2 * REQUEST_MIN));
+    }
+    let cap = h.request_bytes_max.max(ALLOC_ALIGN);
+    let eighth = (in_flight / 8).max(REQUEST_MIN);
+    // The largest power of two not above an eighth, within [REQUEST_MIN, cap].
+    let pow2 = 1u64 << (63 - eighth.leading_zeros());
+    let request = pow2.clamp(REQUEST_MIN.min(cap), cap);
+    let least = (frame_stored_max + 2 * ALLOC_ALIGN).div_ceil(request) + 1;
+    let n = (in_flight / request).max(least).max(2);
+    (n as usize, request)
+}
+
+/// Plans memory for `m` within the budgets of `input`. A host budget error names the least
+/// host budget that runs (the reads scale with the budget, so the least is searched from
+/// the first shortfall up).
+pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
+    match plan_once(m, input) {
+        Err(PlanError::Host(first)) => {
+            let mut try_input = input.clone();
+            let mut need = first.need;
+            for _ in 0..16 {
+                try_input.host.budget = Some(need);
+                match plan_once(m, &try_input) {
+                    Ok(_) => return Err(PlanError::Host(HostBudgetError { need, ..first })),
+                    Err(PlanError::Host(e)) if e.need > need => need = e.need,
+                    Err(PlanError::Host(_)) => need += ALLOC_ALIGN,
+                    Err(e) => return Err(e),
+                }
+            }
+            Err(PlanError::Host(first))
+        }
+        r => r,
     }
 }
 
-pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
+fn plan_once(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
     let a = &m.arch;
     let opts = input.opts;
+    let h = &input.host;
     if opts.max_context > a.max_context as usize {
         tracing::warn!(
             "context {} is beyond the model's trained context {}",
@@ -336,35 +566,127 @@ pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
     let ws = round(workspace_bytes(a, &opts));
     let backend = round(input.backend_reserved);
     let raw: Vec<u64> = m.units.iter().map(|u| round(u.raw_len)).collect();
-    let all_resident = kv + ws + backend + raw.iter().sum::<u64>();
-    let budget = input.device_budget.unwrap_or(all_resident);
+    let fixed = kv + ws + backend;
+    let all_resident = fixed + raw.iter().sum::<u64>();
     let tied = a.tied_embeddings;
-    let prefetch = input.prefetch.unwrap_or(PREFETCH_DEFAULT).max(1);
+    let prefetch_want = input.prefetch.unwrap_or(PREFETCH_DEFAULT).max(1);
 
-    let (resident, slots, slot_bytes) = if all_resident <= budget {
-        (vec![true; raw.len()], 0, 0)
+    // Host roles that do not depend on the split.
+    let frame_stored_max = m.frame_stored_len_max();
+    let (read_buffers, request_bytes) = read_shape(h, frame_stored_max);
+    let reads = read_buffers as u64 * request_bytes;
+    // Each worker: a frame's split planes and a frame spanning two reads; the unified
+    // loader's threads: a frame's stored bytes each (read and decoded in place).
+    let frame = u64::from(m.frame_raw_len_max()) + frame_stored_max + 2 * 4096;
+    let scratch = round(2 * h.workers.max(1) as u64 * frame);
+    let host_fixed = h.overhead + reads + scratch;
+
+    let split = if h.unified {
+        plan_unified(
+            &raw,
+            tied,
+            input,
+            (kv, fixed),
+            (reads, scratch),
+            prefetch_want,
+            all_resident,
+        )?
     } else {
-        let fixed = kv + ws + backend;
-        let c = choose_residency(&raw, tied, budget, fixed)
-            .ok_or_else(|| least_budget_error(&raw, budget, kv, ws + backend))?;
-        // Shrink slots to the largest unit that actually streams.
-        let slot_bytes = (0..raw.len())
-            .filter(|&u| !c.resident[u])
-            .map(|u| raw[u])
-            .max()
-            .unwrap_or(c.slot_bytes);
-        (c.resident, c.slots, slot_bytes)
+        plan_discrete(&raw, tied, input, (kv, fixed), all_resident)?
+    };
+    let Split {
+        resident,
+        slots,
+        slot_bytes,
+        staging,
+        device_budget: budget,
+    } = split;
+    let streams = resident.iter().any(|r| !r);
+    let largest_streamed = (0..raw.len())
+        .filter(|&u| !resident[u])
+        .map(|u| m.units[u].raw_len)
+        .max()
+        .unwrap_or(0);
+    let staging_slot_bytes = if streams { round(largest_streamed) } else { 0 };
+    // Discrete devices stage prefetch + 1 units on the host; fewer when the host budget is
+    // short (one computing, one loading at least).
+    let (staging, prefetch) = match staging {
+        Some(n) => (n, n.saturating_sub(1).max(1)),
+        None => {
+            let mut p = prefetch_want;
+            if let Some(b) = h.budget {
+                while p > 1 && host_fixed + (p as u64 + 1) * staging_slot_bytes > b {
+                    p -= 1;
+                }
+            }
+            (p + 1, p)
+        }
+    };
+    let (staging, prefetch) = if streams { (staging, prefetch) } else { (0, 0) };
+    let staged = staging as u64 * staging_slot_bytes;
+    let arena = if h.unified {
+        fixed
+            + (0..raw.len())
+                .filter(|&u| resident[u])
+                .map(|u| raw[u])
+                .sum::<u64>()
+    } else {
+        0
     };
 
-    // Host cache: decompressed copies of streamed units, most bytes-per-pass first.
+    // Host cache (discrete devices only): decompressed copies of streamed units, most
+    // bytes-per-pass first, within what the host budget leaves.
+    let mut cache_budget = if h.unified {
+        0
+    } else {
+        input.host_cache_budget
+    };
+    if let Some(b) = h.budget {
+        let room = b.saturating_sub(host_fixed + staged + arena);
+        if cache_budget > room {
+            tracing::warn!(
+                "host cache {} cut to {}: the host budget {} leaves no more",
+                fmt_bytes(cache_budget),
+                fmt_bytes(room),
+                fmt_bytes(b)
+            );
+            cache_budget = room;
+        }
+    }
+    if h.unified && input.host_cache_budget > 0 {
+        tracing::info!("--host-cache is not used on this backend: its device memory is host memory, so what fits is resident");
+    }
     let mut cached = vec![false; raw.len()];
-    let mut host_left = input.host_cache_budget;
+    let mut host_left = cache_budget;
     let mut streamed_order: Vec<usize> = (0..raw.len()).filter(|&u| !resident[u]).collect();
     streamed_order.sort_by(|&x, &y| raw[y].cmp(&raw[x]).then(x.cmp(&y)));
     for u in streamed_order {
         if m.units[u].raw_len <= host_left {
             host_left -= m.units[u].raw_len;
             cached[u] = true;
+        }
+    }
+    let host_cache_bytes = cache_budget - host_left;
+    // The discrete loader stages two kept units at a time through its own engine (the
+    // streaming engine's buffers do not exist yet).
+    let kept_max = (0..raw.len())
+        .filter(|&u| resident[u] || cached[u])
+        .map(|u| raw[u])
+        .max()
+        .unwrap_or(0);
+    let load_transient = if h.unified {
+        0
+    } else {
+        (2 * kept_max).saturating_sub(staged)
+    };
+    let host_total = host_fixed + staged + arena + host_cache_bytes + load_transient;
+    if let Some(b) = h.budget {
+        if host_total > b {
+            let held = if h.unified { arena } else { host_cache_bytes };
+            return Err(PlanError::Host(HostBudgetError::new(
+                h,
+                [reads, scratch, held, staged, load_transient],
+            )));
         }
     }
 
@@ -387,7 +709,10 @@ pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
             Placement::Resident => {}
             Placement::Streamed => {
                 disk += loads * lu.stored_len;
-                upload += loads * lu.raw_len;
+                // A unified backend computes in the staging slot: nothing is copied.
+                if !h.unified {
+                    upload += loads * lu.raw_len;
+                }
             }
             Placement::HostCached => {
                 host += loads * lu.raw_len;
@@ -413,8 +738,8 @@ pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
         stream_slots: slots,
         stream_slot_bytes: slot_bytes,
         resident_bytes,
-        host_cache_bytes: input.host_cache_budget - host_left,
-        prefetch: if slots == 0 { 0 } else { prefetch },
+        host_cache_bytes,
+        prefetch,
         embedding_loads_per_pass: if tied && !resident[0] {
             2
         } else {
@@ -424,12 +749,170 @@ pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
         disk_bytes_per_pass: disk,
         host_cache_bytes_per_pass: host,
         upload_bytes_per_pass: upload,
+        host: HostPlan {
+            budget: h.budget,
+            budget_source: h.budget_source.clone(),
+            overhead_bytes: h.overhead,
+            read_buffers,
+            request_bytes,
+            staging_slots: staging,
+            staging_slot_bytes,
+            scratch_bytes: scratch,
+            host_cache_bytes,
+            arena_bytes: arena,
+            load_transient_bytes: load_transient,
+            total_bytes: host_total,
+        },
     };
-    // Assert in pairs: the plan fits the budget it was made for.
+    // Assert in pairs: the plan fits the budgets it was made for.
     assert!(
         plan.device_bytes() <= budget,
         "plan of {} bytes exceeds its budget {budget}",
         plan.device_bytes()
     );
+    assert!(h.budget.is_none_or(|b| host_total <= b));
     Ok(plan)
+}
+
+/// Which units are resident and how the rest stream.
+struct Split {
+    resident: Vec<bool>,
+    /// Device streaming slots (0 on a unified backend).
+    slots: usize,
+    slot_bytes: u64,
+    /// Host staging slots when the split chose them (unified), else None.
+    staging: Option<usize>,
+    device_budget: u64,
+}
+
+/// A discrete device (CUDA): the device budget decides the split, with two or three
+/// device slots; the host stages `prefetch + 1` units.
+fn plan_discrete(
+    raw: &[u64],
+    tied: bool,
+    input: &PlanInput,
+    (kv, fixed): (u64, u64),
+    all_resident: u64,
+) -> Result<Split, PlanError> {
+    let budget = input.device_budget.unwrap_or(all_resident);
+    if all_resident <= budget {
+        return Ok(Split {
+            resident: vec![true; raw.len()],
+            slots: 0,
+            slot_bytes: 0,
+            staging: None,
+            device_budget: budget,
+        });
+    }
+    // A third slot lets an asynchronous backend upload one unit ahead.
+    let counts = [STREAM_SLOTS_MIN + 1, STREAM_SLOTS_MIN];
+    let c = choose_residency(raw, tied, &counts, |s, n| {
+        budget.checked_sub(fixed + n as u64 * s)
+    })
+    .ok_or_else(|| least_budget_error(raw, budget, kv, fixed - kv, STREAM_SLOTS_MIN))?;
+    // Shrink slots to the largest unit that actually streams.
+    let slot_bytes = (0..raw.len())
+        .filter(|&u| !c.resident[u])
+        .map(|u| raw[u])
+        .max()
+        .unwrap_or(c.slot_bytes);
+    Ok(Split {
+        resident: c.resident,
+        slots: c.slots,
+        slot_bytes,
+        staging: None,
+        device_budget: budget,
+    })
+}
+
+/// A unified backend (the CPU): one budget holds the arena (KV cache, workspace, resident
+/// units) and the staging slots the streamed units run from; `--device-memory`, when
+/// given, caps the arena inside it.
+fn plan_unified(
+    raw: &[u64],
+    tied: bool,
+    input: &PlanInput,
+    (kv, fixed): (u64, u64),
+    (reads, scratch): (u64, u64),
+    prefetch_want: usize,
+    all_resident: u64,
+) -> Result<Split, PlanError> {
+    let h = &input.host;
+    let host_fixed = h.overhead + reads + scratch;
+    let dev = input.device_budget;
+    let host_room = h.budget.map(|b| b.checked_sub(host_fixed));
+    let fits = |need: u64| {
+        dev.is_none_or(|d| need <= d) && host_room.is_none_or(|r| r.is_some_and(|r| need <= r))
+    };
+    if fits(all_resident) {
+        return Ok(Split {
+            resident: vec![true; raw.len()],
+            slots: 0,
+            slot_bytes: 0,
+            staging: None,
+            device_budget: dev.unwrap_or(all_resident),
+        });
+    }
+    // Staging slots from prefetch + 1 down to two (one computing, one loading). Units are
+    // staged ahead in bytes, not in units: first try depths whose slots hold the reads in
+    // flight (small units need more of them ahead), then shallower ones.
+    let deepest = prefetch_want + 1;
+    let want = |s: u64| (1 + reads.div_ceil(s.max(1)) as usize).clamp(STREAM_SLOTS_MIN, deepest);
+    let room = |s: u64, n: usize| -> Option<u64> {
+        let by_dev = match dev {
+            Some(d) => Some(d.checked_sub(fixed)?),
+            None => None,
+        };
+        let by_host = match host_room {
+            Some(r) => Some(r?.checked_sub(fixed + n as u64 * s)?),
+            None => None,
+        };
+        match (by_dev, by_host) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (Some(a), None) => Some(a),
+            (None, Some(b)) => Some(b),
+            (None, None) => Some(u64::MAX),
+        }
+    };
+    let deep: Vec<usize> = (STREAM_SLOTS_MIN..=deepest).rev().collect();
+    let c = choose_residency(raw, tied, &deep, |sz, n| {
+        if n >= want(sz) {
+            room(sz, n)
+        } else {
+            None
+        }
+    })
+    .or_else(|| choose_residency(raw, tied, &deep, room));
+    match c {
+        Some(c) => {
+            let arena = fixed
+                + (0..raw.len())
+                    .filter(|&u| c.resident[u])
+                    .map(|u| raw[u])
+                    .sum::<u64>();
+            Ok(Split {
+                resident: c.resident,
+                slots: 0,
+                slot_bytes: 0,
+                staging: Some(c.slots),
+                device_budget: dev.unwrap_or(arena),
+            })
+        }
+        None => {
+            // The least that runs: for some slot size, units larger than it resident (in
+            // the arena, within --device-memory) and two staging slots of it.
+            let least = oversized(raw)
+                .into_iter()
+                .filter(|&(big, _)| dev.is_none_or(|d| fixed + big <= d))
+                .map(|(big, s)| (fixed + big, STREAM_SLOTS_MIN as u64 * s))
+                .min_by_key(|&(arena, staged)| arena + staged);
+            match (least, h.budget) {
+                (Some((arena, staged)), Some(_)) => Err(PlanError::Host(HostBudgetError::new(
+                    h,
+                    [reads, scratch, arena, staged, 0],
+                ))),
+                _ => Err(least_budget_error(raw, dev.unwrap_or(0), kv, fixed - kv, 0)),
+            }
+        }
+    }
 }

@@ -40,6 +40,7 @@ fn input(budget: Option<u64>, host_cache: u64) -> PlanInput {
         },
         prefetch: None,
         backend_reserved: 0,
+        host: Default::default(),
     }
 }
 
@@ -96,7 +97,11 @@ fn too_small_a_budget_says_the_least_that_runs() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let s = store(tmp.path(), false);
     let m = s.manifest();
-    let e = plan(m, &input(Some(4096), 0)).expect_err("4 KiB cannot run a model");
+    let PlanError::Device(e) =
+        plan(m, &input(Some(4096), 0)).expect_err("4 KiB cannot run a model")
+    else {
+        panic!("a device budget error");
+    };
     assert_eq!(e.budget, 4096);
     assert_eq!(e.slots, STREAM_SLOTS_MIN);
     assert_eq!(
@@ -124,7 +129,9 @@ fn a_streamed_tied_embedding_loads_twice_and_the_host_cache_takes_streamed_units
     let s = store(tmp.path(), true);
     let m = s.manifest();
     assert!(m.arch.tied_embeddings);
-    let need = plan(m, &input(Some(4096), 0)).expect_err("too small").need;
+    let need = plan(m, &input(Some(4096), 0))
+        .expect_err("too small")
+        .need();
     let p = plan(m, &input(Some(need), 0)).expect("plan");
     // At the least budget the embedding, the largest unit, sizes the slots and streams.
     assert_ne!(p.placement(0), Placement::Resident);
@@ -139,4 +146,93 @@ fn a_streamed_tied_embedding_loads_twice_and_the_host_cache_takes_streamed_units
     assert!((0..m.units.len()).all(|u| p.placement(u) != Placement::Streamed));
     assert_eq!(p.disk_bytes_per_pass, 0);
     assert_eq!(p.host_cache_bytes_per_pass, p.upload_bytes_per_pass);
+}
+
+/// A unified backend (the CPU) under a host budget: overhead and reads first, then the
+/// arena and the staging slots the streamed units run from, every role within the budget.
+fn unified(budget: Option<u64>) -> PlanInput {
+    let mut i = input(None, 0);
+    i.host = HostInput {
+        budget,
+        overhead: 1 << 20,
+        unified: true,
+        ..HostInput::default()
+    };
+    i
+}
+
+#[test]
+fn a_host_budget_bounds_every_host_role_of_a_unified_backend() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let s = store(tmp.path(), false);
+    let m = s.manifest();
+    let free = plan(m, &unified(None)).expect("plan");
+    assert_eq!(free.layers_streamed(), 0);
+    assert_eq!(free.host.arena_bytes, free.device_bytes());
+    // Below the arena plus the overhead something must stream, whatever the reads take.
+    let full = free.host.arena_bytes + free.host.overhead_bytes;
+    let least = plan(m, &unified(Some(1 << 20)))
+        .expect_err("too small")
+        .need();
+    assert!(least < full, "the least plan ({least}) streams");
+    let mut streamed_before = 0;
+    for k in (0..=4u64).rev() {
+        let pct = k * 25;
+        let budget = least + (full - least) * k / 4;
+        let p = plan(m, &unified(Some(budget))).expect("a plan for this budget");
+        let h = &p.host;
+        assert!(
+            h.total_bytes <= budget,
+            "{pct}%: {} > {budget}",
+            h.total_bytes
+        );
+        assert_eq!(
+            h.total_bytes,
+            h.overhead_bytes
+                + h.read_bytes()
+                + h.scratch_bytes
+                + h.arena_bytes
+                + h.staging_slots as u64 * h.staging_slot_bytes,
+            "{pct}%: the total is the sum of the roles"
+        );
+        assert_eq!(h.arena_bytes, p.device_bytes(), "{pct}%");
+        // Streamed units run from staging: no device slots, no host cache.
+        assert_eq!((p.stream_slots, p.host_cache_bytes), (0, 0));
+        assert!(p.layers_streamed() > 0, "{pct}%: something must stream");
+        assert!(h.staging_slots >= STREAM_SLOTS_MIN, "{pct}%");
+        assert_eq!(p.prefetch, h.staging_slots - 1);
+        assert!(p.disk_bytes_per_pass >= streamed_before, "{pct}%");
+        streamed_before = p.disk_bytes_per_pass;
+    }
+}
+
+#[test]
+fn too_small_a_host_budget_names_every_role_and_the_least_that_runs() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let s = store(tmp.path(), false);
+    let m = s.manifest();
+    let PlanError::Host(e) = plan(m, &unified(Some(2 << 20))).expect_err("2 MiB is too small")
+    else {
+        panic!("a host budget error");
+    };
+    assert_eq!(e.budget, 2 << 20);
+    assert!(e.unified);
+    let msg = e.to_string();
+    for part in [
+        "process overhead",
+        "read buffers",
+        "device arena",
+        "staging slots",
+        "raise --host-memory",
+    ] {
+        assert!(msg.contains(part), "{part}: {msg}");
+    }
+    let p = plan(m, &unified(Some(e.need))).expect("the budget the error names runs");
+    assert!(p.host.total_bytes <= e.need);
+    assert!(plan(m, &unified(Some(e.need / 2))).is_err());
+    // --device-memory caps the arena inside the host budget.
+    let mut capped = unified(Some(u64::MAX / 4));
+    capped.device_budget = Some(p.device_bytes());
+    let c = plan(m, &capped).expect("plan");
+    assert!(c.device_bytes() <= p.device_bytes() && c.layers_streamed() > 0);
 }

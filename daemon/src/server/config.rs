@@ -20,6 +20,9 @@ pub struct ServeConfig {
     pub device_memory: Option<ByteSize>,
     /// Host memory for decompressed streamed layers.
     pub host_cache: ByteSize,
+    /// Memory the whole daemon may use on the host, e.g. "16GiB" (on the CPU backend the
+    /// arena too); unset: 80% of MemAvailable or of the memory cgroup's room.
+    pub host_memory: Option<ByteSize>,
     /// Sequences per pass (KV-cache slots).
     pub max_batch: usize,
     /// Positions per sequence (prompt + generated).
@@ -50,6 +53,7 @@ impl Default for ServeConfig {
             unix: None,
             device_memory: None,
             host_cache: ByteSize(0),
+            host_memory: None,
             max_batch: 8,
             max_context: 4096,
             batch_tokens: 512,

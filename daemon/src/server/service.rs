@@ -259,6 +259,10 @@ impl Inference for Service {
             limiting_stage: st.limiting_stage.clone(),
             passes: s.passes,
             bytes_streamed_total: s.bytes_streamed_total,
+            host_bytes_budget: p.host.budget.unwrap_or(0),
+            host_bytes_planned: p.host.total_bytes,
+            host_bytes_peak: crate::hostmem::peak_rss_bytes().unwrap_or(0),
+            host_bytes_peak_source: "VmHWM".into(),
         }))
     }
 }

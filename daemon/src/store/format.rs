@@ -176,6 +176,16 @@ impl Manifest {
         self.units.iter().map(|u| u.stored_len).sum()
     }
 
+    /// Stored bytes of the largest frame.
+    pub fn frame_stored_len_max(&self) -> u64 {
+        self.units
+            .iter()
+            .flat_map(|u| &u.frames)
+            .map(|f| f.stored_len())
+            .max()
+            .unwrap_or(0)
+    }
+
     pub fn frame_raw_len_max(&self) -> u32 {
         self.units
             .iter()

@@ -9,6 +9,22 @@ use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
+/// Reads a whole file, then drops its pages from the page cache: a file read once (the
+/// manifest, with the tokenizer and chat template inside) stays charged to the memory
+/// cgroup of whoever read it otherwise, outside the plan.
+fn read_uncached(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    use std::os::fd::AsRawFd;
+    let mut f = File::open(path)?;
+    let mut out = Vec::with_capacity(f.metadata().map_or(0, |m| m.len() as usize));
+    f.read_to_end(&mut out)?;
+    // SAFETY: advice on a descriptor we own; it changes no memory.
+    unsafe {
+        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+    Ok(out)
+}
+
 pub struct Store {
     dir: PathBuf,
     manifest: Manifest,
@@ -21,7 +37,7 @@ impl Store {
     /// is an error here, before any read.
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
         let manifest_path = dir.join(MANIFEST_FILE);
-        let bytes = std::fs::read(&manifest_path).map_err(|e| {
+        let bytes = read_uncached(&manifest_path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound && !dir.is_dir() {
                 StoreError::io("open store directory", dir, e)
             } else {

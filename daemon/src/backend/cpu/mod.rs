@@ -20,33 +20,55 @@ use std::sync::{Arc, Mutex};
 /// Weight rows per sgemm tile.
 const TILE_ROWS: usize = 32;
 
-/// A device allocation of the CPU backend.
+/// A device allocation of the CPU backend: an arena buffer it owns, or (for a streamed
+/// unit) a view of the I/O engine's staging slot that holds it.
 pub struct CpuMem {
-    buf: AlignedBuf,
+    ptr: *mut u8,
     len: usize,
-    budget: Arc<MemBudget>,
+    /// The buffer and the budget it was reserved from; None for a borrowed view.
+    owned: Option<(AlignedBuf, Arc<MemBudget>)>,
 }
+
+// SAFETY: an owned CpuMem is an AlignedBuf (Send); a borrowed one points at a staging slot
+// the pipeline keeps alive and unchanged while it is used (`borrow_host`'s contract).
+unsafe impl Send for CpuMem {}
 
 impl Drop for CpuMem {
     fn drop(&mut self) {
-        self.budget.release(self.buf.len() as u64);
+        if let Some((buf, budget)) = &self.owned {
+            budget.release(buf.len() as u64);
+        }
     }
 }
 
 impl CpuMem {
     pub fn bytes(&self) -> &[u8] {
-        &self.buf.as_slice()[..self.len]
+        // SAFETY: ptr..ptr+len is the owned buffer's start or the borrowed slot's bytes.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+
+    fn bytes_mut(&mut self) -> &mut [u8] {
+        assert!(
+            self.owned.is_some(),
+            "a borrowed staging slot is never written"
+        );
+        // SAFETY: an owned buffer of at least len bytes, exclusively borrowed.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
     }
 
     pub fn f32s(&self) -> &[f32] {
         // SAFETY: the buffer is 4096-aligned, every bit pattern is a valid f32, and the
         // length is rounded down to whole elements.
-        unsafe { std::slice::from_raw_parts(self.buf.as_ptr() as *const f32, self.len / 4) }
+        unsafe { std::slice::from_raw_parts(self.ptr as *const f32, self.len / 4) }
     }
 
     pub fn f32s_mut(&mut self) -> &mut [f32] {
+        assert!(
+            self.owned.is_some(),
+            "a borrowed staging slot is never written"
+        );
         // SAFETY: as above, with exclusive access through &mut self.
-        unsafe { std::slice::from_raw_parts_mut(self.buf.as_ptr() as *mut f32, self.len / 4) }
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut f32, self.len / 4) }
     }
 }
 
@@ -58,6 +80,9 @@ pub struct CpuBackend {
     scratch: Mutex<Scratch>,
     /// Ops handed to the pool from outside it (each one job in rayon's injector queue).
     submissions: AtomicU64,
+    /// Streamed units run from their staging slots (false: copied into arena slots, as a
+    /// discrete GPU must, so the CPU tests cover that path too).
+    unified: bool,
 }
 
 #[derive(Default)]
@@ -109,6 +134,17 @@ impl CpuBackend {
             threads,
             scratch: Mutex::new(Scratch::default()),
             submissions: AtomicU64::new(0),
+            unified: true,
+        })
+    }
+
+    /// A backend that acts as a discrete device: streamed units are copied into arena
+    /// streaming slots (in parts, as they decode) and a host cache is possible, exactly as
+    /// on a GPU. Tests of that path run on it; `sluiced` uses `new`.
+    pub fn new_discrete(budget_bytes: u64, threads: usize) -> Result<CpuBackend, BackendError> {
+        Ok(CpuBackend {
+            unified: false,
+            ..CpuBackend::new(budget_bytes, threads)?
         })
     }
 
@@ -248,9 +284,9 @@ impl Backend for CpuBackend {
         self.budget.reserve(rounded as u64, what)?;
         match AlignedBuf::new(rounded) {
             Some(buf) => Ok(CpuMem {
-                buf,
+                ptr: buf.as_ptr(),
                 len: bytes,
-                budget: self.budget.clone(),
+                owned: Some((buf, self.budget.clone())),
             }),
             None => {
                 self.budget.release(rounded as u64);
@@ -272,8 +308,27 @@ impl Backend for CpuBackend {
 
     fn upload_part(&self, dst: &mut CpuMem, offset: usize, src: &[u8]) -> Result<(), BackendError> {
         check_upload(dst.len, offset, src.len())?;
-        dst.buf.as_mut_slice()[offset..offset + src.len()].copy_from_slice(src);
+        dst.bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
         Ok(())
+    }
+
+    fn unified(&self) -> bool {
+        self.unified
+    }
+
+    unsafe fn borrow_host(&self, data: &[u8]) -> Option<CpuMem> {
+        if !self.unified {
+            return None;
+        }
+        Some(CpuMem {
+            ptr: data.as_ptr() as *mut u8,
+            len: data.len(),
+            owned: None,
+        })
+    }
+
+    fn host_bytes_mut<'m>(&self, mem: &'m mut CpuMem) -> Option<&'m mut [u8]> {
+        Some(mem.bytes_mut())
     }
 
     fn download_f32(&self, src: &CpuMem, offset: usize, out: &mut [f32]) {

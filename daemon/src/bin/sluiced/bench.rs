@@ -18,6 +18,10 @@ pub struct BenchStreamArgs {
     pub device_memory: Option<u64>,
     #[arg(long, value_parser = parse_size, default_value = "0")]
     pub host_cache: u64,
+    /// Host memory the streamed run may use in all (on the CPU backend the arena too);
+    /// without --device-memory it alone decides what streams.
+    #[arg(long, value_parser = parse_size)]
+    pub host_memory: Option<u64>,
     #[arg(long)]
     pub prefetch: Option<usize>,
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
@@ -44,6 +48,7 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
         weights_budget,
         device_memory,
         host_cache,
+        host_memory,
         prefetch,
         batch,
         steps,
@@ -58,9 +63,10 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
     if batch.is_empty() {
         anyhow::bail!("--batch is empty");
     }
-    let budget = match device_memory {
-        Some(b) => b,
-        None => {
+    let budget = match (device_memory, host_memory) {
+        (Some(b), _) => Some(b),
+        (None, Some(_)) => None,
+        (None, None) => {
             let pct: f64 = weights_budget
                 .trim_end_matches('%')
                 .parse()
@@ -68,12 +74,15 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
                     format!("--weights-budget {weights_budget:?}: expected a percentage like 50%")
                 })?;
             let opts = bench_stream::model_options(&batch, prompt_tokens, steps);
-            bench_stream::budget_for_weights_share(&store, opts, prefetch, pct, &chosen)?
+            Some(bench_stream::budget_for_weights_share(
+                &store, opts, prefetch, pct, &chosen,
+            )?)
         }
     };
     let o = bench_stream::BenchStreamOptions {
         device_budget: budget,
         host_cache_budget: host_cache,
+        host: host_memory.map(|b| sluice::engine::host_input(Some(b), 0)),
         prefetch,
         threads,
         io: sluice::io::IoConfig::serving(),
@@ -87,6 +96,14 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
     } else {
         println!("model {} raw, device budget {} ({} units resident, {} streamed); per pass {} from disk, {} uploaded", fmt_bytes(r.model_raw_bytes), fmt_bytes(r.device_budget), r.layers_resident, r.layers_streamed, fmt_bytes(r.disk_bytes_per_pass), fmt_bytes(r.upload_bytes_per_pass));
         println!("backend {}", r.backend);
+        if let Some(h) = r.host_bytes_budget {
+            println!(
+                "host budget {}: planned {}, peak {} (VmHWM)",
+                fmt_bytes(h),
+                fmt_bytes(r.host_bytes_planned),
+                fmt_bytes(r.host_bytes_peak)
+            );
+        }
         println!("pass time: compute-only {:.2} ms, streaming-only {:.2} ms, streamed {:.2} ms -> streamed / max = {:.3}", r.compute_only_pass_s * 1e3, r.streaming_only_pass_s * 1e3, r.streamed_pass_s * 1e3, r.overlap_ratio);
         println!(
             "decode batch 1: {:.1} tokens/s all resident, {:.1} tokens/s streamed",

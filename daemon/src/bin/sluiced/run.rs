@@ -59,9 +59,15 @@ pub struct RunArgs {
     /// Default: enough for every layer resident.
     #[arg(long, value_parser = parse_size)]
     device_memory: Option<u64>,
-    /// Host memory for decompressed copies of streamed layers.
+    /// Host memory for decompressed copies of streamed layers (discrete GPUs).
     #[arg(long, value_parser = parse_size, default_value = "0")]
     host_cache: u64,
+    /// Memory the whole process may use on the host (e.g. 512MiB): read buffers, staging,
+    /// host cache, and on the CPU backend the arena (KV cache, workspace, resident layers);
+    /// what does not fit streams. Default: 80% of MemAvailable (or of the memory cgroup's
+    /// room when that is less).
+    #[arg(long, value_parser = parse_size)]
+    host_memory: Option<u64>,
     /// Layers requested ahead of the one computing.
     #[arg(long)]
     prefetch: Option<usize>,
@@ -98,6 +104,8 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         opts,
         prefetch: a.prefetch,
         backend_reserved: 0,
+        // Logits of one row and the generated text are the run's own allocations.
+        host: sluice::engine::host_input(a.host_memory, 4 * m.arch.vocab as u64),
     };
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
     let job = Generate {
@@ -230,6 +238,10 @@ fn run_generate<B: Backend>(
             "copy_gbps": if total.copy_device_s > 0.0 { total.bytes_uploaded as f64 / total.copy_device_s / 1e9 } else { 0.0 },
             "device_bytes_budget": b.budget().limit(),
             "device_bytes_peak": b.budget().peak(),
+            "host_bytes_budget": plan.host.budget,
+            "host_bytes_planned": plan.host.total_bytes,
+            "host_bytes_peak": sluice::hostmem::peak_rss_bytes(),
+            "host_bytes_peak_source": "VmHWM",
             "layers_resident": plan.layers_resident(),
             "layers_streamed": plan.layers_streamed(),
             "bytes_streamed": total.bytes_uploaded,
@@ -257,7 +269,7 @@ fn run_generate<B: Backend>(
             out.finish_reason,
         );
         eprintln!(
-            "passes: {}, {:.2} ms each; per pass {} read, {} uploaded; compute {:.3} s, upload {:.3} s, waiting for loads {:.3} s; device memory peak {} of {}",
+            "passes: {}, {:.2} ms each; per pass {} read, {} uploaded; compute {:.3} s, upload {:.3} s, waiting for loads {:.3} s; device memory peak {} of {}; host peak {} (VmHWM) of {} planned",
             total.passes,
             total.pass_time_s / passes * 1e3,
             fmt_bytes((total.bytes_read as f64 / passes) as u64),
@@ -266,7 +278,9 @@ fn run_generate<B: Backend>(
             total.upload_s,
             total.load_stall_s,
             fmt_bytes(b.budget().peak()),
-            fmt_bytes(b.budget().limit())
+            fmt_bytes(b.budget().limit()),
+            fmt_bytes(sluice::hostmem::peak_rss_bytes().unwrap_or(0)),
+            fmt_bytes(plan.host.total_bytes),
         );
     }
     Ok(())

@@ -39,6 +39,11 @@ pub struct ServeArgs {
     /// Host memory for decompressed copies of streamed layers (default 0).
     #[arg(long, value_parser = parse_byte_size)]
     pub host_cache: Option<ByteSize>,
+    /// Memory the whole daemon may use on the host (e.g. 16GiB): read buffers, staging,
+    /// host cache, and on the CPU backend the arena; what does not fit streams. Default:
+    /// 80% of MemAvailable (or of the memory cgroup's room when that is less).
+    #[arg(long, value_parser = parse_byte_size)]
+    pub host_memory: Option<ByteSize>,
     /// Sequences in one pass over the weights, i.e. KV-cache slots (default 8).
     #[arg(long)]
     pub max_batch: Option<usize>,
@@ -100,6 +105,9 @@ impl ServeArgs {
         }
         if self.device_memory.is_some() {
             c.device_memory = self.device_memory;
+        }
+        if self.host_memory.is_some() {
+            c.host_memory = self.host_memory;
         }
         if self.prefetch.is_some() {
             c.prefetch = self.prefetch;
@@ -165,6 +173,11 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         opts,
         prefetch: cfg.prefetch,
         backend_reserved: 0,
+        // Logits rows of a full batch are the scheduler's own allocation.
+        host: sluice::engine::host_input(
+            cfg.host_memory.map(|b| b.0),
+            4 * m.arch.vocab as u64 * cfg.max_batch as u64,
+        ),
     };
     let chosen = sluice::engine::choose_backend(cfg.backend, cfg.device)?;
     let start = StartScheduler {

@@ -1,0 +1,155 @@
+//! What the host has and what this process uses of it, from /proc and the memory cgroup:
+//! the default host budget, the overhead the plan starts from, and the measured peak.
+//! Also reads of small files that leave nothing in the page cache (a cgroup charges the
+//! page cache to whoever read it).
+
+use std::path::Path;
+
+/// A `Field:   123 kB` line of a /proc file, in bytes: None when unreadable.
+fn kib_field(file: &str, field: &str) -> Option<u64> {
+    let s = std::fs::read_to_string(file).ok()?;
+    let line = s.lines().find(|l| l.starts_with(field))?;
+    let kib: u64 = line[field.len()..]
+        .trim_start_matches(':')
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib * 1024)
+}
+
+/// One field of /proc/self/status in bytes (`VmRSS`, `VmHWM`).
+fn status_bytes(field: &str) -> Option<u64> {
+    kib_field("/proc/self/status", field)
+}
+
+/// The resident set now.
+pub fn rss_bytes() -> Option<u64> {
+    status_bytes("VmRSS")
+}
+
+/// The resident set's high-water mark (the kernel's own count of every page this process
+/// had at once: heap, stacks, buffers and the arena alike).
+pub fn peak_rss_bytes() -> Option<u64> {
+    status_bytes("VmHWM")
+}
+
+/// `MemAvailable` of /proc/meminfo.
+pub fn mem_available() -> Option<u64> {
+    kib_field("/proc/meminfo", "MemAvailable")
+}
+
+/// The memory limit of this process's cgroup and what the cgroup uses now (v2
+/// `memory.max`/`memory.current`, or v1 `memory.limit_in_bytes`/`memory.usage_in_bytes`);
+/// None when there is no limit or no memory controller.
+pub fn cgroup_limit() -> Option<(u64, u64)> {
+    let groups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    for line in groups.lines() {
+        let mut parts = line.splitn(3, ':');
+        let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
+        let path = path.trim_start_matches('/');
+        let (dir, limit_file, usage_file) = if controllers.split(',').any(|c| c == "memory") {
+            (
+                Path::new("/sys/fs/cgroup/memory").join(path),
+                "memory.limit_in_bytes",
+                "memory.usage_in_bytes",
+            )
+        } else if controllers.is_empty() {
+            (
+                Path::new("/sys/fs/cgroup").join(path),
+                "memory.max",
+                "memory.current",
+            )
+        } else {
+            continue;
+        };
+        let read = |f: &str| -> Option<u64> {
+            std::fs::read_to_string(dir.join(f))
+                .ok()?
+                .trim()
+                .parse()
+                .ok()
+        };
+        // "max" (v2) or a page-rounded i64::MAX (v1) do not parse or are absurd: no limit.
+        if let Some(limit) = read(limit_file).filter(|&l| l < 1 << 60) {
+            return Some((limit, read(usage_file).unwrap_or(0)));
+        }
+    }
+    None
+}
+
+/// Share of the available memory the default host budget takes: the rest stays for the
+/// page cache, other processes and what the kernel needs.
+pub const DEFAULT_SHARE_PCT: u64 = 80;
+
+/// The host budget when none is given, and the sentence that says where it came from:
+/// `DEFAULT_SHARE_PCT` % of MemAvailable, or of the cgroup's headroom when that is less.
+pub fn default_host_budget() -> (Option<u64>, String) {
+    let avail = mem_available();
+    let cg = cgroup_limit();
+    let own = rss_bytes().unwrap_or(0);
+    // The cgroup's headroom counts this process's own pages as free: they are part of what
+    // the budget covers.
+    let cg_room = cg.map(|(limit, used)| limit.saturating_sub(used.saturating_sub(own)));
+    let pct = |b: u64| b / 100 * DEFAULT_SHARE_PCT;
+    match (avail, cg_room) {
+        (Some(a), Some(c)) if c < a => (
+            Some(pct(c)),
+            format!(
+                "host budget {} = {DEFAULT_SHARE_PCT}% of the memory cgroup's room ({} of its {} limit); --host-memory sets it",
+                crate::util::fmt_bytes(pct(c)),
+                crate::util::fmt_bytes(c),
+                crate::util::fmt_bytes(cg.map_or(0, |x| x.0)),
+            ),
+        ),
+        (Some(a), _) => (
+            Some(pct(a)),
+            format!(
+                "host budget {} = {DEFAULT_SHARE_PCT}% of MemAvailable ({}); --host-memory sets it",
+                crate::util::fmt_bytes(pct(a)),
+                crate::util::fmt_bytes(a)
+            ),
+        ),
+        (None, Some(c)) => (
+            Some(pct(c)),
+            format!(
+                "host budget {} = {DEFAULT_SHARE_PCT}% of the memory cgroup's room ({}); --host-memory sets it",
+                crate::util::fmt_bytes(pct(c)),
+                crate::util::fmt_bytes(c)
+            ),
+        ),
+        (None, None) => (
+            None,
+            "no host budget: /proc/meminfo is unreadable and there is no memory cgroup; --host-memory sets one".into(),
+        ),
+    }
+}
+
+/// Bytes the plan adds to the resident set measured at start for what it does not
+/// allocate itself: thread stacks as they are touched, the allocator's per-thread arenas,
+/// logits rows and request bookkeeping.
+pub const OVERHEAD_MARGIN: u64 = 8 << 20;
+
+/// The overhead a plan starts from: the resident set now plus `OVERHEAD_MARGIN` and
+/// `extra` (bytes the caller knows it will allocate, such as logits rows).
+pub fn overhead_now(extra: u64) -> u64 {
+    // Start-up (manifest decode, tokenizer build) frees more than it keeps: hand the freed
+    // heap back to the kernel first, so the resident set is what stays.
+    // SAFETY: malloc_trim only returns free heap pages; it has no other effect.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+    rss_bytes().unwrap_or(0) + OVERHEAD_MARGIN + extra
+}
+
+/// Tells the kernel the cached pages of `file` are not needed again, so that a file read
+/// once (a resident unit read without O_DIRECT) does not stay charged
+/// to this process's memory cgroup.
+pub fn drop_cached(file: &std::fs::File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: advice on a file descriptor this function borrows; it changes no memory.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+}
