@@ -14,6 +14,19 @@ __device__ __forceinline__ float f16_to_f32(u16 h) {
     return f;
 }
 
+// f32 -> f16, round to nearest even (cvt.rn saturates to infinity beyond 65504).
+__device__ __forceinline__ u16 f32_to_f16_bits(float f) {
+    u16 h;
+    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
+    return h;
+}
+
+// A KV cache element as f32 and back: the cache is f32 or f16 (u16 bits).
+__device__ __forceinline__ float kv_load(const float* p, size_t i) { return p[i]; }
+__device__ __forceinline__ float kv_load(const u16* p, size_t i) { return f16_to_f32(p[i]); }
+__device__ __forceinline__ void kv_put(float* p, size_t i, float v) { p[i] = v; }
+__device__ __forceinline__ void kv_put(u16* p, size_t i, float v) { p[i] = f32_to_f16_bits(v); }
+
 __device__ __forceinline__ float bf16_to_f32(u16 h) {
     return __int_as_float(((u32)h) << 16);
 }

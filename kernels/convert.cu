@@ -3,12 +3,6 @@
 // saturates to infinity beyond 65504 as cvt.rn does. Grid: ceil(n / 256); block: 256.
 #include "common.cuh"
 
-__device__ __forceinline__ u16 f32_to_f16_bits(float f) {
-    u16 h;
-    asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
-    return h;
-}
-
 __device__ __forceinline__ u16 f32_to_bf16_bits(float f) {
     u32 b = __float_as_uint(f);
     if ((b & 0x7fffffffu) > 0x7f800000u) return (u16)((b >> 16) | 0x40);

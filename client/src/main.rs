@@ -353,11 +353,15 @@ async fn cmd_status(addr: &str, json: bool) -> Result<()> {
                 "passes": st.passes, "bytes_streamed_total": st.bytes_streamed_total,
                 "host_bytes_budget": st.host_bytes_budget, "host_bytes_planned": st.host_bytes_planned,
                 "host_bytes_peak": st.host_bytes_peak, "host_bytes_peak_source": st.host_bytes_peak_source,
+                "numerics": st.numerics, "kv_dtype": st.kv_dtype,
             })
         );
     } else {
         let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1048576.0);
-        println!("model            {} ({} backend)", st.model, st.backend);
+        println!(
+            "model            {} ({} backend, {} numerics, {} KV cache)",
+            st.model, st.backend, st.numerics, st.kv_dtype
+        );
         println!(
             "device memory    {} peak of {} budget; KV cache {}; host cache {}",
             mib(st.device_bytes_peak),

@@ -80,6 +80,8 @@ const OPTS: ModelOptions = ModelOptions {
     max_context: 64,
     kv_slots: 2,
     max_batch_tokens: 32,
+    kv_dtype: sluice::backend::KvDtype::F32,
+    exact: true,
 };
 
 fn pipeline(

@@ -156,6 +156,8 @@ const OPS_OPTS: ModelOptions = ModelOptions {
     max_context: 64,
     kv_slots: 4,
     max_batch_tokens: 64,
+    kv_dtype: sluice::backend::KvDtype::F32,
+    exact: true,
 };
 
 struct Rng(u64);
@@ -445,10 +447,18 @@ fn ops_match_the_cpu_backend() {
 #[test]
 #[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
 fn rope_kv_cache_and_attention_match_the_cpu_backend() {
+    for kv in [sluice::backend::KvDtype::F32, sluice::backend::KvDtype::F16] {
+        rope_kv_cache_and_attention(kv);
+    }
+}
+
+/// Both backends round K and V to f16 the same way (nearest even) in an f16 cache.
+fn rope_kv_cache_and_attention(kv: sluice::backend::KvDtype) {
     let p = Pair::new();
     let cfg = test_cfg();
     let mut rng = Rng(11);
     let shape = AttnShape {
+        kv,
         heads: cfg.n_heads as usize,
         kv_heads: cfg.n_kv_heads as usize,
         head_dim: cfg.head_dim as usize,
@@ -459,6 +469,8 @@ fn rope_kv_cache_and_attention_match_the_cpu_backend() {
     // Steps of at most 16 tokens: layer 1's ring holds 5 + 15 positions of the 64.
     let ring_opts = ModelOptions {
         max_batch_tokens: 16,
+        kv_dtype: kv,
+        exact: true,
         ..OPS_OPTS
     };
     let (layout, cache_elems) = sluice::model::decoder::kv_layout(&cfg, &ring_opts);
@@ -469,7 +481,7 @@ fn rope_kv_cache_and_attention_match_the_cpu_backend() {
     );
     let table = sluice::model::rope_table(&cfg, OPS_OPTS.max_context);
     let tm = p.put(&f32_bytes(&table));
-    let cache_bytes = cache_elems * 4;
+    let cache_bytes = cache_elems * kv.bytes();
     let (mut ckc, mut ckg) = p.put(&vec![0u8; cache_bytes]);
     let (mut cvc, mut cvg) = p.put(&vec![0u8; cache_bytes]);
     // Step 1: two prefill spans (slots 2 and 0); step 2: two decode rows and a prefill
@@ -699,6 +711,8 @@ fn compare_model(src: &Path, tol: f64, decode: usize) {
         max_context: 128,
         kv_slots: 2,
         max_batch_tokens: 64,
+        kv_dtype: sluice::backend::KvDtype::F32,
+        exact: true,
     };
     let mut cpu = cpu_runner(store.clone(), &input(None, opts), 2, io()).unwrap();
     let (lc, tc) = run(&mut cpu, vocab, 24, decode, None);

@@ -18,6 +18,8 @@ const OPTS: ModelOptions = ModelOptions {
     max_context: 96,
     kv_slots: 2,
     max_batch_tokens: 64,
+    kv_dtype: sluice::backend::KvDtype::F32,
+    exact: true,
 };
 
 fn store(src: &Path, dir: &Path) -> Arc<Store> {

@@ -37,6 +37,45 @@ impl Executor {
     }
 }
 
+/// Element type of the KV cache: f16 (half the memory and the traffic per decode token;
+/// the default) or f32 (the reference path, `--exact`). K and V rows are rounded to f16
+/// (nearest even) when stored; scores and sums stay f32.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum KvDtype {
+    F16,
+    F32,
+}
+
+impl KvDtype {
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F16 => 2,
+            KvDtype::F32 => 4,
+        }
+    }
+}
+
+impl std::fmt::Display for KvDtype {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            KvDtype::F16 => "f16",
+            KvDtype::F32 => "f32",
+        })
+    }
+}
+
+impl std::str::FromStr for KvDtype {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "f16" => Ok(KvDtype::F16),
+            "f32" => Ok(KvDtype::F32),
+            _ => Err(format!("KV cache type {s:?}: expected f16 or f32")),
+        }
+    }
+}
+
 /// What the copy engine did for the asynchronous uploads so far (device-timed).
 #[derive(Clone, Copy, Debug, Default, Serialize)]
 pub struct CopyStats {
@@ -177,6 +216,8 @@ pub struct SeqSpan {
 /// Shapes of the attention step.
 #[derive(Clone, Copy, Debug)]
 pub struct AttnShape {
+    /// Element type of the KV cache.
+    pub kv: KvDtype,
     pub heads: usize,
     pub kv_heads: usize,
     pub head_dim: usize,

@@ -146,6 +146,8 @@ pub fn model_options(batches: &[usize], prompt_tokens: usize, steps: usize) -> M
         max_context: prompt_tokens + steps + 2,
         kv_slots: max_batch,
         max_batch_tokens: (max_batch * prompt_tokens).max(max_batch),
+        kv_dtype: crate::backend::KvDtype::F32,
+        exact: true,
     }
 }
 

@@ -127,6 +127,15 @@ pub fn host_input(budget: Option<u64>, extra: u64) -> HostInput {
     }
 }
 
+/// The KV cache type of `--kv-dtype`, else f32 under `--exact` and f16 otherwise.
+pub fn kv_dtype_for(exact: bool, kv: Option<crate::backend::KvDtype>) -> crate::backend::KvDtype {
+    kv.unwrap_or(if exact {
+        crate::backend::KvDtype::F32
+    } else {
+        crate::backend::KvDtype::F16
+    })
+}
+
 /// `--backend`: where the layers run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

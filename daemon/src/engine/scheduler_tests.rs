@@ -30,6 +30,8 @@ fn pipeline(
             max_context: 64,
             kv_slots: batch,
             max_batch_tokens: 16,
+            kv_dtype: crate::backend::KvDtype::F32,
+            exact: true,
         },
         prefetch: None,
         backend_reserved: 0,

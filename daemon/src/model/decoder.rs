@@ -13,7 +13,8 @@
 use super::rope::rope_table;
 use super::{Activation, ArchConfig, RopeScaling};
 use crate::backend::{
-    AttnShape, AttnStep, Backend, BackendError, LayerCache, ScratchShape, SeqSpan, WeightRef,
+    AttnShape, AttnStep, Backend, BackendError, KvDtype, LayerCache, ScratchShape, SeqSpan,
+    WeightRef,
 };
 use crate::dtype::DType;
 use crate::store::format::{LayerUnit, Manifest, UnitKind};
@@ -70,6 +71,12 @@ pub struct ModelOptions {
     pub kv_slots: usize,
     /// Tokens one step may carry over all sequences (prefill chunk size).
     pub max_batch_tokens: usize,
+    /// Element type of the KV cache.
+    pub kv_dtype: KvDtype,
+    /// The reference path (`--exact`): f32 activations into every matmul. Otherwise decode
+    /// rows of quantized weights are quantized to 8 bits per 32-element block and use
+    /// integer dot products where the backend has them.
+    pub exact: bool,
 }
 
 impl ModelOptions {
@@ -195,7 +202,7 @@ pub fn kv_layout(cfg: &ArchConfig, opts: &ModelOptions) -> (Vec<LayerCache>, usi
 
 /// Bytes of KV cache for these options (K and V, every layer, f32).
 pub fn kv_cache_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
-    2 * kv_layout(cfg, opts).1 as u64 * 4
+    2 * kv_layout(cfg, opts).1 as u64 * opts.kv_dtype.bytes() as u64
 }
 
 /// Bytes of activation workspace (and rotary tables) for these options.
@@ -315,6 +322,7 @@ impl<B: Backend> Decoder<B> {
             }
         }
         let shape = AttnShape {
+            kv: opts.kv_dtype,
             heads: c.n_heads as usize,
             kv_heads: c.n_kv_heads as usize,
             head_dim: c.head_dim as usize,
@@ -323,8 +331,9 @@ impl<B: Backend> Decoder<B> {
             scale: c.ext.attn_scale.unwrap_or(1.0 / (c.head_dim as f32).sqrt()),
         };
         // KV cache first, then workspace: the plan reserves them before any weights.
-        let cache_k = backend.alloc(cache_elems * 4, "KV cache (keys)")?;
-        let cache_v = backend.alloc(cache_elems * 4, "KV cache (values)")?;
+        let kvb = opts.kv_dtype.bytes();
+        let cache_k = backend.alloc(cache_elems * kvb, "KV cache (keys)")?;
+        let cache_v = backend.alloc(cache_elems * kvb, "KV cache (values)")?;
         let upload_table = |cfg: &ArchConfig| -> Result<B::Mem, ModelError> {
             let table = rope_table(cfg, opts.max_context);
             let mut mem = backend.alloc(table.len() * 4, "rotary table")?;

@@ -4,6 +4,7 @@
 pub mod decoder;
 pub mod rope;
 
+pub use crate::backend::KvDtype;
 pub use crate::store::arch::{Activation, Arch, ArchConfig, ArchExt, Recipe, RopeScaling};
 pub use decoder::{Decoder, ModelError, ModelOptions, SeqStep};
 pub use rope::{inv_freq, rope_table};

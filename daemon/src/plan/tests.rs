@@ -37,6 +37,8 @@ fn input(budget: Option<u64>, host_cache: u64) -> PlanInput {
             max_context: 64,
             kv_slots: 2,
             max_batch_tokens: 32,
+            kv_dtype: crate::model::KvDtype::F32,
+            exact: true,
         },
         prefetch: None,
         backend_reserved: 0,

@@ -23,6 +23,10 @@ pub struct ServeConfig {
     /// Memory the whole daemon may use on the host, e.g. "16GiB" (on the CPU backend the
     /// arena too); unset: 80% of MemAvailable or of the memory cgroup's room.
     pub host_memory: Option<ByteSize>,
+    /// The reference numerics (f32 activations, f32 KV cache).
+    pub exact: bool,
+    /// KV cache element type, "f16" or "f32" (unset: f16, f32 when exact).
+    pub kv_dtype: Option<crate::backend::KvDtype>,
     /// Sequences per pass (KV-cache slots).
     pub max_batch: usize,
     /// Positions per sequence (prompt + generated).
@@ -54,6 +58,8 @@ impl Default for ServeConfig {
             device_memory: None,
             host_cache: ByteSize(0),
             host_memory: None,
+            exact: false,
+            kv_dtype: None,
             max_batch: 8,
             max_context: 4096,
             batch_tokens: 512,

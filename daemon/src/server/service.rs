@@ -31,6 +31,9 @@ pub struct Service {
     pub backend: String,
     pub device_budget: u64,
     pub max_tokens_default: u32,
+    /// The numerics the pipeline runs: "exact" or "fast", and the KV cache type.
+    pub numerics: &'static str,
+    pub kv_dtype: crate::backend::KvDtype,
 }
 
 /// The one place engine errors become gRPC status codes.
@@ -263,6 +266,8 @@ impl Inference for Service {
             host_bytes_planned: p.host.total_bytes,
             host_bytes_peak: crate::hostmem::peak_rss_bytes().unwrap_or(0),
             host_bytes_peak_source: "VmHWM".into(),
+            numerics: self.numerics.into(),
+            kv_dtype: self.kv_dtype.to_string(),
         }))
     }
 }

@@ -8,7 +8,8 @@ pub mod kernels;
 mod kquant;
 
 use super::{
-    check_upload, AttnShape, AttnStep, Backend, BackendError, MemBudget, ScratchShape, WeightRef,
+    check_upload, AttnShape, AttnStep, Backend, BackendError, KvDtype, MemBudget, ScratchShape,
+    WeightRef,
 };
 use crate::dtype::DType;
 use crate::hostbuf::{AlignedBuf, IO_ALIGN};
@@ -16,6 +17,74 @@ use rayon::prelude::*;
 use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
+
+/// The largest head dimension attention takes (a row of an f16 cache is widened on the
+/// stack).
+const HEAD_DIM_MAX: usize = 512;
+
+/// u16 cache elements as f16 (same size and alignment, every bit pattern valid).
+fn bytemuck_f16(x: &mut [u16]) -> &mut [half::f16] {
+    // SAFETY: f16 is a transparent u16.
+    unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut half::f16, x.len()) }
+}
+
+/// The KV cache's rows as f32, whatever its element type.
+enum KvRows<'a> {
+    F32(&'a [f32], &'a [f32]),
+    F16(&'a [half::f16], &'a [half::f16]),
+}
+
+impl<'a> KvRows<'a> {
+    fn of(kv: KvDtype, k: &'a CpuMem, v: &'a CpuMem) -> KvRows<'a> {
+        let h = |m: &'a CpuMem| {
+            let u = m.u16s();
+            // SAFETY: f16 is a transparent u16.
+            unsafe { std::slice::from_raw_parts(u.as_ptr() as *const half::f16, u.len()) }
+        };
+        match kv {
+            KvDtype::F32 => KvRows::F32(k.f32s(), v.f32s()),
+            KvDtype::F16 => KvRows::F16(h(k), h(v)),
+        }
+    }
+
+    fn row<'b>(
+        rows: (&'a [f32], &'a [half::f16]),
+        at: usize,
+        n: usize,
+        buf: &'b mut [f32; HEAD_DIM_MAX],
+    ) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        use half::slice::HalfFloatSliceExt;
+        if rows.1.is_empty() {
+            &rows.0[at..at + n]
+        } else {
+            rows.1[at..at + n].convert_to_f32_slice(&mut buf[..n]);
+            &buf[..n]
+        }
+    }
+
+    fn k<'b>(&self, at: usize, n: usize, buf: &'b mut [f32; HEAD_DIM_MAX]) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        match self {
+            KvRows::F32(k, _) => Self::row((k, &[]), at, n, buf),
+            KvRows::F16(k, _) => Self::row((&[], k), at, n, buf),
+        }
+    }
+
+    fn v<'b>(&self, at: usize, n: usize, buf: &'b mut [f32; HEAD_DIM_MAX]) -> &'b [f32]
+    where
+        'a: 'b,
+    {
+        match self {
+            KvRows::F32(_, v) => Self::row((v, &[]), at, n, buf),
+            KvRows::F16(_, v) => Self::row((&[], v), at, n, buf),
+        }
+    }
+}
 
 /// Weight rows per sgemm tile.
 const TILE_ROWS: usize = 32;
@@ -60,6 +129,21 @@ impl CpuMem {
         // SAFETY: the buffer is 4096-aligned, every bit pattern is a valid f32, and the
         // length is rounded down to whole elements.
         unsafe { std::slice::from_raw_parts(self.ptr as *const f32, self.len / 4) }
+    }
+
+    /// The bytes as 16-bit elements (an f16 KV cache).
+    pub fn u16s(&self) -> &[u16] {
+        // SAFETY: 4096-aligned, every bit pattern is a valid u16, whole elements only.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u16, self.len / 2) }
+    }
+
+    pub fn u16s_mut(&mut self) -> &mut [u16] {
+        assert!(
+            self.owned.is_some(),
+            "a borrowed staging slot is never written"
+        );
+        // SAFETY: as above, with exclusive access through &mut self.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr as *mut u16, self.len / 2) }
     }
 
     pub fn f32s_mut(&mut self) -> &mut [f32] {
@@ -470,7 +554,6 @@ impl Backend for CpuBackend {
         let width = shape.kv_heads * shape.head_dim;
         for (src, dst) in [(k, cache_k), (v, cache_v)] {
             let s = src.f32s();
-            let d = dst.f32s_mut();
             for sp in spans {
                 assert!(
                     cache.fits(&shape, sp.pos, sp.n) && sp.slot < shape.slots,
@@ -479,8 +562,17 @@ impl Backend for CpuBackend {
                 );
                 for t in 0..sp.n {
                     let at = cache.at(&shape, sp.slot, sp.pos + t);
-                    let row = sp.row + t;
-                    d[at..at + width].copy_from_slice(&s[row * width..(row + 1) * width]);
+                    let row = &s[(sp.row + t) * width..(sp.row + t + 1) * width];
+                    match shape.kv {
+                        KvDtype::F32 => dst.f32s_mut()[at..at + width].copy_from_slice(row),
+                        KvDtype::F16 => {
+                            // Round to nearest even, as llama.cpp's f16 cache does.
+                            use half::slice::HalfFloatSliceExt;
+                            let d: &mut [half::f16] =
+                                bytemuck_f16(&mut dst.u16s_mut()[at..at + width]);
+                            d.convert_from_f32_slice(row);
+                        }
+                    }
                 }
             }
         }
@@ -505,7 +597,12 @@ impl Backend for CpuBackend {
         } = shape;
         let group = heads / kv_heads;
         let width_q = heads * head_dim;
-        let (qs, ks, vs) = (q.f32s(), cache_k.f32s(), cache_v.f32s());
+        let qs = q.f32s();
+        let kv = KvRows::of(shape.kv, cache_k, cache_v);
+        assert!(
+            head_dim <= HEAD_DIM_MAX,
+            "head dim {head_dim} above {HEAD_DIM_MAX}"
+        );
         let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
         let mut scratch = self.scratch();
         let tasks = &mut scratch.tasks;
@@ -529,8 +626,9 @@ impl Backend for CpuBackend {
                         let qrow = &qs[(sp.row + t) * width_q + h * head_dim..][..head_dim];
                         sc.resize(p + 1 - lo, 0.0);
                         let mut mx = f32::NEG_INFINITY;
+                        let mut buf = [0f32; HEAD_DIM_MAX];
                         for (j, s) in sc.iter_mut().enumerate() {
-                            let krow = &ks[kv_row(lo + j)..][..head_dim];
+                            let krow = kv.k(kv_row(lo + j), head_dim, &mut buf);
                             let mut acc = [0f32; 8];
                             for (qc, kc) in qrow.chunks_exact(8).zip(krow.chunks_exact(8)) {
                                 for l in 0..8 {
@@ -557,7 +655,7 @@ impl Backend for CpuBackend {
                         o.fill(0.0);
                         for (j, &s) in sc.iter().enumerate() {
                             let w = s * inv;
-                            let vrow = &vs[kv_row(lo + j)..][..head_dim];
+                            let vrow = kv.v(kv_row(lo + j), head_dim, &mut buf);
                             for (ov, &vv) in o.iter_mut().zip(vrow) {
                                 *ov += w * vv;
                             }

@@ -1,7 +1,7 @@
 //! Every CPU op against a naive f64 reference on seeded random inputs.
 
 use super::CpuBackend;
-use crate::backend::{AttnShape, AttnStep, Backend, LayerCache, SeqSpan, WeightRef};
+use crate::backend::{AttnShape, AttnStep, Backend, KvDtype, LayerCache, SeqSpan, WeightRef};
 use crate::dtype::{DType, ALL_DTYPES};
 use half::{bf16, f16};
 
@@ -248,9 +248,24 @@ fn embedding_rms_norm_silu_add_match_f64() {
 
 #[test]
 fn attention_is_causal_grouped_query_over_the_cache() {
+    for kv in [KvDtype::F32, KvDtype::F16] {
+        attention_over_the_cache(kv);
+    }
+}
+
+/// With an f16 cache the reference takes K and V rounded to f16 (nearest even): the only
+/// difference the cache type may make.
+fn attention_over_the_cache(kv: KvDtype) {
     let b = backend();
     let mut r = Rng(4);
+    let round = |x: &[f32]| -> Vec<f32> {
+        match kv {
+            KvDtype::F32 => x.to_vec(),
+            KvDtype::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+        }
+    };
     let shape = AttnShape {
+        kv,
         heads: 4,
         kv_heads: 2,
         head_dim: 16,
@@ -280,8 +295,8 @@ fn attention_is_causal_grouped_query_over_the_cache() {
     ];
     let rows = 6;
     let layer_elems = shape.slots * shape.max_context * wkv;
-    let mut ck = b.alloc(2 * layer_elems * 4, "k").unwrap();
-    let mut cv = b.alloc(2 * layer_elems * 4, "v").unwrap();
+    let mut ck = b.alloc(2 * layer_elems * kv.bytes(), "k").unwrap();
+    let mut cv = b.alloc(2 * layer_elems * kv.bytes(), "v").unwrap();
     let layer = 1;
     let cache = LayerCache {
         base: layer_elems,
@@ -292,10 +307,19 @@ fn attention_is_causal_grouped_query_over_the_cache() {
     let old_k = r.vec(6 * wkv);
     let old_v = r.vec(6 * wkv);
     let base = layer * layer_elems;
-    ck.f32s_mut()[base..base + 6 * wkv].copy_from_slice(&old_k);
-    cv.f32s_mut()[base..base + 6 * wkv].copy_from_slice(&old_v);
+    for (c, old) in [(&mut ck, &old_k), (&mut cv, &old_v)] {
+        match kv {
+            KvDtype::F32 => c.f32s_mut()[base..base + 6 * wkv].copy_from_slice(old),
+            KvDtype::F16 => {
+                for (d, &x) in c.u16s_mut()[base..base + 6 * wkv].iter_mut().zip(old) {
+                    *d = half::f16::from_f32(x).to_bits();
+                }
+            }
+        }
+    }
     let (q, k, v) = (r.vec(rows * wq), r.vec(rows * wkv), r.vec(rows * wkv));
     let (qm, km, vm) = (mem_f32(&b, &q), mem_f32(&b, &k), mem_f32(&b, &v));
+    let (old_k, old_v, k, v) = (round(&old_k), round(&old_v), round(&k), round(&v));
     let mut out = b.alloc(rows * wq * 4, "out").unwrap();
     let step = AttnStep {
         layer,
@@ -341,7 +365,7 @@ fn attention_is_causal_grouped_query_over_the_cache() {
                     let got = out.f32s()[(sp.row + t) * wq + h * 16 + d] as f64;
                     assert!(
                         (got - want).abs() <= 1e-5,
-                        "seq {si} t {t} head {h} dim {d}: {got} vs {want}"
+                        "{kv} seq {si} t {t} head {h} dim {d}: {got} vs {want}"
                     );
                 }
             }
@@ -357,6 +381,7 @@ fn a_sliding_window_ring_attends_to_its_window_only() {
     let b = backend();
     let mut r = Rng(5);
     let shape = AttnShape {
+        kv: KvDtype::F32,
         heads: 2,
         kv_heads: 1,
         head_dim: 8,

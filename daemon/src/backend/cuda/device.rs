@@ -17,6 +17,7 @@ use super::kernels::{Dims, Kernel, KernelTable};
 use super::meta::{Meta, MetaKind, SpanMeta};
 use super::probe::{driver_present, info_of};
 use super::DeviceInfo;
+use crate::backend::KvDtype;
 use crate::backend::{
     AttnStep, Backend, BackendError, CopyStats, MemBudget, ScratchShape, WeightRef,
 };
@@ -268,20 +269,28 @@ fn attention_smem(
 ) -> Result<usize, BackendError> {
     let dev = info.name.as_str();
     let attn_need = max_context * 4;
-    let attn = kernels.get(Kernel::AttentionF32);
-    let static_smem = attn.shared_size_bytes().unwrap_or(0).max(0) as usize;
-    let attn_smem = info.max_shared_per_block.saturating_sub(static_smem);
+    let mut attn_smem = usize::MAX;
+    // Both cache types' kernels may take the whole of it.
+    for k in [Kernel::AttentionF32, Kernel::AttentionF16] {
+        let attn = kernels.get(k);
+        let static_smem = attn.shared_size_bytes().unwrap_or(0).max(0) as usize;
+        attn_smem = attn_smem.min(info.max_shared_per_block.saturating_sub(static_smem));
+    }
     if attn_need > attn_smem {
         return Err(BackendError::Invalid(format!(
             "a context of {} positions needs {attn_need} bytes of shared memory per attention block for its scores; {} allows {attn_smem}: lower --max-context",
             max_context, info.name
         )));
     }
-    attn.set_attribute(
-        sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-        attn_smem as i32,
-    )
-    .map_err(dev_err(dev, "attention shared memory"))?;
+    for k in [Kernel::AttentionF32, Kernel::AttentionF16] {
+        kernels
+            .get(k)
+            .set_attribute(
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
+                attn_smem as i32,
+            )
+            .map_err(dev_err(dev, "attention shared memory"))?;
+    }
     Ok(attn_smem)
 }
 
@@ -582,7 +591,8 @@ impl Backend for CudaBackend {
     ) {
         let r = (|| -> Result<(), String> {
             let sh = step.shape;
-            let end = (step.cache.base + step.cache.elems(&sh)) as u64 * 4;
+            let kvb = sh.kv.bytes() as u64;
+            let end = (step.cache.base + step.cache.elems(&sh)) as u64 * kvb;
             if end > cache_k.len as u64 || cache_v.len != cache_k.len {
                 return Err(format!("layer {} outside the KV cache", step.layer));
             }
@@ -593,23 +603,37 @@ impl Backend for CudaBackend {
                 return Err("shapes".into());
             }
             let kv = self.spans_meta(step)?.kv_dst;
-            let off = step.cache.base as u64 * 4;
+            let off = step.cache.base as u64 * kvb;
             let dims = Dims {
                 grid: (rows as u32, 1, 1),
                 block: 256,
                 smem: 0,
             };
-            self.kernels.kv_store(
-                &self.compute,
-                Kernel::KvStoreF32,
-                dims,
-                k.ptr,
-                v.ptr,
-                cache_k.ptr + off,
-                cache_v.ptr + off,
-                kv,
-                width as i32,
-            )
+            let (ck, cv) = (cache_k.ptr + off, cache_v.ptr + off);
+            match sh.kv {
+                KvDtype::F32 => self.kernels.kv_store(
+                    &self.compute,
+                    Kernel::KvStoreF32,
+                    dims,
+                    k.ptr,
+                    v.ptr,
+                    ck,
+                    cv,
+                    kv,
+                    width as i32,
+                ),
+                KvDtype::F16 => self.kernels.kv_store_h(
+                    &self.compute,
+                    Kernel::KvStoreF16,
+                    dims,
+                    k.ptr,
+                    v.ptr,
+                    ck,
+                    cv,
+                    kv,
+                    width as i32,
+                ),
+            }
         })();
         self.record("kv_store", r);
     }
@@ -624,7 +648,8 @@ impl Backend for CudaBackend {
     ) {
         let r = (|| -> Result<(), String> {
             let sh = step.shape;
-            let end = (step.cache.base + step.cache.elems(&sh)) as u64 * 4;
+            let kvb = sh.kv.bytes() as u64;
+            let end = (step.cache.base + step.cache.elems(&sh)) as u64 * kvb;
             if end > cache_k.len as u64 || cache_v.len != cache_k.len {
                 return Err(format!("layer {} outside the KV cache", step.layer));
             }
@@ -649,29 +674,54 @@ impl Backend for CudaBackend {
                     self.info.name, self.attn_smem
                 ));
             }
-            let off = step.cache.base as u64 * 4;
+            let off = step.cache.base as u64 * kvb;
             let dims = Dims {
                 grid: (rows as u32, sh.heads as u32, 1),
                 block: 128,
                 smem: smem as u32,
             };
-            self.kernels.attention(
-                &self.compute,
-                Kernel::AttentionF32,
-                dims,
-                q.ptr,
-                cache_k.ptr + off,
-                cache_v.ptr + off,
-                out.ptr,
-                pos,
-                base,
-                sh.heads as i32,
-                sh.kv_heads as i32,
-                sh.head_dim as i32,
-                sh.scale,
+            let (ck, cv) = (cache_k.ptr + off, cache_v.ptr + off);
+            let (heads, kvh, hd) = (sh.heads as i32, sh.kv_heads as i32, sh.head_dim as i32);
+            let (cap, win) = (
                 step.cache.cap as i32,
                 step.cache.window.map_or(0, |w| w as i32),
-            )
+            );
+            match sh.kv {
+                KvDtype::F32 => self.kernels.attention(
+                    &self.compute,
+                    Kernel::AttentionF32,
+                    dims,
+                    q.ptr,
+                    ck,
+                    cv,
+                    out.ptr,
+                    pos,
+                    base,
+                    heads,
+                    kvh,
+                    hd,
+                    sh.scale,
+                    cap,
+                    win,
+                ),
+                KvDtype::F16 => self.kernels.attention_h(
+                    &self.compute,
+                    Kernel::AttentionF16,
+                    dims,
+                    q.ptr,
+                    ck,
+                    cv,
+                    out.ptr,
+                    pos,
+                    base,
+                    heads,
+                    kvh,
+                    hd,
+                    sh.scale,
+                    cap,
+                    win,
+                ),
+            }
         })();
         self.record("attention", r);
     }

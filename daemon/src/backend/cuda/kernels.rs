@@ -132,6 +132,23 @@ kernels! {
     ) {
         AttentionF32 = "attention_f32",
     }
+    /// `attention` over an f16 cache.
+    attention_h(
+        q: u64 = "const float*",
+        cache_k: u64 = "const u16*",
+        cache_v: u64 = "const u16*",
+        out: u64 = "float*",
+        pos: u64 = "const u32*",
+        base: u64 = "const unsigned long long*",
+        heads: i32 = "int",
+        kv_heads: i32 = "int",
+        head_dim: i32 = "int",
+        scale: f32 = "float",
+        cap: i32 = "int",
+        window: i32 = "int",
+    ) {
+        AttentionF16 = "attention_f16",
+    }
     /// f32 activations to 16-bit floats for cuBLAS GemmEx.
     convert(x: u64 = "const float*", out: u64 = "u16*", n: u64 = "unsigned long long") {
         F32ToF16 = "f32_to_f16",
@@ -166,6 +183,17 @@ kernels! {
         width: i32 = "int",
     ) {
         KvStoreF32 = "kv_store_f32",
+    }
+    /// `kv_store` into an f16 cache (rounded to nearest even).
+    kv_store_h(
+        k: u64 = "const float*",
+        v: u64 = "const float*",
+        cache_k: u64 = "u16*",
+        cache_v: u64 = "u16*",
+        dst: u64 = "const unsigned long long*",
+        width: i32 = "int",
+    ) {
+        KvStoreF16 = "kv_store_f16",
     }
     /// Decode rows: one warp per weight row, dequantized in registers.
     gemv(w: u64 = "const u8*", x: u64 = "const float*", out: u64 = "float*", m: i32 = "int", k: i32 = "int") {

@@ -80,6 +80,14 @@ pub struct RunArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     device: usize,
+    /// The reference numerics: f32 activations into every matmul and an f32 KV cache
+    /// (outputs match transformers as closely as sluice can). Default: 8-bit activations
+    /// for decode rows and an f16 KV cache.
+    #[arg(long)]
+    exact: bool,
+    /// KV cache element type (default f16; f32 under --exact).
+    #[arg(long)]
+    kv_dtype: Option<sluice::backend::KvDtype>,
     /// Print one JSON object instead of the text.
     #[arg(long)]
     json: bool,
@@ -97,6 +105,8 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         max_context,
         kv_slots: 1,
         max_batch_tokens: a.batch_tokens.max(1),
+        kv_dtype: sluice::engine::kv_dtype_for(a.exact, a.kv_dtype),
+        exact: a.exact,
     };
     let input = sluice::plan::PlanInput {
         device_budget: a.device_memory,
@@ -233,6 +243,8 @@ fn run_generate<B: Backend>(
             "prefill_tokens_per_s": out.prefill_tokens_per_s(),
             "decode_tokens_per_s": out.decode_tokens_per_s(),
             "backend": b.name(),
+            "numerics": if runner.options().exact { "exact" } else { "fast" },
+            "kv_dtype": runner.options().kv_dtype,
             "threads": b.host_threads(),
             "copy_device_s": total.copy_device_s,
             "copy_gbps": if total.copy_device_s > 0.0 { total.bytes_uploaded as f64 / total.copy_device_s / 1e9 } else { 0.0 },

@@ -72,6 +72,13 @@ pub struct ServeArgs {
     /// (default 30).
     #[arg(long)]
     pub shutdown_grace_s: Option<u64>,
+    /// The reference numerics: f32 activations and an f32 KV cache (default: 8-bit
+    /// activations for decode rows, f16 KV cache).
+    #[arg(long)]
+    pub exact: bool,
+    /// KV cache element type (default f16; f32 under --exact).
+    #[arg(long)]
+    pub kv_dtype: Option<sluice::backend::KvDtype>,
 }
 
 fn parse_byte_size(s: &str) -> Result<ByteSize, String> {
@@ -111,6 +118,12 @@ impl ServeArgs {
         }
         if self.prefetch.is_some() {
             c.prefetch = self.prefetch;
+        }
+        if self.exact {
+            c.exact = true;
+        }
+        if self.kv_dtype.is_some() {
+            c.kv_dtype = self.kv_dtype;
         }
         Ok(c)
     }
@@ -164,6 +177,8 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         max_context: cfg.max_context,
         kv_slots: cfg.max_batch,
         max_batch_tokens: cfg.batch_tokens,
+        kv_dtype: sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype),
+        exact: cfg.exact,
     };
     let device_budget = cfg.device_memory.map(|b| b.0);
     let host_cache = cfg.host_cache.0;
@@ -214,6 +229,8 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         backend: backend_name.into(),
         device_budget: budget,
         max_tokens_default: cfg.max_tokens_default,
+        numerics: if cfg.exact { "exact" } else { "fast" },
+        kv_dtype: sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype),
     };
 
     listen_until_stopped(&cfg, service, sched, engine, &name, budget)
