@@ -6,6 +6,8 @@ tokens/s of each and the ratios.
     pip install llama-cpp-python
     cargo build --release
     python3 scripts/bench_cpu.py [--threads 2] [--decode 128] [--rounds 2]
+
+sluice runs twice a round: its default numerics (8-bit activations, f16 KV cache) and --exact.
 """
 import argparse
 import json
@@ -37,9 +39,9 @@ def llama_cpp_run(gguf, ids, threads, decode):
     return len(ids) / (t1 - t0), decode / (t2 - t1)
 
 
-def sluice_run(store, ids, threads, decode):
+def sluice_run(store, ids, threads, decode, extra=()):
     out = subprocess.run([os.path.join(ROOT, "target/release/sluiced"), "run", store, "--prompt-ids", ",".join(map(str, ids)),
-                          "--max-tokens", str(decode + 1), "--ignore-eos", "--threads", str(threads), "--json"],
+                          "--max-tokens", str(decode + 1), "--ignore-eos", "--threads", str(threads), "--json", *extra],
                          check=True, capture_output=True, text=True).stdout
     j = json.loads(out)
     return j["prefill_tokens_per_s"], j["decode_tokens_per_s"]
@@ -62,12 +64,15 @@ def main():
         for r in range(a.rounds):
             rows.append(("llama.cpp", *llama_cpp_run(a.gguf, ids, a.threads, a.decode)))
             rows.append(("sluice", *sluice_run(store, ids, a.threads, a.decode)))
+            rows.append(("sluice --exact", *sluice_run(store, ids, a.threads, a.decode, ["--exact"])))
     print(f"{os.path.basename(a.gguf)}, {a.threads} threads, 512-token prompt, {a.decode} decode tokens, {a.rounds} rounds alternating")
-    print(f"{'engine':<10} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    print(f"{'engine':<16} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for name, p, d in rows:
-        print(f"{name:<10} {p:>14.1f} {d:>13.1f}")
-    best = {n: (max(r[1] for r in rows if r[0] == n), max(r[2] for r in rows if r[0] == n)) for n in ("llama.cpp", "sluice")}
-    print(f"best of rounds: sluice/llama.cpp prefill {best['sluice'][0] / best['llama.cpp'][0]:.2f}, decode {best['sluice'][1] / best['llama.cpp'][1]:.2f}")
+        print(f"{name:<16} {p:>14.1f} {d:>13.1f}")
+    names = ("llama.cpp", "sluice", "sluice --exact")
+    best = {n: (max(r[1] for r in rows if r[0] == n), max(r[2] for r in rows if r[0] == n)) for n in names}
+    for n in names[1:]:
+        print(f"best of rounds: {n}/llama.cpp prefill {best[n][0] / best['llama.cpp'][0]:.2f}, decode {best[n][1] / best['llama.cpp'][1]:.2f}")
 
 
 if __name__ == "__main__":

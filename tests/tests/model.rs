@@ -617,7 +617,8 @@ fn gemma3_270m_matches_transformers() {
     );
 }
 
-/// The default numerics (f16 KV cache; 8-bit activations for decode rows) against
+/// The default numerics (f16 KV cache; 8-bit activations for decode rows of q4_0, q4_1 and
+/// q8_0 weights, here Gemma's q8_0 matrices and tied head) against
 /// transformers' f32 run of Gemma 3 270M and against sluice's exact path, teacher-forced
 /// over transformers' greedy continuations: every step's logits stay within a tolerance of
 /// the exact path's, and wherever transformers' top-2 margin exceeds twice that step's
@@ -630,12 +631,15 @@ fn the_fast_path_agrees_with_transformers_wherever_the_margin_allows() {
     let mut fast = load_as(&gemma3_gguf(), &tmp.path().join("f"), 512, 64, false);
     let mut exact = load_as(&gemma3_gguf(), &tmp.path().join("e"), 512, 64, true);
     assert!(!fast.options().exact && fast.options().kv_dtype == sluice::backend::KvDtype::F16);
-    // Tolerance on logits, which here span about +-30: f16 keeps 11 significant bits of K
-    // and V (relative rounding 2^-12) and an attention output is a convex sum of V rows, so
-    // a layer's output moves by about 1e-4 relative; through 18 layers and the head that was
-    // measured at 2e-2 absolute. Three times that.
-    const TOL: f64 = 0.06;
+    // Tolerance on logits, which here span about +-30. The f16 cache alone moved them by
+    // 2e-2 (11 significant bits of K and V); 8-bit activations into the q8_0 matrices
+    // (the tied head among them) by up to 0.45. llama.cpp, which quantizes the
+    // activations of every matrix, is up to 1.03 from transformers at these very positions
+    // (the reference records its logits): the fast path must stay within llama.cpp's own
+    // distance from transformers, and within 0.75 of the exact path at every step.
+    const TOL: f64 = 0.75;
     let mut worst = 0f64;
+    let (mut worst_prompt, mut llama_cpp) = (0f64, 0f64);
     let (mut decided, mut steps) = (0, 0);
     for (ci, c) in r["cases"].as_array().unwrap().iter().enumerate() {
         let prompt = ids(&c["prompt_token_ids"]);
@@ -648,6 +652,25 @@ fn the_fast_path_agrees_with_transformers_wherever_the_margin_allows() {
             step(&mut fast, pos, input.clone(), &mut lf);
             step(&mut exact, pos, input.clone(), &mut le);
             pos += input.len();
+            if t == 0 {
+                // The prompt's last position: transformers' top 64, and llama.cpp's logits
+                // for the same ids.
+                let tl: Vec<(usize, f64)> = c["top_logits"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|x| (x[0].as_u64().unwrap() as usize, x[1].as_f64().unwrap()))
+                    .collect();
+                for &(id, v) in &tl {
+                    worst_prompt = worst_prompt.max((lf[id] as f64 - v).abs());
+                }
+                for x in c["llama_cpp_top_logits"].as_array().unwrap() {
+                    let id = x[0].as_u64().unwrap() as usize;
+                    if let Some(&(_, v)) = tl.iter().find(|p| p.0 == id) {
+                        llama_cpp = llama_cpp.max((x[1].as_f64().unwrap() - v).abs());
+                    }
+                }
+            }
             let d = lf
                 .iter()
                 .zip(&le)
@@ -671,10 +694,15 @@ fn the_fast_path_agrees_with_transformers_wherever_the_margin_allows() {
             input = vec![next];
         }
     }
-    eprintln!("fast path vs exact: largest logit difference {worst:.3e}; {decided} of {steps} steps decided");
+    eprintln!("fast path vs exact: largest logit difference {worst:.3e}; {decided} of {steps} steps decided; at the prompts' last positions fast path vs transformers {worst_prompt:.3}, llama.cpp vs transformers {llama_cpp:.3}");
     assert!(worst <= TOL, "fast path logits differ by {worst}");
     assert!(
-        decided * 10 >= steps * 8,
+        worst_prompt <= llama_cpp,
+        "the fast path is {worst_prompt} from transformers, llama.cpp {llama_cpp}"
+    );
+    // Every step whose margin allows is checked (all agree); most do (measured 107 of 144).
+    assert!(
+        decided * 3 >= steps * 2,
         "only {decided} of {steps} steps decisive"
     );
 }

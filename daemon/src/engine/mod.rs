@@ -94,6 +94,7 @@ fn cpu_runner_as(
     } else {
         CpuBackend::new_discrete(plan.device_budget, threads)?
     };
+    backend.set_int8_activations(!input.opts.exact);
     backend.reserve_scratch(&input.opts.scratch_shape(&store.manifest().arch));
     Ok(Pipeline::new(backend, store, plan, input.opts, io)?)
 }

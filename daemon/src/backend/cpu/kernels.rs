@@ -267,6 +267,115 @@ pub(super) mod avx2 {
     }
 
     /// # Safety
+    /// AVX2, FMA and F16C; `q` and `k` have equal lengths.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::backend::cpu) unsafe fn dot_f16(q: &[f32], k: &[u16]) -> f32 {
+        let n = q.len() / 8 * 8;
+        // SAFETY: loads stay below n <= len of both slices.
+        unsafe {
+            let mut acc = _mm256_setzero_ps();
+            for i in (0..n).step_by(8) {
+                let kv = _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(i) as *const __m128i));
+                acc = _mm256_fmadd_ps(_mm256_loadu_ps(q.as_ptr().add(i)), kv, acc);
+            }
+            // The scalar fallback's order: lanes (0+4)+(2+6), (1+5)+(3+7).
+            let h = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+            let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+            let s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+            (n..q.len()).fold(s, |d, i| {
+                d + q[i] * _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(k[i] as i32)))
+            })
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C; each `k[at[r]..at[r] + q.len()]` is in bounds.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::backend::cpu) unsafe fn dot4_f16(
+        q: &[f32],
+        k: &[u16],
+        at: [usize; 4],
+    ) -> [f32; 4] {
+        let n = q.len() / 8 * 8;
+        // SAFETY: this function's contract.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for i in (0..n).step_by(8) {
+                let qv = _mm256_loadu_ps(q.as_ptr().add(i));
+                for r in 0..4 {
+                    let kv = _mm256_cvtph_ps(_mm_loadu_si128(
+                        k.as_ptr().add(at[r] + i) as *const __m128i
+                    ));
+                    acc[r] = _mm256_fmadd_ps(qv, kv, acc[r]);
+                }
+            }
+            std::array::from_fn(|r| {
+                let a = acc[r];
+                let h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+                let h = _mm_add_ps(h, _mm_movehl_ps(h, h));
+                let s = _mm_cvtss_f32(_mm_add_ss(h, _mm_movehdup_ps(h)));
+                (n..q.len()).fold(s, |d, i| {
+                    let kk = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(k[at[r] + i] as i32)));
+                    d + q[i] * kk
+                })
+            })
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C; each `v[at[r]..at[r] + o.len()]` is in bounds.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::backend::cpu) unsafe fn axpy4_f16(
+        w: [f32; 4],
+        v: &[u16],
+        at: [usize; 4],
+        o: &mut [f32],
+    ) {
+        let n = o.len() / 8 * 8;
+        // SAFETY: this function's contract.
+        unsafe {
+            let wv = w.map(|x| _mm256_set1_ps(x));
+            for i in (0..n).step_by(8) {
+                let p = o.as_mut_ptr().add(i);
+                let mut acc = _mm256_loadu_ps(p);
+                for r in 0..4 {
+                    let vv = _mm256_cvtph_ps(_mm_loadu_si128(
+                        v.as_ptr().add(at[r] + i) as *const __m128i
+                    ));
+                    acc = _mm256_fmadd_ps(wv[r], vv, acc);
+                }
+                _mm256_storeu_ps(p, acc);
+            }
+            for i in n..o.len() {
+                for r in 0..4 {
+                    let vv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(v[at[r] + i] as i32)));
+                    o[i] = w[r].mul_add(vv, o[i]);
+                }
+            }
+        }
+    }
+
+    /// # Safety
+    /// AVX2, FMA and F16C; `v` and `o` have equal lengths.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::backend::cpu) unsafe fn axpy_f16(w: f32, v: &[u16], o: &mut [f32]) {
+        let n = o.len() / 8 * 8;
+        // SAFETY: loads and stores stay below n <= len of both slices.
+        unsafe {
+            let wv = _mm256_set1_ps(w);
+            for i in (0..n).step_by(8) {
+                let vv = _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(i) as *const __m128i));
+                let p = o.as_mut_ptr().add(i);
+                _mm256_storeu_ps(p, _mm256_fmadd_ps(wv, vv, _mm256_loadu_ps(p)));
+            }
+            for i in n..o.len() {
+                let vv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(v[i] as i32)));
+                o[i] = w.mul_add(vv, o[i]);
+            }
+        }
+    }
+
+    /// # Safety
     /// The CPU supports AVX.
     #[inline(always)]
     pub(in crate::backend::cpu) unsafe fn hsum256(v: __m256) -> f32 {
@@ -608,6 +717,66 @@ pub fn gemv4(
     // SAFETY: AVX2/FMA/F16C present (asserted); rows are whole blocks (validated shapes).
     unsafe {
         avx2::gemv4(dtype, w, row_bytes, xs, xsum, out)
+    }
+}
+
+/// q . k for an f16 row `k` (an f16 KV cache): eight lanes of products, summed in a fixed
+/// order, then the tail; F16C widens the keys where the CPU has it.
+pub fn dot_f16(q: &[f32], k: &[u16]) -> f32 {
+    debug_assert_eq!(q.len(), k.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C present (checked); the slices have equal lengths.
+        return unsafe { avx2::dot_f16(q, k) };
+    }
+    let mut acc = [0f32; 8];
+    for (qc, kc) in q.chunks_exact(8).zip(k.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] = qc[l].mul_add(half::f16::from_bits(kc[l]).to_f32(), acc[l]);
+        }
+    }
+    let s = ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
+    (q.len() / 8 * 8..q.len()).fold(s, |d, i| d + q[i] * half::f16::from_bits(k[i]).to_f32())
+}
+
+/// q . k for four f16 rows at once (`k[r]` starts at `at[r]`, `q.len()` long): the same
+/// lanes as `dot_f16` per row, q loaded once for the four.
+pub fn dot4_f16(q: &[f32], k: &[u16], at: [usize; 4]) -> [f32; 4] {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        let n = q.len();
+        assert!(at.iter().all(|&a| a + n <= k.len()));
+        // SAFETY: AVX2/FMA/F16C present (checked); every row is inside `k` (asserted).
+        return unsafe { avx2::dot4_f16(q, k, at) };
+    }
+    at.map(|a| dot_f16(q, &k[a..a + q.len()]))
+}
+
+/// o += w[r] v[r] for four f16 rows in order (`v[r]` starts at `at[r]`): bit for bit four
+/// `axpy_f16` calls, o loaded and stored once.
+pub fn axpy4_f16(w: [f32; 4], v: &[u16], at: [usize; 4], o: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        let n = o.len();
+        assert!(at.iter().all(|&a| a + n <= v.len()));
+        // SAFETY: AVX2/FMA/F16C present (checked); every row is inside `v` (asserted).
+        return unsafe { avx2::axpy4_f16(w, v, at, o) };
+    }
+    for r in 0..4 {
+        axpy_f16(w[r], &v[at[r]..at[r] + o.len()], o);
+    }
+}
+
+/// o += w v for an f16 row `v` (an f16 KV cache).
+pub fn axpy_f16(w: f32, v: &[u16], o: &mut [f32]) {
+    debug_assert_eq!(v.len(), o.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2/FMA/F16C present (checked); the slices have equal lengths.
+        return unsafe { avx2::axpy_f16(w, v, o) };
+    }
+    for (ov, &vv) in o.iter_mut().zip(v) {
+        *ov = w.mul_add(half::f16::from_bits(vv).to_f32(), *ov);
     }
 }
 

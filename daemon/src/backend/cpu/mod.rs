@@ -6,6 +6,7 @@
 pub mod kernels;
 #[cfg(target_arch = "x86_64")]
 mod kquant;
+pub mod q8;
 
 use super::{
     check_upload, AttnShape, AttnStep, Backend, BackendError, KvDtype, MemBudget, ScratchShape,
@@ -18,70 +19,89 @@ use std::cell::RefCell;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
-/// The largest head dimension attention takes (a row of an f16 cache is widened on the
-/// stack).
-const HEAD_DIM_MAX: usize = 512;
-
 /// u16 cache elements as f16 (same size and alignment, every bit pattern valid).
 fn bytemuck_f16(x: &mut [u16]) -> &mut [half::f16] {
     // SAFETY: f16 is a transparent u16.
     unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut half::f16, x.len()) }
 }
 
-/// The KV cache's rows as f32, whatever its element type.
+/// The KV cache's rows, whatever its element type: q . k and o += w v.
 enum KvRows<'a> {
     F32(&'a [f32], &'a [f32]),
-    F16(&'a [half::f16], &'a [half::f16]),
+    F16(&'a [u16], &'a [u16]),
 }
 
 impl<'a> KvRows<'a> {
     fn of(kv: KvDtype, k: &'a CpuMem, v: &'a CpuMem) -> KvRows<'a> {
-        let h = |m: &'a CpuMem| {
-            let u = m.u16s();
-            // SAFETY: f16 is a transparent u16.
-            unsafe { std::slice::from_raw_parts(u.as_ptr() as *const half::f16, u.len()) }
-        };
         match kv {
             KvDtype::F32 => KvRows::F32(k.f32s(), v.f32s()),
-            KvDtype::F16 => KvRows::F16(h(k), h(v)),
+            KvDtype::F16 => KvRows::F16(k.u16s(), v.u16s()),
         }
     }
 
-    fn row<'b>(
-        rows: (&'a [f32], &'a [half::f16]),
-        at: usize,
-        n: usize,
-        buf: &'b mut [f32; HEAD_DIM_MAX],
-    ) -> &'b [f32]
-    where
-        'a: 'b,
-    {
-        use half::slice::HalfFloatSliceExt;
-        if rows.1.is_empty() {
-            &rows.0[at..at + n]
-        } else {
-            rows.1[at..at + n].convert_to_f32_slice(&mut buf[..n]);
-            &buf[..n]
-        }
-    }
-
-    fn k<'b>(&self, at: usize, n: usize, buf: &'b mut [f32; HEAD_DIM_MAX]) -> &'b [f32]
-    where
-        'a: 'b,
-    {
+    /// q . (key row at `at`), in an order that depends only on the head dimension.
+    fn dot(&self, at: usize, q: &[f32]) -> f32 {
+        let n = q.len();
         match self {
-            KvRows::F32(k, _) => Self::row((k, &[]), at, n, buf),
-            KvRows::F16(k, _) => Self::row((&[], k), at, n, buf),
+            KvRows::F32(ks, _) => {
+                let krow = &ks[at..at + n];
+                let mut acc = [0f32; 8];
+                for (qc, kc) in q.chunks_exact(8).zip(krow.chunks_exact(8)) {
+                    for l in 0..8 {
+                        acc[l] += qc[l] * kc[l];
+                    }
+                }
+                let mut d: f32 = acc.iter().sum();
+                for i in n / 8 * 8..n {
+                    d += q[i] * krow[i];
+                }
+                d
+            }
+            KvRows::F16(ks, _) => kernels::dot_f16(q, &ks[at..at + n]),
         }
     }
 
-    fn v<'b>(&self, at: usize, n: usize, buf: &'b mut [f32; HEAD_DIM_MAX]) -> &'b [f32]
-    where
-        'a: 'b,
-    {
+    /// Scores of keys lo..lo + sc.len() against q, `row(j)` the element of key j: four at a
+    /// time from lo (the grouping depends only on lo and the count, not on the batch).
+    fn scores(&self, q: &[f32], lo: usize, row: impl Fn(usize) -> usize, sc: &mut [f32]) {
+        let mut j = 0;
+        if let KvRows::F16(ks, _) = self {
+            while j + 4 <= sc.len() {
+                let at = std::array::from_fn(|r| row(lo + j + r));
+                sc[j..j + 4].copy_from_slice(&kernels::dot4_f16(q, ks, at));
+                j += 4;
+            }
+        }
+        for (i, s) in sc.iter_mut().enumerate().skip(j) {
+            *s = self.dot(row(lo + i), q);
+        }
+    }
+
+    /// o += w[j] (value row of key lo + j) for every j, in order.
+    fn weighted_sum(&self, w: &[f32], lo: usize, row: impl Fn(usize) -> usize, o: &mut [f32]) {
+        let mut j = 0;
+        if let KvRows::F16(_, vs) = self {
+            while j + 4 <= w.len() {
+                let at = std::array::from_fn(|r| row(lo + j + r));
+                kernels::axpy4_f16(std::array::from_fn(|r| w[j + r]), vs, at, o);
+                j += 4;
+            }
+        }
+        for (i, &wi) in w.iter().enumerate().skip(j) {
+            self.axpy(row(lo + i), wi, o);
+        }
+    }
+
+    /// o += w (value row at `at`).
+    fn axpy(&self, at: usize, w: f32, o: &mut [f32]) {
+        let n = o.len();
         match self {
-            KvRows::F32(_, v) => Self::row((v, &[]), at, n, buf),
-            KvRows::F16(_, v) => Self::row((&[], v), at, n, buf),
+            KvRows::F32(_, vs) => {
+                for (ov, &vv) in o.iter_mut().zip(&vs[at..at + n]) {
+                    *ov += w * vv;
+                }
+            }
+            KvRows::F16(_, vs) => kernels::axpy_f16(w, &vs[at..at + n], o),
         }
     }
 }
@@ -167,6 +187,9 @@ pub struct CpuBackend {
     /// Streamed units run from their staging slots (false: copied into arena slots, as a
     /// discrete GPU must, so the CPU tests cover that path too).
     unified: bool,
+    /// Decode rows of q4_0/q4_1/q8_0 weights quantized to 8 bits (`q8.rs`); off under
+    /// `--exact`.
+    int8: std::sync::atomic::AtomicBool,
 }
 
 #[derive(Default)]
@@ -177,6 +200,8 @@ struct Scratch {
     tasks: Vec<(usize, usize)>,
     /// A norm weight or bias converted to f32.
     weights: Vec<f32>,
+    /// Decode rows quantized to 8 bits.
+    q8: Vec<q8::Q8Block>,
 }
 
 /// How an op's independent tasks run: on the pool, or in order on the calling thread
@@ -219,7 +244,18 @@ impl CpuBackend {
             scratch: Mutex::new(Scratch::default()),
             submissions: AtomicU64::new(0),
             unified: true,
+            int8: std::sync::atomic::AtomicBool::new(false),
         })
+    }
+
+    /// Decode rows with 8-bit activations (the default path) or f32 (`--exact`, and what
+    /// `new` starts with).
+    pub fn set_int8_activations(&self, on: bool) {
+        self.int8.store(on, Ordering::Relaxed);
+    }
+
+    pub fn int8_activations(&self) -> bool {
+        self.int8.load(Ordering::Relaxed)
     }
 
     /// A backend that acts as a discrete device: streamed units are copied into arena
@@ -269,6 +305,12 @@ impl CpuBackend {
             .max(shape.hidden) as usize;
         let chunk_max = m_max.div_ceil(self.threads * 4).max(16);
         let max_context = shape.max_context;
+        {
+            let mut s = self.scratch();
+            let want = shape.rows as usize * k_max.div_ceil(32);
+            let len = s.q8.len();
+            s.q8.reserve(want.saturating_sub(len));
+        }
         let reserve = move || {
             kernels::reserve_thread_scratch(k_max);
             fn grow<T>(v: &mut Vec<T>, n: usize) {
@@ -479,7 +521,8 @@ impl Backend for CpuBackend {
         let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
         assert!(gemv_rows <= rows);
         let mut scratch = self.scratch();
-        let xsums = &mut scratch.xsums;
+        let int8 = self.int8_activations();
+        let Scratch { xsums, q8: xq, .. } = &mut *scratch;
         let mm = Matmul {
             dtype: w.dtype,
             wb,
@@ -496,7 +539,10 @@ impl Backend for CpuBackend {
             // dequantized tiles and sgemm, also row by row independent. So a sequence's
             // numbers are the same alone or in any batch.
             let g = gemv_rows;
-            if g > 0 && kernels::has_gemv4(w.dtype) {
+            if g > 0 && int8 && q8::covers(w.dtype) {
+                q8::quantize_rows(&xs[..g * k], k, xq);
+                mm.decode_rows_q8(par, g, xq);
+            } else if g > 0 && kernels::has_gemv4(w.dtype) {
                 kernels::block_sums_into(&xs[..g * k], xsums);
                 mm.decode_rows4(par, g, xsums);
             } else if g > 0 {
@@ -599,10 +645,6 @@ impl Backend for CpuBackend {
         let width_q = heads * head_dim;
         let qs = q.f32s();
         let kv = KvRows::of(shape.kv, cache_k, cache_v);
-        assert!(
-            head_dim <= HEAD_DIM_MAX,
-            "head dim {head_dim} above {HEAD_DIM_MAX}"
-        );
         let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
         let mut scratch = self.scratch();
         let tasks = &mut scratch.tasks;
@@ -626,20 +668,9 @@ impl Backend for CpuBackend {
                         let qrow = &qs[(sp.row + t) * width_q + h * head_dim..][..head_dim];
                         sc.resize(p + 1 - lo, 0.0);
                         let mut mx = f32::NEG_INFINITY;
-                        let mut buf = [0f32; HEAD_DIM_MAX];
-                        for (j, s) in sc.iter_mut().enumerate() {
-                            let krow = kv.k(kv_row(lo + j), head_dim, &mut buf);
-                            let mut acc = [0f32; 8];
-                            for (qc, kc) in qrow.chunks_exact(8).zip(krow.chunks_exact(8)) {
-                                for l in 0..8 {
-                                    acc[l] += qc[l] * kc[l];
-                                }
-                            }
-                            let mut d: f32 = acc.iter().sum();
-                            for i in head_dim / 8 * 8..head_dim {
-                                d += qrow[i] * krow[i];
-                            }
-                            *s = d * scale;
+                        kv.scores(qrow, lo, kv_row, &mut sc);
+                        for s in sc.iter_mut() {
+                            *s *= scale;
                             mx = mx.max(*s);
                         }
                         let mut sum = 0f32;
@@ -653,13 +684,8 @@ impl Backend for CpuBackend {
                         let o =
                             unsafe { optr.slice((sp.row + t) * width_q + h * head_dim, head_dim) };
                         o.fill(0.0);
-                        for (j, &s) in sc.iter().enumerate() {
-                            let w = s * inv;
-                            let vrow = kv.v(kv_row(lo + j), head_dim, &mut buf);
-                            for (ov, &vv) in o.iter_mut().zip(vrow) {
-                                *ov += w * vv;
-                            }
-                        }
+                        sc.iter_mut().for_each(|s| *s *= inv);
+                        kv.weighted_sum(&sc, lo, kv_row, o);
                     }
                 });
             });
@@ -762,6 +788,45 @@ impl Matmul<'_> {
                     kernels::gemv4(dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, &mut res);
                     for i in 0..(g - r0).min(4) {
                         // SAFETY: as above.
+                        let o = unsafe { optr.slice((r0 + i) * m + j0, j1 - j0) };
+                        for (oj, rj) in o.iter_mut().zip(res.iter()) {
+                            *oj = rj[i];
+                        }
+                    }
+                }
+            });
+        });
+    }
+
+    /// The first `g` rows through the 8-bit kernels (`xq`: their blocks, k / 32 a row),
+    /// four rows a weight block at most.
+    fn decode_rows_q8(&self, par: &Par, g: usize, xq: &[q8::Q8Block]) {
+        let Matmul {
+            dtype,
+            wb,
+            rb,
+            k,
+            m,
+            out: optr,
+            ..
+        } = *self;
+        let nb = k / 32;
+        let chunk = self.decode_chunk();
+        par.for_each(m.div_ceil(chunk), |c| {
+            let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
+            RES4.with(|res| {
+                let mut res = res.borrow_mut();
+                res.clear();
+                res.resize(j1 - j0, [0f32; 4]);
+                for r0 in (0..g).step_by(4) {
+                    let n = (g - r0).min(4);
+                    let rows: [&[q8::Q8Block]; 4] = std::array::from_fn(|i| {
+                        let r = (r0 + i).min(g - 1);
+                        &xq[r * nb..(r + 1) * nb]
+                    });
+                    q8::gemv_rows(dtype, &wb[j0 * rb..j1 * rb], rb, &rows[..n], &mut res);
+                    for i in 0..n {
+                        // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
                         let o = unsafe { optr.slice((r0 + i) * m + j0, j1 - j0) };
                         for (oj, rj) in o.iter_mut().zip(res.iter()) {
                             *oj = rj[i];
