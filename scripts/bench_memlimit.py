@@ -1,10 +1,17 @@
 #!/usr/bin/env python3
-"""SmolLM2 with half the model's memory: llama.cpp (mmap, in a memory cgroup whose limit
-is its own baseline plus half the model file) beside sluice (device budget = KV cache +
-workspace + half the weights), same prompt, same threads, greedy decode. Needs root for
-the cgroup (v1 memory controller or v2), llama-cpp-python and a release build.
+"""llama.cpp (llama-cpp-python, mmap) and sluice inside the same memory cgroup, at limits
+from "everything fits" down to the least each survives, batch 1, greedy decode, same
+prompt and threads. For each limit and engine: decode tokens/s, bytes read from storage
+per decode token (from /proc/PID/io, polled while it runs), and the cgroup's peak memory
+(anonymous memory and page cache). fio measures the disk in the same run; the disk bound
+is fio's rate / sluice's bytes per token.
 
-    python3 scripts/bench_memlimit.py [--threads 2] [--decode 64]
+Models: SmolLM2-135M (the project's GGUF) and, with --big, a random 1.2 GB Llama made by
+scripts/make_random_llama_gguf.py. sluice runs with --host-memory equal to the limit.
+Needs root (a child of this process's memory cgroup, v1 or v2), llama-cpp-python, fio and
+a release build.
+
+    python3 scripts/bench_memlimit.py [--threads 2] [--big] [--decode 32]
 """
 import argparse
 import json
@@ -12,109 +19,190 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLUICED = os.path.join(ROOT, "target/release/sluiced")
 PROMPT = "The history of the printing press begins"
+MIB = 2**20
+
 WORKER = r'''
 import sys, time, json, numpy as np, llama_cpp
-gguf, threads, decode = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+gguf, threads, decode, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+def io():
+    d = dict(l.split(": ") for l in open("/proc/self/io").read().splitlines())
+    return int(d["read_bytes"])
 llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=256, n_batch=64, use_mmap=True, verbose=False)
-ids = llm.tokenize(sys.argv[4].encode(), add_bos=False)
+ids = llm.tokenize(prompt.encode(), add_bos=False)
 t0 = time.perf_counter(); llm.eval(ids); t1 = time.perf_counter()
+r0 = io()
 n_vocab = llm.n_vocab()
 for _ in range(decode):
     logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
     llm.eval([int(np.argmax(logits))])
 t2 = time.perf_counter()
-print(json.dumps({"prefill_tps": len(ids) / (t1 - t0), "decode_tps": decode / (t2 - t1)}))
+print(json.dumps({"decode_tps": decode / (t2 - t1), "read_per_token": (io() - r0) / decode}))
 '''
 
 
-def cgroup(limit):
-    """A fresh memory cgroup; returns (procs file, usage-peak file)."""
-    v1 = "/sys/fs/cgroup/memory"
-    if os.path.isdir(v1):
-        d = os.path.join(v1, "sluice-memlimit")
-        if os.path.isdir(d):
-            os.rmdir(d)
-        os.mkdir(d)
-        with open(os.path.join(d, "memory.limit_in_bytes"), "w") as f:
-            f.write(str(limit) if limit else "-1")
-        return d, os.path.join(d, "cgroup.procs"), os.path.join(d, "memory.max_usage_in_bytes")
-    d = "/sys/fs/cgroup/sluice-memlimit"
-    if os.path.isdir(d):
-        os.rmdir(d)
-    os.mkdir(d)
-    with open(os.path.join(d, "memory.max"), "w") as f:
-        f.write(str(limit) if limit else "max")
-    return d, os.path.join(d, "cgroup.procs"), os.path.join(d, "memory.peak")
+class Cgroup:
+    """A child memory cgroup of this process's own (v1 or v2) with a limit."""
+
+    def __init__(self, name, limit):
+        own = open("/proc/self/cgroup").read().splitlines()
+        v1 = [l.split(":", 2)[2] for l in own if "memory" in l.split(":")[1].split(",")]
+        if v1:
+            parent, self.v2 = "/sys/fs/cgroup/memory" + v1[0], False
+        else:
+            parent, self.v2 = "/sys/fs/cgroup" + own[-1].split(":", 2)[2], True
+            try:
+                open(os.path.join(parent, "cgroup.subtree_control"), "w").write("+memory")
+            except OSError:
+                pass
+        self.dir = os.path.join(parent.rstrip("/"), name)
+        if os.path.isdir(self.dir):
+            os.rmdir(self.dir)
+        os.mkdir(self.dir)
+        f = "memory.max" if self.v2 else "memory.limit_in_bytes"
+        open(os.path.join(self.dir, f), "w").write(str(limit))
+
+    def peak(self):
+        f = "memory.peak" if self.v2 else "memory.max_usage_in_bytes"
+        return int(open(os.path.join(self.dir, f)).read())
+
+    def oom_kills(self):
+        f = "memory.events" if self.v2 else "memory.oom_control"
+        for l in open(os.path.join(self.dir, f)).read().splitlines():
+            if l.startswith("oom_kill "):
+                return int(l.split()[1])
+        return 0
+
+    def run(self, argv):
+        """Runs argv inside the cgroup; returns (returncode, stdout, stderr, read_bytes of the
+        process as last polled)."""
+        procs = os.path.join(self.dir, "cgroup.procs")
+        p = subprocess.Popen(["sh", "-c", f'echo $$ > {procs}; exec "$0" "$@"', *argv],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        last = 0
+        while p.poll() is None:
+            try:
+                d = dict(l.split(": ") for l in open(f"/proc/{p.pid}/io").read().splitlines())
+                last = int(d["read_bytes"])
+            except (OSError, ValueError):
+                pass
+            time.sleep(0.01)
+        out, err = p.communicate()
+        return p.returncode, out, err, last
+
+    def close(self):
+        for _ in range(100):
+            try:
+                os.rmdir(self.dir)
+                return
+            except OSError:
+                time.sleep(0.05)
 
 
 def drop_caches():
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("1")
+        open("/proc/sys/vm/drop_caches", "w").write("1")
     except OSError:
         pass
 
 
-def llama_cpp_in_cgroup(gguf, threads, decode, limit):
-    d, procs, peak = cgroup(limit)
+def fio_rate(path, seconds=3):
+    out = subprocess.run(["fio", "--name=r", f"--filename={path}", "--rw=read", "--bs=1m", "--direct=1",
+                          "--ioengine=io_uring", "--iodepth=8", f"--runtime={seconds}", "--time_based", "--readonly",
+                          "--output-format=json"], capture_output=True, text=True, check=True).stdout
+    return json.loads(out)["jobs"][0]["read"]["bw_bytes"]
+
+
+def llama_cpp(gguf, limit, a):
+    cg = Cgroup("sluice-memlimit", limit)
     drop_caches()
-    cmd = ["sh", "-c", f'echo $$ > {procs}; exec "$0" "$@"', sys.executable, "-c", WORKER, gguf, str(threads), str(decode), PROMPT]
-    out = subprocess.run(cmd, capture_output=True, text=True)
-    used = int(open(peak).read())
-    os.rmdir(d)
-    if out.returncode != 0:
-        return {"error": out.stderr.strip().splitlines()[-1] if out.stderr.strip() else f"exit {out.returncode}", "peak_bytes": used}
-    r = json.loads(out.stdout.strip().splitlines()[-1])
-    r["peak_bytes"] = used
+    rc, out, err, _ = cg.run([sys.executable, "-c", WORKER, gguf, str(a.threads), str(a.decode), PROMPT])
+    r = {"peak": cg.peak(), "oom": cg.oom_kills()}
+    cg.close()
+    if rc != 0:
+        r["error"] = (err.strip().splitlines() or [f"exit {rc}"])[-1][:80]
+        return r
+    j = json.loads(out.strip().splitlines()[-1])
+    r.update(tps=j["decode_tps"], read=j["read_per_token"])
     return r
+
+
+def sluice(store, limit, a):
+    cg = Cgroup("sluice-memlimit", limit)
+    drop_caches()
+    argv = [SLUICED, "run", store, "--prompt", PROMPT, "--max-tokens", str(a.decode + 1), "--ignore-eos",
+            "--max-context", "256", "--threads", str(a.threads), "--host-memory", str(limit), "--json"]
+    rc, out, err, read = cg.run(argv)
+    r = {"peak": cg.peak(), "oom": cg.oom_kills()}
+    cg.close()
+    if rc != 0:
+        r["error"] = (err.strip().splitlines() or [f"exit {rc}"])[-1][:100]
+        return r
+    j = json.loads(out)
+    passes = max(j["passes"], 1)
+    # /proc/PID/io counts the start-up load of the resident units too (O_DIRECT, stored =
+    # raw with --codec none): what is left is the passes' reads.
+    r.update(tps=j["decode_tokens_per_s"], read=max(read - j["plan"]["resident_bytes"], 0) / passes,
+             own_read=j["bytes_read"] / passes,
+             planned=j["host_bytes_planned"], overhead=j["plan"]["host"]["overhead_bytes"],
+             streamed=j["layers_streamed"], weights=sum(u["raw_bytes"] for u in j["plan"]["units"]),
+             resident=j["plan"]["resident_bytes"])
+    return r
+
+
+def bench(name, gguf, limits, a):
+    size = os.path.getsize(gguf)
+    with tempfile.TemporaryDirectory(dir=os.path.expanduser("~/.cache/sluice")) as tmp:
+        store = os.path.join(tmp, "store")
+        subprocess.run([SLUICED, "pack", gguf, "-o", store, "--codec", "none"], check=True, capture_output=True)
+        disk = fio_rate(os.path.join(store, "weights.bin"))
+        print(f"\n{name}: GGUF {size / MIB:.0f} MiB, {a.threads} threads, batch 1, {a.decode} greedy decode tokens; fio sequential O_DIRECT read {disk / 1e9:.2f} GB/s")
+        print(f"{'limit':>9} | {'llama.cpp tok/s':>15} {'MB/token':>9} {'peak MiB':>9} | {'sluice tok/s':>15} {'MB/token':>9} {'peak MiB':>9} {'disk bound':>10} {'vs bound':>8} {'vs llama':>8} | fio GB/s, sluice plan")
+        for limit in limits:
+            l = llama_cpp(gguf, limit, a)
+            # The disk varies (a VM's burst credits): measured again just before each run.
+            disk = fio_rate(os.path.join(store, "weights.bin"), 1)
+            s = sluice(store, limit, a)
+            def cells(r):
+                if "error" in r:
+                    return f"{'failed' + (' (OOM)' if r['oom'] else ''):>15} {'':>9} {r['peak'] / MIB:>9.0f}"
+                return f"{r['tps']:>15.2f} {r['read'] / 1e6:>9.1f} {r['peak'] / MIB:>9.0f}"
+            line = f"{limit / MIB:>5.0f} MiB | {cells(l)} | {cells(s)}"
+            if "error" not in s:
+                bound = disk / s["read"] if s["read"] > 0 else float("inf")
+                vs_bound = s["tps"] / bound if s["read"] > 0 else float("nan")
+                vs_llama = s["tps"] / l["tps"] if "error" not in l else float("nan")
+                line += f" {bound:>10.1f} {vs_bound:>8.2f} {vs_llama:>8.2f} | {disk / 1e9:.2f}, {s['streamed']} units streamed, overhead {s['overhead'] / MIB:.0f} MiB, planned {s['planned'] / MIB:.0f} MiB, read {s['own_read'] / 1e6:.1f} MB/pass vs weights - resident {(s['weights'] - s['resident']) / 1e6:.1f} MB"
+            else:
+                line += f"  ({s['error']})"
+            if "error" in l:
+                line += f"  [llama.cpp: {l['error']}]"
+            print(line, flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", default=os.path.expanduser("~/.cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--decode", type=int, default=64)
+    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--smollm2", default=os.path.expanduser("~/.cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--big", action="store_true", help="also the random 1.2 GB Llama (made if missing)")
+    ap.add_argument("--limits", default="256,144,128,112,96,80,64", help="SmolLM2 limits in MiB")
+    ap.add_argument("--big-limits", default="1600,1024,768,512,384,256", help="1.2 GB model limits in MiB")
     a = ap.parse_args()
-    size = os.path.getsize(a.gguf)
-    sluiced = os.path.join(ROOT, "target/release/sluiced")
-
-    free = llama_cpp_in_cgroup(a.gguf, a.threads, a.decode, 0)
-    # What llama.cpp needs besides the mapped model (Python, buffers, KV cache).
-    baseline = max(free["peak_bytes"] - size, 0)
-    limit = baseline + size // 2
-    limited = llama_cpp_in_cgroup(a.gguf, a.threads, a.decode, limit)
-
-    with tempfile.TemporaryDirectory() as tmp:
-        store = os.path.join(tmp, "smollm2")
-        subprocess.run([sluiced, "pack", a.gguf, "-o", store, "--codec", "lz4"], check=True, capture_output=True)
-        def sluice(dm):
-            drop_caches()
-            args = [sluiced, "run", store, "--prompt", PROMPT, "--max-tokens", str(a.decode + 1), "--ignore-eos", "--max-context", "256", "--threads", str(a.threads), "--json"]
-            if dm:
-                args += ["--device-memory", str(dm)]
-            return json.loads(subprocess.run(args, check=True, capture_output=True, text=True).stdout)
-        full = sluice(None)
-        weights = sum(u["raw_bytes"] for u in full["plan"]["units"])
-        budget = full["plan"]["kv_cache_bytes"] + full["plan"]["workspace_bytes"] + weights // 2
-        half = sluice(budget)
-
-    mib = lambda b: f"{b / 2**20:.1f} MiB"
-    print(f"SmolLM2-135M-Instruct Q4_1 ({mib(size)}), {a.threads} threads, greedy decode of {a.decode} tokens")
-    print(f"llama.cpp baseline besides the model: {mib(baseline)}; cgroup limit = baseline + half the model = {mib(limit)}")
-    print(f"{'run':<44} {'decode tok/s':>12} {'memory':>14}")
-    print(f"{'llama.cpp, mmap, no limit':<44} {free['decode_tps']:>12.1f} {mib(free['peak_bytes']):>14}")
-    if "error" in limited:
-        print(f"{'llama.cpp, mmap, limit':<44} {'failed':>12} {mib(limited['peak_bytes']):>14}  ({limited['error']})")
-    else:
-        print(f"{'llama.cpp, mmap, limit':<44} {limited['decode_tps']:>12.1f} {mib(limited['peak_bytes']):>14}")
-    print(f"{'sluice, all resident':<44} {full['decode_tokens_per_s']:>12.1f} {mib(full['device_bytes_peak']):>14}")
-    print(f"{'sluice, device budget KV+ws+half the weights':<44} {half['decode_tokens_per_s']:>12.1f} {mib(half['device_bytes_peak']):>14}")
-    if "error" not in limited:
-        print(f"sluice / llama.cpp under half the model: {half['decode_tokens_per_s'] / limited['decode_tps']:.2f}")
-    print("memory: llama.cpp = the cgroup's peak (anonymous + page cache); sluice = its device arena peak (host buffers not counted)")
+    bench("SmolLM2-135M-Instruct Q4_1", a.smollm2, [int(x) * MIB for x in a.limits.split(",")], a)
+    if a.big:
+        big = os.path.expanduser("~/.cache/sluice/bench/random-llama-1.2g.gguf")
+        if not os.path.exists(big):
+            os.makedirs(os.path.dirname(big), exist_ok=True)
+            subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_random_llama_gguf.py"), big], check=True)
+        a.decode = min(a.decode, 8)
+        bench("random Llama 1.2 GB Q8_0", big, [int(x) * MIB for x in a.big_limits.split(",")], a)
+    print("\nMB/token: storage reads per decode token from /proc/PID/io (llama.cpp: its page cache refaults; sluice: O_DIRECT reads).")
+    print("peak: the cgroup's max usage (anonymous + page cache). disk bound: fio rate / sluice's bytes per token.")
 
 
 if __name__ == "__main__":

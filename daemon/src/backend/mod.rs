@@ -397,6 +397,18 @@ pub trait Backend: Send + Sync {
         bias: Option<WeightRef<'_, Self::Mem>>,
         out: &mut Self::Mem,
     );
+    /// `matmul` for the output head, whose logits decide the token: activations stay f32
+    /// on every path (8-bit activations there flip near-ties: SmolLM2's chat answer to
+    /// "What is the capital of France?" has a 0.08 top-2 margin). Default: `matmul`.
+    fn matmul_head(
+        &self,
+        x: &Self::Mem,
+        rows: usize,
+        w: WeightRef<'_, Self::Mem>,
+        out: &mut Self::Mem,
+    ) {
+        self.matmul(x, rows, rows, w, None, out);
+    }
     /// Rotates `heads` heads of each row in place (rotate-half pairs (i, i + d/2)), row r at
     /// position `positions[r]`, with the cos/sin table made by `rope_table`.
     fn rope(

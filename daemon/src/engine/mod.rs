@@ -88,7 +88,7 @@ fn cpu_runner_as(
     let mut input = input.clone();
     input.host.unified = unified;
     fit_reads(&mut input, &io);
-    let plan = crate::plan::plan(store.manifest(), &input)?;
+    let plan = plan_within_host(store.manifest(), &mut input)?;
     let backend = if unified {
         CpuBackend::new(plan.device_budget, threads)?
     } else {
@@ -97,6 +97,42 @@ fn cpu_runner_as(
     backend.set_int8_activations(!input.opts.exact);
     backend.reserve_scratch(&input.opts.scratch_shape(&store.manifest().arch));
     Ok(Pipeline::new(backend, store, plan, input.opts, io)?)
+}
+
+/// Tokens per prefill step the planner may lower the chunk to when the host budget is short.
+pub const BATCH_TOKENS_MIN: usize = 32;
+
+/// Plans `input`; when the host budget is what is short, halves the prefill chunk
+/// (`max_batch_tokens`, whose workspace grows with it) down to `BATCH_TOKENS_MIN` (or the
+/// batch) before giving up, saying so: prefill then takes more passes, decode is the same.
+fn plan_within_host(m: &Manifest, input: &mut PlanInput) -> Result<crate::plan::Plan, EngineError> {
+    let asked = input.opts.max_batch_tokens;
+    let least = BATCH_TOKENS_MIN.max(input.opts.kv_slots);
+    loop {
+        match crate::plan::plan(m, input) {
+            Err(crate::plan::PlanError::Host(e)) if input.opts.max_batch_tokens > least => {
+                input.opts.max_batch_tokens = (input.opts.max_batch_tokens / 2).max(least);
+                tracing::debug!(
+                    "host budget short by {} bytes: trying a prefill chunk of {} tokens",
+                    e.need - e.budget,
+                    input.opts.max_batch_tokens
+                );
+            }
+            Err(e) => {
+                input.opts.max_batch_tokens = asked;
+                return Err(e.into());
+            }
+            Ok(p) => {
+                if input.opts.max_batch_tokens < asked {
+                    tracing::info!(
+                        "prefill chunk lowered from {asked} to {} tokens to fit the host budget (its workspace)",
+                        input.opts.max_batch_tokens
+                    );
+                }
+                return Ok(p);
+            }
+        }
+    }
 }
 
 /// The I/O engine's shape as the plan's upper bounds: reads in flight, their size, the
@@ -275,7 +311,7 @@ pub fn cuda_runner(
         );
     }
     fit_reads(&mut input, &io);
-    let plan = crate::plan::plan(m, &input)?;
+    let plan = plan_within_host(m, &mut input)?;
     let backend = CudaBackend::new(
         info.ordinal,
         plan.device_bytes(),

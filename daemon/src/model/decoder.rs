@@ -642,15 +642,9 @@ impl<B: Backend> Decoder<B> {
             n,
             &mut self.ws.last_n,
         );
-        // One row per sequence: every row through the decode kernels (batch-invariant).
-        b.matmul(
-            &self.ws.last_n,
-            n,
-            n,
-            self.lm_head.at(lm),
-            None,
-            &mut self.ws.logits,
-        );
+        // One row per sequence: every row through the decode kernels (batch-invariant),
+        // with f32 activations (`matmul_head`).
+        b.matmul_head(&self.ws.last_n, n, self.lm_head.at(lm), &mut self.ws.logits);
     }
 
     /// The logits of the step: one row of `vocab` per sequence, in step order.

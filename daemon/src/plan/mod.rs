@@ -508,14 +508,14 @@ fn least_budget_error(
 }
 
 /// Reads sized in bytes in flight, not in units: at most the caller's maximum and a
-/// sixteenth of the host budget, in requests small enough that at least eight are in
+/// thirty-second of the host budget, in requests small enough that at least eight are in
 /// flight (a small unit is then several parallel reads), and enough buffers to hold the
 /// largest frame at once (the engine's own rule).
 fn read_shape(h: &HostInput, frame_stored_max: u64) -> (usize, u64) {
     const REQUEST_MIN: u64 = 128 << 10;
     let mut in_flight = h.reads_max_bytes.max(REQUEST_MIN);
     if let Some(b) = h.budget {
-        in_flight = in_flight.min((b / 16).max(2 * REQUEST_MIN));
+        in_flight = in_flight.min((b / 32).max(2 * REQUEST_MIN));
     }
     let cap = h.request_bytes_max.max(ALLOC_ALIGN);
     let eighth = (in_flight / 8).max(REQUEST_MIN);
@@ -576,9 +576,10 @@ fn plan_once(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
     let (read_buffers, request_bytes) = read_shape(h, frame_stored_max);
     let reads = read_buffers as u64 * request_bytes;
     // Each worker: a frame's split planes and a frame spanning two reads; the unified
-    // loader's threads: a frame's stored bytes each (read and decoded in place).
+    // loader's threads (as many, gone before the streaming engine starts): a frame's
+    // stored bytes and a decoder each.
     let frame = u64::from(m.frame_raw_len_max()) + frame_stored_max + 2 * 4096;
-    let scratch = round(2 * h.workers.max(1) as u64 * frame);
+    let scratch = round(h.workers.max(1) as u64 * frame);
     let host_fixed = h.overhead + reads + scratch;
 
     let split = if h.unified {

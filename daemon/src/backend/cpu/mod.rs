@@ -328,6 +328,71 @@ impl CpuBackend {
         }
     }
 
+    /// `Backend::matmul` with the activations of decode rows 8-bit (`int8`) or f32.
+    #[allow(clippy::too_many_arguments)] // matmul's operands and the activation type
+    fn matmul_as(
+        &self,
+        x: &CpuMem,
+        rows: usize,
+        gemv_rows: usize,
+        w: WeightRef<'_, CpuMem>,
+        bias: Option<WeightRef<'_, CpuMem>>,
+        out: &mut CpuMem,
+        int8: bool,
+    ) {
+        let (m, k) = (w.rows, w.cols);
+        assert!(
+            x.len / 4 >= rows * k && out.len / 4 >= rows * m,
+            "matmul shapes: x {} f32, out {} f32 for [{rows}, {k}] x [{m}, {k}]^T",
+            x.len / 4,
+            out.len / 4
+        );
+        let rb = w.dtype.row_bytes(k as u64).expect("validated") as usize;
+        let wb = weight_bytes(&w);
+        let xs = &x.f32s()[..rows * k];
+        let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
+        assert!(gemv_rows <= rows);
+        let mut scratch = self.scratch();
+        let Scratch { xsums, q8: xq, .. } = &mut *scratch;
+        let mm = Matmul {
+            dtype: w.dtype,
+            wb,
+            rb,
+            xs,
+            k,
+            m,
+            out: optr,
+            threads: self.threads,
+        };
+        self.run(|par| {
+            // Single-token rows (decode) run through the dot-product kernels, whose result for
+            // a row does not depend on the other rows; the rest (prefill chunks) through
+            // dequantized tiles and sgemm, also row by row independent. So a sequence's
+            // numbers are the same alone or in any batch.
+            let g = gemv_rows;
+            if g > 0 && int8 && q8::covers(w.dtype) {
+                q8::quantize_rows(&xs[..g * k], k, xq);
+                mm.decode_rows_q8(par, g, xq);
+            } else if g > 0 && kernels::has_gemv4(w.dtype) {
+                kernels::block_sums_into(&xs[..g * k], xsums);
+                mm.decode_rows4(par, g, xsums);
+            } else if g > 0 {
+                mm.decode_rows(par, g);
+            }
+            if rows > g {
+                mm.prefill_rows(par, g, rows - g);
+            }
+        });
+        if let Some(b) = bias {
+            let bv = f32_vector(&b, &mut scratch.weights);
+            for orow in out.f32s_mut()[..rows * m].chunks_exact_mut(m) {
+                for (o, bb) in orow.iter_mut().zip(bv) {
+                    *o += bb;
+                }
+            }
+        }
+    }
+
     fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
         // A panicked op leaves only stale scratch contents behind.
         self.scratch.lock().unwrap_or_else(|e| e.into_inner())
@@ -508,58 +573,11 @@ impl Backend for CpuBackend {
         bias: Option<WeightRef<'_, CpuMem>>,
         out: &mut CpuMem,
     ) {
-        let (m, k) = (w.rows, w.cols);
-        assert!(
-            x.len / 4 >= rows * k && out.len / 4 >= rows * m,
-            "matmul shapes: x {} f32, out {} f32 for [{rows}, {k}] x [{m}, {k}]^T",
-            x.len / 4,
-            out.len / 4
-        );
-        let rb = w.dtype.row_bytes(k as u64).expect("validated") as usize;
-        let wb = weight_bytes(&w);
-        let xs = &x.f32s()[..rows * k];
-        let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
-        assert!(gemv_rows <= rows);
-        let mut scratch = self.scratch();
-        let int8 = self.int8_activations();
-        let Scratch { xsums, q8: xq, .. } = &mut *scratch;
-        let mm = Matmul {
-            dtype: w.dtype,
-            wb,
-            rb,
-            xs,
-            k,
-            m,
-            out: optr,
-            threads: self.threads,
-        };
-        self.run(|par| {
-            // Single-token rows (decode) run through the dot-product kernels, whose result for
-            // a row does not depend on the other rows; the rest (prefill chunks) through
-            // dequantized tiles and sgemm, also row by row independent. So a sequence's
-            // numbers are the same alone or in any batch.
-            let g = gemv_rows;
-            if g > 0 && int8 && q8::covers(w.dtype) {
-                q8::quantize_rows(&xs[..g * k], k, xq);
-                mm.decode_rows_q8(par, g, xq);
-            } else if g > 0 && kernels::has_gemv4(w.dtype) {
-                kernels::block_sums_into(&xs[..g * k], xsums);
-                mm.decode_rows4(par, g, xsums);
-            } else if g > 0 {
-                mm.decode_rows(par, g);
-            }
-            if rows > g {
-                mm.prefill_rows(par, g, rows - g);
-            }
-        });
-        if let Some(b) = bias {
-            let bv = f32_vector(&b, &mut scratch.weights);
-            for orow in out.f32s_mut()[..rows * m].chunks_exact_mut(m) {
-                for (o, bb) in orow.iter_mut().zip(bv) {
-                    *o += bb;
-                }
-            }
-        }
+        self.matmul_as(x, rows, gemv_rows, w, bias, out, self.int8_activations());
+    }
+
+    fn matmul_head(&self, x: &CpuMem, rows: usize, w: WeightRef<'_, CpuMem>, out: &mut CpuMem) {
+        self.matmul_as(x, rows, rows, w, None, out, false);
     }
 
     fn rope(
