@@ -72,6 +72,7 @@ pub struct PassStats {
     pub load_stall_s: f64,
     pub bytes_read: u64,
     pub bytes_decompressed: u64,
+    /// Bytes copied to the device (a unified backend: lent in their staging slots).
     pub bytes_uploaded: u64,
     pub bytes_from_host_cache: u64,
     /// Upload parts copied before their unit had finished decompressing.

@@ -148,7 +148,8 @@ pub struct Plan {
     pub prefetch: usize,
     pub units: Vec<UnitPlan>,
     /// Per forward pass: stored bytes read from disk, raw bytes copied from the host
-    /// cache, raw bytes uploaded to the device.
+    /// cache, raw bytes uploaded to the device (on a unified backend: lent to the compute in
+    /// their staging slots, not copied).
     pub disk_bytes_per_pass: u64,
     pub host_cache_bytes_per_pass: u64,
     pub upload_bytes_per_pass: u64,
@@ -710,10 +711,10 @@ fn plan_once(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
             Placement::Resident => {}
             Placement::Streamed => {
                 disk += loads * lu.stored_len;
-                // A unified backend computes in the staging slot: nothing is copied.
-                if !h.unified {
-                    upload += loads * lu.raw_len;
-                }
+                // Bytes handed to the compute per pass: copied to the device, or on a unified
+                // backend lent in their staging slot (PassStats::bytes_uploaded counts the
+                // same).
+                upload += loads * lu.raw_len;
             }
             Placement::HostCached => {
                 host += loads * lu.raw_len;
