@@ -29,6 +29,17 @@ pub fn rss_bytes() -> Option<u64> {
     status_bytes("VmRSS")
 }
 
+/// The resident set less its file-backed pages (RssAnon + RssShmem): what the kernel cannot
+/// reclaim. The executable's and libraries' text pages (RssFile) are clean page cache that
+/// a memory cgroup evicts under its limit and reads back as needed; VmRSS when the split is
+/// not reported.
+pub fn anon_rss_bytes() -> Option<u64> {
+    match (status_bytes("RssAnon"), status_bytes("RssShmem")) {
+        (Some(a), Some(s)) => Some(a + s),
+        _ => rss_bytes(),
+    }
+}
+
 /// The resident set's high-water mark (the kernel's own count of every page this process
 /// had at once: heap, stacks, buffers and the arena alike).
 pub fn peak_rss_bytes() -> Option<u64> {
@@ -133,7 +144,8 @@ pub fn default_host_budget() -> (Option<u64>, String) {
 /// every budget tested, most of it KV cache and workspace the plan reserves untouched.
 pub const OVERHEAD_MARGIN: u64 = 4 << 20;
 
-/// The overhead a plan starts from: the resident set now plus `OVERHEAD_MARGIN` and
+/// The overhead a plan starts from: the anonymous resident set now (`anon_rss_bytes`; the
+/// margin covers the text pages the hot loop keeps touched) plus `OVERHEAD_MARGIN` and
 /// `extra` (bytes the caller knows it will allocate, such as logits rows).
 pub fn overhead_now(extra: u64) -> u64 {
     // Start-up (manifest decode, tokenizer build) frees more than it keeps: hand the freed
@@ -142,7 +154,7 @@ pub fn overhead_now(extra: u64) -> u64 {
     unsafe {
         libc::malloc_trim(0);
     }
-    rss_bytes().unwrap_or(0) + OVERHEAD_MARGIN + extra
+    anon_rss_bytes().unwrap_or(0) + OVERHEAD_MARGIN + extra
 }
 
 /// Tells the kernel the cached pages of `file` are not needed again, so that a file read

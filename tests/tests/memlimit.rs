@@ -1,9 +1,9 @@
 //! `sluiced run --host-memory` inside a real memory cgroup of the same limit: at every size
 //! from "everything fits" down to the least the plan says runs, the process completes, is
-//! never OOM-killed, stays within the limit by the kernel's own count, and generates the
-//! same tokens as without a limit. Needs a cgroup this process may create a child of (v1
-//! `memory.limit_in_bytes` or v2 `memory.max`); where neither can be made the test says
-//! so and returns.
+//! never OOM-killed, stays within the limit by the kernel's own count (the cgroup's peak),
+//! plans no more than the limit, and generates the same tokens as without a limit. Needs a
+//! cgroup this process may create a child of (v1 `memory.limit_in_bytes` or v2
+//! `memory.max`); where neither can be made the test says so and returns.
 
 use sluice_tests::{bin, pack_store, sluiced, smollm2_gguf, stderr, stdout};
 use std::path::{Path, PathBuf};
@@ -199,7 +199,9 @@ fn sluiced_run_completes_within_its_host_memory_inside_a_cgroup_of_that_limit() 
         let planned = j["host_bytes_planned"].as_u64().unwrap();
         let peak = j["host_bytes_peak"].as_u64().unwrap();
         assert!(planned <= limit, "{label}: planned {planned} > {limit}");
-        assert!(peak <= limit, "{label}: VmHWM {peak} > {limit}");
+        // The kernel's own count: anonymous memory and the page cache charged to the
+        // cgroup. (VmHWM also counts the executable's file pages, which the plan leaves to
+        // the page cache and which may be charged to another cgroup: printed, not held.)
         assert!(cg.peak() <= limit, "{label}: cgroup peak {}", cg.peak());
         if label != "everything fits" {
             assert!(

@@ -80,6 +80,13 @@ impl Store {
         &self.manifest
     }
 
+    /// Frees the manifest's tokenizer description (a GGUF vocabulary is megabytes of
+    /// strings) once the tokenizer is built from it, so the process does not keep both;
+    /// the manifest's tokenizer is then an empty HF JSON.
+    pub fn release_tokenizer_spec(&mut self) {
+        self.manifest.tokenizer = super::format::TokenizerSpec::HfJson(String::new());
+    }
+
     pub fn units(&self) -> &[LayerUnit] {
         &self.manifest.units
     }

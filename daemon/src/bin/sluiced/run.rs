@@ -94,9 +94,11 @@ pub struct RunArgs {
 }
 
 pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
-    let store = std::sync::Arc::new(Store::open(&a.dir)?);
+    let mut store = Store::open(&a.dir)?;
+    let tok = Tokenizer::from_manifest(store.manifest())?;
+    store.release_tokenizer_spec();
+    let store = std::sync::Arc::new(store);
     let m = store.manifest();
-    let tok = Tokenizer::from_manifest(m)?;
     let prompt_ids = prompt_ids(&a, m, &tok)?;
     let max_context = a
         .max_context

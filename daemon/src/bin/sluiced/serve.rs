@@ -159,9 +159,11 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         .model
         .clone()
         .context("no model: pass --model DIR or set `model` in the config file")?;
-    let store = Arc::new(Store::open(&dir)?);
+    let mut store = Store::open(&dir)?;
+    let tokenizer = Arc::new(Tokenizer::from_manifest(store.manifest())?);
+    store.release_tokenizer_spec();
+    let store = Arc::new(store);
     let m = store.manifest();
-    let tokenizer = Arc::new(Tokenizer::from_manifest(m)?);
     let template = match &m.chat_template {
         Some(src) => {
             let piece = |id: Option<u32>| id.map(|i| tokenizer.piece(i)).unwrap_or_default();
