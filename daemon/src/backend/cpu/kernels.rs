@@ -792,11 +792,12 @@ pub fn dequant_rows(dtype: DType, w: &[u8], row_bytes: usize, cols: usize, out: 
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    /// Naive f64 references on random inputs, per dtype.
-    fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    /// Naive f64 references on random inputs, per dtype. (Uniform in [-1, 1), seeded;
+    /// `q8.rs`'s tests use it too.)
+    pub(in crate::backend::cpu) fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
         let mut s = seed;
         (0..n)
             .map(|_| {

@@ -214,18 +214,11 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::backend::cpu::kernels::tests::rand_vec;
     use crate::dtype::ggml;
 
     fn rng_floats(seed: u64, n: usize) -> Vec<f32> {
-        let mut s = seed;
-        (0..n)
-            .map(|_| {
-                s = s
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
+        rand_vec(n, seed)
     }
 
     #[test]
