@@ -20,7 +20,7 @@ n=${SLURM_ARRAY_TASK_COUNT:?run as a Slurm array}
 sock="/tmp/sluiced-$SLURM_JOB_ID-$k.sock"
 mkdir -p "$outdir"
 
-sluiced serve --model "$model" --config /dev/null --listen 127.0.0.1:0 --unix "$sock" \
+sluiced serve --model "$model" --config /dev/null --listen 127.0.0.1:0 --http-listen off --unix "$sock" \
   --max-batch 16 --max-context 4096 &
 daemon=$!
 trap 'kill $daemon 2>/dev/null || true; wait $daemon 2>/dev/null || true' EXIT

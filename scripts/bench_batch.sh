@@ -30,7 +30,7 @@ with open(sys.argv[1], "w") as f:
         f.write(json.dumps({"id": f"doc-{i}", "text": text}) + "\n")
 PY
 port=50099
-./target/release/sluiced serve --model "$tmp/smollm2" --listen 127.0.0.1:$port --config /dev/null --max-batch "$max_batch" \
+./target/release/sluiced serve --model "$tmp/smollm2" --listen 127.0.0.1:$port --http-listen off --config /dev/null --max-batch "$max_batch" \
   --max-context 512 --device-memory "$device" 2>"$tmp/serve.log" &
 daemon=$!
 export SLUICE_ADDR=http://127.0.0.1:$port

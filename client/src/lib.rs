@@ -3,6 +3,8 @@
 
 use pb::inference_client::InferenceClient;
 pub use sluice_proto::v1 as pb;
+use tonic::metadata::{Ascii, MetadataValue};
+use tonic::service::interceptor::InterceptedService;
 use tonic::transport::{Channel, Endpoint, Uri};
 
 pub const DEFAULT_ADDR: &str = "http://127.0.0.1:50051";
@@ -14,7 +16,38 @@ pub fn resolve_addr(flag: Option<&str>) -> String {
         .unwrap_or_else(|| DEFAULT_ADDR.to_string())
 }
 
-pub async fn connect(addr: &str) -> anyhow::Result<InferenceClient<Channel>> {
+/// Where the daemon is and the key to show it.
+#[derive(Clone, Debug)]
+pub struct Target {
+    pub addr: String,
+    /// Sent as `authorization: Bearer KEY` on every call.
+    pub api_key: Option<String>,
+}
+
+/// Adds the key to every call.
+#[derive(Clone)]
+pub struct Auth(Option<MetadataValue<Ascii>>);
+
+impl tonic::service::Interceptor for Auth {
+    fn call(&mut self, mut req: tonic::Request<()>) -> Result<tonic::Request<()>, tonic::Status> {
+        if let Some(v) = &self.0 {
+            req.metadata_mut().insert("authorization", v.clone());
+        }
+        Ok(req)
+    }
+}
+
+pub type Client = InferenceClient<InterceptedService<Channel, Auth>>;
+
+pub async fn connect(target: &Target) -> anyhow::Result<Client> {
+    let auth =
+        match &target.api_key {
+            Some(k) => Some(format!("Bearer {k}").parse().map_err(|_| {
+                anyhow::anyhow!("the API key has characters a header cannot carry")
+            })?),
+            None => None,
+        };
+    let addr = target.addr.as_str();
     let channel = if let Some(path) = addr.strip_prefix("unix:") {
         let path = std::path::PathBuf::from(path);
         // The URI is a placeholder: the connector dials the socket.
@@ -42,5 +75,5 @@ pub async fn connect(addr: &str) -> anyhow::Result<InferenceClient<Channel>> {
                 anyhow::anyhow!("connect to {uri}: {e}; is sluiced serve running there?")
             })?
     };
-    Ok(InferenceClient::new(channel).max_decoding_message_size(64 << 20))
+    Ok(InferenceClient::with_interceptor(channel, Auth(auth)).max_decoding_message_size(64 << 20))
 }

@@ -2,7 +2,7 @@
 
 use anyhow::{bail, Context, Result};
 use clap::{Parser, Subcommand};
-use sluice_client::{connect, pb, resolve_addr};
+use sluice_client::{connect, pb, resolve_addr, Client, Target};
 use std::collections::HashSet;
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
@@ -18,6 +18,9 @@ struct Cli {
     /// Daemon address: http://host:port or unix:/path (default: $SLUICE_ADDR, else http://127.0.0.1:50051).
     #[arg(long, global = true)]
     addr: Option<String>,
+    /// API key of a daemon that requires one (sent as `authorization: Bearer KEY`).
+    #[arg(long, global = true, env = "SLUICE_API_KEY", hide_env_values = true)]
+    api_key: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -135,7 +138,7 @@ struct Outcome {
 
 /// Runs one Generate call; `on_piece` sees text as it streams.
 async fn generate(
-    client: &mut pb::inference_client::InferenceClient<tonic::transport::Channel>,
+    client: &mut Client,
     req: pb::GenerateRequest,
     mut on_piece: impl FnMut(&str),
 ) -> Result<Outcome, tonic::Status> {
@@ -184,7 +187,10 @@ async fn main() -> std::process::ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<()> {
-    let addr = resolve_addr(cli.addr.as_deref());
+    let addr = Target {
+        addr: resolve_addr(cli.addr.as_deref()),
+        api_key: cli.api_key,
+    };
     match cli.cmd {
         Cmd::Generate {
             prompt,
@@ -225,7 +231,7 @@ async fn run(cli: Cli) -> Result<()> {
 
 /// `sluice generate`: streams the text, or prints one JSON object.
 async fn cmd_generate(
-    addr: &str,
+    addr: &Target,
     prompt: String,
     chat: bool,
     system: Option<String>,
@@ -287,7 +293,7 @@ async fn cmd_generate(
 }
 
 /// `sluice chat`: an interactive chat that keeps the history.
-async fn cmd_chat(addr: &str, system: Option<String>, s: Sampling) -> Result<()> {
+async fn cmd_chat(addr: &Target, system: Option<String>, s: Sampling) -> Result<()> {
     let mut client = connect(addr).await?;
     let mut history: Vec<pb::ChatMessage> = Vec::new();
     let stdin = std::io::stdin();
@@ -330,7 +336,7 @@ async fn cmd_chat(addr: &str, system: Option<String>, s: Sampling) -> Result<()>
 }
 
 /// `sluice status`: the daemon's plan, per-stage rates and queue.
-async fn cmd_status(addr: &str, json: bool) -> Result<()> {
+async fn cmd_status(addr: &Target, json: bool) -> Result<()> {
     let mut client = connect(addr).await?;
     let st = client
         .status(pb::StatusRequest {})
@@ -414,7 +420,7 @@ async fn cmd_status(addr: &str, json: bool) -> Result<()> {
 }
 
 /// `sluice models`.
-async fn cmd_models(addr: &str) -> Result<()> {
+async fn cmd_models(addr: &Target) -> Result<()> {
     let mut client = connect(addr).await?;
     let r = client
         .list_models(pb::ListModelsRequest {})
@@ -438,7 +444,7 @@ async fn cmd_models(addr: &str) -> Result<()> {
 }
 
 /// `sluice tokenize`.
-async fn cmd_tokenize(addr: &str, text: String, add_special_tokens: bool) -> Result<()> {
+async fn cmd_tokenize(addr: &Target, text: String, add_special_tokens: bool) -> Result<()> {
     let mut client = connect(addr).await?;
     let r = client
         .tokenize(pb::TokenizeRequest {
@@ -577,7 +583,7 @@ struct BatchJob {
     s: Sampling,
 }
 
-async fn batch(addr: &str, job: BatchJob) -> Result<()> {
+async fn batch(addr: &Target, job: BatchJob) -> Result<()> {
     let BatchJob {
         input,
         output,

@@ -146,3 +146,135 @@ pub fn pack_store(
     sluice::store::writer::pack(&model, &units, out, &opts, |_| {}).expect("pack");
     std::sync::Arc::new(sluice::store::Store::open(out).expect("open the packed store"))
 }
+
+/// Prompts for the daemon tests, one per client.
+pub const PROMPTS: [&str; 16] = [
+    "The history of the printing press begins",
+    "Photosynthesis is the process by which",
+    "The three laws of motion state that",
+    "A good way to learn a new language is",
+    "The tallest mountain in the world",
+    "In computer science, a hash table",
+    "The French Revolution started because",
+    "To bake bread at home, you need",
+    "The ocean covers most of the planet and",
+    "Volcanoes form when",
+    "The first airplane flight took place",
+    "A healthy breakfast usually includes",
+    "The human heart has four chambers that",
+    "Jazz music originated in",
+    "The speed of light is",
+    "Electric cars are becoming popular because",
+];
+
+/// A free TCP port on loopback (bound, then released for the daemon to take).
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port on loopback")
+        .port()
+}
+
+/// `sluiced serve` on SmolLM2 (packed with lz4 into a temporary store) as a real process
+/// on loopback: gRPC at `addr`, the HTTP API at `http`. Killed when dropped.
+pub struct Daemon {
+    pub child: std::process::Child,
+    /// gRPC, `http://127.0.0.1:PORT`.
+    pub addr: String,
+    /// The HTTP API, `http://127.0.0.1:PORT`.
+    pub http: String,
+    pub tmp: tempfile::TempDir,
+}
+
+impl Daemon {
+    /// Packs SmolLM2 and starts the daemon with `extra` flags; returns once `/health`
+    /// answers 200 (sent with the `--api-key` of `extra` when there is one).
+    pub fn start(extra: &[&str]) -> Daemon {
+        let tmp = tempfile::tempdir().expect("temp dir");
+        let store = tmp.path().join("smollm2");
+        sluiced_ok(&[
+            "pack",
+            smollm2_gguf().to_str().expect("utf-8 path"),
+            "-o",
+            store.to_str().expect("utf-8 path"),
+            "--codec",
+            "lz4",
+        ]);
+        let listen = format!("127.0.0.1:{}", free_port());
+        let http_listen = format!("127.0.0.1:{}", free_port());
+        let mut args = vec![
+            "serve",
+            "--model",
+            store.to_str().expect("utf-8 path"),
+            "--listen",
+            &listen,
+            "--http-listen",
+            &http_listen,
+            "--config",
+            "/dev/null",
+        ];
+        args.extend_from_slice(extra);
+        let child = Command::new(bin("sluiced"))
+            .args(&args)
+            .env("RUST_LOG", "warn")
+            .env_remove("SLUICE_API_KEY")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn sluiced serve");
+        let key = extra
+            .iter()
+            .position(|a| *a == "--api-key")
+            .map(|i| extra[i + 1].to_string());
+        let mut d = Daemon {
+            child,
+            addr: format!("http://{listen}"),
+            http: format!("http://{http_listen}"),
+            tmp,
+        };
+        let t0 = std::time::Instant::now();
+        loop {
+            let mut c = vec!["-s", "-o", "/dev/null", "-w", "%{http_code}"];
+            let auth = key.as_ref().map(|k| format!("Authorization: Bearer {k}"));
+            if let Some(a) = &auth {
+                c.extend(["-H", a.as_str()]);
+            }
+            let url = format!("{}/health", d.http);
+            c.push(&url);
+            if stdout(&curl(&c)) == "200" {
+                return d;
+            }
+            if let Some(status) = d.child.try_wait().expect("wait on sluiced") {
+                let mut err = String::new();
+                if let Some(mut e) = d.child.stderr.take() {
+                    let _ = std::io::Read::read_to_string(&mut e, &mut err);
+                }
+                panic!("sluiced serve exited with {status}: {err}");
+            }
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(60),
+                "the daemon did not come up"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
+    pub fn store(&self) -> PathBuf {
+        self.tmp.path().join("smollm2")
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Runs curl (an HTTP client nobody here wrote) with `args`.
+pub fn curl(args: &[&str]) -> Output {
+    Command::new("curl")
+        .args(args)
+        .output()
+        .expect("curl is missing: apt-get install curl (.ci/run does)")
+}

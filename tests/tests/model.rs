@@ -379,6 +379,7 @@ fn smollm2_greedy_continuations_match_transformers() {
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             ignore_eos: false,
+            logprobs: None,
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(
@@ -599,6 +600,7 @@ fn gemma3_270m_matches_transformers() {
             sampling: SamplingParams::default(),
             stop: Vec::new(),
             ignore_eos: true,
+            logprobs: None,
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(

@@ -4,88 +4,9 @@
 use serde_json::Value;
 use sluice_tests::*;
 use std::io::Read;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
-
-struct Daemon {
-    child: Child,
-    addr: String,
-    _tmp: tempfile::TempDir,
-}
-
-impl Daemon {
-    fn start(extra: &[&str]) -> Daemon {
-        let tmp = tempfile::tempdir().unwrap();
-        let store = tmp.path().join("smollm2");
-        sluiced_ok(&[
-            "pack",
-            smollm2_gguf().to_str().unwrap(),
-            "-o",
-            store.to_str().unwrap(),
-            "--codec",
-            "lz4",
-        ]);
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
-        let listen = format!("127.0.0.1:{port}");
-        let mut args = vec![
-            "serve",
-            "--model",
-            store.to_str().unwrap(),
-            "--listen",
-            &listen,
-            "--config",
-            "/dev/null",
-        ];
-        args.extend_from_slice(extra);
-        let child = Command::new(bin("sluiced"))
-            .args(&args)
-            .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .stderr(Stdio::piped())
-            .spawn()
-            .unwrap();
-        let mut d = Daemon {
-            child,
-            addr: format!("http://{listen}"),
-            _tmp: tmp,
-        };
-        let t0 = Instant::now();
-        while !sluice(&d.addr, &["models"]).status.success() {
-            if let Some(status) = d.child.try_wait().unwrap() {
-                let mut err = String::new();
-                d.child
-                    .stderr
-                    .take()
-                    .unwrap()
-                    .read_to_string(&mut err)
-                    .unwrap();
-                panic!("sluiced serve exited with {status}: {err}");
-            }
-            assert!(
-                t0.elapsed() < Duration::from_secs(60),
-                "the daemon did not come up"
-            );
-            std::thread::sleep(Duration::from_millis(100));
-        }
-        d
-    }
-
-    fn store(&self) -> PathBuf {
-        self._tmp.path().join("smollm2")
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
 
 /// `sluice --addr ADDR ARGS...` running in the background, stdout and stderr piped.
 fn spawn_sluice(addr: &str, args: &[&str]) -> Child {
@@ -122,25 +43,6 @@ fn generate_json(addr: &str, prompt: &str, max_tokens: u32) -> Value {
     assert!(o.status.success(), "sluice generate failed: {}", stderr(&o));
     serde_json::from_str(&stdout(&o)).unwrap()
 }
-
-const PROMPTS: [&str; 16] = [
-    "The history of the printing press begins",
-    "Photosynthesis is the process by which",
-    "The three laws of motion state that",
-    "A good way to learn a new language is",
-    "The tallest mountain in the world",
-    "In computer science, a hash table",
-    "The French Revolution started because",
-    "To bake bread at home, you need",
-    "The ocean covers most of the planet and",
-    "Volcanoes form when",
-    "The first airplane flight took place",
-    "A healthy breakfast usually includes",
-    "The human heart has four chambers that",
-    "Jazz music originated in",
-    "The speed of light is",
-    "Electric cars are becoming popular because",
-];
 
 #[test]
 fn generate_streams_and_matches_sluiced_run() {

@@ -26,6 +26,8 @@ pub enum Event {
     Piece {
         text: String,
         token_ids: Vec<u32>,
+        /// One per token id when the request asked for log-probabilities.
+        logprobs: Vec<crate::text::TokenLogprob>,
     },
     Done(Done),
     /// The step that carried the request failed (bad stored data: DATA_LOSS).
@@ -33,6 +35,16 @@ pub enum Event {
         data_loss: bool,
         message: String,
     },
+}
+
+impl From<Piece> for Event {
+    fn from(p: Piece) -> Event {
+        Event::Piece {
+            text: p.text,
+            token_ids: p.token_ids,
+            logprobs: p.logprobs,
+        }
+    }
 }
 
 pub struct Request {
@@ -76,6 +88,10 @@ pub struct Status {
     pub bytes_streamed_total: u64,
     pub device_bytes_peak: u64,
     pub stages: StageRates,
+    /// Every pass since the start, summed (bytes read, decompressed, uploaded, seconds of
+    /// compute, upload and load stall), and the I/O engine's counters.
+    pub totals: crate::pipeline::PassStats,
+    pub io: crate::io::IoStats,
 }
 
 /// Limits of the scheduler.
@@ -333,11 +349,11 @@ impl Scheduler {
             let a = &mut st.active[k];
             decoded += usize::from(a.seq.is_decoding());
             let logits = &st.logits[row * vocab..(row + 1) * vocab];
-            if let Some(Piece { text, token_ids }) =
-                a.seq
-                    .advance(step.tokens.len(), logits, &self.tokenizer, pass_bytes)
+            if let Some(p) = a
+                .seq
+                .advance(step.tokens.len(), logits, &self.tokenizer, pass_bytes)
             {
-                let _ = a.events.send(Event::Piece { text, token_ids });
+                let _ = a.events.send(p.into());
             }
         }
         if decoded > 0 {
@@ -355,8 +371,8 @@ impl Scheduler {
                 let a = st.active.swap_remove(k);
                 st.free_slots.push(a.seq.slot());
                 let (tail, done) = a.seq.close(why, &self.tokenizer);
-                if let Some(Piece { text, token_ids }) = tail {
-                    let _ = a.events.send(Event::Piece { text, token_ids });
+                if let Some(p) = tail {
+                    let _ = a.events.send(p.into());
                 }
                 let _ = a.events.send(Event::Done(done));
             }
@@ -401,6 +417,8 @@ impl Scheduler {
         s.bytes_streamed_total = t.bytes_uploaded;
         s.device_bytes_peak = runner.backend.budget().peak();
         s.stages = st;
+        s.totals = t.clone();
+        s.io = io;
     }
 }
 

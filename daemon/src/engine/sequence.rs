@@ -12,7 +12,7 @@
 
 use crate::model::SeqStep;
 use crate::text::detok::{Detokenizer, StopMatcher};
-use crate::text::{Sampler, SamplingParams, Tokenizer};
+use crate::text::{Sampler, SamplingParams, TokenLogprob, Tokenizer};
 use serde::Serialize;
 use std::time::Instant;
 
@@ -23,6 +23,8 @@ pub struct GenerateParams {
     pub stop: Vec<String>,
     /// Generate past end tokens (benchmarks); they are then ordinary tokens.
     pub ignore_eos: bool,
+    /// Each generated token's log-probability with this many alternatives (None: off).
+    pub logprobs: Option<usize>,
 }
 
 /// Why a sequence ended.
@@ -71,10 +73,12 @@ pub fn validate(prompt: &[u32], params: &GenerateParams, limits: SeqLimits) -> R
 }
 
 /// New text and the token ids that produced it since the last piece.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq)]
 pub struct Piece {
     pub text: String,
     pub token_ids: Vec<u32>,
+    /// One per token id when log-probabilities were asked for, else empty.
+    pub logprobs: Vec<TokenLogprob>,
 }
 
 /// A sequence's totals once it has ended.
@@ -102,6 +106,7 @@ pub struct Sequence {
     pending: Option<u32>,
     generated: Vec<u32>,
     unsent_ids: Vec<u32>,
+    unsent_logprobs: Vec<TokenLogprob>,
     sampler: Sampler,
     detok: Detokenizer,
     stops: StopMatcher,
@@ -133,6 +138,7 @@ impl Sequence {
             pending: None,
             generated: Vec::new(),
             unsent_ids: Vec::new(),
+            unsent_logprobs: Vec::new(),
             detok: Detokenizer::default(),
             finished: None,
             t_admit: Instant::now(),
@@ -227,6 +233,10 @@ impl Sequence {
         self.t_first.get_or_insert_with(Instant::now);
         self.generated.push(token);
         self.unsent_ids.push(token);
+        if let Some(top) = self.params.logprobs {
+            self.unsent_logprobs
+                .push(crate::text::sampler::logprobs(logits, token, top));
+        }
         if tok.is_end(token) && !self.params.ignore_eos {
             self.finished = Some(Finish::Stop);
             return None;
@@ -235,6 +245,7 @@ impl Sequence {
         let piece = (!text.is_empty()).then(|| Piece {
             text,
             token_ids: std::mem::take(&mut self.unsent_ids),
+            logprobs: std::mem::take(&mut self.unsent_logprobs),
         });
         if stopped {
             self.finished = Some(Finish::StopString);
@@ -261,6 +272,7 @@ impl Sequence {
                 tail = Some(Piece {
                     text,
                     token_ids: std::mem::take(&mut self.unsent_ids),
+                    logprobs: std::mem::take(&mut self.unsent_logprobs),
                 });
             }
         }

@@ -106,7 +106,8 @@ fn an_end_token_stops_before_a_stop_string_and_gives_no_text() {
         tail,
         Some(Piece {
             text: String::new(),
-            token_ids: vec![END_TOKEN]
+            token_ids: vec![END_TOKEN],
+            logprobs: Vec::new(),
         })
     );
     assert_eq!(done.finish, Finish::Stop);

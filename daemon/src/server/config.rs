@@ -16,6 +16,23 @@ pub struct ServeConfig {
     pub listen: String,
     /// Also serve on this Unix socket.
     pub unix: Option<PathBuf>,
+    /// The socket's group (it is created with mode 0660): members may connect.
+    pub unix_group: Option<String>,
+    /// The OpenAI-compatible HTTP API's address, e.g. "127.0.0.1:8080"; "off" disables it.
+    pub http_listen: String,
+    /// An API key requests must present (HTTP `Authorization: Bearer KEY`, gRPC
+    /// `authorization` metadata). Prefer `api_key_file`: the config may be world-readable.
+    pub api_key: Option<String>,
+    /// A file of API keys, one per line (`#` comments).
+    pub api_key_file: Option<PathBuf>,
+    /// Listen beyond loopback without a key (anyone who reaches the port may use it).
+    pub insecure_no_auth: bool,
+    /// Paths that answer without a key: any of "/health", "/metrics".
+    pub public_paths: Vec<String>,
+    /// Bytes of one request body (HTTP) or message (gRPC).
+    pub max_request_bytes: ByteSize,
+    /// Chat messages (or completion prompts) in one request.
+    pub max_messages: usize,
     /// Device memory budget, e.g. "8GiB"; unset: every layer resident.
     pub device_memory: Option<ByteSize>,
     /// Host memory for decompressed streamed layers.
@@ -55,6 +72,14 @@ impl Default for ServeConfig {
             model: None,
             listen: "127.0.0.1:50051".into(),
             unix: None,
+            unix_group: None,
+            http_listen: "127.0.0.1:8080".into(),
+            api_key: None,
+            api_key_file: None,
+            insecure_no_auth: false,
+            public_paths: vec!["/health".into(), "/metrics".into()],
+            max_request_bytes: ByteSize(8 << 20),
+            max_messages: 1024,
             device_memory: None,
             host_cache: ByteSize(0),
             host_memory: None,
@@ -100,6 +125,20 @@ impl ServeConfig {
         // Every decoding sequence puts one token in each pass.
         if self.batch_tokens < self.max_batch {
             return Err(format!("batch_tokens ({}) must be at least max_batch ({}): each decoding sequence adds a token to every pass", self.batch_tokens, self.max_batch));
+        }
+        if let Some(p) = self
+            .public_paths
+            .iter()
+            .find(|p| !matches!(p.as_str(), "/health" | "/metrics"))
+        {
+            return Err(format!(
+                "public_paths: {p:?} cannot be public; only \"/health\" and \"/metrics\" can"
+            ));
+        }
+        if self.max_request_bytes.0 < 1024 || self.max_messages == 0 {
+            return Err(
+                "max_request_bytes must be at least 1KiB and max_messages at least 1".into(),
+            );
         }
         Ok(())
     }

@@ -1,8 +1,15 @@
-//! The gRPC server: `sluice.v1.Inference` over tonic, with reflection and grpc.health.v1,
-//! on TCP and optionally a Unix socket; config from TOML with flags overriding; systemd
-//! readiness; SIGTERM drains. Proto types stay in this module (and the client).
+//! The daemon's wires: gRPC (`sluice.v1.Inference` over tonic, with reflection and
+//! grpc.health.v1) and the OpenAI-compatible HTTP API (axum), both on one scheduler, with
+//! one request validation (`api.rs`), API keys (`auth.rs`) and Prometheus metrics; config
+//! from TOML with flags overriding. Proto types stay in `service.rs` (and the client),
+//! OpenAI's JSON in `openai.rs` and `http.rs`.
 
+pub mod api;
+pub mod auth;
 pub mod config;
+pub mod http;
+pub mod metrics;
+pub mod openai;
 pub mod service;
 
 pub use config::ServeConfig;

@@ -1,10 +1,11 @@
 //! The `sluice.v1.Inference` service. Conversion between engine errors and gRPC status
 //! codes happens here and nowhere else.
 
-use crate::engine::scheduler::{Event, Finish, Request, Scheduler, SubmitError};
-use crate::engine::sequence::GenerateParams;
+use super::api::{ApiError, ErrorKind, Frontend, GenerateInput, Prompt};
+use super::metrics::Api;
+use crate::engine::scheduler::{Event, Finish};
 use crate::plan::{Placement, Plan};
-use crate::text::{ChatMessage, ChatTemplate, SamplingParams};
+use crate::text::{ChatMessage, SamplingParams};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::inference_server::Inference;
 use std::pin::Pin;
@@ -12,36 +13,27 @@ use std::sync::Arc;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request as GrpcRequest, Response, Status};
 
-pub struct ModelMeta {
-    pub name: String,
-    pub architecture: String,
-    pub layers: u32,
-    pub hidden: u32,
-    pub vocab: u32,
-    pub context: u32,
-    pub stored_bytes: u64,
-    pub raw_bytes: u64,
-}
-
 pub struct Service {
-    pub sched: Scheduler,
-    pub meta: ModelMeta,
-    pub template: Option<Arc<ChatTemplate>>,
+    pub front: Arc<Frontend>,
     pub plan: Plan,
     pub backend: String,
     pub device_budget: u64,
-    pub max_tokens_default: u32,
     /// The numerics the pipeline runs: "exact" or "fast", and the KV cache type.
     pub numerics: &'static str,
     pub kv_dtype: crate::backend::KvDtype,
 }
 
-/// The one place engine errors become gRPC status codes.
-fn status_of(e: SubmitError) -> Status {
-    match e {
-        SubmitError::QueueFull(_) => Status::resource_exhausted(e.to_string()),
-        SubmitError::ShuttingDown => Status::unavailable(e.to_string()),
-        SubmitError::Invalid(_) => Status::invalid_argument(e.to_string()),
+/// The one place request errors become gRPC status codes.
+pub fn status_of(e: ApiError) -> Status {
+    let m = e.message;
+    match e.kind {
+        ErrorKind::Invalid => Status::invalid_argument(m),
+        ErrorKind::ModelNotFound => Status::not_found(m),
+        ErrorKind::Unauthenticated => Status::unauthenticated(m),
+        ErrorKind::QueueFull => Status::resource_exhausted(m),
+        ErrorKind::Unavailable => Status::unavailable(m),
+        ErrorKind::DataLoss => Status::data_loss(m),
+        ErrorKind::Internal => Status::internal(m),
     }
 }
 
@@ -55,51 +47,37 @@ fn finish_reason(f: Finish) -> pb::FinishReason {
     }
 }
 
-impl Service {
-    fn check_model(&self, model: &str) -> Result<(), Status> {
-        if model.is_empty() || model == self.meta.name {
-            Ok(())
-        } else {
-            Err(Status::not_found(format!(
-                "model {model:?} is not served here; this daemon serves {:?}",
-                self.meta.name
-            )))
-        }
-    }
-
-    fn prompt_ids(&self, r: &pb::GenerateRequest) -> Result<Vec<u32>, Status> {
-        let tok = &self.sched.tokenizer;
-        if !r.prompt_token_ids.is_empty() {
-            return Ok(r.prompt_token_ids.clone());
-        }
-        if !r.messages.is_empty() {
-            let t = self.template.as_ref().ok_or_else(|| {
-                Status::invalid_argument(
-                    "this model has no chat template; send `prompt` instead of `messages`",
-                )
-            })?;
-            let msgs: Vec<ChatMessage> = r
-                .messages
-                .iter()
+/// The request in the shape both wires share: token ids first, then messages, then text.
+fn input_of(r: pb::GenerateRequest) -> GenerateInput {
+    let prompt = if !r.prompt_token_ids.is_empty() {
+        Prompt::Ids(r.prompt_token_ids)
+    } else if !r.messages.is_empty() {
+        Prompt::Messages(
+            r.messages
+                .into_iter()
                 .map(|m| ChatMessage {
-                    role: m.role.clone(),
-                    content: m.content.clone(),
+                    role: m.role,
+                    content: m.content,
                 })
-                .collect();
-            let text = t
-                .render(&msgs, true)
-                .map_err(|e| Status::invalid_argument(e.to_string()))?;
-            return tok
-                .encode(&text, false)
-                .map_err(|e| Status::invalid_argument(e.to_string()));
-        }
-        if r.prompt.is_empty() {
-            return Err(Status::invalid_argument(
-                "the request has no prompt, messages or prompt_token_ids",
-            ));
-        }
-        tok.encode(&r.prompt, true)
-            .map_err(|e| Status::invalid_argument(e.to_string()))
+                .collect(),
+        )
+    } else {
+        Prompt::Text(r.prompt)
+    };
+    let s = r.sampling.unwrap_or_default();
+    GenerateInput {
+        model: r.model,
+        prompt,
+        max_tokens: (r.max_tokens != 0).then_some(r.max_tokens),
+        sampling: SamplingParams {
+            temperature: s.temperature,
+            top_k: s.top_k as usize,
+            top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
+            min_p: s.min_p,
+            seed: s.seed,
+        },
+        stop: r.stop,
+        logprobs: None,
     }
 }
 
@@ -113,38 +91,16 @@ impl Inference for Service {
         &self,
         req: GrpcRequest<pb::GenerateRequest>,
     ) -> Result<Response<GenStream>, Status> {
-        let r = req.into_inner();
-        self.check_model(&r.model)?;
-        let prompt_ids = self.prompt_ids(&r)?;
-        let s = r.sampling.unwrap_or_default();
-        let params = GenerateParams {
-            max_tokens: if r.max_tokens == 0 {
-                self.max_tokens_default
-            } else {
-                r.max_tokens
-            } as usize,
-            sampling: SamplingParams {
-                temperature: s.temperature,
-                top_k: s.top_k as usize,
-                top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
-                min_p: s.min_p,
-                seed: s.seed,
-            },
-            stop: r.stop,
-            ignore_eos: false,
-        };
-        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-        self.sched
-            .submit(Request {
-                prompt_ids,
-                params,
-                events: tx,
-            })
+        let sub = self
+            .front
+            .submit(Api::Grpc, input_of(req.into_inner()))
             .map_err(status_of)?;
         // The stream ends after Done (the engine drops its sender); a client that goes away
         // drops the receiver, which the engine sees and evicts the sequence.
-        let stream = tokio_stream::wrappers::UnboundedReceiverStream::new(rx).map(|ev| match ev {
-            Event::Piece { text, token_ids } => Ok(pb::GenerateResponse {
+        let stream = sub.events.map(|ev| match ev {
+            Event::Piece {
+                text, token_ids, ..
+            } => Ok(pb::GenerateResponse {
                 event: Some(pb::generate_response::Event::Piece(pb::TokenPiece {
                     text,
                     token_ids,
@@ -182,8 +138,8 @@ impl Inference for Service {
         req: GrpcRequest<pb::TokenizeRequest>,
     ) -> Result<Response<pb::TokenizeResponse>, Status> {
         let r = req.into_inner();
-        self.check_model(&r.model)?;
-        let tok = &self.sched.tokenizer;
+        self.front.check_model(&r.model).map_err(status_of)?;
+        let tok = &self.front.sched.tokenizer;
         let ids = tok
             .encode(&r.text, r.add_special_tokens)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
@@ -198,7 +154,7 @@ impl Inference for Service {
         &self,
         _req: GrpcRequest<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
-        let m = &self.meta;
+        let m = &self.front.meta;
         Ok(Response::new(pb::ListModelsResponse {
             models: vec![pb::ModelInfo {
                 name: m.name.clone(),
@@ -217,7 +173,7 @@ impl Inference for Service {
         &self,
         _req: GrpcRequest<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
-        let s = self.sched.status();
+        let s = self.front.sched.status();
         let p = &self.plan;
         let st = &s.stages;
         let stage = |name: &str, rate: f64, secs: f64| pb::StageThroughput {
@@ -226,7 +182,7 @@ impl Inference for Service {
             stall_s: secs,
         };
         Ok(Response::new(pb::StatusResponse {
-            model: self.meta.name.clone(),
+            model: self.front.meta.name.clone(),
             backend: self.backend.clone(),
             device_bytes_budget: self.device_budget,
             device_bytes_peak: s.device_bytes_peak,

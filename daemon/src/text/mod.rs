@@ -6,6 +6,6 @@ pub mod spm;
 pub mod template;
 pub mod tokenizer;
 
-pub use sampler::{Sampler, SamplingParams};
+pub use sampler::{Sampler, SamplingParams, TokenLogprob};
 pub use template::{ChatMessage, ChatTemplate};
 pub use tokenizer::Tokenizer;

@@ -137,6 +137,44 @@ impl Sampler {
     }
 }
 
+/// A generated token's log-probability under the model's distribution (the logits before
+/// temperature and truncation), and the most likely tokens at that position.
+#[derive(Clone, Debug, PartialEq)]
+pub struct TokenLogprob {
+    pub id: u32,
+    pub logprob: f32,
+    /// Up to the asked number of (token, log-probability), most likely first.
+    pub top: Vec<(u32, f32)>,
+}
+
+/// `chosen`'s log-softmax over `logits` and the `top` most likely tokens: one pass for the
+/// maximum, one for the sum, and a small sorted list for the top (no allocation but the
+/// result's).
+pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> TokenLogprob {
+    let mx = logits.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let sum: f64 = logits.iter().map(|&l| f64::from((l - mx).exp())).sum();
+    let lse = mx + sum.ln() as f32;
+    let mut best: Vec<(u32, f32)> = Vec::with_capacity(top + 1);
+    if top > 0 {
+        for (i, &l) in logits.iter().enumerate() {
+            if best.len() == top && best[top - 1].1 >= l {
+                continue;
+            }
+            // After the last entry at least as large: ties keep the lower id first.
+            let at = best.partition_point(|b| b.1 >= l);
+            best.insert(at, (i as u32, l));
+            best.truncate(top);
+        }
+    }
+    TokenLogprob {
+        id: chosen,
+        logprob: logits
+            .get(chosen as usize)
+            .map_or(f32::NEG_INFINITY, |&l| l - lse),
+        top: best.into_iter().map(|(i, l)| (i, l - lse)).collect(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -190,5 +228,17 @@ mod tests {
             ..Default::default()
         });
         assert!((0..50).all(|_| s.sample(&logits) == order[0]));
+    }
+
+    #[test]
+    fn logprobs_are_a_log_softmax_with_the_top_tokens_in_order() {
+        let logits = [1.0f32, 3.0, 2.0, 3.0, -1.0];
+        let lp = super::logprobs(&logits, 2, 3);
+        let z: f64 = logits.iter().map(|&l| (l as f64).exp()).sum();
+        assert!((lp.logprob as f64 - (2.0 - z.ln())).abs() < 1e-5);
+        let ids: Vec<u32> = lp.top.iter().map(|t| t.0).collect();
+        assert_eq!(ids, [1, 3, 2], "most likely first, lower id first on a tie");
+        assert!((lp.top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-5);
+        assert!(super::logprobs(&logits, 0, 0).top.is_empty());
     }
 }

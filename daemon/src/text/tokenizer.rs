@@ -153,6 +153,37 @@ impl Tokenizer {
         }
     }
 
+    /// The bytes token `id` stands for in text (special tokens: their string), whole even
+    /// where they end inside a UTF-8 character, as OpenAI's logprobs `bytes` are.
+    pub fn token_bytes(&self, id: u32) -> Vec<u8> {
+        match &self.inner {
+            Inner::Hf(t) => {
+                let byte_level = matches!(
+                    t.get_decoder(),
+                    Some(tokenizers::DecoderWrapper::ByteLevel(_))
+                );
+                if let Some(added) = t.get_added_vocabulary().simple_id_to_token(id) {
+                    return added.into_bytes();
+                }
+                match t.id_to_token(id) {
+                    Some(p) if byte_level => {
+                        let mut out = Vec::with_capacity(p.len());
+                        for c in p.chars() {
+                            push_byte_of_char(c, &mut out);
+                        }
+                        out
+                    }
+                    _ => t.decode(&[id], false).unwrap_or_default().into_bytes(),
+                }
+            }
+            Inner::Spm(t) => {
+                let mut out = Vec::new();
+                t.piece_bytes(id, true, &mut out);
+                out
+            }
+        }
+    }
+
     pub fn token_id(&self, s: &str) -> Option<u32> {
         match &self.inner {
             Inner::Hf(t) => t.token_to_id(s),
@@ -170,5 +201,26 @@ impl Tokenizer {
 
     pub fn vocab(&self) -> u32 {
         self.vocab
+    }
+}
+
+/// The byte a character of GPT-2's byte-level alphabet stands for: printable Latin-1
+/// characters are themselves, the other 68 bytes were moved to U+0100.. in order. A
+/// character outside the alphabet stands for its own UTF-8.
+fn push_byte_of_char(c: char, out: &mut Vec<u8>) {
+    let printable = |b: u32| {
+        (0x21..=0x7e).contains(&b) || (0xa1..=0xac).contains(&b) || (0xae..=0xff).contains(&b)
+    };
+    let u = c as u32;
+    if u < 256 && printable(u) {
+        out.push(u as u8);
+        return;
+    }
+    match (0u32..256)
+        .filter(|&b| !printable(b))
+        .nth(u.wrapping_sub(256) as usize)
+    {
+        Some(b) => out.push(b as u8),
+        None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
     }
 }

@@ -219,6 +219,7 @@ fn run_generate<B: Backend>(
         },
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
+        logprobs: None,
     };
     let stdout = std::io::stdout();
     let out = generate(&mut runner, tok, prompt_ids, &params, |piece| {

@@ -1,5 +1,6 @@
-//! `sluiced serve`: load the model, plan memory, start the scheduler, serve gRPC on TCP
-//! (and a Unix socket), tell systemd when ready, drain on SIGTERM.
+//! `sluiced serve`: bring up the HTTP API (503 while loading), load the model, plan
+//! memory, start the scheduler, serve gRPC on TCP (and a Unix socket) beside HTTP, tell
+//! systemd when ready, drain on SIGTERM.
 
 use anyhow::{bail, Context, Result};
 use sluice::backend::Backend;
@@ -7,7 +8,11 @@ use sluice::engine::scheduler::{Scheduler, SchedulerConfig};
 use sluice::engine::{BackendChoice, EngineError, OnBackend};
 use sluice::pipeline::Pipeline;
 use sluice::plan::Plan;
-use sluice::server::service::{ModelMeta, Service};
+use sluice::server::api::{Frontend, ModelMeta, RequestLimits};
+use sluice::server::auth::{check_exposure, ApiKeys, GrpcAuth};
+use sluice::server::http::{HttpState, Public, Ready};
+use sluice::server::metrics::{Metrics, Static};
+use sluice::server::service::Service;
 use sluice::server::ServeConfig;
 use sluice::store::Store;
 use sluice::text::{ChatTemplate, Tokenizer};
@@ -16,6 +21,7 @@ use sluice_proto::v1::inference_server::InferenceServer;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
+use tonic::service::interceptor::InterceptedService;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
@@ -28,9 +34,35 @@ pub struct ServeArgs {
     /// TCP address to listen on (default 127.0.0.1:50051).
     #[arg(long)]
     pub listen: Option<String>,
-    /// Also serve on this Unix socket.
+    /// Also serve on this Unix socket (mode 0660).
     #[arg(long)]
     pub unix: Option<PathBuf>,
+    /// The Unix socket's group: its members may connect.
+    #[arg(long)]
+    pub unix_group: Option<String>,
+    /// The OpenAI-compatible HTTP API's address (default 127.0.0.1:8080; "off" disables it).
+    #[arg(long)]
+    pub http_listen: Option<String>,
+    /// An API key clients must send (HTTP `Authorization: Bearer KEY`, gRPC `authorization`
+    /// metadata). The environment keeps it out of `ps`.
+    #[arg(long, env = "SLUICE_API_KEY", hide_env_values = true)]
+    pub api_key: Option<String>,
+    /// A file of API keys, one per line.
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// Listen beyond loopback without an API key: anyone who reaches the port may use it.
+    #[arg(long)]
+    pub insecure_no_auth: bool,
+    /// Paths that answer without a key, comma-separated (default /health,/metrics; "" for
+    /// none).
+    #[arg(long, value_delimiter = ',')]
+    pub public_paths: Option<Vec<String>>,
+    /// Bytes of one request body (HTTP) or message (gRPC) at most (default 8MiB).
+    #[arg(long, value_parser = parse_byte_size)]
+    pub max_request_bytes: Option<ByteSize>,
+    /// Chat messages (or completion prompts) in one request at most (default 1024).
+    #[arg(long)]
+    pub max_messages: Option<usize>,
     /// Device memory budget (e.g. 300MiB, 24GiB); below the model's size, layers stream.
     /// Default: every layer resident on the CPU; on CUDA the device's free memory minus
     /// headroom.
@@ -94,6 +126,9 @@ impl ServeArgs {
         }
         set!(
             listen,
+            http_listen,
+            max_request_bytes,
+            max_messages,
             max_batch,
             max_context,
             batch_tokens,
@@ -109,6 +144,21 @@ impl ServeArgs {
         }
         if self.unix.is_some() {
             c.unix = self.unix;
+        }
+        if self.unix_group.is_some() {
+            c.unix_group = self.unix_group;
+        }
+        if self.api_key.is_some() {
+            c.api_key = self.api_key;
+        }
+        if self.api_key_file.is_some() {
+            c.api_key_file = self.api_key_file;
+        }
+        if self.insecure_no_auth {
+            c.insecure_no_auth = true;
+        }
+        if let Some(p) = self.public_paths {
+            c.public_paths = p.into_iter().filter(|p| !p.is_empty()).collect();
         }
         if self.device_memory.is_some() {
             c.device_memory = self.device_memory;
@@ -153,12 +203,94 @@ impl OnBackend for StartScheduler {
     }
 }
 
+/// Where the daemon listens, parsed and checked before anything loads.
+struct Listen {
+    grpc: std::net::SocketAddr,
+    http: Option<std::net::SocketAddr>,
+}
+
+fn addresses(cfg: &ServeConfig, keys: &ApiKeys) -> Result<Listen> {
+    let grpc: std::net::SocketAddr = cfg
+        .listen
+        .parse()
+        .with_context(|| format!("listen address {:?} (want host:port)", cfg.listen))?;
+    let http = match cfg.http_listen.as_str() {
+        "off" | "" => None,
+        a => Some(
+            a.parse()
+                .with_context(|| format!("http_listen {a:?} (want host:port, or off)"))?,
+        ),
+    };
+    let all: Vec<_> = std::iter::once(grpc).chain(http).collect();
+    check_exposure(&all, keys, cfg.insecure_no_auth).map_err(anyhow::Error::msg)?;
+    Ok(Listen { grpc, http })
+}
+
+/// The gid of a group name (or a number).
+fn group_id(name: &str) -> Result<u32> {
+    if let Ok(n) = name.parse::<u32>() {
+        return Ok(n);
+    }
+    let c = std::ffi::CString::new(name).with_context(|| format!("unix_group {name:?}"))?;
+    // SAFETY: getgrnam_r writes only into `grp` and `buf`, whose sizes it is given;
+    // `out` points at `grp` on success.
+    unsafe {
+        let mut grp: libc::group = std::mem::zeroed();
+        let mut buf = vec![0 as libc::c_char; 1 << 16];
+        let mut out = std::ptr::null_mut();
+        let rc = libc::getgrnam_r(c.as_ptr(), &mut grp, buf.as_mut_ptr(), buf.len(), &mut out);
+        if rc != 0 || out.is_null() {
+            bail!("unix_group {name:?}: no such group (create it, or name another)");
+        }
+        Ok(grp.gr_gid)
+    }
+}
+
 pub fn serve(cfg: ServeConfig) -> Result<()> {
     cfg.validate().map_err(anyhow::Error::msg)?;
     let dir = cfg
         .model
         .clone()
         .context("no model: pass --model DIR or set `model` in the config file")?;
+    let keys = Arc::new(
+        ApiKeys::load(cfg.api_key.as_deref(), cfg.api_key_file.as_deref())
+            .map_err(anyhow::Error::msg)?,
+    );
+    let listen = addresses(&cfg, &keys)?;
+    // Before anything binds: a backend that cannot be had fails the start at once.
+    let chosen = sluice::engine::choose_backend(cfg.backend, cfg.device)?;
+    let metrics = Arc::new(Metrics::default());
+    let public = Public {
+        health: cfg.public_paths.iter().any(|p| p == "/health"),
+        metrics: cfg.public_paths.iter().any(|p| p == "/metrics"),
+    };
+    let http_state = HttpState::new(keys.clone(), public, metrics.clone());
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("sluice-net")
+        .enable_all()
+        .build()?;
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // HTTP comes up before the model loads: /health says 503 until it is served.
+    let http_server = match listen.http {
+        Some(addr) => {
+            let tcp = rt
+                .block_on(tokio::net::TcpListener::bind(addr))
+                .with_context(|| format!("bind {addr} (http_listen; \"off\" disables it)"))?;
+            let app = sluice::server::http::router(http_state.clone());
+            let mut rx = stop_rx.clone();
+            tracing::info!(%addr, "serving the OpenAI-compatible HTTP API (loading the model)");
+            Some(rt.spawn(async move {
+                axum::serve(tcp, app)
+                    .with_graceful_shutdown(async move {
+                        let _ = rx.wait_for(|s| *s).await;
+                    })
+                    .await
+            }))
+        }
+        None => None,
+    };
+
     let mut store = Store::open(&dir)?;
     let tokenizer = Arc::new(Tokenizer::from_manifest(store.manifest())?);
     store.release_tokenizer_spec();
@@ -196,7 +328,6 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
             4 * m.arch.vocab as u64 * cfg.max_batch as u64,
         ),
     };
-    let chosen = sluice::engine::choose_backend(cfg.backend, cfg.device)?;
     let start = StartScheduler {
         input,
         tokenizer,
@@ -213,56 +344,106 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "model".into());
-    let meta = ModelMeta {
-        name: name.clone(),
-        architecture: m.arch.arch.to_string(),
-        layers: m.arch.n_layers,
-        hidden: m.arch.hidden,
-        vocab: m.arch.vocab,
-        context: cfg.max_context as u32,
-        stored_bytes: m.stored_bytes(),
-        raw_bytes: m.raw_bytes(),
-    };
-    let service = Service {
+    let kv_dtype = sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype);
+    let numerics = if cfg.exact { "exact" } else { "fast" };
+    let front = Arc::new(Frontend {
         sched: sched.clone(),
-        meta,
+        meta: ModelMeta {
+            name: name.clone(),
+            architecture: m.arch.arch.to_string(),
+            layers: m.arch.n_layers,
+            hidden: m.arch.hidden,
+            vocab: m.arch.vocab,
+            context: cfg.max_context as u32,
+            stored_bytes: m.stored_bytes(),
+            raw_bytes: m.raw_bytes(),
+            created: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+        },
         template,
+        max_tokens_default: cfg.max_tokens_default,
+        limits: RequestLimits {
+            max_request_bytes: cfg.max_request_bytes.0.min(usize::MAX as u64) as usize,
+            max_messages: cfg.max_messages,
+            ..RequestLimits::default()
+        },
+        metrics: metrics.clone(),
+    });
+    http_state.set_ready(Ready {
+        front: front.clone(),
+        stat: Static {
+            model: name.clone(),
+            backend: backend_name.into(),
+            numerics,
+            kv_dtype: kv_dtype.to_string(),
+            device_bytes_budget: budget,
+            host_bytes_budget: plan.host.budget.unwrap_or(0),
+            host_bytes_planned: plan.host.total_bytes,
+            kv_cache_bytes: plan.kv_cache_bytes,
+            host_cache_bytes: plan.host_cache_bytes,
+            bytes_streamed_per_pass: plan.upload_bytes_per_pass,
+            layers_resident: plan.layers_resident() as u64,
+            layers_streamed: plan.layers_streamed() as u64,
+        },
+    });
+    let service = Service {
+        front,
         plan,
         backend: backend_name.into(),
         device_budget: budget,
-        max_tokens_default: cfg.max_tokens_default,
-        numerics: if cfg.exact { "exact" } else { "fast" },
-        kv_dtype: sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype),
+        numerics,
+        kv_dtype,
     };
-
-    listen_until_stopped(&cfg, service, sched, engine, &name, budget)
+    let net = Net {
+        listen,
+        http_state,
+        http_server,
+        stop: (stop_tx, stop_rx),
+        auth: GrpcAuth { keys, metrics },
+    };
+    listen_until_stopped(&rt, &cfg, net, service, sched, engine, &name, budget)
 }
 
-/// Serves gRPC on TCP (and the Unix socket) until SIGTERM or SIGINT, then drains: stops
-/// admission, lets in-flight requests finish within the grace period, joins the engine.
+/// What serving needs besides the model: the addresses, the HTTP side already running,
+/// the stop signal of every server, and the gRPC key check.
+struct Net {
+    listen: Listen,
+    http_state: Arc<HttpState>,
+    http_server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
+    stop: (
+        tokio::sync::watch::Sender<bool>,
+        tokio::sync::watch::Receiver<bool>,
+    ),
+    auth: GrpcAuth,
+}
+
+/// Serves gRPC on TCP (and the Unix socket) beside the HTTP API until SIGTERM or SIGINT,
+/// then drains: stops admission, lets in-flight requests finish within the grace period,
+/// joins the engine.
+#[allow(clippy::too_many_arguments)]
 fn listen_until_stopped(
+    rt: &tokio::runtime::Runtime,
     cfg: &ServeConfig,
+    net: Net,
     service: Service,
     sched: Scheduler,
     engine: std::thread::JoinHandle<()>,
     name: &str,
     budget: u64,
 ) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .thread_name("sluice-grpc")
-        .enable_all()
-        .build()?;
     rt.block_on(async move {
         let (health, health_svc) = tonic_health::server::health_reporter();
         health.set_serving::<InferenceServer<Service>>().await;
-        // Both reflection versions: grpcurl and older tools still speak v1alpha.
-        let reflection = tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(sluice_proto::FILE_DESCRIPTOR_SET).register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET).build_v1()?;
-        let reflection_alpha = tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(sluice_proto::FILE_DESCRIPTOR_SET).register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET).build_v1alpha()?;
-        let inference = InferenceServer::new(service);
-        let addr: std::net::SocketAddr = cfg.listen.parse().with_context(|| format!("listen address {:?}", cfg.listen))?;
+        // Both reflection versions: grpcurl and older tools still speak v1alpha. They
+        // describe the API, so they take the key as the API does.
+        let reflection = InterceptedService::new(tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(sluice_proto::FILE_DESCRIPTOR_SET).register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET).build_v1()?, net.auth.clone());
+        let reflection_alpha = InterceptedService::new(tonic_reflection::server::Builder::configure().register_encoded_file_descriptor_set(sluice_proto::FILE_DESCRIPTOR_SET).register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET).build_v1alpha()?, net.auth.clone());
+        let max = cfg.max_request_bytes.0.min(usize::MAX as u64) as usize;
+        let inference = InterceptedService::new(InferenceServer::new(service).max_decoding_message_size(max), net.auth.clone());
+        let addr = net.listen.grpc;
         let tcp = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind {addr}"))?;
-        let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+        let (stop_tx, stop_rx) = net.stop;
         let shutdown = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|s| *s).await;
         };
@@ -274,10 +455,14 @@ fn listen_until_stopped(
                 std::fs::remove_file(path).with_context(|| format!("remove stale socket {}", path.display()))?;
             }
             let ul = tokio::net::UnixListener::bind(path).with_context(|| format!("bind {}", path.display()))?;
+            std::fs::set_permissions(path, std::os::unix::fs::PermissionsExt::from_mode(0o660)).with_context(|| format!("chmod 0660 {}", path.display()))?;
+            if let Some(g) = &cfg.unix_group {
+                std::os::unix::fs::chown(path, None, Some(group_id(g)?)).with_context(|| format!("chgrp {g} {}", path.display()))?;
+            }
             let router = tonic::transport::Server::builder().add_service(health_svc).add_service(reflection).add_service(reflection_alpha).add_service(inference);
             servers.push(tokio::spawn(router.serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(ul), shutdown(stop_rx.clone()))));
         }
-        tracing::info!(model = %name, %addr, unix = ?cfg.unix, device_budget = %fmt_bytes(budget), "serving sluice.v1.Inference");
+        tracing::info!(model = %name, %addr, http = ?net.listen.http, unix = ?cfg.unix, device_budget = %fmt_bytes(budget), auth = net.auth.keys.enabled(), "serving sluice.v1.Inference");
         // READY only now: the model is planned, loaded and the listeners are bound.
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
 
@@ -288,6 +473,7 @@ fn listen_until_stopped(
         }
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
         health.set_not_serving::<InferenceServer<Service>>().await;
+        net.http_state.set_draining();
         // Stop admitting; in-flight requests finish or are cancelled after the grace period.
         sched.shutdown(Duration::from_secs(cfg.shutdown_grace_s));
         let joined = tokio::task::spawn_blocking(move || engine.join());
@@ -301,6 +487,14 @@ fn listen_until_stopped(
                 Ok(Ok(Err(e))) => tracing::warn!("server: {e}"),
                 Ok(Err(e)) => tracing::warn!("server task: {e}"),
                 Err(_) => tracing::warn!("server did not stop within 5 s"),
+            }
+        }
+        if let Some(h) = net.http_server {
+            match tokio::time::timeout(Duration::from_secs(5), h).await {
+                Ok(Ok(Ok(()))) => {}
+                Ok(Ok(Err(e))) => tracing::warn!("http server: {e}"),
+                Ok(Err(e)) => tracing::warn!("http server task: {e}"),
+                Err(_) => tracing::warn!("the http server did not stop within 5 s"),
             }
         }
         if let Some(path) = &cfg.unix {

@@ -1,0 +1,432 @@
+//! What the two wires share: one request shape, one validation, one submit, one error
+//! type. `service.rs` (gRPC) and `http.rs` (the OpenAI API) convert their bodies into a
+//! `GenerateInput` and an `ApiError` into their own status codes, and nothing else, so a
+//! request is accepted or refused for the same reason on both.
+
+use super::metrics::{Api, Metrics};
+use crate::engine::scheduler::{Event, Finish, Request, Scheduler, SubmitError};
+use crate::engine::sequence::GenerateParams;
+use crate::text::{ChatMessage, ChatTemplate, SamplingParams};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{Context, Poll};
+use std::time::Instant;
+use tokio::sync::mpsc::UnboundedReceiver;
+
+/// What the served model is, for listings.
+pub struct ModelMeta {
+    pub name: String,
+    pub architecture: String,
+    pub layers: u32,
+    pub hidden: u32,
+    pub vocab: u32,
+    pub context: u32,
+    pub stored_bytes: u64,
+    pub raw_bytes: u64,
+    /// Unix seconds when the model was loaded (OpenAI's `created`).
+    pub created: u64,
+}
+
+/// Why a request was refused or failed; each wire maps a kind to its own code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// Bad parameters, an over-long prompt, a body past the limits.
+    Invalid,
+    /// A model this daemon does not serve.
+    ModelNotFound,
+    /// No key, or not the right one.
+    Unauthenticated,
+    /// The request queue is full.
+    QueueFull,
+    /// The daemon is shutting down or still loading.
+    Unavailable,
+    /// Stored data failed its checksum or could not be decoded (names the layer).
+    DataLoss,
+    Internal,
+}
+
+impl ErrorKind {
+    /// The outcome label of `sluice_requests_total`.
+    pub fn outcome(self) -> &'static str {
+        match self {
+            ErrorKind::Invalid => "invalid",
+            ErrorKind::ModelNotFound => "model_not_found",
+            ErrorKind::Unauthenticated => "unauthenticated",
+            ErrorKind::QueueFull => "queue_full",
+            ErrorKind::Unavailable => "unavailable",
+            ErrorKind::DataLoss => "data_loss",
+            ErrorKind::Internal => "internal",
+        }
+    }
+}
+
+#[derive(Clone, Debug)]
+pub struct ApiError {
+    pub kind: ErrorKind,
+    pub message: String,
+    /// The request field at fault, where there is one (OpenAI's `param`).
+    pub param: Option<&'static str>,
+}
+
+impl ApiError {
+    pub fn invalid(param: Option<&'static str>, message: impl Into<String>) -> ApiError {
+        ApiError {
+            kind: ErrorKind::Invalid,
+            message: message.into(),
+            param,
+        }
+    }
+
+    pub fn new(kind: ErrorKind, message: impl Into<String>) -> ApiError {
+        ApiError {
+            kind,
+            message: message.into(),
+            param: None,
+        }
+    }
+}
+
+impl std::fmt::Display for ApiError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+/// The prompt of a request, in one of the three forms both wires accept.
+pub enum Prompt {
+    /// Text, tokenized with the model's BOS where it has one.
+    Text(String),
+    /// Chat messages, rendered with the model's chat template.
+    Messages(Vec<ChatMessage>),
+    /// Token ids as they are (no template, no BOS added).
+    Ids(Vec<u32>),
+}
+
+pub struct GenerateInput {
+    /// Empty: the daemon's model.
+    pub model: String,
+    pub prompt: Prompt,
+    /// None: the daemon's default, cut to the room the context has left.
+    pub max_tokens: Option<u32>,
+    pub sampling: SamplingParams,
+    pub stop: Vec<String>,
+    /// Each generated token's log-probability with this many alternatives (None: off).
+    pub logprobs: Option<usize>,
+}
+
+/// Alternatives per token at most when log-probabilities are asked for (OpenAI's limit).
+pub const TOP_LOGPROBS_MAX: usize = 20;
+
+/// Limits on what one request may ask, each refused with its own message.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestLimits {
+    /// Bytes of a request body (HTTP) or message (gRPC).
+    pub max_request_bytes: usize,
+    /// Chat messages in one request.
+    pub max_messages: usize,
+    /// Stop strings in one request, and bytes of each.
+    pub max_stop: usize,
+    pub max_stop_bytes: usize,
+}
+
+impl Default for RequestLimits {
+    fn default() -> Self {
+        RequestLimits {
+            max_request_bytes: 8 << 20,
+            max_messages: 1024,
+            max_stop: 16,
+            max_stop_bytes: 256,
+        }
+    }
+}
+
+/// The shared front of both wires.
+pub struct Frontend {
+    pub sched: Scheduler,
+    pub meta: ModelMeta,
+    pub template: Option<Arc<ChatTemplate>>,
+    pub max_tokens_default: u32,
+    pub limits: RequestLimits,
+    pub metrics: Arc<Metrics>,
+}
+
+/// An accepted request: its prompt's length and its events.
+pub struct Submitted {
+    pub prompt_tokens: usize,
+    pub events: Events,
+}
+
+impl Frontend {
+    pub fn check_model(&self, model: &str) -> Result<(), ApiError> {
+        if model.is_empty() || model == self.meta.name {
+            Ok(())
+        } else {
+            Err(ApiError {
+                kind: ErrorKind::ModelNotFound,
+                message: format!(
+                    "the model {model:?} is not served here; this daemon serves {:?} (GET /v1/models, `sluice models`)",
+                    self.meta.name
+                ),
+                param: Some("model"),
+            })
+        }
+    }
+
+    fn prompt_ids(&self, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+        let tok = &self.sched.tokenizer;
+        let ids = match prompt {
+            Prompt::Ids(ids) => ids,
+            Prompt::Messages(msgs) => {
+                if msgs.is_empty() {
+                    return Err(ApiError::invalid(Some("messages"), "messages is empty"));
+                }
+                if msgs.len() > self.limits.max_messages {
+                    return Err(ApiError::invalid(
+                        Some("messages"),
+                        format!(
+                            "{} messages; at most {} are accepted in one request",
+                            msgs.len(),
+                            self.limits.max_messages
+                        ),
+                    ));
+                }
+                let t = self.template.as_ref().ok_or_else(|| {
+                    ApiError::invalid(
+                        Some("messages"),
+                        "this model has no chat template; send a prompt (completions) instead of messages",
+                    )
+                })?;
+                let text = t
+                    .render(&msgs, true)
+                    .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+                tok.encode(&text, false)
+                    .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
+            }
+            Prompt::Text(text) => {
+                if text.is_empty() {
+                    return Err(ApiError::invalid(Some("prompt"), "the prompt is empty"));
+                }
+                tok.encode(&text, true)
+                    .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?
+            }
+        };
+        if ids.is_empty() {
+            return Err(ApiError::invalid(Some("prompt"), "the prompt is empty"));
+        }
+        Ok(ids)
+    }
+
+    /// Validates `input`, tokenizes it and queues it. A prompt the context cannot hold, a
+    /// `max_tokens` past the room it leaves, and every other bad parameter are refused
+    /// here, before the request takes a slot.
+    pub fn submit(&self, api: Api, input: GenerateInput) -> Result<Submitted, ApiError> {
+        let t0 = Instant::now();
+        let r = self.prepare(input).and_then(|(prompt_ids, params)| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            let prompt_tokens = prompt_ids.len();
+            self.sched
+                .submit(Request {
+                    prompt_ids,
+                    params,
+                    events: tx,
+                })
+                .map_err(|e| match e {
+                    SubmitError::QueueFull(_) => ApiError::new(ErrorKind::QueueFull, e.to_string()),
+                    SubmitError::ShuttingDown => {
+                        ApiError::new(ErrorKind::Unavailable, e.to_string())
+                    }
+                    SubmitError::Invalid(m) => ApiError::invalid(None, m),
+                })?;
+            Ok(Submitted {
+                prompt_tokens,
+                events: Events {
+                    rx,
+                    metrics: self.metrics.clone(),
+                    api,
+                    t_submit: t0,
+                    t_last: None,
+                    ended: false,
+                },
+            })
+        });
+        if let Err(e) = &r {
+            self.metrics.request(api, e.kind.outcome());
+        }
+        r
+    }
+
+    fn prepare(&self, input: GenerateInput) -> Result<(Vec<u32>, GenerateParams), ApiError> {
+        self.check_model(&input.model)?;
+        input.sampling.validate().map_err(|m| {
+            // The message begins with the parameter's name.
+            let param = ["temperature", "top_p", "min_p"]
+                .into_iter()
+                .find(|p| m.starts_with(p));
+            ApiError::invalid(param, m)
+        })?;
+        if input.stop.len() > self.limits.max_stop {
+            return Err(ApiError::invalid(
+                Some("stop"),
+                format!(
+                    "{} stop strings; at most {} are accepted",
+                    input.stop.len(),
+                    self.limits.max_stop
+                ),
+            ));
+        }
+        if let Some(s) = input
+            .stop
+            .iter()
+            .find(|s| s.is_empty() || s.len() > self.limits.max_stop_bytes)
+        {
+            return Err(ApiError::invalid(
+                Some("stop"),
+                format!(
+                    "stop string {s:?} must be 1 to {} bytes",
+                    self.limits.max_stop_bytes
+                ),
+            ));
+        }
+        let prompt_param = match input.prompt {
+            Prompt::Messages(_) => "messages",
+            _ => "prompt",
+        };
+        if input.logprobs.is_some_and(|n| n > TOP_LOGPROBS_MAX) {
+            return Err(ApiError::invalid(
+                Some("top_logprobs"),
+                format!("at most {TOP_LOGPROBS_MAX} alternatives per token"),
+            ));
+        }
+        let ids = self.prompt_ids(input.prompt)?;
+        let context = self.sched.max_context;
+        if ids.len() >= context {
+            return Err(ApiError::invalid(
+                Some(prompt_param),
+                format!(
+                    "the prompt has {} tokens; the context holds {context} (prompt plus generated tokens): shorten the prompt or serve with a larger --max-context",
+                    ids.len()
+                ),
+            ));
+        }
+        let room = context - ids.len();
+        let max_tokens = match input.max_tokens {
+            Some(0) => {
+                return Err(ApiError::invalid(
+                    Some("max_tokens"),
+                    "max_tokens must be at least 1",
+                ))
+            }
+            Some(n) if n as usize > room => {
+                return Err(ApiError::invalid(
+                    Some("max_tokens"),
+                    format!(
+                        "the context holds {context} tokens; the prompt has {} and max_tokens asks for {n} more: at most {room} fit",
+                        ids.len()
+                    ),
+                ))
+            }
+            Some(n) => n as usize,
+            None => (self.max_tokens_default as usize).min(room),
+        };
+        Ok((
+            ids,
+            GenerateParams {
+                max_tokens,
+                sampling: input.sampling,
+                stop: input.stop,
+                ignore_eos: false,
+                logprobs: input.logprobs,
+            },
+        ))
+    }
+}
+
+/// The finish reason's outcome label.
+pub fn finish_outcome(f: Finish) -> &'static str {
+    match f {
+        Finish::Stop => "stop",
+        Finish::Length => "length",
+        Finish::StopString => "stop_string",
+        Finish::Context => "context",
+        Finish::Cancelled => "cancelled",
+    }
+}
+
+/// A request's events as the engine sends them, measured on the way to the wire: time to
+/// the first text, time per later token, the outcome. A request whose client goes away
+/// before its end counts as `disconnected`; dropping this evicts its sequence.
+pub struct Events {
+    rx: UnboundedReceiver<Event>,
+    metrics: Arc<Metrics>,
+    api: Api,
+    t_submit: Instant,
+    t_last: Option<Instant>,
+    ended: bool,
+}
+
+impl Events {
+    fn observe(&mut self, ev: &Event) {
+        let now = Instant::now();
+        match ev {
+            Event::Piece { token_ids, .. } => {
+                match self.t_last {
+                    None => {
+                        self.metrics
+                            .first_token((now - self.t_submit).as_secs_f64());
+                        if token_ids.len() > 1 {
+                            self.metrics.next_tokens(0.0, token_ids.len() - 1);
+                        }
+                    }
+                    Some(t) => self
+                        .metrics
+                        .next_tokens((now - t).as_secs_f64(), token_ids.len()),
+                }
+                self.t_last = Some(now);
+            }
+            Event::Done(d) => {
+                self.ended = true;
+                self.metrics
+                    .tokens(d.prompt_token_ids.len(), d.generated_token_ids.len());
+                self.metrics.request(self.api, finish_outcome(d.finish));
+                self.metrics.finished((now - self.t_submit).as_secs_f64());
+            }
+            Event::Failed { data_loss, .. } => {
+                self.ended = true;
+                let kind = if *data_loss {
+                    ErrorKind::DataLoss
+                } else {
+                    ErrorKind::Internal
+                };
+                self.metrics.request(self.api, kind.outcome());
+            }
+        }
+    }
+
+    pub async fn recv(&mut self) -> Option<Event> {
+        let ev = self.rx.recv().await?;
+        self.observe(&ev);
+        Some(ev)
+    }
+}
+
+impl tokio_stream::Stream for Events {
+    type Item = Event;
+
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Event>> {
+        match self.rx.poll_recv(cx) {
+            Poll::Ready(Some(ev)) => {
+                self.observe(&ev);
+                Poll::Ready(Some(ev))
+            }
+            other => other,
+        }
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        if !self.ended {
+            self.metrics.request(self.api, "disconnected");
+        }
+    }
+}

@@ -1,0 +1,618 @@
+//! The OpenAI-compatible HTTP API, on axum/hyper beside gRPC in the same process and the
+//! same scheduler (HTTP and gRPC requests share passes): `POST /v1/chat/completions`,
+//! `POST /v1/completions` (both with server-sent events when `stream`), `GET /v1/models`,
+//! `GET /health` (503 until the model is loaded and once shutdown starts) and
+//! `GET /metrics` (Prometheus). The listener comes up before the model loads so that
+//! probes see "loading" rather than a refused connection.
+//!
+//! A streamed request is pumped by a task of its own from the engine's events into the
+//! response body; a client that goes away closes the body, the task sees it at once and
+//! drops the events, and the engine evicts the sequence before its next step.
+
+use super::api::{ApiError, ErrorKind, Events, Frontend};
+use super::auth::ApiKeys;
+use super::metrics::{Api, Metrics, Static};
+use super::openai::{self, Call};
+use crate::engine::scheduler::Event;
+use crate::text::{TokenLogprob, Tokenizer};
+use axum::body::Body;
+use axum::extract::{Path, State};
+use axum::http::{header, HeaderMap, HeaderValue, StatusCode};
+use axum::response::sse::{Event as SseEvent, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use axum::Router;
+use serde_json::{json, Value};
+use std::convert::Infallible;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, OnceLock};
+use tokio::sync::mpsc;
+use tokio_stream::{StreamExt, StreamMap};
+
+/// The model, once loaded.
+pub struct Ready {
+    pub front: Arc<Frontend>,
+    pub stat: Static,
+}
+
+/// Which paths answer without a key.
+#[derive(Clone, Copy, Debug)]
+pub struct Public {
+    pub health: bool,
+    pub metrics: bool,
+}
+
+pub struct HttpState {
+    ready: OnceLock<Ready>,
+    draining: AtomicBool,
+    keys: Arc<ApiKeys>,
+    public: Public,
+    metrics: Arc<Metrics>,
+    ids: AtomicU64,
+    id_salt: u64,
+}
+
+impl HttpState {
+    pub fn new(keys: Arc<ApiKeys>, public: Public, metrics: Arc<Metrics>) -> Arc<HttpState> {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        Arc::new(HttpState {
+            ready: OnceLock::new(),
+            draining: AtomicBool::new(false),
+            keys,
+            public,
+            metrics,
+            ids: AtomicU64::new(0),
+            id_salt: h.finish(),
+        })
+    }
+
+    /// The model is loaded: requests are served from now on.
+    pub fn set_ready(&self, r: Ready) {
+        let _ = self.ready.set(r);
+    }
+
+    /// Shutdown began: /health answers 503 and new requests are refused.
+    pub fn set_draining(&self) {
+        self.draining.store(true, Ordering::Release);
+    }
+
+    fn front(&self) -> Result<&Ready, ApiError> {
+        if self.draining.load(Ordering::Acquire) {
+            return Err(ApiError::new(
+                ErrorKind::Unavailable,
+                "the daemon is shutting down",
+            ));
+        }
+        self.ready.get().ok_or_else(|| {
+            ApiError::new(
+                ErrorKind::Unavailable,
+                "the model is still loading; GET /health answers 200 once it is served",
+            )
+        })
+    }
+
+    fn authorize(&self, h: &HeaderMap) -> Result<(), ApiError> {
+        self.keys
+            .check(h.get(header::AUTHORIZATION).map(HeaderValue::as_bytes))
+    }
+
+    /// A request id, unique in this process and not guessable from the outside.
+    fn id(&self, prefix: &str) -> String {
+        let n = self.ids.fetch_add(1, Ordering::Relaxed);
+        format!("{prefix}-{:016x}{n:08x}", self.id_salt)
+    }
+
+    /// An error answered before the request reached the frontend (which counts its own).
+    fn refuse(&self, e: ApiError) -> Response {
+        self.metrics.request(Api::Http, e.kind.outcome());
+        error_response(&e)
+    }
+}
+
+pub fn router(state: Arc<HttpState>) -> Router {
+    Router::new()
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/completions", post(completions))
+        .route("/v1/models", get(models))
+        .route("/v1/models/{*id}", get(model))
+        .route("/health", get(health))
+        .route("/metrics", get(metrics))
+        .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(state)
+}
+
+fn json_response(status: StatusCode, v: &Value) -> Response {
+    (
+        status,
+        [(header::CONTENT_TYPE, "application/json")],
+        v.to_string(),
+    )
+        .into_response()
+}
+
+pub fn error_response(e: &ApiError) -> Response {
+    let (code, _, _) = openai::error_shape(e.kind);
+    let status = StatusCode::from_u16(code).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+    let mut r = json_response(status, &openai::error_body(e));
+    if e.kind == ErrorKind::QueueFull {
+        r.headers_mut()
+            .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+    }
+    r
+}
+
+async fn not_found(uri: axum::http::Uri) -> Response {
+    error_response(&ApiError::new(
+        ErrorKind::Invalid,
+        format!("no route {}: this daemon serves /v1/chat/completions, /v1/completions, /v1/models, /health and /metrics", uri.path()),
+    ))
+    .map_status(StatusCode::NOT_FOUND)
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    error_response(&ApiError::new(
+        ErrorKind::Invalid,
+        format!("{method} is not allowed on {}", uri.path()),
+    ))
+    .map_status(StatusCode::METHOD_NOT_ALLOWED)
+}
+
+trait MapStatus {
+    fn map_status(self, s: StatusCode) -> Self;
+}
+
+impl MapStatus for Response {
+    fn map_status(mut self, s: StatusCode) -> Response {
+        *self.status_mut() = s;
+        self
+    }
+}
+
+async fn health(State(s): State<Arc<HttpState>>, h: HeaderMap) -> Response {
+    if !s.public.health {
+        if let Err(e) = s.authorize(&h) {
+            return error_response(&e);
+        }
+    }
+    match s.front() {
+        Ok(_) => json_response(StatusCode::OK, &json!({"status": "ok"})),
+        Err(e) => {
+            let status = if s.draining.load(Ordering::Acquire) {
+                "shutting_down"
+            } else {
+                "loading"
+            };
+            let mut body = openai::error_body(&e);
+            body["status"] = json!(status);
+            json_response(StatusCode::SERVICE_UNAVAILABLE, &body)
+        }
+    }
+}
+
+async fn metrics(State(s): State<Arc<HttpState>>, h: HeaderMap) -> Response {
+    if !s.public.metrics {
+        if let Err(e) = s.authorize(&h) {
+            return error_response(&e);
+        }
+    }
+    let Some(r) = s.ready.get() else {
+        return error_response(&ApiError::new(
+            ErrorKind::Unavailable,
+            "the model is still loading",
+        ));
+    };
+    let text = s.metrics.render(&r.front.sched.status(), &r.stat);
+    (
+        StatusCode::OK,
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+fn model_object(f: &Frontend) -> Value {
+    let m = &f.meta;
+    json!({
+        "id": m.name,
+        "object": "model",
+        "created": m.created,
+        "owned_by": "sluice",
+        "max_model_len": m.context,
+    })
+}
+
+async fn models(State(s): State<Arc<HttpState>>, h: HeaderMap) -> Response {
+    let r = s.authorize(&h).and_then(|()| s.front());
+    match r {
+        Ok(r) => json_response(
+            StatusCode::OK,
+            &json!({"object": "list", "data": [model_object(&r.front)]}),
+        ),
+        Err(e) => error_response(&e),
+    }
+}
+
+async fn model(State(s): State<Arc<HttpState>>, h: HeaderMap, Path(id): Path<String>) -> Response {
+    let r = s
+        .authorize(&h)
+        .and_then(|()| s.front())
+        .and_then(|r| r.front.check_model(&id).map(|()| r));
+    match r {
+        Ok(r) => json_response(StatusCode::OK, &model_object(&r.front)),
+        Err(e) => error_response(&e),
+    }
+}
+
+/// Authorizes, reads the body within the limit and parses it.
+async fn accept(
+    s: &HttpState,
+    h: &HeaderMap,
+    body: Body,
+    parse: impl FnOnce(&[u8], &Frontend) -> Result<Call, ApiError>,
+) -> Result<(Arc<Frontend>, Call), Response> {
+    s.authorize(h).map_err(|e| s.refuse(e))?;
+    let front = s.front().map_err(|e| s.refuse(e))?.front.clone();
+    let limit = front.limits.max_request_bytes;
+    let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
+        s.refuse(ApiError::invalid(
+            None,
+            format!(
+                "the request body could not be read within {limit} bytes (max_request_bytes): {e}"
+            ),
+        ))
+    })?;
+    let call = parse(&bytes, &front).map_err(|e| s.refuse(e))?;
+    Ok((front, call))
+}
+
+async fn chat(State(s): State<Arc<HttpState>>, h: HeaderMap, body: Body) -> Response {
+    let (front, call) = match accept(&s, &h, body, |b, _| openai::parse_chat(b)).await {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    run(&s, front, call, Kind::Chat).await
+}
+
+async fn completions(State(s): State<Arc<HttpState>>, h: HeaderMap, body: Body) -> Response {
+    let parse = |b: &[u8], f: &Frontend| openai::parse_completion(b, f.limits.max_messages);
+    let (front, call) = match accept(&s, &h, body, parse).await {
+        Ok(c) => c,
+        Err(r) => return r,
+    };
+    run(&s, front, call, Kind::Completion).await
+}
+
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    Chat,
+    Completion,
+}
+
+/// What every chunk and response of one request repeats.
+#[derive(Clone)]
+struct Head {
+    id: String,
+    created: u64,
+    model: String,
+    kind: Kind,
+    tok: Arc<Tokenizer>,
+}
+
+impl Head {
+    fn object(&self, chunk: bool) -> &'static str {
+        match (self.kind, chunk) {
+            (Kind::Chat, true) => "chat.completion.chunk",
+            (Kind::Chat, false) => "chat.completion",
+            (Kind::Completion, _) => "text_completion",
+        }
+    }
+
+    /// One choice's part of a stream chunk.
+    fn choice_delta(
+        &self,
+        index: usize,
+        text: Option<&str>,
+        logprobs: Value,
+        finish: Option<&str>,
+    ) -> Value {
+        match self.kind {
+            Kind::Chat => {
+                let delta = match text {
+                    Some(t) => json!({"content": t}),
+                    None => json!({}),
+                };
+                json!({"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish})
+            }
+            Kind::Completion => {
+                json!({"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish})
+            }
+        }
+    }
+
+    fn entry(&self, id: u32, logprob: f32) -> Value {
+        let b = self.tok.token_bytes(id);
+        json!({"token": String::from_utf8_lossy(&b), "logprob": logprob, "bytes": b})
+    }
+
+    /// Log-probabilities of a piece's tokens in the endpoint's shape (null when none were
+    /// asked for): chat's `{"content": [{token, logprob, bytes, top_logprobs}]}`, the legacy
+    /// `{tokens, token_logprobs, top_logprobs, text_offset}` with offsets counted from
+    /// `offset` (the characters of the choice's text so far).
+    fn logprobs(&self, lps: &[TokenLogprob], offset: &mut usize) -> Value {
+        if lps.is_empty() {
+            return Value::Null;
+        }
+        match self.kind {
+            Kind::Chat => {
+                let content: Vec<Value> = lps
+                    .iter()
+                    .map(|l| {
+                        let mut e = self.entry(l.id, l.logprob);
+                        e["top_logprobs"] =
+                            l.top.iter().map(|&(i, lp)| self.entry(i, lp)).collect();
+                        e
+                    })
+                    .collect();
+                json!({ "content": content })
+            }
+            Kind::Completion => {
+                let mut tokens = Vec::with_capacity(lps.len());
+                let mut offsets = Vec::with_capacity(lps.len());
+                for l in lps {
+                    let t = String::from_utf8_lossy(&self.tok.token_bytes(l.id)).into_owned();
+                    offsets.push(*offset);
+                    *offset += t.chars().count();
+                    tokens.push(t);
+                }
+                let top: Vec<Value> = lps
+                    .iter()
+                    .map(|l| {
+                        let m: serde_json::Map<String, Value> = l
+                            .top
+                            .iter()
+                            .map(|&(i, lp)| {
+                                let t =
+                                    String::from_utf8_lossy(&self.tok.token_bytes(i)).into_owned();
+                                (t, json!(lp))
+                            })
+                            .collect();
+                        Value::Object(m)
+                    })
+                    .collect();
+                json!({
+                    "tokens": tokens,
+                    "token_logprobs": lps.iter().map(|l| l.logprob).collect::<Vec<_>>(),
+                    "top_logprobs": top,
+                    "text_offset": offsets,
+                })
+            }
+        }
+    }
+
+    fn chunk(&self, choices: Vec<Value>, usage: Option<Value>, with_usage: bool) -> Value {
+        let mut v = json!({
+            "id": self.id,
+            "object": self.object(true),
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": null,
+            "choices": choices,
+        });
+        if with_usage {
+            v["usage"] = usage.unwrap_or(Value::Null);
+        }
+        v
+    }
+}
+
+fn unix_now() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs())
+}
+
+/// The error a request's end becomes when it did not end by itself.
+fn cut_off(generated: usize) -> ApiError {
+    ApiError::new(
+        ErrorKind::Unavailable,
+        format!("the daemon is shutting down: the completion was cancelled after {generated} tokens; send it again"),
+    )
+}
+
+fn failed(data_loss: bool, message: String) -> ApiError {
+    let kind = if data_loss {
+        ErrorKind::DataLoss
+    } else {
+        ErrorKind::Internal
+    };
+    ApiError::new(kind, message)
+}
+
+/// Submits every prompt of the call; answers with one JSON response or a stream.
+async fn run(s: &HttpState, front: Arc<Frontend>, call: Call, kind: Kind) -> Response {
+    let mut events = Vec::with_capacity(call.inputs.len());
+    let mut prompt_tokens = 0;
+    for input in call.inputs {
+        // A refusal drops the prompts already queued: their sequences are evicted.
+        match front.submit(Api::Http, input) {
+            Ok(sub) => {
+                prompt_tokens += sub.prompt_tokens;
+                events.push(sub.events);
+            }
+            Err(e) => return error_response(&e),
+        }
+    }
+    let head = Head {
+        id: s.id(if kind == Kind::Chat {
+            "chatcmpl"
+        } else {
+            "cmpl"
+        }),
+        created: unix_now(),
+        model: front.meta.name.clone(),
+        kind,
+        tok: front.sched.tokenizer.clone(),
+    };
+    if call.stream {
+        stream(head, events, call.include_usage)
+    } else {
+        complete(head, events, prompt_tokens).await
+    }
+}
+
+/// Waits for every choice to end and answers with the whole completion.
+async fn complete(head: Head, events: Vec<Events>, prompt_tokens: usize) -> Response {
+    let mut choices = Vec::with_capacity(events.len());
+    let mut completion_tokens = 0;
+    for (index, mut ev) in events.into_iter().enumerate() {
+        let mut text = String::new();
+        let mut lps = Vec::new();
+        let finish = loop {
+            match ev.recv().await {
+                // The end token's piece has no text; its log-probability is left out as
+                // it is from a stream.
+                Some(Event::Piece { text: t, .. }) if t.is_empty() => {}
+                Some(Event::Piece {
+                    text: t, logprobs, ..
+                }) => {
+                    text.push_str(&t);
+                    lps.extend(logprobs);
+                }
+                Some(Event::Done(d)) => {
+                    completion_tokens += d.generated_token_ids.len();
+                    match openai::finish_reason(d.finish) {
+                        Some(f) => break f,
+                        None => return error_response(&cut_off(d.generated_token_ids.len())),
+                    }
+                }
+                Some(Event::Failed { data_loss, message }) => {
+                    return error_response(&failed(data_loss, message))
+                }
+                None => {
+                    return error_response(&ApiError::new(
+                        ErrorKind::Internal,
+                        "the engine stopped before the request ended",
+                    ))
+                }
+            }
+        };
+        let logprobs = head.logprobs(&lps, &mut 0);
+        choices.push(match head.kind {
+            Kind::Chat => json!({
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }),
+            Kind::Completion => json!({
+                "index": index,
+                "text": text,
+                "logprobs": logprobs,
+                "finish_reason": finish,
+            }),
+        });
+    }
+    json_response(
+        StatusCode::OK,
+        &json!({
+            "id": head.id,
+            "object": head.object(false),
+            "created": head.created,
+            "model": head.model,
+            "system_fingerprint": null,
+            "choices": choices,
+            "usage": openai::usage(prompt_tokens, completion_tokens),
+        }),
+    )
+}
+
+type SseItem = Result<SseEvent, Infallible>;
+
+fn data(v: &Value) -> SseItem {
+    Ok(SseEvent::default().data(v.to_string()))
+}
+
+/// Server-sent events: a chunk per piece of text (chat begins with the assistant role),
+/// one with each choice's finish reason, the usage chunk when asked for, then `[DONE]`.
+/// An error after the stream began is sent as `data: {"error": ...}` before `[DONE]`.
+fn stream(head: Head, events: Vec<Events>, include_usage: bool) -> Response {
+    let (tx, rx) = mpsc::channel::<SseItem>(64);
+    tokio::spawn(pump(head, events, include_usage, tx));
+    Sse::new(tokio_stream::wrappers::ReceiverStream::new(rx)).into_response()
+}
+
+async fn pump(head: Head, events: Vec<Events>, include_usage: bool, tx: mpsc::Sender<SseItem>) {
+    let n = events.len();
+    let mut map = StreamMap::with_capacity(n);
+    for (i, ev) in events.into_iter().enumerate() {
+        map.insert(i, ev);
+    }
+    let send = |v: Value| {
+        let tx = tx.clone();
+        async move { tx.send(data(&v)).await.is_ok() }
+    };
+    if head.kind == Kind::Chat {
+        let first: Vec<Value> = (0..n)
+            .map(|i| json!({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": null, "finish_reason": null}))
+            .collect();
+        if !send(head.chunk(first, None, include_usage)).await {
+            return;
+        }
+    }
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let mut offsets = vec![0usize; n];
+    let mut error = None;
+    loop {
+        let next = tokio::select! {
+            next = map.next() => next,
+            // The client went away: dropping the events evicts every sequence now.
+            () = tx.closed() => return,
+        };
+        let Some((i, ev)) = next else { break };
+        let choice = match ev {
+            // The end token's piece has no text: nothing to send.
+            Event::Piece { text, .. } if text.is_empty() => continue,
+            Event::Piece { text, logprobs, .. } => {
+                let lp = head.logprobs(&logprobs, &mut offsets[i]);
+                head.choice_delta(i, Some(&text), lp, None)
+            }
+            Event::Done(d) => {
+                prompt_tokens += d.prompt_token_ids.len();
+                completion_tokens += d.generated_token_ids.len();
+                match openai::finish_reason(d.finish) {
+                    Some(f) => head.choice_delta(i, None, Value::Null, Some(f)),
+                    None => {
+                        error = Some(cut_off(d.generated_token_ids.len()));
+                        break;
+                    }
+                }
+            }
+            Event::Failed { data_loss, message } => {
+                error = Some(failed(data_loss, message));
+                break;
+            }
+        };
+        if !send(head.chunk(vec![choice], None, include_usage)).await {
+            return;
+        }
+    }
+    // The other choices of a failed request are cancelled with it.
+    drop(map);
+    if let Some(e) = error {
+        if !send(openai::error_body(&e)).await {
+            return;
+        }
+    } else if include_usage {
+        let u = openai::usage(prompt_tokens, completion_tokens);
+        if !send(head.chunk(Vec::new(), Some(u), true)).await {
+            return;
+        }
+    }
+    let _ = tx.send(Ok(SseEvent::default().data("[DONE]"))).await;
+}

@@ -1,0 +1,414 @@
+//! The daemon's metrics in the Prometheus text exposition format (version 0.0.4), served
+//! at `GET /metrics`. Request counters and latency histograms are kept here, as requests
+//! run through `api.rs`; the engine's gauges and totals (queue, sequences, passes, bytes
+//! and per-stage seconds) are read from the scheduler's status when the page is rendered.
+//! Names and units follow Prometheus conventions: `sluice_…_total` counters, `_seconds`
+//! and `_bytes` units.
+
+use crate::engine::scheduler::Status;
+use std::collections::BTreeMap;
+use std::fmt::Write;
+use std::sync::Mutex;
+
+/// Which wire a request came in on.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Api {
+    Grpc,
+    Http,
+}
+
+impl Api {
+    fn label(self) -> &'static str {
+        match self {
+            Api::Grpc => "grpc",
+            Api::Http => "http",
+        }
+    }
+}
+
+/// A histogram with fixed upper bounds (seconds); counts are cumulative when rendered.
+struct Histogram {
+    bounds: &'static [f64],
+    counts: Vec<u64>,
+    sum: f64,
+    count: u64,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Histogram {
+        Histogram {
+            bounds,
+            counts: vec![0; bounds.len()],
+            sum: 0.0,
+            count: 0,
+        }
+    }
+
+    fn observe(&mut self, v: f64) {
+        if let Some(i) = self.bounds.iter().position(|&b| v <= b) {
+            self.counts[i] += 1;
+        }
+        self.sum += v;
+        self.count += 1;
+    }
+
+    fn render(&self, out: &mut String, name: &str, help: &str) {
+        header(out, name, help, "histogram");
+        let mut cum = 0;
+        for (b, c) in self.bounds.iter().zip(&self.counts) {
+            cum += c;
+            let _ = writeln!(out, "{name}_bucket{{le=\"{b}\"}} {cum}");
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {}", self.count);
+        let _ = writeln!(out, "{name}_sum {}", self.sum);
+        let _ = writeln!(out, "{name}_count {}", self.count);
+    }
+}
+
+/// Time to first token and end-to-end latency: from a millisecond to minutes (a streamed
+/// 50 GB model on a slow disk takes seconds per pass).
+const LATENCY_BOUNDS: &[f64] = &[
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0,
+];
+/// Time per output token: from 1 ms (resident on a GPU) to 20 s (streaming from disk).
+const TOKEN_BOUNDS: &[f64] = &[
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0,
+];
+
+struct Inner {
+    /// Requests by (api, outcome): a finish reason, or the error that ended them.
+    requests: BTreeMap<(Api, &'static str), u64>,
+    prompt_tokens: u64,
+    generation_tokens: u64,
+    ttft: Histogram,
+    per_token: Histogram,
+    e2e: Histogram,
+}
+
+pub struct Metrics {
+    inner: Mutex<Inner>,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics {
+            inner: Mutex::new(Inner {
+                requests: BTreeMap::new(),
+                prompt_tokens: 0,
+                generation_tokens: 0,
+                ttft: Histogram::new(LATENCY_BOUNDS),
+                per_token: Histogram::new(TOKEN_BOUNDS),
+                e2e: Histogram::new(LATENCY_BOUNDS),
+            }),
+        }
+    }
+}
+
+/// What the rendered page says about the model and its plan, besides the engine's status.
+pub struct Static {
+    pub model: String,
+    pub backend: String,
+    pub numerics: &'static str,
+    pub kv_dtype: String,
+    pub device_bytes_budget: u64,
+    pub host_bytes_budget: u64,
+    pub host_bytes_planned: u64,
+    pub kv_cache_bytes: u64,
+    pub host_cache_bytes: u64,
+    pub bytes_streamed_per_pass: u64,
+    pub layers_resident: u64,
+    pub layers_streamed: u64,
+}
+
+fn header(out: &mut String, name: &str, help: &str, kind: &str) {
+    let _ = writeln!(out, "# HELP {name} {help}");
+    let _ = writeln!(out, "# TYPE {name} {kind}");
+}
+
+fn scalar(out: &mut String, name: &str, help: &str, kind: &str, v: impl std::fmt::Display) {
+    header(out, name, help, kind);
+    let _ = writeln!(out, "{name} {v}");
+}
+
+/// A counter family with one label, a sample per value.
+fn labeled(out: &mut String, name: &str, help: &str, label: &str, samples: &[(&str, f64)]) {
+    header(out, name, help, "counter");
+    for (value, v) in samples {
+        let _ = writeln!(out, "{name}{{{label}=\"{value}\"}} {v}");
+    }
+}
+
+/// A label value as the text format wants it: backslash, quote and newline escaped.
+fn label(v: &str) -> String {
+    v.replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+impl Metrics {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        // A panic while holding this lock cannot leave it inconsistent (plain counters).
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// A request ended with `outcome` (a finish reason or an error code).
+    pub fn request(&self, api: Api, outcome: &'static str) {
+        *self.lock().requests.entry((api, outcome)).or_default() += 1;
+    }
+
+    pub fn tokens(&self, prompt: usize, generated: usize) {
+        let mut m = self.lock();
+        m.prompt_tokens += prompt as u64;
+        m.generation_tokens += generated as u64;
+    }
+
+    pub fn first_token(&self, seconds: f64) {
+        self.lock().ttft.observe(seconds);
+    }
+
+    /// `n` tokens arrived together `seconds` after the previous ones.
+    pub fn next_tokens(&self, seconds: f64, n: usize) {
+        let mut m = self.lock();
+        for _ in 0..n {
+            m.per_token.observe(seconds / n as f64);
+        }
+    }
+
+    pub fn finished(&self, seconds: f64) {
+        self.lock().e2e.observe(seconds);
+    }
+
+    /// The page: this registry's counters and histograms, then the engine's status.
+    pub fn render(&self, s: &Status, st: &Static) -> String {
+        let mut out = String::with_capacity(8 << 10);
+        {
+            let m = self.lock();
+            header(
+                &mut out,
+                "sluice_requests_total",
+                "Generation requests by wire and outcome (a finish reason, or the error that refused or ended them).",
+                "counter",
+            );
+            for ((api, outcome), n) in &m.requests {
+                let _ = writeln!(
+                    out,
+                    "sluice_requests_total{{api=\"{}\",outcome=\"{}\"}} {n}",
+                    api.label(),
+                    label(outcome)
+                );
+            }
+            scalar(
+                &mut out,
+                "sluice_prompt_tokens_total",
+                "Prompt tokens of the requests that ran.",
+                "counter",
+                m.prompt_tokens,
+            );
+            scalar(
+                &mut out,
+                "sluice_generation_tokens_total",
+                "Tokens generated.",
+                "counter",
+                m.generation_tokens,
+            );
+            m.ttft.render(
+                &mut out,
+                "sluice_time_to_first_token_seconds",
+                "Seconds from a request's arrival to its first text, as the client sees it (queueing included).",
+            );
+            m.per_token.render(
+                &mut out,
+                "sluice_time_per_output_token_seconds",
+                "Seconds between generated tokens after the first.",
+            );
+            m.e2e.render(
+                &mut out,
+                "sluice_request_duration_seconds",
+                "Seconds from a request's arrival to its end.",
+            );
+        }
+        let t = &s.totals;
+        let io = &s.io;
+        // Gauges, and counters (named `_total`).
+        let scalars: [(&str, &str, f64); 20] = [
+            (
+                "sluice_queue_depth",
+                "Requests waiting for a KV slot.",
+                s.queue_depth as f64,
+            ),
+            (
+                "sluice_active_sequences",
+                "Sequences in the batch.",
+                s.active_sequences as f64,
+            ),
+            (
+                "sluice_decode_tokens_per_second",
+                "Decode tokens per second over all sequences, smoothed over steps.",
+                s.decode_tokens_per_s,
+            ),
+            (
+                "sluice_last_pass_seconds",
+                "Seconds the last pass over the weights took.",
+                s.last_pass_time_s,
+            ),
+            (
+                "sluice_device_memory_peak_bytes",
+                "Peak device memory allocated (on the CPU backend: the arena).",
+                s.device_bytes_peak as f64,
+            ),
+            (
+                "sluice_device_memory_budget_bytes",
+                "The device memory budget the plan fits in.",
+                st.device_bytes_budget as f64,
+            ),
+            (
+                "sluice_host_memory_budget_bytes",
+                "The host memory budget (0: none).",
+                st.host_bytes_budget as f64,
+            ),
+            (
+                "sluice_host_memory_planned_bytes",
+                "Host memory the plan accounts for.",
+                st.host_bytes_planned as f64,
+            ),
+            (
+                "sluice_host_memory_peak_bytes",
+                "Peak resident set of the process (VmHWM).",
+                crate::hostmem::peak_rss_bytes().unwrap_or(0) as f64,
+            ),
+            (
+                "sluice_kv_cache_bytes",
+                "Bytes of the KV cache.",
+                st.kv_cache_bytes as f64,
+            ),
+            (
+                "sluice_host_cache_bytes",
+                "Bytes of the host cache of decompressed streamed layers.",
+                st.host_cache_bytes as f64,
+            ),
+            (
+                "sluice_streamed_bytes_per_pass",
+                "Weight bytes that stream in every pass.",
+                st.bytes_streamed_per_pass as f64,
+            ),
+            (
+                "sluice_passes_total",
+                "Forward passes over the weights.",
+                t.passes as f64,
+            ),
+            (
+                "sluice_disk_read_bytes_total",
+                "Bytes read from the store by the I/O engine.",
+                io.read_bytes as f64,
+            ),
+            (
+                "sluice_decompressed_bytes_total",
+                "Raw bytes the decompression workers produced.",
+                io.decompressed_bytes as f64,
+            ),
+            (
+                "sluice_uploaded_bytes_total",
+                "Weight bytes handed to the device (copied, or lent on a unified backend).",
+                t.bytes_uploaded as f64,
+            ),
+            (
+                "sluice_host_cache_hit_bytes_total",
+                "Streamed bytes served from the host cache instead of the disk.",
+                t.bytes_from_host_cache as f64,
+            ),
+            (
+                "sluice_io_read_ops_total",
+                "Read requests the I/O engine completed.",
+                io.read_ops as f64,
+            ),
+            (
+                "sluice_units_streamed_total",
+                "Streamed units the I/O engine delivered.",
+                io.units_done as f64,
+            ),
+            (
+                "sluice_units_failed_total",
+                "Streamed units that failed (checksum, decode or read errors).",
+                io.units_failed as f64,
+            ),
+        ];
+        for (name, help, v) in scalars {
+            let kind = if name.ends_with("_total") {
+                "counter"
+            } else {
+                "gauge"
+            };
+            scalar(&mut out, name, help, kind, v);
+        }
+        header(
+            &mut out,
+            "sluice_layers",
+            "Units of the model by placement.",
+            "gauge",
+        );
+        for (placement, n) in [
+            ("resident", st.layers_resident),
+            ("streamed", st.layers_streamed),
+        ] {
+            let _ = writeln!(out, "sluice_layers{{placement=\"{placement}\"}} {n}");
+        }
+        labeled(
+            &mut out,
+            "sluice_stage_busy_seconds_total",
+            "Seconds each stage was busy: disk_read (a read in flight), decompress (summed over workers), upload, compute.",
+            "stage",
+            &[
+                ("disk_read", io.read_busy_s),
+                ("decompress", io.decompress_busy_s),
+                ("upload", t.upload_s),
+                ("compute", t.compute_s),
+            ],
+        );
+        labeled(
+            &mut out,
+            "sluice_stage_stall_seconds_total",
+            "Seconds a stage waited on another: compute on loads, reads on read buffers, requests on staging slots.",
+            "stage",
+            &[
+                ("compute_waiting_for_load", t.load_stall_s),
+                ("read_waiting_for_buffer", io.buffer_stall_s),
+                ("load_waiting_for_slot", io.slot_stall_s),
+            ],
+        );
+        header(
+            &mut out,
+            "sluice_model_info",
+            "The model served and how (always 1).",
+            "gauge",
+        );
+        let _ = writeln!(
+            out,
+            "sluice_model_info{{model=\"{}\",backend=\"{}\",numerics=\"{}\",kv_dtype=\"{}\"}} 1",
+            label(&st.model),
+            label(&st.backend),
+            st.numerics,
+            label(&st.kv_dtype)
+        );
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn histograms_are_cumulative_and_label_values_are_escaped() {
+        let mut h = Histogram::new(&[0.1, 1.0]);
+        for v in [0.05, 0.5, 0.7, 5.0] {
+            h.observe(v);
+        }
+        let mut out = String::new();
+        h.render(&mut out, "x_seconds", "help");
+        assert!(out.contains("x_seconds_bucket{le=\"0.1\"} 1\n"), "{out}");
+        assert!(out.contains("x_seconds_bucket{le=\"1\"} 3\n"), "{out}");
+        assert!(out.contains("x_seconds_bucket{le=\"+Inf\"} 4\n"), "{out}");
+        assert!(out.contains("x_seconds_count 4\n"), "{out}");
+        assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+}

@@ -1,0 +1,429 @@
+//! The OpenAI wire format: request bodies of `/v1/chat/completions` and `/v1/completions`
+//! parsed into the shared `GenerateInput` (every field OpenAI defines is either honoured or
+//! refused with a 400 that names it, never silently ignored when it would change the
+//! output), and the JSON of responses, stream chunks and errors.
+
+use super::api::{ApiError, ErrorKind, GenerateInput, Prompt};
+use crate::engine::scheduler::Finish;
+use crate::text::{ChatMessage, SamplingParams};
+use serde::Deserialize;
+use serde_json::{json, Value};
+
+#[derive(Deserialize, Default)]
+struct StreamOptions {
+    include_usage: Option<bool>,
+}
+
+/// Fields both endpoints take.
+#[derive(Deserialize, Default)]
+struct Common {
+    #[serde(default)]
+    model: Option<String>,
+    max_tokens: Option<u32>,
+    temperature: Option<f32>,
+    top_p: Option<f32>,
+    /// Not OpenAI's, but vLLM's and llama-server's.
+    top_k: Option<u32>,
+    min_p: Option<f32>,
+    seed: Option<i64>,
+    stop: Option<Value>,
+    n: Option<u32>,
+    stream: Option<bool>,
+    stream_options: Option<StreamOptions>,
+    presence_penalty: Option<f32>,
+    frequency_penalty: Option<f32>,
+    logit_bias: Option<serde_json::Map<String, Value>>,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: Vec<Value>,
+    max_completion_tokens: Option<u32>,
+    logprobs: Option<bool>,
+    top_logprobs: Option<u32>,
+    tools: Option<Vec<Value>>,
+    response_format: Option<Value>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    prompt: Value,
+    logprobs: Option<u32>,
+    echo: Option<bool>,
+    suffix: Option<String>,
+    best_of: Option<u32>,
+    #[serde(flatten)]
+    common: Common,
+}
+
+/// A parsed request: what to generate and how to answer.
+pub struct Call {
+    /// One input per prompt (chat: one).
+    pub inputs: Vec<GenerateInput>,
+    pub stream: bool,
+    pub include_usage: bool,
+}
+
+fn body_error(e: serde_json::Error) -> ApiError {
+    ApiError::invalid(None, format!("the request body is not valid: {e}"))
+}
+
+fn unsupported(param: &'static str, what: &str) -> ApiError {
+    ApiError::invalid(Some(param), format!("{what} is not supported by sluice"))
+}
+
+/// Stop strings: a string or a list of strings.
+fn stop_list(v: Option<Value>) -> Result<Vec<String>, ApiError> {
+    let bad = || ApiError::invalid(Some("stop"), "stop must be a string or a list of strings");
+    match v {
+        None | Some(Value::Null) => Ok(Vec::new()),
+        Some(Value::String(s)) => Ok(vec![s]),
+        Some(Value::Array(a)) => a
+            .into_iter()
+            .map(|s| match s {
+                Value::String(s) => Ok(s),
+                _ => Err(bad()),
+            })
+            .collect(),
+        Some(_) => Err(bad()),
+    }
+}
+
+impl Common {
+    /// The sampling settings and the refusals common to both endpoints. OpenAI's default
+    /// temperature is 1; 0 is greedy.
+    fn sampling(&self) -> Result<SamplingParams, ApiError> {
+        if self.n.is_some_and(|n| n != 1) {
+            return Err(ApiError::invalid(
+                Some("n"),
+                "n must be 1: sluice returns one choice per prompt (send the request again for more samples)",
+            ));
+        }
+        for (param, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if v.is_some_and(|v| v != 0.0) {
+                return Err(unsupported(param, param));
+            }
+        }
+        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
+            return Err(unsupported("logit_bias", "logit_bias"));
+        }
+        let mut temperature = self.temperature.unwrap_or(1.0);
+        let top_p = self.top_p.unwrap_or(1.0);
+        if top_p == 0.0 {
+            // Only the most likely token is left.
+            temperature = 0.0;
+        }
+        Ok(SamplingParams {
+            temperature,
+            top_k: self.top_k.unwrap_or(0) as usize,
+            top_p: if top_p == 0.0 { 1.0 } else { top_p },
+            min_p: self.min_p.unwrap_or(0.0),
+            // Without a seed each request draws its own.
+            seed: match self.seed {
+                Some(s) => s as u64,
+                None => fresh_seed(),
+            },
+        })
+    }
+
+    fn include_usage(&self) -> bool {
+        self.stream_options
+            .as_ref()
+            .and_then(|o| o.include_usage)
+            .unwrap_or(false)
+    }
+}
+
+/// A seed nobody chose: the standard library's per-process random keys, hashed with the
+/// time so each call differs.
+fn fresh_seed() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    h.write_u128(t);
+    h.finish()
+}
+
+/// A message's content: a string, or a list of parts of which only text is understood.
+fn content_text(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("messages"), format!("messages[{i}]: {m}"));
+    match v {
+        None | Some(Value::Null) => Ok(String::new()),
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for p in parts {
+                match (
+                    p.get("type").and_then(Value::as_str),
+                    p.get("text").and_then(Value::as_str),
+                ) {
+                    (Some("text"), Some(t)) => texts.push(t),
+                    (Some(t), _) if t != "text" => {
+                        return Err(bad(format!(
+                            "content of type {t:?} is not supported (text only)"
+                        )))
+                    }
+                    _ => {
+                        return Err(bad(
+                            "a content part needs \"type\": \"text\" and \"text\"".into()
+                        ))
+                    }
+                }
+            }
+            Ok(texts.join("\n"))
+        }
+        Some(_) => Err(bad("content must be a string or a list of parts".into())),
+    }
+}
+
+fn messages(list: Vec<Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    list.into_iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
+                ApiError::invalid(Some("messages"), format!("messages[{i}] has no role"))
+            })?;
+            let role = match role {
+                "system" | "user" | "assistant" | "tool" => role,
+                // OpenAI's newer name for the system role.
+                "developer" => "system",
+                r => {
+                    return Err(ApiError::invalid(
+                        Some("messages"),
+                        format!("messages[{i}]: unknown role {r:?} (system, developer, user, assistant or tool)"),
+                    ))
+                }
+            };
+            if m.get("tool_calls").is_some_and(|t| !t.is_null()) {
+                return Err(unsupported("messages", "an assistant message with tool_calls"));
+            }
+            Ok(ChatMessage {
+                role: role.to_string(),
+                content: content_text(i, m.get("content"))?,
+            })
+        })
+        .collect()
+}
+
+pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
+    let b: ChatBody = serde_json::from_slice(body).map_err(body_error)?;
+    let logprobs = match (b.logprobs.unwrap_or(false), b.top_logprobs) {
+        (true, top) => Some(top.unwrap_or(0) as usize),
+        (false, Some(n)) if n > 0 => {
+            return Err(ApiError::invalid(
+                Some("top_logprobs"),
+                "top_logprobs needs logprobs: true",
+            ))
+        }
+        (false, _) => None,
+    };
+    if b.tools.as_ref().is_some_and(|t| !t.is_empty()) {
+        return Err(unsupported("tools", "tool calling"));
+    }
+    if let Some(f) = &b.response_format {
+        let kind = f.get("type").and_then(Value::as_str);
+        if kind != Some("text") {
+            return Err(unsupported(
+                "response_format",
+                &format!("response_format {}", kind.unwrap_or("without a type")),
+            ));
+        }
+    }
+    let sampling = b.common.sampling()?;
+    let c = b.common;
+    Ok(Call {
+        include_usage: c.include_usage(),
+        stream: c.stream.unwrap_or(false),
+        inputs: vec![GenerateInput {
+            model: c.model.unwrap_or_default(),
+            prompt: Prompt::Messages(messages(b.messages)?),
+            max_tokens: b.max_completion_tokens.or(c.max_tokens),
+            sampling,
+            stop: stop_list(c.stop)?,
+            logprobs,
+        }],
+    })
+}
+
+/// A token id list.
+fn ids(v: &[Value]) -> Option<Vec<u32>> {
+    v.iter()
+        .map(|t| t.as_u64().and_then(|t| u32::try_from(t).ok()))
+        .collect()
+}
+
+/// The prompt of a completion: a string, a list of strings, a list of token ids or a list
+/// of token id lists.
+fn prompts(v: Value, max: usize) -> Result<Vec<Prompt>, ApiError> {
+    let bad = || {
+        ApiError::invalid(
+            Some("prompt"),
+            "prompt must be a string, a list of strings, a list of token ids or a list of token id lists",
+        )
+    };
+    let out = match v {
+        Value::String(s) => vec![Prompt::Text(s)],
+        Value::Array(a) if a.is_empty() => return Err(bad()),
+        Value::Array(a) => match &a[0] {
+            Value::String(_) => a
+                .into_iter()
+                .map(|s| match s {
+                    Value::String(s) => Ok(Prompt::Text(s)),
+                    _ => Err(bad()),
+                })
+                .collect::<Result<_, _>>()?,
+            Value::Number(_) => vec![Prompt::Ids(ids(&a).ok_or_else(bad)?)],
+            Value::Array(_) => a
+                .iter()
+                .map(|p| {
+                    p.as_array()
+                        .and_then(|p| ids(p))
+                        .map(Prompt::Ids)
+                        .ok_or_else(bad)
+                })
+                .collect::<Result<_, _>>()?,
+            _ => return Err(bad()),
+        },
+        _ => return Err(bad()),
+    };
+    if out.len() > max {
+        return Err(ApiError::invalid(
+            Some("prompt"),
+            format!("{} prompts; at most {max} in one request", out.len()),
+        ));
+    }
+    Ok(out)
+}
+
+/// OpenAI's default for `/v1/completions` when max_tokens is not given.
+pub const COMPLETION_MAX_TOKENS_DEFAULT: u32 = 16;
+
+pub fn parse_completion(body: &[u8], max_prompts: usize) -> Result<Call, ApiError> {
+    let b: CompletionBody = serde_json::from_slice(body).map_err(body_error)?;
+    // The legacy endpoint's limit.
+    if b.logprobs.is_some_and(|n| n > 5) {
+        return Err(ApiError::invalid(
+            Some("logprobs"),
+            "logprobs must be 0 to 5",
+        ));
+    }
+    if b.echo == Some(true) {
+        return Err(unsupported("echo", "echo"));
+    }
+    if b.suffix.as_ref().is_some_and(|s| !s.is_empty()) {
+        return Err(unsupported("suffix", "suffix (fill in the middle)"));
+    }
+    if b.best_of.is_some_and(|n| n != 1) {
+        return Err(ApiError::invalid(Some("best_of"), "best_of must be 1"));
+    }
+    let sampling = b.common.sampling()?;
+    let c = b.common;
+    let stop = stop_list(c.stop)?;
+    let model = c.model.unwrap_or_default();
+    let max_tokens = c.max_tokens.unwrap_or(COMPLETION_MAX_TOKENS_DEFAULT);
+    Ok(Call {
+        include_usage: c.stream_options.as_ref().and_then(|o| o.include_usage) == Some(true),
+        stream: c.stream.unwrap_or(false),
+        inputs: prompts(b.prompt, max_prompts)?
+            .into_iter()
+            .map(|prompt| GenerateInput {
+                model: model.clone(),
+                prompt,
+                max_tokens: Some(max_tokens),
+                sampling,
+                stop: stop.clone(),
+                logprobs: b.logprobs.map(|n| n as usize),
+            })
+            .collect(),
+    })
+}
+
+/// OpenAI's finish reasons: an end token or a stop string is `stop`, a token limit
+/// (max_tokens or the context) is `length`. Cancelled has none: the wire reports it as an
+/// error.
+pub fn finish_reason(f: Finish) -> Option<&'static str> {
+    match f {
+        Finish::Stop | Finish::StopString => Some("stop"),
+        Finish::Length | Finish::Context => Some("length"),
+        Finish::Cancelled => None,
+    }
+}
+
+/// HTTP status, OpenAI error type and code of an error kind.
+pub fn error_shape(kind: ErrorKind) -> (u16, &'static str, Option<&'static str>) {
+    match kind {
+        ErrorKind::Invalid => (400, "invalid_request_error", None),
+        ErrorKind::ModelNotFound => (404, "invalid_request_error", Some("model_not_found")),
+        ErrorKind::Unauthenticated => (401, "invalid_request_error", Some("invalid_api_key")),
+        ErrorKind::QueueFull => (429, "rate_limit_error", Some("queue_full")),
+        ErrorKind::Unavailable => (503, "server_error", Some("unavailable")),
+        ErrorKind::DataLoss => (500, "server_error", Some("data_loss")),
+        ErrorKind::Internal => (500, "server_error", None),
+    }
+}
+
+/// `{"error": {"message", "type", "param", "code"}}`.
+pub fn error_body(e: &ApiError) -> Value {
+    let (_, kind, code) = error_shape(e.kind);
+    json!({"error": {"message": e.message, "type": kind, "param": e.param, "code": code}})
+}
+
+pub fn usage(prompt: usize, completion: usize) -> Value {
+    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bodies_parse_into_the_shared_input_and_unsupported_fields_are_named() {
+        let c = parse_chat(br#"{"model":"m","messages":[{"role":"developer","content":[{"type":"text","text":"a"},{"type":"text","text":"b"}]},{"role":"user","content":"hi"}],"temperature":0,"stop":"x","max_completion_tokens":5,"stream":true,"stream_options":{"include_usage":true},"user":"ignored"}"#).expect("a valid body");
+        assert!(c.stream && c.include_usage);
+        let i = &c.inputs[0];
+        assert_eq!(
+            (i.max_tokens, i.stop.as_slice()),
+            (Some(5), &["x".to_string()][..])
+        );
+        assert_eq!(i.sampling.temperature, 0.0);
+        let Prompt::Messages(m) = &i.prompt else {
+            panic!("messages")
+        };
+        assert_eq!(
+            (m[0].role.as_str(), m[0].content.as_str()),
+            ("system", "a\nb")
+        );
+        for (body, param) in [
+            (&br#"{"messages":[],"n":2}"#[..], "n"),
+            (br#"{"messages":[],"top_logprobs":2}"#, "top_logprobs"),
+            (
+                br#"{"messages":[],"presence_penalty":0.5}"#,
+                "presence_penalty",
+            ),
+            (br#"{"messages":[],"tools":[{"type":"function"}]}"#, "tools"),
+            (
+                br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
+                "messages",
+            ),
+            (br#"{"messages":[],"stop":[1]}"#, "stop"),
+        ] {
+            let e = parse_chat(body).err().expect("refused");
+            assert_eq!(e.param, Some(param), "{}", e.message);
+        }
+        let e = parse_chat(br#"{"messages":"hi"}"#).err().expect("refused");
+        assert!(e.message.contains("invalid type"), "{}", e.message);
+        let c = parse_completion(br#"{"prompt":[[1,2],[3]]}"#, 8).expect("token id lists");
+        assert_eq!(c.inputs.len(), 2);
+        assert_eq!(c.inputs[0].max_tokens, Some(COMPLETION_MAX_TOKENS_DEFAULT));
+        assert!(matches!(&c.inputs[1].prompt, Prompt::Ids(v) if v == &[3]));
+        assert!(parse_completion(br#"{"prompt":["a","b","c"]}"#, 2).is_err());
+        assert!(parse_completion(br#"{"prompt":[1,-2]}"#, 2).is_err());
+    }
+}

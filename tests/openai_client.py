@@ -1,0 +1,77 @@
+#!/usr/bin/env python3
+"""Clients nobody here wrote, driven against a running sluiced by tests/tests/http.rs.
+
+  openai_client.py basic BASE_URL CHAT_PROMPT TEXT_PROMPT IDS MAX_TOKENS
+      The official `openai` package: models, chat (plain and streamed with include_usage),
+      completions from text and from token ids, greedy. Prints one JSON object of what
+      came back; the Rust test compares it with `sluiced run`.
+  openai_client.py metrics BASE_URL
+      GET /metrics parsed by `prometheus_client`'s text parser (a parse error fails).
+      Prints {"name{label=value,...}": value}.
+"""
+import json
+import sys
+import urllib.request
+
+
+def basic(base, chat_prompt, text_prompt, ids, max_tokens):
+    import openai
+
+    c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    out = {"models": [m.model_dump() for m in c.models.list()]}
+    msgs = [{"role": "user", "content": chat_prompt}]
+    r = c.chat.completions.create(model=out["models"][0]["id"], messages=msgs,
+                                  temperature=0, max_tokens=max_tokens)
+    out["chat"] = {"text": r.choices[0].message.content, "role": r.choices[0].message.role,
+                   "finish_reason": r.choices[0].finish_reason, "usage": r.usage.model_dump(),
+                   "object": r.object, "id": r.id}
+    chunks = list(c.chat.completions.create(
+        model=out["models"][0]["id"], messages=msgs, temperature=0, max_tokens=max_tokens,
+        stream=True, stream_options={"include_usage": True}))
+    out["chat_stream"] = {
+        "text": "".join((ch.choices[0].delta.content or "") for ch in chunks if ch.choices),
+        "role": chunks[0].choices[0].delta.role,
+        "finish_reasons": [ch.choices[0].finish_reason for ch in chunks if ch.choices],
+        # Only the last chunk carries usage, with no choices.
+        "usage_chunks": [i for i, ch in enumerate(chunks) if ch.usage is not None],
+        "usage": chunks[-1].usage.model_dump() if chunks[-1].usage else None,
+        "last_choices": len(chunks[-1].choices),
+        "chunks": len(chunks),
+        "ids": sorted({ch.id for ch in chunks}),
+    }
+    r = c.completions.create(model=out["models"][0]["id"], prompt=text_prompt,
+                             temperature=0, max_tokens=max_tokens)
+    out["completion"] = {"text": r.choices[0].text, "finish_reason": r.choices[0].finish_reason,
+                         "usage": r.usage.model_dump(), "object": r.object}
+    r = c.completions.create(model=out["models"][0]["id"], prompt=ids, temperature=0,
+                             max_tokens=max_tokens)
+    out["completion_ids"] = {"text": r.choices[0].text, "usage": r.usage.model_dump()}
+    chunks = list(c.completions.create(model=out["models"][0]["id"], prompt=text_prompt,
+                                       temperature=0, max_tokens=max_tokens, stream=True))
+    out["completion_stream"] = {"text": "".join(ch.choices[0].text for ch in chunks if ch.choices)}
+    print(json.dumps(out))
+
+
+def metrics(base):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(base + "/metrics") as r:
+        ctype = r.headers.get("Content-Type", "")
+        text = r.read().decode()
+    samples = {}
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            labels = ",".join(f"{k}={v}" for k, v in sorted(s.labels.items()))
+            samples[f"{s.name}{{{labels}}}"] = s.value
+    print(json.dumps({"content_type": ctype, "samples": samples}))
+
+
+if __name__ == "__main__":
+    mode, base = sys.argv[1], sys.argv[2]
+    if mode == "basic":
+        basic(base, sys.argv[3], sys.argv[4], [int(t) for t in sys.argv[5].split(",")],
+              int(sys.argv[6]))
+    elif mode == "metrics":
+        metrics(base)
+    else:
+        sys.exit(f"unknown mode {mode}")

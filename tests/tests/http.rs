@@ -1,0 +1,801 @@
+//! The OpenAI-compatible HTTP API end to end: `sluiced serve` as a real process on
+//! loopback, driven by clients nobody here wrote — the official `openai` Python package,
+//! curl, `prometheus_client`'s parser — beside the gRPC clients on the same scheduler.
+
+use serde_json::{json, Value};
+use sluice_tests::*;
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn python(args: &[&str]) -> Value {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/openai_client.py");
+    let o = Command::new("python3")
+        .arg(script)
+        .args(args)
+        .output()
+        .expect("python3");
+    assert!(
+        o.status.success(),
+        "openai_client.py {args:?} failed (pip install openai prometheus_client; .ci/run does): {}",
+        stderr(&o)
+    );
+    serde_json::from_str(&stdout(&o)).expect("openai_client.py prints JSON")
+}
+
+/// POSTs `body` to `path`; returns the status, the headers and the body.
+fn post(d: &Daemon, path: &str, body: &str, extra: &[&str]) -> (u16, String, String) {
+    let url = format!("{}{path}", d.http);
+    let mut args = vec![
+        "-s",
+        "-D",
+        "-",
+        "-d",
+        body,
+        "-H",
+        "Content-Type: application/json",
+    ];
+    args.extend_from_slice(extra);
+    args.push(&url);
+    split_response(&stdout(&curl(&args)))
+}
+
+/// A small completion every test uses to see that the daemon serves.
+fn hi(d: &Daemon) -> (u16, String, String) {
+    post(
+        d,
+        "/v1/completions",
+        r#"{"prompt":"Hi","max_tokens":3}"#,
+        &[],
+    )
+}
+
+fn get(d: &Daemon, path: &str, extra: &[&str]) -> (u16, String, String) {
+    let url = format!("{}{path}", d.http);
+    let mut args = vec!["-s", "-D", "-"];
+    args.extend_from_slice(extra);
+    args.push(&url);
+    split_response(&stdout(&curl(&args)))
+}
+
+/// `curl -D -` output: status line and headers, a blank line, the body.
+fn split_response(raw: &str) -> (u16, String, String) {
+    let (mut head, mut body) = raw.split_once("\r\n\r\n").unwrap_or((raw, ""));
+    // `HTTP/1.1 100 Continue` before the answer to a large body.
+    while head.starts_with("HTTP/1.1 1") {
+        (head, body) = body.split_once("\r\n\r\n").unwrap_or((body, ""));
+    }
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no HTTP status in {raw:?}"));
+    (status, head.to_ascii_lowercase(), body.to_string())
+}
+
+/// An OpenAI-shaped error body: `{"error": {"message", "type", "param", "code"}}`.
+fn assert_error(status: u16, want: u16, body: &str, needle: &str) -> Value {
+    assert_eq!(status, want, "{body}");
+    let v: Value = serde_json::from_str(body).unwrap_or_else(|e| panic!("{e}: {body}"));
+    let e = &v["error"];
+    for k in ["message", "type", "param", "code"] {
+        assert!(e.get(k).is_some(), "error without {k}: {body}");
+    }
+    assert!(
+        e["message"].as_str().unwrap().contains(needle),
+        "{needle:?} not in {body}"
+    );
+    v
+}
+
+/// Reads server-sent events from `raw`: every non-empty line must be a `data:` line whose
+/// payload is JSON, and the last one `[DONE]`. Returns the JSON payloads.
+fn sse_chunks(raw: &str) -> Vec<Value> {
+    let lines: Vec<&str> = raw.lines().filter(|l| !l.is_empty()).collect();
+    assert_eq!(lines.last(), Some(&"data: [DONE]"), "{raw}");
+    lines[..lines.len() - 1]
+        .iter()
+        .map(|l| {
+            let payload = l
+                .strip_prefix("data: ")
+                .unwrap_or_else(|| panic!("not a data line: {l:?}"));
+            serde_json::from_str(payload).unwrap_or_else(|e| panic!("{e}: {payload}"))
+        })
+        .collect()
+}
+
+/// `curl -N` streaming a completion in the background.
+fn spawn_stream(d: &Daemon, path: &str, body: &Value) -> Child {
+    Command::new("curl")
+        .args(["-sN", "-d", &body.to_string()])
+        .arg(format!("{}{path}", d.http))
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("curl")
+}
+
+fn sluice(d: &Daemon, args: &[&str]) -> std::process::Output {
+    Command::new(bin("sluice"))
+        .arg("--addr")
+        .arg(&d.addr)
+        .args(args)
+        .env_remove("SLUICE_API_KEY")
+        .output()
+        .expect("spawn sluice")
+}
+
+fn sluiced_run(d: &Daemon, args: &[&str]) -> Value {
+    let store = d.store();
+    let mut a = vec![
+        "run",
+        store.to_str().unwrap(),
+        "--max-context",
+        "256",
+        "--json",
+    ];
+    a.extend_from_slice(args);
+    serde_json::from_str(&sluiced_ok(&a)).unwrap()
+}
+
+#[test]
+fn the_openai_client_gets_what_sluiced_run_gives() {
+    let d = Daemon::start(&["--max-context", "256", "--max-batch", "4"]);
+    let chat = "What is the capital of France?";
+    let ids = "1,504,2365,282,5013";
+    let got = python(&["basic", &d.http, chat, PROMPTS[0], ids, "24"]);
+    let models = got["models"].as_array().unwrap();
+    assert_eq!(models.len(), 1);
+    assert_eq!(models[0]["id"], "smollm2");
+    assert_eq!(models[0]["object"], "model");
+    assert_eq!(models[0]["owned_by"], "sluice");
+    assert!(models[0]["created"].as_u64().unwrap() > 1_700_000_000);
+
+    let run = sluiced_run(&d, &["--chat", "--prompt", chat, "--max-tokens", "24"]);
+    let prompt_n = run["prompt_token_ids"].as_array().unwrap().len();
+    let gen_n = run["generated_token_ids"].as_array().unwrap().len();
+    let c = &got["chat"];
+    assert_eq!(
+        c["text"], run["text"],
+        "chat over HTTP differs from sluiced run --chat"
+    );
+    assert_eq!(
+        (c["role"].as_str(), c["object"].as_str()),
+        (Some("assistant"), Some("chat.completion"))
+    );
+    assert_eq!(c["finish_reason"], run["finish_reason"]);
+    let usage = json!({"prompt_tokens": prompt_n, "completion_tokens": gen_n, "total_tokens": prompt_n + gen_n});
+    for (k, v) in usage.as_object().unwrap() {
+        assert_eq!(&c["usage"][k], v, "chat usage {k}");
+    }
+    let s = &got["chat_stream"];
+    assert_eq!(s["text"], run["text"], "streamed chat differs");
+    assert_eq!(s["role"], "assistant");
+    let n = s["chunks"].as_u64().unwrap();
+    assert_eq!(
+        s["usage_chunks"],
+        json!([n - 1]),
+        "one usage chunk, the last: {s}"
+    );
+    assert_eq!(s["last_choices"], 0);
+    for (k, v) in usage.as_object().unwrap() {
+        assert_eq!(&s["usage"][k], v, "stream usage {k}");
+    }
+    let finishes: Vec<&Value> = s["finish_reasons"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|f| !f.is_null())
+        .collect();
+    assert_eq!(
+        finishes,
+        [&run["finish_reason"]],
+        "one finish reason, at the end"
+    );
+    assert_eq!(
+        s["ids"].as_array().unwrap().len(),
+        1,
+        "every chunk has the same id"
+    );
+
+    let run = sluiced_run(&d, &["--prompt", PROMPTS[0], "--max-tokens", "24"]);
+    let c = &got["completion"];
+    assert_eq!(
+        c["text"], run["text"],
+        "completion differs from sluiced run"
+    );
+    assert_eq!(c["finish_reason"], "length");
+    assert_eq!(c["object"], "text_completion");
+    assert_eq!(c["usage"]["completion_tokens"], 24);
+    assert_eq!(
+        c["usage"]["prompt_tokens"].as_u64().unwrap() as usize,
+        run["prompt_token_ids"].as_array().unwrap().len()
+    );
+    assert_eq!(got["completion_stream"]["text"], run["text"]);
+    let run = sluiced_run(&d, &["--prompt-ids", ids, "--max-tokens", "24"]);
+    assert_eq!(got["completion_ids"]["text"], run["text"]);
+    assert_eq!(got["completion_ids"]["usage"]["prompt_tokens"], 5);
+}
+
+#[test]
+fn streams_are_server_sent_events_ending_in_done() {
+    let d = Daemon::start(&["--max-context", "256"]);
+    for (path, body) in [
+        (
+            "/v1/chat/completions",
+            json!({"messages": [{"role": "user", "content": "Tell me about disks."}], "max_tokens": 12, "temperature": 0, "stream": true, "stream_options": {"include_usage": true}}),
+        ),
+        (
+            "/v1/completions",
+            json!({"prompt": PROMPTS[1], "max_tokens": 12, "temperature": 0, "stream": true}),
+        ),
+    ] {
+        let o = spawn_stream(&d, path, &body).wait_with_output().unwrap();
+        let raw = stdout(&o);
+        // Events are separated by blank lines.
+        assert!(raw.contains("\n\ndata: "), "{raw}");
+        let chunks = sse_chunks(&raw);
+        let text: String = chunks
+            .iter()
+            .filter_map(|c| c["choices"].get(0))
+            .map(|ch| {
+                ch["delta"]["content"]
+                    .as_str()
+                    .or(ch["text"].as_str())
+                    .unwrap_or("")
+            })
+            .collect();
+        assert!(!text.is_empty(), "{raw}");
+        let finish: Vec<&Value> = chunks
+            .iter()
+            .filter_map(|c| c["choices"].get(0))
+            .map(|ch| &ch["finish_reason"])
+            .filter(|f| !f.is_null())
+            .collect();
+        assert_eq!(finish, [&json!("length")], "{raw}");
+        if path == "/v1/chat/completions" {
+            assert_eq!(chunks[0]["choices"][0]["delta"]["role"], "assistant");
+            assert_eq!(chunks.last().unwrap()["usage"]["completion_tokens"], 12);
+            assert!(chunks
+                .iter()
+                .all(|c| c["object"] == "chat.completion.chunk"));
+        } else {
+            assert!(chunks.iter().all(|c| c["object"] == "text_completion"));
+            assert!(chunks.iter().all(|c| c.get("usage").is_none()), "{raw}");
+        }
+    }
+}
+
+fn status_json(d: &Daemon) -> Value {
+    let o = sluice(d, &["status", "--json"]);
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_str(&stdout(&o)).unwrap()
+}
+
+fn metric(d: &Daemon, name: &str) -> f64 {
+    let got = python(&["metrics", &d.http]);
+    got["samples"][name]
+        .as_f64()
+        .unwrap_or_else(|| panic!("{name} missing from /metrics: {got}"))
+}
+
+#[test]
+fn http_and_grpc_streams_share_the_batch_and_each_gets_what_it_gets_alone() {
+    let d = Daemon::start(&[
+        "--max-context",
+        "128",
+        "--max-batch",
+        "32",
+        "--batch-tokens",
+        "512",
+    ]);
+    let alone: Vec<Value> = PROMPTS
+        .iter()
+        .map(|p| {
+            let o = sluice(&d, &["generate", p, "--max-tokens", "16", "--json"]);
+            assert!(o.status.success(), "{}", stderr(&o));
+            let j: Value = serde_json::from_str(&stdout(&o)).unwrap();
+            j["text"].clone()
+        })
+        .collect();
+    let passes0 = metric(&d, "sluice_passes_total{}");
+    let http: Vec<Child> = PROMPTS
+        .iter()
+        .map(|p| {
+            spawn_stream(
+                &d,
+                "/v1/completions",
+                &json!({"prompt": p, "max_tokens": 16, "temperature": 0, "stream": true}),
+            )
+        })
+        .collect();
+    let grpc: Vec<Child> = PROMPTS
+        .iter()
+        .map(|p| {
+            Command::new(bin("sluice"))
+                .args([
+                    "--addr",
+                    &d.addr,
+                    "generate",
+                    p,
+                    "--max-tokens",
+                    "16",
+                    "--json",
+                ])
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    for (i, c) in http.into_iter().enumerate() {
+        let o = c.wait_with_output().unwrap();
+        let text: String = sse_chunks(&stdout(&o))
+            .iter()
+            .filter_map(|c| c["choices"][0]["text"].as_str().map(str::to_string))
+            .collect();
+        assert_eq!(json!(text), alone[i], "HTTP client {i} ({})", PROMPTS[i]);
+    }
+    for (i, c) in grpc.into_iter().enumerate() {
+        let o = c.wait_with_output().unwrap();
+        assert!(o.status.success(), "gRPC client {i}: {}", stderr(&o));
+        let j: Value = serde_json::from_str(&stdout(&o)).unwrap();
+        assert_eq!(j["text"], alone[i], "gRPC client {i} ({})", PROMPTS[i]);
+    }
+    // 32 requests of 16 tokens alone would take 32 x 16 passes; sharing them takes far fewer.
+    let passes = metric(&d, "sluice_passes_total{}") - passes0;
+    assert!(
+        passes < 32.0 * 16.0 / 4.0,
+        "{passes} passes: the requests did not share them"
+    );
+}
+
+/// Polls `cond` every 20 ms until it holds; panics after `limit`. Returns the time taken.
+fn wait_for(limit: Duration, what: &str, mut cond: impl FnMut() -> bool) -> Duration {
+    let t0 = Instant::now();
+    while !cond() {
+        assert!(t0.elapsed() < limit, "waited {limit:?} for {what}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    t0.elapsed()
+}
+
+fn wait_active(d: &Daemon, want: u64, limit: Duration) -> Duration {
+    wait_for(limit, &format!("{want} active sequences"), || {
+        status_json(d)["active_sequences"] == want
+    })
+}
+
+#[test]
+fn a_client_that_disconnects_mid_stream_frees_its_slot_within_a_second() {
+    let d = Daemon::start(&["--max-context", "2100", "--max-batch", "1"]);
+    for stream in [true, false] {
+        // 2000 tokens take well over 10 s here: the slot is free sooner only if the
+        // disconnect cancelled the sequence.
+        let mut c = spawn_stream(
+            &d,
+            "/v1/completions",
+            &json!({"prompt": "Once upon a time", "max_tokens": 2000, "stream": stream, "temperature": 0}),
+        );
+        if stream {
+            let mut first = [0u8; 16];
+            c.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
+            assert_eq!(&first[..6], b"data: ");
+        }
+        wait_active(&d, 1, Duration::from_secs(20));
+        c.kill().unwrap();
+        c.wait().unwrap();
+        let t = wait_active(&d, 0, Duration::from_secs(5));
+        assert!(
+            t < Duration::from_secs(1),
+            "stream={stream}: the slot was freed {t:?} after the client went away"
+        );
+    }
+    let got = metric(&d, "sluice_requests_total{api=http,outcome=disconnected}");
+    assert_eq!(got, 2.0);
+    let (status, _, body) = hi(&d);
+    assert_eq!(status, 200, "{body}");
+}
+
+#[test]
+fn each_error_has_its_status_and_openai_shape_and_the_daemon_keeps_serving() {
+    let d = Daemon::start(&[
+        "--max-context",
+        "256",
+        "--max-batch",
+        "1",
+        "--queue-max",
+        "1",
+        "--shutdown-grace-s",
+        "20",
+    ]);
+    let chat = "/v1/chat/completions";
+    let user = r#"[{"role":"user","content":"Hi"}]"#;
+    let cases: Vec<(String, u16, &str)> = vec![
+        ("{not json".into(), 400, "not valid"),
+        (r#"{"messages":"hi"}"#.into(), 400, "invalid type"),
+        (
+            format!(r#"{{"messages":{user},"n":3}}"#),
+            400,
+            "n must be 1",
+        ),
+        (
+            format!(r#"{{"messages":{user},"temperature":-1}}"#),
+            400,
+            "temperature",
+        ),
+        (
+            format!(r#"{{"messages":{user},"max_tokens":1000}}"#),
+            400,
+            "at most",
+        ),
+        (
+            format!(
+                r#"{{"messages":[{{"role":"user","content":"{}"}}]}}"#,
+                "word ".repeat(300)
+            ),
+            400,
+            "the context holds 256",
+        ),
+        (
+            format!(r#"{{"messages":{user},"model":"gpt-4"}}"#),
+            404,
+            "not served here",
+        ),
+        (
+            r#"{"messages":[{"role":"wizard","content":"x"}]}"#.into(),
+            400,
+            "unknown role",
+        ),
+    ];
+    for (body, want, needle) in &cases {
+        let (status, _, b) = post(&d, chat, body, &[]);
+        let v = assert_error(status, *want, &b, needle);
+        if *want == 404 {
+            assert_eq!(v["error"]["code"], "model_not_found");
+            assert_eq!(v["error"]["param"], "model");
+        }
+    }
+    let big = format!(r#"{{"prompt":"{}"}}"#, "a".repeat(9 << 20));
+    let f = d.tmp.path().join("big.json");
+    std::fs::write(&f, big).unwrap();
+    let (status, _, b) = post(&d, "/v1/completions", &format!("@{}", f.display()), &[]);
+    assert_error(status, 400, &b, "max_request_bytes");
+    let (status, _, b) = get(&d, "/v1/engines", &[]);
+    assert_error(status, 404, &b, "no route");
+
+    // One request holds the only slot, one waits in the one-place queue, a third is 429.
+    let long = json!({"prompt": "Once upon a time", "max_tokens": 200, "temperature": 0});
+    let running = spawn_stream(&d, "/v1/completions", &long);
+    wait_active(&d, 1, Duration::from_secs(20));
+    let queued = spawn_stream(&d, "/v1/completions", &long);
+    wait_for(
+        Duration::from_secs(20),
+        "the second request to queue",
+        || status_json(&d)["queue_depth"] == 1,
+    );
+    let (status, head, b) = hi(&d);
+    assert_error(status, 429, &b, "queue is full");
+    assert!(head.contains("retry-after: 1"), "{head}");
+
+    // SIGTERM: in-flight requests finish; new ones, and /health, are 503.
+    // SAFETY: plain kill(2) on our child's pid.
+    unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
+    wait_for(Duration::from_secs(10), "/health to say 503", || {
+        get(&d, "/health", &[]).0 == 503
+    });
+    let (_, _, b) = get(&d, "/health", &[]);
+    assert!(b.contains("shutting_down"), "{b}");
+    let (status, _, b) = hi(&d);
+    assert_error(status, 503, &b, "shutting down");
+    for c in [running, queued] {
+        let o = c.wait_with_output().unwrap();
+        let v: Value = serde_json::from_str(&stdout(&o)).unwrap();
+        assert_eq!(v["usage"]["completion_tokens"], 200, "{v}");
+    }
+}
+
+#[test]
+fn a_damaged_layer_is_a_500_naming_it_and_serving_resumes_once_repaired() {
+    // Every layer streams, so every request reads the file again.
+    let d = Daemon::start(&[
+        "--max-context",
+        "64",
+        "--max-batch",
+        "1",
+        "--device-memory",
+        "48MiB",
+    ]);
+    let store = sluice::store::Store::open(&d.store()).unwrap();
+    let st = status_json(&d);
+    let streamed: Vec<&str> = st["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["placement"] == "streamed")
+        .map(|l| l["layer"].as_str().unwrap())
+        .collect();
+    let unit = store
+        .units()
+        .iter()
+        .find(|u| streamed.contains(&u.kind.to_string().as_str()))
+        .expect("a streamed unit")
+        .clone();
+    let w = d.store().join("weights.bin");
+    let at = unit.file_offset + 64;
+    let good = std::fs::read(&w).unwrap()[at as usize];
+    let flip = |b: u8| {
+        let f = std::fs::OpenOptions::new().write(true).open(&w).unwrap();
+        std::os::unix::fs::FileExt::write_all_at(&f, &[b], at).unwrap();
+        f.sync_all().unwrap();
+    };
+    flip(good ^ 0x5a);
+    let (status, _, b) = hi(&d);
+    let v = assert_error(status, 500, &b, &unit.kind.to_string());
+    assert_eq!(v["error"]["code"], "data_loss");
+    flip(good);
+    let (status, _, b) = hi(&d);
+    assert_eq!(status, 200, "{b}");
+}
+
+#[test]
+fn api_keys_guard_both_wires_and_an_open_port_needs_one() {
+    let key = "test-key-0123456789abcdef";
+    let sock = tempfile::tempdir().unwrap();
+    let unix = sock.path().join("s.sock");
+    let d = Daemon::start(&[
+        "--max-context",
+        "128",
+        "--api-key",
+        key,
+        "--unix",
+        unix.to_str().unwrap(),
+    ]);
+    let body = r#"{"prompt":"Hi","max_tokens":2}"#;
+    let bearer = format!("Authorization: Bearer {key}");
+    for extra in [
+        &[][..],
+        &["-H", "Authorization: Bearer wrong-key-0123456789"],
+    ] {
+        let (status, _, b) = post(&d, "/v1/completions", body, extra);
+        let v = assert_error(status, 401, &b, "");
+        assert_eq!(v["error"]["code"], "invalid_api_key");
+        let (status, _, _) = get(&d, "/v1/models", extra);
+        assert_eq!(status, 401);
+    }
+    let (status, _, b) = post(&d, "/v1/completions", body, &["-H", &bearer]);
+    assert_eq!(status, 200, "{b}");
+    // /health and /metrics stay open by default.
+    assert_eq!(get(&d, "/health", &[]).0, 200);
+    assert_eq!(get(&d, "/metrics", &[]).0, 200);
+    // gRPC: the same key in `authorization` metadata.
+    let o = sluice(&d, &["models"]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("Unauthenticated"),
+        "{}",
+        stderr(&o)
+    );
+    let o = sluice(&d, &["--api-key", "wrong-key-0123456789", "models"]);
+    assert!(
+        !o.status.success() && stderr(&o).contains("not valid"),
+        "{}",
+        stderr(&o)
+    );
+    let o = sluice(
+        &d,
+        &["--api-key", key, "generate", "Hi", "--max-tokens", "2"],
+    );
+    assert!(o.status.success(), "{}", stderr(&o));
+    let host = d.addr.trim_start_matches("http://");
+    let o = Command::new("grpcurl")
+        .args(["-plaintext", host, "list"])
+        .output()
+        .unwrap();
+    assert!(!o.status.success(), "reflection answered without a key");
+    let o = Command::new("grpcurl")
+        .args([
+            "-plaintext",
+            "-H",
+            &format!("authorization: Bearer {key}"),
+            host,
+            "list",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success() && stdout(&o).contains("sluice.v1.Inference"),
+        "{}",
+        stderr(&o)
+    );
+    // The socket is for the owner and the group only.
+    let mode =
+        std::os::unix::fs::PermissionsExt::mode(&std::fs::metadata(&unix).unwrap().permissions());
+    assert_eq!(mode & 0o777, 0o660);
+    let o = Command::new(bin("sluice"))
+        .args([
+            "--addr",
+            &format!("unix:{}", unix.display()),
+            "--api-key",
+            key,
+            "models",
+        ])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = metric(
+        &d,
+        "sluice_requests_total{api=http,outcome=unauthenticated}",
+    );
+    assert_eq!(got, 2.0);
+
+    // Beyond loopback without a key: refused at start, before the model loads.
+    let store = d.store();
+    let serve = |listen: &str, http: &str| {
+        sluiced_err(&[
+            "serve",
+            "--model",
+            store.to_str().unwrap(),
+            "--config",
+            "/dev/null",
+            "--listen",
+            listen,
+            "--http-listen",
+            http,
+        ])
+    };
+    let t0 = Instant::now();
+    let e = serve("0.0.0.0:0", "off");
+    assert!(
+        e.contains("0.0.0.0:0") && e.contains("--api-key") && e.contains("--insecure-no-auth"),
+        "{e}"
+    );
+    assert!(t0.elapsed() < Duration::from_secs(5));
+    let e = serve(&format!("127.0.0.1:{}", free_port()), "0.0.0.0:0");
+    assert!(e.contains("no API key is set"), "{e}");
+    // /metrics can require the key too.
+    drop(d);
+    let d = Daemon::start(&[
+        "--max-context",
+        "128",
+        "--api-key",
+        key,
+        "--public-paths",
+        "/health",
+    ]);
+    assert_eq!(get(&d, "/metrics", &[]).0, 401);
+    assert_eq!(get(&d, "/metrics", &["-H", &bearer]).0, 200);
+}
+
+#[test]
+fn metrics_parse_as_prometheus_text_and_move_as_requests_run() {
+    let d = Daemon::start(&["--max-context", "128"]);
+    let before = python(&["metrics", &d.http]);
+    assert!(
+        before["content_type"]
+            .as_str()
+            .unwrap()
+            .starts_with("text/plain; version=0.0.4"),
+        "{before}"
+    );
+    let s0 = &before["samples"];
+    for name in [
+        "sluice_queue_depth{}",
+        "sluice_active_sequences{}",
+        "sluice_passes_total{}",
+        "sluice_disk_read_bytes_total{}",
+        "sluice_decompressed_bytes_total{}",
+        "sluice_uploaded_bytes_total{}",
+        "sluice_stage_busy_seconds_total{stage=compute}",
+        "sluice_stage_stall_seconds_total{stage=compute_waiting_for_load}",
+        "sluice_time_to_first_token_seconds_count{}",
+    ] {
+        assert!(s0.get(name).is_some(), "{name} missing: {before}");
+    }
+    let (status, _, b) = post(
+        &d,
+        "/v1/completions",
+        r#"{"prompt":"Hi there","max_tokens":5,"temperature":0}"#,
+        &[],
+    );
+    assert_eq!(status, 200, "{b}");
+    let o = sluice(&d, &["generate", "Hello", "--max-tokens", "4"]);
+    assert!(o.status.success());
+    let (status, _, _) = post(&d, "/v1/completions", r#"{"prompt":"Hi","n":2}"#, &[]);
+    assert_eq!(status, 400);
+    let after = python(&["metrics", &d.http]);
+    let s1 = &after["samples"];
+    let delta = |k: &str| s1[k].as_f64().unwrap_or(0.0) - s0[k].as_f64().unwrap_or(0.0);
+    assert_eq!(
+        delta("sluice_requests_total{api=http,outcome=length}"),
+        1.0,
+        "{after}"
+    );
+    assert_eq!(
+        delta("sluice_requests_total{api=grpc,outcome=length}"),
+        1.0,
+        "{after}"
+    );
+    assert_eq!(
+        delta("sluice_requests_total{api=http,outcome=invalid}"),
+        1.0,
+        "{after}"
+    );
+    assert_eq!(delta("sluice_generation_tokens_total{}"), 9.0);
+    assert_eq!(delta("sluice_time_to_first_token_seconds_count{}"), 2.0);
+    assert!(delta("sluice_passes_total{}") >= 9.0);
+    assert!(delta("sluice_stage_busy_seconds_total{stage=compute}") > 0.0);
+    assert!(delta("sluice_time_per_output_token_seconds_count{}") >= 7.0);
+}
+
+#[test]
+fn logprobs_differ_as_transformers_logits_do_and_their_bytes_spell_the_text() {
+    // The reference numerics, whose logits match transformers' to 1e-3 of the largest.
+    let d = Daemon::start(&["--max-context", "128", "--exact"]);
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/fixtures/reference/smollm2.json"
+    );
+    let r: Value = serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap();
+    let c = &r["cases"][0];
+    let store = sluice::store::Store::open(&d.store()).unwrap();
+    let tok = sluice::text::Tokenizer::from_manifest(store.manifest()).unwrap();
+    let body =
+        json!({"prompt": c["prompt_token_ids"], "max_tokens": 1, "temperature": 0, "logprobs": 5});
+    let (status, _, b) = post(&d, "/v1/completions", &body.to_string(), &[]);
+    assert_eq!(status, 200, "{b}");
+    let v: Value = serde_json::from_str(&b).unwrap();
+    let lp = &v["choices"][0]["logprobs"];
+    let top = lp["top_logprobs"][0].as_object().unwrap();
+    assert_eq!(top.len(), 5, "{lp}");
+    let want = c["top_logits"].as_array().unwrap();
+    let scale = want[0][1].as_f64().unwrap().abs();
+    let (id0, l0) = (
+        want[0][0].as_u64().unwrap() as u32,
+        want[0][1].as_f64().unwrap(),
+    );
+    let name = |id: u32| String::from_utf8_lossy(&tok.token_bytes(id)).into_owned();
+    let chosen = lp["token_logprobs"][0].as_f64().unwrap();
+    assert_eq!(
+        lp["tokens"][0],
+        json!(name(id0)),
+        "greedy picks transformers' top token"
+    );
+    assert!(chosen < 0.0 && chosen > -20.0, "{chosen}");
+    // log p(a) - log p(b) = logit(a) - logit(b): the normalizer cancels.
+    for w in &want[..5] {
+        let (id, l) = (w[0].as_u64().unwrap() as u32, w[1].as_f64().unwrap());
+        let got = top[&name(id)]
+            .as_f64()
+            .unwrap_or_else(|| panic!("{} not in {lp}", name(id)));
+        let (dg, dw) = (got - chosen, l - l0);
+        assert!(
+            (dg - dw).abs() <= 2e-3 * scale,
+            "token {id}: {dg} vs transformers' {dw}"
+        );
+    }
+    // Chat: every token's bytes, joined, are the text.
+    let body = json!({"messages": [{"role": "user", "content": "Say café in three languages."}], "max_tokens": 24, "temperature": 0, "logprobs": true, "top_logprobs": 2});
+    let (status, _, b) = post(&d, "/v1/chat/completions", &body.to_string(), &[]);
+    assert_eq!(status, 200, "{b}");
+    let v: Value = serde_json::from_str(&b).unwrap();
+    let ch = &v["choices"][0];
+    let content = ch["logprobs"]["content"].as_array().unwrap();
+    let bytes: Vec<u8> = content
+        .iter()
+        .flat_map(|e| {
+            e["bytes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|b| b.as_u64().unwrap() as u8)
+        })
+        .collect();
+    assert_eq!(
+        String::from_utf8(bytes).unwrap(),
+        ch["message"]["content"].as_str().unwrap()
+    );
+    assert!(content
+        .iter()
+        .all(|e| e["top_logprobs"].as_array().unwrap().len() == 2
+            && e["top_logprobs"][0]["logprob"].as_f64() >= e["logprob"].as_f64()));
+}
