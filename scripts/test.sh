@@ -19,3 +19,8 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 # other packages' binaries, so build them first.
 cargo build --release --workspace
 cargo test --release --workspace "$@"
+# The Slurm test starts a one-machine cluster as root (scripts/slurm-local.sh): opt in with
+# SLUICE_SLURM_TEST=1, as .ci/run does after installing Slurm.
+if [ "${SLUICE_SLURM_TEST:-0}" = 1 ]; then
+  cargo test --release -p sluice-tests --test slurm -- --ignored --nocapture
+fi

@@ -1,9 +1,10 @@
 //! `sluice`: the command-line client of the sluice daemon.
 
-use anyhow::{bail, Context, Result};
+use anyhow::Result;
 use clap::{Parser, Subcommand};
+mod batch;
+
 use sluice_client::{connect, pb, resolve_addr, Client, Target};
-use std::collections::HashSet;
 use std::io::{BufRead, Write};
 use std::path::PathBuf;
 use tokio_stream::StreamExt;
@@ -85,23 +86,48 @@ enum Cmd {
         #[command(flatten)]
         s: Sampling,
     },
-    /// Run a JSONL file of {"id", "text"} through the model; resumable.
+    /// Run a JSONL file through the model: {"id", "text"} lines, or OpenAI's batch format
+    /// (--format openai). Resumable (items already in OUTPUT are skipped), shardable; only
+    /// items that finished are written; bad lines and items that cannot succeed go to the
+    /// errors file. The exit status is the number of items that failed (at most 100).
     Batch {
         input: PathBuf,
         #[arg(short, long)]
         output: PathBuf,
-        /// Prompt template; {text} is replaced by the item's text.
+        /// simple ({"id", "text"}) or openai ({"custom_id", "method", "url", "body"}).
+        #[arg(long, value_enum, default_value = "simple")]
+        format: batch::Format,
+        /// Where bad lines and items that cannot succeed go (default OUTPUT.errors.jsonl;
+        /// rewritten each run).
+        #[arg(long)]
+        errors: Option<PathBuf>,
+        /// Prompt template; {text} is replaced by the item's text (simple format); \n and
+        /// \t as typed become a newline and a tab.
         #[arg(long, default_value = "Summarize the following text.\n\n{text}")]
         template: String,
-        /// Requests in flight (match the daemon's max batch to fill its passes).
-        #[arg(long, default_value_t = 8)]
-        concurrency: usize,
+        /// Requests in flight (default: the daemon's max batch, so its passes are full).
+        #[arg(long)]
+        concurrency: Option<usize>,
         /// Only this shard of the ids, K/N with K in 1..=N (split a job across machines).
         #[arg(long)]
         shard: Option<String>,
-        /// Send the prompt raw instead of through the chat template.
+        /// Send the prompt raw instead of through the chat template (simple format).
         #[arg(long)]
         raw: bool,
+        /// Cut the end of documents that do not fit in the context with max_tokens,
+        /// instead of failing them.
+        #[arg(long)]
+        truncate: bool,
+        /// Add to an output made with other parameters (template, max tokens, sampling,
+        /// model) instead of refusing.
+        #[arg(long)]
+        force_params: bool,
+        /// Attempts after the first for an item that was cancelled or failed.
+        #[arg(long, default_value_t = 3)]
+        retries: u32,
+        /// Print a JSON summary (documents/minute, tokens/s, bytes per token) on stdout.
+        #[arg(long)]
+        json: bool,
         #[command(flatten)]
         s: Sampling,
     },
@@ -181,7 +207,11 @@ async fn main() -> std::process::ExitCode {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e:#}");
-            std::process::ExitCode::FAILURE
+            // A batch job says how many of its items failed.
+            match e.downcast_ref::<batch::ItemsFailed>() {
+                Some(f) => std::process::ExitCode::from(f.count().min(100) as u8),
+                None => std::process::ExitCode::FAILURE,
+            }
         }
     }
 }
@@ -203,22 +233,37 @@ async fn run(cli: Cli) -> Result<()> {
         Cmd::Batch {
             input,
             output,
+            format,
+            errors,
             template,
             concurrency,
             shard,
             raw,
+            truncate,
+            force_params,
+            retries,
+            json,
             s,
         } => {
-            let job = BatchJob {
+            let job = batch::BatchJob {
                 input,
                 output,
-                template,
-                concurrency: concurrency.max(1),
+                errors,
+                format,
+                template: batch::unescape(&template),
+                concurrency,
                 shard,
                 raw,
-                s,
+                truncate,
+                force_params,
+                retries,
+                json,
+                base: s.request(),
             };
-            batch(&addr, job).await
+            match batch::run(connect(&addr).await?, job).await? {
+                None => Ok(()),
+                Some(failed) => Err(failed.into()),
+            }
         }
         Cmd::Status { json } => cmd_status(&addr, json).await,
         Cmd::Models => cmd_models(&addr).await,
@@ -360,6 +405,7 @@ async fn cmd_status(addr: &Target, json: bool) -> Result<()> {
                 "host_bytes_budget": st.host_bytes_budget, "host_bytes_planned": st.host_bytes_planned,
                 "host_bytes_peak": st.host_bytes_peak, "host_bytes_peak_source": st.host_bytes_peak_source,
                 "numerics": st.numerics, "kv_dtype": st.kv_dtype,
+                "max_batch": st.max_batch, "max_context": st.max_context,
             })
         );
     } else {
@@ -367,6 +413,10 @@ async fn cmd_status(addr: &Target, json: bool) -> Result<()> {
         println!(
             "model            {} ({} backend, {} numerics, {} KV cache)",
             st.model, st.backend, st.numerics, st.kv_dtype
+        );
+        println!(
+            "batch            up to {} sequences of {} positions",
+            st.max_batch, st.max_context
         );
         println!(
             "device memory    {} peak of {} budget; KV cache {}; host cache {}",
@@ -459,234 +509,5 @@ async fn cmd_tokenize(addr: &Target, text: String, add_special_tokens: bool) -> 
         "{}",
         serde_json::json!({"token_ids": r.token_ids, "pieces": r.pieces})
     );
-    Ok(())
-}
-
-/// FNV-1a: a stable hash for sharding ids across machines.
-fn fnv1a(s: &str) -> u64 {
-    s.bytes().fold(0xcbf29ce484222325u64, |h, b| {
-        (h ^ b as u64).wrapping_mul(0x100000001b3)
-    })
-}
-
-fn item_id(v: &serde_json::Value) -> Option<String> {
-    match v.get("id")? {
-        serde_json::Value::String(s) => Some(s.clone()),
-        serde_json::Value::Number(n) => Some(n.to_string()),
-        _ => None,
-    }
-}
-
-/// Ids already in OUT. A last line without its newline (a killed run) is cut off, so the
-/// item is done again and written whole.
-fn done_ids(output: &std::path::Path) -> Result<HashSet<String>> {
-    let mut done = HashSet::new();
-    let Ok(bytes) = std::fs::read(output) else {
-        return Ok(done);
-    };
-    let complete = match bytes.iter().rposition(|&b| b == b'\n') {
-        Some(i) => i + 1,
-        None => 0,
-    };
-    if complete < bytes.len() {
-        let f = std::fs::OpenOptions::new()
-            .write(true)
-            .open(output)
-            .with_context(|| format!("open {}", output.display()))?;
-        f.set_len(complete as u64)
-            .with_context(|| format!("truncate the partial last line of {}", output.display()))?;
-        eprintln!(
-            "{}: removed a partial last line ({} bytes) left by an interrupted run",
-            output.display(),
-            bytes.len() - complete
-        );
-    }
-    for line in bytes[..complete]
-        .split(|&b| b == b'\n')
-        .filter(|l| !l.is_empty())
-    {
-        if let Some(id) = serde_json::from_slice::<serde_json::Value>(line)
-            .ok()
-            .as_ref()
-            .and_then(item_id)
-        {
-            done.insert(id);
-        }
-    }
-    Ok(done)
-}
-
-/// `--shard K/N` as (K - 1, N).
-fn parse_shard(sh: &str) -> Result<(u64, u64)> {
-    let (k, n) = sh.split_once('/').context("--shard takes K/N, e.g. 2/8")?;
-    let (k, n): (u64, u64) = (
-        k.parse().context("--shard K")?,
-        n.parse().context("--shard N")?,
-    );
-    if n == 0 || k == 0 || k > n {
-        bail!("--shard {sh}: K must be in 1..=N");
-    }
-    Ok((k - 1, n))
-}
-
-/// The (id, prompt) pairs of `input` still to do: in this shard and not in `done`. Every
-/// line is checked (JSON, an id, a text, no id twice) before anything is sent.
-fn todo_items(
-    input: &std::path::Path,
-    template: &str,
-    shard: Option<(u64, u64)>,
-    done: &HashSet<String>,
-) -> Result<Vec<(String, String)>> {
-    let text =
-        std::fs::read_to_string(input).with_context(|| format!("read {}", input.display()))?;
-    let mut items = Vec::new();
-    let mut seen = HashSet::new();
-    for (i, line) in text
-        .lines()
-        .enumerate()
-        .filter(|(_, l)| !l.trim().is_empty())
-    {
-        let v: serde_json::Value = serde_json::from_str(line)
-            .with_context(|| format!("{}:{}: not JSON", input.display(), i + 1))?;
-        let id = item_id(&v).with_context(|| {
-            format!(
-                "{}:{}: no \"id\" (string or number)",
-                input.display(),
-                i + 1
-            )
-        })?;
-        let body = v
-            .get("text")
-            .or_else(|| v.get("prompt"))
-            .and_then(|t| t.as_str())
-            .with_context(|| format!("{}:{}: no \"text\"", input.display(), i + 1))?;
-        if !seen.insert(id.clone()) {
-            bail!("{}:{}: id {id:?} appears twice", input.display(), i + 1);
-        }
-        if shard.is_some_and(|(k, n)| fnv1a(&id) % n != k) || done.contains(&id) {
-            continue;
-        }
-        items.push((id, template.replace("{text}", body)));
-    }
-    Ok(items)
-}
-
-/// A `sluice batch` job: input and output JSONL, the prompt template, requests in flight,
-/// the shard of the ids, and sampling.
-struct BatchJob {
-    input: PathBuf,
-    output: PathBuf,
-    template: String,
-    concurrency: usize,
-    shard: Option<String>,
-    raw: bool,
-    s: Sampling,
-}
-
-async fn batch(addr: &Target, job: BatchJob) -> Result<()> {
-    let BatchJob {
-        input,
-        output,
-        template,
-        concurrency,
-        shard,
-        raw,
-        s,
-    } = job;
-    let shard = shard.as_deref().map(parse_shard).transpose()?;
-    let done = done_ids(&output)?;
-    let items = todo_items(&input, &template, shard, &done)?;
-    eprintln!(
-        "{} items to do ({} already in {})",
-        items.len(),
-        done.len(),
-        output.display()
-    );
-    let pb = indicatif::ProgressBar::new(items.len() as u64);
-    pb.set_style(
-        indicatif::ProgressStyle::with_template(
-            "[{elapsed_precise}] {bar:40} {pos}/{len} {per_sec} eta {eta}",
-        )
-        .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-    );
-    let mut out = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(&output)
-        .with_context(|| format!("open {}", output.display()))?;
-    let (tx, mut rx) =
-        tokio::sync::mpsc::channel::<(String, Result<Outcome, tonic::Status>)>(concurrency);
-    let sem = std::sync::Arc::new(tokio::sync::Semaphore::new(concurrency));
-    let client = connect(addr).await?;
-    let total = items.len();
-    tokio::spawn(async move {
-        for (id, prompt) in items {
-            let Ok(permit) = sem.clone().acquire_owned().await else {
-                return;
-            };
-            let (mut client, tx, s) = (client.clone(), tx.clone(), s.clone());
-            tokio::spawn(async move {
-                let req = if raw {
-                    pb::GenerateRequest {
-                        prompt,
-                        ..s.request()
-                    }
-                } else {
-                    chat_request(
-                        &s,
-                        &None,
-                        &[pb::ChatMessage {
-                            role: "user".into(),
-                            content: prompt,
-                        }],
-                    )
-                };
-                // A full daemon queue is back-pressure: wait and retry.
-                let mut wait = std::time::Duration::from_millis(100);
-                let r = loop {
-                    match generate(&mut client, req.clone(), |_| {}).await {
-                        Err(st) if st.code() == tonic::Code::ResourceExhausted => {
-                            tokio::time::sleep(wait).await;
-                            wait = (wait * 2).min(std::time::Duration::from_secs(5));
-                        }
-                        r => break r,
-                    }
-                };
-                let _ = tx.send((id, r)).await;
-                drop(permit);
-            });
-        }
-    });
-    let mut failed = 0;
-    for _ in 0..total {
-        let Some((id, r)) = rx.recv().await else {
-            break;
-        };
-        match r {
-            Ok(o) => {
-                let stats = o.done.stats.unwrap_or_default();
-                let line = serde_json::json!({
-                    "id": id, "output": o.text, "finish_reason": finish_name(o.done.finish_reason),
-                    "prompt_tokens": stats.prompt_tokens, "generated_tokens": stats.generated_tokens,
-                    "bytes_streamed": stats.bytes_streamed,
-                });
-                // One write of the whole line, then flush: a kill leaves whole lines, or one
-                // partial last line that the next run removes.
-                out.write_all(format!("{line}\n").as_bytes())
-                    .with_context(|| format!("write {}", output.display()))?;
-                out.flush()?;
-            }
-            Err(st) => {
-                failed += 1;
-                pb.suspend(|| eprintln!("{id}: {:?}: {}", st.code(), st.message()));
-            }
-        }
-        pb.inc(1);
-    }
-    pb.finish_and_clear();
-    if failed > 0 {
-        bail!("{failed} of {total} items failed (not written; rerun to retry them)");
-    }
-    eprintln!("done: {total} items written to {}", output.display());
     Ok(())
 }

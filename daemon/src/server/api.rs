@@ -112,6 +112,9 @@ pub struct GenerateInput {
     pub stop: Vec<String>,
     /// Each generated token's log-probability with this many alternatives (None: off).
     pub logprobs: Option<usize>,
+    /// Cut the end of the prompt (text, or the last message's content) until prompt and
+    /// max_tokens fit in the context, instead of refusing.
+    pub truncate: bool,
 }
 
 /// Alternatives per token at most when log-probabilities are asked for (OpenAI's limit).
@@ -150,9 +153,10 @@ pub struct Frontend {
     pub metrics: Arc<Metrics>,
 }
 
-/// An accepted request: its prompt's length and its events.
+/// An accepted request: its prompt's length, whether it was cut to fit, and its events.
 pub struct Submitted {
     pub prompt_tokens: usize,
+    pub truncated: bool,
     pub events: Events,
 }
 
@@ -172,10 +176,10 @@ impl Frontend {
         }
     }
 
-    fn prompt_ids(&self, prompt: Prompt) -> Result<Vec<u32>, ApiError> {
+    fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
         let tok = &self.sched.tokenizer;
         let ids = match prompt {
-            Prompt::Ids(ids) => ids,
+            Prompt::Ids(ids) => ids.clone(),
             Prompt::Messages(msgs) => {
                 if msgs.is_empty() {
                     return Err(ApiError::invalid(Some("messages"), "messages is empty"));
@@ -197,7 +201,7 @@ impl Frontend {
                     )
                 })?;
                 let text = t
-                    .render(&msgs, true)
+                    .render(msgs, true)
                     .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
                 tok.encode(&text, false)
                     .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
@@ -206,7 +210,7 @@ impl Frontend {
                 if text.is_empty() {
                     return Err(ApiError::invalid(Some("prompt"), "the prompt is empty"));
                 }
-                tok.encode(&text, true)
+                tok.encode(text, true)
                     .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?
             }
         };
@@ -221,41 +225,108 @@ impl Frontend {
     /// here, before the request takes a slot.
     pub fn submit(&self, api: Api, input: GenerateInput) -> Result<Submitted, ApiError> {
         let t0 = Instant::now();
-        let r = self.prepare(input).and_then(|(prompt_ids, params)| {
-            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-            let prompt_tokens = prompt_ids.len();
-            self.sched
-                .submit(Request {
-                    prompt_ids,
-                    params,
-                    events: tx,
+        let r = self
+            .prepare(input)
+            .and_then(|(prompt_ids, params, truncated)| {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                let prompt_tokens = prompt_ids.len();
+                self.sched
+                    .submit(Request {
+                        prompt_ids,
+                        params,
+                        events: tx,
+                    })
+                    .map_err(|e| match e {
+                        SubmitError::QueueFull(_) => {
+                            ApiError::new(ErrorKind::QueueFull, e.to_string())
+                        }
+                        SubmitError::ShuttingDown => {
+                            ApiError::new(ErrorKind::Unavailable, e.to_string())
+                        }
+                        SubmitError::Invalid(m) => ApiError::invalid(None, m),
+                    })?;
+                Ok(Submitted {
+                    prompt_tokens,
+                    truncated,
+                    events: Events {
+                        rx,
+                        metrics: self.metrics.clone(),
+                        api,
+                        t_submit: t0,
+                        t_last: None,
+                        ended: false,
+                    },
                 })
-                .map_err(|e| match e {
-                    SubmitError::QueueFull(_) => ApiError::new(ErrorKind::QueueFull, e.to_string()),
-                    SubmitError::ShuttingDown => {
-                        ApiError::new(ErrorKind::Unavailable, e.to_string())
-                    }
-                    SubmitError::Invalid(m) => ApiError::invalid(None, m),
-                })?;
-            Ok(Submitted {
-                prompt_tokens,
-                events: Events {
-                    rx,
-                    metrics: self.metrics.clone(),
-                    api,
-                    t_submit: t0,
-                    t_last: None,
-                    ended: false,
-                },
-            })
-        });
+            });
         if let Err(e) = &r {
             self.metrics.request(api, e.kind.outcome());
         }
         r
     }
 
-    fn prepare(&self, input: GenerateInput) -> Result<(Vec<u32>, GenerateParams), ApiError> {
+    /// The prompt cut to at most `target` tokens: the longest prefix of its text (or of
+    /// the last message's content) that fits, found by bisection over characters; token
+    /// ids are cut directly.
+    fn truncated(&self, prompt: &mut Prompt, target: usize) -> Result<Vec<u32>, ApiError> {
+        let full = match prompt {
+            Prompt::Ids(ids) => {
+                ids.truncate(target);
+                return Ok(ids.clone());
+            }
+            Prompt::Text(t) => std::mem::take(t),
+            Prompt::Messages(m) => match m.last_mut() {
+                Some(last) => std::mem::take(&mut last.content),
+                None => return Err(ApiError::invalid(Some("messages"), "messages is empty")),
+            },
+        };
+        let set = |prompt: &mut Prompt, text: &str| match prompt {
+            Prompt::Text(t) => *t = text.to_string(),
+            Prompt::Messages(m) => {
+                if let Some(last) = m.last_mut() {
+                    last.content = text.to_string();
+                }
+            }
+            Prompt::Ids(_) => {}
+        };
+        let bounds: Vec<usize> = full
+            .char_indices()
+            .map(|(i, _)| i)
+            .chain([full.len()])
+            .collect();
+        // The largest k whose prefix of k characters fits.
+        let (mut lo, mut hi) = (0usize, bounds.len() - 1);
+        let mut best = None;
+        while lo <= hi {
+            let mid = (lo + hi) / 2;
+            set(prompt, &full[..bounds[mid]]);
+            // An empty text is a valid cut here, though not a valid prompt by itself.
+            let ids = match self.prompt_ids(prompt) {
+                Ok(ids) => ids,
+                Err(_) if mid == 0 => Vec::new(),
+                Err(e) => return Err(e),
+            };
+            if ids.len() <= target {
+                best = Some((mid, ids));
+                lo = mid + 1;
+            } else if mid == 0 {
+                break;
+            } else {
+                hi = mid - 1;
+            }
+        }
+        match best {
+            Some((k, ids)) if !ids.is_empty() => {
+                set(prompt, &full[..bounds[k]]);
+                Ok(ids)
+            }
+            _ => Err(ApiError::invalid(
+                None,
+                format!("the prompt does not fit in {target} tokens even with its text cut to nothing (the template and the other messages take more)"),
+            )),
+        }
+    }
+
+    fn prepare(&self, input: GenerateInput) -> Result<(Vec<u32>, GenerateParams, bool), ApiError> {
         self.check_model(&input.model)?;
         input.sampling.validate().map_err(|m| {
             // The message begins with the parameter's name.
@@ -297,8 +368,26 @@ impl Frontend {
                 format!("at most {TOP_LOGPROBS_MAX} alternatives per token"),
             ));
         }
-        let ids = self.prompt_ids(input.prompt)?;
+        let mut prompt = input.prompt;
+        let mut ids = self.prompt_ids(&prompt)?;
         let context = self.sched.max_context;
+        let want = input
+            .max_tokens
+            .map_or(self.max_tokens_default as usize, |n| n as usize)
+            .max(1);
+        let mut truncated = false;
+        if input.truncate && ids.len() + want > context {
+            if want >= context {
+                return Err(ApiError::invalid(
+                    Some("max_tokens"),
+                    format!(
+                        "max_tokens {want} leaves no room for a prompt in a context of {context}"
+                    ),
+                ));
+            }
+            ids = self.truncated(&mut prompt, context - want)?;
+            truncated = true;
+        }
         if ids.len() >= context {
             return Err(ApiError::invalid(
                 Some(prompt_param),
@@ -337,6 +426,7 @@ impl Frontend {
                 ignore_eos: false,
                 logprobs: input.logprobs,
             },
+            truncated,
         ))
     }
 }

@@ -48,23 +48,16 @@ pub struct HttpState {
     keys: Arc<ApiKeys>,
     public: Public,
     metrics: Arc<Metrics>,
-    ids: AtomicU64,
-    id_salt: u64,
 }
 
 impl HttpState {
     pub fn new(keys: Arc<ApiKeys>, public: Public, metrics: Arc<Metrics>) -> Arc<HttpState> {
-        use std::hash::{BuildHasher, Hasher};
-        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
-        h.write_u32(std::process::id());
         Arc::new(HttpState {
             ready: OnceLock::new(),
             draining: AtomicBool::new(false),
             keys,
             public,
             metrics,
-            ids: AtomicU64::new(0),
-            id_salt: h.finish(),
         })
     }
 
@@ -96,12 +89,6 @@ impl HttpState {
     fn authorize(&self, h: &HeaderMap) -> Result<(), ApiError> {
         self.keys
             .check(h.get(header::AUTHORIZATION).map(HeaderValue::as_bytes))
-    }
-
-    /// A request id, unique in this process and not guessable from the outside.
-    fn id(&self, prefix: &str) -> String {
-        let n = self.ids.fetch_add(1, Ordering::Relaxed);
-        format!("{prefix}-{:016x}{n:08x}", self.id_salt)
     }
 
     /// An error answered before the request reached the frontend (which counts its own).
@@ -276,7 +263,7 @@ async fn chat(State(s): State<Arc<HttpState>>, h: HeaderMap, body: Body) -> Resp
         Ok(c) => c,
         Err(r) => return r,
     };
-    run(&s, front, call, Kind::Chat).await
+    run(front, call, Kind::Chat).await
 }
 
 async fn completions(State(s): State<Arc<HttpState>>, h: HeaderMap, body: Body) -> Response {
@@ -285,7 +272,7 @@ async fn completions(State(s): State<Arc<HttpState>>, h: HeaderMap, body: Body) 
         Ok(c) => c,
         Err(r) => return r,
     };
-    run(&s, front, call, Kind::Completion).await
+    run(front, call, Kind::Completion).await
 }
 
 #[derive(Clone, Copy, PartialEq, Eq)]
@@ -411,6 +398,21 @@ impl Head {
     }
 }
 
+/// A request id, unique in this process and not guessable from the outside: a random
+/// salt drawn once, then a counter.
+fn request_id(prefix: &str) -> String {
+    static SALT: OnceLock<u64> = OnceLock::new();
+    static N: AtomicU64 = AtomicU64::new(0);
+    let salt = *SALT.get_or_init(|| {
+        use std::hash::{BuildHasher, Hasher};
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.finish()
+    });
+    let n = N.fetch_add(1, Ordering::Relaxed);
+    format!("{prefix}-{salt:016x}{n:08x}")
+}
+
 fn unix_now() -> u64 {
     std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
@@ -434,22 +436,26 @@ fn failed(data_loss: bool, message: String) -> ApiError {
     ApiError::new(kind, message)
 }
 
-/// Submits every prompt of the call; answers with one JSON response or a stream.
-async fn run(s: &HttpState, front: Arc<Frontend>, call: Call, kind: Kind) -> Response {
-    let mut events = Vec::with_capacity(call.inputs.len());
+/// Submits every prompt of the call; on a refusal the prompts already queued are dropped
+/// (their sequences are evicted). Returns each prompt's events and the prompt tokens.
+fn submit_all(
+    front: &Frontend,
+    api: Api,
+    inputs: Vec<super::api::GenerateInput>,
+) -> Result<(Vec<Events>, usize), ApiError> {
+    let mut events = Vec::with_capacity(inputs.len());
     let mut prompt_tokens = 0;
-    for input in call.inputs {
-        // A refusal drops the prompts already queued: their sequences are evicted.
-        match front.submit(Api::Http, input) {
-            Ok(sub) => {
-                prompt_tokens += sub.prompt_tokens;
-                events.push(sub.events);
-            }
-            Err(e) => return error_response(&e),
-        }
+    for input in inputs {
+        let sub = front.submit(api, input)?;
+        prompt_tokens += sub.prompt_tokens;
+        events.push(sub.events);
     }
-    let head = Head {
-        id: s.id(if kind == Kind::Chat {
+    Ok((events, prompt_tokens))
+}
+
+fn head(front: &Frontend, kind: Kind) -> Head {
+    Head {
+        id: request_id(if kind == Kind::Chat {
             "chatcmpl"
         } else {
             "cmpl"
@@ -458,16 +464,83 @@ async fn run(s: &HttpState, front: Arc<Frontend>, call: Call, kind: Kind) -> Res
         model: front.meta.name.clone(),
         kind,
         tok: front.sched.tokenizer.clone(),
-    };
-    if call.stream {
-        stream(head, events, call.include_usage)
-    } else {
-        complete(head, events, prompt_tokens).await
     }
 }
 
-/// Waits for every choice to end and answers with the whole completion.
-async fn complete(head: Head, events: Vec<Events>, prompt_tokens: usize) -> Response {
+/// Submits every prompt of the call; answers with one JSON response or a stream.
+async fn run(front: Arc<Frontend>, call: Call, kind: Kind) -> Response {
+    let (events, prompt_tokens) = match submit_all(&front, Api::Http, call.inputs) {
+        Ok(r) => r,
+        Err(e) => return error_response(&e),
+    };
+    let head = head(&front, kind);
+    if call.stream {
+        stream(head, events, call.include_usage)
+    } else {
+        match complete(head, events, prompt_tokens).await {
+            Ok(v) => json_response(StatusCode::OK, &v),
+            Err(e) => error_response(&e),
+        }
+    }
+}
+
+/// One OpenAI request answered as `POST url` would be, without streaming: the HTTP status
+/// and the JSON body. The gRPC `Complete` call (batch jobs) comes here; `truncate` cuts
+/// prompts that do not fit instead of refusing them.
+pub async fn call_json(
+    front: Arc<Frontend>,
+    api: Api,
+    url: &str,
+    body: &[u8],
+    truncate: bool,
+) -> (u16, Value) {
+    let answer = |e: ApiError| (openai::error_shape(e.kind).0, openai::error_body(&e));
+    let refuse = |e: ApiError| {
+        front.metrics.request(api, e.kind.outcome());
+        answer(e)
+    };
+    let (kind, parsed) = match url {
+        "/v1/chat/completions" => (Kind::Chat, openai::parse_chat(body)),
+        "/v1/completions" => (
+            Kind::Completion,
+            openai::parse_completion(body, front.limits.max_messages),
+        ),
+        other => {
+            return refuse(ApiError::invalid(
+                Some("url"),
+                format!("url {other:?}: /v1/chat/completions or /v1/completions"),
+            ))
+        }
+    };
+    let mut call = match parsed {
+        Ok(c) => c,
+        Err(e) => return refuse(e),
+    };
+    if call.stream {
+        return refuse(ApiError::invalid(
+            Some("stream"),
+            "stream must be false here: the answer is one JSON body",
+        ));
+    }
+    for i in &mut call.inputs {
+        i.truncate = truncate;
+    }
+    let (events, prompt_tokens) = match submit_all(&front, api, call.inputs) {
+        Ok(r) => r,
+        Err(e) => return answer(e),
+    };
+    match complete(head(&front, kind), events, prompt_tokens).await {
+        Ok(v) => (200, v),
+        Err(e) => answer(e),
+    }
+}
+
+/// Waits for every choice to end and builds the whole completion.
+async fn complete(
+    head: Head,
+    events: Vec<Events>,
+    prompt_tokens: usize,
+) -> Result<Value, ApiError> {
     let mut choices = Vec::with_capacity(events.len());
     let mut completion_tokens = 0;
     for (index, mut ev) in events.into_iter().enumerate() {
@@ -488,14 +561,14 @@ async fn complete(head: Head, events: Vec<Events>, prompt_tokens: usize) -> Resp
                     completion_tokens += d.generated_token_ids.len();
                     match openai::finish_reason(d.finish) {
                         Some(f) => break f,
-                        None => return error_response(&cut_off(d.generated_token_ids.len())),
+                        None => return Err(cut_off(d.generated_token_ids.len())),
                     }
                 }
                 Some(Event::Failed { data_loss, message }) => {
-                    return error_response(&failed(data_loss, message))
+                    return Err(failed(data_loss, message))
                 }
                 None => {
-                    return error_response(&ApiError::new(
+                    return Err(ApiError::new(
                         ErrorKind::Internal,
                         "the engine stopped before the request ended",
                     ))
@@ -518,18 +591,15 @@ async fn complete(head: Head, events: Vec<Events>, prompt_tokens: usize) -> Resp
             }),
         });
     }
-    json_response(
-        StatusCode::OK,
-        &json!({
-            "id": head.id,
-            "object": head.object(false),
-            "created": head.created,
-            "model": head.model,
-            "system_fingerprint": null,
-            "choices": choices,
-            "usage": openai::usage(prompt_tokens, completion_tokens),
-        }),
-    )
+    Ok(json!({
+        "id": head.id,
+        "object": head.object(false),
+        "created": head.created,
+        "model": head.model,
+        "system_fingerprint": null,
+        "choices": choices,
+        "usage": openai::usage(prompt_tokens, completion_tokens),
+    }))
 }
 
 type SseItem = Result<SseEvent, Infallible>;

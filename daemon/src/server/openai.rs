@@ -248,6 +248,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
             sampling,
             stop: stop_list(c.stop)?,
             logprobs,
+            truncate: false,
         }],
     })
 }
@@ -340,6 +341,7 @@ pub fn parse_completion(body: &[u8], max_prompts: usize) -> Result<Call, ApiErro
                 sampling,
                 stop: stop.clone(),
                 logprobs: b.logprobs.map(|n| n as usize),
+                truncate: false,
             })
             .collect(),
     })

@@ -21,6 +21,8 @@ pub struct Service {
     /// The numerics the pipeline runs: "exact" or "fast", and the KV cache type.
     pub numerics: &'static str,
     pub kv_dtype: crate::backend::KvDtype,
+    /// KV slots: sequences one pass serves at most.
+    pub max_batch: usize,
 }
 
 /// The one place request errors become gRPC status codes.
@@ -78,6 +80,7 @@ fn input_of(r: pb::GenerateRequest) -> GenerateInput {
         },
         stop: r.stop,
         logprobs: None,
+        truncate: r.truncate,
     }
 }
 
@@ -97,7 +100,8 @@ impl Inference for Service {
             .map_err(status_of)?;
         // The stream ends after Done (the engine drops its sender); a client that goes away
         // drops the receiver, which the engine sees and evicts the sequence.
-        let stream = sub.events.map(|ev| match ev {
+        let truncated = sub.truncated;
+        let stream = sub.events.map(move |ev| match ev {
             Event::Piece {
                 text, token_ids, ..
             } => Ok(pb::GenerateResponse {
@@ -119,6 +123,7 @@ impl Inference for Service {
                     }),
                     prompt_token_ids: d.prompt_token_ids,
                     generated_token_ids: d.generated_token_ids,
+                    prompt_truncated: truncated,
                 })),
             }),
             Event::Failed {
@@ -224,6 +229,27 @@ impl Inference for Service {
             host_bytes_peak_source: "VmHWM".into(),
             numerics: self.numerics.into(),
             kv_dtype: self.kv_dtype.to_string(),
+            max_batch: self.max_batch as u32,
+            max_context: self.front.sched.max_context as u32,
+        }))
+    }
+
+    async fn complete(
+        &self,
+        req: GrpcRequest<pb::CompleteRequest>,
+    ) -> Result<Response<pb::CompleteResponse>, Status> {
+        let r = req.into_inner();
+        let (code, body) = super::http::call_json(
+            self.front.clone(),
+            Api::Grpc,
+            &r.url,
+            r.body_json.as_bytes(),
+            r.truncate,
+        )
+        .await;
+        Ok(Response::new(pb::CompleteResponse {
+            status_code: u32::from(code),
+            body_json: body.to_string(),
         }))
     }
 }

@@ -394,6 +394,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         device_budget: budget,
         numerics,
         kv_dtype,
+        max_batch: cfg.max_batch,
     };
     let net = Net {
         listen,
