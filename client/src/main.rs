@@ -1,6 +1,6 @@
 //! `sluice`: the command-line client of the sluice daemon.
 
-use anyhow::Result;
+use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 mod batch;
 
@@ -28,17 +28,23 @@ struct Cli {
 
 #[derive(clap::Args, Clone)]
 struct Sampling {
+    /// Tokens to generate at most; 0: the daemon's default (`sluiced serve
+    /// --max-tokens-default`, 256 unless set), cut to the room the context leaves.
     #[arg(long, default_value_t = 0)]
     max_tokens: u32,
-    /// 0 is greedy.
+    /// Sampling temperature; 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
-    #[arg(long, default_value_t = 0.0)]
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off).
+    #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// Keep only the k most likely tokens (0: off).
     #[arg(long, default_value_t = 0)]
     top_k: u32,
+    /// Drop tokens less likely than this fraction of the most likely one (0: off).
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
+    /// Seed of the sampler: the same seed and prompt give the same text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Stop when the text contains this string (repeatable).
@@ -67,10 +73,12 @@ impl Sampling {
 enum Cmd {
     /// Generate text; it streams to stdout.
     Generate {
+        /// The prompt text; `-` reads it from standard input.
         prompt: String,
         /// Send the prompt as a user message through the model's chat template.
         #[arg(long)]
         chat: bool,
+        /// A system message before the prompt (with --chat).
         #[arg(long)]
         system: Option<String>,
         #[command(flatten)]
@@ -81,6 +89,7 @@ enum Cmd {
     },
     /// Interactive chat with history (the model's chat template); /exit or EOF ends it.
     Chat {
+        /// A system message at the start of the conversation.
         #[arg(long)]
         system: Option<String>,
         #[command(flatten)]
@@ -91,7 +100,9 @@ enum Cmd {
     /// items that finished are written; bad lines and items that cannot succeed go to the
     /// errors file. The exit status is the number of items that failed (at most 100).
     Batch {
+        /// The input JSONL file.
         input: PathBuf,
+        /// The output JSONL file: appended to, and read first to skip the ids it holds.
         #[arg(short, long)]
         output: PathBuf,
         /// simple ({"id", "text"}) or openai ({"custom_id", "method", "url", "body"}).
@@ -133,14 +144,21 @@ enum Cmd {
     },
     /// The daemon's memory plan, streaming statistics and queue.
     Status {
+        /// Print one JSON object instead of the table.
         #[arg(long)]
         json: bool,
     },
     /// The models the daemon serves.
-    Models,
-    /// Token ids of a text.
+    Models {
+        /// Print one JSON object per model instead of a line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Token ids of a text, with each token's text.
     Tokenize {
+        /// The text; `-` reads it from standard input.
         text: String,
+        /// Add the model's BOS token where the model asks for one, as prompts get.
         #[arg(long)]
         add_special_tokens: bool,
     },
@@ -266,12 +284,23 @@ async fn run(cli: Cli) -> Result<()> {
             }
         }
         Cmd::Status { json } => cmd_status(&addr, json).await,
-        Cmd::Models => cmd_models(&addr).await,
+        Cmd::Models { json } => cmd_models(&addr, json).await,
         Cmd::Tokenize {
             text,
             add_special_tokens,
         } => cmd_tokenize(&addr, text, add_special_tokens).await,
     }
+}
+
+/// `-` stands for standard input, read whole.
+fn text_or_stdin(text: String) -> Result<String> {
+    if text != "-" {
+        return Ok(text);
+    }
+    let mut s = String::new();
+    std::io::Read::read_to_string(&mut std::io::stdin(), &mut s)
+        .map_err(|e| anyhow::anyhow!("read the prompt from standard input: {e}"))?;
+    Ok(s)
 }
 
 /// `sluice generate`: streams the text, or prints one JSON object.
@@ -283,6 +312,7 @@ async fn cmd_generate(
     s: Sampling,
     json: bool,
 ) -> Result<()> {
+    let prompt = text_or_stdin(prompt)?;
     let mut client = connect(addr).await?;
     let req = if chat {
         chat_request(
@@ -334,7 +364,21 @@ async fn cmd_generate(
             stats.decode_tokens_per_s
         );
     }
-    Ok(())
+    // Only a generation that ended by itself succeeded: one the daemon cut off (its
+    // shutdown) or that filled the context is an error for scripts to see.
+    match finish_name(out.done.finish_reason) {
+        "stop" | "length" | "stop_string" => Ok(()),
+        other => bail!(
+            "the generation ended with `{other}` after {} tokens, not by itself: {}",
+            stats.generated_tokens,
+            match other {
+                "cancelled" => "the daemon cancelled it (shutting down?); send it again",
+                "context" =>
+                    "the context is full; lower --max-tokens or serve with a larger --max-context",
+                _ => "the daemon did not say why",
+            }
+        ),
+    }
 }
 
 /// `sluice chat`: an interactive chat that keeps the history.
@@ -470,7 +514,7 @@ async fn cmd_status(addr: &Target, json: bool) -> Result<()> {
 }
 
 /// `sluice models`.
-async fn cmd_models(addr: &Target) -> Result<()> {
+async fn cmd_models(addr: &Target, json: bool) -> Result<()> {
     let mut client = connect(addr).await?;
     let r = client
         .list_models(pb::ListModelsRequest {})
@@ -478,6 +522,18 @@ async fn cmd_models(addr: &Target) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
         .into_inner();
     for m in r.models {
+        if json {
+            println!(
+                "{}",
+                serde_json::json!({
+                    "name": m.name, "architecture": m.architecture, "layers": m.layers,
+                    "hidden_size": m.hidden_size, "vocab_size": m.vocab_size,
+                    "context_length": m.context_length, "stored_bytes": m.stored_bytes,
+                    "raw_bytes": m.raw_bytes,
+                })
+            );
+            continue;
+        }
         println!(
             "{}  {} layers {} hidden {} vocab {} context {} stored {:.1} MiB raw {:.1} MiB",
             m.name,
@@ -495,6 +551,7 @@ async fn cmd_models(addr: &Target) -> Result<()> {
 
 /// `sluice tokenize`.
 async fn cmd_tokenize(addr: &Target, text: String, add_special_tokens: bool) -> Result<()> {
+    let text = text_or_stdin(text)?;
     let mut client = connect(addr).await?;
     let r = client
         .tokenize(pb::TokenizeRequest {
@@ -507,7 +564,7 @@ async fn cmd_tokenize(addr: &Target, text: String, add_special_tokens: bool) -> 
         .into_inner();
     println!(
         "{}",
-        serde_json::json!({"token_ids": r.token_ids, "pieces": r.pieces})
+        serde_json::json!({"token_ids": r.token_ids, "texts": r.texts, "pieces": r.pieces})
     );
     Ok(())
 }

@@ -479,3 +479,20 @@ fn an_interrupted_pack_leaves_no_store_behind() {
     let e = sluiced_err(&["pack", gguf.to_str().unwrap(), "-o", out.to_str().unwrap()]);
     assert!(e.contains("already exists") && e.contains("--force"), "{e}");
 }
+
+#[test]
+fn a_gguf_or_a_missing_path_given_for_a_store_says_what_to_do_once() {
+    let gguf = fixture("tiny-llama.gguf");
+    let e = sluiced_err(&["run", gguf.to_str().unwrap(), "--prompt", "hi"]);
+    assert!(
+        e.contains("this is a GGUF file, not a sluice store") && e.contains("sluiced pack"),
+        "{e}"
+    );
+    let e = sluiced_err(&["run", "/nonexistent/store", "--prompt", "hi"]);
+    assert_eq!(
+        e.matches("No such file or directory").count(),
+        1,
+        "the OS error once: {e}"
+    );
+    assert!(e.contains("/nonexistent/store"), "{e}");
+}

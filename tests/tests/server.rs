@@ -103,6 +103,13 @@ fn generate_streams_and_matches_sluiced_run() {
     let t: Value =
         serde_json::from_str(&stdout(&sluice(&d.addr, &["tokenize", "Hello world"]))).unwrap();
     assert_eq!(t["token_ids"], serde_json::json!([19556, 905]));
+    assert_eq!(t["texts"], serde_json::json!(["Hello", " world"]));
+    assert_eq!(t["pieces"], serde_json::json!(["Hello", "Ġworld"]));
+    let m: Value = serde_json::from_str(&stdout(&sluice(&d.addr, &["models", "--json"]))).unwrap();
+    assert_eq!(
+        (m["name"].as_str(), m["layers"].as_u64()),
+        (Some("smollm2"), Some(30))
+    );
     assert!(
         stdout(&sluice(&d.addr, &["models"])).contains("llama layers 30 hidden 576 vocab 49152")
     );
@@ -395,6 +402,24 @@ fn sigterm_drains_in_flight_requests_and_exits_zero() {
     wait_active(&d.addr, 1, Duration::from_secs(20));
     // SAFETY: plain kill(2) on our child's pid.
     unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
+    // Health says NOT_SERVING from the first moment of the drain, for the service and for
+    // the server as a whole.
+    let host = d.addr.trim_start_matches("http://").to_string();
+    for body in [r#"{"service":"sluice.v1.Inference"}"#, r#"{"service":""}"#] {
+        let o = grpcurl(&[
+            "-plaintext",
+            "-d",
+            body,
+            &host,
+            "grpc.health.v1.Health/Check",
+        ]);
+        assert!(
+            stdout(&o).contains("NOT_SERVING"),
+            "{body}: {}{}",
+            stdout(&o),
+            stderr(&o)
+        );
+    }
     let o = c.wait_with_output().unwrap();
     assert!(
         o.status.success(),
@@ -414,4 +439,75 @@ fn sigterm_drains_in_flight_requests_and_exits_zero() {
     );
     // Nothing is served any more.
     assert!(!sluice(&d.addr, &["models"]).status.success());
+}
+
+#[test]
+fn generate_exits_non_zero_when_the_daemon_cuts_it_off_and_reads_a_prompt_from_stdin() {
+    let mut d = Daemon::start(&["--max-context", "2100", "--shutdown-grace-s", "0"]);
+    // From standard input.
+    let mut c = Command::new(bin("sluice"))
+        .args([
+            "--addr",
+            &d.addr,
+            "generate",
+            "-",
+            "--max-tokens",
+            "5",
+            "--json",
+        ])
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::io::Write::write_all(c.stdin.as_mut().unwrap(), PROMPTS[0].as_bytes()).unwrap();
+    drop(c.stdin.take());
+    let o = c.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", stderr(&o));
+    let j: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(j["prompt_tokens"], 7, "{j}");
+    // Cut off by the shutdown (no grace): not a success.
+    let c = spawn_sluice(
+        &d.addr,
+        &["generate", "Once upon a time", "--max-tokens", "2000"],
+    );
+    wait_active(&d.addr, 1, Duration::from_secs(20));
+    // SAFETY: plain kill(2) on our child's pid.
+    unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
+    let o = c.wait_with_output().unwrap();
+    assert!(
+        !o.status.success(),
+        "a cancelled generation exited 0: {}",
+        stderr(&o)
+    );
+    assert!(
+        stderr(&o).contains("ended with `cancelled`"),
+        "{}",
+        stderr(&o)
+    );
+    d.child.wait().unwrap();
+}
+
+#[test]
+fn a_busy_port_fails_the_start_before_the_model_loads() {
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = busy.local_addr().unwrap().to_string();
+    // The model path does not exist: the error names the port, so it was bound first.
+    for (grpc, http) in [(addr.as_str(), "off"), ("127.0.0.1:0", addr.as_str())] {
+        let e = sluiced_err(&[
+            "serve",
+            "--model",
+            "/nonexistent/store",
+            "--config",
+            "/dev/null",
+            "--listen",
+            grpc,
+            "--http-listen",
+            http,
+        ]);
+        assert!(
+            e.contains("bind") && e.contains(&addr) && !e.contains("nonexistent"),
+            "{e}"
+        );
+    }
 }

@@ -39,7 +39,8 @@ enum Cmd {
     Verify(inspect::VerifyArgs),
     /// Generate text from a prompt (CPU or CUDA backend) and report tokens/s.
     Run(run::RunArgs),
-    /// Serve sluice.v1.Inference over gRPC (flags override the config file).
+    /// Serve the model over gRPC (sluice.v1.Inference) and the OpenAI-compatible HTTP API
+    /// (flags override the config file).
     Serve(serve::ServeArgs),
     /// Write a synthetic Llama-shaped store with random weights, for benchmarks.
     Synth(synth::SynthArgs),
@@ -52,11 +53,16 @@ enum Cmd {
 }
 
 fn main() -> std::process::ExitCode {
+    // Colour only for a person at a terminal: journald and log files get plain text, and
+    // NO_COLOR (https://no-color.org) turns it off there too.
+    let colour = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
         )
         .with_writer(std::io::stderr)
+        .with_ansi(colour)
         .init();
     let cli = Cli::parse();
     if !matches!(cli.cmd, Cmd::Serve(_)) {

@@ -14,7 +14,7 @@ fn read_json(path: &Path) -> Result<Value, ImportError> {
     let text = std::fs::read_to_string(path).map_err(|e| ImportError::Io {
         op: "read",
         path: path.into(),
-        source: e,
+        err: e,
     })?;
     serde_json::from_str(&text).map_err(|e| {
         ImportError::malformed(
@@ -311,7 +311,7 @@ fn safetensors_files(dir: &Path) -> Result<Vec<PathBuf>, ImportError> {
         .map_err(|e| ImportError::Io {
             op: "list",
             path: dir.into(),
-            source: e,
+            err: e,
         })?
         .filter_map(|e| e.ok().map(|e| e.path()))
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
@@ -394,7 +394,7 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
     let tok_text = std::fs::read_to_string(&tok_path).map_err(|e| ImportError::Io {
         op: "read (sluice needs the fast tokenizer file)",
         path: tok_path.clone(),
-        source: e,
+        err: e,
     })?;
     let tok: Value = serde_json::from_str(&tok_text)
         .map_err(|e| ImportError::malformed(&tok_path, None, format!("invalid JSON: {e}")))?;

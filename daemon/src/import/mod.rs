@@ -18,12 +18,13 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ImportError {
-    #[error("{op} {path}: {source}")]
+    // The I/O error is in the message, so it is not also a `source`: a chain printed
+    // with `{:#}` would say it twice.
+    #[error("{op} {path}: {err}")]
     Io {
         op: &'static str,
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        err: std::io::Error,
     },
     #[error("{path}{}: {msg}", offset.map(|o| format!(" at offset {o}")).unwrap_or_default())]
     Malformed {
@@ -92,7 +93,7 @@ pub fn open(src: &Path) -> Result<ImportedModel, ImportError> {
     let meta = std::fs::metadata(src).map_err(|e| ImportError::Io {
         op: "open",
         path: src.into(),
-        source: e,
+        err: e,
     })?;
     if meta.is_dir() {
         return hf::import(src);
@@ -103,12 +104,12 @@ pub fn open(src: &Path) -> Result<ImportedModel, ImportError> {
         let mut f = File::open(src).map_err(|e| ImportError::Io {
             op: "open",
             path: src.into(),
-            source: e,
+            err: e,
         })?;
         f.read(&mut magic).map_err(|e| ImportError::Io {
             op: "read",
             path: src.into(),
-            source: e,
+            err: e,
         })?
     };
     if n == 4 && &magic == b"GGUF" {
@@ -124,14 +125,14 @@ pub(crate) fn mmap_file(path: &Path) -> Result<Mmap, ImportError> {
     let f = File::open(path).map_err(|e| ImportError::Io {
         op: "open",
         path: path.into(),
-        source: e,
+        err: e,
     })?;
     // SAFETY: the source is opened read-only and only read while packing; a concurrent
     // writer truncating it is outside what we promise (as for every mmap-based loader).
     unsafe { Mmap::map(&f) }.map_err(|e| ImportError::Io {
         op: "mmap",
         path: path.into(),
-        source: e,
+        err: e,
     })
 }
 

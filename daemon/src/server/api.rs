@@ -21,6 +21,8 @@ pub struct ModelMeta {
     pub hidden: u32,
     pub vocab: u32,
     pub context: u32,
+    /// The context the model was trained for (what `--max-context` may go up to).
+    pub trained_context: u32,
     pub stored_bytes: u64,
     pub raw_bytes: u64,
     /// Unix seconds when the model was loaded (OpenAI's `created`).
@@ -173,6 +175,18 @@ impl Frontend {
                 ),
                 param: Some("model"),
             })
+        }
+    }
+
+    /// What to say about the context the model supports beyond the served one.
+    fn larger_context(&self) -> String {
+        let (served, trained) = (self.meta.context, self.meta.trained_context);
+        if trained > served {
+            format!(
+                " (the model supports {trained}: `sluiced serve --max-context {trained}`, or less)"
+            )
+        } else {
+            String::new()
         }
     }
 
@@ -392,8 +406,9 @@ impl Frontend {
             return Err(ApiError::invalid(
                 Some(prompt_param),
                 format!(
-                    "the prompt has {} tokens; the context holds {context} (prompt plus generated tokens): shorten the prompt or serve with a larger --max-context",
-                    ids.len()
+                    "the prompt has {} tokens; the context holds {context} (prompt plus generated tokens): shorten the prompt{}",
+                    ids.len(),
+                    self.larger_context()
                 ),
             ));
         }
@@ -409,8 +424,9 @@ impl Frontend {
                 return Err(ApiError::invalid(
                     Some("max_tokens"),
                     format!(
-                        "the context holds {context} tokens; the prompt has {} and max_tokens asks for {n} more: at most {room} fit",
-                        ids.len()
+                        "the context holds {context} tokens; the prompt has {} and max_tokens asks for {n} more: at most {room} fit{}",
+                        ids.len(),
+                        self.larger_context()
                     ),
                 ))
             }

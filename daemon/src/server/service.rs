@@ -149,9 +149,14 @@ impl Inference for Service {
             .encode(&r.text, r.add_special_tokens)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;
         let pieces = ids.iter().map(|&i| tok.piece(i)).collect();
+        let texts = ids
+            .iter()
+            .map(|&i| String::from_utf8_lossy(&tok.token_bytes(i)).into_owned())
+            .collect();
         Ok(Response::new(pb::TokenizeResponse {
             token_ids: ids,
             pieces,
+            texts,
         }))
     }
 

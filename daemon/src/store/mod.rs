@@ -17,12 +17,13 @@ use std::path::{Path, PathBuf};
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
-    #[error("{op} {path}: {source}")]
+    // The I/O error is in the message, so it is not also a `source`: a chain printed
+    // with `{:#}` would say it twice.
+    #[error("{op} {path}: {err}")]
     Io {
         op: &'static str,
         path: PathBuf,
-        #[source]
-        source: std::io::Error,
+        err: std::io::Error,
     },
     #[error("{path}: not a sluice manifest (starts with {found:02x?}, expected \"SLUICE\\0\\x01\"); point at a directory written by `sluiced pack`")]
     BadMagic { path: PathBuf, found: Vec<u8> },
@@ -44,6 +45,10 @@ pub enum StoreError {
     },
     #[error("{path}: invalid manifest: {msg}")]
     Invalid { path: PathBuf, msg: String },
+    /// Not a store's fault: the path is something else, or the request is not possible
+    /// as asked (the message says what to do).
+    #[error("{path}: {msg}")]
+    Refused { path: PathBuf, msg: String },
     #[error("{path}: {found} bytes, but the manifest needs {expected} ({unit} ends at offset {unit_end}): the file is truncated; copy or repack it")]
     WeightsTruncated {
         path: PathBuf,
@@ -66,11 +71,11 @@ pub enum StoreError {
 }
 
 impl StoreError {
-    pub fn io(op: &'static str, path: &Path, source: std::io::Error) -> Self {
+    pub fn io(op: &'static str, path: &Path, err: std::io::Error) -> Self {
         StoreError::Io {
             op,
             path: path.to_path_buf(),
-            source,
+            err,
         }
     }
 

@@ -36,6 +36,22 @@ impl Store {
     /// Opens and validates a store directory; a weights.bin shorter than the manifest says
     /// is an error here, before any read.
     pub fn open(dir: &Path) -> Result<Store, StoreError> {
+        if dir.is_file() {
+            let gguf = std::fs::File::open(dir)
+                .and_then(|mut f| {
+                    let mut magic = [0u8; 4];
+                    std::io::Read::read_exact(&mut f, &mut magic).map(|()| magic)
+                })
+                .is_ok_and(|m| &m == b"GGUF");
+            let what = if gguf { "a GGUF file" } else { "a file" };
+            return Err(StoreError::Refused {
+                path: dir.to_path_buf(),
+                msg: format!(
+                    "this is {what}, not a sluice store: pack it first with `sluiced pack {} -o DIR`, then point at DIR",
+                    dir.display()
+                ),
+            });
+        }
         let manifest_path = dir.join(MANIFEST_FILE);
         let bytes = read_uncached(&manifest_path).map_err(|e| {
             if e.kind() == std::io::ErrorKind::NotFound && !dir.is_dir() {

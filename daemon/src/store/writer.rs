@@ -117,17 +117,20 @@ impl PartialDir {
     fn create(out: &Path, force: bool) -> Result<PartialDir, StoreError> {
         let name = out
             .file_name()
-            .ok_or_else(|| StoreError::invalid(out, "output path has no directory name"))?
+            .ok_or_else(|| StoreError::Refused {
+                path: out.to_path_buf(),
+                msg: "the output path has no directory name".into(),
+            })?
             .to_os_string();
         let parent = match out.parent() {
             Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
             _ => PathBuf::from("."),
         };
         if out.exists() && !force {
-            return Err(StoreError::invalid(
-                out,
-                "already exists; pass --force to replace it",
-            ));
+            return Err(StoreError::Refused {
+                path: out.to_path_buf(),
+                msg: "already exists; pass --force to replace it, or choose another -o".into(),
+            });
         }
         std::fs::create_dir_all(&parent)
             .map_err(|e| StoreError::io("create directory", &parent, e))?;

@@ -8,6 +8,7 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct BenchStreamArgs {
+    /// Store directory (from `sluiced pack` or `sluiced synth`).
     pub dir: PathBuf,
     /// Device budget for the weights as a share of the model's raw size (e.g. 50%), on top
     /// of KV cache, workspace and streaming slots; or an absolute --device-memory.
@@ -16,20 +17,26 @@ pub struct BenchStreamArgs {
     /// Total device budget (overrides --weights-budget).
     #[arg(long, value_parser = parse_size)]
     pub device_memory: Option<u64>,
+    /// Host memory for decompressed copies of streamed layers (discrete GPUs).
     #[arg(long, value_parser = parse_size, default_value = "0")]
     pub host_cache: u64,
     /// Host memory the streamed run may use in all (on the CPU backend the arena too);
     /// without --device-memory it alone decides what streams.
     #[arg(long, value_parser = parse_size)]
     pub host_memory: Option<u64>,
+    /// Layers requested ahead of the one computing (default: from the plan).
     #[arg(long)]
     pub prefetch: Option<usize>,
+    /// Batch sizes to measure decode at, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
     pub batch: Vec<usize>,
+    /// Decode steps measured per batch size.
     #[arg(long, default_value_t = 4)]
     pub steps: usize,
+    /// Prompt tokens per sequence before the measured steps.
     #[arg(long, default_value_t = 4)]
     pub prompt_tokens: usize,
+    /// Compute threads of the CPU backend (0: all cores).
     #[arg(long, default_value_t = 0)]
     pub threads: usize,
     /// auto, cpu or cuda.
@@ -38,6 +45,7 @@ pub struct BenchStreamArgs {
     /// CUDA device ordinal.
     #[arg(long, default_value_t = 0)]
     pub device: usize,
+    /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
 }
@@ -133,6 +141,7 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
 
 #[derive(clap::Args)]
 pub struct BenchIoArgs {
+    /// Store directory (from `sluiced pack` or `sluiced synth`).
     pub dir: PathBuf,
     /// auto, uring or pread.
     #[arg(long, default_value = "auto")]
@@ -152,6 +161,7 @@ pub struct BenchIoArgs {
     /// Staging slots; the benchmark keeps all but one requested ahead.
     #[arg(long, default_value_t = 4)]
     pub slots: usize,
+    /// Passes over the store; the first is reported apart (cold).
     #[arg(long, default_value_t = 3)]
     pub passes: usize,
     /// Read through the page cache instead of O_DIRECT.

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
+    /// Store directory (from `sluiced pack`).
     pub dir: PathBuf,
     /// Print one JSON object instead of tables.
     #[arg(long)]
@@ -30,6 +31,7 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
 
 #[derive(clap::Args)]
 pub struct VerifyArgs {
+    /// Store directory (from `sluiced pack`).
     pub dir: PathBuf,
 }
 

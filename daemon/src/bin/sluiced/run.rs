@@ -16,6 +16,7 @@ use std::path::PathBuf;
 pub struct RunArgs {
     /// Store directory (from `sluiced pack`).
     dir: PathBuf,
+    /// The prompt text (a user message with --chat).
     #[arg(long)]
     prompt: Option<String>,
     /// Read the prompt from a file.
@@ -30,17 +31,22 @@ pub struct RunArgs {
     /// A system message (with --chat).
     #[arg(long)]
     system: Option<String>,
+    /// Tokens to generate at most (the context may stop it sooner).
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
     /// 0 is greedy.
     #[arg(long, default_value_t = 0.0)]
     temperature: f32,
+    /// Keep only the k most likely tokens (0: off).
     #[arg(long, default_value_t = 0)]
     top_k: usize,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off).
     #[arg(long, default_value_t = 1.0)]
     top_p: f32,
+    /// Drop tokens less likely than this fraction of the most likely one (0: off).
     #[arg(long, default_value_t = 0.0)]
     min_p: f32,
+    /// Seed of the sampler: the same seed and prompt give the same text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Stop when the text contains this string (repeatable).
@@ -207,6 +213,15 @@ fn run_generate<B: Backend>(
     use std::io::Write;
     if !a.json {
         eprint!("{}", runner.plan.table());
+    }
+    let context = runner.options().max_context;
+    if prompt_ids.len() + a.max_tokens > context && prompt_ids.len() < context {
+        eprintln!(
+            "note: the prompt ({} tokens) and --max-tokens {} do not fit in the context of {context}: generation stops at the context, after {} tokens (--max-context raises it)",
+            prompt_ids.len(),
+            a.max_tokens,
+            context - prompt_ids.len()
+        );
     }
     let params = GenerateParams {
         max_tokens: a.max_tokens,

@@ -100,6 +100,10 @@ pub struct ServeArgs {
     /// CUDA device ordinal (default 0).
     #[arg(long)]
     pub device: Option<usize>,
+    /// Tokens a request generates when it does not say (gRPC max_tokens 0, an OpenAI
+    /// chat request without max_tokens); cut to the room the context leaves (default 256).
+    #[arg(long)]
+    pub max_tokens_default: Option<u32>,
     /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled
     /// (default 30).
     #[arg(long)]
@@ -127,6 +131,7 @@ impl ServeArgs {
         set!(
             listen,
             http_listen,
+            max_tokens_default,
             max_request_bytes,
             max_messages,
             max_batch,
@@ -271,6 +276,10 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         .enable_all()
         .build()?;
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    // Both ports are taken before the model loads, so a busy one fails the start at once.
+    let grpc_tcp = rt
+        .block_on(tokio::net::TcpListener::bind(listen.grpc))
+        .with_context(|| format!("bind {} (listen)", listen.grpc))?;
     // HTTP comes up before the model loads: /health says 503 until it is served.
     let http_server = match listen.http {
         Some(addr) => {
@@ -355,6 +364,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
             hidden: m.arch.hidden,
             vocab: m.arch.vocab,
             context: cfg.max_context as u32,
+            trained_context: m.arch.max_context,
             stored_bytes: m.stored_bytes(),
             raw_bytes: m.raw_bytes(),
             created: std::time::SystemTime::now()
@@ -398,6 +408,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     };
     let net = Net {
         listen,
+        grpc_tcp,
         http_state,
         http_server,
         stop: (stop_tx, stop_rx),
@@ -410,6 +421,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
 /// the stop signal of every server, and the gRPC key check.
 struct Net {
     listen: Listen,
+    grpc_tcp: tokio::net::TcpListener,
     http_state: Arc<HttpState>,
     http_server: Option<tokio::task::JoinHandle<std::io::Result<()>>>,
     stop: (
@@ -443,7 +455,7 @@ fn listen_until_stopped(
         let max = cfg.max_request_bytes.0.min(usize::MAX as u64) as usize;
         let inference = InterceptedService::new(InferenceServer::new(service).max_decoding_message_size(max), net.auth.clone());
         let addr = net.listen.grpc;
-        let tcp = tokio::net::TcpListener::bind(addr).await.with_context(|| format!("bind {addr}"))?;
+        let tcp = net.grpc_tcp;
         let (stop_tx, stop_rx) = net.stop;
         let shutdown = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
             let _ = rx.wait_for(|s| *s).await;
@@ -473,7 +485,12 @@ fn listen_until_stopped(
             _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: draining"),
         }
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+        // From the first moment of the drain, for the service and for the server as a whole
+        // (the "" name load balancers ask about).
         health.set_not_serving::<InferenceServer<Service>>().await;
+        health
+            .set_service_status("", tonic_health::ServingStatus::NotServing)
+            .await;
         net.http_state.set_draining();
         // Stop admitting; in-flight requests finish or are cancelled after the grace period.
         sched.shutdown(Duration::from_secs(cfg.shutdown_grace_s));

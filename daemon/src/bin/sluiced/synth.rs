@@ -9,6 +9,7 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct SynthArgs {
+    /// Output store directory.
     #[arg(short, long)]
     pub output: PathBuf,
     /// Decoder layers (or give --size).
@@ -17,6 +18,7 @@ pub struct SynthArgs {
     /// Pick the layer count so the model's raw size is about this (e.g. 4GiB).
     #[arg(long, value_parser = parse_size)]
     pub size: Option<u64>,
+    /// Hidden size.
     #[arg(long, default_value_t = 2048)]
     pub hidden: u32,
     /// Matrix dtype: f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k,
@@ -27,18 +29,25 @@ pub struct SynthArgs {
     /// Default: ~8/3 hidden rounded to 256.
     #[arg(long)]
     pub intermediate: Option<u32>,
+    /// Attention heads (default: Llama proportions, head dim 64, or 128 from hidden 2048).
     #[arg(long)]
     pub heads: Option<u32>,
+    /// Key/value heads (default: a quarter of the heads; all of them when --heads is given).
     #[arg(long)]
     pub kv_heads: Option<u32>,
+    /// Vocabulary size.
     #[arg(long, default_value_t = 32000)]
     pub vocab: u32,
+    /// Seed of the random weights.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
+    /// Frame codec: none, lz4, zstd or zstd:N.
     #[arg(long, default_value = "zstd:1", value_parser = parse_codec)]
     pub codec: Codec,
+    /// Uncompressed bytes per frame (e.g. 1MiB).
     #[arg(long, default_value = "1MiB", value_parser = parse_size_u32)]
     pub frame_size: u32,
+    /// Replace an existing store at the output path.
     #[arg(long)]
     pub force: bool,
 }
