@@ -10,9 +10,11 @@ for the model tests. Writes small JSON files into tests/fixtures/reference/:
                                     dequantizes it to float32): prompt ids, top logits at the
                                     last position, 40-token greedy continuations, 3 prompts
                                     (one chat-templated)
+  smollm2-penalties.json            (with --penalties, alone) greedy continuations under
+                                    repetition_penalty 1.3 and 1.8, and without
 
     pip install torch transformers accelerate gguf numpy
-    python3 scripts/make_reference.py [path/to/SmolLM2-135M-Instruct.Q4_1.gguf]
+    python3 scripts/make_reference.py [path/to/SmolLM2-135M-Instruct.Q4_1.gguf] [--penalties]
 """
 import json
 import os
@@ -93,13 +95,38 @@ def smollm2(gguf_path):
             "model": f, "eos": eos, "cases": cases}
 
 
+def smollm2_penalties(gguf_path):
+    """Greedy continuations under transformers' repetition penalty (its
+    RepetitionPenaltyLogitsProcessor: over the prompt and the text so far, positive logits
+    divided, negative multiplied), with the unpenalized ones beside them."""
+    d, f = os.path.split(gguf_path)
+    tok = AutoTokenizer.from_pretrained(d, gguf_file=f)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    cases = []
+    for text in ("The history of the printing press begins", "The best way to learn to cook is"):
+        ids = tok(text, add_special_tokens=True)["input_ids"]
+        for penalty in (1.3, 1.8):
+            out = model.generate(torch.tensor([ids]), max_new_tokens=40, do_sample=False, repetition_penalty=penalty,
+                                 eos_token_id=eos, pad_token_id=eos, attention_mask=torch.ones(1, len(ids), dtype=torch.long))
+            cases.append({"text": text, "prompt_token_ids": ids, "repetition_penalty": penalty,
+                          "greedy": out[0, len(ids):].tolist(), "unpenalized": greedy(model, ids, 40, eos)})
+    return {"source": f"transformers {__import__('transformers').__version__}, torch {torch.__version__}, GGUF dequantized to float32, eager attention, generate(repetition_penalty=...)",
+            "model": f, "eos": eos, "cases": cases}
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     torch.manual_seed(0)
+    gguf = sys.argv[1] if len(sys.argv) > 1 and not sys.argv[1].startswith("--") else os.path.expanduser("~/.cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf")
+    if "--penalties" in sys.argv:
+        with open(os.path.join(OUT, "smollm2-penalties.json"), "w") as fh:
+            json.dump(smollm2_penalties(gguf), fh, indent=1)
+        return
     for name in ("tiny-llama", "tiny-qwen2", "tiny-llama-q.gguf"):
         with open(os.path.join(OUT, f"{name.removesuffix('.gguf')}.json"), "w") as fh:
             json.dump(tiny(name), fh)
-    gguf = sys.argv[1] if len(sys.argv) > 1 else os.path.expanduser("~/.cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf")
     with open(os.path.join(OUT, "smollm2.json"), "w") as fh:
         json.dump(smollm2(gguf), fh, indent=1)
 

@@ -469,7 +469,8 @@ fn params_of(job: &BatchJob, model: &pb::ModelInfo) -> Value {
         p["template"] = json!(job.template);
         p["raw"] = json!(job.raw);
         p["max_tokens"] = json!(job.base.max_tokens);
-        p["sampling"] = json!({"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p, "seed": s.seed});
+        p["sampling"] = json!({"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p, "seed": s.seed,
+            "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty});
         p["stop"] = json!(job.base.stop);
     }
     p

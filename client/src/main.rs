@@ -47,6 +47,16 @@ struct Sampling {
     /// Seed of the sampler: the same seed and prompt give the same text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Divide positive logits (multiply negative ones) of tokens already in the prompt or
+    /// the text by this (transformers' repetition_penalty; 1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Subtract this from the logit of every token generated so far (OpenAI's; 0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// Subtract this once per time a token was generated (OpenAI's; 0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
     /// Stop when the text contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -62,6 +72,9 @@ impl Sampling {
                 top_k: self.top_k,
                 min_p: self.min_p,
                 seed: self.seed,
+                repetition_penalty: self.repetition_penalty,
+                presence_penalty: self.presence_penalty,
+                frequency_penalty: self.frequency_penalty,
             }),
             stop: self.stop.clone(),
             ..Default::default()

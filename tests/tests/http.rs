@@ -799,3 +799,52 @@ fn logprobs_differ_as_transformers_logits_do_and_their_bytes_spell_the_text() {
         .all(|e| e["top_logprobs"].as_array().unwrap().len() == 2
             && e["top_logprobs"][0]["logprob"].as_f64() >= e["logprob"].as_f64()));
 }
+
+#[test]
+fn penalties_over_http_and_grpc_give_what_sluiced_run_gives() {
+    let d = Daemon::start(&["--max-context", "256"]);
+    let penalties = [
+        "--max-tokens",
+        "32",
+        "--repetition-penalty",
+        "1.3",
+        "--presence-penalty",
+        "0.5",
+        "--frequency-penalty",
+        "0.25",
+    ];
+    let args: Vec<&str> = ["--prompt", PROMPTS[2]]
+        .into_iter()
+        .chain(penalties)
+        .collect();
+    let run = sluiced_run(&d, &args);
+    let plain = sluiced_run(&d, &["--prompt", PROMPTS[2], "--max-tokens", "32"]);
+    assert_ne!(
+        run["text"], plain["text"],
+        "the penalties should change the text"
+    );
+    let body = json!({"prompt": PROMPTS[2], "max_tokens": 32, "temperature": 0, "repetition_penalty": 1.3, "presence_penalty": 0.5, "frequency_penalty": 0.25});
+    let (status, _, b) = post(&d, "/v1/completions", &body.to_string(), &[]);
+    assert_eq!(status, 200, "{b}");
+    let v: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(
+        v["choices"][0]["text"], run["text"],
+        "HTTP differs from sluiced run"
+    );
+    let gen: Vec<&str> = ["generate", PROMPTS[2], "--json"]
+        .into_iter()
+        .chain(penalties)
+        .collect();
+    let o = sluice(&d, &gen);
+    assert!(o.status.success(), "{}", stderr(&o));
+    let g: Value = serde_json::from_str(&stdout(&o)).unwrap();
+    assert_eq!(g["text"], run["text"], "gRPC differs from sluiced run");
+    let (status, _, b) = post(
+        &d,
+        "/v1/completions",
+        r#"{"prompt":"Hi","presence_penalty":3}"#,
+        &[],
+    );
+    let v = assert_error(status, 400, &b, "[-2, 2]");
+    assert_eq!(v["error"]["param"], "presence_penalty");
+}

@@ -708,3 +708,42 @@ fn the_fast_path_agrees_with_transformers_wherever_the_margin_allows() {
         "only {decided} of {steps} steps decisive"
     );
 }
+
+#[test]
+fn repetition_penalty_continuations_match_transformers() {
+    let r = reference("smollm2-penalties.json");
+    let tmp = tempfile::tempdir().unwrap();
+    let mut runner = load(&smollm2_gguf(), &tmp.path().join("s"), 512);
+    let tok = Tokenizer::from_manifest(runner.store.manifest()).unwrap();
+    let mut changed = 0;
+    for (ci, c) in r["cases"].as_array().unwrap().iter().enumerate() {
+        let prompt = tok.encode(c["text"].as_str().unwrap(), true).unwrap();
+        assert_eq!(
+            prompt,
+            ids(&c["prompt_token_ids"]),
+            "case {ci}: prompt ids differ"
+        );
+        let want = ids(&c["greedy"]);
+        let params = GenerateParams {
+            max_tokens: want.len(),
+            sampling: SamplingParams {
+                repetition_penalty: c["repetition_penalty"].as_f64().unwrap() as f32,
+                ..SamplingParams::default()
+            },
+            stop: Vec::new(),
+            ignore_eos: false,
+            logprobs: None,
+        };
+        let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
+        assert_eq!(
+            out.generated_token_ids, want,
+            "case {ci}: greedy with repetition_penalty {} differs from transformers'",
+            c["repetition_penalty"]
+        );
+        changed += usize::from(want != ids(&c["unpenalized"]));
+    }
+    assert!(
+        changed >= 2,
+        "the penalty should change some continuations: {changed}"
+    );
+}

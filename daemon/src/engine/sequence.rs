@@ -127,7 +127,7 @@ impl Sequence {
     ) -> Result<Sequence, String> {
         validate(&prompt, &params, limits)?;
         Ok(Sequence {
-            sampler: Sampler::new(params.sampling),
+            sampler: Sampler::with_prompt(params.sampling, &prompt),
             stops: StopMatcher::new(params.stop.clone()),
             prompt,
             params,

@@ -73,6 +73,7 @@ pub fn greedy(max_tokens: usize, stop: &[&str], ignore_eos: bool) -> GeneratePar
             top_p: 1.0,
             min_p: 0.0,
             seed: 0,
+            ..SamplingParams::default()
         },
         stop: stop.iter().map(|s| s.to_string()).collect(),
         ignore_eos,

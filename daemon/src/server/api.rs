@@ -344,9 +344,16 @@ impl Frontend {
         self.check_model(&input.model)?;
         input.sampling.validate().map_err(|m| {
             // The message begins with the parameter's name.
-            let param = ["temperature", "top_p", "min_p"]
-                .into_iter()
-                .find(|p| m.starts_with(p));
+            let param = [
+                "temperature",
+                "top_p",
+                "min_p",
+                "repetition_penalty",
+                "presence_penalty",
+                "frequency_penalty",
+            ]
+            .into_iter()
+            .find(|p| m.starts_with(p));
             ApiError::invalid(param, m)
         })?;
         if input.stop.len() > self.limits.max_stop {

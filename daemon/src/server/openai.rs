@@ -32,6 +32,8 @@ struct Common {
     stream_options: Option<StreamOptions>,
     presence_penalty: Option<f32>,
     frequency_penalty: Option<f32>,
+    /// vLLM's: transformers' repetition penalty over the prompt and the text.
+    repetition_penalty: Option<f32>,
     logit_bias: Option<serde_json::Map<String, Value>>,
 }
 
@@ -101,14 +103,6 @@ impl Common {
                 "n must be 1: sluice returns one choice per prompt (send the request again for more samples)",
             ));
         }
-        for (param, v) in [
-            ("presence_penalty", self.presence_penalty),
-            ("frequency_penalty", self.frequency_penalty),
-        ] {
-            if v.is_some_and(|v| v != 0.0) {
-                return Err(unsupported(param, param));
-            }
-        }
         if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
             return Err(unsupported("logit_bias", "logit_bias"));
         }
@@ -128,6 +122,9 @@ impl Common {
                 Some(s) => s as u64,
                 None => fresh_seed(),
             },
+            repetition_penalty: self.repetition_penalty.unwrap_or(1.0),
+            presence_penalty: self.presence_penalty.unwrap_or(0.0),
+            frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
         })
     }
 
@@ -405,10 +402,7 @@ mod tests {
         for (body, param) in [
             (&br#"{"messages":[],"n":2}"#[..], "n"),
             (br#"{"messages":[],"top_logprobs":2}"#, "top_logprobs"),
-            (
-                br#"{"messages":[],"presence_penalty":0.5}"#,
-                "presence_penalty",
-            ),
+            (br#"{"messages":[],"logit_bias":{"1":5}}"#, "logit_bias"),
             (br#"{"messages":[],"tools":[{"type":"function"}]}"#, "tools"),
             (
                 br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,

@@ -77,6 +77,13 @@ fn input_of(r: pb::GenerateRequest) -> GenerateInput {
             top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
             min_p: s.min_p,
             seed: s.seed,
+            repetition_penalty: if s.repetition_penalty == 0.0 {
+                1.0
+            } else {
+                s.repetition_penalty
+            },
+            presence_penalty: s.presence_penalty,
+            frequency_penalty: s.frequency_penalty,
         },
         stop: r.stop,
         logprobs: None,

@@ -1,5 +1,9 @@
-//! Sampling: greedy, or temperature followed by top-k, top-p and min-p (transformers'
-//! warper order), drawn with a seeded generator so a seed reproduces a completion.
+//! Sampling: penalties on tokens already seen, then greedy, or temperature followed by
+//! top-k, top-p and min-p (transformers' warper order), drawn with a seeded generator so a
+//! seed reproduces a completion. Sampling runs on the host from each sequence's logits row,
+//! so every backend samples the same way.
+
+use std::collections::{HashMap, HashSet};
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -12,6 +16,13 @@ pub struct SamplingParams {
     /// 0: off.
     pub min_p: f32,
     pub seed: u64,
+    /// transformers' and llama.cpp's rule for every token of the prompt and the text so
+    /// far: a positive logit is divided by it, a negative one multiplied. 1: off.
+    pub repetition_penalty: f32,
+    /// OpenAI's: subtracted once from the logit of every token generated so far. 0: off.
+    pub presence_penalty: f32,
+    /// OpenAI's: subtracted from a token's logit once per time it was generated. 0: off.
+    pub frequency_penalty: f32,
 }
 
 impl Default for SamplingParams {
@@ -22,6 +33,9 @@ impl Default for SamplingParams {
             top_p: 1.0,
             min_p: 0.0,
             seed: 0,
+            repetition_penalty: 1.0,
+            presence_penalty: 0.0,
+            frequency_penalty: 0.0,
         }
     }
 }
@@ -40,7 +54,27 @@ impl SamplingParams {
         if !(0.0..=1.0).contains(&self.min_p) {
             return Err(format!("min_p {} must be in [0, 1]", self.min_p));
         }
+        if !(self.repetition_penalty > 0.0 && self.repetition_penalty.is_finite()) {
+            return Err(format!(
+                "repetition_penalty {} must be a finite number > 0 (1 is off)",
+                self.repetition_penalty
+            ));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if !(-2.0..=2.0).contains(&v) {
+                return Err(format!("{name} {v} must be in [-2, 2]"));
+            }
+        }
         Ok(())
+    }
+
+    fn penalizes(&self) -> bool {
+        self.repetition_penalty != 1.0
+            || self.presence_penalty != 0.0
+            || self.frequency_penalty != 0.0
     }
 }
 
@@ -48,6 +82,11 @@ pub struct Sampler {
     params: SamplingParams,
     state: u64,
     cand: Vec<(f32, u32)>,
+    /// With penalties: the logits row after them, the tokens of the prompt and the text so
+    /// far, and how often each was generated.
+    penalized: Vec<f32>,
+    seen: HashSet<u32>,
+    counts: HashMap<u32, u32>,
 }
 
 /// Index of the largest value; the first on ties (as torch.argmax).
@@ -63,11 +102,65 @@ pub fn argmax(logits: &[f32]) -> u32 {
 
 impl Sampler {
     pub fn new(params: SamplingParams) -> Sampler {
+        Sampler::with_prompt(params, &[])
+    }
+
+    /// A sampler whose repetition penalty also covers `prompt`'s tokens.
+    pub fn with_prompt(params: SamplingParams, prompt: &[u32]) -> Sampler {
+        let seen = if params.repetition_penalty != 1.0 {
+            prompt.iter().copied().collect()
+        } else {
+            HashSet::new()
+        };
         Sampler {
             params,
             state: params.seed ^ 0x9E3779B97F4A7C15,
             cand: Vec::new(),
+            penalized: Vec::new(),
+            seen,
+            counts: HashMap::new(),
         }
+    }
+
+    /// The penalties applied to a copy of `logits` (only the tokens seen change).
+    fn penalize(&mut self, logits: &[f32]) {
+        let p = self.params;
+        self.penalized.clear();
+        self.penalized.extend_from_slice(logits);
+        if p.repetition_penalty != 1.0 {
+            for &t in &self.seen {
+                if let Some(l) = self.penalized.get_mut(t as usize) {
+                    *l = if *l > 0.0 {
+                        *l / p.repetition_penalty
+                    } else {
+                        *l * p.repetition_penalty
+                    };
+                }
+            }
+        }
+        for (&t, &n) in &self.counts {
+            if let Some(l) = self.penalized.get_mut(t as usize) {
+                *l -= p.frequency_penalty * n as f32 + p.presence_penalty;
+            }
+        }
+    }
+
+    /// Samples the next token and remembers it for the penalties.
+    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+        if !self.params.penalizes() {
+            return self.draw(logits);
+        }
+        self.penalize(logits);
+        let row = std::mem::take(&mut self.penalized);
+        let t = self.draw(&row);
+        self.penalized = row;
+        if self.params.repetition_penalty != 1.0 {
+            self.seen.insert(t);
+        }
+        if self.params.presence_penalty != 0.0 || self.params.frequency_penalty != 0.0 {
+            *self.counts.entry(t).or_default() += 1;
+        }
+        t
     }
 
     fn uniform(&mut self) -> f32 {
@@ -79,7 +172,7 @@ impl Sampler {
         ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
     }
 
-    pub fn sample(&mut self, logits: &[f32]) -> u32 {
+    fn draw(&mut self, logits: &[f32]) -> u32 {
         let p = self.params;
         if p.temperature <= 0.0 {
             return argmax(logits);
@@ -240,5 +333,50 @@ mod tests {
         assert_eq!(ids, [1, 3, 2], "most likely first, lower id first on a tie");
         assert!((lp.top[0].1 as f64 - (3.0 - z.ln())).abs() < 1e-5);
         assert!(super::logprobs(&logits, 0, 0).top.is_empty());
+    }
+
+    #[test]
+    fn penalties_lower_the_tokens_already_seen_by_their_rules() {
+        // Token 1 leads; the prompt holds it, so the repetition penalty applies at once.
+        let logits = [1.0f32, 4.0, 3.5, -1.0];
+        let p = SamplingParams {
+            repetition_penalty: 2.0,
+            ..Default::default()
+        };
+        let mut s = Sampler::with_prompt(p, &[1, 3]);
+        assert_eq!(s.sample(&logits), 2, "4 / 2 = 2 < 3.5");
+        assert_eq!(
+            s.penalized,
+            [1.0, 2.0, 3.5, -2.0],
+            "a negative logit is multiplied"
+        );
+        // Token 2 was generated: now it is penalized too (3.5 / 2 = 1.75), token 1 leads
+        // again (2), once each penalty applied once (not again per time seen).
+        assert_eq!(s.sample(&logits), 1);
+        assert_eq!(s.penalized, [1.0, 2.0, 1.75, -2.0]);
+        // Frequency and presence: count * frequency + presence off each generated token.
+        let p = SamplingParams {
+            frequency_penalty: 0.5,
+            presence_penalty: 0.25,
+            ..Default::default()
+        };
+        let mut s = Sampler::new(p);
+        let logits = [3.0f32, 2.0];
+        assert_eq!(s.sample(&logits), 0);
+        assert_eq!(s.sample(&logits), 0, "3 - 0.75 > 2");
+        assert_eq!(s.penalized, [2.25, 2.0]);
+        assert_eq!(s.sample(&logits), 1, "3 - 1.25 < 2");
+        assert!(SamplingParams {
+            repetition_penalty: 0.0,
+            ..p
+        }
+        .validate()
+        .is_err());
+        assert!(SamplingParams {
+            presence_penalty: 2.5,
+            ..p
+        }
+        .validate()
+        .is_err());
     }
 }

@@ -49,6 +49,16 @@ pub struct RunArgs {
     /// Seed of the sampler: the same seed and prompt give the same text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Divide positive logits (multiply negative ones) of tokens already in the prompt or
+    /// the text by this (transformers' repetition_penalty; 1: off).
+    #[arg(long, default_value_t = 1.0)]
+    repetition_penalty: f32,
+    /// Subtract this from the logit of every token generated so far (OpenAI's; 0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    presence_penalty: f32,
+    /// Subtract this once per time a token was generated (OpenAI's; 0: off).
+    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
+    frequency_penalty: f32,
     /// Stop when the text contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -231,6 +241,9 @@ fn run_generate<B: Backend>(
             top_p: a.top_p,
             min_p: a.min_p,
             seed: a.seed,
+            repetition_penalty: a.repetition_penalty,
+            presence_penalty: a.presence_penalty,
+            frequency_penalty: a.frequency_penalty,
         },
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
