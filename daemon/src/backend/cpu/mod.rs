@@ -764,6 +764,41 @@ impl Matmul<'_> {
         self.m.div_ceil(self.threads * 4).max(16)
     }
 
+    /// The first `g` rows in groups of up to four, each output chunk `j0..j1` a task:
+    /// `kernel(r0, n, j0, j1, res)` computes rows `r0..r0 + n` of the chunk into `res`
+    /// (one column a row) and returns true, or writes its rows straight into the output
+    /// and returns false; the helper scatters `res` into the output rows.
+    fn decode_groups(
+        &self,
+        par: &Par,
+        g: usize,
+        kernel: impl Fn(usize, usize, usize, usize, &mut Vec<[f32; 4]>) -> bool + Sync,
+    ) {
+        let (m, optr) = (self.m, self.out);
+        let chunk = self.decode_chunk();
+        par.for_each(m.div_ceil(chunk), |c| {
+            let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
+            RES4.with(|res| {
+                let mut res = res.borrow_mut();
+                res.clear();
+                res.resize(j1 - j0, [0f32; 4]);
+                for r0 in (0..g).step_by(4) {
+                    let n = (g - r0).min(4);
+                    if !kernel(r0, n, j0, j1, &mut res) {
+                        continue;
+                    }
+                    for i in 0..n {
+                        // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
+                        let o = unsafe { optr.slice((r0 + i) * m + j0, j1 - j0) };
+                        for (oj, rj) in o.iter_mut().zip(res.iter()) {
+                            *oj = rj[i];
+                        }
+                    }
+                }
+            });
+        });
+    }
+
     /// The first `g` rows through the four-row block kernels (`xsums`: their block sums).
     fn decode_rows4(&self, par: &Par, g: usize, xsums: &[f32]) {
         let Matmul {
@@ -777,42 +812,26 @@ impl Matmul<'_> {
             ..
         } = *self;
         let nb = k / 32;
-        let chunk = self.decode_chunk();
-        par.for_each(m.div_ceil(chunk), |c| {
-            let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
-            RES4.with(|res| {
-                let mut res = res.borrow_mut();
-                res.clear();
-                res.resize(j1 - j0, [0f32; 4]);
-                for r0 in (0..g).step_by(4) {
-                    if g - r0 == 1 {
-                        // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
-                        let o = unsafe { optr.slice(r0 * m + j0, j1 - j0) };
-                        kernels::gemv(
-                            dtype,
-                            &wb[j0 * rb..j1 * rb],
-                            rb,
-                            &xs[r0 * k..(r0 + 1) * k],
-                            o,
-                        );
-                        continue;
-                    }
-                    // Pad a short group by repeating its last row (results dropped).
-                    let pick = |i: usize| (r0 + i).min(g - 1);
-                    let xr: [&[f32]; 4] =
-                        std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
-                    let xsr: [&[f32]; 4] =
-                        std::array::from_fn(|i| &xsums[pick(i) * nb..(pick(i) + 1) * nb]);
-                    kernels::gemv4(dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, &mut res);
-                    for i in 0..(g - r0).min(4) {
-                        // SAFETY: as above.
-                        let o = unsafe { optr.slice((r0 + i) * m + j0, j1 - j0) };
-                        for (oj, rj) in o.iter_mut().zip(res.iter()) {
-                            *oj = rj[i];
-                        }
-                    }
-                }
-            });
+        self.decode_groups(par, g, |r0, n, j0, j1, res| {
+            if n == 1 {
+                // SAFETY: the task of chunk j0..j1 writes out[r][j0..j1] only.
+                let o = unsafe { optr.slice(r0 * m + j0, j1 - j0) };
+                kernels::gemv(
+                    dtype,
+                    &wb[j0 * rb..j1 * rb],
+                    rb,
+                    &xs[r0 * k..(r0 + 1) * k],
+                    o,
+                );
+                return false;
+            }
+            // Pad a short group by repeating its last row (results dropped).
+            let pick = |i: usize| (r0 + i).min(g - 1);
+            let xr: [&[f32]; 4] = std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
+            let xsr: [&[f32]; 4] =
+                std::array::from_fn(|i| &xsums[pick(i) * nb..(pick(i) + 1) * nb]);
+            kernels::gemv4(dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, res);
+            true
         });
     }
 
@@ -820,38 +839,16 @@ impl Matmul<'_> {
     /// four rows a weight block at most.
     fn decode_rows_q8(&self, par: &Par, g: usize, xq: &[q8::Q8Block]) {
         let Matmul {
-            dtype,
-            wb,
-            rb,
-            k,
-            m,
-            out: optr,
-            ..
+            dtype, wb, rb, k, ..
         } = *self;
         let nb = k / 32;
-        let chunk = self.decode_chunk();
-        par.for_each(m.div_ceil(chunk), |c| {
-            let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
-            RES4.with(|res| {
-                let mut res = res.borrow_mut();
-                res.clear();
-                res.resize(j1 - j0, [0f32; 4]);
-                for r0 in (0..g).step_by(4) {
-                    let n = (g - r0).min(4);
-                    let rows: [&[q8::Q8Block]; 4] = std::array::from_fn(|i| {
-                        let r = (r0 + i).min(g - 1);
-                        &xq[r * nb..(r + 1) * nb]
-                    });
-                    q8::gemv_rows(dtype, &wb[j0 * rb..j1 * rb], rb, &rows[..n], &mut res);
-                    for i in 0..n {
-                        // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
-                        let o = unsafe { optr.slice((r0 + i) * m + j0, j1 - j0) };
-                        for (oj, rj) in o.iter_mut().zip(res.iter()) {
-                            *oj = rj[i];
-                        }
-                    }
-                }
+        self.decode_groups(par, g, |r0, n, j0, j1, res| {
+            let rows: [&[q8::Q8Block]; 4] = std::array::from_fn(|i| {
+                let r = (r0 + i).min(g - 1);
+                &xq[r * nb..(r + 1) * nb]
             });
+            q8::gemv_rows(dtype, &wb[j0 * rb..j1 * rb], rb, &rows[..n], res);
+            true
         });
     }
 
