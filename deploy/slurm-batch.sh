@@ -8,9 +8,9 @@
 #   sbatch --array=1-8 deploy/slurm-batch.sh docs.jsonl /shared/out
 #   cat /shared/out/shard-*-of-8.jsonl > summaries.jsonl
 #
-# Environment (sbatch passes the submitting shell's): SLUICE_MODEL (the store), and
-# SLUICE_MAX_TOKENS (256), SLUICE_MAX_BATCH (16), SLUICE_MAX_CONTEXT (4096),
-# SLUICE_TEMPLATE. On a cluster without GPUs or with smaller nodes, override the
+# Environment (sbatch passes the submitting shell's): SLUICE_STORE (the store directory,
+# or a store's name in the models directory), and SLUICE_MAX_TOKENS (256),
+# SLUICE_MAX_BATCH (16), SLUICE_MAX_CONTEXT (4096), SLUICE_TEMPLATE. On a cluster without GPUs or with smaller nodes, override the
 # directives below on the command line (e.g. `sbatch --gres=none --cpus-per-task=2 --mem=4G`).
 #
 #SBATCH --job-name=sluice-batch
@@ -22,7 +22,7 @@
 set -euo pipefail
 input=${1:?input JSONL}
 outdir=${2:?output directory}
-model=${SLUICE_MODEL:-/var/lib/sluice/models/smollm2}
+model=${SLUICE_STORE:-/var/lib/sluice/models/smollm2}
 k=${SLURM_ARRAY_TASK_ID:?run as a Slurm array}
 n=${SLURM_ARRAY_TASK_COUNT:?run as a Slurm array}
 max_tokens=${SLUICE_MAX_TOKENS:-256}

@@ -3,15 +3,15 @@
 # store, inspect it, verify every frame, then generate from it with about half of its
 # weights streaming from disk.
 #
-#   SLUICE_CACHE   cache directory (default ~/.cache/sluice); the store goes to $SLUICE_CACHE/stores/smollm2
+#   SLUICE_CACHE        where the GGUF is cached (default ~/.cache/sluice)
+#   SLUICE_MODELS_DIR   the models directory the store goes to as "smollm2", the one the
+#                       README and `sluiced serve` use (default ~/.local/share/sluice/models)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cache="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 gguf="$(scripts/fetch-model.sh)"
 cargo build --release --workspace
-store="$cache/stores/smollm2"
-./target/release/sluiced pack "$gguf" -o "$store" --codec zstd:3 --force
-./target/release/sluiced inspect "$store"
-./target/release/sluiced verify "$store"
-./target/release/sluiced run "$store" --chat --prompt "Explain in two sentences why disks are slower than memory." \
+./target/release/sluiced pack "$gguf" --name smollm2 --codec zstd:3 --force
+./target/release/sluiced inspect smollm2
+./target/release/sluiced verify smollm2
+./target/release/sluiced run smollm2 --chat --prompt "Explain in two sentences why disks are slower than memory." \
   --max-tokens 96 --max-context 1024 --device-memory 100MiB

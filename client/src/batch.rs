@@ -575,15 +575,41 @@ pub async fn run(client: Client, job: BatchJob) -> Result<Option<ItemsFailed>> {
     let key = id_key(job.format);
     let done = done_ids(&job.output, key)?;
     let models = client
-        .list_models(pb::ListModelsRequest {})
+        .list_models(pb::ListModelsRequest::default())
         .await
         .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
-        .into_inner();
-    let model = models.models.into_iter().next().unwrap_or_default();
+        .into_inner()
+        .models;
+    // The model the items name (--model), else the daemon's default: the one loaded.
+    let want = &job.base.model;
+    let model = match models.iter().find(|m| &m.name == want) {
+        Some(m) => m.clone(),
+        None if want.is_empty() => models
+            .iter()
+            .find(|m| m.loaded)
+            .or(models.first())
+            .cloned()
+            .unwrap_or_default(),
+        None => bail!(
+            "the daemon has no model {want:?}; it serves {}",
+            models
+                .iter()
+                .map(|m| m.name.as_str())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ),
+    };
+    // Every request names the model, so a daemon serving several is not left to guess.
+    let mut job = job;
+    if job.base.model.is_empty() {
+        job.base.model = model.name.clone();
+    }
     check_params(&job, &params_of(&job, &model), done.len())?;
     let (mut items, bad) = read_items(&job, shard, &done)?;
     let status = client
-        .status(pb::StatusRequest {})
+        .status(pb::StatusRequest {
+            model: model.name.clone(),
+        })
         .await
         .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
         .into_inner();
@@ -680,7 +706,9 @@ pub async fn run(client: Client, job: BatchJob) -> Result<Option<ItemsFailed>> {
     pb.finish_and_clear();
     let wall = t0.elapsed().as_secs_f64();
     let after = client
-        .status(pb::StatusRequest {})
+        .status(pb::StatusRequest {
+            model: status.model.clone(),
+        })
         .await
         .map(|r| r.into_inner())
         .unwrap_or_default();

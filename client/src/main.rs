@@ -3,9 +3,10 @@
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 mod batch;
+mod chat;
 
 use sluice_client::{connect, pb, resolve_addr, Client, Target};
-use std::io::{BufRead, Write};
+use std::io::Write;
 use std::path::PathBuf;
 use tokio_stream::StreamExt;
 
@@ -22,6 +23,10 @@ struct Cli {
     /// API key of a daemon that requires one (sent as `authorization: Bearer KEY`).
     #[arg(long, global = true, env = "SLUICE_API_KEY", hide_env_values = true)]
     api_key: Option<String>,
+    /// The model to use, by name as `sluice models` lists it (default: $SLUICE_MODEL, else
+    /// the daemon's default: its --model, or the one model it serves).
+    #[arg(long, global = true, env = "SLUICE_MODEL")]
+    model: Option<String>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -60,9 +65,45 @@ struct Sampling {
     /// Stop when the text contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// How long the daemon keeps the model loaded after this request ("30s", "5m"; "0"
+    /// unloads it once idle, "-1" keeps it; default: the daemon's --keep-alive).
+    #[arg(long, allow_hyphen_values = true)]
+    keep_alive: Option<String>,
 }
 
 impl Sampling {
+    /// The parameters as `/set` names them.
+    fn describe(&self) -> String {
+        format!(
+            "temperature {} top_p {} top_k {} min_p {} seed {} max_tokens {} repetition_penalty {} presence_penalty {} frequency_penalty {}",
+            self.temperature, self.top_p, self.top_k, self.min_p, self.seed,
+            if self.max_tokens == 0 { "default".to_string() } else { self.max_tokens.to_string() },
+            self.repetition_penalty, self.presence_penalty, self.frequency_penalty
+        )
+    }
+
+    /// `/set NAME VALUE`; the daemon checks the ranges when the next request goes.
+    fn set(&mut self, name: &str, value: &str) -> Result<()> {
+        fn num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
+            v.parse().map_err(|_| {
+                anyhow::anyhow!("/set {name}: {v:?} is not a number of the right kind")
+            })
+        }
+        match name {
+            "temperature" => self.temperature = num(name, value)?,
+            "top_p" => self.top_p = num(name, value)?,
+            "top_k" => self.top_k = num(name, value)?,
+            "min_p" => self.min_p = num(name, value)?,
+            "seed" => self.seed = num(name, value)?,
+            "max_tokens" => self.max_tokens = num(name, value)?,
+            "repetition_penalty" => self.repetition_penalty = num(name, value)?,
+            "presence_penalty" => self.presence_penalty = num(name, value)?,
+            "frequency_penalty" => self.frequency_penalty = num(name, value)?,
+            other => bail!("/set {other}: no such parameter; /set lists them"),
+        }
+        Ok(())
+    }
+
     fn request(&self) -> pb::GenerateRequest {
         pb::GenerateRequest {
             max_tokens: self.max_tokens,
@@ -77,6 +118,7 @@ impl Sampling {
                 frequency_penalty: self.frequency_penalty,
             }),
             stop: self.stop.clone(),
+            keep_alive: self.keep_alive.clone().unwrap_or_default(),
             ..Default::default()
         }
     }
@@ -100,11 +142,19 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// Interactive chat with history (the model's chat template); /exit or EOF ends it.
+    /// Interactive chat (the model's chat template) with a line editor: Ctrl-C stops the
+    /// reply and keeps the conversation, /help lists the commands, Ctrl-D or /exit leaves.
     Chat {
-        /// A system message at the start of the conversation.
+        /// A system message at the start of the conversation (/system changes it).
         #[arg(long)]
         system: Option<String>,
+        /// The file of typed lines kept across sessions (default
+        /// $XDG_STATE_HOME/sluice/chat_history, else ~/.local/state/sluice/chat_history).
+        #[arg(long)]
+        history: Option<PathBuf>,
+        /// Keep no history file.
+        #[arg(long, conflicts_with = "history")]
+        no_history: bool,
         #[command(flatten)]
         s: Sampling,
     },
@@ -161,8 +211,15 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
-    /// The models the daemon serves.
+    /// The models the daemon serves (its --model and every store in its models
+    /// directory): size, architecture, quantization, whether loaded.
     Models {
+        /// Print one JSON object per model instead of a line.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The models loaded now: their memory, requests in flight, time until they unload.
+    Ps {
         /// Print one JSON object per model instead of a line.
         #[arg(long)]
         json: bool,
@@ -177,7 +234,7 @@ enum Cmd {
     },
 }
 
-fn finish_name(f: i32) -> &'static str {
+pub(crate) fn finish_name(f: i32) -> &'static str {
     match pb::FinishReason::try_from(f).unwrap_or(pb::FinishReason::Unspecified) {
         pb::FinishReason::Stop => "stop",
         pb::FinishReason::Length => "length",
@@ -188,9 +245,9 @@ fn finish_name(f: i32) -> &'static str {
     }
 }
 
-struct Outcome {
-    text: String,
-    done: pb::GenerateDone,
+pub(crate) struct Outcome {
+    pub(crate) text: String,
+    pub(crate) done: pb::GenerateDone,
 }
 
 /// Runs one Generate call; `on_piece` sees text as it streams.
@@ -208,6 +265,49 @@ async fn generate(
                 text.push_str(&p.text);
             }
             Some(pb::generate_response::Event::Done(done)) => return Ok(Outcome { text, done }),
+            None => {}
+        }
+    }
+    Err(tonic::Status::unavailable(
+        "the stream ended without a final message",
+    ))
+}
+
+/// How a generation that could be stopped ended.
+pub(crate) enum Until {
+    Done(Outcome),
+    /// Stopped by Ctrl-C, with the text so far.
+    Stopped(String),
+}
+
+/// `generate`, stopped by a SIGINT: the stream is dropped, which cancels the call, and
+/// the daemon evicts the sequence before its next step.
+pub(crate) async fn generate_until(
+    client: &mut Client,
+    req: pb::GenerateRequest,
+    mut on_piece: impl FnMut(&str),
+    sigint: &mut tokio::signal::unix::Signal,
+) -> Result<Until, tonic::Status> {
+    let call = client.generate(req);
+    let mut stream = tokio::select! {
+        r = call => r?.into_inner(),
+        _ = sigint.recv() => return Ok(Until::Stopped(String::new())),
+    };
+    let mut text = String::new();
+    loop {
+        let msg = tokio::select! {
+            m = stream.next() => m,
+            _ = sigint.recv() => return Ok(Until::Stopped(text)),
+        };
+        let Some(msg) = msg else { break };
+        match msg?.event {
+            Some(pb::generate_response::Event::Piece(p)) => {
+                on_piece(&p.text);
+                text.push_str(&p.text);
+            }
+            Some(pb::generate_response::Event::Done(done)) => {
+                return Ok(Until::Done(Outcome { text, done }))
+            }
             None => {}
         }
     }
@@ -252,6 +352,7 @@ async fn run(cli: Cli) -> Result<()> {
         addr: resolve_addr(cli.addr.as_deref()),
         api_key: cli.api_key,
     };
+    let model = cli.model.unwrap_or_default();
     match cli.cmd {
         Cmd::Generate {
             prompt,
@@ -259,8 +360,22 @@ async fn run(cli: Cli) -> Result<()> {
             system,
             s,
             json,
-        } => cmd_generate(&addr, prompt, chat, system, s, json).await,
-        Cmd::Chat { system, s } => cmd_chat(&addr, system, s).await,
+        } => cmd_generate(&addr, &model, prompt, chat, system, s, json).await,
+        Cmd::Chat {
+            system,
+            history,
+            no_history,
+            s,
+        } => {
+            let args = chat::ChatArgs {
+                model,
+                system,
+                sampling: s,
+                history,
+                no_history,
+            };
+            chat::run(connect(&addr).await?, args).await
+        }
         Cmd::Batch {
             input,
             output,
@@ -289,19 +404,23 @@ async fn run(cli: Cli) -> Result<()> {
                 force_params,
                 retries,
                 json,
-                base: s.request(),
+                base: pb::GenerateRequest {
+                    model,
+                    ..s.request()
+                },
             };
             match batch::run(connect(&addr).await?, job).await? {
                 None => Ok(()),
                 Some(failed) => Err(failed.into()),
             }
         }
-        Cmd::Status { json } => cmd_status(&addr, json).await,
-        Cmd::Models { json } => cmd_models(&addr, json).await,
+        Cmd::Status { json } => cmd_status(&addr, &model, json).await,
+        Cmd::Models { json } => cmd_models(&addr, json, false).await,
+        Cmd::Ps { json } => cmd_models(&addr, json, true).await,
         Cmd::Tokenize {
             text,
             add_special_tokens,
-        } => cmd_tokenize(&addr, text, add_special_tokens).await,
+        } => cmd_tokenize(&addr, &model, text, add_special_tokens).await,
     }
 }
 
@@ -319,6 +438,7 @@ fn text_or_stdin(text: String) -> Result<String> {
 /// `sluice generate`: streams the text, or prints one JSON object.
 async fn cmd_generate(
     addr: &Target,
+    model: &str,
     prompt: String,
     chat: bool,
     system: Option<String>,
@@ -341,6 +461,10 @@ async fn cmd_generate(
             prompt,
             ..s.request()
         }
+    };
+    let req = pb::GenerateRequest {
+        model: model.to_string(),
+        ..req
     };
     let out = generate(&mut client, req, |t| {
         if !json {
@@ -394,54 +518,13 @@ async fn cmd_generate(
     }
 }
 
-/// `sluice chat`: an interactive chat that keeps the history.
-async fn cmd_chat(addr: &Target, system: Option<String>, s: Sampling) -> Result<()> {
-    let mut client = connect(addr).await?;
-    let mut history: Vec<pb::ChatMessage> = Vec::new();
-    let stdin = std::io::stdin();
-    loop {
-        eprint!("> ");
-        let mut line = String::new();
-        if stdin.lock().read_line(&mut line)? == 0 {
-            break;
-        }
-        let line = line.trim_end_matches(['\n', '\r']).to_string();
-        if line == "/exit" || line == "/quit" {
-            break;
-        }
-        if line.is_empty() {
-            continue;
-        }
-        history.push(pb::ChatMessage {
-            role: "user".into(),
-            content: line,
-        });
-        let out = generate(&mut client, chat_request(&s, &system, &history), |t| {
-            let mut o = std::io::stdout().lock();
-            let _ = o.write_all(t.as_bytes());
-            let _ = o.flush();
-        })
-        .await;
-        println!();
-        match out {
-            Ok(o) => history.push(pb::ChatMessage {
-                role: "assistant".into(),
-                content: o.text,
-            }),
-            Err(st) => {
-                eprintln!("error: {:?}: {}", st.code(), st.message());
-                history.pop();
-            }
-        }
-    }
-    Ok(())
-}
-
 /// `sluice status`: the daemon's plan, per-stage rates and queue.
-async fn cmd_status(addr: &Target, json: bool) -> Result<()> {
+async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
     let mut client = connect(addr).await?;
     let st = client
-        .status(pb::StatusRequest {})
+        .status(pb::StatusRequest {
+            model: model.to_string(),
+        })
         .await
         .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
         .into_inner();
@@ -526,14 +609,32 @@ async fn cmd_status(addr: &Target, json: bool) -> Result<()> {
     Ok(())
 }
 
-/// `sluice models`.
-async fn cmd_models(addr: &Target, json: bool) -> Result<()> {
+/// `sluice models` and `sluice ps` (only the loaded ones).
+async fn cmd_models(addr: &Target, json: bool, loaded_only: bool) -> Result<()> {
     let mut client = connect(addr).await?;
     let r = client
-        .list_models(pb::ListModelsRequest {})
+        .list_models(pb::ListModelsRequest { loaded_only })
         .await
         .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
         .into_inner();
+    let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1048576.0);
+    let until = |m: &pb::ModelInfo| {
+        if m.unload_in_s < 0.0 {
+            if m.active_requests > 0 {
+                format!("busy ({} requests)", m.active_requests)
+            } else {
+                "stays loaded".to_string()
+            }
+        } else {
+            format!("unloads in {:.0} s", m.unload_in_s)
+        }
+    };
+    if !json && loaded_only {
+        println!(
+            "{:<24} {:>12} {:>12} {:>9}  UNTIL",
+            "NAME", "DEVICE", "HOST", "REQUESTS"
+        );
+    }
     for m in r.models {
         if json {
             println!(
@@ -542,35 +643,59 @@ async fn cmd_models(addr: &Target, json: bool) -> Result<()> {
                     "name": m.name, "architecture": m.architecture, "layers": m.layers,
                     "hidden_size": m.hidden_size, "vocab_size": m.vocab_size,
                     "context_length": m.context_length, "stored_bytes": m.stored_bytes,
-                    "raw_bytes": m.raw_bytes,
+                    "raw_bytes": m.raw_bytes, "quantization": m.quantization,
+                    "loaded": m.loaded, "device_bytes": m.device_bytes, "host_bytes": m.host_bytes,
+                    "unload_in_s": m.unload_in_s, "active_requests": m.active_requests,
+                    "path": m.path,
                 })
             );
-            continue;
+        } else if loaded_only {
+            println!(
+                "{:<24} {:>12} {:>12} {:>9}  {}",
+                m.name,
+                mib(m.device_bytes),
+                mib(m.host_bytes),
+                m.active_requests,
+                until(&m)
+            );
+        } else {
+            println!(
+                "{}  {} {} layers {} hidden {} vocab {} context {} stored {} raw {}{}",
+                m.name,
+                m.architecture,
+                m.quantization,
+                m.layers,
+                m.hidden_size,
+                m.vocab_size,
+                m.context_length,
+                mib(m.stored_bytes),
+                mib(m.raw_bytes),
+                if m.loaded {
+                    format!("  loaded, {}", until(&m))
+                } else {
+                    String::new()
+                }
+            );
         }
-        println!(
-            "{}  {} layers {} hidden {} vocab {} context {} stored {:.1} MiB raw {:.1} MiB",
-            m.name,
-            m.architecture,
-            m.layers,
-            m.hidden_size,
-            m.vocab_size,
-            m.context_length,
-            m.stored_bytes as f64 / 1048576.0,
-            m.raw_bytes as f64 / 1048576.0
-        );
     }
     Ok(())
 }
 
 /// `sluice tokenize`.
-async fn cmd_tokenize(addr: &Target, text: String, add_special_tokens: bool) -> Result<()> {
+async fn cmd_tokenize(
+    addr: &Target,
+    model: &str,
+    text: String,
+    add_special_tokens: bool,
+) -> Result<()> {
     let text = text_or_stdin(text)?;
     let mut client = connect(addr).await?;
     let r = client
         .tokenize(pb::TokenizeRequest {
-            model: String::new(),
+            model: model.to_string(),
             text,
             add_special_tokens,
+            ..Default::default()
         })
         .await
         .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?

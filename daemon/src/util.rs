@@ -78,6 +78,41 @@ pub fn fmt_bytes(b: u64) -> String {
     }
 }
 
+/// The models directory when none is given: $SLUICE_MODELS_DIR, else
+/// $XDG_DATA_HOME/sluice/models, else ~/.local/share/sluice/models. The systemd unit's
+/// config sets /var/lib/sluice/models.
+pub fn default_models_dir() -> Option<std::path::PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    if let Some(d) = var("SLUICE_MODELS_DIR") {
+        return Some(d.into());
+    }
+    let data = var("XDG_DATA_HOME")
+        .map(std::path::PathBuf::from)
+        .or_else(|| var("HOME").map(|h| std::path::PathBuf::from(h).join(".local/share")))?;
+    Some(data.join("sluice").join("models"))
+}
+
+/// A store as the user names it: a path, or (when no such path exists and it is a bare
+/// name) the store of that name in the models directory.
+pub fn store_path(
+    arg: &std::path::Path,
+    models_dir: Option<&std::path::Path>,
+) -> std::path::PathBuf {
+    let bare = arg.components().count() == 1 && !arg.as_os_str().is_empty();
+    if !arg.exists() && bare {
+        let dir = models_dir
+            .map(std::path::Path::to_path_buf)
+            .or_else(default_models_dir);
+        if let Some(d) = dir {
+            let p = d.join(arg);
+            if p.exists() {
+                return p;
+            }
+        }
+    }
+    arg.to_path_buf()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -200,19 +200,25 @@ impl Daemon {
             "--codec",
             "lz4",
         ]);
+        let store = store.to_str().expect("utf-8 path").to_string();
+        Daemon::serve(tmp, &["--model", &store], extra)
+    }
+
+    /// Starts `sluiced serve` with `models` (such as `--models-dir DIR`) then `extra`;
+    /// `tmp` lives as long as the daemon.
+    pub fn serve(tmp: tempfile::TempDir, models: &[&str], extra: &[&str]) -> Daemon {
         let listen = format!("127.0.0.1:{}", free_port());
         let http_listen = format!("127.0.0.1:{}", free_port());
-        let mut args = vec![
-            "serve",
-            "--model",
-            store.to_str().expect("utf-8 path"),
+        let mut args = vec!["serve"];
+        args.extend_from_slice(models);
+        args.extend_from_slice(&[
             "--listen",
             &listen,
             "--http-listen",
             &http_listen,
             "--config",
             "/dev/null",
-        ];
+        ]);
         args.extend_from_slice(extra);
         let child = Command::new(bin("sluiced"))
             .args(&args)

@@ -57,6 +57,10 @@ fn the_quick_start_runs_as_written() {
         .args(["-c", &script])
         .current_dir(&root)
         .env("HOME", home.path())
+        .env_remove("SLUICE_MODELS_DIR")
+        .env_remove("XDG_DATA_HOME")
+        .env_remove("XDG_STATE_HOME")
+        .env_remove("SLUICE_MODEL")
         .env("SLUICE_CACHE", &cache)
         .env("RUST_LOG", "warn")
         .env_remove("SLUICE_ADDR")
@@ -85,5 +89,9 @@ fn the_quick_start_runs_as_written() {
         |f: &str| std::fs::read_to_string(home.path().join(f)).map_or(0, |t| t.lines().count());
     assert_eq!(lines("summaries.jsonl"), 2);
     assert_eq!(lines("results.jsonl"), 2);
-    assert!(home.path().join("models/smollm2/manifest.bin").is_file());
+    // One place for the store: the models directory the README and run-default.sh share.
+    assert!(home
+        .path()
+        .join(".local/share/sluice/models/smollm2/manifest.bin")
+        .is_file());
 }

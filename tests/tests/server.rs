@@ -110,9 +110,8 @@ fn generate_streams_and_matches_sluiced_run() {
         (m["name"].as_str(), m["layers"].as_u64()),
         (Some("smollm2"), Some(30))
     );
-    assert!(
-        stdout(&sluice(&d.addr, &["models"])).contains("llama layers 30 hidden 576 vocab 49152")
-    );
+    assert!(stdout(&sluice(&d.addr, &["models"]))
+        .contains("llama Q4_1 layers 30 hidden 576 vocab 49152"));
     let st: Value = serde_json::from_str(&stdout(&sluice(&d.addr, &["status", "--json"]))).unwrap();
     assert_eq!(st["layers_resident"], 32);
     assert_eq!(st["stages"].as_array().unwrap().len(), 4);

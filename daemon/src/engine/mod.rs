@@ -291,6 +291,41 @@ pub fn cuda_headroom(total: u64) -> u64 {
     (total / 50).max(1 << 30)
 }
 
+/// The input `cuda_runner` plans with: the backend's scratch counted, the budget defaulted.
+fn cuda_input(m: &Manifest, input: &PlanInput, info: &DeviceInfo, io: &IoConfig) -> PlanInput {
+    let mut input = input.clone();
+    input.backend_reserved = cuda::scratch_bytes(&input.opts.scratch_shape(&m.arch));
+    if input.device_budget.is_none() {
+        input.device_budget = Some(
+            info.free_bytes
+                .saturating_sub(cuda_headroom(info.total_bytes)),
+        );
+    }
+    fit_reads(&mut input, io);
+    input
+}
+
+/// The plan the runner `on_backend` builds for `chosen` would make of this input, made
+/// without allocating or loading anything: a daemon serving several models asks it whether
+/// one fits beside the others before loading it.
+pub fn plan_for(
+    chosen: &Chosen,
+    m: &Manifest,
+    input: &PlanInput,
+    io: &IoConfig,
+) -> Result<crate::plan::Plan, EngineError> {
+    let mut input = match chosen {
+        Chosen::Cpu { .. } => {
+            let mut i = input.clone();
+            i.host.unified = true;
+            fit_reads(&mut i, io);
+            i
+        }
+        Chosen::Cuda(info) => cuda_input(m, input, info, io),
+    };
+    plan_within_host(m, &mut input)
+}
+
 /// Plans memory for `store` on the CUDA device `info` describes (from `choose_backend` or
 /// `cuda_usable`) and builds its runner: the budget defaults to the device's free memory
 /// minus `cuda_headroom`, and the device allocation is exactly what the plan uses (backend
@@ -302,15 +337,7 @@ pub fn cuda_runner(
     io: IoConfig,
 ) -> Result<Pipeline<CudaBackend>, EngineError> {
     let m = store.manifest();
-    let mut input = input.clone();
-    input.backend_reserved = cuda::scratch_bytes(&input.opts.scratch_shape(&m.arch));
-    if input.device_budget.is_none() {
-        input.device_budget = Some(
-            info.free_bytes
-                .saturating_sub(cuda_headroom(info.total_bytes)),
-        );
-    }
-    fit_reads(&mut input, &io);
+    let mut input = cuda_input(m, input, info, &io);
     let plan = plan_within_host(m, &mut input)?;
     let backend = CudaBackend::new(
         info.ordinal,

@@ -145,8 +145,55 @@ impl Default for RequestLimits {
     }
 }
 
+/// Who is using a loaded model: requests in flight, and when the last one ended (its
+/// keep-alive counts from then).
+pub struct Usage {
+    active: std::sync::atomic::AtomicUsize,
+    last: std::sync::Mutex<Instant>,
+}
+
+impl Default for Usage {
+    fn default() -> Self {
+        Usage {
+            active: Default::default(),
+            last: std::sync::Mutex::new(Instant::now()),
+        }
+    }
+}
+
+impl Usage {
+    pub fn hold(self: &Arc<Self>) -> Hold {
+        self.active
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        Hold(self.clone())
+    }
+
+    pub fn active(&self) -> usize {
+        self.active.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// When the model was loaded or its last request ended.
+    pub fn idle_since(&self) -> Instant {
+        *self.last.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// A model in use: it is not unloaded while a hold on it lives.
+pub struct Hold(Arc<Usage>);
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        // The time first, so whoever sees the count reach zero sees when it did.
+        *self.0.last.lock().unwrap_or_else(|e| e.into_inner()) = Instant::now();
+        self.0
+            .active
+            .fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 /// The shared front of both wires.
 pub struct Frontend {
+    pub usage: Arc<Usage>,
     pub sched: Scheduler,
     pub meta: ModelMeta,
     pub template: Option<Arc<ChatTemplate>>,
@@ -190,7 +237,7 @@ impl Frontend {
         }
     }
 
-    fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+    pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
         let tok = &self.sched.tokenizer;
         let ids = match prompt {
             Prompt::Ids(ids) => ids.clone(),
@@ -263,6 +310,7 @@ impl Frontend {
                     prompt_tokens,
                     truncated,
                     events: Events {
+                        _hold: self.usage.hold(),
                         rx,
                         metrics: self.metrics.clone(),
                         api,
@@ -469,6 +517,8 @@ pub fn finish_outcome(f: Finish) -> &'static str {
 /// the first text, time per later token, the outcome. A request whose client goes away
 /// before its end counts as `disconnected`; dropping this evicts its sequence.
 pub struct Events {
+    /// The model stays loaded while its events are read.
+    _hold: Hold,
     rx: UnboundedReceiver<Event>,
     metrics: Arc<Metrics>,
     api: Api,

@@ -10,8 +10,17 @@ pub const DEFAULT_CONFIG: &str = "/etc/sluice/sluiced.toml";
 #[derive(Clone, Debug, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct ServeConfig {
-    /// Store directory (from `sluiced pack`).
+    /// Store directory (from `sluiced pack`), or a store's name in the models directory:
+    /// loaded at start, never unloaded, the default of requests that name no model.
     pub model: Option<PathBuf>,
+    /// Every store in this directory is served, loaded by the first request naming it
+    /// (default, when `model` is not set: $SLUICE_MODELS_DIR, else
+    /// ~/.local/share/sluice/models; the systemd unit's config: /var/lib/sluice/models).
+    pub models_dir: Option<PathBuf>,
+    /// How long a model from the models directory stays loaded after its last request, as
+    /// Ollama's keep_alive ("5m", "30s", "0" unloads at once, "-1" never); requests may
+    /// say their own.
+    pub keep_alive: String,
     /// TCP address, e.g. "127.0.0.1:50051".
     pub listen: String,
     /// Also serve on this Unix socket.
@@ -70,6 +79,8 @@ impl Default for ServeConfig {
     fn default() -> Self {
         ServeConfig {
             model: None,
+            models_dir: None,
+            keep_alive: "5m".into(),
             listen: "127.0.0.1:50051".into(),
             unix: None,
             unix_group: None,
@@ -135,6 +146,7 @@ impl ServeConfig {
                 "public_paths: {p:?} cannot be public; only \"/health\" and \"/metrics\" can"
             ));
         }
+        super::models::parse_keep_alive(&self.keep_alive)?;
         if self.max_request_bytes.0 < 1024 || self.max_messages == 0 {
             return Err(
                 "max_request_bytes must be at least 1KiB and max_messages at least 1".into(),

@@ -9,9 +9,10 @@
 //! response body; a client that goes away closes the body, the task sees it at once and
 //! drops the events, and the engine evicts the sequence before its next step.
 
-use super::api::{ApiError, ErrorKind, Events, Frontend};
+use super::api::{ApiError, ErrorKind, Events, Frontend, Hold, RequestLimits};
 use super::auth::ApiKeys;
-use super::metrics::{Api, Metrics, Static};
+use super::metrics::{Api, Metrics};
+use super::models::{Listing, Models};
 use super::openai::{self, Call};
 use crate::engine::scheduler::Event;
 use crate::text::{TokenLogprob, Tokenizer};
@@ -29,12 +30,6 @@ use std::sync::{Arc, OnceLock};
 use tokio::sync::mpsc;
 use tokio_stream::{StreamExt, StreamMap};
 
-/// The model, once loaded.
-pub struct Ready {
-    pub front: Arc<Frontend>,
-    pub stat: Static,
-}
-
 /// Which paths answer without a key.
 #[derive(Clone, Copy, Debug)]
 pub struct Public {
@@ -43,27 +38,34 @@ pub struct Public {
 }
 
 pub struct HttpState {
-    ready: OnceLock<Ready>,
+    models: OnceLock<Arc<Models>>,
     draining: AtomicBool,
     keys: Arc<ApiKeys>,
     public: Public,
     metrics: Arc<Metrics>,
+    limits: RequestLimits,
 }
 
 impl HttpState {
-    pub fn new(keys: Arc<ApiKeys>, public: Public, metrics: Arc<Metrics>) -> Arc<HttpState> {
+    pub fn new(
+        keys: Arc<ApiKeys>,
+        public: Public,
+        metrics: Arc<Metrics>,
+        limits: RequestLimits,
+    ) -> Arc<HttpState> {
         Arc::new(HttpState {
-            ready: OnceLock::new(),
+            models: OnceLock::new(),
             draining: AtomicBool::new(false),
             keys,
             public,
             metrics,
+            limits,
         })
     }
 
-    /// The model is loaded: requests are served from now on.
-    pub fn set_ready(&self, r: Ready) {
-        let _ = self.ready.set(r);
+    /// The models are ready (the daemon's --model loaded): requests are served from now on.
+    pub fn set_ready(&self, m: Arc<Models>) {
+        let _ = self.models.set(m);
     }
 
     /// Shutdown began: /health answers 503 and new requests are refused.
@@ -71,14 +73,14 @@ impl HttpState {
         self.draining.store(true, Ordering::Release);
     }
 
-    fn front(&self) -> Result<&Ready, ApiError> {
+    fn models(&self) -> Result<&Arc<Models>, ApiError> {
         if self.draining.load(Ordering::Acquire) {
             return Err(ApiError::new(
                 ErrorKind::Unavailable,
                 "the daemon is shutting down",
             ));
         }
-        self.ready.get().ok_or_else(|| {
+        self.models.get().ok_or_else(|| {
             ApiError::new(
                 ErrorKind::Unavailable,
                 "the model is still loading; GET /health answers 200 once it is served",
@@ -164,7 +166,7 @@ async fn health(State(s): State<Arc<HttpState>>, h: HeaderMap) -> Response {
             return error_response(&e);
         }
     }
-    match s.front() {
+    match s.models() {
         Ok(_) => json_response(StatusCode::OK, &json!({"status": "ok"})),
         Err(e) => {
             let status = if s.draining.load(Ordering::Acquire) {
@@ -185,13 +187,19 @@ async fn metrics(State(s): State<Arc<HttpState>>, h: HeaderMap) -> Response {
             return error_response(&e);
         }
     }
-    let Some(r) = s.ready.get() else {
+    let Some(m) = s.models.get() else {
         return error_response(&ApiError::new(
             ErrorKind::Unavailable,
             "the model is still loading",
         ));
     };
-    let text = s.metrics.render(&r.front.sched.status(), &r.stat);
+    let current = m.current();
+    let status = current.as_ref().map(|c| c.front.sched.status());
+    let model = current
+        .as_ref()
+        .zip(status.as_ref())
+        .map(|(c, st)| (st, &c.stat));
+    let text = s.metrics.render(model, m.list(true).len());
     (
         StatusCode::OK,
         [(
@@ -203,49 +211,57 @@ async fn metrics(State(s): State<Arc<HttpState>>, h: HeaderMap) -> Response {
         .into_response()
 }
 
-fn model_object(f: &Frontend) -> Value {
-    let m = &f.meta;
+fn model_object(m: &Models, l: &Listing) -> Value {
     json!({
-        "id": m.name,
+        "id": l.name,
         "object": "model",
-        "created": m.created,
+        "created": l.created,
         "owned_by": "sluice",
-        "max_model_len": m.context,
+        "max_model_len": m.cfg.max_context,
+        "loaded": l.loaded,
+        "architecture": l.info.architecture,
+        "quantization": l.info.quantization,
+        "stored_bytes": l.info.stored_bytes,
     })
 }
 
 async fn models(State(s): State<Arc<HttpState>>, h: HeaderMap) -> Response {
-    let r = s.authorize(&h).and_then(|()| s.front());
-    match r {
-        Ok(r) => json_response(
-            StatusCode::OK,
-            &json!({"object": "list", "data": [model_object(&r.front)]}),
-        ),
+    match s.authorize(&h).and_then(|()| s.models()) {
+        Ok(m) => {
+            let data: Vec<Value> = m.list(false).iter().map(|l| model_object(m, l)).collect();
+            json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+        }
         Err(e) => error_response(&e),
     }
 }
 
 async fn model(State(s): State<Arc<HttpState>>, h: HeaderMap, Path(id): Path<String>) -> Response {
-    let r = s
-        .authorize(&h)
-        .and_then(|()| s.front())
-        .and_then(|r| r.front.check_model(&id).map(|()| r));
+    let r = s.authorize(&h).and_then(|()| s.models()).and_then(|m| {
+        // The name as requests use it: unknown names get the same 404 as a request.
+        let (name, _) = m.loaded(&id)?;
+        m.list(false)
+            .into_iter()
+            .find(|l| l.name == name)
+            .map(|l| model_object(m, &l))
+            .ok_or_else(|| ApiError::new(ErrorKind::ModelNotFound, format!("no model {id:?}")))
+    });
     match r {
-        Ok(r) => json_response(StatusCode::OK, &model_object(&r.front)),
+        Ok(v) => json_response(StatusCode::OK, &v),
         Err(e) => error_response(&e),
     }
 }
 
-/// Authorizes, reads the body within the limit and parses it.
+/// Authorizes, reads the body within the limit, parses it and finds (or loads) the model
+/// it names; the hold keeps the model loaded until the request is submitted.
 async fn accept(
     s: &HttpState,
     h: &HeaderMap,
     body: Body,
-    parse: impl FnOnce(&[u8], &Frontend) -> Result<Call, ApiError>,
-) -> Result<(Arc<Frontend>, Call), Response> {
+    parse: impl FnOnce(&[u8], &RequestLimits) -> Result<Call, ApiError>,
+) -> Result<(Arc<Frontend>, Hold, Call), Response> {
     s.authorize(h).map_err(|e| s.refuse(e))?;
-    let front = s.front().map_err(|e| s.refuse(e))?.front.clone();
-    let limit = front.limits.max_request_bytes;
+    let models = s.models().map_err(|e| s.refuse(e))?.clone();
+    let limit = s.limits.max_request_bytes;
     let bytes = axum::body::to_bytes(body, limit).await.map_err(|e| {
         s.refuse(ApiError::invalid(
             None,
@@ -254,12 +270,16 @@ async fn accept(
             ),
         ))
     })?;
-    let call = parse(&bytes, &front).map_err(|e| s.refuse(e))?;
-    Ok((front, call))
+    let call = parse(&bytes, &s.limits).map_err(|e| s.refuse(e))?;
+    let (served, hold) = models
+        .resolve(&call.model, call.keep_alive)
+        .await
+        .map_err(|e| s.refuse(e))?;
+    Ok((served.front.clone(), hold, call))
 }
 
 async fn chat(State(s): State<Arc<HttpState>>, h: HeaderMap, body: Body) -> Response {
-    let (front, call) = match accept(&s, &h, body, |b, _| openai::parse_chat(b)).await {
+    let (front, _hold, call) = match accept(&s, &h, body, |b, _| openai::parse_chat(b)).await {
         Ok(c) => c,
         Err(r) => return r,
     };
@@ -267,8 +287,8 @@ async fn chat(State(s): State<Arc<HttpState>>, h: HeaderMap, body: Body) -> Resp
 }
 
 async fn completions(State(s): State<Arc<HttpState>>, h: HeaderMap, body: Body) -> Response {
-    let parse = |b: &[u8], f: &Frontend| openai::parse_completion(b, f.limits.max_messages);
-    let (front, call) = match accept(&s, &h, body, parse).await {
+    let parse = |b: &[u8], l: &RequestLimits| openai::parse_completion(b, l.max_messages);
+    let (front, _hold, call) = match accept(&s, &h, body, parse).await {
         Ok(c) => c,
         Err(r) => return r,
     };
@@ -488,7 +508,9 @@ async fn run(front: Arc<Frontend>, call: Call, kind: Kind) -> Response {
 /// and the JSON body. The gRPC `Complete` call (batch jobs) comes here; `truncate` cuts
 /// prompts that do not fit instead of refusing them.
 pub async fn call_json(
-    front: Arc<Frontend>,
+    models: &Arc<Models>,
+    metrics: &Metrics,
+    limits: &RequestLimits,
     api: Api,
     url: &str,
     body: &[u8],
@@ -496,14 +518,14 @@ pub async fn call_json(
 ) -> (u16, Value) {
     let answer = |e: ApiError| (openai::error_shape(e.kind).0, openai::error_body(&e));
     let refuse = |e: ApiError| {
-        front.metrics.request(api, e.kind.outcome());
+        metrics.request(api, e.kind.outcome());
         answer(e)
     };
     let (kind, parsed) = match url {
         "/v1/chat/completions" => (Kind::Chat, openai::parse_chat(body)),
         "/v1/completions" => (
             Kind::Completion,
-            openai::parse_completion(body, front.limits.max_messages),
+            openai::parse_completion(body, limits.max_messages),
         ),
         other => {
             return refuse(ApiError::invalid(
@@ -525,11 +547,16 @@ pub async fn call_json(
     for i in &mut call.inputs {
         i.truncate = truncate;
     }
-    let (events, prompt_tokens) = match submit_all(&front, api, call.inputs) {
+    let (served, _hold) = match models.resolve(&call.model, call.keep_alive).await {
+        Ok(r) => r,
+        Err(e) => return refuse(e),
+    };
+    let front = &served.front;
+    let (events, prompt_tokens) = match submit_all(front, api, call.inputs) {
         Ok(r) => r,
         Err(e) => return answer(e),
     };
-    match complete(head(&front, kind), events, prompt_tokens).await {
+    match complete(head(front, kind), events, prompt_tokens).await {
         Ok(v) => (200, v),
         Err(e) => answer(e),
     }

@@ -105,6 +105,7 @@ impl Default for Metrics {
 }
 
 /// What the rendered page says about the model and its plan, besides the engine's status.
+#[derive(Default)]
 pub struct Static {
     pub model: String,
     pub backend: String,
@@ -179,7 +180,24 @@ impl Metrics {
     }
 
     /// The page: this registry's counters and histograms, then the engine's status.
-    pub fn render(&self, s: &Status, st: &Static) -> String {
+    /// The page: request counters and histograms of every model, then the gauges and totals
+    /// of one loaded model (the default, else the one used last; they restart when it is
+    /// reloaded) and the number loaded.
+    pub fn render(&self, model: Option<(&Status, &Static)>, loaded: usize) -> String {
+        let none = (Status::default(), Static::default());
+        let (status, st) = model.unwrap_or((&none.0, &none.1));
+        let mut out = self.render_model(status, st);
+        scalar(
+            &mut out,
+            "sluice_models_loaded",
+            "Models loaded now (the gauges above describe one of them).",
+            "gauge",
+            loaded,
+        );
+        out
+    }
+
+    fn render_model(&self, s: &Status, st: &Static) -> String {
         let mut out = String::with_capacity(8 << 10);
         {
             let m = self.lock();

@@ -9,6 +9,7 @@ pub mod auth;
 pub mod config;
 pub mod http;
 pub mod metrics;
+pub mod models;
 pub mod openai;
 pub mod service;
 

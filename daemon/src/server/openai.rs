@@ -4,6 +4,7 @@
 //! output), and the JSON of responses, stream chunks and errors.
 
 use super::api::{ApiError, ErrorKind, GenerateInput, Prompt};
+use super::models::{parse_keep_alive, KeepAlive};
 use crate::engine::scheduler::Finish;
 use crate::text::{ChatMessage, SamplingParams};
 use serde::Deserialize;
@@ -35,6 +36,19 @@ struct Common {
     /// vLLM's: transformers' repetition penalty over the prompt and the text.
     repetition_penalty: Option<f32>,
     logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Ollama's: how long the model stays loaded after this request.
+    keep_alive: Option<Value>,
+}
+
+/// `keep_alive`: a duration string or a number of seconds (negative: for ever).
+fn keep_alive(v: Option<&Value>) -> Result<Option<KeepAlive>, ApiError> {
+    let r = match v {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => parse_keep_alive(s),
+        Some(Value::Number(n)) => parse_keep_alive(&n.to_string()),
+        Some(_) => Err("keep_alive must be a duration string or a number of seconds".into()),
+    };
+    r.map_err(|m| ApiError::invalid(Some("keep_alive"), m))
 }
 
 #[derive(Deserialize)]
@@ -62,6 +76,9 @@ struct CompletionBody {
 
 /// A parsed request: what to generate and how to answer.
 pub struct Call {
+    /// The model named (empty: the daemon's default) and how long to keep it loaded.
+    pub model: String,
+    pub keep_alive: Option<KeepAlive>,
     /// One input per prompt (chat: one).
     pub inputs: Vec<GenerateInput>,
     pub stream: bool,
@@ -236,6 +253,8 @@ pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
     let sampling = b.common.sampling()?;
     let c = b.common;
     Ok(Call {
+        keep_alive: keep_alive(c.keep_alive.as_ref())?,
+        model: c.model.clone().unwrap_or_default(),
         include_usage: c.include_usage(),
         stream: c.stream.unwrap_or(false),
         inputs: vec![GenerateInput {
@@ -327,6 +346,8 @@ pub fn parse_completion(body: &[u8], max_prompts: usize) -> Result<Call, ApiErro
     let model = c.model.unwrap_or_default();
     let max_tokens = c.max_tokens.unwrap_or(COMPLETION_MAX_TOKENS_DEFAULT);
     Ok(Call {
+        keep_alive: keep_alive(c.keep_alive.as_ref())?,
+        model: model.clone(),
         include_usage: c.stream_options.as_ref().and_then(|o| o.include_usage) == Some(true),
         stream: c.stream.unwrap_or(false),
         inputs: prompts(b.prompt, max_prompts)?

@@ -1,10 +1,11 @@
 //! The `sluice.v1.Inference` service. Conversion between engine errors and gRPC status
 //! codes happens here and nowhere else.
 
-use super::api::{ApiError, ErrorKind, Frontend, GenerateInput, Prompt};
-use super::metrics::Api;
+use super::api::{ApiError, ErrorKind, GenerateInput, Prompt, RequestLimits};
+use super::metrics::{Api, Metrics};
+use super::models::{parse_keep_alive, Models};
 use crate::engine::scheduler::{Event, Finish};
-use crate::plan::{Placement, Plan};
+use crate::plan::Placement;
 use crate::text::{ChatMessage, SamplingParams};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::inference_server::Inference;
@@ -14,15 +15,9 @@ use tokio_stream::{Stream, StreamExt};
 use tonic::{Request as GrpcRequest, Response, Status};
 
 pub struct Service {
-    pub front: Arc<Frontend>,
-    pub plan: Plan,
-    pub backend: String,
-    pub device_budget: u64,
-    /// The numerics the pipeline runs: "exact" or "fast", and the KV cache type.
-    pub numerics: &'static str,
-    pub kv_dtype: crate::backend::KvDtype,
-    /// KV slots: sequences one pass serves at most.
-    pub max_batch: usize,
+    pub models: Arc<Models>,
+    pub metrics: Arc<Metrics>,
+    pub limits: RequestLimits,
 }
 
 /// The one place request errors become gRPC status codes.
@@ -101,9 +96,17 @@ impl Inference for Service {
         &self,
         req: GrpcRequest<pb::GenerateRequest>,
     ) -> Result<Response<GenStream>, Status> {
-        let sub = self
+        let r = req.into_inner();
+        let refuse = |e: ApiError| {
+            self.metrics.request(Api::Grpc, e.kind.outcome());
+            status_of(e)
+        };
+        let keep = parse_keep_alive(&r.keep_alive)
+            .map_err(|m| refuse(ApiError::invalid(Some("keep_alive"), m)))?;
+        let (served, _hold) = self.models.resolve(&r.model, keep).await.map_err(refuse)?;
+        let sub = served
             .front
-            .submit(Api::Grpc, input_of(req.into_inner()))
+            .submit(Api::Grpc, input_of(r))
             .map_err(status_of)?;
         // The stream ends after Done (the engine drops its sender); a client that goes away
         // drops the receiver, which the engine sees and evicts the sequence.
@@ -150,11 +153,29 @@ impl Inference for Service {
         req: GrpcRequest<pb::TokenizeRequest>,
     ) -> Result<Response<pb::TokenizeResponse>, Status> {
         let r = req.into_inner();
-        self.front.check_model(&r.model).map_err(status_of)?;
-        let tok = &self.front.sched.tokenizer;
-        let ids = tok
-            .encode(&r.text, r.add_special_tokens)
-            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        let (served, _hold) = self
+            .models
+            .resolve(&r.model, None)
+            .await
+            .map_err(status_of)?;
+        let front = &served.front;
+        let tok = &front.sched.tokenizer;
+        let ids = if r.messages.is_empty() {
+            tok.encode(&r.text, r.add_special_tokens)
+                .map_err(|e| Status::invalid_argument(e.to_string()))?
+        } else {
+            let msgs = r
+                .messages
+                .into_iter()
+                .map(|m| ChatMessage {
+                    role: m.role,
+                    content: m.content,
+                })
+                .collect();
+            front
+                .prompt_ids(&Prompt::Messages(msgs))
+                .map_err(status_of)?
+        };
         let pieces = ids.iter().map(|&i| tok.piece(i)).collect();
         let texts = ids
             .iter()
@@ -169,29 +190,59 @@ impl Inference for Service {
 
     async fn list_models(
         &self,
-        _req: GrpcRequest<pb::ListModelsRequest>,
+        req: GrpcRequest<pb::ListModelsRequest>,
     ) -> Result<Response<pb::ListModelsResponse>, Status> {
-        let m = &self.front.meta;
-        Ok(Response::new(pb::ListModelsResponse {
-            models: vec![pb::ModelInfo {
-                name: m.name.clone(),
-                architecture: m.architecture.clone(),
-                layers: m.layers,
-                hidden_size: m.hidden,
-                vocab_size: m.vocab,
-                context_length: m.context,
-                stored_bytes: m.stored_bytes,
-                raw_bytes: m.raw_bytes,
-            }],
-        }))
+        let loaded_only = req.into_inner().loaded_only;
+        let context = self.models.cfg.max_context as u32;
+        let models = self
+            .models
+            .list(loaded_only)
+            .into_iter()
+            .map(|l| pb::ModelInfo {
+                name: l.name,
+                architecture: l.info.architecture,
+                layers: l.info.layers,
+                hidden_size: l.info.hidden,
+                vocab_size: l.info.vocab,
+                context_length: context,
+                stored_bytes: l.info.stored_bytes,
+                raw_bytes: l.info.raw_bytes,
+                loaded: l.loaded,
+                quantization: l.info.quantization,
+                device_bytes: l.device_bytes,
+                host_bytes: l.host_bytes,
+                unload_in_s: match (l.loaded, l.unload_in) {
+                    (false, _) => 0.0,
+                    (true, Some(d)) => d.as_secs_f64(),
+                    (true, None) => -1.0,
+                },
+                active_requests: l.active_requests as u32,
+                path: l.dir.display().to_string(),
+            })
+            .collect();
+        Ok(Response::new(pb::ListModelsResponse { models }))
     }
 
     async fn status(
         &self,
-        _req: GrpcRequest<pb::StatusRequest>,
+        req: GrpcRequest<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusResponse>, Status> {
-        let s = self.front.sched.status();
-        let p = &self.plan;
+        let (name, served) = self
+            .models
+            .loaded(&req.into_inner().model)
+            .map_err(status_of)?;
+        let Some(served) = served else {
+            // Not loaded: what holds for every model, and nothing of a plan.
+            return Ok(Response::new(pb::StatusResponse {
+                model: name,
+                backend: self.models.cfg.backend.clone(),
+                max_batch: self.models.cfg.max_batch as u32,
+                max_context: self.models.cfg.max_context as u32,
+                ..Default::default()
+            }));
+        };
+        let s = served.front.sched.status();
+        let p = &served.plan;
         let st = &s.stages;
         let stage = |name: &str, rate: f64, secs: f64| pb::StageThroughput {
             stage: name.into(),
@@ -199,9 +250,9 @@ impl Inference for Service {
             stall_s: secs,
         };
         Ok(Response::new(pb::StatusResponse {
-            model: self.front.meta.name.clone(),
-            backend: self.backend.clone(),
-            device_bytes_budget: self.device_budget,
+            model: name,
+            backend: served.backend.clone(),
+            device_bytes_budget: p.device_budget,
             device_bytes_peak: s.device_bytes_peak,
             kv_cache_bytes: p.kv_cache_bytes,
             host_cache_bytes: p.host_cache_bytes,
@@ -239,10 +290,10 @@ impl Inference for Service {
             host_bytes_planned: p.host.total_bytes,
             host_bytes_peak: crate::hostmem::peak_rss_bytes().unwrap_or(0),
             host_bytes_peak_source: "VmHWM".into(),
-            numerics: self.numerics.into(),
-            kv_dtype: self.kv_dtype.to_string(),
-            max_batch: self.max_batch as u32,
-            max_context: self.front.sched.max_context as u32,
+            numerics: served.numerics.into(),
+            kv_dtype: served.kv_dtype.to_string(),
+            max_batch: served.max_batch as u32,
+            max_context: served.front.sched.max_context as u32,
         }))
     }
 
@@ -252,7 +303,9 @@ impl Inference for Service {
     ) -> Result<Response<pb::CompleteResponse>, Status> {
         let r = req.into_inner();
         let (code, body) = super::http::call_json(
-            self.front.clone(),
+            &self.models,
+            &self.metrics,
+            &self.limits,
             Api::Grpc,
             &r.url,
             r.body_json.as_bytes(),

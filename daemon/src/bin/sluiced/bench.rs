@@ -8,7 +8,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args)]
 pub struct BenchStreamArgs {
-    /// Store directory (from `sluiced pack` or `sluiced synth`).
+    /// Store directory (from `sluiced pack` or `sluiced synth`), or a store's name in the
+    /// models directory.
     pub dir: PathBuf,
     /// Device budget for the weights as a share of the model's raw size (e.g. 50%), on top
     /// of KV cache, workspace and streaming slots; or an absolute --device-memory.
@@ -66,7 +67,7 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
         device,
         json,
     } = a;
-    let store = std::sync::Arc::new(Store::open(&dir)?);
+    let store = std::sync::Arc::new(Store::open(&sluice::util::store_path(&dir, None))?);
     let chosen = sluice::engine::choose_backend(backend, device)?;
     if batch.is_empty() {
         anyhow::bail!("--batch is empty");
@@ -141,7 +142,8 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
 
 #[derive(clap::Args)]
 pub struct BenchIoArgs {
-    /// Store directory (from `sluiced pack` or `sluiced synth`).
+    /// Store directory (from `sluiced pack` or `sluiced synth`), or a store's name in the
+    /// models directory.
     pub dir: PathBuf,
     /// auto, uring or pread.
     #[arg(long, default_value = "auto")]
@@ -189,7 +191,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
         raw_only,
         json,
     } = a;
-    let store = std::sync::Arc::new(Store::open(&dir)?);
+    let store = std::sync::Arc::new(Store::open(&sluice::util::store_path(&dir, None))?);
     let defaults = sluice::io::IoConfig::default();
     let cfg = sluice::io::IoConfig {
         reader: engine,

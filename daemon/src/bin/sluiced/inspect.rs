@@ -10,7 +10,7 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct InspectArgs {
-    /// Store directory (from `sluiced pack`).
+    /// Store directory (from `sluiced pack`), or a store's name in the models directory.
     pub dir: PathBuf,
     /// Print one JSON object instead of tables.
     #[arg(long)]
@@ -19,7 +19,7 @@ pub struct InspectArgs {
 
 pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
     let InspectArgs { dir, json } = a;
-    let store = Store::open(&dir)?;
+    let store = Store::open(&sluice::util::store_path(&dir, None))?;
     let s = store::inspect::summarize(store.manifest());
     if json {
         println!("{}", serde_json::to_string_pretty(&s)?);
@@ -31,13 +31,13 @@ pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
 
 #[derive(clap::Args)]
 pub struct VerifyArgs {
-    /// Store directory (from `sluiced pack`).
+    /// Store directory (from `sluiced pack`), or a store's name in the models directory.
     pub dir: PathBuf,
 }
 
 pub fn verify(a: VerifyArgs) -> Result<std::process::ExitCode> {
     let VerifyArgs { dir } = a;
-    let store = Store::open(&dir)?;
+    let store = Store::open(&sluice::util::store_path(&dir, None))?;
     let pb = progress_bar(store.manifest().stored_bytes(), "verifying");
     let t0 = Instant::now();
     let report = store::verify::verify(&store, |b| pb.inc(b))?;

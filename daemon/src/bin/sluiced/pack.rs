@@ -1,7 +1,7 @@
 //! `sluiced pack`: import a GGUF file or a Hugging Face directory and write a store.
 
 use super::util::{parse_codec, parse_size_u32, progress_bar};
-use anyhow::{Context, Result};
+use anyhow::{bail, Context, Result};
 use sluice::store::{self, Codec};
 use sluice::util::fmt_bytes;
 use std::path::PathBuf;
@@ -12,8 +12,16 @@ pub struct PackArgs {
     /// A .gguf file, or a directory with config.json, *.safetensors and tokenizer.json.
     pub src: PathBuf,
     /// Output store directory (must not exist unless --force).
-    #[arg(short, long)]
-    pub output: PathBuf,
+    #[arg(short, long, required_unless_present = "name", conflicts_with = "name")]
+    pub output: Option<PathBuf>,
+    /// Write the store into the models directory under this name (what requests and
+    /// `sluice models` call it), instead of -o.
+    #[arg(long)]
+    pub name: Option<String>,
+    /// The models directory --name writes into (default $SLUICE_MODELS_DIR, else
+    /// $XDG_DATA_HOME/sluice/models, else ~/.local/share/sluice/models).
+    #[arg(long)]
+    pub models_dir: Option<PathBuf>,
     /// Frame codec: none, lz4, zstd or zstd:N.
     #[arg(long, default_value = "zstd:3", value_parser = parse_codec)]
     pub codec: Codec,
@@ -32,11 +40,30 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
     let PackArgs {
         src,
         output,
+        name,
+        models_dir,
         codec,
         frame_size,
         threads,
         force,
     } = a;
+    let output = match (output, name) {
+        (Some(o), _) => o,
+        (None, Some(n)) => {
+            if n.is_empty() || n.starts_with('.') || n.contains(['/', '\\']) {
+                bail!("--name {n:?}: a model name is one path component, not starting with '.'");
+            }
+            let dir = models_dir
+                .or_else(sluice::util::default_models_dir)
+                .context(
+                "--name: no models directory (give --models-dir, or set HOME or SLUICE_MODELS_DIR)",
+            )?;
+            std::fs::create_dir_all(&dir)
+                .with_context(|| format!("create the models directory {}", dir.display()))?;
+            dir.join(n)
+        }
+        (None, None) => bail!("give -o DIR or --name NAME"),
+    };
     let t0 = Instant::now();
     let model = sluice::import::open(&src).with_context(|| format!("import {}", src.display()))?;
     let units = model.units()?;

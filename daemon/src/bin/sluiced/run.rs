@@ -8,13 +8,14 @@ use sluice::io::IoConfig;
 use sluice::pipeline::Pipeline;
 use sluice::store::Store;
 use sluice::text::{ChatMessage, ChatTemplate, Tokenizer};
-use sluice::util::{fmt_bytes, parse_size};
+use sluice::util::{fmt_bytes, parse_size, store_path};
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
 #[command(group(clap::ArgGroup::new("input").required(true).args(["prompt", "prompt_file", "prompt_ids"])))]
 pub struct RunArgs {
-    /// Store directory (from `sluiced pack`).
+    /// Store directory (from `sluiced pack`), or the name of a store in the models
+    /// directory ($SLUICE_MODELS_DIR, else ~/.local/share/sluice/models).
     dir: PathBuf,
     /// The prompt text (a user message with --chat).
     #[arg(long)]
@@ -110,7 +111,7 @@ pub struct RunArgs {
 }
 
 pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
-    let mut store = Store::open(&a.dir)?;
+    let mut store = Store::open(&store_path(&a.dir, None))?;
     let tok = Tokenizer::from_manifest(store.manifest())?;
     store.release_tokenizer_spec();
     let store = std::sync::Arc::new(store);

@@ -10,24 +10,35 @@ use sluice::pipeline::Pipeline;
 use sluice::plan::Plan;
 use sluice::server::api::{Frontend, ModelMeta, RequestLimits};
 use sluice::server::auth::{check_exposure, ApiKeys, GrpcAuth};
-use sluice::server::http::{HttpState, Public, Ready};
+use sluice::server::http::{HttpState, Public};
 use sluice::server::metrics::{Metrics, Static};
+use sluice::server::models::{KeepAlive, Loader, Models, ModelsConfig, Served, StoreInfo};
 use sluice::server::service::Service;
 use sluice::server::ServeConfig;
 use sluice::store::Store;
 use sluice::text::{ChatTemplate, Tokenizer};
-use sluice::util::{fmt_bytes, ByteSize};
+use sluice::util::ByteSize;
 use sluice_proto::v1::inference_server::InferenceServer;
-use std::path::PathBuf;
-use std::sync::Arc;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::service::interceptor::InterceptedService;
 
 #[derive(clap::Args)]
 pub struct ServeArgs {
-    /// Store directory (from `sluiced pack`).
+    /// A store directory (from `sluiced pack`), or a store's name in the models directory:
+    /// loaded at start, never unloaded, the model of requests that name none.
     #[arg(long)]
     pub model: Option<PathBuf>,
+    /// Serve every store in this directory, each loaded by the first request that names it
+    /// (default without --model: $SLUICE_MODELS_DIR, else ~/.local/share/sluice/models).
+    #[arg(long)]
+    pub models_dir: Option<PathBuf>,
+    /// How long a model from the models directory stays loaded after its last request
+    /// ("30s", "5m", "1h"; "0" unloads it at once, "-1" never; default 5m); a request's
+    /// keep_alive overrides it.
+    #[arg(long, allow_hyphen_values = true)]
+    pub keep_alive: Option<String>,
     /// Config file (default /etc/sluice/sluiced.toml when it exists); flags override it.
     #[arg(long)]
     pub config: Option<PathBuf>,
@@ -147,6 +158,12 @@ impl ServeArgs {
         if self.model.is_some() {
             c.model = self.model;
         }
+        if self.models_dir.is_some() {
+            c.models_dir = self.models_dir;
+        }
+        if let Some(k) = self.keep_alive {
+            c.keep_alive = k;
+        }
         if self.unix.is_some() {
             c.unix = self.unix;
         }
@@ -208,6 +225,136 @@ impl OnBackend for StartScheduler {
     }
 }
 
+/// Loads models for the daemon: every one with the same limits, on the chosen backend.
+struct ModelLoader {
+    cfg: ServeConfig,
+    chosen: sluice::engine::Chosen,
+    metrics: Arc<Metrics>,
+    limits: RequestLimits,
+}
+
+impl ModelLoader {
+    fn input(
+        &self,
+        m: &sluice::store::Manifest,
+        device_room: Option<u64>,
+    ) -> sluice::plan::PlanInput {
+        let cfg = &self.cfg;
+        sluice::plan::PlanInput {
+            device_budget: device_room,
+            host_cache_budget: cfg.host_cache.0,
+            opts: sluice::model::ModelOptions {
+                max_context: cfg.max_context,
+                kv_slots: cfg.max_batch,
+                max_batch_tokens: cfg.batch_tokens,
+                kv_dtype: sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype),
+                exact: cfg.exact,
+            },
+            prefetch: cfg.prefetch,
+            backend_reserved: 0,
+            // Logits rows of a full batch are the scheduler's own allocation.
+            host: sluice::engine::host_input(
+                cfg.host_memory.map(|b| b.0),
+                4 * m.arch.vocab as u64 * cfg.max_batch as u64,
+            ),
+        }
+    }
+
+    fn load_model(&self, name: &str, dir: &Path, device_room: Option<u64>) -> Result<Served> {
+        let cfg = &self.cfg;
+        let mut store = Store::open(dir)?;
+        let tokenizer = Arc::new(Tokenizer::from_manifest(store.manifest())?);
+        store.release_tokenizer_spec();
+        let store = Arc::new(store);
+        let m = store.manifest();
+        let template = match &m.chat_template {
+            Some(src) => {
+                let piece = |id: Option<u32>| id.map(|i| tokenizer.piece(i)).unwrap_or_default();
+                Some(Arc::new(ChatTemplate::new(
+                    src,
+                    piece(m.special.bos),
+                    piece(m.special.eos),
+                )?))
+            }
+            None => None,
+        };
+        let start = StartScheduler {
+            input: self.input(m, device_room),
+            tokenizer,
+            cfg: SchedulerConfig {
+                queue_max: cfg.queue_max,
+            },
+        };
+        let io = sluice::io::IoConfig::serving();
+        let (plan, sched, engine, backend_name) =
+            sluice::engine::on_backend(&self.chosen, &store, cfg.threads, &io, start)?;
+        tracing::info!("{name}: {}\n{}", dir.display(), plan.table());
+        let kv_dtype = sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype);
+        let numerics = if cfg.exact { "exact" } else { "fast" };
+        let front = Arc::new(Frontend {
+            usage: Arc::default(),
+            sched,
+            meta: ModelMeta {
+                name: name.to_string(),
+                architecture: m.arch.arch.to_string(),
+                layers: m.arch.n_layers,
+                hidden: m.arch.hidden,
+                vocab: m.arch.vocab,
+                context: cfg.max_context as u32,
+                trained_context: m.arch.max_context,
+                stored_bytes: m.stored_bytes(),
+                raw_bytes: m.raw_bytes(),
+                created: std::time::SystemTime::now()
+                    .duration_since(std::time::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_secs()),
+            },
+            template,
+            max_tokens_default: cfg.max_tokens_default,
+            limits: self.limits,
+            metrics: self.metrics.clone(),
+        });
+        let stat = Static {
+            model: name.to_string(),
+            backend: backend_name.into(),
+            numerics,
+            kv_dtype: kv_dtype.to_string(),
+            device_bytes_budget: plan.device_budget,
+            host_bytes_budget: plan.host.budget.unwrap_or(0),
+            host_bytes_planned: plan.host.total_bytes,
+            kv_cache_bytes: plan.kv_cache_bytes,
+            host_cache_bytes: plan.host_cache_bytes,
+            bytes_streamed_per_pass: plan.upload_bytes_per_pass,
+            layers_resident: plan.layers_resident() as u64,
+            layers_streamed: plan.layers_streamed() as u64,
+        };
+        Ok(Served {
+            front,
+            plan,
+            stat,
+            backend: backend_name.into(),
+            numerics,
+            kv_dtype,
+            max_batch: cfg.max_batch,
+            engine: Mutex::new(Some(engine)),
+        })
+    }
+}
+
+impl Loader for ModelLoader {
+    fn plan(&self, dir: &Path, device_room: Option<u64>) -> Result<Plan, String> {
+        let store = Store::open(dir).map_err(|e| e.to_string())?;
+        let m = store.manifest();
+        let io = sluice::io::IoConfig::serving();
+        sluice::engine::plan_for(&self.chosen, m, &self.input(m, device_room), &io)
+            .map_err(|e| e.to_string())
+    }
+
+    fn load(&self, name: &str, dir: &Path, device_room: Option<u64>) -> Result<Served, String> {
+        self.load_model(name, dir, device_room)
+            .map_err(|e| format!("{e:#}"))
+    }
+}
+
 /// Where the daemon listens, parsed and checked before anything loads.
 struct Listen {
     grpc: std::net::SocketAddr,
@@ -251,12 +398,27 @@ fn group_id(name: &str) -> Result<u32> {
     }
 }
 
+/// The models directory: the one given, else (with no --model) the default.
+fn models_dir(cfg: &ServeConfig) -> Result<Option<PathBuf>> {
+    if let Some(d) = &cfg.models_dir {
+        return Ok(Some(d.clone()));
+    }
+    if cfg.model.is_some() {
+        return Ok(None);
+    }
+    match sluice::util::default_models_dir() {
+        Some(d) if d.is_dir() => Ok(Some(d)),
+        Some(d) => bail!(
+            "no model: pass --model DIR, or --models-dir DIR, or pack a model into the default models directory with `sluiced pack SRC --name NAME` ({} does not exist yet)",
+            d.display()
+        ),
+        None => bail!("no model: pass --model DIR or --models-dir DIR"),
+    }
+}
+
 pub fn serve(cfg: ServeConfig) -> Result<()> {
     cfg.validate().map_err(anyhow::Error::msg)?;
-    let dir = cfg
-        .model
-        .clone()
-        .context("no model: pass --model DIR or set `model` in the config file")?;
+    let dir = models_dir(&cfg)?;
     let keys = Arc::new(
         ApiKeys::load(cfg.api_key.as_deref(), cfg.api_key_file.as_deref())
             .map_err(anyhow::Error::msg)?,
@@ -269,7 +431,12 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         health: cfg.public_paths.iter().any(|p| p == "/health"),
         metrics: cfg.public_paths.iter().any(|p| p == "/metrics"),
     };
-    let http_state = HttpState::new(keys.clone(), public, metrics.clone());
+    let limits = RequestLimits {
+        max_request_bytes: cfg.max_request_bytes.0.min(usize::MAX as u64) as usize,
+        max_messages: cfg.max_messages,
+        ..RequestLimits::default()
+    };
+    let http_state = HttpState::new(keys.clone(), public, metrics.clone(), limits);
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .thread_name("sluice-net")
@@ -300,111 +467,78 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         None => None,
     };
 
-    let mut store = Store::open(&dir)?;
-    let tokenizer = Arc::new(Tokenizer::from_manifest(store.manifest())?);
-    store.release_tokenizer_spec();
-    let store = Arc::new(store);
-    let m = store.manifest();
-    let template = match &m.chat_template {
-        Some(src) => {
-            let piece = |id: Option<u32>| id.map(|i| tokenizer.piece(i)).unwrap_or_default();
-            Some(Arc::new(ChatTemplate::new(
-                src,
-                piece(m.special.bos),
-                piece(m.special.eos),
-            )?))
+    // Every loaded model's plan shares an explicit budget; without one, the CPU plans
+    // each within the host budget (which counts what is loaded) and CUDA within the
+    // device's free memory at the start.
+    let device_total = match (&chosen, cfg.device_memory) {
+        (_, Some(b)) => Some(b.0),
+        (sluice::engine::Chosen::Cuda(info), None) => Some(
+            info.free_bytes
+                .saturating_sub(sluice::engine::cuda_headroom(info.total_bytes)),
+        ),
+        (sluice::engine::Chosen::Cpu { .. }, None) => None,
+    };
+    let backend = match &chosen {
+        sluice::engine::Chosen::Cpu { .. } => "cpu",
+        sluice::engine::Chosen::Cuda(_) => "cuda",
+    };
+    let keep_alive = sluice::server::models::parse_keep_alive(&cfg.keep_alive)
+        .map_err(anyhow::Error::msg)?
+        .unwrap_or(KeepAlive::For(Duration::from_secs(300)));
+    let loader = ModelLoader {
+        cfg: cfg.clone(),
+        chosen,
+        metrics: metrics.clone(),
+        limits,
+    };
+    let pinned = match &cfg.model {
+        Some(m) => {
+            let path = sluice::util::store_path(m, dir.as_deref());
+            let name = path
+                .file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "model".into());
+            let served = loader.load_model(&name, &path, device_total)?;
+            let info = StoreInfo::read(&path).map_err(anyhow::Error::msg)?;
+            Some((name, path, info, served))
         }
         None => None,
     };
-    let opts = sluice::model::ModelOptions {
-        max_context: cfg.max_context,
-        kv_slots: cfg.max_batch,
-        max_batch_tokens: cfg.batch_tokens,
-        kv_dtype: sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype),
-        exact: cfg.exact,
+    let models = Models::new(
+        ModelsConfig {
+            dir: dir.clone(),
+            keep_alive,
+            device_total,
+            max_batch: cfg.max_batch,
+            max_context: cfg.max_context,
+            backend: backend.into(),
+        },
+        Box::new(loader),
+    )
+    .map_err(anyhow::Error::msg)?;
+    let what = match (&pinned, &dir) {
+        (Some((n, ..)), Some(d)) => format!("{n} and the models in {}", d.display()),
+        (Some((n, ..)), None) => n.clone(),
+        (None, Some(d)) => format!("the models in {}", d.display()),
+        (None, None) => String::new(),
     };
-    let device_budget = cfg.device_memory.map(|b| b.0);
-    let host_cache = cfg.host_cache.0;
-    let input = sluice::plan::PlanInput {
-        device_budget,
-        host_cache_budget: host_cache,
-        opts,
-        prefetch: cfg.prefetch,
-        backend_reserved: 0,
-        // Logits rows of a full batch are the scheduler's own allocation.
-        host: sluice::engine::host_input(
-            cfg.host_memory.map(|b| b.0),
-            4 * m.arch.vocab as u64 * cfg.max_batch as u64,
-        ),
-    };
-    let start = StartScheduler {
-        input,
-        tokenizer,
-        cfg: SchedulerConfig {
-            queue_max: cfg.queue_max,
-        },
-    };
-    let io = sluice::io::IoConfig::serving();
-    let (plan, sched, engine, backend_name) =
-        sluice::engine::on_backend(&chosen, &store, cfg.threads, &io, start)?;
-    let budget = plan.device_budget;
-    tracing::info!("{}\n{}", dir.display(), plan.table());
-    let name = dir
-        .file_name()
-        .map(|n| n.to_string_lossy().into_owned())
-        .unwrap_or_else(|| "model".into());
-    let kv_dtype = sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype);
-    let numerics = if cfg.exact { "exact" } else { "fast" };
-    let front = Arc::new(Frontend {
-        sched: sched.clone(),
-        meta: ModelMeta {
-            name: name.clone(),
-            architecture: m.arch.arch.to_string(),
-            layers: m.arch.n_layers,
-            hidden: m.arch.hidden,
-            vocab: m.arch.vocab,
-            context: cfg.max_context as u32,
-            trained_context: m.arch.max_context,
-            stored_bytes: m.stored_bytes(),
-            raw_bytes: m.raw_bytes(),
-            created: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-        },
-        template,
-        max_tokens_default: cfg.max_tokens_default,
-        limits: RequestLimits {
-            max_request_bytes: cfg.max_request_bytes.0.min(usize::MAX as u64) as usize,
-            max_messages: cfg.max_messages,
-            ..RequestLimits::default()
-        },
-        metrics: metrics.clone(),
-    });
-    http_state.set_ready(Ready {
-        front: front.clone(),
-        stat: Static {
-            model: name.clone(),
-            backend: backend_name.into(),
-            numerics,
-            kv_dtype: kv_dtype.to_string(),
-            device_bytes_budget: budget,
-            host_bytes_budget: plan.host.budget.unwrap_or(0),
-            host_bytes_planned: plan.host.total_bytes,
-            kv_cache_bytes: plan.kv_cache_bytes,
-            host_cache_bytes: plan.host_cache_bytes,
-            bytes_streamed_per_pass: plan.upload_bytes_per_pass,
-            layers_resident: plan.layers_resident() as u64,
-            layers_streamed: plan.layers_streamed() as u64,
-        },
-    });
+    if let Some((name, path, info, served)) = pinned {
+        models.pin(&name, path, info, served);
+    }
+    let listed = models.list(false);
+    tracing::info!(
+        "models: {}",
+        listed
+            .iter()
+            .map(|l| format!("{}{}", l.name, if l.loaded { " (loaded)" } else { "" }))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    http_state.set_ready(models.clone());
     let service = Service {
-        front,
-        plan,
-        backend: backend_name.into(),
-        device_budget: budget,
-        numerics,
-        kv_dtype,
-        max_batch: cfg.max_batch,
+        models: models.clone(),
+        metrics: metrics.clone(),
+        limits,
     };
     let net = Net {
         listen,
@@ -414,7 +548,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         stop: (stop_tx, stop_rx),
         auth: GrpcAuth { keys, metrics },
     };
-    listen_until_stopped(&rt, &cfg, net, service, sched, engine, &name, budget)
+    listen_until_stopped(&rt, &cfg, net, service, models, &what)
 }
 
 /// What serving needs besides the model: the addresses, the HTTP side already running,
@@ -434,18 +568,27 @@ struct Net {
 /// Serves gRPC on TCP (and the Unix socket) beside the HTTP API until SIGTERM or SIGINT,
 /// then drains: stops admission, lets in-flight requests finish within the grace period,
 /// joins the engine.
-#[allow(clippy::too_many_arguments)]
 fn listen_until_stopped(
     rt: &tokio::runtime::Runtime,
     cfg: &ServeConfig,
     net: Net,
     service: Service,
-    sched: Scheduler,
-    engine: std::thread::JoinHandle<()>,
+    models: Arc<Models>,
     name: &str,
-    budget: u64,
 ) -> Result<()> {
     rt.block_on(async move {
+        // Idle models whose keep-alive ran out are unloaded within a quarter second.
+        let reaper = {
+            let models = models.clone();
+            tokio::spawn(async move {
+                let mut tick = tokio::time::interval(Duration::from_millis(250));
+                loop {
+                    tick.tick().await;
+                    let m = models.clone();
+                    let _ = tokio::task::spawn_blocking(move || m.reap()).await;
+                }
+            })
+        };
         let (health, health_svc) = tonic_health::server::health_reporter();
         health.set_serving::<InferenceServer<Service>>().await;
         // Both reflection versions: grpcurl and older tools still speak v1alpha. They
@@ -475,7 +618,7 @@ fn listen_until_stopped(
             let router = tonic::transport::Server::builder().add_service(health_svc).add_service(reflection).add_service(reflection_alpha).add_service(inference);
             servers.push(tokio::spawn(router.serve_with_incoming_shutdown(tokio_stream::wrappers::UnixListenerStream::new(ul), shutdown(stop_rx.clone()))));
         }
-        tracing::info!(model = %name, %addr, http = ?net.listen.http, unix = ?cfg.unix, device_budget = %fmt_bytes(budget), auth = net.auth.keys.enabled(), "serving sluice.v1.Inference");
+        tracing::info!(model = %name, %addr, http = ?net.listen.http, unix = ?cfg.unix, auth = net.auth.keys.enabled(), "serving sluice.v1.Inference");
         // READY only now: the model is planned, loaded and the listeners are bound.
         let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
 
@@ -493,10 +636,11 @@ fn listen_until_stopped(
             .await;
         net.http_state.set_draining();
         // Stop admitting; in-flight requests finish or are cancelled after the grace period.
-        sched.shutdown(Duration::from_secs(cfg.shutdown_grace_s));
-        let joined = tokio::task::spawn_blocking(move || engine.join());
-        if joined.await.is_err() {
-            bail!("the engine thread failed during shutdown");
+        reaper.abort();
+        let grace = Duration::from_secs(cfg.shutdown_grace_s);
+        let m = models.clone();
+        if tokio::task::spawn_blocking(move || m.shutdown(grace)).await.is_err() {
+            bail!("stopping the models failed during shutdown");
         }
         let _ = stop_tx.send(true);
         for s in servers {
