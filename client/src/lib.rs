@@ -1,6 +1,10 @@
 //! Typed client for `sluice.v1.Inference`: connects over TCP (`http://host:port`) or a Unix
 //! socket (`unix:/path`).
 
+// Input from outside (files, requests, the disk) never meets an unwrap or expect here: an
+// `expect` on a true invariant carries an #[allow] saying why it holds.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 use pb::inference_client::InferenceClient;
 pub use sluice_proto::v1 as pb;
 use tonic::metadata::{Ascii, MetadataValue};

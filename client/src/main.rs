@@ -1,5 +1,9 @@
 //! `sluice`: the command-line client of the sluice daemon.
 
+// Input from outside (files, requests, the disk) never meets an unwrap or expect here: an
+// `expect` on a true invariant carries an #[allow] saying why it holds.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
 mod batch;

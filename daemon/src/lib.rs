@@ -8,6 +8,8 @@
 pub mod backend;
 pub mod dtype;
 pub mod engine;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod hostbuf;
 pub mod hostmem;
 pub mod import;

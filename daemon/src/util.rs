@@ -113,6 +113,14 @@ pub fn store_path(
     arg.to_path_buf()
 }
 
+/// The first N bytes of `b` as an array, for `from_le_bytes` on a slice whose length the
+/// caller has checked (or cut to exactly N).
+pub fn array<const N: usize>(b: &[u8]) -> [u8; N] {
+    let mut a = [0u8; N];
+    a.copy_from_slice(&b[..N]);
+    a
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

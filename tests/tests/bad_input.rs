@@ -496,3 +496,104 @@ fn a_gguf_or_a_missing_path_given_for_a_store_says_what_to_do_once() {
     );
     assert!(e.contains("/nonexistent/store"), "{e}");
 }
+
+#[test]
+fn hostile_model_files_are_refused_before_they_cost_memory() {
+    let bytes = std::fs::read(fixture("tiny-llama.gguf")).unwrap();
+    let tmp = tempfile::tempdir().unwrap();
+    let path = tmp.path().join("hostile.gguf");
+    let write = |b: &[u8]| std::fs::write(&path, b).unwrap();
+
+    // A metadata string, and an array, that claim far more than the file holds.
+    let key = b"general.architecture";
+    let len_at = find(&bytes, key) + key.len() + 4;
+    let mut b = bytes.clone();
+    b[len_at..len_at + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    write(&b);
+    let e = import_err(&path);
+    assert!(e.contains("hostile.gguf") && e.contains("offset"), "{e}");
+    let key = b"tokenizer.ggml.tokens";
+    let count_at = find(&bytes, key) + key.len() + 4 + 4;
+    let mut b = bytes.clone();
+    b[count_at..count_at + 8].copy_from_slice(&(u64::MAX / 2).to_le_bytes());
+    write(&b);
+    let e = import_err(&path);
+    assert!(
+        e.contains("tokenizer.ggml.tokens") && e.contains("offset"),
+        "{e}"
+    );
+
+    // Two tensors that share bytes: the second one's offset moved onto the first's.
+    let g = sluice::import::gguf::parse(&bytes, &path).unwrap();
+    let (first, second) = (&g.tensors[0], &g.tensors[1]);
+    let name = [
+        &(second.name.len() as u64).to_le_bytes()[..],
+        second.name.as_bytes(),
+    ]
+    .concat();
+    let offset_at = find(&bytes, &name) + name.len() + 4 + 8 * second.dims.len() + 4;
+    let mut b = bytes.clone();
+    b[offset_at..offset_at + 8].copy_from_slice(&first.offset.to_le_bytes());
+    write(&b);
+    let e = import_err(&path);
+    assert!(
+        e.contains("overlap") && e.contains(&first.name) && e.contains(&second.name),
+        "{e}"
+    );
+
+    // A safetensors header of 100 MB is refused before it is parsed.
+    let dir = hf_copy("tiny-llama", tmp.path());
+    let shard = dir.join("model-00001-of-00002.safetensors");
+    let mut st = std::fs::read(&shard).unwrap();
+    st[..8].copy_from_slice(&100_000_000u64.to_le_bytes());
+    std::fs::write(&shard, &st).unwrap();
+    let e = import_err(&dir);
+    assert!(
+        e.contains("model-00001-of-00002.safetensors") && e.contains("header claims 100000000"),
+        "{e}"
+    );
+
+    // A config.json of a gigabyte (sparse: it costs no disk) is refused unread.
+    let dir = hf_copy("tiny-llama", &tmp.path().join("big"));
+    std::fs::File::options()
+        .write(true)
+        .open(dir.join("config.json"))
+        .unwrap()
+        .set_len(1 << 30)
+        .unwrap();
+    let e = import_err(&dir);
+    assert!(
+        e.contains("config.json") && e.contains("1073741824 bytes"),
+        "{e}"
+    );
+
+    // A symlink out of the model directory is refused, naming it and its target...
+    let dir = hf_copy("tiny-llama", &tmp.path().join("link"));
+    let outside = tmp.path().join("elsewhere.json");
+    std::fs::copy(dir.join("tokenizer.json"), &outside).unwrap();
+    std::fs::remove_file(dir.join("tokenizer.json")).unwrap();
+    std::os::unix::fs::symlink(&outside, dir.join("tokenizer.json")).unwrap();
+    let e = import_err(&dir);
+    assert!(
+        e.contains("tokenizer.json") && e.contains("elsewhere.json") && e.contains("symlink"),
+        "{e}"
+    );
+    // ...but the Hugging Face hub cache's layout, snapshots linking to blobs, imports.
+    let repo = tmp.path().join("hub/models--tiny--llama");
+    let snap = repo.join("snapshots/0123abc");
+    std::fs::create_dir_all(&snap).unwrap();
+    std::fs::create_dir_all(repo.join("blobs")).unwrap();
+    let src = fixture("tiny-llama");
+    for (i, entry) in std::fs::read_dir(&src).unwrap().enumerate() {
+        let f = entry.unwrap().path();
+        let blob = repo.join("blobs").join(format!("blob{i}"));
+        std::fs::copy(&f, &blob).unwrap();
+        std::os::unix::fs::symlink(
+            Path::new("../../blobs").join(format!("blob{i}")),
+            snap.join(f.file_name().unwrap()),
+        )
+        .unwrap();
+    }
+    let m = import::open(&snap).expect("a hub cache snapshot imports");
+    assert!(m.units().is_ok());
+}

@@ -168,6 +168,8 @@ impl Scheduler {
             queue_max: cfg.queue_max.max(1),
         };
         let inner = s.clone();
+        // A thread that cannot be made at start leaves nothing to serve with: fatal.
+        #[allow(clippy::expect_used)]
         let h = std::thread::Builder::new()
             .name("sluice-engine".into())
             .spawn(move || {
@@ -210,7 +212,11 @@ impl Scheduler {
     }
 
     pub fn status(&self) -> Status {
-        let mut s = self.status.lock().expect("status lock").clone();
+        let mut s = self
+            .status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .clone();
         s.queue_depth = self.queued.load(Ordering::Acquire);
         s
     }
@@ -219,7 +225,10 @@ impl Scheduler {
     /// `grace` has passed.
     pub fn shutdown(&self, grace: Duration) {
         self.accepting.store(false, Ordering::Release);
-        *self.deadline.lock().expect("deadline lock") = Some(Instant::now() + grace);
+        *self
+            .deadline
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now() + grace);
     }
 
     fn run<B: Backend>(self, runner: Pipeline<B>, rx: Receiver<Request>) {
@@ -315,7 +324,7 @@ impl Scheduler {
         let past_deadline = self
             .deadline
             .lock()
-            .expect("deadline lock")
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .is_some_and(|d| Instant::now() >= d);
         if !past_deadline {
             return;
@@ -409,7 +418,10 @@ impl Scheduler {
             .max_by(|a, b| a.1.total_cmp(&b.1))
             .map_or("compute", |s| s.0)
             .to_string();
-        let mut s = self.status.lock().expect("status lock");
+        let mut s = self
+            .status
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         s.active_sequences = active;
         s.passes = t.passes;
         s.last_pass_time_s = p.pass_time_s;

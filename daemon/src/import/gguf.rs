@@ -116,19 +116,13 @@ impl<'a> Cursor<'a> {
         Ok(self.take(1, what)?[0])
     }
     fn u16(&mut self, what: &str) -> Result<u16, ImportError> {
-        Ok(u16::from_le_bytes(
-            self.take(2, what)?.try_into().expect("2 bytes"),
-        ))
+        Ok(u16::from_le_bytes(crate::util::array(self.take(2, what)?)))
     }
     fn u32(&mut self, what: &str) -> Result<u32, ImportError> {
-        Ok(u32::from_le_bytes(
-            self.take(4, what)?.try_into().expect("4 bytes"),
-        ))
+        Ok(u32::from_le_bytes(crate::util::array(self.take(4, what)?)))
     }
     fn u64(&mut self, what: &str) -> Result<u64, ImportError> {
-        Ok(u64::from_le_bytes(
-            self.take(8, what)?.try_into().expect("8 bytes"),
-        ))
+        Ok(u64::from_le_bytes(crate::util::array(self.take(8, what)?)))
     }
 
     /// A count of items that each take at least `item_bytes_min` bytes: bounded by what is
@@ -262,6 +256,8 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Gguf, ImportError> {
     };
     let data_start = (c.pos as u64).div_ceil(alignment) * alignment;
     let file_len = buf.len() as u64;
+    // Each tensor's bytes, to find two that share any.
+    let mut spans: Vec<(u64, u64, &str)> = Vec::with_capacity(tensors.len());
     for t in &tensors {
         if t.offset % alignment != 0 {
             return Err(ImportError::malformed(
@@ -292,8 +288,10 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Gguf, ImportError> {
             })?;
             let start = data_start.checked_add(t.offset);
             let end = start.and_then(|s| s.checked_add(len));
-            match end {
-                Some(end) if end <= file_len => {}
+            match (start, end) {
+                (Some(start), Some(end)) if end <= file_len => {
+                    spans.push((start, end, &t.name));
+                }
                 _ => {
                     return Err(ImportError::malformed(
                         path,
@@ -303,6 +301,17 @@ pub fn parse(buf: &[u8], path: &Path) -> Result<Gguf, ImportError> {
                 }
             }
         }
+    }
+    spans.sort_unstable();
+    if let Some(w) = spans.windows(2).find(|w| w[1].0 < w[0].1) {
+        return Err(ImportError::malformed(
+            path,
+            Some(w[1].0),
+            format!(
+                "tensors {} (bytes {}..{}) and {} (from {}) overlap",
+                w[0].2, w[0].0, w[0].1, w[1].2, w[1].0
+            ),
+        ));
     }
     Ok(Gguf {
         version,
@@ -575,7 +584,9 @@ fn map_tensors(
             )
         })?;
         let shape: Vec<u64> = t.dims.iter().rev().copied().collect();
-        let len = dtype.tensor_bytes(&shape).expect("checked in parse");
+        let len = dtype.tensor_bytes(&shape).ok_or_else(|| {
+            ImportError::malformed(path, None, format!("tensor {}: dims {:?}", t.name, t.dims))
+        })?;
         let offset = g.data_start + t.offset;
         if t.name == "rope_freqs.weight" {
             if dtype != DType::F32 {
@@ -587,7 +598,7 @@ fn map_tensors(
             let b = &map[offset as usize..(offset + len) as usize];
             rope_freqs = Some(
                 b.chunks_exact(4)
-                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .map(|c| f32::from_le_bytes(crate::util::array(c)))
                     .collect(),
             );
             continue;

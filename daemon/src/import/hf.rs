@@ -10,12 +10,35 @@ use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
-fn read_json(path: &Path) -> Result<Value, ImportError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ImportError::Io {
-        op: "read",
+/// Bytes of a JSON file of a model (config, tokenizer config, index) at most: real ones are
+/// kilobytes; a larger one is refused before it is read.
+const JSON_BYTES_MAX: u64 = 64 << 20;
+/// Bytes of tokenizer.json at most (the largest vocabularies' are tens of MiB).
+const TOKENIZER_BYTES_MAX: u64 = 512 << 20;
+/// Bytes of a safetensors header at most (a model with a million tensors needs ~100 MiB;
+/// real checkpoints need well under 1 MiB per shard).
+pub const SAFETENSORS_HEADER_MAX: u64 = 64 << 20;
+
+/// Reads a whole file of at most `max` bytes (refused before anything is read otherwise).
+fn read_bounded(path: &Path, max: u64, op: &'static str) -> Result<String, ImportError> {
+    let io = |err| ImportError::Io {
+        op,
         path: path.into(),
-        err: e,
-    })?;
+        err,
+    };
+    let len = std::fs::metadata(path).map_err(io)?.len();
+    if len > max {
+        return Err(ImportError::malformed(
+            path,
+            None,
+            format!("{len} bytes; a model's file of this kind has at most {max}: refused"),
+        ));
+    }
+    std::fs::read_to_string(path).map_err(io)
+}
+
+fn read_json(path: &Path) -> Result<Value, ImportError> {
+    let text = read_bounded(path, JSON_BYTES_MAX, "read")?;
     serde_json::from_str(&text).map_err(|e| {
         ImportError::malformed(
             path,
@@ -86,7 +109,12 @@ impl Config<'_> {
 
 fn arch_config(dir: &Path) -> Result<ArchConfig, ImportError> {
     let path = dir.join("config.json");
-    let top = read_json(&path)?;
+    arch_of_config(&read_json(&path)?, &path)
+}
+
+/// The architecture a parsed config.json (at `path`, for errors) describes.
+pub fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportError> {
+    let path = path.to_path_buf();
     let model_type = top.get("model_type").and_then(Value::as_str).unwrap_or("");
     // A multimodal Gemma 3 keeps its language model's config under text_config.
     let v = match (model_type, top.get("text_config")) {
@@ -184,8 +212,9 @@ fn arch_config(dir: &Path) -> Result<ArchConfig, ImportError> {
     };
     let cfg = ArchConfig {
         arch,
-        name: dir
-            .file_name()
+        name: path
+            .parent()
+            .and_then(Path::file_name)
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
         n_layers,
@@ -333,12 +362,79 @@ fn token_ref_id(v: Option<&Value>, lookup: &impl Fn(&str) -> Option<u32>) -> Opt
     lookup(s)
 }
 
+/// Refuses symlinks in the model directory that lead outside it: a downloaded directory
+/// must not make sluice read (and pack into a store it may serve) files elsewhere. The one
+/// layout allowed is the Hugging Face hub cache's, where `<repo>/snapshots/<rev>/*` link
+/// to `<repo>/blobs/*`.
+fn check_links(dir: &Path) -> Result<(), ImportError> {
+    let io = |op, path: &Path, err| ImportError::Io {
+        op,
+        path: path.into(),
+        err,
+    };
+    let root = std::fs::canonicalize(dir).map_err(|e| io("resolve", dir, e))?;
+    let blobs = root
+        .parent()
+        .filter(|p| p.file_name().is_some_and(|n| n == "snapshots"))
+        .and_then(Path::parent)
+        .map(|repo| repo.join("blobs"));
+    for entry in std::fs::read_dir(dir).map_err(|e| io("list", dir, e))? {
+        let path = entry.map_err(|e| io("list", dir, e))?.path();
+        let is_link = std::fs::symlink_metadata(&path)
+            .map_err(|e| io("stat", &path, e))?
+            .file_type()
+            .is_symlink();
+        if !is_link {
+            continue;
+        }
+        // A dangling link is left for the reader of that file to report, if it is read.
+        let Ok(target) = std::fs::canonicalize(&path) else {
+            continue;
+        };
+        let allowed =
+            target.starts_with(&root) || blobs.as_ref().is_some_and(|b| target.starts_with(b));
+        if !allowed {
+            return Err(ImportError::malformed(
+                &path,
+                None,
+                format!(
+                    "a symlink to {}, outside the model directory: refused (copy the file into the directory)",
+                    target.display()
+                ),
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// The header length a safetensors file declares, refused past `SAFETENSORS_HEADER_MAX`
+/// before the header is parsed.
+pub fn check_header_bytes(path: &Path, map: &[u8]) -> Result<(), ImportError> {
+    let n = map
+        .get(..8)
+        .and_then(|b| b.try_into().ok())
+        .map(u64::from_le_bytes)
+        .ok_or_else(|| {
+            ImportError::malformed(path, Some(0), "shorter than a safetensors header")
+        })?;
+    if n > SAFETENSORS_HEADER_MAX {
+        return Err(ImportError::malformed(
+            path,
+            Some(0),
+            format!("the safetensors header claims {n} bytes; at most {SAFETENSORS_HEADER_MAX} are accepted"),
+        ));
+    }
+    Ok(())
+}
+
 pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
+    check_links(dir)?;
     let arch = arch_config(dir)?;
     let mut files = Vec::new();
     let mut tensors = BTreeMap::new();
     for (fi, path) in safetensors_files(dir)?.into_iter().enumerate() {
         let map = mmap_file(&path)?;
+        check_header_bytes(&path, &map)?;
         {
             let st = safetensors::SafeTensors::deserialize(&map).map_err(|e| {
                 ImportError::malformed(&path, None, format!("invalid safetensors: {e}"))
@@ -391,11 +487,11 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
     }
 
     let tok_path = dir.join("tokenizer.json");
-    let tok_text = std::fs::read_to_string(&tok_path).map_err(|e| ImportError::Io {
-        op: "read (sluice needs the fast tokenizer file)",
-        path: tok_path.clone(),
-        err: e,
-    })?;
+    let tok_text = read_bounded(
+        &tok_path,
+        TOKENIZER_BYTES_MAX,
+        "read (sluice needs the fast tokenizer file)",
+    )?;
     let tok: Value = serde_json::from_str(&tok_text)
         .map_err(|e| ImportError::malformed(&tok_path, None, format!("invalid JSON: {e}")))?;
     let lookup = |s: &str| -> Option<u32> {

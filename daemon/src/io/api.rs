@@ -40,7 +40,7 @@ impl Drop for Ticket {
             self.shared
                 .tickets
                 .lock()
-                .expect("ticket lock")
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
                 .remove(&self.id);
             self.waker.send(Msg::Cancel { ticket: self.id });
         }
@@ -419,7 +419,7 @@ impl IoEngine {
         self.shared
             .tickets
             .lock()
-            .expect("ticket lock")
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(id, TicketState::Queued);
         self.waker.send(Msg::Request { ticket: id, unit });
         Ok(Ticket {
@@ -435,7 +435,11 @@ impl IoEngine {
     pub fn wait(&self, mut ticket: Ticket) -> Result<SlotGuard<'_>, IoError> {
         ticket.consumed = true;
         let t0 = Instant::now();
-        let mut tickets = self.shared.tickets.lock().expect("ticket lock");
+        let mut tickets = self
+            .shared
+            .tickets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let result = loop {
             match tickets.get(&ticket.id) {
                 Some(TicketState::Queued | TicketState::Loading { .. }) => {
@@ -443,7 +447,11 @@ impl IoEngine {
                         tickets.remove(&ticket.id);
                         break Err(IoError::Stopped);
                     }
-                    tickets = self.shared.ready.wait(tickets).expect("ticket lock");
+                    tickets = self
+                        .shared
+                        .ready
+                        .wait(tickets)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
                 }
                 Some(TicketState::Ready { slot }) => {
                     let slot = *slot;
@@ -489,7 +497,11 @@ impl IoEngine {
         at_least: usize,
     ) -> Result<Option<&'a [u8]>, IoError> {
         let t0 = Instant::now();
-        let mut tickets = self.shared.tickets.lock().expect("ticket lock");
+        let mut tickets = self
+            .shared
+            .tickets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let result = loop {
             match tickets.get(&ticket.id) {
                 Some(TicketState::Loading { slot, ready }) if *ready >= at_least => {
@@ -507,7 +519,11 @@ impl IoEngine {
                     if self.shared.stopped.load(Ordering::Acquire) {
                         break Err(IoError::Stopped);
                     }
-                    tickets = self.shared.ready.wait(tickets).expect("ticket lock");
+                    tickets = self
+                        .shared
+                        .ready
+                        .wait(tickets)
+                        .unwrap_or_else(std::sync::PoisonError::into_inner);
                 }
                 Some(TicketState::Failed(_) | TicketState::FailureReported) => {
                     // The entry stays until the ticket is dropped: the engine keeps the

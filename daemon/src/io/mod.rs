@@ -13,6 +13,10 @@
 //! A consumer may take a unit whole (`wait`) or as its decoded prefix grows
 //! (`wait_progress`), to start copying it to the device before its last frame is done.
 
+// Input from outside (files, requests, the disk) never meets an unwrap or expect here: an
+// `expect` on a true invariant carries an #[allow] saying why it holds.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 mod api;
 pub mod bench;
 mod event_loop;

@@ -37,7 +37,11 @@ impl PreadReader {
                 std::thread::Builder::new()
                     .name(format!("sluice-pread-{i}"))
                     .spawn(move || loop {
-                        let job = match rx.lock().expect("pread queue lock").recv() {
+                        let job = match rx
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .recv()
+                        {
                             Ok(j) => j,
                             Err(_) => return,
                         };

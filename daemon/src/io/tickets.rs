@@ -47,7 +47,10 @@ impl Shared {
     }
 
     pub(super) fn publish(&self, ticket: u64, state: TicketState) {
-        let mut t = self.tickets.lock().expect("ticket lock");
+        let mut t = self
+            .tickets
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         if let Some(s) = t.get_mut(&ticket) {
             *s = state;
         }

@@ -32,7 +32,11 @@ pub(super) fn worker(
     joined: &mut [u8],
 ) {
     loop {
-        let job = match jobs.lock().expect("job lock").recv() {
+        let job = match jobs
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .recv()
+        {
             Ok(j) => j,
             Err(_) => return,
         };

@@ -4,6 +4,10 @@
 //! from TOML with flags overriding. Proto types stay in `service.rs` (and the client),
 //! OpenAI's JSON in `openai.rs` and `http.rs`.
 
+// Input from outside (files, requests, the disk) never meets an unwrap or expect here: an
+// `expect` on a true invariant carries an #[allow] saying why it holds.
+#![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
+
 pub mod api;
 pub mod auth;
 pub mod config;

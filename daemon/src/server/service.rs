@@ -45,7 +45,7 @@ fn finish_reason(f: Finish) -> pb::FinishReason {
 }
 
 /// The request in the shape both wires share: token ids first, then messages, then text.
-fn input_of(r: pb::GenerateRequest) -> GenerateInput {
+pub fn input_of(r: pb::GenerateRequest) -> GenerateInput {
     let prompt = if !r.prompt_token_ids.is_empty() {
         Prompt::Ids(r.prompt_token_ids)
     } else if !r.messages.is_empty() {

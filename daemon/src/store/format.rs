@@ -225,14 +225,14 @@ impl Manifest {
                 found: bytes[..8].to_vec(),
             });
         }
-        let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+        let version = u32::from_le_bytes(crate::util::array(&bytes[8..12]));
         if !(FORMAT_VERSION_MIN..=FORMAT_VERSION).contains(&version) {
             return Err(StoreError::Version {
                 path: p(),
                 found: version,
             });
         }
-        let len = u64::from_le_bytes(bytes[12..20].try_into().expect("8 bytes"));
+        let len = u64::from_le_bytes(crate::util::array(&bytes[12..20]));
         if len > MANIFEST_BYTES_MAX {
             return Err(StoreError::invalid(
                 path,
@@ -248,7 +248,7 @@ impl Manifest {
             });
         }
         let end = end as usize;
-        let stored = u64::from_le_bytes(bytes[end..end + 8].try_into().expect("8 bytes"));
+        let stored = u64::from_le_bytes(crate::util::array(&bytes[end..end + 8]));
         let computed = xxh3_64(&bytes[..end]);
         if stored != computed {
             return Err(StoreError::ManifestChecksum {

@@ -85,7 +85,9 @@ pub fn summarize(m: &Manifest) -> Summary {
             let Some(t) = u.tensor_at(f.raw_offset) else {
                 continue;
             };
-            let d = dtypes.get_mut(&u.tensors[t].dtype).expect("inserted above");
+            let Some(d) = dtypes.get_mut(&u.tensors[t].dtype) else {
+                continue; // every tensor's type was inserted above
+            };
             d.raw_bytes += f.raw_len as u64;
             d.stored_bytes += f.stored_len();
             d.frames += 1;

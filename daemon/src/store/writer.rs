@@ -363,25 +363,36 @@ fn compress(
                             bytes: e.bytes.to_vec(),
                             checksum: xxhash_rust::xxh3::xxh3_64(raw),
                         };
-                        results.lock().expect("no panics while held")[i] = Some(r);
+                        results
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)[i] = Some(r);
                     }
                     Err(e) => {
-                        *failure.lock().expect("no panics while held") = Some(e);
+                        *failure
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(e);
                         break;
                     }
                 }
             });
         }
     });
-    if let Some(e) = failure.into_inner().expect("threads joined") {
+    if let Some(e) = failure
+        .into_inner()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+    {
         return Err(e);
     }
-    Ok(results
+    results
         .into_inner()
-        .expect("threads joined")
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
         .into_iter()
-        .map(|r| r.expect("every frame encoded when no failure"))
-        .collect())
+        .map(|r| {
+            r.ok_or_else(|| {
+                std::io::Error::other("a frame was not encoded (an encoder thread stopped)")
+            })
+        })
+        .collect()
 }
 
 /// weights.bin as it is written: blobs back to back, each padded to `BLOB_ALIGN`.

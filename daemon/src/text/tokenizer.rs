@@ -95,24 +95,34 @@ fn parse_json(json: &str) -> Result<tokenizers::Tokenizer, TokenizerError> {
 
 impl Tokenizer {
     pub fn from_manifest(m: &Manifest) -> Result<Tokenizer, TokenizerError> {
-        let (inner, prepend_bos) = match &m.tokenizer {
+        Tokenizer::new(&m.tokenizer, &m.special, m.arch.vocab)
+    }
+
+    /// The tokenizer a model's spec describes (what an importer read), with its special
+    /// tokens and vocabulary size.
+    pub fn new(
+        spec: &TokenizerSpec,
+        special: &crate::store::format::SpecialTokens,
+        vocab: u32,
+    ) -> Result<Tokenizer, TokenizerError> {
+        let (inner, prepend_bos) = match spec {
             TokenizerSpec::Gguf(v) if v.model == "llama" => (
                 Inner::Spm(Box::new(
                     super::spm::Spm::new(v).map_err(TokenizerError::Build)?,
                 )),
-                m.special.add_bos,
+                special.add_bos,
             ),
             TokenizerSpec::HfJson(s) => (Inner::Hf(Box::new(parse_json(s)?)), false),
             TokenizerSpec::Gguf(v) => (
                 Inner::Hf(Box::new(parse_json(&gguf_tokenizer_json(v)?.to_string())?)),
-                m.special.add_bos,
+                special.add_bos,
             ),
         };
         Ok(Tokenizer {
             inner,
-            special: m.special.clone(),
-            prepend_bos: prepend_bos && m.special.bos.is_some(),
-            vocab: m.arch.vocab,
+            special: special.clone(),
+            prepend_bos: prepend_bos && special.bos.is_some(),
+            vocab,
         })
     }
 

@@ -1,0 +1,220 @@
+//! The bodies of the fuzz targets in `fuzz/` (cargo-fuzz, libFuzzer, nightly), kept in the
+//! library so that the committed corpora also run on stable as plain tests
+//! (`tests/tests/fuzz_corpus.rs`). Each takes arbitrary bytes and feeds them to one parser
+//! that reads what sluice did not write; any input may be refused, none may panic, hang or
+//! allocate without bound. Where a round trip is defined (frames), it must hold.
+
+use crate::import::ImportedModel;
+use crate::store::codec::{Codec, FrameDecoder, FrameEncoder, Plane};
+use crate::text::{ChatMessage, ChatTemplate, Tokenizer};
+use std::path::Path;
+use std::sync::OnceLock;
+
+/// A target's body.
+pub type Target = fn(&[u8]);
+
+/// Every target, by the name of its `fuzz/fuzz_targets/NAME.rs` and corpus directory.
+pub const TARGETS: [(&str, Target); 8] = [
+    ("gguf", gguf),
+    ("safetensors", safetensors),
+    ("manifest", manifest),
+    ("frame", frame),
+    ("template", template),
+    ("tokenizer", tokenizer),
+    ("openai", openai),
+    ("grpc", grpc),
+];
+
+/// A GGUF file's header, metadata and tensor table.
+pub fn gguf(data: &[u8]) {
+    let _ = crate::import::gguf::parse(data, Path::new("fuzz.gguf"));
+}
+
+/// A safetensors file (its header) and a config.json: the first 0 byte splits them.
+pub fn safetensors(data: &[u8]) {
+    let (st, config) = match data.iter().position(|&b| b == 0) {
+        Some(i) => (&data[..i], &data[i + 1..]),
+        None => (data, &[][..]),
+    };
+    let _ = crate::import::hf::check_header_bytes(Path::new("fuzz.safetensors"), st)
+        .map(|()| safetensors::SafeTensors::deserialize(st).map(|t| t.tensors().len()));
+    if let Ok(v) = serde_json::from_slice::<serde_json::Value>(config) {
+        let _ = crate::import::hf::arch_of_config(&v, Path::new("config.json"));
+    }
+}
+
+/// manifest.bin as a store holds it.
+pub fn manifest(data: &[u8]) {
+    let _ = crate::store::format::Manifest::decode(data, Path::new("manifest.bin"));
+}
+
+/// One stored frame: the first 8 bytes choose the codec, the byte planes, which planes are
+/// coded, the raw length and the checksum; the rest are the stored bytes. The decoder must
+/// refuse or fill exactly the frame. Then the rest is encoded and must decode back to itself.
+pub fn frame(data: &[u8]) {
+    let Some((head, body)) = data.split_first_chunk::<8>() else {
+        return;
+    };
+    let codec = [Codec::None, Codec::Lz4, Codec::Zstd { level: 1 }][head[0] as usize % 3];
+    let width = [1usize, 2, 4][head[1] as usize % 3];
+    let raw_len = (u16::from_le_bytes([head[2], head[3]]) as usize).min(1 << 14);
+    let checksum = u64::from(u32::from_le_bytes([head[4], head[5], head[6], head[7]]));
+    // The stored bytes split into `width` planes at proportional cuts.
+    let mut planes = Vec::with_capacity(width);
+    let mut at = 0usize;
+    for i in 0..width {
+        let end = if i + 1 == width {
+            body.len()
+        } else {
+            body.len() * (i + 1) / width
+        };
+        planes.push(Plane {
+            stored_len: (end - at) as u32,
+            compressed: head[0] & (0x10 << i) != 0,
+        });
+        at = end;
+    }
+    let Ok(mut dec) = FrameDecoder::new(raw_len) else {
+        return;
+    };
+    let mut dst = vec![0u8; raw_len];
+    let _ = dec.decode(codec, &planes, checksum, body, &mut dst);
+
+    // The round trip: whatever the encoder makes of the bytes decodes back to them.
+    let raw = &body[..body.len().min(1 << 14)];
+    let Ok(mut enc) = FrameEncoder::new(codec) else {
+        return;
+    };
+    let Ok(e) = enc.encode(raw, width) else {
+        return;
+    };
+    let (codec, planes, bytes) = (e.codec, e.planes.clone(), e.bytes.to_vec());
+    let sum = xxhash_rust::xxh3::xxh3_64(raw);
+    let Ok(mut dec) = FrameDecoder::new(raw.len()) else {
+        return;
+    };
+    let mut back = vec![0u8; raw.len()];
+    let r = dec.decode(codec, &planes, sum, &bytes, &mut back);
+    assert!(
+        r.is_ok() && back == raw,
+        "a frame sluice encoded did not decode to its bytes: {r:?}"
+    );
+}
+
+/// Messages (split at 0 bytes, roles in turn) rendered by real templates, and by the
+/// input's first line taken as a template of its own.
+pub fn template(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    let mut parts = text.split('\0');
+    let source = parts.next().unwrap_or_default();
+    let roles = ["system", "user", "assistant", "user", "tool"];
+    let messages: Vec<ChatMessage> = parts
+        .take(64)
+        .enumerate()
+        .map(|(i, c)| ChatMessage {
+            role: roles[i % roles.len()].to_string(),
+            content: c.to_string(),
+        })
+        .collect();
+    for t in templates() {
+        let _ = t.render(&messages, true);
+    }
+    if let Ok(t) = ChatTemplate::new(source, "<s>".into(), "</s>".into()) {
+        let _ = t.render(&messages, true);
+    }
+}
+
+/// Text through the tokenizers of the committed tiny models (byte-level BPE and
+/// SentencePiece), and back.
+pub fn tokenizer(data: &[u8]) {
+    let text = String::from_utf8_lossy(data);
+    for t in tokenizers() {
+        if let Ok(ids) = t.encode(&text, true) {
+            let _ = t.decode(&ids);
+        }
+    }
+}
+
+/// Both OpenAI bodies.
+pub fn openai(data: &[u8]) {
+    let _ = crate::server::openai::parse_chat(data);
+    let _ = crate::server::openai::parse_completion(data, 16);
+}
+
+/// A protobuf GenerateRequest as a client sends it, through the validation that does not
+/// need a model.
+pub fn grpc(data: &[u8]) {
+    use prost::Message;
+    if let Ok(r) = sluice_proto::v1::GenerateRequest::decode(data) {
+        let _ = crate::server::models::parse_keep_alive(&r.keep_alive);
+        let input = crate::server::service::input_of(r);
+        let _ = input.sampling.validate();
+    }
+}
+
+/// The committed tiny GGUF models, imported once per process.
+fn fixtures() -> &'static [ImportedModel] {
+    static M: OnceLock<Vec<ImportedModel>> = OnceLock::new();
+    M.get_or_init(|| {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/fixtures");
+        ["tiny-llama.gguf", "tiny-gemma3.gguf"]
+            .iter()
+            .filter_map(|f| crate::import::open(&dir.join(f)).ok())
+            .collect()
+    })
+}
+
+fn tokenizers() -> &'static [Tokenizer] {
+    static T: OnceLock<Vec<Tokenizer>> = OnceLock::new();
+    T.get_or_init(|| {
+        fixtures()
+            .iter()
+            .filter_map(|m| Tokenizer::new(&m.tokenizer, &m.special, m.arch.vocab).ok())
+            .collect()
+    })
+}
+
+fn templates() -> &'static [ChatTemplate] {
+    static T: OnceLock<Vec<ChatTemplate>> = OnceLock::new();
+    T.get_or_init(|| {
+        let chatml = "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}";
+        let gemma = "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = m.role %}{% endif %}<start_of_turn>{{ role }}\n{{ m.content | trim }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}";
+        [chatml, gemma]
+            .iter()
+            .filter_map(|s| ChatTemplate::new(s, "<s>".into(), "</s>".into()).ok())
+            .collect()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every committed seed and regression input of every target, once, on stable: what
+    /// the fuzzers found stays fixed.
+    #[test]
+    fn committed_fuzz_corpora_run_clean() {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz");
+        for (name, run) in TARGETS {
+            let mut n = 0;
+            for dir in ["corpus", "regressions"] {
+                let Ok(rd) = std::fs::read_dir(root.join(dir).join(name)) else {
+                    continue;
+                };
+                for entry in rd {
+                    let path = entry.expect("corpus entry").path();
+                    let data = std::fs::read(&path).expect("corpus file");
+                    run(&data);
+                    n += 1;
+                }
+            }
+            assert!(n > 0, "fuzz/corpus/{name} is empty: run fuzz/make_seeds.py");
+        }
+    }
+
+    #[test]
+    fn the_fixtures_behind_the_tokenizer_and_template_targets_load() {
+        assert_eq!(tokenizers().len(), 2);
+        assert_eq!(templates().len(), 2);
+    }
+}

@@ -1,0 +1,352 @@
+#!/usr/bin/env python3
+"""A soak: the daemon under a streaming memory budget, driven for MINUTES by CLIENTS
+concurrent clients over gRPC (grpcio, stubs generated from proto/sluice.proto) and HTTP
+(server-sent events read with http.client): random prompts, lengths and sampling
+parameters; a third of the streams cancelled mid-way; some invalid requests and some
+prompts longer than the context. Then it checks:
+
+- the daemon never died;
+- every valid request got a whole answer (a finish reason) or a clean refusal (429 /
+  RESOURCE_EXHAUSTED); every invalid one its 400 / INVALID_ARGUMENT; nothing else;
+- no sequence is left in the batch and nothing in the queue;
+- the resident set at the end is within --rss-slack MiB of the one after warm-up;
+- greedy outputs after the soak equal those before.
+
+It prints requests/s, p50/p99 time to first token, tokens/s, RSS start/end, then one JSON
+line. Exit status 0 only if every check held.
+
+    pip install grpcio grpcio-tools
+    cargo build --release
+    scripts/soak.sh [MINUTES]            # or: python3 scripts/soak.py --minutes 2
+"""
+import argparse
+import http.client
+import json
+import os
+import random
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release")
+WORDS = ("river stone light paper engine garden music winter signal market forest number "
+         "window theory ocean letter planet mirror").split()
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a hash table works.",
+    "What causes the seasons on Earth?",
+    "Give me three tips for learning a language.",
+]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def grpc_stubs(tmp):
+    from grpc_tools import protoc
+
+    proto = os.path.join(ROOT, "proto")
+    if protoc.main(["protoc", f"-I{proto}", f"--python_out={tmp}", f"--grpc_python_out={tmp}",
+                    os.path.join(proto, "sluice.proto")]) != 0:
+        sys.exit("grpcio-tools could not compile proto/sluice.proto")
+    sys.path.insert(0, tmp)
+    import sluice_pb2
+    import sluice_pb2_grpc
+
+    return sluice_pb2, sluice_pb2_grpc
+
+
+def rss_kib(pid):
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    return 0
+
+
+class Stats:
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.outcomes = {}
+        self.ttft = []
+        self.tokens = 0
+        self.failures = []
+
+    def add(self, outcome, ttft=None, tokens=0, failure=None):
+        with self.lock:
+            self.outcomes[outcome] = self.outcomes.get(outcome, 0) + 1
+            if ttft is not None:
+                self.ttft.append(ttft)
+            self.tokens += tokens
+            if failure:
+                self.failures.append(failure)
+
+
+def http_chat(port, body, cancel_after=None, timeout=120):
+    """One chat completion over HTTP. Returns (status, finish, ttft, tokens, text)."""
+    c = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    t0 = time.time()
+    c.request("POST", "/v1/chat/completions", json.dumps(body),
+              {"Content-Type": "application/json"})
+    r = c.getresponse()
+    if not body.get("stream"):
+        data = json.loads(r.read() or b"{}")
+        c.close()
+        if r.status != 200:
+            return r.status, None, None, 0, data
+        ch = data["choices"][0]
+        return 200, ch["finish_reason"], time.time() - t0, data["usage"]["completion_tokens"], \
+            ch["message"]["content"]
+    if r.status != 200:
+        data = r.read()
+        c.close()
+        return r.status, None, None, 0, data
+    ttft, chunks, finish, text = None, 0, None, ""
+    while True:
+        line = r.readline()
+        if not line:
+            break
+        line = line.strip()
+        if not line.startswith(b"data: "):
+            continue
+        payload = line[6:]
+        if payload == b"[DONE]":
+            break
+        ev = json.loads(payload)
+        if "error" in ev:
+            c.close()
+            return 599, ev["error"].get("message"), ttft, chunks, text
+        for ch in ev.get("choices", []):
+            piece = ch.get("delta", {}).get("content")
+            if piece:
+                if ttft is None:
+                    ttft = time.time() - t0
+                chunks += 1
+                text += piece
+            if ch.get("finish_reason"):
+                finish = ch["finish_reason"]
+        if cancel_after is not None and chunks >= cancel_after:
+            c.close()  # the client goes away mid-stream
+            return 200, "cancelled", ttft, chunks, text
+    c.close()
+    return 200, finish, ttft, chunks, text
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--minutes", type=float, default=2.0)
+    ap.add_argument("--clients", type=int, default=64)
+    ap.add_argument("--warmup-s", type=float, default=20.0)
+    ap.add_argument("--device-memory", default="150MiB",
+                    help="a budget below the model and its KV cache, so that layers stream")
+    ap.add_argument("--rss-slack", type=float, default=8.0, help="MiB")
+    ap.add_argument("--store", help="a packed SmolLM2 store (default: pack one)")
+    args = ap.parse_args()
+
+    import grpc
+
+    tmp = tempfile.mkdtemp(prefix="sluice-soak-")
+    pb, pb_grpc = grpc_stubs(tmp)
+    store = args.store
+    if not store:
+        gguf = subprocess.run([os.path.join(ROOT, "scripts", "fetch-model.sh")], check=True,
+                              capture_output=True, text=True).stdout.strip()
+        store = os.path.join(tmp, "smollm2")
+        subprocess.run([f"{BIN}/sluiced", "pack", gguf, "-o", store, "--codec", "lz4"],
+                       check=True, capture_output=True)
+    gport, hport = free_port(), free_port()
+    context = 512
+    log = open(os.path.join(tmp, "sluiced.log"), "w")
+    daemon = subprocess.Popen(
+        [f"{BIN}/sluiced", "serve", "--model", store, "--config", "/dev/null",
+         "--listen", f"127.0.0.1:{gport}", "--http-listen", f"127.0.0.1:{hport}",
+         "--device-memory", args.device_memory, "--max-batch", "8",
+         "--max-context", str(context), "--queue-max", "32"],
+        stdout=log, stderr=log)
+    deadline = time.time() + 120
+    while True:
+        try:
+            c = http.client.HTTPConnection("127.0.0.1", hport, timeout=2)
+            c.request("GET", "/health")
+            if c.getresponse().status == 200:
+                break
+        except OSError:
+            pass
+        if daemon.poll() is not None or time.time() > deadline:
+            sys.exit(f"the daemon did not come up; see {log.name}")
+        time.sleep(0.2)
+    channel = grpc.insecure_channel(f"127.0.0.1:{gport}")
+    stub = pb_grpc.InferenceStub(channel)
+    st = stub.Status(pb.StatusRequest())
+    if st.layers_streamed == 0:
+        sys.exit(f"--device-memory {args.device_memory} streams nothing: lower it")
+
+    def greedy():
+        out = []
+        for p in PROMPTS:
+            s, f, _, _, text = http_chat(hport, {"messages": [{"role": "user", "content": p}],
+                                                 "max_tokens": 32, "temperature": 0})
+            out.append((s, f, text))
+        return out
+
+    before = greedy()
+    stats = Stats()
+    stop = threading.Event()
+
+    def prompt(rng):
+        return " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 60)))
+
+    def client(i):
+        rng = random.Random(i)
+        while not stop.is_set():
+            kind = rng.random()
+            cancel = rng.random() < 1 / 3
+            max_tokens = rng.randint(4, 64)
+            temperature = rng.choice([0.0, 0.7, 1.0])
+            try:
+                if kind < 0.4:  # HTTP stream
+                    body = {"messages": [{"role": "user", "content": prompt(rng)}],
+                            "max_tokens": max_tokens, "temperature": temperature,
+                            "top_p": rng.choice([1.0, 0.9]), "stream": True,
+                            "seed": rng.randint(0, 1000)}
+                    s, f, ttft, n, _ = http_chat(hport, body, rng.randint(1, 4) if cancel else None)
+                    if s == 200 and f in ("stop", "length", "cancelled"):
+                        stats.add("http_" + ("cancelled" if f == "cancelled" else "complete"),
+                                  ttft if f != "cancelled" else None, n)
+                    elif s == 429:
+                        stats.add("http_refused_busy")
+                        time.sleep(1.0)  # Retry-After: 1, as a client should
+                    else:
+                        stats.add("failure", failure=f"http stream: {s} {f}")
+                elif kind < 0.8:  # gRPC stream
+                    req = pb.GenerateRequest(
+                        prompt=prompt(rng), max_tokens=max_tokens,
+                        sampling=pb.SamplingParams(temperature=temperature, seed=rng.randint(0, 99)))
+                    t0, ttft, n, finish = time.time(), None, 0, None
+                    call = stub.Generate(req, timeout=120)
+                    limit = rng.randint(1, 4) if cancel else None
+                    try:
+                        for ev in call:
+                            if ev.HasField("piece") and ev.piece.text:
+                                if ttft is None:
+                                    ttft = time.time() - t0
+                                n += 1
+                                if limit is not None and n >= limit:
+                                    call.cancel()
+                                    finish = "cancelled"
+                                    break
+                            elif ev.HasField("done"):
+                                finish = ev.done.finish_reason
+                        if finish == "cancelled":
+                            stats.add("grpc_cancelled", None, n)
+                        elif finish in (pb.FINISH_REASON_STOP, pb.FINISH_REASON_LENGTH):
+                            stats.add("grpc_complete", ttft, n)
+                        else:
+                            stats.add("failure", failure=f"grpc finish {finish}")
+                    except grpc.RpcError as e:
+                        if e.code() == grpc.StatusCode.RESOURCE_EXHAUSTED:
+                            stats.add("grpc_refused_busy")
+                            time.sleep(1.0)  # back off as a client should
+                        elif e.code() == grpc.StatusCode.CANCELLED and finish == "cancelled":
+                            stats.add("grpc_cancelled", None, n)
+                        else:
+                            stats.add("failure", failure=f"grpc: {e.code()} {e.details()}")
+                elif kind < 0.9:  # invalid requests, both wires
+                    if rng.random() < 0.5:
+                        bad = rng.choice([
+                            {"messages": [{"role": "user", "content": "x"}], "temperature": -1},
+                            {"messages": [], "max_tokens": 4},
+                            {"model": "no-such-model", "messages": [{"role": "user", "content": "x"}]},
+                            {"messages": [{"role": "wizard", "content": "x"}]},
+                        ])
+                        s, _, _, _, _ = http_chat(hport, bad)
+                        ok = s in (400, 404)
+                        stats.add("http_invalid" if ok else "failure",
+                                  failure=None if ok else f"invalid body got {s}")
+                    else:
+                        try:
+                            list(stub.Generate(pb.GenerateRequest(
+                                prompt="x", sampling=pb.SamplingParams(top_p=2.0)), timeout=30))
+                            stats.add("failure", failure="an invalid gRPC request was served")
+                        except grpc.RpcError as e:
+                            ok = e.code() == grpc.StatusCode.INVALID_ARGUMENT
+                            stats.add("grpc_invalid" if ok else "failure",
+                                      failure=None if ok else f"invalid gRPC got {e.code()}")
+                    time.sleep(0.1)  # a misbehaving client, not a flood
+                else:  # a prompt longer than the context
+                    long = " ".join(rng.choice(WORDS) for _ in range(context * 2))
+                    s, _, _, _, _ = http_chat(hport, {"messages": [{"role": "user", "content": long}],
+                                                      "max_tokens": 8})
+                    stats.add("http_too_long" if s == 400 else "failure",
+                              failure=None if s == 400 else f"over-long prompt got {s}")
+                    time.sleep(0.1)
+            except (OSError, http.client.HTTPException) as e:
+                stats.add("failure", failure=f"{type(e).__name__}: {e}")
+
+    threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
+    t_start = time.time()
+    for t in threads:
+        t.start()
+    time.sleep(args.warmup_s)
+    rss_warm = rss_kib(daemon.pid)
+    warm_outcomes = sum(stats.outcomes.values())
+    time.sleep(max(0.0, args.minutes * 60 - args.warmup_s))
+    stop.set()
+    for t in threads:
+        t.join(timeout=180)
+    wall = time.time() - t_start
+    alive = daemon.poll() is None
+    idle = False
+    for _ in range(50):
+        st = stub.Status(pb.StatusRequest())
+        if st.active_sequences == 0 and st.queue_depth == 0:
+            idle = True
+            break
+        time.sleep(0.1)
+    after = greedy()
+    rss_end = rss_kib(daemon.pid)
+    daemon.terminate()
+    daemon.wait(timeout=60)
+
+    total = sum(stats.outcomes.values())
+    ttft = sorted(stats.ttft)
+    pct = (lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan"))
+    rss_delta_mib = (rss_end - rss_warm) / 1024
+    checks = {
+        "daemon_alive": alive,
+        "no_unexpected_outcomes": not stats.failures,
+        "batch_and_queue_empty": idle,
+        "rss_within_slack": abs(rss_delta_mib) <= args.rss_slack,
+        "greedy_outputs_unchanged": before == after,
+    }
+    print(f"soak: {wall / 60:.1f} min, {args.clients} clients, {total} requests "
+          f"({total / wall:.1f}/s; {warm_outcomes} in warm-up)")
+    for k in sorted(stats.outcomes):
+        print(f"  {k:<20} {stats.outcomes[k]}")
+    print(f"time to first token  p50 {pct(0.5):.3f} s  p99 {pct(0.99):.3f} s")
+    print(f"tokens/s             {stats.tokens / wall:.1f} (streamed pieces, all requests)")
+    print(f"RSS                  {rss_warm / 1024:.1f} MiB after warm-up, {rss_end / 1024:.1f} MiB at the end ({rss_delta_mib:+.1f})")
+    print(f"layers streamed      {st.layers_streamed} of {st.layers_streamed + st.layers_resident}")
+    for f in stats.failures[:10]:
+        print("  failure:", f)
+    for k, v in checks.items():
+        print(f"  {'ok  ' if v else 'FAIL'} {k}")
+    print(json.dumps({"minutes": wall / 60, "clients": args.clients, "requests": total,
+                      "requests_per_s": total / wall, "ttft_p50_s": pct(0.5),
+                      "ttft_p99_s": pct(0.99), "tokens_per_s": stats.tokens / wall,
+                      "rss_warm_mib": rss_warm / 1024, "rss_end_mib": rss_end / 1024,
+                      "outcomes": stats.outcomes, "failures": len(stats.failures),
+                      "checks": checks}))
+    sys.exit(0 if all(checks.values()) else 1)
+
+
+if __name__ == "__main__":
+    main()
