@@ -47,6 +47,8 @@ pub struct BatchJob {
     pub force_params: bool,
     /// Attempts after the first for a cancelled or failed item.
     pub retries: u32,
+    /// Seconds to wait for a daemon that is down or restarting before giving items up.
+    pub wait_daemon_s: u64,
     pub json: bool,
     /// max_tokens, sampling and stop strings of the simple format's requests.
     pub base: pb::GenerateRequest,
@@ -319,7 +321,10 @@ enum Attempt {
     Written { line: Value, generated: u64 },
     /// The queue was full: wait and send again (not an attempt).
     Busy,
-    /// Cancelled, shutting down, a transport or data error: worth another attempt.
+    /// The daemon is not there, or went away mid-item (killed, restarting, shutting down):
+    /// wait for it (up to --wait-daemon) and send again; not the item's fault.
+    Down(String),
+    /// Cancelled, a transport or data error: worth another attempt.
     Retry(String),
     /// Will fail again as it is: the errors file gets this line.
     Permanent(Value),
@@ -345,6 +350,8 @@ fn simple_attempt(id: &str, r: Result<Outcome, tonic::Status>) -> Attempt {
                 },
                 "context" => Attempt::Permanent(json!({"id": id, "error": "context_full",
                     "message": "the context filled before the item finished; lower --max-tokens or use --truncate"})),
+                // The daemon cancels what runs when it shuts down.
+                "cancelled" => Attempt::Down("the daemon cancelled it (shutting down?)".into()),
                 other => Attempt::Retry(format!("finished with {other}")),
             }
         }
@@ -360,7 +367,8 @@ fn status_attempt(st: &tonic::Status, permanent: impl FnOnce() -> Value) -> Atte
     use tonic::Code::*;
     match st.code() {
         ResourceExhausted => Attempt::Busy,
-        Unavailable | Cancelled | DataLoss | Internal | Unknown | DeadlineExceeded | Aborted => {
+        Unavailable => Attempt::Down(format!("{:?}: {}", st.code(), st.message())),
+        Cancelled | DataLoss | Internal | Unknown | DeadlineExceeded | Aborted => {
             Attempt::Retry(format!("{:?}: {}", st.code(), st.message()))
         }
         _ => Attempt::Permanent(permanent()),
@@ -402,7 +410,11 @@ fn openai_attempt(
             }
         }
         429 => Attempt::Busy,
-        500 | 503 => Attempt::Retry(format!(
+        503 => Attempt::Down(format!(
+            "503: {}",
+            body["error"]["message"].as_str().unwrap_or("")
+        )),
+        500 => Attempt::Retry(format!(
             "{}: {}",
             resp.status_code,
             body["error"]["message"].as_str().unwrap_or("")
@@ -411,11 +423,25 @@ fn openai_attempt(
     }
 }
 
-/// One item to its end: sent again after back-pressure (always) and after a retryable
-/// failure (`retries` times, waiting 1, 2, 4 ... 30 s).
-async fn run_item(mut client: Client, item: &Item, truncate: bool, retries: u32) -> Attempt {
+/// How an item is retried.
+#[derive(Clone, Copy)]
+struct Patience {
+    truncate: bool,
+    /// Attempts after the first for a retryable failure.
+    retries: u32,
+    /// How long to wait for a daemon that is down before giving the item up.
+    wait_daemon: Duration,
+}
+
+/// One item to its end: sent again after back-pressure (always), while the daemon is down
+/// or restarting (for up to `wait_daemon`, waiting 0.5, 1, 2 ... 10 s between tries) and
+/// after a retryable failure (`retries` times, waiting 1, 2, 4 ... 30 s).
+async fn run_item(mut client: Client, item: &Item, p: Patience) -> Attempt {
+    let (truncate, retries) = (p.truncate, p.retries);
     let mut busy_wait = Duration::from_millis(100);
     let mut retry_wait = Duration::from_secs(1);
+    let mut down_wait = Duration::from_millis(500);
+    let mut down_since: Option<std::time::Instant> = None;
     let mut tries = 0;
     loop {
         let a = match &item.work {
@@ -437,8 +463,26 @@ async fn run_item(mut client: Client, item: &Item, truncate: bool, retries: u32)
         };
         match a {
             Attempt::Busy => {
+                down_since = None;
                 tokio::time::sleep(busy_wait).await;
                 busy_wait = (busy_wait * 2).min(Duration::from_secs(5));
+            }
+            Attempt::Down(why) => {
+                let since = *down_since.get_or_insert_with(std::time::Instant::now);
+                if since.elapsed() >= p.wait_daemon {
+                    return Attempt::Retry(format!(
+                        "{why}; the daemon was not back within {:?} (--wait-daemon)",
+                        p.wait_daemon
+                    ));
+                }
+                if down_wait == Duration::from_millis(500) {
+                    eprintln!(
+                        "{}: {why}; waiting up to {:?} for the daemon",
+                        item.id, p.wait_daemon
+                    );
+                }
+                tokio::time::sleep(down_wait).await;
+                down_wait = (down_wait * 2).min(Duration::from_secs(10));
             }
             Attempt::Retry(why) if tries < retries => {
                 tries += 1;
@@ -650,7 +694,11 @@ pub async fn run(client: Client, job: BatchJob) -> Result<Option<ItemsFailed>> {
     let t0 = Instant::now();
     {
         let (items, client) = (items.clone(), client.clone());
-        let (truncate, retries) = (job.truncate, job.retries);
+        let patience = Patience {
+            truncate: job.truncate,
+            retries: job.retries,
+            wait_daemon: Duration::from_secs(job.wait_daemon_s),
+        };
         tokio::spawn(async move {
             for k in 0..items.len() {
                 let Ok(permit) = sem.clone().acquire_owned().await else {
@@ -658,7 +706,7 @@ pub async fn run(client: Client, job: BatchJob) -> Result<Option<ItemsFailed>> {
                 };
                 let (client, tx, items) = (client.clone(), tx.clone(), items.clone());
                 tokio::spawn(async move {
-                    let a = run_item(client, &items[k], truncate, retries).await;
+                    let a = run_item(client, &items[k], patience).await;
                     let _ = tx.send((k, a)).await;
                     drop(permit);
                 });
@@ -699,7 +747,7 @@ pub async fn run(client: Client, job: BatchJob) -> Result<Option<ItemsFailed>> {
                     )
                 });
             }
-            Attempt::Busy => unfinished += 1,
+            Attempt::Busy | Attempt::Down(_) => unfinished += 1,
         }
         pb.inc(1);
     }

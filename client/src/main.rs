@@ -200,9 +200,13 @@ enum Cmd {
         /// model) instead of refusing.
         #[arg(long)]
         force_params: bool,
-        /// Attempts after the first for an item that was cancelled or failed.
+        /// Attempts after the first for an item that failed (a transport or data error).
         #[arg(long, default_value_t = 3)]
         retries: u32,
+        /// Seconds to wait for a daemon that is down, restarting or shutting down (systemd
+        /// brings it back) before leaving its items unfinished; 0: do not wait.
+        #[arg(long, default_value_t = 600)]
+        wait_daemon: u64,
         /// Print a JSON summary (documents/minute, tokens/s, bytes per token) on stdout.
         #[arg(long)]
         json: bool,
@@ -392,6 +396,7 @@ async fn run(cli: Cli) -> Result<()> {
             truncate,
             force_params,
             retries,
+            wait_daemon,
             json,
             s,
         } => {
@@ -407,6 +412,7 @@ async fn run(cli: Cli) -> Result<()> {
                 truncate,
                 force_params,
                 retries,
+                wait_daemon_s: wait_daemon,
                 json,
                 base: pb::GenerateRequest {
                     model,

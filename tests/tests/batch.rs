@@ -26,6 +26,26 @@ fn batch(d: &Daemon, args: &[&str]) -> Output {
         .expect("spawn sluice batch")
 }
 
+/// `sluice batch ARGS` started against `d`, once it has written 4 items to `out`.
+fn batch_started(d: &Daemon, args: &[&str], out: &Path) -> std::process::Child {
+    let c = Command::new(bin("sluice"))
+        .args(["--addr", &d.addr, "batch"])
+        .args(args)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t0 = Instant::now();
+    while lines(out).len() < 4 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "nothing was written"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    c
+}
+
 fn write_docs(path: &Path, n: usize, extra: &[&str]) {
     let mut text: String = (0..n)
         .map(|i| {
@@ -62,22 +82,11 @@ fn items_cut_off_by_a_shutdown_are_not_written_and_a_rerun_completes_them() {
         "48",
         "--retries",
         "1",
+        // Without waiting for the daemon to come back (the next test waits).
+        "--wait-daemon",
+        "0",
     ];
-    let c = Command::new(bin("sluice"))
-        .args(["--addr", &d.addr, "batch"])
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let t0 = Instant::now();
-    while lines(&out).len() < 4 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "nothing was written"
-        );
-        std::thread::sleep(Duration::from_millis(20));
-    }
+    let c = batch_started(&d, &args, &out);
     // The daemon stops with requests in flight; its grace period (1 s) is too short for them.
     // SAFETY: plain kill(2) on our child's pid.
     unsafe { libc::kill(d.child.id() as i32, libc::SIGTERM) };
@@ -123,6 +132,73 @@ fn items_cut_off_by_a_shutdown_are_not_written_and_a_rerun_completes_them() {
     want.sort();
     assert_eq!(ids, want, "every id exactly once");
     assert!(got.iter().all(|l| l["finish_reason"] != "cancelled"));
+}
+
+/// A daemon that is SIGKILLed mid-job and comes back (as systemd's Restart=on-failure
+/// brings it back): the client waits for it, and the job completes with every id once.
+#[test]
+fn a_daemon_killed_mid_job_and_restarted_finishes_the_job_with_every_id_once() {
+    let limits = ["--max-context", "256", "--max-batch", "4"];
+    let mut d = Daemon::start(&limits);
+    let tmp = tempfile::tempdir().unwrap();
+    let (input, out) = (tmp.path().join("in.jsonl"), tmp.path().join("out.jsonl"));
+    write_docs(&input, 24, &[]);
+    let args = [
+        input.to_str().unwrap(),
+        "-o",
+        out.to_str().unwrap(),
+        "--max-tokens",
+        "48",
+    ];
+    let c = batch_started(&d, &args, &out);
+    d.child.kill().unwrap(); // SIGKILL: no drain, requests in flight just end
+    d.child.wait().unwrap();
+    let written_before = lines(&out).len();
+    assert!(
+        written_before < 24,
+        "the kill came too late to cut anything off"
+    );
+    std::thread::sleep(Duration::from_secs(2)); // systemd's RestartSec
+    let strip = |a: &str| a.trim_start_matches("http://").to_string();
+    let store = d.store();
+    let mut again = Command::new(bin("sluiced"))
+        .args([
+            "serve",
+            "--model",
+            store.to_str().unwrap(),
+            "--config",
+            "/dev/null",
+        ])
+        .args([
+            "--listen",
+            &strip(&d.addr),
+            "--http-listen",
+            &strip(&d.http),
+        ])
+        .args(limits)
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let o = c.wait_with_output().unwrap();
+    let _ = again.kill();
+    let _ = again.wait();
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert!(stderr(&o).contains("waiting up to"), "{}", stderr(&o));
+    let got = lines(&out);
+    let mut ids: Vec<&str> = got.iter().map(|l| l["id"].as_str().unwrap()).collect();
+    ids.sort_unstable();
+    let want: Vec<String> = {
+        let mut w: Vec<String> = (0..24).map(|i| format!("doc-{i}")).collect();
+        w.sort_unstable();
+        w
+    };
+    assert_eq!(
+        ids,
+        want.iter().map(String::as_str).collect::<Vec<_>>(),
+        "each id once"
+    );
 }
 
 #[test]
