@@ -538,6 +538,118 @@ fn a_damaged_layer_is_a_500_naming_it_and_serving_resumes_once_repaired() {
     assert_eq!(status, 200, "{b}");
 }
 
+/// A hundred bit flips in the frames of a live store, each repaired before the next: every
+/// request that reads a flipped frame is a DATA_LOSS (500 naming the unit), none returns text
+/// other than the clean store's, and the daemon serves on.
+#[test]
+fn a_hundred_bit_flips_in_a_live_store_are_each_caught_and_never_change_an_output() {
+    // Every layer streams, so each request reads every streamed frame from the file.
+    let d = Daemon::start(&[
+        "--max-context",
+        "64",
+        "--max-batch",
+        "1",
+        "--device-memory",
+        "48MiB",
+    ]);
+    let store = sluice::store::Store::open(&d.store()).unwrap();
+    let st = status_json(&d);
+    let streamed: Vec<String> = st["layers"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|l| l["placement"] == "streamed")
+        .map(|l| l["layer"].as_str().unwrap().to_string())
+        .collect();
+    let units: Vec<_> = store
+        .units()
+        .iter()
+        .filter(|u| streamed.contains(&u.kind.to_string()))
+        .cloned()
+        .collect();
+    assert!(units.len() > 20, "{streamed:?}");
+    let one = r#"{"prompt":"The capital of France is","max_tokens":1,"temperature":0}"#;
+    let clean = |d: &Daemon| {
+        let (status, _, b) = post(d, "/v1/completions", one, &[]);
+        assert_eq!(status, 200, "{b}");
+        let v: Value = serde_json::from_str(&b).unwrap();
+        v["choices"][0]["text"].as_str().unwrap().to_string()
+    };
+    let want = clean(&d);
+    let w = d.store().join("weights.bin");
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&w)
+        .unwrap();
+    let (mut caught, mut clean_reads) = (0, 0);
+    let mut previous = String::new();
+    let fr_index = |u: &sluice::store::LayerUnit, fr: &sluice::store::format::Frame| {
+        u.frames
+            .iter()
+            .position(|x| x.file_offset == fr.file_offset)
+            .unwrap_or(usize::MAX)
+    };
+    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    for i in 0..100 {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        let u = &units[i % units.len()];
+        let fr = &u.frames[(rng as usize >> 8) % u.frames.len()];
+        let at = fr.file_offset + (rng >> 24) % fr.stored_len();
+        let mut b = [0u8];
+        std::os::unix::fs::FileExt::read_exact_at(&f, &mut b, at).unwrap();
+        let bit = 1u8 << ((rng >> 56) % 8);
+        std::os::unix::fs::FileExt::write_all_at(&f, &[b[0] ^ bit], at).unwrap();
+        f.sync_all().unwrap();
+        // Requests until one reads this flip. A pass prefetches the next pass's first units,
+        // so a request may first meet the previous flip (read before its repair), or a copy
+        // of this unit read before this flip.
+        let here = format!("{}, frame ", u.kind);
+        let mut seen = false;
+        for _ in 0..3 {
+            let (status, _, body) = post(&d, "/v1/completions", one, &[]);
+            match status {
+                500 => {
+                    let v = assert_error(status, 500, &body, "weights.bin");
+                    assert_eq!(v["error"]["code"], "data_loss", "flip {i}: {body}");
+                    let msg = v["error"]["message"].as_str().unwrap();
+                    if msg.contains(&here)
+                        && msg.contains(&format!("at offset {} ", fr.file_offset))
+                    {
+                        seen = true;
+                        break;
+                    }
+                    assert!(i > 0 && msg.contains(&previous), "flip {i}: {msg}");
+                }
+                // A unit prefetched before the flip was read clean: the right text, and the
+                // next pass reads the flip.
+                200 => {
+                    let v: Value = serde_json::from_str(&body).unwrap();
+                    assert_eq!(
+                        v["choices"][0]["text"], want,
+                        "flip {i} at {at} changed the output"
+                    );
+                    clean_reads += 1;
+                }
+                other => panic!("flip {i}: status {other}: {body}"),
+            }
+        }
+        assert!(seen, "flip {i} at {at} ({here}) was never reported");
+        caught += 1;
+        previous = format!("{here}{}", fr_index(u, fr));
+        std::os::unix::fs::FileExt::write_all_at(&f, &b, at).unwrap();
+        f.sync_all().unwrap();
+    }
+    assert_eq!(caught, 100);
+    println!("100 flips caught; {clean_reads} requests read a copy prefetched before the flip");
+    // The last flip may still be in a prefetched unit; the request after it is clean.
+    let (status, _, body) = post(&d, "/v1/completions", one, &[]);
+    assert!(status == 200 || body.contains(&previous), "{body}");
+    assert_eq!(clean(&d), want, "the repaired store serves as before");
+}
+
 #[test]
 fn api_keys_guard_both_wires_and_an_open_port_needs_one() {
     let key = "test-key-0123456789abcdef";
