@@ -495,9 +495,9 @@ fn each_error_has_its_status_and_openai_shape_and_the_daemon_keeps_serving() {
     }
 }
 
-#[test]
-fn a_damaged_layer_is_a_500_naming_it_and_serving_resumes_once_repaired() {
-    // Every layer streams, so every request reads the file again.
+/// A daemon whose every layer streams (so each request reads the file again), and the
+/// store's streamed units.
+fn all_streaming() -> (Daemon, Vec<sluice::store::LayerUnit>) {
     let d = Daemon::start(&[
         "--max-context",
         "64",
@@ -508,19 +508,26 @@ fn a_damaged_layer_is_a_500_naming_it_and_serving_resumes_once_repaired() {
     ]);
     let store = sluice::store::Store::open(&d.store()).unwrap();
     let st = status_json(&d);
-    let streamed: Vec<&str> = st["layers"]
+    let streamed: Vec<String> = st["layers"]
         .as_array()
         .unwrap()
         .iter()
         .filter(|l| l["placement"] == "streamed")
-        .map(|l| l["layer"].as_str().unwrap())
+        .map(|l| l["layer"].as_str().unwrap().to_string())
         .collect();
-    let unit = store
+    let units = store
         .units()
         .iter()
-        .find(|u| streamed.contains(&u.kind.to_string().as_str()))
-        .expect("a streamed unit")
-        .clone();
+        .filter(|u| streamed.contains(&u.kind.to_string()))
+        .cloned()
+        .collect();
+    (d, units)
+}
+
+#[test]
+fn a_damaged_layer_is_a_500_naming_it_and_serving_resumes_once_repaired() {
+    let (d, units) = all_streaming();
+    let unit = units[0].clone();
     let w = d.store().join("weights.bin");
     let at = unit.file_offset + 64;
     let good = std::fs::read(&w).unwrap()[at as usize];
@@ -543,31 +550,8 @@ fn a_damaged_layer_is_a_500_naming_it_and_serving_resumes_once_repaired() {
 /// other than the clean store's, and the daemon serves on.
 #[test]
 fn a_hundred_bit_flips_in_a_live_store_are_each_caught_and_never_change_an_output() {
-    // Every layer streams, so each request reads every streamed frame from the file.
-    let d = Daemon::start(&[
-        "--max-context",
-        "64",
-        "--max-batch",
-        "1",
-        "--device-memory",
-        "48MiB",
-    ]);
-    let store = sluice::store::Store::open(&d.store()).unwrap();
-    let st = status_json(&d);
-    let streamed: Vec<String> = st["layers"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter(|l| l["placement"] == "streamed")
-        .map(|l| l["layer"].as_str().unwrap().to_string())
-        .collect();
-    let units: Vec<_> = store
-        .units()
-        .iter()
-        .filter(|u| streamed.contains(&u.kind.to_string()))
-        .cloned()
-        .collect();
-    assert!(units.len() > 20, "{streamed:?}");
+    let (d, units) = all_streaming();
+    assert!(units.len() > 20, "{} streamed units", units.len());
     let one = r#"{"prompt":"The capital of France is","max_tokens":1,"temperature":0}"#;
     let clean = |d: &Daemon| {
         let (status, _, b) = post(d, "/v1/completions", one, &[]);
