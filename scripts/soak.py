@@ -24,7 +24,6 @@ import http.client
 import json
 import os
 import random
-import socket
 import statistics
 import subprocess
 import sys
@@ -34,6 +33,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BIN = os.path.join(ROOT, "target", "release")
+sys.path.insert(0, os.path.join(ROOT, "scripts"))
+from bench_http import free_port, grpc_stubs  # noqa: E402  (the same ports and stubs)
 WORDS = ("river stone light paper engine garden music winter signal market forest number "
          "window theory ocean letter planet mirror").split()
 PROMPTS = [
@@ -42,26 +43,6 @@ PROMPTS = [
     "What causes the seasons on Earth?",
     "Give me three tips for learning a language.",
 ]
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def grpc_stubs(tmp):
-    from grpc_tools import protoc
-
-    proto = os.path.join(ROOT, "proto")
-    if protoc.main(["protoc", f"-I{proto}", f"--python_out={tmp}", f"--grpc_python_out={tmp}",
-                    os.path.join(proto, "sluice.proto")]) != 0:
-        sys.exit("grpcio-tools could not compile proto/sluice.proto")
-    sys.path.insert(0, tmp)
-    import sluice_pb2
-    import sluice_pb2_grpc
-
-    return sluice_pb2, sluice_pb2_grpc
 
 
 def rss_kib(pid):

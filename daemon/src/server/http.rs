@@ -199,7 +199,7 @@ async fn metrics(State(s): State<Arc<HttpState>>, h: HeaderMap) -> Response {
         .as_ref()
         .zip(status.as_ref())
         .map(|(c, st)| (st, &c.stat));
-    let text = s.metrics.render(model, m.list(true).len());
+    let text = s.metrics.render(model, m.loaded_count());
     (
         StatusCode::OK,
         [(

@@ -188,6 +188,26 @@ struct Entry {
     last_error: Option<String>,
 }
 
+impl Entry {
+    fn served(&self) -> Option<&Arc<Served>> {
+        match &self.state {
+            State::Loaded(s) => Some(s),
+            _ => None,
+        }
+    }
+
+    /// Takes the loaded model out (the entry becomes unloaded); None if it was not loaded.
+    fn take_served(&mut self) -> Option<Arc<Served>> {
+        match std::mem::replace(&mut self.state, State::Unloaded) {
+            State::Loaded(s) => Some(s),
+            other => {
+                self.state = other;
+                None
+            }
+        }
+    }
+}
+
 /// What a listing shows of one model.
 #[derive(Clone, Debug)]
 pub struct Listing {
@@ -460,10 +480,7 @@ impl Models {
         let used: u64 = lock(&self.table)
             .iter()
             .filter(|(n, _)| n.as_str() != name)
-            .filter_map(|(_, e)| match &e.state {
-                State::Loaded(s) => Some(s.device_bytes()),
-                _ => None,
-            })
+            .filter_map(|(_, e)| e.served().map(|s| s.device_bytes()))
             .sum();
         Some(total.saturating_sub(used))
     }
@@ -475,22 +492,13 @@ impl Models {
         let victim = t
             .iter()
             .filter(|(n, e)| n.as_str() != except && !e.pinned)
-            .filter_map(|(n, e)| match &e.state {
-                State::Loaded(s) if s.front.usage.active() == 0 => {
-                    Some((s.front.usage.idle_since(), n.clone()))
-                }
-                _ => None,
-            })
+            .filter_map(|(n, e)| e.served().map(|s| (s, n)))
+            .filter(|(s, _)| s.front.usage.active() == 0)
+            .map(|(s, n)| (s.front.usage.idle_since(), n.clone()))
             .min()?
             .1;
-        let e = t.get_mut(&victim)?;
-        match std::mem::replace(&mut e.state, State::Unloaded) {
-            State::Loaded(s) => Some((victim, s)),
-            other => {
-                e.state = other;
-                None
-            }
-        }
+        let s = t.get_mut(&victim)?.take_served()?;
+        Some((victim, s))
     }
 
     fn unload(&self, name: &str, s: Arc<Served>, why: &str) {
@@ -557,8 +565,8 @@ impl Models {
             let names: Vec<String> = t
                 .iter()
                 .filter(|(_, e)| !e.pinned)
-                .filter_map(|(n, e)| match (&e.state, e.keep_alive) {
-                    (State::Loaded(s), KeepAlive::For(k))
+                .filter_map(|(n, e)| match (e.served(), e.keep_alive) {
+                    (Some(s), KeepAlive::For(k))
                         if s.front.usage.active() == 0 && now >= s.front.usage.idle_since() + k =>
                     {
                         Some(n.clone())
@@ -569,14 +577,8 @@ impl Models {
             names
                 .into_iter()
                 .filter_map(|n| {
-                    let e = t.get_mut(&n)?;
-                    match std::mem::replace(&mut e.state, State::Unloaded) {
-                        State::Loaded(s) => Some((n, s)),
-                        other => {
-                            e.state = other;
-                            None
-                        }
-                    }
+                    let s = t.get_mut(&n)?.take_served()?;
+                    Some((n, s))
                 })
                 .collect()
         };
@@ -589,10 +591,7 @@ impl Models {
     pub fn loaded(&self, model: &str) -> Result<(String, Option<Arc<Served>>), ApiError> {
         let t = lock(&self.table);
         let name = self.name_of(&t, model)?;
-        let s = match t.get(&name).map(|e| &e.state) {
-            Some(State::Loaded(s)) => Some(s.clone()),
-            _ => None,
-        };
+        let s = t.get(&name).and_then(Entry::served).cloned();
         Ok((name, s))
     }
 
@@ -603,10 +602,7 @@ impl Models {
         lock(&self.table)
             .iter()
             .filter_map(|(name, e)| {
-                let served = match &e.state {
-                    State::Loaded(s) => Some(s),
-                    _ => None,
-                };
+                let served = e.served();
                 if loaded_only && served.is_none() {
                     return None;
                 }
@@ -633,6 +629,14 @@ impl Models {
             .collect()
     }
 
+    /// How many models are loaded (no directory rescan: metrics ask on every scrape).
+    pub fn loaded_count(&self) -> usize {
+        lock(&self.table)
+            .values()
+            .filter(|e| e.served().is_some())
+            .count()
+    }
+
     /// The loaded model to describe when none is named (metrics): the default, else the one
     /// used last.
     pub fn current(&self) -> Option<Arc<Served>> {
@@ -641,11 +645,9 @@ impl Models {
         }
         lock(&self.table)
             .values()
-            .filter_map(|e| match &e.state {
-                State::Loaded(s) => Some(s.clone()),
-                _ => None,
-            })
+            .filter_map(Entry::served)
             .max_by_key(|s| s.front.usage.idle_since())
+            .cloned()
     }
 
     /// Stops every loaded model: admission ends, admitted requests get `grace` to finish.
@@ -656,10 +658,8 @@ impl Models {
         drop(lock(&self.loading));
         let all: Vec<Arc<Served>> = lock(&self.table)
             .values()
-            .filter_map(|e| match &e.state {
-                State::Loaded(s) => Some(s.clone()),
-                _ => None,
-            })
+            .filter_map(Entry::served)
+            .cloned()
             .collect();
         for s in &all {
             s.front.sched.shutdown(grace);
