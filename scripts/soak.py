@@ -8,7 +8,8 @@ prompts longer than the context. Then it checks:
 - the daemon never died;
 - every valid request got a whole answer (a finish reason) or a clean refusal (429 /
   RESOURCE_EXHAUSTED); every invalid one its 400 / INVALID_ARGUMENT; nothing else;
-- no sequence is left in the batch and nothing in the queue;
+- no sequence is left in the batch and nothing in the queue; every read buffer is free
+  and the staging slots stand as before the soak;
 - the resident set at the end is within --rss-slack MiB of the one after warm-up;
 - greedy outputs after the soak equal those before.
 
@@ -178,7 +179,18 @@ def main():
             out.append((s, f, text))
         return out
 
+    def io_settled():
+        """The I/O pools once every read is back: (buffers free, buffers, slots free), or
+        None if a read buffer stays in use for 10 s (a leak, or a read never answered)."""
+        for _ in range(100):
+            st = stub.Status(pb.StatusRequest())
+            if st.io_read_buffers_free == st.io_read_buffers and st.active_sequences == 0:
+                return (st.io_read_buffers_free, st.io_read_buffers, st.io_slots_free)
+            time.sleep(0.1)
+        return None
+
     before = greedy()
+    io_before = io_settled()
     stats = Stats()
     stop = threading.Event()
 
@@ -293,6 +305,7 @@ def main():
             break
         time.sleep(0.1)
     after = greedy()
+    io_after = io_settled()
     rss_end = rss_kib(daemon.pid)
     daemon.terminate()
     daemon.wait(timeout=60)
@@ -305,6 +318,8 @@ def main():
         "daemon_alive": alive,
         "no_unexpected_outcomes": not stats.failures,
         "batch_and_queue_empty": idle,
+        # Each greedy run ends the same way, so the staging slots it leaves prefetched match.
+        "no_io_buffer_or_slot_in_use": io_before is not None and io_before == io_after,
         "rss_within_slack": abs(rss_delta_mib) <= args.rss_slack,
         "greedy_outputs_unchanged": before == after,
     }
@@ -316,6 +331,7 @@ def main():
     print(f"tokens/s             {stats.tokens / wall:.1f} (streamed pieces, all requests)")
     print(f"RSS                  {rss_warm / 1024:.1f} MiB after warm-up, {rss_end / 1024:.1f} MiB at the end ({rss_delta_mib:+.1f})")
     print(f"layers streamed      {st.layers_streamed} of {st.layers_streamed + st.layers_resident}")
+    print(f"I/O pools at idle    before {io_before}, after {io_after} (read buffers free, of, staging slots free)")
     for f in stats.failures[:10]:
         print("  failure:", f)
     for k, v in checks.items():

@@ -556,6 +556,10 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
                 "host_bytes_peak": st.host_bytes_peak, "host_bytes_peak_source": st.host_bytes_peak_source,
                 "numerics": st.numerics, "kv_dtype": st.kv_dtype,
                 "max_batch": st.max_batch, "max_context": st.max_context,
+                "io_read_buffers": st.io_read_buffers, "io_read_buffers_free": st.io_read_buffers_free,
+                "io_slots": st.io_slots, "io_slots_free": st.io_slots_free,
+                "io_units_failed": st.io_units_failed, "io_reads_stalled": st.io_reads_stalled,
+                "io_short_reads": st.io_short_reads,
             })
         );
     } else {
@@ -600,6 +604,16 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
         println!(
             "queue            {} waiting, {} active",
             st.queue_depth, st.active_sequences
+        );
+        println!(
+            "I/O              {}/{} read buffers free, {}/{} staging slots free; {} units failed, {} reads stalled, {} short",
+            st.io_read_buffers_free,
+            st.io_read_buffers,
+            st.io_slots_free,
+            st.io_slots,
+            st.io_units_failed,
+            st.io_reads_stalled,
+            st.io_short_reads
         );
         println!("stages (last pass seconds, rate):");
         for s in &st.stages {

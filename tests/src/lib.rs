@@ -190,6 +190,11 @@ impl Daemon {
     /// Packs SmolLM2 and starts the daemon with `extra` flags; returns once `/health`
     /// answers 200 (sent with the `--api-key` of `extra` when there is one).
     pub fn start(extra: &[&str]) -> Daemon {
+        Daemon::start_env(extra, &[])
+    }
+
+    /// `start` with environment variables for the daemon.
+    pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let tmp = tempfile::tempdir().expect("temp dir");
         let store = tmp.path().join("smollm2");
         sluiced_ok(&[
@@ -201,12 +206,22 @@ impl Daemon {
             "lz4",
         ]);
         let store = store.to_str().expect("utf-8 path").to_string();
-        Daemon::serve(tmp, &["--model", &store], extra)
+        Daemon::serve_env(tmp, &["--model", &store], extra, env)
     }
 
     /// Starts `sluiced serve` with `models` (such as `--models-dir DIR`) then `extra`;
     /// `tmp` lives as long as the daemon.
     pub fn serve(tmp: tempfile::TempDir, models: &[&str], extra: &[&str]) -> Daemon {
+        Daemon::serve_env(tmp, models, extra, &[])
+    }
+
+    /// `serve` with environment variables for the daemon.
+    pub fn serve_env(
+        tmp: tempfile::TempDir,
+        models: &[&str],
+        extra: &[&str],
+        env: &[(&str, &str)],
+    ) -> Daemon {
         let listen = format!("127.0.0.1:{}", free_port());
         let http_listen = format!("127.0.0.1:{}", free_port());
         let mut args = vec!["serve"];
@@ -224,6 +239,7 @@ impl Daemon {
             .args(&args)
             .env("RUST_LOG", "warn")
             .env_remove("SLUICE_API_KEY")
+            .envs(env.iter().copied())
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::piped())
             .spawn()
@@ -275,6 +291,24 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// POSTs a JSON `body` to `base` + `path` with curl; returns the status and the body.
+pub fn post_json(base: &str, path: &str, body: &str) -> (u16, String) {
+    let url = format!("{base}{path}");
+    let o = curl(&[
+        "-s",
+        "-w",
+        "\n%{http_code}",
+        "-d",
+        body,
+        "-H",
+        "Content-Type: application/json",
+        &url,
+    ]);
+    let out = stdout(&o);
+    let (body, code) = out.rsplit_once('\n').expect("curl printed the status");
+    (code.parse().expect("an HTTP status"), body.to_string())
 }
 
 /// Runs curl (an HTTP client nobody here wrote) with `args`.

@@ -41,7 +41,7 @@ enum Cmd {
     Run(run::RunArgs),
     /// Serve the model over gRPC (sluice.v1.Inference) and the OpenAI-compatible HTTP API
     /// (flags override the config file).
-    Serve(serve::ServeArgs),
+    Serve(Box<serve::ServeArgs>),
     /// Write a synthetic Llama-shaped store with random weights, for benchmarks.
     Synth(synth::SynthArgs),
     /// Measure streaming: overlap (pass time vs compute-only and streaming-only) and decode
@@ -79,7 +79,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Inspect(a) => inspect::run(a),
         Cmd::Verify(a) => inspect::verify(a),
         Cmd::Run(a) => run::run(a),
-        Cmd::Serve(a) => a
+        Cmd::Serve(a) => (*a)
             .config()
             .and_then(serve::serve)
             .map(|()| std::process::ExitCode::SUCCESS),

@@ -16,6 +16,8 @@ mod sequence_tests;
 #[cfg(test)]
 mod test_model;
 
+pub use scheduler::Failure;
+
 use crate::backend::cpu::CpuBackend;
 use crate::backend::cuda::{self, CudaBackend, DeviceInfo};
 use crate::backend::{Backend, BackendError};

@@ -30,11 +30,21 @@ pub enum Event {
         logprobs: Vec<crate::text::TokenLogprob>,
     },
     Done(Done),
-    /// The step that carried the request failed (bad stored data: DATA_LOSS).
+    /// The step that carried the request failed.
     Failed {
-        data_loss: bool,
+        failure: Failure,
         message: String,
     },
+}
+
+/// Why a request failed, as a server answers it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Failure {
+    /// Stored data failed its checksum, could not be decoded, or could not be read.
+    DataLoss,
+    /// A condition that may pass (a read the disk did not answer in time): send it again.
+    Unavailable,
+    Internal,
 }
 
 impl From<Piece> for Event {
@@ -92,6 +102,8 @@ pub struct Status {
     /// compute, upload and load stall), and the I/O engine's counters.
     pub totals: crate::pipeline::PassStats,
     pub io: crate::io::IoStats,
+    /// The streaming I/O engine's pools now (read when the status is asked for).
+    pub io_pools: crate::io::PoolStatus,
 }
 
 /// Limits of the scheduler.
@@ -108,6 +120,7 @@ pub struct Scheduler {
     accepting: Arc<AtomicBool>,
     deadline: Arc<Mutex<Option<Instant>>>,
     status: Arc<Mutex<Status>>,
+    pools: crate::io::PoolGauge,
     pub tokenizer: Arc<Tokenizer>,
     pub max_context: usize,
     queue_max: usize,
@@ -163,6 +176,7 @@ impl Scheduler {
             accepting: Arc::new(AtomicBool::new(true)),
             deadline: Arc::new(Mutex::new(None)),
             status: Arc::new(Mutex::new(Status::default())),
+            pools: runner.io().pool_gauge(),
             tokenizer,
             max_context,
             queue_max: cfg.queue_max.max(1),
@@ -218,6 +232,7 @@ impl Scheduler {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
         s.queue_depth = self.queued.load(Ordering::Acquire);
+        s.io_pools = self.pools.read();
         s
     }
 
@@ -310,7 +325,7 @@ impl Scheduler {
                 // answered all the same.
                 Err(message) => {
                     let _ = req.events.send(Event::Failed {
-                        data_loss: false,
+                        failure: Failure::Internal,
                         message,
                     });
                 }
@@ -463,16 +478,23 @@ fn build_step<B: Backend>(st: &mut EngineState<B>) {
     }
 }
 
-/// A failed step fails every sequence that was in it (DATA_LOSS for bad stored data).
+/// A failed step fails every sequence that was in it (DATA_LOSS for bad stored data,
+/// UNAVAILABLE for a stalled disk).
 fn fail_step<B: Backend>(st: &mut EngineState<B>, e: &crate::pipeline::PipelineError) {
-    let data_loss = e.is_data_loss();
+    let failure = if e.is_data_loss() {
+        Failure::DataLoss
+    } else if e.is_unavailable() {
+        Failure::Unavailable
+    } else {
+        Failure::Internal
+    };
     tracing::error!("step of {} sequences failed: {e}", st.n_steps);
     st.members.sort_unstable_by(|a, b| b.cmp(a));
     for &k in &st.members {
         let a = st.active.swap_remove(k);
         st.free_slots.push(a.seq.slot());
         let _ = a.events.send(Event::Failed {
-            data_loss,
+            failure,
             message: e.to_string(),
         });
     }

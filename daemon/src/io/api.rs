@@ -117,12 +117,32 @@ impl Drop for HeldSlot {
 }
 
 /// Free/total counts of the engine's pools (tests check they return to full after errors).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 pub struct PoolStatus {
     pub read_buffers_free: usize,
     pub read_buffers: usize,
     pub slots_free: usize,
     pub slots: usize,
+}
+
+/// Reads an engine's pool levels; outlives nothing (after the engine stops it reads the
+/// last levels).
+#[derive(Clone)]
+pub struct PoolGauge {
+    shared: Arc<Shared>,
+    read_buffers: usize,
+    slots: usize,
+}
+
+impl PoolGauge {
+    pub fn read(&self) -> PoolStatus {
+        PoolStatus {
+            read_buffers_free: self.shared.free_read_buffers.load(Ordering::Acquire),
+            read_buffers: self.read_buffers,
+            slots_free: self.shared.free_slots.load(Ordering::Acquire),
+            slots: self.slots,
+        }
+    }
 }
 
 pub struct IoEngine {
@@ -269,6 +289,8 @@ impl IoEngine {
                 (Box::new(r), waker, ReaderKind::Pread)
             }
         };
+        // A test setting: faults injected under the reader (see faults.rs).
+        let reader = super::faults::FaultyReader::wrap(reader);
         let why = why.join("; ");
         if kind == ReaderKind::Pread && !why.is_empty() {
             tracing::info!(path = %path.display(), "I/O engine: pread thread pool: {why}");
@@ -562,10 +584,14 @@ impl IoEngine {
     }
 
     pub fn pool_status(&self) -> PoolStatus {
-        PoolStatus {
-            read_buffers_free: self.shared.free_read_buffers.load(Ordering::Acquire),
+        self.pool_gauge().read()
+    }
+
+    /// A handle that reads the pools' levels from another thread (the daemon's status).
+    pub fn pool_gauge(&self) -> PoolGauge {
+        PoolGauge {
+            shared: self.shared.clone(),
             read_buffers: self.cfg.read_buffers,
-            slots_free: self.shared.free_slots.load(Ordering::Acquire),
             slots: self.cfg.staging_slots,
         }
     }

@@ -61,6 +61,10 @@ struct Active {
     /// Failed or cancelled: nothing more is read or dispatched; the slot is freed once the
     /// reads in flight and the frames at workers are back.
     aborted: bool,
+    /// Failed because a read ran past `read_timeout` (that read may still be out).
+    stalled: bool,
+    /// When it was admitted, or last had a read sent or answered.
+    progress: Instant,
 }
 
 struct Op {
@@ -68,6 +72,8 @@ struct Op {
     chunk: usize,
     /// Bytes of the chunk already read (short reads resubmit the rest).
     done: usize,
+    /// When the read (or the resubmission of its rest) went to the disk.
+    since: Instant,
 }
 
 pub(super) struct Loop {
@@ -82,7 +88,8 @@ pub(super) struct Loop {
     active: Vec<Option<Active>>,
     /// Active slots in admission order: older requests' reads go first.
     order: VecDeque<usize>,
-    queue: VecDeque<(u64, usize)>,
+    /// Requests waiting for a staging slot: ticket, unit, since when.
+    queue: VecDeque<(u64, usize, Instant)>,
     ops: Vec<Option<Op>>,
     free_ops: Vec<usize>,
     in_flight: usize,
@@ -178,6 +185,7 @@ impl Loop {
             }
             self.admit();
             self.submit();
+            self.expire();
             self.account();
             if self.shutting_down
                 && self.in_flight == 0
@@ -185,7 +193,10 @@ impl Loop {
             {
                 return;
             }
-            if let Err(e) = self.reader.wait(&rx, &mut msgs, &mut done) {
+            let timeout = self
+                .next_deadline()
+                .map(|d| d.saturating_duration_since(Instant::now()));
+            if let Err(e) = self.reader.wait(&rx, &mut msgs, &mut done, timeout) {
                 // The ring itself failed: nothing can be read any more. Fail everything
                 // that waits, and stop.
                 tracing::error!(path = %self.path.display(), "I/O engine stopped: {e}");
@@ -201,11 +212,11 @@ impl Loop {
                     self.shared
                         .publish(ticket, TicketState::Failed(IoError::Stopped));
                 } else {
-                    self.queue.push_back((ticket, unit));
+                    self.queue.push_back((ticket, unit, Instant::now()));
                 }
             }
             Msg::Cancel { ticket } => {
-                self.queue.retain(|&(t, _)| t != ticket);
+                self.queue.retain(|&(t, _, _)| t != ticket);
                 if let Some(slot) = self
                     .slot_state
                     .iter()
@@ -237,7 +248,7 @@ impl Loop {
             Msg::ReadDone { op, res } => self.complete(op, res),
             Msg::Shutdown => {
                 self.shutting_down = true;
-                for (ticket, _) in std::mem::take(&mut self.queue) {
+                for (ticket, _, _) in std::mem::take(&mut self.queue) {
                     self.shared
                         .publish(ticket, TicketState::Failed(IoError::Stopped));
                 }
@@ -262,7 +273,7 @@ impl Loop {
 
     /// Gives queued requests free slots and lays out their reads.
     fn admit(&mut self) {
-        while let Some(&(ticket, unit)) = self.queue.front() {
+        while let Some(&(ticket, unit, _)) = self.queue.front() {
             let Some(slot) = self.slot_state.iter().position(|&s| s == SlotState::Free) else {
                 break;
             };
@@ -309,6 +320,8 @@ impl Loop {
                 at_worker: 0,
                 ops: 0,
                 aborted: false,
+                stalled: false,
+                progress: Instant::now(),
             });
             self.order.push_back(slot);
             self.maybe_finish(slot);
@@ -338,6 +351,7 @@ impl Loop {
                 let c = a.next_chunk;
                 a.next_chunk += 1;
                 a.ops += 1;
+                a.progress = Instant::now();
                 let chunk = &mut a.chunks[c];
                 chunk.buf = Some(buf);
                 let (offset, len) = (chunk.offset, chunk.len);
@@ -345,6 +359,7 @@ impl Loop {
                     slot,
                     chunk: c,
                     done: 0,
+                    since: Instant::now(),
                 });
                 self.push_read(op, buf, 0, len, offset);
             }
@@ -363,8 +378,13 @@ impl Loop {
         // SAFETY: `at + len` is inside the buffer (asserted); the buffer stays with this op
         // until its completion is handled.
         let ptr = unsafe { b.as_ptr().add(at) };
+        let now = Instant::now();
         if self.in_flight == 0 {
-            self.busy_since = Some(Instant::now());
+            self.busy_since = Some(now);
+        }
+        if let Some(o) = self.ops[op].as_mut() {
+            // A resubmitted rest is progress: its own wait starts now.
+            o.since = now;
         }
         self.note_depth();
         self.in_flight += 1;
@@ -467,6 +487,7 @@ impl Loop {
             .read_bytes
             .fetch_add(res as u64, Ordering::Relaxed);
         a.chunks[chunk_idx].done = true;
+        a.progress = Instant::now();
         // Dispatch every frame of this chunk whose reads have all landed. Without decoding
         // a frame completes right here, so every chunk its frames span may free too.
         let frames = a.chunks[chunk_idx].frames.clone();
@@ -700,6 +721,135 @@ impl Loop {
                 // Cancelled while its last frame was at a worker.
                 self.free_slot(slot);
             }
+        }
+    }
+
+    /// When the oldest unanswered read (or, while stalled reads hold buffers and slots, the
+    /// oldest request starved of them) runs past `read_timeout`; None: nothing can expire.
+    fn next_deadline(&self) -> Option<Instant> {
+        let limit = self.cfg.read_timeout?;
+        let reads = self
+            .ops
+            .iter()
+            .flatten()
+            .filter(|o| self.active[o.slot].as_ref().is_some_and(|a| !a.aborted))
+            .map(|o| o.since + limit);
+        let starved = self.stalled_reads_out().then(|| {
+            let queued = self.queue.front().map(|&(_, _, t)| t);
+            let active = self
+                .active
+                .iter()
+                .flatten()
+                .filter(|a| Self::starved(a))
+                .map(|a| a.progress);
+            queued.into_iter().chain(active).min().map(|t| t + limit)
+        });
+        reads.chain(starved.flatten()).min()
+    }
+
+    /// Some unit failed for a stalled read still has that read out: its read buffer, queue
+    /// entry and staging slot are held as long as the disk takes, and the requests that
+    /// wait for those may wait as long.
+    fn stalled_reads_out(&self) -> bool {
+        self.active
+            .iter()
+            .flatten()
+            .any(|a| a.aborted && a.ops > 0 && a.stalled)
+    }
+
+    /// A unit with reads still to send and none out: it waits for a read buffer or a
+    /// queue entry.
+    fn starved(a: &Active) -> bool {
+        !a.aborted && a.ops == 0 && a.next_chunk < a.chunks.len()
+    }
+
+    /// Fails the units whose reads the disk has not answered within `read_timeout`, and
+    /// the requests that waited that long for a slot such a unit holds. A stalled read
+    /// keeps its buffer and its slot (the kernel may still write into them): they come back
+    /// when the disk answers, like any read of an aborted unit.
+    fn expire(&mut self) {
+        let Some(limit) = self.cfg.read_timeout else {
+            return;
+        };
+        let now = Instant::now();
+        for op in 0..self.ops.len() {
+            let Some(o) = &self.ops[op] else {
+                continue;
+            };
+            let waited = now - o.since;
+            if waited < limit {
+                continue;
+            }
+            let slot = o.slot;
+            let a = self.active[slot]
+                .as_mut()
+                .expect("an op's unit stays active until its completion");
+            if a.aborted {
+                continue;
+            }
+            let c = &a.chunks[o.chunk];
+            let what = format!(
+                "read of {} bytes at offset {} ({}) has not completed after {:.1} s",
+                c.len - o.done,
+                c.offset + o.done as u64,
+                self.store.units()[a.unit].kind,
+                waited.as_secs_f64()
+            );
+            a.stalled = true;
+            self.shared
+                .counters
+                .reads_stalled
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(path = %self.path.display(), "{what}: failing the requests that need it");
+            let err = IoError::Stalled {
+                path: self.path.clone(),
+                what,
+                limit_s: limit.as_secs_f64(),
+            };
+            self.abort(slot, Some(err));
+        }
+        if !self.stalled_reads_out() {
+            return;
+        }
+        for slot in 0..self.active.len() {
+            let Some(a) = self.active[slot].as_ref() else {
+                continue;
+            };
+            let waited = now - a.progress;
+            if !Self::starved(a) || waited < limit {
+                continue;
+            }
+            let err = IoError::Stalled {
+                path: self.path.clone(),
+                what: format!(
+                    "{} waited {:.1} s for a read buffer, held by reads the disk has not answered",
+                    self.store.units()[a.unit].kind,
+                    waited.as_secs_f64()
+                ),
+                limit_s: limit.as_secs_f64(),
+            };
+            self.abort(slot, Some(err));
+        }
+        while let Some(&(ticket, unit, since)) = self.queue.front() {
+            let waited = now - since;
+            if waited < limit {
+                break;
+            }
+            self.queue.pop_front();
+            let err = IoError::Stalled {
+                path: self.path.clone(),
+                what: format!(
+                    "{} waited {:.1} s for a staging slot, held by a read the disk has not answered",
+                    self.store.units()[unit].kind,
+                    waited.as_secs_f64()
+                ),
+                limit_s: limit.as_secs_f64(),
+            };
+            self.shared
+                .counters
+                .units_failed
+                .fetch_add(1, Ordering::Relaxed);
+            self.shared.publish(ticket, TicketState::Failed(err));
         }
     }
 

@@ -83,7 +83,9 @@ impl Reader for Scripted {
         rx: &Receiver<Msg>,
         msgs: &mut Vec<Msg>,
         done: &mut Vec<(usize, i32)>,
+        timeout: Option<Duration>,
     ) -> std::io::Result<()> {
+        let t0 = Instant::now();
         loop {
             while let Ok(m) = rx.try_recv() {
                 msgs.push(m);
@@ -107,7 +109,7 @@ impl Reader for Scripted {
                 done.push((p.op, got as i32));
                 false
             });
-            if !msgs.is_empty() || !done.is_empty() {
+            if !msgs.is_empty() || !done.is_empty() || timeout.is_some_and(|t| t0.elapsed() >= t) {
                 return Ok(());
             }
             match rx.recv_timeout(Duration::from_millis(2)) {
@@ -308,5 +310,79 @@ fn a_ticket_dropped_with_reads_in_flight_frees_everything_once_they_land() {
     script.release.store(true, Ordering::SeqCst);
     wait_full(&e);
     assert_loads_like_pread(&e, &store, u);
+    wait_full(&e);
+}
+
+#[test]
+fn a_read_the_disk_does_not_answer_fails_its_waiters_after_the_limit_and_frees_all_when_it_lands() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = packed(tmp.path());
+    let script = Arc::new(Script::default());
+    // Every read of the first two units stays in flight until released.
+    script.steps.lock().unwrap().extend([Step::Hold; 64]);
+    let limit = Duration::from_millis(150);
+    let file = File::open(store.weights_path()).expect("open weights");
+    let s2 = script.clone();
+    let e = IoEngine::with_reader(
+        store.clone(),
+        IoConfig {
+            read_timeout: Some(limit),
+            ..config()
+        },
+        move |_| {
+            Box::new(Scripted {
+                file,
+                script: s2,
+                pending: Vec::new(),
+            })
+        },
+    )
+    .expect("start the engine");
+    let n = store.units().len();
+    assert!(n >= 3, "the test model has {n} units");
+    let t0 = Instant::now();
+    // Two units take both staging slots and stall; the third waits for a slot.
+    let tickets: Vec<_> = (0..3).map(|u| e.request(u).expect("request")).collect();
+    let mut errors = Vec::new();
+    for t in tickets {
+        match e.wait(t) {
+            Ok(_) => panic!("a unit whose reads never landed loaded"),
+            Err(err) => errors.push(err),
+        }
+    }
+    let waited = t0.elapsed();
+    assert!(
+        waited < limit * 20,
+        "the waiters were failed after {waited:?}, limit {limit:?}"
+    );
+    for (u, err) in errors.iter().enumerate() {
+        let msg = err.to_string();
+        assert!(matches!(err, IoError::Stalled { .. }), "unit {u}: {msg}");
+        assert!(err.is_unavailable() && !err.is_data_loss(), "{msg}");
+        // Unit 0's reads fill the queue and stall; unit 1 has a slot but no read buffer
+        // or queue entry; unit 2 waits for a slot.
+        let what = [
+            "has not completed after",
+            "for a read buffer, held by reads the disk has not answered",
+            "for a staging slot, held by a read the disk has not answered",
+        ][u];
+        assert!(
+            msg.contains(what) && msg.contains("read_timeout 0.15 s"),
+            "unit {u}: {msg}"
+        );
+    }
+    assert!(e.stats().reads_stalled >= 1, "{:?}", e.stats());
+    // The stalled reads still own their buffers and slots (the kernel may write there).
+    let s = e.pool_status();
+    assert!(
+        s.read_buffers_free < s.read_buffers && s.slots_free < s.slots,
+        "stalled reads keep their buffers and slots until they land: {s:?}"
+    );
+    script.release.store(true, Ordering::SeqCst);
+    wait_full(&e);
+    script.steps.lock().unwrap().clear();
+    for u in 0..3 {
+        assert_loads_like_pread(&e, &store, u);
+    }
     wait_full(&e);
 }

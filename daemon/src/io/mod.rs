@@ -20,6 +20,7 @@
 mod api;
 pub mod bench;
 mod event_loop;
+mod faults;
 mod limits;
 #[cfg(test)]
 mod loop_tests;
@@ -30,7 +31,7 @@ mod tickets;
 mod uring;
 mod workers;
 
-pub use api::{open_direct, HeldSlot, IoEngine, PoolStatus, SlotGuard, Ticket};
+pub use api::{open_direct, HeldSlot, IoEngine, PoolGauge, PoolStatus, SlotGuard, Ticket};
 pub use stats::IoStats;
 
 use crate::store::StoreError;
@@ -103,11 +104,18 @@ pub struct IoConfig {
     pub decompress: bool,
     /// Page-locks the staging slots at start (the CUDA backend's copy stream reads them).
     pub pinner: Option<crate::hostbuf::Pinner>,
+    /// A read the disk has not answered for this long fails the requests waiting on its
+    /// unit (`IoError::Stalled`) instead of holding them for ever; None: wait for ever.
+    pub read_timeout: Option<std::time::Duration>,
 }
 
 pub const QUEUE_DEPTH_DEFAULT: usize = 64;
 pub const REQUEST_BYTES_DEFAULT: usize = 4 << 20;
 pub const QUEUE_DEPTH_MAX: usize = 4096;
+/// How long one read may go unanswered. An NVMe read of 4 MiB takes milliseconds even
+/// behind a full queue; tens of seconds is a device in error recovery, a dying disk or a
+/// hung network file system.
+pub const READ_TIMEOUT_DEFAULT: std::time::Duration = std::time::Duration::from_secs(30);
 
 /// Reads in flight (and read buffers) for one sequence at a time (`sluiced run`):
 /// 16 x 4 MiB = 64 MiB of read buffers keeps a single stream's disk busy.
@@ -153,6 +161,7 @@ impl Default for IoConfig {
             pread_threads: 16,
             decompress: true,
             pinner: None,
+            read_timeout: Some(READ_TIMEOUT_DEFAULT),
         }
     }
 }
@@ -169,6 +178,14 @@ pub enum IoError {
     },
     #[error("unit {unit} does not exist (the store has {units})")]
     NoSuchUnit { unit: usize, units: usize },
+    /// The disk did not answer a read within `read_timeout`: UNAVAILABLE for the requests
+    /// that needed the unit (the disk may recover; nothing stored is known to be bad).
+    #[error("{path}: {what} (read_timeout {limit_s} s); the requests that needed it were failed, and its read buffer and staging slot stay held until the disk answers")]
+    Stalled {
+        path: std::path::PathBuf,
+        what: String,
+        limit_s: f64,
+    },
     #[error("the I/O engine has stopped")]
     Stopped,
     #[error("this load failed and its error was already returned by wait_progress")]
@@ -178,5 +195,11 @@ pub enum IoError {
 impl IoError {
     pub fn is_data_loss(&self) -> bool {
         matches!(self, IoError::Data(e) if e.is_data_loss())
+    }
+
+    /// A condition that may pass (a stalled disk, an engine shutting down): a client may
+    /// send the request again.
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, IoError::Stalled { .. } | IoError::Stopped)
     }
 }

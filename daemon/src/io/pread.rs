@@ -5,8 +5,9 @@
 use super::reader::{Msg, Reader, Waker};
 use std::fs::File;
 use std::os::fd::AsRawFd;
-use std::sync::mpsc::{sync_channel, Receiver, SyncSender};
+use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
 use std::sync::{Arc, Mutex};
+use std::time::Duration;
 
 struct ReadJob {
     op: usize,
@@ -107,10 +108,17 @@ impl Reader for PreadReader {
         rx: &Receiver<Msg>,
         msgs: &mut Vec<Msg>,
         _done: &mut Vec<(usize, i32)>,
+        timeout: Option<Duration>,
     ) -> std::io::Result<()> {
-        let m = rx
-            .recv()
-            .map_err(|_| std::io::Error::other("engine channel closed"))?;
+        let closed = || std::io::Error::other("engine channel closed");
+        let m = match timeout {
+            None => rx.recv().map_err(|_| closed())?,
+            Some(t) => match rx.recv_timeout(t) {
+                Ok(m) => m,
+                Err(RecvTimeoutError::Timeout) => return Ok(()),
+                Err(RecvTimeoutError::Disconnected) => return Err(closed()),
+            },
+        };
         msgs.push(m);
         while let Ok(m) = rx.try_recv() {
             msgs.push(m);

@@ -6,6 +6,7 @@ use crate::store::codec::FrameFault;
 use std::os::fd::AsRawFd;
 use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// Messages to the engine thread. Everything that changes engine state goes through here,
 /// so one thread owns the bookkeeping.
@@ -101,12 +102,14 @@ pub(super) trait Reader: Send {
         len: usize,
         offset: u64,
     ) -> std::io::Result<()>;
-    /// Submits what was pushed and blocks until at least one completion or message;
-    /// completions go to `done` as (op, bytes or -errno), messages to `msgs`.
+    /// Submits what was pushed and blocks until at least one completion or message, or
+    /// until `timeout` (None: no limit) has passed with neither; completions go to `done`
+    /// as (op, bytes or -errno), messages to `msgs`.
     fn wait(
         &mut self,
         rx: &Receiver<Msg>,
         msgs: &mut Vec<Msg>,
         done: &mut Vec<(usize, i32)>,
+        timeout: Option<Duration>,
     ) -> std::io::Result<()>;
 }

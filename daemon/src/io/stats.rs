@@ -27,6 +27,8 @@ pub struct IoStats {
     pub slot_stall_s: f64,
     pub units_done: u64,
     pub units_failed: u64,
+    /// Reads the disk did not answer within `read_timeout` (their units failed).
+    pub reads_stalled: u64,
     /// Reads in flight on average while any was (the queue depth achieved).
     pub queue_depth_avg: f64,
 }
@@ -45,6 +47,7 @@ pub(super) struct Counters {
     pub(super) slot_stall_ns: AtomicU64,
     pub(super) units_done: AtomicU64,
     pub(super) units_failed: AtomicU64,
+    pub(super) reads_stalled: AtomicU64,
     /// Sum over time of reads in flight (ns x reads), for the average queue depth.
     pub(super) inflight_ns: AtomicU64,
 }
@@ -66,6 +69,7 @@ impl Counters {
             slot_stall_s: s(&c.slot_stall_ns),
             units_done: c.units_done.load(Ordering::Relaxed),
             units_failed: c.units_failed.load(Ordering::Relaxed),
+            reads_stalled: c.reads_stalled.load(Ordering::Relaxed),
             queue_depth_avg: c.inflight_ns.load(Ordering::Relaxed) as f64
                 / 1e9
                 / s(&c.read_busy_ns).max(1e-9),
@@ -87,6 +91,7 @@ impl Counters {
             &c.slot_stall_ns,
             &c.units_done,
             &c.units_failed,
+            &c.reads_stalled,
             &c.inflight_ns,
         ] {
             a.store(0, Ordering::Relaxed);

@@ -9,6 +9,7 @@ use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::mpsc::Receiver;
 use std::sync::Arc;
+use std::time::Duration;
 
 /// user_data of the eventfd poll; reads use their op index, which is far below.
 const POLL_TAG: u64 = u64::MAX;
@@ -37,6 +38,13 @@ impl UringReader {
         // One submission entry per read in flight, plus the eventfd poll.
         let entries = (queue_depth + 1).next_power_of_two() as u32;
         let ring = IoUring::builder().build(entries)?;
+        // The loop's wait has a deadline (stalled reads are failed after `read_timeout`):
+        // io_uring_enter takes one since Linux 5.11. Older kernels get the pread pool.
+        if !ring.params().is_feature_ext_arg() {
+            return Err(std::io::Error::other(
+                "this kernel's io_uring has no timed wait (IORING_FEAT_EXT_ARG, Linux 5.11)",
+            ));
+        }
         let iovecs: Vec<libc::iovec> = bufs
             .iter()
             .map(|b| libc::iovec {
@@ -113,14 +121,25 @@ impl Reader for UringReader {
         rx: &Receiver<Msg>,
         msgs: &mut Vec<Msg>,
         done: &mut Vec<(usize, i32)>,
+        timeout: Option<Duration>,
     ) -> std::io::Result<()> {
         if self.rearm {
             self.arm_poll()?;
         }
+        let ts = timeout.map(types::Timespec::from);
         loop {
-            match self.ring.submit_and_wait(1) {
+            let r = match &ts {
+                None => self.ring.submit_and_wait(1),
+                Some(ts) => {
+                    let args = types::SubmitArgs::new().timespec(ts);
+                    self.ring.submitter().submit_with_args(1, &args)
+                }
+            };
+            match r {
                 Ok(_) => break,
                 Err(e) if e.raw_os_error() == Some(libc::EINTR) => continue,
+                // The deadline passed with nothing to reap.
+                Err(e) if e.raw_os_error() == Some(libc::ETIME) => break,
                 // Completion queue full: reap below, then carry on.
                 Err(e) if e.raw_os_error() == Some(libc::EBUSY) => break,
                 Err(e) => return Err(e),

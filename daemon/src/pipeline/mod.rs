@@ -48,6 +48,11 @@ impl PipelineError {
     pub fn is_data_loss(&self) -> bool {
         matches!(self, PipelineError::Io(e) if e.is_data_loss())
     }
+
+    /// True when the condition may pass (a read the disk did not answer in time).
+    pub fn is_unavailable(&self) -> bool {
+        matches!(self, PipelineError::Io(e) if e.is_unavailable())
+    }
 }
 use std::time::Instant;
 

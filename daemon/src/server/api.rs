@@ -40,7 +40,7 @@ pub enum ErrorKind {
     Unauthenticated,
     /// The request queue is full.
     QueueFull,
-    /// The daemon is shutting down or still loading.
+    /// The daemon is shutting down or still loading, or the disk did not answer in time.
     Unavailable,
     /// Stored data failed its checksum or could not be decoded (names the layer).
     DataLoss,
@@ -48,6 +48,16 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
+    /// How a failed step is answered.
+    pub fn of_failure(f: crate::engine::Failure) -> ErrorKind {
+        use crate::engine::Failure;
+        match f {
+            Failure::DataLoss => ErrorKind::DataLoss,
+            Failure::Unavailable => ErrorKind::Unavailable,
+            Failure::Internal => ErrorKind::Internal,
+        }
+    }
+
     /// The outcome label of `sluice_requests_total`.
     pub fn outcome(self) -> &'static str {
         match self {
@@ -553,14 +563,10 @@ impl Events {
                 self.metrics.request(self.api, finish_outcome(d.finish));
                 self.metrics.finished((now - self.t_submit).as_secs_f64());
             }
-            Event::Failed { data_loss, .. } => {
+            Event::Failed { failure, .. } => {
                 self.ended = true;
-                let kind = if *data_loss {
-                    ErrorKind::DataLoss
-                } else {
-                    ErrorKind::Internal
-                };
-                self.metrics.request(self.api, kind.outcome());
+                self.metrics
+                    .request(self.api, ErrorKind::of_failure(*failure).outcome());
             }
         }
     }

@@ -73,6 +73,9 @@ pub struct ServeConfig {
     pub max_tokens_default: u32,
     /// Seconds in-flight requests get to finish after SIGTERM before they are cancelled.
     pub shutdown_grace_s: u64,
+    /// A read the disk has not answered for this long ("30s", "500ms") fails the requests
+    /// that need its layer with UNAVAILABLE instead of holding them; "off" waits for ever.
+    pub read_timeout: String,
 }
 
 impl Default for ServeConfig {
@@ -106,11 +109,27 @@ impl Default for ServeConfig {
             device: 0,
             max_tokens_default: 256,
             shutdown_grace_s: 30,
+            read_timeout: "30s".into(),
         }
     }
 }
 
 impl ServeConfig {
+    /// `read_timeout` parsed: None for "off" (or 0).
+    pub fn read_timeout(&self) -> Result<Option<std::time::Duration>, String> {
+        let t = self.read_timeout.trim();
+        let bad = || {
+            format!("read_timeout {t:?}: want a duration such as \"30s\" or \"500ms\", or \"off\"")
+        };
+        if t == "off" {
+            return Ok(None);
+        }
+        match super::models::parse_keep_alive(t) {
+            Ok(Some(super::models::KeepAlive::For(d))) => Ok((!d.is_zero()).then_some(d)),
+            _ => Err(bad()),
+        }
+    }
+
     /// Reads `path`, or the default file when it exists, or the defaults.
     pub fn load(path: Option<&Path>) -> Result<ServeConfig, String> {
         let (path, required) = match path {
@@ -147,6 +166,7 @@ impl ServeConfig {
             ));
         }
         super::models::parse_keep_alive(&self.keep_alive)?;
+        self.read_timeout()?;
         if self.max_request_bytes.0 < 1024 || self.max_messages == 0 {
             return Err(
                 "max_request_bytes must be at least 1KiB and max_messages at least 1".into(),

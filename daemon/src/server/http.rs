@@ -447,13 +447,8 @@ fn cut_off(generated: usize) -> ApiError {
     )
 }
 
-fn failed(data_loss: bool, message: String) -> ApiError {
-    let kind = if data_loss {
-        ErrorKind::DataLoss
-    } else {
-        ErrorKind::Internal
-    };
-    ApiError::new(kind, message)
+fn failed(failure: crate::engine::Failure, message: String) -> ApiError {
+    ApiError::new(ErrorKind::of_failure(failure), message)
 }
 
 /// Submits every prompt of the call; on a refusal the prompts already queued are dropped
@@ -591,9 +586,7 @@ async fn complete(
                         None => return Err(cut_off(d.generated_token_ids.len())),
                     }
                 }
-                Some(Event::Failed { data_loss, message }) => {
-                    return Err(failed(data_loss, message))
-                }
+                Some(Event::Failed { failure, message }) => return Err(failed(failure, message)),
                 None => {
                     return Err(ApiError::new(
                         ErrorKind::Internal,
@@ -690,8 +683,8 @@ async fn pump(head: Head, events: Vec<Events>, include_usage: bool, tx: mpsc::Se
                     }
                 }
             }
-            Event::Failed { data_loss, message } => {
-                error = Some(failed(data_loss, message));
+            Event::Failed { failure, message } => {
+                error = Some(failed(failure, message));
                 break;
             }
         };

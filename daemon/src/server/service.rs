@@ -136,14 +136,10 @@ impl Inference for Service {
                     prompt_truncated: truncated,
                 })),
             }),
-            Event::Failed {
-                data_loss: true,
+            Event::Failed { failure, message } => Err(status_of(ApiError::new(
+                ErrorKind::of_failure(failure),
                 message,
-            } => Err(Status::data_loss(message)),
-            Event::Failed {
-                data_loss: false,
-                message,
-            } => Err(Status::internal(message)),
+            ))),
         });
         Ok(Response::new(Box::pin(stream)))
     }
@@ -294,6 +290,13 @@ impl Inference for Service {
             kv_dtype: served.kv_dtype.to_string(),
             max_batch: served.max_batch as u32,
             max_context: served.front.sched.max_context as u32,
+            io_read_buffers: s.io_pools.read_buffers as u32,
+            io_read_buffers_free: s.io_pools.read_buffers_free as u32,
+            io_slots: s.io_pools.slots as u32,
+            io_slots_free: s.io_pools.slots_free as u32,
+            io_units_failed: s.io.units_failed,
+            io_reads_stalled: s.io.reads_stalled,
+            io_short_reads: s.io.short_reads,
         }))
     }
 

@@ -185,7 +185,42 @@ fn fsync_dir(path: &Path) -> Result<(), StoreError> {
 }
 
 /// Packs `model` into a store at `out`. `on_progress` receives raw bytes done per unit.
+/// On any error nothing is left behind: the partial directory is removed, and a store
+/// already at `out` (with `force`) is unchanged.
 pub fn pack(
+    model: &impl PackSource,
+    units: &[UnitSpec],
+    out: &Path,
+    opts: &PackOptions,
+    on_progress: impl FnMut(u64),
+) -> Result<PackReport, StoreError> {
+    pack_into(model, units, out, opts, on_progress).map_err(|e| out_of_space(e, out))
+}
+
+/// A full file system (or quota, or file-size limit) says so, and what to do.
+fn out_of_space(e: StoreError, out: &Path) -> StoreError {
+    match e {
+        StoreError::Io { op, path, err }
+            if matches!(
+                err.raw_os_error(),
+                Some(libc::ENOSPC | libc::EDQUOT | libc::EFBIG)
+            ) =>
+        {
+            let kept = if out.exists() {
+                format!("the store already at {} is unchanged", out.display())
+            } else {
+                "no store was made".to_string()
+            };
+            StoreError::Refused {
+                path,
+                msg: format!("{op}: {err}: the store does not fit there; free space on that file system or pack to another directory with -o. The partial store was removed and {kept}"),
+            }
+        }
+        e => e,
+    }
+}
+
+fn pack_into(
     model: &impl PackSource,
     units: &[UnitSpec],
     out: &Path,

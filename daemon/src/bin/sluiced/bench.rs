@@ -205,6 +205,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
         decompress: true,
         units: None,
         pinner: None,
+        read_timeout: defaults.read_timeout,
     };
     let opts = sluice::io::bench::BenchIoOptions {
         cfg,

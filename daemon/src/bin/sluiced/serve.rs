@@ -126,6 +126,10 @@ pub struct ServeArgs {
     /// KV cache element type (default f16; f32 under --exact).
     #[arg(long)]
     pub kv_dtype: Option<sluice::backend::KvDtype>,
+    /// A read the disk has not answered for this long fails the requests that need its
+    /// layer with UNAVAILABLE ("30s" by default, "500ms", "off" to wait for ever).
+    #[arg(long)]
+    pub read_timeout: Option<String>,
 }
 
 fn parse_byte_size(s: &str) -> Result<ByteSize, String> {
@@ -163,6 +167,9 @@ impl ServeArgs {
         }
         if let Some(k) = self.keep_alive {
             c.keep_alive = k;
+        }
+        if let Some(t) = self.read_timeout {
+            c.read_timeout = t;
         }
         if self.unix.is_some() {
             c.unix = self.unix;
@@ -231,9 +238,18 @@ struct ModelLoader {
     chosen: sluice::engine::Chosen,
     metrics: Arc<Metrics>,
     limits: RequestLimits,
+    read_timeout: Option<Duration>,
 }
 
 impl ModelLoader {
+    /// The I/O engine's settings for every model this daemon loads.
+    fn io(&self) -> sluice::io::IoConfig {
+        sluice::io::IoConfig {
+            read_timeout: self.read_timeout,
+            ..sluice::io::IoConfig::serving()
+        }
+    }
+
     fn input(
         &self,
         m: &sluice::store::Manifest,
@@ -285,7 +301,7 @@ impl ModelLoader {
                 queue_max: cfg.queue_max,
             },
         };
-        let io = sluice::io::IoConfig::serving();
+        let io = self.io();
         let (plan, sched, engine, backend_name) =
             sluice::engine::on_backend(&self.chosen, &store, cfg.threads, &io, start)?;
         tracing::info!("{name}: {}\n{}", dir.display(), plan.table());
@@ -344,7 +360,7 @@ impl Loader for ModelLoader {
     fn plan(&self, dir: &Path, device_room: Option<u64>) -> Result<Plan, String> {
         let store = Store::open(dir).map_err(|e| e.to_string())?;
         let m = store.manifest();
-        let io = sluice::io::IoConfig::serving();
+        let io = self.io();
         sluice::engine::plan_for(&self.chosen, m, &self.input(m, device_room), &io)
             .map_err(|e| e.to_string())
     }
@@ -490,6 +506,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         chosen,
         metrics: metrics.clone(),
         limits,
+        read_timeout: cfg.read_timeout().map_err(anyhow::Error::msg)?,
     };
     let pinned = match &cfg.model {
         Some(m) => {
