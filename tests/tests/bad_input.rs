@@ -597,3 +597,65 @@ fn hostile_model_files_are_refused_before_they_cost_memory() {
     let m = import::open(&snap).expect("a hub cache snapshot imports");
     assert!(m.units().is_ok());
 }
+
+/// Doubles a string 40 times: a terabyte asked for in a few hundred instructions, under
+/// every minijinja bound (fuel, recursion, output).
+const DOUBLING: &str = "{% set s = namespace(v='xxxxxxxx') %}{% for i in range(40) %}{% set s.v = s.v ~ s.v %}{% endfor %}{{ s.v|length }}";
+
+#[test]
+fn a_chat_template_that_builds_a_huge_string_kills_only_its_worker() {
+    use sluice::text::sandbox::TemplateSandbox;
+    use sluice::text::{ChatMessage, ChatTemplate};
+    let sandbox = std::sync::Arc::new(TemplateSandbox::new(bin("sluiced")));
+    let msgs = [ChatMessage {
+        role: "user".into(),
+        content: "hello".into(),
+    }];
+    let hostile =
+        ChatTemplate::sandboxed(DOUBLING, "<s>".into(), "</s>".into(), sandbox.clone()).unwrap();
+    let chatml =
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}";
+    let good = ChatTemplate::sandboxed(chatml, "<s>".into(), "</s>".into(), sandbox).unwrap();
+    for _ in 0..2 {
+        let t0 = std::time::Instant::now();
+        let e = hostile.render(&msgs, true).unwrap_err().to_string();
+        assert!(
+            e.contains("1024 MiB its worker process may use") && e.contains("hostile"),
+            "{e}"
+        );
+        assert!(t0.elapsed().as_secs() < 10, "{:?}", t0.elapsed());
+        // The next render gets a fresh worker.
+        assert_eq!(
+            good.render(&msgs, false).unwrap(),
+            "<|im_start|>user\nhello<|im_end|>\n"
+        );
+    }
+}
+
+#[test]
+fn a_daemon_whose_model_has_a_hostile_template_refuses_chats_and_keeps_serving() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = tmp.path().join("hostile-llama");
+    copy_dir(&fixture("tiny-llama"), &src);
+    let cfg = src.join("tokenizer_config.json");
+    let mut v: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    v["chat_template"] = DOUBLING.into();
+    std::fs::write(&cfg, v.to_string()).unwrap();
+    let store = tmp.path().join("store");
+    sluiced_ok(&["pack", src.to_str().unwrap(), "-o", store.to_str().unwrap()]);
+    let store = store.to_str().unwrap().to_string();
+    let d = Daemon::serve(tmp, &["--model", &store], &["--max-context", "64"]);
+    let post = |path: &str, body: &str| post_json(&d.http, path, body);
+    let chat = r#"{"messages":[{"role":"user","content":"hi"}],"max_tokens":2}"#;
+    for _ in 0..2 {
+        let (code, body) = post("/v1/chat/completions", chat);
+        assert_eq!(code, 400, "{body}");
+        assert!(body.contains("worker process may use"), "{body}");
+        // A completion needs no template: it is served.
+        let (code, body) = post("/v1/completions", r#"{"prompt":"hi","max_tokens":2}"#);
+        assert_eq!(code, 200, "{body}");
+    }
+    let mut d = d;
+    assert!(d.child.try_wait().unwrap().is_none(), "the daemon died");
+}

@@ -50,6 +50,9 @@ enum Cmd {
     /// Stream every layer of a store through the I/O engine and report rates against
     /// their limits measured in the same run.
     BenchIo(bench::BenchIoArgs),
+    /// Internal: renders chat templates for the daemon under a memory limit.
+    #[command(name = "template-worker", hide = true)]
+    TemplateWorker,
 }
 
 fn main() -> std::process::ExitCode {
@@ -65,7 +68,7 @@ fn main() -> std::process::ExitCode {
         .with_ansi(colour)
         .init();
     let cli = Cli::parse();
-    if !matches!(cli.cmd, Cmd::Serve(_)) {
+    if !matches!(cli.cmd, Cmd::Serve(_) | Cmd::TemplateWorker) {
         // The model tools write tables for pipes like `| head`: die quietly on a closed
         // pipe as Unix tools do, instead of panicking in println!. The daemon keeps the
         // default handling (ignored) for its sockets.
@@ -86,6 +89,9 @@ fn main() -> std::process::ExitCode {
         Cmd::Synth(a) => synth::run(a),
         Cmd::BenchStream(a) => bench::run_stream(a),
         Cmd::BenchIo(a) => bench::run_io(a),
+        Cmd::TemplateWorker => sluice::text::sandbox::worker_main()
+            .map(|()| std::process::ExitCode::SUCCESS)
+            .map_err(anyhow::Error::msg),
     };
     match result {
         Ok(code) => code,

@@ -2,6 +2,7 @@
 
 pub mod detok;
 pub mod sampler;
+pub mod sandbox;
 pub mod spm;
 pub mod template;
 pub mod tokenizer;

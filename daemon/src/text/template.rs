@@ -2,7 +2,8 @@
 //! transformers' `apply_chat_template` (trim_blocks, lstrip_blocks, Python string methods,
 //! `raise_exception`, `strftime_now`).
 
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
 
 /// Instructions one render may run: real templates need a few hundred per message (a
 /// thousand messages stay far below); a template that loops without end stops here, in
@@ -18,7 +19,13 @@ pub const TEMPLATE_OUTPUT_SLACK: usize = 1 << 20;
 #[error("chat template: {0}")]
 pub struct TemplateError(String);
 
-#[derive(Clone, Debug, Serialize, PartialEq, Eq)]
+impl TemplateError {
+    pub(crate) fn new(msg: impl Into<String>) -> TemplateError {
+        TemplateError(msg.into())
+    }
+}
+
+#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
@@ -28,6 +35,21 @@ pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
     bos: String,
     eos: String,
+    /// Renders go there (with the source), not to `env`.
+    sandbox: Option<(Arc<dyn Renderer>, String)>,
+}
+
+/// Renders a template's source elsewhere (`sandbox::TemplateSandbox`: in a worker
+/// process).
+pub trait Renderer: Send + Sync {
+    fn render(
+        &self,
+        source: &str,
+        bos: &str,
+        eos: &str,
+        messages: &[ChatMessage],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError>;
 }
 
 impl ChatTemplate {
@@ -55,7 +77,26 @@ impl ChatTemplate {
         });
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| TemplateError(e.to_string()))?;
-        Ok(ChatTemplate { env, bos, eos })
+        Ok(ChatTemplate {
+            env,
+            bos,
+            eos,
+            sandbox: None,
+        })
+    }
+
+    /// A template compiled here (so a broken one fails at load) and rendered by `sandbox`
+    /// (a worker process, where a render that asks for too much memory kills only the
+    /// worker).
+    pub fn sandboxed(
+        source: &str,
+        bos: String,
+        eos: String,
+        sandbox: Arc<dyn Renderer>,
+    ) -> Result<ChatTemplate, TemplateError> {
+        let mut t = ChatTemplate::new(source, bos, eos)?;
+        t.sandbox = Some((sandbox, source.to_string()));
+        Ok(t)
     }
 
     pub fn render(
@@ -63,6 +104,15 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        if let Some((sandbox, source)) = &self.sandbox {
+            return sandbox.render(
+                source,
+                &self.bos,
+                &self.eos,
+                messages,
+                add_generation_prompt,
+            );
+        }
         let t = self
             .env
             .get_template("chat")

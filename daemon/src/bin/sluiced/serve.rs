@@ -239,6 +239,8 @@ struct ModelLoader {
     metrics: Arc<Metrics>,
     limits: RequestLimits,
     read_timeout: Option<Duration>,
+    /// The worker process every model's chat template renders in.
+    templates: Arc<sluice::text::sandbox::TemplateSandbox>,
 }
 
 impl ModelLoader {
@@ -286,10 +288,11 @@ impl ModelLoader {
         let template = match &m.chat_template {
             Some(src) => {
                 let piece = |id: Option<u32>| id.map(|i| tokenizer.piece(i)).unwrap_or_default();
-                Some(Arc::new(ChatTemplate::new(
+                Some(Arc::new(ChatTemplate::sandboxed(
                     src,
                     piece(m.special.bos),
                     piece(m.special.eos),
+                    self.templates.clone(),
                 )?))
             }
             None => None,
@@ -507,6 +510,9 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         metrics: metrics.clone(),
         limits,
         read_timeout: cfg.read_timeout().map_err(anyhow::Error::msg)?,
+        templates: Arc::new(sluice::text::sandbox::TemplateSandbox::new(
+            std::env::current_exe().context("the path of this sluiced, for its template worker")?,
+        )),
     };
     let pinned = match &cfg.model {
         Some(m) => {
