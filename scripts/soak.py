@@ -10,7 +10,8 @@ prompts longer than the context. Then it checks:
   RESOURCE_EXHAUSTED); every invalid one its 400 / INVALID_ARGUMENT; nothing else;
 - no sequence is left in the batch and nothing in the queue; every read buffer is free
   and the staging slots stand as before the soak;
-- the resident set at the end is within --rss-slack MiB of the one after warm-up;
+- the resident set at the end is within --rss-slack MiB of the one after warm-up, and the
+  heap's live allocations (glibc mallinfo2) at the end are no more than at warm-up;
 - greedy outputs after the soak equal those before.
 
 It prints requests/s, p50/p99 time to first token, tokens/s, RSS start/end, then one JSON
@@ -290,6 +291,7 @@ def main():
         t.start()
     time.sleep(args.warmup_s)
     rss_warm = rss_kib(daemon.pid)
+    heap_warm = stub.Status(pb.StatusRequest()).host_heap_in_use_bytes
     warm_outcomes = sum(stats.outcomes.values())
     time.sleep(max(0.0, args.minutes * 60 - args.warmup_s))
     stop.set()
@@ -307,6 +309,7 @@ def main():
     after = greedy()
     io_after = io_settled()
     rss_end = rss_kib(daemon.pid)
+    heap_end = stub.Status(pb.StatusRequest()).host_heap_in_use_bytes
     daemon.terminate()
     daemon.wait(timeout=60)
 
@@ -321,6 +324,9 @@ def main():
         # Each greedy run ends the same way, so the staging slots it leaves prefetched match.
         "no_io_buffer_or_slot_in_use": io_before is not None and io_before == io_after,
         "rss_within_slack": abs(rss_delta_mib) <= args.rss_slack,
+        # Live allocations at idle after the soak are no more than under load at warm-up
+        # (plus a MiB): a leak grows them; the allocator keeping freed pages grows only RSS.
+        "heap_in_use_not_grown": heap_end <= heap_warm + 2**20,
         "greedy_outputs_unchanged": before == after,
     }
     print(f"soak: {wall / 60:.1f} min, {args.clients} clients, {total} requests "
@@ -330,6 +336,8 @@ def main():
     print(f"time to first token  p50 {pct(0.5):.3f} s  p99 {pct(0.99):.3f} s")
     print(f"tokens/s             {stats.tokens / wall:.1f} (streamed pieces, all requests)")
     print(f"RSS                  {rss_warm / 1024:.1f} MiB after warm-up, {rss_end / 1024:.1f} MiB at the end ({rss_delta_mib:+.1f})")
+    print(f"heap in use          {heap_warm / 2**20:.1f} MiB after warm-up, {heap_end / 2**20:.1f} MiB at the end "
+          f"({(heap_end - heap_warm) / 2**20:+.1f}; glibc mallinfo2: live allocations only)")
     print(f"layers streamed      {st.layers_streamed} of {st.layers_streamed + st.layers_resident}")
     print(f"I/O pools at idle    before {io_before}, after {io_after} (read buffers free, of, staging slots free)")
     for f in stats.failures[:10]:
@@ -340,6 +348,7 @@ def main():
                       "requests_per_s": total / wall, "ttft_p50_s": pct(0.5),
                       "ttft_p99_s": pct(0.99), "tokens_per_s": stats.tokens / wall,
                       "rss_warm_mib": rss_warm / 1024, "rss_end_mib": rss_end / 1024,
+                      "heap_in_use_warm_mib": heap_warm / 2**20, "heap_in_use_end_mib": heap_end / 2**20,
                       "outcomes": stats.outcomes, "failures": len(stats.failures),
                       "checks": checks}))
     sys.exit(0 if all(checks.values()) else 1)

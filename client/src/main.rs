@@ -559,7 +559,7 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
                 "io_read_buffers": st.io_read_buffers, "io_read_buffers_free": st.io_read_buffers_free,
                 "io_slots": st.io_slots, "io_slots_free": st.io_slots_free,
                 "io_units_failed": st.io_units_failed, "io_reads_stalled": st.io_reads_stalled,
-                "io_short_reads": st.io_short_reads,
+                "io_short_reads": st.io_short_reads, "host_heap_in_use_bytes": st.host_heap_in_use_bytes,
             })
         );
     } else {

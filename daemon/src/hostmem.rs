@@ -46,6 +46,23 @@ pub fn peak_rss_bytes() -> Option<u64> {
     status_bytes("VmHWM")
 }
 
+/// Bytes the C heap holds for live allocations now (glibc's `mallinfo2`: small blocks in
+/// use plus mmapped ones), without the freed space the allocator keeps: a resident set
+/// that grows while this stays flat is the allocator's high-water mark, not a leak. None
+/// off glibc.
+pub fn heap_in_use_bytes() -> Option<u64> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 takes no arguments and returns a struct by value.
+        let m = unsafe { libc::mallinfo2() };
+        Some((m.uordblks + m.hblkhd) as u64)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        None
+    }
+}
+
 /// `MemAvailable` of /proc/meminfo.
 pub fn mem_available() -> Option<u64> {
     kib_field("/proc/meminfo", "MemAvailable")

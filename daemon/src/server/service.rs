@@ -297,6 +297,7 @@ impl Inference for Service {
             io_units_failed: s.io.units_failed,
             io_reads_stalled: s.io.reads_stalled,
             io_short_reads: s.io.short_reads,
+            host_heap_in_use_bytes: crate::hostmem::heap_in_use_bytes().unwrap_or(0),
         }))
     }
 
