@@ -167,6 +167,17 @@ pub const PROMPTS: [&str; 16] = [
     "Electric cars are becoming popular because",
 ];
 
+/// `serve` flags under which SmolLM2 streams all but its embedding, head and two layers
+/// (so every request reads the disk again), one short sequence at a time.
+pub const ALL_STREAMING: [&str; 6] = [
+    "--max-context",
+    "64",
+    "--max-batch",
+    "1",
+    "--device-memory",
+    "48MiB",
+];
+
 /// A free TCP port on loopback (bound, then released for the daemon to take).
 pub fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")

@@ -84,19 +84,9 @@ fn eio_short_reads_and_stalls_under_a_serving_daemon_fail_only_the_requests_they
     std::fs::write(&control, "").unwrap();
     // Every layer streams, so every request reads the disk; one sequence at a time keeps
     // each request's reads its own.
-    let d = Daemon::start_env(
-        &[
-            "--max-context",
-            "64",
-            "--max-batch",
-            "1",
-            "--device-memory",
-            "48MiB",
-            "--read-timeout",
-            "1s",
-        ],
-        &[("SLUICE_FAULTS", control.to_str().unwrap())],
-    );
+    let mut flags = ALL_STREAMING.to_vec();
+    flags.extend(["--read-timeout", "1s"]);
+    let d = Daemon::start_env(&flags, &[("SLUICE_FAULTS", control.to_str().unwrap())]);
     let (code, v) = complete(&d);
     assert_eq!(code, 200, "{v}");
     let want = text(&v);

@@ -498,14 +498,7 @@ fn each_error_has_its_status_and_openai_shape_and_the_daemon_keeps_serving() {
 /// A daemon whose every layer streams (so each request reads the file again), and the
 /// store's streamed units.
 fn all_streaming() -> (Daemon, Vec<sluice::store::LayerUnit>) {
-    let d = Daemon::start(&[
-        "--max-context",
-        "64",
-        "--max-batch",
-        "1",
-        "--device-memory",
-        "48MiB",
-    ]);
+    let d = Daemon::start(&ALL_STREAMING);
     let store = sluice::store::Store::open(&d.store()).unwrap();
     let st = status_json(&d);
     let streamed: Vec<String> = st["layers"]

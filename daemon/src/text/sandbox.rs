@@ -11,6 +11,7 @@
 
 use super::template::{ChatMessage, ChatTemplate, Renderer, TemplateError};
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::{BufReader, Read, Write};
 use std::path::PathBuf;
@@ -25,12 +26,13 @@ pub const WORKER_COMMAND: &str = "template-worker";
 /// A request or an answer larger than this is refused (the request body limit is MiBs).
 const FRAME_MAX: usize = 256 << 20;
 
+/// Borrowed where the daemon writes it, owned where the worker reads it.
 #[derive(Serialize, Deserialize)]
-struct Job {
-    source: String,
-    bos: String,
-    eos: String,
-    messages: Vec<ChatMessage>,
+struct Job<'a> {
+    source: Cow<'a, str>,
+    bos: Cow<'a, str>,
+    eos: Cow<'a, str>,
+    messages: Cow<'a, [ChatMessage]>,
     add_generation_prompt: bool,
 }
 
@@ -87,7 +89,11 @@ pub fn worker_main() -> Result<(), String> {
         let answer = match serde_json::from_slice::<Job>(&frame) {
             Err(e) => Answer::Error(format!("bad request to the template worker: {e}")),
             Ok(job) => {
-                let key = (job.source, job.bos, job.eos);
+                let key = (
+                    job.source.into_owned(),
+                    job.bos.into_owned(),
+                    job.eos.into_owned(),
+                );
                 if !compiled.contains_key(&key) {
                     if compiled.len() >= 16 {
                         compiled.clear();
@@ -184,10 +190,10 @@ impl Renderer for TemplateSandbox {
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
         let job = serde_json::to_vec(&Job {
-            source: source.to_string(),
-            bos: bos.to_string(),
-            eos: eos.to_string(),
-            messages: messages.to_vec(),
+            source: Cow::Borrowed(source),
+            bos: Cow::Borrowed(bos),
+            eos: Cow::Borrowed(eos),
+            messages: Cow::Borrowed(messages),
             add_generation_prompt,
         })
         .map_err(|e| TemplateError::new(e.to_string()))?;
