@@ -16,9 +16,14 @@ transformers (which dequantizes the GGUF to float32). Writes into tests/fixtures
                            (eos <eos>) with the top1 - top2 logit margin at each step (float32), the
                            float64 greedy tokens, and llama.cpp's own 48 greedy tokens and top logits
                            (argmax over llm.eval, n_ctx 512) for information
+  (step "steps", added to an existing gemma3-270m.json)
+                           llama_cpp_step_max_abs_diff: teacher-forced over prompt + transformers'
+                           greedy tokens, at each of the 48 steps the largest |llama.cpp - transformers|
+                           over the whole logit vector (both float32): how far an engine that
+                           quantizes every activation to 8 bits lands from transformers, step by step
 
     pip install torch transformers accelerate gguf sentencepiece numpy llama-cpp-python
-    python3 scripts/make_gemma_reference.py [path/to/gemma-3-270m-q4_k_m.gguf] [tokens] [model]
+    python3 scripts/make_gemma_reference.py [path/to/gemma-3-270m-q4_k_m.gguf] [tokens] [model] [steps]
 """
 import json
 import os
@@ -210,16 +215,44 @@ def model_reference(gguf_path):
               f"greedy==llama.cpp {c['greedy'] == c['llama_cpp_greedy']}")
 
 
+def step_differences(gguf_path):
+    """Adds llama_cpp_step_max_abs_diff to each case of gemma3-270m.json (see the docstring)."""
+    d, f = os.path.split(gguf_path)
+    model = AutoModelForCausalLM.from_pretrained(d, gguf_file=f, torch_dtype=torch.float32, attn_implementation="eager")
+    model.eval()
+    llm = llama_cpp.Llama(model_path=gguf_path, n_ctx=512, n_batch=512, logits_all=True, verbose=False)
+    path = os.path.join(OUT, "gemma3-270m.json")
+    with open(path) as fh:
+        ref = json.load(fh)
+    for c in ref["cases"]:
+        ids, greedy_ids = c["prompt_token_ids"], c["greedy"]
+        seq = ids + greedy_ids
+        with torch.no_grad():
+            tf = model(torch.tensor([seq])).logits[0].double().numpy()
+        llm.reset()
+        llm.eval(seq)
+        lc = np.array(llm.scores[: len(seq)], dtype=np.float64)
+        # Step t predicts greedy[t] from position len(ids) - 1 + t.
+        diffs = [float(np.abs(lc[len(ids) - 1 + t] - tf[len(ids) - 1 + t]).max()) for t in range(len(greedy_ids))]
+        c["llama_cpp_step_max_abs_diff"] = [round(x, 5) for x in diffs]
+        print(f"{c['text']!r}: llama.cpp vs transformers per step: max {max(diffs):.3f}, median {float(np.median(diffs)):.3f}")
+    ref["source"] += "; llama_cpp_step_max_abs_diff: llama-cpp-python logits_all over prompt + greedy, vs transformers float32"
+    with open(path, "w") as fh:
+        json.dump(ref, fh, indent=1)
+
+
 def main():
     args = sys.argv[1:]
     gguf_path = next((a for a in args if a.endswith(".gguf")), DEFAULT_GGUF)
-    steps = [a for a in args if a in ("tokens", "model")] or ["tokens", "model"]
+    steps = [a for a in args if a in ("tokens", "model", "steps")] or ["tokens", "model", "steps"]
     os.makedirs(OUT, exist_ok=True)
     torch.manual_seed(0)
     if "tokens" in steps:
         tokens(gguf_path)
     if "model" in steps:
         model_reference(gguf_path)
+    if "steps" in steps:
+        step_differences(gguf_path)
 
 
 if __name__ == "__main__":

@@ -619,13 +619,13 @@ fn gemma3_270m_matches_transformers() {
     );
 }
 
-/// The default numerics (f16 KV cache; 8-bit activations for decode rows of q4_0, q4_1 and
-/// q8_0 weights, here Gemma's q8_0 layer matrices) against
+/// The default numerics (f16 KV cache; 8-bit activations for the decode rows of every
+/// layer matrix, here Gemma's q8_0, q5_0, q4_k and q6_k; 16-bit into the head) against
 /// transformers' f32 run of Gemma 3 270M and against sluice's exact path, teacher-forced
-/// over transformers' greedy continuations: every step's logits stay within a tolerance of
-/// the exact path's, and wherever transformers' top-2 margin exceeds twice that step's
-/// measured difference (plus the exact path's own 1e-4 from transformers) the fast path
-/// picks transformers' token.
+/// over transformers' greedy continuations: the steps' logits stay as close to the exact
+/// path's (itself within 1e-4 of transformers) as llama.cpp's are to transformers at the
+/// same steps, and wherever transformers' top-2 margin exceeds twice that step's measured
+/// difference (plus the exact path's own 1e-4) the fast path picks transformers' token.
 #[test]
 fn the_fast_path_agrees_with_transformers_wherever_the_margin_allows() {
     let r = reference("gemma3-270m.json");
@@ -634,12 +634,29 @@ fn the_fast_path_agrees_with_transformers_wherever_the_margin_allows() {
     let mut exact = load_as(&gemma3_gguf(), &tmp.path().join("e"), 512, 64, true);
     assert!(!fast.options().exact && fast.options().kv_dtype == sluice::backend::KvDtype::F16);
     // Tolerance on logits, which here span about +-30. The f16 cache alone moved them by
-    // 2e-2 (11 significant bits of K and V); 8-bit activations into Gemma's q8_0 layer
-    // matrices by up to 0.33 (the head keeps f32 activations: `Backend::matmul_head`). llama.cpp, which quantizes the
-    // activations of every matrix, is up to 1.03 from transformers at these very positions
-    // (the reference records its logits): the fast path must stay within llama.cpp's own
-    // distance from transformers, and within 0.75 of the exact path at every step.
-    const TOL: f64 = 0.75;
+    // 2e-2 (11 significant bits of K and V); 8-bit activations into every layer matrix by
+    // up to 1.31 (measured; the head's 16 bits add about 1e-3: `Backend::matmul_head`).
+    // llama.cpp, which quantizes the activations of every matrix to 8 bits (the K-quants'
+    // per 256, coarser than sluice's per 32), is up to 2.49 from transformers at these very
+    // steps, median 0.81 to 1.45 per prompt (`llama_cpp_step_max_abs_diff`, recorded by
+    // scripts/make_gemma_reference.py): the fast path must stay within llama.cpp's worst
+    // and within its median.
+    let llama_steps: Vec<f64> = r["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .flat_map(|c| floats(&c["llama_cpp_step_max_abs_diff"]))
+        .collect();
+    let median = |v: &[f64]| {
+        let mut v = v.to_vec();
+        v.sort_by(f64::total_cmp);
+        v[v.len() / 2]
+    };
+    let (tol, llama_median) = (
+        llama_steps.iter().cloned().fold(0f64, f64::max),
+        median(&llama_steps),
+    );
+    let mut diffs = Vec::new();
     let mut worst = 0f64;
     let (mut worst_prompt, mut llama_cpp) = (0f64, 0f64);
     let (mut decided, mut steps) = (0, 0);
@@ -678,6 +695,7 @@ fn the_fast_path_agrees_with_transformers_wherever_the_margin_allows() {
                 .zip(&le)
                 .fold(0f64, |m, (a, b)| m.max((*a as f64 - *b as f64).abs()));
             worst = worst.max(d);
+            diffs.push(d);
             steps += 1;
             if margins[t] > 2.0 * d + 2e-4 {
                 let top = lf
@@ -696,15 +714,25 @@ fn the_fast_path_agrees_with_transformers_wherever_the_margin_allows() {
             input = vec![next];
         }
     }
-    eprintln!("fast path vs exact: largest logit difference {worst:.3e}; {decided} of {steps} steps decided; at the prompts' last positions fast path vs transformers {worst_prompt:.3}, llama.cpp vs transformers {llama_cpp:.3}");
-    assert!(worst <= TOL, "fast path logits differ by {worst}");
+    let fast_median = median(&diffs);
+    eprintln!("fast path vs exact: largest logit difference {worst:.3e}, median {fast_median:.3}; llama.cpp vs transformers at the same steps: largest {tol:.3}, median {llama_median:.3}; {decided} of {steps} steps decided; at the prompts' last positions fast path vs transformers {worst_prompt:.3}, llama.cpp vs transformers {llama_cpp:.3}");
+    assert_eq!(llama_steps.len(), steps, "a llama.cpp difference per step");
+    assert!(
+        worst <= tol,
+        "fast path logits differ by {worst}, llama.cpp's by {tol}"
+    );
+    assert!(
+        fast_median <= llama_median,
+        "fast path's median step difference {fast_median}, llama.cpp's {llama_median}"
+    );
     assert!(
         worst_prompt <= llama_cpp,
         "the fast path is {worst_prompt} from transformers, llama.cpp {llama_cpp}"
     );
-    // Every step whose margin allows is checked (all agree); most do (measured 126 of 144).
+    // Every step whose margin allows is checked (all agree); most do (measured 92 of 144:
+    // a larger difference leaves fewer margins decisive).
     assert!(
-        decided * 3 >= steps * 2,
+        decided * 2 >= steps,
         "only {decided} of {steps} steps decisive"
     );
 }

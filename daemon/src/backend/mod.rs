@@ -397,9 +397,11 @@ pub trait Backend: Send + Sync {
         bias: Option<WeightRef<'_, Self::Mem>>,
         out: &mut Self::Mem,
     );
-    /// `matmul` for the output head, whose logits decide the token: activations stay f32
-    /// on every path (8-bit activations there flip near-ties: SmolLM2's chat answer to
-    /// "What is the capital of France?" has a 0.08 top-2 margin). Default: `matmul`.
+    /// `matmul` for the output head, whose logits decide the token: activations keep at
+    /// least 16 bits on every path (8-bit activations there flip near-ties: SmolLM2's chat
+    /// answer to "What is the capital of France?" has a 0.08 top-2 margin). The CPU's fast
+    /// path quantizes them to 16 bits (a step of max|x| / 32767 per 32), `--exact` keeps
+    /// f32. Default: `matmul`.
     fn matmul_head(
         &self,
         x: &Self::Mem,

@@ -288,6 +288,107 @@ pub(super) mod avx2 {
         }
     }
 
+    /// The sums of KB (2 or 4) vectors of eight lanes, lane by lane in one fixed tree
+    /// whatever KB: ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)); sum k in lane k.
+    ///
+    /// # Safety
+    /// AVX.
+    #[inline(always)]
+    unsafe fn sums_of<const KB: usize>(a: &[__m256; KB]) -> __m128 {
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let h = if KB == 4 {
+                _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]))
+            } else {
+                let h01 = _mm256_hadd_ps(a[0], a[1]);
+                _mm256_hadd_ps(h01, h01)
+            };
+            _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps::<1>(h))
+        }
+    }
+
+    /// `sc[g * n + j] = q[g] . key j` for the G query heads of one KV head (`q`: G rows
+    /// of `hd`, hd a multiple of 8), each key converted from f16 once for all G; KB keys
+    /// at a time (the last group padded with the last key), their lanes summed together
+    /// (`sums_of`), so a score's bits do not depend on G, KB or where its key falls.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; every `ks[ats[j]..ats[j] + hd]` is in bounds; `sc` has G * n;
+    /// KB is 2 or 4.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::backend::cpu) unsafe fn group_scores_f16<const G: usize, const KB: usize>(
+        q: &[f32],
+        hd: usize,
+        ks: &[u16],
+        ats: &[usize],
+        sc: &mut [f32],
+    ) {
+        let n = ats.len();
+        // SAFETY: this function's contract.
+        unsafe {
+            let mut j = 0;
+            while j < n {
+                let at: [usize; KB] =
+                    std::array::from_fn(|i| *ats.get_unchecked((j + i).min(n - 1)));
+                let mut acc = [[_mm256_setzero_ps(); KB]; G];
+                for c in (0..hd).step_by(8) {
+                    for (kk, &a) in at.iter().enumerate() {
+                        let kv = _mm256_cvtph_ps(_mm_loadu_si128(
+                            ks.as_ptr().add(a + c) as *const __m128i
+                        ));
+                        for (g, acc_g) in acc.iter_mut().enumerate() {
+                            acc_g[kk] = _mm256_fmadd_ps(
+                                _mm256_loadu_ps(q.as_ptr().add(g * hd + c)),
+                                kv,
+                                acc_g[kk],
+                            );
+                        }
+                    }
+                }
+                let take = KB.min(n - j);
+                for (g, acc_g) in acc.iter().enumerate() {
+                    let mut out = [0f32; 4];
+                    _mm_storeu_ps(out.as_mut_ptr(), sums_of::<KB>(acc_g));
+                    sc[g * n + j..g * n + j + take].copy_from_slice(&out[..take]);
+                }
+                j += KB;
+            }
+        }
+    }
+
+    /// `o[g] = sum over j of p[g * n + j] * value j`, keys in order, for the G heads of
+    /// one KV head (`o`: G rows of `hd`, a multiple of 8), each value converted once for
+    /// all G.
+    ///
+    /// # Safety
+    /// AVX2, FMA and F16C; every `vs[ats[j]..ats[j] + hd]` is in bounds; `p` has G * n.
+    #[target_feature(enable = "avx2,fma,f16c")]
+    pub(in crate::backend::cpu) unsafe fn group_pv_f16<const G: usize>(
+        p: &[f32],
+        hd: usize,
+        vs: &[u16],
+        ats: &[usize],
+        o: &mut [f32],
+    ) {
+        let n = ats.len();
+        // SAFETY: this function's contract.
+        unsafe {
+            for c in (0..hd).step_by(8) {
+                let mut acc = [_mm256_setzero_ps(); G];
+                for (j, &at) in ats.iter().enumerate() {
+                    let vv =
+                        _mm256_cvtph_ps(_mm_loadu_si128(vs.as_ptr().add(at + c) as *const __m128i));
+                    for (g, a) in acc.iter_mut().enumerate() {
+                        *a = _mm256_fmadd_ps(_mm256_set1_ps(*p.get_unchecked(g * n + j)), vv, *a);
+                    }
+                }
+                for (g, a) in acc.into_iter().enumerate() {
+                    _mm256_storeu_ps(o.as_mut_ptr().add(g * hd + c), a);
+                }
+            }
+        }
+    }
+
     /// # Safety
     /// AVX2, FMA and F16C; each `k[at[r]..at[r] + q.len()]` is in bounds.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -739,6 +840,104 @@ pub fn dot_f16(q: &[f32], k: &[u16]) -> f32 {
     (q.len() / 8 * 8..q.len()).fold(s, |d, i| d + q[i] * half::f16::from_bits(k[i]).to_f32())
 }
 
+/// Whether the grouped f16 attention kernels run here for heads of `hd`.
+pub fn has_group_f16(hd: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        hd.is_multiple_of(8) && has_avx2()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = hd;
+        false
+    }
+}
+
+/// The most query heads the grouped attention kernels take at once (their register
+/// budget, and the attention scratch: `GROUP_MAX` rows of scores a thread).
+pub const GROUP_MAX: usize = 4;
+
+/// Runs `body` with `g0` and a constant `G` over the heads `0..heads` in groups of at most
+/// `GROUP_MAX`; a head's numbers do not depend on its group's size.
+macro_rules! by_groups {
+    ($heads:expr, |$g0:ident, $G:ident| $body:expr) => {{
+        let mut $g0 = 0;
+        while $g0 < $heads {
+            match ($heads - $g0).min(GROUP_MAX) {
+                1 => {
+                    const $G: usize = 1;
+                    $body
+                }
+                2 => {
+                    const $G: usize = 2;
+                    $body
+                }
+                3 => {
+                    const $G: usize = 3;
+                    $body
+                }
+                _ => {
+                    const $G: usize = 4;
+                    $body
+                }
+            }
+            $g0 += ($heads - $g0).min(GROUP_MAX);
+        }
+    }};
+}
+
+/// Scores of the query heads `q` (rows of `hd`) sharing one KV head against the f16 keys
+/// at `ats`: `sc[g * n + j]` (n = ats.len()). Per head: eight lanes over the dimensions,
+/// summed in a fixed order, whatever the number of heads (see `has_group_f16`).
+pub fn group_scores_f16(q: &[f32], hd: usize, ks: &[u16], ats: &[usize], sc: &mut [f32]) {
+    let (heads, n) = (q.len() / hd, ats.len());
+    assert!(has_group_f16(hd) && sc.len() >= heads * n && ats.iter().all(|&a| a + hd <= ks.len()));
+    #[cfg(target_arch = "x86_64")]
+    by_groups!(heads, |g0, G| {
+        // SAFETY: AVX2/FMA/F16C present and every key in bounds (asserted); this group's
+        // rows of q and sc. Four keys at a time up to three heads, two for four (so the
+        // accumulators fit the sixteen registers).
+        unsafe {
+            avx2::group_scores_f16::<
+                G,
+                {
+                    if G <= 3 {
+                        4
+                    } else {
+                        2
+                    }
+                },
+            >(
+                &q[g0 * hd..(g0 + G) * hd],
+                hd,
+                ks,
+                ats,
+                &mut sc[g0 * n..(g0 + G) * n],
+            )
+        }
+    });
+}
+
+/// `o[g] = sum_j p[g * n + j] * value j` for the heads sharing one KV head (`o`: rows of
+/// `hd`, overwritten), f16 values at `ats`, keys in order.
+pub fn group_pv_f16(p: &[f32], hd: usize, vs: &[u16], ats: &[usize], o: &mut [f32]) {
+    let (heads, n) = (o.len() / hd, ats.len());
+    assert!(has_group_f16(hd) && p.len() >= heads * n && ats.iter().all(|&a| a + hd <= vs.len()));
+    #[cfg(target_arch = "x86_64")]
+    by_groups!(heads, |g0, G| {
+        // SAFETY: as group_scores_f16.
+        unsafe {
+            avx2::group_pv_f16::<G>(
+                &p[g0 * n..(g0 + G) * n],
+                hd,
+                vs,
+                ats,
+                &mut o[g0 * hd..(g0 + G) * hd],
+            )
+        }
+    });
+}
+
 /// q . k for four f16 rows at once (`k[r]` starts at `at[r]`, `q.len()` long): the same
 /// lanes as `dot_f16` per row, q loaded once for the four.
 pub fn dot4_f16(q: &[f32], k: &[u16], at: [usize; 4]) -> [f32; 4] {
@@ -925,6 +1124,87 @@ pub(super) mod tests {
                         "{dtype} dequant row {r} col {i}: {got} vs {want}"
                     );
                 }
+            }
+        }
+    }
+
+    /// The grouped f16 attention kernels: a head's scores and weighted sums are the same
+    /// bits whether it runs alone or with up to three other heads, and a score's bits do not
+    /// depend on how many keys there are (the last group of keys is padded); both match f64.
+    #[test]
+    fn grouped_attention_kernels_match_f64_and_do_not_depend_on_the_grouping() {
+        if !has_group_f16(64) {
+            eprintln!("SKIPPED: no AVX2 on this CPU");
+            return;
+        }
+        let (hd, heads, keys) = (64usize, 4usize, 23usize);
+        let f16s = |v: Vec<f32>| -> Vec<u16> {
+            v.iter()
+                .map(|&x| half::f16::from_f32(x).to_bits())
+                .collect()
+        };
+        let (ks, vs) = (
+            f16s(rand_vec(keys * 2 * hd, 21)),
+            f16s(rand_vec(keys * 2 * hd, 22)),
+        );
+        let q = rand_vec(heads * hd, 23);
+        // Every other row of a two-head-wide cache, as the KV heads of a layer sit.
+        let ats: Vec<usize> = (0..keys).map(|j| j * 2 * hd + hd).collect();
+        let mut all = vec![0f32; heads * keys];
+        group_scores_f16(&q, hd, &ks, &ats, &mut all);
+        let kf = |j: usize, d: usize| half::f16::from_bits(ks[ats[j] + d]).to_f32() as f64;
+        for h in 0..heads {
+            let mut one = vec![0f32; keys];
+            group_scores_f16(&q[h * hd..(h + 1) * hd], hd, &ks, &ats, &mut one);
+            for j in 0..keys {
+                assert_eq!(
+                    one[j].to_bits(),
+                    all[h * keys + j].to_bits(),
+                    "head {h} key {j}"
+                );
+                let want: f64 = (0..hd).map(|d| q[h * hd + d] as f64 * kf(j, d)).sum();
+                assert!(
+                    (one[j] as f64 - want).abs() <= 1e-4,
+                    "head {h} key {j}: {} vs {want}",
+                    one[j]
+                );
+            }
+            // Fewer keys: the scores of the keys kept are the same bits.
+            for n in [1, 2, 5, 22] {
+                let mut part = vec![0f32; n];
+                group_scores_f16(&q[h * hd..(h + 1) * hd], hd, &ks, &ats[..n], &mut part);
+                for j in 0..n {
+                    assert_eq!(
+                        part[j].to_bits(),
+                        one[j].to_bits(),
+                        "head {h} key {j} of {n}"
+                    );
+                }
+            }
+        }
+        let p = rand_vec(heads * keys, 24);
+        let mut o = vec![0f32; heads * hd];
+        group_pv_f16(&p, hd, &vs, &ats, &mut o);
+        for h in 0..heads {
+            let mut one = vec![0f32; hd];
+            group_pv_f16(&p[h * keys..(h + 1) * keys], hd, &vs, &ats, &mut one);
+            for d in 0..hd {
+                assert_eq!(
+                    one[d].to_bits(),
+                    o[h * hd + d].to_bits(),
+                    "head {h} dim {d}"
+                );
+                let want: f64 = (0..keys)
+                    .map(|j| {
+                        p[h * keys + j] as f64
+                            * half::f16::from_bits(vs[ats[j] + d]).to_f32() as f64
+                    })
+                    .sum();
+                assert!(
+                    (one[d] as f64 - want).abs() <= 1e-4,
+                    "head {h} dim {d}: {} vs {want}",
+                    one[d]
+                );
             }
         }
     }

@@ -69,7 +69,7 @@ unsafe fn bit_to_0x10(v: __m256i, bit: u32) -> __m256i {
 /// # Safety
 /// The CPU supports AVX2.
 #[inline(always)]
-unsafe fn bits32_to_0x10(qh: u32) -> __m256i {
+pub(super) unsafe fn bits32_to_0x10(qh: u32) -> __m256i {
     // SAFETY: this function's contract, which its caller upholds.
     unsafe {
         // Byte i takes byte i / 8 of qh, then keeps bit i % 8 of it.
@@ -88,6 +88,123 @@ unsafe fn bits32_to_0x10(qh: u32) -> __m256i {
     }
 }
 
+/// The pieces of a K-quant super-block as 32 integers each, in element order: shared by
+/// these f32 kernels and the integer ones (`q8.rs`).
+///
+/// Q4_K / Q5_K: sub-blocks 2p and 2p + 1 (u8, 0..16 or 0..32).
+///
+/// # Safety
+/// The CPU supports AVX2; `blk` is one whole block (144 or 176 bytes).
+#[inline(always)]
+pub(super) unsafe fn q45k_pair(blk: &[u8], p: usize, q5: bool) -> [__m256i; 2] {
+    // SAFETY: this function's contract; loads stay inside the block.
+    unsafe {
+        let m4 = _mm256_set1_epi8(0x0F);
+        let qs = if q5 { &blk[48..176] } else { &blk[16..144] };
+        let v = _mm256_loadu_si256(qs[32 * p..32 * p + 32].as_ptr() as *const __m256i);
+        let mut q = [
+            _mm256_and_si256(v, m4),
+            _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
+        ];
+        if q5 {
+            let qh = _mm256_loadu_si256(blk[16..48].as_ptr() as *const __m256i);
+            q[0] = _mm256_or_si256(q[0], bit_to_0x10(qh, 2 * p as u32));
+            q[1] = _mm256_or_si256(q[1], bit_to_0x10(qh, 2 * p as u32 + 1));
+        }
+        q
+    }
+}
+
+/// Q6_K: piece t4 of half h (elements 128h + 32 t4 ..), q - 32 as i8; its two 16-weight
+/// scales are bytes `192 + 8h + 2 t4` and the next.
+///
+/// # Safety
+/// The CPU supports AVX2; `blk` is one whole block (210 bytes).
+#[inline(always)]
+pub(super) unsafe fn q6k_piece(blk: &[u8], h: usize, t4: usize) -> __m256i {
+    // SAFETY: this function's contract; loads stay inside the block.
+    unsafe {
+        let qh = _mm256_loadu_si256(blk[128 + 32 * h..160 + 32 * h].as_ptr() as *const __m256i);
+        let at = 64 * h + 32 * (t4 % 2);
+        let ql = _mm256_loadu_si256(blk[at..at + 32].as_ptr() as *const __m256i);
+        let lo = _mm256_and_si256(
+            _mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (t4 / 2) as i32)),
+            _mm256_set1_epi8(0x0F),
+        );
+        let hi = _mm256_and_si256(
+            _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t4 as i32)),
+            _mm256_set1_epi8(0x03),
+        );
+        _mm256_sub_epi8(
+            _mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi)),
+            _mm256_set1_epi8(32),
+        )
+    }
+}
+
+/// Q2_K: piece c = 4h + j (elements 32c ..), two bits as u8; its scale/min bytes are
+/// 2c and 2c + 1 (one a 16 weights).
+///
+/// # Safety
+/// The CPU supports AVX2; `blk` is one whole block (84 bytes).
+#[inline(always)]
+pub(super) unsafe fn q2k_piece(blk: &[u8], h: usize, j: usize) -> __m256i {
+    // SAFETY: this function's contract; loads stay inside the block.
+    unsafe {
+        let qs = _mm256_loadu_si256(blk[16 + 32 * h..48 + 32 * h].as_ptr() as *const __m256i);
+        _mm256_and_si256(
+            _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32)),
+            _mm256_set1_epi8(0x03),
+        )
+    }
+}
+
+/// Q3_K: piece c = 4h + j (elements 32c ..), two bits - 4 unless the high bit, as i8.
+///
+/// # Safety
+/// The CPU supports AVX2; `blk` is one whole block (110 bytes).
+#[inline(always)]
+pub(super) unsafe fn q3k_piece(blk: &[u8], h: usize, j: usize) -> __m256i {
+    // SAFETY: this function's contract; loads stay inside the block.
+    unsafe {
+        let c = 4 * h + j;
+        let hmask = _mm256_loadu_si256(blk[0..32].as_ptr() as *const __m256i);
+        let qs = _mm256_loadu_si256(blk[32 + 32 * h..64 + 32 * h].as_ptr() as *const __m256i);
+        let ql = _mm256_and_si256(
+            _mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32)),
+            _mm256_set1_epi8(0x03),
+        );
+        let bit = _mm256_set1_epi8((1u8 << c) as i8);
+        let set = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit);
+        _mm256_sub_epi8(ql, _mm256_andnot_si256(set, _mm256_set1_epi8(4)))
+    }
+}
+
+/// Q3_K: the six-bit scale of 16-weight sub-block `sub`, times d.
+pub(super) fn q3k_scale(blk: &[u8], d: f32, sub: usize) -> f32 {
+    let s = &blk[96..108];
+    let lo = (s[sub % 8] >> (4 * (sub / 8))) & 0x0F;
+    let hi = (s[8 + sub % 4] >> (2 * (sub / 4))) & 0x03;
+    d * ((lo | (hi << 4)) as i8 - 32) as f32
+}
+
+/// IQ4_NL, MXFP4, IQ4_XS: piece ib's scale and its 16 bytes of four-bit indices.
+pub(super) fn lookup_piece(t: DType, blk: &[u8], ib: usize) -> (f32, &[u8]) {
+    match t {
+        // SAFETY (of the f16 reads): whole blocks; AVX2/F16C is every caller's contract.
+        DType::Iq4Nl => (unsafe { f16_scalar(blk, 0) }, &blk[2..18]),
+        DType::Mxfp4 => (ggml::e8m0_to_f32_half(blk[0]), &blk[1..17]),
+        _ => {
+            let lo = (blk[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
+            let hi = ((u16::from_le_bytes([blk[2], blk[3]]) >> (2 * ib)) & 3) as u8;
+            let ls = (lo | (hi << 4)) as i8 - 32;
+            // SAFETY: as above.
+            let d = unsafe { f16_scalar(blk, 0) };
+            (d * ls as f32, &blk[8 + 16 * ib..24 + 16 * ib])
+        }
+    }
+}
+
 /// Q4_K (and Q5_K with `q5`): per 32-weight sub-block j, d*sc_j * dot(q, x) - dmin*m_j *
 /// sum(x); `xsum` holds each row's sums per 32 elements.
 ///
@@ -103,31 +220,13 @@ unsafe fn dot_q45k<const N: usize>(
     // SAFETY: this function's contract, which its caller upholds.
     unsafe {
         let bb = if q5 { 176 } else { 144 };
-        let m4 = _mm256_set1_epi8(0x0F);
         let mut acc = [_mm256_setzero_ps(); N];
         let mut moff = [0f32; N];
         for b in 0..xs[0].len() / 256 {
             let blk = &w[b * bb..(b + 1) * bb];
             let (d, dmin) = (f16_scalar(blk, 0), f16_scalar(blk, 2));
-            let (qh, qs) = if q5 {
-                (
-                    _mm256_loadu_si256(blk[16..48].as_ptr() as *const __m256i),
-                    &blk[48..176],
-                )
-            } else {
-                (_mm256_setzero_si256(), &blk[16..144])
-            };
             for p in 0..4 {
-                let v = _mm256_loadu_si256(qs[32 * p..32 * p + 32].as_ptr() as *const __m256i);
-                let mut q = [
-                    _mm256_and_si256(v, m4),
-                    _mm256_and_si256(_mm256_srli_epi16::<4>(v), m4),
-                ];
-                if q5 {
-                    q[0] = _mm256_or_si256(q[0], bit_to_0x10(qh, 2 * p as u32));
-                    q[1] = _mm256_or_si256(q[1], bit_to_0x10(qh, 2 * p as u32 + 1));
-                }
-                for (half, qv) in q.into_iter().enumerate() {
+                for (half, qv) in q45k_pair(blk, p, q5).into_iter().enumerate() {
                     let j = 2 * p + half;
                     let (sc, m) = ggml::scale_min_k4(&blk[4..16], j);
                     let (ds, dm) = (_mm256_set1_ps(d * sc), dmin * m);
@@ -152,30 +251,13 @@ unsafe fn dot_q45k<const N: usize>(
 unsafe fn dot_q6k<const N: usize>(w: &[u8], xs: &[&[f32]; N]) -> [f32; N] {
     // SAFETY: this function's contract, which its caller upholds.
     unsafe {
-        let (m4, m3, k32) = (
-            _mm256_set1_epi8(0x0F),
-            _mm256_set1_epi8(0x03),
-            _mm256_set1_epi8(32),
-        );
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..xs[0].len() / 256 {
             let blk = &w[b * 210..(b + 1) * 210];
             let d = f16_scalar(blk, 208);
             for h in 0..2 {
-                let qh = _mm256_loadu_si256(blk[128 + 32 * h..].as_ptr() as *const __m256i);
                 for t4 in 0..4 {
-                    let at = 64 * h + 32 * (t4 % 2);
-                    let ql = _mm256_loadu_si256(blk[at..at + 32].as_ptr() as *const __m256i);
-                    let lo = _mm256_and_si256(
-                        _mm256_srl_epi16(ql, _mm_cvtsi32_si128(4 * (t4 / 2) as i32)),
-                        m4,
-                    );
-                    let hi = _mm256_and_si256(
-                        _mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * t4 as i32)),
-                        m3,
-                    );
-                    let q = _mm256_sub_epi8(_mm256_or_si256(lo, _mm256_slli_epi16::<4>(hi)), k32);
-                    let wv = i8x32_f32(q);
+                    let wv = i8x32_f32(q6k_piece(blk, h, t4));
                     let s = 192 + 8 * h + 2 * t4;
                     let (sa, sb) = (
                         _mm256_set1_ps(d * blk[s] as i8 as f32),
@@ -290,18 +372,13 @@ unsafe fn halves(
 unsafe fn dot_q2k<const N: usize>(w: &[u8], xs: &[&[f32]; N]) -> [f32; N] {
     // SAFETY: this function's contract, which its caller upholds.
     unsafe {
-        let m3 = _mm256_set1_epi8(0x03);
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..xs[0].len() / 256 {
             let blk = &w[b * 84..(b + 1) * 84];
             let (d, dmin) = (f16_scalar(blk, 80), f16_scalar(blk, 82));
             for h in 0..2 {
-                let qs =
-                    _mm256_loadu_si256(blk[16 + 32 * h..48 + 32 * h].as_ptr() as *const __m256i);
                 for j in 0..4 {
-                    let q =
-                        _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32)), m3);
-                    let wv = u8x32_f32(q);
+                    let wv = u8x32_f32(q2k_piece(blk, h, j));
                     let c = 4 * h + j;
                     let (sa, sb) = (blk[2 * c], blk[2 * c + 1]);
                     let scales = (
@@ -331,29 +408,15 @@ unsafe fn dot_q2k<const N: usize>(w: &[u8], xs: &[&[f32]; N]) -> [f32; N] {
 unsafe fn dot_q3k<const N: usize>(w: &[u8], xs: &[&[f32]; N]) -> [f32; N] {
     // SAFETY: this function's contract, which its caller upholds.
     unsafe {
-        let (m3, k4) = (_mm256_set1_epi8(0x03), _mm256_set1_epi8(4));
         let mut acc = [_mm256_setzero_ps(); N];
         for b in 0..xs[0].len() / 256 {
             let blk = &w[b * 110..(b + 1) * 110];
             let d = f16_scalar(blk, 108);
-            let s = &blk[96..108];
-            let scale = |sub: usize| {
-                let lo = (s[sub % 8] >> (4 * (sub / 8))) & 0x0F;
-                let hi = (s[8 + sub % 4] >> (2 * (sub / 4))) & 0x03;
-                _mm256_set1_ps(d * ((lo | (hi << 4)) as i8 - 32) as f32)
-            };
-            let hmask = _mm256_loadu_si256(blk[0..32].as_ptr() as *const __m256i);
+            let scale = |sub: usize| _mm256_set1_ps(q3k_scale(blk, d, sub));
             for h in 0..2 {
-                let qs =
-                    _mm256_loadu_si256(blk[32 + 32 * h..64 + 32 * h].as_ptr() as *const __m256i);
                 for j in 0..4 {
                     let c = 4 * h + j;
-                    let ql =
-                        _mm256_and_si256(_mm256_srl_epi16(qs, _mm_cvtsi32_si128(2 * j as i32)), m3);
-                    let bit = _mm256_set1_epi8((1u8 << c) as i8);
-                    let set = _mm256_cmpeq_epi8(_mm256_and_si256(hmask, bit), bit);
-                    let q = _mm256_sub_epi8(ql, _mm256_andnot_si256(set, k4));
-                    let wv = i8x32_f32(q);
+                    let wv = i8x32_f32(q3k_piece(blk, h, j));
                     let scales = (scale(2 * c), scale(2 * c + 1));
                     for r in 0..N {
                         let xp = xs[r].as_ptr().add(256 * b + 32 * c);
@@ -404,19 +467,7 @@ unsafe fn dot_lookup<const N: usize>(t: DType, w: &[u8], xs: &[&[f32]; N]) -> [f
             let blk = &w[b * bb..(b + 1) * bb];
             // Each 32-weight piece: its scale and its 16 bytes of indices.
             for ib in 0..be / 32 {
-                let (d, qs) = match t {
-                    DType::Iq4Nl => (f16_scalar(blk, 0), &blk[2..18]),
-                    DType::Mxfp4 => (ggml::e8m0_to_f32_half(blk[0]), &blk[1..17]),
-                    _ => {
-                        let lo = (blk[4 + ib / 2] >> (4 * (ib % 2))) & 0x0F;
-                        let hi = ((u16::from_le_bytes([blk[2], blk[3]]) >> (2 * ib)) & 3) as u8;
-                        let ls = (lo | (hi << 4)) as i8 - 32;
-                        (
-                            f16_scalar(blk, 0) * ls as f32,
-                            &blk[8 + 16 * ib..24 + 16 * ib],
-                        )
-                    }
-                };
+                let (d, qs) = lookup_piece(t, blk, ib);
                 let wv = lookup32(lut, qs.as_ptr());
                 let dv = _mm256_set1_ps(d);
                 for r in 0..N {

@@ -10,7 +10,7 @@ pub mod q8;
 
 use super::{
     check_upload, AttnShape, AttnStep, Backend, BackendError, KvDtype, MemBudget, ScratchShape,
-    WeightRef,
+    SeqSpan, WeightRef,
 };
 use crate::dtype::DType;
 use crate::hostbuf::{AlignedBuf, IO_ALIGN};
@@ -202,6 +202,21 @@ struct Scratch {
     weights: Vec<f32>,
     /// Decode rows quantized to 8 bits.
     q8: Vec<q8::Q8Block>,
+    /// The output head's decode rows quantized to 16 bits.
+    q16: Vec<q8::Q16Block>,
+    /// Grouped attention's tasks: (span, KV head, chunk or all, partial's offset).
+    attn_tasks: Vec<(usize, usize, usize, usize)>,
+    /// Softmax partials of the chunks of split decode rows.
+    partials: Vec<f32>,
+}
+
+/// The activations a decode matmul's integer kernels see: f32 (the reference, `--exact`),
+/// 8 bits (every matmul on the fast path) or 16 bits (the output head on the fast path).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Acts {
+    F32,
+    I8,
+    I16,
 }
 
 /// How an op's independent tasks run: on the pool, or in order on the calling thread
@@ -318,7 +333,8 @@ impl CpuBackend {
                 v.reserve(n.saturating_sub(len));
             }
             RES4.with(|r| grow(&mut r.borrow_mut(), chunk_max));
-            SCORES.with(|s| grow(&mut s.borrow_mut(), max_context));
+            SCORES.with(|s| grow(&mut s.borrow_mut(), kernels::GROUP_MAX * max_context));
+            KEYS.with(|s| grow(&mut s.borrow_mut(), max_context));
             TILE.with(|t| grow(&mut t.borrow_mut(), TILE_ROWS * k_max));
         };
         if self.threads == 1 {
@@ -338,7 +354,7 @@ impl CpuBackend {
         w: WeightRef<'_, CpuMem>,
         bias: Option<WeightRef<'_, CpuMem>>,
         out: &mut CpuMem,
-        int8: bool,
+        acts: Acts,
     ) {
         let (m, k) = (w.rows, w.cols);
         assert!(
@@ -353,7 +369,7 @@ impl CpuBackend {
         let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
         assert!(gemv_rows <= rows);
         let mut scratch = self.scratch();
-        let Scratch { xsums, q8: xq, .. } = &mut *scratch;
+        let Scratch { xsums, q8, q16, .. } = &mut *scratch;
         let mm = Matmul {
             dtype: w.dtype,
             wb,
@@ -370,9 +386,13 @@ impl CpuBackend {
             // dequantized tiles and sgemm, also row by row independent. So a sequence's
             // numbers are the same alone or in any batch.
             let g = gemv_rows;
-            if g > 0 && int8 && q8::covers(w.dtype) {
-                q8::quantize_rows(&xs[..g * k], k, xq);
-                mm.decode_rows_q8(par, g, xq);
+            let int = g > 0 && q8::covers(w.dtype);
+            if int && acts == Acts::I8 {
+                q8::quantize_rows(&xs[..g * k], k, q8);
+                mm.decode_rows_int(par, g, q8, q8::gemv_rows);
+            } else if int && acts == Acts::I16 {
+                q8::quantize_rows(&xs[..g * k], k, q16);
+                mm.decode_rows_int(par, g, q16, q8::gemv_rows16);
             } else if g > 0 && kernels::has_gemv4(w.dtype) {
                 kernels::block_sums_into(&xs[..g * k], xsums);
                 mm.decode_rows4(par, g, xsums);
@@ -391,6 +411,172 @@ impl CpuBackend {
                 }
             }
         }
+    }
+
+    /// Attention over an f16 cache, a KV head at a time: each key and value is converted
+    /// once for the query heads that share it (up to GROUP_MAX at once), and a row's keys
+    /// go in chunks of ATTN_CHUNK from its first visible position, each chunk's softmax
+    /// partial merged into the row's in chunk order (`chunk_partial`, `merge_partial`).
+    /// A task is a (span, KV head); when those are fewer than two a thread, the chunks of
+    /// single-token spans (decode rows) become tasks of their own and merge after, so one
+    /// sequence's long context keeps every thread busy. Either way a row's numbers are the
+    /// same: the same partials merged in the same order.
+    fn attention_grouped(
+        &self,
+        qs: &[f32],
+        (ks, vs): (&[u16], &[u16]),
+        step: &AttnStep<'_>,
+        optr: SharedPtr,
+    ) {
+        let (spans, shape, cache) = (step.spans, step.shape, step.cache);
+        let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
+        let (group, width_q, scale) = (heads / kv_heads, heads * hd, shape.scale);
+        let rec = group * (2 + hd);
+        let chunks_of = |sp: &SeqSpan| {
+            let p = sp.pos + sp.n - 1;
+            (p + 1 - cache.first_visible(p)).div_ceil(ATTN_CHUNK)
+        };
+        let split = self.threads > 1 && spans.len() * kv_heads < 2 * self.threads;
+        let mut scratch = self.scratch();
+        let Scratch {
+            attn_tasks,
+            partials,
+            ..
+        } = &mut *scratch;
+        // (span, KV head, chunk or NONE for all of them in order, where its partial goes).
+        const ALL: usize = usize::MAX;
+        attn_tasks.clear();
+        let mut at = 0;
+        for (si, sp) in spans.iter().enumerate() {
+            for g in 0..kv_heads {
+                if split && sp.n == 1 {
+                    for c in 0..chunks_of(sp) {
+                        attn_tasks.push((si, g, c, at));
+                        at += rec;
+                    }
+                } else {
+                    attn_tasks.push((si, g, ALL, 0));
+                }
+            }
+        }
+        partials.clear();
+        partials.resize(at, 0.0);
+        let pptr = SharedPtr(partials.as_mut_ptr());
+        let tasks = &*attn_tasks;
+        // The keys of row (span, t) in chunk c, for KV head g.
+        let chunk_keys = |keys: &mut Vec<usize>, sp: &SeqSpan, t: usize, g: usize, c: usize| {
+            let p = sp.pos + t;
+            let lo = cache.first_visible(p) + c * ATTN_CHUNK;
+            let hi = (lo + ATTN_CHUNK).min(p + 1);
+            keys.clear();
+            keys.extend((lo..hi).map(|j| cache.at(&shape, sp.slot, j) + g * hd));
+        };
+        let subgroups = |g: usize| {
+            (g * group..(g + 1) * group)
+                .step_by(kernels::GROUP_MAX)
+                .map(move |h0| (h0, ((g + 1) * group - h0).min(kernels::GROUP_MAX)))
+        };
+        self.run(|par| {
+            par.for_each_in(tasks, |&(si, g, c, at)| {
+                let sp = spans[si];
+                SCORES.with(|sc| {
+                    KEYS.with(|keys| {
+                        PARTIAL.with(|part| {
+                            let (mut sc, mut keys) = (sc.borrow_mut(), keys.borrow_mut());
+                            let mut part = part.borrow_mut();
+                            part.resize(2 * rec, 0.0);
+                            let (acc, cur) = part.split_at_mut(rec);
+                            if c != ALL {
+                                // SAFETY: this task's own record of the partials.
+                                let out = unsafe { pptr.slice(at, rec) };
+                                chunk_keys(&mut keys, &sp, 0, g, c);
+                                for (h0, gh) in subgroups(g) {
+                                    let qg = &qs[sp.row * width_q + h0 * hd..][..gh * hd];
+                                    let r =
+                                        &mut out[(h0 - g * group) * (2 + hd)..][..gh * (2 + hd)];
+                                    chunk_partial(qg, hd, (ks, vs), &keys, scale, &mut sc, r);
+                                }
+                                return;
+                            }
+                            for t in 0..sp.n {
+                                let p = sp.pos + t;
+                                let n_chunks =
+                                    (p + 1 - cache.first_visible(p)).div_ceil(ATTN_CHUNK);
+                                let row = (sp.row + t) * width_q;
+                                for (h0, gh) in subgroups(g) {
+                                    let qg = &qs[row + h0 * hd..][..gh * hd];
+                                    let w = gh * (2 + hd);
+                                    for c in 0..n_chunks {
+                                        chunk_keys(&mut keys, &sp, t, g, c);
+                                        let r = if c == 0 { &mut acc[..w] } else { &mut cur[..w] };
+                                        chunk_partial(qg, hd, (ks, vs), &keys, scale, &mut sc, r);
+                                        if c > 0 {
+                                            merge_partial(&mut acc[..w], &cur[..w], gh, hd);
+                                        }
+                                    }
+                                    // SAFETY: task (span, KV head) writes the columns of its
+                                    // own query heads in its own rows; no two tasks share one.
+                                    let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
+                                    finish_partial(&acc[..w], gh, hd, o);
+                                }
+                            }
+                        })
+                    })
+                });
+            });
+        });
+        // The split rows: their chunks' partials merged in chunk order.
+        let mut i = 0;
+        while i < tasks.len() {
+            let (si, g, c, at) = tasks[i];
+            if c == ALL {
+                i += 1;
+                continue;
+            }
+            let n_chunks = chunks_of(&spans[si]);
+            let row = spans[si].row * width_q;
+            for (h0, gh) in subgroups(g) {
+                let (off, w) = ((h0 - g * group) * (2 + hd), gh * (2 + hd));
+                let mut acc = partials[at + off..at + off + w].to_vec();
+                for k in 1..n_chunks {
+                    let r = at + k * rec + off;
+                    merge_partial(&mut acc, &partials[r..r + w], gh, hd);
+                }
+                // SAFETY: the pool is done; this (row, head group) is written once.
+                let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
+                finish_partial(&acc, gh, hd, o);
+            }
+            i += n_chunks;
+        }
+    }
+
+    /// `x[i] = f(x[i], y[i])` for the first `n` elements, in pieces across the pool where
+    /// `n` is a prefill's worth (an activation's exp or tanh costs more than its memory
+    /// traffic); element by element, so the split does not change a bit.
+    fn elementwise(
+        &self,
+        x: &mut CpuMem,
+        y: &CpuMem,
+        n: usize,
+        f: impl Fn(f32, f32) -> f32 + Sync,
+    ) {
+        const PIECE: usize = 16 * 1024;
+        let (xs, ys) = (&mut x.f32s_mut()[..n], &y.f32s()[..n]);
+        if n < 2 * PIECE || self.threads == 1 {
+            xs.iter_mut().zip(ys).for_each(|(a, &b)| *a = f(*a, b));
+            return;
+        }
+        let xp = SharedPtr(xs.as_mut_ptr());
+        self.run(|par| {
+            par.for_each(n.div_ceil(PIECE), |c| {
+                let (i0, i1) = (c * PIECE, ((c + 1) * PIECE).min(n));
+                // SAFETY: piece c is elements i0..i1 only; pieces are disjoint.
+                let xc = unsafe { xp.slice(i0, i1 - i0) };
+                xc.iter_mut()
+                    .zip(&ys[i0..i1])
+                    .for_each(|(a, &b)| *a = f(*a, b));
+            });
+        });
     }
 
     fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
@@ -414,6 +600,82 @@ fn f32_vector<'a>(w: &WeightRef<'a, CpuMem>, scratch: &'a mut Vec<f32>) -> &'a [
     scratch.resize(n, 0.0);
     kernels::dequant_rows(w.dtype, bytes, bytes.len() / w.rows.max(1), w.cols, scratch);
     scratch
+}
+
+/// Keys a chunk of grouped f16 attention (`CpuBackend::attention_grouped`).
+const ATTN_CHUNK: usize = 256;
+
+/// The softmax partial of one chunk of keys for `gh` query heads `qg` (rows of `hd`):
+/// `out` = [max score; gh], [sum of exp(score - max); gh], [sum of exp(score - max) *
+/// value; gh rows of hd].
+fn chunk_partial(
+    qg: &[f32],
+    hd: usize,
+    (ks, vs): (&[u16], &[u16]),
+    keys: &[usize],
+    scale: f32,
+    sc: &mut Vec<f32>,
+    out: &mut [f32],
+) {
+    let (gh, n) = (qg.len() / hd, keys.len());
+    sc.resize(gh * n, 0.0);
+    kernels::group_scores_f16(qg, hd, ks, keys, sc);
+    for (i, s) in sc.chunks_exact_mut(n).enumerate() {
+        let mut mx = f32::NEG_INFINITY;
+        for v in s.iter_mut() {
+            *v *= scale;
+            mx = mx.max(*v);
+        }
+        let mut sum = 0f32;
+        for v in s.iter_mut() {
+            *v = (*v - mx).exp();
+            sum += *v;
+        }
+        out[i] = mx;
+        out[gh + i] = sum;
+    }
+    kernels::group_pv_f16(sc, hd, vs, keys, &mut out[2 * gh..2 * gh + gh * hd]);
+}
+
+/// Merges the partial `new` into `acc` (both as `chunk_partial` writes them).
+fn merge_partial(acc: &mut [f32], new: &[f32], gh: usize, hd: usize) {
+    for i in 0..gh {
+        let m = acc[i].max(new[i]);
+        let (a, b) = ((acc[i] - m).exp(), (new[i] - m).exp());
+        acc[i] = m;
+        acc[gh + i] = acc[gh + i] * a + new[gh + i] * b;
+        let o = 2 * gh + i * hd;
+        for (x, &y) in acc[o..o + hd].iter_mut().zip(&new[o..o + hd]) {
+            *x = *x * a + y * b;
+        }
+    }
+}
+
+/// The attention output of a merged partial: weighted values over the sum.
+fn finish_partial(acc: &[f32], gh: usize, hd: usize, o: &mut [f32]) {
+    for i in 0..gh {
+        let inv = 1.0 / acc[gh + i];
+        let src = &acc[2 * gh + i * hd..2 * gh + (i + 1) * hd];
+        for (x, &y) in o[i * hd..(i + 1) * hd].iter_mut().zip(src) {
+            *x = y * inv;
+        }
+    }
+}
+
+/// Scores times `scale`, then softmax in place: max, exp, sum, scale by 1 / sum, in order.
+fn softmax_scaled(sc: &mut [f32], scale: f32) {
+    let mut mx = f32::NEG_INFINITY;
+    for s in sc.iter_mut() {
+        *s *= scale;
+        mx = mx.max(*s);
+    }
+    let mut sum = 0f32;
+    for s in sc.iter_mut() {
+        *s = (*s - mx).exp();
+        sum += *s;
+    }
+    let inv = 1.0 / sum;
+    sc.iter_mut().for_each(|s| *s *= inv);
 }
 
 /// A pointer that parallel tasks write through at disjoint places.
@@ -443,6 +705,10 @@ impl SharedPtr {
 thread_local! {
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
+    /// The KV-cache offsets of the positions one attention chunk sees.
+    static KEYS: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
+    /// A row's running softmax partial and the current chunk's.
+    static PARTIAL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// A four-row GEMV task's results.
     static RES4: RefCell<Vec<[f32; 4]>> = const { RefCell::new(Vec::new()) };
 }
@@ -573,11 +839,21 @@ impl Backend for CpuBackend {
         bias: Option<WeightRef<'_, CpuMem>>,
         out: &mut CpuMem,
     ) {
-        self.matmul_as(x, rows, gemv_rows, w, bias, out, self.int8_activations());
+        let acts = if self.int8_activations() {
+            Acts::I8
+        } else {
+            Acts::F32
+        };
+        self.matmul_as(x, rows, gemv_rows, w, bias, out, acts);
     }
 
     fn matmul_head(&self, x: &CpuMem, rows: usize, w: WeightRef<'_, CpuMem>, out: &mut CpuMem) {
-        self.matmul_as(x, rows, rows, w, None, out, false);
+        let acts = if self.int8_activations() {
+            Acts::I16
+        } else {
+            Acts::F32
+        };
+        self.matmul_as(x, rows, rows, w, None, out, acts);
     }
 
     fn rope(
@@ -667,6 +943,10 @@ impl Backend for CpuBackend {
         let mut scratch = self.scratch();
         let tasks = &mut scratch.tasks;
         tasks.clear();
+        if let (KvRows::F16(ks, vs), true) = (&kv, kernels::has_group_f16(head_dim)) {
+            drop(scratch);
+            return self.attention_grouped(qs, (ks, vs), step, optr);
+        }
         tasks.extend((0..spans.len()).flat_map(|i| (0..heads).map(move |h| (i, h))));
         let tasks = &*tasks;
         self.run(|par| {
@@ -685,24 +965,13 @@ impl Backend for CpuBackend {
                         let kv_row = |j: usize| cache.at(&shape, sp.slot, j) + g * head_dim;
                         let qrow = &qs[(sp.row + t) * width_q + h * head_dim..][..head_dim];
                         sc.resize(p + 1 - lo, 0.0);
-                        let mut mx = f32::NEG_INFINITY;
                         kv.scores(qrow, lo, kv_row, &mut sc);
-                        for s in sc.iter_mut() {
-                            *s *= scale;
-                            mx = mx.max(*s);
-                        }
-                        let mut sum = 0f32;
-                        for s in sc.iter_mut() {
-                            *s = (*s - mx).exp();
-                            sum += *s;
-                        }
-                        let inv = 1.0 / sum;
+                        softmax_scaled(&mut sc, scale);
                         // SAFETY: task (span, head) writes its own head's columns of its own
                         // rows; no two tasks share a (row, head).
                         let o =
                             unsafe { optr.slice((sp.row + t) * width_q + h * head_dim, head_dim) };
                         o.fill(0.0);
-                        sc.iter_mut().for_each(|s| *s *= inv);
                         kv.weighted_sum(&sc, lo, kv_row, o);
                     }
                 });
@@ -711,15 +980,11 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate: &mut CpuMem, up: &CpuMem, n: usize) {
-        for (g, &u) in gate.f32s_mut()[..n].iter_mut().zip(&up.f32s()[..n]) {
-            *g = *g / (1.0 + (-*g).exp()) * u;
-        }
+        self.elementwise(gate, up, n, |g, u| g / (1.0 + (-g).exp()) * u);
     }
 
     fn gelu_mul(&self, gate: &mut CpuMem, up: &CpuMem, n: usize) {
-        for (g, &u) in gate.f32s_mut()[..n].iter_mut().zip(&up.f32s()[..n]) {
-            *g = gelu_tanh(*g) * u;
-        }
+        self.elementwise(gate, up, n, |g, u| gelu_tanh(g) * u);
     }
 
     fn scale(&self, x: &mut CpuMem, s: f32, n: usize) {
@@ -835,19 +1100,19 @@ impl Matmul<'_> {
         });
     }
 
-    /// The first `g` rows through the 8-bit kernels (`xq`: their blocks, k / 32 a row),
-    /// four rows a weight block at most.
-    fn decode_rows_q8(&self, par: &Par, g: usize, xq: &[q8::Q8Block]) {
+    /// The first `g` rows through the integer kernels (`xq`: their 8- or 16-bit blocks,
+    /// k / 32 a row), four rows a weight block at most.
+    fn decode_rows_int<B: Sync>(&self, par: &Par, g: usize, xq: &[B], kernel: q8::IntKernel<B>) {
         let Matmul {
             dtype, wb, rb, k, ..
         } = *self;
         let nb = k / 32;
         self.decode_groups(par, g, |r0, n, j0, j1, res| {
-            let rows: [&[q8::Q8Block]; 4] = std::array::from_fn(|i| {
+            let rows: [&[B]; 4] = std::array::from_fn(|i| {
                 let r = (r0 + i).min(g - 1);
                 &xq[r * nb..(r + 1) * nb]
             });
-            q8::gemv_rows(dtype, &wb[j0 * rb..j1 * rb], rb, &rows[..n], res);
+            kernel(dtype, &wb[j0 * rb..j1 * rb], rb, &rows[..n], res);
             true
         });
     }

@@ -4,59 +4,109 @@
 //! to i16, then to i32), scaled once per block. This is the default path; `--exact` keeps
 //! f32 activations (`kernels.rs`).
 //!
-//! Covered weight formats: q4_0, q4_1 and q8_0. A row's result does not depend on the
-//! other rows of the batch: each kernel is generic over the rows N it applies a weight
-//! block to, and every row accumulates in the same order whatever N is.
+//! Covered weight formats: every block format sluice reads (q4_0, q4_1, q8_0, q5_0, q5_1,
+//! q2_k..q6_k, iq4_nl, iq4_xs, mxfp4). Each weight piece of 32 is unpacked in registers to
+//! 32 integers (u8, or i8 through the sign trick) and meets the activation block in one
+//! `maddubs` + `madd`: the eight i32 lanes that come out hold elements 0..16 in lanes 0..4
+//! and 16..32 in lanes 4..8, so the formats with 16-weight sub-blocks (q2_k, q3_k, q6_k)
+//! apply their two scales as one vector. A row's result does not depend on the other rows
+//! of the batch: each kernel is generic over the rows N it applies a weight block to, and
+//! every row accumulates in the same order whatever N is.
 
 use crate::dtype::DType;
 
 /// One block of 32 activations: x[i] ~= d * q[i]; `ds` = d * sum(q) (the offset term of
-/// formats with a minimum or a zero point).
+/// formats with a minimum per 32 weights) and `dh` the same per half (q2_k's minimum per
+/// 16). `T` is i8 (`Q8Block`, every decode matmul on the fast path) or i16 (`Q16Block`,
+/// the output head).
 #[derive(Clone, Copy, Debug)]
 #[repr(C, align(32))]
-pub struct Q8Block {
-    pub q: [i8; 32],
+pub struct QBlock<T> {
+    pub q: [T; 32],
     pub d: f32,
     pub ds: f32,
+    pub dh: [f32; 2],
 }
 
-impl Default for Q8Block {
+/// 8-bit activations: a quantization step of max|x| / 127 per block.
+pub type Q8Block = QBlock<i8>;
+/// 16-bit activations for the output head, whose logits decide the token: a step of
+/// max|x| / 32767, 258 times finer than 8 bits (8-bit activations there flip near-ties:
+/// SmolLM2's chat answer to "What is the capital of France?" has a 0.08 top-2 margin).
+pub type Q16Block = QBlock<i16>;
+
+/// An activation level type: i8 or i16.
+pub trait Level: Copy + Default + Send + Sync + 'static {
+    /// The largest level; the scale is max|x| / MAX.
+    const MAX: f32;
+    /// `v` (within +-MAX) rounded to nearest, ties away from zero.
+    fn round(v: f32) -> Self;
+    fn int(self) -> i32;
+}
+
+impl Level for i8 {
+    const MAX: f32 = 127.0;
+    fn round(v: f32) -> Self {
+        v.round() as i8
+    }
+    fn int(self) -> i32 {
+        self as i32
+    }
+}
+
+impl Level for i16 {
+    const MAX: f32 = 32767.0;
+    fn round(v: f32) -> Self {
+        v.round() as i16
+    }
+    fn int(self) -> i32 {
+        self as i32
+    }
+}
+
+impl<T: Level> Default for QBlock<T> {
     fn default() -> Self {
-        Q8Block {
-            q: [0; 32],
+        QBlock {
+            q: [T::default(); 32],
             d: 0.0,
             ds: 0.0,
+            dh: [0.0; 2],
         }
     }
 }
 
-/// Weight formats with an 8-bit-activation kernel.
+/// Weight formats with an integer-activation kernel on this CPU: every block format, where
+/// the CPU has AVX2.
 pub fn covers(dtype: DType) -> bool {
-    matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0) && super::kernels::has_gemv4(dtype)
+    dtype.is_quantized() && super::kernels::has_gemv4(dtype)
 }
 
 /// Quantizes `rows` rows of `k` (a multiple of 32) into `out` (k / 32 blocks a row):
-/// scale max|x| / 127, each value rounded to nearest (ties away from zero).
-pub fn quantize_rows(xs: &[f32], k: usize, out: &mut Vec<Q8Block>) {
+/// scale max|x| / MAX, each value rounded to nearest (ties away from zero).
+pub fn quantize_rows<T: Level>(xs: &[f32], k: usize, out: &mut Vec<QBlock<T>>) {
     debug_assert!(k.is_multiple_of(32) && xs.len().is_multiple_of(k));
     out.clear();
     out.extend(xs.chunks_exact(32).map(|c| {
         let amax = c.iter().fold(0f32, |m, &v| m.max(v.abs()));
-        let d = amax / 127.0;
+        let d = amax / T::MAX;
         let id = if d > 0.0 { 1.0 / d } else { 0.0 };
-        let mut b = Q8Block {
+        let mut b = QBlock::<T> {
             d,
-            ..Q8Block::default()
+            ..QBlock::default()
         };
-        let mut sum = 0i32;
-        for (q, &v) in b.q.iter_mut().zip(c) {
-            *q = (v * id).round() as i8;
-            sum += *q as i32;
+        let mut sums = [0i32; 2];
+        for (i, (q, &v)) in b.q.iter_mut().zip(c).enumerate() {
+            *q = T::round(v * id);
+            sums[i / 16] += q.int();
         }
-        b.ds = d * sum as f32;
+        b.ds = d * (sums[0] + sums[1]) as f32;
+        b.dh = [d * sums[0] as f32, d * sums[1] as f32];
         b
     }));
 }
+
+/// An integer GEMV: `(dtype, weight rows, row bytes, activation rows, out)`.
+pub type IntKernel<B> = fn(DType, &[u8], usize, &[&[B]], &mut [[f32; 4]]);
 
 /// out[j][r] = weight row j . activation row r, for the N rows of `xq` (1 to 4).
 pub fn gemv_rows(
@@ -66,39 +116,52 @@ pub fn gemv_rows(
     xq: &[&[Q8Block]],
     out: &mut [[f32; 4]],
 ) {
-    assert!(covers(dtype), "no 8-bit kernel for {dtype:?}");
+    assert!(covers(dtype), "no integer kernel for {dtype:?}");
     #[cfg(target_arch = "x86_64")]
     // SAFETY: AVX2/FMA/F16C present (covers checks); rows are whole blocks (validated
     // shapes) and each xq row has the blocks of one weight row.
     unsafe {
-        match xq.len() {
-            1 => avx2::gemv::<1>(dtype, w, row_bytes, xq, out),
-            2 => avx2::gemv::<2>(dtype, w, row_bytes, xq, out),
-            3 => avx2::gemv::<3>(dtype, w, row_bytes, xq, out),
-            4 => avx2::gemv::<4>(dtype, w, row_bytes, xq, out),
-            n => panic!("{n} rows: 1 to 4 at a time"),
-        }
+        avx2::gemv_n(dtype, w, row_bytes, xq, out)
+    }
+}
+
+/// `gemv_rows` with 16-bit activations (the output head).
+pub fn gemv_rows16(
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    xq: &[&[Q16Block]],
+    out: &mut [[f32; 4]],
+) {
+    assert!(covers(dtype), "no integer kernel for {dtype:?}");
+    #[cfg(target_arch = "x86_64")]
+    // SAFETY: as gemv_rows.
+    unsafe {
+        avx2::gemv_n(dtype, w, row_bytes, xq, out)
     }
 }
 
 /// The reference of one block pair in integers, for tests: sum of w_int * q over the
 /// block, and the weight block's (d, m) scale and minimum.
 #[cfg(test)]
-pub fn reference_dot(dtype: DType, w: &[u8], x: &[Q8Block]) -> f64 {
+pub fn reference_dot<T: Level>(dtype: DType, w: &[u8], x: &[QBlock<T>]) -> f64 {
     use crate::dtype::ggml;
     let mut vals = vec![0f32; x.len() * 32];
     ggml::dequantize(dtype, w, &mut vals).expect("whole blocks");
     vals.iter()
         .enumerate()
-        .map(|(i, &v)| v as f64 * x[i / 32].d as f64 * x[i / 32].q[i % 32] as f64)
+        .map(|(i, &v)| v as f64 * x[i / 32].d as f64 * x[i / 32].q[i % 32].int() as f64)
         .sum()
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::Q8Block;
+    use super::{Q16Block, Q8Block};
     use crate::backend::cpu::kernels::avx2::{f16_scalar, hsum256};
-    use crate::dtype::DType;
+    use crate::backend::cpu::kquant::{
+        bits32_to_0x10, lookup_piece, q2k_piece, q3k_piece, q3k_scale, q45k_pair, q6k_piece,
+    };
+    use crate::dtype::{ggml, DType};
     use std::arch::x86_64::*;
 
     /// 16 bytes of nibbles as 32 u8: low nibbles (elements 0..16), then high (16..32).
@@ -117,95 +180,414 @@ mod avx2 {
         }
     }
 
-    /// Sum of u8 a[i] * i8 b[i] as eight i32 lanes, as f32. Pairs of products stay within
-    /// i16 (maddubs saturates): a <= 128 and |b| <= 127 here.
-    ///
-    /// # Safety
-    /// AVX2.
-    #[inline(always)]
-    unsafe fn dot_u8_i8(a: __m256i, b: __m256i) -> __m256 {
-        // SAFETY: this function's contract, which its caller upholds.
-        unsafe {
-            let p = _mm256_maddubs_epi16(a, b);
-            _mm256_cvtepi32_ps(_mm256_madd_epi16(p, _mm256_set1_epi16(1)))
+    /// An activation block the kernels take: how a weight piece of 32 integers is prepared
+    /// once for all the rows, and how it meets one row's block.
+    pub trait Acts: Sized {
+        /// The piece, prepared.
+        type W: Copy;
+        /// # Safety
+        /// AVX2.
+        unsafe fn prep<const SIGNED: bool>(wq: __m256i) -> Self::W;
+        /// `acc + (scale * d) * dot(w, q)` lane by lane, where the dot's lanes 0..4 sum
+        /// elements of 0..16 and lanes 4..8 elements of 16..32 (so `scale` may differ
+        /// between the halves).
+        ///
+        /// # Safety
+        /// AVX2 and FMA.
+        unsafe fn fma<const SIGNED: bool>(
+            w: Self::W,
+            scale: __m256,
+            x: &Self,
+            acc: __m256,
+        ) -> __m256;
+        fn ds(&self) -> f32;
+        fn dh(&self) -> [f32; 2];
+    }
+
+    /// 8 bits: `maddubs` (u8 x i8 pairs to i16) then `madd` (pairs of those to i32), so
+    /// i32 lane l holds elements 4l..4l+4. Signed weights go through the sign trick (|w|
+    /// and x with w's sign). `maddubs` saturates pairs at i16, which no format reaches:
+    /// |w| <= 128 (q8_0's -128 through the sign trick) and |x| <= 127 give at most
+    /// 2 * 128 * 127 = 32512.
+    impl Acts for Q8Block {
+        type W = (__m256i, __m256i);
+        #[inline(always)]
+        unsafe fn prep<const SIGNED: bool>(wq: __m256i) -> Self::W {
+            // SAFETY: this function's contract, which its caller upholds.
+            unsafe {
+                if SIGNED {
+                    (_mm256_sign_epi8(wq, wq), wq)
+                } else {
+                    (wq, wq)
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn fma<const SIGNED: bool>(
+            (wa, wq): Self::W,
+            scale: __m256,
+            x: &Self,
+            acc: __m256,
+        ) -> __m256 {
+            // SAFETY: this function's contract; the quants are 32-aligned.
+            unsafe {
+                let mut xv = _mm256_load_si256(x.q.as_ptr() as *const __m256i);
+                if SIGNED {
+                    xv = _mm256_sign_epi8(xv, wq);
+                }
+                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), _mm256_set1_epi16(1));
+                let s = _mm256_mul_ps(scale, _mm256_set1_ps(x.d));
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc)
+            }
+        }
+        fn ds(&self) -> f32 {
+            self.ds
+        }
+        fn dh(&self) -> [f32; 2] {
+            self.dh
         }
     }
 
-    /// Signed i8 x i8 through the sign trick: |a| * (b with a's sign).
+    /// 16 bits: the piece widened to two vectors of 16 i16, `madd` against each half of
+    /// the activations (every i32 lane of the first within elements 0..16, of the second
+    /// within 16..32), each half with its scale. A lane sums two products of at most 128 *
+    /// 32767, below 2^24, so its conversion to f32 is exact.
+    impl Acts for Q16Block {
+        type W = (__m256i, __m256i);
+        #[inline(always)]
+        unsafe fn prep<const SIGNED: bool>(wq: __m256i) -> Self::W {
+            // SAFETY: this function's contract, which its caller upholds.
+            unsafe {
+                let (lo, hi) = (
+                    _mm256_castsi256_si128(wq),
+                    _mm256_extracti128_si256::<1>(wq),
+                );
+                if SIGNED {
+                    (_mm256_cvtepi8_epi16(lo), _mm256_cvtepi8_epi16(hi))
+                } else {
+                    (_mm256_cvtepu8_epi16(lo), _mm256_cvtepu8_epi16(hi))
+                }
+            }
+        }
+        #[inline(always)]
+        unsafe fn fma<const SIGNED: bool>(
+            (wl, wh): Self::W,
+            scale: __m256,
+            x: &Self,
+            acc: __m256,
+        ) -> __m256 {
+            // SAFETY: this function's contract; the quants are 32-aligned (64 bytes).
+            unsafe {
+                let xp = x.q.as_ptr() as *const __m256i;
+                let pl = _mm256_madd_epi16(wl, _mm256_load_si256(xp));
+                let ph = _mm256_madd_epi16(wh, _mm256_load_si256(xp.add(1)));
+                let dx = _mm256_set1_ps(x.d);
+                let sl = _mm256_mul_ps(_mm256_permute2f128_ps::<0x00>(scale, scale), dx);
+                let sh = _mm256_mul_ps(_mm256_permute2f128_ps::<0x11>(scale, scale), dx);
+                let acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(pl), sl, acc);
+                _mm256_fmadd_ps(_mm256_cvtepi32_ps(ph), sh, acc)
+            }
+        }
+        fn ds(&self) -> f32 {
+            self.ds
+        }
+        fn dh(&self) -> [f32; 2] {
+            self.dh
+        }
+    }
+
+    /// One 32-weight piece `wq` (u8, or i8 when `SIGNED`) against activation block `bi` of
+    /// each of the N rows: `acc[r] = A::fma(piece, scale, block, acc[r])`.
     ///
     /// # Safety
-    /// AVX2.
+    /// AVX2 and FMA; every `xq[r]` has a block `bi`.
     #[inline(always)]
-    unsafe fn dot_i8_i8(a: __m256i, b: __m256i) -> __m256 {
+    unsafe fn piece<const N: usize, const SIGNED: bool, A: Acts>(
+        acc: &mut [__m256; N],
+        wq: __m256i,
+        scale: __m256,
+        xq: &[&[A]],
+        bi: usize,
+    ) {
         // SAFETY: this function's contract, which its caller upholds.
-        unsafe { dot_u8_i8(_mm256_sign_epi8(a, a), _mm256_sign_epi8(b, a)) }
+        unsafe {
+            let w = A::prep::<SIGNED>(wq);
+            for (r, a) in acc.iter_mut().enumerate() {
+                *a = A::fma::<SIGNED>(w, scale, xq.get_unchecked(r).get_unchecked(bi), *a);
+            }
+        }
+    }
+
+    /// A vector of `lo` in lanes 0..4 and `hi` in lanes 4..8 (the scales of two 16-weight
+    /// sub-blocks).
+    ///
+    /// # Safety
+    /// AVX.
+    #[inline(always)]
+    unsafe fn halves(lo: f32, hi: f32) -> __m256 {
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe { _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)) }
+    }
+
+    /// q4_0 (d * (q - 8)), q4_1 (d * q + m) and q8_0 (d * q): one block per 32 weights.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C; `row` is whole blocks, each `xq[r]` has one block per weight block.
+    #[inline(always)]
+    unsafe fn row_q4_q8<const N: usize, A: Acts>(t: DType, row: &[u8], xq: &[&[A]]) -> [f32; N] {
+        // SAFETY: this function's contract; reads stay inside each block.
+        unsafe {
+            let bb = t.block_bytes() as usize;
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut offs = [0f32; N];
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                let d = _mm256_set1_ps(f16_scalar(blk, 0));
+                match t {
+                    DType::Q4_0 => {
+                        let wq = _mm256_sub_epi8(nibbles(blk.as_ptr().add(2)), _mm256_set1_epi8(8));
+                        piece::<N, true, A>(&mut acc, wq, d, xq, b);
+                    }
+                    DType::Q4_1 => {
+                        let m = f16_scalar(blk, 2);
+                        piece::<N, false, A>(&mut acc, nibbles(blk.as_ptr().add(4)), d, xq, b);
+                        for r in 0..N {
+                            offs[r] = m.mul_add(xq[r][b].ds(), offs[r]);
+                        }
+                    }
+                    _ => {
+                        let wq = _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i);
+                        piece::<N, true, A>(&mut acc, wq, d, xq, b);
+                    }
+                }
+            }
+            std::array::from_fn(|r| hsum256(acc[r]) + offs[r])
+        }
+    }
+
+    /// q5_0 (d * (q - 16)) and q5_1 (d * q + m): four low bits as nibbles, the fifth from
+    /// a 32-bit mask.
+    ///
+    /// # Safety
+    /// As `row_q4_q8`.
+    #[inline(always)]
+    unsafe fn row_q5<const N: usize, A: Acts>(row: &[u8], xq: &[&[A]], q5_1: bool) -> [f32; N] {
+        // SAFETY: this function's contract; reads stay inside each block.
+        unsafe {
+            let (bb, at) = if q5_1 { (24, 4) } else { (22, 2) };
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut offs = [0f32; N];
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                let d = _mm256_set1_ps(f16_scalar(blk, 0));
+                let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+                let q = _mm256_or_si256(nibbles(blk.as_ptr().add(at + 4)), bits32_to_0x10(qh));
+                if q5_1 {
+                    let m = f16_scalar(blk, 2);
+                    piece::<N, false, A>(&mut acc, q, d, xq, b);
+                    for r in 0..N {
+                        offs[r] = m.mul_add(xq[r][b].ds(), offs[r]);
+                    }
+                } else {
+                    let wq = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+                    piece::<N, true, A>(&mut acc, wq, d, xq, b);
+                }
+            }
+            std::array::from_fn(|r| hsum256(acc[r]) + offs[r])
+        }
+    }
+
+    /// q4_k (and q5_k with `q5`): per 32-weight sub-block j, d * sc_j * q - dmin * m_j.
+    ///
+    /// # Safety
+    /// As `row_q4_q8`, with 256-weight super-blocks (eight activation blocks each).
+    #[inline(always)]
+    unsafe fn row_q45k<const N: usize, A: Acts>(row: &[u8], xq: &[&[A]], q5: bool) -> [f32; N] {
+        // SAFETY: this function's contract; reads stay inside each block.
+        unsafe {
+            let bb = if q5 { 176 } else { 144 };
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut offs = [0f32; N];
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                let (d, dmin) = (f16_scalar(blk, 0), f16_scalar(blk, 2));
+                for p in 0..4 {
+                    for (half, qv) in q45k_pair(blk, p, q5).into_iter().enumerate() {
+                        let j = 2 * p + half;
+                        let (sc, m) = ggml::scale_min_k4(&blk[4..16], j);
+                        piece::<N, false, A>(&mut acc, qv, _mm256_set1_ps(d * sc), xq, 8 * b + j);
+                        let dm = dmin * m;
+                        for r in 0..N {
+                            offs[r] = (-dm).mul_add(xq[r][8 * b + j].ds(), offs[r]);
+                        }
+                    }
+                }
+            }
+            std::array::from_fn(|r| hsum256(acc[r]) + offs[r])
+        }
+    }
+
+    /// q6_k: (q - 32) * d * scale, one i8 scale per 16 weights.
+    ///
+    /// # Safety
+    /// As `row_q45k`.
+    #[inline(always)]
+    unsafe fn row_q6k<const N: usize, A: Acts>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
+        // SAFETY: this function's contract; reads stay inside each block.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); N];
+            for (b, blk) in row.chunks_exact(210).enumerate() {
+                let d = f16_scalar(blk, 208);
+                for h in 0..2 {
+                    for t4 in 0..4 {
+                        let q = q6k_piece(blk, h, t4);
+                        let s = 192 + 8 * h + 2 * t4;
+                        let scale = halves(d * blk[s] as i8 as f32, d * blk[s + 1] as i8 as f32);
+                        piece::<N, true, A>(&mut acc, q, scale, xq, 8 * b + 4 * h + t4);
+                    }
+                }
+            }
+            std::array::from_fn(|r| hsum256(acc[r]))
+        }
+    }
+
+    /// q2_k: per 16 weights, d * (scale & 15) * q - dmin * (scale >> 4).
+    ///
+    /// # Safety
+    /// As `row_q45k`.
+    #[inline(always)]
+    unsafe fn row_q2k<const N: usize, A: Acts>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
+        // SAFETY: this function's contract; reads stay inside each block.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut offs = [0f32; N];
+            for (b, blk) in row.chunks_exact(84).enumerate() {
+                let (d, dmin) = (f16_scalar(blk, 80), f16_scalar(blk, 82));
+                for h in 0..2 {
+                    for j in 0..4 {
+                        let q = q2k_piece(blk, h, j);
+                        let c = 4 * h + j;
+                        let (sa, sb) = (blk[2 * c], blk[2 * c + 1]);
+                        let scale = halves(d * (sa & 15) as f32, d * (sb & 15) as f32);
+                        piece::<N, false, A>(&mut acc, q, scale, xq, 8 * b + c);
+                        let (ma, mb) = (dmin * (sa >> 4) as f32, dmin * (sb >> 4) as f32);
+                        for r in 0..N {
+                            let x = &xq[r][8 * b + c];
+                            let dh = x.dh();
+                            offs[r] = (-mb).mul_add(dh[1], (-ma).mul_add(dh[0], offs[r]));
+                        }
+                    }
+                }
+            }
+            std::array::from_fn(|r| hsum256(acc[r]) + offs[r])
+        }
+    }
+
+    /// q3_k: per 16 weights, d * (six-bit scale - 32) * (two bits - 4 unless the high bit).
+    ///
+    /// # Safety
+    /// As `row_q45k`.
+    #[inline(always)]
+    unsafe fn row_q3k<const N: usize, A: Acts>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
+        // SAFETY: this function's contract; reads stay inside each block.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); N];
+            for (b, blk) in row.chunks_exact(110).enumerate() {
+                let d = f16_scalar(blk, 108);
+                let scale = |sub: usize| q3k_scale(blk, d, sub);
+                for h in 0..2 {
+                    for j in 0..4 {
+                        let c = 4 * h + j;
+                        let q = q3k_piece(blk, h, j);
+                        let sc = halves(scale(2 * c), scale(2 * c + 1));
+                        piece::<N, true, A>(&mut acc, q, sc, xq, 8 * b + c);
+                    }
+                }
+            }
+            std::array::from_fn(|r| hsum256(acc[r]))
+        }
+    }
+
+    /// iq4_nl (d, 16 levels), mxfp4 (an E8M0 exponent, E2M1 levels) and iq4_xs (d times a
+    /// six-bit scale per 32, iq4_nl's levels): the levels are i8, looked up by a byte
+    /// shuffle.
+    ///
+    /// # Safety
+    /// As `row_q4_q8`.
+    #[inline(always)]
+    unsafe fn row_lookup<const N: usize, A: Acts>(t: DType, row: &[u8], xq: &[&[A]]) -> [f32; N] {
+        // SAFETY: this function's contract; reads stay inside each block.
+        unsafe {
+            let table = if t == DType::Mxfp4 {
+                &ggml::KVALUES_MXFP4
+            } else {
+                &ggml::KVALUES_IQ4NL
+            };
+            let lut =
+                _mm256_broadcastsi128_si256(_mm_loadu_si128(table.as_ptr() as *const __m128i));
+            let (be, bb) = (t.block_elems() as usize, t.block_bytes() as usize);
+            let mut acc = [_mm256_setzero_ps(); N];
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                for ib in 0..be / 32 {
+                    let (d, qs) = lookup_piece(t, blk, ib);
+                    let q = _mm256_shuffle_epi8(lut, nibbles(qs.as_ptr()));
+                    piece::<N, true, A>(&mut acc, q, _mm256_set1_ps(d), xq, be / 32 * b + ib);
+                }
+            }
+            std::array::from_fn(|r| hsum256(acc[r]))
+        }
+    }
+
+    /// `gemv` for the 1 to 4 rows of `xq`.
+    ///
+    /// # Safety
+    /// As `gemv`.
+    pub(super) unsafe fn gemv_n<A: Acts>(
+        dtype: DType,
+        w: &[u8],
+        row_bytes: usize,
+        xq: &[&[A]],
+        out: &mut [[f32; 4]],
+    ) {
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            match xq.len() {
+                1 => gemv::<1, A>(dtype, w, row_bytes, xq, out),
+                2 => gemv::<2, A>(dtype, w, row_bytes, xq, out),
+                3 => gemv::<3, A>(dtype, w, row_bytes, xq, out),
+                4 => gemv::<4, A>(dtype, w, row_bytes, xq, out),
+                n => panic!("{n} rows: 1 to 4 at a time"),
+            }
+        }
     }
 
     /// # Safety
     /// AVX2, FMA and F16C; `w` holds whole rows of `row_bytes`; each `xq[r]` (N of them)
-    /// has one block per weight block of a row; `out` has a slot per weight row.
+    /// has one block per 32 weights of a row; `out` has a slot per weight row.
     #[target_feature(enable = "avx2,fma,f16c")]
-    pub(super) unsafe fn gemv<const N: usize>(
+    unsafe fn gemv<const N: usize, A: Acts>(
         dtype: DType,
         w: &[u8],
         row_bytes: usize,
-        xq: &[&[Q8Block]],
+        xq: &[&[A]],
         out: &mut [[f32; 4]],
     ) {
-        let bb = match dtype {
-            DType::Q4_0 => 18,
-            DType::Q4_1 => 20,
-            DType::Q8_0 => 34,
-            _ => unreachable!("covers() checked"),
-        };
-        let nb = row_bytes / bb;
+        let nb = row_bytes / dtype.block_bytes() as usize * dtype.block_elems() as usize / 32;
         assert!(xq.len() == N && xq.iter().all(|x| x.len() >= nb));
-        // SAFETY: this function's contract; every pointer read is inside `blk` (bb bytes)
-        // or a Q8Block's 32 aligned quants.
+        // SAFETY: this function's contract: each row function reads inside its row and
+        // the first `nb` blocks of each activation row.
         unsafe {
             for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
-                let mut acc = [_mm256_setzero_ps(); N];
-                let mut offs = [0f32; N];
-                for b in 0..nb {
-                    let blk = &row[b * bb..(b + 1) * bb];
-                    let d = f16_scalar(blk, 0);
-                    match dtype {
-                        DType::Q4_0 => {
-                            // Nibbles - 8 as signed i8.
-                            let wq =
-                                _mm256_sub_epi8(nibbles(blk.as_ptr().add(2)), _mm256_set1_epi8(8));
-                            for r in 0..N {
-                                let x = &xq[r][b];
-                                let xv = _mm256_load_si256(x.q.as_ptr() as *const __m256i);
-                                let s = _mm256_set1_ps(d * x.d);
-                                acc[r] = _mm256_fmadd_ps(dot_i8_i8(wq, xv), s, acc[r]);
-                            }
-                        }
-                        DType::Q4_1 => {
-                            let m = f16_scalar(blk, 2);
-                            let wq = nibbles(blk.as_ptr().add(4));
-                            for r in 0..N {
-                                let x = &xq[r][b];
-                                let xv = _mm256_load_si256(x.q.as_ptr() as *const __m256i);
-                                let s = _mm256_set1_ps(d * x.d);
-                                acc[r] = _mm256_fmadd_ps(dot_u8_i8(wq, xv), s, acc[r]);
-                                offs[r] += m * x.ds;
-                            }
-                        }
-                        _ => {
-                            let wq = _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i);
-                            for r in 0..N {
-                                let x = &xq[r][b];
-                                let xv = _mm256_load_si256(x.q.as_ptr() as *const __m256i);
-                                let s = _mm256_set1_ps(d * x.d);
-                                acc[r] = _mm256_fmadd_ps(dot_i8_i8(wq, xv), s, acc[r]);
-                            }
-                        }
-                    }
-                }
-                for r in 0..N {
-                    o[r] = hsum256(acc[r]) + offs[r];
-                }
+                let v: [f32; N] = match dtype {
+                    DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => row_q4_q8(dtype, row, xq),
+                    DType::Q5_0 => row_q5(row, xq, false),
+                    DType::Q5_1 => row_q5(row, xq, true),
+                    DType::Q4K => row_q45k(row, xq, false),
+                    DType::Q5K => row_q45k(row, xq, true),
+                    DType::Q6K => row_q6k(row, xq),
+                    DType::Q2K => row_q2k(row, xq),
+                    DType::Q3K => row_q3k(row, xq),
+                    DType::Iq4Nl | DType::Iq4Xs | DType::Mxfp4 => row_lookup(dtype, row, xq),
+                    _ => unreachable!("covers() checked: {dtype:?} is not a block format"),
+                };
+                o[..N].copy_from_slice(&v);
             }
         }
     }
@@ -221,44 +603,67 @@ mod tests {
         rand_vec(n, seed)
     }
 
-    #[test]
-    fn quantized_rows_round_trip_within_half_a_step() {
+    fn round_trip<T: Level>() {
         let x = rng_floats(1, 256);
-        let mut q = Vec::new();
+        let mut q: Vec<QBlock<T>> = Vec::new();
         quantize_rows(&x, 256, &mut q);
         assert_eq!(q.len(), 8);
         for (i, &v) in x.iter().enumerate() {
             let b = &q[i / 32];
-            assert!((b.q[i % 32] as f32 * b.d - v).abs() <= b.d * 0.5 + 1e-7);
+            assert!((b.q[i % 32].int() as f32 * b.d - v).abs() <= b.d * 0.5 + 1e-7);
+        }
+        for (b, c) in q.iter().zip(x.chunks_exact(32)) {
+            assert_eq!(b.d, c.iter().fold(0f32, |m, v| m.max(v.abs())) / T::MAX);
+        }
+        for b in &q {
+            let s: [i32; 2] =
+                std::array::from_fn(|h| b.q[16 * h..16 * h + 16].iter().map(|v| v.int()).sum());
+            assert_eq!(b.dh, [b.d * s[0] as f32, b.d * s[1] as f32]);
+            assert_eq!(b.ds, b.d * (s[0] + s[1]) as f32);
         }
         // A zero block has a zero scale and no NaN.
         quantize_rows(&[0.0; 32], 32, &mut q);
-        assert_eq!((q[0].d, q[0].ds, q[0].q), (0.0, 0.0, [0; 32]));
+        assert_eq!((q[0].d, q[0].ds, q[0].dh), (0.0, 0.0, [0.0; 2]));
+        assert!(q[0].q.iter().all(|v| v.int() == 0));
     }
 
-    /// Every covered format: the integer kernel equals the f64 dot of the decoded weights
-    /// with the dequantized activations (up to f32 rounding), and a row's result is the same
-    /// bits at every batch size.
+    #[test]
+    fn quantized_rows_round_trip_within_half_a_step() {
+        round_trip::<i8>();
+        round_trip::<i16>();
+    }
+
+    /// Every covered format, with 8- and 16-bit activations: the integer kernel equals the
+    /// f64 dot of the decoded weights with the dequantized activations (up to f32
+    /// rounding), and a row's result is the same bits at every batch size.
     #[test]
     fn integer_dots_match_the_reference_and_do_not_depend_on_the_batch() {
-        for dtype in [DType::Q4_0, DType::Q4_1, DType::Q8_0] {
+        integer_dots::<i8>(gemv_rows);
+        integer_dots::<i16>(gemv_rows16);
+    }
+
+    fn integer_dots<T: Level>(kernel: IntKernel<QBlock<T>>) {
+        for dtype in crate::dtype::ALL_DTYPES
+            .into_iter()
+            .filter(|t| t.is_quantized())
+        {
             if !covers(dtype) {
                 eprintln!("SKIPPED {dtype:?}: no AVX2 on this CPU");
                 continue;
             }
             let (k, m) = (256usize, 7usize);
             let rb = dtype.row_bytes(k as u64).unwrap() as usize;
-            let w = ggml::sample_blocks(dtype, m * k / 32, 5);
+            let w = ggml::sample_blocks(dtype, m * k / dtype.block_elems() as usize, 5);
             let xs = rng_floats(9, 4 * k);
-            let mut xq = Vec::new();
+            let mut xq: Vec<QBlock<T>> = Vec::new();
             quantize_rows(&xs, k, &mut xq);
-            let rows: Vec<&[Q8Block]> = xq.chunks_exact(k / 32).collect();
+            let rows: Vec<&[QBlock<T>]> = xq.chunks_exact(k / 32).collect();
             let mut all = vec![[0f32; 4]; m];
-            gemv_rows(dtype, &w, rb, &rows, &mut all);
+            kernel(dtype, &w, rb, &rows, &mut all);
             for n in 1..=4 {
                 for r0 in 0..=(4 - n) {
                     let mut part = vec![[0f32; 4]; m];
-                    gemv_rows(dtype, &w, rb, &rows[r0..r0 + n], &mut part);
+                    kernel(dtype, &w, rb, &rows[r0..r0 + n], &mut part);
                     for j in 0..m {
                         for i in 0..n {
                             assert_eq!(
@@ -271,16 +676,48 @@ mod tests {
                     }
                 }
             }
+            let mut worst = 0f64;
             for j in 0..m {
                 for r in 0..4 {
                     let want = reference_dot(dtype, &w[j * rb..(j + 1) * rb], rows[r]);
                     let got = all[j][r] as f64;
+                    worst = worst.max((got - want).abs() / (1.0 + want.abs()));
                     assert!(
                         (got - want).abs() <= 1e-4 * (1.0 + want.abs()),
                         "{dtype:?} row {j} x {r}: {got} vs {want}"
                     );
                 }
             }
+            // And the quantization error itself, against f32 activations: 16 bits are
+            // much closer than 8.
+            let mut err = 0f64;
+            let mut vals = vec![0f32; k];
+            for j in 0..m {
+                ggml::dequantize(dtype, &w[j * rb..(j + 1) * rb], &mut vals).unwrap();
+                for r in 0..4 {
+                    let exact: f64 = vals
+                        .iter()
+                        .zip(&xs[r * k..])
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum();
+                    let scale: f64 = vals
+                        .iter()
+                        .zip(&xs[r * k..])
+                        .map(|(&a, &b)| (a as f64 * b as f64).abs())
+                        .sum();
+                    err = err.max((all[j][r] as f64 - exact).abs() / scale.max(1e-30));
+                }
+            }
+            let bound = if T::MAX > 1000.0 { 3e-5 } else { 5e-3 };
+            assert!(
+                err <= bound,
+                "{dtype:?} {}-bit: error {err:e} of the absolute sum (bound {bound:e})",
+                if T::MAX > 1000.0 { 16 } else { 8 }
+            );
+            eprintln!(
+                "{dtype:?} {:>2}-bit: kernel vs f64 {worst:.1e}, quantization error {err:.1e}",
+                if T::MAX > 1000.0 { 16 } else { 8 }
+            );
         }
     }
 }

@@ -375,13 +375,27 @@ fn attention_over_the_cache(kv: KvDtype) {
 
 #[test]
 fn a_sliding_window_ring_attends_to_its_window_only() {
-    // One sequence through 40 positions in steps of 1 to 7 tokens, window 6, in a ring of
-    // 6 + 7 - 1 = 12 positions: every query sees exactly positions p - 5..=p (checked in
-    // f64 against the whole history), though the ring wrapped three times.
+    for kv in [KvDtype::F32, KvDtype::F16] {
+        sliding_window_ring(kv);
+    }
+}
+
+/// One sequence through 40 positions in steps of 1 to 7 tokens, window 6, in a ring of
+/// 6 + 7 - 1 = 12 positions: every query sees exactly positions p - 5..=p (checked in
+/// f64 against the whole history, K and V rounded as the cache stores them), though the
+/// ring wrapped three times. The f16 cache runs the grouped kernels (two query heads a KV
+/// head).
+fn sliding_window_ring(kv: KvDtype) {
     let b = backend();
     let mut r = Rng(5);
+    let round = |x: &[f32]| -> Vec<f32> {
+        match kv {
+            KvDtype::F32 => x.to_vec(),
+            KvDtype::F16 => x.iter().map(|&v| half::f16::from_f32(v).to_f32()).collect(),
+        }
+    };
     let shape = AttnShape {
-        kv: KvDtype::F32,
+        kv,
         heads: 2,
         kv_heads: 1,
         head_dim: 8,
@@ -396,14 +410,14 @@ fn a_sliding_window_ring_attends_to_its_window_only() {
         window: Some(window),
     };
     let elems = cache.elems(&shape);
-    let mut ck = b.alloc(elems * 4, "k").unwrap();
-    let mut cv = b.alloc(elems * 4, "v").unwrap();
+    let mut ck = b.alloc(elems * kv.bytes(), "k").unwrap();
+    let mut cv = b.alloc(elems * kv.bytes(), "v").unwrap();
     let (mut all_k, mut all_v) = (Vec::new(), Vec::new());
     let mut pos = 0;
     for n in [7, 1, 3, 7, 2, 1, 7, 5, 7] {
         let (q, k, v) = (r.vec(n * 16), r.vec(n * 8), r.vec(n * 8));
-        all_k.extend_from_slice(&k);
-        all_v.extend_from_slice(&v);
+        all_k.extend_from_slice(&round(&k));
+        all_v.extend_from_slice(&round(&v));
         let spans = [SeqSpan {
             row: 0,
             n,
@@ -444,7 +458,7 @@ fn a_sliding_window_ring_attends_to_its_window_only() {
                     let got = out.f32s()[t * 16 + h * 8 + d] as f64;
                     assert!(
                         (got - want).abs() <= 1e-5,
-                        "pos {p} head {h}: {got} vs {want}"
+                        "{kv} pos {p} head {h}: {got} vs {want}"
                     );
                 }
             }
@@ -541,6 +555,188 @@ fn a_rows_result_does_not_depend_on_the_other_rows() {
                 run(n, 0, 0),
                 tile,
                 "{dtype}: prefill row changes with {n} rows"
+            );
+        }
+    }
+}
+
+#[test]
+fn activations_split_across_threads_give_the_same_bits() {
+    // A prefill's worth (past the 32768 elements where the pool takes pieces, with a
+    // ragged last piece): two threads agree bit for bit with one thread and with the
+    // formula element by element.
+    let n = 3 * 16 * 1024 + 77;
+    let mut r = Rng(11);
+    let (gate, up) = (r.vec(n), r.vec(n));
+    let gate: Vec<f32> = gate.iter().map(|x| x * 6.0).collect();
+    let (one, two) = (
+        CpuBackend::new(1 << 24, 1).unwrap(),
+        CpuBackend::new(1 << 24, 2).unwrap(),
+    );
+    for gelu in [false, true] {
+        let run = |b: &CpuBackend| {
+            let mut g = mem_f32(b, &gate);
+            let u = mem_f32(b, &up);
+            if gelu {
+                b.gelu_mul(&mut g, &u, n);
+            } else {
+                b.silu_mul(&mut g, &u, n);
+            }
+            g.f32s().to_vec()
+        };
+        let (a, b) = (run(&one), run(&two));
+        for i in 0..n {
+            let (x, u) = (gate[i], up[i]);
+            let want = if gelu {
+                super::gelu_tanh(x) * u
+            } else {
+                x / (1.0 + (-x).exp()) * u
+            };
+            assert_eq!(
+                a[i].to_bits(),
+                want.to_bits(),
+                "gelu {gelu} element {i}, one thread"
+            );
+            assert_eq!(
+                b[i].to_bits(),
+                want.to_bits(),
+                "gelu {gelu} element {i}, two threads"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_long_row_is_the_same_bits_split_in_chunks_alone_in_a_batch_or_in_a_prefill() {
+    // 700 positions (three chunks of keys) over an f16 cache, two KV heads of two query
+    // heads each. The last row computed three ways: inside a 700-token prefill (its chunks
+    // merged in its task), as a decode row alone (too few tasks for two threads: its chunks
+    // run as tasks of their own and merge after), and as a decode row beside three other
+    // sequences (a task a (span, KV head) again). The same bits each way, and f64's
+    // numbers (K and V rounded to f16 as the cache holds them).
+    let b = backend();
+    let mut r = Rng(12);
+    let shape = AttnShape {
+        kv: KvDtype::F16,
+        heads: 4,
+        kv_heads: 2,
+        head_dim: 16,
+        max_context: 800,
+        slots: 4,
+        scale: 0.25,
+    };
+    let (wq, wkv, n) = (64, 32, 700);
+    let cache = LayerCache {
+        base: 0,
+        cap: shape.max_context,
+        window: None,
+    };
+    let elems = cache.elems(&shape);
+    let mut ck = b.alloc(elems * 2, "k").unwrap();
+    let mut cv = b.alloc(elems * 2, "v").unwrap();
+    let (q, k, v) = (r.vec(n * wq), r.vec(n * wkv), r.vec(n * wkv));
+    let run = |ck: &mut super::CpuMem,
+               cv: &mut super::CpuMem,
+               spans: &[SeqSpan],
+               q: &[f32],
+               k: &[f32],
+               v: &[f32]| {
+        let step = AttnStep {
+            layer: 0,
+            spans,
+            shape,
+            cache,
+        };
+        let rows: usize = spans.iter().map(|s| s.n).sum();
+        let mut out = b.alloc(rows * wq * 4, "out").unwrap();
+        b.kv_store(&mem_f32(&b, k), &mem_f32(&b, v), ck, cv, &step);
+        b.attention(&mem_f32(&b, q), ck, cv, &step, &mut out);
+        out.f32s()[..rows * wq].to_vec()
+    };
+    let prefill = run(
+        &mut ck,
+        &mut cv,
+        &[SeqSpan {
+            row: 0,
+            n,
+            pos: 0,
+            slot: 0,
+        }],
+        &q,
+        &k,
+        &v,
+    );
+    let last = &prefill[(n - 1) * wq..n * wq];
+    let (ql, kl, vl) = (&q[(n - 1) * wq..], &k[(n - 1) * wkv..], &v[(n - 1) * wkv..]);
+    let alone = run(
+        &mut ck,
+        &mut cv,
+        &[SeqSpan {
+            row: 0,
+            n: 1,
+            pos: n - 1,
+            slot: 0,
+        }],
+        ql,
+        kl,
+        vl,
+    );
+    let others: Vec<SeqSpan> = (1..4)
+        .map(|s| SeqSpan {
+            row: s,
+            n: 1,
+            pos: 0,
+            slot: s,
+        })
+        .collect();
+    let spans: Vec<SeqSpan> = std::iter::once(SeqSpan {
+        row: 0,
+        n: 1,
+        pos: n - 1,
+        slot: 0,
+    })
+    .chain(others)
+    .collect();
+    let (q4, k4, v4) = (
+        [ql.to_vec(), r.vec(3 * wq)].concat(),
+        [kl.to_vec(), r.vec(3 * wkv)].concat(),
+        [vl.to_vec(), r.vec(3 * wkv)].concat(),
+    );
+    let batch = run(&mut ck, &mut cv, &spans, &q4, &k4, &v4);
+    let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;
+    for h in 0..4 {
+        let g = h / 2;
+        let qr = &ql[h * 16..(h + 1) * 16];
+        let s: Vec<f64> = (0..n)
+            .map(|j| {
+                (0..16)
+                    .map(|d| qr[d] as f64 * f16(k[j * wkv + g * 16 + d]))
+                    .sum::<f64>()
+                    * 0.25
+            })
+            .collect();
+        let mx = s.iter().cloned().fold(f64::MIN, f64::max);
+        let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+        let z: f64 = e.iter().sum();
+        for d in 0..16 {
+            let i = h * 16 + d;
+            assert_eq!(
+                alone[i].to_bits(),
+                last[i].to_bits(),
+                "head {h} dim {d}: alone vs prefill"
+            );
+            assert_eq!(
+                batch[i].to_bits(),
+                last[i].to_bits(),
+                "head {h} dim {d}: in a batch vs prefill"
+            );
+            let want: f64 = (0..n)
+                .map(|j| e[j] / z * f16(v[j * wkv + g * 16 + d]))
+                .sum();
+            assert!(
+                (last[i] as f64 - want).abs() <= 1e-5,
+                "head {h} dim {d}: {} vs {want}",
+                last[i]
             );
         }
     }

@@ -1,0 +1,95 @@
+#!/usr/bin/env python3
+"""Streaming against the disk, in one run: does a streamed pass at batch 1 move its bytes at
+the disk's rate, and does it overlap with compute?
+
+Each round runs fio on the store's weights.bin (io_uring, O_DIRECT, 4 MiB x 64, the whole
+file read `--loops` times), then `sluiced bench-stream --batch 1 --json` (compute-only,
+streaming-only and streamed passes), then fio again. The disk here drifts by 3x within a
+minute (a cloud volume's burst credit), so each round's streaming rate is compared with the
+mean of the fio runs just before and after it, and the rounds alternate the prefetch
+settings given.
+
+    python3 scripts/bench_stream_disk.py STORE [--rounds 3] [--prefetch auto,4]
+        [--device-memory 48MiB | --weights-budget 50%] [--steps 16] [--threads 2]
+
+Prints a row a run and, last, one JSON line per prefetch setting: the median over rounds of
+streaming_only / fio and of the overlap ratio (pass / max(compute-only, streaming-only)).
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLUICED = os.path.join(ROOT, "target/release/sluiced")
+
+
+def fio_gbps(path, loops):
+    out = subprocess.run(["fio", "--name=seqread", f"--filename={path}", "--readonly", "--direct=1",
+                          "--ioengine=io_uring", "--fixedbufs", "--bs=4M", "--iodepth=64", "--rw=read",
+                          f"--loops={loops}", "--output-format=json"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)["jobs"][0]["read"]["bw_bytes"] / 1e9
+
+
+def bench_stream(store, a, prefetch):
+    cmd = [SLUICED, "bench-stream", store, "--batch", "1", "--steps", str(a.steps), "--threads", str(a.threads),
+           "--json"]
+    if a.device_memory:
+        cmd += ["--device-memory", a.device_memory]
+    else:
+        cmd += ["--weights-budget", a.weights_budget]
+    if prefetch != "auto":
+        cmd += ["--prefetch", prefetch]
+    r = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    return json.loads(r.stdout)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("store")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prefetch", default="auto,4", help="comma-separated: auto (the plan's) or a unit count")
+    ap.add_argument("--device-memory")
+    ap.add_argument("--weights-budget", default="50%")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--fio-loops", type=int, default=0, help="default: enough loops for about 512 MB")
+    a = ap.parse_args()
+    if shutil.which("fio") is None:
+        sys.exit("bench_stream_disk: fio is missing (apt-get install fio)")
+    weights = os.path.join(a.store, "weights.bin")
+    loops = a.fio_loops or max(1, round(512e6 / os.path.getsize(weights)))
+    settings = a.prefetch.split(",")
+    rows = {p: [] for p in settings}
+    print(f"{a.store}: fio 4 MiB x 64 over weights.bin x{loops} before and after each run")
+    print(f"{'prefetch':>8} {'fio GB/s':>9} {'stream GB/s':>11} {'stream/fio':>10} "
+          f"{'compute ms':>10} {'stream ms':>9} {'pass ms':>8} {'overlap':>7}")
+    prev = fio_gbps(weights, loops)
+    for _ in range(a.rounds):
+        for p in settings:
+            j = bench_stream(a.store, a, p)
+            cur = fio_gbps(weights, loops)
+            ref = (prev + cur) / 2
+            rate = j["disk_bytes_per_pass"] / j["streaming_only_pass_s"] / 1e9
+            row = {"fio_gbps": ref, "stream_gbps": rate, "stream_vs_fio": rate / ref,
+                   "overlap_ratio": j["overlap_ratio"], "compute_ms": j["compute_only_pass_s"] * 1e3,
+                   "streaming_ms": j["streaming_only_pass_s"] * 1e3, "pass_ms": j["streamed_pass_s"] * 1e3,
+                   "disk_bytes_per_pass": j["disk_bytes_per_pass"]}
+            rows[p].append(row)
+            print(f"{p:>8} {ref:9.3f} {rate:11.3f} {rate / ref:10.3f} {row['compute_ms']:10.2f} "
+                  f"{row['streaming_ms']:9.2f} {row['pass_ms']:8.2f} {j['overlap_ratio']:7.3f}")
+            prev = cur
+    for p in settings:
+        r = rows[p]
+        print(json.dumps({"prefetch": p, "rounds": len(r),
+                          "disk_bytes_per_pass": r[0]["disk_bytes_per_pass"],
+                          "stream_vs_fio_median": round(statistics.median(x["stream_vs_fio"] for x in r), 3),
+                          "overlap_ratio_median": round(statistics.median(x["overlap_ratio"] for x in r), 3)}))
+
+
+if __name__ == "__main__":
+    main()
