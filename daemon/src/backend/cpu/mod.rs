@@ -333,8 +333,11 @@ impl CpuBackend {
                 v.reserve(n.saturating_sub(len));
             }
             RES4.with(|r| grow(&mut r.borrow_mut(), chunk_max));
-            SCORES.with(|s| grow(&mut s.borrow_mut(), kernels::GROUP_MAX * max_context));
-            KEYS.with(|s| grow(&mut s.borrow_mut(), max_context));
+            // Scores: a whole row of one head (the f32 cache's path), or a chunk of keys for
+            // up to GROUP_MAX heads (the f16 cache's); the offsets of a chunk's keys.
+            let scores = max_context.max(kernels::GROUP_MAX * ATTN_CHUNK);
+            SCORES.with(|s| grow(&mut s.borrow_mut(), scores));
+            KEYS.with(|s| grow(&mut s.borrow_mut(), ATTN_CHUNK));
             TILE.with(|t| grow(&mut t.borrow_mut(), TILE_ROWS * k_max));
         };
         if self.threads == 1 {

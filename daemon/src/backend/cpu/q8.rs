@@ -1,8 +1,9 @@
-//! Decode rows with 8-bit activations: each activation row is quantized once per matmul to
-//! blocks of 32 (an f32 scale and 32 i8, as llama.cpp's q8_0 but with an f32 scale), and
-//! a weight block meets it in integer dot products (AVX2 `maddubs`: u8 x i8 pairs summed
-//! to i16, then to i32), scaled once per block. This is the default path; `--exact` keeps
-//! f32 activations (`kernels.rs`).
+//! Decode rows with integer activations: each activation row is quantized once per matmul
+//! to blocks of 32 (an f32 scale and 32 i8, as llama.cpp's q8_0 but with an f32 scale; or
+//! 32 i16 for the output head), and a weight block meets it in integer dot products (AVX2
+//! `maddubs`: u8 x i8 pairs summed to i16, then to i32; `madd` of i16 for 16 bits), scaled
+//! once per block. This is the default path; `--exact` keeps f32 activations
+//! (`kernels.rs`).
 //!
 //! Covered weight formats: every block format sluice reads (q4_0, q4_1, q8_0, q5_0, q5_1,
 //! q2_k..q6_k, iq4_nl, iq4_xs, mxfp4). Each weight piece of 32 is unpacked in registers to

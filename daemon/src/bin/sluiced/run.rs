@@ -99,7 +99,7 @@ pub struct RunArgs {
     device: usize,
     /// The reference numerics: f32 activations into every matmul and an f32 KV cache
     /// (outputs match transformers as closely as sluice can). Default: 8-bit activations
-    /// for decode rows and an f16 KV cache.
+    /// for decode rows (16-bit into the output head) and an f16 KV cache.
     #[arg(long)]
     exact: bool,
     /// KV cache element type (default f16; f32 under --exact).

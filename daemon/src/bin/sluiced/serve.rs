@@ -120,7 +120,7 @@ pub struct ServeArgs {
     #[arg(long)]
     pub shutdown_grace_s: Option<u64>,
     /// The reference numerics: f32 activations and an f32 KV cache (default: 8-bit
-    /// activations for decode rows, f16 KV cache).
+    /// activations for decode rows, 16-bit into the output head, f16 KV cache).
     #[arg(long)]
     pub exact: bool,
     /// KV cache element type (default f16; f32 under --exact).
