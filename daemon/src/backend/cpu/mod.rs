@@ -446,7 +446,7 @@ impl CpuBackend {
             partials,
             ..
         } = &mut *scratch;
-        // (span, KV head, chunk or NONE for all of them in order, where its partial goes).
+        // (span, KV head, chunk or ALL of them in order, where its partial goes).
         const ALL: usize = usize::MAX;
         attn_tasks.clear();
         let mut at = 0;
@@ -528,29 +528,34 @@ impl CpuBackend {
                 });
             });
         });
-        // The split rows: their chunks' partials merged in chunk order.
-        let mut i = 0;
-        while i < tasks.len() {
-            let (si, g, c, at) = tasks[i];
-            if c == ALL {
-                i += 1;
-                continue;
-            }
-            let n_chunks = chunks_of(&spans[si]);
-            let row = spans[si].row * width_q;
-            for (h0, gh) in subgroups(g) {
-                let (off, w) = ((h0 - g * group) * (2 + hd), gh * (2 + hd));
-                let mut acc = partials[at + off..at + off + w].to_vec();
-                for k in 1..n_chunks {
-                    let r = at + k * rec + off;
-                    merge_partial(&mut acc, &partials[r..r + w], gh, hd);
+        // The split rows: their chunks' partials merged in chunk order (on this thread,
+        // its partial buffer reused).
+        PARTIAL.with(|part| {
+            let mut acc = part.borrow_mut();
+            let mut i = 0;
+            while i < tasks.len() {
+                let (si, g, c, at) = tasks[i];
+                if c == ALL {
+                    i += 1;
+                    continue;
                 }
-                // SAFETY: the pool is done; this (row, head group) is written once.
-                let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
-                finish_partial(&acc, gh, hd, o);
+                let n_chunks = chunks_of(&spans[si]);
+                let row = spans[si].row * width_q;
+                for (h0, gh) in subgroups(g) {
+                    let (off, w) = ((h0 - g * group) * (2 + hd), gh * (2 + hd));
+                    acc.clear();
+                    acc.extend_from_slice(&partials[at + off..at + off + w]);
+                    for k in 1..n_chunks {
+                        let r = at + k * rec + off;
+                        merge_partial(&mut acc, &partials[r..r + w], gh, hd);
+                    }
+                    // SAFETY: the pool is done; this (row, head group) is written once.
+                    let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
+                    finish_partial(&acc, gh, hd, o);
+                }
+                i += n_chunks;
             }
-            i += n_chunks;
-        }
+        });
     }
 
     /// `x[i] = f(x[i], y[i])` for the first `n` elements, in pieces across the pool where
