@@ -629,18 +629,7 @@ fn chunk_partial(
     sc.resize(gh * n, 0.0);
     kernels::group_scores_f16(qg, hd, ks, keys, sc);
     for (i, s) in sc.chunks_exact_mut(n).enumerate() {
-        let mut mx = f32::NEG_INFINITY;
-        for v in s.iter_mut() {
-            *v *= scale;
-            mx = mx.max(*v);
-        }
-        let mut sum = 0f32;
-        for v in s.iter_mut() {
-            *v = (*v - mx).exp();
-            sum += *v;
-        }
-        out[i] = mx;
-        out[gh + i] = sum;
+        (out[i], out[gh + i]) = exp_scaled(s, scale);
     }
     kernels::group_pv_f16(sc, hd, vs, keys, &mut out[2 * gh..2 * gh + gh * hd]);
 }
@@ -670,8 +659,9 @@ fn finish_partial(acc: &[f32], gh: usize, hd: usize, o: &mut [f32]) {
     }
 }
 
-/// Scores times `scale`, then softmax in place: max, exp, sum, scale by 1 / sum, in order.
-fn softmax_scaled(sc: &mut [f32], scale: f32) {
+/// Scores times `scale`, then exp(score - max) in place; returns (max, sum of the exps),
+/// summed in order.
+fn exp_scaled(sc: &mut [f32], scale: f32) -> (f32, f32) {
     let mut mx = f32::NEG_INFINITY;
     for s in sc.iter_mut() {
         *s *= scale;
@@ -682,6 +672,12 @@ fn softmax_scaled(sc: &mut [f32], scale: f32) {
         *s = (*s - mx).exp();
         sum += *s;
     }
+    (mx, sum)
+}
+
+/// Scores times `scale`, then softmax in place: `exp_scaled`, then scaled by 1 / sum.
+fn softmax_scaled(sc: &mut [f32], scale: f32) {
+    let (_, sum) = exp_scaled(sc, scale);
     let inv = 1.0 / sum;
     sc.iter_mut().for_each(|s| *s *= inv);
 }
