@@ -1,17 +1,18 @@
 #!/usr/bin/env python3
 """llama.cpp (llama-cpp-python, mmap) and sluice inside the same memory cgroup, at limits
-from "everything fits" down to the least each survives, batch 1, greedy decode, same
-prompt and threads. For each limit and engine: decode tokens/s, bytes read from storage
-per decode token (from /proc/PID/io, polled while it runs), and the cgroup's peak memory
-(anonymous memory and page cache). fio measures the disk in the same run; the disk bound
-is fio's rate / sluice's bytes per token.
+from "everything fits" down to the least each survives, at batch 1 and 8 (llama.cpp: that
+many parallel sequences in one llama_decode per step; sluice: `run --parallel`), greedy
+decode, same prompt and threads. For each limit, batch and engine: decode tokens/s of the
+batch, bytes read from storage per decode step (from /proc/PID/io, polled while it runs),
+and the cgroup's peak memory (anonymous memory and page cache). fio measures the disk in
+the same run; the disk bound is batch x fio's rate / sluice's bytes per step.
 
 Models: SmolLM2-135M (the project's GGUF) and, with --big, a random 1.2 GB Llama made by
 scripts/make_random_llama_gguf.py. sluice runs with --host-memory equal to the limit.
 Needs root (a child of this process's memory cgroup, v1 or v2), llama-cpp-python, fio and
 a release build.
 
-    python3 scripts/bench_memlimit.py [--threads 2] [--big] [--decode 32]
+    python3 scripts/bench_memlimit.py [--threads 2] [--big] [--decode 32] [--batch 1,8]
 """
 import argparse
 import json
@@ -28,20 +29,39 @@ MIB = 2**20
 
 WORKER = r'''
 import sys, time, json, numpy as np, llama_cpp
-gguf, threads, decode, prompt = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+gguf, threads, decode, prompt, parallel = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], int(sys.argv[5])
 def io():
     d = dict(l.split(": ") for l in open("/proc/self/io").read().splitlines())
     return int(d["read_bytes"])
-llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=256, n_batch=64, use_mmap=True, verbose=False)
-ids = llm.tokenize(prompt.encode(), add_bos=False)
-t0 = time.perf_counter(); llm.eval(ids); t1 = time.perf_counter()
-r0 = io()
+# parallel sequences in one decode call per step, as llama.cpp's batched example does: a
+# KV cache of 256 positions per sequence, the prompt prefilled for every sequence in one
+# batch, then one token per sequence per llama_decode.
+llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=256 * parallel,
+                      n_batch=512, n_seq_max=parallel, use_mmap=True, verbose=False)
+ctx = llm._ctx.ctx
 n_vocab = llm.n_vocab()
-for _ in range(decode):
-    logits = np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1), shape=(n_vocab,))
-    llm.eval([int(np.argmax(logits))])
+ids = llm.tokenize(prompt.encode(), add_bos=False)
+batch = llama_cpp.llama_batch_init(max(len(ids) * parallel, parallel), 0, parallel)
+def submit(rows):
+    # rows: (token, pos, seq, wants logits)
+    batch.n_tokens = len(rows)
+    for i, (t, p, s, want) in enumerate(rows):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i], batch.logits[i] = t, p, 1, want
+        batch.seq_id[i][0] = s
+    if llama_cpp.llama_decode(ctx, batch) != 0:
+        raise SystemExit("llama_decode failed")
+def argmax(i):
+    return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
+t0 = time.perf_counter()
+submit([(t, p, s, p == len(ids) - 1) for s in range(parallel) for p, t in enumerate(ids)])
+nxt = [argmax((s + 1) * len(ids) - 1) for s in range(parallel)]
+t1 = time.perf_counter()
+r0 = io()
+for step in range(decode):
+    submit([(nxt[s], len(ids) + step, s, True) for s in range(parallel)])
+    nxt = [argmax(s) for s in range(parallel)]
 t2 = time.perf_counter()
-print(json.dumps({"decode_tps": decode / (t2 - t1), "read_per_token": (io() - r0) / decode}))
+print(json.dumps({"decode_tps": decode * parallel / (t2 - t1), "read_per_step": (io() - r0) / decode}))
 '''
 
 
@@ -117,25 +137,26 @@ def fio_rate(path, seconds=3):
     return json.loads(out)["jobs"][0]["read"]["bw_bytes"]
 
 
-def llama_cpp(gguf, limit, a):
+def llama_cpp(gguf, limit, batch, a):
     cg = Cgroup("sluice-memlimit", limit)
     drop_caches()
-    rc, out, err, _ = cg.run([sys.executable, "-c", WORKER, gguf, str(a.threads), str(a.decode), PROMPT])
+    rc, out, err, _ = cg.run([sys.executable, "-c", WORKER, gguf, str(a.threads), str(a.decode), PROMPT, str(batch)])
     r = {"peak": cg.peak(), "oom": cg.oom_kills()}
     cg.close()
     if rc != 0:
         r["error"] = (err.strip().splitlines() or [f"exit {rc}"])[-1][:80]
         return r
     j = json.loads(out.strip().splitlines()[-1])
-    r.update(tps=j["decode_tps"], read=j["read_per_token"])
+    r.update(tps=j["decode_tps"], read=j["read_per_step"])
     return r
 
 
-def sluice(store, limit, a):
+def sluice(store, limit, batch, a):
     cg = Cgroup("sluice-memlimit", limit)
     drop_caches()
     argv = [SLUICED, "run", store, "--prompt", PROMPT, "--max-tokens", str(a.decode + 1), "--ignore-eos",
-            "--max-context", "256", "--threads", str(a.threads), "--host-memory", str(limit), "--json"]
+            "--max-context", "256", "--threads", str(a.threads), "--host-memory", str(limit),
+            "--parallel", str(batch), "--json"]
     rc, out, err, read = cg.run(argv)
     r = {"peak": cg.peak(), "oom": cg.oom_kills()}
     cg.close()
@@ -160,39 +181,43 @@ def bench(name, gguf, limits, a):
         store = os.path.join(tmp, "store")
         subprocess.run([SLUICED, "pack", gguf, "-o", store, "--codec", "none"], check=True, capture_output=True)
         disk = fio_rate(os.path.join(store, "weights.bin"))
-        print(f"\n{name}: GGUF {size / MIB:.0f} MiB, {a.threads} threads, batch 1, {a.decode} greedy decode tokens; fio sequential O_DIRECT read {disk / 1e9:.2f} GB/s")
-        print(f"{'limit':>9} | {'llama.cpp tok/s':>15} {'MB/token':>9} {'peak MiB':>9} | {'sluice tok/s':>15} {'MB/token':>9} {'peak MiB':>9} {'disk bound':>10} {'vs bound':>8} {'vs llama':>8} | fio GB/s, sluice plan")
+        print(f"\n{name}: GGUF {size / MIB:.0f} MiB, {a.threads} threads, batches {a.batch}, {a.decode} greedy decode steps; fio sequential O_DIRECT read {disk / 1e9:.2f} GB/s")
+        print(f"{'limit':>9} {'batch':>5} | {'llama.cpp tok/s':>15} {'MB/step':>9} {'peak MiB':>9} | {'sluice tok/s':>15} {'MB/step':>9} {'peak MiB':>9} {'disk bound':>10} {'vs bound':>8} {'vs llama':>8} | fio GB/s, sluice plan")
         for limit in limits:
-            l = llama_cpp(gguf, limit, a)
-            # The disk varies (a VM's burst credits): measured again just before each run.
-            disk = fio_rate(os.path.join(store, "weights.bin"), 1)
-            s = sluice(store, limit, a)
-            def cells(r):
-                if "error" in r:
-                    return f"{'failed' + (' (OOM)' if r['oom'] else ''):>15} {'':>9} {r['peak'] / MIB:>9.0f}"
-                return f"{r['tps']:>15.2f} {r['read'] / 1e6:>9.1f} {r['peak'] / MIB:>9.0f}"
-            line = f"{limit / MIB:>5.0f} MiB | {cells(l)} | {cells(s)}"
-            if "error" not in s:
-                bound = disk / s["read"] if s["read"] > 0 else float("inf")
-                vs_bound = s["tps"] / bound if s["read"] > 0 else float("nan")
-                vs_llama = s["tps"] / l["tps"] if "error" not in l else float("nan")
-                line += f" {bound:>10.1f} {vs_bound:>8.2f} {vs_llama:>8.2f} | {disk / 1e9:.2f}, {s['streamed']} units streamed, overhead {s['overhead'] / MIB:.0f} MiB, planned {s['planned'] / MIB:.0f} MiB, read {s['own_read'] / 1e6:.1f} MB/pass vs weights - resident {(s['weights'] - s['resident']) / 1e6:.1f} MB"
-            else:
-                line += f"  ({s['error']})"
-            if "error" in l:
-                line += f"  [llama.cpp: {l['error']}]"
-            print(line, flush=True)
+            for batch in a.batches:
+                l = llama_cpp(gguf, limit, batch, a)
+                # The disk varies (a VM's burst credits): measured again just before each run.
+                disk = fio_rate(os.path.join(store, "weights.bin"), 1)
+                s = sluice(store, limit, batch, a)
+                def cells(r):
+                    if "error" in r:
+                        return f"{'failed' + (' (OOM)' if r['oom'] else ''):>15} {'':>9} {r['peak'] / MIB:>9.0f}"
+                    return f"{r['tps']:>15.2f} {r['read'] / 1e6:>9.1f} {r['peak'] / MIB:>9.0f}"
+                line = f"{limit / MIB:>5.0f} MiB {batch:>5} | {cells(l)} | {cells(s)}"
+                if "error" not in s:
+                    # A step reads its bytes once for every sequence of the batch.
+                    bound = batch * disk / s["read"] if s["read"] > 0 else float("inf")
+                    vs_bound = s["tps"] / bound if s["read"] > 0 else float("nan")
+                    vs_llama = s["tps"] / l["tps"] if "error" not in l else float("nan")
+                    line += f" {bound:>10.1f} {vs_bound:>8.2f} {vs_llama:>8.2f} | {disk / 1e9:.2f}, {s['streamed']} units streamed, overhead {s['overhead'] / MIB:.0f} MiB, planned {s['planned'] / MIB:.0f} MiB, read {s['own_read'] / 1e6:.1f} MB/pass vs weights - resident {(s['weights'] - s['resident']) / 1e6:.1f} MB"
+                else:
+                    line += f"  ({s['error']})"
+                if "error" in l:
+                    line += f"  [llama.cpp: {l['error']}]"
+                print(line, flush=True)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--decode", type=int, default=32)
+    ap.add_argument("--decode", type=int, default=32, help="decode steps (each a token per sequence)")
+    ap.add_argument("--batch", default="1,8", help="sequences decoded together, comma-separated")
     ap.add_argument("--smollm2", default=os.path.expanduser("~/.cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
     ap.add_argument("--big", action="store_true", help="also the random 1.2 GB Llama (made if missing)")
     ap.add_argument("--limits", default="256,144,128,112,96,80,64", help="SmolLM2 limits in MiB")
     ap.add_argument("--big-limits", default="1600,1024,768,512,384,256", help="1.2 GB model limits in MiB")
     a = ap.parse_args()
+    a.batches = [int(x) for x in a.batch.split(",")]
     bench("SmolLM2-135M-Instruct Q4_1", a.smollm2, [int(x) * MIB for x in a.limits.split(",")], a)
     if a.big:
         big = os.path.expanduser("~/.cache/sluice/bench/random-llama-1.2g.gguf")
@@ -201,8 +226,9 @@ def main():
             subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_random_llama_gguf.py"), big], check=True)
         a.decode = min(a.decode, 8)
         bench("random Llama 1.2 GB Q8_0", big, [int(x) * MIB for x in a.big_limits.split(",")], a)
-    print("\nMB/token: storage reads per decode token from /proc/PID/io (llama.cpp: its page cache refaults; sluice: O_DIRECT reads).")
-    print("peak: the cgroup's max usage (anonymous + page cache). disk bound: fio rate / sluice's bytes per token.")
+    print("\ntok/s: decode tokens per second of the whole batch. MB/step: storage reads per decode step (one token for each")
+    print("sequence) from /proc/PID/io (llama.cpp: its page cache refaults; sluice: O_DIRECT reads).")
+    print("peak: the cgroup's max usage (anonymous + page cache). disk bound: batch x fio rate / sluice's bytes per step.")
 
 
 if __name__ == "__main__":

@@ -507,3 +507,69 @@ fn sluiced_run_streams_under_a_budget_and_reports_it() {
         assert!(streamed[k].as_f64().is_some(), "{k} missing");
     }
 }
+
+/// `run --parallel N` steps N copies of the prompt together; sequence i samples with
+/// seed + i, so each must produce what a run of its own with that seed produces (a
+/// sequence's tokens do not depend on what else is in the batch), streamed under a budget.
+#[test]
+fn sluiced_run_parallel_sequences_match_runs_of_their_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("s");
+    sluiced_ok(&[
+        "pack",
+        smollm2_gguf().to_str().unwrap(),
+        "-o",
+        dir.to_str().unwrap(),
+        "--codec",
+        "none",
+    ]);
+    let run = |parallel: u32, seed: u64| -> serde_json::Value {
+        let (p, s) = (parallel.to_string(), seed.to_string());
+        let a = [
+            "run",
+            dir.to_str().unwrap(),
+            "--prompt",
+            "The history of the printing press begins",
+            "--max-tokens",
+            "10",
+            "--ignore-eos",
+            "--temperature",
+            "0.9",
+            "--seed",
+            &s,
+            "--max-context",
+            "128",
+            "--device-memory",
+            "80MiB",
+            "--parallel",
+            &p,
+            "--json",
+        ];
+        serde_json::from_str(&sluiced_ok(&a)).unwrap()
+    };
+    let batch = run(3, 7);
+    assert_eq!(batch["parallel"], 3);
+    assert!(batch["layers_streamed"].as_u64().unwrap() > 0);
+    let seqs = batch["sequences"].as_array().unwrap();
+    assert_eq!(seqs.len(), 3);
+    let mut distinct = std::collections::HashSet::new();
+    for (i, seq) in seqs.iter().enumerate() {
+        let own = run(1, 7 + i as u64);
+        assert_eq!(
+            seq["generated_token_ids"],
+            own["generated_token_ids"],
+            "sequence {i} of the batch differs from its own run with seed {}",
+            7 + i
+        );
+        assert_eq!(seq["generated_token_ids"].as_array().unwrap().len(), 10);
+        distinct.insert(seq["generated_token_ids"].to_string());
+    }
+    // The seeds differ, so the sampled texts do (the test would not see a batch that
+    // ran one sequence three times otherwise).
+    assert!(distinct.len() > 1, "every sequence sampled the same text");
+    // Sequence 0 is the top-level result, and the batch's decode rate counts all three.
+    assert_eq!(batch["generated_token_ids"], seqs[0]["generated_token_ids"]);
+    let decode_s = batch["decode_s"].as_f64().unwrap();
+    let tps = batch["decode_tokens_per_s"].as_f64().unwrap();
+    assert!((tps * decode_s - 27.0).abs() < 1e-6, "{tps} x {decode_s}");
+}

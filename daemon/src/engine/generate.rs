@@ -1,5 +1,6 @@
-//! `sluiced run`'s generation: one `Sequence` in KV slot 0 driven to its end, one step
-//! at a time, with the text as it becomes final and the timings.
+//! `sluiced run`'s generation: one `Sequence` in KV slot 0 (or `--parallel N` of them in
+//! slots 0..N, one pass per step for all) driven to its end, one step at a time, with the
+//! text as it becomes final and the timings.
 
 use super::sequence::{Finish, GenerateParams, SeqLimits, Sequence};
 use super::EngineError;
@@ -39,53 +40,118 @@ pub fn generate<B: Backend>(
     tok: &Tokenizer,
     prompt: &[u32],
     params: &GenerateParams,
-    mut on_text: impl FnMut(&str),
+    on_text: impl FnMut(&str),
 ) -> Result<GenerateOutput, EngineError> {
+    let mut outs = generate_parallel(runner, tok, prompt, params, 1, on_text)?;
+    outs.pop()
+        .ok_or_else(|| EngineError::Invalid("no sequence ran".into()))
+}
+
+/// `sluiced run --parallel N`: `n` sequences of the same prompt in KV slots 0..n, stepped
+/// together (each pass serves every sequence still running: prefill chunks within the
+/// step's token budget, then one decode row each). Sequence `i` samples with seed
+/// `params.sampling.seed + i`, so sampled texts differ and greedy ones agree. `on_text`
+/// sees sequence 0's text. Every output carries the batch's wall times: prefill until
+/// every prompt is in, decode from then to the end (so the batch's decode rate is the sum
+/// of `decode_steps` over `decode_s`).
+pub fn generate_parallel<B: Backend>(
+    runner: &mut Pipeline<B>,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    params: &GenerateParams,
+    n: usize,
+    mut on_text: impl FnMut(&str),
+) -> Result<Vec<GenerateOutput>, EngineError> {
     let opts = *runner.options();
+    if n == 0 || n > opts.kv_slots {
+        return Err(EngineError::Invalid(format!(
+            "{n} parallel sequences with {} KV slots",
+            opts.kv_slots
+        )));
+    }
     let limits = SeqLimits {
         max_context: opts.max_context,
         vocab: tok.vocab(),
     };
-    let mut seq =
-        Sequence::new(prompt.to_vec(), params.clone(), 0, limits).map_err(EngineError::Invalid)?;
+    let mut seqs = Vec::with_capacity(n);
+    for i in 0..n {
+        let mut p = params.clone();
+        p.sampling.seed = p.sampling.seed.wrapping_add(i as u64);
+        seqs.push(Sequence::new(prompt.to_vec(), p, i, limits).map_err(EngineError::Invalid)?);
+    }
+    let mut texts = vec![String::new(); n];
     let mut logits = Vec::new();
-    let mut text = String::new();
     let t0 = Instant::now();
     let mut decode_start = None;
-    let mut step = SeqStep {
-        slot: 0,
-        pos: 0,
-        tokens: Vec::with_capacity(opts.max_batch_tokens),
-    };
-    while seq.fill_step(opts.max_batch_tokens, &mut step) {
-        runner.step(std::slice::from_ref(&step), &mut logits)?;
-        let piece = seq.advance(step.tokens.len(), &logits, tok, 0);
-        if decode_start.is_none() && !seq.generated().is_empty() {
-            decode_start = Some(Instant::now());
+    let mut steps: Vec<SeqStep> = (0..n)
+        .map(|_| SeqStep {
+            slot: 0,
+            pos: 0,
+            tokens: Vec::with_capacity(opts.max_batch_tokens),
+        })
+        .collect();
+    // Which sequence each step of the pass belongs to.
+    let mut owner = Vec::with_capacity(n);
+    loop {
+        // Decode rows first (one token each), then prompt chunks in what is left.
+        let mut budget = opts.max_batch_tokens;
+        owner.clear();
+        for decoding in [true, false] {
+            for (i, seq) in seqs.iter().enumerate() {
+                if seq.is_decoding() == decoding && seq.fill_step(budget, &mut steps[owner.len()]) {
+                    budget -= steps[owner.len()].tokens.len();
+                    owner.push(i);
+                }
+            }
         }
-        if let Some(p) = piece {
-            on_text(&p.text);
-            text.push_str(&p.text);
+        if owner.is_empty() {
+            break;
+        }
+        runner.step(&steps[..owner.len()], &mut logits)?;
+        let vocab = logits.len() / owner.len();
+        for (row, &i) in owner.iter().enumerate() {
+            let ran = steps[row].tokens.len();
+            let piece = seqs[i].advance(ran, &logits[row * vocab..(row + 1) * vocab], tok, 0);
+            if let Some(p) = piece {
+                if i == 0 {
+                    on_text(&p.text);
+                }
+                texts[i].push_str(&p.text);
+            }
+        }
+        if decode_start.is_none()
+            && seqs
+                .iter()
+                .all(|s| !s.generated().is_empty() || s.finished().is_some())
+        {
+            decode_start = Some(Instant::now());
         }
     }
     let t1 = decode_start.unwrap_or_else(Instant::now);
     let prefill_s = (t1 - t0).as_secs_f64();
-    let decode_steps = seq.decode_steps();
-    // `fill_step` returns false only once the sequence has finished.
-    let (tail, done) = seq.close(Finish::Length, tok);
-    if let Some(p) = tail {
-        if !p.text.is_empty() {
-            on_text(&p.text);
-            text.push_str(&p.text);
+    let decode_s = t1.elapsed().as_secs_f64();
+    let mut outs = Vec::with_capacity(n);
+    for (i, seq) in seqs.into_iter().enumerate() {
+        let decode_steps = seq.decode_steps();
+        // `fill_step` returns false only once the sequence has finished.
+        let (tail, done) = seq.close(Finish::Length, tok);
+        if let Some(p) = tail {
+            if !p.text.is_empty() {
+                if i == 0 {
+                    on_text(&p.text);
+                }
+                texts[i].push_str(&p.text);
+            }
         }
+        outs.push(GenerateOutput {
+            prompt_token_ids: done.prompt_token_ids,
+            generated_token_ids: done.generated_token_ids,
+            text: std::mem::take(&mut texts[i]),
+            finish_reason: done.finish,
+            prefill_s,
+            decode_s,
+            decode_steps,
+        });
     }
-    Ok(GenerateOutput {
-        prompt_token_ids: done.prompt_token_ids,
-        generated_token_ids: done.generated_token_ids,
-        text,
-        finish_reason: done.finish,
-        prefill_s,
-        decode_s: t1.elapsed().as_secs_f64(),
-        decode_steps,
-    })
+    Ok(outs)
 }

@@ -72,6 +72,11 @@ pub struct RunArgs {
     /// Tokens per prefill step.
     #[arg(long, default_value_t = 512)]
     batch_tokens: usize,
+    /// Decode this many copies of the prompt together, one pass per step for all (as
+    /// llama.cpp's parallel sequences): sequence i samples with seed + i; the text shown is
+    /// sequence 0's, --json lists every sequence, and decode tokens/s counts them all.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=256))]
+    parallel: u32,
     /// Device memory budget (e.g. 64MiB, 32GiB); below the model's size, layers stream.
     /// Default: enough for every layer resident.
     #[arg(long, value_parser = parse_size)]
@@ -122,7 +127,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         .unwrap_or((m.arch.max_context as usize).min(4096));
     let opts = sluice::model::ModelOptions {
         max_context,
-        kv_slots: 1,
+        kv_slots: a.parallel as usize,
         max_batch_tokens: a.batch_tokens.max(1),
         kv_dtype: sluice::engine::kv_dtype_for(a.exact, a.kv_dtype),
         exact: a.exact,
@@ -133,8 +138,11 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         opts,
         prefetch: a.prefetch,
         backend_reserved: 0,
-        // Logits of one row and the generated text are the run's own allocations.
-        host: sluice::engine::host_input(a.host_memory, 4 * m.arch.vocab as u64),
+        // Logits of a row per sequence and the generated text are the run's own allocations.
+        host: sluice::engine::host_input(
+            a.host_memory,
+            4 * m.arch.vocab as u64 * u64::from(a.parallel),
+        ),
     };
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
     let job = Generate {
@@ -218,7 +226,7 @@ fn run_generate<B: Backend>(
     tok: &Tokenizer,
     prompt_ids: &[u32],
 ) -> Result<()> {
-    use sluice::engine::generate::generate;
+    use sluice::engine::generate::generate_parallel;
     use sluice::engine::sequence::GenerateParams;
     use sluice::text::SamplingParams;
     use std::io::Write;
@@ -251,13 +259,20 @@ fn run_generate<B: Backend>(
         logprobs: None,
     };
     let stdout = std::io::stdout();
-    let out = generate(&mut runner, tok, prompt_ids, &params, |piece| {
+    let parallel = a.parallel as usize;
+    let outs = generate_parallel(&mut runner, tok, prompt_ids, &params, parallel, |piece| {
         if !a.json {
             let mut l = stdout.lock();
             let _ = l.write_all(piece.as_bytes());
             let _ = l.flush();
         }
     })?;
+    let out = &outs[0];
+    // The batch's decode rate: every sequence's decode tokens over the shared wall time.
+    let decode_steps: usize = outs.iter().map(|o| o.decode_steps).sum();
+    let decode_tokens_per_s = decode_steps as f64 / out.decode_s.max(1e-9);
+    let prefill_tokens_per_s =
+        (out.prompt_token_ids.len() * parallel) as f64 / out.prefill_s.max(1e-9);
     let b = &runner.backend;
     let total = runner.total().clone();
     let passes = total.passes.max(1) as f64;
@@ -272,8 +287,14 @@ fn run_generate<B: Backend>(
             "generated_tokens": out.generated_token_ids.len(),
             "prefill_s": out.prefill_s,
             "decode_s": out.decode_s,
-            "prefill_tokens_per_s": out.prefill_tokens_per_s(),
-            "decode_tokens_per_s": out.decode_tokens_per_s(),
+            "prefill_tokens_per_s": prefill_tokens_per_s,
+            "decode_tokens_per_s": decode_tokens_per_s,
+            "parallel": parallel,
+            "sequences": outs.iter().map(|o| serde_json::json!({
+                "generated_token_ids": o.generated_token_ids,
+                "text": o.text,
+                "finish_reason": o.finish_reason,
+            })).collect::<Vec<_>>(),
             "backend": b.name(),
             "numerics": if runner.options().exact { "exact" } else { "fast" },
             "kv_dtype": runner.options().kv_dtype,
@@ -303,14 +324,19 @@ fn run_generate<B: Backend>(
     } else {
         println!();
         eprintln!(
-            "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens in {:.3} s ({:.1} tokens/s); finish: {:?}",
-            out.prompt_token_ids.len(),
+            "prefill: {} tokens in {:.3} s ({:.1} tokens/s); decode: {} tokens in {:.3} s ({:.1} tokens/s); finish: {:?}{}",
+            out.prompt_token_ids.len() * parallel,
             out.prefill_s,
-            out.prefill_tokens_per_s(),
-            out.decode_steps,
+            prefill_tokens_per_s,
+            decode_steps,
             out.decode_s,
-            out.decode_tokens_per_s(),
+            decode_tokens_per_s,
             out.finish_reason,
+            if parallel > 1 {
+                format!(" ({parallel} sequences; the text is sequence 0's, --json shows each)")
+            } else {
+                String::new()
+            },
         );
         eprintln!(
             "passes: {}, {:.2} ms each; per pass {} read, {} uploaded; compute {:.3} s, upload {:.3} s, waiting for loads {:.3} s; device memory peak {} of {}; host peak {} (VmHWM) of {} planned",
