@@ -36,8 +36,17 @@ def io():
 # parallel sequences in one decode call per step, as llama.cpp's batched example does: a
 # KV cache of 256 positions per sequence, the prompt prefilled for every sequence in one
 # batch, then one token per sequence per llama_decode.
+# Llama() takes no n_seq_max: its context parameters come from llama_context_default_params,
+# wrapped here to allow `parallel` sequences in one unified KV cache.
+low = llama_cpp.llama_cpp
+defaults = low.llama_context_default_params
+def with_sequences():
+    p = defaults()
+    p.n_seq_max, p.kv_unified = parallel, True
+    return p
+low.llama_context_default_params = with_sequences
 llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=256 * parallel,
-                      n_batch=512, n_seq_max=parallel, use_mmap=True, verbose=False)
+                      n_batch=512, use_mmap=True, verbose=False)
 ctx = llm._ctx.ctx
 n_vocab = llm.n_vocab()
 ids = llm.tokenize(prompt.encode(), add_bos=False)

@@ -48,6 +48,9 @@ struct Chunk {
 struct Active {
     ticket: u64,
     unit: usize,
+    /// The unit is stored as raw: its chunks are read straight into the staging slot (no
+    /// read buffer, no copy) and its frames only have their checksums checked.
+    direct: bool,
     chunks: Vec<Chunk>,
     next_chunk: usize,
     frames: Vec<FrameState>,
@@ -286,6 +289,11 @@ impl Loop {
                 u.file_offset,
                 (u.file_offset + u.stored_len).div_ceil(IO_ALIGN as u64) * IO_ALIGN as u64,
             );
+            // Slots are whole pages (AlignedBuf), so the rounded-up end fits where the raw
+            // blob does.
+            let direct = self.cfg.read_into_slots
+                && u.stored_as_raw()
+                && end - start <= self.slots[slot].len() as u64;
             let req = self.cfg.request_bytes as u64;
             let (mut chunks, mut frames) = std::mem::take(&mut self.spare[slot]);
             chunks.clear();
@@ -311,6 +319,7 @@ impl Loop {
             self.active[slot] = Some(Active {
                 ticket,
                 unit,
+                direct,
                 chunks,
                 next_chunk: 0,
                 frames,
@@ -341,19 +350,30 @@ impl Loop {
                 if a.aborted || a.next_chunk >= a.chunks.len() {
                     continue 'outer;
                 }
-                if self.free_bufs.is_empty() || self.free_ops.is_empty() {
+                if self.free_ops.is_empty() {
                     break 'outer;
                 }
-                let (Some(buf), Some(op)) = (self.free_bufs.pop(), self.free_ops.pop()) else {
+                // A unit stored as raw reads into its slot; others need a read buffer.
+                let buf = if a.direct {
+                    None
+                } else {
+                    match self.free_bufs.pop() {
+                        Some(b) => Some(b),
+                        None => break 'outer,
+                    }
+                };
+                let Some(op) = self.free_ops.pop() else {
                     unreachable!("checked non-empty")
                 };
-                self.shared.free_read_buffers.fetch_sub(1, Ordering::AcqRel);
+                if buf.is_some() {
+                    self.shared.free_read_buffers.fetch_sub(1, Ordering::AcqRel);
+                }
                 let c = a.next_chunk;
                 a.next_chunk += 1;
                 a.ops += 1;
                 a.progress = Instant::now();
                 let chunk = &mut a.chunks[c];
-                chunk.buf = Some(buf);
+                chunk.buf = buf;
                 let (offset, len) = (chunk.offset, chunk.len);
                 self.ops[op] = Some(Op {
                     slot,
@@ -361,23 +381,43 @@ impl Loop {
                     done: 0,
                     since: Instant::now(),
                 });
-                self.push_read(op, buf, 0, len, offset);
+                self.push_read(op, 0, len, offset);
             }
         }
         self.order_scratch = order;
     }
 
-    fn push_read(&mut self, op: usize, buf: usize, at: usize, len: usize, offset: u64) {
-        let b = &self.read_bufs[buf];
+    /// Reads `len` bytes at `offset` to byte `at` of op `op`'s chunk: in its read buffer,
+    /// or for a unit stored as raw, in its place in the staging slot.
+    fn push_read(&mut self, op: usize, at: usize, len: usize, offset: u64) {
+        let o = self.ops[op]
+            .as_ref()
+            .expect("a read is pushed for a live op");
+        let a = self.active[o.slot]
+            .as_ref()
+            .expect("an op's unit stays active until its completion");
+        let chunk = &a.chunks[o.chunk];
+        let (buf, base, cap) = match chunk.buf {
+            Some(b) => (Some(b), self.read_bufs[b].as_ptr(), self.read_bufs[b].len()),
+            None => {
+                debug_assert!(a.direct, "a chunk without a buffer reads into its slot");
+                let into = (chunk.offset - self.store.units()[a.unit].file_offset) as usize;
+                let slot = &self.slots[o.slot];
+                assert!(into <= slot.len(), "chunk past its slot");
+                // SAFETY: `into` is inside the slot (asserted).
+                (None, unsafe { slot.as_ptr().add(into) }, slot.len() - into)
+            }
+        };
         // Assert the O_DIRECT preconditions before every submission.
-        assert!(at + len <= b.len(), "read past its buffer");
+        assert!(at + len <= cap, "read past its buffer");
         debug_assert!(
             offset.is_multiple_of(IO_ALIGN as u64) || at != 0,
             "unaligned read offset"
         );
-        // SAFETY: `at + len` is inside the buffer (asserted); the buffer stays with this op
-        // until its completion is handled.
-        let ptr = unsafe { b.as_ptr().add(at) };
+        // SAFETY: `at + len` is inside the buffer or slot (asserted); a buffer stays with this
+        // op until its completion is handled, and a Loading slot is written by nothing else
+        // (chunks are disjoint) and not handed out until every read of it is back.
+        let ptr = unsafe { base.add(at) };
         let now = Instant::now();
         if self.in_flight == 0 {
             self.busy_since = Some(now);
@@ -434,11 +474,7 @@ impl Loop {
             .as_mut()
             .expect("an op's unit stays active until its completion");
         let chunk = &a.chunks[o.chunk];
-        let (buf, offset, len) = (
-            chunk.buf.expect("submitted chunk has a buffer"),
-            chunk.offset,
-            chunk.len,
-        );
+        let (offset, len) = (chunk.offset, chunk.len);
         if res > 0 && !a.aborted && (o.done + res as usize) < len {
             // Short read: ask for the rest into the same buffer.
             o.done += res as usize;
@@ -452,7 +488,7 @@ impl Loop {
                 .fetch_add(res as u64, Ordering::Relaxed);
             let done = o.done;
             self.ops[op] = Some(o);
-            self.push_read(op, buf, done, len - done, offset + done as u64);
+            self.push_read(op, done, len - done, offset + done as u64);
             return;
         }
         self.free_ops.push(op);
@@ -539,7 +575,9 @@ impl Loop {
         }
         let mut pieces = self.spare_pieces.pop().unwrap_or_default();
         pieces.clear();
-        for c in &a.chunks[range] {
+        // A unit stored as raw was read into place: the frame's bytes are its raw bytes.
+        let in_place = a.direct;
+        for c in a.chunks[range].iter().filter(|_| !in_place) {
             let lo = fo.max(c.offset);
             let hi = (fo + fl).min(c.offset + c.len as u64);
             if hi <= lo {
@@ -567,6 +605,7 @@ impl Loop {
             frame: f,
             pieces,
             dst,
+            in_place,
         };
         if let Err(std::sync::mpsc::SendError(job)) = self.jobs.send(job) {
             // Workers are gone (only at teardown): treat as a failed frame.
@@ -822,9 +861,14 @@ impl Loop {
             let err = IoError::Stalled {
                 path: self.path.clone(),
                 what: format!(
-                    "{} waited {:.1} s for a read buffer, held by reads the disk has not answered",
+                    "{} waited {:.1} s for {}, held by reads the disk has not answered",
                     self.store.units()[a.unit].kind,
-                    waited.as_secs_f64()
+                    waited.as_secs_f64(),
+                    if a.direct {
+                        "a place in the read queue"
+                    } else {
+                        "a read buffer"
+                    }
                 ),
                 limit_s: limit.as_secs_f64(),
             };
@@ -859,7 +903,7 @@ impl Loop {
         let wants_buf = self.order.iter().any(|&s| {
             self.active[s]
                 .as_ref()
-                .is_some_and(|a| !a.aborted && a.next_chunk < a.chunks.len())
+                .is_some_and(|a| !a.aborted && !a.direct && a.next_chunk < a.chunks.len())
         });
         // Only when the queue has room: a full queue is the disk's pace, not a stall.
         let buf_starved = wants_buf && self.free_bufs.is_empty() && !self.free_ops.is_empty();

@@ -187,7 +187,7 @@ impl Reader for FaultyReader {
     fn push(
         &mut self,
         op: usize,
-        buf: usize,
+        buf: Option<usize>,
         ptr: *mut u8,
         len: usize,
         offset: u64,

@@ -64,8 +64,14 @@ pub(super) fn check(cfg: &IoConfig, m: &Manifest) -> Result<Sizes, String> {
     // A frame is decoded only once every read it overlaps has landed, and reads are
     // issued in order: the largest frame (plus the alignment slack at both ends) must
     // fit in the read buffers at once, or the engine could wait forever.
+    // A store whose every unit is stored as raw reads into the staging slots and needs
+    // none.
     let frame_stored_max = m.frame_stored_len_max() as usize;
-    let buffers_needed = (frame_stored_max + 2 * IO_ALIGN).div_ceil(cfg.request_bytes) + 1;
+    let buffers_needed = if cfg.read_into_slots && m.units.iter().all(|u| u.stored_as_raw()) {
+        0
+    } else {
+        (frame_stored_max + 2 * IO_ALIGN).div_ceil(cfg.request_bytes) + 1
+    };
     if cfg.read_buffers < buffers_needed {
         return Err(format!(
             "{} read buffers of {} bytes cannot hold the largest frame ({frame_stored_max} stored bytes): need at least {buffers_needed}",

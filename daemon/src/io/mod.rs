@@ -5,7 +5,9 @@
 //! a pool of worker threads checksums and decompresses each frame straight into its final
 //! place in the layer's staging slot. Reads are sized for the device, not for frames: a
 //! blob is read in `request_bytes` pieces and frames are decoded out of the read buffers
-//! wherever they fall, a frame spanning two reads included.
+//! wherever they fall, a frame spanning two reads included. A unit stored as raw (packed
+//! with `--codec none`) skips the read buffers: its pieces are read straight into their
+//! place in the staging slot and the workers only check each frame's checksum there.
 //!
 //! Every buffer (read buffers, staging slots, decoder scratch) is allocated once in
 //! `IoEngine::new`; a full pool is back-pressure, never an allocation.
@@ -102,6 +104,10 @@ pub struct IoConfig {
     pub pread_threads: usize,
     /// Decode frames (checksum + decompress). Off only to measure raw read speed.
     pub decompress: bool,
+    /// Units stored as raw (`--codec none`) are read straight into their staging slot: no
+    /// read buffer, no copy, only the checksums are checked, and their reads in flight are
+    /// bounded by `queue_depth` alone. Off: through read buffers like every other unit.
+    pub read_into_slots: bool,
     /// Page-locks the staging slots at start (the CUDA backend's copy stream reads them).
     pub pinner: Option<crate::hostbuf::Pinner>,
     /// A read the disk has not answered for this long fails the requests waiting on its
@@ -160,6 +166,7 @@ impl Default for IoConfig {
             workers: cores.saturating_sub(1).max(1),
             pread_threads: 16,
             decompress: true,
+            read_into_slots: true,
             pinner: None,
             read_timeout: Some(READ_TIMEOUT_DEFAULT),
         }

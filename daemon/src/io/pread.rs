@@ -88,7 +88,7 @@ impl Reader for PreadReader {
     fn push(
         &mut self,
         op: usize,
-        _buf: usize,
+        _buf: Option<usize>,
         ptr: *mut u8,
         len: usize,
         offset: u64,

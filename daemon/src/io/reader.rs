@@ -93,11 +93,12 @@ impl EventFd {
 
 /// The read side: io_uring or the pread pool.
 pub(super) trait Reader: Send {
-    /// Queues one read of `len` bytes at `offset` into read buffer `buf` at `ptr`.
+    /// Queues one read of `len` bytes at `offset` to `ptr`: inside registered read buffer
+    /// `buf`, or (None) inside a staging slot, which is not registered.
     fn push(
         &mut self,
         op: usize,
-        buf: usize,
+        buf: Option<usize>,
         ptr: *mut u8,
         len: usize,
         offset: u64,

@@ -1,6 +1,7 @@
 //! The io_uring reader: O_DIRECT reads into buffers registered with the ring (READ_FIXED),
-//! up to `queue_depth` in flight, and a poll on an eventfd so that messages from callers
-//! and workers wake the thread that waits on the ring.
+//! or plain READs into staging slots for units stored as raw, up to `queue_depth` in
+//! flight, and a poll on an eventfd so that messages from callers and workers wake the
+//! thread that waits on the ring.
 
 use super::reader::{EventFd, Msg, Reader};
 use crate::hostbuf::AlignedBuf;
@@ -54,13 +55,16 @@ impl UringReader {
             .collect();
         // SAFETY: the buffers outlive the ring: the engine thread owns both through the Loop,
         // the read buffers through an Arc that is dropped after the ring.
-        unsafe { ring.submitter().register_buffers(&iovecs) }.map_err(|e| {
+        // No read buffers (a store read straight into its staging slots): nothing to register.
+        if !iovecs.is_empty() {
+            unsafe { ring.submitter().register_buffers(&iovecs) }.map_err(|e| {
             if e.raw_os_error() == Some(libc::ENOMEM) || e.raw_os_error() == Some(libc::EPERM) {
                 std::io::Error::new(e.kind(), format!("registering {} MiB of read buffers: {e}; raise the memory-lock limit (LimitMEMLOCK=infinity in the unit file, or ulimit -l)", iovecs.iter().map(|v| v.iov_len).sum::<usize>() >> 20))
             } else {
                 e
             }
         })?;
+        }
         let eventfd = Arc::new(EventFd::new()?);
         let mut r = UringReader {
             ring,
@@ -99,19 +103,22 @@ impl Reader for UringReader {
     fn push(
         &mut self,
         op: usize,
-        buf: usize,
+        buf: Option<usize>,
         ptr: *mut u8,
         len: usize,
         offset: u64,
     ) -> std::io::Result<()> {
-        let e = opcode::ReadFixed::new(
-            types::Fd(self.file.as_raw_fd()),
-            ptr,
-            len as u32,
-            buf as u16,
-        )
-        .offset(offset)
-        .build()
+        let fd = types::Fd(self.file.as_raw_fd());
+        let e = match buf {
+            Some(b) => opcode::ReadFixed::new(fd, ptr, len as u32, b as u16)
+                .offset(offset)
+                .build(),
+            // A staging slot: not registered (it may be large, and is page-locked by the
+            // device where that matters), so a plain read.
+            None => opcode::Read::new(fd, ptr, len as u32)
+                .offset(offset)
+                .build(),
+        }
         .user_data(op as u64);
         self.push_entry(&e)
     }

@@ -339,7 +339,12 @@ impl<B: Backend> Pipeline<B> {
         // Reads as the plan sized them (in bytes in flight, within the host budget).
         let io_cfg = IoConfig {
             read_buffers: plan.host.read_buffers,
-            queue_depth: io_cfg.queue_depth.min(plan.host.read_buffers).max(1),
+            queue_depth: if plan.host.read_buffers > 0 {
+                io_cfg.queue_depth.min(plan.host.read_buffers)
+            } else {
+                plan.host.reads_in_flight
+            }
+            .max(1),
             request_bytes: plan.host.request_bytes as usize,
             ..io_cfg
         };

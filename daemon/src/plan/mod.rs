@@ -90,9 +90,14 @@ pub struct HostPlan {
     pub budget_source: String,
     /// Resident set at start plus margin (see HostInput::overhead).
     pub overhead_bytes: u64,
-    /// The I/O engine's read buffers: count x size (the bytes reads may have in flight).
+    /// The I/O engine's read buffers: count x size (the bytes reads may have in flight);
+    /// none for a store whose units are stored as raw (read straight into staging slots).
     pub read_buffers: usize,
     pub request_bytes: u64,
+    /// Reads the engine may have in flight: one per read buffer, or for a store read into
+    /// its staging slots, enough for `HostInput::reads_max_bytes` (they cost no memory
+    /// beyond the slots).
+    pub reads_in_flight: usize,
     /// Staging slots the streamed units decompress into (on a unified backend their
     /// compute reads them there).
     pub staging_slots: usize,
@@ -331,11 +336,23 @@ impl Plan {
             },
         );
         line(&mut s, "  process overhead", fmt_bytes(h.overhead_bytes));
-        line(
-            &mut s,
-            "  read buffers",
-            format!("{} x {}", h.read_buffers, fmt_bytes(h.request_bytes)),
-        );
+        if h.read_buffers > 0 {
+            line(
+                &mut s,
+                "  read buffers",
+                format!("{} x {}", h.read_buffers, fmt_bytes(h.request_bytes)),
+            );
+        } else {
+            line(
+                &mut s,
+                "  read buffers",
+                format!(
+                    "none: reads of {} land in the staging slots, up to {} in flight",
+                    fmt_bytes(h.request_bytes),
+                    h.reads_in_flight
+                ),
+            );
+        }
         line(
             &mut s,
             "  staging slots",
@@ -531,6 +548,21 @@ fn read_shape(h: &HostInput, frame_stored_max: u64, unit: u64, share: u64) -> (u
     (n as usize, request)
 }
 
+/// Reads of a store whose units are stored as raw, which land in the staging slots: a
+/// quarter of a typical unit each (so one unit is several reads in flight), within
+/// [128 KiB, the caller's maximum], and as many in flight as `reads_max_bytes` allows
+/// (bounded in practice by the units requested ahead). (1.2 GB Llama at 256 MiB, through
+/// 8 read buffers of 1 MiB: streaming-only 1.12 GB/s against fio's 3.0.)
+fn into_slots_shape(h: &HostInput, unit: u64) -> (u64, usize) {
+    const REQUEST_MIN: u64 = 128 << 10;
+    let cap = h.request_bytes_max.max(ALLOC_ALIGN);
+    let quarter = (unit / 4).max(REQUEST_MIN);
+    let pow2 = 1u64 << (63 - quarter.leading_zeros());
+    let request = pow2.clamp(REQUEST_MIN.min(cap), cap);
+    let ops = (h.reads_max_bytes / request).clamp(2, 256) as usize;
+    (request, ops)
+}
+
 /// Plans memory for `m` within the budgets of `input`. A host budget error names the least
 /// host budget that runs (the reads scale with the budget, so the least is searched from
 /// the first shortfall up).
@@ -589,7 +621,14 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     let mut sizes = raw.clone();
     sizes.sort_unstable();
     let median = sizes.get(sizes.len() / 2).copied().unwrap_or(0);
-    let (read_buffers, request_bytes) = read_shape(h, frame_stored_max, median, reads_share);
+    let (read_buffers, request_bytes, reads_in_flight) =
+        if m.units.iter().all(|u| u.stored_as_raw()) {
+            let (request, ops) = into_slots_shape(h, median);
+            (0, request, ops)
+        } else {
+            let (n, request) = read_shape(h, frame_stored_max, median, reads_share);
+            (n, request, n)
+        };
     let reads = read_buffers as u64 * request_bytes;
     // Each worker: a frame's split planes and a frame spanning two reads; the unified
     // loader's threads (as many, gone before the streaming engine starts): a frame's
@@ -772,6 +811,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
             overhead_bytes: h.overhead,
             read_buffers,
             request_bytes,
+            reads_in_flight,
             staging_slots: staging,
             staging_slot_bytes,
             scratch_bytes: scratch,

@@ -346,15 +346,21 @@ impl FrameDecoder {
                 }
             }
         }
-        let found = xxh3_64(dst);
-        if found != checksum {
-            return Err(FrameFault::Checksum {
-                expected: checksum,
-                found,
-            });
-        }
-        Ok(())
+        check(checksum, dst)
     }
+}
+
+/// Checks a frame's raw bytes against its checksum (a frame read straight into its place
+/// needs nothing else).
+pub fn check(checksum: u64, raw: &[u8]) -> Result<(), FrameFault> {
+    let found = xxh3_64(raw);
+    if found != checksum {
+        return Err(FrameFault::Checksum {
+            expected: checksum,
+            found,
+        });
+    }
+    Ok(())
 }
 
 fn decompress_into(

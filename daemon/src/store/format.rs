@@ -104,6 +104,17 @@ pub struct LayerUnit {
 }
 
 impl LayerUnit {
+    /// True when the stored blob is the raw blob, byte for byte: every frame one plane kept
+    /// raw, at its raw offset from the blob's start. Such a unit can be read straight into
+    /// its staging slot, with nothing left to do but check the frames' checksums.
+    pub fn stored_as_raw(&self) -> bool {
+        self.stored_len == self.raw_len
+            && self.frames.iter().all(|f| {
+                matches!(f.planes.as_slice(), [p] if !p.compressed && p.stored_len == f.raw_len)
+                    && f.file_offset == self.file_offset + f.raw_offset
+            })
+    }
+
     pub fn tensor(&self, name: &str) -> Option<&TensorEntry> {
         self.tensors.iter().find(|t| t.name == name)
     }

@@ -203,6 +203,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
         workers: workers.unwrap_or(defaults.workers),
         pread_threads: qd.min(64),
         decompress: true,
+        read_into_slots: defaults.read_into_slots,
         units: None,
         pinner: None,
         read_timeout: defaults.read_timeout,
