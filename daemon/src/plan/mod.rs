@@ -637,13 +637,20 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     let scratch = round(h.workers.max(1) as u64 * frame);
     let host_fixed = h.overhead + reads + scratch;
 
+    // The bytes the disk should have queued: the read buffers, or for reads that land in
+    // the staging slots, a typical unit (one read whole while the one before computes).
+    let in_flight = if read_buffers > 0 {
+        reads
+    } else {
+        (reads_in_flight as u64 * request_bytes).min(median)
+    };
     let split = if h.unified {
         plan_unified(
             &raw,
             tied,
             input,
             (kv, fixed),
-            (reads, scratch),
+            (reads, scratch, in_flight),
             prefetch_want,
             all_resident,
         )?
@@ -890,7 +897,7 @@ fn plan_unified(
     tied: bool,
     input: &PlanInput,
     (kv, fixed): (u64, u64),
-    (reads, scratch): (u64, u64),
+    (reads, scratch, in_flight): (u64, u64, u64),
     prefetch_want: usize,
     all_resident: u64,
 ) -> Result<Split, PlanError> {
@@ -916,7 +923,9 @@ fn plan_unified(
     let deepest = prefetch_want + 1;
     // One computing, the reads in flight, and one more so the disk has the next unit
     // queued when a unit lands (1.2 GB Llama at 512 MiB: 2 slots 1.33 tokens/s, 3 1.75).
-    let want = |s: u64| (2 + reads.div_ceil(s.max(1)) as usize).clamp(STREAM_SLOTS_MIN, deepest);
+    // Reads that land in the slots count here as much as read buffers do.
+    let want =
+        |s: u64| (2 + in_flight.div_ceil(s.max(1)) as usize).clamp(STREAM_SLOTS_MIN, deepest);
     let room = |s: u64, n: usize| -> Option<u64> {
         let by_dev = match dev {
             Some(d) => Some(d.checked_sub(fixed)?),
