@@ -515,14 +515,7 @@ fn sluiced_run_streams_under_a_budget_and_reports_it() {
 fn sluiced_run_parallel_sequences_match_runs_of_their_own() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    sluiced_ok(&[
-        "pack",
-        smollm2_gguf().to_str().unwrap(),
-        "-o",
-        dir.to_str().unwrap(),
-        "--codec",
-        "none",
-    ]);
+    pack_store(&smollm2_gguf(), &dir, "none", 1 << 20);
     let run = |parallel: u32, seed: u64| -> serde_json::Value {
         let (p, s) = (parallel.to_string(), seed.to_string());
         let a = [

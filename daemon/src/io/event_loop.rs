@@ -87,6 +87,8 @@ pub(super) struct Loop {
     read_bufs: Arc<Vec<AlignedBuf>>,
     free_bufs: Vec<usize>,
     slots: Arc<Vec<AlignedBuf>>,
+    /// Per unit: stored as raw, so read straight into its slot (`IoConfig::read_into_slots`).
+    into_slot: Vec<bool>,
     slot_state: Vec<SlotState>,
     active: Vec<Option<Active>>,
     /// Active slots in admission order: older requests' reads go first.
@@ -137,7 +139,13 @@ impl Loop {
     ) -> Loop {
         let (read_bufs, slots) = (pools.read_bufs.clone(), pools.slots.clone());
         let path = store.weights_path().to_path_buf();
+        let into_slot = store
+            .units()
+            .iter()
+            .map(|u| cfg.read_into_slots && u.stored_as_raw())
+            .collect();
         Loop {
+            into_slot,
             store,
             reader,
             shared,
@@ -291,9 +299,7 @@ impl Loop {
             );
             // Slots are whole pages (AlignedBuf), so the rounded-up end fits where the raw
             // blob does.
-            let direct = self.cfg.read_into_slots
-                && u.stored_as_raw()
-                && end - start <= self.slots[slot].len() as u64;
+            let direct = self.into_slot[unit] && end - start <= self.slots[slot].len() as u64;
             let req = self.cfg.request_bytes as u64;
             let (mut chunks, mut frames) = std::mem::take(&mut self.spare[slot]);
             chunks.clear();

@@ -525,6 +525,17 @@ fn least_budget_error(
     })
 }
 
+/// The smallest read request the plan makes.
+const REQUEST_MIN: u64 = 128 << 10;
+
+/// A read request of about `want` bytes: the largest power of two not above it, within
+/// [REQUEST_MIN, the caller's maximum].
+fn request_size(h: &HostInput, want: u64) -> u64 {
+    let cap = h.request_bytes_max.max(ALLOC_ALIGN);
+    let pow2 = 1u64 << (63 - want.max(REQUEST_MIN).leading_zeros());
+    pow2.clamp(REQUEST_MIN.min(cap), cap)
+}
+
 /// Reads sized in bytes in flight, not in units: at most the caller's maximum; under a
 /// host budget, a typical unit's worth (`unit`, so one is read whole while the one before
 /// computes) within a 32nd and `1 / share` of the budget (plan tries 8, then 32); in requests small enough that at
@@ -532,17 +543,12 @@ fn least_budget_error(
 /// buffers to hold the largest frame at once (the engine's own rule). (Measured on the
 /// 1.2 GB Llama at 512 MiB: 16 MiB in flight ran 1.2 tokens/s, 64 MiB 1.75.)
 fn read_shape(h: &HostInput, frame_stored_max: u64, unit: u64, share: u64) -> (usize, u64) {
-    const REQUEST_MIN: u64 = 128 << 10;
     let mut in_flight = h.reads_max_bytes.max(REQUEST_MIN);
     if let Some(b) = h.budget {
         let want = unit.clamp(b / 32, b / share.max(1));
         in_flight = in_flight.min(want.max(2 * REQUEST_MIN));
     }
-    let cap = h.request_bytes_max.max(ALLOC_ALIGN);
-    let eighth = (in_flight / 8).max(REQUEST_MIN);
-    // The largest power of two not above an eighth, within [REQUEST_MIN, cap].
-    let pow2 = 1u64 << (63 - eighth.leading_zeros());
-    let request = pow2.clamp(REQUEST_MIN.min(cap), cap);
+    let request = request_size(h, in_flight / 8);
     let least = (frame_stored_max + 2 * ALLOC_ALIGN).div_ceil(request) + 1;
     let n = (in_flight / request).max(least).max(2);
     (n as usize, request)
@@ -554,11 +560,7 @@ fn read_shape(h: &HostInput, frame_stored_max: u64, unit: u64, share: u64) -> (u
 /// (bounded in practice by the units requested ahead). (1.2 GB Llama at 256 MiB, through
 /// 8 read buffers of 1 MiB: streaming-only 1.12 GB/s against fio's 3.0.)
 fn into_slots_shape(h: &HostInput, unit: u64) -> (u64, usize) {
-    const REQUEST_MIN: u64 = 128 << 10;
-    let cap = h.request_bytes_max.max(ALLOC_ALIGN);
-    let quarter = (unit / 4).max(REQUEST_MIN);
-    let pow2 = 1u64 << (63 - quarter.leading_zeros());
-    let request = pow2.clamp(REQUEST_MIN.min(cap), cap);
+    let request = request_size(h, unit / 4);
     let ops = (h.reads_max_bytes / request).clamp(2, 256) as usize;
     (request, ops)
 }
