@@ -518,3 +518,68 @@ fn decoded_prefixes_are_exact_and_a_dropped_ticket_mid_load_returns_its_slot() {
         wait_pools_full(&e);
     }
 }
+
+/// Parts of a unit (runs of its frames) in slots smaller than the unit: each holds exactly
+/// the unit's bytes from its first frame on, through both readers, straight into the slot
+/// (raw) or decoded from read buffers (zstd); a part that cannot fit, a bad frame range
+/// or a whole unit larger than the slots is refused with what to do.
+#[test]
+fn parts_of_a_unit_larger_than_a_slot_load_its_exact_bytes() {
+    let tmp = tempfile::tempdir().unwrap();
+    for codec in ["none", "zstd:3"] {
+        let store = packed(
+            &fixture("tiny-qwen2.gguf"),
+            &tmp.path().join(codec),
+            codec,
+            4096,
+        );
+        let want = reference(&store);
+        let u = 0;
+        let frames = store.units()[u].frames.len();
+        assert!(frames >= 6, "{codec}: the embedding has {frames} frames");
+        let slot = 3 * 4096;
+        for (name, cfg) in configs() {
+            let cfg = IoConfig {
+                slot_bytes: Some(slot),
+                read_buffers: if codec == "none" { 0 } else { 40 },
+                ..cfg
+            };
+            let e = engine(&store, &cfg);
+            let at = format!("{codec} {name}");
+            let big = e.request(u).err().expect("larger than a slot");
+            assert!(big.to_string().contains("in parts"), "{at}: {big}");
+            let bad = e
+                .request_part(u, frames..frames + 1)
+                .err()
+                .expect("past the end");
+            assert!(bad.to_string().contains("frames"), "{at}: {bad}");
+            let wide = e
+                .request_part(u, 0..4)
+                .err()
+                .expect("four frames need 16 KiB");
+            assert!(wide.to_string().contains("staging slot"), "{at}: {wide}");
+            // Every run of up to three frames, several requested ahead.
+            let runs: Vec<std::ops::Range<usize>> = (0..frames)
+                .flat_map(|a| (a + 1..=(a + 3).min(frames)).map(move |b| a..b))
+                .collect();
+            let mut tickets = std::collections::VecDeque::new();
+            let mut next = 0;
+            for _ in 0..runs.len() {
+                while next < runs.len() && tickets.len() < 3 {
+                    tickets.push_back((
+                        runs[next].clone(),
+                        e.request_part(u, runs[next].clone()).unwrap(),
+                    ));
+                    next += 1;
+                }
+                let (r, t) = tickets.pop_front().unwrap();
+                let fs = &store.units()[u].frames;
+                let lo = fs[r.start].raw_offset as usize;
+                let hi = (fs[r.end - 1].raw_offset + fs[r.end - 1].raw_len as u64) as usize;
+                let g = e.wait(t).unwrap();
+                assert!(g.data() == &want[u][lo..hi], "{at}: frames {r:?} differ");
+            }
+            wait_pools_full(&e);
+        }
+    }
+}

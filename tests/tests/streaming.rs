@@ -68,9 +68,9 @@ fn runner(s: &Arc<Store>, budget: Option<u64>, host_cache: u64) -> Pipeline<CpuB
     runner_as(s, budget, host_cache, false)
 }
 
-/// Budgets from all-resident down to the least that runs: KV + workspace + 2 slots.
-fn budgets(s: &Store) -> Vec<(String, Option<u64>)> {
-    let p = plan(
+/// The plan with every unit resident.
+fn free_plan(s: &Store) -> sluice::plan::Plan {
+    plan(
         s.manifest(),
         &PlanInput {
             device_budget: None,
@@ -81,7 +81,12 @@ fn budgets(s: &Store) -> Vec<(String, Option<u64>)> {
             host: Default::default(),
         },
     )
-    .unwrap();
+    .unwrap()
+}
+
+/// Budgets from all-resident down to the least that runs: KV + workspace + 2 slots.
+fn budgets(s: &Store) -> Vec<(String, Option<u64>)> {
+    let p = free_plan(s);
     let fixed = p.kv_cache_bytes + p.workspace_bytes;
     let sizes: Vec<u64> = s
         .units()
@@ -89,15 +94,32 @@ fn budgets(s: &Store) -> Vec<(String, Option<u64>)> {
         .map(|u| u.raw_len.div_ceil(4096) * 4096)
         .collect();
     let (largest, smallest) = (*sizes.iter().max().unwrap(), *sizes.iter().min().unwrap());
+    // A streamed embedding's lookup gathers a step's rows into a table of their own (and
+    // a tied head keeps the rows between its parts, at most one per frame boundary).
+    let t = s.units()[0].tensor("model.embed_tokens.weight").unwrap();
+    let seams = if s.manifest().arch.tied_embeddings {
+        s.units()[0].frames.len() as u64
+    } else {
+        0
+    };
+    let table = ((OPTS.max_batch_tokens as u64 + seams) * t.dtype.row_bytes(t.shape[1]).unwrap())
+        .div_ceil(4096)
+        * 4096;
+
     vec![
         ("all resident".into(), None),
         // Half the weights, or (for the tiny models, whose units are a third of them each)
-        // two slots and one resident unit.
+        // two slots and one resident unit
         (
             "partial".into(),
-            Some(fixed + (p.resident_bytes / 2).max(2 * largest + smallest)),
+            // (with room for a streamed embedding's gathered rows, below all resident).
+            Some(
+                fixed
+                    + ((p.resident_bytes / 2).max(2 * largest + smallest) + table)
+                        .min(p.resident_bytes - 4096),
+            ),
         ),
-        ("two slots".into(), Some(fixed + 2 * largest)),
+        ("two slots".into(), Some(fixed + table + 2 * largest)),
     ]
 }
 
@@ -207,9 +229,18 @@ fn every_budget_gives_bit_identical_outputs_within_its_arena() {
                 );
                 if let Some(budget) = budget {
                     assert_eq!(b.limit(), budget);
+                    // Streamed units are uploaded; a streamed embedding's rows are
+                    // gathered from the store (at the partial budget of a tiny untied
+                    // model that can be all that streams).
+                    let t = r.total();
                     assert!(
-                        r.total().bytes_uploaded > 0,
-                        "{name} {label}: nothing was uploaded"
+                        t.bytes_uploaded > 0 || t.bytes_gathered > 0,
+                        "{name} {label}: nothing was uploaded or gathered"
+                    );
+                    assert_eq!(
+                        t.bytes_gathered > 0,
+                        r.plan.embedding_gathered,
+                        "{name} {label}: the embedding's rows are gathered where it streams"
                     );
                 }
                 match &want {
@@ -565,4 +596,82 @@ fn sluiced_run_parallel_sequences_match_runs_of_their_own() {
     let decode_s = batch["decode_s"].as_f64().unwrap();
     let tps = batch["decode_tokens_per_s"].as_f64().unwrap();
     assert!((tps * decode_s - 27.0).abs() < 1e-6, "{tps} x {decode_s}");
+}
+
+/// SmolLM2's tied embedding (27 MiB of Q8_0 rows, 612 bytes each) under a budget that
+/// keeps nothing large resident: its lookup gathers the step's rows, the head reads it in
+/// row parts through layer-sized slots, and the rows that straddle two parts come from
+/// their own table. Stored raw (read straight into the slots, 1 MiB frames) and as zstd
+/// (64 KiB frames), copied to device slots or run from staging: the same bits as resident.
+#[test]
+fn smollm2_tied_embedding_streamed_in_row_parts_is_bit_identical_to_resident() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (codec, frame) in [("none", 1u32 << 20), ("zstd:1", 64 << 10)] {
+        let s = pack_store(&smollm2_gguf(), &tmp.path().join(codec), codec, frame);
+        let vocab = s.manifest().arch.vocab;
+        let want = outputs(&mut runner(&s, None, 0), vocab);
+        let free = free_plan(&s);
+        let layer = s.units()[1..]
+            .iter()
+            .map(|u| u.raw_len.div_ceil(4096) * 4096)
+            .max()
+            .unwrap();
+        let emb = &s.units()[0];
+        assert!(
+            emb.raw_len > 4 * layer,
+            "the table is several layers' worth"
+        );
+        let t = emb.tensor("model.embed_tokens.weight").unwrap();
+        let rb = t.dtype.row_bytes(t.shape[1]).unwrap();
+        let table =
+            ((OPTS.max_batch_tokens as u64 + emb.frames.len() as u64) * rb).div_ceil(4096) * 4096;
+        // Two slots of a layer, the gathered rows and a few layers resident.
+        let budget = free.kv_cache_bytes + free.workspace_bytes + table + 5 * layer;
+        for unified in [false, true] {
+            let mut r = runner_as(&s, Some(budget), 0, unified);
+            let p = r.plan.clone();
+            let at = format!("{codec}, unified {unified}");
+            assert_ne!(p.placement(0), sluice::plan::Placement::Resident, "{at}");
+            assert!(p.embedding_gathered, "{at}");
+            assert!(
+                p.head_parts.len() >= 4,
+                "{at}: {} parts",
+                p.head_parts.len()
+            );
+            assert!(
+                !p.head_seams.is_empty(),
+                "{at}: 612-byte rows straddle frames"
+            );
+            let slot = if unified {
+                p.host.staging_slot_bytes
+            } else {
+                p.stream_slot_bytes
+            };
+            assert!(slot <= layer, "{at}: slots of {slot} for layers of {layer}");
+            let got = outputs(&mut r, vocab);
+            assert!(got == want, "{at}: streamed outputs differ from resident");
+            let b = r.backend.budget();
+            assert!(b.peak() <= b.limit(), "{at}: over budget");
+            // Per pass the parts read the table once; the lookup reads a frame or two per
+            // distinct token, not the table.
+            let tot = r.total();
+            let passes = tot.passes;
+            assert!(tot.bytes_gathered > 0, "{at}");
+            assert!(
+                tot.bytes_gathered / passes < emb.stored_len / 4,
+                "{at}: the lookup read {} per pass of a {}-byte table",
+                tot.bytes_gathered / passes,
+                emb.stored_len
+            );
+            // The planned bytes per pass, each load's read rounded to 4096 at its ends.
+            let streamed = tot.bytes_read - tot.bytes_gathered;
+            let loads = (p.layers_streamed() + p.head_parts.len()) as u64;
+            assert!(
+                streamed >= passes * p.disk_bytes_per_pass
+                    && streamed <= passes * (p.disk_bytes_per_pass + 2 * 4096 * loads),
+                "{at}: {streamed} bytes read in {passes} passes of {} planned",
+                p.disk_bytes_per_pass
+            );
+        }
+    }
 }

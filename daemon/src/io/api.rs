@@ -14,6 +14,7 @@ use crate::hostbuf::{AlignedBuf, IO_ALIGN};
 use crate::store::codec::FrameDecoder;
 use crate::store::Store;
 use std::fs::File;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::sync_channel;
 use std::sync::{Arc, Mutex};
@@ -23,6 +24,8 @@ use std::time::Instant;
 pub struct Ticket {
     id: u64,
     unit: usize,
+    /// Bytes the slot holds once loaded: the unit's raw bytes, or the part's.
+    len: usize,
     waker: Waker,
     shared: Arc<Shared>,
     consumed: bool,
@@ -426,6 +429,70 @@ impl IoEngine {
         if unit >= units {
             return Err(IoError::NoSuchUnit { unit, units });
         }
+        let u = &self.store.units()[unit];
+        if u.raw_len as usize > self.slot_bytes() {
+            return Err(self.setup_error(format!(
+                "{} ({} bytes) is larger than a staging slot ({} bytes): request it in parts",
+                u.kind,
+                u.raw_len,
+                self.slot_bytes()
+            )));
+        }
+        self.queue(unit, 0..u.frames.len(), u.raw_len as usize)
+    }
+
+    /// Queues frames `frames` of unit `unit` for loading into one staging slot: the slot
+    /// then holds the unit's raw bytes from the first frame's raw offset on (see
+    /// `LayerUnit::row_parts`, which chooses parts that fit).
+    pub fn request_part(&self, unit: usize, frames: Range<usize>) -> Result<Ticket, IoError> {
+        let units = self.store.units().len();
+        if unit >= units {
+            return Err(IoError::NoSuchUnit { unit, units });
+        }
+        let u = &self.store.units()[unit];
+        if frames.is_empty() || frames.end > u.frames.len() {
+            return Err(self.setup_error(format!(
+                "frames {frames:?} of {}, which has {}",
+                u.kind,
+                u.frames.len()
+            )));
+        }
+        // Read straight into the slot, a part starts O_DIRECT-aligned and its rounded-up
+        // tail fits the slot; otherwise it goes through read buffers (the engine's rule).
+        let first = &u.frames[frames.start];
+        let direct = self.cfg.read_into_slots
+            && u.stored_as_raw()
+            && first.file_offset.is_multiple_of(IO_ALIGN as u64)
+            && u.part_span(frames.clone(), true) <= self.slot_bytes() as u64;
+        let span = u.part_span(frames.clone(), direct);
+        if span > self.slot_bytes() as u64 || (!direct && self.cfg.read_buffers == 0) {
+            return Err(self.setup_error(format!(
+                "frames {frames:?} of {} need {span} bytes of a staging slot of {}{}",
+                u.kind,
+                self.slot_bytes(),
+                if direct || self.cfg.read_buffers > 0 {
+                    ""
+                } else {
+                    " read straight into it (the engine has no read buffers)"
+                }
+            )));
+        }
+        let len = u.part_span(frames.clone(), false) as usize;
+        self.queue(unit, frames, len)
+    }
+
+    fn slot_bytes(&self) -> usize {
+        self.slots.first().map_or(0, |s| s.len())
+    }
+
+    fn setup_error(&self, msg: String) -> IoError {
+        IoError::Setup {
+            path: self.store.weights_path().to_path_buf(),
+            msg,
+        }
+    }
+
+    fn queue(&self, unit: usize, frames: Range<usize>, len: usize) -> Result<Ticket, IoError> {
         if let Some(us) = &self.cfg.units {
             if !us.contains(&unit) {
                 return Err(IoError::Setup {
@@ -443,10 +510,15 @@ impl IoEngine {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(id, TicketState::Queued);
-        self.waker.send(Msg::Request { ticket: id, unit });
+        self.waker.send(Msg::Request {
+            ticket: id,
+            unit,
+            frames,
+        });
         Ok(Ticket {
             id,
             unit,
+            len,
             waker: self.waker.clone(),
             shared: self.shared.clone(),
             consumed: false,
@@ -478,12 +550,11 @@ impl IoEngine {
                 Some(TicketState::Ready { slot }) => {
                     let slot = *slot;
                     tickets.remove(&ticket.id);
-                    let len = self.store.units()[ticket.unit].raw_len as usize;
                     break Ok(SlotGuard {
                         engine: self,
                         slot,
                         unit: ticket.unit,
-                        len,
+                        len: ticket.len,
                     });
                 }
                 Some(TicketState::Failed(_)) => match tickets.remove(&ticket.id) {

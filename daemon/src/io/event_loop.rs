@@ -48,6 +48,9 @@ struct Chunk {
 struct Active {
     ticket: u64,
     unit: usize,
+    /// Raw offset in the unit of the slot's first byte: 0 for a whole unit, the first
+    /// frame's for a part.
+    raw_base: u64,
     /// The unit is stored as raw: its chunks are read straight into the staging slot (no
     /// read buffer, no copy) and its frames only have their checksums checked.
     direct: bool,
@@ -93,8 +96,8 @@ pub(super) struct Loop {
     active: Vec<Option<Active>>,
     /// Active slots in admission order: older requests' reads go first.
     order: VecDeque<usize>,
-    /// Requests waiting for a staging slot: ticket, unit, since when.
-    queue: VecDeque<(u64, usize, Instant)>,
+    /// Requests waiting for a staging slot: ticket, unit, its frames, since when.
+    queue: VecDeque<(u64, usize, Range<usize>, Instant)>,
     ops: Vec<Option<Op>>,
     free_ops: Vec<usize>,
     in_flight: usize,
@@ -218,16 +221,20 @@ impl Loop {
 
     fn handle(&mut self, m: Msg) {
         match m {
-            Msg::Request { ticket, unit } => {
+            Msg::Request {
+                ticket,
+                unit,
+                frames,
+            } => {
                 if self.shutting_down {
                     self.shared
                         .publish(ticket, TicketState::Failed(IoError::Stopped));
                 } else {
-                    self.queue.push_back((ticket, unit, Instant::now()));
+                    self.queue.push_back((ticket, unit, frames, Instant::now()));
                 }
             }
             Msg::Cancel { ticket } => {
-                self.queue.retain(|&(t, _, _)| t != ticket);
+                self.queue.retain(|&(t, _, _, _)| t != ticket);
                 if let Some(slot) = self
                     .slot_state
                     .iter()
@@ -259,7 +266,7 @@ impl Loop {
             Msg::ReadDone { op, res } => self.complete(op, res),
             Msg::Shutdown => {
                 self.shutting_down = true;
-                for (ticket, _, _) in std::mem::take(&mut self.queue) {
+                for (ticket, _, _, _) in std::mem::take(&mut self.queue) {
                     self.shared
                         .publish(ticket, TicketState::Failed(IoError::Stopped));
                 }
@@ -284,22 +291,35 @@ impl Loop {
 
     /// Gives queued requests free slots and lays out their reads.
     fn admit(&mut self) {
-        while let Some(&(ticket, unit, _)) = self.queue.front() {
+        while let Some((ticket, unit, _, _)) = self.queue.front() {
+            let (ticket, unit) = (*ticket, *unit);
             let Some(slot) = self.slot_state.iter().position(|&s| s == SlotState::Free) else {
                 break;
             };
-            self.queue.pop_front();
+            let Some((_, _, part, _)) = self.queue.pop_front() else {
+                unreachable!("front checked")
+            };
             self.slot_state[slot] = SlotState::Loading;
             self.shared.free_slots.fetch_sub(1, Ordering::AcqRel);
             let u = &self.store.units()[unit];
-            // The blob starts 4096-aligned; its end is rounded up (the file is padded).
-            let (start, end) = (
-                u.file_offset,
-                (u.file_offset + u.stored_len).div_ceil(IO_ALIGN as u64) * IO_ALIGN as u64,
-            );
-            // Slots are whole pages (AlignedBuf), so the rounded-up end fits where the raw
-            // blob does.
-            let direct = self.into_slot[unit] && end - start <= self.slots[slot].len() as u64;
+            let align = IO_ALIGN as u64;
+            // Blobs start 4096-aligned, a part's first frame maybe not (it then starts at
+            // the block before); the end is rounded up (the file is padded).
+            // (A unit of no frames has nothing to read.)
+            let (file_first, file_end, raw_base) = match (
+                u.frames.get(part.start),
+                part.end.checked_sub(1).and_then(|l| u.frames.get(l)),
+            ) {
+                (Some(f), Some(l)) => (f.file_offset, l.file_offset + l.stored_len(), f.raw_offset),
+                _ => (u.file_offset, u.file_offset, 0),
+            };
+            let (start, end) = (file_first / align * align, file_end.div_ceil(align) * align);
+            // Read straight into the slot, byte `start` lands at its first byte: the part
+            // must start aligned. Slots are whole pages (AlignedBuf), so the rounded-up end
+            // fits where the raw blob does.
+            let direct = self.into_slot[unit]
+                && start == file_first
+                && end - start <= self.slots[slot].len() as u64;
             let req = self.cfg.request_bytes as u64;
             let (mut chunks, mut frames) = std::mem::take(&mut self.spare[slot]);
             chunks.clear();
@@ -307,10 +327,15 @@ impl Loop {
             let mut at = start;
             while at < end {
                 let len = (end - at).min(req);
+                // Only the part's frames: a chunk's aligned ends may touch its neighbours.
                 let lo = u
                     .frames
-                    .partition_point(|f| f.file_offset + f.stored_len() <= at);
-                let hi = u.frames.partition_point(|f| f.file_offset < at + len);
+                    .partition_point(|f| f.file_offset + f.stored_len() <= at)
+                    .max(part.start);
+                let hi = u
+                    .frames
+                    .partition_point(|f| f.file_offset < at + len)
+                    .min(part.end);
                 chunks.push(Chunk {
                     offset: at,
                     len: len as usize,
@@ -320,17 +345,19 @@ impl Loop {
                 });
                 at += len;
             }
-            let n = u.frames.len();
-            frames.resize(n, FrameState::Waiting);
+            // Frames outside the part count as done: the decoded prefix starts at the part.
+            frames.resize(u.frames.len(), FrameState::Done);
+            frames[part.clone()].fill(FrameState::Waiting);
             self.active[slot] = Some(Active {
                 ticket,
                 unit,
+                raw_base,
                 direct,
                 chunks,
                 next_chunk: 0,
                 frames,
-                frames_left: n,
-                prefix: 0,
+                frames_left: part.len(),
+                prefix: part.start,
                 progressed: false,
                 at_worker: 0,
                 ops: 0,
@@ -407,7 +434,8 @@ impl Loop {
             Some(b) => (Some(b), self.read_bufs[b].as_ptr(), self.read_bufs[b].len()),
             None => {
                 debug_assert!(a.direct, "a chunk without a buffer reads into its slot");
-                let into = (chunk.offset - self.store.units()[a.unit].file_offset) as usize;
+                // The first chunk starts at the slot's first byte (admit checks it).
+                let into = (chunk.offset - a.chunks[0].offset) as usize;
                 let slot = &self.slots[o.slot];
                 assert!(into <= slot.len(), "chunk past its slot");
                 // SAFETY: `into` is inside the slot (asserted).
@@ -599,10 +627,16 @@ impl Loop {
                 (hi - lo) as usize,
             ));
         }
-        // SAFETY: raw_offset + raw_len <= unit raw_len <= slot length (validated manifest,
-        // slots sized to the largest unit); frames cover disjoint raw ranges, and the slot
-        // is Loading (no caller holds it) until every frame is back.
-        let dst = unsafe { self.slots[slot].as_ptr().add(frame.raw_offset as usize) };
+        // SAFETY: raw_offset - raw_base + raw_len <= the part's raw bytes <= slot length
+        // (validated manifest; `request`/`request_part` check the part fits); frames cover
+        // disjoint raw ranges, and the slot is Loading (no caller holds it) until every
+        // frame is back.
+        let at = (frame.raw_offset - a.raw_base) as usize;
+        assert!(
+            at + frame.raw_len as usize <= self.slots[slot].len(),
+            "frame past its slot"
+        );
+        let dst = unsafe { self.slots[slot].as_ptr().add(at) };
         a.frames[f] = FrameState::AtWorker;
         a.at_worker += 1;
         let job = Job {
@@ -645,7 +679,7 @@ impl Loop {
                 }
                 if a.prefix > before && a.frames_left > 0 && !a.aborted {
                     let last = &self.store.units()[a.unit].frames[a.prefix - 1];
-                    let ready = (last.raw_offset + last.raw_len as u64) as usize;
+                    let ready = (last.raw_offset + last.raw_len as u64 - a.raw_base) as usize;
                     a.progressed = true;
                     self.shared
                         .publish(a.ticket, TicketState::Loading { slot, ready });
@@ -780,7 +814,7 @@ impl Loop {
             .filter(|o| self.active[o.slot].as_ref().is_some_and(|a| !a.aborted))
             .map(|o| o.since + limit);
         let starved = self.stalled_reads_out().then(|| {
-            let queued = self.queue.front().map(|&(_, _, t)| t);
+            let queued = self.queue.front().map(|q| q.3);
             let active = self
                 .active
                 .iter()
@@ -880,7 +914,7 @@ impl Loop {
             };
             self.abort(slot, Some(err));
         }
-        while let Some(&(ticket, unit, since)) = self.queue.front() {
+        while let Some(&(ticket, unit, _, since)) = self.queue.front() {
             let waited = now - since;
             if waited < limit {
                 break;

@@ -78,7 +78,7 @@ pub(super) fn check(cfg: &IoConfig, m: &Manifest) -> Result<Sizes, String> {
             cfg.read_buffers, cfg.request_bytes
         ));
     }
-    let slot_bytes = match &cfg.units {
+    let largest = match &cfg.units {
         None => m.units.iter().map(|u| u.raw_len).max().unwrap_or(0),
         Some(us) => us
             .iter()
@@ -87,6 +87,11 @@ pub(super) fn check(cfg: &IoConfig, m: &Manifest) -> Result<Sizes, String> {
             .max()
             .unwrap_or(0),
     } as usize;
+    // Slots may be smaller than the largest unit: that unit is then requested in parts.
+    let slot_bytes = cfg.slot_bytes.unwrap_or(largest);
+    if slot_bytes == 0 && largest > 0 {
+        return Err("staging slots of 0 bytes".into());
+    }
     let frames_per_unit_max = m.units.iter().map(|u| u.frames.len()).max().unwrap_or(0);
     let chunks_per_unit_max = m
         .units

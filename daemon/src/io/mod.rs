@@ -98,6 +98,9 @@ pub struct IoConfig {
     /// Only these units will be requested (None: any): staging slots are sized for the
     /// largest of them, so a large resident unit does not size the streaming slots.
     pub units: Option<Vec<usize>>,
+    /// Bytes of a staging slot, when not the largest of `units`: a unit larger than this is
+    /// requested in parts (`IoEngine::request_part`).
+    pub slot_bytes: Option<usize>,
     /// Decompression worker threads.
     pub workers: usize,
     /// Threads of the pread pool (its queue depth).
@@ -162,6 +165,7 @@ impl Default for IoConfig {
             read_buffers: QUEUE_DEPTH_DEFAULT,
             staging_slots: 3,
             units: None,
+            slot_bytes: None,
             // One core is left for the engine thread that runs the layers.
             workers: cores.saturating_sub(1).max(1),
             pread_threads: 16,

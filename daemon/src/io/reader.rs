@@ -11,9 +11,11 @@ use std::time::Duration;
 /// Messages to the engine thread. Everything that changes engine state goes through here,
 /// so one thread owns the bookkeeping.
 pub(super) enum Msg {
+    /// Load frames `frames` of `unit` (all of them for a whole unit).
     Request {
         ticket: u64,
         unit: usize,
+        frames: std::ops::Range<usize>,
     },
     Cancel {
         ticket: u64,

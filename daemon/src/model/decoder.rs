@@ -18,6 +18,7 @@ use crate::backend::{
 };
 use crate::dtype::DType;
 use crate::store::format::{LayerUnit, Manifest, UnitKind};
+use std::ops::Range;
 
 /// Where a tensor is inside its unit's blob.
 #[derive(Clone, Copy, Debug)]
@@ -154,6 +155,11 @@ pub struct Decoder<B: Backend> {
     positions: Vec<u32>,
     ids: Vec<u32>,
     rows: usize,
+    /// The step's logits when the head ran in row parts (`head_norm`, `head_part`), and
+    /// one part's rows on their way there.
+    host_logits: Vec<f32>,
+    part_logits: Vec<f32>,
+    logits_on_host: bool,
 }
 
 fn loc(unit: &LayerUnit, name: &str, rows: u64, cols: u64) -> Result<TensorLoc, ModelError> {
@@ -396,6 +402,9 @@ impl<B: Backend> Decoder<B> {
             positions: Vec::new(),
             ids: Vec::new(),
             rows: 0,
+            host_logits: Vec::new(),
+            part_logits: Vec::new(),
+            logits_on_host: false,
         })
     }
 
@@ -486,6 +495,7 @@ impl<B: Backend> Decoder<B> {
         }
         self.gemv_rows = steps.iter().filter(|s| s.tokens.len() == 1).count();
         self.rows = row;
+        self.logits_on_host = false;
         Ok(())
     }
 
@@ -627,7 +637,98 @@ impl<B: Backend> Decoder<B> {
         debug_assert!(qd >= kvd);
     }
 
-    fn head(&mut self, b: &B, mem: &B::Mem, lm: &B::Mem) {
+    /// The embedding table: its place in unit 0.
+    pub fn embedding_loc(&self) -> TensorLoc {
+        self.embed
+    }
+
+    /// The token ids of the step begun with `begin`, in batch-row order.
+    pub fn step_ids(&self) -> &[u32] {
+        &self.ids
+    }
+
+    /// The embedding unit's work from gathered rows instead of the whole table: `table`
+    /// holds rows of the embedding (dtype and width as the table's), and row i of the
+    /// step takes row `rows[i]` of it.
+    pub fn embed_gathered(&mut self, b: &B, table: &B::Mem, rows: &[u32]) {
+        let _span = tracing::trace_span!("unit", unit = 0).entered();
+        debug_assert_eq!(rows.len(), self.rows);
+        let loc = TensorLoc {
+            offset: 0,
+            rows: rows.iter().max().map_or(0, |&r| r as usize + 1),
+            ..self.embed
+        };
+        b.embedding(loc.at(table), rows, &mut self.ws.x);
+        if let Some(s) = self.cfg.ext.embed_scale {
+            b.scale(&mut self.ws.x, s, self.rows * self.cfg.hidden as usize);
+        }
+    }
+
+    /// The head unit's work up to the output projection (each sequence's last row,
+    /// normed), when the projection then runs in row parts (`head_part`).
+    pub fn head_norm(&mut self, b: &B, mem: &B::Mem) {
+        let _span = tracing::trace_span!("unit", unit = self.unit_kinds.len() - 1).entered();
+        self.head_prologue(b, mem);
+        let n = self.spans.len();
+        self.host_logits.clear();
+        self.host_logits
+            .resize(n * self.cfg.vocab as usize, f32::NAN);
+        self.logits_on_host = true;
+    }
+
+    /// Logits of vocabulary rows `rows` from part `mem` of the output projection's unit
+    /// (whose bytes start at the unit's raw offset `raw_base`), after `head_norm`.
+    pub fn head_part(&mut self, b: &B, mem: &B::Mem, raw_base: u64, rows: Range<u64>) {
+        debug_assert!(self.logits_on_host, "head_norm first");
+        let row_bytes = self
+            .lm_head
+            .dtype
+            .row_bytes(self.lm_head.cols as u64)
+            .expect("validated at load") as usize;
+        let (r0, r1) = (rows.start as usize, rows.end as usize);
+        let loc = TensorLoc {
+            offset: self.lm_head.offset + r0 * row_bytes - raw_base as usize,
+            rows: r1 - r0,
+            ..self.lm_head
+        };
+        let n = self.spans.len();
+        b.matmul_head(&self.ws.last_n, n, loc.at(mem), &mut self.ws.logits);
+        let part = &mut self.part_logits;
+        part.resize(n * (r1 - r0), 0.0);
+        b.download_f32(&self.ws.logits, 0, part);
+        let v = self.cfg.vocab as usize;
+        for (i, row) in part.chunks_exact(r1 - r0).enumerate() {
+            self.host_logits[i * v + r0..i * v + r1].copy_from_slice(row);
+        }
+    }
+
+    /// Logits of vocabulary rows `rows` (ascending) from `table`, which holds those rows of
+    /// the output projection one after another (the rows between head parts), after
+    /// `head_norm`.
+    pub fn head_rows(&mut self, b: &B, table: &B::Mem, rows: &[u64]) {
+        debug_assert!(self.logits_on_host, "head_norm first");
+        if rows.is_empty() {
+            return;
+        }
+        let loc = TensorLoc {
+            offset: 0,
+            rows: rows.len(),
+            ..self.lm_head
+        };
+        let n = self.spans.len();
+        b.matmul_head(&self.ws.last_n, n, loc.at(table), &mut self.ws.logits);
+        let part = &mut self.part_logits;
+        part.resize(n * rows.len(), 0.0);
+        b.download_f32(&self.ws.logits, 0, part);
+        let v = self.cfg.vocab as usize;
+        for (i, got) in part.chunks_exact(rows.len()).enumerate() {
+            for (&r, &l) in rows.iter().zip(got) {
+                self.host_logits[i * v + r as usize] = l;
+            }
+        }
+    }
+
+    fn head_prologue(&mut self, b: &B, mem: &B::Mem) {
         let h = self.cfg.hidden as usize;
         // Only each sequence's last position needs logits.
         // Rows go in the caller's step order, so the logits come out in it.
@@ -642,6 +743,11 @@ impl<B: Backend> Decoder<B> {
             n,
             &mut self.ws.last_n,
         );
+    }
+
+    fn head(&mut self, b: &B, mem: &B::Mem, lm: &B::Mem) {
+        self.head_prologue(b, mem);
+        let n = self.spans.len();
         // One row per sequence: every row through the decode kernels (batch-invariant),
         // with f32 activations (`matmul_head`).
         b.matmul_head(&self.ws.last_n, n, self.lm_head.at(lm), &mut self.ws.logits);
@@ -651,6 +757,10 @@ impl<B: Backend> Decoder<B> {
     pub fn logits(&self, b: &B, out: &mut Vec<f32>) {
         let v = self.cfg.vocab as usize;
         out.resize(self.spans.len() * v, 0.0);
+        if self.logits_on_host {
+            out.copy_from_slice(&self.host_logits);
+            return;
+        }
         b.download_f32(&self.ws.logits, 0, out);
     }
 }

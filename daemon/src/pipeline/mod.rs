@@ -56,6 +56,8 @@ impl PipelineError {
 }
 use std::time::Instant;
 
+mod gather;
+
 /// A unit's upload starts once this much of it is decoded, and continues in parts of this
 /// size as frames finish: large enough that each copy runs near the bus's rate, small enough
 /// that a big layer's copy overlaps its own decompression.
@@ -82,6 +84,8 @@ pub struct PassStats {
     pub bytes_from_host_cache: u64,
     /// Upload parts copied before their unit had finished decompressing.
     pub partial_uploads: u64,
+    /// Stored bytes a streamed embedding's lookup read (also in `bytes_read`).
+    pub bytes_gathered: u64,
 }
 
 impl PassStats {
@@ -97,7 +101,34 @@ impl PassStats {
         self.bytes_uploaded += o.bytes_uploaded;
         self.bytes_from_host_cache += o.bytes_from_host_cache;
         self.partial_uploads += o.partial_uploads;
+        self.bytes_gathered += o.bytes_gathered;
     }
+}
+
+/// One load of a pass: a whole unit, or row part `.0` of the embedding for a tied head
+/// (`Plan::head_parts`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Load {
+    Unit(usize),
+    Part(usize),
+}
+
+impl Load {
+    fn unit(self) -> usize {
+        match self {
+            Load::Unit(u) => u,
+            Load::Part(_) => 0,
+        }
+    }
+}
+
+/// A streamed embedding's lookup: the rows of the step's tokens, gathered from the store
+/// (or the host cache), and their table on the device.
+struct Gathered<M> {
+    rows: gather::RowGather,
+    table: M,
+    /// A tied head's seam rows (`Plan::head_seams`), gathered once.
+    seams: M,
 }
 
 pub struct Pipeline<B: Backend> {
@@ -109,8 +140,10 @@ pub struct Pipeline<B: Backend> {
     slots: Vec<B::Mem>,
     host_cache: Vec<Option<AlignedBuf>>,
     io: IoEngine,
-    /// Streamed loads of one pass in order (the tied embedding twice).
-    loads: Vec<usize>,
+    /// Streamed loads of one pass in order (a tied head's embedding parts after the head).
+    loads: Vec<Load>,
+    /// A streamed embedding's lookup (None when the embedding is resident).
+    gathered: Option<Gathered<B::Mem>>,
     /// Loads requested ahead, in `loads` order, across passes: the front is the next load
     /// the running (or next) pass needs. `next_issue` is the index in `loads` of the next
     /// request to make.
@@ -122,13 +155,13 @@ pub struct Pipeline<B: Backend> {
     held: Vec<(usize, crate::io::HeldSlot)>,
     /// `held`'s twin, swapped in while the held slots are waited for (no allocation).
     held_spare: Vec<(usize, crate::io::HeldSlot)>,
-    /// Which unit each streaming slot holds during a pass.
-    in_slot: Vec<Option<usize>>,
+    /// Which load each streaming slot holds during a pass.
+    in_slot: Vec<Option<Load>>,
     /// Device memory is host memory: streamed units run from their staging slots.
     unified: bool,
     /// On a unified backend, the units the running unit reads from staging slots: the
     /// unit, its view as device memory, and the slot (dropped in that order).
-    borrowed: Vec<(usize, B::Mem, crate::io::HeldSlot)>,
+    borrowed: Vec<(Load, B::Mem, crate::io::HeldSlot)>,
     /// Skip the layer compute (measures streaming alone).
     pub skip_compute: bool,
     /// Bytes of a unit's decoded prefix worth an upload of their own (UPLOAD_CHUNK_DEFAULT).
@@ -217,14 +250,12 @@ fn load_resident_direct<B: Backend>(
     workers: usize,
 ) -> Result<Vec<Option<B::Mem>>, PipelineError> {
     use crate::store::codec::{FrameDecoder, FrameFault};
-    use std::os::unix::fs::FileExt;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let path = store.weights_path();
     let (file, direct) = crate::io::open_direct(path)
         .map_err(|e| IoError::Data(crate::store::StoreError::io("open", path, e)))?;
     let m = store.manifest();
-    let frame_stored_max = m.frame_stored_len_max() as usize;
-    let bounce_len = frame_stored_max + 2 * crate::hostbuf::IO_ALIGN;
+    let bounce_len = gather::bounce_len(m.frame_stored_len_max());
     let raw_max = m.frame_raw_len_max() as usize;
     let n = store.units().len();
     let mut resident: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
@@ -270,43 +301,18 @@ fn load_resident_direct<B: Backend>(
                     loop {
                         let fi = next.fetch_add(1, Ordering::Relaxed);
                         let Some(f) = unit.frames.get(fi) else { break };
-                        let align = crate::hostbuf::IO_ALIGN as u64;
-                        let start = f.file_offset / align * align;
-                        let end = (f.file_offset + f.stored_len()).div_ceil(align) * align;
-                        let want = (end - start) as usize;
-                        let buf = &mut bounce.as_mut_slice()[..want];
-                        let mut got = 0;
-                        while got < want {
-                            match file.read_at(&mut buf[got..], start + got as u64) {
-                                Ok(0) => break,
-                                Ok(k) => got += k,
-                                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                                Err(e) => {
-                                    fail(fi, FrameFault::Read(e.to_string()));
-                                    return;
-                                }
+                        let src = match gather::read_frame(&file, f, &mut bounce) {
+                            Ok(src) => src,
+                            Err(fault) => {
+                                fail(fi, fault);
+                                return;
                             }
-                        }
-                        let skip = (f.file_offset - start) as usize;
-                        let len = f.stored_len() as usize;
-                        if got < skip + len {
-                            fail(
-                                fi,
-                                FrameFault::Read(format!(
-                                    "short read: {} of {} bytes",
-                                    got.saturating_sub(skip),
-                                    len
-                                )),
-                            );
-                            return;
-                        }
+                        };
                         let (d, dl) = (f.raw_offset as usize, f.raw_len as usize);
                         // SAFETY: frames of a unit cover disjoint raw ranges inside it
                         // (validated with the manifest); this thread alone took frame fi.
                         let dst = unsafe { out.range(d, dl) };
-                        if let Err(fault) =
-                            dec.decode(f.codec, &f.planes, f.checksum, &buf[skip..skip + len], dst)
-                        {
+                        if let Err(fault) = dec.decode(f.codec, &f.planes, f.checksum, src, dst) {
                             fail(fi, fault);
                             return;
                         }
@@ -323,6 +329,46 @@ fn load_resident_direct<B: Backend>(
         crate::hostmem::drop_cached(&file);
     }
     Ok(resident)
+}
+
+/// Where a pass is: the next load in `loads` and the next streaming slot.
+#[derive(Default)]
+struct PassAt {
+    load: usize,
+    slot: usize,
+}
+
+/// `mem_of` over a pipeline's fields (borrowed one by one, so the model stays free to
+/// borrow mutably beside it).
+macro_rules! mem_of {
+    ($p:ident, $w:expr) => {
+        mem_of(&$p.resident, &$p.in_slot, &$p.slots, &$p.borrowed, $w)
+    };
+}
+
+/// The memory load `w` runs from: resident, in a streaming slot, or lent from its staging
+/// slot.
+fn mem_of<'a, M>(
+    resident: &'a [Option<M>],
+    in_slot: &[Option<Load>],
+    slots: &'a [M],
+    borrowed: &'a [(Load, M, crate::io::HeldSlot)],
+    w: Load,
+) -> &'a M {
+    if let (Load::Unit(u), Some(Some(m))) = (w, resident.get(w.unit())) {
+        debug_assert_eq!(u, w.unit());
+        return m;
+    }
+    match in_slot.iter().rposition(|&x| x == Some(w)) {
+        Some(s) => &slots[s],
+        None => {
+            &borrowed
+                .iter()
+                .find(|b| b.0 == w)
+                .expect("loaded before its compute")
+                .1
+        }
+    }
 }
 
 impl<B: Backend> Pipeline<B> {
@@ -372,20 +418,55 @@ impl<B: Backend> Pipeline<B> {
             IoConfig {
                 staging_slots: plan.host.staging_slots.max(1),
                 units: Some(streamed),
+                // Sized for what streams: the embedding comes in parts (or not at all).
+                slot_bytes: (plan.host.staging_slot_bytes > 0)
+                    .then_some(plan.host.staging_slot_bytes as usize),
                 // The copy stream reads the staging slots by DMA.
                 pinner: backend.pinner(),
                 ..io_cfg
             },
         )?;
-        let mut loads: Vec<usize> = (0..n).filter(|&u| resident[u].is_none()).collect();
-        if store.manifest().arch.tied_embeddings && resident[0].is_none() {
-            // The head needs the embedding matrix again: load it just before the head.
-            let head_at = loads
-                .iter()
-                .position(|&u| u == n - 1)
-                .unwrap_or(loads.len());
-            loads.insert(head_at, 0);
+        // The embedding never loads whole when it streams: its lookup gathers rows and a
+        // tied head reads it in parts, right after the head unit's final norm.
+        let mut loads = Vec::with_capacity(n + plan.head_parts.len());
+        for (u, r) in resident.iter().enumerate().skip(1) {
+            if r.is_none() {
+                loads.push(Load::Unit(u));
+            }
+            if u == n - 1 {
+                loads.extend((0..plan.head_parts.len()).map(Load::Part));
+            }
         }
+        let gathered = if resident[0].is_none() {
+            let e = model.embedding_loc();
+            let row_bytes =
+                e.dtype.row_bytes(e.cols as u64).ok_or_else(|| {
+                    ModelError::Layout("embedding rows are not whole blocks".into())
+                })? as usize;
+            let max_rows = opts.max_batch_tokens;
+            let table = backend.alloc((max_rows * row_bytes).max(1), "gathered embedding rows")?;
+            let mut rows = gather::RowGather::new(
+                store.clone(),
+                0,
+                e.offset as u64,
+                row_bytes,
+                e.rows as u64,
+                max_rows.max(plan.head_seams.len()),
+            )?;
+            // The rows between the head's parts, read once and kept.
+            let seam_ids: Vec<u32> = plan.head_seams.iter().map(|&r| r as u32).collect();
+            let mut seams = backend.alloc(
+                (seam_ids.len() * row_bytes).max(1),
+                "embedding rows between head parts",
+            )?;
+            if !seam_ids.is_empty() {
+                rows.gather(&seam_ids, host_cache[0].as_ref().map(|b| b.as_slice()))?;
+                backend.upload(&mut seams, &rows.table)?;
+            }
+            Some(Gathered { rows, table, seams })
+        } else {
+            None
+        };
         Ok(Pipeline {
             backend,
             model,
@@ -397,6 +478,7 @@ impl<B: Backend> Pipeline<B> {
             io_mark: io.stats(),
             io,
             loads,
+            gathered,
             ahead: VecDeque::new(),
             next_issue: 0,
             held: Vec::with_capacity(plan_slots),
@@ -436,11 +518,16 @@ impl<B: Backend> Pipeline<B> {
     fn top_up(&mut self) -> Result<(), PipelineError> {
         let prefetch = self.plan.prefetch.max(1);
         while !self.loads.is_empty() && self.ahead.len() < prefetch {
-            let lu = self.loads[self.next_issue];
-            let t = if self.host_cache[lu].is_some() {
+            let load = self.loads[self.next_issue];
+            let t = if self.host_cache[load.unit()].is_some() {
                 None
             } else {
-                Some(self.io.request(lu)?)
+                Some(match load {
+                    Load::Unit(u) => self.io.request(u)?,
+                    Load::Part(p) => self
+                        .io
+                        .request_part(0, self.plan.head_parts[p].frames.clone())?,
+                })
             };
             self.ahead.push_back(t);
             self.next_issue = (self.next_issue + 1) % self.loads.len();
@@ -532,86 +619,58 @@ impl<B: Backend> Pipeline<B> {
         let n = self.resident.len();
         let tied = self.store.manifest().arch.tied_embeddings;
         self.top_up()?;
-        let mut load_at = 0;
-        let mut slot_rr = 0;
+        let mut at = PassAt::default();
         let copy0 = self.backend.copy_stats();
-        // Which streaming slot holds which unit right now.
         self.in_slot.fill(None);
         for u in 0..n {
-            // Units this unit needs: itself, and for a tied head the embedding first.
-            let tied_head = tied && self.store.units()[u].kind == UnitKind::Head;
-            let need_all = [0, u];
-            let need = if tied_head {
-                &need_all[..]
-            } else {
-                &need_all[1..]
-            };
-            // Streaming slots this unit's compute reads (at most one per unit it needs).
-            let mut used = [0usize; 2];
-            let mut n_used = 0;
-            for &w in need {
-                if self.resident[w].is_some() {
-                    continue;
-                }
-                self.top_up()?;
-                debug_assert_eq!(self.loads[load_at], w, "loads follow the pass order");
-                load_at += 1;
-                let t = self
-                    .ahead
-                    .pop_front()
-                    .expect("a load is requested for every streamed unit");
-                if self.unified {
-                    self.borrow(w, t, &mut st)?;
-                    continue;
-                }
-                let slot = slot_rr;
-                slot_rr = (slot_rr + 1) % self.slots.len();
-                self.stage(w, t, slot, &mut st)?;
-                self.in_slot[slot] = Some(w);
-                used[n_used] = slot;
-                n_used += 1;
+            if u == 0 && self.gathered.is_some() {
+                self.embed_gathered(&mut st)?;
+                continue;
             }
-            let mem_of = |w: usize| -> &B::Mem {
-                match &self.resident[w] {
-                    Some(m) => m,
-                    None => match self.in_slot.iter().rposition(|&x| x == Some(w)) {
-                        Some(s) => &self.slots[s],
-                        None => {
-                            &self
-                                .borrowed
-                                .iter()
-                                .find(|b| b.0 == w)
-                                .expect("loaded above")
-                                .1
-                        }
-                    },
-                }
+            let is_head = self.store.units()[u].kind == UnitKind::Head;
+            let in_parts = is_head && !self.plan.head_parts.is_empty();
+            let used = if self.resident[u].is_none() {
+                self.fetch(Load::Unit(u), &mut at, &mut st)?
+            } else {
+                None
             };
             if !self.skip_compute {
                 let t0 = Instant::now();
-                let mem = mem_of(u);
-                let is_head = self.store.units()[u].kind == UnitKind::Head;
-                let lm = if tied && is_head {
-                    Some(mem_of(0))
+                let mem = mem_of!(self, Load::Unit(u));
+                if in_parts {
+                    self.model.head_norm(&self.backend, mem);
                 } else {
-                    None
-                };
-                self.model.forward_unit(&self.backend, u, mem, lm);
+                    // A tied head with the embedding resident reads it there.
+                    let lm = (tied && is_head).then(|| {
+                        self.resident[0]
+                            .as_ref()
+                            .expect("a streamed tied embedding is read in head parts")
+                    });
+                    self.model.forward_unit(&self.backend, u, mem, lm);
+                }
                 st.compute_s += t0.elapsed().as_secs_f64();
             }
-            for &s in &used[..n_used] {
-                // The next upload into this slot waits for this unit's compute only.
-                self.backend.release_after(&self.slots[s]);
+            self.computed(used, &mut st)?;
+            if in_parts {
+                for p in 0..self.plan.head_parts.len() {
+                    let used = self.fetch(Load::Part(p), &mut at, &mut st)?;
+                    if !self.skip_compute {
+                        let t0 = Instant::now();
+                        let mem = mem_of!(self, Load::Part(p));
+                        let part = &self.plan.head_parts[p];
+                        self.model
+                            .head_part(&self.backend, mem, part.raw_base, part.rows.clone());
+                        st.compute_s += t0.elapsed().as_secs_f64();
+                    }
+                    self.computed(used, &mut st)?;
+                }
+                if let (Some(g), false) = (&self.gathered, self.skip_compute) {
+                    self.model
+                        .head_rows(&self.backend, &g.seams, &self.plan.head_seams);
+                }
             }
-            // A unified backend's compute has read its staging slots: they go back.
-            self.borrowed.clear();
-            // The unit's compute is enqueued; once its upload has read the staging slots,
-            // they go back to the I/O engine for the next loads (every one waited for, even
-            // after a failed wait, before any is released).
-            self.release_held(&mut st)?;
-            self.top_up()?;
         }
-        debug_assert!(load_at == self.loads.len());
+        debug_assert!(at.load == self.loads.len());
         if !self.skip_compute {
             self.model.logits(&self.backend, logits);
         } else {
@@ -625,15 +684,90 @@ impl<B: Backend> Pipeline<B> {
         Ok(())
     }
 
-    /// On a unified backend: waits for unit `w` whole and lends its staging slot to the
-    /// compute as device memory (no copy); the slot goes back once the unit has run.
+    /// The lookup of a streamed embedding: the step's rows read from the store (or the
+    /// host cache) into their own table, uploaded, and the step's ids renumbered into it.
+    fn embed_gathered(&mut self, st: &mut PassStats) -> Result<(), PipelineError> {
+        let g = self
+            .gathered
+            .as_mut()
+            .expect("called for a streamed embedding");
+        let t0 = Instant::now();
+        let read0 = g.rows.bytes_read;
+        let cached = self.host_cache[0].as_ref().map(|b| b.as_slice());
+        g.rows.gather(self.model.step_ids(), cached)?;
+        st.bytes_gathered += g.rows.bytes_read - read0;
+        st.load_stall_s += t0.elapsed().as_secs_f64();
+        if g.rows.table.is_empty() {
+            return Ok(());
+        }
+        self.backend.upload(&mut g.table, &g.rows.table)?;
+        if !self.skip_compute {
+            let t0 = Instant::now();
+            self.model
+                .embed_gathered(&self.backend, &g.table, &g.rows.rows_of);
+            st.compute_s += t0.elapsed().as_secs_f64();
+        }
+        Ok(())
+    }
+
+    /// The next load of the pass (`load`, checked): lent from its staging slot (unified) or
+    /// put in the next streaming slot, which it returns.
+    fn fetch(
+        &mut self,
+        load: Load,
+        at: &mut PassAt,
+        st: &mut PassStats,
+    ) -> Result<Option<usize>, PipelineError> {
+        self.top_up()?;
+        debug_assert_eq!(self.loads[at.load], load, "loads follow the pass order");
+        at.load += 1;
+        let t = self
+            .ahead
+            .pop_front()
+            .expect("a load is requested for every streamed unit");
+        if self.unified {
+            self.borrow(load, t, st)?;
+            return Ok(None);
+        }
+        let slot = at.slot;
+        at.slot = (at.slot + 1) % self.slots.len();
+        self.stage(load, t, slot, st)?;
+        self.in_slot[slot] = Some(load);
+        Ok(Some(slot))
+    }
+
+    /// Once a load's compute is enqueued: its streaming slot's next upload waits for that
+    /// compute only, and its staging slot goes back to the I/O engine.
+    fn computed(&mut self, used: Option<usize>, st: &mut PassStats) -> Result<(), PipelineError> {
+        if let Some(s) = used {
+            self.backend.release_after(&self.slots[s]);
+        }
+        // A unified backend's compute has read its staging slots: they go back.
+        self.borrowed.clear();
+        // Once its upload has read the staging slots, they go back to the I/O engine for
+        // the next loads (every one waited for, even after a failed wait, before any is
+        // released).
+        self.release_held(st)?;
+        self.top_up()
+    }
+
+    /// Raw bytes of a load: the unit's, or the part's.
+    fn load_len(&self, load: Load) -> usize {
+        match load {
+            Load::Unit(u) => self.store.units()[u].raw_len as usize,
+            Load::Part(p) => self.plan.head_parts[p].raw_len as usize,
+        }
+    }
+
+    /// On a unified backend: waits for load `w` whole and lends its staging slot to the
+    /// compute as device memory (no copy); the slot goes back once the load has run.
     fn borrow(
         &mut self,
-        w: usize,
+        w: Load,
         ticket: Option<Ticket>,
         st: &mut PassStats,
     ) -> Result<(), PipelineError> {
-        let len = self.store.units()[w].raw_len as usize;
+        let len = self.load_len(w);
         let t =
             ticket.expect("a unified backend has no host cache: every streamed unit has a ticket");
         let t0 = Instant::now();
@@ -647,24 +781,30 @@ impl<B: Backend> Pipeline<B> {
         Ok(())
     }
 
-    /// Puts unit `w` into streaming slot `slot`: from its I/O ticket (frame by frame), or
+    /// Puts load `w` into streaming slot `slot`: from its I/O ticket (frame by frame), or
     /// from the host cache when it has no ticket.
     fn stage(
         &mut self,
-        w: usize,
+        w: Load,
         ticket: Option<Ticket>,
         slot: usize,
         st: &mut PassStats,
     ) -> Result<(), PipelineError> {
-        let len = self.store.units()[w].raw_len as usize;
+        let len = self.load_len(w);
         match ticket {
             Some(t) => self.load_into(t, slot, len, st),
             None => {
-                let data = self.host_cache[w].as_ref().expect("host-cached unit");
+                let data = self.host_cache[w.unit()]
+                    .as_ref()
+                    .expect("host-cached unit");
+                let base = match w {
+                    Load::Unit(_) => 0,
+                    Load::Part(p) => self.plan.head_parts[p].raw_base as usize,
+                };
                 let t1 = Instant::now();
                 // The host cache lives as long as the pipeline: nothing to release.
                 self.backend
-                    .upload_async(&mut self.slots[slot], &data.as_slice()[..len])?;
+                    .upload_async(&mut self.slots[slot], &data.as_slice()[base..base + len])?;
                 st.upload_s += t1.elapsed().as_secs_f64();
                 st.bytes_uploaded += len as u64;
                 st.bytes_from_host_cache += len as u64;
@@ -698,7 +838,7 @@ impl<B: Backend> Pipeline<B> {
         let copy1 = self.backend.copy_stats();
         st.copy_device_s = copy1.seconds - copy0.seconds;
         let io1 = self.io.stats();
-        st.bytes_read = io1.read_bytes.saturating_sub(self.io_mark.read_bytes);
+        st.bytes_read = io1.read_bytes.saturating_sub(self.io_mark.read_bytes) + st.bytes_gathered;
         st.bytes_decompressed = io1
             .decompressed_bytes
             .saturating_sub(self.io_mark.decompressed_bytes);

@@ -104,6 +104,9 @@ pub struct HostPlan {
     pub staging_slot_bytes: u64,
     /// Decompression workers' scratch (a frame each) and the loader's bounce buffers.
     pub scratch_bytes: u64,
+    /// A streamed embedding's lookup: the gathered rows, a frame's read buffer and its
+    /// decoded bytes (0 when the embedding is resident).
+    pub gather_bytes: u64,
     pub host_cache_bytes: u64,
     /// The device arena when device memory is host memory (0 otherwise).
     pub arena_bytes: u64,
@@ -158,8 +161,19 @@ pub struct Plan {
     pub disk_bytes_per_pass: u64,
     pub host_cache_bytes_per_pass: u64,
     pub upload_bytes_per_pass: u64,
-    /// The embedding is also the output head (tied) and streams: it loads twice a pass.
+    /// Loads of the embedding's unit per pass: a streamed embedding is never loaded for
+    /// the lookup (its rows are gathered, see `embedding_gathered`); tied, the head reads
+    /// it in `head_parts`, one load each.
     pub embedding_loads_per_pass: usize,
+    /// The embedding streams: each step reads only the frames that hold its tokens' rows
+    /// (`gather_bytes_per_token` each at most) into a table of `gather_table_bytes`.
+    pub embedding_gathered: bool,
+    pub gather_bytes_per_token: u64,
+    pub gather_table_bytes: u64,
+    /// A tied, streamed embedding as the output head: row parts that each fit a slot, and
+    /// the rows that straddle two parts (gathered once at start, kept on the device).
+    pub head_parts: Vec<crate::store::format::RowPart>,
+    pub head_seams: Vec<u64>,
     /// Every host role, within the host budget.
     pub host: HostPlan,
 }
@@ -274,6 +288,7 @@ impl Plan {
     pub fn device_bytes(&self) -> u64 {
         self.kv_cache_bytes
             + self.workspace_bytes
+            + self.gather_table_bytes
             + self.backend_bytes
             + self.stream_slots as u64 * self.stream_slot_bytes
             + self.resident_bytes
@@ -308,6 +323,32 @@ impl Plan {
                 self.layers_resident()
             ),
         );
+        if self.embedding_gathered {
+            line(
+                &mut s,
+                "embedding rows",
+                format!(
+                    "gathered per step (a frame of at most {} per distinct token) into {}",
+                    fmt_bytes(self.gather_bytes_per_token),
+                    fmt_bytes(self.gather_table_bytes)
+                ),
+            );
+        }
+        if !self.head_parts.is_empty() {
+            line(
+                &mut s,
+                "output head (tied)",
+                format!(
+                    "the embedding in {} row parts of at most {} rows",
+                    self.head_parts.len(),
+                    self.head_parts
+                        .iter()
+                        .map(|p| p.rows.end - p.rows.start)
+                        .max()
+                        .unwrap_or(0)
+                ),
+            );
+        }
         line(&mut s, "device total", fmt_bytes(self.device_bytes()));
         line(
             &mut s,
@@ -359,6 +400,9 @@ impl Plan {
             format!("{} x {}", h.staging_slots, fmt_bytes(h.staging_slot_bytes)),
         );
         line(&mut s, "  decoder scratch", fmt_bytes(h.scratch_bytes));
+        if h.gather_bytes > 0 {
+            line(&mut s, "  embedding row gather", fmt_bytes(h.gather_bytes));
+        }
         if h.arena_bytes > 0 {
             line(&mut s, "  device arena (= host)", fmt_bytes(h.arena_bytes));
         }
@@ -424,13 +468,11 @@ struct Candidate {
 /// pass. None when no slot size fits.
 fn choose_residency(
     raw: &[u64],
-    tied: bool,
+    e: &EmbeddingCost,
     counts: &[usize],
     room: impl Fn(u64, usize) -> Option<u64>,
 ) -> Option<Candidate> {
-    // Value of keeping a unit resident: the bytes it would stream each pass (the tied
-    // embedding streams twice: gather at the start, logits at the end).
-    let value = |u: usize| raw[u] * if tied && u == 0 { 2 } else { 1 };
+    let value = |u: usize| e.value(raw, u);
     // Among units of equal value, in bit-reversed index order: those left to stream are
     // then spread over the pass (each load overlaps resident units' compute) rather than
     // bunched at its end.
@@ -448,10 +490,10 @@ fn choose_residency(
                 continue;
             };
             let mut res = vec![false; raw.len()];
-            // Units larger than the slot must be resident.
+            // Units that cannot stream through slots of `s` must be resident.
             let mut ok = true;
             for u in 0..raw.len() {
-                if raw[u] > s {
+                if !e.streams_at(raw, u, s) {
                     if raw[u] > left {
                         ok = false;
                         break;
@@ -487,15 +529,83 @@ fn choose_residency(
     best
 }
 
-/// For each slot size: (bytes of units larger than it, which must be resident, the size).
-fn oversized(raw: &[u64]) -> Vec<(u64, u64)> {
+/// For each slot size: (bytes of units that cannot stream through it, which must be
+/// resident, the size).
+fn oversized(raw: &[u64], e: &EmbeddingCost) -> Vec<(u64, u64)> {
     let mut sizes: Vec<u64> = raw.to_vec();
     sizes.sort_unstable_by(|x, y| y.cmp(x));
     sizes.dedup();
     sizes
         .iter()
-        .map(|&s| (raw.iter().filter(|&&r| r > s).sum::<u64>(), s))
+        .map(|&s| {
+            let big = (0..raw.len())
+                .filter(|&u| !e.streams_at(raw, u, s))
+                .map(|u| raw[u])
+                .sum::<u64>();
+            (big, s)
+        })
         .collect()
+}
+
+/// What streaming the embedding (unit 0) costs. Its lookup reads only the frames that
+/// hold the step's rows (a frame per distinct token), so an untied embedding needs no
+/// staging slot at all; a tied one is also the output head, read once a pass in row parts
+/// that each fit a slot (`LayerUnit::row_parts`).
+struct EmbeddingCost<'m> {
+    unit: &'m crate::store::format::LayerUnit,
+    /// The table and its row bytes; None: not a decoder's embedding (it stays resident).
+    table: Option<(&'m crate::store::format::TensorEntry, u64)>,
+    tied: bool,
+    /// Parts are read straight into the slots (the unit is stored as raw).
+    direct: bool,
+    /// Bytes the lookup reads per pass, estimated: a frame per sequence of the batch.
+    gather: u64,
+}
+
+impl<'m> EmbeddingCost<'m> {
+    fn new(m: &'m Manifest, opts: &ModelOptions) -> Self {
+        let unit = &m.units[0];
+        let table = unit
+            .tensor("model.embed_tokens.weight")
+            .filter(|_| unit.kind == UnitKind::Embedding)
+            .and_then(|t| {
+                let cols = *t.shape.last()?;
+                Some((t, t.dtype.row_bytes(cols)?))
+            })
+            .filter(|&(_, rb)| rb > 0);
+        let frame = unit.frame_stored_max();
+        EmbeddingCost {
+            unit,
+            table,
+            tied: m.arch.tied_embeddings,
+            direct: unit.stored_as_raw(),
+            gather: (frame * opts.kv_slots as u64).min(unit.stored_len),
+        }
+    }
+
+    /// The tied head's row parts through slots of `cap` bytes and the rows between them
+    /// (None: the frames cannot be cut to fit).
+    fn parts(&self, cap: u64) -> Option<(Vec<crate::store::format::RowPart>, Vec<u64>)> {
+        let (t, rb) = self.table?;
+        self.unit.row_parts(t, rb, cap, self.direct)
+    }
+
+    /// Unit `u` can stream through slots of `s` bytes.
+    fn streams_at(&self, raw: &[u64], u: usize, s: u64) -> bool {
+        if u != 0 || self.table.is_none() {
+            return raw[u] <= s;
+        }
+        !self.tied || self.parts(s).is_some()
+    }
+
+    /// Bytes a pass streams if unit `u` is not resident (the planner keeps the most
+    /// valuable units resident).
+    fn value(&self, raw: &[u64], u: usize) -> u64 {
+        match (u, self.table) {
+            (0, Some(_)) => self.gather + if self.tied { raw[0] } else { 0 },
+            _ => raw[u],
+        }
+    }
 }
 
 /// The least device budget that runs: for some slot size, `slots` slots (2 on a discrete
@@ -503,13 +613,14 @@ fn oversized(raw: &[u64]) -> Vec<(u64, u64)> {
 /// resident.
 fn least_budget_error(
     raw: &[u64],
+    e: &EmbeddingCost,
     budget: u64,
     kv: u64,
     workspace: u64,
     slots: usize,
 ) -> PlanError {
     let fixed = kv + workspace;
-    let (need, slot) = oversized(raw)
+    let (need, slot) = oversized(raw, e)
         .into_iter()
         .map(|(big, s)| (fixed + slots as u64 * s + big, s))
         .min()
@@ -523,6 +634,13 @@ fn least_budget_error(
         oversized_resident: need - fixed - slots as u64 * slot,
         need,
     })
+}
+
+/// Host bytes a streamed embedding's row gather holds (the pipeline's `RowGather`): a
+/// frame's read buffer with its O_DIRECT alignment at both ends, the decoded frame and
+/// the gathered rows.
+pub fn gather_host_bytes(frame_stored_max: u64, frame_raw_max: u64, table_bytes: u64) -> u64 {
+    frame_stored_max + 2 * ALLOC_ALIGN + frame_raw_max + table_bytes
 }
 
 /// The smallest read request the plan makes.
@@ -646,33 +764,81 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     } else {
         (reads_in_flight as u64 * request_bytes).min(median)
     };
+    // A streamed embedding's lookup: a device table of a step's rows, and on the host the
+    // rows, a frame's read buffer and its decoded bytes (reserved in every streaming plan,
+    // dropped below when the embedding stays resident).
+    let emb = EmbeddingCost::new(m, &opts);
+    let gather = match emb.table {
+        Some((_, rb)) => {
+            // A step's rows, and for a tied head the seam rows between its parts (at
+            // most a row per frame boundary), kept on the device.
+            let seams = if tied {
+                m.units[0].frames.len() as u64
+            } else {
+                0
+            };
+            let table = (opts.max_batch_tokens as u64 + seams) * rb;
+            (
+                round(table),
+                round(gather_host_bytes(
+                    frame_stored_max,
+                    u64::from(m.frame_raw_len_max()),
+                    table,
+                )),
+            )
+        }
+        None => (0, 0),
+    };
     let split = if h.unified {
         plan_unified(
             &raw,
-            tied,
+            &emb,
             input,
             (kv, fixed),
             (reads, scratch, in_flight),
+            gather,
             prefetch_want,
             all_resident,
         )?
     } else {
-        plan_discrete(&raw, tied, input, (kv, fixed), all_resident)?
+        plan_discrete(&raw, &emb, input, (kv, fixed), gather, all_resident)?
     };
     let Split {
         resident,
         slots,
-        slot_bytes,
+        cap,
         staging,
         device_budget: budget,
     } = split;
     let streams = resident.iter().any(|r| !r);
+    let gathered = streams && !resident[0];
+    let (gather_dev, gather_host) = if gathered { gather } else { (0, 0) };
+    // Slots hold the largest streamed unit (the embedding never whole: its lookup gathers
+    // rows, a tied head reads it in parts), and each head part; parts are cut to fit
+    // slots of that size where they can, else of the size the split chose.
     let largest_streamed = (0..raw.len())
-        .filter(|&u| !resident[u])
-        .map(|u| m.units[u].raw_len)
+        .filter(|&u| !resident[u] && u != 0)
+        .map(|u| round(m.units[u].raw_len))
         .max()
         .unwrap_or(0);
-    let staging_slot_bytes = if streams { round(largest_streamed) } else { 0 };
+    let (head_parts, head_seams) = if gathered && tied {
+        emb.parts(largest_streamed)
+            .or_else(|| emb.parts(cap))
+            .expect("the split streams the embedding only where its parts fit")
+    } else {
+        (Vec::new(), Vec::new())
+    };
+    let part_max = head_parts
+        .iter()
+        .map(|p| round(m.units[0].part_span(p.frames.clone(), emb.direct)))
+        .max()
+        .unwrap_or(0);
+    let slot_bytes = largest_streamed.max(part_max);
+    let staging_slot_bytes = slot_bytes;
+    // Nothing streams through slots when only an untied embedding streams.
+    let streams = largest_streamed > 0 || !head_parts.is_empty();
+    let slots = if streams { slots } else { 0 };
+    let host_fixed = host_fixed + gather_host;
     // Discrete devices stage prefetch + 1 units on the host; fewer when the host budget is
     // short (one computing, one loading at least).
     let (staging, prefetch) = match staging {
@@ -691,6 +857,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     let staged = staging as u64 * staging_slot_bytes;
     let arena = if h.unified {
         fixed
+            + gather_dev
             + (0..raw.len())
                 .filter(|&u| resident[u])
                 .map(|u| raw[u])
@@ -750,7 +917,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
             let held = if h.unified { arena } else { host_cache_bytes };
             return Err(PlanError::Host(HostBudgetError::new(
                 h,
-                [reads, scratch, held, staged, load_transient],
+                [reads, scratch + gather_host, held, staged, load_transient],
             )));
         }
     }
@@ -765,23 +932,31 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         } else {
             Placement::Streamed
         };
-        let loads = if tied && lu.kind == UnitKind::Embedding {
-            2
+        // Stored and raw bytes one pass loads of the unit: the embedding's head parts
+        // (their shared frames twice), or the unit once.
+        let (stored, raw_loaded) = if u == 0 {
+            head_parts.iter().fold((0, 0), |(st, rw), p| {
+                let fs = &lu.frames[p.frames.clone()];
+                (
+                    st + fs.iter().map(|f| f.stored_len()).sum::<u64>(),
+                    rw + p.raw_len,
+                )
+            })
         } else {
-            1
+            (lu.stored_len, lu.raw_len)
         };
         match placement {
             Placement::Resident => {}
             Placement::Streamed => {
-                disk += loads * lu.stored_len;
+                disk += stored;
                 // Bytes handed to the compute per pass: copied to the device, or on a unified
                 // backend lent in their staging slot (PassStats::bytes_uploaded counts the
                 // same).
-                upload += loads * lu.raw_len;
+                upload += raw_loaded;
             }
             Placement::HostCached => {
-                host += loads * lu.raw_len;
-                upload += loads * lu.raw_len;
+                host += raw_loaded;
+                upload += raw_loaded;
             }
         }
         units.push(UnitPlan {
@@ -801,15 +976,20 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         workspace_bytes: ws,
         backend_bytes: backend,
         stream_slots: slots,
-        stream_slot_bytes: slot_bytes,
+        stream_slot_bytes: if slots > 0 { slot_bytes } else { 0 },
         resident_bytes,
         host_cache_bytes,
         prefetch,
-        embedding_loads_per_pass: if tied && !resident[0] {
-            2
+        embedding_loads_per_pass: head_parts.len(),
+        embedding_gathered: gathered,
+        gather_bytes_per_token: if gathered {
+            m.units[0].frame_stored_max()
         } else {
-            usize::from(!resident[0])
+            0
         },
+        gather_table_bytes: gather_dev,
+        head_parts,
+        head_seams,
         units,
         disk_bytes_per_pass: disk,
         host_cache_bytes_per_pass: host,
@@ -824,6 +1004,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
             staging_slots: staging,
             staging_slot_bytes,
             scratch_bytes: scratch,
+            gather_bytes: gather_host,
             host_cache_bytes,
             arena_bytes: arena,
             load_transient_bytes: load_transient,
@@ -845,7 +1026,8 @@ struct Split {
     resident: Vec<bool>,
     /// Device streaming slots (0 on a unified backend).
     slots: usize,
-    slot_bytes: u64,
+    /// The slot size the split was chosen for (the slots may shrink to what streams).
+    cap: u64,
     /// Host staging slots when the split chose them (unified), else None.
     staging: Option<usize>,
     device_budget: u64,
@@ -855,9 +1037,10 @@ struct Split {
 /// device slots; the host stages `prefetch + 1` units.
 fn plan_discrete(
     raw: &[u64],
-    tied: bool,
+    e: &EmbeddingCost,
     input: &PlanInput,
     (kv, fixed): (u64, u64),
+    (gather, _): (u64, u64),
     all_resident: u64,
 ) -> Result<Split, PlanError> {
     let budget = input.device_budget.unwrap_or(all_resident);
@@ -865,27 +1048,22 @@ fn plan_discrete(
         return Ok(Split {
             resident: vec![true; raw.len()],
             slots: 0,
-            slot_bytes: 0,
+            cap: 0,
             staging: None,
             device_budget: budget,
         });
     }
     // A third slot lets an asynchronous backend upload one unit ahead.
     let counts = [STREAM_SLOTS_MIN + 1, STREAM_SLOTS_MIN];
-    let c = choose_residency(raw, tied, &counts, |s, n| {
+    let fixed = fixed + gather;
+    let c = choose_residency(raw, e, &counts, |s, n| {
         budget.checked_sub(fixed + n as u64 * s)
     })
-    .ok_or_else(|| least_budget_error(raw, budget, kv, fixed - kv, STREAM_SLOTS_MIN))?;
-    // Shrink slots to the largest unit that actually streams.
-    let slot_bytes = (0..raw.len())
-        .filter(|&u| !c.resident[u])
-        .map(|u| raw[u])
-        .max()
-        .unwrap_or(c.slot_bytes);
+    .ok_or_else(|| least_budget_error(raw, e, budget, kv, fixed - kv, STREAM_SLOTS_MIN))?;
     Ok(Split {
         resident: c.resident,
         slots: c.slots,
-        slot_bytes,
+        cap: c.slot_bytes,
         staging: None,
         device_budget: budget,
     })
@@ -894,12 +1072,14 @@ fn plan_discrete(
 /// A unified backend (the CPU): one budget holds the arena (KV cache, workspace, resident
 /// units) and the staging slots the streamed units run from; `--device-memory`, when
 /// given, caps the arena inside it.
+#[allow(clippy::too_many_arguments)] // the fixed roles, each a sum the plan table shows
 fn plan_unified(
     raw: &[u64],
-    tied: bool,
+    e: &EmbeddingCost,
     input: &PlanInput,
     (kv, fixed): (u64, u64),
     (reads, scratch, in_flight): (u64, u64, u64),
+    (gather_dev, gather_host): (u64, u64),
     prefetch_want: usize,
     all_resident: u64,
 ) -> Result<Split, PlanError> {
@@ -914,11 +1094,16 @@ fn plan_unified(
         return Ok(Split {
             resident: vec![true; raw.len()],
             slots: 0,
-            slot_bytes: 0,
+            cap: 0,
             staging: None,
             device_budget: dev.unwrap_or(all_resident),
         });
     }
+    // Streaming: room for the embedding's gathered rows (see plan_once).
+    let (fixed, scratch) = (fixed + gather_dev, scratch + gather_host);
+    let host_room = h
+        .budget
+        .map(|b| b.checked_sub(h.overhead + reads + scratch));
     // Staging slots from prefetch + 1 down to two (one computing, one loading). Units are
     // staged ahead in bytes, not in units: first try depths whose slots hold the reads in
     // flight (small units need more of them ahead), then shallower ones.
@@ -945,14 +1130,14 @@ fn plan_unified(
         }
     };
     let deep: Vec<usize> = (STREAM_SLOTS_MIN..=deepest).rev().collect();
-    let c = choose_residency(raw, tied, &deep, |sz, n| {
+    let c = choose_residency(raw, e, &deep, |sz, n| {
         if n >= want(sz) {
             room(sz, n)
         } else {
             None
         }
     })
-    .or_else(|| choose_residency(raw, tied, &deep, room));
+    .or_else(|| choose_residency(raw, e, &deep, room));
     match c {
         Some(c) => {
             let arena = fixed
@@ -963,7 +1148,7 @@ fn plan_unified(
             Ok(Split {
                 resident: c.resident,
                 slots: 0,
-                slot_bytes: 0,
+                cap: c.slot_bytes,
                 staging: Some(c.slots),
                 device_budget: dev.unwrap_or(arena),
             })
@@ -971,7 +1156,7 @@ fn plan_unified(
         None => {
             // The least that runs: for some slot size, units larger than it resident (in
             // the arena, within --device-memory) and two staging slots of it.
-            let least = oversized(raw)
+            let least = oversized(raw, e)
                 .into_iter()
                 .filter(|&(big, _)| dev.is_none_or(|d| fixed + big <= d))
                 .map(|(big, s)| (fixed + big, STREAM_SLOTS_MIN as u64 * s))
@@ -981,7 +1166,14 @@ fn plan_unified(
                     h,
                     [reads, scratch, arena, staged, 0],
                 ))),
-                _ => Err(least_budget_error(raw, dev.unwrap_or(0), kv, fixed - kv, 0)),
+                _ => Err(least_budget_error(
+                    raw,
+                    e,
+                    dev.unwrap_or(0),
+                    kv,
+                    fixed - kv,
+                    0,
+                )),
             }
         }
     }

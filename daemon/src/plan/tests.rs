@@ -9,9 +9,13 @@ use crate::store::writer::{pack, PackOptions};
 use crate::store::Store;
 
 fn store(dir: &std::path::Path, tied: bool) -> Store {
+    store_framed(dir, tied, 1 << 20, 2048)
+}
+
+fn store_framed(dir: &std::path::Path, tied: bool, frame_size: u32, vocab: u32) -> Store {
     let mut spec = SynthSpec::llama_like(128, 6, DType::F32);
-    // The embedding (1 MiB) a little larger than a layer, as in real models.
-    spec.vocab = 2048;
+    // The embedding (1 MiB at 2048 rows) about the size of a layer.
+    spec.vocab = vocab;
     let mut model = synth::model(&spec);
     if tied {
         model.arch.tied_embeddings = true;
@@ -21,7 +25,7 @@ fn store(dir: &std::path::Path, tied: bool) -> Store {
     let out = dir.join(if tied { "tied" } else { "untied" });
     let opts = PackOptions {
         codec: "none".parse().expect("codec"),
-        frame_size: 1 << 20,
+        frame_size,
         threads: 1,
         force: true,
     };
@@ -74,11 +78,15 @@ fn a_smaller_budget_streams_the_least_and_stays_within_it() {
         );
         assert!(p.layers_streamed() > 0, "{pct}%: something must stream");
         assert!(p.stream_slots >= STREAM_SLOTS_MIN);
-        let largest_streamed = (0..m.units.len())
+        // The untied embedding, the most bytes for the least value per pass (its lookup
+        // reads a frame per token), is the first to stream, and needs no slot.
+        assert!(p.embedding_gathered, "{pct}%");
+        assert_eq!(p.embedding_loads_per_pass, 0, "{pct}%");
+        let largest_streamed = (1..m.units.len())
             .filter(|&u| p.placement(u) != Placement::Resident)
             .map(|u| round(m.units[u].raw_len))
             .max()
-            .expect("a streamed unit");
+            .unwrap_or(0);
         assert_eq!(
             p.stream_slot_bytes, largest_streamed,
             "{pct}%: slots fit the largest streamed unit"
@@ -86,11 +94,14 @@ fn a_smaller_budget_streams_the_least_and_stays_within_it() {
         // Less budget never streams less.
         assert!(p.upload_bytes_per_pass >= streamed_before, "{pct}%");
         streamed_before = p.upload_bytes_per_pass;
-        let disk: u64 = (0..m.units.len())
+        let disk: u64 = (1..m.units.len())
             .filter(|&u| p.placement(u) == Placement::Streamed)
             .map(|u| m.units[u].stored_len)
             .sum();
         assert_eq!(p.disk_bytes_per_pass, disk);
+        // The most a distinct token's row costs the lookup: a frame (of stored bytes).
+        let frame = m.units[0].frames.iter().map(|f| f.stored_len()).max();
+        assert_eq!(Some(p.gather_bytes_per_token), frame);
     }
 }
 
@@ -126,7 +137,7 @@ fn too_small_a_budget_says_the_least_that_runs() {
 }
 
 #[test]
-fn a_streamed_tied_embedding_loads_twice_and_the_host_cache_takes_streamed_units() {
+fn a_streamed_tied_embedding_is_read_once_in_parts_and_the_host_cache_takes_streamed_units() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let s = store(tmp.path(), true);
     let m = s.manifest();
@@ -135,19 +146,70 @@ fn a_streamed_tied_embedding_loads_twice_and_the_host_cache_takes_streamed_units
         .expect_err("too small")
         .need();
     let p = plan(m, &input(Some(need), 0)).expect("plan");
-    // At the least budget the embedding, the largest unit, sizes the slots and streams.
+    // At the least budget the embedding streams: its lookup gathers rows, and the head
+    // reads it once, in parts (here one: the table is a single frame, larger than a
+    // layer, so a slot holds that frame).
     assert_ne!(p.placement(0), Placement::Resident);
-    assert_eq!(p.embedding_loads_per_pass, 2);
+    assert!(p.embedding_gathered);
+    assert_eq!(p.embedding_loads_per_pass, p.head_parts.len());
+    assert_eq!(p.head_parts.len(), 1);
     let once: u64 = (0..m.units.len())
         .filter(|&u| p.placement(u) != Placement::Resident)
         .map(|u| m.units[u].raw_len)
         .sum();
-    assert_eq!(p.upload_bytes_per_pass, once + m.units[0].raw_len);
+    assert_eq!(p.upload_bytes_per_pass, once);
     // A host cache as large as the model turns every streamed unit into a cached one.
     let p = plan(m, &input(Some(need), u64::MAX / 2)).expect("plan");
     assert!((0..m.units.len()).all(|u| p.placement(u) != Placement::Streamed));
     assert_eq!(p.disk_bytes_per_pass, 0);
     assert_eq!(p.host_cache_bytes_per_pass, p.upload_bytes_per_pass);
+}
+
+#[test]
+fn a_tied_embedding_larger_than_a_layer_streams_through_layer_sized_slots_in_row_parts() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    // 64 KiB frames: the 2 MiB table is 32 of them, a layer (~1 MiB) holds 16.
+    let s = store_framed(tmp.path(), true, 64 << 10, 4096);
+    let m = s.manifest();
+    let emb = m.units[0].raw_len;
+    let layer = m.units[1].raw_len;
+    assert!(emb > layer, "the table is the largest unit");
+    let need = plan(m, &input(Some(4096), 0))
+        .expect_err("too small")
+        .need();
+    let p = plan(m, &input(Some(need), 0)).expect("plan");
+    assert_ne!(p.placement(0), Placement::Resident);
+    // Slots hold a layer, not the table, and the least budget keeps nothing resident.
+    assert_eq!(p.stream_slot_bytes, round(layer));
+    assert_eq!(p.resident_bytes, 0);
+    assert!(p.head_parts.len() >= 2, "{:?}", p.head_parts);
+    // The parts are disjoint runs of frames in order, each within a slot and its rows
+    // whole inside its bytes; with the seam rows between them they cover every row once.
+    let t = m.units[0]
+        .tensor("model.embed_tokens.weight")
+        .expect("table");
+    let rb = t.dtype.row_bytes(t.shape[1]).expect("row bytes");
+    let mut frame = 0;
+    let mut rows: Vec<u64> = p.head_seams.clone();
+    for part in &p.head_parts {
+        assert_eq!(part.frames.start, frame, "{:?}", p.head_parts);
+        frame = part.frames.end;
+        assert!(part.rows.end > part.rows.start);
+        assert!(m.units[0].part_span(part.frames.clone(), true) <= p.stream_slot_bytes);
+        assert!(t.offset + part.rows.start * rb >= part.raw_base);
+        assert!(t.offset + part.rows.end * rb <= part.raw_base + part.raw_len);
+        rows.extend(part.rows.clone());
+    }
+    assert_eq!(frame, m.units[0].frames.len());
+    rows.sort_unstable();
+    assert_eq!(rows, (0..t.shape[0]).collect::<Vec<_>>());
+    // f32 rows of 512 bytes: 64 KiB frames hold whole rows, so no row straddles.
+    assert!(p.head_seams.is_empty());
+    // The table is read once a pass, not twice.
+    let parts_raw: u64 = p.head_parts.iter().map(|q| q.raw_len).sum();
+    assert_eq!(parts_raw, emb);
+    let layers: u64 = (1..m.units.len()).map(|u| m.units[u].raw_len).sum();
+    assert_eq!(p.upload_bytes_per_pass, layers + parts_raw);
 }
 
 /// A unified backend (the CPU) under a host budget: overhead and reads first, then the
@@ -192,6 +254,7 @@ fn a_host_budget_bounds_every_host_role_of_a_unified_backend() {
             h.overhead_bytes
                 + h.read_bytes()
                 + h.scratch_bytes
+                + h.gather_bytes
                 + h.arena_bytes
                 + h.staging_slots as u64 * h.staging_slot_bytes,
             "{pct}%: the total is the sum of the roles"
@@ -200,11 +263,18 @@ fn a_host_budget_bounds_every_host_role_of_a_unified_backend() {
         // Streamed units run from staging: no device slots, no host cache.
         assert_eq!((p.stream_slots, p.host_cache_bytes), (0, 0));
         assert!(p.layers_streamed() > 0, "{pct}%: something must stream");
-        assert!(h.staging_slots >= STREAM_SLOTS_MIN, "{pct}%");
-        assert_eq!(p.prefetch, h.staging_slots - 1);
-        // (Streamed bytes need not grow as the budget shrinks: a larger budget may spend
-        // some of it on reads in flight, an 8th of it instead of a 32nd.)
-        assert!(p.disk_bytes_per_pass > 0, "{pct}%");
+        // The untied embedding streams first, gathered (no staging slot); at the top of
+        // the range it may be all that streams.
+        assert!(p.embedding_gathered && h.gather_bytes > 0, "{pct}%");
+        if p.layers_streamed() > 1 {
+            assert!(h.staging_slots >= STREAM_SLOTS_MIN, "{pct}%");
+            assert_eq!(p.prefetch, h.staging_slots - 1);
+            // (Streamed bytes need not grow as the budget shrinks: a larger budget may
+            // spend some of it on reads in flight, an 8th of it instead of a 32nd.)
+            assert!(p.disk_bytes_per_pass > 0, "{pct}%");
+        } else {
+            assert_eq!((h.staging_slots, p.disk_bytes_per_pass), (0, 0), "{pct}%");
+        }
     }
 }
 

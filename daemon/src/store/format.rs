@@ -12,6 +12,7 @@ use super::codec::{Codec, Plane};
 use super::StoreError;
 use crate::dtype::DType;
 use serde::{Deserialize, Serialize};
+use std::ops::Range;
 use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -119,12 +120,114 @@ impl LayerUnit {
         self.tensors.iter().find(|t| t.name == name)
     }
 
+    /// Stored bytes of the unit's largest frame.
+    pub fn frame_stored_max(&self) -> u64 {
+        self.frames
+            .iter()
+            .map(|f| f.stored_len())
+            .max()
+            .unwrap_or(0)
+    }
+
+    /// Bytes a staging slot needs for frames `frames` of this unit: their raw bytes, or read
+    /// straight into the slot (`direct`, a unit stored as raw) their stored span from its
+    /// first byte to the end rounded up to BLOB_ALIGN (the read's O_DIRECT tail).
+    pub fn part_span(&self, frames: Range<usize>, direct: bool) -> u64 {
+        let (Some(first), Some(last)) = (
+            self.frames.get(frames.start),
+            self.frames.get(frames.end.wrapping_sub(1)),
+        ) else {
+            return 0;
+        };
+        if direct {
+            (last.file_offset + last.stored_len()).div_ceil(BLOB_ALIGN) * BLOB_ALIGN
+                - first.file_offset
+        } else {
+            last.raw_offset + last.raw_len as u64 - first.raw_offset
+        }
+    }
+
+    /// Splits the rows of `t` (a tensor of this unit, `row_bytes` a row) into parts of whole
+    /// frames, disjoint and in order, that each fit a staging slot of `cap` bytes
+    /// (`part_span`); a part holds the rows whose bytes lie wholly inside it, and the rows
+    /// that straddle two parts are the seams, returned beside them (a few rows, read on
+    /// their own). Read straight into the slot (`direct`), every part starts at a frame
+    /// whose file offset is BLOB_ALIGN-aligned (O_DIRECT). None when the frames cannot be
+    /// cut that way (a slot smaller than a frame).
+    pub fn row_parts(
+        &self,
+        t: &TensorEntry,
+        row_bytes: u64,
+        cap: u64,
+        direct: bool,
+    ) -> Option<(Vec<RowPart>, Vec<u64>)> {
+        let rows = t.len.checked_div(row_bytes)?;
+        let fs = &self.frames;
+        let end = t.offset + t.len;
+        let starts = |f: &Frame| !direct || f.file_offset.is_multiple_of(BLOB_ALIGN);
+        // The frames that hold the tensor's bytes.
+        let mut a = fs.partition_point(|f| f.raw_offset + f.raw_len as u64 <= t.offset);
+        let last = fs.partition_point(|f| f.raw_offset < end);
+        let mut parts: Vec<RowPart> = Vec::new();
+        let mut seams = Vec::new();
+        let mut covered = 0u64;
+        while a < last {
+            if !starts(fs.get(a)?) {
+                return None;
+            }
+            // As many frames as fit, ending where the next part can start.
+            let mut b = None;
+            for e in a + 1..=last {
+                if self.part_span(a..e, direct) > cap {
+                    break;
+                }
+                if e == last || fs.get(e).is_none_or(starts) {
+                    b = Some(e);
+                }
+            }
+            let b = b?;
+            let raw_base = fs[a].raw_offset;
+            let raw_end = fs[b - 1].raw_offset + fs[b - 1].raw_len as u64;
+            let first = raw_base
+                .saturating_sub(t.offset)
+                .div_ceil(row_bytes)
+                .min(rows);
+            let after = (raw_end.min(end) - t.offset) / row_bytes;
+            seams.extend(covered..first);
+            if after > first {
+                parts.push(RowPart {
+                    frames: a..b,
+                    raw_base,
+                    raw_len: raw_end - raw_base,
+                    rows: first..after,
+                });
+                covered = after;
+            } else {
+                covered = covered.max(first);
+            }
+            a = b;
+        }
+        seams.extend(covered..rows);
+        Some((parts, seams))
+    }
+
     /// Index of the tensor whose region (its bytes and the padding after them) holds
     /// `raw_offset`.
     pub fn tensor_at(&self, raw_offset: u64) -> Option<usize> {
         let i = self.tensors.partition_point(|t| t.offset <= raw_offset);
         i.checked_sub(1)
     }
+}
+
+/// Rows `rows` of a tensor, read as frames `frames` of its unit: the part's bytes are the
+/// unit's raw bytes `raw_base..raw_base + raw_len`, and the rows those bytes hold whole
+/// (see `LayerUnit::row_parts`).
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct RowPart {
+    pub frames: Range<usize>,
+    pub raw_base: u64,
+    pub raw_len: u64,
+    pub rows: Range<u64>,
 }
 
 /// The tokenizer as the source declared it; text/ builds the runtime tokenizer from it.
@@ -422,5 +525,102 @@ impl Manifest {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A unit of raw frames of `frame` bytes holding one f32 tensor of `rows` rows of
+    /// `cols`, at `file_offset` in the file.
+    fn unit(frame: u32, rows: u64, cols: u64, file_offset: u64) -> (LayerUnit, TensorEntry) {
+        let len = rows * cols * 4;
+        let t = TensorEntry {
+            name: "model.embed_tokens.weight".into(),
+            dtype: DType::F32,
+            shape: vec![rows, cols],
+            offset: 0,
+            len,
+        };
+        let frames = (0..len.div_ceil(frame as u64))
+            .map(|i| {
+                let raw_len = (len - i * frame as u64).min(frame as u64) as u32;
+                Frame {
+                    file_offset: file_offset + i * frame as u64,
+                    raw_offset: i * frame as u64,
+                    raw_len,
+                    checksum: 0,
+                    codec: Codec::None,
+                    planes: vec![Plane {
+                        stored_len: raw_len,
+                        compressed: false,
+                    }],
+                }
+            })
+            .collect();
+        let u = LayerUnit {
+            kind: UnitKind::Embedding,
+            file_offset,
+            stored_len: len,
+            raw_len: len,
+            frames,
+            tensors: vec![t.clone()],
+        };
+        (u, t)
+    }
+
+    #[test]
+    fn row_parts_are_disjoint_frames_and_the_rows_they_cut_are_seams() {
+        // Rows of 12 bytes in frames of 1000: rows 83 (996..1008) and 166 straddle.
+        let (u, t) = unit(1000, 250, 3, 0);
+        let (parts, seams) = u.row_parts(&t, 12, 2000, false).expect("parts");
+        assert_eq!(parts.len(), 2);
+        assert_eq!(
+            (parts[0].frames.clone(), parts[0].rows.clone()),
+            (0..2, 0..166)
+        );
+        assert_eq!(
+            (parts[1].frames.clone(), parts[1].rows.clone()),
+            (2..3, 167..250)
+        );
+        assert_eq!((parts[1].raw_base, parts[1].raw_len), (2000, 1000));
+        assert_eq!(seams, vec![166]);
+        // A slot smaller than a frame cannot hold a part.
+        assert!(u.row_parts(&t, 12, 999, false).is_none());
+        // One slot for everything: one part, no seams.
+        let (parts, seams) = u.row_parts(&t, 12, 3000, false).expect("parts");
+        assert_eq!(
+            (parts.len(), parts[0].rows.clone(), seams.len()),
+            (1, 0..250, 0)
+        );
+    }
+
+    #[test]
+    fn read_straight_into_slots_row_parts_start_aligned_and_count_the_rounded_tail() {
+        // 4096-byte frames from an aligned blob: every frame starts aligned; a part of two
+        // frames spans 8192 bytes.
+        let (u, t) = unit(4096, 4096, 4, 8192);
+        let (parts, seams) = u.row_parts(&t, 16, 8192, true).expect("parts");
+        assert_eq!(parts.len(), 8);
+        assert!(
+            seams.is_empty(),
+            "16-byte rows never straddle 4096-byte frames"
+        );
+        assert!(parts
+            .iter()
+            .all(|p| p.frames.len() == 2 && p.raw_len == 8192));
+        // Frames of 6000 bytes: none past the first starts aligned, so parts read straight
+        // into a slot cannot be cut (the one part would be the whole table), buffered
+        // ones can.
+        let (u, t) = unit(6000, 1500, 4, 0);
+        assert!(u.row_parts(&t, 16, 12288, true).is_none());
+        let (parts, _) = u.row_parts(&t, 16, 12000, false).expect("buffered parts");
+        assert_eq!(parts.len(), 2);
+        assert_eq!(
+            u.part_span(0..2, true),
+            12288,
+            "the read's tail rounds up to 4096"
+        );
     }
 }

@@ -205,6 +205,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
         decompress: true,
         read_into_slots: defaults.read_into_slots,
         units: None,
+        slot_bytes: None,
         pinner: None,
         read_timeout: defaults.read_timeout,
     };
