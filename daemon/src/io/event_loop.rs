@@ -335,7 +335,8 @@ impl Loop {
                 let hi = u
                     .frames
                     .partition_point(|f| f.file_offset < at + len)
-                    .min(part.end);
+                    .min(part.end)
+                    .max(lo);
                 chunks.push(Chunk {
                     offset: at,
                     len: len as usize,

@@ -355,8 +355,8 @@ fn mem_of<'a, M>(
     borrowed: &'a [(Load, M, crate::io::HeldSlot)],
     w: Load,
 ) -> &'a M {
-    if let (Load::Unit(u), Some(Some(m))) = (w, resident.get(w.unit())) {
-        debug_assert_eq!(u, w.unit());
+    // Only whole units are resident (a part's unit, the embedding, then streams).
+    if let (Load::Unit(_), Some(Some(m))) = (w, resident.get(w.unit())) {
         return m;
     }
     match in_slot.iter().rposition(|&x| x == Some(w)) {
