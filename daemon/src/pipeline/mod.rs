@@ -418,9 +418,12 @@ impl<B: Backend> Pipeline<B> {
             IoConfig {
                 staging_slots: plan.host.staging_slots.max(1),
                 units: Some(streamed),
-                // Sized for what streams: the embedding comes in parts (or not at all).
-                slot_bytes: (plan.host.staging_slot_bytes > 0)
-                    .then_some(plan.host.staging_slot_bytes as usize),
+                // Sized as planned, for what streams through slots: the embedding comes in
+                // parts or only as gathered rows, so it sizes nothing (when nothing
+                // streams through slots, the engine's one slot is a page).
+                slot_bytes: Some(
+                    (plan.host.staging_slot_bytes as usize).max(crate::hostbuf::IO_ALIGN),
+                ),
                 // The copy stream reads the staging slots by DMA.
                 pinner: backend.pinner(),
                 ..io_cfg
