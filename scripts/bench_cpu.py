@@ -5,9 +5,12 @@ tokens/s of each and the ratios.
 
     pip install llama-cpp-python
     cargo build --release
-    python3 scripts/bench_cpu.py [--threads 2] [--decode 128] [--rounds 2]
+    python3 scripts/bench_cpu.py [--threads 2] [--decode 128] [--rounds 2] [--baseline BIN] [--no-exact]
 
 sluice runs twice a round: its default numerics (8-bit activations, f16 KV cache) and --exact.
+--baseline BIN adds another sluiced binary (an earlier build) to every round, so a change is
+measured against its parent in the same alternation. Ratios are per round (each engine
+against the llama.cpp run of its own round), then their median.
 """
 import argparse
 import json
@@ -39,8 +42,8 @@ def llama_cpp_run(gguf, ids, threads, decode):
     return len(ids) / (t1 - t0), decode / (t2 - t1)
 
 
-def sluice_run(store, ids, threads, decode, extra=()):
-    out = subprocess.run([os.path.join(ROOT, "target/release/sluiced"), "run", store, "--prompt-ids", ",".join(map(str, ids)),
+def sluice_run(store, ids, threads, decode, extra=(), binary=None):
+    out = subprocess.run([binary or os.path.join(ROOT, "target/release/sluiced"), "run", store, "--prompt-ids", ",".join(map(str, ids)),
                           "--max-tokens", str(decode + 1), "--ignore-eos", "--threads", str(threads), "--json", *extra],
                          check=True, capture_output=True, text=True).stdout
     j = json.loads(out)
@@ -53,8 +56,13 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--baseline", help="another sluiced binary to run beside this one in every round")
+    ap.add_argument("--no-exact", action="store_true", help="skip the --exact runs")
+    ap.add_argument("--no-llama", action="store_true", help="sluice against --baseline only (no llama.cpp runs)")
     a = ap.parse_args()
     vocab = llama_cpp.Llama(model_path=a.gguf, vocab_only=True, verbose=False)
+    if a.no_llama and not a.baseline:
+        ap.error("--no-llama needs --baseline")
     ids = vocab.tokenize((TEXT * 40).encode(), add_bos=False)[:512]
     assert len(ids) == 512
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,17 +70,28 @@ def main():
         subprocess.run([os.path.join(ROOT, "target/release/sluiced"), "pack", a.gguf, "-o", store, "--codec", "none"], check=True, capture_output=True)
         rows = []
         for r in range(a.rounds):
-            rows.append(("llama.cpp", *llama_cpp_run(a.gguf, ids, a.threads, a.decode)))
-            rows.append(("sluice", *sluice_run(store, ids, a.threads, a.decode)))
-            rows.append(("sluice --exact", *sluice_run(store, ids, a.threads, a.decode, ["--exact"])))
+            if not a.no_llama:
+                rows.append((r, "llama.cpp", *llama_cpp_run(a.gguf, ids, a.threads, a.decode)))
+            rows.append((r, "sluice", *sluice_run(store, ids, a.threads, a.decode)))
+            if a.baseline:
+                rows.append((r, "baseline", *sluice_run(store, ids, a.threads, a.decode, binary=a.baseline)))
+            if not a.no_exact:
+                rows.append((r, "sluice --exact", *sluice_run(store, ids, a.threads, a.decode, ["--exact"])))
     print(f"{os.path.basename(a.gguf)}, {a.threads} threads, 512-token prompt, {a.decode} decode tokens, {a.rounds} rounds alternating")
-    print(f"{'engine':<16} {'prefill tok/s':>14} {'decode tok/s':>13}")
-    for name, p, d in rows:
-        print(f"{name:<16} {p:>14.1f} {d:>13.1f}")
-    names = ("llama.cpp", "sluice", "sluice --exact")
-    best = {n: (max(r[1] for r in rows if r[0] == n), max(r[2] for r in rows if r[0] == n)) for n in names}
-    for n in names[1:]:
-        print(f"best of rounds: {n}/llama.cpp prefill {best[n][0] / best['llama.cpp'][0]:.2f}, decode {best[n][1] / best['llama.cpp'][1]:.2f}")
+    print(f"{'round':<6} {'engine':<16} {'prefill tok/s':>14} {'decode tok/s':>13}")
+    for r, name, p, d in rows:
+        print(f"{r:<6} {name:<16} {p:>14.1f} {d:>13.1f}")
+    names = [n for n in ("sluice", "baseline", "sluice --exact") if any(row[1] == n for row in rows)]
+    med = lambda v: v[len(v) // 2] if len(v) % 2 else (v[len(v) // 2 - 1] + v[len(v) // 2]) / 2
+    pairs = [("llama.cpp", n) for n in names] + ([("baseline", "sluice")] if a.baseline else [])
+    for ref_name, n in pairs:
+        ref = {r: (p, d) for r, m, p, d in rows if m == ref_name}
+        if not ref:
+            continue
+        pr = sorted(p / ref[r][0] for r, m, p, _ in rows if m == n)
+        dr = sorted(d / ref[r][1] for r, m, _, d in rows if m == n)
+        print(f"{n}/{ref_name}: prefill median {med(pr):.2f} (rounds {', '.join(f'{x:.2f}' for x in pr)}), "
+              f"decode median {med(dr):.2f} (rounds {', '.join(f'{x:.2f}' for x in dr)})")
 
 
 if __name__ == "__main__":

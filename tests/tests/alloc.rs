@@ -1,15 +1,12 @@
 //! The hot path never allocates: a counting global allocator watches decode steps on the
 //! CPU backend, with every unit resident and with most of them streaming through the I/O
 //! engine, with one and with two compute threads. After warm-up a step allocates nothing,
-//! on any thread (pipeline, model, kernels, I/O loop, workers, the compute pool). The
-//! steps run where `sluiced run` and the scheduler run them, on the backend's executor, so
-//! every op forks inside the pool (an op handed in from outside would queue a rayon job,
-//! and rayon allocates a queue block per 63 of those).
+//! on any thread (pipeline, model, kernels, I/O loop, workers, the compute team: an op
+//! publishes its tasks in one atomic word, with nothing queued).
 //!
 //! `SLUICE_ALLOC_TRACE=1` prints a backtrace for each allocation in the counted window,
 //! to find the one that broke the rule.
 
-use sluice::backend::Backend;
 use sluice::engine::cpu_runner;
 use sluice::io::IoConfig;
 use sluice::model::{ModelOptions, SeqStep};
@@ -109,7 +106,7 @@ fn pipeline(
 
 /// Allocations and thread-pool submissions during the counted decode steps of a batch of
 /// two (after warm-up), and the number of steps counted.
-fn allocations_per_step(r: &mut Pipeline<sluice::backend::cpu::CpuBackend>) -> (u64, u64, u64) {
+fn allocations_per_step(r: &mut Pipeline<sluice::backend::cpu::CpuBackend>) -> (u64, u64) {
     let vocab = r.store.manifest().arch.vocab;
     let mut logits = Vec::new();
     let prompt: Vec<u32> = (1..9).map(|t| t * 7 % vocab).collect();
@@ -132,7 +129,6 @@ fn allocations_per_step(r: &mut Pipeline<sluice::backend::cpu::CpuBackend>) -> (
         s.tokens.push(3);
     }
     let (warm, counted) = (4, 12);
-    let mut submitted0 = 0;
     for i in 0..warm + counted {
         if i == warm {
             // Threads spawned at start (I/O, decompression, compute) may not have run
@@ -144,7 +140,6 @@ fn allocations_per_step(r: &mut Pipeline<sluice::backend::cpu::CpuBackend>) -> (
                 std::env::var_os("SLUICE_ALLOC_TRACE").is_some(),
                 Ordering::SeqCst,
             );
-            submitted0 = r.backend.pool_submissions();
             COUNTING.store(true, Ordering::SeqCst);
         }
         r.step(&steps, &mut logits).expect("decode step");
@@ -155,8 +150,7 @@ fn allocations_per_step(r: &mut Pipeline<sluice::backend::cpu::CpuBackend>) -> (
     }
     COUNTING.store(false, Ordering::SeqCst);
     TRACE.store(false, Ordering::SeqCst);
-    let submitted = r.backend.pool_submissions() - submitted0;
-    (ALLOCS.load(Ordering::SeqCst), submitted, counted)
+    (ALLOCS.load(Ordering::SeqCst), counted)
 }
 
 fn check(src: &std::path::Path, name: &str) {
@@ -197,18 +191,13 @@ fn check(src: &std::path::Path, name: &str) {
             } else {
                 assert_eq!(r.plan.device_budget, full.device_budget);
             }
-            let on = r.backend.executor();
-            let (allocs, submitted, steps) = on.run(|| allocations_per_step(&mut r));
+            let (allocs, steps) = allocations_per_step(&mut r);
             let at = format!("{name}, {what}, {threads} threads");
-            assert_eq!(
-                submitted, 0,
-                "{at}: ops were handed to the pool from outside it"
-            );
             assert_eq!(
                 allocs, 0,
                 "{at}: {allocs} allocations in {steps} decode steps (run with SLUICE_ALLOC_TRACE=1 to see where)"
             );
-            eprintln!("{at}: {allocs} allocations, {submitted} pool jobs in {steps} decode steps");
+            eprintln!("{at}: {allocs} allocations in {steps} decode steps");
         }
     }
 }

@@ -17,26 +17,6 @@ use crate::hostbuf::Pinner;
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Where a backend's host-side compute runs, for a caller that runs its whole loop there:
-/// on the CPU backend's pool, each op then forks from inside the pool instead of being
-/// handed over from outside (which queues a job, and allocates one block per 63 of them).
-#[derive(Clone)]
-pub enum Executor {
-    /// On the calling thread.
-    Inline,
-    /// On one of the pool's threads.
-    Pool(std::sync::Arc<rayon::ThreadPool>),
-}
-
-impl Executor {
-    pub fn run<R: Send>(&self, f: impl FnOnce() -> R + Send) -> R {
-        match self {
-            Executor::Inline => f(),
-            Executor::Pool(p) => p.install(f),
-        }
-    }
-}
-
 /// Element type of the KV cache: f16 (half the memory and the traffic per decode token;
 /// the default) or f32 (the reference path, `--exact`). K and V rows are rounded to f16
 /// (nearest even) when stored; scores and sums stay f32.
@@ -193,6 +173,13 @@ pub struct WeightRef<'a, M> {
     pub dtype: DType,
     pub rows: usize,
     pub cols: usize,
+}
+
+/// One product of `Backend::matmuls`: out = x . w^T (+ bias).
+pub struct MatmulOut<'a, M> {
+    pub w: WeightRef<'a, M>,
+    pub bias: Option<WeightRef<'a, M>>,
+    pub out: &'a mut M,
 }
 
 // Manual impls: a derive would require `M: Copy`, but only the reference is copied.
@@ -360,11 +347,7 @@ pub trait Backend: Send + Sync {
     fn copy_stats(&self) -> CopyStats {
         CopyStats::default()
     }
-    /// Where a caller's step loop runs best (see `Executor`).
-    fn executor(&self) -> Executor {
-        Executor::Inline
-    }
-    /// Host threads the ops run on (the CPU backend's pool; 0 where a device computes).
+    /// Host threads the ops run on (the CPU backend's team; 0 where a device computes).
     fn host_threads(&self) -> usize {
         0
     }
@@ -397,6 +380,20 @@ pub trait Backend: Send + Sync {
         bias: Option<WeightRef<'_, Self::Mem>>,
         out: &mut Self::Mem,
     );
+    /// Products of the same activations with several weights (q, k and v; gate and up),
+    /// each exactly as `matmul` computes it. A backend may convert the activations once
+    /// and run the products as one op. Default: `matmul` for each.
+    fn matmuls(
+        &self,
+        x: &Self::Mem,
+        rows: usize,
+        gemv_rows: usize,
+        outs: &mut [MatmulOut<'_, Self::Mem>],
+    ) {
+        for o in outs {
+            self.matmul(x, rows, gemv_rows, o.w, o.bias, o.out);
+        }
+    }
     /// `matmul` for the output head, whose logits decide the token: activations keep at
     /// least 16 bits on every path (8-bit activations there flip near-ties: SmolLM2's chat
     /// answer to "What is the capital of France?" has a 0.08 top-2 margin). The CPU's fast

@@ -1,7 +1,7 @@
 //! `sluiced bench-stream`: does the overlap work, and does batching amortize streaming?
 //! All figures come from one run: compute-only (every unit resident), streaming-only
-//! (the plan's loads with compute skipped) and the real streamed pass, then decode
-//! tokens/s at several batch sizes under the same budget.
+//! (the plan's loads with compute skipped) and the real streamed pass in alternation, then
+//! decode tokens/s at several batch sizes under the same budget.
 
 use crate::backend::Backend;
 use crate::engine::{backend_scratch_bytes, on_backend, Chosen, EngineError, OnBackend};
@@ -52,9 +52,12 @@ pub struct BenchStreamReport {
     pub disk_bytes_per_pass: u64,
     pub upload_bytes_per_pass: u64,
     pub compute_only_pass_s: f64,
+    /// Streaming-only and streamed passes at batch 1 run in alternation (`steps` of each):
+    /// each the median of its passes.
     pub streaming_only_pass_s: f64,
     pub streamed_pass_s: f64,
-    /// streamed / max(compute-only, streaming-only): 1.0 is perfect overlap.
+    /// streamed / max(compute-only, streaming-only), per pair of alternated passes, the
+    /// median: 1.0 is perfect overlap.
     pub overlap_ratio: f64,
     /// Decode tokens/s at batch 1 with every unit resident, and streamed under the budget.
     pub resident_tokens_per_s: f64,
@@ -87,9 +90,48 @@ fn token_ids(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
         .collect()
 }
 
+/// Prefills `batch` sequences of `prompt` tokens; returns the position decoding starts at.
+fn prefill<B: Backend>(
+    r: &mut Pipeline<B>,
+    batch: usize,
+    prompt: usize,
+    vocab: u32,
+    logits: &mut Vec<f32>,
+) -> Result<usize, EngineError> {
+    let seqs: Vec<SeqStep> = (0..batch)
+        .map(|b| SeqStep {
+            slot: b,
+            pos: 0,
+            tokens: token_ids(prompt, vocab, b as u64 + 1),
+        })
+        .collect();
+    let per_step = (r.options().max_batch_tokens / prompt).max(1);
+    for chunk in seqs.chunks(per_step) {
+        r.step(chunk, logits)?;
+    }
+    Ok(prompt)
+}
+
+/// One decode step of `batch` sequences at `pos`.
+fn decode_step<B: Backend>(
+    r: &mut Pipeline<B>,
+    batch: usize,
+    pos: usize,
+    vocab: u32,
+    logits: &mut Vec<f32>,
+) -> Result<(), EngineError> {
+    let s: Vec<SeqStep> = (0..batch)
+        .map(|b| SeqStep {
+            slot: b,
+            pos,
+            tokens: token_ids(1, vocab, (pos * 131 + b) as u64),
+        })
+        .collect();
+    Ok(r.step(&s, logits)?)
+}
+
 /// Prefills `batch` sequences, then times `steps` decode steps; returns (seconds per pass,
-/// load stall per pass, compute per pass). Runs where the daemon runs its steps: on the
-/// backend's executor.
+/// load stall per pass, compute per pass).
 fn decode_passes<B: Backend>(
     r: &mut Pipeline<B>,
     batch: usize,
@@ -97,45 +139,111 @@ fn decode_passes<B: Backend>(
     steps: usize,
     vocab: u32,
 ) -> Result<(f64, f64, f64), EngineError> {
-    let on = r.backend.executor();
-    on.run(move || {
-        let mut logits = Vec::new();
-        let seqs: Vec<SeqStep> = (0..batch)
-            .map(|b| SeqStep {
-                slot: b,
-                pos: 0,
-                tokens: token_ids(prompt, vocab, b as u64 + 1),
-            })
-            .collect();
-        let per_step = (r.options().max_batch_tokens / prompt).max(1);
-        for chunk in seqs.chunks(per_step) {
-            r.step(chunk, &mut logits)?;
-        }
-        // One untimed decode step warms the caches.
-        let mut pos = prompt;
-        let mut step = |r: &mut Pipeline<B>, pos: usize| -> Result<(), EngineError> {
-            let s: Vec<SeqStep> = (0..batch)
-                .map(|b| SeqStep {
-                    slot: b,
-                    pos,
-                    tokens: token_ids(1, vocab, (pos * 131 + b) as u64),
-                })
-                .collect();
-            Ok(r.step(&s, &mut logits)?)
-        };
-        step(r, pos)?;
+    let mut logits = Vec::new();
+    let mut pos = prefill(r, batch, prompt, vocab, &mut logits)?;
+    // One untimed decode step warms the caches.
+    decode_step(r, batch, pos, vocab, &mut logits)?;
+    pos += 1;
+    let t0 = Instant::now();
+    let (mut stall, mut compute) = (0.0, 0.0);
+    for _ in 0..steps {
+        decode_step(r, batch, pos, vocab, &mut logits)?;
         pos += 1;
-        let t0 = Instant::now();
-        let (mut stall, mut compute) = (0.0, 0.0);
-        for _ in 0..steps {
-            step(r, pos)?;
-            pos += 1;
-            stall += r.last_pass().load_stall_s;
-            compute += r.last_pass().compute_s;
-        }
-        let n = steps as f64;
-        Ok((t0.elapsed().as_secs_f64() / n, stall / n, compute / n))
-    })
+        stall += r.last_pass().load_stall_s;
+        compute += r.last_pass().compute_s;
+    }
+    let n = steps as f64;
+    Ok((t0.elapsed().as_secs_f64() / n, stall / n, compute / n))
+}
+
+/// Streaming-only and streamed passes at batch 1, alternating, `pairs` of each: a disk
+/// whose rate drifts within seconds (a cloud volume's) would otherwise decide the overlap
+/// ratio by when each half ran. Each timed pass follows an untimed one of its own kind, so
+/// it starts with the next pass's loads as far ahead as its kind leaves them (a streamed
+/// pass's compute lets them get further, and the pass after it would read less). Returns
+/// (streaming-only pass s, streamed pass s, overlap), each the median over the pairs, the
+/// overlap of a pair being streamed / max(compute-only, its streaming-only pass).
+fn alternating_passes<B: Backend>(
+    r: &mut Pipeline<B>,
+    prompt: usize,
+    pairs: usize,
+    vocab: u32,
+    compute_only: f64,
+) -> Result<(f64, f64, f64), EngineError> {
+    let (mut logits, mut logits2) = (Vec::new(), Vec::new());
+    let mut pos = prefill(r, 1, prompt, vocab, &mut logits)?;
+    // Per kind of pass: wall seconds, seconds with a read in flight, reads in flight x s.
+    let mut io = [(0f64, 0f64, 0f64, 0u64, 0u64); 2];
+    let mut timed = |r: &mut Pipeline<B>, skip: bool, pos: usize| {
+        r.skip_compute = skip;
+        let before = r.io().stats();
+        let t = Instant::now();
+        let done = decode_step(r, 1, pos, vocab, &mut logits);
+        let wall = t.elapsed().as_secs_f64();
+        let after = r.io().stats();
+        r.skip_compute = false;
+        let busy = after.read_busy_s - before.read_busy_s;
+        let depth_s =
+            after.queue_depth_avg * after.read_busy_s - before.queue_depth_avg * before.read_busy_s;
+        let k = &mut io[usize::from(!skip)];
+        *k = (
+            k.0 + wall,
+            k.1 + busy,
+            k.2 + depth_s,
+            k.3 + after.read_ops - before.read_ops,
+            k.4 + after.read_bytes - before.read_bytes,
+        );
+        done.map(|()| wall)
+    };
+    let (mut only, mut streamed, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
+    let mut run = |r: &mut Pipeline<B>, skip: bool, pos: &mut usize| {
+        r.skip_compute = skip;
+        let done = decode_step(r, 1, *pos, vocab, &mut logits2);
+        r.skip_compute = false;
+        *pos += 1;
+        done
+    };
+    for _ in 0..pairs.max(1) {
+        run(r, true, &mut pos)?;
+        let a = timed(r, true, pos)?;
+        pos += 1;
+        run(r, false, &mut pos)?;
+        let b = timed(r, false, pos)?;
+        pos += 1;
+        only.push(a);
+        streamed.push(b);
+        ratio.push(b / compute_only.max(a));
+    }
+    let [(so_wall, so_busy, so_depth, so_ops, so_bytes), (st_wall, st_busy, st_depth, st_ops, st_bytes)] =
+        io;
+    tracing::debug!(
+        "alternated passes: streaming-only {so_ops} reads, {so_bytes} bytes; streamed {st_ops} reads, {st_bytes} bytes"
+    );
+    tracing::debug!(
+        "alternated passes (ms): streaming-only {:?}, streamed {:?}",
+        only.iter().map(|s| (s * 1e3).round()).collect::<Vec<_>>(),
+        streamed
+            .iter()
+            .map(|s| (s * 1e3).round())
+            .collect::<Vec<_>>()
+    );
+    tracing::info!(
+        "alternated passes: streaming-only disk busy {:.1}% at queue depth {:.1}; streamed {:.1}% at {:.1}",
+        100.0 * so_busy / so_wall,
+        so_depth / so_busy.max(1e-9),
+        100.0 * st_busy / st_wall,
+        st_depth / st_busy.max(1e-9)
+    );
+    Ok((median(&mut only), median(&mut streamed), median(&mut ratio)))
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    match v.len() {
+        0 => 0.0,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
 }
 
 /// The model limits the benchmark runs under: a context for the prompt and the timed
@@ -143,7 +251,8 @@ fn decode_passes<B: Backend>(
 pub fn model_options(batches: &[usize], prompt_tokens: usize, steps: usize) -> ModelOptions {
     let max_batch = batches.iter().copied().max().unwrap_or(1).max(1);
     ModelOptions {
-        max_context: prompt_tokens + steps + 2,
+        // The alternated passes: `steps` pairs, each pass after an untimed one.
+        max_context: prompt_tokens + 4 * steps + 2,
         kv_slots: max_batch,
         max_batch_tokens: (max_batch * prompt_tokens).max(max_batch),
         kv_dtype: crate::backend::KvDtype::F32,
@@ -222,11 +331,13 @@ pub fn bench_stream<B: Backend>(
         let mut r = make(&input(None, None))?;
         decode_passes(&mut r, 1, o.prompt_tokens, o.steps, vocab)?.0
     };
+    // Streaming alone (the same loads, compute skipped) against the streamed pass, in
+    // alternation, on a pipeline of its own so the batch runs below start as before.
+    let (streaming_only, streamed, overlap) = {
+        let mut r = make(&input(o.device_budget, o.host.as_ref()))?;
+        alternating_passes(&mut r, o.prompt_tokens, o.steps, vocab, compute_only)?
+    };
     let mut r = make(&input(o.device_budget, o.host.as_ref()))?;
-    // Streaming alone: the same loads, compute skipped.
-    r.skip_compute = true;
-    let streaming_only = decode_passes(&mut r, 1, o.prompt_tokens, o.steps, vocab)?.0;
-    r.skip_compute = false;
     let mut batches = Vec::new();
     let mut rate1 = 0.0;
     let mut copy_gbps = 0.0;
@@ -257,10 +368,6 @@ pub fn bench_stream<B: Backend>(
             compute_s_per_pass: compute,
         });
     }
-    let streamed = batches
-        .iter()
-        .find(|x| x.batch == 1)
-        .map_or(0.0, |x| x.pass_s);
     let plain = if r.plan.stream_slots > 0 {
         r.backend
             .reference_copy_gbps(r.plan.stream_slot_bytes as usize)
@@ -279,7 +386,7 @@ pub fn bench_stream<B: Backend>(
         compute_only_pass_s: compute_only,
         streaming_only_pass_s: streaming_only,
         streamed_pass_s: streamed,
-        overlap_ratio: streamed / compute_only.max(streaming_only),
+        overlap_ratio: overlap,
         resident_tokens_per_s: 1.0 / compute_only,
         streamed_tokens_per_s: if streamed > 0.0 { 1.0 / streamed } else { 0.0 },
         copy_gbps,

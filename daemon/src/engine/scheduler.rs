@@ -186,12 +186,7 @@ impl Scheduler {
         #[allow(clippy::expect_used)]
         let h = std::thread::Builder::new()
             .name("sluice-engine".into())
-            .spawn(move || {
-                // The loop runs where the ops do (a CPU compute thread), so each op forks
-                // from inside the pool.
-                let on = runner.backend.executor();
-                on.run(move || inner.run(runner, rx))
-            })
+            .spawn(move || inner.run(runner, rx))
             .expect("spawn the engine thread");
         (s, h)
     }

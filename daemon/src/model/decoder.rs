@@ -13,8 +13,8 @@
 use super::rope::rope_table;
 use super::{Activation, ArchConfig, RopeScaling};
 use crate::backend::{
-    AttnShape, AttnStep, Backend, BackendError, KvDtype, LayerCache, ScratchShape, SeqSpan,
-    WeightRef,
+    AttnShape, AttnStep, Backend, BackendError, KvDtype, LayerCache, MatmulOut, ScratchShape,
+    SeqSpan, WeightRef,
 };
 use crate::dtype::DType;
 use crate::store::format::{LayerUnit, Manifest, UnitKind};
@@ -534,29 +534,27 @@ impl<B: Backend> Decoder<B> {
         let ws = &mut self.ws;
         b.rms_norm(&ws.x, l.attn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
         let bias = |k: usize| l.qkv_bias.map(|bs| bs[k].at(mem));
-        b.matmul(
+        b.matmuls(
             &ws.xn,
             rows,
             self.gemv_rows,
-            l.q.at(mem),
-            bias(0),
-            &mut ws.q,
-        );
-        b.matmul(
-            &ws.xn,
-            rows,
-            self.gemv_rows,
-            l.k.at(mem),
-            bias(1),
-            &mut ws.k,
-        );
-        b.matmul(
-            &ws.xn,
-            rows,
-            self.gemv_rows,
-            l.v.at(mem),
-            bias(2),
-            &mut ws.v,
+            &mut [
+                MatmulOut {
+                    w: l.q.at(mem),
+                    bias: bias(0),
+                    out: &mut ws.q,
+                },
+                MatmulOut {
+                    w: l.k.at(mem),
+                    bias: bias(1),
+                    out: &mut ws.k,
+                },
+                MatmulOut {
+                    w: l.v.at(mem),
+                    bias: bias(2),
+                    out: &mut ws.v,
+                },
+            ],
         );
         let (heads, kv_heads, hd) = (
             c.n_heads as usize,
@@ -603,15 +601,23 @@ impl<B: Backend> Decoder<B> {
             h,
         );
         b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
-        b.matmul(
+        b.matmuls(
             &ws.xn,
             rows,
             self.gemv_rows,
-            l.gate.at(mem),
-            None,
-            &mut ws.gate,
+            &mut [
+                MatmulOut {
+                    w: l.gate.at(mem),
+                    bias: None,
+                    out: &mut ws.gate,
+                },
+                MatmulOut {
+                    w: l.up.at(mem),
+                    bias: None,
+                    out: &mut ws.up,
+                },
+            ],
         );
-        b.matmul(&ws.xn, rows, self.gemv_rows, l.up.at(mem), None, &mut ws.up);
         match c.arch.recipe().activation {
             Activation::Silu => b.silu_mul(&mut ws.gate, &ws.up, rows * inter),
             Activation::GeluTanh => b.gelu_mul(&mut ws.gate, &ws.up, rows * inter),

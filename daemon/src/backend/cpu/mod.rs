@@ -1,21 +1,21 @@
 //! The CPU backend: device memory is host memory carved from a budgeted arena (so the
 //! streaming path and its budget are real without a GPU), ops are multi-threaded with
-//! rayon, dense tiles go through `matrixmultiply`'s sgemm, and quantized weights are
+//! a team of spinning threads (`team.rs`), dense tiles go through `matrixmultiply`'s sgemm, and quantized weights are
 //! dequantized a tile of rows at a time (never a whole matrix).
 
 pub mod kernels;
 #[cfg(target_arch = "x86_64")]
 mod kquant;
 pub mod q8;
+mod team;
 
 use super::{
-    check_upload, AttnShape, AttnStep, Backend, BackendError, KvDtype, MemBudget, ScratchShape,
-    SeqSpan, WeightRef,
+    check_upload, AttnShape, AttnStep, Backend, BackendError, KvDtype, MatmulOut, MemBudget,
+    ScratchShape, SeqSpan, WeightRef,
 };
 use crate::dtype::DType;
 use crate::hostbuf::{AlignedBuf, IO_ALIGN};
-use rayon::prelude::*;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
@@ -178,18 +178,19 @@ impl CpuMem {
 
 pub struct CpuBackend {
     budget: Arc<MemBudget>,
-    pool: Arc<rayon::ThreadPool>,
+    team: team::Team,
     threads: usize,
     /// Buffers the ops reuse on the calling thread (nothing is allocated per step).
     scratch: Mutex<Scratch>,
-    /// Ops handed to the pool from outside it (each one job in rayon's injector queue).
-    submissions: AtomicU64,
     /// Streamed units run from their staging slots (false: copied into arena slots, as a
     /// discrete GPU must, so the CPU tests cover that path too).
     unified: bool,
     /// Decode rows of q4_0/q4_1/q8_0 weights quantized to 8 bits (`q8.rs`); off under
     /// `--exact`.
     int8: std::sync::atomic::AtomicBool,
+    /// The last `reserve_scratch`'s per-thread sizes and its number (0: none yet).
+    reserved: Mutex<ThreadScratch>,
+    reserve_epoch: AtomicU64,
 }
 
 #[derive(Default)]
@@ -219,45 +220,42 @@ enum Acts {
     I16,
 }
 
-/// How an op's independent tasks run: on the pool, or in order on the calling thread
-/// when the backend has one thread (no hand-off, so nothing is queued or allocated).
-struct Par {
-    sequential: bool,
+/// How an op's independent tasks run: across the team, or in order on the calling thread
+/// when the backend has one thread.
+struct Par<'t> {
+    team: Option<&'t team::Team>,
 }
 
-impl Par {
+impl Par<'_> {
     fn for_each(&self, n: usize, f: impl Fn(usize) + Sync + Send) {
-        if self.sequential {
-            (0..n).for_each(f);
-        } else {
-            (0..n).into_par_iter().for_each(f);
+        match self.team {
+            None => (0..n).for_each(f),
+            Some(t) => t.for_each(n, &f),
         }
     }
 
     fn for_each_in<T: Sync>(&self, items: &[T], f: impl Fn(&T) + Sync + Send) {
-        if self.sequential {
-            items.iter().for_each(f);
-        } else {
-            items.par_iter().for_each(f);
-        }
+        self.for_each(items.len(), |i| f(&items[i]));
     }
 }
 
 impl CpuBackend {
     /// `threads` compute threads (0: all cores).
     pub fn new(budget_bytes: u64, threads: usize) -> Result<CpuBackend, BackendError> {
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads)
-            .thread_name(|i| format!("sluice-cpu-{i}"))
-            .build()
+        let threads = if threads == 0 {
+            std::thread::available_parallelism().map_or(1, |n| n.get())
+        } else {
+            threads
+        };
+        let team = team::Team::new(threads)
             .map_err(|e| BackendError::Invalid(format!("compute threads: {e}")))?;
-        let threads = pool.current_num_threads();
         Ok(CpuBackend {
             budget: Arc::new(MemBudget::new(budget_bytes)),
-            pool: Arc::new(pool),
+            team,
             threads,
             scratch: Mutex::new(Scratch::default()),
-            submissions: AtomicU64::new(0),
+            reserved: Mutex::new(ThreadScratch::default()),
+            reserve_epoch: AtomicU64::new(0),
             unified: true,
             int8: std::sync::atomic::AtomicBool::new(false),
         })
@@ -287,25 +285,12 @@ impl CpuBackend {
         self.threads
     }
 
-    /// Ops handed to the thread pool so far. Each is one job in rayon's injector queue,
-    /// which allocates one block per 63 jobs: the one allocation the hot path makes with
-    /// more than one thread, amortized (tests/tests/alloc.rs counts against this).
-    pub fn pool_submissions(&self) -> u64 {
-        self.submissions.load(Ordering::Relaxed)
-    }
-
-    /// Runs an op's body: its tasks on the pool, forked from this thread when it is one of
-    /// the pool's (see `Backend::executor`) or handed over in one job when it is not; in
+    /// Runs an op's body: its tasks across the team (the calling thread among them), or in
     /// order on this thread when there is one compute thread.
-    fn run<R: Send>(&self, body: impl FnOnce(&Par) -> R + Send) -> R {
-        if self.threads == 1 {
-            body(&Par { sequential: true })
-        } else if self.pool.current_thread_index().is_some() {
-            body(&Par { sequential: false })
-        } else {
-            self.submissions.fetch_add(1, Ordering::Relaxed);
-            self.pool.install(|| body(&Par { sequential: false }))
-        }
+    fn run<R>(&self, body: impl FnOnce(&Par) -> R) -> R {
+        self.reserve_here();
+        let team = (self.threads > 1).then_some(&self.team);
+        body(&Par { team })
     }
 
     /// Gives every compute thread's scratch (GEMV sums, four-row results, attention
@@ -318,99 +303,123 @@ impl CpuBackend {
             .max(shape.intermediate)
             .max(shape.q_dim)
             .max(shape.hidden) as usize;
-        let chunk_max = m_max.div_ceil(self.threads * 4).max(16);
-        let max_context = shape.max_context;
+        let sizes = ThreadScratch {
+            k_max,
+            chunk_max: decode_chunk(m_max, self.threads),
+            max_context: shape.max_context,
+        };
         {
             let mut s = self.scratch();
             let want = shape.rows as usize * k_max.div_ceil(32);
             let len = s.q8.len();
             s.q8.reserve(want.saturating_sub(len));
         }
-        let reserve = move || {
-            kernels::reserve_thread_scratch(k_max);
-            fn grow<T>(v: &mut Vec<T>, n: usize) {
-                let len = v.len();
-                v.reserve(n.saturating_sub(len));
-            }
-            RES4.with(|r| grow(&mut r.borrow_mut(), chunk_max));
-            // Scores: a whole row of one head (the f32 cache's path), or a chunk of keys for
-            // up to GROUP_MAX heads (the f16 cache's); the offsets of a chunk's keys.
-            let scores = max_context.max(kernels::GROUP_MAX * ATTN_CHUNK);
-            SCORES.with(|s| grow(&mut s.borrow_mut(), scores));
-            KEYS.with(|s| grow(&mut s.borrow_mut(), ATTN_CHUNK));
-            TILE.with(|t| grow(&mut t.borrow_mut(), TILE_ROWS * k_max));
-        };
-        if self.threads == 1 {
-            reserve();
-        } else {
-            self.pool.broadcast(|_| reserve());
+        // The workers now; a thread that calls ops at its first op after this (`run`).
+        *self.reserved.lock().unwrap_or_else(|e| e.into_inner()) = sizes;
+        let epoch = RESERVE_EPOCH.fetch_add(1, Ordering::Relaxed) + 1;
+        self.reserve_epoch.store(epoch, Ordering::Release);
+        if self.threads > 1 {
+            self.team.broadcast(&|t| {
+                if t > 0 {
+                    sizes.reserve();
+                }
+            });
         }
+        self.reserve_here();
     }
 
-    /// `Backend::matmul` with the activations of decode rows 8-bit (`int8`) or f32.
-    #[allow(clippy::too_many_arguments)] // matmul's operands and the activation type
+    /// Reserves the calling thread's scratch for the last `reserve_scratch` shape, once
+    /// per thread and shape.
+    fn reserve_here(&self) {
+        let epoch = self.reserve_epoch.load(Ordering::Acquire);
+        if epoch == 0 || RESERVED.with(Cell::get) == epoch {
+            return;
+        }
+        let sizes = *self.reserved.lock().unwrap_or_else(|e| e.into_inner());
+        sizes.reserve();
+        RESERVED.with(|r| r.set(epoch));
+    }
+
+    /// `Backend::matmuls` with the activations of decode rows 8-bit, 16-bit or f32: the
+    /// decode rows are converted once for every product, and the products' tasks run as
+    /// one op (a weight's output columns in chunks, every weight's chunks together).
     fn matmul_as(
         &self,
         x: &CpuMem,
         rows: usize,
         gemv_rows: usize,
-        w: WeightRef<'_, CpuMem>,
-        bias: Option<WeightRef<'_, CpuMem>>,
-        out: &mut CpuMem,
+        outs: &mut [MatmulOut<'_, CpuMem>],
         acts: Acts,
     ) {
-        let (m, k) = (w.rows, w.cols);
+        let n = outs.len();
         assert!(
-            x.len / 4 >= rows * k && out.len / 4 >= rows * m,
-            "matmul shapes: x {} f32, out {} f32 for [{rows}, {k}] x [{m}, {k}]^T",
-            x.len / 4,
-            out.len / 4
+            (1..=MAX_SHARED).contains(&n),
+            "{n} products of one activation (1 to {MAX_SHARED})"
         );
-        let rb = w.dtype.row_bytes(k as u64).expect("validated") as usize;
-        let wb = weight_bytes(&w);
-        let xs = &x.f32s()[..rows * k];
-        let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
+        let k = outs[0].w.cols;
+        for o in outs.iter_mut() {
+            let m = o.w.rows;
+            assert!(
+                o.w.cols == k && x.len / 4 >= rows * k && o.out.len / 4 >= rows * m,
+                "matmul shapes: x {} f32, out {} f32 for [{rows}, {k}] x [{m}, {}]^T",
+                x.len / 4,
+                o.out.len / 4,
+                o.w.cols
+            );
+        }
         assert!(gemv_rows <= rows);
+        let xs = &x.f32s()[..rows * k];
+        let g = gemv_rows;
+        let mm: [Matmul; MAX_SHARED] = std::array::from_fn(|i| {
+            let o = &mut outs[i.min(n - 1)];
+            let w = o.w;
+            Matmul {
+                dtype: w.dtype,
+                wb: weight_bytes(&w),
+                rb: w.dtype.row_bytes(k as u64).expect("validated") as usize,
+                xs,
+                k,
+                m: w.rows,
+                out: SharedPtr(o.out.f32s_mut().as_mut_ptr()),
+                threads: self.threads,
+                path: DecodePath::of(w.dtype, acts),
+            }
+        });
+        let mm = &mm[..n];
         let mut scratch = self.scratch();
         let Scratch { xsums, q8, q16, .. } = &mut *scratch;
-        let mm = Matmul {
-            dtype: w.dtype,
-            wb,
-            rb,
-            xs,
-            k,
-            m,
-            out: optr,
-            threads: self.threads,
-        };
+        // Each conversion of the decode rows once, for every product that takes it.
+        let needs = |p: DecodePath| g > 0 && mm.iter().any(|m| m.path == p);
+        if needs(DecodePath::Int8) {
+            q8::quantize_rows(&xs[..g * k], k, q8);
+        }
+        if needs(DecodePath::Int16) {
+            q8::quantize_rows(&xs[..g * k], k, q16);
+        }
+        if needs(DecodePath::Rows4) {
+            kernels::block_sums_into(&xs[..g * k], xsums);
+        }
+        let acts = DecodeActs { q8, q16, xsums };
         self.run(|par| {
             // Single-token rows (decode) run through the dot-product kernels, whose result for
             // a row does not depend on the other rows; the rest (prefill chunks) through
             // dequantized tiles and sgemm, also row by row independent. So a sequence's
             // numbers are the same alone or in any batch.
-            let g = gemv_rows;
-            let int = g > 0 && q8::covers(w.dtype);
-            if int && acts == Acts::I8 {
-                q8::quantize_rows(&xs[..g * k], k, q8);
-                mm.decode_rows_int(par, g, q8, q8::gemv_rows);
-            } else if int && acts == Acts::I16 {
-                q8::quantize_rows(&xs[..g * k], k, q16);
-                mm.decode_rows_int(par, g, q16, q8::gemv_rows16);
-            } else if g > 0 && kernels::has_gemv4(w.dtype) {
-                kernels::block_sums_into(&xs[..g * k], xsums);
-                mm.decode_rows4(par, g, xsums);
-            } else if g > 0 {
-                mm.decode_rows(par, g);
+            if g > 0 {
+                decode_rows(par, mm, g, &acts);
             }
             if rows > g {
-                mm.prefill_rows(par, g, rows - g);
+                prefill_rows(par, mm, g, rows - g);
             }
         });
-        if let Some(b) = bias {
-            let bv = f32_vector(&b, &mut scratch.weights);
-            for orow in out.f32s_mut()[..rows * m].chunks_exact_mut(m) {
-                for (o, bb) in orow.iter_mut().zip(bv) {
-                    *o += bb;
+        for o in outs.iter_mut() {
+            if let Some(b) = o.bias {
+                let m = o.w.rows;
+                let bv = f32_vector(&b, &mut scratch.weights);
+                for orow in o.out.f32s_mut()[..rows * m].chunks_exact_mut(m) {
+                    for (v, bb) in orow.iter_mut().zip(bv) {
+                        *v += bb;
+                    }
                 }
             }
         }
@@ -706,7 +715,40 @@ impl SharedPtr {
     }
 }
 
+/// What each compute thread's own scratch must hold for a `ScratchShape`.
+#[derive(Clone, Copy, Default)]
+struct ThreadScratch {
+    k_max: usize,
+    chunk_max: usize,
+    max_context: usize,
+}
+
+impl ThreadScratch {
+    /// Grows this thread's scratch (GEMV sums, four-row results, attention scores,
+    /// dequantized tiles) to hold the largest op of the shape at once, so that no thread
+    /// grows one mid-run (which thread runs which task is not fixed).
+    fn reserve(self) {
+        fn grow<T>(v: &mut Vec<T>, n: usize) {
+            let len = v.len();
+            v.reserve(n.saturating_sub(len));
+        }
+        kernels::reserve_thread_scratch(self.k_max);
+        RES4.with(|r| grow(&mut r.borrow_mut(), self.chunk_max));
+        // Scores: a whole row of one head (the f32 cache's path), or a chunk of keys for
+        // up to GROUP_MAX heads (the f16 cache's); the offsets of a chunk's keys.
+        let scores = self.max_context.max(kernels::GROUP_MAX * ATTN_CHUNK);
+        SCORES.with(|s| grow(&mut s.borrow_mut(), scores));
+        KEYS.with(|s| grow(&mut s.borrow_mut(), ATTN_CHUNK));
+        TILE.with(|t| grow(&mut t.borrow_mut(), TILE_ROWS * self.k_max));
+    }
+}
+
+/// Numbers `reserve_scratch` calls process-wide, so a thread's `RESERVED` names one.
+static RESERVE_EPOCH: AtomicU64 = AtomicU64::new(0);
+
 thread_local! {
+    /// The `reserve_scratch` call this thread's scratch was last grown for.
+    static RESERVED: Cell<u64> = const { Cell::new(0) };
     static TILE: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     static SCORES: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
     /// The KV-cache offsets of the positions one attention chunk sees.
@@ -722,14 +764,6 @@ impl Backend for CpuBackend {
 
     fn host_threads(&self) -> usize {
         self.threads()
-    }
-
-    fn executor(&self) -> super::Executor {
-        if self.threads == 1 {
-            super::Executor::Inline
-        } else {
-            super::Executor::Pool(self.pool.clone())
-        }
     }
 
     fn name(&self) -> &'static str {
@@ -843,12 +877,22 @@ impl Backend for CpuBackend {
         bias: Option<WeightRef<'_, CpuMem>>,
         out: &mut CpuMem,
     ) {
+        self.matmuls(x, rows, gemv_rows, &mut [MatmulOut { w, bias, out }]);
+    }
+
+    fn matmuls(
+        &self,
+        x: &CpuMem,
+        rows: usize,
+        gemv_rows: usize,
+        outs: &mut [MatmulOut<'_, CpuMem>],
+    ) {
         let acts = if self.int8_activations() {
             Acts::I8
         } else {
             Acts::F32
         };
-        self.matmul_as(x, rows, gemv_rows, w, bias, out, acts);
+        self.matmul_as(x, rows, gemv_rows, outs, acts);
     }
 
     fn matmul_head(&self, x: &CpuMem, rows: usize, w: WeightRef<'_, CpuMem>, out: &mut CpuMem) {
@@ -857,7 +901,8 @@ impl Backend for CpuBackend {
         } else {
             Acts::F32
         };
-        self.matmul_as(x, rows, rows, w, None, out, acts);
+        let outs = &mut [MatmulOut { w, bias: None, out }];
+        self.matmul_as(x, rows, rows, outs, acts);
     }
 
     fn rope(
@@ -1014,8 +1059,42 @@ impl Backend for CpuBackend {
     }
 }
 
+/// Products of one activation that `matmuls` runs as one op, at most.
+const MAX_SHARED: usize = 4;
+
+/// How a weight meets the decode rows: integer dots against their 8- or 16-bit blocks,
+/// the four-row f32 kernels (with per-block sums), or the one-row f32 dots.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum DecodePath {
+    Int8,
+    Int16,
+    Rows4,
+    Rows,
+}
+
+impl DecodePath {
+    fn of(dtype: DType, acts: Acts) -> DecodePath {
+        let int = q8::covers(dtype);
+        match acts {
+            Acts::I8 if int => DecodePath::Int8,
+            Acts::I16 if int => DecodePath::Int16,
+            _ if kernels::has_gemv4(dtype) => DecodePath::Rows4,
+            _ => DecodePath::Rows,
+        }
+    }
+}
+
+/// The decode rows converted for the products that need it (`DecodePath`).
+struct DecodeActs<'a> {
+    q8: &'a [q8::Q8Block],
+    q16: &'a [q8::Q16Block],
+    xsums: &'a [f32],
+}
+
 /// One matrix product's operands, shared by its tasks: weight rows `wb` (`rb` bytes each,
-/// `m` of them), activations `xs` (rows of `k`), and the output rows (`m` wide).
+/// `m` of them), activations `xs` (rows of `k`), the output rows (`m` wide), and the path
+/// its decode rows take.
+#[derive(Clone, Copy)]
 struct Matmul<'a> {
     dtype: DType,
     wb: &'a [u8],
@@ -1025,51 +1104,26 @@ struct Matmul<'a> {
     m: usize,
     out: SharedPtr,
     threads: usize,
+    path: DecodePath,
 }
 
 impl Matmul<'_> {
-    /// Output columns per decode task: about four tasks per thread, at least 16.
     fn decode_chunk(&self) -> usize {
-        self.m.div_ceil(self.threads * 4).max(16)
+        decode_chunk(self.m, self.threads)
     }
 
-    /// The first `g` rows in groups of up to four, each output chunk `j0..j1` a task:
-    /// `kernel(r0, n, j0, j1, res)` computes rows `r0..r0 + n` of the chunk into `res`
-    /// (one column a row) and returns true, or writes its rows straight into the output
-    /// and returns false; the helper scatters `res` into the output rows.
-    fn decode_groups(
+    /// Rows `r0..r0 + n` of the first `g` decode rows against weight rows `j0..j1`: into
+    /// `res` (one column a row; returns true), or straight into the output (false).
+    #[allow(clippy::too_many_arguments)] // a task's place and its operands
+    fn decode_task(
         &self,
-        par: &Par,
+        acts: &DecodeActs<'_>,
         g: usize,
-        kernel: impl Fn(usize, usize, usize, usize, &mut Vec<[f32; 4]>) -> bool + Sync,
-    ) {
-        let (m, optr) = (self.m, self.out);
-        let chunk = self.decode_chunk();
-        par.for_each(m.div_ceil(chunk), |c| {
-            let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
-            RES4.with(|res| {
-                let mut res = res.borrow_mut();
-                res.clear();
-                res.resize(j1 - j0, [0f32; 4]);
-                for r0 in (0..g).step_by(4) {
-                    let n = (g - r0).min(4);
-                    if !kernel(r0, n, j0, j1, &mut res) {
-                        continue;
-                    }
-                    for i in 0..n {
-                        // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
-                        let o = unsafe { optr.slice((r0 + i) * m + j0, j1 - j0) };
-                        for (oj, rj) in o.iter_mut().zip(res.iter()) {
-                            *oj = rj[i];
-                        }
-                    }
-                }
-            });
-        });
-    }
-
-    /// The first `g` rows through the four-row block kernels (`xsums`: their block sums).
-    fn decode_rows4(&self, par: &Par, g: usize, xsums: &[f32]) {
+        r0: usize,
+        n: usize,
+        (j0, j1): (usize, usize),
+        res: &mut [[f32; 4]],
+    ) -> bool {
         let Matmul {
             dtype,
             wb,
@@ -1081,113 +1135,142 @@ impl Matmul<'_> {
             ..
         } = *self;
         let nb = k / 32;
-        self.decode_groups(par, g, |r0, n, j0, j1, res| {
-            if n == 1 {
-                // SAFETY: the task of chunk j0..j1 writes out[r][j0..j1] only.
-                let o = unsafe { optr.slice(r0 * m + j0, j1 - j0) };
-                kernels::gemv(
-                    dtype,
-                    &wb[j0 * rb..j1 * rb],
-                    rb,
-                    &xs[r0 * k..(r0 + 1) * k],
-                    o,
+        let w = &wb[j0 * rb..j1 * rb];
+        // A short group repeats its last row (results dropped).
+        let pick = |i: usize| (r0 + i).min(g - 1);
+        match self.path {
+            DecodePath::Int8 => {
+                let rows: [&[q8::Q8Block]; 4] =
+                    std::array::from_fn(|i| &acts.q8[pick(i) * nb..(pick(i) + 1) * nb]);
+                q8::gemv_rows(dtype, w, rb, &rows[..n], res);
+                true
+            }
+            DecodePath::Int16 => {
+                let rows: [&[q8::Q16Block]; 4] =
+                    std::array::from_fn(|i| &acts.q16[pick(i) * nb..(pick(i) + 1) * nb]);
+                q8::gemv_rows16(dtype, w, rb, &rows[..n], res);
+                true
+            }
+            DecodePath::Rows4 if n > 1 => {
+                let xr: [&[f32]; 4] = std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
+                let xsr: [&[f32]; 4] =
+                    std::array::from_fn(|i| &acts.xsums[pick(i) * nb..(pick(i) + 1) * nb]);
+                kernels::gemv4(dtype, w, rb, &xr, &xsr, res);
+                true
+            }
+            DecodePath::Rows4 | DecodePath::Rows => {
+                for r in r0..r0 + n {
+                    // SAFETY: the task of chunk j0..j1 writes out[r][j0..j1] only.
+                    let o = unsafe { optr.slice(r * m + j0, j1 - j0) };
+                    kernels::gemv(dtype, w, rb, &xs[r * k..(r + 1) * k], o);
+                }
+                false
+            }
+        }
+    }
+}
+
+/// Output columns per decode task of a product of `m` columns: about `TASKS_PER_THREAD`
+/// tasks per thread (claimed as threads free up, so a thread that fell behind takes fewer),
+/// at least 16 columns.
+fn decode_chunk(m: usize, threads: usize) -> usize {
+    const TASKS_PER_THREAD: usize = 4;
+    m.div_ceil(threads * TASKS_PER_THREAD).max(16)
+}
+
+/// Task `t` of tasks numbered product by product, `count(mm)` of them each: (product, its
+/// task).
+fn locate<'a>(
+    mm: &'a [Matmul<'a>],
+    count: impl Fn(&Matmul) -> usize,
+    mut t: usize,
+) -> (&'a Matmul<'a>, usize) {
+    for p in mm {
+        let c = count(p);
+        if t < c {
+            return (p, t);
+        }
+        t -= c;
+    }
+    unreachable!("task past the products' tasks")
+}
+
+/// The first `g` rows of every product, in groups of up to four rows, each product's
+/// output chunk `j0..j1` a task; a task's results are scattered into the output rows.
+fn decode_rows(par: &Par, mm: &[Matmul], g: usize, acts: &DecodeActs<'_>) {
+    let count = |p: &Matmul| p.m.div_ceil(p.decode_chunk());
+    let total = mm.iter().map(count).sum();
+    par.for_each(total, |t| {
+        let (p, c) = locate(mm, count, t);
+        let (m, chunk) = (p.m, p.decode_chunk());
+        let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
+        RES4.with(|res| {
+            let mut res = res.borrow_mut();
+            res.clear();
+            res.resize(j1 - j0, [0f32; 4]);
+            for r0 in (0..g).step_by(4) {
+                let n = (g - r0).min(4);
+                if !p.decode_task(acts, g, r0, n, (j0, j1), &mut res) {
+                    continue;
+                }
+                for i in 0..n {
+                    // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
+                    let o = unsafe { p.out.slice((r0 + i) * m + j0, j1 - j0) };
+                    for (oj, rj) in o.iter_mut().zip(res.iter()) {
+                        *oj = rj[i];
+                    }
+                }
+            }
+        });
+    });
+}
+
+/// `t` prefill rows from row `g` on, of every product: weight tiles dequantized to f32,
+/// then sgemm, a tile of each product's rows a task.
+fn prefill_rows(par: &Par, mm: &[Matmul], g: usize, t: usize) {
+    let count = |p: &Matmul| p.m.div_ceil(TILE_ROWS);
+    let total = mm.iter().map(count).sum();
+    par.for_each(total, |task| {
+        let (p, ti) = locate(mm, count, task);
+        let Matmul {
+            dtype,
+            wb,
+            rb,
+            xs,
+            k,
+            m,
+            out: optr,
+            ..
+        } = *p;
+        let xt = &xs[g * k..(g + t) * k];
+        let (j0, j1) = (ti * TILE_ROWS, ((ti + 1) * TILE_ROWS).min(m));
+        let nb = j1 - j0;
+        TILE.with(|tile| {
+            let mut tile = tile.borrow_mut();
+            tile.resize(TILE_ROWS * k, 0.0);
+            kernels::dequant_rows(dtype, &wb[j0 * rb..j1 * rb], rb, k, &mut tile[..nb * k]);
+            // SAFETY: C = X[t, k] . T^T lands in out[g.., j0..j1] (row stride m),
+            // disjoint across tasks; A and B are live slices of the given sizes.
+            unsafe {
+                matrixmultiply::sgemm(
+                    t,
+                    k,
+                    nb,
+                    1.0,
+                    xt.as_ptr(),
+                    k as isize,
+                    1,
+                    tile.as_ptr(),
+                    1,
+                    k as isize,
+                    0.0,
+                    optr.at(g * m + j0),
+                    m as isize,
+                    1,
                 );
-                return false;
-            }
-            // Pad a short group by repeating its last row (results dropped).
-            let pick = |i: usize| (r0 + i).min(g - 1);
-            let xr: [&[f32]; 4] = std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
-            let xsr: [&[f32]; 4] =
-                std::array::from_fn(|i| &xsums[pick(i) * nb..(pick(i) + 1) * nb]);
-            kernels::gemv4(dtype, &wb[j0 * rb..j1 * rb], rb, &xr, &xsr, res);
-            true
-        });
-    }
-
-    /// The first `g` rows through the integer kernels (`xq`: their 8- or 16-bit blocks,
-    /// k / 32 a row), four rows a weight block at most.
-    fn decode_rows_int<B: Sync>(&self, par: &Par, g: usize, xq: &[B], kernel: q8::IntKernel<B>) {
-        let Matmul {
-            dtype, wb, rb, k, ..
-        } = *self;
-        let nb = k / 32;
-        self.decode_groups(par, g, |r0, n, j0, j1, res| {
-            let rows: [&[B]; 4] = std::array::from_fn(|i| {
-                let r = (r0 + i).min(g - 1);
-                &xq[r * nb..(r + 1) * nb]
-            });
-            kernel(dtype, &wb[j0 * rb..j1 * rb], rb, &rows[..n], res);
-            true
-        });
-    }
-
-    /// The first `g` rows through the one-row dot products.
-    fn decode_rows(&self, par: &Par, g: usize) {
-        let Matmul {
-            dtype,
-            wb,
-            rb,
-            xs,
-            k,
-            m,
-            out: optr,
-            ..
-        } = *self;
-        let chunk = self.decode_chunk();
-        par.for_each(m.div_ceil(chunk), |c| {
-            let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
-            for r in 0..g {
-                // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
-                let o = unsafe { optr.slice(r * m + j0, j1 - j0) };
-                kernels::gemv(dtype, &wb[j0 * rb..j1 * rb], rb, &xs[r * k..(r + 1) * k], o);
             }
         });
-    }
-
-    /// `t` prefill rows from row `g` on: weight tiles dequantized to f32, then sgemm.
-    fn prefill_rows(&self, par: &Par, g: usize, t: usize) {
-        let Matmul {
-            dtype,
-            wb,
-            rb,
-            xs,
-            k,
-            m,
-            out: optr,
-            ..
-        } = *self;
-        let rows = g + t;
-        let xt = &xs[g * k..rows * k];
-        par.for_each(m.div_ceil(TILE_ROWS), |ti| {
-            let (j0, j1) = (ti * TILE_ROWS, ((ti + 1) * TILE_ROWS).min(m));
-            let nb = j1 - j0;
-            TILE.with(|tile| {
-                let mut tile = tile.borrow_mut();
-                tile.resize(TILE_ROWS * k, 0.0);
-                kernels::dequant_rows(dtype, &wb[j0 * rb..j1 * rb], rb, k, &mut tile[..nb * k]);
-                // SAFETY: C = X[t, k] . T^T lands in out[g.., j0..j1] (row stride m),
-                // disjoint across tasks; A and B are live slices of the given sizes.
-                unsafe {
-                    matrixmultiply::sgemm(
-                        t,
-                        k,
-                        nb,
-                        1.0,
-                        xt.as_ptr(),
-                        k as isize,
-                        1,
-                        tile.as_ptr(),
-                        1,
-                        k as isize,
-                        0.0,
-                        optr.at(g * m + j0),
-                        m as isize,
-                        1,
-                    );
-                }
-            });
-        });
-    }
+    });
 }
 
 /// GELU with the tanh approximation, as transformers' `gelu_pytorch_tanh`:

@@ -741,3 +741,102 @@ fn a_long_row_is_the_same_bits_split_in_chunks_alone_in_a_batch_or_in_a_prefill(
         }
     }
 }
+
+#[test]
+fn matmuls_of_one_activation_give_each_matmuls_bits() {
+    // q, k, v (and gate, up) run as one op over one conversion of the decode rows: each
+    // product must be bit for bit what its own `matmul` gives, for weights of different
+    // dtypes (so different decode paths share the op), with and without biases, with
+    // decode and prefill rows, on both activation paths.
+    use crate::backend::MatmulOut;
+    let b = backend();
+    let mut r = Rng(21);
+    let k = 512;
+    let groups: [&[(DType, usize)]; 3] = [
+        &[(DType::Q4K, 96), (DType::Q6K, 32), (DType::Q8_0, 32)],
+        &[
+            (DType::F16, 40),
+            (DType::Q4_0, 70),
+            (DType::F32, 24),
+            (DType::Q5K, 16),
+        ],
+        &[(DType::Q4_1, 130), (DType::BF16, 130)],
+    ];
+    for group in groups {
+        let weights: Vec<(DType, usize, super::CpuMem, super::CpuMem)> = group
+            .iter()
+            .map(|&(dtype, m)| {
+                let (wb, _) = encode(dtype, &r.vec(m * k));
+                (dtype, m, mem_bytes(&b, &wb), mem_f32(&b, &r.vec(m)))
+            })
+            .collect();
+        let refs = |bias: bool| -> Vec<(
+            WeightRef<'_, super::CpuMem>,
+            Option<WeightRef<'_, super::CpuMem>>,
+        )> {
+            weights
+                .iter()
+                .map(|(dtype, m, w, bm)| {
+                    let wr = WeightRef {
+                        mem: w,
+                        offset: 0,
+                        dtype: *dtype,
+                        rows: *m,
+                        cols: k,
+                    };
+                    let br = WeightRef {
+                        mem: bm,
+                        offset: 0,
+                        dtype: DType::F32,
+                        rows: 1,
+                        cols: *m,
+                    };
+                    (wr, bias.then_some(br))
+                })
+                .collect()
+        };
+        for int8 in [true, false] {
+            b.set_int8_activations(int8);
+            for (rows, gemv_rows, bias) in
+                [(1, 1, false), (3, 3, true), (6, 2, true), (9, 0, false)]
+            {
+                let xm = mem_f32(&b, &r.vec(rows * k));
+                let ws = refs(bias);
+                let mut alone: Vec<super::CpuMem> = Vec::new();
+                for (wr, br) in &ws {
+                    let mut out = b.alloc(rows * wr.rows * 4, "out").unwrap();
+                    b.matmul(&xm, rows, gemv_rows, *wr, *br, &mut out);
+                    alone.push(out);
+                }
+                let mut outs: Vec<super::CpuMem> = ws
+                    .iter()
+                    .map(|(wr, _)| b.alloc(rows * wr.rows * 4, "out").unwrap())
+                    .collect();
+                let mut products: Vec<MatmulOut<'_, super::CpuMem>> = ws
+                    .iter()
+                    .zip(outs.iter_mut())
+                    .map(|((w, bias), out)| MatmulOut {
+                        w: *w,
+                        bias: *bias,
+                        out,
+                    })
+                    .collect();
+                b.matmuls(&xm, rows, gemv_rows, &mut products);
+                drop(products);
+                for (i, ((wr, _), (a, o))) in ws.iter().zip(alone.iter().zip(&outs)).enumerate() {
+                    let n = rows * wr.rows;
+                    let bits = |m: &super::CpuMem| -> Vec<u32> {
+                        m.f32s()[..n].iter().map(|v| v.to_bits()).collect()
+                    };
+                    assert_eq!(
+                        bits(o),
+                        bits(a),
+                        "product {i} ({}) of {group:?}, rows {rows} ({gemv_rows} decode), \
+                         bias {bias}, int8 {int8}",
+                        wr.dtype
+                    );
+                }
+            }
+        }
+    }
+}

@@ -211,11 +211,7 @@ impl OnBackend for Generate<'_> {
         make: &dyn Fn(&sluice::plan::PlanInput) -> Result<Pipeline<B>, EngineError>,
     ) -> Result<Result<()>, EngineError> {
         let runner = make(&self.input)?;
-        // Generate where the ops run (a CPU compute thread), so each op forks from inside
-        // the pool.
-        let on = runner.backend.executor();
-        let (a, tok, ids) = (self.a, self.tok, self.prompt_ids);
-        Ok(on.run(move || run_generate(runner, a, tok, ids)))
+        Ok(run_generate(runner, self.a, self.tok, self.prompt_ids))
     }
 }
 
