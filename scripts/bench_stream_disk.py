@@ -10,7 +10,8 @@ mean of the fio runs just before and after it, and the rounds alternate the pref
 settings given.
 
     python3 scripts/bench_stream_disk.py STORE [--rounds 3] [--prefetch auto,4]
-        [--device-memory 48MiB | --weights-budget 50%] [--steps 16] [--threads 2]
+        [--device-memory 48MiB | --host-memory 640MiB | --weights-budget 50%] [--steps 16]
+        [--threads 2] [--sluiced BIN,BIN]
 
 Prints a row a run and, last, one JSON line per prefetch setting: the median over rounds of
 streaming_only / fio and of the overlap ratio (pass / max(compute-only, streaming-only)).
@@ -35,11 +36,13 @@ def fio_gbps(path, loops):
     return json.loads(out)["jobs"][0]["read"]["bw_bytes"] / 1e9
 
 
-def bench_stream(store, a, prefetch):
-    cmd = [SLUICED, "bench-stream", store, "--batch", "1", "--steps", str(a.steps), "--threads", str(a.threads),
+def bench_stream(store, a, prefetch, sluiced):
+    cmd = [sluiced, "bench-stream", store, "--batch", "1", "--steps", str(a.steps), "--threads", str(a.threads),
            "--json"]
     if a.device_memory:
         cmd += ["--device-memory", a.device_memory]
+    elif a.host_memory:
+        cmd += ["--host-memory", a.host_memory]
     else:
         cmd += ["--weights-budget", a.weights_budget]
     if prefetch != "auto":
@@ -54,6 +57,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--prefetch", default="auto,4", help="comma-separated: auto (the plan's) or a unit count")
     ap.add_argument("--device-memory")
+    ap.add_argument("--host-memory", help="the whole process's budget (on the CPU it alone decides what streams)")
+    ap.add_argument("--sluiced", default=SLUICED,
+                    help="comma-separated sluiced binaries, alternated within each round (a change against its parent)")
     ap.add_argument("--weights-budget", default="50%")
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
@@ -63,15 +69,19 @@ def main():
         sys.exit("bench_stream_disk: fio is missing (apt-get install fio)")
     weights = os.path.join(a.store, "weights.bin")
     loops = a.fio_loops or max(1, round(512e6 / os.path.getsize(weights)))
-    settings = a.prefetch.split(",")
+    binaries = a.sluiced.split(",")
+    settings = [(b, p) for b in binaries for p in a.prefetch.split(",")]
+    label = lambda b, p: p if len(binaries) == 1 else f"{'ABCDEFGH'[binaries.index(b)]}:{p}"
+    for i, b in enumerate(binaries if len(binaries) > 1 else []):
+        print(f"{'ABCDEFGH'[i]}: {b}")
     rows = {p: [] for p in settings}
     print(f"{a.store}: fio 4 MiB x 64 over weights.bin x{loops} before and after each run")
-    print(f"{'prefetch':>8} {'fio GB/s':>9} {'stream GB/s':>11} {'stream/fio':>10} "
+    print(f"{'setting':>16} {'fio GB/s':>9} {'stream GB/s':>11} {'stream/fio':>10} "
           f"{'compute ms':>10} {'stream ms':>9} {'pass ms':>8} {'overlap':>7}")
     prev = fio_gbps(weights, loops)
     for _ in range(a.rounds):
-        for p in settings:
-            j = bench_stream(a.store, a, p)
+        for b, p in settings:
+            j = bench_stream(a.store, a, p, b)
             cur = fio_gbps(weights, loops)
             ref = (prev + cur) / 2
             rate = j["disk_bytes_per_pass"] / j["streaming_only_pass_s"] / 1e9
@@ -79,13 +89,13 @@ def main():
                    "overlap_ratio": j["overlap_ratio"], "compute_ms": j["compute_only_pass_s"] * 1e3,
                    "streaming_ms": j["streaming_only_pass_s"] * 1e3, "pass_ms": j["streamed_pass_s"] * 1e3,
                    "disk_bytes_per_pass": j["disk_bytes_per_pass"]}
-            rows[p].append(row)
-            print(f"{p:>8} {ref:9.3f} {rate:11.3f} {rate / ref:10.3f} {row['compute_ms']:10.2f} "
+            rows[(b, p)].append(row)
+            print(f"{label(b, p):>16} {ref:9.3f} {rate:11.3f} {rate / ref:10.3f} {row['compute_ms']:10.2f} "
                   f"{row['streaming_ms']:9.2f} {row['pass_ms']:8.2f} {j['overlap_ratio']:7.3f}")
             prev = cur
-    for p in settings:
-        r = rows[p]
-        print(json.dumps({"prefetch": p, "rounds": len(r),
+    for b, p in settings:
+        r = rows[(b, p)]
+        print(json.dumps({"sluiced": b, "prefetch": p, "rounds": len(r),
                           "disk_bytes_per_pass": r[0]["disk_bytes_per_pass"],
                           "stream_vs_fio_median": round(statistics.median(x["stream_vs_fio"] for x in r), 3),
                           "overlap_ratio_median": round(statistics.median(x["overlap_ratio"] for x in r), 3)}))

@@ -101,8 +101,6 @@ pub(super) struct Loop {
     ops: Vec<Option<Op>>,
     free_ops: Vec<usize>,
     in_flight: usize,
-    /// When `in_flight` last changed (for the queue-depth integral).
-    in_flight_since: Instant,
     jobs: SyncSender<Job>,
     /// Per staging slot, the chunk and frame lists its next unit reuses.
     spare: Vec<(Vec<Chunk>, Vec<FrameState>)>,
@@ -113,7 +111,6 @@ pub(super) struct Loop {
     /// Messages (and completions) one wait can return at most.
     msg_capacity: usize,
     shutting_down: bool,
-    busy_since: Option<Instant>,
     buf_starved_since: Option<Instant>,
     slot_starved_since: Option<Instant>,
     path: std::path::PathBuf,
@@ -162,7 +159,6 @@ impl Loop {
             ops: (0..cfg.queue_depth).map(|_| None).collect(),
             free_ops: (0..cfg.queue_depth).rev().collect(),
             in_flight: 0,
-            in_flight_since: Instant::now(),
             jobs,
             spare: (0..cfg.staging_slots)
                 .map(|_| {
@@ -178,7 +174,6 @@ impl Loop {
             msg_capacity: sizes.message_capacity(&cfg),
             order_scratch: Vec::with_capacity(cfg.staging_slots),
             shutting_down: false,
-            busy_since: None,
             buf_starved_since: None,
             slot_starved_since: None,
             path,
@@ -455,7 +450,8 @@ impl Loop {
         let ptr = unsafe { base.add(at) };
         let now = Instant::now();
         if self.in_flight == 0 {
-            self.busy_since = Some(now);
+            let c = &self.shared.counters;
+            c.busy_since_ns.store(c.now_ns() + 1, Ordering::Relaxed);
         }
         if let Some(o) = self.ops[op].as_mut() {
             // A resubmitted rest is progress: its own wait starts now.
@@ -463,40 +459,54 @@ impl Loop {
         }
         self.note_depth();
         self.in_flight += 1;
+        self.set_depth();
         self.shared
             .counters
             .read_ops
             .fetch_add(1, Ordering::Relaxed);
         if let Err(e) = self.reader.push(op, buf, ptr, len, offset) {
             // Could not even queue it: complete it as failed right here.
-            self.in_flight -= 1;
+            self.one_less_in_flight();
             self.complete_with(op, -e.raw_os_error().unwrap_or(libc::EIO));
         }
     }
 
-    /// Adds the time at the current depth to the queue-depth integral.
+    /// Adds the time at the current depth to the queue-depth integral (call before the
+    /// depth changes; `set_depth` after).
     fn note_depth(&mut self) {
-        let now = Instant::now();
-        let dt = (now - self.in_flight_since).as_nanos() as u64;
+        let c = &self.shared.counters;
+        let now = c.now_ns();
+        let dt = now.saturating_sub(c.depth_since_ns.load(Ordering::Relaxed));
+        c.inflight_ns
+            .fetch_add(dt * self.in_flight as u64, Ordering::Relaxed);
+        c.depth_since_ns.store(now, Ordering::Relaxed);
+    }
+
+    fn set_depth(&self) {
         self.shared
             .counters
-            .inflight_ns
-            .fetch_add(dt * self.in_flight as u64, Ordering::Relaxed);
-        self.in_flight_since = now;
+            .depth
+            .store(self.in_flight as u64, Ordering::Relaxed);
     }
 
     fn complete(&mut self, op: usize, res: i32) {
+        self.one_less_in_flight();
+        self.complete_with(op, res);
+    }
+
+    /// A read is back (or was never queued): the depth and busy time follow.
+    fn one_less_in_flight(&mut self) {
         self.note_depth();
         self.in_flight -= 1;
+        self.set_depth();
         if self.in_flight == 0 {
-            if let Some(t) = self.busy_since.take() {
-                self.shared
-                    .counters
-                    .read_busy_ns
-                    .fetch_add(t.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            let c = &self.shared.counters;
+            let since = c.busy_since_ns.swap(0, Ordering::Relaxed);
+            if since > 0 {
+                c.read_busy_ns
+                    .fetch_add(c.now_ns().saturating_sub(since - 1), Ordering::Relaxed);
             }
         }
-        self.complete_with(op, res);
     }
 
     fn complete_with(&mut self, op: usize, res: i32) {

@@ -3,6 +3,7 @@
 
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Instant;
 
 /// Counters since the engine started (or since `reset_stats`).
 #[derive(Clone, Debug, Default, Serialize)]
@@ -12,7 +13,7 @@ pub struct IoStats {
     pub read_ops: u64,
     /// Reads that returned fewer bytes than asked and were resubmitted.
     pub short_reads: u64,
-    /// Seconds with at least one read in flight.
+    /// Seconds with at least one read in flight (the current stretch included).
     pub read_busy_s: f64,
     /// Stored bytes of the frames decoded, and the raw bytes they produced.
     pub decoded_stored_bytes: u64,
@@ -33,6 +34,15 @@ pub struct IoStats {
     pub queue_depth_avg: f64,
 }
 
+/// When the counters' clock started (the loop's times are nanoseconds since).
+pub(super) struct Epoch(Instant);
+
+impl Default for Epoch {
+    fn default() -> Self {
+        Epoch(Instant::now())
+    }
+}
+
 #[derive(Default)]
 pub(super) struct Counters {
     pub(super) read_bytes: AtomicU64,
@@ -48,19 +58,42 @@ pub(super) struct Counters {
     pub(super) units_done: AtomicU64,
     pub(super) units_failed: AtomicU64,
     pub(super) reads_stalled: AtomicU64,
-    /// Sum over time of reads in flight (ns x reads), for the average queue depth.
+    /// Sum over time of reads in flight (ns x reads), for the average queue depth, up to
+    /// `depth_since_ns`; reads in flight since then.
     pub(super) inflight_ns: AtomicU64,
+    pub(super) depth: AtomicU64,
+    pub(super) depth_since_ns: AtomicU64,
+    /// When the current stretch with reads in flight began, plus 1 (0: none in flight):
+    /// a snapshot counts it, so figures are right mid-stream, not only once the disk idles.
+    pub(super) busy_since_ns: AtomicU64,
+    pub(super) epoch: Epoch,
 }
 
 impl Counters {
+    /// Nanoseconds since the counters' epoch.
+    pub(super) fn now_ns(&self) -> u64 {
+        self.epoch.0.elapsed().as_nanos() as u64
+    }
+
     pub(super) fn snapshot(&self) -> IoStats {
         let c = self;
         let s = |a: &AtomicU64| a.load(Ordering::Relaxed) as f64 / 1e9;
+        let now = c.now_ns();
+        let since = c.busy_since_ns.load(Ordering::Relaxed);
+        let busy_ns = c.read_busy_ns.load(Ordering::Relaxed)
+            + if since > 0 {
+                now.saturating_sub(since - 1)
+            } else {
+                0
+            };
+        let inflight_ns = c.inflight_ns.load(Ordering::Relaxed)
+            + c.depth.load(Ordering::Relaxed)
+                * now.saturating_sub(c.depth_since_ns.load(Ordering::Relaxed));
         IoStats {
             read_bytes: c.read_bytes.load(Ordering::Relaxed),
             read_ops: c.read_ops.load(Ordering::Relaxed),
             short_reads: c.short_reads.load(Ordering::Relaxed),
-            read_busy_s: s(&c.read_busy_ns),
+            read_busy_s: busy_ns as f64 / 1e9,
             decoded_stored_bytes: c.decoded_stored_bytes.load(Ordering::Relaxed),
             decompressed_bytes: c.decompressed_bytes.load(Ordering::Relaxed),
             decompress_busy_s: s(&c.decompress_busy_ns),
@@ -70,9 +103,7 @@ impl Counters {
             units_done: c.units_done.load(Ordering::Relaxed),
             units_failed: c.units_failed.load(Ordering::Relaxed),
             reads_stalled: c.reads_stalled.load(Ordering::Relaxed),
-            queue_depth_avg: c.inflight_ns.load(Ordering::Relaxed) as f64
-                / 1e9
-                / s(&c.read_busy_ns).max(1e-9),
+            queue_depth_avg: inflight_ns as f64 / (busy_ns as f64).max(1.0),
         }
     }
 
@@ -95,6 +126,12 @@ impl Counters {
             &c.inflight_ns,
         ] {
             a.store(0, Ordering::Relaxed);
+        }
+        // A stretch in flight now counts from here.
+        let now = c.now_ns();
+        c.depth_since_ns.store(now, Ordering::Relaxed);
+        if c.busy_since_ns.load(Ordering::Relaxed) > 0 {
+            c.busy_since_ns.store(now + 1, Ordering::Relaxed);
         }
     }
 }
