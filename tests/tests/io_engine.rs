@@ -323,16 +323,35 @@ fn a_store_packed_raw_reads_into_its_staging_slots_without_read_buffers() {
     assert!(!zstd.units().iter().any(|u| u.stored_as_raw()));
     let want = reference(&raw);
     for (name, cfg) in configs() {
+        // Slots registered with io_uring (READ_FIXED into them), and plain reads into them
+        // (what a kernel that refuses the registration gets).
+        for register_slots in [true, false] {
+            let cfg = IoConfig {
+                read_buffers: 0,
+                register_slots,
+                ..cfg.clone()
+            };
+            // With no read buffer at all, every byte must have gone straight into the slots
+            // (and been checked there: the reference is the store's own verified decode).
+            let e = engine(&raw, &cfg);
+            let uring = cfg.reader == sluice::io::ReaderChoice::Uring;
+            assert_eq!(
+                e.slots_registered(),
+                register_slots && uring,
+                "{name}, register {register_slots}"
+            );
+            stream_all(&e, &want, 2, 3);
+            wait_pools_full(&e);
+            assert_eq!(
+                e.stats().units_done as usize,
+                2 * want.len(),
+                "{name}, register {register_slots}"
+            );
+        }
         let cfg = IoConfig {
             read_buffers: 0,
             ..cfg
         };
-        // With no read buffer at all, every byte must have gone straight into the slots
-        // (and been checked there: the reference is the store's own verified decode).
-        let e = engine(&raw, &cfg);
-        stream_all(&e, &want, 2, 3);
-        wait_pools_full(&e);
-        assert_eq!(e.stats().units_done as usize, 2 * want.len(), "{name}");
         // A compressed store cannot do without them, nor a raw one told to use them.
         for (store, into_slots) in [(&zstd, true), (&raw, false)] {
             let cfg = IoConfig {

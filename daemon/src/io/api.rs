@@ -157,6 +157,8 @@ pub struct IoEngine {
     waker: Waker,
     shared: Arc<Shared>,
     slots: Arc<Vec<AlignedBuf>>,
+    /// The staging slots are registered with the ring (reads land there by READ_FIXED).
+    slots_registered: bool,
     next_ticket: AtomicU64,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
@@ -204,6 +206,7 @@ struct Started {
     waker: Waker,
     rx: std::sync::mpsc::Receiver<Msg>,
     threads: Vec<std::thread::JoinHandle<()>>,
+    slots_registered: bool,
 }
 
 impl IoEngine {
@@ -264,8 +267,15 @@ impl IoEngine {
         let (tx, rx) = sync_channel::<Msg>(sizes.message_capacity(&cfg));
         // The reader: io_uring, or the pread pool when asked or when io_uring fails.
         let mut uring = None;
+        // Only where a unit is read straight into a slot.
+        let into_slots = cfg.read_into_slots && store.units().iter().any(|u| u.stored_as_raw());
+        let slots_to_register: &[AlignedBuf] = if cfg.register_slots && into_slots {
+            &pools.slots
+        } else {
+            &[]
+        };
         if matches!(choice, ReaderChoice::Auto | ReaderChoice::Uring) {
-            match UringReader::new(&file, &pools.read_bufs, cfg.queue_depth) {
+            match UringReader::new(&file, &pools.read_bufs, slots_to_register, cfg.queue_depth) {
                 Ok(r) => uring = Some(r),
                 Err(e) if choice == ReaderChoice::Uring => {
                     return Err(setup(format!("io_uring: {e}")))
@@ -274,15 +284,19 @@ impl IoEngine {
             }
         }
         let mut threads = Vec::new();
+        let mut slots_registered = false;
         let (reader, waker, kind): (Box<dyn Reader>, Waker, ReaderKind) = match uring {
-            Some((r, eventfd)) => (
-                Box::new(r),
-                Waker {
-                    tx,
-                    eventfd: Some(eventfd),
-                },
-                ReaderKind::Uring,
-            ),
+            Some((r, eventfd)) => {
+                slots_registered = r.slots_registered();
+                (
+                    Box::new(r),
+                    Waker {
+                        tx,
+                        eventfd: Some(eventfd),
+                    },
+                    ReaderKind::Uring,
+                )
+            }
             None => {
                 let waker = Waker { tx, eventfd: None };
                 let (r, handles) =
@@ -308,6 +322,7 @@ impl IoEngine {
             waker,
             rx,
             threads,
+            slots_registered,
         };
         Self::run_threads(store, cfg, sizes, pools, started)
     }
@@ -330,6 +345,7 @@ impl IoEngine {
             waker,
             rx,
             mut threads,
+            slots_registered,
         } = started;
         let shared = Arc::new(Shared::new(cfg.read_buffers, cfg.staging_slots));
         // Decompression workers share one job queue.
@@ -372,6 +388,7 @@ impl IoEngine {
             waker,
             shared,
             slots,
+            slots_registered,
             next_ticket: AtomicU64::new(1),
             threads,
         })
@@ -397,12 +414,19 @@ impl IoEngine {
             waker: Waker { tx, eventfd: None },
             rx,
             threads: Vec::new(),
+            slots_registered: false,
         };
         Self::run_threads(store, cfg, sizes, pools, started)
     }
 
     pub fn kind(&self) -> ReaderKind {
         self.kind
+    }
+
+    /// Whether the staging slots are registered with io_uring (reads of units stored as
+    /// raw land in them by READ_FIXED).
+    pub fn slots_registered(&self) -> bool {
+        self.slots_registered
     }
 
     /// Whether reads bypass the page cache.

@@ -8,7 +8,7 @@
 #![allow(clippy::expect_used)]
 
 use super::limits::{Pools, Sizes};
-use super::reader::{Msg, Reader};
+use super::reader::{Msg, Reader, Target};
 use super::tickets::{Shared, TicketState};
 use super::workers::Job;
 use super::{IoConfig, IoError};
@@ -426,8 +426,12 @@ impl Loop {
             .as_ref()
             .expect("an op's unit stays active until its completion");
         let chunk = &a.chunks[o.chunk];
-        let (buf, base, cap) = match chunk.buf {
-            Some(b) => (Some(b), self.read_bufs[b].as_ptr(), self.read_bufs[b].len()),
+        let (target, base, cap) = match chunk.buf {
+            Some(b) => (
+                Target::ReadBuf(b),
+                self.read_bufs[b].as_ptr(),
+                self.read_bufs[b].len(),
+            ),
             None => {
                 debug_assert!(a.direct, "a chunk without a buffer reads into its slot");
                 // The first chunk starts at the slot's first byte (admit checks it).
@@ -435,7 +439,11 @@ impl Loop {
                 let slot = &self.slots[o.slot];
                 assert!(into <= slot.len(), "chunk past its slot");
                 // SAFETY: `into` is inside the slot (asserted).
-                (None, unsafe { slot.as_ptr().add(into) }, slot.len() - into)
+                (
+                    Target::Slot(o.slot),
+                    unsafe { slot.as_ptr().add(into) },
+                    slot.len() - into,
+                )
             }
         };
         // Assert the O_DIRECT preconditions before every submission.
@@ -464,7 +472,7 @@ impl Loop {
             .counters
             .read_ops
             .fetch_add(1, Ordering::Relaxed);
-        if let Err(e) = self.reader.push(op, buf, ptr, len, offset) {
+        if let Err(e) = self.reader.push(op, target, ptr, len, offset) {
             // Could not even queue it: complete it as failed right here.
             self.one_less_in_flight();
             self.complete_with(op, -e.raw_os_error().unwrap_or(libc::EIO));

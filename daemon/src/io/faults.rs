@@ -14,7 +14,7 @@
 //! empty or missing file injects nothing. A short read returns half its bytes (rounded to
 //! 4096, as O_DIRECT needs); a stalled read completes `stall_ms` after the disk answered.
 
-use super::reader::{Msg, Reader};
+use super::reader::{Msg, Reader, Target};
 use crate::hostbuf::IO_ALIGN;
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -187,7 +187,7 @@ impl Reader for FaultyReader {
     fn push(
         &mut self,
         op: usize,
-        buf: Option<usize>,
+        target: Target,
         ptr: *mut u8,
         len: usize,
         offset: u64,
@@ -208,7 +208,7 @@ impl Reader for FaultyReader {
             tracing::info!(offset, len, "injected stall of {:?}", f.stall_for);
             self.to_stall.insert(op, f.stall_for);
         }
-        self.inner.push(op, buf, ptr, len, offset)
+        self.inner.push(op, target, ptr, len, offset)
     }
 
     fn wait(

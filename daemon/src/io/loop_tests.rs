@@ -3,7 +3,7 @@
 //! test lets go), so short reads, EIO and a cancel with reads in flight are exercised
 //! deterministically. The bytes still come from the real packed file.
 
-use super::reader::{Msg, Reader};
+use super::reader::{Msg, Reader, Target};
 use super::{IoConfig, IoEngine, IoError, PoolStatus, ReaderChoice};
 use crate::dtype::DType;
 use crate::import::synth::{self, SynthSpec};
@@ -55,7 +55,7 @@ impl Reader for Scripted {
     fn push(
         &mut self,
         op: usize,
-        _buf: Option<usize>,
+        _target: Target,
         ptr: *mut u8,
         len: usize,
         offset: u64,

@@ -111,6 +111,10 @@ pub struct IoConfig {
     /// read buffer, no copy, only the checksums are checked, and their reads in flight are
     /// bounded by `queue_depth` alone. Off: through read buffers like every other unit.
     pub read_into_slots: bool,
+    /// Registers the staging slots with io_uring (READ_FIXED into them, their pages pinned
+    /// once) where the kernel allows, for units read straight into them. Off: plain READs,
+    /// which pin and unpin their pages on every request.
+    pub register_slots: bool,
     /// Page-locks the staging slots at start (the CUDA backend's copy stream reads them).
     pub pinner: Option<crate::hostbuf::Pinner>,
     /// A read the disk has not answered for this long fails the requests waiting on its
@@ -171,6 +175,7 @@ impl Default for IoConfig {
             pread_threads: 16,
             decompress: true,
             read_into_slots: true,
+            register_slots: true,
             pinner: None,
             read_timeout: Some(READ_TIMEOUT_DEFAULT),
         }

@@ -2,7 +2,7 @@
 //! (seccomp, kernel.io_uring_disabled, old kernels) or O_DIRECT is refused. Completions come
 //! back as messages, so the engine loop is the same for both readers.
 
-use super::reader::{Msg, Reader, Waker};
+use super::reader::{Msg, Reader, Target, Waker};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::sync::mpsc::{sync_channel, Receiver, RecvTimeoutError, SyncSender};
@@ -88,7 +88,7 @@ impl Reader for PreadReader {
     fn push(
         &mut self,
         op: usize,
-        _buf: Option<usize>,
+        _target: Target,
         ptr: *mut u8,
         len: usize,
         offset: u64,

@@ -93,14 +93,21 @@ impl EventFd {
     }
 }
 
+/// Where a read lands: inside read buffer `n`, or inside staging slot `n` (a unit stored
+/// as raw). The io_uring reader registers both with the ring where it can.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Target {
+    ReadBuf(usize),
+    Slot(usize),
+}
+
 /// The read side: io_uring or the pread pool.
 pub(super) trait Reader: Send {
-    /// Queues one read of `len` bytes at `offset` to `ptr`: inside registered read buffer
-    /// `buf`, or (None) inside a staging slot, which is not registered.
+    /// Queues one read of `len` bytes at `offset` to `ptr`, inside `target`.
     fn push(
         &mut self,
         op: usize,
-        buf: Option<usize>,
+        target: Target,
         ptr: *mut u8,
         len: usize,
         offset: u64,

@@ -204,6 +204,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
         pread_threads: qd.min(64),
         decompress: true,
         read_into_slots: defaults.read_into_slots,
+        register_slots: defaults.register_slots,
         units: None,
         slot_bytes: None,
         pinner: None,
