@@ -2,15 +2,13 @@
 """Streaming against the disk, in one run: does a streamed pass at batch 1 move its bytes at
 the disk's rate, and does it overlap with compute?
 
-Each round runs fio on the store's weights.bin (io_uring, O_DIRECT, 4 MiB x 64, for
-`--fio-seconds`), then `sluiced bench-stream --batch 1 --json` (compute-only, streaming-only
-and streamed passes, alternated), then fio again. fio runs for a time, not for a number of
-loops over the file: with `--loops` over a file smaller than 64 x 4 MiB (SmolLM2's 92 MB),
-it reported 1.8-2.4 GB/s where the same depth run for 2 s read 0.84-0.96 (measured here, in
-alternation), which no reader of the file's bytes in order can reach. The disk here drifts by 3x within a
-minute (a cloud volume's burst credit), so each round's streaming rate is compared with the
-mean of the fio runs just before and after it, and the rounds alternate the prefetch
-settings given.
+Each round runs fio on the store's weights.bin (io_uring, O_DIRECT, registered buffers,
+4 MiB x 64, for `--fio-seconds`), then `sluiced bench-stream --batch 1 --json` (compute-only,
+streaming-only and streamed passes, alternated), then fio again. fio's registered buffers
+(--fixedbufs) matter on this project's VM: without them the same run read 0.8-1.1 GB/s
+against 1.5-2.2 with them, and sluice registers its read buffers and staging slots too. The
+disk's rate also grows with the bytes in flight (here 0.8 GB/s at 8 MiB, 1.6 at 64, 2.0 at
+256), and 4 MiB x 64 keeps 256 MiB in flight, more than a small model's pass holds.
 
     python3 scripts/bench_stream_disk.py STORE [--rounds 3] [--prefetch auto,4]
         [--device-memory 48MiB | --host-memory 640MiB | --weights-budget 50%] [--steps 16]
