@@ -13,7 +13,17 @@ fn store(dir: &std::path::Path, tied: bool) -> Store {
 }
 
 fn store_framed(dir: &std::path::Path, tied: bool, frame_size: u32, vocab: u32) -> Store {
-    let mut spec = SynthSpec::llama_like(128, 6, DType::F32);
+    store_shaped(dir, tied, frame_size, vocab, 6)
+}
+
+fn store_shaped(
+    dir: &std::path::Path,
+    tied: bool,
+    frame_size: u32,
+    vocab: u32,
+    layers: u32,
+) -> Store {
+    let mut spec = SynthSpec::llama_like(128, layers, DType::F32);
     // The embedding (1 MiB at 2048 rows) about the size of a layer.
     spec.vocab = vocab;
     let mut model = synth::model(&spec);
@@ -307,4 +317,57 @@ fn too_small_a_host_budget_names_every_role_and_the_least_that_runs() {
     capped.device_budget = Some(p.device_bytes());
     let c = plan(m, &capped).expect("plan");
     assert!(c.device_bytes() <= p.device_bytes() && c.layers_streamed() > 0);
+}
+
+#[test]
+fn small_units_read_into_their_slots_queue_many_ahead_only_where_memory_allows() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let s = store_shaped(tmp.path(), false, 1 << 20, 2048, 24);
+    let m = s.manifest();
+    assert!(m.units.iter().all(|u| u.stored_as_raw()));
+    let free = plan(m, &unified(None)).expect("plan");
+    // The device budget binds (half the weights), the host does not: every load of a
+    // pass may be requested ahead (the units are far smaller than STREAM_AHEAD_BYTES).
+    let mut deep = unified(None);
+    deep.device_budget = Some(free.device_bytes() - free.resident_bytes / 2);
+    let p = plan(m, &deep).expect("plan");
+    let loads = p
+        .units
+        .iter()
+        .skip(1)
+        .filter(|u| u.placement != Placement::Resident)
+        .count()
+        + p.head_parts.len();
+    assert!(
+        loads > PREFETCH_DEFAULT + 1,
+        "{loads} loads: the test needs more"
+    );
+    assert_eq!(
+        p.host.staging_slots,
+        loads + 1,
+        "one computing, every other load ahead"
+    );
+    assert_eq!(p.prefetch, loads);
+    // An explicit --prefetch is kept.
+    let mut asked = deep.clone();
+    asked.prefetch = Some(2);
+    let q = plan(m, &asked).expect("plan");
+    assert_eq!((q.host.staging_slots, q.prefetch), (3, 2));
+    assert_eq!(q.disk_bytes_per_pass, p.disk_bytes_per_pass);
+    // Under a host budget that binds, depth never costs a resident unit: the plan streams
+    // no more than with the old depth (PREFETCH_DEFAULT ahead) would.
+    let tight = p.host.total_bytes - p.host.staging_slots as u64 * p.host.staging_slot_bytes
+        + 3 * p.host.staging_slot_bytes;
+    let mut host = unified(Some(tight));
+    let h = plan(m, &host).expect("plan");
+    host.prefetch = Some(PREFETCH_DEFAULT);
+    let old = plan(m, &host).expect("plan");
+    assert!(h.host.total_bytes <= tight);
+    assert!(
+        h.disk_bytes_per_pass <= old.disk_bytes_per_pass,
+        "{} streamed against {} with {PREFETCH_DEFAULT} ahead",
+        h.disk_bytes_per_pass,
+        old.disk_bytes_per_pass
+    );
+    assert!(h.host.staging_slots < p.host.staging_slots);
 }
