@@ -211,3 +211,11 @@ fn decode_steps_allocate_nothing_on_f32_weights() {
 fn decode_steps_allocate_nothing_on_quantized_weights() {
     check(&fixture("tiny-llama-q.gguf"), "tiny-llama-q (q8_0/q4 gguf)");
 }
+
+#[test]
+fn decode_steps_allocate_nothing_on_a_mixture_of_experts() {
+    check(
+        &fixture("tiny-qwen3moe"),
+        "tiny-qwen3moe (bf16 safetensors)",
+    );
+}

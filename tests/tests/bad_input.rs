@@ -281,19 +281,29 @@ fn damaged_manifests_are_clear_errors() {
     b[0] = b'X';
     assert!(open_err(&b).contains("not a sluice manifest"));
     let mut b = good.clone();
-    b[8] = 3;
-    assert!(open_err(&b).contains("store format version 3"));
+    b[8] = 4;
+    assert!(open_err(&b).contains("store format version 4"));
     // A format-1 store (the manifest without the trailing architecture extension: four
-    // zero bytes, its empty options and list, for a Llama model) still opens, with the
-    // Llama defaults.
+    // zero bytes, its empty options and list, for a Llama model; nor format 3's mixture of
+    // experts, one zero byte, None) still opens, with the Llama defaults.
     let end = good.len() - 8;
-    assert_eq!(&good[end - 4..end], &[0u8; 4], "a Llama model's extension");
-    let mut v1 = good[..end - 4].to_vec();
-    v1[8..12].copy_from_slice(&1u32.to_le_bytes());
-    let len = u64::from_le_bytes(v1[12..20].try_into().unwrap()) - 4;
-    v1[12..20].copy_from_slice(&len.to_le_bytes());
-    let sum = xxhash_rust::xxh3::xxh3_64(&v1);
-    v1.extend_from_slice(&sum.to_le_bytes());
+    assert_eq!(&good[end - 5..end], &[0u8; 5], "a Llama model's extensions");
+    // The manifest as an older format wrote it: the payload without its last `cut` bytes,
+    // under `version`, checksummed again.
+    let older = |version: u32, cut: usize| -> Vec<u8> {
+        let mut v = good[..end - cut].to_vec();
+        v[8..12].copy_from_slice(&version.to_le_bytes());
+        let len = u64::from_le_bytes(v[12..20].try_into().unwrap()) - cut as u64;
+        v[12..20].copy_from_slice(&len.to_le_bytes());
+        let sum = xxhash_rust::xxh3::xxh3_64(&v);
+        v.extend_from_slice(&sum.to_le_bytes());
+        v
+    };
+    // Format 2: without the mixture.
+    std::fs::write(&mpath, older(2, 1)).unwrap();
+    let old = Store::open(&dir).expect("a format-2 store opens");
+    assert_eq!(old.manifest().arch.moe, None);
+    let mut v1 = older(1, 5);
     std::fs::write(&mpath, &v1).unwrap();
     let old = Store::open(&dir).expect("a format-1 store opens");
     assert_eq!(old.manifest().arch.ext, Default::default());

@@ -149,6 +149,7 @@ fn test_cfg() -> ArchConfig {
             sliding_layers: vec![1],
             ..Default::default()
         },
+        moe: None,
     }
 }
 

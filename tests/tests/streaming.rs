@@ -190,6 +190,8 @@ fn every_budget_gives_bit_identical_outputs_within_its_arena() {
         fixture("tiny-llama-q.gguf"),
         fixture("tiny-qwen3"),
         fixture("tiny-gemma3"),
+        fixture("tiny-qwen3moe-mixed"),
+        fixture("tiny-mixtral.gguf"),
         smollm2_gguf(),
     ] {
         let name = src.file_name().unwrap().to_string_lossy().to_string();

@@ -445,6 +445,45 @@ pub trait Backend: Send + Sync {
     fn scale(&self, x: &mut Self::Mem, s: f32, n: usize);
     /// x += y, n elements.
     fn add(&self, x: &mut Self::Mem, y: &Self::Mem, n: usize);
+    /// dst row i = src row `rows[i]`, `cols` f32 each (a mixture of experts gathers the
+    /// rows routed to one expert). Default: through the host, a row at a time (correct on
+    /// any backend; a device implements it with a kernel where it pays).
+    fn gather_rows(&self, src: &Self::Mem, rows: &[u32], cols: usize, dst: &mut Self::Mem) {
+        let mut row = vec![0f32; cols];
+        for (i, &r) in rows.iter().enumerate() {
+            self.download_f32(src, r as usize * cols, &mut row);
+            let bytes: Vec<u8> = row.iter().flat_map(|v| v.to_le_bytes()).collect();
+            // A workspace buffer sized for the step: an upload inside it cannot fail.
+            let _ = self.upload_part(dst, i * cols * 4, &bytes);
+        }
+    }
+    /// dst row `rows[i]` += weights[i] * src row i (a product, then a sum: no fused
+    /// multiply-add, so every backend gives the same bits), `cols` f32 each; the rows are
+    /// distinct. Default: through the host.
+    fn scatter_add_rows(
+        &self,
+        src: &Self::Mem,
+        rows: &[u32],
+        weights: &[f32],
+        cols: usize,
+        dst: &mut Self::Mem,
+    ) {
+        let (mut s, mut d) = (vec![0f32; cols], vec![0f32; cols]);
+        for (i, (&r, &w)) in rows.iter().zip(weights).enumerate() {
+            self.download_f32(src, i * cols, &mut s);
+            self.download_f32(dst, r as usize * cols, &mut d);
+            let bytes: Vec<u8> = d
+                .iter()
+                .zip(&s)
+                .flat_map(|(&dv, &sv)| (dv + w * sv).to_le_bytes())
+                .collect();
+            let _ = self.upload_part(dst, r as usize * cols * 4, &bytes);
+        }
+    }
+    /// x = 0, n elements. Default: an upload of zeros.
+    fn zero(&self, x: &mut Self::Mem, n: usize) {
+        let _ = self.upload_part(x, 0, &vec![0u8; n * 4]);
+    }
     /// Copies `cols` f32 of row `src_row` of `src` to row `dst_row` of `dst`.
     fn copy_row(
         &self,

@@ -3,7 +3,7 @@
 
 use super::{end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor};
 use crate::dtype::{ggml_type_name, DType};
-use crate::store::arch::{every_but_nth, Arch, ArchConfig, ArchExt, RopeScaling};
+use crate::store::arch::{every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling};
 use crate::store::format::{GgufVocab, SpecialTokens, TokenizerSpec};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -480,13 +480,41 @@ fn canonical_name(gguf: &str, arch: Arch) -> Option<String> {
                     "ffn_gate.weight" => "mlp.gate_proj.weight",
                     "ffn_up.weight" => "mlp.up_proj.weight",
                     "ffn_down.weight" => "mlp.down_proj.weight",
-                    _ => return None,
+                    "ffn_gate_inp.weight" => "mlp.gate.weight",
+                    // Older Mixtral GGUFs: an expert's matrices as tensors of their own.
+                    other => {
+                        let (proj, rest) = other.split_once('.')?;
+                        let (e, w) = rest.split_once('.')?;
+                        let proj = match (proj, w) {
+                            ("ffn_gate", "weight") => "gate_proj",
+                            ("ffn_up", "weight") => "up_proj",
+                            ("ffn_down", "weight") => "down_proj",
+                            _ => return None,
+                        };
+                        let e: u32 = e.parse().ok()?;
+                        return Some(format!(
+                            "model.layers.{layer}.mlp.experts.{e}.{proj}.weight"
+                        ));
+                    }
                 }
                 .to_string(),
             };
             format!("model.layers.{layer}.{hf}")
         }
     })
+}
+
+/// A layer's experts merged in one tensor (`blk.N.ffn_{gate,up,down}_exps.weight`, dims
+/// [cols, rows, experts]): (layer, the projection's store name).
+fn merged_experts(gguf: &str) -> Option<(u32, &'static str)> {
+    let (layer, tail) = gguf.strip_prefix("blk.")?.split_once('.')?;
+    let proj = match tail {
+        "ffn_gate_exps.weight" => "gate_proj",
+        "ffn_up_exps.weight" => "up_proj",
+        "ffn_down_exps.weight" => "down_proj",
+        _ => return None,
+    };
+    Some((layer.parse().ok()?, proj))
 }
 
 pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
@@ -501,12 +529,14 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
     })?;
     let (arch, permuted_qk) = match arch_name {
         // llama.cpp's converter permutes llama q/k rows for interleaved rotary pairs; Mistral
-        // checkpoints are converted as "llama" too.
+        // and Mixtral checkpoints are converted as "llama" too (Mixtral with experts).
+        "llama" if meta.u32_opt("llama.expert_count")?.unwrap_or(0) > 0 => (Arch::Mixtral, true),
         "llama" => (Arch::Llama, true),
         "qwen2" => (Arch::Qwen2, false),
         "qwen3" => (Arch::Qwen3, false),
         "gemma3" => (Arch::Gemma3, false),
-        other => return Err(ImportError::unsupported(path, format!("architecture {other:?}; sluice supports llama (Llama 2/3, Mistral, SmolLM2), qwen2, qwen3 and gemma3"))),
+        "qwen3moe" => (Arch::Qwen3Moe, false),
+        other => return Err(ImportError::unsupported(path, format!("architecture {other:?}; sluice supports llama (Llama 2/3, Mistral, Mixtral, SmolLM2), qwen2, qwen3, gemma3 and qwen3moe"))),
     };
     let p = arch_name;
     let n_heads = meta.u32(&format!("{p}.attention.head_count"))?;
@@ -527,7 +557,15 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         permuted_qk,
     };
     let (tensors, rope_freqs) = map_tensors(&g, &map, path, arch, heads)?;
-    let arch_cfg = arch_config(&meta, &tensors, rope_freqs, arch, hidden, heads, head_dim)?;
+    let arch_cfg = arch_config(
+        &meta,
+        &tensors,
+        rope_freqs,
+        (arch, arch_name),
+        hidden,
+        heads,
+        head_dim,
+    )?;
     let (tokenizer, special, chat_template) = tokenizer(&meta, arch_cfg.vocab)?;
     Ok(ImportedModel {
         source: path.to_path_buf(),
@@ -603,6 +641,45 @@ fn map_tensors(
             );
             continue;
         }
+        if let Some((layer, proj)) = merged_experts(&t.name) {
+            // [experts, rows, cols]: each expert's matrix is whole rows of whole blocks, one
+            // after the other, so each is a byte range of its own.
+            let (n, rows, cols) = match shape[..] {
+                [n, rows, cols] if n > 0 => (n, rows, cols),
+                _ => {
+                    return Err(ImportError::malformed(
+                        path,
+                        None,
+                        format!(
+                            "tensor {}: dims {:?} are not [cols, rows, experts]",
+                            t.name, t.dims
+                        ),
+                    ))
+                }
+            };
+            let piece = len / n;
+            for e in 0..n {
+                let name = format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight");
+                let st = SourceTensor {
+                    dtype,
+                    shape: vec![rows, cols],
+                    file: 0,
+                    offset: offset + e * piece,
+                    len: piece,
+                    unpermute_heads: None,
+                    synthetic_seed: None,
+                    plus_one_from: None,
+                };
+                if tensors.insert(name, st).is_some() {
+                    return Err(ImportError::malformed(
+                        path,
+                        None,
+                        format!("tensor {} appears twice", t.name),
+                    ));
+                }
+            }
+            continue;
+        }
         let name = canonical_name(&t.name, arch).ok_or_else(|| {
             ImportError::unsupported(
                 path,
@@ -657,17 +734,17 @@ fn map_tensors(
 }
 
 /// The architecture config from the `{arch}.*` metadata and the tensors present.
+/// `p` is the metadata's architecture name (`general.architecture`), the keys' prefix.
 fn arch_config(
     meta: &Meta<'_>,
     tensors: &BTreeMap<String, SourceTensor>,
     rope_freqs: Option<Vec<f32>>,
-    arch: Arch,
+    (arch, p): (Arch, &str),
     hidden: u32,
     heads: Heads,
     head_dim: u32,
 ) -> Result<ArchConfig, ImportError> {
     let path = meta.path;
-    let p = arch.to_string();
     let (n_heads, n_kv_heads) = (heads.q, heads.kv);
     let embd = tensors
         .get("model.embed_tokens.weight")
@@ -715,6 +792,21 @@ fn arch_config(
         qkv_bias: tensors.contains_key("model.layers.0.self_attn.q_proj.bias"),
         sliding_window: meta.u32_opt(&format!("{p}.attention.sliding_window"))?,
         ext: Default::default(),
+        moe: match arch {
+            // As llama.cpp reads them (src/models/qwen3moe.cpp, llama.cpp's llama graph):
+            // every layer a mixture, softmax gating, the top k renormalized.
+            Arch::Qwen3Moe | Arch::Mixtral => Some(MoeConfig {
+                n_experts: meta.u32(&format!("{p}.expert_count"))?,
+                top_k: meta.u32(&format!("{p}.expert_used_count"))?,
+                intermediate: match meta.u32_opt(&format!("{p}.expert_feed_forward_length"))? {
+                    Some(n) => n,
+                    None => meta.u32(&format!("{p}.feed_forward_length"))?,
+                },
+                norm_topk_prob: true,
+                dense_layers: Vec::new(),
+            }),
+            _ => None,
+        },
     };
     let mut arch_cfg = arch_cfg;
     if arch == Arch::Gemma3 {

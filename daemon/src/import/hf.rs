@@ -4,7 +4,7 @@
 
 use super::{end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor};
 use crate::dtype::DType;
-use crate::store::arch::{every_but_nth, Arch, ArchConfig, ArchExt, RopeScaling};
+use crate::store::arch::{every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling};
 use crate::store::format::{SpecialTokens, TokenizerSpec};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -128,10 +128,12 @@ pub fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportErro
         "qwen2" => Arch::Qwen2,
         "qwen3" => Arch::Qwen3,
         "gemma3" | "gemma3_text" => Arch::Gemma3,
+        "qwen3_moe" => Arch::Qwen3Moe,
+        "mixtral" => Arch::Mixtral,
         other => {
             return Err(ImportError::unsupported(
                 &path,
-                format!("model_type {other:?}; sluice supports llama, mistral, qwen2, qwen3 and gemma3 (gemma3_text)"),
+                format!("model_type {other:?}; sluice supports llama, mistral, qwen2, qwen3, gemma3 (gemma3_text), qwen3_moe and mixtral"),
             ))
         }
     };
@@ -178,9 +180,10 @@ pub fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportErro
     };
     let rope_scaling = rope_scaling(scaling, &path)?;
     let sliding_window = match arch {
-        Arch::Mistral | Arch::Gemma3 => c.u32_opt("sliding_window")?,
+        Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => c.u32_opt("sliding_window")?,
         _ => None,
     };
+    let moe = moe_config(arch, &c, n_layers)?;
     let sliding_layers = match v.get("layer_types").and_then(Value::as_array) {
         Some(types) if gemma => {
             if types.len() != n_layers as usize {
@@ -234,10 +237,74 @@ pub fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportErro
         qkv_bias: arch == Arch::Qwen2 || c.bool_opt("attention_bias")?.unwrap_or(false),
         sliding_window,
         ext,
+        moe,
     };
     cfg.validate()
         .map_err(|e| ImportError::malformed(&path, None, e))?;
     Ok(cfg)
+}
+
+/// The mixture of experts of a Qwen3-MoE or Mixtral config.json (None for the others).
+/// Qwen3-MoE: `num_experts` (transformers 5 may write `num_local_experts`),
+/// `num_experts_per_tok`, `moe_intermediate_size`, `norm_topk_prob` (transformers' default
+/// false), and layer i sparse unless in `mlp_only_layers` or (i + 1) is not a multiple of
+/// `decoder_sparse_step`; Mixtral: `num_local_experts` experts of `intermediate_size`,
+/// every layer sparse, probabilities always renormalized.
+fn moe_config(arch: Arch, c: &Config<'_>, n_layers: u32) -> Result<Option<MoeConfig>, ImportError> {
+    let experts = || -> Result<u32, ImportError> {
+        match c.u32_opt("num_experts")? {
+            Some(n) => Ok(n),
+            None => c.u32("num_local_experts"),
+        }
+    };
+    match arch {
+        Arch::Qwen3Moe => {
+            let step = c.u32_opt("decoder_sparse_step")?.unwrap_or(1).max(1);
+            let mlp_only: Vec<u32> = match c.v.get("mlp_only_layers") {
+                None | Some(Value::Null) => Vec::new(),
+                Some(Value::Array(a)) => a
+                    .iter()
+                    .map(|x| {
+                        x.as_u64()
+                            .and_then(|x| u32::try_from(x).ok())
+                            .ok_or_else(|| {
+                                ImportError::malformed(
+                                    c.path,
+                                    None,
+                                    format!("mlp_only_layers holds {x}, not a layer index"),
+                                )
+                            })
+                    })
+                    .collect::<Result<_, _>>()?,
+                Some(other) => {
+                    return Err(ImportError::malformed(
+                        c.path,
+                        None,
+                        format!("mlp_only_layers is {other}, not a list of layers"),
+                    ))
+                }
+            };
+            let n_experts = experts()?;
+            let dense_layers = (0..n_layers)
+                .filter(|i| mlp_only.contains(i) || n_experts == 0 || (i + 1) % step != 0)
+                .collect();
+            Ok(Some(MoeConfig {
+                n_experts,
+                top_k: c.u32("num_experts_per_tok")?,
+                intermediate: c.u32("moe_intermediate_size")?,
+                norm_topk_prob: c.bool_opt("norm_topk_prob")?.unwrap_or(false),
+                dense_layers,
+            }))
+        }
+        Arch::Mixtral => Ok(Some(MoeConfig {
+            n_experts: experts()?,
+            top_k: c.u32_opt("num_experts_per_tok")?.unwrap_or(2),
+            intermediate: c.u32("intermediate_size")?,
+            norm_topk_prob: true,
+            dense_layers: Vec::new(),
+        })),
+        _ => Ok(None),
+    }
 }
 
 /// A `rope_scaling` (or transformers 5 `rope_parameters`) object.
@@ -300,6 +367,96 @@ fn language_model_name(arch: Arch, name: &str) -> Option<String> {
             (None, None) => name.to_string(),
         },
     )
+}
+
+/// A mixture of experts' tensors under the store's names (Qwen3-MoE's on the Hub:
+/// `mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj`): Mixtral's `block_sparse_moe.gate`
+/// and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate/up/down) renamed, and the fused
+/// per-layer layout of transformers 5 (`mlp.experts.gate_up_proj` [experts, 2 x
+/// intermediate, hidden], gate rows first, and `mlp.experts.down_proj` [experts, hidden,
+/// intermediate]) cut into each expert's tensors (byte ranges of the same file, no copy).
+/// Other tensors pass through as they are.
+fn expert_tensors(
+    cfg: &ArchConfig,
+    name: String,
+    t: SourceTensor,
+    path: &Path,
+) -> Result<Vec<(String, SourceTensor)>, ImportError> {
+    let Some(moe) = &cfg.moe else {
+        return Ok(vec![(name, t)]);
+    };
+    let Some((layer, rest)) = name
+        .strip_prefix("model.layers.")
+        .and_then(|r| r.split_once('.'))
+    else {
+        return Ok(vec![(name, t)]);
+    };
+    let p = format!("model.layers.{layer}");
+    if let Some(rest) = rest.strip_prefix("block_sparse_moe.") {
+        let renamed = match rest
+            .strip_prefix("experts.")
+            .and_then(|r| r.split_once('.'))
+        {
+            Some((e, w)) => {
+                let proj = match w {
+                    "w1.weight" => "gate_proj",
+                    "w3.weight" => "up_proj",
+                    "w2.weight" => "down_proj",
+                    _ => return Ok(vec![(name, t)]),
+                };
+                format!("{p}.mlp.experts.{e}.{proj}.weight")
+            }
+            None => format!("{p}.mlp.{rest}"),
+        };
+        return Ok(vec![(renamed, t)]);
+    }
+    let fused = match rest {
+        "mlp.experts.gate_up_proj" => 2,
+        "mlp.experts.down_proj" => 1,
+        _ => return Ok(vec![(name, t)]),
+    };
+    let (n, mi, h) = (
+        moe.n_experts as u64,
+        moe.intermediate as u64,
+        cfg.hidden as u64,
+    );
+    let want = if fused == 2 {
+        vec![n, 2 * mi, h]
+    } else {
+        vec![n, h, mi]
+    };
+    if t.shape != want || t.plus_one_from.is_some() {
+        return Err(ImportError::unsupported(
+            path,
+            format!(
+                "{name} has shape {:?}; sluice reads the fused experts as {want:?} ({n} experts, {mi} rows each, hidden {h})",
+                t.shape
+            ),
+        ));
+    }
+    let es = t.dtype.block_bytes();
+    let piece = mi * h * es;
+    let mut out = Vec::with_capacity((n * fused) as usize);
+    for e in 0..n {
+        let projs: &[&str] = if fused == 2 {
+            &["gate_proj", "up_proj"]
+        } else {
+            &["down_proj"]
+        };
+        for (k, proj) in projs.iter().enumerate() {
+            let shape = if fused == 2 { vec![mi, h] } else { vec![h, mi] };
+            out.push((
+                format!("{p}.mlp.experts.{e}.{proj}.weight"),
+                SourceTensor {
+                    shape,
+                    offset: t.offset + (e * fused + k as u64) * piece,
+                    len: piece,
+                    ..t.clone()
+                },
+            ));
+        }
+    }
+    Ok(out)
 }
 
 /// Whether a tensor is an RMSNorm weight (`*norm.weight`, `*_layernorm.weight`).
@@ -474,12 +631,14 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                     synthetic_seed: None,
                     plus_one_from: plus_one.then_some(dtype),
                 };
-                if tensors.insert(name.clone(), t).is_some() {
-                    return Err(ImportError::malformed(
-                        &path,
-                        None,
-                        format!("tensor {name} appears in two shards"),
-                    ));
+                for (name, t) in expert_tensors(&arch, name, t, &path)? {
+                    if tensors.insert(name.clone(), t).is_some() {
+                        return Err(ImportError::malformed(
+                            &path,
+                            None,
+                            format!("tensor {name} appears in two shards"),
+                        ));
+                    }
                 }
             }
         }

@@ -212,6 +212,7 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
             qkv_bias: false,
             sliding_window: None,
             ext: Default::default(),
+            moe: None,
         },
         tokenizer: TokenizerSpec::Gguf(GgufVocab {
             model: "llama".into(),

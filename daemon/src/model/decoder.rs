@@ -10,6 +10,7 @@
 //! through one layer unit at a time: `forward_unit` is the loop body the streaming
 //! pipeline drives, so one pass over the weights serves the whole batch.
 
+use super::moe::Routes;
 use super::rope::rope_table;
 use super::{Activation, ArchConfig, RopeScaling};
 use crate::backend::{
@@ -53,14 +54,27 @@ struct LayerTensors {
     o: TensorLoc,
     post_attn_norm: Option<TensorLoc>,
     ffn_norm: TensorLoc,
-    gate: TensorLoc,
-    up: TensorLoc,
-    down: TensorLoc,
+    ffn: Ffn,
     post_ffn_norm: Option<TensorLoc>,
     /// Its part of the KV cache (a ring for sliding-window layers).
     cache: LayerCache,
     /// RoPE with the local (sliding-window) base.
     local_rope: bool,
+}
+
+/// A layer's feed-forward block: a gated MLP, or a mixture of experts (its router and
+/// each expert's gate, up and down projections).
+#[derive(Clone, Debug)]
+enum Ffn {
+    Dense {
+        gate: TensorLoc,
+        up: TensorLoc,
+        down: TensorLoc,
+    },
+    Moe {
+        router: TensorLoc,
+        experts: Vec<[TensorLoc; 3]>,
+    },
 }
 
 /// Limits of one model instance; the memory plan derives them from config.
@@ -87,11 +101,46 @@ impl ModelOptions {
             rows: self.max_batch_tokens.max(self.kv_slots) as u64,
             hidden: cfg.hidden as u64,
             q_dim: cfg.q_dim(),
-            intermediate: cfg.intermediate as u64,
+            intermediate: ffn_rows(cfg),
             vocab: cfg.vocab as u64,
             max_context: self.max_context,
         }
     }
+}
+
+/// A gated MLP (a dense layer's, or one expert's) on the `rows` rows of `x`, the first
+/// `gemv_rows` of them decode rows: out = down(act(gate(x)) * up(x)), through `g` and `u`.
+fn gated_mlp<B: Backend>(
+    b: &B,
+    c: &ArchConfig,
+    (x, rows, gemv_rows): (&B::Mem, usize, usize),
+    [gate, up, down]: [WeightRef<'_, B::Mem>; 3],
+    (g, u): (&mut B::Mem, &mut B::Mem),
+    out: &mut B::Mem,
+) {
+    let n = rows * gate.rows;
+    b.matmuls(
+        x,
+        rows,
+        gemv_rows,
+        &mut [
+            MatmulOut {
+                w: gate,
+                bias: None,
+                out: g,
+            },
+            MatmulOut {
+                w: up,
+                bias: None,
+                out: u,
+            },
+        ],
+    );
+    match c.arch.recipe().activation {
+        Activation::Silu => b.silu_mul(g, u, n),
+        Activation::GeluTanh => b.gelu_mul(g, u, n),
+    }
+    b.matmul(g, rows, gemv_rows, down, None, out);
 }
 
 /// One sequence's part of a step.
@@ -129,6 +178,9 @@ struct Workspace<M> {
     logits: M,
     /// Room for q and k after their per-head norm (models with q/k norm).
     qk_normed: Option<(M, M)>,
+    /// A mixture of experts: the router's logits, one expert's rows gathered, and its
+    /// output before it is added into `proj`.
+    moe: Option<(M, M, M)>,
 }
 
 pub struct Decoder<B: Backend> {
@@ -160,6 +212,9 @@ pub struct Decoder<B: Backend> {
     host_logits: Vec<f32>,
     part_logits: Vec<f32>,
     logits_on_host: bool,
+    /// A mixture of experts' router logits on the host, and the step's routing.
+    router_logits: Vec<f32>,
+    routes: Option<Routes>,
 }
 
 fn loc(unit: &LayerUnit, name: &str, rows: u64, cols: u64) -> Result<TensorLoc, ModelError> {
@@ -211,6 +266,16 @@ pub fn kv_cache_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
     2 * kv_layout(cfg, opts).1 as u64 * opts.kv_dtype.bytes() as u64
 }
 
+/// The widest feed-forward activation: the dense MLP's rows, or an expert's.
+fn ffn_rows(cfg: &ArchConfig) -> u64 {
+    let dense = if cfg.moe.is_none() || (0..cfg.n_layers).any(|i| !cfg.is_sparse(i)) {
+        cfg.intermediate
+    } else {
+        0
+    };
+    dense.max(cfg.moe.as_ref().map_or(0, |m| m.intermediate)) as u64
+}
+
 /// Bytes of activation workspace (and rotary tables) for these options.
 pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
     let t = opts.max_batch_tokens as u64;
@@ -218,16 +283,21 @@ pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
         cfg.hidden as u64,
         cfg.q_dim(),
         cfg.kv_dim(),
-        cfg.intermediate as u64,
+        ffn_rows(cfg),
         cfg.vocab as u64,
     );
+    // A mixture: router logits, an expert's gathered rows and its output.
+    let moe = cfg
+        .moe
+        .as_ref()
+        .map_or(0, |m| t * (m.n_experts as u64 + 2 * h));
     let s = opts.kv_slots as u64;
     let qk = if cfg.arch.recipe().qk_norm {
         t * (q + kv)
     } else {
         0
     };
-    let f32s = t * (3 * h + 2 * q + 2 * kv + 2 * i) + s * (2 * h + v) + qk;
+    let f32s = t * (3 * h + 2 * q + 2 * kv + 2 * i) + s * (2 * h + v) + qk + moe;
     let tables = if cfg.ext.rope_local_theta.is_some() {
         2
     } else {
@@ -312,9 +382,28 @@ impl<B: Backend> Decoder<B> {
                 o: loc(u, &format!("{p}.self_attn.o_proj.weight"), h, q)?,
                 post_attn_norm: post(names.post_attn_norm)?,
                 ffn_norm: loc(u, &format!("{p}.{}.weight", names.ffn_norm), 1, h)?,
-                gate: loc(u, &format!("{p}.mlp.gate_proj.weight"), inter, h)?,
-                up: loc(u, &format!("{p}.mlp.up_proj.weight"), inter, h)?,
-                down: loc(u, &format!("{p}.mlp.down_proj.weight"), h, inter)?,
+                ffn: match c.moe.as_ref().filter(|_| c.is_sparse(i as u32)) {
+                    Some(m) => {
+                        let (n, mi) = (m.n_experts as u64, m.intermediate as u64);
+                        let expert = |e: u64| -> Result<[TensorLoc; 3], ModelError> {
+                            let x = format!("{p}.mlp.experts.{e}");
+                            Ok([
+                                loc(u, &format!("{x}.gate_proj.weight"), mi, h)?,
+                                loc(u, &format!("{x}.up_proj.weight"), mi, h)?,
+                                loc(u, &format!("{x}.down_proj.weight"), h, mi)?,
+                            ])
+                        };
+                        Ffn::Moe {
+                            router: loc(u, &format!("{p}.mlp.gate.weight"), n, h)?,
+                            experts: (0..n).map(expert).collect::<Result<_, _>>()?,
+                        }
+                    }
+                    None => Ffn::Dense {
+                        gate: loc(u, &format!("{p}.mlp.gate_proj.weight"), inter, h)?,
+                        up: loc(u, &format!("{p}.mlp.up_proj.weight"), inter, h)?,
+                        down: loc(u, &format!("{p}.mlp.down_proj.weight"), h, inter)?,
+                    },
+                },
                 post_ffn_norm: post(names.post_ffn_norm)?,
                 cache,
                 local_rope: cache.window.is_some() && c.ext.rope_local_theta.is_some(),
@@ -360,6 +449,7 @@ impl<B: Backend> Decoder<B> {
         let t = opts.max_batch_tokens;
         let s = opts.kv_slots;
         let a = |n: u64, what: &str| backend.alloc(n as usize * 4, what);
+        let ffn = ffn_rows(&c);
         let ws = Workspace {
             x: a(t as u64 * h, "activations")?,
             xn: a(t as u64 * h, "activations")?,
@@ -368,8 +458,8 @@ impl<B: Backend> Decoder<B> {
             k: a(t as u64 * kv, "activations")?,
             v: a(t as u64 * kv, "activations")?,
             attn: a(t as u64 * q, "activations")?,
-            gate: a(t as u64 * inter, "activations")?,
-            up: a(t as u64 * inter, "activations")?,
+            gate: a(t as u64 * ffn, "activations")?,
+            up: a(t as u64 * ffn, "activations")?,
             last: a(s as u64 * h, "activations")?,
             last_n: a(s as u64 * h, "activations")?,
             logits: a(s as u64 * vocab, "logits")?,
@@ -381,6 +471,21 @@ impl<B: Backend> Decoder<B> {
             } else {
                 None
             },
+            moe: match &c.moe {
+                Some(m) => Some((
+                    a(t as u64 * m.n_experts as u64, "router logits")?,
+                    a(t as u64 * h, "activations")?,
+                    a(t as u64 * h, "activations")?,
+                )),
+                None => None,
+            },
+        };
+        let (router_logits, routes) = match &c.moe {
+            Some(m) => (
+                Vec::with_capacity(t * m.n_experts as usize),
+                Some(Routes::with_capacity(m, t)),
+            ),
+            None => (Vec::new(), None),
         };
         Ok(Decoder {
             cfg: c,
@@ -405,6 +510,8 @@ impl<B: Backend> Decoder<B> {
             host_logits: Vec::new(),
             part_logits: Vec::new(),
             logits_on_host: false,
+            router_logits,
+            routes,
         })
     }
 
@@ -525,12 +632,7 @@ impl<B: Backend> Decoder<B> {
     fn decoder(&mut self, b: &B, i: usize, mem: &B::Mem) {
         let l = &self.layers[i];
         let (rows, c) = (self.rows, &self.cfg);
-        let (h, qd, kvd, inter) = (
-            c.hidden as usize,
-            c.q_dim() as usize,
-            c.kv_dim() as usize,
-            c.intermediate as usize,
-        );
+        let (h, qd, kvd) = (c.hidden as usize, c.q_dim() as usize, c.kv_dim() as usize);
         let ws = &mut self.ws;
         b.rms_norm(&ws.x, l.attn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
         let bias = |k: usize| l.qkv_bias.map(|bs| bs[k].at(mem));
@@ -601,35 +703,50 @@ impl<B: Backend> Decoder<B> {
             h,
         );
         b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
-        b.matmuls(
-            &ws.xn,
-            rows,
-            self.gemv_rows,
-            &mut [
-                MatmulOut {
-                    w: l.gate.at(mem),
-                    bias: None,
-                    out: &mut ws.gate,
-                },
-                MatmulOut {
-                    w: l.up.at(mem),
-                    bias: None,
-                    out: &mut ws.up,
-                },
-            ],
-        );
-        match c.arch.recipe().activation {
-            Activation::Silu => b.silu_mul(&mut ws.gate, &ws.up, rows * inter),
-            Activation::GeluTanh => b.gelu_mul(&mut ws.gate, &ws.up, rows * inter),
+        match &l.ffn {
+            Ffn::Dense { gate, up, down } => gated_mlp(
+                b,
+                c,
+                (&ws.xn, rows, self.gemv_rows),
+                [gate, up, down].map(|t| t.at(mem)),
+                (&mut ws.gate, &mut ws.up),
+                &mut ws.proj,
+            ),
+            Ffn::Moe { router, experts } => {
+                let moe = c.moe.as_ref().expect("a mixture's layer has its config");
+                let routes = self.routes.as_mut().expect("a mixture has its routes");
+                let (logits, xe, ye) = ws.moe.as_mut().expect("a mixture has its workspace");
+                let n = moe.n_experts as usize;
+                b.matmul(&ws.xn, rows, self.gemv_rows, router.at(mem), None, logits);
+                self.router_logits.resize(rows * n, 0.0);
+                b.download_f32(logits, 0, &mut self.router_logits);
+                routes.route(moe, &self.router_logits, rows);
+                b.zero(&mut ws.proj, rows * h);
+                // Expert by expert, ascending: each row's sum in the order transformers
+                // adds them. An expert's rows keep their order, decode rows first, so a
+                // decode row takes the decode kernels here too.
+                for (e, [gate, up, down]) in experts.iter().enumerate() {
+                    let (er, ew) = routes.of(e);
+                    if er.is_empty() {
+                        continue;
+                    }
+                    let (m, ge) = (
+                        er.len(),
+                        er.partition_point(|&r| (r as usize) < self.gemv_rows),
+                    );
+                    b.gather_rows(&ws.xn, er, h, xe);
+                    gated_mlp(
+                        b,
+                        c,
+                        (xe, m, ge),
+                        [gate, up, down].map(|t| t.at(mem)),
+                        (&mut ws.gate, &mut ws.up),
+                        ye,
+                    );
+                    b.scatter_add_rows(ye, er, ew, h, &mut ws.proj);
+                }
+            }
         }
-        b.matmul(
-            &ws.gate,
-            rows,
-            self.gemv_rows,
-            l.down.at(mem),
-            None,
-            &mut ws.proj,
-        );
         residual(
             b,
             &mut ws.x,

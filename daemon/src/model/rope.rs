@@ -106,6 +106,7 @@ mod tests {
             qkv_bias: false,
             sliding_window: None,
             ext: Default::default(),
+            moe: None,
         }
     }
 

@@ -21,6 +21,11 @@ pub enum Arch {
     /// Gemma 3: scaled embeddings, norms around attention and MLP, GeGLU, q/k norm, five
     /// sliding-window layers to one global.
     Gemma3,
+    /// Qwen3-MoE: Qwen3's attention, a mixture of experts in place of the MLP (softmax
+    /// router, top-k, optionally renormalized), some layers dense (`mlp_only_layers`).
+    Qwen3Moe,
+    /// Mixtral: Mistral's layout with a mixture of experts (softmax, top-2, renormalized).
+    Mixtral,
 }
 
 /// What a decoder layer of an architecture is made of, under `model.layers.{i}.` (Hugging
@@ -76,8 +81,8 @@ const GEMMA3: Recipe = Recipe {
 impl Arch {
     pub fn recipe(self) -> &'static Recipe {
         match self {
-            Arch::Llama | Arch::Mistral | Arch::Qwen2 => &LLAMA,
-            Arch::Qwen3 => &QWEN3,
+            Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Mixtral => &LLAMA,
+            Arch::Qwen3 | Arch::Qwen3Moe => &QWEN3,
             Arch::Gemma3 => &GEMMA3,
         }
     }
@@ -117,6 +122,8 @@ impl fmt::Display for Arch {
             Arch::Qwen2 => "qwen2",
             Arch::Qwen3 => "qwen3",
             Arch::Gemma3 => "gemma3",
+            Arch::Qwen3Moe => "qwen3moe",
+            Arch::Mixtral => "mixtral",
         })
     }
 }
@@ -165,7 +172,33 @@ pub struct ArchConfig {
     /// `store::format`); defaults for a format-1 store.
     #[serde(skip)]
     pub ext: ArchExt,
+    /// Store format 3's: the mixture of experts of a MoE architecture (None: every layer
+    /// has a dense MLP).
+    #[serde(skip)]
+    pub moe: Option<MoeConfig>,
 }
+
+/// A mixture of experts in place of the MLP: a router (`mlp.gate`, a linear map from the
+/// hidden state to one logit per expert), softmax over the experts in f32, the `top_k`
+/// most probable (their probabilities renormalized to sum to 1 when `norm_topk_prob`),
+/// and each chosen expert's gated MLP (`mlp.experts.{e}.{gate,up,down}_proj`, of
+/// `intermediate` rows) weighted by its probability, summed over the chosen experts in
+/// ascending expert order.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    pub n_experts: u32,
+    pub top_k: u32,
+    /// Rows of each expert's gate and up projections.
+    pub intermediate: u32,
+    pub norm_topk_prob: bool,
+    /// Layers with a dense MLP of `ArchConfig::intermediate` instead (Qwen3-MoE's
+    /// `mlp_only_layers` and `decoder_sparse_step`), ascending.
+    pub dense_layers: Vec<u32>,
+}
+
+/// Experts a layer may have at most (a sanity bound against crafted manifests; the
+/// largest released models have 256).
+pub const EXPERTS_MAX: u32 = 1024;
 
 /// The MLP's gate activation.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -232,16 +265,38 @@ impl ArchConfig {
         if let Some(n) = r.post_attn_norm {
             t.push((format!("{p}.{n}.weight"), vec![h]));
         }
-        t.extend([
-            (format!("{p}.{}.weight", r.ffn_norm), vec![h]),
-            (format!("{p}.mlp.gate_proj.weight"), vec![inter, h]),
-            (format!("{p}.mlp.up_proj.weight"), vec![inter, h]),
-            (format!("{p}.mlp.down_proj.weight"), vec![h, inter]),
-        ]);
+        t.push((format!("{p}.{}.weight", r.ffn_norm), vec![h]));
+        match self.moe.as_ref().filter(|_| self.is_sparse(i)) {
+            // The router, then each expert's three projections together, expert by expert
+            // (so an expert is one contiguous run of the unit).
+            Some(moe) => {
+                let (n, mi) = (moe.n_experts as u64, moe.intermediate as u64);
+                t.push((format!("{p}.mlp.gate.weight"), vec![n, h]));
+                for e in 0..n {
+                    t.extend([
+                        (format!("{p}.mlp.experts.{e}.gate_proj.weight"), vec![mi, h]),
+                        (format!("{p}.mlp.experts.{e}.up_proj.weight"), vec![mi, h]),
+                        (format!("{p}.mlp.experts.{e}.down_proj.weight"), vec![h, mi]),
+                    ]);
+                }
+            }
+            None => t.extend([
+                (format!("{p}.mlp.gate_proj.weight"), vec![inter, h]),
+                (format!("{p}.mlp.up_proj.weight"), vec![inter, h]),
+                (format!("{p}.mlp.down_proj.weight"), vec![h, inter]),
+            ]),
+        }
         if let Some(n) = r.post_ffn_norm {
             t.push((format!("{p}.{n}.weight"), vec![h]));
         }
         t
+    }
+
+    /// Whether layer `i` has a mixture of experts (not a dense MLP).
+    pub fn is_sparse(&self, i: u32) -> bool {
+        self.moe
+            .as_ref()
+            .is_some_and(|m| !m.dense_layers.contains(&i))
     }
 
     /// The attention window of layer `layer`, if it is a sliding-window layer.
@@ -309,6 +364,37 @@ impl ArchConfig {
                     return Err(format!("{what} {v} is not a positive number"));
                 }
             }
+        }
+        let moe_arch = matches!(self.arch, Arch::Qwen3Moe | Arch::Mixtral);
+        match (&self.moe, moe_arch) {
+            (None, true) => return Err(format!("{} needs a mixture-of-experts config", self.arch)),
+            (Some(_), false) => return Err(format!("{} has no mixture of experts", self.arch)),
+            (Some(m), true) => {
+                if !(1..=EXPERTS_MAX).contains(&m.n_experts) {
+                    return Err(format!(
+                        "{} experts, outside 1 to {EXPERTS_MAX}",
+                        m.n_experts
+                    ));
+                }
+                if !(1..=m.n_experts).contains(&m.top_k) {
+                    return Err(format!(
+                        "{} experts per token, outside 1 to the {} experts",
+                        m.top_k, m.n_experts
+                    ));
+                }
+                if m.intermediate == 0 {
+                    return Err("expert intermediate size is 0".into());
+                }
+                if !m.dense_layers.windows(2).all(|w| w[0] < w[1])
+                    || m.dense_layers.last().is_some_and(|&l| l >= self.n_layers)
+                {
+                    return Err(format!(
+                        "dense layers {:?} are not ascending layers below {}",
+                        m.dense_layers, self.n_layers
+                    ));
+                }
+            }
+            (None, false) => {}
         }
         if let Some(RopeScaling::FreqFactors(f)) = &self.rope_scaling {
             if f.len() as u32 != self.head_dim / 2 {

@@ -1,13 +1,14 @@
-//! Store format version 2: the manifest and its on-disk framing.
+//! Store format version 3: the manifest and its on-disk framing.
 //!
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
 //! | payload (postcard) | xxh3-64 of everything before it (u64 LE).
 //!
 //! The payload of version 1 is the `Manifest`; version 2 appends the `ArchExt` (the
 //! config of the architectures added since: q/k norm, sliding-window layers, ...) after
-//! it. Version 1 stores still open, with the defaults of a Llama-family model.
+//! it; version 3 then the mixture of experts (`Option<MoeConfig>`). Version 1 and 2 stores
+//! still open, with the defaults of a Llama-family model and no experts.
 
-use super::arch::{ArchConfig, ArchExt};
+use super::arch::{ArchConfig, ArchExt, MoeConfig};
 use super::codec::{Codec, Plane};
 use super::StoreError;
 use crate::dtype::DType;
@@ -17,7 +18,7 @@ use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;
 
 pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
-pub const FORMAT_VERSION: u32 = 2;
+pub const FORMAT_VERSION: u32 = 3;
 /// The oldest format this sluiced still reads.
 pub const FORMAT_VERSION_MIN: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.bin";
@@ -313,6 +314,7 @@ impl Manifest {
     pub fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
         let mut payload = postcard::to_stdvec(self)?;
         payload.extend_from_slice(&postcard::to_stdvec(&self.arch.ext)?);
+        payload.extend_from_slice(&postcard::to_stdvec(&self.arch.moe)?);
         let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + 8);
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -387,6 +389,14 @@ impl Manifest {
         let rest = if version >= 2 {
             let (ext, rest): (ArchExt, _) = postcard::take_from_bytes(rest).map_err(bad)?;
             m.arch.ext = ext;
+            rest
+        } else {
+            rest
+        };
+        let rest = if version >= 3 {
+            let (moe, rest): (Option<MoeConfig>, _) =
+                postcard::take_from_bytes(rest).map_err(bad)?;
+            m.arch.moe = moe;
             rest
         } else {
             rest

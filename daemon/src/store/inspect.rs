@@ -40,6 +40,8 @@ pub struct TokenizerSummary {
 pub struct Summary {
     pub source: String,
     pub config: ArchConfig,
+    /// The mixture of experts (None: dense MLPs), which the config's own fields leave out.
+    pub moe: Option<super::arch::MoeConfig>,
     pub tokenizer: TokenizerSummary,
     pub bos: Option<u32>,
     pub eos: Option<u32>,
@@ -131,6 +133,7 @@ pub fn summarize(m: &Manifest) -> Summary {
     Summary {
         source: m.source.clone(),
         config: m.arch.clone(),
+        moe: m.arch.moe.clone(),
         tokenizer,
         bos: m.special.bos,
         eos: m.special.eos,

@@ -1046,6 +1046,36 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn gather_rows(&self, src: &CpuMem, rows: &[u32], cols: usize, dst: &mut CpuMem) {
+        let (s, d) = (src.f32s(), &mut dst.f32s_mut()[..rows.len() * cols]);
+        for (o, &r) in d.chunks_exact_mut(cols).zip(rows) {
+            let r = r as usize;
+            o.copy_from_slice(&s[r * cols..(r + 1) * cols]);
+        }
+    }
+
+    fn scatter_add_rows(
+        &self,
+        src: &CpuMem,
+        rows: &[u32],
+        weights: &[f32],
+        cols: usize,
+        dst: &mut CpuMem,
+    ) {
+        let (s, d) = (&src.f32s()[..rows.len() * cols], dst.f32s_mut());
+        for ((x, &r), &w) in s.chunks_exact(cols).zip(rows).zip(weights) {
+            let r = r as usize;
+            for (o, &v) in d[r * cols..(r + 1) * cols].iter_mut().zip(x) {
+                // A product, then a sum (Rust does not fuse them): the CUDA kernel's bits.
+                *o += w * v;
+            }
+        }
+    }
+
+    fn zero(&self, x: &mut CpuMem, n: usize) {
+        x.f32s_mut()[..n].fill(0.0);
+    }
+
     fn copy_row(
         &self,
         src: &CpuMem,

@@ -100,6 +100,24 @@ fn print_summary(dir: &std::path::Path, s: &store::inspect::Summary) {
         e.embed_scale.map_or("-".into(), |s| format!("{s:.4}")),
         e.attn_scale.map_or("-".into(), |s| format!("{s:.5}")),
     );
+    if let Some(m) = &c.moe {
+        println!(
+            "experts     {} of {} rows per sparse layer, top {}{}, dense layers {}",
+            m.n_experts,
+            m.intermediate,
+            m.top_k,
+            if m.norm_topk_prob {
+                " (renormalized)"
+            } else {
+                ""
+            },
+            if m.dense_layers.is_empty() {
+                "none".to_string()
+            } else {
+                format!("{:?}", m.dense_layers)
+            }
+        );
+    }
     let t = &s.tokenizer;
     println!(
         "tokenizer   {}{}{}, bos {:?}, eos {:?}, end tokens {:?}, add bos {}, chat template {}",
