@@ -734,6 +734,7 @@ impl ThreadScratch {
         }
         kernels::reserve_thread_scratch(self.k_max);
         RES4.with(|r| grow(&mut r.borrow_mut(), self.chunk_max));
+        RES.with(|r| grow(&mut r.borrow_mut(), self.chunk_max));
         // Scores: a whole row of one head (the f32 cache's path), or a chunk of keys for
         // up to GROUP_MAX heads (the f16 cache's); the offsets of a chunk's keys.
         let scores = self.max_context.max(kernels::GROUP_MAX * ATTN_CHUNK);
@@ -755,8 +756,10 @@ thread_local! {
     static KEYS: RefCell<Vec<usize>> = const { RefCell::new(Vec::new()) };
     /// A row's running softmax partial and the current chunk's.
     static PARTIAL: RefCell<Vec<f32>> = const { RefCell::new(Vec::new()) };
-    /// A four-row GEMV task's results.
+    /// A four-row GEMV task's results (the f32 path).
     static RES4: RefCell<Vec<[f32; 4]>> = const { RefCell::new(Vec::new()) };
+    /// A GEMV task's results, up to q8::ROWS_MAX rows of each column.
+    static RES: RefCell<Vec<[f32; q8::ROWS_MAX]>> = const { RefCell::new(Vec::new()) };
 }
 
 impl Backend for CpuBackend {
@@ -1103,6 +1106,14 @@ enum DecodePath {
 }
 
 impl DecodePath {
+    /// Decode rows one weight read serves.
+    fn group(self) -> usize {
+        match self {
+            DecodePath::Int8 | DecodePath::Int16 => q8::ROWS_MAX,
+            DecodePath::Rows4 | DecodePath::Rows => 4,
+        }
+    }
+
     fn of(dtype: DType, acts: Acts) -> DecodePath {
         let int = q8::covers(dtype);
         match acts {
@@ -1152,7 +1163,7 @@ impl Matmul<'_> {
         r0: usize,
         n: usize,
         (j0, j1): (usize, usize),
-        res: &mut [[f32; 4]],
+        res: &mut [[f32; q8::ROWS_MAX]],
     ) -> bool {
         let Matmul {
             dtype,
@@ -1170,13 +1181,13 @@ impl Matmul<'_> {
         let pick = |i: usize| (r0 + i).min(g - 1);
         match self.path {
             DecodePath::Int8 => {
-                let rows: [&[q8::Q8Block]; 4] =
+                let rows: [&[q8::Q8Block]; q8::ROWS_MAX] =
                     std::array::from_fn(|i| &acts.q8[pick(i) * nb..(pick(i) + 1) * nb]);
                 q8::gemv_rows(dtype, w, rb, &rows[..n], res);
                 true
             }
             DecodePath::Int16 => {
-                let rows: [&[q8::Q16Block]; 4] =
+                let rows: [&[q8::Q16Block]; q8::ROWS_MAX] =
                     std::array::from_fn(|i| &acts.q16[pick(i) * nb..(pick(i) + 1) * nb]);
                 q8::gemv_rows16(dtype, w, rb, &rows[..n], res);
                 true
@@ -1185,7 +1196,15 @@ impl Matmul<'_> {
                 let xr: [&[f32]; 4] = std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
                 let xsr: [&[f32]; 4] =
                     std::array::from_fn(|i| &acts.xsums[pick(i) * nb..(pick(i) + 1) * nb]);
-                kernels::gemv4(dtype, w, rb, &xr, &xsr, res);
+                RES4.with(|r4| {
+                    let mut r4 = r4.borrow_mut();
+                    r4.clear();
+                    r4.resize(res.len(), [0f32; 4]);
+                    kernels::gemv4(dtype, w, rb, &xr, &xsr, &mut r4);
+                    for (o, v) in res.iter_mut().zip(r4.iter()) {
+                        o[..4].copy_from_slice(v);
+                    }
+                });
                 true
             }
             DecodePath::Rows4 | DecodePath::Rows => {
@@ -1225,8 +1244,9 @@ fn locate<'a>(
     unreachable!("task past the products' tasks")
 }
 
-/// The first `g` rows of every product, in groups of up to four rows, each product's
-/// output chunk `j0..j1` a task; a task's results are scattered into the output rows.
+/// The first `g` rows of every product, in groups of up to `DecodePath::group` rows (a
+/// weight block read once per group), each product's output chunk `j0..j1` a task; a
+/// task's results are scattered into the output rows.
 fn decode_rows(par: &Par, mm: &[Matmul], g: usize, acts: &DecodeActs<'_>) {
     let count = |p: &Matmul| p.m.div_ceil(p.decode_chunk());
     let total = mm.iter().map(count).sum();
@@ -1234,12 +1254,13 @@ fn decode_rows(par: &Par, mm: &[Matmul], g: usize, acts: &DecodeActs<'_>) {
         let (p, c) = locate(mm, count, t);
         let (m, chunk) = (p.m, p.decode_chunk());
         let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
-        RES4.with(|res| {
+        let group = p.path.group();
+        RES.with(|res| {
             let mut res = res.borrow_mut();
             res.clear();
-            res.resize(j1 - j0, [0f32; 4]);
-            for r0 in (0..g).step_by(4) {
-                let n = (g - r0).min(4);
+            res.resize(j1 - j0, [0f32; q8::ROWS_MAX]);
+            for r0 in (0..g).step_by(group) {
+                let n = (g - r0).min(group);
                 if !p.decode_task(acts, g, r0, n, (j0, j1), &mut res) {
                     continue;
                 }

@@ -106,16 +106,20 @@ pub fn quantize_rows<T: Level>(xs: &[f32], k: usize, out: &mut Vec<QBlock<T>>) {
     }));
 }
 
-/// An integer GEMV: `(dtype, weight rows, row bytes, activation rows, out)`.
-pub type IntKernel<B> = fn(DType, &[u8], usize, &[&[B]], &mut [[f32; 4]]);
+/// Activation rows one pass over a weight block serves at most: B decode rows read each
+/// weight ceil(B / 8) times, not B.
+pub const ROWS_MAX: usize = 8;
 
-/// out[j][r] = weight row j . activation row r, for the N rows of `xq` (1 to 4).
+/// An integer GEMV: `(dtype, weight rows, row bytes, activation rows, out)`.
+pub type IntKernel<B> = fn(DType, &[u8], usize, &[&[B]], &mut [[f32; ROWS_MAX]]);
+
+/// out[j][r] = weight row j . activation row r, for the N rows of `xq` (1 to ROWS_MAX).
 pub fn gemv_rows(
     dtype: DType,
     w: &[u8],
     row_bytes: usize,
     xq: &[&[Q8Block]],
-    out: &mut [[f32; 4]],
+    out: &mut [[f32; ROWS_MAX]],
 ) {
     assert!(covers(dtype), "no integer kernel for {dtype:?}");
     #[cfg(target_arch = "x86_64")]
@@ -132,7 +136,7 @@ pub fn gemv_rows16(
     w: &[u8],
     row_bytes: usize,
     xq: &[&[Q16Block]],
-    out: &mut [[f32; 4]],
+    out: &mut [[f32; ROWS_MAX]],
 ) {
     assert!(covers(dtype), "no integer kernel for {dtype:?}");
     #[cfg(target_arch = "x86_64")]
@@ -545,7 +549,7 @@ mod avx2 {
         w: &[u8],
         row_bytes: usize,
         xq: &[&[A]],
-        out: &mut [[f32; 4]],
+        out: &mut [[f32; super::ROWS_MAX]],
     ) {
         // SAFETY: this function's contract, which its caller upholds.
         unsafe {
@@ -554,7 +558,11 @@ mod avx2 {
                 2 => gemv::<2, A>(dtype, w, row_bytes, xq, out),
                 3 => gemv::<3, A>(dtype, w, row_bytes, xq, out),
                 4 => gemv::<4, A>(dtype, w, row_bytes, xq, out),
-                n => panic!("{n} rows: 1 to 4 at a time"),
+                5 => gemv::<5, A>(dtype, w, row_bytes, xq, out),
+                6 => gemv::<6, A>(dtype, w, row_bytes, xq, out),
+                7 => gemv::<7, A>(dtype, w, row_bytes, xq, out),
+                8 => gemv::<8, A>(dtype, w, row_bytes, xq, out),
+                n => panic!("{n} rows: 1 to {} at a time", super::ROWS_MAX),
             }
         }
     }
@@ -568,7 +576,7 @@ mod avx2 {
         w: &[u8],
         row_bytes: usize,
         xq: &[&[A]],
-        out: &mut [[f32; 4]],
+        out: &mut [[f32; super::ROWS_MAX]],
     ) {
         let nb = row_bytes / dtype.block_bytes() as usize * dtype.block_elems() as usize / 32;
         assert!(xq.len() == N && xq.iter().all(|x| x.len() >= nb));
@@ -655,15 +663,15 @@ mod tests {
             let (k, m) = (256usize, 7usize);
             let rb = dtype.row_bytes(k as u64).unwrap() as usize;
             let w = ggml::sample_blocks(dtype, m * k / dtype.block_elems() as usize, 5);
-            let xs = rng_floats(9, 4 * k);
+            let xs = rng_floats(9, ROWS_MAX * k);
             let mut xq: Vec<QBlock<T>> = Vec::new();
             quantize_rows(&xs, k, &mut xq);
             let rows: Vec<&[QBlock<T>]> = xq.chunks_exact(k / 32).collect();
-            let mut all = vec![[0f32; 4]; m];
+            let mut all = vec![[0f32; ROWS_MAX]; m];
             kernel(dtype, &w, rb, &rows, &mut all);
-            for n in 1..=4 {
-                for r0 in 0..=(4 - n) {
-                    let mut part = vec![[0f32; 4]; m];
+            for n in 1..=ROWS_MAX {
+                for r0 in 0..=(ROWS_MAX - n) {
+                    let mut part = vec![[0f32; ROWS_MAX]; m];
                     kernel(dtype, &w, rb, &rows[r0..r0 + n], &mut part);
                     for j in 0..m {
                         for i in 0..n {
@@ -679,7 +687,7 @@ mod tests {
             }
             let mut worst = 0f64;
             for j in 0..m {
-                for r in 0..4 {
+                for r in 0..ROWS_MAX {
                     let want = reference_dot(dtype, &w[j * rb..(j + 1) * rb], rows[r]);
                     let got = all[j][r] as f64;
                     worst = worst.max((got - want).abs() / (1.0 + want.abs()));
@@ -695,7 +703,7 @@ mod tests {
             let mut vals = vec![0f32; k];
             for j in 0..m {
                 ggml::dequantize(dtype, &w[j * rb..(j + 1) * rb], &mut vals).unwrap();
-                for r in 0..4 {
+                for r in 0..ROWS_MAX {
                     let exact: f64 = vals
                         .iter()
                         .zip(&xs[r * k..])
