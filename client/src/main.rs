@@ -560,6 +560,7 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
                 "io_slots": st.io_slots, "io_slots_free": st.io_slots_free,
                 "io_units_failed": st.io_units_failed, "io_reads_stalled": st.io_reads_stalled,
                 "io_short_reads": st.io_short_reads, "host_heap_in_use_bytes": st.host_heap_in_use_bytes,
+                "expert_routing": st.expert_routing.iter().map(|r| serde_json::json!({"layer": r.layer, "tokens": r.tokens})).collect::<Vec<_>>(),
             })
         );
     } else {
@@ -615,6 +616,12 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
             st.io_reads_stalled,
             st.io_short_reads
         );
+        if !st.expert_routing.is_empty() {
+            println!("experts          tokens per expert since load, per sparse layer: the most chosen (share of the layer's tokens)");
+            for r in &st.expert_routing {
+                println!("  layer {:<4} {}", r.layer, hot_experts(&r.tokens, 4));
+            }
+        }
         println!("stages (last pass seconds, rate):");
         for s in &st.stages {
             println!(
@@ -631,6 +638,23 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A layer's `n` most chosen experts and their shares, and how many experts served none.
+fn hot_experts(tokens: &[u64], n: usize) -> String {
+    let total: u64 = tokens.iter().sum();
+    if total == 0 {
+        return format!("no tokens yet ({} experts)", tokens.len());
+    }
+    let mut order: Vec<usize> = (0..tokens.len()).collect();
+    order.sort_by(|&a, &b| tokens[b].cmp(&tokens[a]).then(a.cmp(&b)));
+    let top: Vec<String> = order
+        .iter()
+        .take(n)
+        .map(|&e| format!("#{e} {:.1}%", 100.0 * tokens[e] as f64 / total as f64))
+        .collect();
+    let idle = tokens.iter().filter(|&&t| t == 0).count();
+    format!("{}; {idle} of {} unused", top.join(", "), tokens.len())
 }
 
 /// `sluice models` and `sluice ps` (only the loaded ones).

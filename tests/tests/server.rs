@@ -510,3 +510,56 @@ fn a_busy_port_fails_the_start_before_the_model_loads() {
         );
     }
 }
+
+/// A mixture of experts served by the daemon: Status (through `sluice status --json`, and
+/// the table) counts the tokens each expert of each sparse layer served: top k per token
+/// per layer, so each layer's counts sum to k x the tokens run (prompt and decode).
+#[test]
+fn status_counts_the_tokens_each_expert_served() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("moe");
+    let store = pack_store(&fixture("tiny-qwen3moe-mixed"), &store, "zstd:1", 1 << 20);
+    let path = store.dir().to_str().unwrap().to_string();
+    let d = Daemon::serve(
+        tmp,
+        &["--model", &path],
+        &["--max-context", "128", "--max-batch", "2"],
+    );
+    let st: Value = serde_json::from_str(&stdout(&sluice(&d.addr, &["status", "--json"]))).unwrap();
+    let routing = st["expert_routing"].as_array().unwrap();
+    // Layers 0 and 2 are sparse, 1 is dense (mlp_only_layers [1]).
+    let layers: Vec<u64> = routing
+        .iter()
+        .map(|r| r["layer"].as_u64().unwrap())
+        .collect();
+    assert_eq!(layers, [0, 2]);
+    assert!(routing
+        .iter()
+        .all(|r| r["tokens"].as_array().unwrap().iter().all(|t| t == 0)));
+    let j = generate_json(&d.addr, "hello there", 6);
+    let prompt = j["prompt_token_ids"].as_array().unwrap().len() as u64;
+    // The prompt, then a step per generated token after the first (which the prompt's
+    // last position gave).
+    let tokens = prompt + 6 - 1;
+    let st: Value = serde_json::from_str(&stdout(&sluice(&d.addr, &["status", "--json"]))).unwrap();
+    for r in st["expert_routing"].as_array().unwrap() {
+        let t: Vec<u64> = r["tokens"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_u64().unwrap())
+            .collect();
+        assert_eq!(t.len(), 4);
+        assert_eq!(
+            t.iter().sum::<u64>(),
+            2 * tokens,
+            "layer {}: {t:?}",
+            r["layer"]
+        );
+    }
+    let table = stdout(&sluice(&d.addr, &["status"]));
+    assert!(
+        table.contains("experts") && table.contains("layer 0") && table.contains("layer 2"),
+        "{table}"
+    );
+}

@@ -104,6 +104,9 @@ pub struct Status {
     pub io: crate::io::IoStats,
     /// The streaming I/O engine's pools now (read when the status is asked for).
     pub io_pools: crate::io::PoolStatus,
+    /// A mixture of experts: per decoder layer, tokens routed to each expert (empty for a
+    /// dense layer or model).
+    pub expert_tokens: Vec<Vec<u64>>,
 }
 
 /// Limits of the scheduler.
@@ -439,6 +442,15 @@ impl Scheduler {
         s.bytes_streamed_total = t.bytes_uploaded;
         s.device_bytes_peak = runner.backend.budget().peak();
         s.stages = st;
+        // In place: the same shape every step, so nothing is allocated after the first.
+        let routed = runner.model.expert_tokens();
+        if s.expert_tokens.len() == routed.len() {
+            for (d, x) in s.expert_tokens.iter_mut().zip(routed) {
+                d.clone_from(x);
+            }
+        } else {
+            s.expert_tokens = routed.to_vec();
+        }
         s.totals = t.clone();
         s.io = io;
     }

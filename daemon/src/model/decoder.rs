@@ -215,6 +215,9 @@ pub struct Decoder<B: Backend> {
     /// A mixture of experts' router logits on the host, and the step's routing.
     router_logits: Vec<f32>,
     routes: Option<Routes>,
+    /// Per decoder layer, tokens routed to each expert since the start (empty for a
+    /// dense layer).
+    expert_tokens: Vec<Vec<u64>>,
 }
 
 fn loc(unit: &LayerUnit, name: &str, rows: u64, cols: u64) -> Result<TensorLoc, ModelError> {
@@ -480,6 +483,12 @@ impl<B: Backend> Decoder<B> {
                 None => None,
             },
         };
+        let expert_tokens = (0..c.n_layers)
+            .map(|i| match &c.moe {
+                Some(m) if c.is_sparse(i) => vec![0; m.n_experts as usize],
+                _ => Vec::new(),
+            })
+            .collect();
         let (router_logits, routes) = match &c.moe {
             Some(m) => (
                 Vec::with_capacity(t * m.n_experts as usize),
@@ -512,7 +521,13 @@ impl<B: Backend> Decoder<B> {
             logits_on_host: false,
             router_logits,
             routes,
+            expert_tokens,
         })
+    }
+
+    /// Per decoder layer, the tokens each expert has served (empty for a dense layer).
+    pub fn expert_tokens(&self) -> &[Vec<u64>] {
+        &self.expert_tokens
     }
 
     pub fn config(&self) -> &ArchConfig {
@@ -721,6 +736,9 @@ impl<B: Backend> Decoder<B> {
                 self.router_logits.resize(rows * n, 0.0);
                 b.download_f32(logits, 0, &mut self.router_logits);
                 routes.route(moe, &self.router_logits, rows);
+                for (e, n) in self.expert_tokens[i].iter_mut().enumerate() {
+                    *n += (routes.starts[e + 1] - routes.starts[e]) as u64;
+                }
                 b.zero(&mut ws.proj, rows * h);
                 // Expert by expert, ascending: each row's sum in the order transformers
                 // adds them. An expert's rows keep their order, decode rows first, so a

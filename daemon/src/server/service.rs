@@ -298,6 +298,16 @@ impl Inference for Service {
             io_reads_stalled: s.io.reads_stalled,
             io_short_reads: s.io.short_reads,
             host_heap_in_use_bytes: crate::hostmem::heap_in_use_bytes().unwrap_or(0),
+            expert_routing: s
+                .expert_tokens
+                .iter()
+                .enumerate()
+                .filter(|(_, t)| !t.is_empty())
+                .map(|(layer, t)| pb::ExpertRouting {
+                    layer: layer as u32,
+                    tokens: t.clone(),
+                })
+                .collect(),
         }))
     }
 
