@@ -602,3 +602,76 @@ fn parts_of_a_unit_larger_than_a_slot_load_its_exact_bytes() {
         }
     }
 }
+
+/// Each expert of a mixture's layer is a run of whole frames starting a page of its own:
+/// the dense part (attention, norms, router) and the experts cover the unit's frames once,
+/// and each expert loads on its own into a slot the size of one expert, exactly its
+/// tensors' bytes, read straight into the slot for a raw store (no read buffers) and
+/// decoded from read buffers for a compressed one.
+#[test]
+fn each_expert_of_a_mixture_loads_on_its_own() {
+    let tmp = tempfile::tempdir().unwrap();
+    for codec in ["none", "zstd:3"] {
+        let store = packed(
+            &fixture("tiny-qwen3moe"),
+            &tmp.path().join(codec),
+            codec,
+            4096,
+        );
+        let want = reference(&store);
+        let sparse: Vec<usize> = (0..store.units().len())
+            .filter(|&u| {
+                store.units()[u]
+                    .tensors
+                    .iter()
+                    .any(|t| t.name.contains(".mlp.experts."))
+            })
+            .collect();
+        assert_eq!(sparse, [1, 2], "{codec}");
+        let mut slot = 0;
+        for &u in &sparse {
+            let unit = &store.units()[u];
+            let ex = unit.experts().expect("the writer's layout");
+            assert_eq!(ex.len(), 4, "{codec} unit {u}");
+            // Dense frames first, then the experts' runs back to back, covering every frame.
+            let mut next = ex[0].frames.start;
+            assert!(next > 0, "{codec} unit {u}: the dense part has frames");
+            for (e, x) in ex.iter().enumerate() {
+                assert_eq!(x.frames.start, next, "{codec} unit {u} expert {e}");
+                assert_eq!(
+                    x.raw.start % 4096,
+                    0,
+                    "{codec} unit {u} expert {e}: page-aligned"
+                );
+                if codec == "none" {
+                    assert_eq!(unit.frames[x.frames.start].file_offset % 4096, 0);
+                }
+                next = x.frames.end;
+                slot = slot.max(unit.part_span(x.frames.clone(), codec == "none") as usize);
+            }
+            assert_eq!(next, unit.frames.len(), "{codec} unit {u}");
+        }
+        for (name, cfg) in configs() {
+            let cfg = IoConfig {
+                slot_bytes: Some(slot),
+                read_buffers: if codec == "none" { 0 } else { 40 },
+                units: Some(sparse.clone()),
+                ..cfg
+            };
+            let e = engine(&store, &cfg);
+            for &u in &sparse {
+                for (i, x) in store.units()[u].experts().unwrap().iter().enumerate() {
+                    let g = e
+                        .wait(e.request_part(u, x.frames.clone()).unwrap())
+                        .unwrap();
+                    let (lo, hi) = (x.raw.start as usize, x.raw.end as usize);
+                    assert!(
+                        g.data() == &want[u][lo..hi],
+                        "{codec} {name}: unit {u} expert {i} differs"
+                    );
+                }
+            }
+            wait_pools_full(&e);
+        }
+    }
+}

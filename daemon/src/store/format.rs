@@ -212,12 +212,73 @@ impl LayerUnit {
         Some((parts, seams))
     }
 
+    /// The experts of a mixture's layer, in order: each one's frames (its gate, up and down
+    /// projections, which the writer lays out together, the first at a BLOB_ALIGN raw
+    /// offset) and raw range. Empty for a unit without experts; None when the experts'
+    /// tensors are not in that layout (a store this code did not write), which the
+    /// streaming code then reads whole.
+    pub fn experts(&self) -> Option<Vec<ExpertRange>> {
+        let mut out: Vec<ExpertRange> = Vec::new();
+        let mut i = 0;
+        while i < self.tensors.len() {
+            let Some((e, proj)) = expert_of(&self.tensors[i].name) else {
+                i += 1;
+                continue;
+            };
+            let three = self.tensors.get(i..i + 3)?;
+            let names: Vec<Option<(u32, &str)>> =
+                three.iter().map(|t| expert_of(&t.name)).collect();
+            if proj != "gate_proj"
+                || e as usize != out.len()
+                || names
+                    != [
+                        Some((e, "gate_proj")),
+                        Some((e, "up_proj")),
+                        Some((e, "down_proj")),
+                    ]
+            {
+                return None;
+            }
+            let start = three[0].offset;
+            // To the next tensor (or the blob's end): the padding after it is its own.
+            let end = self.tensors.get(i + 3).map_or(self.raw_len, |t| t.offset);
+            let first = self.frames.partition_point(|f| f.raw_offset < start);
+            let last = self.frames.partition_point(|f| f.raw_offset < end);
+            if self.frames.get(first).is_none_or(|f| f.raw_offset != start) {
+                return None;
+            }
+            out.push(ExpertRange {
+                frames: first..last,
+                raw: start..end,
+            });
+            i += 3;
+        }
+        Some(out)
+    }
+
     /// Index of the tensor whose region (its bytes and the padding after them) holds
     /// `raw_offset`.
     pub fn tensor_at(&self, raw_offset: u64) -> Option<usize> {
         let i = self.tensors.partition_point(|t| t.offset <= raw_offset);
         i.checked_sub(1)
     }
+}
+
+/// One expert of a mixture's layer unit: its frames, and the raw bytes they hold.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct ExpertRange {
+    pub frames: Range<usize>,
+    pub raw: Range<u64>,
+}
+
+/// (expert, projection) of an expert's tensor name
+/// (`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`).
+pub fn expert_of(name: &str) -> Option<(u32, &str)> {
+    let (_, rest) = name.split_once(".mlp.experts.")?;
+    let (e, rest) = rest.split_once('.')?;
+    let proj = rest.strip_suffix(".weight")?;
+    matches!(proj, "gate_proj" | "up_proj" | "down_proj").then_some(())?;
+    Some((e.parse().ok()?, proj))
 }
 
 /// Rows `rows` of a tensor, read as frames `frames` of its unit: the part's bytes are the

@@ -7,7 +7,8 @@
 use super::arch::ArchConfig;
 use super::codec::{Codec, FrameEncoder};
 use super::format::{
-    Frame, LayerUnit, Manifest, TensorEntry, BLOB_ALIGN, MANIFEST_FILE, TENSOR_ALIGN, WEIGHTS_FILE,
+    expert_of, Frame, LayerUnit, Manifest, TensorEntry, BLOB_ALIGN, MANIFEST_FILE, TENSOR_ALIGN,
+    WEIGHTS_FILE,
 };
 use super::format::{SpecialTokens, TokenizerSpec, UnitKind};
 use super::StoreError;
@@ -330,7 +331,14 @@ fn lay_out(
                 ),
             )
         })?;
-        raw_at = align_up(raw_at, TENSOR_ALIGN);
+        // Each expert of a mixture (its gate, up and down, in that order) starts a page of
+        // its own: read straight into a slot, it is one O_DIRECT read.
+        let align = if expert_of(name).is_some_and(|(_, proj)| proj == "gate_proj") {
+            BLOB_ALIGN
+        } else {
+            TENSOR_ALIGN
+        };
+        raw_at = align_up(raw_at, align);
         tensors.push(TensorEntry {
             name: name.clone(),
             dtype: t.dtype,
