@@ -178,7 +178,11 @@ impl Scheduler {
             queued: Arc::new(AtomicUsize::new(0)),
             accepting: Arc::new(AtomicBool::new(true)),
             deadline: Arc::new(Mutex::new(None)),
-            status: Arc::new(Mutex::new(Status::default())),
+            // The experts' layout from the start (zero counts), before any step publishes.
+            status: Arc::new(Mutex::new(Status {
+                expert_tokens: runner.model.expert_tokens().to_vec(),
+                ..Status::default()
+            })),
             pools: runner.io().pool_gauge(),
             tokenizer,
             max_context,

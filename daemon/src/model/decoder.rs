@@ -307,8 +307,10 @@ pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
         1
     };
     let rope = tables * opts.max_context as u64 * cfg.head_dim as u64;
-    // Each allocation rounds up to 4096 bytes.
-    4 * (f32s + rope) + 16 * 4096
+    // Each allocation rounds up to 4096 bytes: the workspace's 12 buffers, q/k norm's 2, a
+    // mixture's 3, the rotary tables, and a few to spare.
+    let allocs = 12 + if qk > 0 { 2 } else { 0 } + if moe > 0 { 3 } else { 0 } + tables + 4;
+    4 * (f32s + rope) + allocs * 4096
 }
 
 impl<B: Backend> Decoder<B> {
