@@ -170,63 +170,41 @@ fn alternating_passes<B: Backend>(
     vocab: u32,
     compute_only: f64,
 ) -> Result<(f64, f64, f64), EngineError> {
-    let (mut logits, mut logits2) = (Vec::new(), Vec::new());
+    let mut logits = Vec::new();
     let mut pos = prefill(r, 1, prompt, vocab, &mut logits)?;
-    // Per kind of pass: wall seconds, seconds with a read in flight, reads in flight x s.
-    let mut io = [(0f64, 0f64, 0f64, 0u64, 0u64); 2];
-    let mut timed = |r: &mut Pipeline<B>, skip: bool, pos: usize| {
+    // One pass of a kind; timed ones add their wall time, seconds with a read in flight
+    // and reads in flight x seconds to their kind's sums (0 streaming-only, 1 streamed).
+    let mut io = [(0f64, 0f64, 0f64); 2];
+    let mut pass = |r: &mut Pipeline<B>, skip: bool, timed: bool| -> Result<f64, EngineError> {
         r.skip_compute = skip;
         let before = r.io().stats();
         let t = Instant::now();
         let done = decode_step(r, 1, pos, vocab, &mut logits);
         let wall = t.elapsed().as_secs_f64();
-        let after = r.io().stats();
         r.skip_compute = false;
-        let busy = after.read_busy_s - before.read_busy_s;
-        let depth_s =
-            after.queue_depth_avg * after.read_busy_s - before.queue_depth_avg * before.read_busy_s;
-        let k = &mut io[usize::from(!skip)];
-        *k = (
-            k.0 + wall,
-            k.1 + busy,
-            k.2 + depth_s,
-            k.3 + after.read_ops - before.read_ops,
-            k.4 + after.read_bytes - before.read_bytes,
-        );
-        done.map(|()| wall)
+        pos += 1;
+        done?;
+        if timed {
+            let after = r.io().stats();
+            let depth_s = |s: &crate::io::IoStats| s.queue_depth_avg * s.read_busy_s;
+            let k = &mut io[usize::from(!skip)];
+            k.0 += wall;
+            k.1 += after.read_busy_s - before.read_busy_s;
+            k.2 += depth_s(&after) - depth_s(&before);
+        }
+        Ok(wall)
     };
     let (mut only, mut streamed, mut ratio) = (Vec::new(), Vec::new(), Vec::new());
-    let mut run = |r: &mut Pipeline<B>, skip: bool, pos: &mut usize| {
-        r.skip_compute = skip;
-        let done = decode_step(r, 1, *pos, vocab, &mut logits2);
-        r.skip_compute = false;
-        *pos += 1;
-        done
-    };
     for _ in 0..pairs.max(1) {
-        run(r, true, &mut pos)?;
-        let a = timed(r, true, pos)?;
-        pos += 1;
-        run(r, false, &mut pos)?;
-        let b = timed(r, false, pos)?;
-        pos += 1;
+        pass(r, true, false)?;
+        let a = pass(r, true, true)?;
+        pass(r, false, false)?;
+        let b = pass(r, false, true)?;
         only.push(a);
         streamed.push(b);
         ratio.push(b / compute_only.max(a));
     }
-    let [(so_wall, so_busy, so_depth, so_ops, so_bytes), (st_wall, st_busy, st_depth, st_ops, st_bytes)] =
-        io;
-    tracing::debug!(
-        "alternated passes: streaming-only {so_ops} reads, {so_bytes} bytes; streamed {st_ops} reads, {st_bytes} bytes"
-    );
-    tracing::debug!(
-        "alternated passes (ms): streaming-only {:?}, streamed {:?}",
-        only.iter().map(|s| (s * 1e3).round()).collect::<Vec<_>>(),
-        streamed
-            .iter()
-            .map(|s| (s * 1e3).round())
-            .collect::<Vec<_>>()
-    );
+    let [(so_wall, so_busy, so_depth), (st_wall, st_busy, st_depth)] = io;
     tracing::info!(
         "alternated passes: streaming-only disk busy {:.1}% at queue depth {:.1}; streamed {:.1}% at {:.1}",
         100.0 * so_busy / so_wall,
