@@ -98,6 +98,7 @@ fn pipeline(
         host_cache_budget: 0,
         opts: OPTS,
         prefetch: Some(2),
+        expert_cache: None,
         backend_reserved: 0,
         host: Default::default(),
     };
@@ -164,6 +165,7 @@ fn check(src: &std::path::Path, name: &str) {
             host_cache_budget: 0,
             opts: OPTS,
             prefetch: Some(2),
+            expert_cache: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -177,6 +179,7 @@ fn check(src: &std::path::Path, name: &str) {
             host_cache_budget: 0,
             opts: OPTS,
             prefetch: Some(2),
+            expert_cache: None,
             backend_reserved: 0,
             host: Default::default(),
         },

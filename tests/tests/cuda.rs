@@ -649,6 +649,7 @@ fn input(budget: Option<u64>, opts: ModelOptions) -> PlanInput {
         host_cache_budget: 0,
         opts,
         prefetch: None,
+        expert_cache: None,
         backend_reserved: 0,
         host: Default::default(),
     }

@@ -154,6 +154,7 @@ fn runner_with(
             host_cache_budget: 0,
             opts,
             prefetch: None,
+            expert_cache: None,
             backend_reserved: 0,
             host: Default::default(),
         },

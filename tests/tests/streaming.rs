@@ -43,6 +43,17 @@ fn runner_as(
     host_cache: u64,
     unified: bool,
 ) -> Pipeline<CpuBackend> {
+    runner_with(s, budget, host_cache, unified, None)
+}
+
+/// `runner_as` with `expert_cache` slots for a mixture's streamed experts.
+fn runner_with(
+    s: &Arc<Store>,
+    budget: Option<u64>,
+    host_cache: u64,
+    unified: bool,
+    expert_cache: Option<usize>,
+) -> Pipeline<CpuBackend> {
     let make = if unified {
         cpu_runner
     } else {
@@ -55,6 +66,7 @@ fn runner_as(
             host_cache_budget: host_cache,
             opts: OPTS,
             prefetch: Some(3),
+            expert_cache,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -77,6 +89,7 @@ fn free_plan(s: &Store) -> sluice::plan::Plan {
             host_cache_budget: 0,
             opts: OPTS,
             prefetch: None,
+            expert_cache: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -295,6 +308,7 @@ fn gemma3_270m_streamed_is_bit_identical_to_resident() {
             host_cache_budget: 0,
             opts: OPTS,
             prefetch: None,
+            expert_cache: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -354,6 +368,7 @@ fn a_budget_too_small_fails_at_start_with_the_numbers() {
             host_cache_budget: 0,
             opts: OPTS,
             prefetch: None,
+            expert_cache: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -428,6 +443,7 @@ fn corrupted_layer(last_frame_with_parts: bool, unified: bool) {
             host_cache_budget: 0,
             opts: OPTS,
             prefetch: Some(3),
+            expert_cache: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -460,18 +476,7 @@ fn corrupted_layer(last_frame_with_parts: bool, unified: bool) {
     let mut tries = 0;
     while tries < 3 || (last_frame_with_parts && r.partial_uploads() == 0 && tries < 100) {
         tries += 1;
-        let e = r
-            .step(
-                &[SeqStep {
-                    slot: 0,
-                    pos: 0,
-                    tokens: vec![1, 2, 3],
-                }],
-                &mut logits,
-            )
-            .unwrap_err();
-        assert!(e.is_data_loss(), "{e}");
-        let msg = e.to_string();
+        let msg = failing_step(&mut r, &mut logits);
         assert!(
             msg.contains(&s.units()[unit].kind.to_string())
                 && msg.contains(&format!("offset {}", f.file_offset)),
@@ -484,7 +489,30 @@ fn corrupted_layer(last_frame_with_parts: bool, unified: bool) {
             "no part was copied before the failure"
         );
     }
-    // Nothing leaked: every staging slot and read buffer is back.
+    pools_refill(&r);
+    // The data is repaired (restored from a backup): the same pipeline serves again, exactly.
+    std::fs::write(&w, &good).unwrap();
+    assert!(outputs(&mut r, vocab) == want);
+}
+
+/// A prefill step that must fail on bad stored data; its message.
+fn failing_step(r: &mut Pipeline<CpuBackend>, logits: &mut Vec<f32>) -> String {
+    let e = r
+        .step(
+            &[SeqStep {
+                slot: 0,
+                pos: 0,
+                tokens: vec![1, 2, 3],
+            }],
+            logits,
+        )
+        .unwrap_err();
+    assert!(e.is_data_loss(), "{e}");
+    e.to_string()
+}
+
+/// Nothing leaked: every staging slot and read buffer comes back (within 10 s).
+fn pools_refill(r: &Pipeline<CpuBackend>) {
     let t0 = std::time::Instant::now();
     loop {
         let p = r.io().pool_status();
@@ -494,9 +522,6 @@ fn corrupted_layer(last_frame_with_parts: bool, unified: bool) {
         assert!(t0.elapsed().as_secs() < 10, "pools not full: {p:?}");
         std::thread::sleep(std::time::Duration::from_millis(5));
     }
-    // The data is repaired (restored from a backup): the same pipeline serves again, exactly.
-    std::fs::write(&w, &good).unwrap();
-    assert!(outputs(&mut r, vocab) == want);
 }
 
 #[test]
@@ -676,4 +701,200 @@ fn smollm2_tied_embedding_streamed_in_row_parts_is_bit_identical_to_resident() {
             );
         }
     }
+}
+
+/// The least device budget that plans for `s` (`unified`: the arena's), from the planner's
+/// own error.
+fn least_budget(s: &Store, expert_cache: Option<usize>, unified: bool) -> u64 {
+    let input = |budget| PlanInput {
+        device_budget: Some(budget),
+        host_cache_budget: 0,
+        opts: OPTS,
+        prefetch: Some(3),
+        expert_cache,
+        backend_reserved: 0,
+        host: sluice::plan::HostInput {
+            unified,
+            ..Default::default()
+        },
+    };
+    match plan(s.manifest(), &input(4096)) {
+        Err(e) => {
+            plan(s.manifest(), &input(e.need())).unwrap();
+            e.need()
+        }
+        Ok(_) => panic!("a page plans nothing"),
+    }
+}
+
+/// A pipeline for a mixture at the least budget that plans with `expert_cache` slots.
+fn moe_runner(
+    s: &Arc<Store>,
+    unified: bool,
+    expert_cache: Option<usize>,
+    host_cache: u64,
+) -> Pipeline<CpuBackend> {
+    let budget = least_budget(s, expert_cache, unified);
+    runner_with(s, Some(budget), host_cache, unified, expert_cache)
+}
+
+/// A mixture's streamed layers load their dense part and only the experts a step routes
+/// to: with an expert cache of every expert, of one slot and (unified) the planner's
+/// choice, from a raw store and a compressed one, on the CPU as it runs and as a discrete
+/// device, outputs are bit-identical to all-resident and the arena stays in its budget. A
+/// decode step of one sequence loads top-k experts per layer, not the layer; a cache of
+/// every expert loads each expert once.
+#[test]
+fn moe_layers_stream_only_their_routed_experts_bit_identical_to_resident() {
+    let tmp = tempfile::tempdir().unwrap();
+    for src in [
+        fixture("tiny-qwen3moe"),
+        fixture("tiny-mixtral.gguf"),
+        fixture("tiny-qwen3moe-mixed"),
+    ] {
+        for codec in ["none", "zstd:1"] {
+            let name = format!("{} {codec}", src.file_name().unwrap().to_string_lossy());
+            let s = pack_store(
+                &src,
+                &tmp.path().join(name.replace([' ', ':'], "-")),
+                codec,
+                64 << 10,
+            );
+            let m = s.manifest();
+            let (vocab, k) = (m.arch.vocab, m.arch.moe.as_ref().unwrap().top_k as u64);
+            let want = outputs(&mut runner(&s, None, 0), vocab);
+            for unified in [false, true] {
+                for cache in [Some(1000), Some(1), None] {
+                    let label = format!("{name} unified={unified} cache={cache:?}");
+                    let mut r = moe_runner(&s, unified, cache, 0);
+                    let sparse: Vec<usize> = (0..s.units().len())
+                        .filter(|&u| r.plan.sparse[u].is_some())
+                        .collect();
+                    assert!(!sparse.is_empty(), "{label}: no layer streams its experts");
+                    // Slots hold a dense part or an expert, not a layer.
+                    let layer = sparse.iter().map(|&u| s.units()[u].raw_len).max().unwrap();
+                    assert!(r.plan.host.staging_slot_bytes < layer, "{label}");
+                    assert!(r.plan.table().contains("expert cache"), "{label}");
+                    let experts = r.plan.experts_streamed;
+                    match cache {
+                        Some(n) => assert_eq!(r.plan.expert_cache_slots, n.min(experts), "{label}"),
+                        None if !unified => assert!(r.plan.expert_cache_slots >= 1, "{label}"),
+                        None => {}
+                    }
+                    let got = outputs(&mut r, vocab);
+                    assert!(got == want, "{label}: outputs differ from all-resident");
+                    let b = r.backend.budget();
+                    assert!(
+                        b.peak() <= b.limit(),
+                        "{label}: peak {} over {}",
+                        b.peak(),
+                        b.limit()
+                    );
+                    // The last step decoded one sequence: k experts per streamed layer ran,
+                    // and with fewer cache slots than experts some loaded.
+                    let last = r.last_pass().clone();
+                    assert_eq!(last.experts_routed, k * sparse.len() as u64, "{label}");
+                    assert_eq!(
+                        last.expert_cache_hits + last.experts_loaded,
+                        last.experts_routed,
+                        "{label}"
+                    );
+                    let t = r.total().clone();
+                    assert!(t.experts_predicted > 0, "{label}: no prediction was made");
+                    assert!(t.experts_predicted_used <= t.experts_predicted, "{label}");
+                    if r.plan.expert_cache_slots >= experts {
+                        // Every expert loads at most once; a second run loads none.
+                        assert!(t.experts_loaded <= experts as u64, "{label}: {t:?}");
+                        let got = outputs(&mut r, vocab);
+                        assert!(got == want, "{label}: second run differs");
+                        assert_eq!(r.total().experts_loaded, t.experts_loaded, "{label}");
+                    } else {
+                        // A decode pass reads the dense parts and at most k experts a layer:
+                        // less than the streamed layers whole.
+                        let whole: u64 = sparse.iter().map(|&u| s.units()[u].stored_len).sum();
+                        let dense: u64 = r
+                            .plan
+                            .units
+                            .iter()
+                            .enumerate()
+                            .filter(|(u, p)| {
+                                p.placement != sluice::plan::Placement::Resident
+                                    && !sparse.contains(u)
+                            })
+                            .map(|(u, _)| s.units()[u].stored_len)
+                            .sum();
+                        assert!(
+                            last.bytes_read < whole + dense,
+                            "{label}: a decode pass read {} of {} whole",
+                            last.bytes_read,
+                            whole + dense
+                        );
+                        assert!(last.experts_loaded > 0, "{label}");
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// A corrupted expert fails the step that routed to it, with the layer and offset named,
+/// and gives back every staging slot; the expert cache keeps nothing of it, and once the
+/// data is repaired the same pipeline serves exactly again. Experts of a host-cached layer
+/// come from the host cache, not the disk.
+#[test]
+fn a_corrupted_expert_fails_its_step_and_host_cached_experts_skip_the_disk() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = store(&fixture("tiny-qwen3moe"), &tmp.path().join("t"));
+    let vocab = s.manifest().arch.vocab;
+    let want = outputs(&mut runner(&s, None, 0), vocab);
+    for unified in [false, true] {
+        let mut r = moe_runner(&s, unified, Some(1), 0);
+        let u = (0..s.units().len())
+            .find(|&u| r.plan.sparse[u].is_some())
+            .unwrap();
+        let sp = r.plan.sparse[u].clone().unwrap();
+        let w = s.weights_path().to_path_buf();
+        let good = std::fs::read(&w).unwrap();
+        let mut bad = good.clone();
+        let frames = &s.units()[u].frames;
+        for x in &sp.experts {
+            let f = &frames[x.frames.start];
+            bad[(f.file_offset + f.stored_len() / 2) as usize] ^= 0x08;
+        }
+        std::fs::write(&w, &bad).unwrap();
+        let mut logits = Vec::new();
+        for _ in 0..3 {
+            let msg = failing_step(&mut r, &mut logits);
+            let offsets: Vec<String> = sp
+                .experts
+                .iter()
+                .map(|x| format!("offset {}", frames[x.frames.start].file_offset))
+                .collect();
+            assert!(
+                msg.contains(&s.units()[u].kind.to_string())
+                    && offsets.iter().any(|o| msg.contains(o)),
+                "{msg}"
+            );
+        }
+        pools_refill(&r);
+        std::fs::write(&w, &good).unwrap();
+        assert!(outputs(&mut r, vocab) == want, "unified={unified}");
+    }
+    // A discrete device with the streamed layers host-cached: their dense parts and
+    // experts are copied from host memory, nothing is read from disk after start.
+    let mut r = moe_runner(&s, false, Some(1), 64 << 20);
+    let cached: Vec<usize> = (0..s.units().len())
+        .filter(|&u| {
+            r.plan.sparse[u].is_some() && r.plan.placement(u) == sluice::plan::Placement::HostCached
+        })
+        .collect();
+    assert!(!cached.is_empty(), "no sparse layer is host-cached");
+    assert!(outputs(&mut r, vocab) == want);
+    let t = r.total();
+    assert!(t.experts_loaded > 0 && t.bytes_from_host_cache > 0, "{t:?}");
+    let streamed_all_cached = (0..s.units().len())
+        .all(|u| r.plan.placement(u) != sluice::plan::Placement::Streamed || u == 0);
+    assert!(streamed_all_cached, "{}", r.plan.table());
+    // Only a streamed embedding's row lookup reads the store.
+    assert_eq!(t.bytes_read, t.bytes_gathered, "{t:?}");
 }

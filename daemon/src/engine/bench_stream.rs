@@ -22,6 +22,7 @@ pub struct BenchStreamOptions {
     /// The streamed run's host side (None: not limited).
     pub host: Option<crate::plan::HostInput>,
     pub prefetch: Option<usize>,
+    pub expert_cache: Option<usize>,
     pub threads: usize,
     pub io: IoConfig,
     pub batches: Vec<usize>,
@@ -256,6 +257,7 @@ pub fn budget_for_weights_share(
             host_cache_budget: 0,
             opts,
             prefetch,
+            expert_cache: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -300,6 +302,7 @@ pub fn bench_stream<B: Backend>(
         host_cache_budget: o.host_cache_budget,
         opts,
         prefetch: o.prefetch,
+        expert_cache: o.expert_cache,
         backend_reserved: 0,
         host: host.cloned().unwrap_or_default(),
     };

@@ -34,6 +34,7 @@ fn pipeline(
             exact: true,
         },
         prefetch: None,
+        expert_cache: None,
         backend_reserved: 0,
         host: Default::default(),
     };

@@ -462,13 +462,27 @@ impl IoEngine {
                 self.slot_bytes()
             )));
         }
-        self.queue(unit, 0..u.frames.len(), u.raw_len as usize)
+        self.queue(unit, 0..u.frames.len(), u.raw_len as usize, false)
     }
 
     /// Queues frames `frames` of unit `unit` for loading into one staging slot: the slot
     /// then holds the unit's raw bytes from the first frame's raw offset on (see
     /// `LayerUnit::row_parts`, which chooses parts that fit).
     pub fn request_part(&self, unit: usize, frames: Range<usize>) -> Result<Ticket, IoError> {
+        self.part(unit, frames, false)
+    }
+
+    /// `request_part` for a load the running compute waits for (an expert its layer routed
+    /// to): it gets a staging slot and its reads before every request that is not urgent.
+    pub fn request_part_urgent(
+        &self,
+        unit: usize,
+        frames: Range<usize>,
+    ) -> Result<Ticket, IoError> {
+        self.part(unit, frames, true)
+    }
+
+    fn part(&self, unit: usize, frames: Range<usize>, urgent: bool) -> Result<Ticket, IoError> {
         let units = self.store.units().len();
         if unit >= units {
             return Err(IoError::NoSuchUnit { unit, units });
@@ -502,7 +516,7 @@ impl IoEngine {
             )));
         }
         let len = u.part_span(frames.clone(), false) as usize;
-        self.queue(unit, frames, len)
+        self.queue(unit, frames, len, urgent)
     }
 
     fn slot_bytes(&self) -> usize {
@@ -516,7 +530,13 @@ impl IoEngine {
         }
     }
 
-    fn queue(&self, unit: usize, frames: Range<usize>, len: usize) -> Result<Ticket, IoError> {
+    fn queue(
+        &self,
+        unit: usize,
+        frames: Range<usize>,
+        len: usize,
+        urgent: bool,
+    ) -> Result<Ticket, IoError> {
         if let Some(us) = &self.cfg.units {
             if !us.contains(&unit) {
                 return Err(IoError::Setup {
@@ -538,6 +558,7 @@ impl IoEngine {
             ticket: id,
             unit,
             frames,
+            urgent,
         });
         Ok(Ticket {
             id,

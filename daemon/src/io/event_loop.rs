@@ -48,6 +48,8 @@ struct Chunk {
 struct Active {
     ticket: u64,
     unit: usize,
+    /// Read before requests that were not urgent (`Msg::Request`).
+    urgent: bool,
     /// Raw offset in the unit of the slot's first byte: 0 for a whole unit, the first
     /// frame's for a part.
     raw_base: u64,
@@ -96,8 +98,9 @@ pub(super) struct Loop {
     active: Vec<Option<Active>>,
     /// Active slots in admission order: older requests' reads go first.
     order: VecDeque<usize>,
-    /// Requests waiting for a staging slot: ticket, unit, its frames, since when.
-    queue: VecDeque<(u64, usize, Range<usize>, Instant)>,
+    /// Requests waiting for a staging slot: ticket, unit, its frames, since when, urgent
+    /// (the urgent ones first).
+    queue: VecDeque<(u64, usize, Range<usize>, Instant, bool)>,
     ops: Vec<Option<Op>>,
     free_ops: Vec<usize>,
     in_flight: usize,
@@ -220,16 +223,23 @@ impl Loop {
                 ticket,
                 unit,
                 frames,
+                urgent,
             } => {
                 if self.shutting_down {
                     self.shared
                         .publish(ticket, TicketState::Failed(IoError::Stopped));
                 } else {
-                    self.queue.push_back((ticket, unit, frames, Instant::now()));
+                    let at = if urgent {
+                        self.queue.iter().take_while(|q| q.4).count()
+                    } else {
+                        self.queue.len()
+                    };
+                    self.queue
+                        .insert(at, (ticket, unit, frames, Instant::now(), urgent));
                 }
             }
             Msg::Cancel { ticket } => {
-                self.queue.retain(|&(t, _, _, _)| t != ticket);
+                self.queue.retain(|q| q.0 != ticket);
                 if let Some(slot) = self
                     .slot_state
                     .iter()
@@ -261,7 +271,7 @@ impl Loop {
             Msg::ReadDone { op, res } => self.complete(op, res),
             Msg::Shutdown => {
                 self.shutting_down = true;
-                for (ticket, _, _, _) in std::mem::take(&mut self.queue) {
+                for (ticket, ..) in std::mem::take(&mut self.queue) {
                     self.shared
                         .publish(ticket, TicketState::Failed(IoError::Stopped));
                 }
@@ -286,12 +296,12 @@ impl Loop {
 
     /// Gives queued requests free slots and lays out their reads.
     fn admit(&mut self) {
-        while let Some((ticket, unit, _, _)) = self.queue.front() {
+        while let Some((ticket, unit, ..)) = self.queue.front() {
             let (ticket, unit) = (*ticket, *unit);
             let Some(slot) = self.slot_state.iter().position(|&s| s == SlotState::Free) else {
                 break;
             };
-            let Some((_, _, part, _)) = self.queue.pop_front() else {
+            let Some((_, _, part, _, urgent)) = self.queue.pop_front() else {
                 unreachable!("front checked")
             };
             self.slot_state[slot] = SlotState::Loading;
@@ -347,6 +357,7 @@ impl Loop {
             self.active[slot] = Some(Active {
                 ticket,
                 unit,
+                urgent,
                 raw_base,
                 direct,
                 chunks,
@@ -361,7 +372,16 @@ impl Loop {
                 stalled: false,
                 progress: Instant::now(),
             });
-            self.order.push_back(slot);
+            // An urgent request's reads go before the others', after older urgent ones.
+            let at = if urgent {
+                self.order
+                    .iter()
+                    .take_while(|&&s| self.active[s].as_ref().is_some_and(|a| a.urgent))
+                    .count()
+            } else {
+                self.order.len()
+            };
+            self.order.insert(at, slot);
             self.maybe_finish(slot);
         }
     }
@@ -933,7 +953,7 @@ impl Loop {
             };
             self.abort(slot, Some(err));
         }
-        while let Some(&(ticket, unit, _, since)) = self.queue.front() {
+        while let Some(&(ticket, unit, _, since, _)) = self.queue.front() {
             let waited = now - since;
             if waited < limit {
                 break;

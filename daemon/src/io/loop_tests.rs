@@ -416,3 +416,47 @@ fn a_read_the_disk_does_not_answer_fails_its_waiters_after_the_limit_and_frees_a
     }
     wait_full(&e);
 }
+
+/// An urgent request takes the next free staging slot before requests queued earlier:
+/// with both slots held, a plain request then an urgent one queued, freeing one slot
+/// serves the urgent one (the plain one would otherwise hold it, unread by anyone).
+#[test]
+fn an_urgent_request_gets_the_next_slot_before_older_ones() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let store = packed(dir.path(), "zstd:1");
+    let script = Arc::new(Script::default());
+    let e = engine(&store, &script);
+    let u = largest_unit(&store);
+    let all = 0..store.units()[u].frames.len();
+    let a = e.wait(e.request(u).expect("a")).expect("a loads");
+    let b = e.wait(e.request(u).expect("b")).expect("b loads");
+    let plain = e.request(u).expect("plain");
+    let urgent = e.request_part_urgent(u, all).expect("urgent");
+    drop(a);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let mut plain = Some(plain);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let got = e.wait(urgent).map(|g| g.data().to_vec());
+            let _ = tx.send(got);
+        });
+        let served_first = match rx.recv_timeout(Duration::from_secs(5)) {
+            Ok(got) => {
+                assert!(got.expect("urgent loads") == reference(&store, u));
+                true
+            }
+            Err(RecvTimeoutError::Timeout) => {
+                // Unblock the waiter: the plain request took the slot.
+                plain.take();
+                false
+            }
+            Err(RecvTimeoutError::Disconnected) => panic!("the waiter died"),
+        };
+        assert!(served_first, "the plain request took the slot first");
+    });
+    drop(b);
+    let got = e.wait(plain.take().expect("kept")).expect("plain loads");
+    assert!(got.data() == reference(&store, u).as_slice());
+    drop(got);
+    wait_full(&e);
+}

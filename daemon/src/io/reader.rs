@@ -16,6 +16,9 @@ pub(super) enum Msg {
         ticket: u64,
         unit: usize,
         frames: std::ops::Range<usize>,
+        /// Read before the requests already waiting (an expert a running layer needs),
+        /// after the urgent ones already waiting.
+        urgent: bool,
     },
     Cancel {
         ticket: u64,

@@ -218,6 +218,8 @@ pub struct Decoder<B: Backend> {
     /// Per decoder layer, tokens routed to each expert since the start (empty for a
     /// dense layer).
     expert_tokens: Vec<Vec<u64>>,
+    /// Per decoder layer, the experts its last routing chose (ascending).
+    last_routed: Vec<Vec<u32>>,
 }
 
 fn loc(unit: &LayerUnit, name: &str, rows: u64, cols: u64) -> Result<TensorLoc, ModelError> {
@@ -485,6 +487,7 @@ impl<B: Backend> Decoder<B> {
                 None => None,
             },
         };
+        let c_layers = c.n_layers as usize;
         let expert_tokens = (0..c.n_layers)
             .map(|i| match &c.moe {
                 Some(m) if c.is_sparse(i) => vec![0; m.n_experts as usize],
@@ -524,6 +527,7 @@ impl<B: Backend> Decoder<B> {
             router_logits,
             routes,
             expert_tokens,
+            last_routed: vec![Vec::new(); c_layers],
         })
     }
 
@@ -647,9 +651,34 @@ impl<B: Backend> Decoder<B> {
     }
 
     fn decoder(&mut self, b: &B, i: usize, mem: &B::Mem) {
+        self.attention(b, i, mem);
+        let n_experts = self.routed_count(i);
+        if n_experts > 0 {
+            self.route(b, i, mem);
+            for e in 0..n_experts {
+                if self.routed_rows(e) > 0 {
+                    self.expert(b, i, e, mem, 0);
+                }
+            }
+        } else if let Ffn::Dense { gate, up, down } = &self.layers[i].ffn {
+            let ws = &mut self.ws;
+            gated_mlp(
+                b,
+                &self.cfg,
+                (&ws.xn, self.rows, self.gemv_rows),
+                [gate, up, down].map(|t| t.at(mem)),
+                (&mut ws.gate, &mut ws.up),
+                &mut ws.proj,
+            );
+        }
+        self.ffn_end(b, i, mem);
+    }
+
+    /// A layer's attention block and the norm before its feed-forward block (into `xn`).
+    fn attention(&mut self, b: &B, i: usize, mem: &B::Mem) {
         let l = &self.layers[i];
         let (rows, c) = (self.rows, &self.cfg);
-        let (h, qd, kvd) = (c.hidden as usize, c.q_dim() as usize, c.kv_dim() as usize);
+        let h = c.hidden as usize;
         let ws = &mut self.ws;
         b.rms_norm(&ws.x, l.attn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
         let bias = |k: usize| l.qkv_bias.map(|bs| bs[k].at(mem));
@@ -720,53 +749,12 @@ impl<B: Backend> Decoder<B> {
             h,
         );
         b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
-        match &l.ffn {
-            Ffn::Dense { gate, up, down } => gated_mlp(
-                b,
-                c,
-                (&ws.xn, rows, self.gemv_rows),
-                [gate, up, down].map(|t| t.at(mem)),
-                (&mut ws.gate, &mut ws.up),
-                &mut ws.proj,
-            ),
-            Ffn::Moe { router, experts } => {
-                let moe = c.moe.as_ref().expect("a mixture's layer has its config");
-                let routes = self.routes.as_mut().expect("a mixture has its routes");
-                let (logits, xe, ye) = ws.moe.as_mut().expect("a mixture has its workspace");
-                let n = moe.n_experts as usize;
-                b.matmul(&ws.xn, rows, self.gemv_rows, router.at(mem), None, logits);
-                self.router_logits.resize(rows * n, 0.0);
-                b.download_f32(logits, 0, &mut self.router_logits);
-                routes.route(moe, &self.router_logits, rows);
-                for (e, n) in self.expert_tokens[i].iter_mut().enumerate() {
-                    *n += (routes.starts[e + 1] - routes.starts[e]) as u64;
-                }
-                b.zero(&mut ws.proj, rows * h);
-                // Expert by expert, ascending: each row's sum in the order transformers
-                // adds them. An expert's rows keep their order, decode rows first, so a
-                // decode row takes the decode kernels here too.
-                for (e, [gate, up, down]) in experts.iter().enumerate() {
-                    let (er, ew) = routes.of(e);
-                    if er.is_empty() {
-                        continue;
-                    }
-                    let (m, ge) = (
-                        er.len(),
-                        er.partition_point(|&r| (r as usize) < self.gemv_rows),
-                    );
-                    b.gather_rows(&ws.xn, er, h, xe);
-                    gated_mlp(
-                        b,
-                        c,
-                        (xe, m, ge),
-                        [gate, up, down].map(|t| t.at(mem)),
-                        (&mut ws.gate, &mut ws.up),
-                        ye,
-                    );
-                    b.scatter_add_rows(ye, er, ew, h, &mut ws.proj);
-                }
-            }
-        }
+    }
+
+    /// The feed-forward block's output into the residual stream.
+    fn ffn_end(&mut self, b: &B, i: usize, mem: &B::Mem) {
+        let l = &self.layers[i];
+        let (rows, c, ws) = (self.rows, &self.cfg, &mut self.ws);
         residual(
             b,
             &mut ws.x,
@@ -775,9 +763,139 @@ impl<B: Backend> Decoder<B> {
             l.post_ffn_norm.map(|n| n.at(mem)),
             c.rms_eps,
             rows,
-            h,
+            c.hidden as usize,
         );
-        debug_assert!(qd >= kvd);
+    }
+
+    /// A mixture's layer: the router on the normed rows, the step's routing (grouped by
+    /// expert) and its statistics, and the block's output zeroed for the experts to add to.
+    fn route(&mut self, b: &B, i: usize, mem: &B::Mem) {
+        let Ffn::Moe { router, .. } = &self.layers[i].ffn else {
+            unreachable!("routed a dense layer")
+        };
+        let (rows, c, ws) = (self.rows, &self.cfg, &mut self.ws);
+        let moe = c.moe.as_ref().expect("a mixture's layer has its config");
+        let routes = self.routes.as_mut().expect("a mixture has its routes");
+        let (logits, _, _) = ws.moe.as_mut().expect("a mixture has its workspace");
+        let n = moe.n_experts as usize;
+        b.matmul(&ws.xn, rows, self.gemv_rows, router.at(mem), None, logits);
+        self.router_logits.resize(rows * n, 0.0);
+        b.download_f32(logits, 0, &mut self.router_logits);
+        routes.route(moe, &self.router_logits, rows);
+        for (e, n) in self.expert_tokens[i].iter_mut().enumerate() {
+            *n += (routes.starts[e + 1] - routes.starts[e]) as u64;
+        }
+        let last = &mut self.last_routed[i];
+        last.clear();
+        last.extend(
+            (0..n)
+                .filter(|&e| routes.starts[e + 1] > routes.starts[e])
+                .map(|e| e as u32),
+        );
+        b.zero(&mut ws.proj, rows * c.hidden as usize);
+    }
+
+    /// Experts of layer `i`'s mixture (0 for a dense layer).
+    fn routed_count(&self, i: usize) -> usize {
+        match &self.layers[i].ffn {
+            Ffn::Moe { experts, .. } => experts.len(),
+            Ffn::Dense { .. } => 0,
+        }
+    }
+
+    /// Rows of the step routed to expert `e` of the layer routed last.
+    fn routed_rows(&self, e: usize) -> usize {
+        self.routes
+            .as_ref()
+            .map_or(0, |r| r.starts[e + 1] - r.starts[e])
+    }
+
+    /// Expert `e` of layer `i` on the rows routed to it, added into the block's output with
+    /// their weights. `mem` holds the layer unit's raw bytes from offset `raw_base` on (the
+    /// whole unit: 0; the expert alone: its range's start). Experts run in ascending order,
+    /// each row's sum in the order transformers adds them; an expert's rows keep their
+    /// order, decode rows first, so a decode row takes the decode kernels here too.
+    fn expert(&mut self, b: &B, i: usize, e: usize, mem: &B::Mem, raw_base: usize) {
+        let Ffn::Moe { experts, .. } = &self.layers[i].ffn else {
+            unreachable!("an expert of a dense layer")
+        };
+        let (c, ws) = (&self.cfg, &mut self.ws);
+        let h = c.hidden as usize;
+        let routes = self.routes.as_ref().expect("a mixture has its routes");
+        let (_, xe, ye) = ws.moe.as_mut().expect("a mixture has its workspace");
+        let (er, ew) = routes.of(e);
+        if er.is_empty() {
+            return;
+        }
+        let (m, ge) = (
+            er.len(),
+            er.partition_point(|&r| (r as usize) < self.gemv_rows),
+        );
+        b.gather_rows(&ws.xn, er, h, xe);
+        gated_mlp(
+            b,
+            c,
+            (xe, m, ge),
+            experts[e].map(|t| {
+                TensorLoc {
+                    offset: t.offset - raw_base,
+                    ..t
+                }
+                .at(mem)
+            }),
+            (&mut ws.gate, &mut ws.up),
+            ye,
+        );
+        b.scatter_add_rows(ye, er, ew, h, &mut ws.proj);
+    }
+
+    /// The decoder layer of unit `unit` (a mixture's layer, else None).
+    fn sparse_layer(&self, unit: usize) -> Option<usize> {
+        match self.unit_kinds.get(unit) {
+            Some(&UnitKind::Decoder(i)) if self.routed_count(i as usize) > 0 => Some(i as usize),
+            _ => None,
+        }
+    }
+
+    /// A mixture's layer run in parts, its experts loaded on their own: first its dense
+    /// part (`mem` holds the unit's raw bytes from offset 0 up to its first expert at
+    /// least: norms, attention, router), which runs the attention block and routes the
+    /// step; then each routed expert (`routed_experts`, `forward_expert`) in ascending
+    /// order; then `sparse_end`. The same ops in the same order as `forward_unit`, so the
+    /// results are the same bits.
+    pub fn sparse_begin(&mut self, b: &B, unit: usize, mem: &B::Mem) {
+        let _span = tracing::trace_span!("unit", unit).entered();
+        let i = self
+            .sparse_layer(unit)
+            .expect("sparse_begin on a mixture's layer");
+        self.attention(b, i, mem);
+        self.route(b, i, mem);
+    }
+
+    /// The experts the step routed to at unit `unit`'s layer, ascending (after
+    /// `sparse_begin`; before it, those of the step before: a prediction).
+    pub fn routed_experts(&self, unit: usize) -> &[u32] {
+        match self.unit_kinds.get(unit) {
+            Some(&UnitKind::Decoder(i)) => &self.last_routed[i as usize],
+            _ => &[],
+        }
+    }
+
+    /// Expert `e` of the layer begun with `sparse_begin`: `mem` holds the unit's raw bytes
+    /// from `raw_base` on (the expert's range at least).
+    pub fn forward_expert(&mut self, b: &B, unit: usize, e: usize, mem: &B::Mem, raw_base: u64) {
+        let i = self
+            .sparse_layer(unit)
+            .expect("an expert of a mixture's layer");
+        self.expert(b, i, e, mem, raw_base as usize);
+    }
+
+    /// The end of a mixture's layer run in parts (`mem` as for `sparse_begin`).
+    pub fn sparse_end(&mut self, b: &B, unit: usize, mem: &B::Mem) {
+        let i = self
+            .sparse_layer(unit)
+            .expect("sparse_end on a mixture's layer");
+        self.ffn_end(b, i, mem);
     }
 
     /// The embedding table: its place in unit 0.

@@ -58,6 +58,24 @@ use std::time::Instant;
 
 mod gather;
 
+/// Where an upload lands: a streaming slot, or a slot of the expert cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Dst {
+    Stream(usize),
+    Expert(usize),
+}
+
+/// The device memory of `Dst` `$d` in pipeline `$p` (a macro: the backend stays free to
+/// borrow beside it).
+macro_rules! dst_mem {
+    ($p:ident, $d:expr) => {
+        match $d {
+            Dst::Stream(i) => &mut $p.slots[i],
+            Dst::Expert(i) => &mut $p.experts.slots[i],
+        }
+    };
+}
+
 /// A unit's upload starts once this much of it is decoded, and continues in parts of this
 /// size as frames finish: large enough that each copy runs near the bus's rate, small enough
 /// that a big layer's copy overlaps its own decompression.
@@ -86,6 +104,22 @@ pub struct PassStats {
     pub partial_uploads: u64,
     /// Stored bytes a streamed embedding's lookup read (also in `bytes_read`).
     pub bytes_gathered: u64,
+    /// Streamed layers of a mixture: the experts their steps routed to (each counted once
+    /// per layer and step), those found in the expert cache, and those loaded (from disk
+    /// or the host cache) with their raw bytes.
+    pub experts_routed: u64,
+    pub expert_cache_hits: u64,
+    pub experts_loaded: u64,
+    pub expert_bytes_loaded: u64,
+    /// Experts predicted for a layer before it routed (those the step before chose there),
+    /// and how many of them it then chose: precision = used / predicted, recall = used /
+    /// routed.
+    pub experts_predicted: u64,
+    pub experts_predicted_used: u64,
+    /// Predicted experts requested from disk before their layer routed, and how many of
+    /// those loads went unused (cancelled or read in vain).
+    pub expert_prefetches: u64,
+    pub expert_prefetches_wasted: u64,
 }
 
 impl PassStats {
@@ -102,21 +136,33 @@ impl PassStats {
         self.bytes_from_host_cache += o.bytes_from_host_cache;
         self.partial_uploads += o.partial_uploads;
         self.bytes_gathered += o.bytes_gathered;
+        self.experts_routed += o.experts_routed;
+        self.expert_cache_hits += o.expert_cache_hits;
+        self.experts_loaded += o.experts_loaded;
+        self.expert_bytes_loaded += o.expert_bytes_loaded;
+        self.experts_predicted += o.experts_predicted;
+        self.experts_predicted_used += o.experts_predicted_used;
+        self.expert_prefetches += o.expert_prefetches;
+        self.expert_prefetches_wasted += o.expert_prefetches_wasted;
     }
 }
 
-/// One load of a pass: a whole unit, or row part `.0` of the embedding for a tied head
-/// (`Plan::head_parts`).
+/// One load of a pass: a whole unit, row part `.0` of the embedding for a tied head
+/// (`Plan::head_parts`), the dense part of a mixture's layer that streams sparsely
+/// (`Plan::sparse`), or one expert of such a layer (requested once the layer routed, or
+/// predicted before).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Load {
     Unit(usize),
     Part(usize),
+    Dense(usize),
+    Expert(usize, u32),
 }
 
 impl Load {
     fn unit(self) -> usize {
         match self {
-            Load::Unit(u) => u,
+            Load::Unit(u) | Load::Dense(u) | Load::Expert(u, _) => u,
             Load::Part(_) => 0,
         }
     }
@@ -151,10 +197,21 @@ pub struct Pipeline<B: Backend> {
     next_issue: usize,
     /// I/O counters at the end of the last pass (reads between passes count for the next).
     io_mark: crate::io::IoStats,
-    /// Staging slots an asynchronous upload may still be reading, by streaming slot.
-    held: Vec<(usize, crate::io::HeldSlot)>,
+    /// Staging slots an asynchronous upload may still be reading, by where it lands.
+    held: Vec<(Dst, crate::io::HeldSlot)>,
     /// `held`'s twin, swapped in while the held slots are waited for (no allocation).
-    held_spare: Vec<(usize, crate::io::HeldSlot)>,
+    held_spare: Vec<(Dst, crate::io::HeldSlot)>,
+    /// The expert cache, and the expert loads requested and not yet run.
+    experts: experts::ExpertCache<B::Mem>,
+    expert_loads: Vec<experts::ExpertLoad>,
+    /// Per unit, the experts predicted for it this step (before it routed), and the pass
+    /// that predicted them last.
+    predicted: Vec<Vec<u32>>,
+    predicted_pass: Vec<u64>,
+    /// Passes begun (numbers the predictions).
+    pass_no: u64,
+    /// A layer's routed experts while they run (no allocation per layer).
+    routed_buf: Vec<u32>,
     /// Which load each streaming slot holds during a pass.
     in_slot: Vec<Option<Load>>,
     /// Device memory is host memory: streamed units run from their staging slots.
@@ -434,7 +491,10 @@ impl<B: Backend> Pipeline<B> {
         let mut loads = Vec::with_capacity(n + plan.head_parts.len());
         for (u, r) in resident.iter().enumerate().skip(1) {
             if r.is_none() {
-                loads.push(Load::Unit(u));
+                loads.push(match plan.sparse[u] {
+                    Some(_) => Load::Dense(u),
+                    None => Load::Unit(u),
+                });
             }
             if u == n - 1 {
                 loads.extend((0..plan.head_parts.len()).map(Load::Part));
@@ -470,7 +530,20 @@ impl<B: Backend> Pipeline<B> {
         } else {
             None
         };
+        let mut cache_slots = Vec::with_capacity(plan.expert_cache_slots);
+        for i in 0..plan.expert_cache_slots {
+            cache_slots.push(backend.alloc(
+                plan.expert_slot_bytes as usize,
+                &format!("expert cache slot {i}"),
+            )?);
+        }
         Ok(Pipeline {
+            experts: experts::ExpertCache::new(cache_slots),
+            expert_loads: Vec::with_capacity(plan.expert_reads),
+            predicted: vec![Vec::new(); n],
+            predicted_pass: vec![0; n],
+            pass_no: 0,
+            routed_buf: Vec::new(),
             backend,
             model,
             store,
@@ -530,6 +603,8 @@ impl<B: Backend> Pipeline<B> {
                     Load::Part(p) => self
                         .io
                         .request_part(0, self.plan.head_parts[p].frames.clone())?,
+                    Load::Dense(u) => self.io.request_part(u, self.load_frames(load))?,
+                    Load::Expert(..) => unreachable!("experts load once routed"),
                 })
             };
             self.ahead.push_back(t);
@@ -544,13 +619,13 @@ impl<B: Backend> Pipeline<B> {
     fn load_into(
         &mut self,
         t: Ticket,
-        slot: usize,
+        dst: Dst,
         len: usize,
         st: &mut PassStats,
     ) -> Result<(), PipelineError> {
         let chunk = self.upload_chunk.max(1);
         let mut sent = 0;
-        self.backend.upload_begin(&mut self.slots[slot])?;
+        self.backend.upload_begin(dst_mem!(self, dst))?;
         let progressive = loop {
             let t0 = Instant::now();
             let r = self.io.wait_progress(&t, (sent + chunk).min(len));
@@ -560,7 +635,7 @@ impl<B: Backend> Pipeline<B> {
                     let t1 = Instant::now();
                     let r = self
                         .backend
-                        .upload_part(&mut self.slots[slot], sent, &prefix[sent..]);
+                        .upload_part(dst_mem!(self, dst), sent, &prefix[sent..]);
                     st.upload_s += t1.elapsed().as_secs_f64();
                     if let Err(e) = r {
                         break Err(PipelineError::from(e));
@@ -576,8 +651,8 @@ impl<B: Backend> Pipeline<B> {
         if let Err(e) = progressive {
             // The staging slot is the engine's again once the ticket is dropped: no copy
             // may still be reading it by then.
-            let _ = self.backend.upload_end(&mut self.slots[slot]);
-            let _ = self.backend.upload_wait(&self.slots[slot]);
+            let _ = self.backend.upload_end(dst_mem!(self, dst));
+            let _ = self.backend.upload_wait(dst_mem!(self, dst));
             drop(t);
             return Err(e);
         }
@@ -587,11 +662,11 @@ impl<B: Backend> Pipeline<B> {
         st.load_stall_s += t0.elapsed().as_secs_f64();
         let t1 = Instant::now();
         self.backend
-            .upload_part(&mut self.slots[slot], sent, &guard.data()[sent..])?;
-        self.backend.upload_end(&mut self.slots[slot])?;
+            .upload_part(dst_mem!(self, dst), sent, &guard.data()[sent..])?;
+        self.backend.upload_end(dst_mem!(self, dst))?;
         st.upload_s += t1.elapsed().as_secs_f64();
         st.bytes_uploaded += len as u64;
-        self.held.push((slot, guard));
+        self.held.push((dst, guard));
         Ok(())
     }
 
@@ -601,10 +676,12 @@ impl<B: Backend> Pipeline<B> {
         if r.is_err() {
             self.borrowed.clear();
             // A staging slot goes back only once no copy reads it any more.
-            for (s, guard) in std::mem::take(&mut self.held) {
-                let _ = self.backend.upload_wait(&self.slots[s]);
+            for (d, guard) in std::mem::take(&mut self.held) {
+                let _ = self.backend.upload_wait(dst_mem!(self, d));
                 drop(guard);
             }
+            // Expert loads requested for this pass are dropped (cancelled) too.
+            self.expert_loads.clear();
             // Drop what was requested ahead (the tickets cancel); the next pass starts clean.
             self.ahead.clear();
             self.next_issue = 0;
@@ -614,6 +691,7 @@ impl<B: Backend> Pipeline<B> {
 
     fn pass(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), PipelineError> {
         self.model.begin(steps)?;
+        self.pass_no += 1;
         let t_pass = Instant::now();
         let mut st = PassStats {
             passes: 1,
@@ -628,6 +706,10 @@ impl<B: Backend> Pipeline<B> {
         for u in 0..n {
             if u == 0 && self.gathered.is_some() {
                 self.embed_gathered(&mut st)?;
+                continue;
+            }
+            if self.resident[u].is_none() && self.plan.sparse[u].is_some() {
+                self.sparse_layer(u, &mut at, &mut st)?;
                 continue;
             }
             let is_head = self.store.units()[u].kind == UnitKind::Head;
@@ -734,7 +816,7 @@ impl<B: Backend> Pipeline<B> {
         }
         let slot = at.slot;
         at.slot = (at.slot + 1) % self.slots.len();
-        self.stage(load, t, slot, st)?;
+        self.stage(load, t, Dst::Stream(slot), st)?;
         self.in_slot[slot] = Some(load);
         Ok(Some(slot))
     }
@@ -754,11 +836,47 @@ impl<B: Backend> Pipeline<B> {
         self.top_up()
     }
 
-    /// Raw bytes of a load: the unit's, or the part's.
+    /// Raw bytes of a load: the unit's, the part's, or the frames' of a sparse layer's
+    /// dense part or expert.
     fn load_len(&self, load: Load) -> usize {
+        let units = self.store.units();
         match load {
-            Load::Unit(u) => self.store.units()[u].raw_len as usize,
+            Load::Unit(u) => units[u].raw_len as usize,
             Load::Part(p) => self.plan.head_parts[p].raw_len as usize,
+            Load::Dense(u) | Load::Expert(u, _) => {
+                units[u].part_span(self.load_frames(load), false) as usize
+            }
+        }
+    }
+
+    /// The frames of a sparse layer's load.
+    fn load_frames(&self, load: Load) -> std::ops::Range<usize> {
+        let sp = |u: usize| {
+            self.plan.sparse[u]
+                .as_ref()
+                .expect("a sparse load of a sparse layer")
+        };
+        match load {
+            Load::Dense(u) => sp(u).dense_frames.clone(),
+            Load::Expert(u, e) => sp(u).experts[e as usize].frames.clone(),
+            Load::Unit(u) => 0..self.store.units()[u].frames.len(),
+            Load::Part(p) => self.plan.head_parts[p].frames.clone(),
+        }
+    }
+
+    /// The raw offset in its unit of a load's first byte.
+    fn load_base(&self, load: Load) -> u64 {
+        match load {
+            Load::Unit(_) | Load::Dense(_) => 0,
+            Load::Part(p) => self.plan.head_parts[p].raw_base,
+            Load::Expert(u, e) => {
+                self.plan.sparse[u]
+                    .as_ref()
+                    .expect("an expert of a sparse layer")
+                    .experts[e as usize]
+                    .raw
+                    .start
+            }
         }
     }
 
@@ -790,24 +908,21 @@ impl<B: Backend> Pipeline<B> {
         &mut self,
         w: Load,
         ticket: Option<Ticket>,
-        slot: usize,
+        dst: Dst,
         st: &mut PassStats,
     ) -> Result<(), PipelineError> {
         let len = self.load_len(w);
         match ticket {
-            Some(t) => self.load_into(t, slot, len, st),
+            Some(t) => self.load_into(t, dst, len, st),
             None => {
                 let data = self.host_cache[w.unit()]
                     .as_ref()
                     .expect("host-cached unit");
-                let base = match w {
-                    Load::Unit(_) => 0,
-                    Load::Part(p) => self.plan.head_parts[p].raw_base as usize,
-                };
+                let base = self.load_base(w) as usize;
                 let t1 = Instant::now();
                 // The host cache lives as long as the pipeline: nothing to release.
                 self.backend
-                    .upload_async(&mut self.slots[slot], &data.as_slice()[base..base + len])?;
+                    .upload_async(dst_mem!(self, dst), &data.as_slice()[base..base + len])?;
                 st.upload_s += t1.elapsed().as_secs_f64();
                 st.bytes_uploaded += len as u64;
                 st.bytes_from_host_cache += len as u64;
@@ -824,8 +939,8 @@ impl<B: Backend> Pipeline<B> {
         let mut waited = Ok(());
         let mut held = std::mem::take(&mut self.held_spare);
         std::mem::swap(&mut held, &mut self.held);
-        for (s, _) in &held {
-            if let Err(e) = self.backend.upload_wait(&self.slots[*s]) {
+        for &(d, _) in &held {
+            if let Err(e) = self.backend.upload_wait(dst_mem!(self, d)) {
                 waited = waited.and(Err(e));
             }
         }
@@ -855,3 +970,6 @@ impl<B: Backend> Pipeline<B> {
         self.model.options()
     }
 }
+
+// After the macros, which it uses.
+mod experts;

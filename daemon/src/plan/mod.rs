@@ -8,8 +8,9 @@
 
 use crate::model::decoder::{kv_cache_bytes, workspace_bytes};
 use crate::model::ModelOptions;
-use crate::store::format::{Manifest, UnitKind};
+use crate::store::format::{ExpertRange, Manifest, UnitKind};
 use crate::util::fmt_bytes;
+use std::ops::Range;
 
 #[cfg(test)]
 mod tests;
@@ -45,6 +46,9 @@ pub struct PlanInput {
     pub opts: ModelOptions,
     /// Units requested ahead of the one computing (default PREFETCH_DEFAULT).
     pub prefetch: Option<usize>,
+    /// Slots of the expert cache when a mixture's experts stream (`--expert-cache`); None:
+    /// as many as the memory the split leaves holds.
+    pub expert_cache: Option<usize>,
     /// Device bytes the backend keeps for itself (CUDA: kernel metadata, cuBLAS scratch
     /// and workspace; CPU: 0), reserved before anything else.
     pub backend_reserved: u64,
@@ -149,6 +153,44 @@ pub struct UnitPlan {
     pub placement: Placement,
     pub raw_bytes: u64,
     pub stored_bytes: u64,
+    /// A streamed layer of a mixture that loads its dense part and only the experts a step
+    /// routes to (`Plan::sparse`).
+    pub experts_routed: bool,
+}
+
+/// A decoder layer of a mixture of experts that streams sparsely: its dense part
+/// (norms, attention, router) is one load, and each expert a step routes to is a load of
+/// its own (`LayerUnit::experts`: one run of frames, a page-aligned raw range).
+#[derive(Clone, Debug, Serialize)]
+pub struct SparseUnit {
+    /// The dense part's frames (the unit's first, up to the first expert's) and raw bytes.
+    pub dense_frames: Range<usize>,
+    pub dense_raw: u64,
+    pub experts: Vec<ExpertRange>,
+}
+
+/// Unit `u` as a sparse unit, when it can stream that way: a layer of the mixture whose
+/// experts are laid out one run each, after everything else of the layer.
+pub fn sparse_unit(m: &Manifest, u: usize) -> Option<SparseUnit> {
+    let unit = m.units.get(u)?;
+    let UnitKind::Decoder(i) = unit.kind else {
+        return None;
+    };
+    let moe = m.arch.moe.as_ref().filter(|_| m.arch.is_sparse(i))?;
+    let experts = unit.experts()?;
+    let first = experts.first()?;
+    let last = experts.last()?;
+    if experts.len() != moe.n_experts as usize
+        || first.frames.start == 0
+        || last.raw.end != unit.raw_len
+    {
+        return None;
+    }
+    Some(SparseUnit {
+        dense_frames: 0..first.frames.start,
+        dense_raw: first.raw.start,
+        experts,
+    })
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -166,7 +208,9 @@ pub struct Plan {
     pub units: Vec<UnitPlan>,
     /// Per forward pass: stored bytes read from disk, raw bytes copied from the host
     /// cache, raw bytes uploaded to the device (on a unified backend: lent to the compute in
-    /// their staging slots, not copied).
+    /// their staging slots, not copied). A sparse layer counts its dense part and one
+    /// expert per routing choice of a full batch (an estimate: what loads depends on the
+    /// routing and the expert cache).
     pub disk_bytes_per_pass: u64,
     pub host_cache_bytes_per_pass: u64,
     pub upload_bytes_per_pass: u64,
@@ -183,6 +227,16 @@ pub struct Plan {
     /// the rows that straddle two parts (gathered once at start, kept on the device).
     pub head_parts: Vec<crate::store::format::RowPart>,
     pub head_seams: Vec<u64>,
+    /// Per unit, its sparse layout when it streams only the experts a step routes to.
+    pub sparse: Vec<Option<SparseUnit>>,
+    /// The expert cache: device slots of an expert each, kept across steps (a unified
+    /// backend's in the arena; none there is needed, its experts run from staging slots).
+    pub expert_cache_slots: usize,
+    pub expert_slot_bytes: u64,
+    /// Expert loads in flight at once (host staging slots beside the prefetched units).
+    pub expert_reads: usize,
+    /// Experts of the streamed layers, all told (the most the cache can use).
+    pub experts_streamed: usize,
     /// Every host role, within the host budget.
     pub host: HostPlan,
 }
@@ -301,6 +355,7 @@ impl Plan {
             + self.backend_bytes
             + self.stream_slots as u64 * self.stream_slot_bytes
             + self.resident_bytes
+            + self.expert_cache_slots as u64 * self.expert_slot_bytes
     }
 
     /// The plan as a table for the start-up log.
@@ -355,6 +410,27 @@ impl Plan {
                         .map(|p| p.rows.end - p.rows.start)
                         .max()
                         .unwrap_or(0)
+                ),
+            );
+        }
+        if self.experts_streamed > 0 {
+            line(
+                &mut s,
+                "expert cache",
+                format!(
+                    "{} x {} (of {} experts in {} streamed layers)",
+                    self.expert_cache_slots,
+                    fmt_bytes(self.expert_slot_bytes),
+                    self.experts_streamed,
+                    self.sparse.iter().flatten().count()
+                ),
+            );
+            line(
+                &mut s,
+                "expert loads in flight",
+                format!(
+                    "{} (only the experts a step routes to load)",
+                    self.expert_reads
                 ),
             );
         }
@@ -477,7 +553,7 @@ struct Candidate {
 /// pass. None when no slot size fits.
 fn choose_residency(
     raw: &[u64],
-    e: &EmbeddingCost,
+    e: &UnitCosts,
     counts: &[usize],
     room: impl Fn(u64, usize) -> Option<u64>,
 ) -> Option<Candidate> {
@@ -489,7 +565,7 @@ fn choose_residency(
     let spread = |u: usize| (u.reverse_bits() >> (usize::BITS - bits), u);
     let mut order: Vec<usize> = (0..raw.len()).collect();
     order.sort_by(|&x, &y| value(y).cmp(&value(x)).then(spread(x).cmp(&spread(y))));
-    let mut sizes: Vec<u64> = raw.to_vec();
+    let mut sizes: Vec<u64> = (0..raw.len()).map(|u| e.need(raw, u)).collect();
     sizes.sort_unstable_by(|x, y| y.cmp(x));
     sizes.dedup();
     let mut best: Option<Candidate> = None;
@@ -540,8 +616,8 @@ fn choose_residency(
 
 /// For each slot size: (bytes of units that cannot stream through it, which must be
 /// resident, the size).
-fn oversized(raw: &[u64], e: &EmbeddingCost) -> Vec<(u64, u64)> {
-    let mut sizes: Vec<u64> = raw.to_vec();
+fn oversized(raw: &[u64], e: &UnitCosts) -> Vec<(u64, u64)> {
+    let mut sizes: Vec<u64> = (0..raw.len()).map(|u| e.need(raw, u)).collect();
     sizes.sort_unstable_by(|x, y| y.cmp(x));
     sizes.dedup();
     sizes
@@ -556,11 +632,12 @@ fn oversized(raw: &[u64], e: &EmbeddingCost) -> Vec<(u64, u64)> {
         .collect()
 }
 
-/// What streaming the embedding (unit 0) costs. Its lookup reads only the frames that
+/// What streaming a unit costs, where it is not simply its bytes: a sparse layer of a
+/// mixture (`SparseUnit`), and the embedding (unit 0). Its lookup reads only the frames that
 /// hold the step's rows (a frame per distinct token), so an untied embedding needs no
 /// staging slot at all; a tied one is also the output head, read once a pass in row parts
 /// that each fit a slot (`LayerUnit::row_parts`).
-struct EmbeddingCost<'m> {
+struct UnitCosts<'m> {
     unit: &'m crate::store::format::LayerUnit,
     /// The table and its row bytes; None: not a decoder's embedding (it stays resident).
     table: Option<(&'m crate::store::format::TensorEntry, u64)>,
@@ -569,10 +646,14 @@ struct EmbeddingCost<'m> {
     direct: bool,
     /// Bytes the lookup reads per pass, estimated: a frame per sequence of the batch.
     gather: u64,
+    /// Per unit that can stream sparsely: (the slot bytes its largest load needs, the raw
+    /// bytes a pass loads of it, estimated as the dense part and one expert per routing
+    /// choice of a full batch, all of them at most).
+    sparse: Vec<Option<(u64, u64)>>,
 }
 
-impl<'m> EmbeddingCost<'m> {
-    fn new(m: &'m Manifest, opts: &ModelOptions) -> Self {
+impl<'m> UnitCosts<'m> {
+    fn new(m: &'m Manifest, opts: &ModelOptions, sparse: &[Option<SparseUnit>]) -> Self {
         let unit = &m.units[0];
         let table = unit
             .tensor("model.embed_tokens.weight")
@@ -583,12 +664,40 @@ impl<'m> EmbeddingCost<'m> {
             })
             .filter(|&(_, rb)| rb > 0);
         let frame = unit.frame_stored_max();
-        EmbeddingCost {
+        let sparse = sparse
+            .iter()
+            .zip(&m.units)
+            .map(|(sp, lu)| {
+                let sp = sp.as_ref()?;
+                let moe = m.arch.moe.as_ref()?;
+                let direct = lu.stored_as_raw();
+                let need = sp
+                    .experts
+                    .iter()
+                    .map(|x| round(lu.part_span(x.frames.clone(), direct)))
+                    .chain([round(lu.part_span(sp.dense_frames.clone(), direct))])
+                    .max()?;
+                let n = sp.experts.len() as u64;
+                let expert_raw = (lu.raw_len - sp.dense_raw) / n.max(1);
+                let routed = (moe.top_k as u64 * opts.kv_slots as u64).min(n);
+                Some((need, sp.dense_raw + routed * expert_raw))
+            })
+            .collect();
+        UnitCosts {
             unit,
             table,
             tied: m.arch.tied_embeddings,
             direct: unit.stored_as_raw(),
             gather: (frame * opts.kv_slots as u64).min(unit.stored_len),
+            sparse,
+        }
+    }
+
+    /// The slot bytes unit `u` needs to stream (its sparse loads' largest, else the unit).
+    fn need(&self, raw: &[u64], u: usize) -> u64 {
+        match self.sparse.get(u) {
+            Some(Some((need, _))) => *need,
+            _ => raw[u],
         }
     }
 
@@ -602,7 +711,7 @@ impl<'m> EmbeddingCost<'m> {
     /// Unit `u` can stream through slots of `s` bytes.
     fn streams_at(&self, raw: &[u64], u: usize, s: u64) -> bool {
         if u != 0 || self.table.is_none() {
-            return raw[u] <= s;
+            return self.need(raw, u) <= s;
         }
         !self.tied || self.parts(s).is_some()
     }
@@ -610,8 +719,9 @@ impl<'m> EmbeddingCost<'m> {
     /// Bytes a pass streams if unit `u` is not resident (the planner keeps the most
     /// valuable units resident).
     fn value(&self, raw: &[u64], u: usize) -> u64 {
-        match (u, self.table) {
-            (0, Some(_)) => self.gather + if self.tied { raw[0] } else { 0 },
+        match (u, self.table, self.sparse.get(u)) {
+            (0, Some(_), _) => self.gather + if self.tied { raw[0] } else { 0 },
+            (_, _, Some(Some((_, pass)))) => *pass,
             _ => raw[u],
         }
     }
@@ -622,7 +732,7 @@ impl<'m> EmbeddingCost<'m> {
 /// resident.
 fn least_budget_error(
     raw: &[u64],
-    e: &EmbeddingCost,
+    e: &UnitCosts,
     budget: u64,
     kv: u64,
     workspace: u64,
@@ -743,10 +853,15 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     let all_resident = fixed + raw.iter().sum::<u64>();
     let tied = a.tied_embeddings;
 
+    // Layers of a mixture that can stream only their routed experts.
+    let sparse_all: Vec<Option<SparseUnit>> =
+        (0..m.units.len()).map(|u| sparse_unit(m, u)).collect();
+    let emb = UnitCosts::new(m, &opts, &sparse_all);
     // Host roles that do not depend on the split.
     let frame_stored_max = m.frame_stored_len_max();
-    // A typical unit: the median size (the decoder layers, not the embedding).
-    let mut sizes = raw.clone();
+    // A typical load: the median size (the decoder layers, not the embedding; a sparse
+    // layer's largest load).
+    let mut sizes: Vec<u64> = (0..raw.len()).map(|u| emb.need(&raw, u)).collect();
     sizes.sort_unstable();
     let median = sizes.get(sizes.len() / 2).copied().unwrap_or(0);
     let into_slots = m.units.iter().all(|u| u.stored_as_raw());
@@ -785,7 +900,6 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     // A streamed embedding's lookup: a device table of a step's rows, and on the host the
     // rows, a frame's read buffer and its decoded bytes (reserved in every streaming plan,
     // dropped below when the embedding stays resident).
-    let emb = EmbeddingCost::new(m, &opts);
     let gather = match emb.table {
         Some((_, rb)) => {
             // A step's rows, and for a tied head the seam rows between its parts (at
@@ -807,6 +921,39 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         }
         None => (0, 0),
     };
+    // A mixture's experts, should its layers stream: the expert cache's slots the split
+    // must leave room for (`--expert-cache`, else one on a discrete device, whose experts
+    // run from there; none on a unified one, whose experts can run from staging) and the
+    // staging slots of the expert loads in flight.
+    let expert_max = emb
+        .sparse
+        .iter()
+        .zip(&sparse_all)
+        .filter_map(|(c, sp)| c.and(sp.as_ref()))
+        .flat_map(|sp| sp.experts.iter().map(|x| round(x.raw.end - x.raw.start)))
+        .max()
+        .unwrap_or(0);
+    let experts_all: usize = emb
+        .sparse
+        .iter()
+        .zip(&sparse_all)
+        .filter_map(|(c, sp)| c.and(sp.as_ref()))
+        .map(|sp| sp.experts.len())
+        .sum();
+    let cache_min = match input.expert_cache {
+        Some(n) => n.min(experts_all),
+        None if h.unified => 0,
+        None => 1,
+    };
+    let expert_reserve = (
+        cache_min as u64 * expert_max,
+        match &a.moe {
+            Some(moe) if expert_max > 0 => (2 * moe.top_k as usize)
+                .min(moe.n_experts as usize)
+                .clamp(1, 16),
+            _ => 0,
+        },
+    );
     let split = if h.unified {
         plan_unified(
             &raw,
@@ -817,9 +964,18 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
             gather,
             prefetch_want,
             all_resident,
+            expert_reserve,
         )?
     } else {
-        plan_discrete(&raw, &emb, input, (kv, fixed), gather, all_resident)?
+        plan_discrete(
+            &raw,
+            &emb,
+            input,
+            (kv, fixed),
+            gather,
+            all_resident,
+            expert_reserve.0,
+        )?
     };
     let Split {
         resident,
@@ -836,9 +992,30 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     // slots of that size where they can, else of the size the split chose.
     let largest_streamed = (0..raw.len())
         .filter(|&u| !resident[u] && u != 0)
-        .map(|u| round(m.units[u].raw_len))
+        .map(|u| emb.need(&raw, u))
         .max()
         .unwrap_or(0);
+    // The streamed layers of a mixture load their dense part and the routed experts.
+    let sparse: Vec<Option<SparseUnit>> = sparse_all
+        .into_iter()
+        .enumerate()
+        .map(|(u, sp)| sp.filter(|_| !resident[u]))
+        .collect();
+    let experts_streamed: usize = sparse.iter().flatten().map(|sp| sp.experts.len()).sum();
+    let expert_slot_bytes = sparse
+        .iter()
+        .flatten()
+        .flat_map(|sp| sp.experts.iter().map(|x| round(x.raw.end - x.raw.start)))
+        .max()
+        .unwrap_or(0);
+    // Expert loads in flight: a step's choices for one row and as many again (a batch's
+    // union, the predicted ones), within the experts there are.
+    let expert_reads = match (&a.moe, experts_streamed) {
+        (Some(moe), 1..) => (2 * moe.top_k as usize)
+            .min(moe.n_experts as usize)
+            .clamp(1, 16),
+        _ => 0,
+    };
     let (head_parts, head_seams) = if gathered && tied {
         emb.parts(largest_streamed)
             .or_else(|| emb.parts(cap))
@@ -869,22 +1046,58 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         None => {
             let mut p = prefetch_want;
             if let Some(b) = h.budget {
-                while p > 1 && host_fixed + (p as u64 + 1) * staging_slot_bytes > b {
+                let extra = (1 + expert_reads) as u64;
+                while p > 1 && host_fixed + (p as u64 + extra) * staging_slot_bytes > b {
                     p -= 1;
                 }
             }
             (p + 1, p)
         }
     };
-    let (staging, prefetch) = if streams { (staging, prefetch) } else { (0, 0) };
+    // Expert loads have staging slots of their own beside the units requested ahead: an
+    // expert is requested only once its layer has routed, while the loads ahead hold
+    // theirs, so sharing them could wait forever.
+    let (staging, prefetch) = if streams {
+        (staging + expert_reads, prefetch)
+    } else {
+        (0, 0)
+    };
     let staged = staging as u64 * staging_slot_bytes;
+    let resident_bytes: u64 = (0..raw.len())
+        .filter(|&u| resident[u])
+        .map(|u| raw[u])
+        .sum();
+    // The expert cache: the slots asked for, else what the budgets leave after the split
+    // (on a discrete device at least one, which its experts run from), never more than
+    // there are streamed experts.
+    let dev_used = fixed
+        + gather_dev
+        + resident_bytes
+        + if h.unified {
+            0
+        } else {
+            slots as u64 * slot_bytes
+        };
+    let expert_cache_slots = match (experts_streamed, input.expert_cache) {
+        (0, _) => 0,
+        (n, Some(asked)) => asked.min(n),
+        (n, None) => {
+            let dev_left = match (h.unified, input.device_budget) {
+                (true, None) => None,
+                _ => Some(budget.saturating_sub(dev_used)),
+            };
+            let host_left = match (h.unified, h.budget) {
+                (true, Some(b)) => Some(b.saturating_sub(host_fixed + staged + dev_used)),
+                _ => None,
+            };
+            let left = [dev_left, host_left].into_iter().flatten().min();
+            let fits = left.map_or(n, |l| (l / expert_slot_bytes.max(1)) as usize);
+            fits.max(cache_min).min(n)
+        }
+    };
+    let expert_cache_bytes = expert_cache_slots as u64 * expert_slot_bytes;
     let arena = if h.unified {
-        fixed
-            + gather_dev
-            + (0..raw.len())
-                .filter(|&u| resident[u])
-                .map(|u| raw[u])
-                .sum::<u64>()
+        dev_used + expert_cache_bytes
     } else {
         0
     };
@@ -965,6 +1178,11 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
                     rw + p.raw_len,
                 )
             })
+        } else if let (Some(_), Some(Some((_, pass)))) = (&sparse[u], emb.sparse.get(u)) {
+            // A sparse layer: its dense part and a full batch's routed experts, estimated
+            // (stored bytes in the unit's own ratio).
+            let stored = (lu.stored_len as u128 * *pass as u128 / lu.raw_len.max(1) as u128) as u64;
+            (stored, *pass)
         } else {
             (lu.stored_len, lu.raw_len)
         };
@@ -987,12 +1205,9 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
             placement,
             raw_bytes: lu.raw_len,
             stored_bytes: lu.stored_len,
+            experts_routed: sparse[u].is_some(),
         });
     }
-    let resident_bytes = (0..raw.len())
-        .filter(|&u| resident[u])
-        .map(|u| raw[u])
-        .sum();
     let plan = Plan {
         device_budget: budget,
         kv_cache_bytes: kv,
@@ -1013,6 +1228,11 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         gather_table_bytes: gather_dev,
         head_parts,
         head_seams,
+        sparse,
+        expert_cache_slots,
+        expert_slot_bytes,
+        expert_reads,
+        experts_streamed,
         units,
         disk_bytes_per_pass: disk,
         host_cache_bytes_per_pass: host,
@@ -1060,11 +1280,12 @@ struct Split {
 /// device slots; the host stages `prefetch + 1` units.
 fn plan_discrete(
     raw: &[u64],
-    e: &EmbeddingCost,
+    e: &UnitCosts,
     input: &PlanInput,
     (kv, fixed): (u64, u64),
     (gather, _): (u64, u64),
     all_resident: u64,
+    expert_cache: u64,
 ) -> Result<Split, PlanError> {
     let budget = input.device_budget.unwrap_or(all_resident);
     if all_resident <= budget {
@@ -1078,7 +1299,7 @@ fn plan_discrete(
     }
     // A third slot lets an asynchronous backend upload one unit ahead.
     let counts = [STREAM_SLOTS_MIN + 1, STREAM_SLOTS_MIN];
-    let fixed = fixed + gather;
+    let fixed = fixed + gather + expert_cache;
     let c = choose_residency(raw, e, &counts, |s, n| {
         budget.checked_sub(fixed + n as u64 * s)
     })
@@ -1098,13 +1319,14 @@ fn plan_discrete(
 #[allow(clippy::too_many_arguments)] // the fixed roles, each a sum the plan table shows
 fn plan_unified(
     raw: &[u64],
-    e: &EmbeddingCost,
+    e: &UnitCosts,
     input: &PlanInput,
     (kv, fixed): (u64, u64),
     (reads, scratch, in_flight): (u64, u64, u64),
     (gather_dev, gather_host): (u64, u64),
     prefetch_want: usize,
     all_resident: u64,
+    (expert_cache, expert_reads): (u64, usize),
 ) -> Result<Split, PlanError> {
     let h = &input.host;
     let host_fixed = h.overhead + reads + scratch;
@@ -1122,8 +1344,9 @@ fn plan_unified(
             device_budget: dev.unwrap_or(all_resident),
         });
     }
-    // Streaming: room for the embedding's gathered rows (see plan_once).
-    let (fixed, scratch) = (fixed + gather_dev, scratch + gather_host);
+    // Streaming: room for the embedding's gathered rows (see plan_once) and the experts'
+    // cache and staging.
+    let (fixed, scratch) = (fixed + gather_dev + expert_cache, scratch + gather_host);
     let host_room = h
         .budget
         .map(|b| b.checked_sub(h.overhead + reads + scratch));
@@ -1142,7 +1365,7 @@ fn plan_unified(
             None => None,
         };
         let by_host = match host_room {
-            Some(r) => Some(r?.checked_sub(fixed + n as u64 * s)?),
+            Some(r) => Some(r?.checked_sub(fixed + (n + expert_reads) as u64 * s)?),
             None => None,
         };
         match (by_dev, by_host) {

@@ -55,6 +55,7 @@ fn input(budget: Option<u64>, host_cache: u64) -> PlanInput {
             exact: true,
         },
         prefetch: None,
+        expert_cache: None,
         backend_reserved: 0,
         host: Default::default(),
     }

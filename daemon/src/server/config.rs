@@ -63,6 +63,8 @@ pub struct ServeConfig {
     pub queue_max: usize,
     /// Layers requested ahead of the one computing.
     pub prefetch: Option<usize>,
+    /// Expert-cache slots for a mixture whose layers stream (None: what memory leaves).
+    pub expert_cache: Option<usize>,
     /// Compute threads of the CPU backend (0: all cores).
     pub threads: usize,
     /// "auto" (CUDA when a usable GPU is there, else the CPU), "cpu" or "cuda".
@@ -104,6 +106,7 @@ impl Default for ServeConfig {
             batch_tokens: 512,
             queue_max: 64,
             prefetch: None,
+            expert_cache: None,
             threads: 0,
             backend: crate::engine::BackendChoice::Auto,
             device: 0,

@@ -28,6 +28,10 @@ pub struct BenchStreamArgs {
     /// Layers requested ahead of the one computing (default: from the plan).
     #[arg(long)]
     pub prefetch: Option<usize>,
+    /// Expert-cache slots for a mixture of experts whose layers stream (each holds one
+    /// expert; default: as many as the memory left after the plan holds).
+    #[arg(long)]
+    pub expert_cache: Option<usize>,
     /// Batch sizes to measure decode at, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
     pub batch: Vec<usize>,
@@ -59,6 +63,7 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
         host_cache,
         host_memory,
         prefetch,
+        expert_cache,
         batch,
         steps,
         prompt_tokens,
@@ -93,6 +98,7 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
         host_cache_budget: host_cache,
         host: host_memory.map(|b| sluice::engine::host_input(Some(b), 0)),
         prefetch,
+        expert_cache,
         threads,
         io: sluice::io::IoConfig::serving(),
         batches: batch,

@@ -93,6 +93,10 @@ pub struct RunArgs {
     /// Layers requested ahead of the one computing.
     #[arg(long)]
     prefetch: Option<usize>,
+    /// Expert-cache slots for a mixture of experts whose layers stream (each holds one
+    /// expert; default: as many as the memory left after the plan holds).
+    #[arg(long)]
+    expert_cache: Option<usize>,
     /// Compute threads of the CPU backend (default: all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -137,6 +141,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         host_cache_budget: a.host_cache,
         opts,
         prefetch: a.prefetch,
+        expert_cache: a.expert_cache,
         backend_reserved: 0,
         // Logits of a row per sequence and the generated text are the run's own allocations.
         host: sluice::engine::host_input(

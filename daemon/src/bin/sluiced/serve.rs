@@ -102,6 +102,10 @@ pub struct ServeArgs {
     /// Layers requested ahead of the one computing while layers stream (default 4).
     #[arg(long)]
     pub prefetch: Option<usize>,
+    /// Expert-cache slots for a mixture of experts whose layers stream (each holds one
+    /// expert; default: as many as the memory left after the plan holds).
+    #[arg(long)]
+    pub expert_cache: Option<usize>,
     /// Compute threads of the CPU backend (default 0: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -198,6 +202,9 @@ impl ServeArgs {
         if self.prefetch.is_some() {
             c.prefetch = self.prefetch;
         }
+        if self.expert_cache.is_some() {
+            c.expert_cache = self.expert_cache;
+        }
         if self.exact {
             c.exact = true;
         }
@@ -269,6 +276,7 @@ impl ModelLoader {
                 exact: cfg.exact,
             },
             prefetch: cfg.prefetch,
+            expert_cache: cfg.expert_cache,
             backend_reserved: 0,
             // Logits rows of a full batch are the scheduler's own allocation.
             host: sluice::engine::host_input(

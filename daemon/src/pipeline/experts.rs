@@ -1,0 +1,317 @@
+//! A mixture's layers that stream sparsely (`Plan::sparse`): the dense part of the layer
+//! (norms, attention, router) is one load of the pass like any unit; once it has routed the
+//! step, each expert the batch chose runs once for all the rows routed to it, from the
+//! expert cache when it is there, else loaded (from the host cache, else from disk through
+//! the I/O engine, ahead of every other read).
+//!
+//! Before a layer routes, the experts the step before chose there are requested
+//! (prediction by the previous token's choices): their reads overlap the layer's attention,
+//! or, requested as soon as the layer before has run its experts, that layer's end too. A
+//! prediction the routing does not confirm is cancelled; an expert it missed is requested
+//! once routed. At most `Plan::expert_reads` expert loads are outstanding: they have
+//! staging slots of their own beside the units requested ahead.
+//!
+//! The expert cache keeps experts across steps in device slots (on a unified backend, in
+//! the arena). It evicts by frequency: the expert its layer has routed the fewest tokens to
+//! so far goes first, the least recently used among equals, and experts the running layer
+//! still needs last. A unified backend runs a loaded expert straight from its staging slot
+//! and copies it into the cache only when it has served at least as many tokens as the
+//! expert it would evict (so a cold expert does not push out a hot one); a discrete device
+//! runs every expert from the cache (one slot at least).
+
+use super::{mem_of, Dst, Load, PassAt, PassStats, Pipeline, PipelineError};
+use crate::backend::Backend;
+use crate::io::Ticket;
+use crate::store::format::UnitKind;
+use std::time::Instant;
+
+/// Device slots of an expert each, and which expert each holds.
+pub(super) struct ExpertCache<M> {
+    pub(super) slots: Vec<M>,
+    /// (unit, expert) per slot.
+    holds: Vec<Option<(usize, u32)>>,
+    last_use: Vec<u64>,
+    clock: u64,
+}
+
+impl<M> ExpertCache<M> {
+    pub(super) fn new(slots: Vec<M>) -> Self {
+        let n = slots.len();
+        ExpertCache {
+            slots,
+            holds: vec![None; n],
+            last_use: vec![0; n],
+            clock: 0,
+        }
+    }
+
+    fn find(&self, unit: usize, expert: u32) -> Option<usize> {
+        self.holds.iter().position(|&h| h == Some((unit, expert)))
+    }
+
+    fn touch(&mut self, slot: usize) {
+        self.clock += 1;
+        self.last_use[slot] = self.clock;
+    }
+
+    fn put(&mut self, slot: usize, unit: usize, expert: u32) {
+        self.holds[slot] = Some((unit, expert));
+        self.touch(slot);
+    }
+
+    /// The slot a new expert goes in, and the routed-token count of the expert it would
+    /// evict (None: the slot is free). Free slots first; then the lowest `weight`, the
+    /// least recently used among equals; slots whose expert `busy` says the running layer
+    /// still needs only when nothing else is left. None when there are no slots.
+    fn victim(
+        &self,
+        weight: impl Fn(usize, u32) -> u64,
+        busy: impl Fn(usize, u32) -> bool,
+    ) -> Option<(usize, Option<u64>)> {
+        if let Some(free) = self.holds.iter().position(|h| h.is_none()) {
+            return Some((free, None));
+        }
+        (0..self.slots.len())
+            .filter_map(|s| self.holds[s].map(|(u, e)| (s, u, e)))
+            .min_by_key(|&(s, u, e)| (busy(u, e), weight(u, e), self.last_use[s]))
+            .map(|(s, u, e)| (s, Some(weight(u, e))))
+    }
+}
+
+/// An expert requested from the I/O engine (or, None, to come from the host cache).
+pub(super) struct ExpertLoad {
+    unit: usize,
+    expert: u32,
+    ticket: Option<Ticket>,
+    /// Requested by prediction, before its layer routed.
+    predicted: bool,
+}
+
+impl<B: Backend> Pipeline<B> {
+    /// Runs sparse layer `u`: its dense part (the pass's next load), then the experts the
+    /// step routed to, then the layer's end.
+    pub(super) fn sparse_layer(
+        &mut self,
+        u: usize,
+        at: &mut PassAt,
+        st: &mut PassStats,
+    ) -> Result<(), PipelineError> {
+        let used = self.fetch(Load::Dense(u), at, st)?;
+        self.predict(u, st)?;
+        if !self.skip_compute {
+            let t0 = Instant::now();
+            let mem = mem_of!(self, Load::Dense(u));
+            self.model.sparse_begin(&self.backend, u, mem);
+            st.compute_s += t0.elapsed().as_secs_f64();
+        }
+        // What the step chose here (measuring streaming alone: what the last computed
+        // step chose).
+        let mut routed = std::mem::take(&mut self.routed_buf);
+        routed.clear();
+        routed.extend_from_slice(self.model.routed_experts(u));
+        let pred = &self.predicted[u];
+        st.experts_predicted += pred.len() as u64;
+        st.experts_predicted_used += pred
+            .iter()
+            .filter(|e| routed.binary_search(e).is_ok())
+            .count() as u64;
+        st.experts_routed += routed.len() as u64;
+        // Predictions the routing did not confirm are cancelled (dropping their tickets).
+        let wasted = self
+            .expert_loads
+            .iter()
+            .filter(|l| l.unit == u && l.predicted && routed.binary_search(&l.expert).is_err())
+            .count();
+        self.expert_loads
+            .retain(|l| l.unit != u || routed.binary_search(&l.expert).is_ok());
+        st.expert_prefetches_wasted += wasted as u64;
+        let mut r = Ok(());
+        for k in 0..routed.len() {
+            r = self
+                .request_experts(u, &routed[k..])
+                .and_then(|()| self.run_expert(u, routed[k], &routed[k + 1..], st));
+            if r.is_err() {
+                break;
+            }
+        }
+        self.routed_buf = routed;
+        r?;
+        if !self.skip_compute {
+            let t0 = Instant::now();
+            let mem = mem_of!(self, Load::Dense(u));
+            self.model.sparse_end(&self.backend, u, mem);
+            st.compute_s += t0.elapsed().as_secs_f64();
+        }
+        self.computed(used, st)?;
+        // The next sparse layer of the pass: its predicted experts load now, while the
+        // units between run.
+        let next = self.loads[at.load..].iter().find_map(|l| match l {
+            Load::Dense(n) => Some(*n),
+            _ => None,
+        });
+        if let Some(n) = next {
+            self.predict(n, st)?;
+        }
+        Ok(())
+    }
+
+    /// Requests the experts the step before chose at sparse layer `u` that are neither
+    /// cached nor requested, once per pass, within the expert loads in flight.
+    fn predict(&mut self, u: usize, st: &mut PassStats) -> Result<(), PipelineError> {
+        if self.predicted_pass[u] == self.pass_no {
+            return Ok(());
+        }
+        self.predicted_pass[u] = self.pass_no;
+        let mut pred = std::mem::take(&mut self.predicted[u]);
+        pred.clear();
+        pred.extend_from_slice(self.model.routed_experts(u));
+        let r = self.request_list(u, &pred, true, st);
+        self.predicted[u] = pred;
+        r
+    }
+
+    /// Requests the first experts of `remaining` (the rest of the layer's routing, the
+    /// next to run first) that are neither cached nor requested, within the loads in
+    /// flight.
+    fn request_experts(&mut self, u: usize, remaining: &[u32]) -> Result<(), PipelineError> {
+        let mut st = PassStats::default();
+        self.request_list(u, remaining, false, &mut st)
+    }
+
+    fn request_list(
+        &mut self,
+        u: usize,
+        experts: &[u32],
+        predicted: bool,
+        st: &mut PassStats,
+    ) -> Result<(), PipelineError> {
+        for &e in experts {
+            if self.expert_loads.len() >= self.plan.expert_reads.max(1) {
+                break;
+            }
+            let loading = self
+                .expert_loads
+                .iter()
+                .any(|l| l.unit == u && l.expert == e);
+            if loading || self.experts.find(u, e).is_some() {
+                continue;
+            }
+            let ticket = if self.host_cache[u].is_some() {
+                None
+            } else {
+                let frames = self.load_frames(Load::Expert(u, e));
+                Some(self.io.request_part_urgent(u, frames)?)
+            };
+            if predicted && ticket.is_some() {
+                st.expert_prefetches += 1;
+            }
+            self.expert_loads.push(ExpertLoad {
+                unit: u,
+                expert: e,
+                ticket,
+                predicted,
+            });
+        }
+        Ok(())
+    }
+
+    /// Tokens routed so far to expert `e` of unit `u`'s layer.
+    fn expert_weight(&self, u: usize, e: u32) -> u64 {
+        match self.store.units()[u].kind {
+            UnitKind::Decoder(i) => self
+                .model
+                .expert_tokens()
+                .get(i as usize)
+                .and_then(|l| l.get(e as usize))
+                .copied()
+                .unwrap_or(0),
+            _ => 0,
+        }
+    }
+
+    /// Runs expert `e` of sparse layer `u` on its rows: from the expert cache, else from
+    /// its load (requested by `request_experts`). `later` are the experts the layer runs
+    /// after it (kept in the cache if they are there).
+    fn run_expert(
+        &mut self,
+        u: usize,
+        e: u32,
+        later: &[u32],
+        st: &mut PassStats,
+    ) -> Result<(), PipelineError> {
+        let base = self.load_base(Load::Expert(u, e));
+        if let Some(s) = self.experts.find(u, e) {
+            st.expert_cache_hits += 1;
+            self.experts.touch(s);
+            if !self.skip_compute {
+                let t0 = Instant::now();
+                let mem = &self.experts.slots[s];
+                self.model
+                    .forward_expert(&self.backend, u, e as usize, mem, base);
+                self.backend.release_after(mem);
+                st.compute_s += t0.elapsed().as_secs_f64();
+            }
+            return Ok(());
+        }
+        let at = self
+            .expert_loads
+            .iter()
+            .position(|l| l.unit == u && l.expert == e)
+            .expect("a routed expert not in the cache is requested before it runs");
+        let load = self.expert_loads.remove(at);
+        let len = self.load_len(Load::Expert(u, e));
+        st.experts_loaded += 1;
+        st.expert_bytes_loaded += len as u64;
+        let busy = |uu: usize, ee: u32| uu == u && later.binary_search(&ee).is_ok();
+        if self.unified {
+            let t = load
+                .ticket
+                .expect("a unified backend has no host cache: every load has a ticket");
+            let t0 = Instant::now();
+            let held = self.io.wait(t)?.detach();
+            st.load_stall_s += t0.elapsed().as_secs_f64();
+            st.bytes_uploaded += len as u64;
+            let data = &held.data()[..len];
+            if !self.skip_compute {
+                let t0 = Instant::now();
+                // SAFETY: `held` keeps the staging slot (unchanged) until the view is gone.
+                let mem = unsafe { self.backend.borrow_host(data) }
+                    .expect("a unified backend lends host bytes");
+                self.model
+                    .forward_expert(&self.backend, u, e as usize, &mem, base);
+                drop(mem);
+                st.compute_s += t0.elapsed().as_secs_f64();
+            }
+            // Into the cache when it is worth at least what it evicts.
+            let w = self.expert_weight(u, e);
+            let victim = self.experts.victim(|a, b| self.expert_weight(a, b), busy);
+            if let Some((s, evicts)) = victim {
+                if evicts.is_none_or(|v| w >= v) {
+                    self.experts.holds[s] = None;
+                    let t1 = Instant::now();
+                    self.backend.upload(&mut self.experts.slots[s], data)?;
+                    st.upload_s += t1.elapsed().as_secs_f64();
+                    self.experts.put(s, u, e);
+                }
+            }
+            return Ok(());
+        }
+        let (s, _) = self
+            .experts
+            .victim(|a, b| self.expert_weight(a, b), busy)
+            .expect("a discrete device's plan has an expert slot at least");
+        // The slot holds nothing valid until the load is in.
+        self.experts.holds[s] = None;
+        self.stage(Load::Expert(u, e), load.ticket, Dst::Expert(s), st)?;
+        self.experts.put(s, u, e);
+        if !self.skip_compute {
+            let t0 = Instant::now();
+            let mem = &self.experts.slots[s];
+            self.model
+                .forward_expert(&self.backend, u, e as usize, mem, base);
+            st.compute_s += t0.elapsed().as_secs_f64();
+        }
+        self.backend.release_after(&self.experts.slots[s]);
+        self.release_held(st)
+    }
+}
