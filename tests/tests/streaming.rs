@@ -801,6 +801,29 @@ fn moe_layers_stream_only_their_routed_experts_bit_identical_to_resident() {
                     );
                     let t = r.total().clone();
                     assert!(t.experts_predicted > 0, "{label}: no prediction was made");
+                    // Unified, consecutive streamed sparse layers: the next one's router ran
+                    // on this one's hidden state (a prediction the routing then scored).
+                    let consecutive = sparse.windows(2).any(|w| w[1] == w[0] + 1);
+                    if unified && consecutive {
+                        let p = r.model.prediction_stats();
+                        assert!(p.lookahead_predicted > 0, "{label}: {p:?}");
+                        assert!(p.lookahead_right <= p.lookahead_predicted, "{label}");
+                    }
+                    if cache == Some(1) {
+                        // Predictions change what loads when, never the outputs.
+                        for mode in [
+                            sluice::pipeline::Prediction::Previous,
+                            sluice::pipeline::Prediction::Off,
+                        ] {
+                            let mut r = moe_runner(&s, unified, cache, 0);
+                            r.expert_prediction = mode;
+                            assert!(outputs(&mut r, vocab) == want, "{label} {mode:?}");
+                            let t = r.total();
+                            if mode == sluice::pipeline::Prediction::Off {
+                                assert_eq!(t.expert_prefetches, 0, "{label}");
+                            }
+                        }
+                    }
                     assert!(t.experts_predicted_used <= t.experts_predicted, "{label}");
                     if r.plan.expert_cache_slots >= experts {
                         // Every expert loads at most once; a second run loads none.
@@ -897,4 +920,93 @@ fn a_corrupted_expert_fails_its_step_and_host_cached_experts_skip_the_disk() {
     assert!(streamed_all_cached, "{}", r.plan.table());
     // Only a streamed embedding's row lookup reads the store.
     assert_eq!(t.bytes_read, t.bytes_gathered, "{t:?}");
+}
+
+/// `sluiced synth --moe` writes a mixture (Mixtral's layout) whose router prefers the
+/// low-numbered experts; `run` streams it under a host budget through an expert cache of
+/// a few slots, with the same tokens as all resident, the frequency eviction hitting more
+/// than LRU, and both routing predictors measured. Bad `--moe` values are refused.
+#[test]
+fn sluiced_synth_moe_streams_its_routed_experts() {
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("m");
+    let d = dir.to_str().unwrap();
+    let e = sluiced_err(&["synth", "-o", d, "--layers", "2", "--moe", "8/9"]);
+    assert!(e.contains("TOP_K <= EXPERTS"), "{e}");
+    let e = sluiced_err(&[
+        "synth", "-o", d, "--layers", "2", "--hidden", "320", "--dtype", "q4_k", "--moe", "8/2",
+    ]);
+    assert!(e.contains("--hidden 320") && e.contains("blocks"), "{e}");
+    sluiced_ok(&[
+        "synth",
+        "-o",
+        d,
+        "--layers",
+        "4",
+        "--hidden",
+        "256",
+        "--vocab",
+        "512",
+        "--dtype",
+        "f16",
+        "--moe",
+        "16/2",
+        "--expert-intermediate",
+        "256",
+        "--codec",
+        "none",
+    ]);
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut a = vec![
+            "run",
+            d,
+            "--prompt-ids",
+            "1,2,3,4,5,6,7,8",
+            "--max-tokens",
+            "24",
+            "--ignore-eos",
+            "--max-context",
+            "64",
+            "--json",
+        ];
+        a.extend(extra);
+        serde_json::from_str(&sluiced_ok(&a)).unwrap()
+    };
+    let full = run(&["--measure-expert-prediction"]);
+    assert_eq!(full["layers_streamed"], 0);
+    // Every layer resident: the lookahead ran for layers 1..3 and was scored.
+    let p = &full["expert_prediction"]["counts"];
+    assert!(p["lookahead_predicted"].as_u64().unwrap() > 0, "{p}");
+    assert!(p["previous_predicted"].as_u64().unwrap() > 0, "{p}");
+    // A device budget below one layer: every layer streams its routed experts.
+    let mut hits = Vec::new();
+    for eviction in ["frequency", "lru"] {
+        let s = run(&[
+            "--device-memory",
+            "12MiB",
+            "--expert-cache",
+            "4",
+            "--expert-eviction",
+            eviction,
+        ]);
+        assert_eq!(
+            s["generated_token_ids"], full["generated_token_ids"],
+            "{eviction}"
+        );
+        assert!(s["layers_streamed"].as_u64().unwrap() > 0, "{eviction}");
+        let x = &s["experts"];
+        assert!(x["routed"].as_u64().unwrap() > 0, "{eviction}: {x}");
+        assert!(x["loaded"].as_u64().unwrap() > 0, "{eviction}: {x}");
+        assert!(
+            s["device_bytes_peak"].as_u64().unwrap() <= 12 << 20,
+            "{eviction}: {s}"
+        );
+        hits.push(x["cache_hits"].as_u64().unwrap());
+    }
+    assert!(
+        hits[0] > hits[1],
+        "frequency eviction {} hits, LRU {}",
+        hits[0],
+        hits[1]
+    );
 }

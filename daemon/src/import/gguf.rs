@@ -668,6 +668,7 @@ fn map_tensors(
                     len: piece,
                     unpermute_heads: None,
                     synthetic_seed: None,
+                    synthetic_row_skew: None,
                     plus_one_from: None,
                 };
                 if tensors.insert(name, st).is_some() {
@@ -717,6 +718,7 @@ fn map_tensors(
                     len,
                     unpermute_heads,
                     synthetic_seed: None,
+                    synthetic_row_skew: None,
                     plus_one_from: None,
                 },
             )

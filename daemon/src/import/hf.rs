@@ -629,6 +629,7 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                     },
                     unpermute_heads: None,
                     synthetic_seed: None,
+                    synthetic_row_skew: None,
                     plus_one_from: plus_one.then_some(dtype),
                 };
                 for (name, t) in expert_tensors(&arch, name, t, &path)? {

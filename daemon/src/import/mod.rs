@@ -71,6 +71,9 @@ pub struct SourceTensor {
     pub unpermute_heads: Option<u32>,
     /// Generated rather than read (`sluiced synth`): the seed of its random weights.
     pub synthetic_seed: Option<u64>,
+    /// A generated matrix whose row r is scaled by (r + 1)^-s (`sluiced synth --moe`'s
+    /// router: a skewed expert popularity).
+    pub synthetic_row_skew: Option<f32>,
     /// Stored as 1 + w in f32, from a source of this dtype (Gemma's norms in a Hugging
     /// Face checkpoint, which transformers applies as x * (1 + w) in f32; llama.cpp's
     /// converter writes 1 + w into the GGUF the same way). `dtype` and `len` are then
@@ -155,6 +158,9 @@ impl ImportedModel {
     pub fn copy_source(&self, t: &SourceTensor, dst: &mut [u8]) {
         if let Some(seed) = t.synthetic_seed {
             synth::fill(t.dtype, &t.shape, seed, dst);
+            if let Some(s) = t.synthetic_row_skew {
+                synth::skew_rows(t.dtype, &t.shape, s, dst);
+            }
             return;
         }
         let src = self.source_bytes(t);

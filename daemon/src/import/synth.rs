@@ -5,7 +5,7 @@
 
 use super::{ImportedModel, SourceTensor};
 use crate::dtype::DType;
-use crate::store::arch::{Arch, ArchConfig};
+use crate::store::arch::{Arch, ArchConfig, MoeConfig};
 use crate::store::format::{GgufVocab, SpecialTokens, TokenizerSpec};
 use half::{bf16, f16};
 use std::collections::BTreeMap;
@@ -22,6 +22,20 @@ pub struct SynthSpec {
     /// dtype of the matrices; norms are f32.
     pub dtype: DType,
     pub seed: u64,
+    /// A mixture of experts in every layer (Mixtral's layout) instead of the dense MLP.
+    pub moe: Option<SynthMoe>,
+}
+
+/// `sluiced synth --moe EXPERTS/TOP_K`: every layer a mixture of `experts` gated MLPs of
+/// `intermediate` rows, `top_k` per token, renormalized. Router row e is scaled by
+/// (e + 1)^-`skew`, so low-numbered experts win the top k far more often (a skewed
+/// popularity like a trained router's; `sluice status` shows the one measured).
+#[derive(Clone, Copy, Debug)]
+pub struct SynthMoe {
+    pub experts: u32,
+    pub top_k: u32,
+    pub intermediate: u32,
+    pub skew: f32,
 }
 
 impl SynthSpec {
@@ -45,6 +59,7 @@ impl SynthSpec {
             vocab: 32000,
             dtype,
             seed: 1,
+            moe: None,
         }
     }
 
@@ -53,7 +68,14 @@ impl SynthSpec {
         let hd = h / self.heads as u64;
         let kv = self.kv_heads as u64 * hd;
         let rows = |r: u64, c: u64| self.dtype.tensor_bytes(&[r, c]).unwrap_or(0);
-        rows(h, h) * 2 + rows(kv, h) * 2 + rows(i, h) * 2 + rows(h, i) + 2 * h * 4
+        let attn = rows(h, h) * 2 + rows(kv, h) * 2 + 2 * h * 4;
+        match self.moe {
+            None => attn + rows(i, h) * 2 + rows(h, i),
+            Some(m) => {
+                let (n, mi) = (m.experts as u64, m.intermediate as u64);
+                attn + n * h * 4 + n * (rows(mi, h) * 2 + rows(h, mi))
+            }
+        }
     }
 
     pub fn fixed_bytes(&self) -> u64 {
@@ -126,6 +148,36 @@ pub fn fill(dtype: DType, shape: &[u64], seed: u64, dst: &mut [u8]) {
     }
 }
 
+/// Scales row r of a generated matrix by (r + 1)^-`skew` (f32 and 16-bit floats; other
+/// dtypes are left as generated).
+pub fn skew_rows(dtype: DType, shape: &[u64], skew: f32, dst: &mut [u8]) {
+    let cols = *shape.last().unwrap_or(&1) as usize;
+    let w = match dtype {
+        DType::F32 => 4,
+        DType::F16 | DType::BF16 => 2,
+        _ => return,
+    };
+    for (r, row) in dst.chunks_exact_mut(cols * w).enumerate() {
+        let s = (r as f32 + 1.0).powf(-skew);
+        for c in row.chunks_exact_mut(w) {
+            match dtype {
+                DType::F32 => {
+                    let v = f32::from_le_bytes([c[0], c[1], c[2], c[3]]) * s;
+                    c.copy_from_slice(&v.to_le_bytes());
+                }
+                DType::F16 => {
+                    let v = f16::from_le_bytes([c[0], c[1]]).to_f32() * s;
+                    c.copy_from_slice(&f16::from_f32(v).to_le_bytes());
+                }
+                _ => {
+                    let v = bf16::from_le_bytes([c[0], c[1]]).to_f32() * s;
+                    c.copy_from_slice(&bf16::from_f32(v).to_le_bytes());
+                }
+            }
+        }
+    }
+}
+
 /// An imported model whose tensors are generated on copy.
 pub fn model(spec: &SynthSpec) -> ImportedModel {
     let (h, i, v) = (
@@ -140,7 +192,7 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
     );
     let mut tensors = BTreeMap::new();
     let mut seed = spec.seed;
-    let mut add = |name: String, dtype: DType, shape: Vec<u64>| {
+    let mut add = |name: String, dtype: DType, shape: Vec<u64>, skew: Option<f32>| {
         seed = seed
             .wrapping_mul(6364136223846793005)
             .wrapping_add(1442695040888963407);
@@ -159,30 +211,57 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
                 len,
                 unpermute_heads: None,
                 synthetic_seed: Some(seed),
+                synthetic_row_skew: skew,
                 plus_one_from: None,
             },
         );
     };
     let d = spec.dtype;
-    add("model.embed_tokens.weight".into(), d, vec![v, h]);
+    add("model.embed_tokens.weight".into(), d, vec![v, h], None);
     for l in 0..spec.layers {
         let p = format!("model.layers.{l}");
-        add(format!("{p}.input_layernorm.weight"), DType::F32, vec![h]);
-        add(format!("{p}.self_attn.q_proj.weight"), d, vec![q, h]);
-        add(format!("{p}.self_attn.k_proj.weight"), d, vec![kv, h]);
-        add(format!("{p}.self_attn.v_proj.weight"), d, vec![kv, h]);
-        add(format!("{p}.self_attn.o_proj.weight"), d, vec![h, q]);
+        add(
+            format!("{p}.input_layernorm.weight"),
+            DType::F32,
+            vec![h],
+            None,
+        );
+        add(format!("{p}.self_attn.q_proj.weight"), d, vec![q, h], None);
+        add(format!("{p}.self_attn.k_proj.weight"), d, vec![kv, h], None);
+        add(format!("{p}.self_attn.v_proj.weight"), d, vec![kv, h], None);
+        add(format!("{p}.self_attn.o_proj.weight"), d, vec![h, q], None);
         add(
             format!("{p}.post_attention_layernorm.weight"),
             DType::F32,
             vec![h],
+            None,
         );
-        add(format!("{p}.mlp.gate_proj.weight"), d, vec![i, h]);
-        add(format!("{p}.mlp.up_proj.weight"), d, vec![i, h]);
-        add(format!("{p}.mlp.down_proj.weight"), d, vec![h, i]);
+        match spec.moe {
+            None => {
+                add(format!("{p}.mlp.gate_proj.weight"), d, vec![i, h], None);
+                add(format!("{p}.mlp.up_proj.weight"), d, vec![i, h], None);
+                add(format!("{p}.mlp.down_proj.weight"), d, vec![h, i], None);
+            }
+            Some(m) => {
+                let (n, mi) = (m.experts as u64, m.intermediate as u64);
+                // The router in f32, as GGUF converters keep it.
+                add(
+                    format!("{p}.mlp.gate.weight"),
+                    DType::F32,
+                    vec![n, h],
+                    Some(m.skew),
+                );
+                for e in 0..n {
+                    let x = format!("{p}.mlp.experts.{e}");
+                    add(format!("{x}.gate_proj.weight"), d, vec![mi, h], None);
+                    add(format!("{x}.up_proj.weight"), d, vec![mi, h], None);
+                    add(format!("{x}.down_proj.weight"), d, vec![h, mi], None);
+                }
+            }
+        }
     }
-    add("model.norm.weight".into(), DType::F32, vec![h]);
-    add("lm_head.weight".into(), d, vec![v, h]);
+    add("model.norm.weight".into(), DType::F32, vec![h], None);
+    add("lm_head.weight".into(), d, vec![v, h], None);
     // A byte-level vocabulary (every byte a token, the rest unused) so the tokenizer builds.
     let mut tokens: Vec<String> = (0..256u32).map(|b| format!("<0x{b:02X}>")).collect();
     tokens.extend((256..spec.vocab).map(|i| format!("<unused{i}>")));
@@ -192,11 +271,21 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
             spec.layers, spec.hidden, spec.dtype
         )),
         arch: ArchConfig {
-            arch: Arch::Llama,
-            name: format!(
-                "synthetic llama {} layers x {} hidden ({})",
-                spec.layers, spec.hidden, spec.dtype
-            ),
+            arch: if spec.moe.is_some() {
+                Arch::Mixtral
+            } else {
+                Arch::Llama
+            },
+            name: match spec.moe {
+                None => format!(
+                    "synthetic llama {} layers x {} hidden ({})",
+                    spec.layers, spec.hidden, spec.dtype
+                ),
+                Some(m) => format!(
+                    "synthetic mixture {} layers x {} hidden, {} experts of {} rows, top {} ({})",
+                    spec.layers, spec.hidden, m.experts, m.intermediate, m.top_k, spec.dtype
+                ),
+            },
             n_layers: spec.layers,
             hidden: spec.hidden,
             n_heads: spec.heads,
@@ -212,7 +301,13 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
             qkv_bias: false,
             sliding_window: None,
             ext: Default::default(),
-            moe: None,
+            moe: spec.moe.map(|m| MoeConfig {
+                n_experts: m.experts,
+                top_k: m.top_k,
+                intermediate: m.intermediate,
+                norm_topk_prob: true,
+                dense_layers: Vec::new(),
+            }),
         },
         tokenizer: TokenizerSpec::Gguf(GgufVocab {
             model: "llama".into(),

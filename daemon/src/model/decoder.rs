@@ -181,6 +181,9 @@ struct Workspace<M> {
     /// A mixture of experts: the router's logits, one expert's rows gathered, and its
     /// output before it is added into `proj`.
     moe: Option<(M, M, M)>,
+    /// A mixture: the hidden state normed for the router lookahead (`lookahead_route`),
+    /// apart from `xn`, which the running layer's experts still read.
+    lookahead_xn: Option<M>,
 }
 
 pub struct Decoder<B: Backend> {
@@ -220,6 +223,26 @@ pub struct Decoder<B: Backend> {
     expert_tokens: Vec<Vec<u64>>,
     /// Per decoder layer, the experts its last routing chose (ascending).
     last_routed: Vec<Vec<u32>>,
+    /// Per decoder layer, the experts the router lookahead predicted for this step
+    /// (`lookahead_route`), and how both predictors fared (`PredictionStats`).
+    lookahead: Vec<Vec<u32>>,
+    lookahead_routes: Option<Routes>,
+    prediction: PredictionStats,
+}
+
+/// How well a layer's experts are predicted before it routes, over the steps so far, by
+/// two predictors: the previous step's choices at the layer, and the layer's router
+/// applied to the hidden state entering the layer before (`lookahead_route`; measured
+/// only where it ran). Counts are experts: predicted, and of those routed to.
+#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
+pub struct PredictionStats {
+    pub routed: u64,
+    pub previous_predicted: u64,
+    pub previous_right: u64,
+    /// Experts routed at the layers the lookahead predicted.
+    pub lookahead_routed: u64,
+    pub lookahead_predicted: u64,
+    pub lookahead_right: u64,
 }
 
 fn loc(unit: &LayerUnit, name: &str, rows: u64, cols: u64) -> Result<TensorLoc, ModelError> {
@@ -295,7 +318,7 @@ pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
     let moe = cfg
         .moe
         .as_ref()
-        .map_or(0, |m| t * (m.n_experts as u64 + 2 * h));
+        .map_or(0, |m| t * (m.n_experts as u64 + 3 * h));
     let s = opts.kv_slots as u64;
     let qk = if cfg.arch.recipe().qk_norm {
         t * (q + kv)
@@ -311,7 +334,7 @@ pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
     let rope = tables * opts.max_context as u64 * cfg.head_dim as u64;
     // Each allocation rounds up to 4096 bytes: the workspace's 12 buffers, q/k norm's 2, a
     // mixture's 3, the rotary tables, and a few to spare.
-    let allocs = 12 + if qk > 0 { 2 } else { 0 } + if moe > 0 { 3 } else { 0 } + tables + 4;
+    let allocs = 12 + if qk > 0 { 2 } else { 0 } + if moe > 0 { 4 } else { 0 } + tables + 4;
     4 * (f32s + rope) + allocs * 4096
 }
 
@@ -486,8 +509,13 @@ impl<B: Backend> Decoder<B> {
                 )),
                 None => None,
             },
+            lookahead_xn: match &c.moe {
+                Some(_) => Some(a(t as u64 * h, "activations")?),
+                None => None,
+            },
         };
         let c_layers = c.n_layers as usize;
+        let cfg_moe = c.moe.clone();
         let expert_tokens = (0..c.n_layers)
             .map(|i| match &c.moe {
                 Some(m) if c.is_sparse(i) => vec![0; m.n_experts as usize],
@@ -528,6 +556,9 @@ impl<B: Backend> Decoder<B> {
             routes,
             expert_tokens,
             last_routed: vec![Vec::new(); c_layers],
+            lookahead: vec![Vec::new(); c_layers],
+            lookahead_routes: cfg_moe.as_ref().map(|m| Routes::with_capacity(m, t)),
+            prediction: PredictionStats::default(),
         })
     }
 
@@ -785,13 +816,23 @@ impl<B: Backend> Decoder<B> {
         for (e, n) in self.expert_tokens[i].iter_mut().enumerate() {
             *n += (routes.starts[e + 1] - routes.starts[e]) as u64;
         }
+        // How the predictions made before this routing fare, then this step's choices.
+        let chosen = |e: &u32| routes.starts[*e as usize + 1] > routes.starts[*e as usize];
+        let p = &mut self.prediction;
+        let routed = (0..n as u32).filter(chosen).count() as u64;
+        p.routed += routed;
+        p.previous_predicted += self.last_routed[i].len() as u64;
+        p.previous_right += self.last_routed[i].iter().filter(|e| chosen(e)).count() as u64;
+        let ahead = &mut self.lookahead[i];
+        if !ahead.is_empty() {
+            p.lookahead_routed += routed;
+            p.lookahead_predicted += ahead.len() as u64;
+            p.lookahead_right += ahead.iter().filter(|e| chosen(e)).count() as u64;
+        }
+        ahead.clear();
         let last = &mut self.last_routed[i];
         last.clear();
-        last.extend(
-            (0..n)
-                .filter(|&e| routes.starts[e + 1] > routes.starts[e])
-                .map(|e| e as u32),
-        );
+        last.extend((0..n as u32).filter(chosen));
         b.zero(&mut ws.proj, rows * c.hidden as usize);
     }
 
@@ -879,6 +920,56 @@ impl<B: Backend> Decoder<B> {
             Some(&UnitKind::Decoder(i)) => &self.last_routed[i as usize],
             _ => &[],
         }
+    }
+
+    /// The router lookahead for the mixture's layer of unit `unit` (the next layer to run;
+    /// `mem` holds its bytes from offset 0 through its router): its ffn norm and router
+    /// applied to the hidden state as it is now (entering the layer before, or halfway
+    /// through it, after its attention); the experts so chosen are that layer's
+    /// prediction, which its routing then scores (`prediction_stats`). Changes nothing the
+    /// step's outputs depend on.
+    pub fn lookahead_route(&mut self, b: &B, unit: usize, mem: &B::Mem) {
+        let Some(i) = self.sparse_layer(unit) else {
+            return;
+        };
+        let l = &self.layers[i];
+        let Ffn::Moe { router, .. } = &l.ffn else {
+            return;
+        };
+        let (rows, c, ws) = (self.rows, &self.cfg, &mut self.ws);
+        let (Some(moe), Some(routes), Some((logits, _, _)), Some(xl)) = (
+            c.moe.as_ref(),
+            self.lookahead_routes.as_mut(),
+            ws.moe.as_mut(),
+            ws.lookahead_xn.as_mut(),
+        ) else {
+            return;
+        };
+        let n = moe.n_experts as usize;
+        b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, xl);
+        b.matmul(xl, rows, self.gemv_rows, router.at(mem), None, logits);
+        self.router_logits.resize(rows * n, 0.0);
+        b.download_f32(logits, 0, &mut self.router_logits);
+        routes.route(moe, &self.router_logits, rows);
+        let ahead = &mut self.lookahead[i];
+        ahead.clear();
+        ahead.extend(
+            (0..n as u32).filter(|&e| routes.starts[e as usize + 1] > routes.starts[e as usize]),
+        );
+    }
+
+    /// The experts `lookahead_route` predicted for unit `unit`'s layer this step (empty
+    /// once the layer has routed).
+    pub fn lookahead_experts(&self, unit: usize) -> &[u32] {
+        match self.unit_kinds.get(unit) {
+            Some(&UnitKind::Decoder(i)) => &self.lookahead[i as usize],
+            _ => &[],
+        }
+    }
+
+    /// How well each predictor foresaw the routing so far (`PredictionStats`).
+    pub fn prediction_stats(&self) -> PredictionStats {
+        self.prediction
     }
 
     /// Expert `e` of the layer begun with `sparse_begin`: `mem` holds the unit's raw bytes

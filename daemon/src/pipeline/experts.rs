@@ -25,6 +25,57 @@ use crate::io::Ticket;
 use crate::store::format::UnitKind;
 use std::time::Instant;
 
+/// How the expert cache chooses what to evict.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Eviction {
+    /// The expert its layer routed the fewest tokens to so far, the least recently used
+    /// among equals; a unified backend admits an expert only when it served at least as
+    /// many tokens as the one it would evict.
+    #[default]
+    Frequency,
+    /// The least recently used; every loaded expert is admitted (the baseline).
+    Lru,
+}
+
+impl std::str::FromStr for Eviction {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "frequency" => Ok(Eviction::Frequency),
+            "lru" => Ok(Eviction::Lru),
+            _ => Err(format!("{s:?}: expected frequency or lru")),
+        }
+    }
+}
+
+/// How a layer's experts are predicted before it routes.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Prediction {
+    /// On a unified backend, the next layer's router on this layer's hidden state (after
+    /// its attention), where the next load is that layer's dense part; elsewhere, the
+    /// previous step's choices.
+    #[default]
+    Lookahead,
+    /// The previous step's choices at the layer.
+    Previous,
+    /// None: experts are read once routed.
+    Off,
+}
+
+impl std::str::FromStr for Prediction {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "lookahead" => Ok(Prediction::Lookahead),
+            "previous" => Ok(Prediction::Previous),
+            "off" => Ok(Prediction::Off),
+            _ => Err(format!("{s:?}: expected lookahead, previous or off")),
+        }
+    }
+}
+
 /// Device slots of an expert each, and which expert each holds.
 pub(super) struct ExpertCache<M> {
     pub(super) slots: Vec<M>,
@@ -78,6 +129,9 @@ impl<M> ExpertCache<M> {
     }
 }
 
+/// Predictions made before their precision decides whether they are requested.
+const PREDICTION_WARMUP: u64 = 64;
+
 /// An expert requested from the I/O engine (or, None, to come from the host cache).
 pub(super) struct ExpertLoad {
     unit: usize,
@@ -110,11 +164,15 @@ impl<B: Backend> Pipeline<B> {
         routed.clear();
         routed.extend_from_slice(self.model.routed_experts(u));
         let pred = &self.predicted[u];
-        st.experts_predicted += pred.len() as u64;
-        st.experts_predicted_used += pred
+        let right = pred
             .iter()
             .filter(|e| routed.binary_search(e).is_ok())
             .count() as u64;
+        st.experts_predicted += pred.len() as u64;
+        st.experts_predicted_used += right;
+        let by = &mut self.prediction[usize::from(!self.predicted_by_lookahead[u])];
+        by.0 += pred.len() as u64;
+        by.1 += right;
         st.experts_routed += routed.len() as u64;
         // Predictions the routing did not confirm are cancelled (dropping their tickets).
         let wasted = self
@@ -125,13 +183,24 @@ impl<B: Backend> Pipeline<B> {
         self.expert_loads
             .retain(|l| l.unit != u || routed.binary_search(&l.expert).is_ok());
         st.expert_prefetches_wasted += wasted as u64;
-        let mut r = Ok(());
+        let mut r = self.lookahead(u, at, st);
+        let next = r.as_ref().ok().copied().flatten();
         for k in 0..routed.len() {
-            r = self
-                .request_experts(u, &routed[k..])
-                .and_then(|()| self.run_expert(u, routed[k], &routed[k + 1..], st));
             if r.is_err() {
                 break;
+            }
+            r = self.request_experts(u, &routed[k..]).map(|()| next);
+            // The next layer's predicted experts once this layer's are all requested.
+            if let (Ok(Some(n)), true) = (&r, self.all_requested(u, &routed[k..])) {
+                let pred = std::mem::take(&mut self.predicted[*n]);
+                let q = self.request_list(*n, &pred, true, st);
+                self.predicted[*n] = pred;
+                r = q.map(|()| next);
+            }
+            if r.is_ok() {
+                r = self
+                    .run_expert(u, routed[k], &routed[k + 1..], st)
+                    .map(|()| next);
             }
         }
         self.routed_buf = routed;
@@ -155,6 +224,78 @@ impl<B: Backend> Pipeline<B> {
         Ok(())
     }
 
+    /// Whether predictor `by` (0 the lookahead, 1 the previous step's choices) has its
+    /// predictions requested: a wrong one costs a read the disk could have spent on a
+    /// routed expert, so only while at least half of its predictions so far were right
+    /// (after PREDICTION_WARMUP of them; they are counted either way).
+    fn prediction_pays(&self, by: usize) -> bool {
+        let (made, right) = self.prediction[by];
+        made < PREDICTION_WARMUP || 2 * right >= made
+    }
+
+    /// Every expert of `experts` (of layer `u`) is cached or requested.
+    fn all_requested(&self, u: usize, experts: &[u32]) -> bool {
+        experts.iter().all(|&e| {
+            self.experts.find(u, e).is_some()
+                || self
+                    .expert_loads
+                    .iter()
+                    .any(|l| l.unit == u && l.expert == e)
+        })
+    }
+
+    /// The router lookahead of a unified backend, while sparse layer `u` has routed: when
+    /// the pass's next load is the dense part of the next layer of the mixture, it is
+    /// taken now (the load it waits for next anyway), and that layer's router on this
+    /// layer's hidden state predicts its experts: the next layer's unit, its prediction
+    /// made (and counted as made) but not yet requested.
+    fn lookahead(
+        &mut self,
+        u: usize,
+        at: &mut PassAt,
+        st: &mut PassStats,
+    ) -> Result<Option<usize>, PipelineError> {
+        let n = u + 1;
+        let wanted = self.unified
+            && !self.skip_compute
+            && self.expert_prediction == Prediction::Lookahead
+            && self.early.is_none()
+            && self.loads.get(at.load) == Some(&Load::Dense(n))
+            && self.predicted_pass[n] != self.pass_no;
+        if !wanted {
+            return Ok(None);
+        }
+        if self.ahead.is_empty() {
+            self.top_up()?;
+        }
+        let t = self
+            .ahead
+            .pop_front()
+            .flatten()
+            .expect("a unified backend's loads all have tickets");
+        at.load += 1;
+        let t0 = Instant::now();
+        let held = self.io.wait(t)?.detach();
+        st.load_stall_s += t0.elapsed().as_secs_f64();
+        let len = self.load_len(Load::Dense(n));
+        st.bytes_uploaded += len as u64;
+        // SAFETY: `held` keeps the staging slot (unchanged) until the view is gone; both
+        // stay together in `early`, then `borrowed`, dropped view first.
+        let mem = unsafe { self.backend.borrow_host(&held.data()[..len]) }
+            .expect("a unified backend lends host bytes");
+        let t0 = Instant::now();
+        self.model.lookahead_route(&self.backend, n, &mem);
+        st.compute_s += t0.elapsed().as_secs_f64();
+        self.early = Some((Load::Dense(n), mem, held));
+        self.predicted_pass[n] = self.pass_no;
+        let mut pred = std::mem::take(&mut self.predicted[n]);
+        pred.clear();
+        pred.extend_from_slice(self.model.lookahead_experts(n));
+        self.predicted[n] = pred;
+        self.predicted_by_lookahead[n] = true;
+        Ok(self.prediction_pays(0).then_some(n))
+    }
+
     /// Requests the experts the step before chose at sparse layer `u` that are neither
     /// cached nor requested, once per pass, within the expert loads in flight.
     fn predict(&mut self, u: usize, st: &mut PassStats) -> Result<(), PipelineError> {
@@ -162,10 +303,19 @@ impl<B: Backend> Pipeline<B> {
             return Ok(());
         }
         self.predicted_pass[u] = self.pass_no;
+        if self.expert_prediction == Prediction::Off {
+            self.predicted[u].clear();
+            return Ok(());
+        }
         let mut pred = std::mem::take(&mut self.predicted[u]);
         pred.clear();
         pred.extend_from_slice(self.model.routed_experts(u));
-        let r = self.request_list(u, &pred, true, st);
+        self.predicted_by_lookahead[u] = false;
+        let r = if self.prediction_pays(1) {
+            self.request_list(u, &pred, true, st)
+        } else {
+            Ok(())
+        };
         self.predicted[u] = pred;
         r
     }
@@ -215,8 +365,12 @@ impl<B: Backend> Pipeline<B> {
         Ok(())
     }
 
-    /// Tokens routed so far to expert `e` of unit `u`'s layer.
+    /// What eviction weighs expert `e` of unit `u` by: the tokens routed to it so far
+    /// (frequency), or nothing (LRU).
     fn expert_weight(&self, u: usize, e: u32) -> u64 {
+        if self.expert_eviction == Eviction::Lru {
+            return 0;
+        }
         match self.store.units()[u].kind {
             UnitKind::Decoder(i) => self
                 .model

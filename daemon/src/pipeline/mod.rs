@@ -210,6 +210,11 @@ pub struct Pipeline<B: Backend> {
     predicted_pass: Vec<u64>,
     /// Passes begun (numbers the predictions).
     pass_no: u64,
+    /// Experts predicted over the run and how many of them were then routed to, by the
+    /// router lookahead [0] and by the previous step's choices [1]; and per unit, which
+    /// made its prediction this pass.
+    prediction: [(u64, u64); 2],
+    predicted_by_lookahead: Vec<bool>,
     /// A layer's routed experts while they run (no allocation per layer).
     routed_buf: Vec<u32>,
     /// Which load each streaming slot holds during a pass.
@@ -221,6 +226,16 @@ pub struct Pipeline<B: Backend> {
     borrowed: Vec<(Load, B::Mem, crate::io::HeldSlot)>,
     /// Skip the layer compute (measures streaming alone).
     pub skip_compute: bool,
+    /// The expert cache's eviction (frequency by default; LRU to compare).
+    pub expert_eviction: Eviction,
+    /// Measure the router lookahead as a predictor of a mixture's routing
+    /// (`Decoder::lookahead_route`; costs a router per resident layer and step).
+    pub measure_lookahead: bool,
+    /// How a mixture's streamed experts are predicted before their layer routes.
+    pub expert_prediction: Prediction,
+    /// On a unified backend, the next layer's dense part taken early for the router
+    /// lookahead (`experts.rs`), lent until that layer runs.
+    early: Option<(Load, B::Mem, crate::io::HeldSlot)>,
     /// Bytes of a unit's decoded prefix worth an upload of their own (UPLOAD_CHUNK_DEFAULT).
     pub upload_chunk: usize,
     /// Upload parts made before their unit was complete, failed passes included.
@@ -543,6 +558,8 @@ impl<B: Backend> Pipeline<B> {
             predicted: vec![Vec::new(); n],
             predicted_pass: vec![0; n],
             pass_no: 0,
+            prediction: [(0, 0); 2],
+            predicted_by_lookahead: vec![false; n],
             routed_buf: Vec::new(),
             backend,
             model,
@@ -563,6 +580,10 @@ impl<B: Backend> Pipeline<B> {
             borrowed: Vec::with_capacity(2),
             in_slot: vec![None; plan_slots],
             skip_compute: false,
+            expert_eviction: Eviction::default(),
+            measure_lookahead: false,
+            expert_prediction: Prediction::default(),
+            early: None,
             upload_chunk: UPLOAD_CHUNK_DEFAULT,
             partial_uploads: 0,
             last: PassStats::default(),
@@ -674,6 +695,7 @@ impl<B: Backend> Pipeline<B> {
     pub fn step(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), PipelineError> {
         let r = self.pass(steps, logits);
         if r.is_err() {
+            self.early = None;
             self.borrowed.clear();
             // A staging slot goes back only once no copy reads it any more.
             for (d, guard) in std::mem::take(&mut self.held) {
@@ -707,6 +729,16 @@ impl<B: Backend> Pipeline<B> {
             if u == 0 && self.gathered.is_some() {
                 self.embed_gathered(&mut st)?;
                 continue;
+            }
+            // The study of the router lookahead: the next layer's router on the hidden
+            // state entering this one, where the next layer is resident.
+            if let (true, false, true, Some(Some(next))) = (
+                self.measure_lookahead,
+                self.skip_compute,
+                u > 0,
+                self.resident.get(u + 1),
+            ) {
+                self.model.lookahead_route(&self.backend, u + 1, next);
             }
             if self.resident[u].is_none() && self.plan.sparse[u].is_some() {
                 self.sparse_layer(u, &mut at, &mut st)?;
@@ -803,6 +835,12 @@ impl<B: Backend> Pipeline<B> {
         at: &mut PassAt,
         st: &mut PassStats,
     ) -> Result<Option<usize>, PipelineError> {
+        // Taken early (and counted then) for the router lookahead.
+        if let Some(e) = self.early.take() {
+            debug_assert_eq!(e.0, load, "the early load is the next");
+            self.borrowed.push(e);
+            return Ok(None);
+        }
         self.top_up()?;
         debug_assert_eq!(self.loads[at.load], load, "loads follow the pass order");
         at.load += 1;
@@ -973,3 +1011,4 @@ impl<B: Backend> Pipeline<B> {
 
 // After the macros, which it uses.
 mod experts;
+pub use experts::{Eviction, Prediction};

@@ -227,7 +227,9 @@ pub struct Plan {
     /// the rows that straddle two parts (gathered once at start, kept on the device).
     pub head_parts: Vec<crate::store::format::RowPart>,
     pub head_seams: Vec<u64>,
-    /// Per unit, its sparse layout when it streams only the experts a step routes to.
+    /// Per unit, its sparse layout when it streams only the experts a step routes to (not
+    /// serialized: `UnitPlan::experts_routed` says which).
+    #[serde(skip)]
     pub sparse: Vec<Option<SparseUnit>>,
     /// The expert cache: device slots of an expert each, kept across steps (a unified
     /// backend's in the arena; none there is needed, its experts run from staging slots).
@@ -1100,6 +1102,13 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         dev_used + expert_cache_bytes
     } else {
         0
+    };
+    // Without --device-memory a unified backend's device budget is its arena, the expert
+    // cache included.
+    let budget = if h.unified && input.device_budget.is_none() {
+        arena
+    } else {
+        budget
     };
 
     // Host cache (discrete devices only): decompressed copies of streamed units, most

@@ -97,6 +97,20 @@ pub struct RunArgs {
     /// expert; default: as many as the memory left after the plan holds).
     #[arg(long)]
     expert_cache: Option<usize>,
+    /// How the expert cache evicts: frequency (the expert routed the fewest tokens so far,
+    /// then the least recently used) or lru.
+    #[arg(long, default_value = "frequency")]
+    expert_eviction: sluice::pipeline::Eviction,
+    /// Measure how well a mixture's routing is predicted a layer ahead by the next layer's
+    /// router on the hidden state (where that layer is resident), beside the previous
+    /// token's choices: `--json`'s `expert_prediction`.
+    #[arg(long)]
+    measure_expert_prediction: bool,
+    /// How a mixture's streamed experts are requested before their layer routes:
+    /// lookahead (the next layer's router on this layer's hidden state, on the CPU; the
+    /// previous token's choices elsewhere), previous (the previous token's choices) or off.
+    #[arg(long, default_value = "lookahead")]
+    expert_prediction: sluice::pipeline::Prediction,
     /// Compute threads of the CPU backend (default: all cores).
     #[arg(long, default_value_t = 0)]
     threads: usize,
@@ -234,6 +248,9 @@ fn run_generate<B: Backend>(
     if !a.json {
         eprint!("{}", runner.plan.table());
     }
+    runner.expert_eviction = a.expert_eviction;
+    runner.measure_lookahead = a.measure_expert_prediction;
+    runner.expert_prediction = a.expert_prediction;
     let context = runner.options().max_context;
     if prompt_ids.len() + a.max_tokens > context && prompt_ids.len() < context {
         eprintln!(
@@ -319,6 +336,10 @@ fn run_generate<B: Backend>(
             "compute_s": total.compute_s,
             "upload_s": total.upload_s,
             "stall_load_s": total.load_stall_s,
+            "experts": experts_json(&total),
+            "expert_eviction": runner.expert_eviction,
+            "expert_prediction_mode": runner.expert_prediction,
+            "expert_prediction": prediction_json(&runner.model.prediction_stats()),
             "plan": plan,
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
@@ -353,6 +374,56 @@ fn run_generate<B: Backend>(
             fmt_bytes(sluice::hostmem::peak_rss_bytes().unwrap_or(0)),
             fmt_bytes(plan.host.total_bytes),
         );
+        if total.experts_routed > 0 {
+            eprintln!(
+                "experts: {} routed in streamed layers, {} from the expert cache, {} loaded ({}); previous-token prediction precision {:.2}, recall {:.2}",
+                total.experts_routed,
+                total.expert_cache_hits,
+                total.experts_loaded,
+                fmt_bytes(total.expert_bytes_loaded),
+                ratio(total.experts_predicted_used, total.experts_predicted),
+                ratio(total.experts_predicted_used, total.experts_routed),
+            );
+        }
     }
     Ok(())
+}
+
+fn ratio(a: u64, b: u64) -> f64 {
+    if b == 0 {
+        0.0
+    } else {
+        a as f64 / b as f64
+    }
+}
+
+/// Both predictors of a mixture's routing over the run (the lookahead only where measured).
+fn prediction_json(p: &sluice::model::decoder::PredictionStats) -> serde_json::Value {
+    serde_json::json!({
+        "counts": p,
+        "previous_token": {
+            "precision": ratio(p.previous_right, p.previous_predicted),
+            "recall": ratio(p.previous_right, p.routed),
+        },
+        "router_lookahead": {
+            "precision": ratio(p.lookahead_right, p.lookahead_predicted),
+            "recall": ratio(p.lookahead_right, p.lookahead_routed),
+        },
+    })
+}
+
+/// A mixture's streamed experts over the run (all zero for a dense model or one resident).
+fn experts_json(t: &sluice::pipeline::PassStats) -> serde_json::Value {
+    serde_json::json!({
+        "routed": t.experts_routed,
+        "cache_hits": t.expert_cache_hits,
+        "loaded": t.experts_loaded,
+        "bytes_loaded": t.expert_bytes_loaded,
+        "predicted": t.experts_predicted,
+        "predicted_used": t.experts_predicted_used,
+        "prediction_precision": ratio(t.experts_predicted_used, t.experts_predicted),
+        "prediction_recall": ratio(t.experts_predicted_used, t.experts_routed),
+        "prefetched": t.expert_prefetches,
+        "prefetched_unused": t.expert_prefetches_wasted,
+    })
 }

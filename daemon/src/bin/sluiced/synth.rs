@@ -1,4 +1,6 @@
-//! `sluiced synth`: a synthetic Llama-shaped store with random weights, for benchmarks.
+//! `sluiced synth`: a synthetic Llama-shaped store with random weights, for benchmarks;
+//! `--moe EXPERTS/TOP_K` makes every layer a mixture of experts (Mixtral's layout) whose
+//! router prefers some experts (`--router-skew`).
 
 use super::util::{parse_codec, parse_dtype, parse_size_u32, progress_bar};
 use anyhow::{bail, Result};
@@ -47,9 +49,37 @@ pub struct SynthArgs {
     /// Uncompressed bytes per frame (e.g. 1MiB).
     #[arg(long, default_value = "1MiB", value_parser = parse_size_u32)]
     pub frame_size: u32,
+    /// Every layer a mixture of EXPERTS gated MLPs, TOP_K per token (e.g. 64/4), in
+    /// Mixtral's layout, instead of the dense MLP.
+    #[arg(long, value_parser = parse_moe)]
+    pub moe: Option<(u32, u32)>,
+    /// Rows of each expert's MLP (default: 3/8 of hidden rounded up to 256, Qwen3-30B-A3B's
+    /// proportion).
+    #[arg(long)]
+    pub expert_intermediate: Option<u32>,
+    /// Router row e is scaled by (e + 1)^-SKEW: the larger, the more the low-numbered
+    /// experts win (0: every expert alike).
+    #[arg(long, default_value_t = 1.0)]
+    pub router_skew: f32,
     /// Replace an existing store at the output path.
     #[arg(long)]
     pub force: bool,
+}
+
+/// EXPERTS/TOP_K, e.g. 64/4.
+fn parse_moe(s: &str) -> Result<(u32, u32), String> {
+    let (n, k) = s
+        .split_once('/')
+        .ok_or_else(|| format!("{s:?}: expected EXPERTS/TOP_K, e.g. 64/4"))?;
+    let n: u32 = n
+        .trim()
+        .parse()
+        .map_err(|e| format!("{s:?}: experts: {e}"))?;
+    let k: u32 = k.trim().parse().map_err(|e| format!("{s:?}: top k: {e}"))?;
+    if n == 0 || k == 0 || k > n {
+        return Err(format!("{s:?}: need 1 <= TOP_K <= EXPERTS"));
+    }
+    Ok((n, k))
 }
 
 pub fn run(a: SynthArgs) -> Result<std::process::ExitCode> {
@@ -66,6 +96,9 @@ pub fn run(a: SynthArgs) -> Result<std::process::ExitCode> {
         seed,
         codec,
         frame_size,
+        moe,
+        expert_intermediate,
+        router_skew,
         force,
     } = a;
     let mut spec = sluice::import::synth::SynthSpec::llama_like(hidden, 0, dtype);
@@ -78,6 +111,15 @@ pub fn run(a: SynthArgs) -> Result<std::process::ExitCode> {
     });
     spec.vocab = vocab;
     spec.seed = seed;
+    if !router_skew.is_finite() || router_skew < 0.0 {
+        bail!("--router-skew {router_skew} must be 0 or more");
+    }
+    spec.moe = moe.map(|(experts, top_k)| sluice::import::synth::SynthMoe {
+        experts,
+        top_k,
+        intermediate: expert_intermediate.unwrap_or((hidden * 3 / 8).div_ceil(256) * 256),
+        skew: router_skew,
+    });
     let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
     synth(
         output,
@@ -120,6 +162,23 @@ fn synth(
             spec.kv_heads
         );
     }
+    // Every matrix's rows must be whole blocks of the dtype.
+    let mut widths = vec![
+        ("--hidden", spec.hidden),
+        ("--intermediate", spec.intermediate),
+    ];
+    if let Some(m) = spec.moe {
+        widths.push(("--expert-intermediate", m.intermediate));
+    }
+    for (flag, cols) in widths {
+        if cols == 0 || spec.dtype.row_bytes(cols as u64).is_none() {
+            bail!(
+                "{flag} {cols} is not a whole number of {} blocks ({} values each)",
+                spec.dtype,
+                spec.dtype.block_elems()
+            );
+        }
+    }
     let mut spec = spec;
     spec.layers = match (layers, size) {
         (Some(l), _) => l,
@@ -138,13 +197,19 @@ fn synth(
     let t0 = Instant::now();
     let report = store::writer::pack(&model, &units, &output, &opts, |b| pb.inc(b))?;
     pb.finish_and_clear();
+    let ffn = match spec.moe {
+        None => format!("intermediate {}", spec.intermediate),
+        Some(m) => format!(
+            "{} experts of {} rows, top {}, router skew {}",
+            m.experts, m.intermediate, m.top_k, m.skew
+        ),
+    };
     println!(
-        "wrote {}: {} layers x hidden {} ({}, intermediate {}, heads {}/{}), {} raw -> {} stored (ratio {:.3}, {}) in {:.1} s",
+        "wrote {}: {} layers x hidden {} ({}, {ffn}, heads {}/{}), {} raw -> {} stored (ratio {:.3}, {}) in {:.1} s",
         output.display(),
         spec.layers,
         spec.hidden,
         spec.dtype,
-        spec.intermediate,
         spec.heads,
         spec.kv_heads,
         fmt_bytes(report.raw_bytes),
