@@ -747,6 +747,8 @@ fn moe_runner(
 #[test]
 fn moe_layers_stream_only_their_routed_experts_bit_identical_to_resident() {
     let tmp = tempfile::tempdir().unwrap();
+    // Configurations that kept a dense part resident, discrete and unified.
+    let mut dense_kept = [0; 2];
     for src in [
         fixture("tiny-qwen3moe"),
         fixture("tiny-mixtral.gguf"),
@@ -809,6 +811,39 @@ fn moe_layers_stream_only_their_routed_experts_bit_identical_to_resident() {
                         assert!(p.lookahead_predicted > 0, "{label}: {p:?}");
                         assert!(p.lookahead_right <= p.lookahead_predicted, "{label}");
                     }
+                    if cache.is_none() {
+                        // Budgets above the least, until one leaves room for dense parts
+                        // of streamed layers: they stay resident and only experts load
+                        // (the router lookahead then works from them on any backend).
+                        // (Whether one does depends on the sizes: a budget step may go
+                        // to whole units first.)
+                        let least = least_budget(&s, None, unified);
+                        for step in 1..=64u64 {
+                            let mut r =
+                                runner_with(&s, Some(least + step * 8192), 0, unified, None);
+                            let kept: Vec<usize> = (0..s.units().len())
+                                .filter(|&u| r.plan.dense_resident[u])
+                                .collect();
+                            if kept.is_empty() {
+                                continue;
+                            }
+                            dense_kept[usize::from(unified)] += 1;
+                            assert!(outputs(&mut r, vocab) == want, "{label}: dense resident");
+                            let b = r.backend.budget();
+                            assert!(b.peak() <= b.limit(), "{label}: dense resident over budget");
+                            // The last (decode) pass loaded no dense part of those layers.
+                            let last = r.last_pass();
+                            assert!(last.experts_routed > 0, "{label}");
+                            // A kept dense part after a streamed sparse layer: that layer ran
+                            // the next one's router (lookahead).
+                            let next_kept = kept.iter().any(|&n| r.plan.sparse[n - 1].is_some());
+                            if next_kept {
+                                let p = r.model.prediction_stats();
+                                assert!(p.lookahead_predicted > 0, "{label}: {p:?}");
+                            }
+                            break;
+                        }
+                    }
                     if cache == Some(1) {
                         // Predictions change what loads when, never the outputs.
                         for mode in [
@@ -858,6 +893,10 @@ fn moe_layers_stream_only_their_routed_experts_bit_identical_to_resident() {
             }
         }
     }
+    assert!(
+        dense_kept.iter().all(|&n| n > 0),
+        "dense parts kept resident (discrete, unified): {dense_kept:?}"
+    );
 }
 
 /// A corrupted expert fails the step that routed to it, with the layer and offset named,

@@ -53,9 +53,9 @@ impl std::str::FromStr for Eviction {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, serde::Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Prediction {
-    /// On a unified backend, the next layer's router on this layer's hidden state (after
-    /// its attention), where the next load is that layer's dense part; elsewhere, the
-    /// previous step's choices.
+    /// The next layer's router on this layer's hidden state (after its attention), where
+    /// the next layer's dense part is resident, or on a unified backend is the next load
+    /// (taken early); elsewhere, the previous step's choices.
     #[default]
     Lookahead,
     /// The previous step's choices at the layer.
@@ -150,11 +150,18 @@ impl<B: Backend> Pipeline<B> {
         at: &mut PassAt,
         st: &mut PassStats,
     ) -> Result<(), PipelineError> {
-        let used = self.fetch(Load::Dense(u), at, st)?;
+        let used = if self.dense_mem[u].is_some() {
+            None
+        } else {
+            self.fetch(Load::Dense(u), at, st)?
+        };
         self.predict(u, st)?;
         if !self.skip_compute {
             let t0 = Instant::now();
-            let mem = mem_of!(self, Load::Dense(u));
+            let mem = match &self.dense_mem[u] {
+                Some(m) => m,
+                None => mem_of!(self, Load::Dense(u)),
+            };
             self.model.sparse_begin(&self.backend, u, mem);
             st.compute_s += t0.elapsed().as_secs_f64();
         }
@@ -207,7 +214,10 @@ impl<B: Backend> Pipeline<B> {
         r?;
         if !self.skip_compute {
             let t0 = Instant::now();
-            let mem = mem_of!(self, Load::Dense(u));
+            let mem = match &self.dense_mem[u] {
+                Some(m) => m,
+                None => mem_of!(self, Load::Dense(u)),
+            };
             self.model.sparse_end(&self.backend, u, mem);
             st.compute_s += t0.elapsed().as_secs_f64();
         }
@@ -256,13 +266,24 @@ impl<B: Backend> Pipeline<B> {
         st: &mut PassStats,
     ) -> Result<Option<usize>, PipelineError> {
         let n = u + 1;
-        let wanted = self.unified
-            && !self.skip_compute
+        let wanted = !self.skip_compute
             && self.expert_prediction == Prediction::Lookahead
-            && self.early.is_none()
-            && self.loads.get(at.load) == Some(&Load::Dense(n))
-            && self.predicted_pass[n] != self.pass_no;
+            && self
+                .predicted_pass
+                .get(n)
+                .is_some_and(|&p| p != self.pass_no);
         if !wanted {
+            return Ok(None);
+        }
+        // The next layer's dense part is resident (on any backend): its router is there.
+        if let (Some(mem), Some(_)) = (&self.dense_mem[n], &self.plan.sparse[n]) {
+            let t0 = Instant::now();
+            self.model.lookahead_route(&self.backend, n, mem);
+            st.compute_s += t0.elapsed().as_secs_f64();
+            return Ok(self.take_lookahead(n));
+        }
+        let next_is_dense = self.loads.get(at.load) == Some(&Load::Dense(n));
+        if !(self.unified && self.early.is_none() && next_is_dense) {
             return Ok(None);
         }
         if self.ahead.is_empty() {
@@ -287,13 +308,19 @@ impl<B: Backend> Pipeline<B> {
         self.model.lookahead_route(&self.backend, n, &mem);
         st.compute_s += t0.elapsed().as_secs_f64();
         self.early = Some((Load::Dense(n), mem, held));
+        Ok(self.take_lookahead(n))
+    }
+
+    /// The router lookahead's prediction for unit `n` as this pass's: the unit, when it is
+    /// to be requested.
+    fn take_lookahead(&mut self, n: usize) -> Option<usize> {
         self.predicted_pass[n] = self.pass_no;
         let mut pred = std::mem::take(&mut self.predicted[n]);
         pred.clear();
         pred.extend_from_slice(self.model.lookahead_experts(n));
         self.predicted[n] = pred;
         self.predicted_by_lookahead[n] = true;
-        Ok(self.prediction_pays(0).then_some(n))
+        self.prediction_pays(0).then_some(n)
     }
 
     /// Requests the experts the step before chose at sparse layer `u` that are neither

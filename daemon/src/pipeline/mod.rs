@@ -201,6 +201,8 @@ pub struct Pipeline<B: Backend> {
     held: Vec<(Dst, crate::io::HeldSlot)>,
     /// `held`'s twin, swapped in while the held slots are waited for (no allocation).
     held_spare: Vec<(Dst, crate::io::HeldSlot)>,
+    /// Per unit, a sparse layer's resident dense part (`Plan::dense_resident`).
+    dense_mem: Vec<Option<B::Mem>>,
     /// The expert cache, and the expert loads requested and not yet run.
     experts: experts::ExpertCache<B::Mem>,
     expert_loads: Vec<experts::ExpertLoad>,
@@ -506,10 +508,11 @@ impl<B: Backend> Pipeline<B> {
         let mut loads = Vec::with_capacity(n + plan.head_parts.len());
         for (u, r) in resident.iter().enumerate().skip(1) {
             if r.is_none() {
-                loads.push(match plan.sparse[u] {
-                    Some(_) => Load::Dense(u),
-                    None => Load::Unit(u),
-                });
+                match (&plan.sparse[u], plan.dense_resident.get(u)) {
+                    (Some(_), Some(true)) => {}
+                    (Some(_), _) => loads.push(Load::Dense(u)),
+                    (None, _) => loads.push(Load::Unit(u)),
+                }
             }
             if u == n - 1 {
                 loads.extend((0..plan.head_parts.len()).map(Load::Part));
@@ -545,6 +548,21 @@ impl<B: Backend> Pipeline<B> {
         } else {
             None
         };
+        // The resident dense parts of sparse layers, through the streaming engine (its
+        // staging slots hold a dense part).
+        let mut dense_mem: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
+        for (u, m) in dense_mem.iter_mut().enumerate() {
+            let (Some(sp), Some(true)) = (&plan.sparse[u], plan.dense_resident.get(u)) else {
+                continue;
+            };
+            let kind = store.units()[u].kind;
+            let len = store.units()[u].part_span(sp.dense_frames.clone(), false) as usize;
+            let ticket = io.request_part(u, sp.dense_frames.clone())?;
+            let slot = io.wait(ticket)?;
+            let mut mem = backend.alloc(len, &format!("dense part of {kind}"))?;
+            backend.upload(&mut mem, &slot.data()[..len])?;
+            *m = Some(mem);
+        }
         let mut cache_slots = Vec::with_capacity(plan.expert_cache_slots);
         for i in 0..plan.expert_cache_slots {
             cache_slots.push(backend.alloc(
@@ -554,6 +572,7 @@ impl<B: Backend> Pipeline<B> {
         }
         Ok(Pipeline {
             experts: experts::ExpertCache::new(cache_slots),
+            dense_mem,
             expert_loads: Vec::with_capacity(plan.expert_reads),
             predicted: vec![Vec::new(); n],
             predicted_pass: vec![0; n],

@@ -156,6 +156,8 @@ pub struct UnitPlan {
     /// A streamed layer of a mixture that loads its dense part and only the experts a step
     /// routes to (`Plan::sparse`).
     pub experts_routed: bool,
+    /// Such a layer whose dense part is resident: only its experts load.
+    pub dense_resident: bool,
 }
 
 /// A decoder layer of a mixture of experts that streams sparsely: its dense part
@@ -231,6 +233,11 @@ pub struct Plan {
     /// serialized: `UnitPlan::experts_routed` says which).
     #[serde(skip)]
     pub sparse: Vec<Option<SparseUnit>>,
+    /// Per unit, a sparse layer whose dense part is resident (its experts still stream),
+    /// and their bytes.
+    #[serde(skip)]
+    pub dense_resident: Vec<bool>,
+    pub dense_resident_bytes: u64,
     /// The expert cache: device slots of an expert each, kept across steps (a unified
     /// backend's in the arena; none there is needed, its experts run from staging slots).
     pub expert_cache_slots: usize,
@@ -358,6 +365,7 @@ impl Plan {
             + self.stream_slots as u64 * self.stream_slot_bytes
             + self.resident_bytes
             + self.expert_cache_slots as u64 * self.expert_slot_bytes
+            + self.dense_resident_bytes
     }
 
     /// The plan as a table for the start-up log.
@@ -425,6 +433,15 @@ impl Plan {
                     fmt_bytes(self.expert_slot_bytes),
                     self.experts_streamed,
                     self.sparse.iter().flatten().count()
+                ),
+            );
+            line(
+                &mut s,
+                "resident dense parts",
+                format!(
+                    "{} ({} of the streamed layers: norms, attention, router)",
+                    fmt_bytes(self.dense_resident_bytes),
+                    self.dense_resident.iter().filter(|&&d| d).count()
                 ),
             );
             line(
@@ -1080,26 +1097,54 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         } else {
             slots as u64 * slot_bytes
         };
+    // What the split leaves: first the dense parts of the streamed sparse layers stay
+    // resident (each saves all its bytes every pass, more than an expert slot can), then
+    // the expert cache takes the rest (the slots reserved for it are kept for it).
+    let dev_left = match (h.unified, input.device_budget) {
+        (true, None) => None,
+        _ => Some(budget.saturating_sub(dev_used)),
+    };
+    let host_left = match (h.unified, h.budget) {
+        (true, Some(b)) => Some(b.saturating_sub(host_fixed + staged + dev_used)),
+        _ => None,
+    };
+    let left = [dev_left, host_left].into_iter().flatten().min();
+    let cache_kept = match input.expert_cache {
+        Some(asked) => asked,
+        None => cache_min,
+    }
+    .min(experts_streamed) as u64
+        * expert_slot_bytes;
+    let mut room = left.map(|l| l.saturating_sub(cache_kept));
+    let dense_resident: Vec<bool> = sparse
+        .iter()
+        .map(|sp| {
+            let Some(sp) = sp else { return false };
+            let need = round(sp.dense_raw);
+            let fits = room.is_none_or(|r| need <= r);
+            if fits {
+                room = room.map(|r| r - need);
+            }
+            fits
+        })
+        .collect();
+    let dense_resident_bytes: u64 = sparse
+        .iter()
+        .zip(&dense_resident)
+        .filter(|(_, &d)| d)
+        .filter_map(|(sp, _)| sp.as_ref().map(|sp| round(sp.dense_raw)))
+        .sum();
     let expert_cache_slots = match (experts_streamed, input.expert_cache) {
         (0, _) => 0,
         (n, Some(asked)) => asked.min(n),
         (n, None) => {
-            let dev_left = match (h.unified, input.device_budget) {
-                (true, None) => None,
-                _ => Some(budget.saturating_sub(dev_used)),
-            };
-            let host_left = match (h.unified, h.budget) {
-                (true, Some(b)) => Some(b.saturating_sub(host_fixed + staged + dev_used)),
-                _ => None,
-            };
-            let left = [dev_left, host_left].into_iter().flatten().min();
-            let fits = left.map_or(n, |l| (l / expert_slot_bytes.max(1)) as usize);
-            fits.max(cache_min).min(n)
+            let fits = room.map_or(n, |l| (l / expert_slot_bytes.max(1)) as usize);
+            (fits + cache_min).min(n)
         }
     };
     let expert_cache_bytes = expert_cache_slots as u64 * expert_slot_bytes;
     let arena = if h.unified {
-        dev_used + expert_cache_bytes
+        dev_used + dense_resident_bytes + expert_cache_bytes
     } else {
         0
     };
@@ -1187,11 +1232,16 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
                     rw + p.raw_len,
                 )
             })
-        } else if let (Some(_), Some(Some((_, pass)))) = (&sparse[u], emb.sparse.get(u)) {
-            // A sparse layer: its dense part and a full batch's routed experts, estimated
-            // (stored bytes in the unit's own ratio).
-            let stored = (lu.stored_len as u128 * *pass as u128 / lu.raw_len.max(1) as u128) as u64;
-            (stored, *pass)
+        } else if let (Some(sp), Some(Some((_, pass)))) = (&sparse[u], emb.sparse.get(u)) {
+            // A sparse layer: its dense part (unless resident) and a full batch's routed
+            // experts, estimated (stored bytes in the unit's own ratio).
+            let pass = if dense_resident[u] {
+                pass - sp.dense_raw
+            } else {
+                *pass
+            };
+            let stored = (lu.stored_len as u128 * pass as u128 / lu.raw_len.max(1) as u128) as u64;
+            (stored, pass)
         } else {
             (lu.stored_len, lu.raw_len)
         };
@@ -1215,6 +1265,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
             raw_bytes: lu.raw_len,
             stored_bytes: lu.stored_len,
             experts_routed: sparse[u].is_some(),
+            dense_resident: dense_resident[u],
         });
     }
     let plan = Plan {
@@ -1238,6 +1289,8 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         head_parts,
         head_seams,
         sparse,
+        dense_resident,
+        dense_resident_bytes,
         expert_cache_slots,
         expert_slot_bytes,
         expert_reads,

@@ -107,8 +107,9 @@ pub struct RunArgs {
     #[arg(long)]
     measure_expert_prediction: bool,
     /// How a mixture's streamed experts are requested before their layer routes:
-    /// lookahead (the next layer's router on this layer's hidden state, on the CPU; the
-    /// previous token's choices elsewhere), previous (the previous token's choices) or off.
+    /// lookahead (the next layer's router on this layer's hidden state, where its dense part
+    /// is resident or, on the CPU, the next load; the previous token's choices elsewhere),
+    /// previous (the previous token's choices) or off.
     #[arg(long, default_value = "lookahead")]
     expert_prediction: sluice::pipeline::Prediction,
     /// Compute threads of the CPU backend (default: all cores).
@@ -376,11 +377,12 @@ fn run_generate<B: Backend>(
         );
         if total.experts_routed > 0 {
             eprintln!(
-                "experts: {} routed in streamed layers, {} from the expert cache, {} loaded ({}); previous-token prediction precision {:.2}, recall {:.2}",
+                "experts: {} routed in streamed layers, {} from the expert cache, {} loaded ({}); prediction ({:?}) precision {:.2}, recall {:.2}",
                 total.experts_routed,
                 total.expert_cache_hits,
                 total.experts_loaded,
                 fmt_bytes(total.expert_bytes_loaded),
+                runner.expert_prediction,
                 ratio(total.experts_predicted_used, total.experts_predicted),
                 ratio(total.experts_predicted_used, total.experts_routed),
             );
