@@ -561,6 +561,7 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
                 "io_units_failed": st.io_units_failed, "io_reads_stalled": st.io_reads_stalled,
                 "io_short_reads": st.io_short_reads, "host_heap_in_use_bytes": st.host_heap_in_use_bytes,
                 "expert_routing": st.expert_routing.iter().map(|r| serde_json::json!({"layer": r.layer, "tokens": r.tokens})).collect::<Vec<_>>(),
+                "expert_streaming": st.expert_streaming.as_ref().map(expert_streaming_json),
             })
         );
     } else {
@@ -622,6 +623,21 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
                 println!("  layer {:<4} {}", r.layer, hot_experts(&r.tokens, 4));
             }
         }
+        if let Some(x) = st.expert_streaming.as_ref().filter(|x| x.routed > 0) {
+            let share = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
+            println!(
+                "expert cache     {} slots: {} of {} routed experts served ({:.2}), {} loaded ({}); prediction precision {:.2} ({} of {} prefetched unused)",
+                x.cache_slots,
+                x.cache_hits,
+                x.routed,
+                share(x.cache_hits, x.routed),
+                x.loaded,
+                mib(x.bytes_loaded),
+                share(x.predicted_used, x.predicted),
+                x.prefetched_unused,
+                x.prefetched,
+            );
+        }
         println!("stages (last pass seconds, rate):");
         for s in &st.stages {
             println!(
@@ -638,6 +654,16 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// A mixture's streamed experts as `sluice status --json` shows them.
+fn expert_streaming_json(x: &pb::ExpertStreaming) -> serde_json::Value {
+    serde_json::json!({
+        "routed": x.routed, "cache_hits": x.cache_hits, "loaded": x.loaded,
+        "bytes_loaded": x.bytes_loaded, "predicted": x.predicted,
+        "predicted_used": x.predicted_used, "prefetched": x.prefetched,
+        "prefetched_unused": x.prefetched_unused, "cache_slots": x.cache_slots,
+    })
 }
 
 /// A layer's `n` most chosen experts and their shares, and how many experts served none.

@@ -563,3 +563,40 @@ fn status_counts_the_tokens_each_expert_served() {
         "{table}"
     );
 }
+
+/// A daemon whose mixture streams under a device budget reports its expert streaming:
+/// the experts routed in streamed layers, served by the one-slot expert cache or loaded,
+/// and the predictions, in `status --json` and the table.
+#[test]
+fn status_reports_the_expert_cache_of_a_streamed_mixture() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("moe");
+    let store = pack_store(&fixture("tiny-qwen3moe"), &store, "zstd:1", 64 << 10);
+    let path = store.dir().to_str().unwrap().to_string();
+    let d = Daemon::serve(
+        tmp,
+        &["--model", &path],
+        &[
+            "--max-context",
+            "96",
+            "--max-batch",
+            "2",
+            "--batch-tokens",
+            "64",
+            "--device-memory",
+            "700KiB",
+            "--expert-cache",
+            "1",
+        ],
+    );
+    generate_json(&d.addr, "hello there", 6);
+    let st: Value = serde_json::from_str(&stdout(&sluice(&d.addr, &["status", "--json"]))).unwrap();
+    let x = &st["expert_streaming"];
+    let n = |k: &str| x[k].as_u64().unwrap_or_else(|| panic!("{k} missing: {x}"));
+    assert_eq!(n("cache_slots"), 1, "{x}");
+    assert!(n("routed") > 0, "{x}");
+    assert_eq!(n("cache_hits") + n("loaded"), n("routed"), "{x}");
+    assert!(n("predicted_used") <= n("predicted"), "{x}");
+    let table = stdout(&sluice(&d.addr, &["status"]));
+    assert!(table.contains("expert cache     1 slots"), "{table}");
+}

@@ -308,6 +308,17 @@ impl Inference for Service {
                     tokens: t.clone(),
                 })
                 .collect(),
+            expert_streaming: Some(pb::ExpertStreaming {
+                routed: s.totals.experts_routed,
+                cache_hits: s.totals.expert_cache_hits,
+                loaded: s.totals.experts_loaded,
+                bytes_loaded: s.totals.expert_bytes_loaded,
+                predicted: s.totals.experts_predicted,
+                predicted_used: s.totals.experts_predicted_used,
+                prefetched: s.totals.expert_prefetches,
+                prefetched_unused: s.totals.expert_prefetches_wasted,
+                cache_slots: p.expert_cache_slots as u32,
+            }),
         }))
     }
 
