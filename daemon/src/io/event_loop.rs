@@ -157,8 +157,10 @@ impl Loop {
             slots,
             slot_state: vec![SlotState::Free; cfg.staging_slots],
             active: (0..cfg.staging_slots).map(|_| None).collect(),
-            order: VecDeque::new(),
-            queue: VecDeque::new(),
+            // Room for what a caller keeps outstanding (a slot's worth of loads ahead and
+            // as many again), so steady streaming allocates nothing here.
+            order: VecDeque::with_capacity(cfg.staging_slots),
+            queue: VecDeque::with_capacity(2 * cfg.staging_slots + 16),
             ops: (0..cfg.queue_depth).map(|_| None).collect(),
             free_ops: (0..cfg.queue_depth).rev().collect(),
             in_flight: 0,
