@@ -221,4 +221,8 @@ fn decode_steps_allocate_nothing_on_a_mixture_of_experts() {
         &fixture("tiny-qwen3moe"),
         "tiny-qwen3moe (bf16 safetensors)",
     );
+    check(
+        &fixture("tiny-gptoss-mxfp4.gguf"),
+        "tiny-gptoss (MXFP4 experts, sinks, biases)",
+    );
 }

@@ -281,13 +281,14 @@ fn damaged_manifests_are_clear_errors() {
     b[0] = b'X';
     assert!(open_err(&b).contains("not a sluice manifest"));
     let mut b = good.clone();
-    b[8] = 4;
-    assert!(open_err(&b).contains("store format version 4"));
+    b[8] = 5;
+    assert!(open_err(&b).contains("store format version 5"));
     // A format-1 store (the manifest without the trailing architecture extension: four
     // zero bytes, its empty options and list, for a Llama model; nor format 3's mixture of
-    // experts, one zero byte, None) still opens, with the Llama defaults.
+    // experts, one zero byte, None; nor format 4's SwiGLU clamp, one zero byte, None)
+    // still opens, with the Llama defaults.
     let end = good.len() - 8;
-    assert_eq!(&good[end - 5..end], &[0u8; 5], "a Llama model's extensions");
+    assert_eq!(&good[end - 6..end], &[0u8; 6], "a Llama model's extensions");
     // The manifest as an older format wrote it: the payload without its last `cut` bytes,
     // under `version`, checksummed again.
     let older = |version: u32, cut: usize| -> Vec<u8> {
@@ -299,11 +300,14 @@ fn damaged_manifests_are_clear_errors() {
         v.extend_from_slice(&sum.to_le_bytes());
         v
     };
-    // Format 2: without the mixture.
-    std::fs::write(&mpath, older(2, 1)).unwrap();
+    // Format 3: without the clamp; format 2: without the mixture either.
+    std::fs::write(&mpath, older(3, 1)).unwrap();
+    let old = Store::open(&dir).expect("a format-3 store opens");
+    assert_eq!(old.manifest().arch.swiglu, None);
+    std::fs::write(&mpath, older(2, 2)).unwrap();
     let old = Store::open(&dir).expect("a format-2 store opens");
     assert_eq!(old.manifest().arch.moe, None);
-    let mut v1 = older(1, 5);
+    let mut v1 = older(1, 6);
     std::fs::write(&mpath, &v1).unwrap();
     let old = Store::open(&dir).expect("a format-1 store opens");
     assert_eq!(old.manifest().arch.ext, Default::default());
@@ -668,4 +672,30 @@ fn a_daemon_whose_model_has_a_hostile_template_refuses_chats_and_keeps_serving()
     }
     let mut d = d;
     assert!(d.child.try_wait().unwrap().is_none(), "the daemon died");
+}
+
+/// OpenAI's gpt-oss checkpoints hold their experts as MXFP4 blocks and scales
+/// (`mlp.experts.gate_up_proj_blocks`, `_scales`): refused with the way round (llama.cpp's
+/// converter keeps them MXFP4 in a GGUF, which sluice packs), naming the tensor.
+#[test]
+fn a_gpt_oss_mxfp4_checkpoint_is_refused_with_the_way_round() {
+    use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
+    let tmp = tempfile::tempdir().unwrap();
+    let dir = tmp.path().join("gpt-oss");
+    std::fs::create_dir(&dir).unwrap();
+    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixture("tiny-gptoss").join(f), dir.join(f)).unwrap();
+    }
+    let blocks = vec![0u8; 4 * 192 * 2 * 16];
+    let name = "model.layers.0.mlp.experts.gate_up_proj_blocks";
+    let views = vec![(
+        name.to_string(),
+        TensorView::new(Dtype::U8, vec![4, 192, 2, 16], &blocks).unwrap(),
+    )];
+    serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let e = import_err(&dir);
+    assert!(
+        e.contains(name) && e.contains("MXFP4") && e.contains("convert_hf_to_gguf.py"),
+        "{e}"
+    );
 }

@@ -150,6 +150,7 @@ fn test_cfg() -> ArchConfig {
             ..Default::default()
         },
         moe: None,
+        swiglu: None,
     }
 }
 
@@ -443,6 +444,13 @@ fn ops_match_the_cpu_backend() {
     close("silu_mul + add", &c, &g, k, 1e-5);
     let (c, g) = p.get(&(rc, rg), 4 * k);
     close("copy_row", &c, &g, k, 0.0);
+    // gpt-oss's clamped SwiGLU, with gates and ups past the limit on both sides.
+    let big: Vec<f32> = (0..rows * k).map(|_| rng.f() * 12.0).collect();
+    let (mut gc, mut gg) = p.put(&f32_bytes(&big));
+    p.cpu.swiglu_clamp_mul(&mut gc, &ym.0, rows * k, 1.702, 2.5);
+    p.gpu.swiglu_clamp_mul(&mut gg, &ym.1, rows * k, 1.702, 2.5);
+    let (c, g) = p.get(&(gc, gg), rows * k);
+    close("swiglu_clamp_mul", &c, &g, k, 1e-5);
 }
 
 #[test]
@@ -576,19 +584,28 @@ fn rope_kv_cache_and_attention(kv: sluice::backend::KvDtype) {
             };
             p.cpu.kv_store(&kc, &vm.0, &mut ckc, &mut cvc, &step);
             p.gpu.kv_store(&kg, &vm.1, &mut ckg, &mut cvg, &step);
-            let (mut oc, mut og) = p.zeros(rows * wq);
-            p.cpu.attention(&qc, &ckc, &cvc, &step, &mut oc);
-            p.gpu.attention(&qg, &ckg, &cvg, &step, &mut og);
+            // Without and with attention sinks (gpt-oss: one f32 logit per query head).
+            let sinks: Vec<f32> = (0..shape.heads).map(|_| 2.0 * rng.f()).collect();
+            let sm = p.put(&f32_bytes(&sinks));
+            for with_sinks in [false, true] {
+                let (mut oc, mut og) = p.zeros(rows * wq);
+                let (sc, sg) = (
+                    with_sinks.then(|| wref(&sm.0, DType::F32, 1, shape.heads)),
+                    with_sinks.then(|| wref(&sm.1, DType::F32, 1, shape.heads)),
+                );
+                p.cpu.attention(&qc, &ckc, &cvc, &step, sc, &mut oc);
+                p.gpu.attention(&qg, &ckg, &cvg, &step, sg, &mut og);
+                let (c, g) = p.get(&(oc, og), rows * wq);
+                close(
+                    &format!("attention layer {layer}, sinks {with_sinks}"),
+                    &c,
+                    &g,
+                    shape.head_dim,
+                    1e-4,
+                );
+            }
             let (c, g) = p.get(&(qc, qg), rows * wq);
             close("rope", &c, &g, wq, 1e-5);
-            let (c, g) = p.get(&(oc, og), rows * wq);
-            close(
-                &format!("attention layer {layer}"),
-                &c,
-                &g,
-                shape.head_dim,
-                1e-4,
-            );
         }
     }
     let n = cache_bytes / 4;

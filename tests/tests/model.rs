@@ -210,6 +210,8 @@ fn qwen3_gemma3_mistral_and_mixtures_match_transformers_at_every_position() {
         ("tiny-qwen3moe-mixed", "tiny-qwen3moe-mixed.json"),
         ("tiny-mixtral", "tiny-mixtral.json"),
         ("tiny-mixtral.gguf", "tiny-mixtral.json"),
+        ("tiny-gptoss", "tiny-gptoss.json"),
+        ("tiny-gptoss.gguf", "tiny-gptoss-gguf.json"),
     ];
     for (src, refname) in cases {
         let r = reference(refname);
@@ -262,19 +264,8 @@ fn qwen3_gemma3_mistral_and_mixtures_match_transformers_at_every_position() {
                     "{src} case {ci} decode position {p}: logits relative error {e:.2e}"
                 );
             }
-            // Greedy tokens, up to the first step transformers itself nearly tied on.
-            let want = ids(&c["greedy"]);
-            let margins = floats(&c["greedy_margins"]);
-            let sure = margins.iter().position(|&m| m < 0.01).unwrap_or(want.len());
-            let mut next = argmax(&step_logits);
-            let mut got = Vec::new();
-            for p in prompt.len()..prompt.len() + sure {
-                got.push(next);
-                step(&mut runner, p, vec![next], &mut step_logits);
-                next = argmax(&step_logits);
-            }
-            assert_eq!(got, want[..sure], "{src} case {ci}: greedy tokens differ");
-            decisive += sure;
+            let label = format!("{src} case {ci}");
+            decisive += greedy_until_a_near_tie(&mut runner, c, prompt.len(), step_logits, &label);
         }
         // Random weights tie now and then; enough steps must still be compared.
         assert!(
@@ -282,6 +273,30 @@ fn qwen3_gemma3_mistral_and_mixtures_match_transformers_at_every_position() {
             "{src}: only {decisive} greedy steps were decisive"
         );
     }
+}
+
+/// The reference case `c`'s greedy tokens (`greedy`) after its prompt of `len` tokens, whose
+/// last logits are `logits`, up to the first step transformers itself nearly tied on (a
+/// top-2 margin under 0.01 in `greedy_margins`); returns how many were compared.
+fn greedy_until_a_near_tie(
+    runner: &mut Pipeline<CpuBackend>,
+    c: &Value,
+    len: usize,
+    mut logits: Vec<f32>,
+    label: &str,
+) -> usize {
+    let want = ids(&c["greedy"]);
+    let margins = floats(&c["greedy_margins"]);
+    let sure = margins.iter().position(|&m| m < 0.01).unwrap_or(want.len());
+    let mut next = argmax(&logits);
+    let mut got = Vec::new();
+    for p in len..len + sure {
+        got.push(next);
+        step(runner, p, vec![next], &mut logits);
+        next = argmax(&logits);
+    }
+    assert_eq!(got, want[..sure], "{label}: greedy tokens differ");
+    sure
 }
 
 /// A mixture's GGUF imports as its checkpoint does: the same config (but the name), and
@@ -879,7 +894,11 @@ fn repetition_penalty_continuations_match_transformers() {
 #[test]
 fn a_mixtures_sequence_gets_the_same_bits_alone_as_in_a_batch() {
     let tmp = tempfile::tempdir().unwrap();
-    for src in ["tiny-qwen3moe", "tiny-mixtral.gguf"] {
+    for src in [
+        "tiny-qwen3moe",
+        "tiny-mixtral.gguf",
+        "tiny-gptoss-mxfp4.gguf",
+    ] {
         for exact in [true, false] {
             let dir = tmp.path().join(format!("{src}-{exact}"));
             let mut r = runner_with(&fixture(src), &dir, 64, 64, exact, 4);
@@ -1027,4 +1046,146 @@ fn fused_experts_import_as_per_expert_ones() {
         e.contains("model.layers.0.mlp.experts.down_proj") && e.contains("[4, 64, 96]"),
         "{e}"
     );
+}
+
+/// gpt-oss as OpenAI ships it has its experts in MXFP4: the tiny model's GGUF quantized by
+/// llama.cpp's own quantizer (experts MXFP4, attention Q8_0) gives transformers' logits on
+/// the same numbers (every weight dequantized by gguf-py) at every position, and its greedy
+/// tokens; and, printed beside, how far llama.cpp's own run of the file is.
+#[test]
+fn gpt_oss_with_mxfp4_experts_matches_transformers_on_the_same_numbers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let r = reference("tiny-gptoss-mxfp4.json");
+    let src = fixture("tiny-gptoss-mxfp4.gguf");
+    let types: std::collections::BTreeSet<String> = import::open(&src)
+        .unwrap()
+        .tensors
+        .values()
+        .map(|t| t.dtype.to_string())
+        .collect();
+    assert!(
+        types.contains("mxfp4") && types.contains("q8_0"),
+        "{types:?}"
+    );
+    let mut runner = load_as(&src, &tmp.path().join("s"), 64, 16, true);
+    let mut decisive = 0;
+    for (ci, c) in r["cases"].as_array().unwrap().iter().enumerate() {
+        let prompt = ids(&c["prompt_token_ids"]);
+        let per_pos = c["logits"].as_array().unwrap();
+        let lc = c["llama_cpp_logits"].as_array().unwrap();
+        let mut logits = Vec::new();
+        let (mut worst, mut worst_lc) = (0f64, 0f64);
+        for (p, &t) in prompt.iter().enumerate() {
+            step(&mut runner, p, vec![t], &mut logits);
+            let e = rel_err(&logits, &floats(&per_pos[p]));
+            worst = worst.max(e);
+            worst_lc = worst_lc.max(rel_err(&logits, &floats(&lc[p])));
+            assert!(
+                e <= 1e-3,
+                "case {ci} position {p}: {e:.2e} from transformers"
+            );
+        }
+        eprintln!(
+            "case {ci}: worst relative error {worst:.2e} from transformers, {worst_lc:.2e} from llama.cpp"
+        );
+        decisive +=
+            greedy_until_a_near_tie(&mut runner, c, prompt.len(), logits, &format!("case {ci}"));
+    }
+    assert!(decisive >= 16, "only {decisive} greedy steps were decisive");
+}
+
+/// gpt-oss's GGUF (llama.cpp's converter de-interleaves and transposes the fused experts,
+/// splits their biases, keeps vectors in f32) imports as its checkpoint: the same tensors
+/// with the same values, and the same config but for what a GGUF cannot say (YaRN's
+/// `truncate`, which llama.cpp always applies) and the name.
+#[test]
+fn gpt_oss_gguf_imports_as_its_checkpoint() {
+    use sluice::store::arch::{Arch, RopeScaling, SwigluClamp};
+    let hf = import::open(&fixture("tiny-gptoss")).unwrap();
+    let gg = import::open(&fixture("tiny-gptoss.gguf")).unwrap();
+    assert_eq!(hf.arch.arch, Arch::GptOss);
+    let a = &hf.arch;
+    assert_eq!(a.sliding_window, Some(8));
+    assert_eq!(a.ext.sliding_layers, vec![0]);
+    assert!(a.qkv_bias);
+    assert_eq!(
+        a.swiglu,
+        Some(SwigluClamp {
+            alpha: 1.702,
+            limit: 7.0
+        })
+    );
+    let Some(RopeScaling::Yarn {
+        factor,
+        original_max_position,
+        truncate,
+        attention_factor,
+        ..
+    }) = a.rope_scaling.clone()
+    else {
+        panic!("{:?}", a.rope_scaling)
+    };
+    assert_eq!(
+        (factor, original_max_position, truncate),
+        (32.0, 4096, false)
+    );
+    assert!((attention_factor - (1.0 + 0.1 * 32f32.ln())).abs() < 1e-6);
+    let mut want = hf.arch.clone();
+    want.name = gg.arch.name.clone();
+    if let Some(RopeScaling::Yarn { truncate, .. }) = &mut want.rope_scaling {
+        *truncate = true;
+    }
+    assert_eq!(gg.arch, want, "the GGUF's config");
+    let names: Vec<&String> = hf.tensors.keys().collect();
+    assert_eq!(names, gg.tensors.keys().collect::<Vec<_>>());
+    let values = |m: &import::ImportedModel, n: &str| -> Vec<f32> {
+        let t = &m.tensors[n];
+        let mut b = vec![0u8; t.len as usize];
+        m.copy_source(t, &mut b);
+        match t.dtype {
+            DType::F32 => b
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            DType::BF16 => b
+                .chunks_exact(2)
+                .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
+                .collect(),
+            other => panic!("{n}: {other}"),
+        }
+    };
+    for n in names {
+        assert!(
+            values(&hf, n) == values(&gg, n),
+            "tensor {n} differs between the checkpoint and the GGUF"
+        );
+    }
+    // An expert's gate is the even columns of the fused gate_up_proj, transposed.
+    let t = &hf.tensors["model.layers.1.mlp.experts.2.gate_proj.weight"];
+    assert_eq!(t.shape, vec![96, 64]);
+}
+
+/// YaRN as transformers computes it for gpt-oss's rope settings (`truncate` false), and
+/// the rotary table carries its attention scaling.
+#[test]
+fn yarn_frequencies_and_scaling_match_transformers() {
+    let r = reference("tiny-gptoss.json");
+    let cfg = import::open(&fixture("tiny-gptoss")).unwrap().arch;
+    let want = floats(&r["rope"]["inv_freq"]);
+    let got = sluice::model::inv_freq(&cfg);
+    assert_eq!(got.len(), want.len());
+    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+        assert!((g - w).abs() <= 1e-6 * w.abs(), "pair {i}: {g} vs {w}");
+    }
+    let s = r["rope"]["attention_scaling"].as_f64().unwrap();
+    let table = sluice::model::rope_table(&cfg, 8);
+    let half = cfg.head_dim as usize / 2;
+    for p in [0usize, 5] {
+        for i in 0..half {
+            let a = p as f64 * want[i];
+            let (c, sn) = (table[(p * half + i) * 2], table[(p * half + i) * 2 + 1]);
+            assert!(((c as f64) - a.cos() * s).abs() < 1e-6, "pos {p} pair {i}");
+            assert!(((sn as f64) - a.sin() * s).abs() < 1e-6, "pos {p} pair {i}");
+        }
+    }
 }

@@ -117,9 +117,9 @@ fn the_kernel_table_matches_every_kernel_signature_in_the_sources() {
         );
     }
     // 33 for the first six dtypes and the other ops (gelu_mul, scale, and the f16 KV
-    // cache's kv_store and attention among them), three
-    // for each of the ten K-quant-era block formats.
-    assert_eq!(seen.len(), 33 + 3 * 10, "kernels: {seen:?}");
+    // cache's kv_store and attention among them), three for each of the ten
+    // K-quant-era block formats, and gpt-oss's clamped SwiGLU.
+    assert_eq!(seen.len(), 33 + 3 * 10 + 1, "kernels: {seen:?}");
     // The parser sees through parameter names, spacing and macros.
     let sigs = entry_signatures(
         "extern \"C\" __global__ void a(float *x,\n   const unsigned long long* d, int n) {}\n\

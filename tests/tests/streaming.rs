@@ -753,6 +753,8 @@ fn moe_layers_stream_only_their_routed_experts_bit_identical_to_resident() {
         fixture("tiny-qwen3moe"),
         fixture("tiny-mixtral.gguf"),
         fixture("tiny-qwen3moe-mixed"),
+        fixture("tiny-gptoss"),
+        fixture("tiny-gptoss-mxfp4.gguf"),
     ] {
         for codec in ["none", "zstd:1"] {
             let name = format!("{} {codec}", src.file_name().unwrap().to_string_lossy());

@@ -429,18 +429,32 @@ pub trait Backend: Send + Sync {
         step: &AttnStep<'_>,
     );
     /// Causal grouped-query attention of each span's new queries over its cached keys.
+    /// `sinks` (f32, one per query head; gpt-oss) joins each softmax as a logit of its own
+    /// whose weight is then dropped: out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) +
+    /// e^(sink - m)), m the largest of the scores and the sink.
     fn attention(
         &self,
         q: &Self::Mem,
         cache_k: &Self::Mem,
         cache_v: &Self::Mem,
         step: &AttnStep<'_>,
+        sinks: Option<WeightRef<'_, Self::Mem>>,
         out: &mut Self::Mem,
     );
     /// gate = silu(gate) * up, n elements.
     fn silu_mul(&self, gate: &mut Self::Mem, up: &Self::Mem, n: usize);
     /// gate = gelu_tanh(gate) * up, n elements (GeGLU, GELU's tanh approximation).
     fn gelu_mul(&self, gate: &mut Self::Mem, up: &Self::Mem, n: usize);
+    /// gpt-oss's clamped SwiGLU, n elements: g = min(gate, limit), u = clamp(up, -limit,
+    /// limit), gate = (u + 1) * g * sigmoid(alpha * g).
+    fn swiglu_clamp_mul(
+        &self,
+        gate: &mut Self::Mem,
+        up: &Self::Mem,
+        n: usize,
+        alpha: f32,
+        limit: f32,
+    );
     /// x *= s, n elements.
     fn scale(&self, x: &mut Self::Mem, s: f32, n: usize);
     /// x += y, n elements.

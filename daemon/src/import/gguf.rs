@@ -3,7 +3,9 @@
 
 use super::{end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor};
 use crate::dtype::{ggml_type_name, DType};
-use crate::store::arch::{every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling};
+use crate::store::arch::{
+    every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling, SwigluClamp,
+};
 use crate::store::format::{GgufVocab, SpecialTokens, TokenizerSpec};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -463,6 +465,13 @@ fn canonical_name(gguf: &str, arch: Arch) -> Option<String> {
             let (layer, tail) = rest.split_once('.')?;
             let layer: u32 = layer.parse().ok()?;
             let hf = match tail {
+                // gpt-oss's norm before its mixture (transformers' post_attention_layernorm).
+                "post_attention_norm.weight" if arch == Arch::GptOss => {
+                    format!("{}.weight", r.ffn_norm)
+                }
+                "attn_output.bias" if r.o_bias => "self_attn.o_proj.bias".into(),
+                "attn_sinks.weight" if r.attn_sinks => "self_attn.sinks".into(),
+                "ffn_gate_inp.bias" if r.moe_bias => "mlp.gate.bias".into(),
                 "attn_norm.weight" => format!("{}.weight", r.attn_norm),
                 "ffn_norm.weight" => format!("{}.weight", r.ffn_norm),
                 "post_attention_norm.weight" => format!("{}.weight", r.post_attn_norm?),
@@ -505,16 +514,20 @@ fn canonical_name(gguf: &str, arch: Arch) -> Option<String> {
 }
 
 /// A layer's experts merged in one tensor (`blk.N.ffn_{gate,up,down}_exps.weight`, dims
-/// [cols, rows, experts]): (layer, the projection's store name).
+/// [cols, rows, experts], and gpt-oss's `.bias`, dims [rows, experts]): (layer, the
+/// part's store name after the expert index).
 fn merged_experts(gguf: &str) -> Option<(u32, &'static str)> {
     let (layer, tail) = gguf.strip_prefix("blk.")?.split_once('.')?;
-    let proj = match tail {
-        "ffn_gate_exps.weight" => "gate_proj",
-        "ffn_up_exps.weight" => "up_proj",
-        "ffn_down_exps.weight" => "down_proj",
+    let part = match tail {
+        "ffn_gate_exps.weight" => "gate_proj.weight",
+        "ffn_up_exps.weight" => "up_proj.weight",
+        "ffn_down_exps.weight" => "down_proj.weight",
+        "ffn_gate_exps.bias" => "gate_proj.bias",
+        "ffn_up_exps.bias" => "up_proj.bias",
+        "ffn_down_exps.bias" => "down_proj.bias",
         _ => return None,
     };
-    Some((layer.parse().ok()?, proj))
+    Some((layer.parse().ok()?, part))
 }
 
 pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
@@ -536,7 +549,8 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         "qwen3" => (Arch::Qwen3, false),
         "gemma3" => (Arch::Gemma3, false),
         "qwen3moe" => (Arch::Qwen3Moe, false),
-        other => return Err(ImportError::unsupported(path, format!("architecture {other:?}; sluice supports llama (Llama 2/3, Mistral, Mixtral, SmolLM2), qwen2, qwen3, gemma3 and qwen3moe"))),
+        "gpt-oss" => (Arch::GptOss, false),
+        other => return Err(ImportError::unsupported(path, format!("architecture {other:?}; sluice supports llama (Llama 2/3, Mistral, Mixtral, SmolLM2), qwen2, qwen3, gemma3, qwen3moe and gpt-oss"))),
     };
     let p = arch_name;
     let n_heads = meta.u32(&format!("{p}.attention.head_count"))?;
@@ -641,17 +655,18 @@ fn map_tensors(
             );
             continue;
         }
-        if let Some((layer, proj)) = merged_experts(&t.name) {
-            // [experts, rows, cols]: each expert's matrix is whole rows of whole blocks, one
-            // after the other, so each is a byte range of its own.
-            let (n, rows, cols) = match shape[..] {
-                [n, rows, cols] if n > 0 => (n, rows, cols),
+        if let Some((layer, part)) = merged_experts(&t.name) {
+            // [experts, rows, cols] (a bias: [experts, rows]): each expert's matrix is whole
+            // rows of whole blocks, one after the other, so each is a byte range of its own.
+            let (n, each) = match (&shape[..], part.ends_with(".bias")) {
+                (&[n, rows, cols], false) if n > 0 => (n, vec![rows, cols]),
+                (&[n, rows], true) if n > 0 => (n, vec![rows]),
                 _ => {
                     return Err(ImportError::malformed(
                         path,
                         None,
                         format!(
-                            "tensor {}: dims {:?} are not [cols, rows, experts]",
+                            "tensor {}: dims {:?} are not [cols, rows, experts] ([rows, experts] for a bias)",
                             t.name, t.dims
                         ),
                     ))
@@ -659,17 +674,18 @@ fn map_tensors(
             };
             let piece = len / n;
             for e in 0..n {
-                let name = format!("model.layers.{layer}.mlp.experts.{e}.{proj}.weight");
+                let name = format!("model.layers.{layer}.mlp.experts.{e}.{part}");
                 let st = SourceTensor {
                     dtype,
-                    shape: vec![rows, cols],
+                    shape: each.clone(),
                     file: 0,
                     offset: offset + e * piece,
                     len: piece,
                     unpermute_heads: None,
                     synthetic_seed: None,
                     synthetic_row_skew: None,
-                    plus_one_from: None,
+                    widen: None,
+                    strided: None,
                 };
                 if tensors.insert(name, st).is_some() {
                     return Err(ImportError::malformed(
@@ -719,7 +735,8 @@ fn map_tensors(
                     unpermute_heads,
                     synthetic_seed: None,
                     synthetic_row_skew: None,
-                    plus_one_from: None,
+                    widen: None,
+                    strided: None,
                 },
             )
             .is_some()
@@ -759,11 +776,39 @@ fn arch_config(
                 .f32_opt(&format!("{p}.rope.scaling.factor"))?
                 .unwrap_or(1.0),
         }),
+        // As llama.cpp runs it (llama_context, ggml's rope_yarn): correction dims rounded
+        // outward (GGUF has no `truncate`), the magnitude 1 + 0.1 ln(factor) times
+        // `rope.scaling.attn_factor`.
+        (None, Some("yarn")) => {
+            let key = |k: &str| format!("{p}.rope.scaling.{k}");
+            let factor = meta.f32_opt(&key("factor"))?.unwrap_or(1.0);
+            if meta.f32_opt(&key("yarn_log_multiplier"))?.unwrap_or(0.0) != 0.0 {
+                return Err(ImportError::unsupported(
+                    path,
+                    "YaRN with a log multiplier (DeepSeek's mscale_all_dim) is not supported",
+                ));
+            }
+            let mscale = if factor <= 1.0 {
+                1.0
+            } else {
+                1.0 + 0.1 * factor.ln()
+            };
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position: meta
+                    .u32_opt(&key("original_context_length"))?
+                    .unwrap_or(4096),
+                beta_fast: meta.f32_opt(&key("yarn_beta_fast"))?.unwrap_or(32.0),
+                beta_slow: meta.f32_opt(&key("yarn_beta_slow"))?.unwrap_or(1.0),
+                attention_factor: mscale * meta.f32_opt(&key("attn_factor"))?.unwrap_or(1.0),
+                truncate: true,
+            })
+        }
         (None, None | Some("none")) => None,
         (None, Some(other)) => {
             return Err(ImportError::unsupported(
                 path,
-                format!("rope scaling type {other:?}; sluice supports linear and llama3"),
+                format!("rope scaling type {other:?}; sluice supports linear, llama3 and yarn"),
             ))
         }
     };
@@ -797,7 +842,7 @@ fn arch_config(
         moe: match arch {
             // As llama.cpp reads them (src/models/qwen3moe.cpp, llama.cpp's llama graph):
             // every layer a mixture, softmax gating, the top k renormalized.
-            Arch::Qwen3Moe | Arch::Mixtral => Some(MoeConfig {
+            Arch::Qwen3Moe | Arch::Mixtral | Arch::GptOss => Some(MoeConfig {
                 n_experts: meta.u32(&format!("{p}.expert_count"))?,
                 top_k: meta.u32(&format!("{p}.expert_used_count"))?,
                 intermediate: match meta.u32_opt(&format!("{p}.expert_feed_forward_length"))? {
@@ -809,8 +854,19 @@ fn arch_config(
             }),
             _ => None,
         },
+        swiglu: None,
     };
     let mut arch_cfg = arch_cfg;
+    if arch == Arch::GptOss {
+        // As llama.cpp reads gpt-oss (src/models/openai-moe.cpp): sliding-window layers
+        // and full ones alternating from layer 0 (swa pattern 2), the clamped SwiGLU with
+        // alpha 1.702 and limit 7 (llama-graph's SWIGLU_OAI_MOE).
+        arch_cfg.ext.sliding_layers = (0..arch_cfg.n_layers).step_by(2).collect();
+        arch_cfg.swiglu = Some(SwigluClamp {
+            alpha: 1.702,
+            limit: 7.0,
+        });
+    }
     if arch == Arch::Gemma3 {
         // As llama.cpp reads a Gemma 3 GGUF (src/models/gemma3.cpp): five sliding-window
         // layers to one global (or the file's pattern), the sliding ones with RoPE base

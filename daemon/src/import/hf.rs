@@ -2,9 +2,14 @@
 //! model.safetensors.index.json when sharded), tokenizer.json, tokenizer_config.json (chat
 //! template, special tokens) and generation_config.json (end tokens).
 
-use super::{end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor};
+use super::{
+    end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor, Strided,
+    Widen,
+};
 use crate::dtype::DType;
-use crate::store::arch::{every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling};
+use crate::store::arch::{
+    every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling, SwigluClamp,
+};
 use crate::store::format::{SpecialTokens, TokenizerSpec};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -130,14 +135,16 @@ pub fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportErro
         "gemma3" | "gemma3_text" => Arch::Gemma3,
         "qwen3_moe" => Arch::Qwen3Moe,
         "mixtral" => Arch::Mixtral,
+        "gpt_oss" => Arch::GptOss,
         other => {
             return Err(ImportError::unsupported(
                 &path,
-                format!("model_type {other:?}; sluice supports llama, mistral, qwen2, qwen3, gemma3 (gemma3_text), qwen3_moe and mixtral"),
+                format!("model_type {other:?}; sluice supports llama, mistral, qwen2, qwen3, gemma3 (gemma3_text), qwen3_moe, mixtral and gpt_oss"),
             ))
         }
     };
     let gemma = arch == Arch::Gemma3;
+    let oss = arch == Arch::GptOss;
     if gemma {
         for key in ["final_logit_softcapping", "attn_logit_softcapping"] {
             if let Some(x) = c.f32_opt(key)? {
@@ -178,14 +185,17 @@ pub fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportErro
         Some(r) => Some(r),
         None => v.get("rope_scaling"),
     };
-    let rope_scaling = rope_scaling(scaling, &path)?;
+    let max_context = c.u32_opt("max_position_embeddings")?.unwrap_or(4096);
+    let rope_scaling = rope_scaling(scaling, max_context, &path)?;
     let sliding_window = match arch {
-        Arch::Mistral | Arch::Gemma3 | Arch::Mixtral => c.u32_opt("sliding_window")?,
+        Arch::Mistral | Arch::Gemma3 | Arch::Mixtral | Arch::GptOss => {
+            c.u32_opt("sliding_window")?
+        }
         _ => None,
     };
     let moe = moe_config(arch, &c, n_layers)?;
     let sliding_layers = match v.get("layer_types").and_then(Value::as_array) {
-        Some(types) if gemma => {
+        Some(types) if gemma || oss => {
             if types.len() != n_layers as usize {
                 return Err(ImportError::malformed(
                     &path,
@@ -201,6 +211,8 @@ pub fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportErro
                 .collect()
         }
         _ if gemma => every_but_nth(n_layers, c.u32_opt("sliding_window_pattern")?.unwrap_or(6)),
+        // transformers' default for gpt-oss: sliding, full, sliding, ...
+        _ if oss => (0..n_layers).step_by(2).collect(),
         _ => Vec::new(),
     };
     let ext = if gemma {
@@ -211,7 +223,10 @@ pub fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportErro
         let scalar = c.f32_opt("query_pre_attn_scalar")?.unwrap_or(256.0) as f64;
         ArchExt::gemma3(hidden, scalar, sliding_layers, local)
     } else {
-        ArchExt::default()
+        ArchExt {
+            sliding_layers,
+            ..ArchExt::default()
+        }
     };
     let cfg = ArchConfig {
         arch,
@@ -229,16 +244,30 @@ pub fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportErro
             .unwrap_or(hidden.checked_div(n_heads).unwrap_or(0)),
         intermediate: c.u32("intermediate_size")?,
         vocab: c.u32("vocab_size")?,
-        max_context: c.u32_opt("max_position_embeddings")?.unwrap_or(4096),
+        max_context,
         rope_theta,
         rope_scaling,
         rms_eps: c.f32_opt("rms_norm_eps")?.unwrap_or(1e-6),
         tied_embeddings: c.bool_opt("tie_word_embeddings")?.unwrap_or(gemma),
-        qkv_bias: arch == Arch::Qwen2 || c.bool_opt("attention_bias")?.unwrap_or(false),
+        qkv_bias: arch == Arch::Qwen2 || c.bool_opt("attention_bias")?.unwrap_or(oss),
         sliding_window,
         ext,
         moe,
+        swiglu: if oss {
+            Some(SwigluClamp {
+                alpha: c.f32_opt("swiglu_alpha")?.unwrap_or(1.702),
+                limit: c.f32_opt("swiglu_limit")?.unwrap_or(7.0),
+            })
+        } else {
+            None
+        },
     };
+    if oss && !cfg.qkv_bias {
+        return Err(ImportError::unsupported(
+            &path,
+            "attention_bias false: sluice reads gpt-oss with its attention biases",
+        ));
+    }
     cfg.validate()
         .map_err(|e| ImportError::malformed(&path, None, e))?;
     Ok(cfg)
@@ -296,6 +325,14 @@ fn moe_config(arch: Arch, c: &Config<'_>, n_layers: u32) -> Result<Option<MoeCon
                 dense_layers,
             }))
         }
+        // Top-k logits then softmax (the recipe's gating): always normalized over the k.
+        Arch::GptOss => Ok(Some(MoeConfig {
+            n_experts: experts()?,
+            top_k: c.u32_opt("num_experts_per_tok")?.unwrap_or(4),
+            intermediate: c.u32("intermediate_size")?,
+            norm_topk_prob: true,
+            dense_layers: Vec::new(),
+        })),
         Arch::Mixtral => Ok(Some(MoeConfig {
             n_experts: experts()?,
             top_k: c.u32_opt("num_experts_per_tok")?.unwrap_or(2),
@@ -307,8 +344,13 @@ fn moe_config(arch: Arch, c: &Config<'_>, n_layers: u32) -> Result<Option<MoeCon
     }
 }
 
-/// A `rope_scaling` (or transformers 5 `rope_parameters`) object.
-fn rope_scaling(rs: Option<&Value>, path: &Path) -> Result<Option<RopeScaling>, ImportError> {
+/// A `rope_scaling` (or transformers 5 `rope_parameters`) object; `max_context` is the
+/// config's `max_position_embeddings`.
+fn rope_scaling(
+    rs: Option<&Value>,
+    max_context: u32,
+    path: &Path,
+) -> Result<Option<RopeScaling>, ImportError> {
     let rs = match rs {
         None | Some(Value::Null) => return Ok(None),
         Some(rs) => rs,
@@ -332,10 +374,48 @@ fn rope_scaling(rs: Option<&Value>, path: &Path) -> Result<Option<RopeScaling>, 
                 .u32_opt("original_max_position_embeddings")?
                 .unwrap_or(8192),
         }),
+        // As transformers' `_compute_yarn_parameters`.
+        "yarn" => {
+            let original = match rc.u32_opt("original_max_position_embeddings")? {
+                Some(o) => o,
+                None => max_context,
+            };
+            let factor = match rc.f32_opt("factor")? {
+                Some(f) => f,
+                None => max_context as f32 / original.max(1) as f32,
+            };
+            let mscale = |m: f32| {
+                if factor <= 1.0 {
+                    1.0
+                } else {
+                    0.1 * m * factor.ln() + 1.0
+                }
+            };
+            let attention_factor = match (
+                rc.f32_opt("attention_factor")?,
+                rc.f32_opt("mscale")?,
+                rc.f32_opt("mscale_all_dim")?,
+            ) {
+                (Some(a), _, _) => a,
+                (None, Some(m), Some(all)) if m != 0.0 && all != 0.0 => mscale(m) / mscale(all),
+                _ => mscale(1.0),
+            };
+            let beta = |key: &str, default: f32| -> Result<f32, ImportError> {
+                Ok(rc.f32_opt(key)?.filter(|&b| b != 0.0).unwrap_or(default))
+            };
+            Some(RopeScaling::Yarn {
+                factor,
+                original_max_position: original,
+                beta_fast: beta("beta_fast", 32.0)?,
+                beta_slow: beta("beta_slow", 1.0)?,
+                attention_factor,
+                truncate: rc.bool_opt("truncate")?.unwrap_or(true),
+            })
+        }
         other => {
             return Err(ImportError::unsupported(
                 path,
-                format!("rope_scaling type {other:?}; sluice supports linear and llama3"),
+                format!("rope_scaling type {other:?}; sluice supports linear, llama3 and yarn"),
             ))
         }
     })
@@ -392,6 +472,9 @@ fn expert_tensors(
         return Ok(vec![(name, t)]);
     };
     let p = format!("model.layers.{layer}");
+    if cfg.arch == Arch::GptOss {
+        return gpt_oss_tensors(cfg, &p, rest, name.clone(), t, path);
+    }
     if let Some(rest) = rest.strip_prefix("block_sparse_moe.") {
         let renamed = match rest
             .strip_prefix("experts.")
@@ -425,7 +508,7 @@ fn expert_tensors(
     } else {
         vec![n, h, mi]
     };
-    if t.shape != want || t.plus_one_from.is_some() {
+    if t.shape != want || t.widen.is_some() {
         return Err(ImportError::unsupported(
             path,
             format!(
@@ -451,6 +534,99 @@ fn expert_tensors(
                     shape,
                     offset: t.offset + (e * fused + k as u64) * piece,
                     len: piece,
+                    ..t.clone()
+                },
+            ));
+        }
+    }
+    Ok(out)
+}
+
+/// gpt-oss's mixture under the store's names (`p` is the layer's prefix, `rest` the name
+/// after it): `mlp.router` renamed `mlp.gate`; the fused experts (transformers'
+/// `GptOssExperts`, input-major: `gate_up_proj` [experts, hidden, 2 x intermediate] with
+/// gate and up in alternate columns, `down_proj` [experts, intermediate, hidden], and their
+/// biases [experts, 2 x intermediate] and [experts, hidden]) cut into each expert's
+/// gate/up/down weights and biases in the store's output-major layout (`Strided`). (The
+/// MXFP4 checkpoints OpenAI publishes, `*_blocks` and `*_scales`, are refused before.)
+fn gpt_oss_tensors(
+    cfg: &ArchConfig,
+    p: &str,
+    rest: &str,
+    name: String,
+    t: SourceTensor,
+    path: &Path,
+) -> Result<Vec<(String, SourceTensor)>, ImportError> {
+    if let Some(r) = rest.strip_prefix("mlp.router.") {
+        return Ok(vec![(format!("{p}.mlp.gate.{r}"), t)]);
+    }
+    let Some(what) = rest.strip_prefix("mlp.experts.") else {
+        return Ok(vec![(name, t)]);
+    };
+    let Some(moe) = &cfg.moe else {
+        return Ok(vec![(name, t)]);
+    };
+    let (n, mi, h) = (
+        moe.n_experts as u64,
+        moe.intermediate as u64,
+        cfg.hidden as u64,
+    );
+    // (source shape, per expert: (store name, start column, step, output shape)).
+    type Piece = (&'static str, u64, u64, Vec<u64>);
+    let (want, pieces): (Vec<u64>, Vec<Piece>) = match what {
+        "gate_up_proj" => (
+            vec![n, h, 2 * mi],
+            vec![
+                ("gate_proj.weight", 0, 2, vec![mi, h]),
+                ("up_proj.weight", 1, 2, vec![mi, h]),
+            ],
+        ),
+        "gate_up_proj_bias" => (
+            vec![n, 2 * mi],
+            vec![
+                ("gate_proj.bias", 0, 2, vec![mi]),
+                ("up_proj.bias", 1, 2, vec![mi]),
+            ],
+        ),
+        "down_proj" => (
+            vec![n, mi, h],
+            vec![("down_proj.weight", 0, 1, vec![h, mi])],
+        ),
+        "down_proj_bias" => (vec![n, h], vec![("down_proj.bias", 0, 1, vec![h])]),
+        _ => return Ok(vec![(name, t)]),
+    };
+    if t.shape != want || !matches!(t.dtype, DType::F32 | DType::F16 | DType::BF16) {
+        return Err(ImportError::unsupported(
+            path,
+            format!(
+                "{name} is {} {:?}; sluice reads gpt-oss's fused experts as f32, f16 or bf16 {want:?} ({n} experts of {mi} rows, hidden {h})",
+                t.dtype, t.shape
+            ),
+        ));
+    }
+    let es = t.dtype.block_bytes();
+    // Each expert's slab of the source: [hidden, 2 x mi], [mi, hidden], or one row.
+    let (src_rows, src_cols) = match want.len() {
+        3 => (want[1], want[2]),
+        _ => (1, want[1]),
+    };
+    let slab = src_rows * src_cols * es;
+    let mut out = Vec::with_capacity((n as usize) * pieces.len());
+    for e in 0..n {
+        for (part, start, step, shape) in &pieces {
+            let elems: u64 = shape.iter().product();
+            out.push((
+                format!("{p}.mlp.experts.{e}.{part}"),
+                SourceTensor {
+                    shape: shape.clone(),
+                    offset: t.offset + e * slab,
+                    len: elems * es,
+                    strided: Some(Strided {
+                        src_rows,
+                        src_cols,
+                        start: *start,
+                        step: *step,
+                    }),
                     ..t.clone()
                 },
             ));
@@ -608,6 +784,16 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                 if arch.tied_embeddings && name == "lm_head.weight" {
                     continue; // some checkpoints store the tied head anyway
                 }
+                if arch.arch == Arch::GptOss
+                    && (name.ends_with("_blocks") || name.ends_with("_scales"))
+                {
+                    return Err(ImportError::unsupported(
+                        &path,
+                        format!(
+                            "{name}: this is gpt-oss's MXFP4 checkpoint, which sluice does not import from safetensors; convert it with llama.cpp's convert_hf_to_gguf.py (it keeps the experts in MXFP4) and pack the GGUF"
+                        ),
+                    ));
+                }
                 let dtype = match view.dtype() {
                     safetensors::Dtype::F32 => DType::F32,
                     safetensors::Dtype::F16 => DType::F16,
@@ -615,14 +801,27 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                     other => return Err(ImportError::unsupported(&path, format!("tensor {name} has dtype {other:?}; sluice imports F32, F16 and BF16 safetensors"))),
                 };
                 let data = view.data();
-                // Gemma's norms are applied as x * (1 + w): store 1 + w (see SourceTensor).
-                let plus_one = arch.arch == Arch::Gemma3 && is_norm(&name);
+                // Gemma's norms are applied as x * (1 + w): store 1 + w; gpt-oss's sinks
+                // are read as f32 (see `Widen`).
+                let widen = if arch.arch == Arch::Gemma3 && is_norm(&name) {
+                    Some(Widen {
+                        from: dtype,
+                        add: 1.0,
+                    })
+                } else if name.ends_with(".self_attn.sinks") && dtype != DType::F32 {
+                    Some(Widen {
+                        from: dtype,
+                        add: 0.0,
+                    })
+                } else {
+                    None
+                };
                 let t = SourceTensor {
-                    dtype: if plus_one { DType::F32 } else { dtype },
+                    dtype: if widen.is_some() { DType::F32 } else { dtype },
                     shape: view.shape().iter().map(|&d| d as u64).collect(),
                     file: fi,
                     offset: (data.as_ptr() as usize - base) as u64,
-                    len: if plus_one {
+                    len: if widen.is_some() {
                         data.len() as u64 / dtype.block_bytes() * 4
                     } else {
                         data.len() as u64
@@ -630,7 +829,8 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                     unpermute_heads: None,
                     synthetic_seed: None,
                     synthetic_row_skew: None,
-                    plus_one_from: plus_one.then_some(dtype),
+                    widen,
+                    strided: None,
                 };
                 for (name, t) in expert_tensors(&arch, name, t, &path)? {
                     if tensors.insert(name.clone(), t).is_some() {

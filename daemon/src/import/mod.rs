@@ -74,11 +74,33 @@ pub struct SourceTensor {
     /// A generated matrix whose row r is scaled by (r + 1)^-s (`sluiced synth --moe`'s
     /// router: a skewed expert popularity).
     pub synthetic_row_skew: Option<f32>,
-    /// Stored as 1 + w in f32, from a source of this dtype (Gemma's norms in a Hugging
-    /// Face checkpoint, which transformers applies as x * (1 + w) in f32; llama.cpp's
-    /// converter writes 1 + w into the GGUF the same way). `dtype` and `len` are then
-    /// the f32 result's.
-    pub plus_one_from: Option<DType>,
+    /// Stored in f32 from a source of another dtype, plus a constant (`Widen`). `dtype`
+    /// and `len` are then the f32 result's.
+    pub widen: Option<Widen>,
+    /// Taken out of a larger matrix with a stride (`Strided`): `offset` is that matrix's.
+    pub strided: Option<Strided>,
+}
+
+/// A vector or matrix stored as `add` + w in f32, from a source of dtype `from`: Gemma's
+/// norms in a Hugging Face checkpoint (add 1: transformers applies them as x * (1 + w) in
+/// f32; llama.cpp's converter writes 1 + w into the GGUF the same way), gpt-oss's
+/// attention sinks (add 0: the backends read them as f32).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Widen {
+    pub from: DType,
+    pub add: f32,
+}
+
+/// A tensor of shape [R, C] taken from a row-major source matrix of `src_rows` = C rows
+/// and `src_cols` columns (16- or 32-bit elements): out[r][c] = src[c][start + r * step].
+/// A transpose (step 1), or every other column transposed (step 2: gpt-oss's interleaved
+/// gate and up projections, stored input-major as [hidden, 2 x intermediate]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Strided {
+    pub src_rows: u64,
+    pub src_cols: u64,
+    pub start: u64,
+    pub step: u64,
 }
 
 pub struct ImportedModel {
@@ -144,12 +166,14 @@ pub(crate) fn mmap_file(path: &Path) -> Result<Mmap, ImportError> {
 }
 
 impl ImportedModel {
-    /// The raw source bytes of a tensor (before any row un-permutation).
+    /// The raw source bytes of a tensor (before any row un-permutation; the whole source
+    /// matrix of a strided one).
     pub fn source_bytes(&self, t: &SourceTensor) -> &[u8] {
         let map = &self.files[t.file].1;
-        let len = match t.plus_one_from {
-            Some(from) => t.len / 4 * from.block_bytes(),
-            None => t.len,
+        let len = match (t.widen, t.strided) {
+            (_, Some(s)) => s.src_rows * s.src_cols * t.dtype.block_bytes(),
+            (Some(w), None) => t.len / 4 * w.from.block_bytes(),
+            (None, None) => t.len,
         };
         &map[t.offset as usize..(t.offset + len) as usize]
     }
@@ -164,7 +188,19 @@ impl ImportedModel {
             return;
         }
         let src = self.source_bytes(t);
-        if let Some(from) = t.plus_one_from {
+        if let Some(s) = t.strided {
+            let es = t.dtype.block_bytes() as usize;
+            let (c_n, cols) = (s.src_rows as usize, s.src_cols as usize);
+            for (r, row) in dst.chunks_exact_mut(c_n * es).enumerate() {
+                let col = s.start as usize + r * s.step as usize;
+                for (c, o) in row.chunks_exact_mut(es).enumerate() {
+                    let at = (c * cols + col) * es;
+                    o.copy_from_slice(&src[at..at + es]);
+                }
+            }
+            return;
+        }
+        if let Some(Widen { from, add }) = t.widen {
             let w = from.block_bytes() as usize;
             for (o, c) in dst.chunks_exact_mut(4).zip(src.chunks_exact(w)) {
                 let v = match from {
@@ -172,7 +208,7 @@ impl ImportedModel {
                     DType::BF16 => half::bf16::from_le_bytes([c[0], c[1]]).to_f32(),
                     _ => f32::from_le_bytes([c[0], c[1], c[2], c[3]]),
                 };
-                o.copy_from_slice(&(1.0 + v).to_le_bytes());
+                o.copy_from_slice(&(add + v).to_le_bytes());
             }
             return;
         }

@@ -212,7 +212,8 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
                 unpermute_heads: None,
                 synthetic_seed: Some(seed),
                 synthetic_row_skew: skew,
-                plus_one_from: None,
+                widen: None,
+                strided: None,
             },
         );
     };
@@ -308,6 +309,7 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
                 norm_topk_prob: true,
                 dense_layers: Vec::new(),
             }),
+            swiglu: None,
         },
         tokenizer: TokenizerSpec::Gguf(GgufVocab {
             model: "llama".into(),

@@ -52,6 +52,9 @@ struct LayerTensors {
     /// Per-head norms of q and k.
     qk_norm: Option<[TensorLoc; 2]>,
     o: TensorLoc,
+    o_bias: Option<TensorLoc>,
+    /// Per-head attention sink logits (f32).
+    sinks: Option<TensorLoc>,
     post_attn_norm: Option<TensorLoc>,
     ffn_norm: TensorLoc,
     ffn: Ffn,
@@ -73,8 +76,30 @@ enum Ffn {
     },
     Moe {
         router: TensorLoc,
-        experts: Vec<[TensorLoc; 3]>,
+        router_bias: Option<TensorLoc>,
+        experts: Vec<ExpertLocs>,
     },
+}
+
+/// One expert's gate, up and down projections, and their biases where the model has them.
+#[derive(Clone, Copy, Debug)]
+struct ExpertLocs {
+    w: [TensorLoc; 3],
+    b: Option<[TensorLoc; 3]>,
+}
+
+impl ExpertLocs {
+    /// The same tensors in bytes that start at the unit's raw offset `raw_base`.
+    fn rebased(&self, raw_base: usize) -> ExpertLocs {
+        let r = |t: TensorLoc| TensorLoc {
+            offset: t.offset - raw_base,
+            ..t
+        };
+        ExpertLocs {
+            w: self.w.map(r),
+            b: self.b.map(|b| b.map(r)),
+        }
+    }
 }
 
 /// Limits of one model instance; the memory plan derives them from config.
@@ -109,12 +134,14 @@ impl ModelOptions {
 }
 
 /// A gated MLP (a dense layer's, or one expert's) on the `rows` rows of `x`, the first
-/// `gemv_rows` of them decode rows: out = down(act(gate(x)) * up(x)), through `g` and `u`.
+/// `gemv_rows` of them decode rows: out = down(act(gate(x)) * up(x)), through `g` and `u`
+/// (each projection with its bias where it has one).
 fn gated_mlp<B: Backend>(
     b: &B,
     c: &ArchConfig,
     (x, rows, gemv_rows): (&B::Mem, usize, usize),
     [gate, up, down]: [WeightRef<'_, B::Mem>; 3],
+    bias: Option<[WeightRef<'_, B::Mem>; 3]>,
     (g, u): (&mut B::Mem, &mut B::Mem),
     out: &mut B::Mem,
 ) {
@@ -126,21 +153,25 @@ fn gated_mlp<B: Backend>(
         &mut [
             MatmulOut {
                 w: gate,
-                bias: None,
+                bias: bias.map(|b| b[0]),
                 out: g,
             },
             MatmulOut {
                 w: up,
-                bias: None,
+                bias: bias.map(|b| b[1]),
                 out: u,
             },
         ],
     );
-    match c.arch.recipe().activation {
-        Activation::Silu => b.silu_mul(g, u, n),
-        Activation::GeluTanh => b.gelu_mul(g, u, n),
+    match (c.arch.recipe().activation, c.swiglu) {
+        (Activation::Silu, _) => b.silu_mul(g, u, n),
+        (Activation::GeluTanh, _) => b.gelu_mul(g, u, n),
+        (Activation::SwigluClamp, Some(k)) => b.swiglu_clamp_mul(g, u, n, k.alpha, k.limit),
+        (Activation::SwigluClamp, None) => {
+            unreachable!("validated: a clamped SwiGLU has its constants")
+        }
     }
-    b.matmul(g, rows, gemv_rows, down, None, out);
+    b.matmul(g, rows, gemv_rows, down, bias.map(|b| b[2]), out);
 }
 
 /// One sequence's part of a step.
@@ -402,6 +433,18 @@ impl<B: Backend> Decoder<B> {
                     .transpose()
             };
             let cache = caches[i];
+            let sinks = if names.attn_sinks {
+                let t = loc(u, &format!("{p}.self_attn.sinks"), 1, c.n_heads as u64)?;
+                if t.dtype != DType::F32 {
+                    return Err(ModelError::Layout(format!(
+                        "{p}.self_attn.sinks is {}, expected f32 (repack the model)",
+                        t.dtype
+                    )));
+                }
+                Some(t)
+            } else {
+                None
+            };
             layers.push(LayerTensors {
                 attn_norm: loc(u, &format!("{p}.{}.weight", names.attn_norm), 1, h)?,
                 q: loc(u, &format!("{p}.self_attn.q_proj.weight"), q, h)?,
@@ -410,21 +453,46 @@ impl<B: Backend> Decoder<B> {
                 qkv_bias,
                 qk_norm,
                 o: loc(u, &format!("{p}.self_attn.o_proj.weight"), h, q)?,
+                o_bias: if names.o_bias {
+                    Some(loc(u, &format!("{p}.self_attn.o_proj.bias"), 1, h)?)
+                } else {
+                    None
+                },
+                sinks,
                 post_attn_norm: post(names.post_attn_norm)?,
                 ffn_norm: loc(u, &format!("{p}.{}.weight", names.ffn_norm), 1, h)?,
                 ffn: match c.moe.as_ref().filter(|_| c.is_sparse(i as u32)) {
                     Some(m) => {
                         let (n, mi) = (m.n_experts as u64, m.intermediate as u64);
-                        let expert = |e: u64| -> Result<[TensorLoc; 3], ModelError> {
+                        let expert = |e: u64| -> Result<ExpertLocs, ModelError> {
                             let x = format!("{p}.mlp.experts.{e}");
-                            Ok([
-                                loc(u, &format!("{x}.gate_proj.weight"), mi, h)?,
-                                loc(u, &format!("{x}.up_proj.weight"), mi, h)?,
-                                loc(u, &format!("{x}.down_proj.weight"), h, mi)?,
-                            ])
+                            let bias = |proj: &str, rows: u64| {
+                                loc(u, &format!("{x}.{proj}.bias"), 1, rows)
+                            };
+                            Ok(ExpertLocs {
+                                w: [
+                                    loc(u, &format!("{x}.gate_proj.weight"), mi, h)?,
+                                    loc(u, &format!("{x}.up_proj.weight"), mi, h)?,
+                                    loc(u, &format!("{x}.down_proj.weight"), h, mi)?,
+                                ],
+                                b: if names.moe_bias {
+                                    Some([
+                                        bias("gate_proj", mi)?,
+                                        bias("up_proj", mi)?,
+                                        bias("down_proj", h)?,
+                                    ])
+                                } else {
+                                    None
+                                },
+                            })
                         };
                         Ffn::Moe {
                             router: loc(u, &format!("{p}.mlp.gate.weight"), n, h)?,
+                            router_bias: if names.moe_bias {
+                                Some(loc(u, &format!("{p}.mlp.gate.bias"), 1, n)?)
+                            } else {
+                                None
+                            },
                             experts: (0..n).map(expert).collect::<Result<_, _>>()?,
                         }
                     }
@@ -698,6 +766,7 @@ impl<B: Backend> Decoder<B> {
                 &self.cfg,
                 (&ws.xn, self.rows, self.gemv_rows),
                 [gate, up, down].map(|t| t.at(mem)),
+                None,
                 (&mut ws.gate, &mut ws.up),
                 &mut ws.proj,
             );
@@ -760,13 +829,20 @@ impl<B: Backend> Decoder<B> {
             cache: l.cache,
         };
         b.kv_store(&ws.k, &ws.v, &mut self.cache_k, &mut self.cache_v, &step);
-        b.attention(&ws.q, &self.cache_k, &self.cache_v, &step, &mut ws.attn);
+        b.attention(
+            &ws.q,
+            &self.cache_k,
+            &self.cache_v,
+            &step,
+            l.sinks.map(|t| t.at(mem)),
+            &mut ws.attn,
+        );
         b.matmul(
             &ws.attn,
             rows,
             self.gemv_rows,
             l.o.at(mem),
-            None,
+            l.o_bias.map(|t| t.at(mem)),
             &mut ws.proj,
         );
         residual(
@@ -801,7 +877,12 @@ impl<B: Backend> Decoder<B> {
     /// A mixture's layer: the router on the normed rows, the step's routing (grouped by
     /// expert) and its statistics, and the block's output zeroed for the experts to add to.
     fn route(&mut self, b: &B, i: usize, mem: &B::Mem) {
-        let Ffn::Moe { router, .. } = &self.layers[i].ffn else {
+        let Ffn::Moe {
+            router,
+            router_bias,
+            ..
+        } = &self.layers[i].ffn
+        else {
             unreachable!("routed a dense layer")
         };
         let (rows, c, ws) = (self.rows, &self.cfg, &mut self.ws);
@@ -809,10 +890,11 @@ impl<B: Backend> Decoder<B> {
         let routes = self.routes.as_mut().expect("a mixture has its routes");
         let (logits, _, _) = ws.moe.as_mut().expect("a mixture has its workspace");
         let n = moe.n_experts as usize;
-        b.matmul(&ws.xn, rows, self.gemv_rows, router.at(mem), None, logits);
+        let bias = router_bias.map(|t| t.at(mem));
+        b.matmul(&ws.xn, rows, self.gemv_rows, router.at(mem), bias, logits);
         self.router_logits.resize(rows * n, 0.0);
         b.download_f32(logits, 0, &mut self.router_logits);
-        routes.route(moe, &self.router_logits, rows);
+        routes.route(moe, c.arch.recipe().gating, &self.router_logits, rows);
         for (e, n) in self.expert_tokens[i].iter_mut().enumerate() {
             *n += (routes.starts[e + 1] - routes.starts[e]) as u64;
         }
@@ -873,17 +955,13 @@ impl<B: Backend> Decoder<B> {
             er.partition_point(|&r| (r as usize) < self.gemv_rows),
         );
         b.gather_rows(&ws.xn, er, h, xe);
+        let x = experts[e].rebased(raw_base);
         gated_mlp(
             b,
             c,
             (xe, m, ge),
-            experts[e].map(|t| {
-                TensorLoc {
-                    offset: t.offset - raw_base,
-                    ..t
-                }
-                .at(mem)
-            }),
+            x.w.map(|t| t.at(mem)),
+            x.b.map(|b| b.map(|t| t.at(mem))),
             (&mut ws.gate, &mut ws.up),
             ye,
         );
@@ -933,7 +1011,12 @@ impl<B: Backend> Decoder<B> {
             return;
         };
         let l = &self.layers[i];
-        let Ffn::Moe { router, .. } = &l.ffn else {
+        let Ffn::Moe {
+            router,
+            router_bias,
+            ..
+        } = &l.ffn
+        else {
             return;
         };
         let (rows, c, ws) = (self.rows, &self.cfg, &mut self.ws);
@@ -947,10 +1030,11 @@ impl<B: Backend> Decoder<B> {
         };
         let n = moe.n_experts as usize;
         b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, xl);
-        b.matmul(xl, rows, self.gemv_rows, router.at(mem), None, logits);
+        let bias = router_bias.map(|t| t.at(mem));
+        b.matmul(xl, rows, self.gemv_rows, router.at(mem), bias, logits);
         self.router_logits.resize(rows * n, 0.0);
         b.download_f32(logits, 0, &mut self.router_logits);
-        routes.route(moe, &self.router_logits, rows);
+        routes.route(moe, c.arch.recipe().gating, &self.router_logits, rows);
         let ahead = &mut self.lookahead[i];
         ahead.clear();
         ahead.extend(

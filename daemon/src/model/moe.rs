@@ -7,9 +7,10 @@
 //! (`build_moe_ffn` with softmax gating): softmax over every expert in f32, the k most
 //! probable (ties to the lower expert index), renormalized to sum to 1 when the model
 //! says so; a row's output is the sum over its experts in ascending expert order of
-//! weight x expert(row), from zero.
+//! weight x expert(row), from zero. gpt-oss (`GptOssTopKRouter`, llama.cpp's
+//! `SOFTMAX_WEIGHT` gating): the k largest logits, then softmax over those k.
 
-use crate::store::arch::MoeConfig;
+use crate::store::arch::{Gating, MoeConfig};
 
 /// One step's routing, grouped by expert: expert e's rows are
 /// `rows[starts[e]..starts[e + 1]]` in ascending order, with their weights beside them.
@@ -48,12 +49,18 @@ impl Routes {
     }
 
     /// Routes `n_rows` rows of router logits (`logits`, `n_experts` per row).
-    pub fn route(&mut self, moe: &MoeConfig, logits: &[f32], n_rows: usize) {
+    pub fn route(&mut self, moe: &MoeConfig, gating: Gating, logits: &[f32], n_rows: usize) {
         let (n, k) = (moe.n_experts as usize, moe.top_k as usize);
         debug_assert!(logits.len() >= n_rows * n && (1..=n).contains(&k));
         self.chosen.clear();
         for row in logits.chunks_exact(n).take(n_rows) {
-            softmax_into(row, &mut self.probs);
+            match gating {
+                Gating::SoftmaxTopK => softmax_into(row, &mut self.probs),
+                Gating::TopKSoftmax => {
+                    self.probs.clear();
+                    self.probs.extend_from_slice(row);
+                }
+            }
             let at = self.chosen.len();
             for _ in 0..k {
                 // The most probable expert not taken yet; ties to the lower index.
@@ -67,7 +74,18 @@ impl Routes {
                 let (e, p) = best.expect("k <= experts");
                 self.chosen.push((e as u32, p));
             }
-            if moe.norm_topk_prob {
+            if gating == Gating::TopKSoftmax {
+                // Softmax over the k logits taken (descending order, as torch's topk).
+                let m = self.chosen[at].1;
+                let mut sum = 0f32;
+                for c in &mut self.chosen[at..] {
+                    c.1 = (c.1 - m).exp();
+                    sum += c.1;
+                }
+                for c in &mut self.chosen[at..] {
+                    c.1 /= sum;
+                }
+            } else if moe.norm_topk_prob {
                 // Summed in the order taken (descending), as torch sums the top-k.
                 let sum: f32 = self.chosen[at..].iter().map(|&(_, w)| w).sum();
                 for c in &mut self.chosen[at..] {
@@ -128,6 +146,34 @@ mod tests {
     }
 
     #[test]
+    fn top_k_then_softmax_weighs_the_chosen_logits_only() {
+        // gpt-oss: the same experts as softmax-then-top-k (softmax is monotonic), weights
+        // the softmax of the k chosen logits, whatever the others are.
+        let logits = [1.0, -1.0, 3.0, 0.0, 0.0, 0.5, 2.0, 4.0];
+        let m = moe(4, 2, false);
+        let mut r = Routes::with_capacity(&m, 2);
+        r.route(&m, Gating::TopKSoftmax, &logits, 2);
+        for (row, want) in [(0, [(2u32, 3.0f64), (0, 1.0)]), (1, [(3, 4.0), (2, 2.0)])] {
+            let c = r.chosen(row, 2);
+            let z: f64 = want.iter().map(|&(_, l)| l.exp()).sum();
+            for (&(e, w), &(we, l)) in c.iter().zip(&want) {
+                assert_eq!(e, we, "row {row}");
+                assert!(
+                    (w as f64 - l.exp() / z).abs() < 1e-6,
+                    "row {row} expert {e}: {w}"
+                );
+            }
+        }
+        let mut other = logits;
+        other[1] = -30.0;
+        other[4] = 1.5;
+        let mut r2 = Routes::with_capacity(&m, 2);
+        r2.route(&m, Gating::TopKSoftmax, &other, 2);
+        assert_eq!(r.chosen(0, 2), r2.chosen(0, 2));
+        assert_eq!(r.chosen(1, 2), r2.chosen(1, 2));
+    }
+
+    #[test]
     fn rows_go_to_their_top_k_experts_grouped_by_expert() {
         // Row 0 prefers experts 2 then 0; row 1 prefers 3 then 2; row 2 ties 1 and 3 for
         // the first place (the lower index is taken first).
@@ -139,7 +185,7 @@ mod tests {
         for norm in [false, true] {
             let m = moe(4, 2, norm);
             let mut r = Routes::with_capacity(&m, 3);
-            r.route(&m, &logits, 3);
+            r.route(&m, Gating::SoftmaxTopK, &logits, 3);
             let choices: Vec<Vec<u32>> = (0..3)
                 .map(|row| r.chosen(row, 2).iter().map(|c| c.0).collect())
                 .collect();
@@ -198,10 +244,10 @@ mod tests {
         ]);
         logits[24..32].fill(0.25);
         let mut all = Routes::with_capacity(&m, 5);
-        all.route(&m, &logits, 5);
+        all.route(&m, Gating::SoftmaxTopK, &logits, 5);
         for row in 0..5 {
             let mut one = Routes::with_capacity(&m, 1);
-            one.route(&m, &logits[row * 8..row * 8 + 8], 1);
+            one.route(&m, Gating::SoftmaxTopK, &logits[row * 8..row * 8 + 8], 1);
             let a: Vec<(u32, u32)> = all
                 .chosen(row, 3)
                 .iter()

@@ -3,24 +3,63 @@
 
 use crate::store::arch::{ArchConfig, RopeScaling};
 
-/// The rotary table: for position p and pair i, cos and sin of p * inv_freq[i], laid out
+/// The rotary table: for position p and pair i, cos and sin of p * inv_freq[i] (times
+/// YaRN's attention factor, where the model has one), laid out
 /// [max_context][head_dim / 2][cos, sin] in f32 (computed in f64, rounded once).
 pub fn rope_table(cfg: &ArchConfig, max_context: usize) -> Vec<f32> {
     let half = cfg.head_dim as usize / 2;
     let inv = inv_freq(cfg);
+    let m = match &cfg.rope_scaling {
+        Some(RopeScaling::Yarn {
+            attention_factor, ..
+        }) => *attention_factor as f64,
+        _ => 1.0,
+    };
     let mut t = Vec::with_capacity(max_context * half * 2);
     for p in 0..max_context {
         for f in inv.iter().take(half) {
             let a = p as f64 * *f;
-            t.push(a.cos() as f32);
-            t.push(a.sin() as f32);
+            t.push((a.cos() * m) as f32);
+            t.push((a.sin() * m) as f32);
         }
     }
     t
 }
 
+/// YaRN's inverse frequencies (transformers' `_compute_yarn_parameters`): each pair's
+/// frequency between the interpolated (divided by `factor`) and the extrapolated one, by a
+/// linear ramp over the pairs between the correction dims of `beta_fast` and `beta_slow`
+/// rotations in the original context.
+fn yarn(
+    base: &[f64],
+    theta: f64,
+    dim: f64,
+    (factor, original, beta_fast, beta_slow, truncate): (f64, f64, f64, f64, bool),
+) -> Vec<f64> {
+    let correction = |rotations: f64| {
+        dim * (original / (rotations * 2.0 * std::f64::consts::PI)).ln() / (2.0 * theta.ln())
+    };
+    let (mut lo, mut hi) = (correction(beta_fast), correction(beta_slow));
+    if truncate {
+        (lo, hi) = (lo.floor(), hi.ceil());
+    }
+    let (lo, mut hi) = (lo.max(0.0), hi.min(dim - 1.0));
+    if lo == hi {
+        hi += 0.001;
+    }
+    base.iter()
+        .enumerate()
+        .map(|(i, &f)| {
+            let ramp = ((i as f64 - lo) / (hi - lo)).clamp(0.0, 1.0);
+            let extrapolate = 1.0 - ramp;
+            f / factor * (1.0 - extrapolate) + f * extrapolate
+        })
+        .collect()
+}
+
 /// Rotary inverse frequencies with the model's scaling applied (transformers'
-/// `_compute_default_rope_parameters` and `_compute_llama3_parameters`).
+/// `_compute_default_rope_parameters`, `_compute_llama3_parameters` and
+/// `_compute_yarn_parameters`).
 pub fn inv_freq(cfg: &ArchConfig) -> Vec<f64> {
     let d = cfg.head_dim as f64;
     let base: Vec<f64> = (0..cfg.head_dim as usize / 2)
@@ -32,6 +71,25 @@ pub fn inv_freq(cfg: &ArchConfig) -> Vec<f64> {
         Some(RopeScaling::FreqFactors(ff)) => {
             base.iter().zip(ff).map(|(f, s)| f / *s as f64).collect()
         }
+        Some(RopeScaling::Yarn {
+            factor,
+            original_max_position,
+            beta_fast,
+            beta_slow,
+            truncate,
+            ..
+        }) => yarn(
+            &base,
+            cfg.rope_theta as f64,
+            d,
+            (
+                *factor as f64,
+                *original_max_position as f64,
+                *beta_fast as f64,
+                *beta_slow as f64,
+                *truncate,
+            ),
+        ),
         Some(RopeScaling::Llama3 {
             factor,
             low_freq_factor,
@@ -107,6 +165,7 @@ mod tests {
             sliding_window: None,
             ext: Default::default(),
             moe: None,
+            swiglu: None,
         }
     }
 

@@ -26,6 +26,11 @@ pub enum Arch {
     Qwen3Moe,
     /// Mixtral: Mistral's layout with a mixture of experts (softmax, top-2, renormalized).
     Mixtral,
+    /// gpt-oss: biases on every projection, a learned attention sink per head, sliding-window
+    /// and full attention layers alternating, YaRN RoPE, and a mixture of experts with a
+    /// biased router (top-k logits, then softmax over them) and biased experts whose gated
+    /// MLP is the clamped SwiGLU (`SwigluClamp`).
+    GptOss,
 }
 
 /// What a decoder layer of an architecture is made of, under `model.layers.{i}.` (Hugging
@@ -46,6 +51,26 @@ pub struct Recipe {
     /// Per-head RMSNorm of q and k before RoPE (`self_attn.q_norm` / `k_norm`).
     pub qk_norm: bool,
     pub activation: Activation,
+    /// The output projection has a bias (`self_attn.o_proj.bias`).
+    pub o_bias: bool,
+    /// A learned sink logit per attention head (`self_attn.sinks`, f32 [heads]): it joins
+    /// each query's softmax and takes its share of the weight, then is dropped.
+    pub attn_sinks: bool,
+    /// How a mixture's router turns logits into expert weights.
+    pub gating: Gating,
+    /// A mixture's router (`mlp.gate.bias`) and experts (`mlp.experts.{e}.*_proj.bias`)
+    /// have biases.
+    pub moe_bias: bool,
+}
+
+/// A mixture's router: which experts a row goes to and with what weights.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Gating {
+    /// Softmax over every expert, the top k taken (renormalized when the config says so):
+    /// Qwen3-MoE, Mixtral.
+    SoftmaxTopK,
+    /// The top k logits, then softmax over those k (gpt-oss).
+    TopKSoftmax,
 }
 
 /// Llama 2/3, Mistral, Qwen2, SmolLM2: a norm before attention and before a SwiGLU MLP.
@@ -57,6 +82,10 @@ const LLAMA: Recipe = Recipe {
     post_ffn_norm: None,
     qk_norm: false,
     activation: Activation::Silu,
+    o_bias: false,
+    attn_sinks: false,
+    gating: Gating::SoftmaxTopK,
+    moe_bias: false,
 };
 
 /// Qwen3: Llama with q/k norm (and a head dim of its own, which is config).
@@ -76,6 +105,18 @@ const GEMMA3: Recipe = Recipe {
     post_ffn_norm: Some("post_feedforward_layernorm"),
     qk_norm: true,
     activation: Activation::GeluTanh,
+    ..LLAMA
+};
+
+/// gpt-oss: Llama's norms, biases everywhere, attention sinks, the clamped SwiGLU and
+/// top-k-then-softmax gating. (Its q/k/v biases, alternating windows and YaRN are config.)
+const GPT_OSS: Recipe = Recipe {
+    activation: Activation::SwigluClamp,
+    o_bias: true,
+    attn_sinks: true,
+    gating: Gating::TopKSoftmax,
+    moe_bias: true,
+    ..LLAMA
 };
 
 impl Arch {
@@ -84,6 +125,7 @@ impl Arch {
             Arch::Llama | Arch::Mistral | Arch::Qwen2 | Arch::Mixtral => &LLAMA,
             Arch::Qwen3 | Arch::Qwen3Moe => &QWEN3,
             Arch::Gemma3 => &GEMMA3,
+            Arch::GptOss => &GPT_OSS,
         }
     }
 }
@@ -124,6 +166,7 @@ impl fmt::Display for Arch {
             Arch::Gemma3 => "gemma3",
             Arch::Qwen3Moe => "qwen3moe",
             Arch::Mixtral => "mixtral",
+            Arch::GptOss => "gpt-oss",
         })
     }
 }
@@ -142,6 +185,20 @@ pub enum RopeScaling {
     /// Per-frequency divisors given outright (GGUF `rope_freqs.weight`, which llama.cpp's
     /// converter computes from the llama3 parameters), one per rotary pair.
     FreqFactors(Vec<f32>),
+    /// YaRN (transformers `rope_type: yarn`, `_compute_yarn_parameters`): frequencies
+    /// between the correction dims of `beta_fast` and `beta_slow` rotations over
+    /// `original_max_position` ramp from extrapolated (unscaled) to interpolated (divided
+    /// by `factor`); cos and sin are multiplied by `attention_factor`. `truncate` rounds
+    /// the correction dims outward (transformers' default, and always in llama.cpp);
+    /// gpt-oss's config turns it off.
+    Yarn {
+        factor: f32,
+        original_max_position: u32,
+        beta_fast: f32,
+        beta_slow: f32,
+        attention_factor: f32,
+        truncate: bool,
+    },
 }
 
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
@@ -176,6 +233,17 @@ pub struct ArchConfig {
     /// has a dense MLP).
     #[serde(skip)]
     pub moe: Option<MoeConfig>,
+    /// Store format 4's: the clamped SwiGLU's constants (gpt-oss; None for the others).
+    #[serde(skip)]
+    pub swiglu: Option<SwigluClamp>,
+}
+
+/// gpt-oss's gated MLP: gate = min(gate, limit), up = clamp(up, -limit, limit), out =
+/// (up + 1) * gate * sigmoid(alpha * gate).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq)]
+pub struct SwigluClamp {
+    pub alpha: f32,
+    pub limit: f32,
 }
 
 /// A mixture of experts in place of the MLP: a router (`mlp.gate`, a linear map from the
@@ -207,6 +275,8 @@ pub enum Activation {
     Silu,
     /// GeGLU with the tanh approximation of GELU (Gemma).
     GeluTanh,
+    /// The clamped SwiGLU of gpt-oss (constants in `ArchConfig::swiglu`).
+    SwigluClamp,
 }
 
 /// What the architectures after format 1 added to the config.
@@ -262,22 +332,38 @@ impl ArchConfig {
             t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
         }
         t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
+        if r.o_bias {
+            t.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
+        }
+        if r.attn_sinks {
+            t.push((format!("{p}.self_attn.sinks"), vec![self.n_heads as u64]));
+        }
         if let Some(n) = r.post_attn_norm {
             t.push((format!("{p}.{n}.weight"), vec![h]));
         }
         t.push((format!("{p}.{}.weight", r.ffn_norm), vec![h]));
         match self.moe.as_ref().filter(|_| self.is_sparse(i)) {
-            // The router, then each expert's three projections together, expert by expert
-            // (so an expert is one contiguous run of the unit).
+            // The router, then each expert's three projections (and their biases)
+            // together, expert by expert (so an expert is one contiguous run of the unit).
             Some(moe) => {
                 let (n, mi) = (moe.n_experts as u64, moe.intermediate as u64);
                 t.push((format!("{p}.mlp.gate.weight"), vec![n, h]));
+                if r.moe_bias {
+                    t.push((format!("{p}.mlp.gate.bias"), vec![n]));
+                }
                 for e in 0..n {
-                    t.extend([
-                        (format!("{p}.mlp.experts.{e}.gate_proj.weight"), vec![mi, h]),
-                        (format!("{p}.mlp.experts.{e}.up_proj.weight"), vec![mi, h]),
-                        (format!("{p}.mlp.experts.{e}.down_proj.weight"), vec![h, mi]),
-                    ]);
+                    let x = format!("{p}.mlp.experts.{e}");
+                    for (proj, shape) in [
+                        ("gate_proj", vec![mi, h]),
+                        ("up_proj", vec![mi, h]),
+                        ("down_proj", vec![h, mi]),
+                    ] {
+                        let rows = shape[0];
+                        t.push((format!("{x}.{proj}.weight"), shape));
+                        if r.moe_bias {
+                            t.push((format!("{x}.{proj}.bias"), vec![rows]));
+                        }
+                    }
                 }
             }
             None => t.extend([
@@ -365,7 +451,41 @@ impl ArchConfig {
                 }
             }
         }
-        let moe_arch = matches!(self.arch, Arch::Qwen3Moe | Arch::Mixtral);
+        let moe_arch = matches!(self.arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::GptOss);
+        match (&self.swiglu, self.arch.recipe().activation) {
+            (None, Activation::SwigluClamp) => {
+                return Err(format!("{} needs its SwiGLU clamp constants", self.arch))
+            }
+            (Some(_), a) if a != Activation::SwigluClamp => {
+                return Err(format!("{} has no clamped SwiGLU", self.arch))
+            }
+            (Some(s), _) if !(s.alpha.is_finite() && s.limit.is_finite() && s.limit > 0.0) => {
+                return Err(format!(
+                    "SwiGLU alpha {} and limit {} are not finite with a positive limit",
+                    s.alpha, s.limit
+                ))
+            }
+            _ => {}
+        }
+        if let Some(RopeScaling::Yarn {
+            factor,
+            original_max_position,
+            beta_fast,
+            beta_slow,
+            attention_factor,
+            ..
+        }) = &self.rope_scaling
+        {
+            let ok = |v: f32| v.is_finite() && v > 0.0;
+            if !(ok(*factor) && ok(*beta_fast) && ok(*beta_slow) && ok(*attention_factor))
+                || *original_max_position == 0
+            {
+                return Err(format!(
+                    "YaRN factor {factor}, betas {beta_fast}/{beta_slow}, attention factor \
+                     {attention_factor} and original context {original_max_position} must be positive"
+                ));
+            }
+        }
         match (&self.moe, moe_arch) {
             (None, true) => return Err(format!("{} needs a mixture-of-experts config", self.arch)),
             (Some(_), false) => return Err(format!("{} has no mixture of experts", self.arch)),

@@ -1,14 +1,15 @@
-//! Store format version 3: the manifest and its on-disk framing.
+//! Store format version 4: the manifest and its on-disk framing.
 //!
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
 //! | payload (postcard) | xxh3-64 of everything before it (u64 LE).
 //!
 //! The payload of version 1 is the `Manifest`; version 2 appends the `ArchExt` (the
 //! config of the architectures added since: q/k norm, sliding-window layers, ...) after
-//! it; version 3 then the mixture of experts (`Option<MoeConfig>`). Version 1 and 2 stores
-//! still open, with the defaults of a Llama-family model and no experts.
+//! it; version 3 then the mixture of experts (`Option<MoeConfig>`); version 4 then the
+//! clamped SwiGLU's constants (`Option<SwigluClamp>`, gpt-oss). Stores of versions 1 to 3
+//! still open, with the defaults of a Llama-family model, no experts and no clamp.
 
-use super::arch::{ArchConfig, ArchExt, MoeConfig};
+use super::arch::{ArchConfig, ArchExt, MoeConfig, SwigluClamp};
 use super::codec::{Codec, Plane};
 use super::StoreError;
 use crate::dtype::DType;
@@ -18,7 +19,7 @@ use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;
 
 pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
-pub const FORMAT_VERSION: u32 = 3;
+pub const FORMAT_VERSION: u32 = 4;
 /// The oldest format this sluiced still reads.
 pub const FORMAT_VERSION_MIN: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.bin";
@@ -221,27 +222,46 @@ impl LayerUnit {
         let mut out: Vec<ExpertRange> = Vec::new();
         let mut i = 0;
         while i < self.tensors.len() {
-            let Some((e, proj)) = expert_of(&self.tensors[i].name) else {
+            let Some((e, part)) = expert_of(&self.tensors[i].name) else {
                 i += 1;
                 continue;
             };
-            let three = self.tensors.get(i..i + 3)?;
-            let names: Vec<Option<(u32, &str)>> =
-                three.iter().map(|t| expert_of(&t.name)).collect();
-            if proj != "gate_proj"
-                || e as usize != out.len()
-                || names
-                    != [
-                        Some((e, "gate_proj")),
-                        Some((e, "up_proj")),
-                        Some((e, "down_proj")),
-                    ]
+            if part != "gate_proj.weight" || e as usize != out.len() {
+                return None;
+            }
+            // The expert's run: its tensors one after another, the three projections in
+            // order (each with its bias after it, where the model has them).
+            let run = self.tensors[i..]
+                .iter()
+                .take_while(|t| expert_of(&t.name).is_some_and(|(f, _)| f == e))
+                .count();
+            let parts: Vec<&str> = self.tensors[i..i + run]
+                .iter()
+                .filter_map(|t| expert_of(&t.name).map(|(_, p)| p))
+                .collect();
+            let weights: Vec<&str> = parts
+                .iter()
+                .copied()
+                .filter(|p| p.ends_with(".weight"))
+                .collect();
+            let biased = ["gate_proj.weight", "gate_proj.bias", "up_proj.weight"];
+            if weights != ["gate_proj.weight", "up_proj.weight", "down_proj.weight"]
+                || !(parts.len() == 3
+                    || parts
+                        == [
+                            biased[0],
+                            biased[1],
+                            biased[2],
+                            "up_proj.bias",
+                            "down_proj.weight",
+                            "down_proj.bias",
+                        ])
             {
                 return None;
             }
-            let start = three[0].offset;
+            let start = self.tensors[i].offset;
             // To the next tensor (or the blob's end): the padding after it is its own.
-            let end = self.tensors.get(i + 3).map_or(self.raw_len, |t| t.offset);
+            let end = self.tensors.get(i + run).map_or(self.raw_len, |t| t.offset);
             let first = self.frames.partition_point(|f| f.raw_offset < start);
             let last = self.frames.partition_point(|f| f.raw_offset < end);
             if self.frames.get(first).is_none_or(|f| f.raw_offset != start) {
@@ -251,7 +271,7 @@ impl LayerUnit {
                 frames: first..last,
                 raw: start..end,
             });
-            i += 3;
+            i += run;
         }
         Some(out)
     }
@@ -271,14 +291,16 @@ pub struct ExpertRange {
     pub raw: Range<u64>,
 }
 
-/// (expert, projection) of an expert's tensor name
-/// (`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.weight`).
+/// (expert, part) of an expert's tensor name
+/// (`model.layers.{i}.mlp.experts.{e}.{gate,up,down}_proj.{weight,bias}`): the part is
+/// the name after the expert index (`gate_proj.weight`, ...).
 pub fn expert_of(name: &str) -> Option<(u32, &str)> {
     let (_, rest) = name.split_once(".mlp.experts.")?;
-    let (e, rest) = rest.split_once('.')?;
-    let proj = rest.strip_suffix(".weight")?;
-    matches!(proj, "gate_proj" | "up_proj" | "down_proj").then_some(())?;
-    Some((e.parse().ok()?, proj))
+    let (e, part) = rest.split_once('.')?;
+    let (proj, kind) = part.split_once('.')?;
+    (matches!(proj, "gate_proj" | "up_proj" | "down_proj") && matches!(kind, "weight" | "bias"))
+        .then_some(())?;
+    Some((e.parse().ok()?, part))
 }
 
 /// Rows `rows` of a tensor, read as frames `frames` of its unit: the part's bytes are the
@@ -376,6 +398,7 @@ impl Manifest {
         let mut payload = postcard::to_stdvec(self)?;
         payload.extend_from_slice(&postcard::to_stdvec(&self.arch.ext)?);
         payload.extend_from_slice(&postcard::to_stdvec(&self.arch.moe)?);
+        payload.extend_from_slice(&postcard::to_stdvec(&self.arch.swiglu)?);
         let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + 8);
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -458,6 +481,14 @@ impl Manifest {
             let (moe, rest): (Option<MoeConfig>, _) =
                 postcard::take_from_bytes(rest).map_err(bad)?;
             m.arch.moe = moe;
+            rest
+        } else {
+            rest
+        };
+        let rest = if version >= 4 {
+            let (swiglu, rest): (Option<SwigluClamp>, _) =
+                postcard::take_from_bytes(rest).map_err(bad)?;
+            m.arch.swiglu = swiglu;
             rest
         } else {
             rest

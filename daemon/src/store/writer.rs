@@ -331,9 +331,10 @@ fn lay_out(
                 ),
             )
         })?;
-        // Each expert of a mixture (its gate, up and down, in that order) starts a page of
-        // its own: read straight into a slot, it is one O_DIRECT read.
-        let align = if expert_of(name).is_some_and(|(_, proj)| proj == "gate_proj") {
+        // Each expert of a mixture (its gate, up and down, in that order, with their
+        // biases) starts a page of its own: read straight into a slot, it is one O_DIRECT
+        // read.
+        let align = if expert_of(name).is_some_and(|(_, part)| part == "gate_proj.weight") {
             BLOB_ALIGN
         } else {
             TENSOR_ALIGN

@@ -438,6 +438,7 @@ impl CpuBackend {
         qs: &[f32],
         (ks, vs): (&[u16], &[u16]),
         step: &AttnStep<'_>,
+        sinks: Option<&[f32]>,
         optr: SharedPtr,
     ) {
         let (spans, shape, cache) = (step.spans, step.shape, step.cache);
@@ -529,7 +530,8 @@ impl CpuBackend {
                                     // SAFETY: task (span, KV head) writes the columns of its
                                     // own query heads in its own rows; no two tasks share one.
                                     let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
-                                    finish_partial(&acc[..w], gh, hd, o);
+                                    let sk = sinks.map(|s| &s[h0..h0 + gh]);
+                                    finish_partial(&acc[..w], gh, hd, sk, o);
                                 }
                             }
                         })
@@ -560,7 +562,7 @@ impl CpuBackend {
                     }
                     // SAFETY: the pool is done; this (row, head group) is written once.
                     let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
-                    finish_partial(&acc, gh, hd, o);
+                    finish_partial(&acc, gh, hd, sinks.map(|s| &s[h0..h0 + gh]), o);
                 }
                 i += n_chunks;
             }
@@ -657,10 +659,14 @@ fn merge_partial(acc: &mut [f32], new: &[f32], gh: usize, hd: usize) {
     }
 }
 
-/// The attention output of a merged partial: weighted values over the sum.
-fn finish_partial(acc: &[f32], gh: usize, hd: usize, o: &mut [f32]) {
+/// The attention output of a merged partial: weighted values over the sum (with each
+/// head's sink logit in the sum, where the model has sinks).
+fn finish_partial(acc: &[f32], gh: usize, hd: usize, sinks: Option<&[f32]>, o: &mut [f32]) {
     for i in 0..gh {
-        let inv = 1.0 / acc[gh + i];
+        let inv = match sinks {
+            None => 1.0 / acc[gh + i],
+            Some(s) => sink_share(acc[i], acc[gh + i], s[i]),
+        };
         let src = &acc[2 * gh + i * hd..2 * gh + (i + 1) * hd];
         for (x, &y) in o[i * hd..(i + 1) * hd].iter_mut().zip(src) {
             *x = y * inv;
@@ -684,11 +690,24 @@ fn exp_scaled(sc: &mut [f32], scale: f32) -> (f32, f32) {
     (mx, sum)
 }
 
-/// Scores times `scale`, then softmax in place: `exp_scaled`, then scaled by 1 / sum.
-fn softmax_scaled(sc: &mut [f32], scale: f32) {
-    let (_, sum) = exp_scaled(sc, scale);
-    let inv = 1.0 / sum;
+/// Scores times `scale`, then softmax in place: `exp_scaled`, then scaled by 1 / sum (the
+/// sum with the sink's term, where there is a sink).
+fn softmax_scaled(sc: &mut [f32], scale: f32, sink: Option<f32>) {
+    let (mx, sum) = exp_scaled(sc, scale);
+    let inv = match sink {
+        None => 1.0 / sum,
+        Some(s) => sink_share(mx, sum, s),
+    };
     sc.iter_mut().for_each(|s| *s *= inv);
+}
+
+/// What exp(score - `mx`) is multiplied by to become a probability when a sink logit
+/// joins the softmax (`sum` = the sum of the scores' exp(score - mx)): with m the larger of
+/// mx and the sink, e^(mx - m) / (sum e^(mx - m) + e^(sink - m)).
+fn sink_share(mx: f32, sum: f32, sink: f32) -> f32 {
+    let m = mx.max(sink);
+    let a = (mx - m).exp();
+    a / (sum * a + (sink - m).exp())
 }
 
 /// A pointer that parallel tasks write through at disjoint places.
@@ -976,8 +995,12 @@ impl Backend for CpuBackend {
         cache_k: &CpuMem,
         cache_v: &CpuMem,
         step: &AttnStep<'_>,
+        sinks: Option<WeightRef<'_, CpuMem>>,
         out: &mut CpuMem,
     ) {
+        // The decoder stores sinks in f32 (read in place); another dtype is converted.
+        let mut converted = Vec::new();
+        let sinks = sinks.map(|w| f32_vector(&w, &mut converted));
         let (spans, shape, cache) = (step.spans, step.shape, step.cache);
         let AttnShape {
             heads,
@@ -997,7 +1020,7 @@ impl Backend for CpuBackend {
         tasks.clear();
         if let (KvRows::F16(ks, vs), true) = (&kv, kernels::has_group_f16(head_dim)) {
             drop(scratch);
-            return self.attention_grouped(qs, (ks, vs), step, optr);
+            return self.attention_grouped(qs, (ks, vs), step, sinks, optr);
         }
         tasks.extend((0..spans.len()).flat_map(|i| (0..heads).map(move |h| (i, h))));
         let tasks = &*tasks;
@@ -1018,7 +1041,7 @@ impl Backend for CpuBackend {
                         let qrow = &qs[(sp.row + t) * width_q + h * head_dim..][..head_dim];
                         sc.resize(p + 1 - lo, 0.0);
                         kv.scores(qrow, lo, kv_row, &mut sc);
-                        softmax_scaled(&mut sc, scale);
+                        softmax_scaled(&mut sc, scale, sinks.map(|s| s[h]));
                         // SAFETY: task (span, head) writes its own head's columns of its own
                         // rows; no two tasks share a (row, head).
                         let o =
@@ -1037,6 +1060,14 @@ impl Backend for CpuBackend {
 
     fn gelu_mul(&self, gate: &mut CpuMem, up: &CpuMem, n: usize) {
         self.elementwise(gate, up, n, |g, u| gelu_tanh(g) * u);
+    }
+
+    fn swiglu_clamp_mul(&self, gate: &mut CpuMem, up: &CpuMem, n: usize, alpha: f32, limit: f32) {
+        self.elementwise(gate, up, n, move |g, u| {
+            let g = g.min(limit);
+            let u = u.clamp(-limit, limit);
+            (u + 1.0) * (g / (1.0 + (-alpha * g).exp()))
+        });
     }
 
     fn scale(&self, x: &mut CpuMem, s: f32, n: usize) {

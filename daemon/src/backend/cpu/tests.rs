@@ -328,45 +328,59 @@ fn attention_over_the_cache(kv: KvDtype) {
         cache,
     };
     b.kv_store(&km, &vm, &mut ck, &mut cv, &step);
-    b.attention(&qm, &ck, &cv, &step, &mut out);
-    // Reference: for each query row, keys/values of its own sequence up to its position.
-    let seq_kv = |si: usize| -> (Vec<f32>, Vec<f32>) {
-        if si == 0 {
-            (k[..5 * wkv].to_vec(), v[..5 * wkv].to_vec())
-        } else {
-            (
-                [old_k.clone(), k[5 * wkv..].to_vec()].concat(),
-                [old_v.clone(), v[5 * wkv..].to_vec()].concat(),
-            )
-        }
-    };
-    for (si, sp) in spans.iter().enumerate() {
-        let (ks, vs) = seq_kv(si);
-        for t in 0..sp.n {
-            let p = sp.pos + t;
-            for h in 0..shape.heads {
-                let g = h / 2;
-                let qr = &q[(sp.row + t) * wq + h * 16..][..16];
-                let scores: Vec<f64> = (0..=p)
-                    .map(|j| {
-                        (0..16)
-                            .map(|d| qr[d] as f64 * ks[j * wkv + g * 16 + d] as f64)
-                            .sum::<f64>()
-                            / 4.0
-                    })
-                    .collect();
-                let mx = scores.iter().cloned().fold(f64::MIN, f64::max);
-                let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
-                let z: f64 = e.iter().sum();
-                for d in 0..16 {
-                    let want: f64 = (0..=p)
-                        .map(|j| e[j] / z * vs[j * wkv + g * 16 + d] as f64)
-                        .sum();
-                    let got = out.f32s()[(sp.row + t) * wq + h * 16 + d] as f64;
-                    assert!(
-                        (got - want).abs() <= 1e-5,
-                        "{kv} seq {si} t {t} head {h} dim {d}: {got} vs {want}"
-                    );
+    // Without and with attention sinks (gpt-oss: a logit per head in each softmax).
+    let sinks = [0.5f32, -1.0, 3.0, 0.0];
+    let sm = mem_f32(&b, &sinks);
+    for sink in [None, Some(&sinks)] {
+        let w = sink.map(|_| WeightRef {
+            mem: &sm,
+            offset: 0,
+            dtype: DType::F32,
+            rows: 1,
+            cols: 4,
+        });
+        b.attention(&qm, &ck, &cv, &step, w, &mut out);
+        // Reference: for each query row, keys/values of its own sequence up to its position.
+        let seq_kv = |si: usize| -> (Vec<f32>, Vec<f32>) {
+            if si == 0 {
+                (k[..5 * wkv].to_vec(), v[..5 * wkv].to_vec())
+            } else {
+                (
+                    [old_k.clone(), k[5 * wkv..].to_vec()].concat(),
+                    [old_v.clone(), v[5 * wkv..].to_vec()].concat(),
+                )
+            }
+        };
+        for (si, sp) in spans.iter().enumerate() {
+            let (ks, vs) = seq_kv(si);
+            for t in 0..sp.n {
+                let p = sp.pos + t;
+                for h in 0..shape.heads {
+                    let g = h / 2;
+                    let qr = &q[(sp.row + t) * wq + h * 16..][..16];
+                    let scores: Vec<f64> = (0..=p)
+                        .map(|j| {
+                            (0..16)
+                                .map(|d| qr[d] as f64 * ks[j * wkv + g * 16 + d] as f64)
+                                .sum::<f64>()
+                                / 4.0
+                        })
+                        .collect();
+                    let sk = sink.map(|s| s[h] as f64);
+                    let mx = scores.iter().cloned().chain(sk).fold(f64::MIN, f64::max);
+                    let e: Vec<f64> = scores.iter().map(|s| (s - mx).exp()).collect();
+                    let z: f64 = e.iter().sum::<f64>() + sk.map_or(0.0, |s| (s - mx).exp());
+                    for d in 0..16 {
+                        let want: f64 = (0..=p)
+                            .map(|j| e[j] / z * vs[j * wkv + g * 16 + d] as f64)
+                            .sum();
+                        let got = out.f32s()[(sp.row + t) * wq + h * 16 + d] as f64;
+                        assert!(
+                            (got - want).abs() <= 1e-5,
+                            "{kv} sinks {} seq {si} t {t} head {h} dim {d}: {got} vs {want}",
+                            sink.is_some()
+                        );
+                    }
                 }
             }
         }
@@ -434,7 +448,7 @@ fn sliding_window_ring(kv: KvDtype) {
         let (qm, km, vm) = (mem_f32(&b, &q), mem_f32(&b, &k), mem_f32(&b, &v));
         let mut out = b.alloc(n * 16 * 4, "out").unwrap();
         b.kv_store(&km, &vm, &mut ck, &mut cv, &step);
-        b.attention(&qm, &ck, &cv, &step, &mut out);
+        b.attention(&qm, &ck, &cv, &step, None, &mut out);
         for t in 0..n {
             let p = pos + t;
             let lo = (p + 1).saturating_sub(window);
@@ -650,7 +664,7 @@ fn a_long_row_is_the_same_bits_split_in_chunks_alone_in_a_batch_or_in_a_prefill(
         let rows: usize = spans.iter().map(|s| s.n).sum();
         let mut out = b.alloc(rows * wq * 4, "out").unwrap();
         b.kv_store(&mem_f32(&b, k), &mem_f32(&b, v), ck, cv, &step);
-        b.attention(&mem_f32(&b, q), ck, cv, &step, &mut out);
+        b.attention(&mem_f32(&b, q), ck, cv, &step, None, &mut out);
         out.f32s()[..rows * wq].to_vec()
     };
     let prefill = run(

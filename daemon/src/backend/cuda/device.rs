@@ -21,6 +21,7 @@ use crate::backend::KvDtype;
 use crate::backend::{
     AttnStep, Backend, BackendError, CopyStats, MemBudget, ScratchShape, WeightRef,
 };
+use crate::dtype::DType;
 use crate::hostbuf::Pinner;
 use cudarc::cublas::{result as blas, sys as bsys};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
@@ -644,10 +645,27 @@ impl Backend for CudaBackend {
         cache_k: &CudaMem,
         cache_v: &CudaMem,
         step: &AttnStep<'_>,
+        sinks: Option<WeightRef<'_, CudaMem>>,
         out: &mut CudaMem,
     ) {
         let r = (|| -> Result<(), String> {
             let sh = step.shape;
+            // One f32 per query head, or null.
+            let sinks = match sinks {
+                None => 0,
+                Some(w) if w.dtype == DType::F32 && w.rows * w.cols == sh.heads => {
+                    if w.offset + sh.heads * 4 > w.mem.len {
+                        return Err("attention sinks outside their allocation".into());
+                    }
+                    w.mem.ptr + w.offset as u64
+                }
+                Some(w) => {
+                    return Err(format!(
+                        "attention sinks are {} x {} {}; the kernel takes {} f32",
+                        w.rows, w.cols, w.dtype, sh.heads
+                    ))
+                }
+            };
             let kvb = sh.kv.bytes() as u64;
             let end = (step.cache.base + step.cache.elems(&sh)) as u64 * kvb;
             if end > cache_k.len as u64 || cache_v.len != cache_k.len {
@@ -703,6 +721,7 @@ impl Backend for CudaBackend {
                     sh.scale,
                     cap,
                     win,
+                    sinks,
                 ),
                 KvDtype::F16 => self.kernels.attention_h(
                     &self.compute,
@@ -720,6 +739,7 @@ impl Backend for CudaBackend {
                     sh.scale,
                     cap,
                     win,
+                    sinks,
                 ),
             }
         })();
@@ -734,6 +754,32 @@ impl Backend for CudaBackend {
     fn gelu_mul(&self, gate: &mut CudaMem, up: &CudaMem, n: usize) {
         let r = self.elementwise(Kernel::GeluMulF32, gate, up, n);
         self.record("gelu_mul", r);
+    }
+
+    fn swiglu_clamp_mul(&self, gate: &mut CudaMem, up: &CudaMem, n: usize, alpha: f32, limit: f32) {
+        let r = (|| -> Result<(), String> {
+            if gate.len < n * 4 || up.len < n * 4 {
+                return Err(format!(
+                    "{n} elements past allocations of {} and {} bytes",
+                    gate.len, up.len
+                ));
+            }
+            if n == 0 {
+                return Ok(());
+            }
+            self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+            self.kernels.swiglu_clamp(
+                &self.compute,
+                Kernel::SwigluClampMulF32,
+                Dims::per_element(n as u64),
+                gate.ptr,
+                up.ptr,
+                n as i32,
+                alpha,
+                limit,
+            )
+        })();
+        self.record("swiglu_clamp_mul", r);
     }
 
     fn scale(&self, x: &mut CudaMem, s: f32, n: usize) {

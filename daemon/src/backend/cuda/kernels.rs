@@ -103,6 +103,10 @@ kernels! {
         SiluMulF32 = "silu_mul_f32",
         GeluMulF32 = "gelu_mul_f32",
     }
+    /// gpt-oss's clamped SwiGLU: `x[i] = act(x[i], y[i])` for `n` elements.
+    swiglu_clamp(x: u64 = "float*", y: u64 = "const float*", n: i32 = "int", alpha: f32 = "float", limit: f32 = "float") {
+        SwigluClampMulF32 = "swiglu_clamp_mul_f32",
+    }
     /// `x[i] *= s` for `n` elements.
     scale(x: u64 = "float*", s: f32 = "float", n: i32 = "int") {
         ScaleF32 = "scale_f32",
@@ -129,6 +133,7 @@ kernels! {
         scale: f32 = "float",
         cap: i32 = "int",
         window: i32 = "int",
+        sinks: u64 = "const float*",
     ) {
         AttentionF32 = "attention_f32",
     }
@@ -146,6 +151,7 @@ kernels! {
         scale: f32 = "float",
         cap: i32 = "int",
         window: i32 = "int",
+        sinks: u64 = "const float*",
     ) {
         AttentionF16 = "attention_f16",
     }

@@ -3,6 +3,7 @@
 
 use super::util::progress_bar;
 use anyhow::{bail, Result};
+use sluice::store::arch::Gating;
 use sluice::store::{self, Store};
 use sluice::util::fmt_bytes;
 use std::path::PathBuf;
@@ -100,14 +101,30 @@ fn print_summary(dir: &std::path::Path, s: &store::inspect::Summary) {
         e.embed_scale.map_or("-".into(), |s| format!("{s:.4}")),
         e.attn_scale.map_or("-".into(), |s| format!("{s:.5}")),
     );
+    if r.o_bias || r.attn_sinks || c.swiglu.is_some() {
+        println!(
+            "            output bias {}, attention sinks {}{}",
+            r.o_bias,
+            r.attn_sinks,
+            c.swiglu.map_or(String::new(), |k| format!(
+                ", SwiGLU clamp alpha {} limit {}",
+                k.alpha, k.limit
+            )),
+        );
+    }
     if let Some(m) = &c.moe {
         println!(
-            "experts     {} of {} rows per sparse layer, top {}{}, dense layers {}",
+            "experts     {} of {} rows per sparse layer, top {}{}{}, dense layers {}",
             m.n_experts,
             m.intermediate,
             m.top_k,
-            if m.norm_topk_prob {
-                " (renormalized)"
+            match (r.gating, m.norm_topk_prob) {
+                (Gating::TopKSoftmax, _) => " (softmax over the top logits)",
+                (Gating::SoftmaxTopK, true) => " (renormalized)",
+                (Gating::SoftmaxTopK, false) => "",
+            },
+            if r.moe_bias {
+                ", router and experts biased"
             } else {
                 ""
             },
