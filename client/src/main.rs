@@ -626,8 +626,13 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
         if let Some(x) = st.expert_streaming.as_ref().filter(|x| x.routed > 0) {
             let share = |a: u64, b: u64| if b == 0 { 0.0 } else { a as f64 / b as f64 };
             println!(
-                "expert cache     {} slots: {} of {} routed experts served ({:.2}), {} loaded ({}); prediction precision {:.2} ({} of {} prefetched unused)",
+                "expert cache     {} slots{}: {} of {} routed experts served ({:.2}), {} loaded ({}); prediction precision {:.2} ({} of {} prefetched unused)",
                 x.cache_slots,
+                if x.hot_slots > 0 {
+                    format!(" ({} pinned from the expert profile)", x.hot_slots)
+                } else {
+                    String::new()
+                },
                 x.cache_hits,
                 x.routed,
                 share(x.cache_hits, x.routed),
@@ -663,6 +668,7 @@ fn expert_streaming_json(x: &pb::ExpertStreaming) -> serde_json::Value {
         "bytes_loaded": x.bytes_loaded, "predicted": x.predicted,
         "predicted_used": x.predicted_used, "prefetched": x.prefetched,
         "prefetched_unused": x.prefetched_unused, "cache_slots": x.cache_slots,
+        "hot_slots": x.hot_slots,
     })
 }
 

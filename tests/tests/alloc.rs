@@ -99,6 +99,7 @@ fn pipeline(
         opts: OPTS,
         prefetch: Some(2),
         expert_cache: None,
+        expert_profile: None,
         backend_reserved: 0,
         host: Default::default(),
     };
@@ -166,6 +167,7 @@ fn check(src: &std::path::Path, name: &str) {
             opts: OPTS,
             prefetch: Some(2),
             expert_cache: None,
+            expert_profile: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -180,6 +182,7 @@ fn check(src: &std::path::Path, name: &str) {
             opts: OPTS,
             prefetch: Some(2),
             expert_cache: None,
+            expert_profile: None,
             backend_reserved: 0,
             host: Default::default(),
         },

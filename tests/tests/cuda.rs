@@ -667,6 +667,7 @@ fn input(budget: Option<u64>, opts: ModelOptions) -> PlanInput {
         opts,
         prefetch: None,
         expert_cache: None,
+        expert_profile: None,
         backend_reserved: 0,
         host: Default::default(),
     }

@@ -155,6 +155,7 @@ fn runner_with(
             opts,
             prefetch: None,
             expert_cache: None,
+            expert_profile: None,
             backend_reserved: 0,
             host: Default::default(),
         },

@@ -570,7 +570,9 @@ fn status_counts_the_tokens_each_expert_served() {
 #[test]
 fn status_reports_the_expert_cache_of_a_streamed_mixture() {
     let tmp = tempfile::tempdir().unwrap();
-    let store = tmp.path().join("moe");
+    // The store outlives the first daemon (which owns `tmp`).
+    let stores = tempfile::tempdir().unwrap();
+    let store = stores.path().join("moe");
     let store = pack_store(&fixture("tiny-qwen3moe"), &store, "zstd:1", 64 << 10);
     let path = store.dir().to_str().unwrap().to_string();
     let d = Daemon::serve(
@@ -599,4 +601,41 @@ fn status_reports_the_expert_cache_of_a_streamed_mixture() {
     assert!(n("predicted_used") <= n("predicted"), "{x}");
     let table = stdout(&sluice(&d.addr, &["status"]));
     assert!(table.contains("expert cache     1 slots"), "{table}");
+    drop(d);
+    // With an expert profile (every token to experts 0 and 1 of each layer), the daemon
+    // pins the hottest in its expert cache from the start.
+    let tmp = tempfile::tempdir().unwrap();
+    let prof = tmp.path().join("profile.json");
+    std::fs::write(
+        &prof,
+        r#"{"model": "tiny", "layers": [[90, 60, 1, 1], [80, 70, 1, 1]]}"#,
+    )
+    .unwrap();
+    let d = Daemon::serve(
+        tmp,
+        &["--model", &path],
+        &[
+            "--max-context",
+            "96",
+            "--max-batch",
+            "2",
+            "--batch-tokens",
+            "64",
+            "--device-memory",
+            "800KiB",
+            "--expert-profile",
+            prof.to_str().unwrap(),
+        ],
+    );
+    generate_json(&d.addr, "hello there", 6);
+    let st: Value = serde_json::from_str(&stdout(&sluice(&d.addr, &["status", "--json"]))).unwrap();
+    let x = &st["expert_streaming"];
+    let n = |k: &str| x[k].as_u64().unwrap_or_else(|| panic!("{k} missing: {x}"));
+    assert!(
+        n("hot_slots") > 0 && n("hot_slots") < n("cache_slots"),
+        "{x}"
+    );
+    assert!(n("cache_hits") > 0, "{x}");
+    let table = stdout(&sluice(&d.addr, &["status"]));
+    assert!(table.contains("pinned from the expert profile"), "{table}");
 }

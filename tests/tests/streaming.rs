@@ -67,6 +67,7 @@ fn runner_with(
             opts: OPTS,
             prefetch: Some(3),
             expert_cache,
+            expert_profile: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -90,6 +91,7 @@ fn free_plan(s: &Store) -> sluice::plan::Plan {
             opts: OPTS,
             prefetch: None,
             expert_cache: None,
+            expert_profile: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -309,6 +311,7 @@ fn gemma3_270m_streamed_is_bit_identical_to_resident() {
             opts: OPTS,
             prefetch: None,
             expert_cache: None,
+            expert_profile: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -369,6 +372,7 @@ fn a_budget_too_small_fails_at_start_with_the_numbers() {
             opts: OPTS,
             prefetch: None,
             expert_cache: None,
+            expert_profile: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -444,6 +448,7 @@ fn corrupted_layer(last_frame_with_parts: bool, unified: bool) {
             opts: OPTS,
             prefetch: Some(3),
             expert_cache: None,
+            expert_profile: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -712,6 +717,7 @@ fn least_budget(s: &Store, expert_cache: Option<usize>, unified: bool) -> u64 {
         opts: OPTS,
         prefetch: Some(3),
         expert_cache,
+        expert_profile: None,
         backend_reserved: 0,
         host: sluice::plan::HostInput {
             unified,
@@ -1049,5 +1055,174 @@ fn sluiced_synth_moe_streams_its_routed_experts() {
         "frequency eviction {} hits, LRU {}",
         hits[0],
         hits[1]
+    );
+    // A warm-up run saves its routing as a profile; a run that loads it starts with the
+    // hottest experts in the cache (some pinned), hits more and generates the same tokens.
+    let prof = tmp.path().join("experts.json");
+    let pr = prof.to_str().unwrap();
+    run(&["--device-memory", "12MiB", "--save-expert-profile", pr]);
+    let saved: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&prof).unwrap()).unwrap();
+    assert_eq!(saved["layers"].as_array().unwrap().len(), 4, "{saved}");
+    let cold = run(&["--device-memory", "12MiB"]);
+    let warm = run(&["--device-memory", "12MiB", "--expert-profile", pr]);
+    assert_eq!(warm["generated_token_ids"], full["generated_token_ids"]);
+    let w = &warm["expert_profile"];
+    assert!(w["experts_loaded"].as_u64().unwrap() > 0, "{w}");
+    assert!(w["experts_pinned"].as_u64().unwrap() > 0, "{w}");
+    assert!(
+        warm["plan"]["expert_hot_slots"].as_u64().unwrap() > 0,
+        "{}",
+        warm["plan"]
+    );
+    assert!(warm["device_bytes_peak"].as_u64().unwrap() <= 12 << 20);
+    let hits = |v: &serde_json::Value| v["experts"]["cache_hits"].as_u64().unwrap();
+    assert!(
+        hits(&warm) > hits(&cold),
+        "with the profile {} hits, without {}",
+        hits(&warm),
+        hits(&cold)
+    );
+    // A profile that is not one: the file is named.
+    std::fs::write(&prof, "{\"model\": 1}").unwrap();
+    let e = sluiced_err(&[
+        "run",
+        d,
+        "--prompt-ids",
+        "1,2",
+        "--max-tokens",
+        "2",
+        "--expert-profile",
+        pr,
+    ]);
+    assert!(e.contains("experts.json"), "{e}");
+}
+
+/// An expert profile (the routing counts of an earlier run) plans room for the hottest
+/// experts, loads them into the expert cache at start and pins them: they are still there
+/// after steps that route elsewhere, the first step already hits them, and the outputs are
+/// the same bits as all-resident, within the budget, on the CPU as it runs and as a discrete
+/// device. A profile of another model is refused naming its file.
+#[test]
+fn an_expert_profile_pins_the_hottest_experts_and_outputs_stay_bit_identical() {
+    use sluice::pipeline::{ExpertProfile, PROFILE_HOT_SHARE};
+    let tmp = tempfile::tempdir().unwrap();
+    let s = pack_store(
+        &fixture("tiny-qwen3moe"),
+        &tmp.path().join("s"),
+        "none",
+        64 << 10,
+    );
+    let m = s.manifest();
+    let vocab = m.arch.vocab;
+    let want = outputs(&mut runner(&s, None, 0), vocab);
+    // The profile of a run, saved and read back.
+    let mut warm = runner(&s, None, 0);
+    outputs(&mut warm, vocab);
+    let path = tmp.path().join("profile.json");
+    warm.expert_profile().save(&path).unwrap();
+    let profile = ExpertProfile::load(&path, &m.arch).unwrap();
+    assert_eq!(profile, warm.expert_profile());
+    let hot = profile.hot_set(PROFILE_HOT_SHARE);
+    assert!(
+        hot > 0 && hot < 8,
+        "{hot} of the 8 experts served half the tokens"
+    );
+    // The hottest experts, as (unit, expert), hottest first.
+    let mut ranked: Vec<(u64, usize, u32)> = profile
+        .layers
+        .iter()
+        .enumerate()
+        .flat_map(|(i, l)| {
+            l.iter()
+                .enumerate()
+                .map(move |(e, &n)| (n, i + 1, e as u32))
+        })
+        .collect();
+    ranked.sort_by(|a, b| b.0.cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+    for unified in [false, true] {
+        let input = |budget| PlanInput {
+            device_budget: Some(budget),
+            host_cache_budget: 0,
+            opts: OPTS,
+            prefetch: Some(3),
+            expert_cache: None,
+            expert_profile: Some(hot),
+            backend_reserved: 0,
+            host: sluice::plan::HostInput {
+                unified,
+                ..Default::default()
+            },
+        };
+        // The least that plans the hot experts and a step's loads (2 x top 2) as a cache.
+        let budget = least_budget(&s, Some(hot + 4), unified);
+        let make = if unified {
+            sluice::engine::cpu_runner
+        } else {
+            sluice::engine::cpu_runner_discrete
+        };
+        let mut r = make(s.clone(), &input(budget), 2, io()).unwrap();
+        let label = format!("unified={unified}");
+        let p = &r.plan;
+        assert!(
+            p.sparse.iter().any(Option::is_some),
+            "{label}: nothing streams"
+        );
+        assert!(p.expert_hot_slots > 0, "{label}: {}", p.table());
+        assert!(p.table().contains("resident hot experts"), "{label}");
+        let hot_slots = p.expert_hot_slots;
+        let loaded = r.load_expert_profile(profile.clone()).unwrap();
+        let pinned_of = |r: &Pipeline<CpuBackend>| -> Vec<(usize, u32)> {
+            r.cached_experts()
+                .into_iter()
+                .filter(|c| c.2)
+                .map(|c| (c.0, c.1))
+                .collect()
+        };
+        let pinned = pinned_of(&r);
+        let hottest: Vec<(usize, u32)> = ranked
+            .iter()
+            .filter(|x| x.0 > 0 && r.plan.sparse[x.1].is_some())
+            .take(hot_slots)
+            .map(|x| (x.1, x.2))
+            .collect();
+        assert!(loaded >= pinned.len(), "{label}");
+        assert_eq!(pinned, hottest, "{label}: the pinned experts");
+        let got = outputs(&mut r, vocab);
+        assert!(got == want, "{label}: outputs differ from all-resident");
+        let first = r.total().clone();
+        assert!(
+            first.expert_cache_hits > 0,
+            "{label}: no hit from the warm cache"
+        );
+        // Still pinned after the steps, whatever they routed.
+        assert_eq!(
+            pinned_of(&r),
+            hottest,
+            "{label}: a pinned expert was evicted"
+        );
+        let b = r.backend.budget();
+        assert!(
+            b.peak() <= b.limit(),
+            "{label}: peak {} over {}",
+            b.peak(),
+            b.limit()
+        );
+    }
+    // A profile of another model (Mixtral's: other layers and experts) says so.
+    let other = tmp.path().join("other.json");
+    std::fs::write(
+        &other,
+        serde_json::to_string(&ExpertProfile {
+            model: "other".into(),
+            layers: vec![vec![1; 8]; 3],
+        })
+        .unwrap(),
+    )
+    .unwrap();
+    let e = ExpertProfile::load(&other, &m.arch).unwrap_err();
+    assert!(
+        e.contains("other.json") && e.contains("--save-expert-profile"),
+        "{e}"
     );
 }

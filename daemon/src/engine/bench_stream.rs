@@ -23,6 +23,10 @@ pub struct BenchStreamOptions {
     pub host: Option<crate::plan::HostInput>,
     pub prefetch: Option<usize>,
     pub expert_cache: Option<usize>,
+    pub expert_eviction: crate::pipeline::Eviction,
+    pub expert_prediction: crate::pipeline::Prediction,
+    /// Loaded into every streamed run's pipeline (and planned for).
+    pub expert_profile: Option<crate::pipeline::ExpertProfile>,
     pub threads: usize,
     pub io: IoConfig,
     pub batches: Vec<usize>,
@@ -41,6 +45,29 @@ pub struct BatchResult {
     pub vs_linear: f64,
     pub load_stall_s_per_pass: f64,
     pub compute_s_per_pass: f64,
+    /// A mixture whose experts stream: what the timed decode steps loaded and why.
+    pub experts: Option<ExpertFigures>,
+}
+
+/// A mixture's streamed experts over the timed decode steps of one batch size.
+#[derive(Debug, Serialize)]
+pub struct ExpertFigures {
+    /// Bytes read from disk per token generated (every read: dense parts, experts, units).
+    pub bytes_read_per_token: f64,
+    /// Bytes of the routed experts that missed the expert cache, per token.
+    pub expert_bytes_missed_per_token: f64,
+    /// bytes_read_per_token / expert_bytes_missed_per_token (target <= 1.2).
+    pub read_vs_missed: f64,
+    /// What streaming the same layers whole would read per token (their stored bytes
+    /// per pass over the batch), and how many times less is read here.
+    pub whole_layer_bytes_per_token: f64,
+    pub whole_layer_vs_read: f64,
+    /// Experts routed per token (over the streamed layers), and the share served by the
+    /// expert cache.
+    pub experts_routed_per_token: f64,
+    pub cache_hit_rate: f64,
+    /// Of the experts predicted before their layer routed, the share it chose.
+    pub prediction_precision: f64,
 }
 
 #[derive(Debug, Serialize)]
@@ -75,6 +102,11 @@ pub struct BenchStreamReport {
     pub plain_h2d_gbps: f64,
     /// copy_gbps / plain_h2d_gbps (target >= 0.9).
     pub copy_vs_plain: f64,
+    /// A mixture: the expert cache's slots, those pinned from a profile, and the policies.
+    pub expert_cache_slots: usize,
+    pub expert_hot_slots: usize,
+    pub expert_eviction: crate::pipeline::Eviction,
+    pub expert_prediction: crate::pipeline::Prediction,
     pub batches: Vec<BatchResult>,
 }
 
@@ -132,19 +164,20 @@ fn decode_step<B: Backend>(
 }
 
 /// Prefills `batch` sequences, then times `steps` decode steps; returns (seconds per pass,
-/// load stall per pass, compute per pass).
+/// load stall per pass, compute per pass) and the pipeline's totals before the timed steps.
 fn decode_passes<B: Backend>(
     r: &mut Pipeline<B>,
     batch: usize,
     prompt: usize,
     steps: usize,
     vocab: u32,
-) -> Result<(f64, f64, f64), EngineError> {
+) -> Result<((f64, f64, f64), crate::pipeline::PassStats), EngineError> {
     let mut logits = Vec::new();
     let mut pos = prefill(r, batch, prompt, vocab, &mut logits)?;
     // One untimed decode step warms the caches.
     decode_step(r, batch, pos, vocab, &mut logits)?;
     pos += 1;
+    let before = r.total().clone();
     let t0 = Instant::now();
     let (mut stall, mut compute) = (0.0, 0.0);
     for _ in 0..steps {
@@ -154,7 +187,43 @@ fn decode_passes<B: Backend>(
         compute += r.last_pass().compute_s;
     }
     let n = steps as f64;
-    Ok((t0.elapsed().as_secs_f64() / n, stall / n, compute / n))
+    Ok((
+        (t0.elapsed().as_secs_f64() / n, stall / n, compute / n),
+        before,
+    ))
+}
+
+/// The expert figures of `tokens` decode tokens between totals `a` and `b`, beside
+/// `whole_per_pass` (the streamed sparse layers' stored bytes) over `passes` passes.
+fn expert_figures(
+    a: &crate::pipeline::PassStats,
+    b: &crate::pipeline::PassStats,
+    tokens: f64,
+    whole_per_pass: u64,
+    passes: f64,
+) -> Option<ExpertFigures> {
+    let routed = b.experts_routed - a.experts_routed;
+    if routed == 0 {
+        return None;
+    }
+    let read = (b.bytes_read - a.bytes_read) as f64 / tokens;
+    let missed = (b.expert_bytes_loaded - a.expert_bytes_loaded) as f64 / tokens;
+    let whole = whole_per_pass as f64 * passes / tokens;
+    let ratio = |x: f64, y: f64| if y > 0.0 { x / y } else { 0.0 };
+    let predicted = b.experts_predicted - a.experts_predicted;
+    Some(ExpertFigures {
+        bytes_read_per_token: read,
+        expert_bytes_missed_per_token: missed,
+        read_vs_missed: ratio(read, missed),
+        whole_layer_bytes_per_token: whole,
+        whole_layer_vs_read: ratio(whole, read),
+        experts_routed_per_token: routed as f64 / tokens,
+        cache_hit_rate: (b.expert_cache_hits - a.expert_cache_hits) as f64 / routed as f64,
+        prediction_precision: ratio(
+            (b.experts_predicted_used - a.experts_predicted_used) as f64,
+            predicted as f64,
+        ),
+    })
 }
 
 /// Streaming-only and streamed passes at batch 1, alternating, `pairs` of each: a disk
@@ -258,6 +327,7 @@ pub fn budget_for_weights_share(
             opts,
             prefetch,
             expert_cache: None,
+            expert_profile: None,
             backend_reserved: 0,
             host: Default::default(),
         },
@@ -303,28 +373,54 @@ pub fn bench_stream<B: Backend>(
         opts,
         prefetch: o.prefetch,
         expert_cache: o.expert_cache,
+        expert_profile: o
+            .expert_profile
+            .as_ref()
+            .map(|p| p.hot_set(crate::pipeline::PROFILE_HOT_SHARE)),
         backend_reserved: 0,
         host: host.cloned().unwrap_or_default(),
+    };
+    // A streamed run's pipeline, with the expert policies and profile asked for.
+    let streamed_run = |input: &PlanInput| -> Result<Pipeline<B>, EngineError> {
+        let mut r = make(input)?;
+        r.expert_eviction = o.expert_eviction;
+        r.expert_prediction = o.expert_prediction;
+        if let Some(p) = &o.expert_profile {
+            r.load_expert_profile(p.clone())?;
+        }
+        Ok(r)
     };
 
     // Compute alone: every unit resident, batch 1.
     let compute_only = {
         let mut r = make(&input(None, None))?;
-        decode_passes(&mut r, 1, o.prompt_tokens, o.steps, vocab)?.0
+        (decode_passes(&mut r, 1, o.prompt_tokens, o.steps, vocab)?.0).0
     };
     // Streaming alone (the same loads, compute skipped) against the streamed pass, in
     // alternation, on a pipeline of its own so the batch runs below start as before.
     let (streaming_only, streamed, overlap) = {
-        let mut r = make(&input(o.device_budget, o.host.as_ref()))?;
+        let mut r = streamed_run(&input(o.device_budget, o.host.as_ref()))?;
         alternating_passes(&mut r, o.prompt_tokens, o.steps, vocab, compute_only)?
     };
-    let mut r = make(&input(o.device_budget, o.host.as_ref()))?;
+    let mut r = streamed_run(&input(o.device_budget, o.host.as_ref()))?;
+    let whole_per_pass: u64 = (0..store.units().len())
+        .filter(|&u| r.plan.sparse[u].is_some())
+        .map(|u| store.units()[u].stored_len)
+        .sum();
     let mut batches = Vec::new();
     let mut rate1 = 0.0;
     let mut copy_gbps = 0.0;
     for &b in &o.batches {
         let before = r.total().clone();
-        let (pass, stall, compute) = decode_passes(&mut r, b, o.prompt_tokens, o.steps, vocab)?;
+        let ((pass, stall, compute), timed) =
+            decode_passes(&mut r, b, o.prompt_tokens, o.steps, vocab)?;
+        let experts = expert_figures(
+            &timed,
+            r.total(),
+            (b * o.steps) as f64,
+            whole_per_pass,
+            o.steps as f64,
+        );
         if b == 1 {
             let t = r.total();
             let secs = t.copy_device_s - before.copy_device_s;
@@ -347,6 +443,7 @@ pub fn bench_stream<B: Backend>(
             },
             load_stall_s_per_pass: stall,
             compute_s_per_pass: compute,
+            experts,
         });
     }
     let plain = if r.plan.stream_slots > 0 {
@@ -376,6 +473,10 @@ pub fn bench_stream<B: Backend>(
         host_bytes_budget: r.plan.host.budget,
         host_bytes_planned: r.plan.host.total_bytes,
         host_bytes_peak: crate::hostmem::peak_rss_bytes().unwrap_or(0),
+        expert_cache_slots: r.plan.expert_cache_slots,
+        expert_hot_slots: r.plan.expert_hot_slots,
+        expert_eviction: r.expert_eviction,
+        expert_prediction: r.expert_prediction,
         batches,
     })
 }

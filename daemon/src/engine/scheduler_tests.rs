@@ -35,6 +35,7 @@ fn pipeline(
         },
         prefetch: None,
         expert_cache: None,
+        expert_profile: None,
         backend_reserved: 0,
         host: Default::default(),
     };

@@ -18,10 +18,16 @@
 //! and copies it into the cache only when it has served at least as many tokens as the
 //! expert it would evict (so a cold expert does not push out a hot one); a discrete device
 //! runs every expert from the cache (one slot at least).
+//!
+//! An expert profile (`ExpertProfile`: the tokens each expert of each layer was routed in
+//! an earlier run, saved with `--save-expert-profile`) seeds the frequency counts and fills
+//! the cache at start, hottest first; its first `Plan::expert_hot_slots` slots are the
+//! resident hot experts, which nothing evicts.
 
 use super::{mem_of, Dst, Load, PassAt, PassStats, Pipeline, PipelineError};
 use crate::backend::Backend;
 use crate::io::Ticket;
+use crate::store::arch::ArchConfig;
 use crate::store::format::UnitKind;
 use std::time::Instant;
 
@@ -76,11 +82,83 @@ impl std::str::FromStr for Prediction {
     }
 }
 
+/// Of a loaded expert profile, the share of its routed tokens whose experts the plan keeps
+/// resident (`ExpertProfile::hot_set`).
+pub const PROFILE_HOT_SHARE: f64 = 0.5;
+
+/// The tokens each expert of each decoder layer was routed (empty for a dense layer), as a
+/// run measured them: saved to a file and loaded to warm a later run's expert cache.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ExpertProfile {
+    /// The model's name (its store's), to catch a profile of another model.
+    pub model: String,
+    pub layers: Vec<Vec<u64>>,
+}
+
+impl ExpertProfile {
+    /// Reads a profile from `path` (JSON), checked against `cfg`: a layer per decoder
+    /// layer, an expert count per expert of each sparse layer, none for a dense one.
+    pub fn load(path: &std::path::Path, cfg: &ArchConfig) -> Result<ExpertProfile, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("read expert profile {}: {e}", path.display()))?;
+        let p: ExpertProfile = serde_json::from_str(&text)
+            .map_err(|e| format!("expert profile {}: {e}", path.display()))?;
+        let want: Vec<usize> = (0..cfg.n_layers)
+            .map(|i| match &cfg.moe {
+                Some(m) if cfg.is_sparse(i) => m.n_experts as usize,
+                _ => 0,
+            })
+            .collect();
+        let got: Vec<usize> = p.layers.iter().map(Vec::len).collect();
+        if got != want {
+            return Err(format!(
+                "expert profile {} (of model {:?}) has {} layers of {:?} experts; this model's are {} of {:?}: save a profile of this model (--save-expert-profile)",
+                path.display(),
+                p.model,
+                got.len(),
+                got.iter().max().copied().unwrap_or(0),
+                want.len(),
+                want.iter().max().copied().unwrap_or(0)
+            ));
+        }
+        Ok(p)
+    }
+
+    /// The experts worth keeping resident: the fewest of the sparse layers' experts that
+    /// together served `share` of the routed tokens (hottest first).
+    pub fn hot_set(&self, share: f64) -> usize {
+        let mut counts: Vec<u64> = self.layers.iter().flatten().copied().collect();
+        counts.sort_unstable_by(|a, b| b.cmp(a));
+        let total: u64 = counts.iter().sum();
+        let want = (total as f64 * share).ceil() as u64;
+        let mut sum = 0;
+        counts
+            .iter()
+            .take_while(|&&c| {
+                let short = sum < want && c > 0;
+                sum += c;
+                short
+            })
+            .count()
+    }
+
+    /// Writes the profile to `path` (JSON, replaced whole).
+    pub fn save(&self, path: &std::path::Path) -> Result<(), String> {
+        let text = serde_json::to_string(self).map_err(|e| e.to_string())?;
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text)
+            .and_then(|_| std::fs::rename(&tmp, path))
+            .map_err(|e| format!("write expert profile {}: {e}", path.display()))
+    }
+}
+
 /// Device slots of an expert each, and which expert each holds.
 pub(super) struct ExpertCache<M> {
     pub(super) slots: Vec<M>,
     /// (unit, expert) per slot.
     holds: Vec<Option<(usize, u32)>>,
+    /// Slots whose expert is never evicted (the resident hot experts).
+    pinned: Vec<bool>,
     last_use: Vec<u64>,
     clock: u64,
 }
@@ -91,6 +169,7 @@ impl<M> ExpertCache<M> {
         ExpertCache {
             slots,
             holds: vec![None; n],
+            pinned: vec![false; n],
             last_use: vec![0; n],
             clock: 0,
         }
@@ -123,6 +202,7 @@ impl<M> ExpertCache<M> {
             return Some((free, None));
         }
         (0..self.slots.len())
+            .filter(|&s| !self.pinned[s])
             .filter_map(|s| self.holds[s].map(|(u, e)| (s, u, e)))
             .min_by_key(|&(s, u, e)| (busy(u, e), weight(u, e), self.last_use[s]))
             .map(|(s, u, e)| (s, Some(weight(u, e))))
@@ -392,22 +472,84 @@ impl<B: Backend> Pipeline<B> {
         Ok(())
     }
 
-    /// What eviction weighs expert `e` of unit `u` by: the tokens routed to it so far
-    /// (frequency), or nothing (LRU).
+    /// What eviction weighs expert `e` of unit `u` by: the tokens routed to it so far, and
+    /// in the loaded profile (frequency), or nothing (LRU).
     fn expert_weight(&self, u: usize, e: u32) -> u64 {
         if self.expert_eviction == Eviction::Lru {
             return 0;
         }
-        match self.store.units()[u].kind {
-            UnitKind::Decoder(i) => self
-                .model
-                .expert_tokens()
+        let count = |layers: &[Vec<u64>], i: u32| {
+            layers
                 .get(i as usize)
                 .and_then(|l| l.get(e as usize))
                 .copied()
-                .unwrap_or(0),
+                .unwrap_or(0)
+        };
+        match self.store.units()[u].kind {
+            UnitKind::Decoder(i) => {
+                count(self.model.expert_tokens(), i) + count(&self.expert_prior, i)
+            }
             _ => 0,
         }
+    }
+
+    /// What the expert cache holds: (unit, expert, pinned) per occupied slot.
+    pub fn cached_experts(&self) -> Vec<(usize, u32, bool)> {
+        (0..self.experts.slots.len())
+            .filter_map(|s| self.experts.holds[s].map(|(u, e)| (u, e, self.experts.pinned[s])))
+            .collect()
+    }
+
+    /// The routing counts so far (those of a loaded profile included): what
+    /// `--save-expert-profile` writes.
+    pub fn expert_profile(&self) -> ExpertProfile {
+        let mut layers = self.model.expert_tokens().to_vec();
+        for (l, p) in layers.iter_mut().zip(&self.expert_prior) {
+            for (x, y) in l.iter_mut().zip(p) {
+                *x += y;
+            }
+        }
+        ExpertProfile {
+            model: self.store.manifest().arch.name.clone(),
+            layers,
+        }
+    }
+
+    /// Loads a profile (checked by `ExpertProfile::load`): its counts join the frequency
+    /// eviction's, and the expert cache fills with the experts of the streamed layers it
+    /// routed most, hottest first, the first `Plan::expert_hot_slots` of them pinned.
+    /// Returns how many experts were loaded.
+    pub fn load_expert_profile(&mut self, p: ExpertProfile) -> Result<usize, PipelineError> {
+        let mut hot: Vec<(u64, usize, u32)> = Vec::new();
+        for (u, unit) in self.store.units().iter().enumerate() {
+            let (UnitKind::Decoder(i), Some(_)) = (unit.kind, &self.plan.sparse[u]) else {
+                continue;
+            };
+            if let Some(l) = p.layers.get(i as usize) {
+                hot.extend(
+                    l.iter()
+                        .enumerate()
+                        .filter(|&(_, &n)| n > 0)
+                        .map(|(e, &n)| (n, u, e as u32)),
+                );
+            }
+        }
+        // Hottest first; ties to the earlier layer and expert.
+        hot.sort_by(|a, b| b.0.cmp(&a.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+        self.expert_prior = p.layers;
+        let mut loaded = 0;
+        for (s, &(_, u, e)) in hot.iter().take(self.experts.slots.len()).enumerate() {
+            let frames = self.load_frames(Load::Expert(u, e));
+            let len = self.load_len(Load::Expert(u, e));
+            let slot = self.io.wait(self.io.request_part(u, frames)?)?;
+            self.backend
+                .upload(&mut self.experts.slots[s], &slot.data()[..len])?;
+            self.experts.put(s, u, e);
+            self.experts.pinned[s] = s < self.plan.expert_hot_slots;
+            loaded += 1;
+        }
+        self.io_mark = self.io.stats();
+        Ok(loaded)
     }
 
     /// Runs expert `e` of sparse layer `u` on its rows: from the expert cache, else from

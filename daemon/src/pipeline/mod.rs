@@ -230,6 +230,8 @@ pub struct Pipeline<B: Backend> {
     pub skip_compute: bool,
     /// The expert cache's eviction (frequency by default; LRU to compare).
     pub expert_eviction: Eviction,
+    /// A loaded expert profile's routing counts per decoder layer (empty: none).
+    expert_prior: Vec<Vec<u64>>,
     /// Measure the router lookahead as a predictor of a mixture's routing
     /// (`Decoder::lookahead_route`; costs a router per resident layer and step).
     pub measure_lookahead: bool,
@@ -600,6 +602,7 @@ impl<B: Backend> Pipeline<B> {
             in_slot: vec![None; plan_slots],
             skip_compute: false,
             expert_eviction: Eviction::default(),
+            expert_prior: Vec::new(),
             measure_lookahead: false,
             expert_prediction: Prediction::default(),
             early: None,
@@ -1030,4 +1033,4 @@ impl<B: Backend> Pipeline<B> {
 
 // After the macros, which it uses.
 mod experts;
-pub use experts::{Eviction, Prediction};
+pub use experts::{Eviction, ExpertProfile, Prediction, PROFILE_HOT_SHARE};

@@ -49,6 +49,12 @@ pub struct PlanInput {
     /// Slots of the expert cache when a mixture's experts stream (`--expert-cache`); None:
     /// as many as the memory the split leaves holds.
     pub expert_cache: Option<usize>,
+    /// An expert profile (routing counts of an earlier run) will be loaded, which wants
+    /// this many experts resident (`ExpertProfile::hot_set`): unless `expert_cache` says
+    /// otherwise, the split leaves room for them and a step's loads in the expert cache
+    /// before whole layers stay resident, and the hottest hold their slots for good
+    /// (`Plan::expert_hot_slots`). When that cannot fit, the plan is made without it.
+    pub expert_profile: Option<usize>,
     /// Device bytes the backend keeps for itself (CUDA: kernel metadata, cuBLAS scratch
     /// and workspace; CPU: 0), reserved before anything else.
     pub backend_reserved: u64,
@@ -242,6 +248,10 @@ pub struct Plan {
     /// backend's in the arena; none there is needed, its experts run from staging slots).
     pub expert_cache_slots: usize,
     pub expert_slot_bytes: u64,
+    /// Of the expert cache's slots, those that hold the hottest experts of a loaded
+    /// profile, loaded at start and never evicted (the resident hot experts); the rest
+    /// (at least one a step's expert loads, or one) evict by the policy.
+    pub expert_hot_slots: usize,
     /// Expert loads in flight at once (host staging slots beside the prefetched units).
     pub expert_reads: usize,
     /// Experts of the streamed layers, all told (the most the cache can use).
@@ -435,6 +445,17 @@ impl Plan {
                     self.sparse.iter().flatten().count()
                 ),
             );
+            if self.expert_hot_slots > 0 {
+                line(
+                    &mut s,
+                    "resident hot experts",
+                    format!(
+                        "{} of the cache's slots, {} (the profile's hottest, never evicted)",
+                        self.expert_hot_slots,
+                        fmt_bytes(self.expert_hot_slots as u64 * self.expert_slot_bytes)
+                    ),
+                );
+            }
             line(
                 &mut s,
                 "resident dense parts",
@@ -609,8 +630,12 @@ fn choose_residency(
             if !ok {
                 continue;
             }
+            // A mixture's layer that can stream sparsely is not kept whole: the room is
+            // worth more as resident dense parts (all their bytes saved every pass) and
+            // expert cache slots (the experts routed most, of every layer) than as one
+            // layer's experts, most of which a pass leaves unread.
             for &u in &order {
-                if !res[u] && raw[u] <= left {
+                if !res[u] && raw[u] <= left && !e.sparse_unit(u) {
                     left -= raw[u];
                     res[u] = true;
                 }
@@ -710,6 +735,11 @@ impl<'m> UnitCosts<'m> {
             gather: (frame * opts.kv_slots as u64).min(unit.stored_len),
             sparse,
         }
+    }
+
+    /// Unit `u` is a mixture's layer that can stream sparsely.
+    fn sparse_unit(&self, u: usize) -> bool {
+        matches!(self.sparse.get(u), Some(Some(_)))
     }
 
     /// The slot bytes unit `u` needs to stream (its sparse loads' largest, else the unit).
@@ -825,6 +855,20 @@ fn into_slots_shape(h: &HostInput, unit: u64) -> (u64, usize) {
 /// host budget that runs (the reads scale with the budget, so the least is searched from
 /// the first shortfall up).
 pub fn plan(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
+    match (plan_with(m, input), input.expert_profile) {
+        // A profile's hot experts are worth room, not a failed start.
+        (Err(_), Some(_)) if input.expert_cache.is_none() => plan_with(
+            m,
+            &PlanInput {
+                expert_profile: None,
+                ..input.clone()
+            },
+        ),
+        (p, _) => p,
+    }
+}
+
+fn plan_with(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
     // Reads of up to an eighth of the host budget first; when that does not fit, up to a
     // 32nd (see read_shape).
     if input.host.budget.is_some() {
@@ -959,10 +1003,16 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         .filter_map(|(c, sp)| c.and(sp.as_ref()))
         .map(|sp| sp.experts.len())
         .sum();
-    let cache_min = match input.expert_cache {
-        Some(n) => n.min(experts_all),
-        None if h.unified => 0,
-        None => 1,
+    let loads_min = a.moe.as_ref().map_or(1, |moe| {
+        (2 * moe.top_k as usize)
+            .min(moe.n_experts as usize)
+            .clamp(1, 16)
+    });
+    let cache_min = match (input.expert_cache, input.expert_profile) {
+        (Some(n), _) => n.min(experts_all),
+        (None, Some(hot)) => (hot + loads_min).min(experts_all),
+        (None, None) if h.unified => 0,
+        (None, None) => 1,
     };
     let expert_reserve = (
         cache_min as u64 * expert_max,
@@ -1143,6 +1193,13 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         }
     };
     let expert_cache_bytes = expert_cache_slots as u64 * expert_slot_bytes;
+    // With a profile, the cache keeps room for one step's expert loads to come and go; the
+    // rest holds the profile's hottest experts for good.
+    let expert_hot_slots = if input.expert_profile.is_some() {
+        expert_cache_slots.saturating_sub(expert_reads.max(1))
+    } else {
+        0
+    };
     let arena = if h.unified {
         dev_used + dense_resident_bytes + expert_cache_bytes
     } else {
@@ -1293,6 +1350,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         dense_resident_bytes,
         expert_cache_slots,
         expert_slot_bytes,
+        expert_hot_slots,
         expert_reads,
         experts_streamed,
         units,

@@ -56,6 +56,7 @@ fn input(budget: Option<u64>, host_cache: u64) -> PlanInput {
         },
         prefetch: None,
         expert_cache: None,
+        expert_profile: None,
         backend_reserved: 0,
         host: Default::default(),
     }

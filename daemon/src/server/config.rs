@@ -65,6 +65,8 @@ pub struct ServeConfig {
     pub prefetch: Option<usize>,
     /// Expert-cache slots for a mixture whose layers stream (None: what memory leaves).
     pub expert_cache: Option<usize>,
+    /// An expert profile (`sluiced run --save-expert-profile`) for the `model` store.
+    pub expert_profile: Option<PathBuf>,
     /// Compute threads of the CPU backend (0: all cores).
     pub threads: usize,
     /// "auto" (CUDA when a usable GPU is there, else the CPU), "cpu" or "cuda".
@@ -107,6 +109,7 @@ impl Default for ServeConfig {
             queue_max: 64,
             prefetch: None,
             expert_cache: None,
+            expert_profile: None,
             threads: 0,
             backend: crate::engine::BackendChoice::Auto,
             device: 0,

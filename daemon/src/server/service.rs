@@ -318,6 +318,7 @@ impl Inference for Service {
                 prefetched: s.totals.expert_prefetches,
                 prefetched_unused: s.totals.expert_prefetches_wasted,
                 cache_slots: p.expert_cache_slots as u32,
+                hot_slots: p.expert_hot_slots as u32,
             }),
         }))
     }

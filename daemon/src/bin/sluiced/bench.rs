@@ -32,6 +32,16 @@ pub struct BenchStreamArgs {
     /// expert; default: as many as the memory left after the plan holds).
     #[arg(long)]
     pub expert_cache: Option<usize>,
+    /// How the expert cache evicts: frequency or lru.
+    #[arg(long, default_value = "frequency")]
+    pub expert_eviction: sluice::pipeline::Eviction,
+    /// How streamed experts are requested before their layer routes: lookahead, previous
+    /// or off.
+    #[arg(long, default_value = "lookahead")]
+    pub expert_prediction: sluice::pipeline::Prediction,
+    /// An expert profile (`sluiced run --save-expert-profile`) for the streamed runs.
+    #[arg(long, value_name = "PATH")]
+    pub expert_profile: Option<PathBuf>,
     /// Batch sizes to measure decode at, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "1,8,32,64")]
     pub batch: Vec<usize>,
@@ -64,6 +74,9 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
         host_memory,
         prefetch,
         expert_cache,
+        expert_eviction,
+        expert_prediction,
+        expert_profile,
         batch,
         steps,
         prompt_tokens,
@@ -73,6 +86,13 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
         json,
     } = a;
     let store = std::sync::Arc::new(Store::open(&sluice::util::store_path(&dir, None))?);
+    let expert_profile = match &expert_profile {
+        Some(p) => Some(
+            sluice::pipeline::ExpertProfile::load(p, &store.manifest().arch)
+                .map_err(anyhow::Error::msg)?,
+        ),
+        None => None,
+    };
     let chosen = sluice::engine::choose_backend(backend, device)?;
     if batch.is_empty() {
         anyhow::bail!("--batch is empty");
@@ -99,6 +119,9 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
         host: host_memory.map(|b| sluice::engine::host_input(Some(b), 0)),
         prefetch,
         expert_cache,
+        expert_eviction,
+        expert_prediction,
+        expert_profile,
         threads,
         io: sluice::io::IoConfig::serving(),
         batches: batch,
@@ -141,6 +164,39 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
                 b.load_stall_s_per_pass * 1e3,
                 b.compute_s_per_pass * 1e3
             );
+        }
+        if r.batches.iter().any(|b| b.experts.is_some()) {
+            println!(
+                "experts: cache {} slots ({} pinned from a profile), eviction {:?}, prediction {:?}",
+                r.expert_cache_slots, r.expert_hot_slots, r.expert_eviction, r.expert_prediction
+            );
+            println!(
+                "{:>6} {:>12} {:>12} {:>9} {:>12} {:>9} {:>9} {:>9} {:>10}",
+                "batch",
+                "read/token",
+                "missed/tok",
+                "read/miss",
+                "whole/token",
+                "whole/rd",
+                "routed/t",
+                "hit rate",
+                "precision"
+            );
+            for b in &r.batches {
+                let Some(e) = &b.experts else { continue };
+                println!(
+                    "{:>6} {:>12} {:>12} {:>9.3} {:>12} {:>9.1} {:>9.1} {:>9.3} {:>10.3}",
+                    b.batch,
+                    fmt_bytes(e.bytes_read_per_token as u64),
+                    fmt_bytes(e.expert_bytes_missed_per_token as u64),
+                    e.read_vs_missed,
+                    fmt_bytes(e.whole_layer_bytes_per_token as u64),
+                    e.whole_layer_vs_read,
+                    e.experts_routed_per_token,
+                    e.cache_hit_rate,
+                    e.prediction_precision
+                );
+            }
         }
     }
     Ok(std::process::ExitCode::SUCCESS)

@@ -101,6 +101,15 @@ pub struct RunArgs {
     /// then the least recently used) or lru.
     #[arg(long, default_value = "frequency")]
     expert_eviction: sluice::pipeline::Eviction,
+    /// Load an expert profile (the routing counts a run saved with --save-expert-profile):
+    /// the expert cache starts with the hottest experts, part of it pinned (the plan's
+    /// "resident hot experts"), and frequency eviction counts from the profile's numbers.
+    #[arg(long, value_name = "PATH")]
+    expert_profile: Option<PathBuf>,
+    /// After the run, save the routing counts (with a loaded profile's) as an expert
+    /// profile for later runs and `sluiced serve --expert-profile`.
+    #[arg(long, value_name = "PATH")]
+    save_expert_profile: Option<PathBuf>,
     /// Measure how well a mixture's routing is predicted a layer ahead by the next layer's
     /// router on the hidden state (where that layer is resident), beside the previous
     /// token's choices: `--json`'s `expert_prediction`.
@@ -151,12 +160,24 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         kv_dtype: sluice::engine::kv_dtype_for(a.exact, a.kv_dtype),
         exact: a.exact,
     };
+    // A profile's hottest experts, those that served half its routed tokens, are planned
+    // resident.
+    let profile = match &a.expert_profile {
+        Some(path) => {
+            Some(sluice::pipeline::ExpertProfile::load(path, &m.arch).map_err(anyhow::Error::msg)?)
+        }
+        None => None,
+    };
+    let profile_hot = profile
+        .as_ref()
+        .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));
     let input = sluice::plan::PlanInput {
         device_budget: a.device_memory,
         host_cache_budget: a.host_cache,
         opts,
         prefetch: a.prefetch,
         expert_cache: a.expert_cache,
+        expert_profile: profile_hot,
         backend_reserved: 0,
         // Logits of a row per sequence and the generated text are the run's own allocations.
         host: sluice::engine::host_input(
@@ -166,6 +187,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     };
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
     let job = Generate {
+        profile,
         a: &a,
         tok: &tok,
         prompt_ids: &prompt_ids,
@@ -218,6 +240,7 @@ fn prompt_ids(a: &RunArgs, m: &sluice::store::Manifest, tok: &Tokenizer) -> Resu
 
 /// `sluiced run`'s work once the backend is known.
 struct Generate<'a> {
+    profile: Option<sluice::pipeline::ExpertProfile>,
     a: &'a RunArgs,
     tok: &'a Tokenizer,
     prompt_ids: &'a [u32],
@@ -231,7 +254,13 @@ impl OnBackend for Generate<'_> {
         make: &dyn Fn(&sluice::plan::PlanInput) -> Result<Pipeline<B>, EngineError>,
     ) -> Result<Result<()>, EngineError> {
         let runner = make(&self.input)?;
-        Ok(run_generate(runner, self.a, self.tok, self.prompt_ids))
+        Ok(run_generate(
+            runner,
+            self.a,
+            self.tok,
+            self.prompt_ids,
+            self.profile,
+        ))
     }
 }
 
@@ -241,6 +270,7 @@ fn run_generate<B: Backend>(
     a: &RunArgs,
     tok: &Tokenizer,
     prompt_ids: &[u32],
+    profile: Option<sluice::pipeline::ExpertProfile>,
 ) -> Result<()> {
     use sluice::engine::generate::generate_parallel;
     use sluice::engine::sequence::GenerateParams;
@@ -250,6 +280,20 @@ fn run_generate<B: Backend>(
         eprint!("{}", runner.plan.table());
     }
     runner.expert_eviction = a.expert_eviction;
+    let profile = match (&a.expert_profile, profile) {
+        (Some(path), Some(p)) => {
+            let n = runner.load_expert_profile(p)?;
+            if !a.json {
+                eprintln!(
+                    "expert profile {}: {n} experts loaded, {} pinned",
+                    path.display(),
+                    n.min(runner.plan.expert_hot_slots)
+                );
+            }
+            Some((path.display().to_string(), n))
+        }
+        _ => None,
+    };
     runner.measure_lookahead = a.measure_expert_prediction;
     runner.expert_prediction = a.expert_prediction;
     let context = runner.options().max_context;
@@ -296,6 +340,13 @@ fn run_generate<B: Backend>(
     let total = runner.total().clone();
     let passes = total.passes.max(1) as f64;
     let plan = &runner.plan;
+    let profile_json = profile.as_ref().map(|(path, n)| {
+        serde_json::json!({
+            "path": path,
+            "experts_loaded": n,
+            "experts_pinned": (*n).min(plan.expert_hot_slots),
+        })
+    });
     if a.json {
         let j = serde_json::json!({
             "prompt_token_ids": out.prompt_token_ids,
@@ -339,6 +390,7 @@ fn run_generate<B: Backend>(
             "stall_load_s": total.load_stall_s,
             "experts": experts_json(&total),
             "expert_eviction": runner.expert_eviction,
+            "expert_profile": profile_json,
             "expert_prediction_mode": runner.expert_prediction,
             "expert_prediction": prediction_json(&runner.model.prediction_stats()),
             "plan": plan,
@@ -386,6 +438,15 @@ fn run_generate<B: Backend>(
                 ratio(total.experts_predicted_used, total.experts_predicted),
                 ratio(total.experts_predicted_used, total.experts_routed),
             );
+        }
+    }
+    if let Some(path) = &a.save_expert_profile {
+        runner
+            .expert_profile()
+            .save(path)
+            .map_err(anyhow::Error::msg)?;
+        if !a.json {
+            eprintln!("expert profile saved to {}", path.display());
         }
     }
     Ok(())

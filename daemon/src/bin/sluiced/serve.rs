@@ -106,6 +106,10 @@ pub struct ServeArgs {
     /// expert; default: as many as the memory left after the plan holds).
     #[arg(long)]
     pub expert_cache: Option<usize>,
+    /// An expert profile (`sluiced run --save-expert-profile`) for the --model store: its
+    /// expert cache starts with the hottest experts, part of it pinned.
+    #[arg(long, value_name = "PATH")]
+    pub expert_profile: Option<PathBuf>,
     /// Compute threads of the CPU backend (default 0: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -205,6 +209,9 @@ impl ServeArgs {
         if self.expert_cache.is_some() {
             c.expert_cache = self.expert_cache;
         }
+        if self.expert_profile.is_some() {
+            c.expert_profile = self.expert_profile;
+        }
         if self.exact {
             c.exact = true;
         }
@@ -218,6 +225,7 @@ impl ServeArgs {
 /// Builds the pipeline on the chosen backend and starts the scheduler's engine thread.
 struct StartScheduler {
     input: sluice::plan::PlanInput,
+    profile: Option<sluice::pipeline::ExpertProfile>,
     tokenizer: Arc<Tokenizer>,
     cfg: SchedulerConfig,
 }
@@ -231,7 +239,14 @@ impl OnBackend for StartScheduler {
     where
         B::Mem: 'static,
     {
-        let runner = make(&self.input)?;
+        let mut runner = make(&self.input)?;
+        if let Some(p) = self.profile {
+            let n = runner.load_expert_profile(p)?;
+            tracing::info!(
+                "expert profile: {n} experts loaded into the expert cache, {} pinned",
+                n.min(runner.plan.expert_hot_slots)
+            );
+        }
         let plan = runner.plan.clone();
         let name = runner.backend.name();
         let (s, e) = Scheduler::start(runner, self.tokenizer, self.cfg);
@@ -263,6 +278,7 @@ impl ModelLoader {
         &self,
         m: &sluice::store::Manifest,
         device_room: Option<u64>,
+        profile_hot: Option<usize>,
     ) -> sluice::plan::PlanInput {
         let cfg = &self.cfg;
         sluice::plan::PlanInput {
@@ -277,6 +293,7 @@ impl ModelLoader {
             },
             prefetch: cfg.prefetch,
             expert_cache: cfg.expert_cache,
+            expert_profile: profile_hot,
             backend_reserved: 0,
             // Logits rows of a full batch are the scheduler's own allocation.
             host: sluice::engine::host_input(
@@ -286,7 +303,15 @@ impl ModelLoader {
         }
     }
 
-    fn load_model(&self, name: &str, dir: &Path, device_room: Option<u64>) -> Result<Served> {
+    /// Loads the store at `dir` as `name`, with the expert profile at `profile` (the pinned
+    /// model's `expert_profile`).
+    fn load_model(
+        &self,
+        name: &str,
+        dir: &Path,
+        device_room: Option<u64>,
+        profile: Option<&Path>,
+    ) -> Result<Served> {
         let cfg = &self.cfg;
         let mut store = Store::open(dir)?;
         let tokenizer = Arc::new(Tokenizer::from_manifest(store.manifest())?);
@@ -305,8 +330,18 @@ impl ModelLoader {
             }
             None => None,
         };
+        let profile = match profile {
+            Some(p) => Some(
+                sluice::pipeline::ExpertProfile::load(p, &m.arch).map_err(anyhow::Error::msg)?,
+            ),
+            None => None,
+        };
+        let hot = profile
+            .as_ref()
+            .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));
         let start = StartScheduler {
-            input: self.input(m, device_room),
+            input: self.input(m, device_room, hot),
+            profile,
             tokenizer,
             cfg: SchedulerConfig {
                 queue_max: cfg.queue_max,
@@ -372,12 +407,12 @@ impl Loader for ModelLoader {
         let store = Store::open(dir).map_err(|e| e.to_string())?;
         let m = store.manifest();
         let io = self.io();
-        sluice::engine::plan_for(&self.chosen, m, &self.input(m, device_room), &io)
+        sluice::engine::plan_for(&self.chosen, m, &self.input(m, device_room, None), &io)
             .map_err(|e| e.to_string())
     }
 
     fn load(&self, name: &str, dir: &Path, device_room: Option<u64>) -> Result<Served, String> {
-        self.load_model(name, dir, device_room)
+        self.load_model(name, dir, device_room, None)
             .map_err(|e| format!("{e:#}"))
     }
 }
@@ -529,9 +564,13 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into());
-            let served = loader.load_model(&name, &path, device_total)?;
+            let served =
+                loader.load_model(&name, &path, device_total, cfg.expert_profile.as_deref())?;
             let info = StoreInfo::read(&path).map_err(anyhow::Error::msg)?;
             Some((name, path, info, served))
+        }
+        None if cfg.expert_profile.is_some() => {
+            bail!("expert_profile is for the store given with --model (model in the config); none is given")
         }
         None => None,
     };
