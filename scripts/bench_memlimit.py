@@ -9,7 +9,9 @@ the same run (4 MiB x 64, registered buffers: its best here); the disk bound is 
 fio's rate / sluice's bytes per step.
 
 Models: SmolLM2-135M (the project's GGUF) and, with --big, a random 1.2 GB Llama made by
-scripts/make_random_llama_gguf.py. sluice runs with --host-memory equal to the limit.
+scripts/make_random_llama_gguf.py; with --moe, a random 0.87 GiB mixture of experts (8
+layers, hidden 1024, 64 experts of 512 rows, top 4, Q8_0, a skewed router) made by the same
+script. sluice runs with --host-memory equal to the limit.
 Needs root (a child of this process's memory cgroup, v1 or v2), llama-cpp-python, fio and
 a release build.
 
@@ -244,6 +246,8 @@ def main():
     ap.add_argument("--big", action="store_true", help="also the random 1.2 GB Llama (made if missing)")
     ap.add_argument("--limits", default="256,144,128,112,96,80,64", help="SmolLM2 limits in MiB")
     ap.add_argument("--big-limits", default="1600,1024,768,512,384,256", help="1.2 GB model limits in MiB")
+    ap.add_argument("--moe", action="store_true", help="also the random 0.87 GiB mixture of experts (made if missing)")
+    ap.add_argument("--moe-limits", default="1200,512,384,256", help="mixture limits in MiB")
     a = ap.parse_args()
     a.batches = [int(x) for x in a.batch.split(",")]
     if a.small:
@@ -255,6 +259,14 @@ def main():
             subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_random_llama_gguf.py"), big], check=True)
         a.decode = min(a.decode, 8)
         bench("random Llama 1.2 GB Q8_0", big, [int(x) * MIB for x in a.big_limits.split(",")], a)
+    if a.moe:
+        moe = os.path.expanduser("~/.cache/sluice/bench/random-moe-64x4.gguf")
+        if not os.path.exists(moe):
+            os.makedirs(os.path.dirname(moe), exist_ok=True)
+            subprocess.run([sys.executable, os.path.join(ROOT, "scripts/make_random_llama_gguf.py"), moe, "--layers", "8",
+                            "--hidden", "1024", "--moe", "64/4", "--expert-inter", "512"], check=True)
+        a.decode = min(a.decode, 16)
+        bench("random mixture 64x4 0.87 GiB Q8_0", moe, [int(x) * MIB for x in a.moe_limits.split(",")], a)
     print("\ntok/s: decode tokens per second of the whole batch. MB/step: storage reads per decode step (one token for each")
     print("sequence) from /proc/PID/io (llama.cpp: its page cache refaults; sluice: O_DIRECT reads).")
     print("peak: the cgroup's max usage (anonymous + page cache). disk bound: batch x fio rate / sluice's bytes per step.")

@@ -5,7 +5,13 @@ KV heads), tied embeddings, Q8_0 matrices, SmolLM2's vocabulary and tokenizer co
 its GGUF (so llama.cpp and sluice both load it). Written with gguf-py; weights N(0, 0.02),
 norms 1, so activations stay finite.
 
+With --moe EXPERTS/TOP_K every layer is a mixture instead (Mixtral's layout as llama.cpp's
+converter writes it: arch "llama" with expert_count, the router ffn_gate_inp and the merged
+ffn_{gate,up,down}_exps), each expert of --expert-inter rows, the router's row e scaled by
+(e + 1)^-skew (--router-skew, as `sluiced synth --moe`: a skewed expert popularity).
+
     python3 scripts/make_random_llama_gguf.py OUT.gguf [--layers 24] [--smollm2 PATH]
+        [--hidden 2048] [--moe 64/4 --expert-inter 512 --router-skew 1]
 """
 import argparse
 import os
@@ -46,14 +52,25 @@ def main():
     ap.add_argument("out")
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--smollm2", default=os.path.expanduser("~/.cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--moe", help="EXPERTS/TOP_K: every layer a mixture")
+    ap.add_argument("--expert-inter", type=int, default=512)
+    ap.add_argument("--router-skew", type=float, default=1.0)
     a = ap.parse_args()
-    hidden, inter, heads, kv_heads, head_dim = 2048, 5632, 32, 4, 64
+    hidden, inter, head_dim = a.hidden, 5632, 64
+    heads, kv_heads = hidden // head_dim, max(hidden // head_dim // 8, 1)
+    experts, top_k = (int(x) for x in a.moe.split("/")) if a.moe else (0, 0)
     w = GGUFWriter(a.out, "llama")
-    w.add_name("random-llama-1.2g")
+    w.add_name(f"random-llama-moe-{experts}x{top_k}" if experts else "random-llama-1.2g")
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(top_k)
+        w.add_expert_feed_forward_length(a.expert_inter)
     w.add_context_length(2048)
     w.add_embedding_length(hidden)
     w.add_block_count(a.layers)
-    w.add_feed_forward_length(inter)
+    # llama.cpp's llama graph sizes a mixture's experts by feed_forward_length.
+    w.add_feed_forward_length(a.expert_inter if experts else inter)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
     w.add_rope_dimension_count(head_dim)
@@ -80,6 +97,16 @@ def main():
         mat(f"{p}.attn_v.weight", kv_heads * head_dim, hidden)
         mat(f"{p}.attn_output.weight", hidden, heads * head_dim)
         norm(f"{p}.ffn_norm.weight")
+        if experts:
+            router = (rng.standard_normal((experts, hidden), dtype=np.float32) * 0.02)
+            router *= (np.arange(1, experts + 1, dtype=np.float32) ** -a.router_skew)[:, None]
+            w.add_tensor(f"{p}.ffn_gate_inp.weight", router.astype(np.float32))
+            for proj, rows, cols in (("gate", a.expert_inter, hidden), ("up", a.expert_inter, hidden),
+                                     ("down", hidden, a.expert_inter)):
+                x = (rng.standard_normal((experts, rows, cols), dtype=np.float32) * 0.02)
+                q = quantize(x, GGMLQuantizationType.Q8_0)
+                w.add_tensor(f"{p}.ffn_{proj}_exps.weight", q, raw_shape=q.shape, raw_dtype=GGMLQuantizationType.Q8_0)
+            continue
         mat(f"{p}.ffn_gate.weight", inter, hidden)
         mat(f"{p}.ffn_up.weight", inter, hidden)
         mat(f"{p}.ffn_down.weight", hidden, inter)
