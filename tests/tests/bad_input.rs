@@ -675,27 +675,49 @@ fn a_daemon_whose_model_has_a_hostile_template_refuses_chats_and_keeps_serving()
 }
 
 /// OpenAI's gpt-oss checkpoints hold their experts as MXFP4 blocks and scales
-/// (`mlp.experts.gate_up_proj_blocks`, `_scales`): refused with the way round (llama.cpp's
-/// converter keeps them MXFP4 in a GGUF, which sluice packs), naming the tensor.
+/// (`mlp.experts.gate_up_proj_blocks`, `_scales`): a blocks tensor without its scales, or
+/// of the wrong shape, is refused naming the tensor.
 #[test]
-fn a_gpt_oss_mxfp4_checkpoint_is_refused_with_the_way_round() {
+fn a_gpt_oss_mxfp4_expert_without_its_scales_or_of_the_wrong_shape_is_refused() {
     use safetensors::tensor::{serialize_to_file, Dtype, TensorView};
     let tmp = tempfile::tempdir().unwrap();
-    let dir = tmp.path().join("gpt-oss");
-    std::fs::create_dir(&dir).unwrap();
-    for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(fixture("tiny-gptoss").join(f), dir.join(f)).unwrap();
-    }
-    let blocks = vec![0u8; 4 * 192 * 2 * 16];
-    let name = "model.layers.0.mlp.experts.gate_up_proj_blocks";
-    let views = vec![(
-        name.to_string(),
-        TensorView::new(Dtype::U8, vec![4, 192, 2, 16], &blocks).unwrap(),
-    )];
-    serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    let write = |dir: &Path, tensors: &[(&str, Vec<usize>)]| {
+        std::fs::create_dir_all(dir).unwrap();
+        for f in ["config.json", "tokenizer.json", "tokenizer_config.json"] {
+            std::fs::copy(fixture("tiny-gptoss-mxfp4-hf").join(f), dir.join(f)).unwrap();
+        }
+        let data: Vec<Vec<u8>> = tensors
+            .iter()
+            .map(|(_, s)| vec![0u8; s.iter().product()])
+            .collect();
+        let views: Vec<(String, TensorView)> = tensors
+            .iter()
+            .zip(&data)
+            .map(|((n, s), d)| {
+                (
+                    n.to_string(),
+                    TensorView::new(Dtype::U8, s.clone(), d).unwrap(),
+                )
+            })
+            .collect();
+        serialize_to_file(views, None, &dir.join("model.safetensors")).unwrap();
+    };
+    let name = "model.layers.0.mlp.experts.gate_up_proj";
+    let dir = tmp.path().join("no-scales");
+    write(&dir, &[(&format!("{name}_blocks"), vec![4, 192, 2, 16])]);
     let e = import_err(&dir);
     assert!(
-        e.contains(name) && e.contains("MXFP4") && e.contains("convert_hf_to_gguf.py"),
+        e.contains(&format!("{name}_blocks")) && e.contains(&format!("{name}_scales")),
         "{e}"
     );
+    let dir = tmp.path().join("wrong-shape");
+    write(
+        &dir,
+        &[
+            (&format!("{name}_blocks"), vec![4, 96, 2, 16]),
+            (&format!("{name}_scales"), vec![4, 96, 2]),
+        ],
+    );
+    let e = import_err(&dir);
+    assert!(e.contains(name) && e.contains("[4, 192, 2, 16]"), "{e}");
 }

@@ -213,6 +213,9 @@ fn qwen3_gemma3_mistral_and_mixtures_match_transformers_at_every_position() {
         ("tiny-mixtral.gguf", "tiny-mixtral.json"),
         ("tiny-gptoss", "tiny-gptoss.json"),
         ("tiny-gptoss.gguf", "tiny-gptoss-gguf.json"),
+        // OpenAI's checkpoint layout (MXFP4 experts) against transformers' own MXFP4
+        // decoder (Mxfp4Config(dequantize=True)).
+        ("tiny-gptoss-mxfp4-hf", "tiny-gptoss-mxfp4-hf.json"),
     ];
     for (src, refname) in cases {
         let r = reference(refname);
@@ -1188,5 +1191,35 @@ fn yarn_frequencies_and_scaling_match_transformers() {
             assert!(((c as f64) - a.cos() * s).abs() < 1e-6, "pos {p} pair {i}");
             assert!(((sn as f64) - a.sin() * s).abs() < 1e-6, "pos {p} pair {i}");
         }
+    }
+}
+
+/// OpenAI's MXFP4 checkpoint layout imports to GGML's MXFP4 blocks without dequantizing: the
+/// tiny model's experts, laid out as OpenAI ships gpt-oss, are byte for byte the blocks
+/// llama.cpp's quantizer wrote into the MXFP4 GGUF they came from (gate and up rows
+/// de-interleaved, the nibbles reordered, each scale joined to its block).
+#[test]
+fn openai_mxfp4_experts_import_as_the_gguf_blocks_they_came_from() {
+    let hf = import::open(&fixture("tiny-gptoss-mxfp4-hf")).unwrap();
+    let gg = import::open(&fixture("tiny-gptoss-mxfp4.gguf")).unwrap();
+    let experts: Vec<&String> = hf
+        .tensors
+        .keys()
+        .filter(|n| n.contains(".mlp.experts.") && n.ends_with(".weight"))
+        .collect();
+    assert_eq!(experts.len(), 2 * 4 * 3);
+    let bytes = |m: &import::ImportedModel, n: &str| -> Vec<u8> {
+        let t = &m.tensors[n];
+        let mut b = vec![0u8; t.len as usize];
+        m.copy_source(t, &mut b);
+        b
+    };
+    for n in experts {
+        assert_eq!(hf.tensors[n].dtype, DType::Mxfp4, "{n}");
+        assert_eq!(hf.tensors[n].shape, gg.tensors[n].shape, "{n}");
+        assert!(
+            bytes(&hf, n) == bytes(&gg, n),
+            "{n} differs from the GGUF's blocks"
+        );
     }
 }

@@ -686,6 +686,7 @@ fn map_tensors(
                     synthetic_row_skew: None,
                     widen: None,
                     strided: None,
+                    openai_mxfp4: None,
                 };
                 if tensors.insert(name, st).is_some() {
                     return Err(ImportError::malformed(
@@ -737,6 +738,7 @@ fn map_tensors(
                     synthetic_row_skew: None,
                     widen: None,
                     strided: None,
+                    openai_mxfp4: None,
                 },
             )
             .is_some()

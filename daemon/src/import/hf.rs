@@ -3,8 +3,8 @@
 //! template, special tokens) and generation_config.json (end tokens).
 
 use super::{
-    end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor, Strided,
-    Widen,
+    end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, OpenAiMxfp4,
+    SourceTensor, Strided, Widen,
 };
 use crate::dtype::DType;
 use crate::store::arch::{
@@ -635,6 +635,97 @@ fn gpt_oss_tensors(
     Ok(out)
 }
 
+/// A safetensors tensor's place: (file index, byte offset in it, shape).
+type MxSource = (usize, u64, Vec<u64>);
+
+/// OpenAI's gpt-oss experts in MXFP4 (`{p}.mlp.experts.gate_up_proj_blocks` U8 [experts, 2 x
+/// intermediate (gate and up rows alternating), hidden / 32, 16] with `_scales` [experts,
+/// 2 x intermediate, hidden / 32]; `down_proj_*` the same over [experts, hidden,
+/// intermediate / 32]) as each expert's GGML MXFP4 gate, up and down weights
+/// (`OpenAiMxfp4`): the same 4.25 bits a weight, no dequantization.
+fn gpt_oss_mxfp4(
+    cfg: &ArchConfig,
+    base_name: &str,
+    (bf, boff, bshape): MxSource,
+    (sf, soff, sshape): MxSource,
+    path: &Path,
+) -> Result<Vec<(String, SourceTensor)>, ImportError> {
+    let Some(moe) = &cfg.moe else {
+        return Err(ImportError::unsupported(
+            path,
+            format!("{base_name}: MXFP4 tensors outside a mixture"),
+        ));
+    };
+    let (n, mi, h) = (
+        moe.n_experts as u64,
+        moe.intermediate as u64,
+        cfg.hidden as u64,
+    );
+    let (p, what) = base_name.rsplit_once(".mlp.experts.").ok_or_else(|| {
+        ImportError::unsupported(
+            path,
+            format!("{base_name}_blocks: not a gpt-oss expert tensor"),
+        )
+    })?;
+    // (source rows, source columns, per expert: (store name, first row, row step, rows)).
+    type Part = (&'static str, u64, u64, u64);
+    let (rows, cols, parts): (u64, u64, Vec<Part>) = match what {
+        "gate_up_proj" => (
+            2 * mi,
+            h,
+            vec![("gate_proj.weight", 0, 2, mi), ("up_proj.weight", 1, 2, mi)],
+        ),
+        "down_proj" => (h, mi, vec![("down_proj.weight", 0, 1, h)]),
+        _ => {
+            return Err(ImportError::unsupported(
+                path,
+                format!(
+                    "{base_name}_blocks: sluice reads MXFP4 gate_up_proj and down_proj experts"
+                ),
+            ))
+        }
+    };
+    let bpr = cols / 32;
+    if cols % 32 != 0 || bshape != [n, rows, bpr, 16] || sshape != [n, rows, bpr] {
+        return Err(ImportError::malformed(
+            path,
+            None,
+            format!(
+                "{base_name}_blocks {bshape:?} and _scales {sshape:?}; {n} experts of {rows} rows of {cols} need [{n}, {rows}, {bpr}, 16] and [{n}, {rows}, {bpr}]"
+            ),
+        ));
+    }
+    let mut out = Vec::with_capacity((n as usize) * parts.len());
+    for e in 0..n {
+        for &(part, row_start, row_step, out_rows) in &parts {
+            out.push((
+                format!("{p}.mlp.experts.{e}.{part}"),
+                SourceTensor {
+                    dtype: DType::Mxfp4,
+                    shape: vec![out_rows, cols],
+                    file: bf,
+                    offset: boff + e * rows * bpr * 16,
+                    len: out_rows * bpr * 17,
+                    unpermute_heads: None,
+                    synthetic_seed: None,
+                    synthetic_row_skew: None,
+                    widen: None,
+                    strided: None,
+                    openai_mxfp4: Some(OpenAiMxfp4 {
+                        scales_file: sf,
+                        scales_offset: soff + e * rows * bpr,
+                        src_rows: rows,
+                        blocks_per_row: bpr,
+                        row_start,
+                        row_step,
+                    }),
+                },
+            ));
+        }
+    }
+    Ok(out)
+}
+
 /// Whether a tensor is an RMSNorm weight (`*norm.weight`, `*_layernorm.weight`).
 fn is_norm(name: &str) -> bool {
     name.ends_with("norm.weight")
@@ -765,6 +856,7 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
     let arch = arch_config(dir)?;
     let mut files = Vec::new();
     let mut tensors = BTreeMap::new();
+    let mut mxfp4: BTreeMap<String, [Option<MxSource>; 2]> = BTreeMap::new();
     for (fi, path) in safetensors_files(dir)?.into_iter().enumerate() {
         let map = mmap_file(&path)?;
         check_header_bytes(&path, &map)?;
@@ -784,15 +876,27 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                 if arch.tied_embeddings && name == "lm_head.weight" {
                     continue; // some checkpoints store the tied head anyway
                 }
-                if arch.arch == Arch::GptOss
-                    && (name.ends_with("_blocks") || name.ends_with("_scales"))
-                {
-                    return Err(ImportError::unsupported(
-                        &path,
-                        format!(
-                            "{name}: this is gpt-oss's MXFP4 checkpoint, which sluice does not import from safetensors; convert it with llama.cpp's convert_hf_to_gguf.py (it keeps the experts in MXFP4) and pack the GGUF"
-                        ),
-                    ));
+                // gpt-oss's MXFP4 experts: a blocks and a scales tensor each, paired once
+                // every shard is read.
+                let part = name
+                    .strip_suffix("_blocks")
+                    .map(|b| (b, 0))
+                    .or_else(|| name.strip_suffix("_scales").map(|b| (b, 1)));
+                if let (Arch::GptOss, Some((base_name, k))) = (arch.arch, part) {
+                    if view.dtype() != safetensors::Dtype::U8 {
+                        return Err(ImportError::malformed(
+                            &path,
+                            None,
+                            format!(
+                                "{name} is {:?}; MXFP4 blocks and scales are U8",
+                                view.dtype()
+                            ),
+                        ));
+                    }
+                    let at = (view.data().as_ptr() as usize - base) as u64;
+                    let shape: Vec<u64> = view.shape().iter().map(|&d| d as u64).collect();
+                    mxfp4.entry(base_name.to_string()).or_default()[k] = Some((fi, at, shape));
+                    continue;
                 }
                 let dtype = match view.dtype() {
                     safetensors::Dtype::F32 => DType::F32,
@@ -831,6 +935,7 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
                     synthetic_row_skew: None,
                     widen,
                     strided: None,
+                    openai_mxfp4: None,
                 };
                 for (name, t) in expert_tensors(&arch, name, t, &path)? {
                     if tensors.insert(name.clone(), t).is_some() {
@@ -844,6 +949,38 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
             }
         }
         files.push((path, map));
+    }
+    for (base_name, pair) in mxfp4 {
+        let names = |k: &str| format!("{base_name}_{k}");
+        let [Some(blocks), Some(scales)] = pair else {
+            return Err(ImportError::malformed(
+                dir,
+                None,
+                format!(
+                    "{} has no {}: MXFP4 experts need both",
+                    names(if pair[0].is_some() {
+                        "blocks"
+                    } else {
+                        "scales"
+                    }),
+                    names(if pair[0].is_some() {
+                        "scales"
+                    } else {
+                        "blocks"
+                    })
+                ),
+            ));
+        };
+        let path = files[blocks.0].0.clone();
+        for (name, t) in gpt_oss_mxfp4(&arch, &base_name, blocks, scales, &path)? {
+            if tensors.insert(name.clone(), t).is_some() {
+                return Err(ImportError::malformed(
+                    &path,
+                    None,
+                    format!("tensor {name} appears twice"),
+                ));
+            }
+        }
     }
 
     let tok_path = dir.join("tokenizer.json");

@@ -79,6 +79,26 @@ pub struct SourceTensor {
     pub widen: Option<Widen>,
     /// Taken out of a larger matrix with a stride (`Strided`): `offset` is that matrix's.
     pub strided: Option<Strided>,
+    /// MXFP4 rows put together from OpenAI's layout (`OpenAiMxfp4`): `offset` is the
+    /// expert's blocks.
+    pub openai_mxfp4: Option<OpenAiMxfp4>,
+}
+
+/// An expert's MXFP4 matrix in OpenAI's gpt-oss checkpoint layout, into GGML's: the blocks
+/// (`src_rows` rows of `blocks_per_row` x 16 bytes, element 2j in the low nibble of byte j
+/// and 2j + 1 in its high one) at the tensor's `offset`, their E8M0 scales (a byte a block)
+/// at `scales_offset` of file `scales_file`; output row r is source row `row_start + r x
+/// row_step` (gpt-oss interleaves gate and up rows), each block the scale byte and then
+/// 16 bytes whose low nibbles are elements 0..15 and high nibbles 16..31 (GGML's
+/// `block_mxfp4`). The FP4 codes and the scale mean the same in both.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct OpenAiMxfp4 {
+    pub scales_file: usize,
+    pub scales_offset: u64,
+    pub src_rows: u64,
+    pub blocks_per_row: u64,
+    pub row_start: u64,
+    pub row_step: u64,
 }
 
 /// A vector or matrix stored as `add` + w in f32, from a source of dtype `from`: Gemma's
@@ -170,6 +190,10 @@ impl ImportedModel {
     /// matrix of a strided one).
     pub fn source_bytes(&self, t: &SourceTensor) -> &[u8] {
         let map = &self.files[t.file].1;
+        if let Some(m) = t.openai_mxfp4 {
+            let len = m.src_rows * m.blocks_per_row * 16;
+            return &map[t.offset as usize..(t.offset + len) as usize];
+        }
         let len = match (t.widen, t.strided) {
             (_, Some(s)) => s.src_rows * s.src_cols * t.dtype.block_bytes(),
             (Some(w), None) => t.len / 4 * w.from.block_bytes(),
@@ -188,6 +212,24 @@ impl ImportedModel {
             return;
         }
         let src = self.source_bytes(t);
+        if let Some(m) = t.openai_mxfp4 {
+            let bpr = m.blocks_per_row as usize;
+            let scales = &self.files[m.scales_file].1[m.scales_offset as usize..]
+                [..m.src_rows as usize * bpr];
+            for (r, row) in dst.chunks_exact_mut(bpr * 17).enumerate() {
+                let sr = m.row_start as usize + r * m.row_step as usize;
+                for (b, out) in row.chunks_exact_mut(17).enumerate() {
+                    let at = sr * bpr + b;
+                    let q = &src[at * 16..at * 16 + 16];
+                    let code = |e: usize| (q[e / 2] >> (4 * (e % 2))) & 0x0F;
+                    out[0] = scales[at];
+                    for (i, o) in out[1..].iter_mut().enumerate() {
+                        *o = code(i) | (code(i + 16) << 4);
+                    }
+                }
+            }
+            return;
+        }
         if let Some(s) = t.strided {
             let es = t.dtype.block_bytes() as usize;
             let (c_n, cols) = (s.src_rows as usize, s.src_cols as usize);

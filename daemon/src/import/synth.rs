@@ -214,6 +214,7 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
                 synthetic_row_skew: skew,
                 widen: None,
                 strided: None,
+                openai_mxfp4: None,
             },
         );
     };
