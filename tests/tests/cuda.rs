@@ -451,6 +451,22 @@ fn ops_match_the_cpu_backend() {
     p.gpu.swiglu_clamp_mul(&mut gg, &ym.1, rows * k, 1.702, 2.5);
     let (c, g) = p.get(&(gc, gg), rows * k);
     close("swiglu_clamp_mul", &c, &g, k, 1e-5);
+    // A mixture's rows: gathered for an expert, its output added back weighted (the same
+    // bits: a product, then a sum), and the block output zeroed first.
+    let picked = [5u32, 0, 9, 3];
+    let weights = [0.25f32, 0.5, 0.125, 0.75];
+    let (mut xc, mut xg) = p.zeros(picked.len() * k);
+    p.cpu.gather_rows(&ym.0, &picked, k, &mut xc);
+    p.gpu.gather_rows(&ym.1, &picked, k, &mut xg);
+    let (mut sc, mut sg) = p.put(&f32_bytes(&x));
+    p.cpu.zero(&mut sc, 2 * k);
+    p.gpu.zero(&mut sg, 2 * k);
+    p.cpu.scatter_add_rows(&xc, &picked, &weights, k, &mut sc);
+    p.gpu.scatter_add_rows(&xg, &picked, &weights, k, &mut sg);
+    let (c, g) = p.get(&(xc, xg), picked.len() * k);
+    close("gather_rows", &c, &g, k, 0.0);
+    let (c, g) = p.get(&(sc, sg), rows * k);
+    close("zero + scatter_add_rows", &c, &g, k, 0.0);
 }
 
 #[test]

@@ -118,11 +118,12 @@ fn the_kernel_table_matches_every_kernel_signature_in_the_sources() {
     }
     // 33 for the first six dtypes and the other ops (gelu_mul, scale, and the f16 KV
     // cache's kv_store and attention among them), three for each of the ten
-    // K-quant-era block formats, and gpt-oss's clamped SwiGLU.
-    assert_eq!(seen.len(), 33 + 3 * 10 + 1, "kernels: {seen:?}");
-    // The parser sees through parameter names, spacing and macros.
+    // K-quant-era block formats, gpt-oss's clamped SwiGLU, and a mixture's row gather
+    // and weighted scatter.
+    assert_eq!(seen.len(), 33 + 3 * 10 + 1 + 2, "kernels: {seen:?}");
+    // The parser sees through parameter names, spacing, `__restrict__` and macros.
     let sigs = entry_signatures(
-        "extern \"C\" __global__ void a(float *x,\n   const unsigned long long* d, int n) {}\n\
+        "extern \"C\" __global__ void a(float *__restrict__ x,\n   const unsigned long long* d, int n) {}\n\
          #define MK(name, b) \\\n  extern \"C\" __global__ void name(const u8* w, float s) { }\n\
          MK(mk_one, 1)\n\
          #define PAIR(t, b) \\\n  extern \"C\" __global__ void gemv_##t(int m) { } \\\n  extern \"C\" __global__ void t##_x(float s) { }\n\

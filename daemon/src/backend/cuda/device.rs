@@ -30,6 +30,9 @@ use std::sync::{Arc, Mutex};
 
 /// Rows of a quantized weight dequantized per cuBLAS call are bounded by this tile.
 const TILE_BYTES_MAX: u64 = 64 << 20;
+/// Slots of the expert metadata ring (`Meta::expert_rows`): a slot's pinned bytes are
+/// rewritten only after this many later gathers or scatters, whose copies have long run.
+pub(super) const EXPERT_META_SLOTS: usize = 64;
 /// cuBLAS workspace (NVIDIA recommends 32 MiB on Hopper), carved from the arena so that
 /// cuBLAS allocates nothing while running.
 const BLAS_WORKSPACE: u64 = 32 << 20;
@@ -60,8 +63,9 @@ impl Layout {
         let widest = v.max(i).max(q).max(h);
         Layout {
             rows,
-            // ids u32, positions u32, KV destinations u64, cache bases u64 per row.
-            meta: r(rows * 24),
+            // ids u32, positions u32, KV destinations u64, cache bases u64 per row; then the
+            // expert metadata ring: a row list (u32) and weights (f32) per slot.
+            meta: r(rows * 24 + EXPERT_META_SLOTS as u64 * rows * 8),
             half: r(rows * kmax * 2),
             tile: r((widest * kmax * 4).min(TILE_BYTES_MAX).max(kmax * 4 * 32)),
             bias: r(widest * 4),
@@ -168,6 +172,9 @@ impl CudaBackend {
                 .map_err(dev_err(&dev, "event"))
         };
         let copied = [ev()?, ev()?, ev()?, ev()?];
+        let expert_copied = (0..EXPERT_META_SLOTS)
+            .map(|_| ev())
+            .collect::<Result<Vec<_>, _>>()?;
         tracing::info!(
             "CUDA device {}: {} (sm_{}{}), {} free of {}, driver {}.{}; {} in one allocation",
             info.ordinal,
@@ -206,6 +213,8 @@ impl CudaBackend {
                 base: Vec::with_capacity(rows),
                 dev: meta_dev_ptr,
                 rows,
+                expert_copied,
+                expert_next: 0,
             }),
             err: Mutex::new(None),
             copies: Mutex::new(CopyStats::default()),
@@ -225,6 +234,12 @@ impl CudaBackend {
     }
 
     /// The per-row metadata of a step's spans, on the device.
+    /// A mixture's row list (and weights) on the device (`Meta::expert_rows`).
+    fn expert_meta(&self, rows: &[u32], weights: Option<&[f32]>) -> Result<(u64, u64), String> {
+        let mut m = self.meta.lock().map_err(|_| "metadata lock poisoned")?;
+        m.expert_rows(&self.compute, rows, weights)
+    }
+
     fn spans_meta(&self, step: &AttnStep<'_>) -> Result<SpanMeta, String> {
         let mut m = self.meta.lock().map_err(|_| "metadata lock poisoned")?;
         m.spans(&self.compute, step)
@@ -801,6 +816,81 @@ impl Backend for CudaBackend {
     fn add(&self, x: &mut CudaMem, y: &CudaMem, n: usize) {
         let r = self.elementwise(Kernel::AddF32, x, y, n);
         self.record("add", r);
+    }
+
+    fn gather_rows(&self, src: &CudaMem, rows: &[u32], cols: usize, dst: &mut CudaMem) {
+        let r = (|| -> Result<(), String> {
+            let top = rows.iter().max().map_or(0, |&r| r as usize + 1);
+            if top * cols * 4 > src.len || rows.len() * cols * 4 > dst.len {
+                return Err("rows outside the allocations".into());
+            }
+            if rows.is_empty() || cols == 0 {
+                return Ok(());
+            }
+            self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+            let (rows_dev, _) = self.expert_meta(rows, None)?;
+            self.kernels.gather_rows(
+                &self.compute,
+                Kernel::GatherRowsF32,
+                Dims::per_row(rows.len()),
+                src.ptr,
+                rows_dev,
+                dst.ptr,
+                cols as i32,
+            )
+        })();
+        self.record("gather_rows", r);
+    }
+
+    fn scatter_add_rows(
+        &self,
+        src: &CudaMem,
+        rows: &[u32],
+        weights: &[f32],
+        cols: usize,
+        dst: &mut CudaMem,
+    ) {
+        let r = (|| -> Result<(), String> {
+            let top = rows.iter().max().map_or(0, |&r| r as usize + 1);
+            if weights.len() != rows.len()
+                || rows.len() * cols * 4 > src.len
+                || top * cols * 4 > dst.len
+            {
+                return Err("rows outside the allocations".into());
+            }
+            if rows.is_empty() || cols == 0 {
+                return Ok(());
+            }
+            self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+            let (rows_dev, weights_dev) = self.expert_meta(rows, Some(weights))?;
+            self.kernels.scatter_add_rows(
+                &self.compute,
+                Kernel::ScatterAddRowsF32,
+                Dims::per_row(rows.len()),
+                src.ptr,
+                rows_dev,
+                weights_dev,
+                dst.ptr,
+                cols as i32,
+            )
+        })();
+        self.record("scatter_add_rows", r);
+    }
+
+    fn zero(&self, x: &mut CudaMem, n: usize) {
+        let r = (|| -> Result<(), String> {
+            if n * 4 > x.len {
+                return Err(format!(
+                    "{n} elements past an allocation of {} bytes",
+                    x.len
+                ));
+            }
+            self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+            // SAFETY: the range is inside the allocation (checked); all-zero bytes are 0.0f.
+            unsafe { result::memset_d8_async(x.ptr, 0, n * 4, self.compute.cu_stream()) }
+                .map_err(|e| e.to_string())
+        })();
+        self.record("zero", r);
     }
 
     fn copy_row(

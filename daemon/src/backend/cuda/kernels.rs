@@ -29,6 +29,15 @@ impl Dims {
             smem: 0,
         }
     }
+
+    /// A block of 256 threads per row.
+    pub fn per_row(rows: usize) -> Dims {
+        Dims {
+            grid: (rows as u32, 1, 1),
+            block: 256,
+            smem: 0,
+        }
+    }
 }
 
 macro_rules! kernels {
@@ -106,6 +115,20 @@ kernels! {
     /// gpt-oss's clamped SwiGLU: `x[i] = act(x[i], y[i])` for `n` elements.
     swiglu_clamp(x: u64 = "float*", y: u64 = "const float*", n: i32 = "int", alpha: f32 = "float", limit: f32 = "float") {
         SwigluClampMulF32 = "swiglu_clamp_mul_f32",
+    }
+    /// A mixture's rows routed to one expert, gathered.
+    gather_rows(src: u64 = "const float*", rows: u64 = "const u32*", dst: u64 = "float*", cols: i32 = "int") {
+        GatherRowsF32 = "gather_rows_f32",
+    }
+    /// An expert's output rows added back to theirs with their routing weights.
+    scatter_add_rows(
+        src: u64 = "const float*",
+        rows: u64 = "const u32*",
+        weights: u64 = "const float*",
+        dst: u64 = "float*",
+        cols: i32 = "int",
+    ) {
+        ScatterAddRowsF32 = "scatter_add_rows_f32",
     }
     /// `x[i] *= s` for `n` elements.
     scale(x: u64 = "float*", s: f32 = "float", n: i32 = "int") {

@@ -21,6 +21,10 @@ pub(super) struct Meta {
     /// Device address of the metadata allocation, and the rows it holds per kind.
     pub(super) dev: u64,
     pub(super) rows: usize,
+    /// The expert metadata ring (after the per-row arrays): per slot, recorded after the
+    /// copy out of its part of `host`; and the slot the next list takes.
+    pub(super) expert_copied: Vec<CudaEvent>,
+    pub(super) expert_next: usize,
 }
 
 /// Device addresses of a step's per-row metadata, and its last position.
@@ -104,6 +108,62 @@ impl Meta {
         m.held[k].extend_from_slice(bytes);
         m.valid[k] = true;
         Ok(dev)
+    }
+
+    /// A mixture's row list (and weights) for one gather or scatter, on the device through
+    /// the next slot of the expert ring: (rows address, weights address). A slot's pinned
+    /// bytes are rewritten only once the copy out of them has run (EXPERT_META_SLOTS lists
+    /// ago, so the wait is for a copy long done).
+    pub(super) fn expert_rows(
+        &mut self,
+        stream: &CudaStream,
+        rows: &[u32],
+        weights: Option<&[f32]>,
+    ) -> Result<(u64, u64), String> {
+        let m = self;
+        if rows.len() > m.rows {
+            return Err(format!(
+                "{} rows for an expert; the backend was sized for {}",
+                rows.len(),
+                m.rows
+            ));
+        }
+        let slot = m.expert_next % m.expert_copied.len().max(1);
+        m.expert_next = m.expert_next.wrapping_add(1);
+        let ev = m.expert_copied.get(slot).ok_or("no expert metadata ring")?;
+        ev.synchronize().map_err(|e| e.to_string())?;
+        let off = m.rows * 24 + slot * m.rows * 8;
+        let n = rows.len() * 4;
+        // SAFETY: the pinned buffer holds rows * (24 + 8 x slots) bytes; this slot's two
+        // arrays of `rows.len()` <= m.rows entries lie inside it, and no copy reads them
+        // (its event has completed).
+        let host =
+            unsafe { std::slice::from_raw_parts_mut((m.host.ptr as *mut u8).add(off), m.rows * 8) };
+        for (d, r) in host[..n].chunks_exact_mut(4).zip(rows) {
+            d.copy_from_slice(&r.to_le_bytes());
+        }
+        if let Some(w) = weights {
+            for (d, x) in host[m.rows * 4..m.rows * 4 + n].chunks_exact_mut(4).zip(w) {
+                d.copy_from_slice(&x.to_le_bytes());
+            }
+        }
+        let (rows_dev, weights_dev) = (m.dev + off as u64, m.dev + (off + m.rows * 4) as u64);
+        // SAFETY: device and pinned ranges inside their allocations; the host bytes stay
+        // unchanged until the event below completes.
+        unsafe {
+            result::memcpy_htod_async(rows_dev, &host[..n], stream.cu_stream())
+                .map_err(|e| e.to_string())?;
+            if weights.is_some() {
+                result::memcpy_htod_async(
+                    weights_dev,
+                    &host[m.rows * 4..m.rows * 4 + n],
+                    stream.cu_stream(),
+                )
+                .map_err(|e| e.to_string())?;
+            }
+        }
+        ev.record(stream).map_err(|e| e.to_string())?;
+        Ok((rows_dev, weights_dev))
     }
 
     /// The per-row metadata of a step's spans, on the device; built in the metadata's own

@@ -52,6 +52,7 @@ pub const KERNELS: &[(&str, &str)] = &[
     ("kv_store", include_str!("../../../../kernels/kv_store.cu")),
     ("matmul_k", include_str!("../../../../kernels/matmul_k.cu")),
     ("matmul_q", include_str!("../../../../kernels/matmul_q.cu")),
+    ("moe", include_str!("../../../../kernels/moe.cu")),
     ("rms_norm", include_str!("../../../../kernels/rms_norm.cu")),
     ("rope", include_str!("../../../../kernels/rope.cu")),
     ("silu_mul", include_str!("../../../../kernels/silu_mul.cu")),
@@ -157,7 +158,13 @@ fn param_list(decl: &str) -> Option<Vec<String>> {
         inner
             .split(',')
             .map(|p| {
-                let p = p.split_whitespace().collect::<Vec<_>>().join(" ");
+                // `__restrict__` qualifies the pointer, not its type: the launcher's list
+                // does not spell it.
+                let p = p
+                    .replace("__restrict__", " ")
+                    .split_whitespace()
+                    .collect::<Vec<_>>()
+                    .join(" ");
                 // Drop the parameter name (the last identifier), keep any `*` with the type.
                 let cut = p
                     .rfind(|c: char| !(c.is_ascii_alphanumeric() || c == '_'))
