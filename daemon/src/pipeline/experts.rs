@@ -91,7 +91,8 @@ pub const PROFILE_HOT_SHARE: f64 = 0.5;
 /// run measured them: saved to a file and loaded to warm a later run's expert cache.
 #[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct ExpertProfile {
-    /// The model's name (its store's), to catch a profile of another model.
+    /// The model's name as its store gives it (shown in the error when a profile's layers
+    /// and experts do not match the model loading it).
     pub model: String,
     pub layers: Vec<Vec<u64>>,
 }
