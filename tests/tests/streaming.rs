@@ -1056,6 +1056,27 @@ fn sluiced_synth_moe_streams_its_routed_experts() {
         hits[0],
         hits[1]
     );
+    // Eight sequences route more experts a layer than the loads in flight (2 x top 2):
+    // the predicted experts leave the layer's first missing one a read, and every sequence
+    // gets the tokens it gets all resident.
+    let wide = |extra: &[&str]| -> serde_json::Value {
+        let mut a = vec!["--parallel", "8"];
+        a.extend(extra);
+        run(&a)
+    };
+    let all = wide(&[]);
+    for prediction in ["lookahead", "previous"] {
+        let s = wide(&[
+            "--device-memory",
+            "12MiB",
+            "--expert-cache",
+            "6",
+            "--expert-prediction",
+            prediction,
+        ]);
+        assert_eq!(s["sequences"], all["sequences"], "{prediction}");
+        assert!(s["experts"]["loaded"].as_u64().unwrap() > 0, "{prediction}");
+    }
     // A warm-up run saves its routing as a profile; a run that loads it starts with the
     // hottest experts in the cache (some pinned), hits more and generates the same tokens.
     let prof = tmp.path().join("experts.json");

@@ -442,8 +442,12 @@ impl<B: Backend> Pipeline<B> {
         predicted: bool,
         st: &mut PassStats,
     ) -> Result<(), PipelineError> {
+        // Predictions leave one load free: their layer runs its experts in order, and the
+        // first of them it has neither cached nor requested must still get a read (with
+        // every load taken by the layer's later experts it would wait for none of them).
+        let limit = self.plan.expert_reads.max(1) - usize::from(predicted);
         for &e in experts {
-            if self.expert_loads.len() >= self.plan.expert_reads.max(1) {
+            if self.expert_loads.len() >= limit {
                 break;
             }
             let loading = self
@@ -470,6 +474,37 @@ impl<B: Backend> Pipeline<B> {
             });
         }
         Ok(())
+    }
+
+    /// A routed expert of layer `u` found neither in the cache nor requested when its turn
+    /// came: it was cached when the layer requested its experts, then evicted for another
+    /// of them (a discrete device whose unpinned slots all held experts the layer still
+    /// needed). It is requested now, ahead of the rest; when the loads in flight are all
+    /// taken, the layer's last requested one is cancelled to make room (it is requested
+    /// again in its turn). Returns its place in `expert_loads`.
+    fn request_evicted(&mut self, u: usize, e: u32) -> Result<usize, PipelineError> {
+        if self.expert_loads.len() >= self.plan.expert_reads.max(1) {
+            let last = self
+                .expert_loads
+                .iter()
+                .rposition(|l| l.unit == u)
+                .unwrap_or(self.expert_loads.len() - 1);
+            // Dropping its ticket cancels the read.
+            self.expert_loads.remove(last);
+        }
+        let ticket = if self.host_cache[u].is_some() {
+            None
+        } else {
+            let frames = self.load_frames(Load::Expert(u, e));
+            Some(self.io.request_part_urgent(u, frames)?)
+        };
+        self.expert_loads.push(ExpertLoad {
+            unit: u,
+            expert: e,
+            ticket,
+            predicted: false,
+        });
+        Ok(self.expert_loads.len() - 1)
     }
 
     /// What eviction weighs expert `e` of unit `u` by: the tokens routed to it so far, and
@@ -576,11 +611,14 @@ impl<B: Backend> Pipeline<B> {
             }
             return Ok(());
         }
-        let at = self
+        let at = match self
             .expert_loads
             .iter()
             .position(|l| l.unit == u && l.expert == e)
-            .expect("a routed expert not in the cache is requested before it runs");
+        {
+            Some(at) => at,
+            None => self.request_evicted(u, e)?,
+        };
         let load = self.expert_loads.remove(at);
         let len = self.load_len(Load::Expert(u, e));
         st.experts_loaded += 1;
@@ -605,11 +643,13 @@ impl<B: Backend> Pipeline<B> {
                 drop(mem);
                 st.compute_s += t0.elapsed().as_secs_f64();
             }
-            // Into the cache when it is worth at least what it evicts.
+            // Into the cache when it is worth at least what it evicts, and that is not an
+            // expert this layer still runs.
             let w = self.expert_weight(u, e);
             let victim = self.experts.victim(|a, b| self.expert_weight(a, b), busy);
             if let Some((s, evicts)) = victim {
-                if evicts.is_none_or(|v| w >= v) {
+                let needed = self.experts.holds[s].is_some_and(|(a, b)| busy(a, b));
+                if !needed && evicts.is_none_or(|v| w >= v) {
                     self.experts.holds[s] = None;
                     let t1 = Instant::now();
                     self.backend.upload(&mut self.experts.slots[s], data)?;
