@@ -622,7 +622,7 @@ fn status_reports_the_expert_cache_of_a_streamed_mixture() {
             "--batch-tokens",
             "64",
             "--device-memory",
-            "800KiB",
+            "900KiB",
             "--expert-profile",
             prof.to_str().unwrap(),
         ],

@@ -1175,8 +1175,17 @@ fn an_expert_profile_pins_the_hottest_experts_and_outputs_stay_bit_identical() {
                 ..Default::default()
             },
         };
-        // The least that plans the hot experts and a step's loads (2 x top 2) as a cache.
-        let budget = least_budget(&s, Some(hot + 4), unified);
+        // From the least that plans the hot experts and a step's loads (2 x top 2) as a
+        // cache, the first budget that still streams and pins some (the streamed layers'
+        // dense parts come first).
+        let least = least_budget(&s, Some(hot + 4), unified);
+        let budget = (0..256u64)
+            .map(|i| least + i * 4096)
+            .find(|&b| {
+                plan(m, &input(b))
+                    .is_ok_and(|p| p.expert_hot_slots > 0 && p.sparse.iter().any(Option::is_some))
+            })
+            .expect("a budget that streams experts and pins some");
         let make = if unified {
             sluice::engine::cpu_runner
         } else {

@@ -1008,11 +1008,16 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
             .min(moe.n_experts as usize)
             .clamp(1, 16)
     });
+    // The slots the split leaves room for; without --expert-cache, a profile's hot set
+    // and a step's loads too, but those come after the dense parts below (`cache_base`).
+    let cache_base = match input.expert_cache {
+        Some(n) => n.min(experts_all),
+        None if h.unified => 0,
+        None => 1,
+    };
     let cache_min = match (input.expert_cache, input.expert_profile) {
-        (Some(n), _) => n.min(experts_all),
-        (None, Some(hot)) => (hot + loads_min).min(experts_all),
-        (None, None) if h.unified => 0,
-        (None, None) => 1,
+        (None, Some(hot)) => (hot + loads_min).min(experts_all).max(cache_base),
+        _ => cache_base,
     };
     let expert_reserve = (
         cache_min as u64 * expert_max,
@@ -1161,7 +1166,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     let left = [dev_left, host_left].into_iter().flatten().min();
     let cache_kept = match input.expert_cache {
         Some(asked) => asked,
-        None => cache_min,
+        None => cache_base,
     }
     .min(experts_streamed) as u64
         * expert_slot_bytes;
@@ -1189,7 +1194,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         (n, Some(asked)) => asked.min(n),
         (n, None) => {
             let fits = room.map_or(n, |l| (l / expert_slot_bytes.max(1)) as usize);
-            (fits + cache_min).min(n)
+            (fits + cache_base).min(n)
         }
     };
     let expert_cache_bytes = expert_cache_slots as u64 * expert_slot_bytes;
