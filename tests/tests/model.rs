@@ -315,6 +315,25 @@ fn greedy_until_a_near_tie(
     sure
 }
 
+/// Tensor `n` of an import as copied into a store, as f32 bits (bf16 widened): llama.cpp's
+/// converter writes in f32 what a checkpoint has in bf16 (the same numbers).
+fn f32_bits(m: &import::ImportedModel, n: &str) -> Vec<u32> {
+    let t = &m.tensors[n];
+    let mut b = vec![0u8; t.len as usize];
+    m.copy_source(t, &mut b);
+    match t.dtype {
+        DType::F32 => b
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+        DType::BF16 => b
+            .chunks_exact(2)
+            .map(|c| (u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
+            .collect(),
+        other => panic!("{n}: {other}"),
+    }
+}
+
 /// A mixture's GGUF imports as its checkpoint does: the same config (but the name), and
 /// every tensor under the same name with the same bytes once copied (the merged
 /// `ffn_*_exps` cut into experts, Mixtral's `w1/w3/w2` renamed to gate/up/down and its
@@ -349,27 +368,10 @@ fn moe_ggufs_import_as_their_checkpoints() {
         assert_eq!(gcfg, hf.arch, "{name}: the GGUF's config");
         let names: Vec<&String> = hf.tensors.keys().collect();
         assert_eq!(names, gg.tensors.keys().collect::<Vec<_>>(), "{name}");
-        // As f32 values: llama.cpp's converter writes norms in f32 where the checkpoint has
-        // bf16 (the same numbers).
-        let copied = |m: &sluice::import::ImportedModel, n: &str| -> Vec<u32> {
-            let t = &m.tensors[n];
-            let mut b = vec![0u8; t.len as usize];
-            m.copy_source(t, &mut b);
-            match t.dtype {
-                DType::F32 => b
-                    .chunks_exact(4)
-                    .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                    .collect(),
-                DType::BF16 => b
-                    .chunks_exact(2)
-                    .map(|c| (u16::from_le_bytes([c[0], c[1]]) as u32) << 16)
-                    .collect(),
-                other => panic!("{n}: {other}"),
-            }
-        };
+        // As f32 bits (`f32_bits`: norms are f32 in the GGUF, bf16 in the checkpoint).
         for n in names {
             assert!(
-                copied(&hf, n) == copied(&gg, n),
+                f32_bits(&hf, n) == f32_bits(&gg, n),
                 "{name}: tensor {n} differs between the checkpoint and the GGUF"
             );
         }
@@ -1177,25 +1179,9 @@ fn gpt_oss_gguf_imports_as_its_checkpoint() {
     assert_eq!(gg.arch, want, "the GGUF's config");
     let names: Vec<&String> = hf.tensors.keys().collect();
     assert_eq!(names, gg.tensors.keys().collect::<Vec<_>>());
-    let values = |m: &import::ImportedModel, n: &str| -> Vec<f32> {
-        let t = &m.tensors[n];
-        let mut b = vec![0u8; t.len as usize];
-        m.copy_source(t, &mut b);
-        match t.dtype {
-            DType::F32 => b
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            DType::BF16 => b
-                .chunks_exact(2)
-                .map(|c| f32::from_bits((u16::from_le_bytes([c[0], c[1]]) as u32) << 16))
-                .collect(),
-            other => panic!("{n}: {other}"),
-        }
-    };
     for n in names {
         assert!(
-            values(&hf, n) == values(&gg, n),
+            f32_bits(&hf, n) == f32_bits(&gg, n),
             "tensor {n} differs between the checkpoint and the GGUF"
         );
     }
