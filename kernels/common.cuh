@@ -92,11 +92,26 @@ __device__ __forceinline__ float deq_q4_1(const u8* b, int i) {
 // split across the warp's lanes by `dot` and summed. Grid: (ceil(m / 4), n_rows); block:
 // 128 threads = 4 warps.
 template <typename Dot>
-__device__ void gemv(const u8* w, const float* x, float* out, int m, int k, size_t row_bytes, Dot dot) {
+__device__ __forceinline__ void gemv_row(const u8* w, const float* xr, float* out_r, int m, int k, size_t row_bytes, Dot dot) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int j = blockIdx.x * 4 + warp;
-    const int r = blockIdx.y;
     if (j >= m) return;
-    const float s = warp_sum(dot(w + (size_t)j * row_bytes, x + (size_t)r * k, k, lane));
-    if (lane == 0) out[(size_t)r * m + j] = s;
+    const float s = warp_sum(dot(w + (size_t)j * row_bytes, xr, k, lane));
+    if (lane == 0) out_r[j] = s;
+}
+template <typename Dot>
+__device__ void gemv(const u8* w, const float* x, float* out, int m, int k, size_t row_bytes, Dot dot) {
+    const int r = blockIdx.y;
+    gemv_row(w, x + (size_t)r * k, out + (size_t)r * m, m, k, row_bytes, dot);
+}
+// The grouped GEMV of a mixture's decode rows: pair p (blockIdx.y) is one (expert, row) of
+// the step, with its expert's weight matrix at ws[p] and its activation row x_rows[p] of
+// x (row p when x_rows is null): out[p][j] = dot(W_p[j], x[x_rows[p]]). The same warp
+// arithmetic as `gemv`, so a row's result is the same bits either way.
+template <typename Dot>
+__device__ void gemv_grouped(const unsigned long long* ws, const u32* x_rows, const float* x, float* out, int m, int k,
+                             size_t row_bytes, Dot dot) {
+    const int p = blockIdx.y;
+    const size_t r = x_rows ? (size_t)x_rows[p] : (size_t)p;
+    gemv_row((const u8*)ws[p], x + r * k, out + (size_t)p * m, m, k, row_bytes, dot);
 }

@@ -2,9 +2,9 @@
 // IQ4_NL, IQ4_XS, MXFP4 (layouts: ggml-common.h, described in daemon/src/dtype/ggml.rs).
 // For each: a decode-row GEMV that dequantizes in registers (gemv_*, grid (ceil(m / 4),
 // n_rows), block 128: one warp per weight row, each lane eight consecutive weights at a
-// time), the dequantization into f32 tiles for the cuBLAS path (dequant_*, one thread per
-// element, grid ceil(n / 256), block 256), and the embedding gather (embedding_*, grid
-// rows).
+// time) and its grouped form for a mixture's decode rows (gemv_grouped_*), the
+// dequantization into f32 tiles for the cuBLAS path (dequant_*, one thread per element,
+// grid ceil(n / 256), block 256), and the embedding gather (embedding_*, grid rows).
 //
 // deq_*(block, i) is element i of one block with the same f32 operations in the same
 // order as the reference decoder (and gguf-py's dequantize): products and sums are
@@ -124,6 +124,10 @@ struct DotBlocks { __device__ float operator()(const u8* w, const float* x, int 
 #define BLOCK_FORMAT(name, be, bb)                                                                         \
     extern "C" __global__ void gemv_##name(const u8* w, const float* x, float* out, int m, int k) {       \
         gemv(w, x, out, m, k, (size_t)(k / be) * bb, DotBlocks<be, bb, deq_##name>());                    \
+    }                                                                                                      \
+    extern "C" __global__ void gemv_grouped_##name(const unsigned long long* w, const u32* x_rows,        \
+                                                   const float* x, float* out, int m, int k) {             \
+        gemv_grouped(w, x_rows, x, out, m, k, (size_t)(k / be) * bb, DotBlocks<be, bb, deq_##name>());    \
     }                                                                                                      \
     extern "C" __global__ void dequant_##name(const u8* w, float* out, unsigned long long n) {            \
         const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;           \

@@ -1,6 +1,7 @@
 // Matrix-vector products for decode rows, weights dequantized in registers:
 //   out[r][j] = sum_k x[r][k] * W[j][k],   W rows of `k` elements in the stored dtype.
 // Grid: (ceil(m / 4), n_rows); block: 128 threads = 4 warps, one weight row per warp.
+// The grouped GEMVs of a mixture's decode rows take each pair's weights by address.
 // And dequantization into f32 tiles for the cuBLAS path (prefill rows):
 //   dequant_*: out[i] = W element i, for n elements. Grid: ceil(n / 256); block: 256.
 #include "common.cuh"
@@ -70,6 +71,19 @@ extern "C" __global__ void gemv_q4_1(const u8* w, const float* x, float* out, in
 extern "C" __global__ void gemv_f32(const u8* w, const float* x, float* out, int m, int k) { gemv(w, x, out, m, k, (size_t)k * 4, DotF32()); }
 extern "C" __global__ void gemv_f16(const u8* w, const float* x, float* out, int m, int k) { gemv(w, x, out, m, k, (size_t)k * 2, DotF16()); }
 extern "C" __global__ void gemv_bf16(const u8* w, const float* x, float* out, int m, int k) { gemv(w, x, out, m, k, (size_t)k * 2, DotBF16()); }
+
+// Grouped (a mixture's decode rows, `gemv_grouped`): grid (ceil(m / 4), pairs), block 128.
+#define GEMV_GROUPED(name, row_bytes, dot)                                                                 \
+    extern "C" __global__ void gemv_grouped_##name(const unsigned long long* w, const u32* x_rows,        \
+                                                   const float* x, float* out, int m, int k) {             \
+        gemv_grouped(w, x_rows, x, out, m, k, row_bytes, dot);                                             \
+    }
+GEMV_GROUPED(q8_0, (size_t)(k / QK) * Q8_0_BYTES, DotQ8_0())
+GEMV_GROUPED(q4_0, (size_t)(k / QK) * Q4_0_BYTES, DotQ4_0())
+GEMV_GROUPED(q4_1, (size_t)(k / QK) * Q4_1_BYTES, DotQ4_1())
+GEMV_GROUPED(f32, (size_t)k * 4, DotF32())
+GEMV_GROUPED(f16, (size_t)k * 2, DotF16())
+GEMV_GROUPED(bf16, (size_t)k * 2, DotBF16())
 
 #define DEQUANT_Q(name, bytes, deq)                                                  \
     extern "C" __global__ void name(const u8* w, float* out, unsigned long long n) { \

@@ -254,11 +254,14 @@ struct Pair {
 
 impl Pair {
     fn new() -> Pair {
-        let cfg = test_cfg();
+        Pair::with_shape(OPS_OPTS.scratch_shape(&test_cfg()))
+    }
+
+    fn with_shape(shape: sluice::backend::ScratchShape) -> Pair {
         let arena = 256 << 20;
         Pair {
             cpu: CpuBackend::new(arena, 2).unwrap(),
-            gpu: CudaBackend::new(0, arena, &OPS_OPTS.scratch_shape(&cfg)).expect("a CUDA device"),
+            gpu: CudaBackend::new(0, arena, &shape).expect("a CUDA device"),
         }
     }
 
@@ -467,6 +470,227 @@ fn ops_match_the_cpu_backend() {
     close("gather_rows", &c, &g, k, 0.0);
     let (c, g) = p.get(&(sc, sg), rows * k);
     close("zero + scatter_add_rows", &c, &g, k, 0.0);
+}
+
+type Both = (sluice::backend::cpu::CpuMem, cuda::CudaMem);
+
+/// The calls of a mixture's routed experts (`routed`: expert, rows, weights) on one side
+/// of a pair of backends: weights `ws` (gate, up, down), biases `bs`.
+#[allow(clippy::too_many_arguments)] // the experts, their weights and which side
+fn expert_calls<'a, M>(
+    routed: &[(usize, &'a [u32], &'a [f32])],
+    ws: &'a [[Both; 3]],
+    bs: &'a [Option<[Both; 3]>],
+    side: fn(&Both) -> &M,
+    dt: DType,
+    bias_dt: Option<DType>,
+    dims: [(usize, usize); 3],
+) -> Vec<sluice::backend::ExpertCall<'a, M>> {
+    routed
+        .iter()
+        .map(|&(e, rows, weights)| sluice::backend::ExpertCall {
+            w: [0, 1, 2].map(|i| wref(side(&ws[e][i]), dt, dims[i].0, dims[i].1)),
+            bias: bias_dt.map(|b| {
+                let m = bs[e].as_ref().expect("biases");
+                [0, 1, 2].map(|i| wref(side(&m[i]), b, 1, dims[i].0))
+            }),
+            rows,
+            weights,
+        })
+        .collect()
+}
+
+#[test]
+#[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
+fn a_mixture_s_routing_and_grouped_experts_match_one_expert_at_a_time() {
+    use sluice::backend::experts::experts_each;
+    use sluice::backend::{ExpertScratch, ExpertShape, GatedAct};
+    use sluice::model::moe::Routes;
+    use sluice::store::arch::{Gating, MoeConfig};
+    let _ = GPU;
+    let mut shape = OPS_OPTS.scratch_shape(&test_cfg());
+    shape.top_k = 4;
+    let p = Pair::with_shape(shape);
+    let mut rng = Rng(11);
+    let (rows, h, inter, n_exp, k) = (9usize, 256usize, 256usize, 6usize, 3usize);
+
+    // Routing: the same experts as the host's, weights to a few ulp, for both gatings, with
+    // and without renormalization, on rows with ties, a NaN row and an infinity.
+    let mut logits: Vec<f32> = (0..rows * n_exp).map(|_| rng.f() * 4.0).collect();
+    logits[6..12].fill(0.5);
+    logits[12..18].fill(f32::NAN);
+    logits[20] = f32::INFINITY;
+    let lm = p.put(&f32_bytes(&logits));
+    for (gating, norm) in [
+        (Gating::SoftmaxTopK, true),
+        (Gating::SoftmaxTopK, false),
+        (Gating::TopKSoftmax, false),
+    ] {
+        let moe = MoeConfig {
+            n_experts: n_exp as u32,
+            top_k: k as u32,
+            intermediate: inter as u32,
+            norm_topk_prob: norm,
+            dense_layers: Vec::new(),
+        };
+        let mut host = Routes::with_capacity(&moe, rows);
+        host.route(&moe, gating, &logits, rows);
+        let mut dev = Routes::with_capacity(&moe, rows);
+        assert!(
+            p.gpu
+                .route_top_k(&lm.1, rows, n_exp, k, gating, norm, dev.chosen_mut()),
+            "{gating:?}: routed on the device"
+        );
+        p.gpu.check().expect("no device error");
+        dev.group(&moe);
+        for r in 0..rows {
+            let (a, b) = (host.chosen(r, k), dev.chosen(r, k));
+            for (x, y) in a.iter().zip(b) {
+                assert_eq!(x.0, y.0, "{gating:?} norm {norm}: row {r}: {a:?} vs {b:?}");
+                let ok = (x.1.is_nan() && y.1.is_nan()) || (x.1 - y.1).abs() <= 1e-6;
+                assert!(ok, "{gating:?} norm {norm}: row {r}: {a:?} vs {b:?}");
+            }
+        }
+        assert_eq!(host.starts, dev.starts);
+        assert_eq!(host.rows, dev.rows);
+    }
+
+    // Experts: the grouped kernels against one expert after another on the device (the
+    // same bits) and against the CPU, for a quantized and a bf16 model with biases, with
+    // scratch for only 8 pairs so the 27 pairs go in chunks.
+    let moe = MoeConfig {
+        n_experts: n_exp as u32,
+        top_k: k as u32,
+        intermediate: inter as u32,
+        norm_topk_prob: true,
+        dense_layers: Vec::new(),
+    };
+    let clean: Vec<f32> = (0..rows * n_exp).map(|_| rng.f() * 4.0).collect();
+    let mut routes = Routes::with_capacity(&moe, rows);
+    routes.route(&moe, Gating::SoftmaxTopK, &clean, rows);
+    let x: Vec<f32> = (0..rows * h).map(|_| rng.f()).collect();
+    let xm = p.put(&f32_bytes(&x));
+    let base: Vec<f32> = (0..rows * h).map(|_| rng.f()).collect();
+    for (dt, bias_dt, act) in [
+        (DType::Q8_0, None, GatedAct::Silu),
+        (DType::Q4K, None, GatedAct::GeluTanh),
+        (
+            DType::BF16,
+            Some(DType::BF16),
+            GatedAct::SwigluClamp {
+                alpha: 1.702,
+                limit: 7.0,
+            },
+        ),
+        (
+            DType::Mxfp4,
+            Some(DType::F32),
+            GatedAct::SwigluClamp {
+                alpha: 1.702,
+                limit: 7.0,
+            },
+        ),
+    ] {
+        let ws: Vec<_> = (0..n_exp)
+            .map(|_| {
+                [
+                    p.put(&random_weights(dt, inter, h, &mut rng)),
+                    p.put(&random_weights(dt, inter, h, &mut rng)),
+                    p.put(&random_weights(dt, h, inter, &mut rng)),
+                ]
+            })
+            .collect();
+        let bs: Vec<_> = (0..n_exp)
+            .map(|_| {
+                bias_dt.map(|b| {
+                    [
+                        p.put(&random_weights(b, 1, inter, &mut rng)),
+                        p.put(&random_weights(b, 1, inter, &mut rng)),
+                        p.put(&random_weights(b, 1, h, &mut rng)),
+                    ]
+                })
+            })
+            .collect();
+        let dims = [(inter, h), (inter, h), (h, inter)];
+        let routed: Vec<(usize, &[u32], &[f32])> = (0..n_exp)
+            .map(|e| (e, routes.of(e)))
+            .filter(|(_, (r, _))| !r.is_empty())
+            .map(|(e, (r, w))| (e, r, w))
+            .collect();
+        let shape = ExpertShape {
+            hidden: h,
+            act,
+            decode: true,
+        };
+        let pairs: usize = routed.iter().map(|c| c.1.len()).sum();
+        assert_eq!(pairs, rows * k);
+        let cpu_calls = expert_calls(&routed, &ws, &bs, |m| &m.0, dt, bias_dt, dims);
+        let gpu_calls = expert_calls(&routed, &ws, &bs, |m| &m.1, dt, bias_dt, dims);
+        // Scratch for every row (one expert at a time), and on the device for 8 pairs.
+        let (mut bx, mut bg, mut bu, mut by) = (
+            p.zeros(rows * h),
+            p.zeros(rows * inter),
+            p.zeros(rows * inter),
+            p.zeros(rows * h),
+        );
+        let (mut sx, mut sg, mut su, mut sy) = (
+            p.zeros(rows * h),
+            p.zeros(8 * inter),
+            p.zeros(8 * inter),
+            p.zeros(8 * h),
+        );
+        let (mut oc, mut og) = p.put(&f32_bytes(&base));
+        experts_each(
+            &p.cpu,
+            &xm.0,
+            shape,
+            &cpu_calls,
+            ExpertScratch {
+                x: &mut bx.0,
+                gate: &mut bg.0,
+                up: &mut bu.0,
+                y: &mut by.0,
+            },
+            &mut oc,
+        );
+        p.gpu.experts(
+            &xm.1,
+            shape,
+            &gpu_calls,
+            ExpertScratch {
+                x: &mut sx.1,
+                gate: &mut sg.1,
+                up: &mut su.1,
+                y: &mut sy.1,
+            },
+            &mut og,
+        );
+        // The device one expert after another.
+        let (ec, mut eg) = p.put(&f32_bytes(&base));
+        experts_each(
+            &p.gpu,
+            &xm.1,
+            shape,
+            &gpu_calls,
+            ExpertScratch {
+                x: &mut bx.1,
+                gate: &mut bg.1,
+                up: &mut bu.1,
+                y: &mut by.1,
+            },
+            &mut eg,
+        );
+        let (c, g) = p.get(&(oc, og), rows * h);
+        close(&format!("experts {dt:?} grouped vs CPU"), &c, &g, h, 1e-4);
+        let (_, each) = p.get(&(ec, eg), rows * h);
+        close(
+            &format!("experts {dt:?} grouped vs one at a time"),
+            &each,
+            &g,
+            h,
+            0.0,
+        );
+    }
 }
 
 #[test]

@@ -118,9 +118,14 @@ fn the_kernel_table_matches_every_kernel_signature_in_the_sources() {
     }
     // 33 for the first six dtypes and the other ops (gelu_mul, scale, and the f16 KV
     // cache's kv_store and attention among them), three for each of the ten
-    // K-quant-era block formats, gpt-oss's clamped SwiGLU, and a mixture's row gather
-    // and weighted scatter.
-    assert_eq!(seen.len(), 33 + 3 * 10 + 1 + 2, "kernels: {seen:?}");
+    // K-quant-era block formats, gpt-oss's clamped SwiGLU, a mixture's row gather and
+    // weighted scatter, the grouped GEMV of its decode rows for each of the 16 weight
+    // dtypes, its grouped bias and combine, and its routing.
+    assert_eq!(
+        seen.len(),
+        33 + 3 * 10 + 1 + 2 + 16 + 2 + 1,
+        "kernels: {seen:?}"
+    );
     // The parser sees through parameter names, spacing, `__restrict__` and macros.
     let sigs = entry_signatures(
         "extern \"C\" __global__ void a(float *__restrict__ x,\n   const unsigned long long* d, int n) {}\n\

@@ -11,9 +11,12 @@
 
 pub mod cpu;
 pub mod cuda;
+pub mod experts;
 
 use crate::dtype::DType;
 use crate::hostbuf::Pinner;
+use crate::store::arch::Gating;
+pub use experts::{ExpertCall, ExpertScratch, ExpertShape, GatedAct};
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -494,6 +497,40 @@ pub trait Backend: Send + Sync {
             let _ = self.upload_part(dst, r as usize * cols * 4, &bytes);
         }
     }
+    /// A mixture's experts on the rows routed to each (`calls`, in ascending expert
+    /// order), each expert's output added into `out` (rows of `shape.hidden`) with the
+    /// rows' weights: row r's sum goes over its experts in the order of the calls, from
+    /// what `out` holds. Exactly the bits of `experts_each`, which is the default; a
+    /// device runs a decode call's experts together where it has grouped kernels.
+    fn experts(
+        &self,
+        x: &Self::Mem,
+        shape: ExpertShape,
+        calls: &[ExpertCall<'_, Self::Mem>],
+        scratch: ExpertScratch<'_, Self::Mem>,
+        out: &mut Self::Mem,
+    ) {
+        experts::experts_each(self, x, shape, calls, scratch, out);
+    }
+    /// Each of `rows` rows' top-k experts and routing weights from its router logits
+    /// (`n_experts` per row), into `chosen` (`k` per row, in descending weight), as
+    /// `Routes::route` computes them (the same experts; weights to a few ulp), where the
+    /// backend does this itself: a device sends back k pairs a row, not every logit.
+    /// Returns false where it does not (the default), and the caller routes on the host.
+    #[allow(clippy::too_many_arguments)] // the routing's inputs and its output
+    fn route_top_k(
+        &self,
+        logits: &Self::Mem,
+        rows: usize,
+        n_experts: usize,
+        k: usize,
+        gating: Gating,
+        norm: bool,
+        chosen: &mut Vec<(u32, f32)>,
+    ) -> bool {
+        let _ = (logits, rows, n_experts, k, gating, norm, chosen);
+        false
+    }
     /// x = 0, n elements. Default: an upload of zeros.
     fn zero(&self, x: &mut Self::Mem, n: usize) {
         let _ = self.upload_part(x, 0, &vec![0u8; n * 4]);
@@ -521,6 +558,8 @@ pub struct ScratchShape {
     pub vocab: u64,
     /// Positions per sequence in the KV cache.
     pub max_context: usize,
+    /// Experts a mixture routes each row to (0 for a dense model).
+    pub top_k: u64,
 }
 
 /// An upload of `len` bytes at `offset` must fit the allocation of `cap` bytes.

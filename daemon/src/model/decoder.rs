@@ -13,9 +13,10 @@
 use super::moe::Routes;
 use super::rope::rope_table;
 use super::{Activation, ArchConfig, RopeScaling};
+use crate::backend::experts::gated_mlp;
 use crate::backend::{
-    AttnShape, AttnStep, Backend, BackendError, KvDtype, LayerCache, MatmulOut, ScratchShape,
-    SeqSpan, WeightRef,
+    AttnShape, AttnStep, Backend, BackendError, ExpertCall, ExpertScratch, ExpertShape, GatedAct,
+    KvDtype, LayerCache, MatmulOut, ScratchShape, SeqSpan, WeightRef,
 };
 use crate::dtype::DType;
 use crate::store::format::{LayerUnit, Manifest, UnitKind};
@@ -129,49 +130,55 @@ impl ModelOptions {
             intermediate: ffn_rows(cfg),
             vocab: cfg.vocab as u64,
             max_context: self.max_context,
+            top_k: cfg.moe.as_ref().map_or(0, |m| m.top_k as u64),
         }
     }
 }
 
-/// A gated MLP (a dense layer's, or one expert's) on the `rows` rows of `x`, the first
-/// `gemv_rows` of them decode rows: out = down(act(gate(x)) * up(x)), through `g` and `u`
-/// (each projection with its bias where it has one).
-fn gated_mlp<B: Backend>(
-    b: &B,
-    c: &ArchConfig,
-    (x, rows, gemv_rows): (&B::Mem, usize, usize),
-    [gate, up, down]: [WeightRef<'_, B::Mem>; 3],
-    bias: Option<[WeightRef<'_, B::Mem>; 3]>,
-    (g, u): (&mut B::Mem, &mut B::Mem),
-    out: &mut B::Mem,
-) {
-    let n = rows * gate.rows;
-    b.matmuls(
-        x,
-        rows,
-        gemv_rows,
-        &mut [
-            MatmulOut {
-                w: gate,
-                bias: bias.map(|b| b[0]),
-                out: g,
-            },
-            MatmulOut {
-                w: up,
-                bias: bias.map(|b| b[1]),
-                out: u,
-            },
-        ],
-    );
+/// The activation of the model's gated MLPs.
+fn gated_act(c: &ArchConfig) -> GatedAct {
     match (c.arch.recipe().activation, c.swiglu) {
-        (Activation::Silu, _) => b.silu_mul(g, u, n),
-        (Activation::GeluTanh, _) => b.gelu_mul(g, u, n),
-        (Activation::SwigluClamp, Some(k)) => b.swiglu_clamp_mul(g, u, n, k.alpha, k.limit),
+        (Activation::Silu, _) => GatedAct::Silu,
+        (Activation::GeluTanh, _) => GatedAct::GeluTanh,
+        (Activation::SwigluClamp, Some(k)) => GatedAct::SwigluClamp {
+            alpha: k.alpha,
+            limit: k.limit,
+        },
         (Activation::SwigluClamp, None) => {
             unreachable!("validated: a clamped SwiGLU has its constants")
         }
     }
-    b.matmul(g, rows, gemv_rows, down, bias.map(|b| b[2]), out);
+}
+
+/// Routes `rows` rows of a mixture's router logits (on the device, in `logits`): the
+/// backend's own top-k where it has one, else on the host from the logits downloaded into
+/// `host`.
+fn route_rows<B: Backend>(
+    b: &B,
+    c: &ArchConfig,
+    logits: &B::Mem,
+    rows: usize,
+    host: &mut Vec<f32>,
+    routes: &mut Routes,
+) {
+    let moe = c.moe.as_ref().expect("a mixture's layer has its config");
+    let (n, k) = (moe.n_experts as usize, moe.top_k as usize);
+    let gating = c.arch.recipe().gating;
+    if b.route_top_k(
+        logits,
+        rows,
+        n,
+        k,
+        gating,
+        moe.norm_topk_prob,
+        routes.chosen_mut(),
+    ) {
+        routes.group(moe);
+    } else {
+        host.resize(rows * n, 0.0);
+        b.download_f32(logits, 0, host);
+        routes.route(moe, gating, host, rows);
+    }
 }
 
 /// One sequence's part of a step.
@@ -259,6 +266,24 @@ pub struct Decoder<B: Backend> {
     lookahead: Vec<Vec<u32>>,
     lookahead_routes: Option<Routes>,
     prediction: PredictionStats,
+    /// The allocations of a mixture's expert call lists (decode, prefill), kept empty
+    /// between layers (`recycle`) so a step allocates nothing.
+    expert_calls: (Vec<ExpertCall<'static, ()>>, Vec<ExpertCall<'static, ()>>),
+}
+
+/// An empty Vec of `U` in the allocation of `v`: the standard library collects a Vec's
+/// iterator into a Vec of a type of the same size and alignment in place (the alloc
+/// tests check that no step allocates), so a layer's list of calls that borrow its weights
+/// reuses the last layer's room.
+fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
+    debug_assert!(
+        std::mem::size_of::<T>() == std::mem::size_of::<U>()
+            && std::mem::align_of::<T>() == std::mem::align_of::<U>()
+    );
+    v.clear();
+    v.into_iter()
+        .map(|_| unreachable!("the Vec is empty"))
+        .collect()
 }
 
 /// How well a layer's experts are predicted before it routes, over the steps so far, by
@@ -627,6 +652,10 @@ impl<B: Backend> Decoder<B> {
             lookahead: vec![Vec::new(); c_layers],
             lookahead_routes: cfg_moe.as_ref().map(|m| Routes::with_capacity(m, t)),
             prediction: PredictionStats::default(),
+            expert_calls: {
+                let n = cfg_moe.as_ref().map_or(0, |m| m.n_experts as usize);
+                (Vec::with_capacity(n), Vec::with_capacity(n))
+            },
         })
     }
 
@@ -754,16 +783,12 @@ impl<B: Backend> Decoder<B> {
         let n_experts = self.routed_count(i);
         if n_experts > 0 {
             self.route(b, i, mem);
-            for e in 0..n_experts {
-                if self.routed_rows(e) > 0 {
-                    self.expert(b, i, e, mem, 0);
-                }
-            }
+            self.experts(b, i, 0..n_experts, mem, 0);
         } else if let Ffn::Dense { gate, up, down } = &self.layers[i].ffn {
             let ws = &mut self.ws;
             gated_mlp(
                 b,
-                &self.cfg,
+                gated_act(&self.cfg),
                 (&ws.xn, self.rows, self.gemv_rows),
                 [gate, up, down].map(|t| t.at(mem)),
                 None,
@@ -892,9 +917,7 @@ impl<B: Backend> Decoder<B> {
         let n = moe.n_experts as usize;
         let bias = router_bias.map(|t| t.at(mem));
         b.matmul(&ws.xn, rows, self.gemv_rows, router.at(mem), bias, logits);
-        self.router_logits.resize(rows * n, 0.0);
-        b.download_f32(logits, 0, &mut self.router_logits);
-        routes.route(moe, c.arch.recipe().gating, &self.router_logits, rows);
+        route_rows(b, c, logits, rows, &mut self.router_logits, routes);
         for (e, n) in self.expert_tokens[i].iter_mut().enumerate() {
             *n += (routes.starts[e + 1] - routes.starts[e]) as u64;
         }
@@ -926,46 +949,68 @@ impl<B: Backend> Decoder<B> {
         }
     }
 
-    /// Rows of the step routed to expert `e` of the layer routed last.
-    fn routed_rows(&self, e: usize) -> usize {
-        self.routes
-            .as_ref()
-            .map_or(0, |r| r.starts[e + 1] - r.starts[e])
-    }
-
-    /// Expert `e` of layer `i` on the rows routed to it, added into the block's output with
-    /// their weights. `mem` holds the layer unit's raw bytes from offset `raw_base` on (the
-    /// whole unit: 0; the expert alone: its range's start). Experts run in ascending order,
-    /// each row's sum in the order transformers adds them; an expert's rows keep their
-    /// order, decode rows first, so a decode row takes the decode kernels here too.
-    fn expert(&mut self, b: &B, i: usize, e: usize, mem: &B::Mem, raw_base: usize) {
+    /// Experts `es` of layer `i` on the rows routed to them, added into the block's output
+    /// with their weights. `mem` holds the layer unit's raw bytes from offset `raw_base` on
+    /// (the whole unit: 0; one expert alone: its range's start). Experts run in ascending
+    /// order, so each row's sum goes in the order transformers adds them; the decode rows
+    /// of all of them go as one call (a device runs them together), then the prefill rows.
+    fn experts(&mut self, b: &B, i: usize, es: Range<usize>, mem: &B::Mem, raw_base: usize) {
         let Ffn::Moe { experts, .. } = &self.layers[i].ffn else {
-            unreachable!("an expert of a dense layer")
+            unreachable!("experts of a dense layer")
         };
-        let (c, ws) = (&self.cfg, &mut self.ws);
-        let h = c.hidden as usize;
+        let (c, ws, g) = (&self.cfg, &mut self.ws, self.gemv_rows);
         let routes = self.routes.as_ref().expect("a mixture has its routes");
         let (_, xe, ye) = ws.moe.as_mut().expect("a mixture has its workspace");
-        let (er, ew) = routes.of(e);
-        if er.is_empty() {
-            return;
+        let mut decode: Vec<ExpertCall<'_, B::Mem>> =
+            recycle(std::mem::take(&mut self.expert_calls.0));
+        let mut prefill: Vec<ExpertCall<'_, B::Mem>> =
+            recycle(std::mem::take(&mut self.expert_calls.1));
+        for e in es {
+            let (er, ew) = routes.of(e);
+            if er.is_empty() {
+                continue;
+            }
+            let x = experts[e].rebased(raw_base);
+            let (w, bias) = (x.w.map(|t| t.at(mem)), x.b.map(|b| b.map(|t| t.at(mem))));
+            // An expert's rows keep their order, decode rows first.
+            let split = er.partition_point(|&r| (r as usize) < g);
+            let (rows, weights) = (&er[..split], &ew[..split]);
+            if !rows.is_empty() {
+                decode.push(ExpertCall {
+                    w,
+                    bias,
+                    rows,
+                    weights,
+                });
+            }
+            let (rows, weights) = (&er[split..], &ew[split..]);
+            if !rows.is_empty() {
+                prefill.push(ExpertCall {
+                    w,
+                    bias,
+                    rows,
+                    weights,
+                });
+            }
         }
-        let (m, ge) = (
-            er.len(),
-            er.partition_point(|&r| (r as usize) < self.gemv_rows),
-        );
-        b.gather_rows(&ws.xn, er, h, xe);
-        let x = experts[e].rebased(raw_base);
-        gated_mlp(
-            b,
-            c,
-            (xe, m, ge),
-            x.w.map(|t| t.at(mem)),
-            x.b.map(|b| b.map(|t| t.at(mem))),
-            (&mut ws.gate, &mut ws.up),
-            ye,
-        );
-        b.scatter_add_rows(ye, er, ew, h, &mut ws.proj);
+        for (calls, decode) in [(&decode, true), (&prefill, false)] {
+            if calls.is_empty() {
+                continue;
+            }
+            let shape = ExpertShape {
+                hidden: c.hidden as usize,
+                act: gated_act(c),
+                decode,
+            };
+            let scratch = ExpertScratch {
+                x: &mut *xe,
+                gate: &mut ws.gate,
+                up: &mut ws.up,
+                y: &mut *ye,
+            };
+            b.experts(&ws.xn, shape, calls, scratch, &mut ws.proj);
+        }
+        self.expert_calls = (recycle(decode), recycle(prefill));
     }
 
     /// The decoder layer of unit `unit` (a mixture's layer, else None).
@@ -1032,9 +1077,7 @@ impl<B: Backend> Decoder<B> {
         b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, xl);
         let bias = router_bias.map(|t| t.at(mem));
         b.matmul(xl, rows, self.gemv_rows, router.at(mem), bias, logits);
-        self.router_logits.resize(rows * n, 0.0);
-        b.download_f32(logits, 0, &mut self.router_logits);
-        routes.route(moe, c.arch.recipe().gating, &self.router_logits, rows);
+        route_rows(b, c, logits, rows, &mut self.router_logits, routes);
         let ahead = &mut self.lookahead[i];
         ahead.clear();
         ahead.extend(
@@ -1062,7 +1105,7 @@ impl<B: Backend> Decoder<B> {
         let i = self
             .sparse_layer(unit)
             .expect("an expert of a mixture's layer");
-        self.expert(b, i, e, mem, raw_base as usize);
+        self.experts(b, i, e..e + 1, mem, raw_base as usize);
     }
 
     /// The end of a mixture's layer run in parts (`mem` as for `sparse_begin`).

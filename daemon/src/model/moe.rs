@@ -93,7 +93,23 @@ impl Routes {
                 }
             }
         }
-        // Grouped by expert, each expert's rows ascending (a counting sort).
+        self.group(moe);
+    }
+
+    /// The step's choices list, emptied, for a backend that routes itself to fill
+    /// (`Backend::route_top_k`: `top_k` valid experts a row); then `group`.
+    pub fn chosen_mut(&mut self) -> &mut Vec<(u32, f32)> {
+        self.chosen.clear();
+        &mut self.chosen
+    }
+
+    /// The step's choices grouped by expert, each expert's rows ascending (a counting
+    /// sort).
+    pub fn group(&mut self, moe: &MoeConfig) {
+        let (n, k) = (moe.n_experts as usize, moe.top_k as usize);
+        debug_assert!(
+            self.chosen.len().is_multiple_of(k) && self.chosen.iter().all(|c| (c.0 as usize) < n)
+        );
         self.starts.clear();
         self.starts.resize(n + 1, 0);
         for &(e, _) in &self.chosen {

@@ -14,15 +14,18 @@
 use super::arena::Arena;
 use super::handles::{carve, dev_err, Blas, CudaMem, CudaPinner, DeviceAlloc, PinnedHost};
 use super::kernels::{Dims, Kernel, KernelTable};
-use super::meta::{Meta, MetaKind, SpanMeta};
+use super::meta::{group_slot_bytes, GroupHost, Meta, MetaKind, SpanMeta, GROUP_META_SLOTS};
 use super::probe::{driver_present, info_of};
 use super::DeviceInfo;
+use crate::backend::experts::experts_each;
 use crate::backend::KvDtype;
 use crate::backend::{
-    AttnStep, Backend, BackendError, CopyStats, MemBudget, ScratchShape, WeightRef,
+    AttnStep, Backend, BackendError, CopyStats, ExpertCall, ExpertScratch, ExpertShape, MemBudget,
+    ScratchShape, WeightRef,
 };
 use crate::dtype::DType;
 use crate::hostbuf::Pinner;
+use crate::store::arch::Gating;
 use cudarc::cublas::{result as blas, sys as bsys};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use std::ffi::c_void;
@@ -49,6 +52,11 @@ pub fn scratch_bytes(shape: &ScratchShape) -> u64 {
 pub(super) struct Layout {
     pub(super) rows: u64,
     pub(super) meta: u64,
+    /// Offsets in the metadata allocation of the grouped-expert slots and of the routing's
+    /// output (device only: k experts and weights a row).
+    pub(super) group_off: u64,
+    pub(super) route_off: u64,
+    pub(super) route_bytes: u64,
     pub(super) half: u64,
     pub(super) tile: u64,
     pub(super) bias: u64,
@@ -61,11 +69,19 @@ impl Layout {
         let (h, q, i, v) = (shape.hidden, shape.q_dim, shape.intermediate, shape.vocab);
         let kmax = h.max(q).max(i);
         let widest = v.max(i).max(q).max(h);
+        // ids u32, positions u32, KV destinations u64, cache bases u64 per row; then the
+        // expert metadata ring: a row list (u32) and weights (f32) per slot; then the
+        // grouped-expert slots; then the routing's output.
+        let ring = rows * 24 + EXPERT_META_SLOTS as u64 * rows * 8;
+        let group_off = ring.div_ceil(8) * 8;
+        let route_off = group_off + (GROUP_META_SLOTS * group_slot_bytes(rows as usize)) as u64;
+        let route_bytes = rows * shape.top_k * 8;
         Layout {
             rows,
-            // ids u32, positions u32, KV destinations u64, cache bases u64 per row; then the
-            // expert metadata ring: a row list (u32) and weights (f32) per slot.
-            meta: r(rows * 24 + EXPERT_META_SLOTS as u64 * rows * 8),
+            meta: r(route_off + route_bytes),
+            group_off,
+            route_off,
+            route_bytes,
             half: r(rows * kmax * 2),
             tile: r((widest * kmax * 4).min(TILE_BYTES_MAX).max(kmax * 4 * 32)),
             bias: r(widest * 4),
@@ -84,12 +100,14 @@ pub struct CudaBackend {
     pub(super) budget: Arc<MemBudget>,
     pub(super) layout: Layout,
     /// The metadata's arena range (`Meta` holds its address).
-    pub(super) _meta_dev: CudaMem,
+    pub(super) meta_dev: CudaMem,
     pub(super) half: CudaMem,
     pub(super) tile: CudaMem,
     pub(super) bias: CudaMem,
     pub(super) _blas_ws: CudaMem,
     pub(super) meta: Mutex<Meta>,
+    /// Scratch for a grouped-expert chunk's metadata (`experts`).
+    pub(super) group: Mutex<GroupHost>,
     /// The first failure of enqueued work: what was being done, and why it failed.
     pub(super) err: Mutex<Option<(String, String)>>,
     pub(super) copies: Mutex<CopyStats>,
@@ -138,6 +156,7 @@ impl CudaBackend {
         }
         let layout = Layout::new(shape);
         let rows = layout.rows as usize;
+        let group_off = layout.group_off as usize;
         let compute = ctx.new_stream().map_err(dev_err(&dev, "compute stream"))?;
         let copy = ctx.new_stream().map_err(dev_err(&dev, "copy stream"))?;
         let kernels = KernelTable::load(&ctx, &info)?;
@@ -175,6 +194,9 @@ impl CudaBackend {
         let expert_copied = (0..EXPERT_META_SLOTS)
             .map(|_| ev())
             .collect::<Result<Vec<_>, _>>()?;
+        let group_copied = (0..GROUP_META_SLOTS)
+            .map(|_| ev())
+            .collect::<Result<Vec<_>, _>>()?;
         tracing::info!(
             "CUDA device {}: {} (sm_{}{}), {} free of {}, driver {}.{}; {} in one allocation",
             info.ordinal,
@@ -198,7 +220,7 @@ impl CudaBackend {
             base,
             budget,
             layout,
-            _meta_dev: meta_dev,
+            meta_dev,
             half,
             tile,
             bias,
@@ -215,7 +237,11 @@ impl CudaBackend {
                 rows,
                 expert_copied,
                 expert_next: 0,
+                group_copied,
+                group_next: 0,
+                group_off,
             }),
+            group: Mutex::new(GroupHost::default()),
             err: Mutex::new(None),
             copies: Mutex::new(CopyStats::default()),
             info,
@@ -256,7 +282,7 @@ impl CudaBackend {
     }
 
     /// `kernel(x, y, n)`: an elementwise kernel that updates x from y.
-    fn elementwise(
+    pub(super) fn elementwise(
         &self,
         kernel: Kernel,
         x: &mut CudaMem,
@@ -875,6 +901,42 @@ impl Backend for CudaBackend {
             )
         })();
         self.record("scatter_add_rows", r);
+    }
+
+    fn experts(
+        &self,
+        x: &CudaMem,
+        shape: ExpertShape,
+        calls: &[ExpertCall<'_, CudaMem>],
+        mut scratch: ExpertScratch<'_, CudaMem>,
+        out: &mut CudaMem,
+    ) {
+        match self.experts_grouped(x, shape, calls, &mut scratch, out) {
+            Ok(true) => {}
+            Ok(false) => experts_each(self, x, shape, calls, scratch, out),
+            Err(e) => self.record("experts", Err(e)),
+        }
+    }
+
+    fn route_top_k(
+        &self,
+        logits: &CudaMem,
+        rows: usize,
+        n_experts: usize,
+        k: usize,
+        gating: Gating,
+        norm: bool,
+        chosen: &mut Vec<(u32, f32)>,
+    ) -> bool {
+        match self.route_on_device(logits, rows, n_experts, k, gating, norm, chosen) {
+            Ok(done) => done,
+            Err(e) => {
+                // Routed on the host instead; the step fails at `check` with the cause.
+                chosen.clear();
+                self.record("route_top_k", Err(e));
+                false
+            }
+        }
     }
 
     fn zero(&self, x: &mut CudaMem, n: usize) {

@@ -130,6 +130,34 @@ kernels! {
     ) {
         ScatterAddRowsF32 = "scatter_add_rows_f32",
     }
+    /// Pair p's output row += its expert's bias (`bias[p]`, of dtype 0 f32, 1 f16, 2 bf16).
+    add_bias_grouped(out: u64 = "float*", bias: u64 = "const unsigned long long*", dtype: i32 = "int", cols: i32 = "int") {
+        AddBiasGroupedF32 = "add_bias_grouped_f32",
+    }
+    /// Each row of a grouped expert chunk += its pairs' outputs, weighted, in pair order.
+    combine_rows(
+        y: u64 = "const float*",
+        row_ids: u64 = "const u32*",
+        starts: u64 = "const u32*",
+        pair_ids: u64 = "const u32*",
+        weights: u64 = "const float*",
+        dst: u64 = "float*",
+        cols: i32 = "int",
+    ) {
+        CombineRowsF32 = "combine_rows_f32",
+    }
+    /// A mixture's routing: each row's top-k experts and weights.
+    router_topk(
+        logits: u64 = "const float*",
+        experts: u64 = "u32*",
+        weights: u64 = "float*",
+        n: i32 = "int",
+        k: i32 = "int",
+        gating: i32 = "int",
+        norm: i32 = "int",
+    ) {
+        RouterTopkF32 = "router_topk_f32",
+    }
     /// `x[i] *= s` for `n` elements.
     scale(x: u64 = "float*", s: f32 = "float", n: i32 = "int") {
         ScaleF32 = "scale_f32",
@@ -243,6 +271,32 @@ kernels! {
         GemvIq4Xs = "gemv_iq4_xs",
         GemvMxfp4 = "gemv_mxfp4",
     }
+    /// A mixture's decode rows: each (expert, row) pair's own weights and activation row.
+    gemv_grouped(
+        w: u64 = "const unsigned long long*",
+        x_rows: u64 = "const u32*",
+        x: u64 = "const float*",
+        out: u64 = "float*",
+        m: i32 = "int",
+        k: i32 = "int",
+    ) {
+        GemvGroupedF32 = "gemv_grouped_f32",
+        GemvGroupedF16 = "gemv_grouped_f16",
+        GemvGroupedBf16 = "gemv_grouped_bf16",
+        GemvGroupedQ8_0 = "gemv_grouped_q8_0",
+        GemvGroupedQ4_0 = "gemv_grouped_q4_0",
+        GemvGroupedQ4_1 = "gemv_grouped_q4_1",
+        GemvGroupedQ5_0 = "gemv_grouped_q5_0",
+        GemvGroupedQ5_1 = "gemv_grouped_q5_1",
+        GemvGroupedQ2K = "gemv_grouped_q2_k",
+        GemvGroupedQ3K = "gemv_grouped_q3_k",
+        GemvGroupedQ4K = "gemv_grouped_q4_k",
+        GemvGroupedQ5K = "gemv_grouped_q5_k",
+        GemvGroupedQ6K = "gemv_grouped_q6_k",
+        GemvGroupedIq4Nl = "gemv_grouped_iq4_nl",
+        GemvGroupedIq4Xs = "gemv_grouped_iq4_xs",
+        GemvGroupedMxfp4 = "gemv_grouped_mxfp4",
+    }
     /// A weight tile (or a bias) to f32, for the cuBLAS path.
     dequant(w: u64 = "const u8*", out: u64 = "float*", n: u64 = "unsigned long long") {
         DequantF16 = "dequant_f16",
@@ -297,6 +351,28 @@ impl Kernel {
             DType::Iq4Nl => Kernel::GemvIq4Nl,
             DType::Iq4Xs => Kernel::GemvIq4Xs,
             DType::Mxfp4 => Kernel::GemvMxfp4,
+        }
+    }
+
+    /// The grouped GEMV of a mixture's decode rows for a weight dtype.
+    pub fn gemv_grouped(d: DType) -> Kernel {
+        match d {
+            DType::F32 => Kernel::GemvGroupedF32,
+            DType::F16 => Kernel::GemvGroupedF16,
+            DType::BF16 => Kernel::GemvGroupedBf16,
+            DType::Q8_0 => Kernel::GemvGroupedQ8_0,
+            DType::Q4_0 => Kernel::GemvGroupedQ4_0,
+            DType::Q4_1 => Kernel::GemvGroupedQ4_1,
+            DType::Q5_0 => Kernel::GemvGroupedQ5_0,
+            DType::Q5_1 => Kernel::GemvGroupedQ5_1,
+            DType::Q2K => Kernel::GemvGroupedQ2K,
+            DType::Q3K => Kernel::GemvGroupedQ3K,
+            DType::Q4K => Kernel::GemvGroupedQ4K,
+            DType::Q5K => Kernel::GemvGroupedQ5K,
+            DType::Q6K => Kernel::GemvGroupedQ6K,
+            DType::Iq4Nl => Kernel::GemvGroupedIq4Nl,
+            DType::Iq4Xs => Kernel::GemvGroupedIq4Xs,
+            DType::Mxfp4 => Kernel::GemvGroupedMxfp4,
         }
     }
 

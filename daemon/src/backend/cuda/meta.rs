@@ -25,6 +25,69 @@ pub(super) struct Meta {
     /// copy out of its part of `host`; and the slot the next list takes.
     pub(super) expert_copied: Vec<CudaEvent>,
     pub(super) expert_next: usize,
+    /// The grouped-expert metadata slots (after the ring): per slot, recorded after the
+    /// copy out of it; the slot the next chunk takes; where the slots start.
+    pub(super) group_copied: Vec<CudaEvent>,
+    pub(super) group_next: usize,
+    pub(super) group_off: usize,
+}
+
+/// Slots of the grouped-expert metadata (`Meta::group`): a chunk's slot is rewritten only
+/// after the chunk after it was enqueued.
+pub(super) const GROUP_META_SLOTS: usize = 2;
+
+/// Bytes of one grouped-expert metadata slot for chunks of up to `pairs` (expert, row)
+/// pairs: six u64 arrays (gate, up, down and their biases' addresses) and five u32/f32
+/// ones (activation row, weight, pair order, rows, starts; starts has one more).
+pub(super) fn group_slot_bytes(pairs: usize) -> usize {
+    (68 * pairs + 4).div_ceil(8) * 8
+}
+
+/// One grouped-expert chunk's metadata, built on the host: per pair its expert's
+/// gate/up/down addresses (`w`), their biases' (`bias`, empty without biases), its
+/// activation row and routing weight; per distinct step row (`row_ids`) its pairs in
+/// ascending order, `pair_ids[starts[r]..starts[r + 1]]`.
+#[derive(Default)]
+pub(super) struct GroupHost {
+    pub(super) w: [Vec<u64>; 3],
+    pub(super) bias: [Vec<u64>; 3],
+    pub(super) x_rows: Vec<u32>,
+    pub(super) weights: Vec<f32>,
+    pub(super) pair_ids: Vec<u32>,
+    pub(super) row_ids: Vec<u32>,
+    pub(super) starts: Vec<u32>,
+    /// Scratch (not uploaded): (row, pair) sorted, and the routing's output.
+    pub(super) order: Vec<(u32, u32)>,
+    pub(super) route_experts: Vec<u32>,
+    pub(super) route_weights: Vec<f32>,
+}
+
+impl GroupHost {
+    pub(super) fn clear(&mut self) {
+        for v in self.w.iter_mut().chain(self.bias.iter_mut()) {
+            v.clear();
+        }
+        self.x_rows.clear();
+        self.weights.clear();
+        self.pair_ids.clear();
+        self.row_ids.clear();
+        self.starts.clear();
+    }
+
+    pub(super) fn pairs(&self) -> usize {
+        self.x_rows.len()
+    }
+}
+
+/// Device addresses of a grouped chunk's arrays (`GroupHost`'s, in its order).
+pub(super) struct GroupDev {
+    pub(super) w: [u64; 3],
+    pub(super) bias: [u64; 3],
+    pub(super) x_rows: u64,
+    pub(super) weights: u64,
+    pub(super) pair_ids: u64,
+    pub(super) row_ids: u64,
+    pub(super) starts: u64,
 }
 
 /// Device addresses of a step's per-row metadata, and its last position.
@@ -164,6 +227,81 @@ impl Meta {
         }
         ev.record(stream).map_err(|e| e.to_string())?;
         Ok((rows_dev, weights_dev))
+    }
+
+    /// A grouped-expert chunk's metadata on the device through the next group slot, in one
+    /// copy of what the chunk uses (its n pairs' arrays packed one after the other).
+    pub(super) fn group(&mut self, stream: &CudaStream, g: &GroupHost) -> Result<GroupDev, String> {
+        let m = self;
+        let n = g.pairs();
+        let r = g.row_ids.len();
+        let biased = !g.bias[0].is_empty();
+        let lens_ok = g.w.iter().all(|v| v.len() == n)
+            && g.bias.iter().all(|v| v.len() == if biased { n } else { 0 })
+            && g.weights.len() == n
+            && g.pair_ids.len() == n
+            && g.starts.len() == r + 1
+            && r <= n;
+        if n > m.rows || !lens_ok {
+            return Err(format!(
+                "a grouped expert chunk of {n} pairs and {r} rows; the backend was sized for {} (or its arrays disagree)",
+                m.rows
+            ));
+        }
+        let slot = m.group_next % m.group_copied.len().max(1);
+        m.group_next = m.group_next.wrapping_add(1);
+        let ev = m
+            .group_copied
+            .get(slot)
+            .ok_or("no grouped expert metadata")?;
+        ev.synchronize().map_err(|e| e.to_string())?;
+        let cap = group_slot_bytes(m.rows);
+        let off = m.group_off + slot * cap;
+        // SAFETY: the pinned buffer holds the group slots from group_off on; this slot's
+        // `cap` bytes lie inside it, and no copy reads them (its event has completed).
+        let host = unsafe { std::slice::from_raw_parts_mut((m.host.ptr as *mut u8).add(off), cap) };
+        let mut at = 0;
+        let mut put = |bytes: &[u8]| {
+            host[at..at + bytes.len()].copy_from_slice(bytes);
+            at += bytes.len();
+        };
+        let mut offs = [0usize; 11];
+        let mut o = 0;
+        for (i, v) in g.w.iter().chain(&g.bias).enumerate() {
+            offs[i] = o;
+            v.iter().for_each(|x| put(&x.to_le_bytes()));
+            o += v.len() * 8;
+        }
+        for (i, v) in [&g.x_rows, &g.pair_ids, &g.row_ids, &g.starts]
+            .into_iter()
+            .enumerate()
+        {
+            offs[6 + i] = o;
+            v.iter().for_each(|x| put(&x.to_le_bytes()));
+            o += v.len() * 4;
+        }
+        offs[10] = o;
+        g.weights.iter().for_each(|x| put(&x.to_le_bytes()));
+        let [w0, w1, w2, b0, b1, b2, x_rows, pair_ids, row_ids, starts, weights] = offs;
+        let (w, bias) = ([w0, w1, w2], [b0, b1, b2]);
+        let used = at;
+        let dev = m.dev + off as u64;
+        // SAFETY: device and pinned ranges inside their allocations (used <= cap: 68 bytes
+        // a pair and 4 more at most); the host bytes stay unchanged until the event below
+        // completes.
+        unsafe { result::memcpy_htod_async(dev, &host[..used], stream.cu_stream()) }
+            .map_err(|e| e.to_string())?;
+        ev.record(stream).map_err(|e| e.to_string())?;
+        let a = |o: usize| dev + o as u64;
+        Ok(GroupDev {
+            w: w.map(a),
+            bias: bias.map(a),
+            x_rows: a(x_rows),
+            weights: a(weights),
+            pair_ids: a(pair_ids),
+            row_ids: a(row_ids),
+            starts: a(starts),
+        })
     }
 
     /// The per-row metadata of a step's spans, on the device; built in the metadata's own

@@ -11,6 +11,7 @@ mod handles;
 pub mod kernels;
 mod matmul;
 mod meta;
+mod moe;
 pub mod nvrtc;
 mod probe;
 mod upload;
