@@ -536,9 +536,13 @@ fn a_mixture_s_routing_and_grouped_experts_match_one_expert_at_a_time() {
         let mut host = Routes::with_capacity(&moe, rows);
         host.route(&moe, gating, &logits, rows);
         let mut dev = Routes::with_capacity(&moe, rows);
+        let on_device = match gating {
+            Gating::SoftmaxTopK => sluice::backend::RouteGating::SoftmaxTopK { norm },
+            Gating::TopKSoftmax => sluice::backend::RouteGating::TopKSoftmax,
+        };
         assert!(
             p.gpu
-                .route_top_k(&lm.1, rows, n_exp, k, gating, norm, dev.chosen_mut()),
+                .route_top_k(&lm.1, (rows, n_exp, k), on_device, dev.chosen_mut()),
             "{gating:?}: routed on the device"
         );
         p.gpu.check().expect("no device error");

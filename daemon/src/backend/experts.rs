@@ -6,6 +6,15 @@
 
 use super::{Backend, MatmulOut, WeightRef};
 
+/// How a router's logits become a row's experts and weights (the model's gating, as
+/// `Routes::route` applies it): softmax over every expert then the k most probable,
+/// renormalized to sum 1 when `norm`; or the k largest logits then a softmax over them.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteGating {
+    SoftmaxTopK { norm: bool },
+    TopKSoftmax,
+}
+
 /// The activation between a gated MLP's gate/up and its down projection.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum GatedAct {

@@ -15,8 +15,7 @@ pub mod experts;
 
 use crate::dtype::DType;
 use crate::hostbuf::Pinner;
-use crate::store::arch::Gating;
-pub use experts::{ExpertCall, ExpertScratch, ExpertShape, GatedAct};
+pub use experts::{ExpertCall, ExpertScratch, ExpertShape, GatedAct, RouteGating};
 use serde::Serialize;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -517,18 +516,14 @@ pub trait Backend: Send + Sync {
     /// `Routes::route` computes them (the same experts; weights to a few ulp), where the
     /// backend does this itself: a device sends back k pairs a row, not every logit.
     /// Returns false where it does not (the default), and the caller routes on the host.
-    #[allow(clippy::too_many_arguments)] // the routing's inputs and its output
     fn route_top_k(
         &self,
         logits: &Self::Mem,
-        rows: usize,
-        n_experts: usize,
-        k: usize,
-        gating: Gating,
-        norm: bool,
+        (rows, n_experts, k): (usize, usize, usize),
+        gating: RouteGating,
         chosen: &mut Vec<(u32, f32)>,
     ) -> bool {
-        let _ = (logits, rows, n_experts, k, gating, norm, chosen);
+        let _ = (logits, rows, n_experts, k, gating, chosen);
         false
     }
     /// x = 0, n elements. Default: an upload of zeros.

@@ -16,9 +16,10 @@ use super::{Activation, ArchConfig, RopeScaling};
 use crate::backend::experts::gated_mlp;
 use crate::backend::{
     AttnShape, AttnStep, Backend, BackendError, ExpertCall, ExpertScratch, ExpertShape, GatedAct,
-    KvDtype, LayerCache, MatmulOut, ScratchShape, SeqSpan, WeightRef,
+    KvDtype, LayerCache, MatmulOut, RouteGating, ScratchShape, SeqSpan, WeightRef,
 };
 use crate::dtype::DType;
+use crate::store::arch::Gating;
 use crate::store::format::{LayerUnit, Manifest, UnitKind};
 use std::ops::Range;
 
@@ -164,15 +165,13 @@ fn route_rows<B: Backend>(
     let moe = c.moe.as_ref().expect("a mixture's layer has its config");
     let (n, k) = (moe.n_experts as usize, moe.top_k as usize);
     let gating = c.arch.recipe().gating;
-    if b.route_top_k(
-        logits,
-        rows,
-        n,
-        k,
-        gating,
-        moe.norm_topk_prob,
-        routes.chosen_mut(),
-    ) {
+    let on_device = match gating {
+        Gating::SoftmaxTopK => RouteGating::SoftmaxTopK {
+            norm: moe.norm_topk_prob,
+        },
+        Gating::TopKSoftmax => RouteGating::TopKSoftmax,
+    };
+    if b.route_top_k(logits, (rows, n, k), on_device, routes.chosen_mut()) {
         routes.group(moe);
     } else {
         host.resize(rows * n, 0.0);

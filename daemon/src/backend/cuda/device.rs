@@ -21,11 +21,10 @@ use crate::backend::experts::experts_each;
 use crate::backend::KvDtype;
 use crate::backend::{
     AttnStep, Backend, BackendError, CopyStats, ExpertCall, ExpertScratch, ExpertShape, MemBudget,
-    ScratchShape, WeightRef,
+    RouteGating, ScratchShape, WeightRef,
 };
 use crate::dtype::DType;
 use crate::hostbuf::Pinner;
-use crate::store::arch::Gating;
 use cudarc::cublas::{result as blas, sys as bsys};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use std::ffi::c_void;
@@ -921,14 +920,11 @@ impl Backend for CudaBackend {
     fn route_top_k(
         &self,
         logits: &CudaMem,
-        rows: usize,
-        n_experts: usize,
-        k: usize,
-        gating: Gating,
-        norm: bool,
+        shape: (usize, usize, usize),
+        gating: RouteGating,
         chosen: &mut Vec<(u32, f32)>,
     ) -> bool {
-        match self.route_on_device(logits, rows, n_experts, k, gating, norm, chosen) {
+        match self.route_on_device(logits, shape, gating, chosen) {
             Ok(done) => done,
             Err(e) => {
                 // Routed on the host instead; the step fails at `check` with the cause.

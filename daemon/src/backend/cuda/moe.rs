@@ -10,9 +10,8 @@
 use super::device::CudaBackend;
 use super::handles::CudaMem;
 use super::kernels::{Dims, Kernel};
-use crate::backend::{ExpertCall, ExpertScratch, ExpertShape, GatedAct, WeightRef};
+use crate::backend::{ExpertCall, ExpertScratch, ExpertShape, GatedAct, RouteGating, WeightRef};
 use crate::dtype::DType;
-use crate::store::arch::Gating;
 use cudarc::driver::result;
 
 /// The dtype code of `add_bias_grouped_f32` (None: a bias it does not read).
@@ -229,15 +228,11 @@ impl CudaBackend {
     }
 
     /// `route_top_k` on the device: Ok(false) where the kernel does not take the shape.
-    #[allow(clippy::too_many_arguments)] // the routing's inputs and its output
     pub(super) fn route_on_device(
         &self,
         logits: &CudaMem,
-        rows: usize,
-        n: usize,
-        k: usize,
-        gating: Gating,
-        norm: bool,
+        (rows, n, k): (usize, usize, usize),
+        gating: RouteGating,
         chosen: &mut Vec<(u32, f32)>,
     ) -> Result<bool, String> {
         let smem = n * 5;
@@ -259,9 +254,9 @@ impl CudaBackend {
             block: 32,
             smem: smem as u32,
         };
-        let gate = match gating {
-            Gating::SoftmaxTopK => 0,
-            Gating::TopKSoftmax => 1,
+        let (gate, norm) = match gating {
+            RouteGating::SoftmaxTopK { norm } => (0, norm),
+            RouteGating::TopKSoftmax => (1, false),
         };
         self.kernels.router_topk(
             &self.compute,
