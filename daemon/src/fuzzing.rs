@@ -85,7 +85,7 @@ pub fn frame(data: &[u8]) {
     let Ok(mut enc) = FrameEncoder::new(codec) else {
         return;
     };
-    let Ok(e) = enc.encode(raw, width) else {
+    let Ok(e) = enc.encode_split(raw, width) else {
         return;
     };
     let (codec, planes, bytes) = (e.codec, e.planes.clone(), e.bytes.to_vec());

@@ -281,8 +281,8 @@ fn damaged_manifests_are_clear_errors() {
     b[0] = b'X';
     assert!(open_err(&b).contains("not a sluice manifest"));
     let mut b = good.clone();
-    b[8] = 5;
-    assert!(open_err(&b).contains("store format version 5"));
+    b[8] = 6;
+    assert!(open_err(&b).contains("store format version 6"));
     // A format-1 store (the manifest without the trailing architecture extension: four
     // zero bytes, its empty options and list, for a Llama model; nor format 3's mixture of
     // experts, one zero byte, None; nor format 4's SwiGLU clamp, one zero byte, None)
@@ -300,7 +300,10 @@ fn damaged_manifests_are_clear_errors() {
         v.extend_from_slice(&sum.to_le_bytes());
         v
     };
-    // Format 3: without the clamp; format 2: without the mixture either.
+    // Format 4: the same payload (format 5 added the float codec); format 3: without the
+    // clamp; format 2: without the mixture either.
+    std::fs::write(&mpath, older(4, 0)).unwrap();
+    Store::open(&dir).expect("a format-4 store opens");
     std::fs::write(&mpath, older(3, 1)).unwrap();
     let old = Store::open(&dir).expect("a format-3 store opens");
     assert_eq!(old.manifest().arch.swiglu, None);
@@ -368,7 +371,7 @@ fn short_weights_file_is_an_error_naming_the_layer() {
 #[test]
 fn a_flipped_byte_in_any_frame_is_found_and_named() {
     let tmp = tempfile::tempdir().unwrap();
-    for codec in ["none", "lz4", "zstd:3"] {
+    for codec in ["none", "lz4", "zstd:3", "float"] {
         let dir = tmp.path().join(codec.replace(':', "-"));
         let store = packed_tiny(&dir, codec);
         let w = dir.join("weights.bin");

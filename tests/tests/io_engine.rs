@@ -109,6 +109,7 @@ fn every_reader_delivers_every_layer_bit_exactly() {
         ("tiny-llama", "zstd:3"),
         ("tiny-llama-q.gguf", "lz4"),
         ("tiny-qwen2.gguf", "none"),
+        ("tiny-qwen3", "float"),
     ] {
         let store = packed(&fixture(src), &tmp.path().join(src), codec, 4096);
         let want = reference(&store);

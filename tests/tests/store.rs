@@ -50,7 +50,7 @@ fn every_dtype_and_codec_round_trips_bit_exactly() {
     let mut dtypes_seen = std::collections::BTreeSet::new();
     for src in ["tiny-llama", "tiny-llama-q.gguf", "tiny-qwen2.gguf"] {
         let model = import::open(&fixture(src)).unwrap();
-        for codec in ["none", "lz4", "zstd:1", "zstd:3"] {
+        for codec in ["none", "lz4", "zstd:1", "zstd:3", "float"] {
             // A small frame size splits tensors into many frames, exercising frame edges.
             for frame_size in [4096u32, 1 << 20] {
                 let out = tmp.path().join(format!("{src}-{codec}-{frame_size}"));
@@ -180,4 +180,49 @@ fn smollm2_packs_inspects_and_verifies() {
     assert_eq!(store.units()[0].kind, UnitKind::Embedding);
     assert_eq!(store.units()[31].kind, UnitKind::Head);
     assert_eq!(store.manifest().special.end_tokens, vec![2]);
+}
+
+#[test]
+fn bench_codec_measures_every_codec_on_the_same_bytes_of_each_dtype() {
+    // A safetensors shard (f32, f16 and bf16 tensors) and a GGUF (quantized and f32).
+    for (src, dtypes) in [
+        (
+            fixture("tiny-llama/model-00002-of-00002.safetensors"),
+            &["bf16", "f16", "f32"][..],
+        ),
+        (
+            fixture("tiny-llama-q.gguf"),
+            &["f32", "q4_0", "q4_1", "q8_0"][..],
+        ),
+    ] {
+        let out = sluiced_ok(&["bench-codec", src.to_str().unwrap(), "--json"]);
+        let j: serde_json::Value = serde_json::from_str(&out).unwrap();
+        let groups = j["groups"].as_array().unwrap();
+        let seen: Vec<&str> = groups
+            .iter()
+            .map(|g| g["dtype"].as_str().unwrap())
+            .collect();
+        assert_eq!(seen, dtypes, "{}", src.display());
+        for g in groups {
+            let codecs: Vec<&str> = g["codecs"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c["codec"].as_str().unwrap())
+                .collect();
+            assert_eq!(codecs, ["none", "lz4", "zstd:1", "zstd:3", "float"]);
+            for c in g["codecs"].as_array().unwrap() {
+                let ratio = c["ratio"].as_f64().unwrap();
+                // Kept raw where coding does not pay: never more than the raw bytes.
+                assert!(ratio > 0.0 && ratio <= 1.0, "{g}");
+                if c["codec"] == "none" {
+                    assert_eq!(ratio, 1.0);
+                }
+                assert!(c["decompress_gbps"].as_f64().unwrap() > 0.0, "{g}");
+                assert!(c["compress_gbps"].as_f64().unwrap() > 0.0, "{g}");
+            }
+        }
+    }
+    let e = sluiced_err(&["bench-codec", "/nonexistent/model.gguf"]);
+    assert!(e.contains("/nonexistent/model.gguf"), "{e}");
 }

@@ -5,6 +5,8 @@ use clap::{Parser, Subcommand};
 
 #[path = "sluiced/bench.rs"]
 mod bench;
+#[path = "sluiced/codec.rs"]
+mod codec;
 #[path = "sluiced/inspect.rs"]
 mod inspect;
 #[path = "sluiced/pack.rs"]
@@ -50,6 +52,9 @@ enum Cmd {
     /// Stream every layer of a store through the I/O engine and report rates against
     /// their limits measured in the same run.
     BenchIo(bench::BenchIoArgs),
+    /// Measure every frame codec on a model's tensors (a store, a safetensors file or a
+    /// GGUF): ratio and one core's compress and decompress rates, per dtype.
+    BenchCodec(bench::BenchCodecArgs),
     /// Internal: renders chat templates for the daemon under a memory limit.
     #[command(name = "template-worker", hide = true)]
     TemplateWorker,
@@ -89,6 +94,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Synth(a) => synth::run(a),
         Cmd::BenchStream(a) => bench::run_stream(a),
         Cmd::BenchIo(a) => bench::run_io(a),
+        Cmd::BenchCodec(a) => bench::run_codec(a),
         Cmd::TemplateWorker => sluice::text::sandbox::worker_main()
             .map(|()| std::process::ExitCode::SUCCESS)
             .map_err(anyhow::Error::msg),

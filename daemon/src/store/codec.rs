@@ -1,5 +1,8 @@
 //! Frame codecs and the byte-split filter.
 //!
+//! `float` (`fpsplit.rs`) splits each float element into its exponent and the rest and
+//! Huffman-codes the exponents only; the codecs below work on byte planes.
+//!
 //! A frame is up to `frame_size` bytes of one tensor's decompressed blob. For 16- and 32-bit
 //! floats the frame is split into byte planes (most significant byte of every element first,
 //! then the next, ...): exponents cluster, so the high planes compress well and the low
@@ -7,6 +10,8 @@
 //! not save at least `KEEP_RAW_SAVING_MIN`; the whole frame is kept raw under the same rule,
 //! so quantized weights never pay decompression for nothing.
 
+use super::fpsplit::{self, Layout};
+use crate::dtype::DType;
 use serde::{Deserialize, Serialize};
 use std::fmt;
 use std::str::FromStr;
@@ -24,7 +29,12 @@ pub const ZSTD_LEVEL_MAX: i32 = 22;
 pub enum Codec {
     None,
     Lz4,
-    Zstd { level: i32 },
+    Zstd {
+        level: i32,
+    },
+    /// Exponents Huffman-coded, sign and mantissa raw (`fpsplit`); 16- and 32-bit floats
+    /// only (other frames are kept raw).
+    Float,
 }
 
 impl fmt::Display for Codec {
@@ -33,6 +43,7 @@ impl fmt::Display for Codec {
             Codec::None => f.write_str("none"),
             Codec::Lz4 => f.write_str("lz4"),
             Codec::Zstd { level } => write!(f, "zstd:{level}"),
+            Codec::Float => f.write_str("float"),
         }
     }
 }
@@ -45,9 +56,10 @@ impl FromStr for Codec {
             "none" => Ok(Codec::None),
             "lz4" => Ok(Codec::Lz4),
             "zstd" => Ok(Codec::Zstd { level: 3 }),
+            "float" => Ok(Codec::Float),
             _ => {
                 let level = s.strip_prefix("zstd:").ok_or_else(|| {
-                    format!("unknown codec {s:?}: expected none, lz4, zstd or zstd:N")
+                    format!("unknown codec {s:?}: expected none, lz4, zstd, zstd:N or float")
                 })?;
                 let level: i32 = level
                     .parse()
@@ -117,6 +129,8 @@ pub struct FrameEncoder {
     plane: Vec<u8>,
     coded: Vec<u8>,
     out: Vec<u8>,
+    /// The float codec's byte planes.
+    float_planes: [Vec<u8>; 4],
 }
 
 impl FrameEncoder {
@@ -131,11 +145,66 @@ impl FrameEncoder {
             plane: Vec::new(),
             coded: Vec::new(),
             out: Vec::new(),
+            float_planes: Default::default(),
         })
     }
 
+    /// Encodes `raw`, elements of `dtype`: with the float codec for a float dtype, else
+    /// split into the dtype's byte planes (`DType::split_width`, 2 or 4 for floats).
+    pub fn encode(&mut self, raw: &[u8], dtype: DType) -> std::io::Result<Encoded<'_>> {
+        if self.codec == Codec::Float {
+            return Ok(self.encode_float(raw, dtype));
+        }
+        self.encode_split(raw, dtype.split_width())
+    }
+
+    /// The float codec: the exponent plane coded, then each byte plane of the rest coded
+    /// where that saves `KEEP_RAW_SAVING_MIN` of it (the top mantissa byte of norm
+    /// weights near 1 does), else raw; the frame kept raw when the whole does not save
+    /// that much or the dtype is not a float.
+    fn encode_float(&mut self, raw: &[u8], dtype: DType) -> Encoded<'_> {
+        let layout = match dtype {
+            DType::BF16 => Some(Layout::Bf16),
+            DType::F16 => Some(Layout::F16),
+            DType::F32 => Some(Layout::F32),
+            _ => None,
+        };
+        if let Some(l) = layout.filter(|l| raw.len().is_multiple_of(l.width())) {
+            fpsplit::split(l, raw, &mut self.float_planes);
+            self.out.clear();
+            let mut planes = Vec::with_capacity(4);
+            for (i, p) in self.float_planes[..1 + l.rest_width()].iter().enumerate() {
+                fpsplit::encode_plane(l, p, &mut self.coded);
+                let coded = i == 0 || worth_keeping(self.coded.len(), p.len());
+                let bytes: &[u8] = if coded { &self.coded } else { p };
+                self.out.extend_from_slice(bytes);
+                planes.push(Plane {
+                    stored_len: bytes.len() as u32,
+                    compressed: coded,
+                });
+            }
+            if worth_keeping(self.out.len(), raw.len()) {
+                return Encoded {
+                    codec: Codec::Float,
+                    planes,
+                    bytes: &self.out,
+                };
+            }
+        }
+        self.out.clear();
+        self.out.extend_from_slice(raw);
+        Encoded {
+            codec: Codec::None,
+            planes: vec![Plane {
+                stored_len: raw.len() as u32,
+                compressed: false,
+            }],
+            bytes: &self.out,
+        }
+    }
+
     /// Encodes `raw`, split into `split_width` byte planes when that is 2 or 4.
-    pub fn encode(&mut self, raw: &[u8], split_width: usize) -> std::io::Result<Encoded<'_>> {
+    pub fn encode_split(&mut self, raw: &[u8], split_width: usize) -> std::io::Result<Encoded<'_>> {
         assert!(raw.len() <= u32::MAX as usize, "frame larger than 4 GiB");
         let raw_frame = |out: &mut Vec<u8>| {
             out.clear();
@@ -234,6 +303,8 @@ fn compress_into(
 /// at the frame size and reused for every frame.
 pub struct FrameDecoder {
     scratch: Vec<u8>,
+    /// The float codec's decoded planes.
+    float_planes: [Vec<u8>; 4],
     zstd: zstd::bulk::Decompressor<'static>,
 }
 
@@ -241,6 +312,9 @@ impl FrameDecoder {
     pub fn new(frame_size_max: usize) -> std::io::Result<Self> {
         Ok(FrameDecoder {
             scratch: vec![0; frame_size_max],
+            float_planes: std::array::from_fn(|i| {
+                Vec::with_capacity(if i == 0 { frame_size_max / 2 + 4 } else { 0 })
+            }),
             zstd: zstd::bulk::Decompressor::new()?,
         })
     }
@@ -261,6 +335,10 @@ impl FrameDecoder {
                 expected: stored_total,
                 found: stored.len() as u64,
             });
+        }
+        if codec == Codec::Float {
+            self.decode_float(planes, stored, dst)?;
+            return check(checksum, dst);
         }
         let width = planes.len();
         if width == 1 {
@@ -350,6 +428,61 @@ impl FrameDecoder {
     }
 }
 
+impl FrameDecoder {
+    /// A float-codec frame into `dst`: each plane decoded (or taken raw), then joined.
+    fn decode_float(
+        &mut self,
+        planes: &[Plane],
+        stored: &[u8],
+        dst: &mut [u8],
+    ) -> Result<(), FrameFault> {
+        let bad = |what: String| FrameFault::Decompress(format!("float codec: {what}"));
+        let first = planes.first().ok_or_else(|| bad("no planes".into()))?;
+        if !first.compressed {
+            return Err(bad("the exponent plane is not coded".into()));
+        }
+        let layout = fpsplit::plane_layout(&stored[..first.stored_len as usize])
+            .map_err(FrameFault::Decompress)?;
+        let (w, rw) = (layout.width(), layout.rest_width());
+        if planes.len() != 1 + rw || !dst.len().is_multiple_of(w) {
+            return Err(bad(format!(
+                "{} planes for a frame of {} bytes of {layout:?}",
+                planes.len(),
+                dst.len()
+            )));
+        }
+        let n = dst.len() / w;
+        let mut at = 0usize;
+        let mut raw: [Option<(usize, usize)>; 4] = [None; 4];
+        for (i, p) in planes.iter().enumerate() {
+            let bytes = &stored[at..at + p.stored_len as usize];
+            if p.compressed {
+                fpsplit::decode_plane(bytes, n, &mut self.float_planes[i])
+                    .map_err(FrameFault::Decompress)?;
+            } else if bytes.len() != n {
+                return Err(FrameFault::Length {
+                    expected: n as u64,
+                    found: bytes.len() as u64,
+                });
+            } else {
+                raw[i] = Some((at, bytes.len()));
+            }
+            at += p.stored_len as usize;
+        }
+        let [a, b, c, d] = &self.float_planes;
+        let decoded = [a, b, c, d];
+        let plane = |i: usize| -> &[u8] {
+            match raw[i] {
+                Some((o, len)) => &stored[o..o + len],
+                None if i < planes.len() => &decoded[i][..n],
+                None => &[],
+            }
+        };
+        fpsplit::join(layout, [plane(0), plane(1), plane(2), plane(3)], dst);
+        Ok(())
+    }
+}
+
 /// Checks a frame's raw bytes against its checksum (a frame read straight into its place
 /// needs nothing else).
 pub fn check(checksum: u64, raw: &[u8]) -> Result<(), FrameFault> {
@@ -375,9 +508,9 @@ fn decompress_into(
         Codec::Zstd { .. } => zstd
             .decompress_to_buffer(src, dst)
             .map_err(|e| FrameFault::Decompress(format!("zstd: {e}"))),
-        Codec::None => Err(FrameFault::Decompress(
-            "plane marked compressed in a frame stored with codec none".into(),
-        )),
+        Codec::None | Codec::Float => Err(FrameFault::Decompress(format!(
+            "a byte plane marked compressed in a frame stored with codec {codec}"
+        ))),
     }
 }
 
@@ -411,7 +544,7 @@ mod tests {
         ] {
             for width in [1, 2, 4] {
                 let mut enc = FrameEncoder::new(codec).expect("test setup");
-                let e = enc.encode(&raw, width).expect("test setup");
+                let e = enc.encode_split(&raw, width).expect("test setup");
                 let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
                 let mut dec = FrameDecoder::new(raw.len()).expect("test setup");
                 let mut out = vec![0u8; raw.len()];
@@ -422,12 +555,107 @@ mod tests {
         }
     }
 
+    /// Bytes of `n` elements of a float dtype like trained weights, with the special
+    /// values among them: zeros of both signs, denormals, infinities, NaNs with payloads.
+    fn weights_of(dtype: DType, n: usize, seed: u64) -> Vec<u8> {
+        let specials: [u32; 8] = [
+            0x0000_0000,
+            0x8000_0000,
+            0x0000_0001,
+            0x8040_0000,
+            0x7f80_0000,
+            0xff80_0000,
+            0x7fc0_1234,
+            0xff81_0000,
+        ];
+        let mut x = seed | 1;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let vals: Vec<u32> = (0..n)
+            .map(|i| {
+                let r = next();
+                if i % 7 == 3 {
+                    specials[(r % 8) as usize]
+                } else {
+                    (((r >> 11) as f32 / (1u64 << 53) as f32 - 0.5) * 0.05).to_bits()
+                }
+            })
+            .collect();
+        match dtype {
+            DType::F32 => vals.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            DType::BF16 => vals
+                .iter()
+                .flat_map(|v| ((v >> 16) as u16).to_le_bytes())
+                .collect(),
+            DType::F16 => vals
+                .iter()
+                .flat_map(|v| {
+                    half::f16::from_bits((v >> 16) as u16)
+                        .to_bits()
+                        .to_le_bytes()
+                })
+                .collect(),
+            _ => (0..n * dtype.block_bytes() as usize / dtype.block_elems() as usize)
+                .map(|_| next() as u8)
+                .collect(),
+        }
+    }
+
+    #[test]
+    fn every_dtype_codec_and_frame_size_round_trips() {
+        let codecs = [
+            Codec::None,
+            Codec::Lz4,
+            Codec::Zstd { level: 1 },
+            Codec::Zstd { level: 3 },
+            Codec::Float,
+        ];
+        for dtype in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4K] {
+            let per = dtype.block_elems() as usize;
+            for elems in [1usize, 2, 3, 5, 64, 1000, 4096, 65536] {
+                let n = elems.div_ceil(per) * per;
+                let raw = weights_of(dtype, n, elems as u64);
+                for codec in codecs {
+                    let mut enc = FrameEncoder::new(codec).expect("test setup");
+                    let e = enc.encode(&raw, dtype).expect("encodes");
+                    let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
+                    let mut dec = FrameDecoder::new(raw.len()).expect("test setup");
+                    let mut out = vec![0u8; raw.len()];
+                    dec.decode(c, &planes, xxh3_64(&raw), &stored, &mut out)
+                        .unwrap_or_else(|e| panic!("{dtype:?} x {n} {codec}: {e}"));
+                    assert_eq!(out, raw, "{dtype:?} x {n} with {codec}");
+                    if codec == Codec::Float && dtype.split_width() > 1 && n >= 4096 {
+                        assert_eq!(c, Codec::Float, "{dtype:?} x {n}: the float codec pays");
+                    }
+                }
+            }
+        }
+        // Every element with one exponent, and all-zero frames.
+        let same: Vec<u8> = (0..4096u32)
+            .flat_map(|i| (0x3f80_0000u32 | (i * 2654435761) & 0x807f_ffff).to_le_bytes())
+            .collect();
+        for raw in [same, vec![0u8; 8192]] {
+            let mut enc = FrameEncoder::new(Codec::Float).expect("test setup");
+            let e = enc.encode(&raw, DType::F32).expect("encodes");
+            let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
+            let mut dec = FrameDecoder::new(raw.len()).expect("test setup");
+            let mut out = vec![0u8; raw.len()];
+            dec.decode(c, &planes, xxh3_64(&raw), &stored, &mut out)
+                .expect("decodes");
+            assert_eq!(out, raw);
+        }
+    }
+
     #[test]
     fn split_planes_compress_floats_better_than_whole_frames() {
         let raw = floats_f32(64 * 1024);
         let mut enc = FrameEncoder::new(Codec::Zstd { level: 1 }).expect("test setup");
-        let whole = enc.encode(&raw, 1).expect("test setup").bytes.len();
-        let split = enc.encode(&raw, 4).expect("test setup").bytes.len();
+        let whole = enc.encode_split(&raw, 1).expect("test setup").bytes.len();
+        let split = enc.encode_split(&raw, 4).expect("test setup").bytes.len();
         assert!(split < whole, "split {split} >= whole {whole}");
     }
 
@@ -444,7 +672,7 @@ mod tests {
             })
             .collect();
         let mut enc = FrameEncoder::new(Codec::Zstd { level: 3 }).expect("test setup");
-        let e = enc.encode(&raw, 1).expect("test setup");
+        let e = enc.encode_split(&raw, 1).expect("test setup");
         assert_eq!(e.codec, Codec::None);
         assert_eq!(
             e.planes,
@@ -459,9 +687,14 @@ mod tests {
     #[test]
     fn a_flipped_byte_is_a_checksum_or_decompress_fault_never_wrong_data() {
         let raw = floats_f32(4096);
-        for codec in [Codec::None, Codec::Lz4, Codec::Zstd { level: 3 }] {
+        for codec in [
+            Codec::None,
+            Codec::Lz4,
+            Codec::Zstd { level: 3 },
+            Codec::Float,
+        ] {
             let mut enc = FrameEncoder::new(codec).expect("test setup");
-            let e = enc.encode(&raw, 4).expect("test setup");
+            let e = enc.encode(&raw, DType::F32).expect("test setup");
             let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
             let mut dec = FrameDecoder::new(raw.len()).expect("test setup");
             for pos in (0..stored.len()).step_by(97) {
@@ -476,7 +709,7 @@ mod tests {
 
     #[test]
     fn codec_names_parse_and_print() {
-        for s in ["none", "lz4", "zstd:1", "zstd:19", "zstd:-3"] {
+        for s in ["none", "lz4", "zstd:1", "zstd:19", "zstd:-3", "float"] {
             assert_eq!(s.parse::<Codec>().expect("test setup").to_string(), s);
         }
         assert_eq!(

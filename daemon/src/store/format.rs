@@ -1,4 +1,4 @@
-//! Store format version 4: the manifest and its on-disk framing.
+//! Store format version 5: the manifest and its on-disk framing.
 //!
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
 //! | payload (postcard) | xxh3-64 of everything before it (u64 LE).
@@ -6,8 +6,10 @@
 //! The payload of version 1 is the `Manifest`; version 2 appends the `ArchExt` (the
 //! config of the architectures added since: q/k norm, sliding-window layers, ...) after
 //! it; version 3 then the mixture of experts (`Option<MoeConfig>`); version 4 then the
-//! clamped SwiGLU's constants (`Option<SwigluClamp>`, gpt-oss). Stores of versions 1 to 3
-//! still open, with the defaults of a Llama-family model, no experts and no clamp.
+//! clamped SwiGLU's constants (`Option<SwigluClamp>`, gpt-oss); version 5 has the payload
+//! of 4 and frames may use the `float` codec (a codec an older sluiced cannot decode, so
+//! it refuses the store by its version). Stores of versions 1 to 4 still open, with the
+//! defaults of a Llama-family model, no experts and no clamp.
 
 use super::arch::{ArchConfig, ArchExt, MoeConfig, SwigluClamp};
 use super::codec::{Codec, Plane};
@@ -19,7 +21,7 @@ use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;
 
 pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
-pub const FORMAT_VERSION: u32 = 4;
+pub const FORMAT_VERSION: u32 = 5;
 /// The oldest format this sluiced still reads.
 pub const FORMAT_VERSION_MIN: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.bin";

@@ -7,6 +7,7 @@
 pub mod arch;
 pub mod codec;
 pub mod format;
+pub mod fpsplit;
 pub mod inspect;
 pub mod reader;
 pub mod verify;

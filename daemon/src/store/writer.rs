@@ -356,8 +356,8 @@ fn lay_out(
 struct Piece {
     raw_offset: u64,
     len: u64,
-    /// Byte-split width of its dtype.
-    split_width: usize,
+    /// Its tensor's dtype (the byte split, the float codec).
+    dtype: DType,
 }
 
 /// Each tensor's region (its bytes and the padding after them) in `frame_size` pieces,
@@ -372,7 +372,7 @@ fn frame_pieces(tensors: &[TensorEntry], raw_len: u64, frame_size: u32) -> Vec<P
             pieces.push(Piece {
                 raw_offset: at,
                 len,
-                split_width: t.dtype.split_width(),
+                dtype: t.dtype,
             });
             at += len;
         }
@@ -399,7 +399,7 @@ fn compress(
                     break;
                 };
                 let raw = &blob[p.raw_offset as usize..(p.raw_offset + p.len) as usize];
-                match enc.encode(raw, p.split_width) {
+                match enc.encode(raw, p.dtype) {
                     Ok(e) => {
                         let r = EncodedFrame {
                             codec: e.codec,

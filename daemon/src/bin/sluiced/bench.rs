@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result};
 use sluice::engine::{bench_stream, BackendChoice};
-use sluice::store::Store;
+use sluice::store::{Codec, Store};
 use sluice::util::{fmt_bytes, parse_size};
 use std::path::PathBuf;
 
@@ -368,4 +368,74 @@ fn print_bench_io(r: &sluice::io::bench::BenchIoReport) {
     if r.short_reads > 0 {
         println!("short reads resubmitted: {}", r.short_reads);
     }
+}
+
+#[derive(clap::Args)]
+pub struct BenchCodecArgs {
+    /// A store directory, a .safetensors file or a .gguf.
+    pub src: PathBuf,
+    /// Codecs to measure, comma-separated.
+    #[arg(
+        long,
+        default_value = "none,lz4,zstd:1,zstd:3,float",
+        value_delimiter = ','
+    )]
+    pub codecs: Vec<Codec>,
+    /// Frame size, as `pack --frame-size`.
+    #[arg(long, default_value = "1MiB", value_parser = crate::util::parse_size_u32)]
+    pub frame_size: u32,
+    /// Bytes of each dtype measured at most (whole tensors in file order; at least one).
+    #[arg(long, default_value = "256MiB", value_parser = parse_size)]
+    pub max_bytes: u64,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `sluiced bench-codec`: ratio and one core's compress and decompress rates of every
+/// codec, per dtype, on the same bytes.
+pub fn run_codec(a: BenchCodecArgs) -> Result<std::process::ExitCode> {
+    let groups = crate::codec::load(&a.src, a.max_bytes).map_err(anyhow::Error::msg)?;
+    let mut figures = Vec::new();
+    for g in &groups {
+        figures.push(
+            crate::codec::measure(g, &a.codecs, a.frame_size as usize)
+                .map_err(anyhow::Error::msg)?,
+        );
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::json!({
+                "source": a.src.display().to_string(),
+                "frame_size": a.frame_size,
+                "groups": figures,
+            })
+        );
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
+    println!(
+        "{}: frames of {}; one core each",
+        a.src.display(),
+        sluice::util::fmt_bytes(a.frame_size as u64)
+    );
+    for g in &figures {
+        println!(
+            "\n{} ({} tensors, {})",
+            g.dtype,
+            g.tensors,
+            sluice::util::fmt_bytes(g.bytes)
+        );
+        println!(
+            "  {:<8} {:>7} {:>15} {:>17}",
+            "codec", "ratio", "compress GB/s", "decompress GB/s"
+        );
+        for c in &g.codecs {
+            println!(
+                "  {:<8} {:>7.4} {:>15.3} {:>17.3}",
+                c.codec, c.ratio, c.compress_gbps, c.decompress_gbps
+            );
+        }
+    }
+    Ok(std::process::ExitCode::SUCCESS)
 }

@@ -22,7 +22,8 @@ pub struct PackArgs {
     /// $XDG_DATA_HOME/sluice/models, else ~/.local/share/sluice/models).
     #[arg(long)]
     pub models_dir: Option<PathBuf>,
-    /// Frame codec: none, lz4, zstd or zstd:N.
+    /// Frame codec: none, lz4, zstd, zstd:N, or float (16- and 32-bit floats: exponents
+    /// Huffman-coded, sign and mantissa raw; other tensors raw).
     #[arg(long, default_value = "zstd:3", value_parser = parse_codec)]
     pub codec: Codec,
     /// Uncompressed bytes per frame (e.g. 1MiB).

@@ -43,7 +43,8 @@ pub struct SynthArgs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Frame codec: none, lz4, zstd or zstd:N.
+    /// Frame codec: none, lz4, zstd, zstd:N, or float (16- and 32-bit floats: exponents
+    /// Huffman-coded, sign and mantissa raw; other tensors raw).
     #[arg(long, default_value = "zstd:1", value_parser = parse_codec)]
     pub codec: Codec,
     /// Uncompressed bytes per frame (e.g. 1MiB).

@@ -1,0 +1,734 @@
+//! The `float` codec: a float frame split into its exponents and the rest, the exponents
+//! entropy-coded with a length-limited canonical Huffman code in four interleaved
+//! streams, the rest (sign and mantissa, nearly random in trained weights) kept raw.
+//!
+//! Why: a bf16 weight's 8 exponent bits carry about 2.6 bits of information and its sign
+//! and mantissa nearly 8. zstd and lz4 spend their time looking for matches that are not
+//! there; the plain byte split cuts bf16's exponent in two (the high byte holds the sign
+//! and 7 exponent bits, the low byte the last one). Here each element's exponent goes to
+//! one plane and its sign and mantissa to the other; the decoder's work is one table
+//! lookup per element, four streams at a time so their lookups overlap, the element put
+//! back together as it is written.
+//!
+//! Layouts (the element's bits → exponent symbol, rest):
+//! - bf16: exponent = bits 7..15 (8 bits), rest = sign << 7 | mantissa (7 bits): 1 byte.
+//! - f16: the high byte (sign, 5 exponent bits, 2 mantissa bits) and the low byte (its
+//!   exponent has 5 bits: a byte split keeps it whole).
+//! - f32: exponent = bits 23..31, rest = sign << 23 | mantissa (23 bits): 3 bytes.
+//!
+//! The exponent plane's stored bytes: a layout byte, a mode byte (0: Huffman; 1: every
+//! element has one exponent, the next byte), then for Huffman the number of symbols used
+//! (u16), their (symbol, length) pairs, the byte lengths of the first three streams (u32
+//! each; the fourth runs to the end) and the streams. Stream s codes elements
+//! [s * q, min((s + 1) * q, n)) with q = ceil(n / 4), LSB first. Every read is bounds
+//! checked and a stream decodes exactly its element count whatever its bytes, so damaged
+//! input decodes to wrong bytes (which the frame checksum catches) and never past a
+//! buffer.
+
+/// The longest code: the decoding table has 2^11 entries (4 KiB, in L1).
+const MAX_LEN: u32 = 11;
+const TABLE: usize = 1 << MAX_LEN;
+const STREAMS: usize = 4;
+
+/// How a frame's elements split into an exponent symbol and the rest.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layout {
+    Bf16,
+    F16,
+    F32,
+}
+
+impl Layout {
+    fn tag(self) -> u8 {
+        match self {
+            Layout::Bf16 => 1,
+            Layout::F16 => 2,
+            Layout::F32 => 3,
+        }
+    }
+
+    fn from_tag(t: u8) -> Option<Layout> {
+        match t {
+            1 => Some(Layout::Bf16),
+            2 => Some(Layout::F16),
+            3 => Some(Layout::F32),
+            _ => None,
+        }
+    }
+
+    /// Bytes of one element.
+    pub fn width(self) -> usize {
+        match self {
+            Layout::Bf16 | Layout::F16 => 2,
+            Layout::F32 => 4,
+        }
+    }
+
+    /// Bytes of one element's rest (sign and mantissa).
+    pub fn rest_width(self) -> usize {
+        self.width() - 1
+    }
+}
+
+/// Splits `raw` (whole elements of `layout`) into its byte planes: `planes[0]` the
+/// exponent symbols, `planes[1..=rest_width]` the rest's bytes, low byte first.
+pub fn split(layout: Layout, raw: &[u8], planes: &mut [Vec<u8>; 4]) {
+    planes.iter_mut().for_each(Vec::clear);
+    let [e, r0, r1, r2] = planes;
+    match layout {
+        Layout::Bf16 => {
+            for x in raw.chunks_exact(2) {
+                let v = u16::from_le_bytes([x[0], x[1]]);
+                e.push((v >> 7) as u8);
+                r0.push(((v >> 8) as u8 & 0x80) | (v as u8 & 0x7f));
+            }
+        }
+        Layout::F16 => {
+            for x in raw.chunks_exact(2) {
+                e.push(x[1]);
+                r0.push(x[0]);
+            }
+        }
+        Layout::F32 => {
+            for x in raw.chunks_exact(4) {
+                let v = u32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                e.push((v >> 23) as u8);
+                r0.push(v as u8);
+                r1.push((v >> 8) as u8);
+                r2.push(((v >> 24) as u8 & 0x80) | ((v >> 16) as u8 & 0x7f));
+            }
+        }
+    }
+}
+
+/// The elements of `layout` from their planes (as `split` makes them) into `dst`.
+pub fn join(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
+    let [e, r0, r1, r2] = planes;
+    match layout {
+        Layout::Bf16 => {
+            // Fixed-size blocks (the compiler vectorizes them), then the tail.
+            let bf16 = |o: &mut [u8], x: u8, r: u8| {
+                o[0] = (x << 7) | (r & 0x7f);
+                o[1] = (r & 0x80) | (x >> 1);
+            };
+            let mut blocks = dst.chunks_exact_mut(64);
+            let (e32, r32) = (e.chunks_exact(32), r0.chunks_exact(32));
+            for ((o, x), r) in blocks.by_ref().zip(e32).zip(r32) {
+                for i in 0..32 {
+                    bf16(&mut o[2 * i..2 * i + 2], x[i], r[i]);
+                }
+            }
+            let done = dst.len() / 64 * 32;
+            let (et, rt) = (&e[done.min(e.len())..], &r0[done.min(r0.len())..]);
+            for ((o, &x), &r) in dst[done * 2..].chunks_exact_mut(2).zip(et).zip(rt) {
+                bf16(o, x, r);
+            }
+        }
+        Layout::F16 => {
+            for ((o, &x), &r) in dst.chunks_exact_mut(2).zip(e).zip(r0) {
+                o[0] = r;
+                o[1] = x;
+            }
+        }
+        Layout::F32 => {
+            let rest = r0.iter().zip(r1).zip(r2);
+            for ((o, &x), ((&a, &b), &c)) in dst.chunks_exact_mut(4).zip(e).zip(rest) {
+                let v = ((c as u32 & 0x80) << 24)
+                    | ((x as u32) << 23)
+                    | ((c as u32 & 0x7f) << 16)
+                    | ((b as u32) << 8)
+                    | a as u32;
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+    }
+}
+
+/// Code lengths (0: unused) of a Huffman code for `hist` whose longest code has at most
+/// `MAX_LEN` bits: Huffman's merge on the counts, halved (never below 1) until the
+/// longest code fits.
+fn code_lengths(hist: &[u64; 256]) -> [u8; 256] {
+    let mut counts: Vec<(u64, usize)> = hist
+        .iter()
+        .enumerate()
+        .filter(|(_, &c)| c > 0)
+        .map(|(s, &c)| (c, s))
+        .collect();
+    let mut lens = [0u8; 256];
+    if counts.len() == 1 {
+        lens[counts[0].1] = 1;
+        return lens;
+    }
+    loop {
+        // Two-queue Huffman: leaves sorted by count, merged nodes in creation order (their
+        // counts never decrease). Nodes are indices: leaves 0..n, merges after.
+        counts.sort_unstable();
+        let n = counts.len();
+        let mut parent = vec![0usize; 2 * n - 1];
+        let mut weight: Vec<u64> = counts.iter().map(|c| c.0).collect();
+        let (mut leaf, mut merged) = (0usize, n);
+        let mut take = |weight: &Vec<u64>, next: usize| -> usize {
+            let use_leaf = leaf < n && (merged >= next || weight[leaf] <= weight[merged]);
+            if use_leaf {
+                leaf += 1;
+                leaf - 1
+            } else {
+                merged += 1;
+                merged - 1
+            }
+        };
+        for next in n..2 * n - 1 {
+            let a = take(&weight, next);
+            let b = take(&weight, next);
+            weight.push(weight[a] + weight[b]);
+            parent[a] = next;
+            parent[b] = next;
+        }
+        // Depths from the root (the last node) down: a parent always comes after.
+        let mut depth = vec![0u32; 2 * n - 1];
+        for i in (0..2 * n - 2).rev() {
+            depth[i] = depth[parent[i]] + 1;
+        }
+        if depth[..n].iter().all(|&d| d <= MAX_LEN) {
+            for (i, &(_, s)) in counts.iter().enumerate() {
+                lens[s] = depth[i] as u8;
+            }
+            return lens;
+        }
+        for c in &mut counts {
+            c.0 = (c.0 / 2).max(1);
+        }
+    }
+}
+
+/// Canonical codes for `lens`, bit-reversed for LSB-first writing: (code, length).
+fn canonical(lens: &[u8; 256]) -> [(u32, u8); 256] {
+    // DEFLATE's construction: the first code of each length, then symbols in order.
+    let mut count = [0u32; MAX_LEN as usize + 2];
+    for &l in lens.iter().filter(|&&l| l > 0) {
+        count[(l as usize).min(MAX_LEN as usize + 1)] += 1;
+    }
+    let mut next = [0u32; MAX_LEN as usize + 2];
+    let mut code = 0u32;
+    for l in 1..next.len() {
+        code = (code + count[l - 1]) << 1;
+        next[l] = code;
+    }
+    let mut codes = [(0u32, 0u8); 256];
+    for (s, &l) in lens.iter().enumerate() {
+        if l > 0 && l as u32 <= MAX_LEN {
+            let c = next[l as usize];
+            next[l as usize] += 1;
+            codes[s] = (c.reverse_bits() >> (32 - l as u32), l);
+        }
+    }
+    codes
+}
+
+/// LSB-first bit writer.
+struct Bits<'a> {
+    out: &'a mut Vec<u8>,
+    acc: u64,
+    n: u32,
+}
+
+impl Bits<'_> {
+    #[inline(always)]
+    fn put(&mut self, code: u32, len: u8) {
+        self.acc |= (code as u64) << self.n;
+        self.n += len as u32;
+        if self.n >= 32 {
+            self.out.extend_from_slice(&(self.acc as u32).to_le_bytes());
+            self.acc >>= 32;
+            self.n -= 32;
+        }
+    }
+
+    fn finish(mut self) {
+        while self.n > 0 {
+            self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.n = self.n.saturating_sub(8);
+        }
+    }
+}
+
+/// Codes one byte plane of a frame of `layout` (`exps`: its symbols) into `out`, header
+/// and streams.
+pub fn encode_plane(layout: Layout, exps: &[u8], out: &mut Vec<u8>) {
+    out.clear();
+    out.push(layout.tag());
+    let mut hist = [0u64; 256];
+    for &e in exps {
+        hist[e as usize] += 1;
+    }
+    let used = hist.iter().filter(|&&c| c > 0).count();
+    if used <= 1 {
+        out.push(1);
+        out.push(exps.first().copied().unwrap_or(0));
+        return;
+    }
+    out.push(0);
+    let lens = code_lengths(&hist);
+    let codes = canonical(&lens);
+    out.extend_from_slice(&(used as u16).to_le_bytes());
+    for (s, &l) in lens.iter().enumerate() {
+        if l > 0 {
+            out.extend_from_slice(&[s as u8, l]);
+        }
+    }
+    let q = exps.len().div_ceil(STREAMS);
+    let lens_at = out.len();
+    out.extend_from_slice(&[0u8; 4 * (STREAMS - 1)]);
+    for s in 0..STREAMS {
+        let start = out.len();
+        let part = &exps[(s * q).min(exps.len())..((s + 1) * q).min(exps.len())];
+        let mut w = Bits {
+            out: &mut *out,
+            acc: 0,
+            n: 0,
+        };
+        for &e in part {
+            let (c, l) = codes[e as usize];
+            w.put(c, l);
+        }
+        w.finish();
+        if s < STREAMS - 1 {
+            let len = (out.len() - start) as u32;
+            out[lens_at + 4 * s..lens_at + 4 * s + 4].copy_from_slice(&len.to_le_bytes());
+        }
+    }
+}
+
+/// One stream's reader: LSB-first bits from `buf[pos..end]`, zeros past the end.
+#[derive(Clone, Copy)]
+struct Reader {
+    bits: u64,
+    n: u32,
+    pos: usize,
+    end: usize,
+}
+
+impl Reader {
+    /// At least 56 bits in `bits` (those past the stream's end are zeros).
+    #[inline(always)]
+    fn refill(&mut self, buf: &[u8]) {
+        if self.pos + 8 <= self.end {
+            debug_assert!(self.end <= buf.len());
+            // SAFETY: pos + 8 <= end <= buf.len() (`decode_plane` checks every stream's end
+            // against the plane); an unaligned read of 8 bytes inside `buf`.
+            let w = u64::from_le(unsafe {
+                std::ptr::read_unaligned(buf.as_ptr().add(self.pos) as *const u64)
+            });
+            self.bits |= w << self.n;
+            self.pos += ((63 - self.n) >> 3) as usize;
+            self.n |= 56;
+        } else {
+            while self.n < 56 {
+                let b = if self.pos < self.end {
+                    buf[self.pos]
+                } else {
+                    0
+                };
+                self.bits |= (b as u64) << self.n;
+                self.pos += 1;
+                self.n += 8;
+            }
+        }
+    }
+}
+
+/// The layout a coded plane names (its first byte).
+pub fn plane_layout(coded: &[u8]) -> Result<Layout, String> {
+    let &tag = coded
+        .first()
+        .ok_or_else(|| "float codec: an empty coded plane".to_string())?;
+    Layout::from_tag(tag).ok_or_else(|| format!("float codec: unknown layout {tag}"))
+}
+
+/// Decodes one coded plane of `n` symbols (`encode_plane`'s bytes) into `out[..n]` (`out`
+/// is resized to `n` and 4 bytes more). The error says what in the bytes is wrong.
+pub fn decode_plane(coded: &[u8], n: usize, out: &mut Vec<u8>) -> Result<(), String> {
+    let bad = |what: &str| format!("float codec: {what}");
+    plane_layout(coded)?;
+    let body = &coded[1..];
+    let (&mode, body) = body.split_first().ok_or_else(|| bad("no mode"))?;
+    match mode {
+        1 => {
+            let &e = body.first().ok_or_else(|| bad("no constant symbol"))?;
+            out.clear();
+            out.resize(n + 4, e);
+            return Ok(());
+        }
+        0 => {}
+        m => return Err(bad(&format!("unknown mode {m}"))),
+    }
+    let used = u16::from_le_bytes([
+        *body.first().ok_or_else(|| bad("no symbol count"))?,
+        *body.get(1).ok_or_else(|| bad("no symbol count"))?,
+    ]) as usize;
+    let pairs = body
+        .get(2..2 + 2 * used)
+        .ok_or_else(|| bad("symbol table cut short"))?;
+    let mut lens = [0u8; 256];
+    for p in pairs.chunks_exact(2) {
+        if p[1] == 0 || p[1] as u32 > MAX_LEN {
+            return Err(bad(&format!("code length {} for symbol {}", p[1], p[0])));
+        }
+        lens[p[0] as usize] = p[1];
+    }
+    // A complete prefix code (Kraft sum exactly 1): every table entry gets a symbol.
+    let kraft: u32 = lens
+        .iter()
+        .filter(|&&l| l > 0)
+        .map(|&l| 1u32 << (MAX_LEN - l as u32))
+        .sum();
+    if kraft != TABLE as u32 {
+        return Err(bad("the code lengths are not a complete prefix code"));
+    }
+    let multi = n >= MULTI_MIN;
+    let table = if multi {
+        tables(&lens)
+    } else {
+        single_table(&lens)
+    };
+    let at = 2 + 2 * used;
+    let sizes = body
+        .get(at..at + 4 * (STREAMS - 1))
+        .ok_or_else(|| bad("stream sizes cut short"))?;
+    let streams = &body[at + 4 * (STREAMS - 1)..];
+    let mut r = [Reader {
+        bits: 0,
+        n: 0,
+        pos: 0,
+        end: 0,
+    }; STREAMS];
+    let mut start = 0usize;
+    for (s, rd) in r.iter_mut().enumerate() {
+        let len = if s < STREAMS - 1 {
+            u32::from_le_bytes([
+                sizes[4 * s],
+                sizes[4 * s + 1],
+                sizes[4 * s + 2],
+                sizes[4 * s + 3],
+            ]) as usize
+        } else {
+            streams.len().saturating_sub(start)
+        };
+        let end = start
+            .checked_add(len)
+            .filter(|&e| e <= streams.len())
+            .ok_or_else(|| bad(&format!("stream {s} runs past the plane")))?;
+        *rd = Reader {
+            bits: 0,
+            n: 0,
+            pos: start,
+            end,
+        };
+        start = end;
+    }
+    let q = n.div_ceil(STREAMS);
+    let first = |s: usize| (s * q).min(n);
+    let at = [first(0), first(1), first(2), first(3)];
+    let ends = [first(1), first(2), first(3), n];
+    out.clear();
+    out.resize(n + 4, 0);
+    symbols(streams, &table, multi, r, at, ends, out);
+    Ok(())
+}
+
+/// The decoding tables of a complete code: per 11-bit window, its first symbol and that
+/// code's length (`single`: symbol | length << 8), and as many whole codes as fit in the
+/// window, up to five (`multi`: symbols in bytes 0..5, their count in bits 40..43, their
+/// total length from bit 48).
+struct Tables {
+    single: [u16; TABLE],
+    multi: [u64; TABLE],
+}
+
+/// Symbols of one `multi` entry at most.
+const MULTI_SYMBOLS: u32 = 5;
+
+/// Planes shorter than this decode a symbol a lookup (`single_table`): building the
+/// multi-symbol table costs more than it saves there.
+const MULTI_MIN: usize = 1 << 14;
+
+/// Only the single-symbol table (`multi` left zero: no window is looked up there).
+fn single_table(lens: &[u8; 256]) -> Tables {
+    let mut t = Tables {
+        single: [0; TABLE],
+        multi: [0; TABLE],
+    };
+    for (s, &(code, len)) in canonical(lens).iter().enumerate() {
+        if len == 0 {
+            continue;
+        }
+        let mut i = code as usize;
+        while i < TABLE {
+            t.single[i] = (len as u16) << 8 | s as u16;
+            i += 1 << len;
+        }
+    }
+    t
+}
+
+fn tables(lens: &[u8; 256]) -> Tables {
+    let mut t = single_table(lens);
+    for w in 0..TABLE {
+        let (mut word, mut used, mut count) = (0u64, 0u32, 0u32);
+        while count < MULTI_SYMBOLS {
+            let e = t.single[w >> used];
+            let len = (e >> 8) as u32;
+            // The next code is known only if all its bits are inside the window.
+            if used + len > MAX_LEN {
+                break;
+            }
+            word |= ((e & 0xff) as u64) << (8 * count);
+            used += len;
+            count += 1;
+        }
+        t.multi[w] = word | (count as u64) << 40 | (used as u64) << 48;
+    }
+    t
+}
+
+/// Stream s's symbols into `out[at[s]..ends[s]]`: four table lookups a stream between
+/// refills (4 x 11 <= 56 bits), each up to five symbols, written as one 8-byte word (the
+/// bytes past its symbols land on the stream's next ones, written over later); the four
+/// streams in turn while each has room for a round of lookups and a word; then each
+/// tail, a symbol at a time.
+fn symbols(
+    streams: &[u8],
+    t: &Tables,
+    multi: bool,
+    r: [Reader; STREAMS],
+    mut at: [usize; STREAMS],
+    ends: [usize; STREAMS],
+    out: &mut [u8],
+) {
+    let [mut r0, mut r1, mut r2, mut r3] = r;
+    // A round writes at most 4 x 5 symbols a stream, and a word 8 bytes from its start.
+    const ROUND: usize = 4 * MULTI_SYMBOLS as usize;
+    debug_assert!(ends.iter().all(|&e| e + 4 <= out.len()));
+    let base = out.as_mut_ptr();
+    let step = |rd: &mut Reader, at: &mut usize| {
+        let e = t.multi[(rd.bits as usize) & (TABLE - 1)];
+        // SAFETY: `at` + 8 <= ends[s] <= out.len(): the rounds below run only while every
+        // stream has ROUND + 8 symbols left or more, and a step advances at most 5 (so
+        // the words stay inside the stream's own range, below its neighbour's symbols).
+        unsafe { std::ptr::write_unaligned(base.add(*at) as *mut u64, e.to_le()) };
+        let used = (e >> 48) as u32;
+        rd.bits >>= used;
+        rd.n -= used;
+        *at += ((e >> 40) & 7) as usize;
+    };
+    loop {
+        // Rounds every stream has room for, checked once for all of them.
+        let rounds = (0..STREAMS)
+            .map(|s| (ends[s] - at[s]).saturating_sub(8) / ROUND)
+            .min()
+            .unwrap_or(0);
+        if !multi || rounds == 0 {
+            break;
+        }
+        let [a0, a1, a2, a3] = &mut at;
+        for _ in 0..rounds {
+            r0.refill(streams);
+            r1.refill(streams);
+            r2.refill(streams);
+            r3.refill(streams);
+            for _ in 0..4 {
+                step(&mut r0, a0);
+                step(&mut r1, a1);
+                step(&mut r2, a2);
+                step(&mut r3, a3);
+            }
+        }
+    }
+    for (s, mut rd) in [r0, r1, r2, r3].into_iter().enumerate() {
+        for o in &mut out[at[s]..ends[s]] {
+            rd.refill(streams);
+            let e = t.single[(rd.bits as usize) & (TABLE - 1)];
+            let len = (e >> 8) as u32;
+            rd.bits >>= len;
+            rd.n -= len;
+            *o = e as u8;
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every plane of `raw` coded, decoded and joined back; returns the exponent plane's
+    /// coded bytes.
+    fn round_trip(layout: Layout, raw: &[u8]) -> usize {
+        let mut planes: [Vec<u8>; 4] = Default::default();
+        split(layout, raw, &mut planes);
+        let n = raw.len() / layout.width();
+        let mut back: [Vec<u8>; 4] = Default::default();
+        let mut exp_bytes = 0;
+        for i in 0..=layout.rest_width() {
+            let mut coded = Vec::new();
+            encode_plane(layout, &planes[i], &mut coded);
+            assert_eq!(plane_layout(&coded), Ok(layout));
+            decode_plane(&coded, n, &mut back[i]).expect("decodes");
+            assert_eq!(back[i][..n], planes[i][..], "{layout:?} plane {i}");
+            back[i].truncate(n);
+            if i == 0 {
+                exp_bytes = coded.len();
+            }
+        }
+        let mut out = vec![0u8; raw.len()];
+        join(layout, [&back[0], &back[1], &back[2], &back[3]], &mut out);
+        assert_eq!(out, raw, "{layout:?}, {} bytes", raw.len());
+        exp_bytes
+    }
+
+    fn gaussian_bf16(n: usize, seed: u64) -> Vec<u8> {
+        let mut x = seed | 1;
+        let mut u = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f32 / (1u64 << 53) as f32
+        };
+        (0..n)
+            .flat_map(|_| {
+                let v = (u() + u() + u() + u() - 2.0) * 0.02;
+                ((v.to_bits() >> 16) as u16).to_le_bytes()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn every_layout_round_trips_at_every_length_and_special_value() {
+        let specials: [u32; 10] = [
+            0x0000_0000,
+            0x8000_0000, // -0
+            0x0000_0001, // smallest denormal
+            0x807f_ffff, // largest negative denormal
+            0x7f80_0000, // inf
+            0xff80_0000, // -inf
+            0x7fc0_0001, // NaN with a payload
+            0xffbf_ffff, // signalling NaN, negative
+            0x3f80_0000,
+            0xbf7f_ffff,
+        ];
+        for n in [0usize, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 64, 1000, 4099] {
+            let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ n as u64;
+            let mut vals: Vec<u32> = (0..n)
+                .map(|i| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    if i % 5 == 0 {
+                        specials[(x % 10) as usize]
+                    } else {
+                        (((x as f32 / u64::MAX as f32) - 0.5) * 0.1).to_bits()
+                    }
+                })
+                .collect();
+            let f32s: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+            round_trip(Layout::F32, &f32s);
+            let halves: Vec<u8> = vals
+                .iter()
+                .flat_map(|v| ((v >> 16) as u16).to_le_bytes())
+                .collect();
+            round_trip(Layout::Bf16, &halves);
+            round_trip(Layout::F16, &halves);
+            // Every element with one exponent (the constant mode).
+            vals.iter_mut()
+                .for_each(|v| *v = 0x3f80_0000 | (*v & 0x807f_ffff));
+            let same: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+            round_trip(Layout::F32, &same);
+        }
+    }
+
+    #[test]
+    fn exponents_of_gaussian_weights_code_near_their_entropy() {
+        let raw = gaussian_bf16(1 << 19, 3);
+        let coded = round_trip(Layout::Bf16, &raw);
+        let mut planes: [Vec<u8>; 4] = Default::default();
+        split(Layout::Bf16, &raw, &mut planes);
+        let e = &planes[0];
+        let mut hist = [0u64; 256];
+        e.iter().for_each(|&x| hist[x as usize] += 1);
+        let n = e.len() as f64;
+        let entropy: f64 = hist
+            .iter()
+            .filter(|&&c| c > 0)
+            .map(|&c| -(c as f64 / n) * (c as f64 / n).log2())
+            .sum();
+        let bits = coded as f64 * 8.0 / n;
+        assert!(
+            bits < entropy + 0.05,
+            "{bits:.3} bits an exponent for an entropy of {entropy:.3}"
+        );
+    }
+
+    #[test]
+    fn a_skewed_histogram_keeps_codes_within_the_table() {
+        // Fibonacci counts make Huffman's codes as long as the symbols are many.
+        let mut hist = [0u64; 256];
+        let (mut a, mut b) = (1u64, 1u64);
+        for h in hist.iter_mut().take(40) {
+            *h = a;
+            (a, b) = (b, a + b);
+        }
+        let lens = code_lengths(&hist);
+        assert!(lens.iter().all(|&l| l as u32 <= MAX_LEN));
+        let kraft: f64 = lens
+            .iter()
+            .filter(|&&l| l > 0)
+            .map(|&l| 0.5f64.powi(l as i32))
+            .sum();
+        assert!((kraft - 1.0).abs() < 1e-12, "Kraft sum {kraft}");
+        let exps: Vec<u8> = (0..40u8)
+            .flat_map(|s| std::iter::repeat_n(s, (hist[s as usize] % 977) as usize + 1))
+            .collect();
+        let raw: Vec<u8> = exps.iter().flat_map(|&e| [0x55, e]).collect();
+        round_trip(Layout::F16, &raw);
+    }
+
+    #[test]
+    fn damaged_planes_decode_in_bounds_or_fail() {
+        // Both decoders: a symbol a lookup (short planes) and several (long ones).
+        for n in [3000, MULTI_MIN + 3001] {
+            damaged(n);
+        }
+    }
+
+    fn damaged(n: usize) {
+        let raw = gaussian_bf16(n, 9);
+        let (mut planes, mut coded): ([Vec<u8>; 4], _) = (Default::default(), Vec::new());
+        split(Layout::Bf16, &raw, &mut planes);
+        encode_plane(Layout::Bf16, &planes[0], &mut coded);
+        let mut x = 0x1234_5678u64;
+        let mut out = Vec::new();
+        for round in 0..1500 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            let mut bad = coded.clone();
+            match round % 3 {
+                0 => {
+                    let at = x as usize % bad.len();
+                    bad[at] ^= 1 << ((x >> 32) % 8);
+                }
+                1 => bad.truncate(x as usize % bad.len()),
+                _ => bad.iter_mut().skip(x as usize % 16).for_each(|b| {
+                    x ^= x << 13;
+                    x ^= x >> 7;
+                    x ^= x << 17;
+                    *b = x as u8
+                }),
+            }
+            // Wrong bytes or an error, never a panic or a read past a buffer.
+            if decode_plane(&bad, n, &mut out).is_ok() {
+                assert_eq!(out.len(), n + 4);
+            }
+        }
+    }
+}
