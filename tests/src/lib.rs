@@ -138,6 +138,7 @@ pub fn pack_store(
     let model = sluice::import::open(src).expect("import the source model");
     let units = model.units().expect("units of the source model");
     let opts = sluice::store::writer::PackOptions {
+        auto: None,
         codec: codec.parse().expect("codec"),
         frame_size,
         threads: 2,

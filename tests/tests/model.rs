@@ -548,6 +548,7 @@ fn smollm2_tokenizer_matches_llama_cpp_on_varied_strings() {
         &units,
         &dir,
         &PackOptions {
+            auto: None,
             codec: "none".parse().unwrap(),
             ..PackOptions::default()
         },

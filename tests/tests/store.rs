@@ -34,6 +34,7 @@ fn read_all(store: &Store) -> BTreeMap<String, (String, Vec<u64>, Vec<u8>)> {
 fn pack_to(model: &ImportedModel, out: &Path, codec: Codec, frame_size: u32) -> Store {
     let units = model.units().unwrap();
     let opts = PackOptions {
+        auto: None,
         codec,
         frame_size,
         threads: 2,
@@ -225,4 +226,76 @@ fn bench_codec_measures_every_codec_on_the_same_bytes_of_each_dtype() {
     }
     let e = sluiced_err(&["bench-codec", "/nonexistent/model.gguf"]);
     assert!(e.contains("/nonexistent/model.gguf"), "{e}");
+}
+
+#[test]
+fn codec_auto_follows_the_disk_it_is_told_and_round_trips() {
+    // tiny-qwen3 is bf16. A slow disk: the smallest ratio (the float codec on the
+    // matrices); a disk faster than any decoder at one worker: every frame raw. Either
+    // way every tensor reads back as imported.
+    let tmp = tempfile::tempdir().unwrap();
+    let model = import::open(&fixture("tiny-qwen3")).unwrap();
+    let want = read_all(&pack_to(
+        &model,
+        &tmp.path().join("none"),
+        Codec::None,
+        4096,
+    ));
+    for (disk, expect) in [("0.05", Codec::Float), ("1000", Codec::None)] {
+        let out = tmp.path().join(format!("auto-{disk}"));
+        let o = sluiced_ok(&[
+            "pack",
+            fixture("tiny-qwen3").to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+            "--codec",
+            "auto",
+            "--disk-gbps",
+            disk,
+            "--decode-workers",
+            "1",
+        ]);
+        assert!(o.contains("--codec auto for a disk of"), "{o}");
+        assert!(
+            o.contains("bf16: ratio/GB/s->effective: none 1.000/"),
+            "{o}"
+        );
+        let store = Store::open(&out).unwrap();
+        let frames: Vec<Codec> = store
+            .units()
+            .iter()
+            .flat_map(|u| u.frames.iter().map(|f| f.codec))
+            .collect();
+        if expect == Codec::None {
+            assert!(
+                frames.iter().all(|&c| c == Codec::None),
+                "{disk}: {frames:?}"
+            );
+        } else {
+            assert!(frames.contains(&expect), "{disk}: {frames:?}");
+        }
+        assert_eq!(store.manifest().codec, expect, "{disk}");
+        assert!(read_all(&store) == want, "{disk}: tensors differ");
+    }
+    let e = sluiced_err(&[
+        "pack",
+        fixture("tiny-qwen3").to_str().unwrap(),
+        "-o",
+        tmp.path().join("x").to_str().unwrap(),
+        "--disk-gbps",
+        "2",
+    ]);
+    assert!(
+        e.contains("--disk-gbps and --decode-workers go with --codec auto"),
+        "{e}"
+    );
+    let e = sluiced_err(&[
+        "pack",
+        fixture("tiny-qwen3").to_str().unwrap(),
+        "-o",
+        tmp.path().join("y").to_str().unwrap(),
+        "--codec",
+        "brotli",
+    ]);
+    assert!(e.contains("unknown codec \"brotli\""), "{e}");
 }

@@ -22,6 +22,7 @@ pub fn store(dir: &std::path::Path) -> Arc<Store> {
     let units = model.units().expect("units");
     let out = dir.join("tiny");
     let opts = PackOptions {
+        auto: None,
         codec: "lz4".parse().expect("codec"),
         frame_size: 1 << 16,
         threads: 1,

@@ -245,3 +245,66 @@ pub fn bench_io(store: Arc<Store>, opts: &BenchIoOptions) -> Result<BenchIoRepor
         },
     })
 }
+
+/// The disk's read rate in GB/s over `files` (a model's source files): up to `max_bytes`
+/// read in 4 MiB requests by four threads (so a drive that needs depth gets some), with
+/// O_DIRECT where the file system takes it. Returns the rate and whether it went around
+/// the page cache (a cached file reads at memory speed: the figure is then no disk's).
+pub fn disk_read_gbps(
+    files: &[std::path::PathBuf],
+    max_bytes: u64,
+) -> std::io::Result<(f64, bool)> {
+    const REQ: u64 = 4 << 20;
+    let mut chunks: Vec<(usize, u64, usize)> = Vec::new();
+    let mut opened = Vec::new();
+    let mut all_direct = true;
+    let mut total = 0u64;
+    for (i, p) in files.iter().enumerate() {
+        let (f, direct) = super::open_direct(p)?;
+        all_direct &= direct;
+        let len = f.metadata()?.len();
+        opened.push(f);
+        let mut at = 0;
+        // Whole blocks only (O_DIRECT reads stop at the last full block).
+        while at + 4096 <= len && total < max_bytes {
+            let n = (len - at).min(REQ).min(max_bytes - total) / 4096 * 4096;
+            if n == 0 {
+                break;
+            }
+            chunks.push((i, at, n as usize));
+            at += n;
+            total += n;
+        }
+    }
+    if total == 0 {
+        return Err(std::io::Error::other("no whole 4 KiB block to read"));
+    }
+    let next = std::sync::atomic::AtomicUsize::new(0);
+    let t = Instant::now();
+    std::thread::scope(|s| -> std::io::Result<()> {
+        let workers: Vec<_> = (0..4)
+            .map(|_| {
+                s.spawn(|| -> std::io::Result<()> {
+                    let mut b = crate::hostbuf::AlignedBuf::new(REQ as usize)
+                        .ok_or_else(|| std::io::Error::other("out of memory"))?;
+                    loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(&(f, at, n)) = chunks.get(i) else {
+                            return Ok(());
+                        };
+                        opened[f].read_exact_at(&mut b.as_mut_slice()[..n], at)?;
+                    }
+                })
+            })
+            .collect();
+        for w in workers {
+            w.join()
+                .map_err(|_| std::io::Error::other("a reader thread panicked"))??;
+        }
+        Ok(())
+    })?;
+    Ok((
+        total as f64 / t.elapsed().as_secs_f64().max(1e-9) / 1e9,
+        all_direct,
+    ))
+}

@@ -134,6 +134,7 @@ fn packed(dir: &std::path::Path, codec: &str) -> Arc<Store> {
     let units = model.units().expect("units");
     let out = dir.join("s");
     let opts = PackOptions {
+        auto: None,
         codec: codec.parse().expect("codec"),
         frame_size: 4096,
         threads: 1,

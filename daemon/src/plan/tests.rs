@@ -34,6 +34,7 @@ fn store_shaped(
     let units = model.units().expect("units");
     let out = dir.join(if tied { "tied" } else { "untied" });
     let opts = PackOptions {
+        auto: None,
         codec: "none".parse().expect("codec"),
         frame_size,
         threads: 1,

@@ -59,7 +59,7 @@ impl FromStr for Codec {
             "float" => Ok(Codec::Float),
             _ => {
                 let level = s.strip_prefix("zstd:").ok_or_else(|| {
-                    format!("unknown codec {s:?}: expected none, lz4, zstd, zstd:N or float")
+                    format!("unknown codec {s:?}: expected none, lz4, zstd, zstd:N, float (or auto when packing)")
                 })?;
                 let level: i32 = level
                     .parse()

@@ -5,6 +5,7 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod arch;
+pub mod auto;
 pub mod codec;
 pub mod format;
 pub mod fpsplit;

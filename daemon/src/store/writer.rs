@@ -26,7 +26,11 @@ pub const FRAME_SIZE_DEFAULT: u32 = 1 << 20;
 
 #[derive(Clone, Debug)]
 pub struct PackOptions {
+    /// The codec of every frame, unless `auto` chooses per tensor.
     pub codec: Codec,
+    /// `--codec auto`: per tensor, the codec that delivers decompressed bytes fastest
+    /// from a disk of this many GB/s with this many decode workers (`store::auto`).
+    pub auto: Option<AutoFor>,
     pub frame_size: u32,
     /// Compression threads.
     pub threads: usize,
@@ -38,6 +42,7 @@ impl Default for PackOptions {
     fn default() -> Self {
         PackOptions {
             codec: Codec::Zstd { level: 3 },
+            auto: None,
             frame_size: FRAME_SIZE_DEFAULT,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             force: false,
@@ -51,6 +56,15 @@ pub struct PackReport {
     pub frames: usize,
     pub raw_bytes: u64,
     pub stored_bytes: u64,
+    /// `--codec auto`'s reasoning, a line per dtype (empty otherwise).
+    pub auto: Vec<String>,
+}
+
+/// What `--codec auto` chooses for: the disk's read rate and the decode workers.
+#[derive(Clone, Copy, Debug)]
+pub struct AutoFor {
+    pub disk_gbps: f64,
+    pub workers: usize,
 }
 
 /// The tensors of one layer unit, in blob order.
@@ -245,11 +259,19 @@ fn pack_into(
         frames: 0,
         raw_bytes: 0,
         stored_bytes: 0,
+        auto: Vec::new(),
     };
-    let mut encoders: Vec<FrameEncoder> = (0..opts.threads.max(1))
-        .map(|_| FrameEncoder::new(opts.codec))
-        .collect::<Result<_, _>>()
-        .map_err(|e| StoreError::io("create encoder for", out, e))?;
+    let mut encoders: Vec<Encoders> = (0..opts.threads.max(1))
+        .map(|_| Encoders::default())
+        .collect();
+    let mut auto = match opts.auto {
+        Some(a) => Some(
+            super::auto::Auto::calibrate(model, units, opts.frame_size, a.disk_gbps, a.workers)
+                .map_err(|e| StoreError::io("measure the codecs for", out, e))?,
+        ),
+        None => None,
+    };
+    let mut codecs = Vec::new();
 
     for spec in units {
         let (tensors, raw_len) = lay_out(model, spec, out)?;
@@ -259,7 +281,17 @@ fn pack_into(
             let dst = &mut blob[entry.offset as usize..(entry.offset + entry.len) as usize];
             model.copy_tensor(name, dst);
         }
-        let pieces = frame_pieces(&tensors, raw_len, opts.frame_size);
+        codecs.clear();
+        for t in &tensors {
+            let raw = &blob[t.offset as usize..(t.offset + t.len) as usize];
+            codecs.push(match auto.as_mut() {
+                Some(a) => a
+                    .choose_for(raw, t.dtype, opts.frame_size as usize)
+                    .map_err(|e| StoreError::io("choose a codec for", out, e))?,
+                None => opts.codec,
+            });
+        }
+        let pieces = frame_pieces(&tensors, &codecs, raw_len, opts.frame_size);
         let encoded = compress(&mut encoders, &pieces, &blob)
             .map_err(|e| StoreError::io("compress frames for", out, e))?;
         let unit = w.write_unit(spec.kind, &pieces, encoded, raw_len, tensors)?;
@@ -288,12 +320,13 @@ fn pack_into(
         special: header.special,
         units: layer_units,
         weights_len: file_at,
-        codec: opts.codec,
+        codec: auto.as_ref().map_or(opts.codec, |a| a.main_codec()),
         frame_size: opts.frame_size,
         source: header.source,
     };
     write_manifest(&partial.path, &manifest)?;
     partial.commit(out)?;
+    report.auto = auto.map_or(Vec::new(), |a| a.report());
     Ok(report)
 }
 
@@ -352,19 +385,25 @@ fn lay_out(
     Ok((tensors, align_up(raw_at, TENSOR_ALIGN)))
 }
 
-/// One frame's place in the blob.
+/// One frame's place in the blob, and its codec.
 struct Piece {
     raw_offset: u64,
     len: u64,
+    codec: Codec,
     /// Its tensor's dtype (the byte split, the float codec).
     dtype: DType,
 }
 
 /// Each tensor's region (its bytes and the padding after them) in `frame_size` pieces,
 /// so a frame holds one dtype and the byte split applies.
-fn frame_pieces(tensors: &[TensorEntry], raw_len: u64, frame_size: u32) -> Vec<Piece> {
+fn frame_pieces(
+    tensors: &[TensorEntry],
+    codecs: &[Codec],
+    raw_len: u64,
+    frame_size: u32,
+) -> Vec<Piece> {
     let mut pieces = Vec::new();
-    for (i, t) in tensors.iter().enumerate() {
+    for ((i, t), &codec) in tensors.iter().enumerate().zip(codecs) {
         let end = tensors.get(i + 1).map_or(raw_len, |n| n.offset);
         let mut at = t.offset;
         while at < end {
@@ -372,6 +411,7 @@ fn frame_pieces(tensors: &[TensorEntry], raw_len: u64, frame_size: u32) -> Vec<P
             pieces.push(Piece {
                 raw_offset: at,
                 len,
+                codec,
                 dtype: t.dtype,
             });
             at += len;
@@ -380,10 +420,27 @@ fn frame_pieces(tensors: &[TensorEntry], raw_len: u64, frame_size: u32) -> Vec<P
     pieces
 }
 
-/// Compresses the pieces of `blob` in parallel, one encoder per thread; each result keeps
-/// its index.
+/// One thread's encoders, one per codec its pieces use, made when first needed.
+#[derive(Default)]
+struct Encoders(Vec<(Codec, FrameEncoder)>);
+
+impl Encoders {
+    fn get(&mut self, codec: Codec) -> std::io::Result<&mut FrameEncoder> {
+        let i = match self.0.iter().position(|(c, _)| *c == codec) {
+            Some(i) => i,
+            None => {
+                self.0.push((codec, FrameEncoder::new(codec)?));
+                self.0.len() - 1
+            }
+        };
+        Ok(&mut self.0[i].1)
+    }
+}
+
+/// Compresses the pieces of `blob` in parallel, one set of encoders per thread; each
+/// result keeps its index.
 fn compress(
-    encoders: &mut [FrameEncoder],
+    encoders: &mut [Encoders],
     pieces: &[Piece],
     blob: &[u8],
 ) -> std::io::Result<Vec<EncodedFrame>> {
@@ -399,7 +456,7 @@ fn compress(
                     break;
                 };
                 let raw = &blob[p.raw_offset as usize..(p.raw_offset + p.len) as usize];
-                match enc.encode(raw, p.dtype) {
+                match enc.get(p.codec).and_then(|e| e.encode(raw, p.dtype)) {
                     Ok(e) => {
                         let r = EncodedFrame {
                             codec: e.codec,

@@ -22,10 +22,21 @@ pub struct PackArgs {
     /// $XDG_DATA_HOME/sluice/models, else ~/.local/share/sluice/models).
     #[arg(long)]
     pub models_dir: Option<PathBuf>,
-    /// Frame codec: none, lz4, zstd, zstd:N, or float (16- and 32-bit floats: exponents
-    /// Huffman-coded, sign and mantissa raw; other tensors raw).
-    #[arg(long, default_value = "zstd:3", value_parser = parse_codec)]
-    pub codec: Codec,
+    /// Frame codec: none, lz4, zstd, zstd:N, float (16- and 32-bit floats: exponents
+    /// Huffman-coded, sign and mantissa raw; other tensors raw), or auto: per tensor,
+    /// the codec that delivers decompressed bytes fastest, min(disk / ratio, workers x
+    /// decode rate), from rates measured here (pin them with --disk-gbps and
+    /// --decode-workers for a store packed on one machine for another).
+    #[arg(long, default_value = "zstd:3")]
+    pub codec: String,
+    /// With --codec auto: the disk's read rate in GB/s (default: measured on the source
+    /// files with O_DIRECT).
+    #[arg(long)]
+    pub disk_gbps: Option<f64>,
+    /// With --codec auto: decompression workers the store will be read with (default:
+    /// this machine's cores - 1, as the I/O engine runs).
+    #[arg(long)]
+    pub decode_workers: Option<usize>,
     /// Uncompressed bytes per frame (e.g. 1MiB).
     #[arg(long, default_value = "1MiB", value_parser = parse_size_u32)]
     pub frame_size: u32,
@@ -44,10 +55,24 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         name,
         models_dir,
         codec,
+        disk_gbps,
+        decode_workers,
         frame_size,
         threads,
         force,
     } = a;
+    let auto_codec = codec == "auto";
+    let codec: Codec = if auto_codec {
+        Codec::None
+    } else {
+        parse_codec(&codec).map_err(anyhow::Error::msg)?
+    };
+    if !auto_codec && (disk_gbps.is_some() || decode_workers.is_some()) {
+        bail!("--disk-gbps and --decode-workers go with --codec auto");
+    }
+    if let Some(d) = disk_gbps.filter(|d| !(d.is_finite() && *d > 0.0)) {
+        bail!("--disk-gbps {d}: expected a positive rate in GB/s");
+    }
     let output = match (output, name) {
         (Some(o), _) => o,
         (None, Some(n)) => {
@@ -69,8 +94,24 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
     let model = sluice::import::open(&src).with_context(|| format!("import {}", src.display()))?;
     let units = model.units()?;
     let total: u64 = model.tensors.values().map(|t| t.len).sum();
+    let auto = if auto_codec {
+        let disk = match disk_gbps {
+            Some(d) => d,
+            None => measured_disk(&src)?,
+        };
+        let workers = decode_workers
+            .unwrap_or_else(|| sluice::io::IoConfig::default().workers)
+            .max(1);
+        Some(store::writer::AutoFor {
+            disk_gbps: disk,
+            workers,
+        })
+    } else {
+        None
+    };
     let opts = store::writer::PackOptions {
         codec,
+        auto,
         frame_size,
         threads: threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
@@ -79,6 +120,14 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
     let pb = progress_bar(total, "packing");
     let report = store::writer::pack(&model, &units, &output, &opts, |b| pb.inc(b))?;
     pb.finish_and_clear();
+    for line in &report.auto {
+        println!("{line}");
+    }
+    let codec = if auto_codec {
+        "auto".to_string()
+    } else {
+        codec.to_string()
+    };
     let secs = t0.elapsed().as_secs_f64();
     println!(
         "packed {} -> {}: {} units, {} frames, {} raw -> {} stored (ratio {:.3}, {codec}) in {secs:.2} s ({:.0} MB/s of raw input)",
@@ -92,4 +141,31 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         report.raw_bytes as f64 / secs / 1e6,
     );
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The read rate of the disk under `src` (its model files, 1 GiB at most, O_DIRECT), said
+/// in the log.
+fn measured_disk(src: &std::path::Path) -> Result<f64> {
+    let files: Vec<PathBuf> = if src.is_dir() {
+        let mut v: Vec<PathBuf> = std::fs::read_dir(src)
+            .with_context(|| format!("list {}", src.display()))?
+            .filter_map(|e| e.ok().map(|e| e.path()))
+            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
+            .collect();
+        v.sort();
+        v
+    } else {
+        vec![src.to_path_buf()]
+    };
+    let (gbps, direct) = sluice::io::bench::disk_read_gbps(&files, 1 << 30)
+        .with_context(|| format!("measure the disk under {}", src.display()))?;
+    if direct {
+        tracing::info!(
+            "--codec auto: {} reads at {gbps:.2} GB/s (O_DIRECT); pin with --disk-gbps",
+            src.display()
+        );
+    } else {
+        tracing::warn!("--codec auto: {} reads at {gbps:.2} GB/s through the page cache (the file system refused O_DIRECT): that may be memory, not the disk; give --disk-gbps", src.display());
+    }
+    Ok(gbps)
 }

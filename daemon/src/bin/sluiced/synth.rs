@@ -128,6 +128,7 @@ pub fn run(a: SynthArgs) -> Result<std::process::ExitCode> {
         size,
         spec,
         store::writer::PackOptions {
+            auto: None,
             codec,
             frame_size,
             threads,

@@ -1,0 +1,301 @@
+//! `--codec auto`: per tensor, the codec that delivers decompressed bytes fastest from
+//! this disk with these decode workers:
+//!
+//!   effective = min(disk rate / ratio, workers x one core's decode rate)
+//!
+//! Each candidate's decode rate is measured per dtype on a sample of the model's own
+//! tensors (`calibrate`), its ratio per tensor on up to three of the tensor's frames
+//! (`Auto::choose_for`). Within 2 % of the best effective rate the smaller ratio wins
+//! (fewer bytes read and cached), then the earlier candidate: for the same rates the
+//! choice is always the same.
+
+use super::codec::{Codec, FrameDecoder, FrameEncoder};
+use super::writer::{PackSource, UnitSpec};
+use crate::dtype::DType;
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+/// What `--codec auto` chooses among.
+pub const CANDIDATES: [Codec; 4] = [
+    Codec::None,
+    Codec::Lz4,
+    Codec::Zstd { level: 1 },
+    Codec::Float,
+];
+
+/// Bytes of each dtype's calibration sample at most.
+const SAMPLE_BYTES: usize = 8 << 20;
+/// Decoding a sample repeats this long; the fastest pass counts.
+const DECODE_TIME: Duration = Duration::from_millis(60);
+/// Effective rates this close to the best count as a tie.
+const TIE: f64 = 0.02;
+
+/// One candidate on some bytes: stored over raw, and GB/s of decompressed bytes one core
+/// decodes.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Rate {
+    pub codec: Codec,
+    pub ratio: f64,
+    pub decode_gbps: f64,
+}
+
+/// Decompressed GB/s a codec delivers from a disk of `disk_gbps` with `workers` decode
+/// workers.
+pub fn effective(disk_gbps: f64, workers: usize, ratio: f64, decode_gbps: f64) -> f64 {
+    (disk_gbps / ratio.max(1e-6)).min(workers as f64 * decode_gbps)
+}
+
+/// The candidate with the highest effective rate (ties as the module says).
+pub fn choose(disk_gbps: f64, workers: usize, rates: &[Rate]) -> Codec {
+    let eff = |r: &Rate| effective(disk_gbps, workers, r.ratio, r.decode_gbps);
+    let best = rates.iter().map(eff).fold(0f64, f64::max);
+    rates
+        .iter()
+        .filter(|r| eff(r) >= best * (1.0 - TIE))
+        .min_by(|a, b| a.ratio.total_cmp(&b.ratio))
+        .map_or(Codec::None, |r| r.codec)
+}
+
+/// Ratio and decode rate of each candidate on `sample` (elements of `dtype`), cut into
+/// frames of `frame_size` as `pack` cuts them.
+pub fn measure(sample: &[u8], dtype: DType, frame_size: usize) -> std::io::Result<Vec<Rate>> {
+    let mut out = Vec::with_capacity(CANDIDATES.len());
+    let mut dec = FrameDecoder::new(frame_size)?;
+    let mut dst = vec![0u8; frame_size];
+    for codec in CANDIDATES {
+        let mut enc = FrameEncoder::new(codec)?;
+        let mut frames = Vec::new();
+        for raw in sample.chunks(frame_size) {
+            let e = enc.encode(raw, dtype)?;
+            let sum = xxhash_rust::xxh3::xxh3_64(raw);
+            frames.push((e.codec, e.planes, e.bytes.to_vec(), raw.len(), sum));
+        }
+        let stored: usize = frames.iter().map(|f| f.2.len()).sum();
+        let (mut best, t) = (f64::INFINITY, Instant::now());
+        while best.is_infinite() || t.elapsed() < DECODE_TIME {
+            let p = Instant::now();
+            for (c, planes, bytes, n, sum) in &frames {
+                dec.decode(*c, planes, *sum, bytes, &mut dst[..*n])
+                    .map_err(|e| std::io::Error::other(format!("{codec}: {e}")))?;
+            }
+            best = best.min(p.elapsed().as_secs_f64());
+        }
+        out.push(Rate {
+            codec,
+            ratio: stored as f64 / sample.len().max(1) as f64,
+            decode_gbps: sample.len() as f64 / best.max(1e-9) / 1e9,
+        });
+    }
+    Ok(out)
+}
+
+/// The decisions of `--codec auto` for one pack: the disk and workers they are for, each
+/// dtype's measured rates, and per dtype the tensors and raw bytes each codec got.
+pub struct Auto {
+    pub disk_gbps: f64,
+    pub workers: usize,
+    pub rates: BTreeMap<DType, Vec<Rate>>,
+    pub chosen: BTreeMap<DType, BTreeMap<String, (usize, u64)>>,
+    encoders: Vec<(Codec, FrameEncoder)>,
+}
+
+impl Auto {
+    /// Measures every dtype of `units` on the first `SAMPLE_BYTES` of its tensors.
+    pub fn calibrate(
+        model: &impl PackSource,
+        units: &[UnitSpec],
+        frame_size: u32,
+        disk_gbps: f64,
+        workers: usize,
+    ) -> std::io::Result<Auto> {
+        let mut samples: BTreeMap<DType, Vec<u8>> = BTreeMap::new();
+        for name in units.iter().flat_map(|u| &u.tensors) {
+            let Some(t) = model.tensor(name) else {
+                continue;
+            };
+            let s = samples.entry(t.dtype).or_default();
+            if s.len() >= SAMPLE_BYTES || t.len == 0 {
+                continue;
+            }
+            let mut bytes = vec![0u8; t.len as usize];
+            model.copy_tensor(name, &mut bytes);
+            let take = bytes.len().min(SAMPLE_BYTES - s.len());
+            s.extend_from_slice(&bytes[..take]);
+        }
+        let mut rates = BTreeMap::new();
+        for (dtype, s) in &samples {
+            rates.insert(*dtype, measure(s, *dtype, frame_size as usize)?);
+        }
+        let encoders = CANDIDATES
+            .iter()
+            .map(|&c| FrameEncoder::new(c).map(|e| (c, e)))
+            .collect::<Result<_, _>>()?;
+        Ok(Auto {
+            disk_gbps,
+            workers: workers.max(1),
+            rates,
+            chosen: BTreeMap::new(),
+            encoders,
+        })
+    }
+
+    /// The codec for one tensor (`raw`, of `dtype`): its dtype's decode rates with the
+    /// ratios of its first, middle and last frames.
+    pub fn choose_for(
+        &mut self,
+        raw: &[u8],
+        dtype: DType,
+        frame_size: usize,
+    ) -> std::io::Result<Codec> {
+        let Some(rates) = self.rates.get(&dtype) else {
+            return Ok(Codec::None);
+        };
+        let frames = raw.len().div_ceil(frame_size.max(1)).max(1);
+        let mut picks = vec![0, frames / 2, frames - 1];
+        picks.dedup();
+        let sample: usize = picks
+            .iter()
+            .map(|&f| raw.len().min((f + 1) * frame_size) - f * frame_size)
+            .sum();
+        let mut mine = Vec::with_capacity(rates.len());
+        for r in rates {
+            let Some((_, enc)) = self.encoders.iter_mut().find(|(c, _)| *c == r.codec) else {
+                continue;
+            };
+            let mut stored = 0usize;
+            for &f in &picks {
+                let piece = &raw[f * frame_size..raw.len().min((f + 1) * frame_size)];
+                stored += enc.encode(piece, dtype)?.bytes.len();
+            }
+            mine.push(Rate {
+                ratio: stored as f64 / sample.max(1) as f64,
+                ..*r
+            });
+        }
+        let codec = choose(self.disk_gbps, self.workers, &mine);
+        let e = self
+            .chosen
+            .entry(dtype)
+            .or_default()
+            .entry(codec.to_string())
+            .or_default();
+        e.0 += 1;
+        e.1 += raw.len() as u64;
+        Ok(codec)
+    }
+
+    /// The reasoning, a line per dtype: each candidate's ratio, decode rate and effective
+    /// rate on the sample, and what the tensors got.
+    pub fn report(&self) -> Vec<String> {
+        let mut lines = vec![format!(
+            "--codec auto for a disk of {:.2} GB/s and {} decode worker{}: effective = min(disk / ratio, workers x decode rate)",
+            self.disk_gbps,
+            self.workers,
+            if self.workers == 1 { "" } else { "s" }
+        )];
+        for (dtype, rates) in &self.rates {
+            let cands: Vec<String> = rates
+                .iter()
+                .map(|r| {
+                    format!(
+                        "{} {:.3}/{:.2}->{:.2}",
+                        r.codec,
+                        r.ratio,
+                        r.decode_gbps,
+                        effective(self.disk_gbps, self.workers, r.ratio, r.decode_gbps)
+                    )
+                })
+                .collect();
+            let got: Vec<String> = self.chosen.get(dtype).map_or(Vec::new(), |m| {
+                m.iter()
+                    .map(|(c, (n, b))| {
+                        format!(
+                            "{c} for {n} tensor{} ({})",
+                            if *n == 1 { "" } else { "s" },
+                            crate::util::fmt_bytes(*b)
+                        )
+                    })
+                    .collect()
+            });
+            lines.push(format!(
+                "  {}: ratio/GB/s->effective: {}; chose {}",
+                dtype.name(),
+                cands.join(", "),
+                if got.is_empty() {
+                    "nothing".to_string()
+                } else {
+                    got.join(", ")
+                }
+            ));
+        }
+        lines
+    }
+
+    /// The codec that got the most raw bytes (the manifest's summary codec).
+    pub fn main_codec(&self) -> Codec {
+        let mut total: BTreeMap<String, u64> = BTreeMap::new();
+        for m in self.chosen.values() {
+            for (c, (_, b)) in m {
+                *total.entry(c.clone()).or_default() += b;
+            }
+        }
+        total
+            .into_iter()
+            .max_by_key(|(_, b)| *b)
+            .and_then(|(c, _)| c.parse().ok())
+            .unwrap_or(Codec::None)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rate(codec: Codec, ratio: f64, decode_gbps: f64) -> Rate {
+        Rate {
+            codec,
+            ratio,
+            decode_gbps,
+        }
+    }
+
+    #[test]
+    fn the_choice_follows_the_bound_and_is_the_same_for_the_same_rates() {
+        let bf16 = [
+            rate(Codec::None, 1.0, 20.0),
+            rate(Codec::Lz4, 0.84, 2.7),
+            rate(Codec::Zstd { level: 1 }, 0.687, 1.5),
+            rate(Codec::Float, 0.665, 2.6),
+        ];
+        // A slow disk: the smallest ratio, whatever its speed, as long as the workers keep
+        // up (0.5 / 0.665 = 0.75 < 2.6).
+        assert_eq!(choose(0.5, 1, &bf16), Codec::Float);
+        // 2 GB/s, one worker: none 2.0, lz4 2.38, zstd 1.5, float 2.6.
+        assert_eq!(choose(2.0, 1, &bf16), Codec::Float);
+        // 7 GB/s and one worker: the disk outruns every decoder: none.
+        assert_eq!(choose(7.0, 1, &bf16), Codec::None);
+        // 7 GB/s and 8 workers: float delivers 10.5, none 7.
+        assert_eq!(choose(7.0, 8, &bf16), Codec::Float);
+        // 14 GB/s and 4 workers: lz4 10.8 against float 10.4 and none 14: none.
+        assert_eq!(choose(14.0, 4, &bf16), Codec::None);
+        // Within 2 % the smaller ratio wins.
+        let close = [rate(Codec::None, 1.0, 100.0), rate(Codec::Lz4, 0.8, 1.98)];
+        assert_eq!(choose(2.0, 1, &close), Codec::Lz4);
+        // Deterministic: the same inputs, the same answer, in any order.
+        let mut rev = bf16;
+        rev.reverse();
+        for disk in [0.1, 0.5, 1.0, 2.0, 3.0, 5.0, 7.0, 14.0] {
+            for w in [1, 2, 4, 8, 16] {
+                assert_eq!(choose(disk, w, &bf16), choose(disk, w, &rev), "{disk} {w}");
+            }
+        }
+        // Quantized weights that no codec shrinks: none.
+        let q = [
+            rate(Codec::None, 1.0, 20.0),
+            rate(Codec::Lz4, 1.0, 9.0),
+            rate(Codec::Zstd { level: 1 }, 1.0, 8.0),
+            rate(Codec::Float, 1.0, 20.0),
+        ];
+        assert_eq!(choose(2.0, 1, &q), Codec::None);
+    }
+}
