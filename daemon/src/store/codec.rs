@@ -303,8 +303,9 @@ fn compress_into(
 /// at the frame size and reused for every frame.
 pub struct FrameDecoder {
     scratch: Vec<u8>,
-    /// The float codec's decoded planes.
+    /// The float codec's decoded planes, and each plane's last decoding tables.
     float_planes: [Vec<u8>; 4],
+    float_cache: [fpsplit::PlaneCache; 4],
     zstd: zstd::bulk::Decompressor<'static>,
 }
 
@@ -315,6 +316,7 @@ impl FrameDecoder {
             float_planes: std::array::from_fn(|i| {
                 Vec::with_capacity(if i == 0 { frame_size_max / 2 + 4 } else { 0 })
             }),
+            float_cache: Default::default(),
             zstd: zstd::bulk::Decompressor::new()?,
         })
     }
@@ -457,8 +459,13 @@ impl FrameDecoder {
         for (i, p) in planes.iter().enumerate() {
             let bytes = &stored[at..at + p.stored_len as usize];
             if p.compressed {
-                fpsplit::decode_plane(bytes, n, &mut self.float_planes[i])
-                    .map_err(FrameFault::Decompress)?;
+                fpsplit::decode_plane(
+                    bytes,
+                    n,
+                    &mut self.float_planes[i],
+                    &mut self.float_cache[i],
+                )
+                .map_err(FrameFault::Decompress)?;
             } else if bytes.len() != n {
                 return Err(FrameFault::Length {
                     expected: n as u64,

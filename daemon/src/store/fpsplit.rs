@@ -103,6 +103,29 @@ pub fn split(layout: Layout, raw: &[u8], planes: &mut [Vec<u8>; 4]) {
 
 /// The elements of `layout` from their planes (as `split` makes them) into `dst`.
 pub fn join(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
+    join_as(layout, planes, dst, Simd::Detect)
+}
+
+/// `join`, choosing the code path.
+pub fn join_as(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8], simd: Simd) {
+    #[cfg(target_arch = "x86_64")]
+    if simd == Simd::Detect && std::is_x86_feature_detected!("avx2") {
+        // SAFETY: the CPU has AVX2 (checked just above).
+        unsafe { join_avx2(layout, planes, dst) };
+        return;
+    }
+    join_any(layout, planes, dst);
+}
+
+/// `join` compiled for AVX2 (32-byte vectors where the portable build has 16).
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn join_avx2(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
+    join_any(layout, planes, dst);
+}
+
+#[inline(always)]
+fn join_any(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
     let [e, r0, r1, r2] = planes;
     match layout {
         Layout::Bf16 => {
@@ -348,7 +371,50 @@ pub fn plane_layout(coded: &[u8]) -> Result<Layout, String> {
 
 /// Decodes one coded plane of `n` symbols (`encode_plane`'s bytes) into `out[..n]` (`out`
 /// is resized to `n` and 4 bytes more). The error says what in the bytes is wrong.
-pub fn decode_plane(coded: &[u8], n: usize, out: &mut Vec<u8>) -> Result<(), String> {
+pub fn decode_plane(
+    coded: &[u8],
+    n: usize,
+    out: &mut Vec<u8>,
+    cache: &mut PlaneCache,
+) -> Result<(), String> {
+    decode_plane_as(coded, n, out, cache, Simd::Detect)
+}
+
+/// The decoding tables of the last code a plane decoder saw: the frames of a tensor often
+/// share one code, and building the tables costs as much as a few thousand symbols.
+pub struct PlaneCache {
+    lens: [u8; 256],
+    /// Built with the multi-symbol part too.
+    multi: bool,
+    tables: Option<Box<Tables>>,
+}
+
+impl Default for PlaneCache {
+    fn default() -> Self {
+        PlaneCache {
+            lens: [0; 256],
+            multi: false,
+            tables: None,
+        }
+    }
+}
+
+/// Whether the decoder may use the CPU's extensions (BMI2, AVX2) where it has them, or
+/// must run the portable code (the tests check that both agree).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Simd {
+    Detect,
+    Portable,
+}
+
+/// `decode_plane`, choosing the code path.
+pub fn decode_plane_as(
+    coded: &[u8],
+    n: usize,
+    out: &mut Vec<u8>,
+    cache: &mut PlaneCache,
+    simd: Simd,
+) -> Result<(), String> {
     let bad = |what: &str| format!("float codec: {what}");
     plane_layout(coded)?;
     let body = &coded[1..];
@@ -387,11 +453,28 @@ pub fn decode_plane(coded: &[u8], n: usize, out: &mut Vec<u8>) -> Result<(), Str
         return Err(bad("the code lengths are not a complete prefix code"));
     }
     let multi = n >= MULTI_MIN;
-    let table = if multi {
-        tables(&lens)
-    } else {
-        single_table(&lens)
-    };
+    let fresh = cache.tables.is_none() || cache.lens != lens || (multi && !cache.multi);
+    let table = cache.tables.get_or_insert_with(|| {
+        Box::new(Tables {
+            single: [0; TABLE],
+            multi: [0; TABLE],
+            mask: 0,
+        })
+    });
+    if fresh {
+        let width = if multi {
+            MAX_LEN
+        } else {
+            lens.iter().copied().max().unwrap_or(1) as u32
+        };
+        fill_single(table, &lens, width);
+        if multi {
+            fill_multi(table);
+        }
+        cache.lens = lens;
+        cache.multi = multi;
+    }
+    let table = &**table;
     let at = 2 + 2 * used;
     let sizes = body
         .get(at..at + 4 * (STREAMS - 1))
@@ -433,7 +516,13 @@ pub fn decode_plane(coded: &[u8], n: usize, out: &mut Vec<u8>) -> Result<(), Str
     let ends = [first(1), first(2), first(3), n];
     out.clear();
     out.resize(n + 4, 0);
-    symbols(streams, &table, multi, r, at, ends, out);
+    let s = Streams {
+        buf: streams,
+        r,
+        at,
+        ends,
+    };
+    symbols(s, table, multi, out, simd);
     Ok(())
 }
 
@@ -444,6 +533,9 @@ pub fn decode_plane(coded: &[u8], n: usize, out: &mut Vec<u8>) -> Result<(), Str
 struct Tables {
     single: [u16; TABLE],
     multi: [u64; TABLE],
+    /// `single` is filled for windows of this mask's bits (the code's longest length, or
+    /// all 11 with `multi`): a short plane's few symbols need a small table.
+    mask: usize,
 }
 
 /// Symbols of one `multi` entry at most.
@@ -453,27 +545,25 @@ const MULTI_SYMBOLS: u32 = 5;
 /// multi-symbol table costs more than it saves there.
 const MULTI_MIN: usize = 1 << 14;
 
-/// Only the single-symbol table (`multi` left zero: no window is looked up there).
-fn single_table(lens: &[u8; 256]) -> Tables {
-    let mut t = Tables {
-        single: [0; TABLE],
-        multi: [0; TABLE],
-    };
+/// The single-symbol table of `lens` into `t` for windows of `width` bits, at least the
+/// longest code (its `multi` untouched).
+fn fill_single(t: &mut Tables, lens: &[u8; 256], width: u32) {
+    let size = 1usize << width.min(MAX_LEN);
+    t.mask = size - 1;
     for (s, &(code, len)) in canonical(lens).iter().enumerate() {
         if len == 0 {
             continue;
         }
         let mut i = code as usize;
-        while i < TABLE {
+        while i < size {
             t.single[i] = (len as u16) << 8 | s as u16;
             i += 1 << len;
         }
     }
-    t
 }
 
-fn tables(lens: &[u8; 256]) -> Tables {
-    let mut t = single_table(lens);
+/// The multi-symbol table from `t.single`.
+fn fill_multi(t: &mut Tables) {
     for w in 0..TABLE {
         let (mut word, mut used, mut count) = (0u64, 0u32, 0u32);
         while count < MULTI_SYMBOLS {
@@ -489,23 +579,48 @@ fn tables(lens: &[u8; 256]) -> Tables {
         }
         t.multi[w] = word | (count as u64) << 40 | (used as u64) << 48;
     }
-    t
 }
 
 /// Stream s's symbols into `out[at[s]..ends[s]]`: four table lookups a stream between
 /// refills (4 x 11 <= 56 bits), each up to five symbols, written as one 8-byte word (the
 /// bytes past its symbols land on the stream's next ones, written over later); the four
-/// streams in turn while each has room for a round of lookups and a word; then each
-/// tail, a symbol at a time.
-fn symbols(
-    streams: &[u8],
-    t: &Tables,
-    multi: bool,
+/// streams in turn while each has room for a round of lookups and a word (planes of
+/// `MULTI_MIN` symbols or more); then a symbol a lookup, the streams in turn as far as
+/// all go, and each one's tail.
+fn symbols(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8], simd: Simd) {
+    #[cfg(target_arch = "x86_64")]
+    if simd == Simd::Detect && std::is_x86_feature_detected!("bmi2") {
+        // SAFETY: the CPU has BMI2 (checked just above).
+        unsafe { symbols_bmi2(s, t, multi, out) };
+        return;
+    }
+    symbols_any(s, t, multi, out);
+}
+
+/// A plane's four streams: their bytes, readers, and each one's next and end element.
+struct Streams<'a> {
+    buf: &'a [u8],
     r: [Reader; STREAMS],
-    mut at: [usize; STREAMS],
+    at: [usize; STREAMS],
     ends: [usize; STREAMS],
-    out: &mut [u8],
-) {
+}
+
+/// `symbols` where the CPU has BMI2: its shifts by a register amount (SHRX) leave CL
+/// alone, which the bit readers' shifts otherwise queue on.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "bmi2")]
+unsafe fn symbols_bmi2(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
+    symbols_any(s, t, multi, out);
+}
+
+#[inline(always)]
+fn symbols_any(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
+    let Streams {
+        buf: streams,
+        r,
+        mut at,
+        ends,
+    } = s;
     let [mut r0, mut r1, mut r2, mut r3] = r;
     // A round writes at most 4 x 5 symbols a stream, and a word 8 bytes from its start.
     const ROUND: usize = 4 * MULTI_SYMBOLS as usize;
@@ -545,14 +660,39 @@ fn symbols(
             }
         }
     }
+    // A symbol a lookup: the four streams in turn, four symbols each between refills, as
+    // far as every stream goes; then each one's tail.
+    let one = |rd: &mut Reader| -> u8 {
+        let e = t.single[(rd.bits as usize) & t.mask];
+        let len = (e >> 8) as u32;
+        rd.bits >>= len;
+        rd.n -= len;
+        e as u8
+    };
+    let common = (0..STREAMS).map(|s| ends[s] - at[s]).min().unwrap_or(0) / 4 * 4;
+    {
+        let (mut o0, mut o1, mut o2, mut o3) = (at[0], at[1], at[2], at[3]);
+        for _ in 0..common / 4 {
+            r0.refill(streams);
+            r1.refill(streams);
+            r2.refill(streams);
+            r3.refill(streams);
+            for _ in 0..4 {
+                let (e0, e1, e2, e3) = (one(&mut r0), one(&mut r1), one(&mut r2), one(&mut r3));
+                out[o0] = e0;
+                out[o1] = e1;
+                out[o2] = e2;
+                out[o3] = e3;
+                (o0, o1, o2, o3) = (o0 + 1, o1 + 1, o2 + 1, o3 + 1);
+            }
+        }
+    }
     for (s, mut rd) in [r0, r1, r2, r3].into_iter().enumerate() {
-        for o in &mut out[at[s]..ends[s]] {
-            rd.refill(streams);
-            let e = t.single[(rd.bits as usize) & (TABLE - 1)];
-            let len = (e >> 8) as u32;
-            rd.bits >>= len;
-            rd.n -= len;
-            *o = e as u8;
+        for o in &mut out[at[s] + common..ends[s]] {
+            if rd.n < MAX_LEN {
+                rd.refill(streams);
+            }
+            *o = one(&mut rd);
         }
     }
 }
@@ -573,8 +713,16 @@ mod tests {
             let mut coded = Vec::new();
             encode_plane(layout, &planes[i], &mut coded);
             assert_eq!(plane_layout(&coded), Ok(layout));
-            decode_plane(&coded, n, &mut back[i]).expect("decodes");
+            decode_plane(&coded, n, &mut back[i], &mut PlaneCache::default()).expect("decodes");
             assert_eq!(back[i][..n], planes[i][..], "{layout:?} plane {i}");
+            let mut portable = Vec::new();
+            let mut cache = PlaneCache::default();
+            decode_plane_as(&coded, n, &mut portable, &mut cache, Simd::Portable).expect("decodes");
+            assert_eq!(
+                portable[..n],
+                planes[i][..],
+                "{layout:?} plane {i}, portable"
+            );
             back[i].truncate(n);
             if i == 0 {
                 exp_bytes = coded.len();
@@ -583,6 +731,10 @@ mod tests {
         let mut out = vec![0u8; raw.len()];
         join(layout, [&back[0], &back[1], &back[2], &back[3]], &mut out);
         assert_eq!(out, raw, "{layout:?}, {} bytes", raw.len());
+        let mut portable = vec![0u8; raw.len()];
+        let planes = [&back[0][..], &back[1][..], &back[2][..], &back[3][..]];
+        join_as(layout, planes, &mut portable, Simd::Portable);
+        assert_eq!(portable, raw, "{layout:?}, {} bytes, portable", raw.len());
         exp_bytes
     }
 
@@ -693,6 +845,33 @@ mod tests {
     }
 
     #[test]
+    fn one_cache_serves_planes_of_different_codes_and_lengths() {
+        // Frames of one decoder come with their own codes: the cached tables are used only
+        // for the same code, and rebuilt with the multi-symbol part when a long plane
+        // follows a short one of the same code.
+        let mut cache = PlaneCache::default();
+        let mut out = Vec::new();
+        let long = gaussian_bf16(MULTI_MIN * 2, 5);
+        let mut planes: [Vec<u8>; 4] = Default::default();
+        split(Layout::Bf16, &long, &mut planes);
+        let short = planes[0][..1000].to_vec();
+        let other: Vec<u8> = planes[1].clone();
+        // One code for both lengths: four symbols in turn, a 2-bit code each.
+        let cycle = |n: usize| -> Vec<u8> { (0..n).map(|i| 120 + (i % 4) as u8).collect() };
+        let (few, many) = (cycle(1000), cycle(MULTI_MIN + 100));
+        let mut cases = Vec::new();
+        for p in [&short, &planes[0], &other, &few, &many, &short, &planes[0]] {
+            let mut coded = Vec::new();
+            encode_plane(Layout::Bf16, p, &mut coded);
+            cases.push((p.clone(), coded));
+        }
+        for (p, coded) in cases.iter().chain(cases.iter().rev()) {
+            decode_plane(coded, p.len(), &mut out, &mut cache).expect("decodes");
+            assert_eq!(&out[..p.len()], &p[..]);
+        }
+    }
+
+    #[test]
     fn damaged_planes_decode_in_bounds_or_fail() {
         // Both decoders: a symbol a lookup (short planes) and several (long ones).
         for n in [3000, MULTI_MIN + 3001] {
@@ -706,7 +885,7 @@ mod tests {
         split(Layout::Bf16, &raw, &mut planes);
         encode_plane(Layout::Bf16, &planes[0], &mut coded);
         let mut x = 0x1234_5678u64;
-        let mut out = Vec::new();
+        let (mut out, mut cache) = (Vec::new(), PlaneCache::default());
         for round in 0..1500 {
             x ^= x << 13;
             x ^= x >> 7;
@@ -726,7 +905,7 @@ mod tests {
                 }),
             }
             // Wrong bytes or an error, never a panic or a read past a buffer.
-            if decode_plane(&bad, n, &mut out).is_ok() {
+            if decode_plane(&bad, n, &mut out, &mut cache).is_ok() {
                 assert_eq!(out.len(), n + 4);
             }
         }
