@@ -173,9 +173,14 @@ impl FrameEncoder {
             fpsplit::split(l, raw, &mut self.float_planes);
             self.out.clear();
             let mut planes = Vec::with_capacity(4);
-            for (i, p) in self.float_planes[..1 + l.rest_width()].iter().enumerate() {
+            let mut exps_pay = true;
+            for (i, p) in self.float_planes[..l.planes()].iter().enumerate() {
                 fpsplit::encode_plane(l, p, &mut self.coded);
-                let coded = i == 0 || worth_keeping(self.coded.len(), p.len());
+                let pays = worth_keeping(self.coded.len(), p.len());
+                // The exponent plane is always coded (it names the layout): where that
+                // does not pay, neither does the codec.
+                exps_pay &= i != 0 || pays;
+                let coded = i == 0 || pays;
                 let bytes: &[u8] = if coded { &self.coded } else { p };
                 self.out.extend_from_slice(bytes);
                 planes.push(Plane {
@@ -183,7 +188,7 @@ impl FrameEncoder {
                     compressed: coded,
                 });
             }
-            if worth_keeping(self.out.len(), raw.len()) {
+            if exps_pay && worth_keeping(self.out.len(), raw.len()) {
                 return Encoded {
                     codec: Codec::Float,
                     planes,
@@ -445,8 +450,8 @@ impl FrameDecoder {
         }
         let layout = fpsplit::plane_layout(&stored[..first.stored_len as usize])
             .map_err(FrameFault::Decompress)?;
-        let (w, rw) = (layout.width(), layout.rest_width());
-        if planes.len() != 1 + rw || !dst.len().is_multiple_of(w) {
+        let w = layout.width();
+        if planes.len() != layout.planes() || !dst.len().is_multiple_of(w) {
             return Err(bad(format!(
                 "{} planes for a frame of {} bytes of {layout:?}",
                 planes.len(),
@@ -458,17 +463,18 @@ impl FrameDecoder {
         let mut raw: [Option<(usize, usize)>; 4] = [None; 4];
         for (i, p) in planes.iter().enumerate() {
             let bytes = &stored[at..at + p.stored_len as usize];
+            let m = layout.plane_len(i, n);
             if p.compressed {
                 fpsplit::decode_plane(
                     bytes,
-                    n,
+                    m,
                     &mut self.float_planes[i],
                     &mut self.float_cache[i],
                 )
                 .map_err(FrameFault::Decompress)?;
-            } else if bytes.len() != n {
+            } else if bytes.len() != m {
                 return Err(FrameFault::Length {
-                    expected: n as u64,
+                    expected: m as u64,
                     found: bytes.len() as u64,
                 });
             } else {
@@ -481,7 +487,7 @@ impl FrameDecoder {
         let plane = |i: usize| -> &[u8] {
             match raw[i] {
                 Some((o, len)) => &stored[o..o + len],
-                None if i < planes.len() => &decoded[i][..n],
+                None if i < planes.len() => &decoded[i][..layout.plane_len(i, n)],
                 None => &[],
             }
         };

@@ -556,16 +556,39 @@ impl Manifest {
                     return Err(at(format!("raw length {} out of range", f.raw_len)));
                 }
                 let w = f.planes.len();
-                if !matches!(w, 1 | 2 | 4) || !(f.raw_len as usize).is_multiple_of(w) {
+                // Byte-split planes: 1, 2 or 4 equal ones; the float codec: 2 to 4 of its
+                // own sizes (its decoder checks them against the layout its bytes name).
+                let split_ok = matches!(w, 1 | 2 | 4) && (f.raw_len as usize).is_multiple_of(w);
+                let float_ok = f.codec == Codec::Float
+                    && (2..=4).contains(&w)
+                    && (f.raw_len as usize).is_multiple_of(2);
+                if !split_ok && !float_ok {
                     return Err(at(format!("{w} planes for {} raw bytes", f.raw_len)));
                 }
                 if f.codec == Codec::None && f.planes.iter().any(|p| p.compressed) {
                     return Err(at("compressed plane in a raw frame".into()));
                 }
-                for p in &f.planes {
+                // The float codec's layout, by its plane count (its planes' own sizes).
+                let float = (f.codec == Codec::Float).then_some(match w {
+                    2 => super::fpsplit::Layout::Bf16,
+                    3 => super::fpsplit::Layout::F16,
+                    _ => super::fpsplit::Layout::F32,
+                });
+                if let Some(l) = float {
+                    if !(f.raw_len as usize).is_multiple_of(l.width()) {
+                        return Err(at(format!(
+                            "{w} float-codec planes for {} raw bytes",
+                            f.raw_len
+                        )));
+                    }
+                }
+                for (i, p) in f.planes.iter().enumerate() {
                     // A raw plane is exactly its raw bytes; a compressed one is non-empty and
                     // (by the 3 % rule) smaller than them.
-                    let plane_raw = f.raw_len / w as u32;
+                    let plane_raw = match float {
+                        Some(l) => l.plane_len(i, f.raw_len as usize / l.width()) as u32,
+                        None => f.raw_len / w as u32,
+                    };
                     let ok = if p.compressed {
                         p.stored_len > 0 && p.stored_len < plane_raw
                     } else {

@@ -1,6 +1,7 @@
-//! The `float` codec: a float frame split into its exponents and the rest, the exponents
-//! entropy-coded with a length-limited canonical Huffman code in four interleaved
-//! streams, the rest (sign and mantissa, nearly random in trained weights) kept raw.
+//! The `float` codec: a float frame split into byte planes, its exponents in one, the
+//! planes entropy-coded with a length-limited canonical Huffman code in four interleaved
+//! streams where that pays, the rest (sign and mantissa, nearly random in trained
+//! weights) kept raw otherwise.
 //!
 //! Why: a bf16 weight's 8 exponent bits carry about 2.6 bits of information and its sign
 //! and mantissa nearly 8. zstd and lz4 spend their time looking for matches that are not
@@ -10,13 +11,14 @@
 //! lookup per element, four streams at a time so their lookups overlap, the element put
 //! back together as it is written.
 //!
-//! Layouts (the element's bits → exponent symbol, rest):
-//! - bf16: exponent = bits 7..15 (8 bits), rest = sign << 7 | mantissa (7 bits): 1 byte.
-//! - f16: the high byte (sign, 5 exponent bits, 2 mantissa bits) and the low byte (its
-//!   exponent has 5 bits: a byte split keeps it whole).
-//! - f32: exponent = bits 23..31, rest = sign << 23 | mantissa (23 bits): 3 bytes.
+//! Layouts (the element's bits → planes; `Layout::plane_len`):
+//! - bf16: exponent = bits 7..15 (8 bits); sign << 7 | mantissa (7 bits).
+//! - f16: sign << 5 | exponent (bits 10..16, 6 bits); the mantissa's low byte; its top
+//!   two bits, four elements a byte (element i at bits 2 (i % 4)).
+//! - f32: exponent = bits 23..31; then sign << 23 | mantissa (23 bits) as three planes,
+//!   low byte first.
 //!
-//! The exponent plane's stored bytes: a layout byte, a mode byte (0: Huffman; 1: every
+//! A coded plane's stored bytes: a layout byte, a mode byte (0: Huffman; 1: every
 //! element has one exponent, the next byte), then for Huffman the number of symbols used
 //! (u16), their (symbol, length) pairs, the byte lengths of the first three streams (u32
 //! each; the fourth runs to the end) and the streams. Stream s codes elements
@@ -64,14 +66,26 @@ impl Layout {
         }
     }
 
-    /// Bytes of one element's rest (sign and mantissa).
-    pub fn rest_width(self) -> usize {
-        self.width() - 1
+    /// Byte planes of a frame (the exponents' and the rest's).
+    pub fn planes(self) -> usize {
+        match self {
+            Layout::Bf16 => 2,
+            Layout::F16 => 3,
+            Layout::F32 => 4,
+        }
+    }
+
+    /// Bytes of plane `i` of a frame of `n` elements.
+    pub fn plane_len(self, i: usize, n: usize) -> usize {
+        match (self, i) {
+            (Layout::F16, 2) => n.div_ceil(4),
+            _ => n,
+        }
     }
 }
 
 /// Splits `raw` (whole elements of `layout`) into its byte planes: `planes[0]` the
-/// exponent symbols, `planes[1..=rest_width]` the rest's bytes, low byte first.
+/// exponent symbols, then the rest's (the module's layouts).
 pub fn split(layout: Layout, raw: &[u8], planes: &mut [Vec<u8>; 4]) {
     planes.iter_mut().for_each(Vec::clear);
     let [e, r0, r1, r2] = planes;
@@ -84,9 +98,15 @@ pub fn split(layout: Layout, raw: &[u8], planes: &mut [Vec<u8>; 4]) {
             }
         }
         Layout::F16 => {
-            for x in raw.chunks_exact(2) {
-                e.push(x[1]);
+            for (i, x) in raw.chunks_exact(2).enumerate() {
+                e.push(x[1] >> 2);
                 r0.push(x[0]);
+                if i % 4 == 0 {
+                    r1.push(0);
+                }
+                if let Some(top) = r1.last_mut() {
+                    *top |= (x[1] & 3) << (2 * (i % 4));
+                }
             }
         }
         Layout::F32 => {
@@ -148,9 +168,19 @@ fn join_any(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
             }
         }
         Layout::F16 => {
-            for ((o, &x), &r) in dst.chunks_exact_mut(2).zip(e).zip(r0) {
-                o[0] = r;
-                o[1] = x;
+            // Four elements a byte of the top mantissa bits.
+            let quads = dst.chunks_exact_mut(8).zip(e.chunks_exact(4));
+            for ((o, x), (r, &t)) in quads.zip(r0.chunks_exact(4).zip(r1)) {
+                for k in 0..4 {
+                    o[2 * k] = r[k];
+                    o[2 * k + 1] = (x[k] << 2) | ((t >> (2 * k)) & 3);
+                }
+            }
+            let done = dst.len() / 8 * 4;
+            for i in done..dst.len() / 2 {
+                let t = r1.get(i / 4).copied().unwrap_or(0);
+                dst[2 * i] = r0.get(i).copied().unwrap_or(0);
+                dst[2 * i + 1] = (e.get(i).copied().unwrap_or(0) << 2) | ((t >> (2 * (i % 4))) & 3);
             }
         }
         Layout::F32 => {
@@ -709,21 +739,23 @@ mod tests {
         let n = raw.len() / layout.width();
         let mut back: [Vec<u8>; 4] = Default::default();
         let mut exp_bytes = 0;
-        for i in 0..=layout.rest_width() {
+        for i in 0..layout.planes() {
+            let m = layout.plane_len(i, n);
+            assert_eq!(planes[i].len(), m, "{layout:?} plane {i}");
             let mut coded = Vec::new();
             encode_plane(layout, &planes[i], &mut coded);
             assert_eq!(plane_layout(&coded), Ok(layout));
-            decode_plane(&coded, n, &mut back[i], &mut PlaneCache::default()).expect("decodes");
-            assert_eq!(back[i][..n], planes[i][..], "{layout:?} plane {i}");
+            decode_plane(&coded, m, &mut back[i], &mut PlaneCache::default()).expect("decodes");
+            assert_eq!(back[i][..m], planes[i][..], "{layout:?} plane {i}");
             let mut portable = Vec::new();
             let mut cache = PlaneCache::default();
-            decode_plane_as(&coded, n, &mut portable, &mut cache, Simd::Portable).expect("decodes");
+            decode_plane_as(&coded, m, &mut portable, &mut cache, Simd::Portable).expect("decodes");
             assert_eq!(
-                portable[..n],
+                portable[..m],
                 planes[i][..],
                 "{layout:?} plane {i}, portable"
             );
-            back[i].truncate(n);
+            back[i].truncate(m);
             if i == 0 {
                 exp_bytes = coded.len();
             }
