@@ -10,7 +10,6 @@
 //! choice is always the same.
 
 use super::codec::{Codec, FrameDecoder, FrameEncoder};
-use super::writer::{PackSource, UnitSpec};
 use crate::dtype::DType;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -23,8 +22,9 @@ pub const CANDIDATES: [Codec; 4] = [
     Codec::Float,
 ];
 
-/// Bytes of each dtype's calibration sample at most.
-const SAMPLE_BYTES: usize = 8 << 20;
+/// Bytes of each dtype's calibration sample at most (the writer takes them from the
+/// first tensors of the dtype).
+pub const SAMPLE_BYTES: usize = 8 << 20;
 /// Decoding a sample repeats this long; the fastest pass counts.
 const DECODE_TIME: Duration = Duration::from_millis(60);
 /// Effective rates this close to the best count as a tie.
@@ -100,30 +100,16 @@ pub struct Auto {
 }
 
 impl Auto {
-    /// Measures every dtype of `units` on the first `SAMPLE_BYTES` of its tensors.
+    /// Measures every dtype on its sample (`samples`: up to `SAMPLE_BYTES` of the first
+    /// tensors of each dtype).
     pub fn calibrate(
-        model: &impl PackSource,
-        units: &[UnitSpec],
+        samples: &BTreeMap<DType, Vec<u8>>,
         frame_size: u32,
         disk_gbps: f64,
         workers: usize,
     ) -> std::io::Result<Auto> {
-        let mut samples: BTreeMap<DType, Vec<u8>> = BTreeMap::new();
-        for name in units.iter().flat_map(|u| &u.tensors) {
-            let Some(t) = model.tensor(name) else {
-                continue;
-            };
-            let s = samples.entry(t.dtype).or_default();
-            if s.len() >= SAMPLE_BYTES || t.len == 0 {
-                continue;
-            }
-            let mut bytes = vec![0u8; t.len as usize];
-            model.copy_tensor(name, &mut bytes);
-            let take = bytes.len().min(SAMPLE_BYTES - s.len());
-            s.extend_from_slice(&bytes[..take]);
-        }
         let mut rates = BTreeMap::new();
-        for (dtype, s) in &samples {
+        for (dtype, s) in samples {
             rates.insert(*dtype, measure(s, *dtype, frame_size as usize)?);
         }
         let encoders = CANDIDATES

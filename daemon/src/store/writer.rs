@@ -13,6 +13,7 @@ use super::format::{
 use super::format::{SpecialTokens, TokenizerSpec, UnitKind};
 use super::StoreError;
 use crate::dtype::DType;
+use std::collections::BTreeMap;
 use std::fs::File;
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -266,8 +267,13 @@ fn pack_into(
         .collect();
     let mut auto = match opts.auto {
         Some(a) => Some(
-            super::auto::Auto::calibrate(model, units, opts.frame_size, a.disk_gbps, a.workers)
-                .map_err(|e| StoreError::io("measure the codecs for", out, e))?,
+            super::auto::Auto::calibrate(
+                &auto_samples(model, units),
+                opts.frame_size,
+                a.disk_gbps,
+                a.workers,
+            )
+            .map_err(|e| StoreError::io("measure the codecs for", out, e))?,
         ),
         None => None,
     };
@@ -328,6 +334,27 @@ fn pack_into(
     partial.commit(out)?;
     report.auto = auto.map_or(Vec::new(), |a| a.report());
     Ok(report)
+}
+
+/// `--codec auto`'s calibration samples: per dtype, up to `auto::SAMPLE_BYTES` of its
+/// first tensors.
+fn auto_samples(model: &impl PackSource, units: &[UnitSpec]) -> BTreeMap<DType, Vec<u8>> {
+    let max = super::auto::SAMPLE_BYTES;
+    let mut samples: BTreeMap<DType, Vec<u8>> = BTreeMap::new();
+    for name in units.iter().flat_map(|u| &u.tensors) {
+        let Some(t) = model.tensor(name) else {
+            continue;
+        };
+        let s = samples.entry(t.dtype).or_default();
+        if s.len() >= max || t.len == 0 {
+            continue;
+        }
+        let mut bytes = vec![0u8; t.len as usize];
+        model.copy_tensor(name, &mut bytes);
+        let take = bytes.len().min(max - s.len());
+        s.extend_from_slice(&bytes[..take]);
+    }
+    samples
 }
 
 fn check_frame_size(out: &Path, frame_size: u32) -> Result<(), StoreError> {
