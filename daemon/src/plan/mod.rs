@@ -950,7 +950,8 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     // loader's threads (as many, gone before the streaming engine starts): a frame's
     // stored bytes and a decoder each.
     let frame = u64::from(m.frame_raw_len_max()) + frame_stored_max + 2 * 4096;
-    let scratch = round(h.workers.max(1) as u64 * frame);
+    let scratch =
+        round(h.workers.max(1) as u64 * (frame + crate::store::codec::FrameDecoder::EXTRA_BYTES));
     let host_fixed = h.overhead + reads + scratch;
 
     // The bytes the disk should have queued: the read buffers, or for reads that land in

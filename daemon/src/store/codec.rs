@@ -308,19 +308,23 @@ fn compress_into(
 /// at the frame size and reused for every frame.
 pub struct FrameDecoder {
     scratch: Vec<u8>,
-    /// The float codec's decoded planes, and each plane's last decoding tables.
-    float_planes: [Vec<u8>; 4],
+    /// The float codec's planes' last decoding tables (made at the first float frame).
     float_cache: [fpsplit::PlaneCache; 4],
     zstd: zstd::bulk::Decompressor<'static>,
 }
 
+/// Bytes a decoder's scratch has past the frame: the float codec decodes each coded plane
+/// with 8 bytes of room after it.
+const SCRATCH_PAD: usize = 64;
+
 impl FrameDecoder {
+    /// Host bytes one decoder holds beyond its frame-sized scratch, at most: the pad and
+    /// the float codec's tables (the memory plan counts them per worker).
+    pub const EXTRA_BYTES: u64 = (SCRATCH_PAD + 4 * fpsplit::TABLES_BYTES) as u64;
+
     pub fn new(frame_size_max: usize) -> std::io::Result<Self> {
         Ok(FrameDecoder {
-            scratch: vec![0; frame_size_max],
-            float_planes: std::array::from_fn(|i| {
-                Vec::with_capacity(if i == 0 { frame_size_max / 2 + 4 } else { 0 })
-            }),
+            scratch: vec![0; frame_size_max + SCRATCH_PAD],
             float_cache: Default::default(),
             zstd: zstd::bulk::Decompressor::new()?,
         })
@@ -459,38 +463,39 @@ impl FrameDecoder {
             )));
         }
         let n = dst.len() / w;
+        // Coded planes decode into the scratch, each with 8 bytes of room after it (an
+        // f16 frame whose three planes are all coded needs more than a frame: the scratch
+        // grows once then).
+        let need: usize = (0..planes.len())
+            .filter(|&i| planes[i].compressed)
+            .map(|i| layout.plane_len(i, n) + 8)
+            .sum();
+        if self.scratch.len() < need {
+            self.scratch.resize(need, 0);
+        }
+        let mut free: &mut [u8] = &mut self.scratch;
+        let mut decoded: [&[u8]; 4] = [&[]; 4];
         let mut at = 0usize;
-        let mut raw: [Option<(usize, usize)>; 4] = [None; 4];
         for (i, p) in planes.iter().enumerate() {
             let bytes = &stored[at..at + p.stored_len as usize];
             let m = layout.plane_len(i, n);
             if p.compressed {
-                fpsplit::decode_plane(
-                    bytes,
-                    m,
-                    &mut self.float_planes[i],
-                    &mut self.float_cache[i],
-                )
-                .map_err(FrameFault::Decompress)?;
+                let (mine, rest) = std::mem::take(&mut free).split_at_mut(m + 8);
+                fpsplit::decode_plane(bytes, m, mine, &mut self.float_cache[i])
+                    .map_err(FrameFault::Decompress)?;
+                decoded[i] = &mine[..m];
+                free = rest;
             } else if bytes.len() != m {
                 return Err(FrameFault::Length {
                     expected: m as u64,
                     found: bytes.len() as u64,
                 });
             } else {
-                raw[i] = Some((at, bytes.len()));
+                decoded[i] = bytes;
             }
             at += p.stored_len as usize;
         }
-        let [a, b, c, d] = &self.float_planes;
-        let decoded = [a, b, c, d];
-        let plane = |i: usize| -> &[u8] {
-            match raw[i] {
-                Some((o, len)) => &stored[o..o + len],
-                None if i < planes.len() => &decoded[i][..layout.plane_len(i, n)],
-                None => &[],
-            }
-        };
+        let plane = |i: usize| -> &[u8] { decoded[i] };
         fpsplit::join(layout, [plane(0), plane(1), plane(2), plane(3)], dst);
         Ok(())
     }
