@@ -56,37 +56,66 @@ pub fn choose(disk_gbps: f64, workers: usize, rates: &[Rate]) -> Codec {
         .map_or(Codec::None, |r| r.codec)
 }
 
+/// One codec on some frames (raw bytes of `dtype`, each at most `frame_size`): stored over
+/// raw, and one core's compress and decompress GB/s (decompressed bytes). Decoding repeats
+/// for `decode_time` and the fastest pass counts (a busy machine only ever slows a pass);
+/// every frame is checked against its checksum each time.
+pub fn measure_codec(
+    codec: Codec,
+    frames: &[&[u8]],
+    dtype: DType,
+    frame_size: usize,
+    decode_time: Duration,
+) -> std::io::Result<(f64, f64, f64)> {
+    let mut enc = FrameEncoder::new(codec)?;
+    let mut coded = Vec::with_capacity(frames.len());
+    let t = Instant::now();
+    for raw in frames {
+        let e = enc.encode(raw, dtype)?;
+        coded.push((e.codec, e.planes, e.bytes.to_vec()));
+    }
+    let compress = t.elapsed().as_secs_f64();
+    let sums: Vec<u64> = frames
+        .iter()
+        .map(|r| xxhash_rust::xxh3::xxh3_64(r))
+        .collect();
+    let mut dec = FrameDecoder::new(frame_size)?;
+    let mut dst = vec![0u8; frame_size];
+    let (mut best, t) = (f64::INFINITY, Instant::now());
+    while best.is_infinite() || t.elapsed() < decode_time {
+        let p = Instant::now();
+        for ((c, planes, bytes), (raw, &sum)) in coded.iter().zip(frames.iter().zip(&sums)) {
+            dec.decode(*c, planes, sum, bytes, &mut dst[..raw.len()])
+                .map_err(|e| std::io::Error::other(format!("{codec} on {}: {e}", dtype.name())))?;
+        }
+        best = best.min(p.elapsed().as_secs_f64());
+    }
+    let raw: usize = frames.iter().map(|r| r.len()).sum();
+    let stored: usize = coded.iter().map(|c| c.2.len()).sum();
+    let raw = raw as f64;
+    Ok((
+        stored as f64 / raw.max(1.0),
+        raw / compress.max(1e-9) / 1e9,
+        raw / best.max(1e-9) / 1e9,
+    ))
+}
+
 /// Ratio and decode rate of each candidate on `sample` (elements of `dtype`), cut into
 /// frames of `frame_size` as `pack` cuts them.
 pub fn measure(sample: &[u8], dtype: DType, frame_size: usize) -> std::io::Result<Vec<Rate>> {
-    let mut out = Vec::with_capacity(CANDIDATES.len());
-    let mut dec = FrameDecoder::new(frame_size)?;
-    let mut dst = vec![0u8; frame_size];
-    for codec in CANDIDATES {
-        let mut enc = FrameEncoder::new(codec)?;
-        let mut frames = Vec::new();
-        for raw in sample.chunks(frame_size) {
-            let e = enc.encode(raw, dtype)?;
-            let sum = xxhash_rust::xxh3::xxh3_64(raw);
-            frames.push((e.codec, e.planes, e.bytes.to_vec(), raw.len(), sum));
-        }
-        let stored: usize = frames.iter().map(|f| f.2.len()).sum();
-        let (mut best, t) = (f64::INFINITY, Instant::now());
-        while best.is_infinite() || t.elapsed() < DECODE_TIME {
-            let p = Instant::now();
-            for (c, planes, bytes, n, sum) in &frames {
-                dec.decode(*c, planes, *sum, bytes, &mut dst[..*n])
-                    .map_err(|e| std::io::Error::other(format!("{codec}: {e}")))?;
-            }
-            best = best.min(p.elapsed().as_secs_f64());
-        }
-        out.push(Rate {
-            codec,
-            ratio: stored as f64 / sample.len().max(1) as f64,
-            decode_gbps: sample.len() as f64 / best.max(1e-9) / 1e9,
-        });
-    }
-    Ok(out)
+    let frames: Vec<&[u8]> = sample.chunks(frame_size).collect();
+    CANDIDATES
+        .iter()
+        .map(|&codec| {
+            let (ratio, _, decode_gbps) =
+                measure_codec(codec, &frames, dtype, frame_size, DECODE_TIME)?;
+            Ok(Rate {
+                codec,
+                ratio,
+                decode_gbps,
+            })
+        })
+        .collect()
 }
 
 /// The decisions of `--codec auto` for one pack: the disk and workers they are for, each

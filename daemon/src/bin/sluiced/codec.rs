@@ -5,11 +5,12 @@
 use serde::Serialize;
 use sluice::dtype::DType;
 use sluice::import::gguf;
-use sluice::store::codec::{Codec, FrameDecoder, FrameEncoder, Plane};
+use sluice::store::auto::measure_codec;
+use sluice::store::codec::{Codec, FrameDecoder};
 use sluice::store::{Store, StoreError};
 use std::collections::BTreeMap;
 use std::path::Path;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// Decoding repeats until it has run this long; the fastest pass counts.
 const DECODE_TIME_MIN: Duration = Duration::from_millis(300);
@@ -138,44 +139,17 @@ pub fn measure(g: &Group, codecs: &[Codec], frame_size: usize) -> Result<GroupFi
         }
         at += len;
     }
-    let sums: Vec<u64> = frames
-        .iter()
-        .map(|&(o, n)| xxhash_rust::xxh3::xxh3_64(&g.bytes[o..o + n]))
-        .collect();
+    let frames: Vec<&[u8]> = frames.iter().map(|&(o, n)| &g.bytes[o..o + n]).collect();
     let mut out = Vec::new();
     for &codec in codecs {
-        let mut enc = FrameEncoder::new(codec).map_err(|e| format!("{codec}: {e}"))?;
-        let mut coded: Vec<(Codec, Vec<Plane>, Vec<u8>)> = Vec::with_capacity(frames.len());
-        let t = Instant::now();
-        for &(o, n) in &frames {
-            let e = enc
-                .encode(&g.bytes[o..o + n], g.dtype)
+        let (ratio, compress_gbps, decompress_gbps) =
+            measure_codec(codec, &frames, g.dtype, frame_size, DECODE_TIME_MIN)
                 .map_err(|e| format!("{codec}: {e}"))?;
-            coded.push((e.codec, e.planes, e.bytes.to_vec()));
-        }
-        let compress = t.elapsed().as_secs_f64();
-        let stored: usize = coded.iter().map(|c| c.2.len()).sum();
-        let mut dec = FrameDecoder::new(frame_size).map_err(|e| format!("{codec}: {e}"))?;
-        let mut dst = vec![0u8; frame_size];
-        // Passes for DECODE_TIME_MIN; the fastest counts (this machine's neighbours make
-        // the others slower, never faster).
-        let (mut best, t) = (f64::INFINITY, Instant::now());
-        while best.is_infinite() || t.elapsed() < DECODE_TIME_MIN {
-            let p = Instant::now();
-            for ((c, planes, bytes), (&(_, n), &sum)) in coded.iter().zip(frames.iter().zip(&sums))
-            {
-                dec.decode(*c, planes, sum, bytes, &mut dst[..n])
-                    .map_err(|e| format!("{codec} on {}: {e}", g.dtype.name()))?;
-            }
-            best = best.min(p.elapsed().as_secs_f64());
-        }
-        let decompress = best;
-        let raw = g.bytes.len() as f64;
         out.push(CodecFigures {
             codec: codec.to_string(),
-            ratio: stored as f64 / raw.max(1.0),
-            compress_gbps: raw / compress.max(1e-9) / 1e9,
-            decompress_gbps: raw / decompress.max(1e-9) / 1e9,
+            ratio,
+            compress_gbps,
+            decompress_gbps,
         });
     }
     Ok(GroupFigures {
