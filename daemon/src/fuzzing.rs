@@ -61,7 +61,12 @@ pub fn frame(data: &[u8]) {
         Codec::Lz4,
         Codec::Zstd { level: 1 },
         Codec::Float,
-    ][head[0] as usize % 4];
+        // A linked frame: heads of 2 to 16 rows of 1 to 64 bytes (or none).
+        Codec::Source {
+            head_rows: u32::from(head[1] >> 4 & 0x7) * 2,
+            row_bytes: u32::from(head[2] & 0x3f) + 1,
+        },
+    ][head[0] as usize % 5];
     let width = [1usize, 2, 3, 4][head[1] as usize % 4];
     let raw_len = (u16::from_le_bytes([head[2], head[3]]) as usize).min(1 << 14);
     let checksum = u64::from(u32::from_le_bytes([head[4], head[5], head[6], head[7]]));

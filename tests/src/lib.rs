@@ -143,6 +143,7 @@ pub fn pack_store(
         frame_size,
         threads: 2,
         force: true,
+        link: false,
     };
     sluice::store::writer::pack(&model, &units, out, &opts, |_| {}).expect("pack");
     std::sync::Arc::new(sluice::store::Store::open(out).expect("open the packed store"))

@@ -281,36 +281,42 @@ fn damaged_manifests_are_clear_errors() {
     b[0] = b'X';
     assert!(open_err(&b).contains("not a sluice manifest"));
     let mut b = good.clone();
-    b[8] = 6;
-    assert!(open_err(&b).contains("store format version 6"));
+    b[8] = 7;
+    assert!(open_err(&b).contains("store format version 7"));
+    // Format 6 compresses the payload; the formats before it wrote it as it is.
+    let end = good.len() - 8;
+    let payload = zstd::bulk::decompress(&good[20..end], 1 << 30).unwrap();
     // A format-1 store (the manifest without the trailing architecture extension: four
     // zero bytes, its empty options and list, for a Llama model; nor format 3's mixture of
-    // experts, one zero byte, None; nor format 4's SwiGLU clamp, one zero byte, None)
-    // still opens, with the Llama defaults.
-    let end = good.len() - 8;
-    assert_eq!(&good[end - 6..end], &[0u8; 6], "a Llama model's extensions");
+    // experts, one zero byte, None; nor format 4's SwiGLU clamp, one zero byte, None; nor
+    // format 6's linked source, one zero byte, None) still opens, with the Llama defaults.
+    let n = payload.len();
+    assert_eq!(&payload[n - 7..], &[0u8; 7], "a Llama model's extensions");
     // The manifest as an older format wrote it: the payload without its last `cut` bytes,
-    // under `version`, checksummed again.
+    // uncompressed, under `version`, checksummed.
     let older = |version: u32, cut: usize| -> Vec<u8> {
-        let mut v = good[..end - cut].to_vec();
-        v[8..12].copy_from_slice(&version.to_le_bytes());
-        let len = u64::from_le_bytes(v[12..20].try_into().unwrap()) - cut as u64;
-        v[12..20].copy_from_slice(&len.to_le_bytes());
+        let mut v = good[..8].to_vec();
+        v.extend_from_slice(&version.to_le_bytes());
+        v.extend_from_slice(&((n - cut) as u64).to_le_bytes());
+        v.extend_from_slice(&payload[..n - cut]);
         let sum = xxhash_rust::xxh3::xxh3_64(&v);
         v.extend_from_slice(&sum.to_le_bytes());
         v
     };
-    // Format 4: the same payload (format 5 added the float codec); format 3: without the
-    // clamp; format 2: without the mixture either.
-    std::fs::write(&mpath, older(4, 0)).unwrap();
+    // Formats 5 and 4: without the link (format 5 added the float codec); format 3:
+    // without the clamp; format 2: without the mixture either.
+    std::fs::write(&mpath, older(5, 1)).unwrap();
+    let old = Store::open(&dir).expect("a format-5 store opens");
+    assert_eq!(old.manifest().link, None);
+    std::fs::write(&mpath, older(4, 1)).unwrap();
     Store::open(&dir).expect("a format-4 store opens");
-    std::fs::write(&mpath, older(3, 1)).unwrap();
+    std::fs::write(&mpath, older(3, 2)).unwrap();
     let old = Store::open(&dir).expect("a format-3 store opens");
     assert_eq!(old.manifest().arch.swiglu, None);
-    std::fs::write(&mpath, older(2, 2)).unwrap();
+    std::fs::write(&mpath, older(2, 3)).unwrap();
     let old = Store::open(&dir).expect("a format-2 store opens");
     assert_eq!(old.manifest().arch.moe, None);
-    let mut v1 = older(1, 6);
+    let mut v1 = older(1, 7);
     std::fs::write(&mpath, &v1).unwrap();
     let old = Store::open(&dir).expect("a format-1 store opens");
     assert_eq!(old.manifest().arch.ext, Default::default());
@@ -320,6 +326,8 @@ fn damaged_manifests_are_clear_errors() {
     let sum = xxhash_rust::xxh3::xxh3_64(&v1);
     v1.extend_from_slice(&sum.to_le_bytes());
     assert!(open_err(&v1).contains("payload does not decode"));
+    // A format-6 payload that is not a zstd frame.
+    assert!(open_err(&older(6, 0)).contains("payload does not decompress"));
     for pos in [20, good.len() / 2, good.len() - 9] {
         let mut b = good.clone();
         b[pos] ^= 1;

@@ -676,3 +676,75 @@ fn each_expert_of_a_mixture_loads_on_its_own() {
         }
     }
 }
+
+/// A linked store (`pack --link`) reads each frame where the source holds its tensor (not
+/// back to back: the writer's order is not the GGUF's, a mixture's experts are slices of
+/// its merged tensors, and the last chunk of a GGUF runs past its end), through both
+/// readers with and without O_DIRECT, and every unit comes out as the copied store's,
+/// padding included; the same for a Hugging Face model kept in one safetensors file.
+#[test]
+fn linked_stores_deliver_the_copied_stores_bytes_through_every_reader() {
+    let tmp = tempfile::tempdir().unwrap();
+    for src in [
+        "tiny-llama.gguf",
+        "tiny-llama-q.gguf",
+        "tiny-gemma3.gguf",
+        "tiny-mixtral.gguf",
+        "tiny-qwen3moe.gguf",
+        "tiny-gptoss-mxfp4.gguf",
+        "tiny-qwen3moe",
+    ] {
+        let copied = packed(
+            &fixture(src),
+            &tmp.path().join(format!("{src}-c")),
+            "none",
+            4096,
+        );
+        let model = sluice::import::open(&fixture(src)).unwrap();
+        let units = model.units().unwrap();
+        let dir = tmp.path().join(format!("{src}-l"));
+        let opts = sluice::store::writer::PackOptions {
+            frame_size: 4096,
+            force: true,
+            link: true,
+            ..Default::default()
+        };
+        let report = sluice::store::writer::pack(&model, &units, &dir, &opts, |_| {}).unwrap();
+        assert!(report.linked.is_some(), "{src}");
+        let linked = Arc::new(Store::open(&dir).unwrap());
+        let want = reference(&copied);
+        assert!(reference(&linked) == want, "{src}: the plain reader");
+        for (name, cfg) in configs() {
+            let e = engine(&linked, &cfg);
+            stream_all(&e, &want, 2, 3);
+            wait_pools_full(&e);
+            assert_eq!(
+                e.stats().units_done as usize,
+                2 * want.len(),
+                "{src} {name}"
+            );
+        }
+    }
+}
+
+/// `--link` is refused, saying why, for a source whose tensors are not in one file as
+/// they are; `--codec auto` then packs a copy.
+#[test]
+fn link_is_refused_for_converted_or_split_sources() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (src, why) in [
+        ("tiny-gemma3", "widened to f32 on import"),
+        ("tiny-llama", "in 2 files and a linked store reads one"),
+    ] {
+        let out = tmp.path().join(src);
+        let err = sluiced_err(&[
+            "pack",
+            "--link",
+            fixture(src).to_str().unwrap(),
+            "-o",
+            out.to_str().unwrap(),
+        ]);
+        assert!(err.contains("--link") && err.contains(why), "{src}: {err}");
+        assert!(!out.exists(), "{src}: nothing is left behind");
+    }
+}

@@ -39,6 +39,7 @@ fn pack_to(model: &ImportedModel, out: &Path, codec: Codec, frame_size: u32) -> 
         frame_size,
         threads: 2,
         force: true,
+        link: false,
     };
     pack(model, &units, out, &opts, |_| {}).unwrap();
     Store::open(out).unwrap()
@@ -231,8 +232,8 @@ fn bench_codec_measures_every_codec_on_the_same_bytes_of_each_dtype() {
 #[test]
 fn codec_auto_follows_the_disk_it_is_told_and_round_trips() {
     // tiny-qwen3 is bf16. A slow disk: the smallest ratio (the float codec on the
-    // matrices); a disk faster than any decoder at one worker: every frame raw. Either
-    // way every tensor reads back as imported.
+    // matrices); a disk faster than any decoder at one worker: every frame raw, so the
+    // store links the source. Either way every tensor reads back as imported.
     let tmp = tempfile::tempdir().unwrap();
     let model = import::open(&fixture("tiny-qwen3")).unwrap();
     let want = read_all(&pack_to(
@@ -267,14 +268,20 @@ fn codec_auto_follows_the_disk_it_is_told_and_round_trips() {
             .flat_map(|u| u.frames.iter().map(|f| f.codec))
             .collect();
         if expect == Codec::None {
+            // Every frame would be the source's bytes again: the store links the one
+            // safetensors file instead of copying it.
             assert!(
-                frames.iter().all(|&c| c == Codec::None),
+                frames
+                    .iter()
+                    .all(|&c| matches!(c, Codec::Source { head_rows: 0, .. })),
                 "{disk}: {frames:?}"
             );
+            assert!(o.contains("instead of copying it"), "{o}");
+            assert!(!out.join("weights.bin").exists());
         } else {
             assert!(frames.contains(&expect), "{disk}: {frames:?}");
+            assert_eq!(store.manifest().codec, expect, "{disk}");
         }
-        assert_eq!(store.manifest().codec, expect, "{disk}");
         assert!(read_all(&store) == want, "{disk}: tensors differ");
     }
     let e = sluiced_err(&[

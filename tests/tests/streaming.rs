@@ -1256,3 +1256,147 @@ fn an_expert_profile_pins_the_hottest_experts_and_outputs_stay_bit_identical() {
         "{e}"
     );
 }
+
+/// A linked store (`pack --link`) points at the GGUF's own bytes instead of copying them:
+/// for SmolLM2 (llama q/k rows in llama.cpp's rotary order, put back as frames decode)
+/// and Gemma 3 (K-quants) it costs under 1 % of the GGUF on disk, streams with the same
+/// bits as a copied store run resident, and refuses a source that changed since packing.
+#[test]
+fn linked_stores_stream_bit_identical_to_copied_ones_and_refuse_a_changed_source() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, src) in [("smollm2", smollm2_gguf()), ("gemma3", gemma3_gguf())] {
+        // The store links a copy: this test changes it afterwards.
+        let gguf = tmp.path().join(format!("{name}.gguf"));
+        std::fs::copy(&src, &gguf).unwrap();
+        let copied = pack_store(
+            &gguf,
+            &tmp.path().join(format!("{name}-copied")),
+            "none",
+            1 << 20,
+        );
+        let dir = tmp.path().join(format!("{name}-linked"));
+        let out = sluiced_ok(&[
+            "pack",
+            "--link",
+            gguf.to_str().unwrap(),
+            "-o",
+            dir.to_str().unwrap(),
+        ]);
+        assert!(out.contains("linked"), "{out}");
+        let gguf_len = std::fs::metadata(&gguf).unwrap().len();
+        let on_disk: u64 = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| {
+                use std::os::unix::fs::MetadataExt;
+                let m = e.unwrap().metadata().unwrap();
+                m.len().max(m.blocks() * 512)
+            })
+            .sum();
+        assert!(
+            (on_disk as f64) < 0.01 * gguf_len as f64,
+            "{name}: the linked store takes {on_disk} bytes of a {gguf_len}-byte GGUF"
+        );
+        let linked = Arc::new(Store::open(&dir).unwrap());
+        assert!(!dir.join("weights.bin").exists(), "{name}: no second copy");
+        // `--codec auto` links it too: no codec saves 3 % of a quantized model.
+        let auto = tmp.path().join(format!("{name}-auto"));
+        let out = sluiced_ok(&[
+            "pack",
+            "--codec",
+            "auto",
+            "--disk-gbps",
+            "2",
+            gguf.to_str().unwrap(),
+            "-o",
+            auto.to_str().unwrap(),
+        ]);
+        assert!(out.contains("instead of copying it"), "{name}: {out}");
+        assert!(Store::open(&auto).unwrap().manifest().link == linked.manifest().link);
+        assert_eq!(linked.weights_path(), std::fs::canonicalize(&gguf).unwrap());
+        sluiced_ok(&["verify", dir.to_str().unwrap()]);
+
+        let vocab = copied.manifest().arch.vocab;
+        let want = outputs(&mut runner(&copied, None, 0), vocab);
+        let free = free_plan(&linked);
+        let units = linked.units();
+        let layer = units[1..]
+            .iter()
+            .map(|u| u.raw_len.div_ceil(4096) * 4096)
+            .max()
+            .unwrap();
+        let fixed = free.kv_cache_bytes + free.workspace_bytes;
+        // SmolLM2 streams its tied embedding in row parts too; Gemma 3's (170 MiB) stays
+        // and half of its layers stream.
+        let budget = if name == "smollm2" {
+            let emb = &units[0];
+            let t = emb.tensor("model.embed_tokens.weight").unwrap();
+            let rb = t.dtype.row_bytes(t.shape[1]).unwrap();
+            let table = ((OPTS.max_batch_tokens as u64 + emb.frames.len() as u64) * rb)
+                .div_ceil(4096)
+                * 4096;
+            fixed + table + 5 * layer
+        } else {
+            let layers: u64 = units[1..].iter().map(|u| u.raw_len).sum();
+            fixed + units[0].raw_len.div_ceil(4096) * 4096 + layers / 2
+        };
+        for unified in [false, true] {
+            let mut r = runner_as(&linked, Some(budget), 0, unified);
+            assert!(r.plan.layers_streamed() >= units.len() / 3, "{name}");
+            assert!(
+                outputs(&mut r, vocab) == want,
+                "{name}, unified {unified}: the linked store streams other bits than the copied one"
+            );
+            assert!(r.total().bytes_read > 0, "{name}");
+        }
+        assert!(
+            outputs(&mut runner(&linked, None, 0), vocab) == want,
+            "{name}: resident"
+        );
+        drop(linked);
+
+        // A changed source is refused at open, naming it.
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&gguf)
+            .unwrap();
+        let mtime = std::fs::metadata(&gguf).unwrap().modified().unwrap();
+        f.set_modified(mtime + std::time::Duration::from_secs(1))
+            .unwrap();
+        let err = match Store::open(&dir) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{name}: a touched source opened"),
+        };
+        assert!(
+            err.contains(gguf.file_name().unwrap().to_str().unwrap()) && err.contains("modified"),
+            "{err}"
+        );
+        let err = sluiced_err(&["verify", dir.to_str().unwrap()]);
+        assert!(err.contains("modified") && err.contains("--link"), "{err}");
+        // Bytes changed behind an unchanged size and mtime: a sampled range catches it at
+        // open (the first sample is the file's start), any other at its frame's checksum.
+        use std::os::unix::fs::FileExt;
+        let mut b = [0u8; 1];
+        f.read_at(&mut b, 100).unwrap();
+        f.write_all_at(&[b[0] ^ 0x55], 100).unwrap();
+        f.set_modified(mtime).unwrap();
+        let err = match Store::open(&dir) {
+            Err(e) => e.to_string(),
+            Ok(_) => panic!("{name}: a source with changed bytes opened"),
+        };
+        assert!(err.contains("at offset 0 changed"), "{err}");
+        f.write_all_at(&b, 100).unwrap();
+        f.set_modified(mtime).unwrap();
+        let at = Store::open(&dir).unwrap().units()[1].frames[0].file_offset + 1000;
+        f.read_at(&mut b, at).unwrap();
+        f.write_all_at(&[b[0] ^ 0x55], at).unwrap();
+        f.set_modified(mtime).unwrap();
+        let err = sluiced_err(&["verify", dir.to_str().unwrap()]);
+        assert!(
+            err.contains("layer 0")
+                && err.contains("checksum")
+                && err.contains(&format!("{name}.gguf")),
+            "{name}: {err}"
+        );
+    }
+}

@@ -27,6 +27,7 @@ pub fn store(dir: &std::path::Path) -> Arc<Store> {
         frame_size: 1 << 16,
         threads: 1,
         force: true,
+        link: false,
     };
     pack(&model, &units, &out, &opts, |_| {}).expect("pack the tiny model");
     Arc::new(Store::open(&out).expect("open the tiny model"))

@@ -14,7 +14,7 @@ use crate::dtype::DType;
 use crate::store::arch::ArchConfig;
 use crate::store::format::{SpecialTokens, TokenizerSpec, UnitKind};
 pub use crate::store::writer::UnitSpec;
-use crate::store::writer::{ModelHeader, PackSource, TensorLayout};
+use crate::store::writer::{LinkedTensor, ModelHeader, PackSource, TensorLayout};
 use memmap2::Mmap;
 use std::collections::BTreeMap;
 use std::fs::File;
@@ -259,20 +259,8 @@ impl ImportedModel {
             dst.copy_from_slice(src);
             return;
         };
-        // GGUF row (h, 2j + r) holds Hugging Face row (h, r * d/2 + j), d = head dim.
         let rows = t.shape[0] as usize;
-        let row_bytes = src.len() / rows;
-        let d = rows / heads as usize;
-        let half = d / 2;
-        for h in 0..heads as usize {
-            for j in 0..half {
-                for r in 0..2 {
-                    let from = (h * d + 2 * j + r) * row_bytes;
-                    let to = (h * d + r * half + j) * row_bytes;
-                    dst[to..to + row_bytes].copy_from_slice(&src[from..from + row_bytes]);
-                }
-            }
-        }
+        crate::store::codec::unpermute_rows(src, dst, rows / heads as usize, src.len() / rows);
     }
 
     /// Checks that every tensor the architecture needs is present with the right shape and
@@ -384,6 +372,53 @@ impl PackSource for ImportedModel {
         // `pack` asks `tensor` for every name before copying it.
         let t = &self.tensors[name];
         self.copy_source(t, dst);
+    }
+
+    fn link_file(&self) -> Result<PathBuf, String> {
+        match self.files.as_slice() {
+            [(path, _)] => Ok(path.clone()),
+            [] => Err(format!(
+                "{} has no weights file (generated weights)",
+                self.source.display()
+            )),
+            more => Err(format!(
+                "{} keeps its weights in {} files and a linked store reads one file",
+                self.source.display(),
+                more.len()
+            )),
+        }
+    }
+
+    fn linked(&self, name: &str) -> Result<LinkedTensor, String> {
+        let t = self
+            .tensors
+            .get(name)
+            .ok_or_else(|| format!("no tensor {name}"))?;
+        let changed = if t.synthetic_seed.is_some() {
+            Some("generated, not read")
+        } else if t.widen.is_some() {
+            Some("widened to f32 on import")
+        } else if t.strided.is_some() {
+            Some("transposed on import")
+        } else if t.openai_mxfp4.is_some() {
+            Some("rearranged from OpenAI's MXFP4 layout on import")
+        } else if t.file != 0 {
+            Some("in another file")
+        } else {
+            None
+        };
+        if let Some(why) = changed {
+            return Err(format!("tensor {name} is {why}"));
+        }
+        let head_rows = match t.unpermute_heads {
+            // `map_tensors` checked that the rows split into these heads of pairs.
+            Some(heads) => (t.shape[0] / heads as u64) as u32,
+            None => 0,
+        };
+        Ok(LinkedTensor {
+            offset: t.offset,
+            head_rows,
+        })
     }
 }
 

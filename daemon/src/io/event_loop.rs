@@ -94,6 +94,11 @@ pub(super) struct Loop {
     slots: Arc<Vec<AlignedBuf>>,
     /// Per unit: stored as raw, so read straight into its slot (`IoConfig::read_into_slots`).
     into_slot: Vec<bool>,
+    /// A linked store (`pack --link`): frames lie where the source has their tensors, not
+    /// back to back.
+    linked: bool,
+    /// Bytes of the file read (at open).
+    file_len: u64,
     slot_state: Vec<SlotState>,
     active: Vec<Option<Active>>,
     /// Active slots in admission order: older requests' reads go first.
@@ -117,6 +122,45 @@ pub(super) struct Loop {
     buf_starved_since: Option<Instant>,
     slot_starved_since: Option<Instant>,
     path: std::path::PathBuf,
+}
+
+/// Read chunks for frames `part` of a linked unit: a frame that starts inside the last
+/// chunk and ends within a request of its start joins it (tensors the source holds back
+/// to back, a few bytes of padding apart); any other starts chunks of its own at the block
+/// before it. A chunk's frames are then exactly those it reads for, and each frame's
+/// chunks are consecutive, in order, and hold its bytes once.
+fn linked_chunks(
+    frames: &[crate::store::format::Frame],
+    part: Range<usize>,
+    req: u64,
+    chunks: &mut Vec<Chunk>,
+) {
+    let align = IO_ALIGN as u64;
+    for f in part {
+        let fr = &frames[f];
+        let (fo, fe) = (fr.file_offset, fr.file_offset + fr.stored_len());
+        let end = fe.div_ceil(align) * align;
+        if let Some(c) = chunks.last_mut() {
+            let c_end = c.offset + c.len as u64;
+            if fo >= c.offset && fo <= c_end && end - c.offset <= req {
+                c.len = c.len.max((end - c.offset) as usize);
+                c.frames.end = f + 1;
+                continue;
+            }
+        }
+        let mut at = fo / align * align;
+        while at < end {
+            let len = (end - at).min(req);
+            chunks.push(Chunk {
+                offset: at,
+                len: len as usize,
+                buf: None,
+                done: false,
+                frames: f..f + 1,
+            });
+            at += len;
+        }
+    }
 }
 
 /// Marks the engine stopped and wakes waiters however the loop ends (a panic included).
@@ -149,6 +193,8 @@ impl Loop {
             .collect();
         Loop {
             into_slot,
+            linked: store.manifest().link.is_some(),
+            file_len: store.weights_len(),
             store,
             reader,
             shared,
@@ -331,27 +377,32 @@ impl Loop {
             let (mut chunks, mut frames) = std::mem::take(&mut self.spare[slot]);
             chunks.clear();
             frames.clear();
-            let mut at = start;
-            while at < end {
-                let len = (end - at).min(req);
-                // Only the part's frames: a chunk's aligned ends may touch its neighbours.
-                let lo = u
-                    .frames
-                    .partition_point(|f| f.file_offset + f.stored_len() <= at)
-                    .max(part.start);
-                let hi = u
-                    .frames
-                    .partition_point(|f| f.file_offset < at + len)
-                    .min(part.end)
-                    .max(lo);
-                chunks.push(Chunk {
-                    offset: at,
-                    len: len as usize,
-                    buf: None,
-                    done: false,
-                    frames: lo..hi,
-                });
-                at += len;
+            if self.linked {
+                linked_chunks(&u.frames, part.clone(), req, &mut chunks);
+            } else {
+                let mut at = start;
+                while at < end {
+                    let len = (end - at).min(req);
+                    // Only the part's frames: a chunk's aligned ends may touch its
+                    // neighbours.
+                    let lo = u
+                        .frames
+                        .partition_point(|f| f.file_offset + f.stored_len() <= at)
+                        .max(part.start);
+                    let hi = u
+                        .frames
+                        .partition_point(|f| f.file_offset < at + len)
+                        .min(part.end)
+                        .max(lo);
+                    chunks.push(Chunk {
+                        offset: at,
+                        len: len as usize,
+                        buf: None,
+                        done: false,
+                        frames: lo..hi,
+                    });
+                    at += len;
+                }
             }
             // Frames outside the part count as done: the decoded prefix starts at the part.
             frames.resize(u.frames.len(), FrameState::Done);
@@ -550,7 +601,10 @@ impl Loop {
             .expect("an op's unit stays active until its completion");
         let chunk = &a.chunks[o.chunk];
         let (offset, len) = (chunk.offset, chunk.len);
-        if res > 0 && !a.aborted && (o.done + res as usize) < len {
+        // A chunk's aligned end may pass the end of a linked source (a store's own file is
+        // padded): the bytes up to the end are all it has to deliver.
+        let need = len.min(self.file_len.saturating_sub(offset) as usize);
+        if res > 0 && !a.aborted && (o.done + res as usize) < need {
             // Short read: ask for the rest into the same buffer.
             o.done += res as usize;
             self.shared
@@ -602,15 +656,7 @@ impl Loop {
         // Dispatch every frame of this chunk whose reads have all landed. Without decoding
         // a frame completes right here, so every chunk its frames span may free too.
         let frames = a.chunks[chunk_idx].frames.clone();
-        let req = self.cfg.request_bytes as u64;
-        let unit_frames = &self.store.units()[a.unit].frames;
-        let span = |f: usize| {
-            Self::chunks_of(
-                a,
-                (unit_frames[f].file_offset, unit_frames[f].stored_len()),
-                req,
-            )
-        };
+        let span = |f: usize| Self::chunks_of(a, f);
         let touched = match (frames.clone().next(), frames.clone().last()) {
             (Some(lo), Some(hi)) => span(lo).start.min(chunk_idx)..span(hi).end.max(chunk_idx + 1),
             _ => chunk_idx..chunk_idx + 1,
@@ -622,24 +668,22 @@ impl Loop {
         self.maybe_finish(slot);
     }
 
-    /// Chunks overlapping frame `f` of `a`.
-    fn chunks_of(a: &Active, frame_file: (u64, u64), req: u64) -> Range<usize> {
-        let base = a.chunks.first().map_or(0, |c| c.offset);
-        let (fo, fl) = frame_file;
-        let first = ((fo - base) / req) as usize;
-        let last = ((fo + fl.max(1) - 1 - base) / req) as usize;
-        first..(last + 1).min(a.chunks.len())
+    /// The chunks frame `f` of `a` is read by (their frame ranges never go down, in either
+    /// layout).
+    fn chunks_of(a: &Active, f: usize) -> Range<usize> {
+        let first = a.chunks.partition_point(|c| c.frames.end <= f);
+        let last = a.chunks.partition_point(|c| c.frames.start <= f);
+        first..last.max(first)
     }
 
     fn dispatch(&mut self, slot: usize, f: usize) {
-        let req = self.cfg.request_bytes as u64;
         let a = self.active[slot].as_mut().expect("active");
         if a.aborted || a.frames[f] != FrameState::Waiting {
             return;
         }
         let frame = &self.store.units()[a.unit].frames[f];
         let (fo, fl) = (frame.file_offset, frame.stored_len());
-        let range = Self::chunks_of(a, (fo, fl), req);
+        let range = Self::chunks_of(a, f);
         if !a.chunks[range.clone()].iter().all(|c| c.done) {
             return;
         }
@@ -702,15 +746,13 @@ impl Loop {
     }
 
     fn frame_done(&mut self, slot: usize, f: usize, fault: Option<FrameFault>) {
-        let req = self.cfg.request_bytes as u64;
         let a = self.active[slot]
             .as_mut()
             .expect("a frame's unit stays active until it is back");
         debug_assert!(a.frames[f] == FrameState::AtWorker);
         a.frames[f] = FrameState::Done;
         a.at_worker -= 1;
-        let frame = &self.store.units()[a.unit].frames[f];
-        let range = Self::chunks_of(a, (frame.file_offset, frame.stored_len()), req);
+        let range = Self::chunks_of(a, f);
         match fault {
             None => {
                 a.frames_left -= 1;

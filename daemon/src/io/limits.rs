@@ -97,7 +97,16 @@ pub(super) fn check(cfg: &IoConfig, m: &Manifest) -> Result<Sizes, String> {
         .units
         .iter()
         .map(|u| {
-            ((u.stored_len as usize).div_ceil(IO_ALIGN) * IO_ALIGN).div_ceil(cfg.request_bytes) + 1
+            if m.link.is_some() {
+                // Each frame may start chunks of its own (`linked_chunks`).
+                u.frames
+                    .iter()
+                    .map(|f| (f.stored_len() as usize + 2 * IO_ALIGN).div_ceil(cfg.request_bytes))
+                    .sum()
+            } else {
+                ((u.stored_len as usize).div_ceil(IO_ALIGN) * IO_ALIGN).div_ceil(cfg.request_bytes)
+                    + 1
+            }
         })
         .max()
         .unwrap_or(0);

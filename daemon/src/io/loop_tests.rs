@@ -139,6 +139,7 @@ fn packed(dir: &std::path::Path, codec: &str) -> Arc<Store> {
         frame_size: 4096,
         threads: 1,
         force: true,
+        link: false,
     };
     pack(&model, &units, &out, &opts, |_| {}).expect("pack");
     let store = Store::open(&out).expect("open");

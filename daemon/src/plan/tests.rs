@@ -39,6 +39,7 @@ fn store_shaped(
         frame_size,
         threads: 1,
         force: true,
+        link: false,
     };
     pack(&model, &units, &out, &opts, |_| {}).expect("pack");
     Store::open(&out).expect("open")

@@ -125,6 +125,10 @@ pub struct Auto {
     pub workers: usize,
     pub rates: BTreeMap<DType, Vec<Rate>>,
     pub chosen: BTreeMap<DType, BTreeMap<String, (usize, u64)>>,
+    /// The link decision's reasoning (`link_pays`), when the source could be linked.
+    pub link: Option<String>,
+    /// The store links its source: no tensor was given a codec.
+    pub linked: bool,
     encoders: Vec<(Codec, FrameEncoder)>,
 }
 
@@ -150,6 +154,8 @@ impl Auto {
             workers: workers.max(1),
             rates,
             chosen: BTreeMap::new(),
+            link: None,
+            linked: false,
             encoders,
         })
     }
@@ -199,6 +205,46 @@ impl Auto {
         Ok(codec)
     }
 
+    /// For a source a store can link (`pack --link`): true when the codecs this disk and
+    /// these workers call for save under `KEEP_RAW_SAVING_MIN` of its bytes (`bytes`: raw
+    /// bytes per dtype), each dtype at the ratio, on its sample, of the candidate `choose`
+    /// picks for it. A codec that shrinks the bytes a little but decodes slower than the
+    /// disk reads (zstd on Q8_0 blocks) is not chosen and saves nothing, so a copy would
+    /// be the source's bytes again; on a slow disk (`--disk-gbps`) the same codec pays and
+    /// the store is a copy. The same rates, the same answer.
+    pub fn link_pays(&mut self, bytes: &BTreeMap<DType, u64>, source: &str) -> bool {
+        let total: u64 = bytes.values().sum();
+        let saved: f64 = bytes
+            .iter()
+            .map(|(d, &b)| {
+                let ratio = self.rates.get(d).map_or(1.0, |r| {
+                    let c = choose(self.disk_gbps, self.workers, r);
+                    r.iter().find(|x| x.codec == c).map_or(1.0, |x| x.ratio)
+                });
+                b as f64 * (1.0 - ratio).max(0.0)
+            })
+            .sum();
+        let frac = saved / total.max(1) as f64;
+        let min = super::codec::KEEP_RAW_SAVING_MIN;
+        self.linked = frac < min;
+        self.link = Some(if self.linked {
+            format!(
+                "  link: the codecs chosen here save {:.1} % of {} (under {:.0} %): the store points at {source} instead of copying it",
+                frac * 100.0,
+                crate::util::fmt_bytes(total),
+                min * 100.0
+            )
+        } else {
+            format!(
+                "  link: not linked to {source}: the codecs chosen here save {:.1} % of {} (at least {:.0} %)",
+                frac * 100.0,
+                crate::util::fmt_bytes(total),
+                min * 100.0
+            )
+        });
+        self.linked
+    }
+
     /// The reasoning, a line per dtype: each candidate's ratio, decode rate and effective
     /// rate on the sample, and what the tensors got.
     pub fn report(&self) -> Vec<String> {
@@ -236,13 +282,16 @@ impl Auto {
                 "  {}: ratio/GB/s->effective: {}; chose {}",
                 dtype.name(),
                 cands.join(", "),
-                if got.is_empty() {
+                if self.linked {
+                    "to link".to_string()
+                } else if got.is_empty() {
                     "nothing".to_string()
                 } else {
                     got.join(", ")
                 }
             ));
         }
+        lines.extend(self.link.clone());
         lines
     }
 
@@ -312,5 +361,57 @@ mod tests {
             rate(Codec::Float, 1.0, 20.0),
         ];
         assert_eq!(choose(2.0, 1, &q), Codec::None);
+    }
+
+    /// Link where the chosen codecs save under 3 % of the bytes, each dtype weighted by
+    /// its bytes: a K-quant model links, a bf16 one is packed, and a model mostly of
+    /// quantized blocks with a few float tensors links; the same rates, the same answer.
+    #[test]
+    fn a_store_links_its_source_where_the_chosen_codecs_save_under_3_percent() {
+        let auto = |rates: Vec<(DType, Vec<Rate>)>| Auto {
+            disk_gbps: 2.0,
+            workers: 1,
+            rates: rates.into_iter().collect(),
+            chosen: BTreeMap::new(),
+            link: None,
+            linked: false,
+            encoders: Vec::new(),
+        };
+        let quant = vec![
+            rate(Codec::None, 1.0, 20.0),
+            rate(Codec::Lz4, 0.99, 9.0),
+            rate(Codec::Zstd { level: 1 }, 0.98, 1.0),
+            rate(Codec::Float, 1.0, 20.0),
+        ];
+        let bf16 = vec![rate(Codec::None, 1.0, 20.0), rate(Codec::Float, 0.665, 3.5)];
+        let f32s = vec![rate(Codec::None, 1.0, 20.0), rate(Codec::Float, 0.80, 3.0)];
+        let mut q = auto(vec![
+            (DType::Q4K, quant.clone()),
+            (DType::F32, f32s.clone()),
+        ]);
+        let bytes: BTreeMap<DType, u64> = [(DType::Q4K, 1000u64), (DType::F32, 10)].into();
+        assert!(q.link_pays(&bytes, "m.gguf"));
+        let line = q.link.clone().expect("a reason");
+        assert!(line.contains("points at m.gguf"), "{line}");
+        assert!(q.report().iter().any(|l| l.contains("chose to link")));
+        // Float tensors that are a fifth of the bytes save 4 %: a copy pays.
+        let many: BTreeMap<DType, u64> = [(DType::Q4K, 800u64), (DType::F32, 200)].into();
+        assert!(!auto(vec![(DType::Q4K, quant.clone()), (DType::F32, f32s)]).link_pays(&many, "m"));
+        let mut b = auto(vec![(DType::BF16, bf16)]);
+        assert!(!b.link_pays(&[(DType::BF16, 100u64)].into(), "m"));
+        assert!(b.link.expect("a reason").contains("not linked"));
+        // zstd saves 5 % of Q8_0 blocks but decodes at 1.2 GB/s: from a 2 GB/s disk it is
+        // not chosen and the store links; from a 0.5 GB/s one it pays and it is a copy.
+        let q8 = vec![
+            rate(Codec::None, 1.0, 12.0),
+            rate(Codec::Zstd { level: 1 }, 0.945, 1.2),
+        ];
+        let q8_bytes: BTreeMap<DType, u64> = [(DType::Q8_0, 100u64)].into();
+        assert!(auto(vec![(DType::Q8_0, q8.clone())]).link_pays(&q8_bytes, "m"));
+        let mut slow = auto(vec![(DType::Q8_0, q8)]);
+        slow.disk_gbps = 0.5;
+        assert!(!slow.link_pays(&q8_bytes, "m"));
+        // A dtype with no measured rates saves nothing.
+        assert!(auto(vec![]).link_pays(&[(DType::Q8_0, 5u64)].into(), "m"));
     }
 }

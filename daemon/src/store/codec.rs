@@ -35,6 +35,16 @@ pub enum Codec {
     /// Exponents Huffman-coded, sign and mantissa raw (`fpsplit`); 16- and 32-bit floats
     /// only (other frames are kept raw).
     Float,
+    /// A frame of a linked store (`pack --link`): its stored bytes are a piece of a tensor
+    /// as the source file holds it, read from there. Decoding copies them, zero-fills the
+    /// rest of the frame (the padding before the next tensor) and, where `head_rows` is not
+    /// 0, puts each head's `head_rows` rows of `row_bytes` back from llama.cpp's rotary
+    /// order into Hugging Face order (the frame holds whole heads). Never chosen by
+    /// `--codec`: the writer makes these frames for `--link` only.
+    Source {
+        head_rows: u32,
+        row_bytes: u32,
+    },
 }
 
 impl fmt::Display for Codec {
@@ -44,6 +54,8 @@ impl fmt::Display for Codec {
             Codec::Lz4 => f.write_str("lz4"),
             Codec::Zstd { level } => write!(f, "zstd:{level}"),
             Codec::Float => f.write_str("float"),
+            Codec::Source { head_rows: 0, .. } => f.write_str("link"),
+            Codec::Source { .. } => f.write_str("link (rows in rotary order)"),
         }
     }
 }
@@ -135,6 +147,11 @@ pub struct FrameEncoder {
 
 impl FrameEncoder {
     pub fn new(codec: Codec) -> std::io::Result<Self> {
+        if let Codec::Source { .. } = codec {
+            return Err(std::io::Error::other(
+                "linked frames are the source's bytes: `pack --link` makes them, no encoder does",
+            ));
+        }
         let zstd = match codec {
             Codec::Zstd { level } => Some(zstd::bulk::Compressor::new(level)?),
             _ => None,
@@ -351,6 +368,14 @@ impl FrameDecoder {
             self.decode_float(planes, stored, dst)?;
             return check(checksum, dst);
         }
+        if let Codec::Source {
+            head_rows,
+            row_bytes,
+        } = codec
+        {
+            decode_source(planes, stored, dst, head_rows as usize, row_bytes as usize)?;
+            return check(checksum, dst);
+        }
         let width = planes.len();
         if width == 1 {
             let p = planes[0];
@@ -514,6 +539,60 @@ pub fn check(checksum: u64, raw: &[u8]) -> Result<(), FrameFault> {
     Ok(())
 }
 
+/// A linked frame (`Codec::Source`): the source's bytes, rows put back in order, and zeros
+/// to the frame's end.
+fn decode_source(
+    planes: &[Plane],
+    stored: &[u8],
+    dst: &mut [u8],
+    head_rows: usize,
+    row_bytes: usize,
+) -> Result<(), FrameFault> {
+    let bad = |msg: String| Err(FrameFault::Decompress(msg));
+    if !matches!(planes, [p] if !p.compressed) {
+        return bad(format!("a linked frame of {} planes", planes.len()));
+    }
+    if stored.len() > dst.len() {
+        return bad(format!(
+            "a linked frame of {} source bytes for {} raw bytes",
+            stored.len(),
+            dst.len()
+        ));
+    }
+    let (data, pad) = dst.split_at_mut(stored.len());
+    pad.fill(0);
+    if head_rows == 0 {
+        data.copy_from_slice(stored);
+        return Ok(());
+    }
+    let head = head_rows * row_bytes;
+    if !head_rows.is_multiple_of(2) || head == 0 || !stored.len().is_multiple_of(head) {
+        return bad(format!(
+            "a linked frame of {} bytes is not whole heads of {head_rows} rows of {row_bytes} bytes",
+            stored.len()
+        ));
+    }
+    unpermute_rows(stored, data, head_rows, row_bytes);
+    Ok(())
+}
+
+/// Heads of `head_rows` rows of `row_bytes` from llama.cpp's rotary order (a head's row
+/// 2j + r) into Hugging Face's (row r x head_rows/2 + j): what llama.cpp's converter
+/// permuted for llama q/k projections, undone. `src` and `dst` are whole heads.
+pub fn unpermute_rows(src: &[u8], dst: &mut [u8], head_rows: usize, row_bytes: usize) {
+    let half = head_rows / 2;
+    let head = head_rows * row_bytes;
+    for (s, d) in src.chunks_exact(head).zip(dst.chunks_exact_mut(head)) {
+        for j in 0..half {
+            for r in 0..2 {
+                let from = (2 * j + r) * row_bytes;
+                let to = (r * half + j) * row_bytes;
+                d[to..to + row_bytes].copy_from_slice(&s[from..from + row_bytes]);
+            }
+        }
+    }
+}
+
 fn decompress_into(
     codec: Codec,
     zstd: &mut zstd::bulk::Decompressor<'static>,
@@ -526,7 +605,7 @@ fn decompress_into(
         Codec::Zstd { .. } => zstd
             .decompress_to_buffer(src, dst)
             .map_err(|e| FrameFault::Decompress(format!("zstd: {e}"))),
-        Codec::None | Codec::Float => Err(FrameFault::Decompress(format!(
+        Codec::None | Codec::Float | Codec::Source { .. } => Err(FrameFault::Decompress(format!(
             "a byte plane marked compressed in a frame stored with codec {codec}"
         ))),
     }
@@ -739,5 +818,68 @@ mod tests {
             .parse::<Codec>()
             .unwrap_err()
             .contains("unknown codec"));
+    }
+
+    /// A linked frame decodes to the source's bytes, its rows put back in Hugging Face
+    /// order where llama.cpp permuted them (the reference: the permutation written out
+    /// from its definition, row (h, 2j + r) holds row (h, r x d/2 + j)), and zeros after;
+    /// a frame not of whole heads, longer than its place or flipped is an error.
+    #[test]
+    fn linked_frames_unpermute_whole_heads_and_zero_their_padding() {
+        let (heads, d, row) = (3usize, 8usize, 12usize);
+        let src: Vec<u8> = (0..heads * d * row).map(|i| (i * 31 % 253) as u8).collect();
+        let mut want = vec![0u8; src.len() + 100];
+        for h in 0..heads {
+            for j in 0..d / 2 {
+                for r in 0..2 {
+                    let from = (h * d + 2 * j + r) * row;
+                    let to = (h * d + r * (d / 2) + j) * row;
+                    want[to..to + row].copy_from_slice(&src[from..from + row]);
+                }
+            }
+        }
+        let planes = [Plane {
+            stored_len: src.len() as u32,
+            compressed: false,
+        }];
+        let codec = Codec::Source {
+            head_rows: d as u32,
+            row_bytes: row as u32,
+        };
+        let mut dec = FrameDecoder::new(want.len()).expect("test setup");
+        let mut out = vec![0xAAu8; want.len()];
+        dec.decode(codec, &planes, xxh3_64(&want), &src, &mut out)
+            .expect("decodes");
+        assert_eq!(out, want);
+        // As they are: a copy and zeros.
+        let plain = Codec::Source {
+            head_rows: 0,
+            row_bytes: 0,
+        };
+        let mut as_is = src.clone();
+        as_is.resize(want.len(), 0);
+        out.fill(0xAA);
+        dec.decode(plain, &planes, xxh3_64(&as_is), &src, &mut out)
+            .expect("decodes");
+        assert_eq!(out, as_is);
+        // Half a head; more bytes than the frame; a flipped byte.
+        let half = [Plane {
+            stored_len: (d / 2 * row) as u32,
+            compressed: false,
+        }];
+        let e = dec
+            .decode(codec, &half, 0, &src[..d / 2 * row], &mut out)
+            .expect_err("half a head");
+        assert!(e.to_string().contains("whole heads"), "{e}");
+        assert!(dec.decode(plain, &planes, 0, &src, &mut out[..10]).is_err());
+        let mut bad = src.clone();
+        bad[5] ^= 1;
+        let e = dec
+            .decode(codec, &planes, xxh3_64(&want), &bad, &mut out)
+            .expect_err("flipped");
+        assert!(matches!(e, FrameFault::Checksum { .. }), "{e}");
+        // Nothing encodes them.
+        assert!(FrameEncoder::new(codec).is_err());
+        assert!("link".parse::<Codec>().is_err());
     }
 }

@@ -1,15 +1,19 @@
-//! Store format version 5: the manifest and its on-disk framing.
+//! Store format version 6: the manifest and its on-disk framing.
 //!
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
-//! | payload (postcard) | xxh3-64 of everything before it (u64 LE).
+//! | payload (postcard; from version 6 a zstd frame of it) | xxh3-64 of everything before
+//! it (u64 LE).
 //!
 //! The payload of version 1 is the `Manifest`; version 2 appends the `ArchExt` (the
 //! config of the architectures added since: q/k norm, sliding-window layers, ...) after
 //! it; version 3 then the mixture of experts (`Option<MoeConfig>`); version 4 then the
 //! clamped SwiGLU's constants (`Option<SwigluClamp>`, gpt-oss); version 5 has the payload
 //! of 4 and frames may use the `float` codec (a codec an older sluiced cannot decode, so
-//! it refuses the store by its version). Stores of versions 1 to 4 still open, with the
-//! defaults of a Llama-family model, no experts and no clamp.
+//! it refuses the store by its version); version 6 appends the linked source
+//! (`Option<Link>`, `pack --link`) and compresses the payload (a GGUF's vocabulary is
+//! megabytes of strings: a linked store must cost well under 1 % of its source). Stores of
+//! versions 1 to 5 still open, with the defaults of a Llama-family model, no experts, no
+//! clamp and no link.
 
 use super::arch::{ArchConfig, ArchExt, MoeConfig, SwigluClamp};
 use super::codec::{Codec, Plane};
@@ -21,7 +25,7 @@ use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;
 
 pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
-pub const FORMAT_VERSION: u32 = 5;
+pub const FORMAT_VERSION: u32 = 6;
 /// The oldest format this sluiced still reads.
 pub const FORMAT_VERSION_MIN: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.bin";
@@ -37,6 +41,8 @@ pub const BLOB_RAW_BYTES_MAX: u64 = 16 << 30;
 /// Largest frame we accept.
 pub const FRAME_RAW_BYTES_MAX: u32 = 64 << 20;
 const HEADER_LEN: usize = 8 + 4 + 8;
+/// zstd level of a format-6 payload (2 MB of Gemma 3's vocabulary in about 0.1 s).
+const PAYLOAD_ZSTD_LEVEL: i32 = 9;
 const MANIFEST_BYTES_MAX: u64 = 1 << 30;
 
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -110,13 +116,15 @@ pub struct LayerUnit {
 
 impl LayerUnit {
     /// True when the stored blob is the raw blob, byte for byte: every frame one plane kept
-    /// raw, at its raw offset from the blob's start. Such a unit can be read straight into
+    /// raw, at its raw offset from the blob's start (never a linked unit's). Such a unit can be read straight into
     /// its staging slot, with nothing left to do but check the frames' checksums.
     pub fn stored_as_raw(&self) -> bool {
         self.stored_len == self.raw_len
             && self.frames.iter().all(|f| {
                 matches!(f.planes.as_slice(), [p] if !p.compressed && p.stored_len == f.raw_len)
                     && f.file_offset == self.file_offset + f.raw_offset
+                    // A linked frame is read where the source holds it, through a buffer.
+                    && !matches!(f.codec, Codec::Source { .. })
             })
     }
 
@@ -365,6 +373,38 @@ pub struct Manifest {
     pub frame_size: u32,
     /// What the store was packed from (file name), for inspect.
     pub source: String,
+    /// Format 6's: the file a linked store's frames point into (`pack --link`), which then
+    /// stands in for weights.bin; None for a store that holds its own weights.
+    #[serde(skip)]
+    pub link: Option<Link>,
+}
+
+/// The source file of a linked store and how to tell it is the same file it was packed
+/// from: its length, modification time and the checksums of sampled ranges.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct Link {
+    /// The file's absolute path (its bytes: a Unix path need not be UTF-8).
+    pub path: Vec<u8>,
+    pub len: u64,
+    /// Modification time when packed: seconds and nanoseconds since the epoch.
+    pub mtime_s: i64,
+    pub mtime_ns: u32,
+    pub samples: Vec<LinkSample>,
+}
+
+/// xxh3-64 of `len` bytes of the source at `offset`.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkSample {
+    pub offset: u64,
+    pub len: u32,
+    pub checksum: u64,
+}
+
+impl Link {
+    pub fn path(&self) -> std::path::PathBuf {
+        use std::os::unix::ffi::OsStrExt;
+        std::path::PathBuf::from(std::ffi::OsStr::from_bytes(&self.path))
+    }
 }
 
 impl Manifest {
@@ -396,11 +436,15 @@ impl Manifest {
     }
 
     /// Encodes manifest.bin.
-    pub fn encode(&self) -> Result<Vec<u8>, postcard::Error> {
-        let mut payload = postcard::to_stdvec(self)?;
-        payload.extend_from_slice(&postcard::to_stdvec(&self.arch.ext)?);
-        payload.extend_from_slice(&postcard::to_stdvec(&self.arch.moe)?);
-        payload.extend_from_slice(&postcard::to_stdvec(&self.arch.swiglu)?);
+    pub fn encode(&self) -> Result<Vec<u8>, String> {
+        let pc = |e: postcard::Error| e.to_string();
+        let mut payload = postcard::to_stdvec(self).map_err(pc)?;
+        payload.extend_from_slice(&postcard::to_stdvec(&self.arch.ext).map_err(pc)?);
+        payload.extend_from_slice(&postcard::to_stdvec(&self.arch.moe).map_err(pc)?);
+        payload.extend_from_slice(&postcard::to_stdvec(&self.arch.swiglu).map_err(pc)?);
+        payload.extend_from_slice(&postcard::to_stdvec(&self.link).map_err(pc)?);
+        let payload = zstd::bulk::compress(&payload, PAYLOAD_ZSTD_LEVEL)
+            .map_err(|e| format!("compress the manifest: {e}"))?;
         let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + 8);
         out.extend_from_slice(&MAGIC);
         out.extend_from_slice(&FORMAT_VERSION.to_le_bytes());
@@ -470,8 +514,16 @@ impl Manifest {
         }
         let bad =
             |e: postcard::Error| StoreError::invalid(path, format!("payload does not decode: {e}"));
-        let (mut m, rest): (Manifest, _) =
-            postcard::take_from_bytes(&bytes[HEADER_LEN..end]).map_err(bad)?;
+        let unpacked;
+        let payload = if version >= 6 {
+            unpacked = unzstd(&bytes[HEADER_LEN..end]).map_err(|e| {
+                StoreError::invalid(path, format!("payload does not decompress: {e}"))
+            })?;
+            &unpacked[..]
+        } else {
+            &bytes[HEADER_LEN..end]
+        };
+        let (mut m, rest): (Manifest, _) = postcard::take_from_bytes(payload).map_err(bad)?;
         let rest = if version >= 2 {
             let (ext, rest): (ArchExt, _) = postcard::take_from_bytes(rest).map_err(bad)?;
             m.arch.ext = ext;
@@ -491,6 +543,13 @@ impl Manifest {
             let (swiglu, rest): (Option<SwigluClamp>, _) =
                 postcard::take_from_bytes(rest).map_err(bad)?;
             m.arch.swiglu = swiglu;
+            rest
+        } else {
+            rest
+        };
+        let rest = if version >= 6 {
+            let (link, rest): (Option<Link>, _) = postcard::take_from_bytes(rest).map_err(bad)?;
+            m.link = link;
             rest
         } else {
             rest
@@ -515,16 +574,29 @@ impl Manifest {
         if self.frame_size == 0 || self.frame_size > FRAME_RAW_BYTES_MAX {
             return Err(format!("frame size {} out of range", self.frame_size));
         }
+        let link = self.link.as_ref();
+        if let Some(l) = link {
+            if self.weights_len != l.len {
+                return Err(format!(
+                    "linked to {} bytes of {}, but the weights are {} bytes",
+                    l.len,
+                    l.path().display(),
+                    self.weights_len
+                ));
+            }
+        }
         let mut file_end = 0u64;
         for (ui, u) in self.units.iter().enumerate() {
             let at = |msg: String| format!("unit {ui} ({}): {msg}", u.kind);
-            if u.file_offset % BLOB_ALIGN != 0 {
+            // A linked store's frames lie wherever the source holds their tensors; a
+            // store's own blobs are aligned and in order.
+            if link.is_none() && u.file_offset % BLOB_ALIGN != 0 {
                 return Err(at(format!(
                     "blob offset {} is not {BLOB_ALIGN}-aligned",
                     u.file_offset
                 )));
             }
-            if u.file_offset < file_end {
+            if link.is_none() && u.file_offset < file_end {
                 return Err(at(format!(
                     "blob at {} overlaps the previous one",
                     u.file_offset
@@ -538,6 +610,7 @@ impl Manifest {
             }
             let mut raw_at = 0u64;
             let mut file_at = u.file_offset;
+            let mut stored = 0u64;
             for (fi, f) in u.frames.iter().enumerate() {
                 let at = |msg: String| at(format!("frame {fi}: {msg}"));
                 if f.raw_offset != raw_at {
@@ -546,7 +619,7 @@ impl Manifest {
                         f.raw_offset
                     )));
                 }
-                if f.file_offset != file_at {
+                if link.is_none() && f.file_offset != file_at {
                     return Err(at(format!(
                         "file offset {} != expected {file_at}",
                         f.file_offset
@@ -554,6 +627,51 @@ impl Manifest {
                 }
                 if f.raw_len == 0 || f.raw_len > FRAME_RAW_BYTES_MAX {
                     return Err(at(format!("raw length {} out of range", f.raw_len)));
+                }
+                raw_at += f.raw_len as u64;
+                file_at += f.stored_len();
+                stored += f.stored_len();
+                match (link, f.codec) {
+                    (
+                        Some(_),
+                        Codec::Source {
+                            head_rows,
+                            row_bytes,
+                        },
+                    ) => {
+                        let n = match f.planes.as_slice() {
+                            [p] if !p.compressed => p.stored_len as u64,
+                            _ => return Err(at("a linked frame is one raw plane".into())),
+                        };
+                        if n == 0
+                            || n > f.raw_len as u64
+                            || f.raw_len as u64 - n >= BLOB_ALIGN
+                            || f.file_offset
+                                .checked_add(n)
+                                .is_none_or(|e| e > self.weights_len)
+                        {
+                            return Err(at(format!(
+                                "{n} source bytes at offset {} for {} raw bytes in a source of {}",
+                                f.file_offset, f.raw_len, self.weights_len
+                            )));
+                        }
+                        let head = head_rows as u64 * row_bytes as u64;
+                        if head_rows != 0
+                            && (!head_rows.is_multiple_of(2) || head == 0 || n % head != 0)
+                        {
+                            return Err(at(format!(
+                                "{n} bytes are not whole heads of {head_rows} rows of {row_bytes} bytes"
+                            )));
+                        }
+                        continue;
+                    }
+                    (Some(_), c) => {
+                        return Err(at(format!("a linked store's frame has codec {c}")));
+                    }
+                    (None, c @ Codec::Source { .. }) => {
+                        return Err(at(format!("codec {c} in a store that links no source")));
+                    }
+                    (None, _) => {}
                 }
                 let w = f.planes.len();
                 // Byte-split planes: 1, 2 or 4 equal ones; the float codec: 2 to 4 of its
@@ -601,8 +719,6 @@ impl Manifest {
                         )));
                     }
                 }
-                raw_at += f.raw_len as u64;
-                file_at += f.stored_len();
             }
             if raw_at != u.raw_len {
                 return Err(at(format!(
@@ -610,10 +726,9 @@ impl Manifest {
                     u.raw_len
                 )));
             }
-            if file_at - u.file_offset != u.stored_len {
+            if stored != u.stored_len {
                 return Err(at(format!(
-                    "frames hold {} stored bytes, unit says {}",
-                    file_at - u.file_offset,
+                    "frames hold {stored} stored bytes, unit says {}",
                     u.stored_len
                 )));
             }
@@ -643,7 +758,9 @@ impl Manifest {
                     )));
                 }
             }
-            file_end = file_at;
+            if link.is_none() {
+                file_end = file_at;
+            }
         }
         if self.weights_len < file_end {
             return Err(format!(
@@ -653,6 +770,22 @@ impl Manifest {
         }
         Ok(())
     }
+}
+
+/// A format-6 payload, decompressed: at most `MANIFEST_BYTES_MAX` bytes whatever its
+/// frame header claims.
+fn unzstd(coded: &[u8]) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut out = Vec::new();
+    zstd::stream::read::Decoder::new(coded)?
+        .take(MANIFEST_BYTES_MAX + 1)
+        .read_to_end(&mut out)?;
+    if out.len() as u64 > MANIFEST_BYTES_MAX {
+        return Err(std::io::Error::other(format!(
+            "more than {MANIFEST_BYTES_MAX} bytes"
+        )));
+    }
+    Ok(out)
 }
 
 #[cfg(test)]

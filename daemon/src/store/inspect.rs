@@ -56,6 +56,8 @@ pub struct Summary {
     pub ratio: f64,
     pub units: Vec<UnitSummary>,
     pub dtypes: Vec<DTypeSummary>,
+    /// The source file a linked store reads its weights from (`pack --link`).
+    pub linked: Option<String>,
 }
 
 fn ratio(stored: u64, raw: u64) -> f64 {
@@ -148,5 +150,6 @@ pub fn summarize(m: &Manifest) -> Summary {
         ratio: ratio(stored, raw),
         units,
         dtypes,
+        linked: m.link.as_ref().map(|l| l.path().display().to_string()),
     }
 }

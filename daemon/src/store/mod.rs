@@ -10,6 +10,7 @@ pub mod codec;
 pub mod format;
 pub mod fpsplit;
 pub mod inspect;
+pub mod link;
 pub mod reader;
 pub mod verify;
 pub mod writer;

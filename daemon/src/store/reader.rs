@@ -61,6 +61,16 @@ impl Store {
             }
         })?;
         let manifest = Manifest::decode(&bytes, &manifest_path)?;
+        if let Some(link) = &manifest.link {
+            // A linked store's weights are its source's bytes (`pack --link`).
+            super::link::check(link, dir)?;
+            return Ok(Store {
+                dir: dir.to_path_buf(),
+                weights_path: link.path(),
+                weights_len: link.len,
+                manifest,
+            });
+        }
         let weights_path = dir.join(WEIGHTS_FILE);
         let weights_len = std::fs::metadata(&weights_path)
             .map_err(|e| StoreError::io("stat", &weights_path, e))?
@@ -107,6 +117,7 @@ impl Store {
         &self.manifest.units
     }
 
+    /// The file the frames are read from: weights.bin, or a linked store's source.
     pub fn weights_path(&self) -> &Path {
         &self.weights_path
     }
@@ -150,6 +161,24 @@ impl Store {
             "destination sized for {}",
             u.kind
         );
+        if self.manifest.link.is_some() {
+            // Frames where the source holds them: one read each.
+            for (fi, f) in u.frames.iter().enumerate() {
+                stored.resize(f.stored_len() as usize, 0);
+                file.read_exact_at(stored, f.file_offset)
+                    .map_err(|e| self.frame_error(idx, fi, FrameFault::Read(e.to_string())))?;
+                let d = f.raw_offset as usize;
+                dec.decode(
+                    f.codec,
+                    &f.planes,
+                    f.checksum,
+                    stored,
+                    &mut dst[d..d + f.raw_len as usize],
+                )
+                .map_err(|fault| self.frame_error(idx, fi, fault))?;
+            }
+            return Ok(());
+        }
         stored.resize(u.stored_len as usize, 0);
         if let Err(e) = file.read_exact_at(stored, u.file_offset) {
             // Find the first frame the read could not deliver, for the message.

@@ -37,6 +37,9 @@ pub struct PackOptions {
     pub threads: usize,
     /// Replace an existing store at the target.
     pub force: bool,
+    /// `--link`: write only the manifest, its frames pointing at the source file's own
+    /// bytes (`store::link`); refused for a source whose tensors are not there as they are.
+    pub link: bool,
 }
 
 impl Default for PackOptions {
@@ -47,6 +50,7 @@ impl Default for PackOptions {
             frame_size: FRAME_SIZE_DEFAULT,
             threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
             force: false,
+            link: false,
         }
     }
 }
@@ -59,6 +63,10 @@ pub struct PackReport {
     pub stored_bytes: u64,
     /// `--codec auto`'s reasoning, a line per dtype (empty otherwise).
     pub auto: Vec<String>,
+    /// The source file a linked store points at (None: the store holds its weights).
+    pub linked: Option<PathBuf>,
+    /// Bytes of manifest.bin.
+    pub manifest_bytes: u64,
 }
 
 /// What `--codec auto` chooses for: the disk's read rate and the decode workers.
@@ -103,6 +111,24 @@ pub trait PackSource {
     /// Writes the tensor's bytes, already in the store's canonical layout, into `dst`
     /// (exactly the tensor's `len` bytes).
     fn copy_tensor(&self, name: &str, dst: &mut [u8]);
+    /// The one file a linked store may point at (`pack --link`), or why there is none.
+    fn link_file(&self) -> Result<PathBuf, String> {
+        Err("this source is not one file".into())
+    }
+    /// Where the tensor's bytes are in `link_file` as they are, or why they are not.
+    fn linked(&self, name: &str) -> Result<LinkedTensor, String> {
+        Err(format!("{name} is not in a file as it is"))
+    }
+}
+
+/// A tensor in the file a linked store points at.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct LinkedTensor {
+    /// Offset of its bytes in the file.
+    pub offset: u64,
+    /// Its rows are in llama.cpp's rotary order, heads of this many rows (the frames put
+    /// them back, `Codec::Source`); 0: as they are.
+    pub head_rows: u32,
 }
 
 /// A compressed frame: codec, planes, stored bytes, checksum of the raw bytes.
@@ -241,30 +267,19 @@ fn pack_into(
     units: &[UnitSpec],
     out: &Path,
     opts: &PackOptions,
-    mut on_progress: impl FnMut(u64),
+    on_progress: impl FnMut(u64),
 ) -> Result<PackReport, StoreError> {
     check_frame_size(out, opts.frame_size)?;
     let mut partial = PartialDir::create(out, opts.force)?;
-    let weights_path = partial.path.join(WEIGHTS_FILE);
-    let weights =
-        File::create(&weights_path).map_err(|e| StoreError::io("create", &weights_path, e))?;
-    let mut w = WeightsWriter {
-        out: std::io::BufWriter::with_capacity(8 << 20, weights),
-        path: weights_path,
-        at: 0,
-    };
-    let mut layer_units = Vec::with_capacity(units.len());
-    let mut blob: Vec<u8> = Vec::new();
     let mut report = PackReport {
         units: 0,
         frames: 0,
         raw_bytes: 0,
         stored_bytes: 0,
         auto: Vec::new(),
+        linked: None,
+        manifest_bytes: 0,
     };
-    let mut encoders: Vec<Encoders> = (0..opts.threads.max(1))
-        .map(|_| Encoders::default())
-        .collect();
     let mut auto = match opts.auto {
         Some(a) => Some(
             super::auto::Auto::calibrate(
@@ -277,6 +292,213 @@ fn pack_into(
         ),
         None => None,
     };
+    let (layer_units, weights_len, link) = match link_plan(model, units, opts, auto.as_mut())? {
+        Some((src, linked)) => {
+            let link = super::link::identify(&src)?;
+            let units = link_units(model, units, out, opts, &linked, &mut report, on_progress)?;
+            // The source must still be the file whose bytes the frames were made from.
+            super::link::check(&link, out)?;
+            report.linked = Some(link.path());
+            (units, link.len, Some(link))
+        }
+        None => {
+            let (units, len) = write_units(
+                model,
+                units,
+                &partial.path,
+                out,
+                opts,
+                auto.as_mut(),
+                &mut report,
+                on_progress,
+            )?;
+            (units, len, None)
+        }
+    };
+    let header = model.header();
+    let codec = match (&link, &auto) {
+        (Some(_), _) => Codec::Source {
+            head_rows: 0,
+            row_bytes: 0,
+        },
+        (None, Some(a)) => a.main_codec(),
+        (None, None) => opts.codec,
+    };
+    let manifest = Manifest {
+        arch: header.arch,
+        tokenizer: header.tokenizer,
+        chat_template: header.chat_template,
+        special: header.special,
+        units: layer_units,
+        weights_len,
+        codec,
+        frame_size: opts.frame_size,
+        source: header.source,
+        link,
+    };
+    report.manifest_bytes = write_manifest(&partial.path, &manifest)?;
+    partial.commit(out)?;
+    report.auto = auto.map_or(Vec::new(), |a| a.report());
+    Ok(report)
+}
+
+/// Whether this pack links its source (`store::link`), and where each tensor is in it if
+/// so: `--link` (refused, saying why, for a source that is not one file holding every
+/// tensor as it is), or `--codec auto` when the codecs it would choose save under 3 % of
+/// the bytes of a source it can link (`Auto::link_pays`; its reasoning goes to the
+/// report).
+#[allow(clippy::type_complexity)] // (the file, each tensor's place in it)
+fn link_plan(
+    model: &impl PackSource,
+    units: &[UnitSpec],
+    opts: &PackOptions,
+    auto: Option<&mut super::auto::Auto>,
+) -> Result<Option<(PathBuf, BTreeMap<String, LinkedTensor>)>, StoreError> {
+    if !opts.link && auto.is_none() {
+        return Ok(None);
+    }
+    let source = model.header().source;
+    let linked = model.link_file().and_then(|file| {
+        let mut at = BTreeMap::new();
+        for name in units.iter().flat_map(|u| &u.tensors) {
+            at.insert(name.clone(), model.linked(name)?);
+        }
+        Ok((file, at))
+    });
+    let (file, at) = match linked {
+        Ok(l) => l,
+        Err(why) if opts.link => {
+            return Err(StoreError::Refused {
+                path: PathBuf::from(source),
+                msg: format!("--link: {why}; pack a copy with a codec instead (--codec auto)"),
+            })
+        }
+        Err(_) => return Ok(None),
+    };
+    if let Some(a) = auto {
+        let mut bytes: BTreeMap<DType, u64> = BTreeMap::new();
+        for name in units.iter().flat_map(|u| &u.tensors) {
+            if let Some(t) = model.tensor(name) {
+                *bytes.entry(t.dtype).or_default() += t.len;
+            }
+        }
+        if !a.link_pays(&bytes, &file.display().to_string()) {
+            return Ok(None);
+        }
+    }
+    Ok(Some((file, at)))
+}
+
+/// A linked store's units: the tensors laid out as `write_units` lays them out, each cut
+/// into frames that name its bytes in the source (`Codec::Source`; a frame of rows in
+/// rotary order holds whole heads), their checksums over the canonical bytes.
+fn link_units(
+    model: &impl PackSource,
+    units: &[UnitSpec],
+    out: &Path,
+    opts: &PackOptions,
+    linked: &BTreeMap<String, LinkedTensor>,
+    report: &mut PackReport,
+    mut on_progress: impl FnMut(u64),
+) -> Result<Vec<LayerUnit>, StoreError> {
+    let bug = |msg: String| StoreError::invalid(out, format!("{msg} (a bug in --link)"));
+    let frame_max =
+        (opts.frame_size as u64).min(super::format::FRAME_RAW_BYTES_MAX as u64 - BLOB_ALIGN);
+    let mut layer_units = Vec::with_capacity(units.len());
+    let mut blob: Vec<u8> = Vec::new();
+    for spec in units {
+        let (tensors, raw_len) = lay_out(model, spec, out)?;
+        blob.clear();
+        blob.resize(raw_len as usize, 0);
+        let mut frames = Vec::new();
+        for (i, t) in tensors.iter().enumerate() {
+            let dst = &mut blob[t.offset as usize..(t.offset + t.len) as usize];
+            model.copy_tensor(&t.name, dst);
+            let lt = linked
+                .get(&t.name)
+                .ok_or_else(|| bug(format!("no source range for {}", t.name)))?;
+            let region_end = tensors.get(i + 1).map_or(raw_len, |n| n.offset);
+            let t_end = t.offset + t.len;
+            let (row_bytes, step) = if lt.head_rows == 0 {
+                (0, frame_max)
+            } else {
+                let rows = t.shape.first().copied().unwrap_or(0);
+                let row_bytes = t.len.checked_div(rows).filter(|r| r * rows == t.len);
+                let Some(row_bytes) = row_bytes else {
+                    return Err(bug(format!(
+                        "{} has {rows} rows of {} bytes",
+                        t.name, t.len
+                    )));
+                };
+                let head = lt.head_rows as u64 * row_bytes;
+                (row_bytes, (frame_max / head).max(1) * head)
+            };
+            let mut at = t.offset;
+            while at < t_end {
+                let n = (t_end - at).min(step);
+                // The last frame of a tensor holds the padding after it (decoded as zeros).
+                let raw_end = if at + n == t_end { region_end } else { at + n };
+                frames.push(Frame {
+                    file_offset: lt.offset + (at - t.offset),
+                    raw_offset: at,
+                    raw_len: (raw_end - at) as u32,
+                    checksum: xxhash_rust::xxh3::xxh3_64(&blob[at as usize..raw_end as usize]),
+                    codec: Codec::Source {
+                        head_rows: lt.head_rows,
+                        row_bytes: row_bytes as u32,
+                    },
+                    planes: vec![super::codec::Plane {
+                        stored_len: n as u32,
+                        compressed: false,
+                    }],
+                });
+                at += n;
+            }
+        }
+        let stored_len: u64 = frames.iter().map(|f| f.stored_len()).sum();
+        report.units += 1;
+        report.frames += frames.len();
+        report.raw_bytes += raw_len;
+        report.stored_bytes += stored_len;
+        layer_units.push(LayerUnit {
+            kind: spec.kind,
+            file_offset: frames.first().map_or(0, |f| f.file_offset),
+            stored_len,
+            raw_len,
+            frames,
+            tensors,
+        });
+        on_progress(raw_len);
+    }
+    Ok(layer_units)
+}
+
+/// A store's own units, compressed into weights.bin in `dir`; returns them and the file's
+/// length.
+#[allow(clippy::too_many_arguments)]
+fn write_units(
+    model: &impl PackSource,
+    units: &[UnitSpec],
+    dir: &Path,
+    out: &Path,
+    opts: &PackOptions,
+    mut auto: Option<&mut super::auto::Auto>,
+    report: &mut PackReport,
+    mut on_progress: impl FnMut(u64),
+) -> Result<(Vec<LayerUnit>, u64), StoreError> {
+    let weights_path = dir.join(WEIGHTS_FILE);
+    let weights =
+        File::create(&weights_path).map_err(|e| StoreError::io("create", &weights_path, e))?;
+    let mut w = WeightsWriter {
+        out: std::io::BufWriter::with_capacity(8 << 20, weights),
+        path: weights_path,
+        at: 0,
+    };
+    let mut layer_units = Vec::with_capacity(units.len());
+    let mut blob: Vec<u8> = Vec::new();
+    let mut encoders: Vec<Encoders> = (0..opts.threads.max(1))
+        .map(|_| Encoders::default())
+        .collect();
     let mut codecs = Vec::new();
 
     for spec in units {
@@ -290,7 +512,7 @@ fn pack_into(
         codecs.clear();
         for t in &tensors {
             let raw = &blob[t.offset as usize..(t.offset + t.len) as usize];
-            codecs.push(match auto.as_mut() {
+            codecs.push(match auto.as_deref_mut() {
                 Some(a) => a
                     .choose_for(raw, t.dtype, opts.frame_size as usize)
                     .map_err(|e| StoreError::io("choose a codec for", out, e))?,
@@ -316,24 +538,7 @@ fn pack_into(
     weights
         .sync_all()
         .map_err(|e| StoreError::io("fsync", &w.path, e))?;
-    drop(weights);
-
-    let header = model.header();
-    let manifest = Manifest {
-        arch: header.arch,
-        tokenizer: header.tokenizer,
-        chat_template: header.chat_template,
-        special: header.special,
-        units: layer_units,
-        weights_len: file_at,
-        codec: auto.as_ref().map_or(opts.codec, |a| a.main_codec()),
-        frame_size: opts.frame_size,
-        source: header.source,
-    };
-    write_manifest(&partial.path, &manifest)?;
-    partial.commit(out)?;
-    report.auto = auto.map_or(Vec::new(), |a| a.report());
-    Ok(report)
+    Ok((layer_units, file_at))
 }
 
 /// `--codec auto`'s calibration samples: per dtype, up to `auto::SAMPLE_BYTES` of its
@@ -573,8 +778,9 @@ impl WeightsWriter {
     }
 }
 
-/// Checks the manifest as every reader will, then writes and fsyncs it and its directory.
-fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), StoreError> {
+/// Checks the manifest as every reader will, then writes and fsyncs it and its directory;
+/// returns its length.
+fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<u64, StoreError> {
     // Assert in pairs: what we wrote must pass the checks every reader applies.
     manifest.validate().map_err(|e| {
         StoreError::invalid(
@@ -591,5 +797,6 @@ fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<(), StoreError> {
     mf.write_all(&bytes)
         .and_then(|_| mf.sync_all())
         .map_err(|e| StoreError::io("write", &manifest_path, e))?;
-    fsync_dir(dir)
+    fsync_dir(dir)?;
+    Ok(bytes.len() as u64)
 }

@@ -163,6 +163,11 @@ fn print_summary(dir: &std::path::Path, s: &store::inspect::Summary) {
         fmt_bytes(s.stored_bytes),
         s.ratio
     );
+    if let Some(l) = &s.linked {
+        println!(
+            "linked      weights read from {l} (pack --link): its stored bytes are that file's"
+        );
+    }
     println!();
     println!(
         "{:<8} {:>8} {:>12} {:>12} {:>7}  {:>11}",

@@ -46,6 +46,13 @@ pub struct PackArgs {
     /// Replace an existing store at the output path.
     #[arg(long)]
     pub force: bool,
+    /// Write only the manifest: its frames point at the source file's own bytes (a GGUF
+    /// whose quantized blocks no codec shrinks), so the model is not on disk twice. The
+    /// store then needs that file, unchanged, where it is now (its size, modification time
+    /// and sampled checksums are checked at open). `--codec auto` links by itself where
+    /// the codecs it would choose for this disk save under 3 % of the bytes.
+    #[arg(long, conflicts_with_all = ["codec", "disk_gbps", "decode_workers"])]
+    pub link: bool,
 }
 
 pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
@@ -60,6 +67,7 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         frame_size,
         threads,
         force,
+        link,
     } = a;
     let auto_codec = codec == "auto";
     let codec: Codec = if auto_codec {
@@ -116,8 +124,9 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         threads: threads
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
         force,
+        link,
     };
-    let pb = progress_bar(total, "packing");
+    let pb = progress_bar(total, if link { "linking" } else { "packing" });
     let report = store::writer::pack(&model, &units, &output, &opts, |b| pb.inc(b))?;
     pb.finish_and_clear();
     for line in &report.auto {
@@ -129,6 +138,20 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         codec.to_string()
     };
     let secs = t0.elapsed().as_secs_f64();
+    if let Some(linked) = &report.linked {
+        println!(
+            "linked {} -> {}: {} units, {} frames pointing at {} of {}; the store is a {} manifest in {secs:.2} s. Keep {} unchanged where it is: the store reads its weights from it",
+            src.display(),
+            output.display(),
+            report.units,
+            report.frames,
+            fmt_bytes(report.stored_bytes),
+            linked.display(),
+            fmt_bytes(report.manifest_bytes),
+            linked.display(),
+        );
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
     println!(
         "packed {} -> {}: {} units, {} frames, {} raw -> {} stored (ratio {:.3}, {codec}) in {secs:.2} s ({:.0} MB/s of raw input)",
         src.display(),

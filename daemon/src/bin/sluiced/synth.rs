@@ -133,6 +133,7 @@ pub fn run(a: SynthArgs) -> Result<std::process::ExitCode> {
             frame_size,
             threads,
             force,
+            link: false,
         },
     )?;
     Ok(std::process::ExitCode::SUCCESS)
