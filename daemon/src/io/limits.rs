@@ -134,8 +134,15 @@ impl Pools {
                 })
                 .collect()
         };
-        let read_bufs = alloc(cfg.read_buffers, cfg.request_bytes, "read buffers")?;
+        let mut read_bufs = alloc(cfg.read_buffers, cfg.request_bytes, "read buffers")?;
         let mut slots = alloc(cfg.staging_slots, sizes.slot_bytes, "staging slots")?;
+        // Fault every page in now: the first pass would otherwise take a page fault (and a
+        // zeroed page) every 4 KiB of reads and decoded frames, on the I/O and worker
+        // threads (bench-io's first pass ran at a third of the later ones). The plan counts
+        // these bytes as held from the start either way.
+        for b in read_bufs.iter_mut().chain(slots.iter_mut()) {
+            b.prefault();
+        }
         if let Some(p) = &cfg.pinner {
             for s in &mut slots {
                 s.pin(p).map_err(|e| format!("staging slots: {e}"))?;
