@@ -772,17 +772,21 @@ impl Manifest {
     }
 }
 
-/// A format-6 payload, decompressed: at most `MANIFEST_BYTES_MAX` bytes whatever its
+/// Largest decompressed format-6 payload we accept: a crafted kilobyte must not claim a
+/// gigabyte (a 400B model's manifest, 800 000 frames and a 256K vocabulary, is ~40 MB).
+const PAYLOAD_RAW_BYTES_MAX: u64 = 256 << 20;
+
+/// A format-6 payload, decompressed: at most `PAYLOAD_RAW_BYTES_MAX` bytes whatever its
 /// frame header claims.
 fn unzstd(coded: &[u8]) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
     let mut out = Vec::new();
     zstd::stream::read::Decoder::new(coded)?
-        .take(MANIFEST_BYTES_MAX + 1)
+        .take(PAYLOAD_RAW_BYTES_MAX + 1)
         .read_to_end(&mut out)?;
-    if out.len() as u64 > MANIFEST_BYTES_MAX {
+    if out.len() as u64 > PAYLOAD_RAW_BYTES_MAX {
         return Err(std::io::Error::other(format!(
-            "more than {MANIFEST_BYTES_MAX} bytes"
+            "more than {PAYLOAD_RAW_BYTES_MAX} bytes"
         )));
     }
     Ok(out)
