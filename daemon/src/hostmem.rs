@@ -174,13 +174,4 @@ pub fn overhead_now(extra: u64) -> u64 {
     anon_rss_bytes().unwrap_or(0) + OVERHEAD_MARGIN + extra
 }
 
-/// Tells the kernel the cached pages of `file` are not needed again, so that a file read
-/// once (a resident unit read without O_DIRECT) does not stay charged
-/// to this process's memory cgroup.
-pub fn drop_cached(file: &std::fs::File) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: advice on a file descriptor this function borrows; it changes no memory.
-    unsafe {
-        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
-    }
-}
+pub use crate::util::drop_cached;

@@ -121,6 +121,17 @@ pub fn array<const N: usize>(b: &[u8]) -> [u8; N] {
     a
 }
 
+/// Tells the kernel the cached pages of `file` are not needed again, so that a file read
+/// once (the manifest, a linked store's sampled ranges, a resident unit read without
+/// O_DIRECT) does not stay charged to this process's memory cgroup.
+pub fn drop_cached(file: &std::fs::File) {
+    use std::os::fd::AsRawFd;
+    // SAFETY: advice on a file descriptor this function borrows; it changes no memory.
+    unsafe {
+        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

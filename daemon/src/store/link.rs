@@ -28,15 +28,15 @@ pub fn identify(path: &Path) -> Result<Link, StoreError> {
     let mut buf = vec![0u8; SAMPLE_BYTES as usize];
     for offset in sample_offsets(len) {
         let n = SAMPLE_BYTES.min(len - offset) as usize;
-        file.read_exact_at(&mut buf[..n], offset)
+        let checksum = sample_checksum(&file, offset, n, &mut buf)
             .map_err(|e| StoreError::io("read", &abs, e))?;
         samples.push(LinkSample {
             offset,
             len: n as u32,
-            checksum: xxhash_rust::xxh3::xxh3_64(&buf[..n]),
+            checksum,
         });
     }
-    drop_cached(&file);
+    crate::util::drop_cached(&file);
     use std::os::unix::ffi::OsStrExt;
     Ok(Link {
         path: abs.as_os_str().as_bytes().to_vec(),
@@ -104,15 +104,14 @@ pub fn check(link: &Link, store: &Path) -> Result<(), StoreError> {
     let mut buf = vec![0u8; SAMPLE_BYTES as usize];
     let mut bad = None;
     for s in &link.samples {
-        let n = (s.len as usize).min(buf.len());
-        file.read_exact_at(&mut buf[..n], s.offset)
+        let sum = sample_checksum(&file, s.offset, s.len as usize, &mut buf)
             .map_err(|e| StoreError::io("read", &path, e))?;
-        if xxhash_rust::xxh3::xxh3_64(&buf[..n]) != s.checksum {
+        if sum != s.checksum {
             bad = Some(s.offset);
             break;
         }
     }
-    drop_cached(&file);
+    crate::util::drop_cached(&file);
     if let Some(offset) = bad {
         return Err(refuse(format!(
             "its {SAMPLE_BYTES} bytes at offset {offset} changed"
@@ -121,13 +120,12 @@ pub fn check(link: &Link, store: &Path) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// Gives a file's cached pages back (a cgroup would count them, outside the plan).
-fn drop_cached(file: &File) {
-    use std::os::fd::AsRawFd;
-    // SAFETY: advice on a descriptor we own; it changes no memory.
-    unsafe {
-        libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
-    }
+/// xxh3-64 of `len` (at most `buf`'s length) bytes of `file` at `offset`.
+fn sample_checksum(file: &File, offset: u64, len: usize, buf: &mut [u8]) -> std::io::Result<u64> {
+    let n = len.min(buf.len());
+    let b = &mut buf[..n];
+    file.read_exact_at(b, offset)?;
+    Ok(xxhash_rust::xxh3::xxh3_64(b))
 }
 
 #[cfg(test)]

@@ -14,14 +14,10 @@ use std::path::{Path, PathBuf};
 /// cgroup of whoever read it otherwise, outside the plan.
 fn read_uncached(path: &Path) -> std::io::Result<Vec<u8>> {
     use std::io::Read;
-    use std::os::fd::AsRawFd;
     let mut f = File::open(path)?;
     let mut out = Vec::with_capacity(f.metadata().map_or(0, |m| m.len() as usize));
     f.read_to_end(&mut out)?;
-    // SAFETY: advice on a descriptor we own; it changes no memory.
-    unsafe {
-        libc::posix_fadvise(f.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED);
-    }
+    crate::util::drop_cached(&f);
     Ok(out)
 }
 

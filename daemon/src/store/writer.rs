@@ -292,7 +292,9 @@ fn pack_into(
         ),
         None => None,
     };
-    let (layer_units, weights_len, link) = match link_plan(model, units, opts, auto.as_mut())? {
+    let header = model.header();
+    let linked = link_plan(model, units, opts, auto.as_mut(), &header.source)?;
+    let (layer_units, weights_len, link) = match linked {
         Some((src, linked)) => {
             let link = super::link::identify(&src)?;
             let units = link_units(model, units, out, opts, &linked, &mut report, on_progress)?;
@@ -315,7 +317,6 @@ fn pack_into(
             (units, len, None)
         }
     };
-    let header = model.header();
     let codec = match (&link, &auto) {
         (Some(_), _) => Codec::Source {
             head_rows: 0,
@@ -353,11 +354,11 @@ fn link_plan(
     units: &[UnitSpec],
     opts: &PackOptions,
     auto: Option<&mut super::auto::Auto>,
+    source: &str,
 ) -> Result<Option<(PathBuf, BTreeMap<String, LinkedTensor>)>, StoreError> {
     if !opts.link && auto.is_none() {
         return Ok(None);
     }
-    let source = model.header().source;
     let linked = model.link_file().and_then(|file| {
         let mut at = BTreeMap::new();
         for name in units.iter().flat_map(|u| &u.tensors) {
