@@ -88,30 +88,140 @@ __device__ __forceinline__ float deq_q4_1(const u8* b, int i) {
     return f16_to_f32(load_u16(b)) * (float)v + f16_to_f32(load_u16(b + 2));
 }
 
-// One warp per weight row of a decode-row GEMV: out[r][j] = dot(W[j], x[r]), the dot
-// split across the warp's lanes by `dot` and summed. Grid: (ceil(m / 4), n_rows); block:
-// 128 threads = 4 warps.
-template <typename Dot>
-__device__ __forceinline__ void gemv_row(const u8* w, const float* xr, float* out_r, int m, int k, size_t row_bytes, Dot dot) {
+// ---- Decode-row GEMV: out[r][j] = dot(W[j], x[r]) for the step's decode rows ----
+// One warp per weight row j, four to a block; each block takes up to GEMV_R activation
+// rows, so a step with B decode rows reads every weight ceil(B / GEMV_R) times, not B.
+// Grid: (ceil(m / 4), ceil(rows / GEMV_R)); block: 128 threads.
+//
+// A row of weights is cut into chunks of 8 weights; lane l takes chunks l, l + 32, ...
+// (a warp reads 32 consecutive chunks: coalesced), dequantizes each chunk once into
+// registers and applies it to every activation row of the block. A format `F` supplies:
+//   chunks(k)              chunks in a row of k weights (whole chunks only),
+//   load(row, c, ch)       chunk c of a row: 8 weights w (unscaled), their scale d and
+//                          min mn (value = d * w + mn: mn only where HAS_MIN), and where
+//                          its 8 activations are: x0..x0+3 and x1..x1+3,
+//   elem(row, i)           weight i, for the dense formats' tail past the last whole chunk.
+// Every row's sum is one fixed sequence of fmaf: per chunk t = sum_i w[i] * x[i] in order,
+// acc = fmaf(d, t, acc) (then fmaf(mn, sum of the 8 x, acc)), chunks in lane order, then
+// the tail, then the warp's fixed butterfly. It does not depend on how many rows share the
+// block or where the row sits in it, so a sequence's results do not depend on the batch.
+#define GEMV_R 8
+
+struct Chunk {
+    float w[8];
+    float d, mn;
+    int x0, x1;
+};
+
+// Two aligned 16-bit loads as one little-endian u32 (the 18- and 34-byte GGML blocks are
+// only 2-byte aligned), through the read-only path.
+__device__ __forceinline__ u32 ld_u16x2(const u8* p) {
+    const u16* q = (const u16*)p;
+    return (u32)__ldg(q) | ((u32)__ldg(q + 1) << 16);
+}
+__device__ __forceinline__ u16 ld_u16(const u8* p) { return __ldg((const u16*)p); }
+
+// The 8 activations of a chunk; `vec`: the row is 16-byte aligned and x0, x1 are multiples
+// of 4, so two float4 loads; otherwise eight scalar loads of the same values.
+__device__ __forceinline__ void load_x8(const float* __restrict__ xr, int x0, int x1, bool vec, float* xa) {
+    if (vec) {
+        const float4 a = __ldg((const float4*)(xr + x0)), b = __ldg((const float4*)(xr + x1));
+        xa[0] = a.x; xa[1] = a.y; xa[2] = a.z; xa[3] = a.w;
+        xa[4] = b.x; xa[5] = b.y; xa[6] = b.z; xa[7] = b.w;
+    } else {
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            xa[i] = __ldg(xr + x0 + i);
+            xa[4 + i] = __ldg(xr + x1 + i);
+        }
+    }
+}
+
+// `nr` (<= R) activation rows at xr, xr + k, ...: each lane's partial sums in acc.
+template <int R, typename F>
+__device__ __forceinline__ void gemv_acc(const F& f, const u8* __restrict__ row, const float* __restrict__ xr, int nr,
+                                         int k, int lane, bool xvec, float* acc) {
+#pragma unroll
+    for (int r = 0; r < R; r++) acc[r] = 0.0f;
+    const int n = f.chunks(k);
+    for (int c = lane; c < n; c += 32) {
+        Chunk ch;
+        f.load(row, c, ch);
+#pragma unroll
+        for (int r = 0; r < R; r++) {
+            if (r < nr) {
+                float xa[8];
+                load_x8(xr + (size_t)r * k, ch.x0, ch.x1, xvec, xa);
+                float t = 0.0f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) t = fmaf(ch.w[i], xa[i], t);
+                float a = fmaf(ch.d, t, acc[r]);
+                if (F::HAS_MIN) {
+                    float s = xa[0];
+#pragma unroll
+                    for (int i = 1; i < 8; i++) s = __fadd_rn(s, xa[i]);
+                    a = fmaf(ch.mn, s, a);
+                }
+                acc[r] = a;
+            }
+        }
+    }
+    for (int i = n * 8 + lane; i < k; i += 32) {
+        const float wi = f.elem(row, i);
+#pragma unroll
+        for (int r = 0; r < R; r++)
+            if (r < nr) acc[r] = fmaf(wi, __ldg(xr + (size_t)r * k + i), acc[r]);
+    }
+}
+
+// Activation rows in float4s when every row and chunk offset is 16-byte aligned.
+__device__ __forceinline__ bool x_vec(const float* x, int k) { return (k & 3) == 0 && (((size_t)x) & 15) == 0; }
+
+template <typename F>
+__device__ void gemv(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, int m, int k,
+                     int rows, size_t row_bytes, F f) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int j = blockIdx.x * 4 + warp;
-    if (j >= m) return;
-    const float s = warp_sum(dot(w + (size_t)j * row_bytes, xr, k, lane));
-    if (lane == 0) out_r[j] = s;
-}
-template <typename Dot>
-__device__ void gemv(const u8* w, const float* x, float* out, int m, int k, size_t row_bytes, Dot dot) {
-    const int r = blockIdx.y;
-    gemv_row(w, x + (size_t)r * k, out + (size_t)r * m, m, k, row_bytes, dot);
+    const int r0 = blockIdx.y * GEMV_R;
+    if (j >= m || r0 >= rows) return;
+    const int nr = min(GEMV_R, rows - r0);
+    const u8* row = w + (size_t)j * row_bytes;
+    const float* xr = x + (size_t)r0 * k;
+    const bool xvec = x_vec(x, k);
+    if (nr == 1) {
+        float acc[1];
+        gemv_acc<1>(f, row, xr, 1, k, lane, xvec, acc);
+        const float s = warp_sum(acc[0]);
+        if (lane == 0) out[(size_t)r0 * m + j] = s;
+    } else {
+        float acc[GEMV_R];
+        gemv_acc<GEMV_R>(f, row, xr, nr, k, lane, xvec, acc);
+#pragma unroll
+        for (int r = 0; r < GEMV_R; r++) {
+            if (r < nr) {
+                const float s = warp_sum(acc[r]);
+                if (lane == 0) out[(size_t)(r0 + r) * m + j] = s;
+            }
+        }
+    }
 }
 // The grouped GEMV of a mixture's decode rows: pair p (blockIdx.y) is one (expert, row) of
 // the step, with its expert's weight matrix at ws[p] and its activation row x_rows[p] of
-// x (row p when x_rows is null): out[p][j] = dot(W_p[j], x[x_rows[p]]). The same warp
-// arithmetic as `gemv`, so a row's result is the same bits either way.
-template <typename Dot>
-__device__ void gemv_grouped(const unsigned long long* ws, const u32* x_rows, const float* x, float* out, int m, int k,
-                             size_t row_bytes, Dot dot) {
+// x (row p when x_rows is null): out[p][j] = dot(W_p[j], x[x_rows[p]]). Grid (ceil(m / 4),
+// pairs), block 128. The same arithmetic as `gemv` for one row, so a row's result is the
+// same bits either way.
+template <typename F>
+__device__ void gemv_grouped(const unsigned long long* __restrict__ ws, const u32* __restrict__ x_rows,
+                             const float* __restrict__ x, float* __restrict__ out, int m, int k, size_t row_bytes,
+                             F f) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int j = blockIdx.x * 4 + warp;
+    if (j >= m) return;
     const int p = blockIdx.y;
     const size_t r = x_rows ? (size_t)x_rows[p] : (size_t)p;
-    gemv_row((const u8*)ws[p], x + r * k, out + (size_t)p * m, m, k, row_bytes, dot);
+    const u8* row = (const u8*)ws[p] + (size_t)j * row_bytes;
+    float acc[1];
+    gemv_acc<1>(f, row, x + r * k, 1, k, lane, x_vec(x, k), acc);
+    const float s = warp_sum(acc[0]);
+    if (lane == 0) out[(size_t)p * m + j] = s;
 }

@@ -1,8 +1,8 @@
 // The block formats of K-quant and newer GGUFs: Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
 // IQ4_NL, IQ4_XS, MXFP4 (layouts: ggml-common.h, described in daemon/src/dtype/ggml.rs).
 // For each: a decode-row GEMV that dequantizes in registers (gemv_*, grid (ceil(m / 4),
-// n_rows), block 128: one warp per weight row, each lane eight consecutive weights at a
-// time) and its grouped form for a mixture's decode rows (gemv_grouped_*), the
+// ceil(rows / GEMV_R)), block 128: one warp per weight row, each lane eight consecutive
+// weights at a time, dequantized once for up to GEMV_R activation rows) and its grouped form for a mixture's decode rows (gemv_grouped_*), the
 // dequantization into f32 tiles for the cuBLAS path (dequant_*, one thread per element,
 // grid ceil(n / 256), block 256), and the embedding gather (embedding_*, grid rows).
 //
@@ -106,28 +106,36 @@ __device__ __forceinline__ float deq_mxfp4(const u8* b, int i) {
     return __fmul_rn(d, (float)KVALUES_MXFP4[nibble32(b + 1, i)]);
 }
 
-// A dot product over whole blocks: lane l takes weights 8c..8c+8 for c = l, l + 32, ...
+// The chunk format of `gemv` (common.cuh) over whole blocks: chunk c is weights 8c..8c+7,
+// each dequantized (scale applied) by DEQ with byte loads from its block, once for all the
+// activation rows of the GEMV block.
 template <int BE, int BB, float (*DEQ)(const u8*, int)>
-struct DotBlocks { __device__ float operator()(const u8* w, const float* x, int k, int lane) const {
-    float s = 0.0f;
-    for (int c = lane; c < k / 8; c += 32) {
+struct FmtBlocks {
+    static constexpr bool HAS_MIN = false;
+    __device__ int chunks(int k) const { return k / 8; }
+    __device__ void load(const u8* row, int c, Chunk& ch) const {
         const int i0 = c * 8;
-        const u8* blk = w + (size_t)(i0 / BE) * BB;
+        const u8* blk = row + (size_t)(i0 / BE) * BB;
         const int e0 = i0 % BE;
-        float t = 0.0f;
-        for (int e = 0; e < 8; e++) t += DEQ(blk, e0 + e) * x[i0 + e];
-        s += t;
+#pragma unroll
+        for (int e = 0; e < 8; e++) ch.w[e] = DEQ(blk, e0 + e);
+        ch.d = 1.0f;
+        ch.mn = 0.0f;
+        ch.x0 = i0;
+        ch.x1 = i0 + 4;
     }
-    return s;
-} };
+    __device__ float elem(const u8*, int) const { return 0.0f; }
+};
 
 #define BLOCK_FORMAT(name, be, bb)                                                                         \
-    extern "C" __global__ void gemv_##name(const u8* w, const float* x, float* out, int m, int k) {       \
-        gemv(w, x, out, m, k, (size_t)(k / be) * bb, DotBlocks<be, bb, deq_##name>());                    \
+    extern "C" __global__ void gemv_##name(const u8* __restrict__ w, const float* __restrict__ x,         \
+                                           float* __restrict__ out, int m, int k, int rows) {             \
+        gemv(w, x, out, m, k, rows, (size_t)(k / be) * bb, FmtBlocks<be, bb, deq_##name>());              \
     }                                                                                                      \
-    extern "C" __global__ void gemv_grouped_##name(const unsigned long long* w, const u32* x_rows,        \
-                                                   const float* x, float* out, int m, int k) {             \
-        gemv_grouped(w, x_rows, x, out, m, k, (size_t)(k / be) * bb, DotBlocks<be, bb, deq_##name>());    \
+    extern "C" __global__ void gemv_grouped_##name(const unsigned long long* __restrict__ w,              \
+                                                   const u32* __restrict__ x_rows, const float* __restrict__ x, \
+                                                   float* __restrict__ out, int m, int k) {               \
+        gemv_grouped(w, x_rows, x, out, m, k, (size_t)(k / be) * bb, FmtBlocks<be, bb, deq_##name>());    \
     }                                                                                                      \
     extern "C" __global__ void dequant_##name(const u8* w, float* out, unsigned long long n) {            \
         const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;           \

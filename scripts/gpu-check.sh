@@ -90,6 +90,13 @@ fi
 "$sluiced" bench-stream "$synth" --backend cuda --weights-budget 50% --batch 1,8,32 \
   --steps 8 --prompt-tokens 16 --json > "$out/synth.json"
 
+echo "== kernel benchmark"
+"$sluiced" bench-kernels --json > "$out/kernels.json"
+
+echo "== resident step time: synthetic model, everything on the device"
+"$sluiced" bench-stream "$synth" --backend cuda --weights-budget 100% --batch 1,8,64 \
+  --steps 8 --prompt-tokens 16 --json > "$out/resident.json"
+
 echo '{}' > "$out/smol.json"
 if [ -n "${SLUICE_SMOLLM2_GGUF:-}" ]; then
   echo "== streaming benchmark: SmolLM2"
@@ -103,9 +110,10 @@ fi
 
 echo
 echo "== gpu-check summary ($(( $(date +%s) - start )) s)"
-python3 - "$out/synth.json" "$out/smol.json" "$test_line" "$smol_note" <<'EOF'
+python3 - "$out/synth.json" "$out/smol.json" "$test_line" "$smol_note" "$out/kernels.json" "$out/resident.json" <<'EOF'
 import json, sys
 s, m, tests, note = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
+kern, res = json.load(open(sys.argv[5])), json.load(open(sys.argv[6]))
 gib = 1 << 30
 print(f"GPU tests: {tests or 'no result line (see above)'}")
 if note:
@@ -122,6 +130,21 @@ row("pass ms: compute-only / streaming-only / streamed", f"{s['compute_only_pass
 row("  streamed / max(compute-only, streaming-only)", f"{s['overlap_ratio']:.3f}", "<= 1.1")
 for b in s["batches"]:
     row(f"  synthetic decode batch {b['batch']}: tokens/s (vs linear)", f"{b['tokens_per_s']:.1f} ({b['vs_linear']:.2f})")
+row(f"device-to-device copy on {kern['device']}, GB/s (read + write)", f"{kern['copy_gbps']:.0f}")
+for g in kern["gemv"]:
+    if g["dtype"] in ("q4_0", "q8_0", "Q4_0", "Q8_0") and g["rows"] in (1, 8):
+        row(f"  GEMV {g['dtype']} {g['m']}x{g['k']}, {g['rows']} rows: GB/s / copy", f"{g['gbps']:.0f} / {g['vs_copy']:.3f}", ">= 0.6")
+att = {a["context"]: a["seconds"] for a in kern["attention"]}
+if 4096 in att and 32768 in att:
+    row("attention decode, 32K context / 4K context", f"{att[32768] / att[4096]:.2f}", "~8")
+steps = {b["batch"]: b["pass_s"] for b in res["batches"]}
+if 1 in steps and 64 in steps:
+    row(f"resident step, batch 64 / batch 1 ({steps[1]*1e3:.2f} ms at 1)", f"{steps[64] / steps[1]:.2f}", "<= 3")
+print("GEMV effective bandwidth (weight bytes / time) over the copy's, every kernel:")
+for g in kern["gemv"]:
+    print(f"  {g['dtype']:>6} {g['m']:>5}x{g['k']:<5} rows {g['rows']:>2}: {g['seconds']*1e6:8.1f} us {g['gbps']:7.0f} GB/s {g['vs_copy']:6.3f}")
+for a in kern["attention"]:
+    print(f"  attention, context {a['context']:>6}: {a['seconds']*1e6:8.1f} us ({a['vs_first']:.2f}x the first), K+V {a['kv_gbps']:.0f} GB/s")
 if m:
     row("SmolLM2 decode tokens/s, all resident (batch 1)", f"{m['resident_tokens_per_s']:.1f}")
     row(f"SmolLM2 decode tokens/s, streamed {m['layers_streamed']} of {m['layers_streamed']+m['layers_resident']} units (batch 1)", f"{m['streamed_tokens_per_s']:.1f}")

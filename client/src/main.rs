@@ -557,7 +557,7 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
                 "numerics": st.numerics, "kv_dtype": st.kv_dtype,
                 "max_batch": st.max_batch, "max_context": st.max_context,
                 "io_read_buffers": st.io_read_buffers, "io_read_buffers_free": st.io_read_buffers_free,
-                "io_slots": st.io_slots, "io_slots_free": st.io_slots_free,
+                "io_slots": st.io_slots, "io_slots_free": st.io_slots_free, "io_slots_pageable": st.io_slots_pageable,
                 "io_units_failed": st.io_units_failed, "io_reads_stalled": st.io_reads_stalled,
                 "io_short_reads": st.io_short_reads, "host_heap_in_use_bytes": st.host_heap_in_use_bytes,
                 "expert_routing": st.expert_routing.iter().map(|r| serde_json::json!({"layer": r.layer, "tokens": r.tokens})).collect::<Vec<_>>(),
@@ -617,6 +617,12 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
             st.io_reads_stalled,
             st.io_short_reads
         );
+        if st.io_slots_pageable > 0 {
+            println!(
+                "                 {} staging slots pageable (page-locking refused): uploads from them are slower",
+                st.io_slots_pageable
+            );
+        }
         if !st.expert_routing.is_empty() {
             println!("experts          tokens per expert since load, per sparse layer: the most chosen (share of the layer's tokens)");
             for r in &st.expert_routing {

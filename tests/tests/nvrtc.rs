@@ -33,29 +33,36 @@ fn every_kernel_compiles_cleanly_for_sm80_and_sm90() {
             count += entries.len();
         }
     }
-    // 29 kernels today (add 2, argmax 1, attention 1, convert 2, embedding 6, kv_store 1,
-    // matmul_q 11, rms_norm 3, rope 1, silu_mul 1), each for two architectures.
-    assert!(count >= 2 * 29, "only {count} kernel entries compiled");
+    // 83 kernels today (add, attention, convert, embedding, kv_store, matmul_q, matmul_k,
+    // moe, rms_norm, rope, silu_mul), each for two architectures.
+    assert!(count >= 2 * 83, "only {count} kernel entries compiled");
 }
 
 /// What the CUDA backend loads: machine code for the device (no PTX JIT in the driver).
+/// ptxas runs only here: limits such as 48 KiB of static shared memory per block fail
+/// the CUBIN, not the PTX.
 #[test]
-fn every_kernel_compiles_to_a_cubin_for_sm90() {
+fn every_kernel_compiles_to_a_cubin_for_sm80_and_sm90() {
     if let Err(e) = nvrtc::library_present() {
         panic!("{e}");
     }
     for (name, src) in KERNELS {
-        let (bin, log) =
-            nvrtc::compile_cubin(name, &source(src), "sm_90").unwrap_or_else(|e| panic!("{e}"));
-        assert!(log.is_empty(), "{name}: NVRTC printed:\n{log}");
-        // An ELF image, as cuModuleLoadData expects for a CUBIN.
-        assert_eq!(&bin[..4], b"\x7fELF", "{name}: not an ELF CUBIN");
-        for e in entry_points(src) {
-            assert!(
-                bin.windows(e.len()).any(|w| w == e.as_bytes()),
-                "{name}: CUBIN lacks kernel {e}"
-            );
+        for sm in ["sm_80", "sm_90"] {
+            cubin_of(name, src, sm);
         }
+    }
+}
+
+fn cubin_of(name: &str, src: &str, sm: &str) {
+    let (bin, log) = nvrtc::compile_cubin(name, &source(src), sm).unwrap_or_else(|e| panic!("{e}"));
+    assert!(log.is_empty(), "{name} for {sm}: NVRTC printed:\n{log}");
+    // An ELF image, as cuModuleLoadData expects for a CUBIN.
+    assert_eq!(&bin[..4], b"\x7fELF", "{name} for {sm}: not an ELF CUBIN");
+    for e in entry_points(src) {
+        assert!(
+            bin.windows(e.len()).any(|w| w == e.as_bytes()),
+            "{name} for {sm}: CUBIN lacks kernel {e}"
+        );
     }
 }
 
@@ -116,14 +123,15 @@ fn the_kernel_table_matches_every_kernel_signature_in_the_sources() {
             k.name()
         );
     }
-    // 33 for the first six dtypes and the other ops (gelu_mul, scale, and the f16 KV
-    // cache's kv_store and attention among them), three for each of the ten
+    // 31 for the first six dtypes and the other ops (gelu_mul, scale, and the f16 KV
+    // cache's kv_store and attention among them; no argmax, never launched, and no f32
+    // to f16 conversion, f16 prefill going through f32 tiles), three for each of the ten
     // K-quant-era block formats, gpt-oss's clamped SwiGLU, a mixture's row gather and
     // weighted scatter, the grouped GEMV of its decode rows for each of the 16 weight
     // dtypes, its grouped bias and combine, and its routing.
     assert_eq!(
         seen.len(),
-        33 + 3 * 10 + 1 + 2 + 16 + 2 + 1,
+        31 + 3 * 10 + 1 + 2 + 16 + 2 + 1,
         "kernels: {seen:?}"
     );
     // The parser sees through parameter names, spacing, `__restrict__` and macros.

@@ -55,6 +55,9 @@ enum Cmd {
     /// Measure every frame codec on a model's tensors (a store, a safetensors file or a
     /// GGUF): ratio and one core's compress and decompress rates, per dtype.
     BenchCodec(bench::BenchCodecArgs),
+    /// Measure the CUDA decode kernels (CUDA only): each GEMV's bandwidth against the
+    /// device's copy bandwidth at 1, 8 and 64 rows, attention at contexts 512 to 32768.
+    BenchKernels(bench::BenchKernelsArgs),
     /// Internal: renders chat templates for the daemon under a memory limit.
     #[command(name = "template-worker", hide = true)]
     TemplateWorker,
@@ -95,6 +98,7 @@ fn main() -> std::process::ExitCode {
         Cmd::BenchStream(a) => bench::run_stream(a),
         Cmd::BenchIo(a) => bench::run_io(a),
         Cmd::BenchCodec(a) => bench::run_codec(a),
+        Cmd::BenchKernels(a) => bench::run_kernels(a),
         Cmd::TemplateWorker => sluice::text::sandbox::worker_main()
             .map(|()| std::process::ExitCode::SUCCESS)
             .map_err(anyhow::Error::msg),

@@ -126,6 +126,9 @@ pub struct PoolStatus {
     pub read_buffers: usize,
     pub slots_free: usize,
     pub slots: usize,
+    /// Staging slots left pageable because page-locking them was refused (0 where the
+    /// backend pins nothing: the CPU backend reads the slots directly).
+    pub slots_pageable: usize,
 }
 
 /// Reads an engine's pool levels; outlives nothing (after the engine stops it reads the
@@ -135,6 +138,7 @@ pub struct PoolGauge {
     shared: Arc<Shared>,
     read_buffers: usize,
     slots: usize,
+    slots_pageable: usize,
 }
 
 impl PoolGauge {
@@ -144,6 +148,7 @@ impl PoolGauge {
             read_buffers: self.read_buffers,
             slots_free: self.shared.free_slots.load(Ordering::Acquire),
             slots: self.slots,
+            slots_pageable: self.slots_pageable,
         }
     }
 }
@@ -709,6 +714,10 @@ impl IoEngine {
             shared: self.shared.clone(),
             read_buffers: self.cfg.read_buffers,
             slots: self.cfg.staging_slots,
+            slots_pageable: match self.cfg.pinner {
+                Some(_) => self.slots.iter().filter(|s| !s.is_pinned()).count(),
+                None => 0,
+            },
         }
     }
 }

@@ -144,8 +144,17 @@ impl Pools {
             b.prefault();
         }
         if let Some(p) = &cfg.pinner {
+            // Some container runtimes refuse cuMemHostRegister. Pageable slots still work:
+            // the driver stages a copy from pageable memory before cuMemcpyHtoDAsync
+            // returns, so a slot may be reused as soon as its upload is enqueued; only the
+            // copy is slower. Once one slot is refused the others are not tried.
             for s in &mut slots {
-                s.pin(p).map_err(|e| format!("staging slots: {e}"))?;
+                if let Err(e) = s.pin(p) {
+                    tracing::warn!(
+                        "staging slots stay pageable: {e}; uploads from them are staged by the driver (slower, still correct)"
+                    );
+                    break;
+                }
             }
         }
         Ok(Pools {

@@ -294,6 +294,7 @@ impl Inference for Service {
             io_read_buffers_free: s.io_pools.read_buffers_free as u32,
             io_slots: s.io_pools.slots as u32,
             io_slots_free: s.io_pools.slots_free as u32,
+            io_slots_pageable: s.io_pools.slots_pageable as u32,
             io_units_failed: s.io.units_failed,
             io_reads_stalled: s.io.reads_stalled,
             io_short_reads: s.io.short_reads,

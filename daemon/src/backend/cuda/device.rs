@@ -15,7 +15,7 @@ use super::arena::Arena;
 use super::handles::{carve, dev_err, Blas, CudaMem, CudaPinner, DeviceAlloc, PinnedHost};
 use super::kernels::{Dims, Kernel, KernelTable};
 use super::meta::{group_slot_bytes, GroupHost, Meta, MetaKind, SpanMeta, GROUP_META_SLOTS};
-use super::probe::{driver_present, info_of};
+use super::probe::{check_driver, driver_present, info_of};
 use super::DeviceInfo;
 use crate::backend::experts::experts_each;
 use crate::backend::KvDtype;
@@ -30,6 +30,10 @@ use cudarc::driver::{result, sys, CudaContext, CudaStream};
 use std::ffi::c_void;
 use std::sync::{Arc, Mutex};
 
+/// Threads of an attention block (ATT_WARPS warps in kernels/attention.cu) and the widest
+/// head it takes (ATT_HD).
+const ATTENTION_THREADS: u32 = 256;
+pub const ATTENTION_HEAD_DIM_MAX: usize = 256;
 /// Rows of a quantized weight dequantized per cuBLAS call are bounded by this tile.
 const TILE_BYTES_MAX: u64 = 64 << 20;
 /// Slots of the expert metadata ring (`Meta::expert_rows`): a slot's pinned bytes are
@@ -101,6 +105,9 @@ pub struct CudaBackend {
     /// The metadata's arena range (`Meta` holds its address).
     pub(super) meta_dev: CudaMem,
     pub(super) half: CudaMem,
+    /// The activations (device address, elements) whose bf16 copy `half` holds, while
+    /// nothing has written them since.
+    pub(super) half_src: Mutex<Option<(u64, usize)>>,
     pub(super) tile: CudaMem,
     pub(super) bias: CudaMem,
     pub(super) _blas_ws: CudaMem,
@@ -111,8 +118,6 @@ pub struct CudaBackend {
     pub(super) err: Mutex<Option<(String, String)>>,
     pub(super) copies: Mutex<CopyStats>,
     pub(super) info: DeviceInfo,
-    /// Dynamic shared memory the attention kernel may use (its scores: one f32 per position).
-    pub(super) attn_smem: usize,
     pub(super) pinner: Pinner,
 }
 
@@ -139,6 +144,7 @@ impl CudaBackend {
         }
         let ctx = CudaContext::new(ordinal).map_err(dev_err(&dev, "creating a context"))?;
         let info = info_of(&ctx).map_err(|e| BackendError::device("probing", &dev, e))?;
+        check_driver(&info).map_err(|e| BackendError::device("checking the driver", &dev, e))?;
         let dev = info.name.clone();
         // Event tracking would make cudarc record an event per kernel argument; the
         // backend orders its streams itself.
@@ -159,7 +165,6 @@ impl CudaBackend {
         let compute = ctx.new_stream().map_err(dev_err(&dev, "compute stream"))?;
         let copy = ctx.new_stream().map_err(dev_err(&dev, "copy stream"))?;
         let kernels = KernelTable::load(&ctx, &info)?;
-        let attn_smem = attention_smem(&kernels, &info, shape.max_context)?;
         // SAFETY: a plain device allocation, owned (and freed) by the guard.
         let base = DeviceAlloc {
             ptr: unsafe { result::malloc_sync(arena_bytes.max(1) as usize) }.map_err(|e| {
@@ -221,6 +226,7 @@ impl CudaBackend {
             layout,
             meta_dev,
             half,
+            half_src: Mutex::new(None),
             tile,
             bias,
             _blas_ws: blas_ws,
@@ -244,7 +250,6 @@ impl CudaBackend {
             err: Mutex::new(None),
             copies: Mutex::new(CopyStats::default()),
             info,
-            attn_smem,
         })
     }
 
@@ -271,12 +276,24 @@ impl CudaBackend {
     }
 
     pub(super) fn record(&self, what: &str, r: Result<(), String>) {
+        // Every op but a matrix product writes activations (a matrix product writes only
+        // its output, which `matmul_inner` checks): the bf16 copy in `half` may be stale.
+        if what != "matmul" {
+            self.forget_half();
+        }
         if let Err(e) = r {
             if let Ok(mut slot) = self.err.lock() {
                 if slot.is_none() {
                     *slot = Some((what.to_string(), e));
                 }
             }
+        }
+    }
+
+    /// The bf16 copy of prefill activations in `half` no longer matches its source.
+    pub(super) fn forget_half(&self) {
+        if let Ok(mut held) = self.half_src.lock() {
+            *held = None;
         }
     }
 
@@ -299,40 +316,6 @@ impl CudaBackend {
         self.kernels
             .elementwise(&self.compute, kernel, dims, x.ptr, y.ptr, n as i32)
     }
-}
-
-/// Dynamic shared memory the attention kernel may use (its scores, one f32 per position),
-/// opted into once; a context that does not fit is refused with what to change.
-fn attention_smem(
-    kernels: &KernelTable,
-    info: &DeviceInfo,
-    max_context: usize,
-) -> Result<usize, BackendError> {
-    let dev = info.name.as_str();
-    let attn_need = max_context * 4;
-    let mut attn_smem = usize::MAX;
-    // Both cache types' kernels may take the whole of it.
-    for k in [Kernel::AttentionF32, Kernel::AttentionF16] {
-        let attn = kernels.get(k);
-        let static_smem = attn.shared_size_bytes().unwrap_or(0).max(0) as usize;
-        attn_smem = attn_smem.min(info.max_shared_per_block.saturating_sub(static_smem));
-    }
-    if attn_need > attn_smem {
-        return Err(BackendError::Invalid(format!(
-            "a context of {} positions needs {attn_need} bytes of shared memory per attention block for its scores; {} allows {attn_smem}: lower --max-context",
-            max_context, info.name
-        )));
-    }
-    for k in [Kernel::AttentionF32, Kernel::AttentionF16] {
-        kernels
-            .get(k)
-            .set_attribute(
-                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                attn_smem as i32,
-            )
-            .map_err(dev_err(dev, "attention shared memory"))?;
-    }
-    Ok(attn_smem)
 }
 
 /// A cuBLAS handle on the compute stream with its workspace from the arena.
@@ -408,16 +391,22 @@ impl Backend for CudaBackend {
 
     fn upload(&self, dst: &mut CudaMem, src: &[u8]) -> Result<(), BackendError> {
         crate::backend::check_upload(dst.len, 0, src.len())?;
+        self.forget_half();
         self.ctx
             .bind_to_thread()
             .map_err(dev_err(&self.info.name, "bind"))?;
-        // Ordered after everything enqueued so far, done when this returns.
+        // On the compute stream: ordered after everything enqueued so far and before
+        // anything enqueued later, and done when this returns. (A synchronous copy runs on
+        // the legacy NULL stream, which the non-blocking compute stream does not wait for:
+        // from pageable memory its DMA could still be landing while a kernel enqueued
+        // after it reads dst.)
+        // SAFETY: dst has room for src (checked); src lives until the stream is
+        // synchronized below.
+        unsafe { result::memcpy_htod_async(dst.ptr, src, self.compute.cu_stream()) }
+            .map_err(dev_err(&self.info.name, "cuMemcpyHtoDAsync"))?;
         self.compute
             .synchronize()
-            .map_err(dev_err(&self.info.name, "synchronize"))?;
-        // SAFETY: dst has room for src (checked); the copy is synchronous.
-        unsafe { result::memcpy_htod_sync(dst.ptr, src) }
-            .map_err(dev_err(&self.info.name, "cuMemcpyHtoD"))
+            .map_err(dev_err(&self.info.name, "synchronize"))
     }
 
     fn download_f32(&self, src: &CudaMem, offset: usize, out: &mut [f32]) {
@@ -711,32 +700,29 @@ impl Backend for CudaBackend {
             if end > cache_k.len as u64 || cache_v.len != cache_k.len {
                 return Err(format!("layer {} outside the KV cache", step.layer));
             }
+            if sh.head_dim > ATTENTION_HEAD_DIM_MAX
+                || sh.kv_heads == 0
+                || !sh.heads.is_multiple_of(sh.kv_heads)
+            {
+                return Err(format!(
+                    "{} query heads over {} KV heads of {} dims: the attention kernel takes whole groups of heads of at most {ATTENTION_HEAD_DIM_MAX} dims",
+                    sh.heads, sh.kv_heads, sh.head_dim
+                ));
+            }
             let rows: usize = step.spans.iter().map(|s| s.n).sum();
             let wq = sh.heads * sh.head_dim;
             if q.len < rows * wq * 4 || out.len < rows * wq * 4 {
                 return Err("shapes".into());
             }
             self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-            let SpanMeta {
-                pos, base, max_pos, ..
-            } = self.spans_meta(step)?;
-            // One score per position seen: at most the window in a sliding layer.
-            let seen = step
-                .cache
-                .window
-                .map_or(max_pos + 1, |w| w.min(max_pos + 1));
-            let smem = seen * 4;
-            if smem > self.attn_smem {
-                return Err(format!(
-                    "{seen} positions need {smem} bytes of shared memory; {} allows {}",
-                    self.info.name, self.attn_smem
-                ));
-            }
+            let SpanMeta { pos, base, .. } = self.spans_meta(step)?;
             let off = step.cache.base as u64 * kvb;
+            // One block per row and KV head (its query heads together), 8 warps over the
+            // positions: no shared memory per position, so any context fits.
             let dims = Dims {
-                grid: (rows as u32, sh.heads as u32, 1),
-                block: 128,
-                smem: smem as u32,
+                grid: (rows as u32, sh.kv_heads as u32, 1),
+                block: ATTENTION_THREADS,
+                smem: 0,
             };
             let (ck, cv) = (cache_k.ptr + off, cache_v.ptr + off);
             let (heads, kvh, hd) = (sh.heads as i32, sh.kv_heads as i32, sh.head_dim as i32);

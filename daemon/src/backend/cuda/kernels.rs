@@ -12,6 +12,10 @@ use cudarc::driver::{result, CudaContext, CudaFunction, CudaStream};
 use std::ffi::c_void;
 use std::sync::Arc;
 
+/// Activation rows one decode-row GEMV block applies each weight chunk to (`GEMV_R` in
+/// kernels/common.cuh): a step's B decode rows read every weight ceil(B / GEMV_R) times.
+pub const GEMV_R: usize = 8;
+
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug)]
 pub struct Dims {
@@ -28,6 +32,12 @@ impl Dims {
             block: 256,
             smem: 0,
         }
+    }
+
+    /// No thread would run: a grid or block dimension is 0.
+    pub fn is_empty(&self) -> bool {
+        let (x, y, z) = self.grid;
+        x == 0 || y == 0 || z == 0 || self.block == 0
     }
 
     /// A block of 256 threads per row.
@@ -166,10 +176,6 @@ kernels! {
     add_bias(out: u64 = "float*", bias: u64 = "const float*", rows: i32 = "int", cols: i32 = "int") {
         AddBiasF32 = "add_bias_f32",
     }
-    /// Index of the largest logit of each row.
-    argmax(logits: u64 = "const float*", vocab: i32 = "int", out: u64 = "u32*") {
-        ArgmaxF32 = "argmax_f32",
-    }
     /// Causal grouped-query attention of each row over its sequence's cache.
     attention(
         q: u64 = "const float*",
@@ -206,9 +212,8 @@ kernels! {
     ) {
         AttentionF16 = "attention_f16",
     }
-    /// f32 activations to 16-bit floats for cuBLAS GemmEx.
+    /// f32 activations to bf16 for cuBLAS GemmEx on bf16 weights.
     convert(x: u64 = "const float*", out: u64 = "u16*", n: u64 = "unsigned long long") {
-        F32ToF16 = "f32_to_f16",
         F32ToBf16 = "f32_to_bf16",
     }
     /// Gathers embedding rows, dequantized to f32.
@@ -252,8 +257,9 @@ kernels! {
     ) {
         KvStoreF16 = "kv_store_f16",
     }
-    /// Decode rows: one warp per weight row, dequantized in registers.
-    gemv(w: u64 = "const u8*", x: u64 = "const float*", out: u64 = "float*", m: i32 = "int", k: i32 = "int") {
+    /// Decode rows: one warp per weight row, dequantized in registers once for up to
+    /// `GEMV_R` activation rows.
+    gemv(w: u64 = "const u8*", x: u64 = "const float*", out: u64 = "float*", m: i32 = "int", k: i32 = "int", rows: i32 = "int") {
         GemvF32 = "gemv_f32",
         GemvF16 = "gemv_f16",
         GemvBf16 = "gemv_bf16",
@@ -449,6 +455,11 @@ impl KernelTable {
         dims: Dims,
         args: &mut [*mut c_void],
     ) -> Result<(), String> {
+        if dims.is_empty() {
+            // Nothing to do (no rows, or no outputs): CUDA refuses a zero-sized grid with
+            // CUDA_ERROR_INVALID_VALUE.
+            return Ok(());
+        }
         let f = self.get(kernel);
         // SAFETY: `args` are exactly the kernel's parameters, in order and at their widths
         // (the family launchers are generated from the signature that tests/tests/nvrtc.rs
@@ -481,9 +492,7 @@ impl KernelTable {
         let mut found: Vec<Option<CudaFunction>> = vec![None; Kernel::ALL.len()];
         for (op, src) in KERNELS {
             let full = source(src);
-            let key = xxhash_rust::xxh3::xxh3_64(
-                format!("{full}\n{sm}\nnvrtc {}.{}", nv.0, nv.1).as_bytes(),
-            );
+            let key = cache_key(&full, &sm, nv, &super::nvrtc::options(&sm));
             let path = dir
                 .as_ref()
                 .map(|d| d.join(format!("{op}-{sm}-{key:016x}.cubin")));
@@ -517,6 +526,20 @@ impl KernelTable {
             .collect::<Result<_, _>>()?;
         Ok(KernelTable { funcs })
     }
+}
+
+/// The cache key of a compiled kernel file: its full source, the architecture, the NVRTC
+/// version and the compile options, so changing any of them compiles it again.
+pub fn cache_key(full: &str, sm: &str, nvrtc: (i32, i32), options: &[String]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(
+        format!(
+            "{full}\n{sm}\nnvrtc {}.{}\n{}",
+            nvrtc.0,
+            nvrtc.1,
+            options.join("\n")
+        )
+        .as_bytes(),
+    )
 }
 
 /// One kernel file's module: the cached CUBIN when the driver takes it, else compiled
@@ -578,4 +601,47 @@ fn write_atomic(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
     let tmp = path.with_extension(format!("tmp{}", std::process::id()));
     std::fs::write(&tmp, data)?;
     std::fs::rename(&tmp, path)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn zero_sized_launches_are_empty_and_others_are_not() {
+        assert!(Dims::per_element(0).is_empty());
+        assert!(Dims::per_row(0).is_empty());
+        assert!(!Dims::per_element(1).is_empty());
+        let gemv = |m: usize, rows: usize| Dims {
+            grid: (m.div_ceil(4) as u32, rows.div_ceil(GEMV_R) as u32, 1),
+            block: 128,
+            smem: 0,
+        };
+        assert!(gemv(0, 3).is_empty());
+        assert!(gemv(160, 0).is_empty());
+        assert!(!gemv(160, 9).is_empty());
+        assert_eq!(gemv(160, 9).grid, (40, 2, 1));
+    }
+
+    #[test]
+    fn the_kernel_cache_key_changes_with_the_source_arch_nvrtc_and_options() {
+        let opts = super::super::nvrtc::options("sm_90");
+        let k = cache_key("src", "sm_90", (13, 0), &opts);
+        assert_eq!(k, cache_key("src", "sm_90", (13, 0), &opts));
+        assert_ne!(k, cache_key("src2", "sm_90", (13, 0), &opts));
+        assert_ne!(k, cache_key("src", "sm_80", (13, 0), &opts));
+        assert_ne!(k, cache_key("src", "sm_90", (12, 9), &opts));
+        let mut other = opts.clone();
+        other.retain(|o| o != "--use_fast_math");
+        assert_ne!(k, cache_key("src", "sm_90", (13, 0), &other));
+    }
+
+    #[test]
+    fn the_gemv_row_group_matches_the_kernels() {
+        let common = super::super::COMMON;
+        assert!(
+            common.contains(&format!("#define GEMV_R {GEMV_R}\n")),
+            "kernels/common.cuh must define GEMV_R as {GEMV_R}"
+        );
+    }
 }

@@ -1,10 +1,11 @@
 //! Matrix products on the device: decode rows through the GEMV kernels (dequantizing in
-//! registers), prefill rows through cuBLAS (f32 SGEMM; GemmEx on f16/bf16 weights; quantized
-//! weights dequantized tile by tile into f32 first), then the bias.
+//! registers, each weight read once for up to GEMV_R rows), prefill rows through cuBLAS
+//! (f32 SGEMM; GemmEx on bf16 weights; f16 and quantized weights dequantized tile by tile
+//! into f32 first), then the bias.
 
 use super::device::CudaBackend;
 use super::handles::CudaMem;
-use super::kernels::{Dims, Kernel};
+use super::kernels::{Dims, Kernel, GEMV_R};
 use crate::backend::WeightRef;
 use crate::dtype::DType;
 use cudarc::cublas::{result as blas, sys as bsys};
@@ -33,17 +34,33 @@ impl CudaBackend {
             return Err(format!("weight of {} bytes past its allocation", rb * m));
         }
         let (mi, ki) = (m as i32, k as i32);
+        if g > 0 && !wptr.is_multiple_of(2) {
+            // The GEMVs load the GGML blocks (2-byte aligned by their layout) 16 bits at a time.
+            return Err(format!(
+                "a {} weight at the odd device address {wptr:#x}",
+                w.dtype
+            ));
+        }
         if g > 0 {
-            // Decode rows: one warp per weight row, dequantized in registers; a row's result
-            // never depends on the other rows.
+            // Decode rows: one warp per weight row, dequantized in registers once for up to
+            // GEMV_R rows; a row's result never depends on the other rows.
             let dims = Dims {
-                grid: (m.div_ceil(4) as u32, g as u32, 1),
+                grid: (m.div_ceil(4) as u32, g.div_ceil(GEMV_R) as u32, 1),
                 block: 128,
                 smem: 0,
             };
             let gemv = Kernel::gemv(w.dtype);
-            self.kernels
-                .gemv(&self.compute, gemv, dims, wptr, x.ptr, out.ptr, mi, ki)?;
+            self.kernels.gemv(
+                &self.compute,
+                gemv,
+                dims,
+                wptr,
+                x.ptr,
+                out.ptr,
+                mi,
+                ki,
+                g as i32,
+            )?;
         }
         let t = rows - g;
         if t > 0 {
@@ -54,12 +71,19 @@ impl CudaBackend {
         if let Some(b) = bias {
             self.add_bias(&b, m, rows, out.ptr)?;
         }
+        // The output may be where the converted activations came from.
+        if let Ok(mut held) = self.half_src.lock() {
+            if held.is_some_and(|(src, n)| overlaps(src, n * 4, out.ptr, rows * m * 4)) {
+                *held = None;
+            }
+        }
         Ok(())
     }
 
     /// `t` prefill rows (activations at `xp`, outputs at `op`, row stride m) through cuBLAS:
-    /// f32 weights by SGEMM, f16/bf16 by GemmEx on converted activations, quantized ones
-    /// dequantized a tile of rows at a time into f32 first.
+    /// f32 weights by SGEMM, bf16 by GemmEx on activations converted to bf16 (bf16 has
+    /// f32's range), f16 and quantized ones dequantized a tile of rows at a time into f32
+    /// first.
     fn prefill_rows(
         &self,
         w: &WeightRef<'_, CudaMem>,
@@ -74,21 +98,29 @@ impl CudaBackend {
         let blas_h = self.blas.lock().map_err(|_| "cuBLAS lock poisoned")?;
         match w.dtype {
             DType::F32 => sgemm(blas_h.0, m, t, k, wptr, xp, op, m)?,
-            DType::F16 | DType::BF16 => {
+            DType::BF16 => {
                 if (t * k * 2) as u64 > self.layout.half {
                     return Err(format!(
                         "{t} prefill rows exceed the half-precision scratch"
                     ));
                 }
-                let (conv, ty) = if w.dtype == DType::F16 {
-                    (Kernel::F32ToF16, bsys::cudaDataType::CUDA_R_16F)
-                } else {
-                    (Kernel::F32ToBf16, bsys::cudaDataType::CUDA_R_16BF)
-                };
-                let n = (t * k) as u64;
-                let dims = Dims::per_element(n);
-                self.kernels
-                    .convert(&self.compute, conv, dims, xp, self.half.ptr, n)?;
+                // The q, k and v projections (and gate and up) multiply the same
+                // activations: converted once, reused while nothing has written them.
+                let n = t * k;
+                let mut held = self.half_src.lock().map_err(|_| "scratch lock poisoned")?;
+                if *held != Some((xp, n)) {
+                    let dims = Dims::per_element(n as u64);
+                    self.kernels.convert(
+                        &self.compute,
+                        Kernel::F32ToBf16,
+                        dims,
+                        xp,
+                        self.half.ptr,
+                        n as u64,
+                    )?;
+                    *held = Some((xp, n));
+                }
+                let ty = bsys::cudaDataType::CUDA_R_16BF;
                 let (alpha, beta) = (1f32, 0f32);
                 // out^T[m, t] = W[m, k] . X^T[k, t] in cuBLAS's column-major terms:
                 // W row-major is W^T column-major (ld k), X row-major is X^T (ld k).
@@ -119,7 +151,8 @@ impl CudaBackend {
                 .map_err(|e| format!("cublasGemmEx: {e:?}"))?;
             }
             _ => {
-                // Quantized: dequantize a tile of weight rows to f32, then sgemm it.
+                // Quantized, and f16 (whose activations would saturate at 65504 as f16):
+                // dequantize a tile of weight rows to f32, then sgemm it.
                 let tile_rows = (self.layout.tile as usize / (k * 4)).max(1).min(m);
                 let dequant =
                     Kernel::dequant(w.dtype).ok_or("an f32 weight has no dequantization")?;
@@ -232,4 +265,9 @@ fn sgemm(
         )
     }
     .map_err(|e| format!("cublasSgemm: {e:?}"))
+}
+
+/// Whether byte ranges [a, a + a_len) and [b, b + b_len) share a byte.
+fn overlaps(a: u64, a_len: usize, b: u64, b_len: usize) -> bool {
+    a < b + b_len as u64 && b < a + a_len as u64
 }

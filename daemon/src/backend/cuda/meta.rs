@@ -90,7 +90,7 @@ pub(super) struct GroupDev {
     pub(super) starts: u64,
 }
 
-/// Device addresses of a step's per-row metadata, and its last position.
+/// Device addresses of a step's per-row metadata.
 pub(super) struct SpanMeta {
     /// u32 position of each row.
     pub(super) pos: u64,
@@ -98,7 +98,6 @@ pub(super) struct SpanMeta {
     pub(super) kv_dst: u64,
     /// u64 element offset of each row's slot in the layer's KV cache.
     pub(super) base: u64,
-    pub(super) max_pos: usize,
 }
 // SAFETY: `host` is a pinned allocation owned by the backend, used under its mutex.
 unsafe impl Send for Meta {}
@@ -326,7 +325,6 @@ impl Meta {
         kv.resize(rows, 0);
         base.clear();
         base.resize(rows, 0);
-        let mut max_pos = 0;
         for sp in step.spans {
             check_span(sp, step, rows)?;
             for t in 0..sp.n {
@@ -335,14 +333,12 @@ impl Meta {
                 // Offsets inside the layer's part of the cache (the caller adds its base).
                 kv[r] = (step.cache.at(&sh, sp.slot, sp.pos + t) - step.cache.base) as u64;
                 base[r] = (sp.slot * step.cache.cap) as u64 * width;
-                max_pos = max_pos.max(sp.pos + t);
             }
         }
         let out = SpanMeta {
             pos: m.upload(stream, MetaKind::Pos, &pos)?,
             kv_dst: m.upload(stream, MetaKind::Kv, &kv)?,
             base: m.upload(stream, MetaKind::Base, &base)?,
-            max_pos,
         };
         (m.pos, m.kv, m.base) = (pos, kv, base);
         Ok(out)

@@ -6,6 +6,7 @@
 //! `--backend auto` falls back to the CPU with the reason.
 
 pub mod arena;
+pub mod bench;
 pub mod device;
 mod handles;
 pub mod kernels;
@@ -40,7 +41,6 @@ pub const COMMON: &str = include_str!("../../../../kernels/common.cuh");
 /// (op, source) for every kernel file.
 pub const KERNELS: &[(&str, &str)] = &[
     ("add", include_str!("../../../../kernels/add.cu")),
-    ("argmax", include_str!("../../../../kernels/argmax.cu")),
     ("convert", include_str!("../../../../kernels/convert.cu")),
     (
         "attention",

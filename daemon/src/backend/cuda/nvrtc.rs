@@ -29,6 +29,16 @@ pub fn library_present() -> Result<(), String> {
     ))
 }
 
+/// The NVRTC options every kernel file is compiled with for `arch` (a compiled kernel's
+/// cache key includes them).
+pub fn options(arch: &str) -> Vec<String> {
+    vec![
+        format!("--gpu-architecture={arch}"),
+        "--std=c++17".to_string(),
+        "--use_fast_math".to_string(),
+    ]
+}
+
 pub struct Compiled {
     pub ptx: String,
     /// Warnings and notes NVRTC printed (empty for a clean compile).
@@ -93,11 +103,7 @@ fn compile_with<T>(
     let name_c = CString::new(format!("{name}.cu")).map_err(|_| format!("{name}: bad name"))?;
     let prog = result::create_program(&src_c, Some(name_c.as_c_str()))
         .map_err(|e| format!("{name}: create program: {e:?}"))?;
-    let opts = [
-        format!("--gpu-architecture={arch}"),
-        "--std=c++17".to_string(),
-        "--use_fast_math".to_string(),
-    ];
+    let opts = options(arch);
     // SAFETY: prog is a live program from create_program; it is destroyed below on every path.
     let compiled = unsafe { result::compile_program(prog, &opts) };
     // SAFETY: as above.

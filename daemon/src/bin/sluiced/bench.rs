@@ -450,3 +450,68 @@ pub fn run_codec(a: BenchCodecArgs) -> Result<std::process::ExitCode> {
     }
     Ok(std::process::ExitCode::SUCCESS)
 }
+
+#[derive(clap::Args)]
+pub struct BenchKernelsArgs {
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Timed samples per figure (each 20 launches in a row; the median is reported).
+    #[arg(long, default_value_t = 9)]
+    pub reps: usize,
+    /// Print one JSON object.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// `sluiced bench-kernels` (CUDA only): each decode GEMV's effective bandwidth per weight
+/// type at 1, 8 and 64 rows against the device's own copy bandwidth, and attention at
+/// growing contexts.
+pub fn run_kernels(a: BenchKernelsArgs) -> Result<std::process::ExitCode> {
+    let info = sluice::engine::cuda_usable(a.device).map_err(|e| {
+        anyhow::anyhow!("bench-kernels measures the CUDA kernels and needs a CUDA device: {e}")
+    })?;
+    let r = sluice::backend::cuda::bench::run(info.ordinal, a.reps)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
+    println!(
+        "{} (sm_{}{}): device-to-device copy {:.0} GB/s (bytes read + written)",
+        r.device, r.compute_capability.0, r.compute_capability.1, r.copy_gbps
+    );
+    println!(
+        "{:>6} {:>13} {:>5} {:>10} {:>10} {:>8} {:>8}",
+        "dtype", "m x k", "rows", "weights", "us", "GB/s", "vs copy"
+    );
+    for g in &r.gemv {
+        println!(
+            "{:>6} {:>13} {:>5} {:>10} {:>10.1} {:>8.0} {:>8.3}",
+            g.dtype,
+            format!("{}x{}", g.m, g.k),
+            g.rows,
+            fmt_bytes(g.weight_bytes),
+            g.seconds * 1e6,
+            g.gbps,
+            g.vs_copy
+        );
+    }
+    println!(
+        "{:>8} {:>24} {:>10} {:>9} {:>10}",
+        "context", "heads / kv / dim, cache", "us", "vs first", "KV GB/s"
+    );
+    for t in &r.attention {
+        println!(
+            "{:>8} {:>24} {:>10.1} {:>9.2} {:>10.0}",
+            t.context,
+            format!(
+                "{} / {} / {}, {}",
+                t.heads, t.kv_heads, t.head_dim, t.kv_dtype
+            ),
+            t.seconds * 1e6,
+            t.vs_first,
+            t.kv_gbps
+        );
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
