@@ -7,6 +7,7 @@ typedef signed char i8;
 typedef unsigned short u16;
 typedef unsigned int u32;
 
+#ifndef SLUICE_EMULATE  // tests/emulator/cuda_emu.cpp runs these kernels on the CPU
 // f16 -> f32 without cuda_fp16.h.
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;
@@ -20,6 +21,7 @@ __device__ __forceinline__ u16 f32_to_f16_bits(float f) {
     asm("{ cvt.rn.f16.f32 %0, %1; }" : "=h"(h) : "f"(f));
     return h;
 }
+#endif
 
 // A KV cache element as f32 and back: the cache is f32 or f16 (u16 bits).
 __device__ __forceinline__ float kv_load(const float* p, size_t i) { return p[i]; }
@@ -120,6 +122,23 @@ __device__ __forceinline__ u32 ld_u16x2(const u8* p) {
     return (u32)__ldg(q) | ((u32)__ldg(q + 1) << 16);
 }
 __device__ __forceinline__ u16 ld_u16(const u8* p) { return __ldg((const u16*)p); }
+// 4 and 8 little-endian bytes from a 2-byte-aligned address: one 32- or 64-bit load where
+// the address allows it, else 16-bit loads of the same bytes.
+__device__ __forceinline__ u32 ld_u32(const u8* p) {
+    return (((size_t)p) & 3) == 0 ? __ldg((const u32*)p) : ld_u16x2(p);
+}
+__device__ __forceinline__ void ld_u32x2(const u8* p, u32& a, u32& b) {
+    if ((((size_t)p) & 7) == 0) {
+        const uint2 v = __ldg((const uint2*)p);
+        a = v.x;
+        b = v.y;
+    } else {
+        a = ld_u32(p);
+        b = ld_u32(p + 4);
+    }
+}
+// Byte i (0..7) of the 8 bytes a, b.
+__device__ __forceinline__ u32 byte8(u32 a, u32 b, int i) { return ((i < 4 ? a : b) >> (8 * (i & 3))) & 0xffu; }
 
 // The 8 activations of a chunk; `vec`: the row is 16-byte aligned and x0, x1 are multiples
 // of 4, so two float4 loads; otherwise eight scalar loads of the same values.

@@ -10,8 +10,10 @@
 // The chunk formats of `gemv` (common.cuh): 8 weights a lane at a time. In the 32-weight
 // GGML blocks four lanes share a block: lane part j = c % 4 takes quant bytes 8j..8j+7
 // (q8_0) or nibble bytes 4j..4j+3 (q4_0, q4_1: elements 4j.. in the low nibbles and
-// 16 + 4j.. in the high ones), with 16-bit loads (the blocks are 2-byte aligned); the dense
+// 16 + 4j.. in the high ones), with the widest loads their address allows (the blocks are
+// only 2-byte aligned); the dense
 // formats load 16 bytes (f16, bf16) or two float4 (f32) when the row is 16-byte aligned.
+// (q4_1's quants are 4-byte aligned, so they come in one 32-bit load.)
 struct FmtQ8_0 {
     static constexpr bool HAS_MIN = false;
     __device__ int chunks(int k) const { return k / 8; }
@@ -20,7 +22,8 @@ struct FmtQ8_0 {
         const u8* blk = row + (size_t)b * Q8_0_BYTES;
         ch.d = f16_to_f32(ld_u16(blk));
         ch.mn = 0.0f;
-        const u32 q0 = ld_u16x2(blk + 2 + 8 * j), q1 = ld_u16x2(blk + 6 + 8 * j);
+        u32 q0, q1;
+        ld_u32x2(blk + 2 + 8 * j, q0, q1);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             ch.w[i] = (float)(i8)(q0 >> (8 * i));
@@ -42,7 +45,7 @@ struct FmtQ4 {
         const int zero = MIN ? 0 : 8;
         ch.d = f16_to_f32(ld_u16(blk));
         ch.mn = MIN ? f16_to_f32(ld_u16(blk + 2)) : 0.0f;
-        const u32 q = ld_u16x2(blk + (MIN ? 4 : 2) + 4 * j);
+        const u32 q = ld_u32(blk + (MIN ? 4 : 2) + 4 * j);
 #pragma unroll
         for (int i = 0; i < 4; i++) {
             ch.w[i] = (float)((int)((q >> (8 * i)) & 15) - zero);

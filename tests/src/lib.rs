@@ -4,6 +4,8 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+pub mod ops;
+
 /// The committed tiny fixture models (tests/fixtures, made by make_tiny.py); from
 /// $SLUICE_FIXTURES when set (a test binary run away from its build tree, as
 /// scripts/gpu-check.sh does with a prebuilt bundle).

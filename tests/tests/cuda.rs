@@ -5,7 +5,7 @@
 
 use sluice::backend::cpu::CpuBackend;
 use sluice::backend::cuda::{self, CudaBackend};
-use sluice::backend::{AttnShape, AttnStep, Backend, SeqSpan, WeightRef};
+use sluice::backend::{AttnShape, AttnStep, Backend, SeqSpan};
 use sluice::dtype::{DType, ALL_DTYPES};
 use sluice::engine::{choose_backend, cpu_runner, cuda_runner, cuda_usable, BackendChoice, Chosen};
 use sluice::io::IoConfig;
@@ -13,6 +13,7 @@ use sluice::model::{Arch, ArchConfig, ModelOptions, SeqStep};
 use sluice::pipeline::Pipeline;
 use sluice::plan::PlanInput;
 use sluice::store::Store;
+use sluice_tests::ops::{close, f32_bytes, random_weights, wref, AttnCase, Rng};
 use sluice_tests::*;
 use std::path::Path;
 use std::sync::Arc;
@@ -162,91 +163,6 @@ const OPS_OPTS: ModelOptions = ModelOptions {
     exact: true,
 };
 
-struct Rng(u64);
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 11
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.next() as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-    }
-}
-
-/// f16 bits of `x` (test data only: below 2^-14 it is flushed to zero, and |x| <= 65504).
-fn f16_bits(x: f32) -> u16 {
-    let s = if x < 0.0 { 0x8000 } else { 0 };
-    let a = x.abs();
-    if a < 6.104e-5 {
-        return s;
-    }
-    let e = a.log2().floor() as i32;
-    let m = ((a / 2f32.powi(e) - 1.0) * 1024.0).round() as u32;
-    let (e, m) = if m == 1024 { (e + 1, 0) } else { (e, m) };
-    s | (((e + 15) as u16) << 10) | m as u16
-}
-
-fn f32_bytes(v: &[f32]) -> Vec<u8> {
-    v.iter().flat_map(|x| x.to_le_bytes()).collect()
-}
-
-/// `rows` x `cols` weights of `dtype` with random values of a trained model's scale.
-fn random_weights(dtype: DType, rows: usize, cols: usize, rng: &mut Rng) -> Vec<u8> {
-    let n = rows * cols;
-    let mut out = Vec::new();
-    match dtype {
-        DType::F32 => out = f32_bytes(&(0..n).map(|_| rng.f() * 0.1).collect::<Vec<_>>()),
-        DType::F16 => {
-            for _ in 0..n {
-                out.extend_from_slice(&f16_bits(rng.f() * 0.1 + 0.0001).to_le_bytes())
-            }
-        }
-        DType::BF16 => {
-            for _ in 0..n {
-                out.extend_from_slice(&(((rng.f() * 0.1).to_bits() >> 16) as u16).to_le_bytes())
-            }
-        }
-        DType::Q8_0 => {
-            for _ in 0..n / 32 {
-                out.extend_from_slice(&f16_bits(0.001 + 0.002 * rng.f().abs()).to_le_bytes());
-                out.extend((0..32).map(|_| (rng.next() % 256) as u8));
-            }
-        }
-        DType::Q4_0 | DType::Q4_1 => {
-            for _ in 0..n / 32 {
-                out.extend_from_slice(&f16_bits(0.005 + 0.01 * rng.f().abs()).to_le_bytes());
-                if dtype == DType::Q4_1 {
-                    out.extend_from_slice(&f16_bits(-0.04 - 0.01 * rng.f().abs()).to_le_bytes());
-                }
-                out.extend((0..16).map(|_| (rng.next() % 256) as u8));
-            }
-        }
-        _ => {
-            let blocks = n / dtype.block_elems() as usize;
-            out = sluice::dtype::ggml::sample_blocks(dtype, blocks, rng.next());
-        }
-    }
-    assert_eq!(
-        out.len() as u64,
-        dtype.row_bytes(cols as u64).unwrap() * rows as u64
-    );
-    out
-}
-
-fn wref<M>(mem: &M, dtype: DType, rows: usize, cols: usize) -> WeightRef<'_, M> {
-    WeightRef {
-        mem,
-        offset: 0,
-        dtype,
-        rows,
-        cols,
-    }
-}
-
 struct Pair {
     cpu: CpuBackend,
     gpu: CudaBackend,
@@ -287,29 +203,6 @@ impl Pair {
         self.gpu.download_f32(&m.1, 0, &mut b);
         self.gpu.check().expect("no device error");
         (a, b)
-    }
-}
-
-/// max |gpu - cpu| over max |cpu| (row by row when `cols` is given), must be below `tol`.
-fn close(what: &str, cpu: &[f32], gpu: &[f32], cols: usize, tol: f64) {
-    assert_eq!(cpu.len(), gpu.len());
-    for (r, (c, g)) in cpu.chunks(cols).zip(gpu.chunks(cols)).enumerate() {
-        let scale = c.iter().fold(1e-6f64, |m, x| m.max(x.abs() as f64));
-        let err = c
-            .iter()
-            .zip(g)
-            .fold(0f64, |m, (x, y)| m.max((*x as f64 - *y as f64).abs()));
-        assert!(
-            err / scale <= tol,
-            "{what}: row {r}: relative error {:.3e} > {tol:.1e} (cpu {:?} gpu {:?})",
-            err / scale,
-            &c[..c.len().min(4)],
-            &g[..g.len().min(4)]
-        );
-        assert!(
-            g.iter().all(|x| x.is_finite()),
-            "{what}: row {r} not finite"
-        );
     }
 }
 
@@ -630,7 +523,7 @@ fn empty_launches_are_no_ops() {
 #[test]
 #[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
 fn attention_over_long_contexts_and_wide_head_groups_matches_the_cpu_backend() {
-    use sluice::backend::{KvDtype, LayerCache};
+    use sluice::backend::KvDtype;
     let p = Pair::new();
     let mut rng = Rng(51);
     for kv in [KvDtype::F32, KvDtype::F16] {
@@ -640,62 +533,14 @@ fn attention_over_long_contexts_and_wide_head_groups_matches_the_cpu_backend() {
             (12, 4, 80, 2000, Some(700usize)),
             (4, 4, 32, 100, None),
         ] {
-            let shape = AttnShape {
-                kv,
-                heads,
-                kv_heads,
-                head_dim,
-                max_context: ctx,
-                slots: 3,
-                scale: 1.0 / (head_dim as f32).sqrt(),
-            };
-            let cache = LayerCache {
-                base: 0,
-                cap: window.map_or(ctx, |w| w + 16),
-                window,
-            };
-            let elems = cache.elems(&shape);
-            let fill = |rng: &mut Rng| -> Vec<u8> {
-                match kv {
-                    KvDtype::F32 => f32_bytes(&(0..elems).map(|_| rng.f()).collect::<Vec<_>>()),
-                    KvDtype::F16 => (0..elems)
-                        .flat_map(|_| f16_bits(rng.f()).to_le_bytes())
-                        .collect(),
-                }
-            };
-            let ck = p.put(&fill(&mut rng));
-            let cv = p.put(&fill(&mut rng));
-            // Two decode rows (the last position, and one in the middle) and a short
-            // prefill span.
-            let spans = [
-                SeqSpan {
-                    row: 0,
-                    n: 1,
-                    pos: ctx - 1,
-                    slot: 0,
-                },
-                SeqSpan {
-                    row: 1,
-                    n: 1,
-                    pos: ctx / 2,
-                    slot: 1,
-                },
-                SeqSpan {
-                    row: 2,
-                    n: 5,
-                    pos: 10,
-                    slot: 2,
-                },
-            ];
-            let rows = 7;
-            let wq = heads * head_dim;
-            let q: Vec<f32> = (0..rows * wq).map(|_| rng.f() * 2.0).collect();
-            let qm = p.put(&f32_bytes(&q));
+            let c = AttnCase::new(kv, (heads, kv_heads, head_dim), ctx, window, &mut rng);
+            let (ck, cv, qm) = (p.put(&c.k), p.put(&c.v), p.put(&f32_bytes(&c.q)));
+            let (rows, wq) = (c.rows, heads * head_dim);
             let step = AttnStep {
                 layer: 0,
-                spans: &spans,
-                shape,
-                cache,
+                spans: &c.spans,
+                shape: c.shape,
+                cache: c.cache,
             };
             let (mut oc, mut og) = p.zeros(rows * wq);
             p.cpu.attention(&qm.0, &ck.0, &cv.0, &step, None, &mut oc);

@@ -1,0 +1,374 @@
+// Runs sluice's CUDA kernels (kernels/*.cu, the very sources NVRTC compiles) on the CPU, so
+// that machines without a GPU execute them: each CUDA thread of a block is a fiber
+// (ucontext), all on one OS thread; __syncthreads is a barrier of the block's fibers and
+// __shfl_xor_sync exchanges through a per-warp slot between two warp barriers. Blocks run
+// one after another, so `__shared__` variables can be plain statics. Device memory is host
+// memory. What it checks is the kernels' arithmetic and indexing (every thread runs the
+// kernel's code), not the GPU's timing or memory model; tests/tests/cuda_emulated.rs
+// drives it and compares with the CPU backend.
+//
+// Input (stdin), one command a line:
+//   load ID PATH            buffer ID = the bytes of PATH (64-byte aligned)
+//   zeros ID BYTES          buffer ID = BYTES zero bytes
+//   addrs ID ARG...         buffer ID = the host addresses of buffer args (u64 each)
+//   launch NAME GX GY GZ BLOCK ARG...
+//   save ID PATH            writes buffer ID to PATH
+// ARG: bID+OFFSET (a buffer's address plus a byte offset), i:INT, f:FLOAT, u:U64, null.
+// Compile: g++ -std=c++20 -O2 -ffp-contract=off -I kernels tests/emulator/cuda_emu.cpp
+
+#include <ucontext.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#define SLUICE_EMULATE 1
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __shared__ static
+#define __constant__ static
+#define __expf sluice_emu_expf
+
+struct dim3_ {
+    unsigned x = 1, y = 1, z = 1;
+};
+static dim3_ threadIdx, blockIdx, blockDim, gridDim;
+
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(8) uint2 {
+    unsigned x, y;
+};
+struct alignas(16) uint4 {
+    unsigned x, y, z, w;
+};
+
+// Through memcpy: g++ merges a kernel's vector and scalar paths over the same bytes into
+// one aligned vector load, which faults where the kernel took the scalar path.
+template <typename T>
+static inline T __ldg(const T* p) {
+    T v;
+    memcpy(&v, p, sizeof(T));
+    return v;
+}
+static inline float __fmul_rn(float a, float b) { return a * b; }
+static inline float __fadd_rn(float a, float b) { return a + b; }
+static inline float __fsub_rn(float a, float b) { return a - b; }
+static inline float sluice_emu_expf(float x) { return expf(x); }
+static inline int min(int a, int b) { return a < b ? a : b; }
+static inline float __int_as_float(int i) {
+    float f;
+    memcpy(&f, &i, 4);
+    return f;
+}
+static inline float __uint_as_float(unsigned i) {
+    float f;
+    memcpy(&f, &i, 4);
+    return f;
+}
+static inline unsigned __float_as_uint(float f) {
+    unsigned i;
+    memcpy(&i, &f, 4);
+    return i;
+}
+static inline float f16_to_f32(unsigned short h) {
+    _Float16 f;
+    memcpy(&f, &h, 2);
+    return (float)f;
+}
+static inline unsigned short f32_to_f16_bits(float f) {
+    _Float16 h = (_Float16)f;
+    unsigned short b;
+    memcpy(&b, &h, 2);
+    return b;
+}
+
+// ---- fibers ----
+namespace emu {
+struct Fiber {
+    ucontext_t ctx;
+    std::vector<char> stack;
+    bool done = false;
+};
+static std::vector<Fiber> fibers;
+static ucontext_t sched;
+static int cur = 0;
+static std::function<void()> body;
+static int block_arrived = 0, block_gen = 0;
+static int warp_arrived[32], warp_gen[32];
+static float warp_slot[32][32];
+static int alive = 0;
+
+static void yield() {
+    swapcontext(&fibers[cur].ctx, &sched);
+    threadIdx.x = (unsigned)cur;
+}
+
+static void entry() {
+    body();
+    fibers[cur].done = true;
+    alive--;
+    // Returning resumes `sched` (uc_link).
+}
+
+static void barrier(int& arrived, int& gen, int parties) {
+    const int g = gen;
+    if (++arrived >= parties) {
+        arrived = 0;
+        gen++;
+        return;
+    }
+    while (gen == g) yield();
+}
+
+static void warp_barrier() {
+    const int w = (int)threadIdx.x / 32;
+    const int lanes = std::min(32, (int)blockDim.x - 32 * w);
+    barrier(warp_arrived[w], warp_gen[w], lanes);
+}
+
+// Runs `kernel` over the grid, blocks in order, each block's threads as fibers.
+static void launch(dim3_ grid, unsigned block, const std::function<void()>& kernel) {
+    if (block == 0 || block > 1024) {
+        fprintf(stderr, "emu: block of %u threads\n", block);
+        exit(2);
+    }
+    gridDim = grid;
+    blockDim = dim3_{block, 1, 1};
+    fibers.resize(block);
+    for (auto& f : fibers)
+        if (f.stack.empty()) f.stack.resize(256 << 10);
+    body = kernel;
+    for (unsigned z = 0; z < grid.z; z++)
+        for (unsigned y = 0; y < grid.y; y++)
+            for (unsigned x = 0; x < grid.x; x++) {
+                blockIdx = dim3_{x, y, z};
+                block_arrived = 0;
+                memset(warp_arrived, 0, sizeof warp_arrived);
+                alive = (int)block;
+                for (unsigned t = 0; t < block; t++) {
+                    Fiber& f = fibers[t];
+                    f.done = false;
+                    getcontext(&f.ctx);
+                    f.ctx.uc_stack.ss_sp = f.stack.data();
+                    f.ctx.uc_stack.ss_size = f.stack.size();
+                    f.ctx.uc_link = &sched;
+                    makecontext(&f.ctx, entry, 0);
+                }
+                while (alive > 0) {
+                    for (unsigned t = 0; t < block; t++) {
+                        if (fibers[t].done) continue;
+                        cur = (int)t;
+                        threadIdx.x = t;
+                        swapcontext(&sched, &fibers[t].ctx);
+                    }
+                }
+            }
+}
+}  // namespace emu
+
+static inline void __syncthreads() { emu::barrier(emu::block_arrived, emu::block_gen, emu::alive); }
+static inline float __shfl_xor_sync(unsigned, float v, int o) {
+    const int t = (int)threadIdx.x, w = t / 32, l = t % 32;
+    emu::warp_slot[w][l] = v;
+    emu::warp_barrier();
+    const float r = emu::warp_slot[w][l ^ o];
+    emu::warp_barrier();
+    return r;
+}
+
+#include "matmul_q.cu"
+#include "matmul_k.cu"
+#include "attention.cu"
+#include "embedding.cu"
+
+// ---- the command interpreter ----
+struct Buf {
+    void* p = nullptr;
+    size_t len = 0;
+};
+static std::map<int, Buf> bufs;
+
+static Buf alloc(size_t len) {
+    Buf b;
+    b.len = len;
+    b.p = aligned_alloc(64, (len + 63) / 64 * 64 + 64);
+    memset(b.p, 0, (len + 63) / 64 * 64 + 64);
+    return b;
+}
+
+struct Arg {
+    uint64_t v = 0;
+};
+
+static Arg parse_arg(const std::string& s) {
+    Arg a;
+    if (s == "null") return a;
+    if (s[0] == 'b') {
+        const size_t plus = s.find('+');
+        const int id = std::stoi(s.substr(1, plus - 1));
+        const uint64_t off = plus == std::string::npos ? 0 : std::stoull(s.substr(plus + 1));
+        auto it = bufs.find(id);
+        if (it == bufs.end()) {
+            fprintf(stderr, "emu: no buffer %d\n", id);
+            exit(2);
+        }
+        a.v = (uint64_t)(uintptr_t)it->second.p + off;
+    } else if (s.rfind("i:", 0) == 0) {
+        a.v = (uint64_t)(int64_t)std::stoll(s.substr(2));
+    } else if (s.rfind("u:", 0) == 0) {
+        a.v = std::stoull(s.substr(2));
+    } else if (s.rfind("f:", 0) == 0) {
+        const float f = std::stof(s.substr(2));
+        unsigned u;
+        memcpy(&u, &f, 4);
+        a.v = u;
+    } else {
+        fprintf(stderr, "emu: bad argument %s\n", s.c_str());
+        exit(2);
+    }
+    return a;
+}
+
+template <typename T>
+static T P(const Arg& a) {
+    return (T)(uintptr_t)a.v;
+}
+static int I(const Arg& a) { return (int)(int64_t)a.v; }
+static float F(const Arg& a) {
+    float f;
+    const unsigned u = (unsigned)a.v;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+using Launcher = std::function<void(const std::vector<Arg>&)>;
+static std::map<std::string, std::pair<size_t, Launcher>> kernels() {
+    std::map<std::string, std::pair<size_t, Launcher>> k;
+#define GEMV(name)                                                                                      \
+    k[#name] = {6, [](const std::vector<Arg>& a) {                                                      \
+                    name(P<const u8*>(a[0]), P<const float*>(a[1]), P<float*>(a[2]), I(a[3]), I(a[4]),  \
+                         I(a[5]));                                                                      \
+                }};
+#define GROUPED(name)                                                                                     \
+    k[#name] = {6, [](const std::vector<Arg>& a) {                                                        \
+                    name(P<const unsigned long long*>(a[0]), P<const u32*>(a[1]), P<const float*>(a[2]), \
+                         P<float*>(a[3]), I(a[4]), I(a[5]));                                              \
+                }};
+#define FORMAT(n) GEMV(gemv_##n) GROUPED(gemv_grouped_##n)
+    FORMAT(f32) FORMAT(f16) FORMAT(bf16) FORMAT(q8_0) FORMAT(q4_0) FORMAT(q4_1) FORMAT(q5_0) FORMAT(q5_1)
+    FORMAT(q2_k) FORMAT(q3_k) FORMAT(q4_k) FORMAT(q5_k) FORMAT(q6_k) FORMAT(iq4_nl) FORMAT(iq4_xs)
+    FORMAT(mxfp4)
+#define DEQUANT(n)                                                                                    \
+    k["dequant_" #n] = {3, [](const std::vector<Arg>& a) {                                            \
+                            dequant_##n(P<const u8*>(a[0]), P<float*>(a[1]), (unsigned long long)a[2].v); \
+                        }};
+#define EMBED(n)                                                                                          \
+    k["embedding_" #n] = {4, [](const std::vector<Arg>& a) {                                              \
+                              embedding_##n(P<const u8*>(a[0]), P<const u32*>(a[1]), P<float*>(a[2]), I(a[3])); \
+                          }};
+    DEQUANT(f16) DEQUANT(bf16) DEQUANT(q8_0) DEQUANT(q4_0) DEQUANT(q4_1) DEQUANT(q5_0) DEQUANT(q5_1)
+    DEQUANT(q2_k) DEQUANT(q3_k) DEQUANT(q4_k) DEQUANT(q5_k) DEQUANT(q6_k) DEQUANT(iq4_nl) DEQUANT(iq4_xs)
+    DEQUANT(mxfp4)
+    EMBED(f32) EMBED(f16) EMBED(bf16) EMBED(q8_0) EMBED(q4_0) EMBED(q4_1) EMBED(q5_0) EMBED(q5_1) EMBED(q2_k)
+    EMBED(q3_k) EMBED(q4_k) EMBED(q5_k) EMBED(q6_k) EMBED(iq4_nl) EMBED(iq4_xs) EMBED(mxfp4)
+    k["attention_f32"] = {13, [](const std::vector<Arg>& a) {
+                              attention_f32(P<const float*>(a[0]), P<const float*>(a[1]), P<const float*>(a[2]),
+                                            P<float*>(a[3]), P<const u32*>(a[4]),
+                                            P<const unsigned long long*>(a[5]), I(a[6]), I(a[7]), I(a[8]), F(a[9]),
+                                            I(a[10]), I(a[11]), P<const float*>(a[12]));
+                          }};
+    k["attention_f16"] = {13, [](const std::vector<Arg>& a) {
+                              attention_f16(P<const float*>(a[0]), P<const u16*>(a[1]), P<const u16*>(a[2]),
+                                            P<float*>(a[3]), P<const u32*>(a[4]),
+                                            P<const unsigned long long*>(a[5]), I(a[6]), I(a[7]), I(a[8]), F(a[9]),
+                                            I(a[10]), I(a[11]), P<const float*>(a[12]));
+                          }};
+    return k;
+}
+
+int main() {
+    const auto table = kernels();
+    std::string line;
+    int n = 0;
+    while (std::getline(std::cin, line)) {
+        n++;
+        std::istringstream in(line);
+        std::string cmd;
+        if (!(in >> cmd)) continue;
+        if (cmd == "load") {
+            int id;
+            std::string path;
+            in >> id >> path;
+            std::ifstream f(path, std::ios::binary);
+            std::vector<char> data((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+            if (!f.good() && !f.eof()) {
+                fprintf(stderr, "emu: line %d: cannot read %s\n", n, path.c_str());
+                return 2;
+            }
+            Buf b = alloc(data.size());
+            memcpy(b.p, data.data(), data.size());
+            bufs[id] = b;
+        } else if (cmd == "zeros") {
+            int id;
+            size_t bytes;
+            in >> id >> bytes;
+            bufs[id] = alloc(bytes);
+        } else if (cmd == "addrs") {
+            int id;
+            in >> id;
+            std::vector<uint64_t> v;
+            std::string a;
+            while (in >> a) v.push_back(parse_arg(a).v);
+            Buf b = alloc(v.size() * 8);
+            memcpy(b.p, v.data(), v.size() * 8);
+            bufs[id] = b;
+        } else if (cmd == "launch") {
+            std::string name;
+            dim3_ g;
+            unsigned block;
+            in >> name >> g.x >> g.y >> g.z >> block;
+            std::vector<Arg> args;
+            std::string a;
+            while (in >> a) args.push_back(parse_arg(a));
+            auto it = table.find(name);
+            if (it == table.end()) {
+                fprintf(stderr, "emu: line %d: unknown kernel %s\n", n, name.c_str());
+                return 2;
+            }
+            if (args.size() != it->second.first) {
+                fprintf(stderr, "emu: line %d: %s takes %zu arguments, got %zu\n", n, name.c_str(),
+                        it->second.first, args.size());
+                return 2;
+            }
+            const Launcher& l = it->second.second;
+            emu::launch(g, block, [&]() { l(args); });
+        } else if (cmd == "save") {
+            int id;
+            std::string path;
+            in >> id >> path;
+            const Buf& b = bufs.at(id);
+            std::ofstream f(path, std::ios::binary);
+            f.write((const char*)b.p, (std::streamsize)b.len);
+            if (!f) {
+                fprintf(stderr, "emu: line %d: cannot write %s\n", n, path.c_str());
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "emu: line %d: unknown command %s\n", n, cmd.c_str());
+            return 2;
+        }
+    }
+    return 0;
+}

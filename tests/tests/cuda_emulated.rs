@@ -1,0 +1,433 @@
+//! The CUDA kernels executed without a GPU: tests/emulator/cuda_emu.cpp compiles the very
+//! sources NVRTC compiles (kernels/*.cu) for the CPU with g++, every CUDA thread a fiber,
+//! and runs the launches these tests script. Their outputs are compared with the CPU
+//! backend on the same inputs, and with themselves across batch shapes. This checks what
+//! the kernels compute (indexing, dequantization, the multi-row GEMV's per-row order, the
+//! attention's online softmax and head groups), not how fast; the GPU tests in
+//! tests/tests/cuda.rs check the rest where a GPU is lent.
+
+use sluice::backend::cpu::CpuBackend;
+use sluice::backend::{AttnStep, Backend, KvDtype};
+use sluice::dtype::{DType, ALL_DTYPES};
+use sluice_tests::ops::{close, f32_bytes, random_weights, wref, AttnCase, Rng};
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+
+/// Rows of a GEMV block (`GEMV_R` in kernels/common.cuh).
+const GEMV_R: usize = sluice::backend::cuda::kernels::GEMV_R;
+
+/// The emulator, built once per source version into the target directory.
+fn emulator() -> &'static Path {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("..");
+        let src = root.join("tests/emulator/cuda_emu.cpp");
+        let kernels = root.join("kernels");
+        let mut text = std::fs::read(&src).expect("tests/emulator/cuda_emu.cpp");
+        for (name, body) in sluice::backend::cuda::KERNELS {
+            text.extend_from_slice(name.as_bytes());
+            text.extend_from_slice(body.as_bytes());
+        }
+        text.extend_from_slice(sluice::backend::cuda::COMMON.as_bytes());
+        let key = xxhash_rust::xxh3::xxh3_64(&text);
+        let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda_emu-{key:016x}"));
+        if !out.exists() {
+            let tmp = out.with_extension(format!("tmp{}", std::process::id()));
+            let o = Command::new("g++")
+                .args(["-std=c++20", "-O2", "-ffp-contract=off", "-Wall"])
+                .args(["-Wno-unknown-pragmas", "-Wno-unused-function", "-I"])
+                .arg(&kernels)
+                .arg(&src)
+                .arg("-o")
+                .arg(&tmp)
+                .output()
+                .unwrap_or_else(|e| {
+                    panic!("running g++ to build the CUDA emulator: {e} (install g++)")
+                });
+            assert!(
+                o.status.success(),
+                "g++ on tests/emulator/cuda_emu.cpp:\n{}",
+                String::from_utf8_lossy(&o.stderr)
+            );
+            std::fs::rename(&tmp, &out).expect("emulator binary");
+        }
+        out
+    })
+}
+
+/// A script of emulator commands: buffers in, launches, buffers out.
+struct Script {
+    dir: tempfile::TempDir,
+    lines: String,
+    saved: Vec<PathBuf>,
+}
+
+impl Script {
+    fn new() -> Script {
+        Script {
+            dir: tempfile::tempdir().expect("temp dir"),
+            lines: String::new(),
+            saved: Vec::new(),
+        }
+    }
+
+    fn load(&mut self, id: usize, bytes: &[u8]) {
+        let p = self.dir.path().join(format!("in{id}"));
+        std::fs::write(&p, bytes).expect("write input");
+        self.lines += &format!("load {id} {}\n", p.display());
+    }
+
+    fn zeros(&mut self, id: usize, bytes: usize) {
+        self.lines += &format!("zeros {id} {bytes}\n");
+    }
+
+    fn addrs(&mut self, id: usize, args: &[String]) {
+        self.lines += &format!("addrs {id} {}\n", args.join(" "));
+    }
+
+    fn launch(&mut self, name: &str, grid: (usize, usize), block: usize, args: &[String]) {
+        self.lines += &format!(
+            "launch {name} {} {} 1 {block} {}\n",
+            grid.0,
+            grid.1,
+            args.join(" ")
+        );
+    }
+
+    /// Saves buffer `id` now; its bytes are `run()`'s output number (the call's return).
+    fn save(&mut self, id: usize) -> usize {
+        let p = self.dir.path().join(format!("out{}", self.saved.len()));
+        self.lines += &format!("save {id} {}\n", p.display());
+        self.saved.push(p);
+        self.saved.len() - 1
+    }
+
+    fn run(self) -> Vec<Vec<f32>> {
+        use std::io::Write;
+        let mut child = Command::new(emulator())
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start the emulator");
+        child
+            .stdin
+            .take()
+            .expect("stdin")
+            .write_all(self.lines.as_bytes())
+            .expect("script");
+        let o = child.wait_with_output().expect("emulator");
+        if !o.status.success() {
+            // Keep the inputs and the script to rerun by hand.
+            let script = self.dir.path().join("script");
+            let _ = std::fs::write(&script, &self.lines);
+            let kept = self.dir.keep();
+            panic!(
+                "emulator failed ({}); rerun: {} < {}\n{}",
+                o.status,
+                emulator().display(),
+                kept.join("script").display(),
+                String::from_utf8_lossy(&o.stderr)
+            );
+        }
+        self.saved
+            .iter()
+            .map(|p| {
+                std::fs::read(p)
+                    .expect("saved buffer")
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                    .collect()
+            })
+            .collect()
+    }
+}
+
+fn b(id: usize, off: usize) -> String {
+    format!("b{id}+{off}")
+}
+fn i(v: usize) -> String {
+    format!("i:{v}")
+}
+
+fn kernel_suffix(d: DType) -> String {
+    d.name().to_ascii_lowercase()
+}
+
+fn cpu_matmul(x: &[f32], rows: usize, w: &[u8], dt: DType, m: usize, k: usize) -> Vec<f32> {
+    let cpu = CpuBackend::new(64 << 20, 1).expect("cpu backend");
+    let xm = cpu_put(&cpu, &f32_bytes(x));
+    let wm = cpu_put(&cpu, w);
+    let mut out = cpu.alloc(rows * m * 4, "out").expect("alloc");
+    let wr = wref(&wm, dt, m, k);
+    cpu.matmul(&xm, rows, rows, wr, None, &mut out);
+    let mut v = vec![0f32; rows * m];
+    cpu.download_f32(&out, 0, &mut v);
+    cpu.check().expect("cpu matmul");
+    v
+}
+
+fn cpu_put(cpu: &CpuBackend, bytes: &[u8]) -> sluice::backend::cpu::CpuMem {
+    let mut mem = cpu.alloc(bytes.len(), "test").expect("alloc");
+    cpu.upload(&mut mem, bytes).expect("upload");
+    mem
+}
+
+fn same_bits(what: &str, a: &[f32], b: &[f32]) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    if let Some(i) = (0..a.len()).find(|&i| a[i].to_bits() != b[i].to_bits()) {
+        panic!("{what}: element {i} differs: {} vs {}", a[i], b[i]);
+    }
+}
+
+/// Every weight type's decode GEMV against the CPU backend at 20 rows (two full groups of
+/// GEMV_R and a partial one), and against itself: the first 1 and 9 rows, a row alone and
+/// the grouped (mixture) form give the same bits as that row among 20. Dense rows also at
+/// k = 262 (a tail past the last 8-weight chunk, rows not 16-byte aligned).
+#[test]
+fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
+    let mut rng = Rng(5);
+    let (m, rows) = (22usize, 20usize);
+    let mut cases: Vec<(DType, usize)> = ALL_DTYPES.iter().map(|&d| (d, 512)).collect();
+    cases.extend([(DType::F32, 262), (DType::F16, 262), (DType::BF16, 262)]);
+    for (dt, k) in cases {
+        let name = kernel_suffix(dt);
+        let x: Vec<f32> = (0..rows * k).map(|_| rng.f()).collect();
+        let w = random_weights(dt, m, k, &mut rng);
+        let mut s = Script::new();
+        s.load(0, &w);
+        s.load(1, &f32_bytes(&x));
+        let grid = |n: usize| (m.div_ceil(4), n.div_ceil(GEMV_R));
+        let gemv = |s: &mut Script, n: usize, x_off: usize, out: usize| {
+            s.zeros(out, n * m * 4);
+            s.launch(
+                &format!("gemv_{name}"),
+                grid(n),
+                128,
+                &[b(0, 0), b(1, x_off), b(out, 0), i(m), i(k), i(n)],
+            );
+            s.save(out)
+        };
+        let full = gemv(&mut s, rows, 0, 2);
+        let first1 = gemv(&mut s, 1, 0, 3);
+        let first9 = gemv(&mut s, 9, 0, 4);
+        let alone: Vec<(usize, usize)> = [0usize, 8, 13, 19]
+            .iter()
+            .enumerate()
+            .map(|(n, &r)| (r, gemv(&mut s, 1, r * k * 4, 10 + n)))
+            .collect();
+        // The grouped form: pairs of (expert weights, activation row).
+        let picked = [7u32, 0, 19];
+        s.addrs(5, &[b(0, 0), b(0, 0), b(0, 0)]);
+        s.load(
+            6,
+            &picked
+                .iter()
+                .flat_map(|r| r.to_le_bytes())
+                .collect::<Vec<_>>(),
+        );
+        s.zeros(7, picked.len() * m * 4);
+        s.launch(
+            &format!("gemv_grouped_{name}"),
+            (m.div_ceil(4), picked.len()),
+            128,
+            &[b(5, 0), b(6, 0), b(1, 0), b(7, 0), i(m), i(k)],
+        );
+        let grouped = s.save(7);
+        let out = s.run();
+        let what = |s: &str| format!("gemv_{name} (k {k}): {s}");
+        close(
+            &what("20 rows against the CPU backend"),
+            &cpu_matmul(&x, rows, &w, dt, m, k),
+            &out[full],
+            m,
+            1e-4,
+        );
+        same_bits(&what("the first row"), &out[first1], &out[full][..m]);
+        same_bits(&what("the first 9 rows"), &out[first9], &out[full][..9 * m]);
+        for (r, at) in alone {
+            same_bits(
+                &what(&format!("row {r} alone")),
+                &out[at],
+                &out[full][r * m..(r + 1) * m],
+            );
+        }
+        for (p, &r) in picked.iter().enumerate() {
+            let r = r as usize;
+            same_bits(
+                &what(&format!("grouped pair {p} (row {r})")),
+                &out[grouped][p * m..(p + 1) * m],
+                &out[full][r * m..(r + 1) * m],
+            );
+        }
+    }
+}
+
+/// Attention on the emulator against the CPU backend: query-head groups of 1, 3, 4 and 16
+/// (two passes of the kernel's eight), heads of 32, 64, 80 and 256 dimensions, a sliding
+/// window in a ring, attention sinks; f32 and f16 caches of random values; two decode rows
+/// and a prefill span per step.
+#[test]
+fn attention_kernels_match_the_cpu_backend() {
+    let mut rng = Rng(9);
+    let cpu = CpuBackend::new(64 << 20, 1).expect("cpu backend");
+    for kv in [KvDtype::F32, KvDtype::F16] {
+        for (heads, kv_heads, head_dim, ctx, window, with_sinks) in [
+            (16usize, 1usize, 80usize, 90usize, None, true),
+            (4, 4, 32, 60, None, false),
+            (8, 2, 256, 70, Some(30usize), false),
+            (6, 2, 64, 50, None, true),
+        ] {
+            let c = AttnCase::new(kv, (heads, kv_heads, head_dim), ctx, window, &mut rng);
+            let (rows, wq, cache) = (c.rows, heads * head_dim, c.cache);
+            let sinks: Vec<f32> = (0..heads).map(|_| 2.0 * rng.f()).collect();
+            let step = AttnStep {
+                layer: 0,
+                spans: &c.spans,
+                shape: c.shape,
+                cache,
+            };
+            // The CPU backend.
+            let (qm, km, vm, sm) = (
+                cpu_put(&cpu, &f32_bytes(&c.q)),
+                cpu_put(&cpu, &c.k),
+                cpu_put(&cpu, &c.v),
+                cpu_put(&cpu, &f32_bytes(&sinks)),
+            );
+            let mut om = cpu.alloc(rows * wq * 4, "out").expect("alloc");
+            let sref = with_sinks.then_some(wref(&sm, DType::F32, 1, heads));
+            cpu.attention(&qm, &km, &vm, &step, sref, &mut om);
+            let mut want = vec![0f32; rows * wq];
+            cpu.download_f32(&om, 0, &mut want);
+            cpu.check().expect("cpu attention");
+            // The kernel: positions and cache bases per row, as the CUDA backend's metadata.
+            let width = kv_heads * head_dim;
+            let mut pos = Vec::new();
+            let mut base = Vec::new();
+            for sp in &c.spans {
+                for t in 0..sp.n {
+                    pos.push((sp.pos + t) as u32);
+                    base.push((sp.slot * cache.cap * width) as u64);
+                }
+            }
+            let mut s = Script::new();
+            s.load(0, &f32_bytes(&c.q));
+            s.load(1, &c.k);
+            s.load(2, &c.v);
+            s.zeros(3, rows * wq * 4);
+            s.load(
+                4,
+                &pos.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<_>>(),
+            );
+            s.load(
+                5,
+                &base
+                    .iter()
+                    .flat_map(|p| p.to_le_bytes())
+                    .collect::<Vec<_>>(),
+            );
+            s.load(6, &f32_bytes(&sinks));
+            let kernel = match kv {
+                KvDtype::F32 => "attention_f32",
+                KvDtype::F16 => "attention_f16",
+            };
+            s.launch(
+                kernel,
+                (rows, kv_heads),
+                256,
+                &[
+                    b(0, 0),
+                    b(1, 0),
+                    b(2, 0),
+                    b(3, 0),
+                    b(4, 0),
+                    b(5, 0),
+                    i(heads),
+                    i(kv_heads),
+                    i(head_dim),
+                    format!("f:{:e}", c.shape.scale),
+                    i(cache.cap),
+                    i(window.unwrap_or(0)),
+                    if with_sinks { b(6, 0) } else { "null".into() },
+                ],
+            );
+            let at = s.save(3);
+            let got = s.run();
+            close(
+                &format!("{kernel}: {heads} heads on {kv_heads}, {head_dim} dims, context {ctx}, window {window:?}, sinks {with_sinks}"),
+                &want,
+                &got[at],
+                head_dim,
+                1e-5,
+            );
+        }
+    }
+}
+
+/// The prefill path's dequantization tiles and the embedding gather, for every weight type,
+/// against the CPU backend's embedding of the same rows: exact for the K-quant-era formats
+/// (their device decoders round every product and sum as the CPU's do), 1e-6 for the rest.
+#[test]
+fn dequantization_and_embedding_kernels_match_the_cpu_backend() {
+    let mut rng = Rng(13);
+    let (m, k) = (22usize, 512usize);
+    let cpu = CpuBackend::new(64 << 20, 1).expect("cpu backend");
+    for dt in ALL_DTYPES {
+        let name = kernel_suffix(dt);
+        let w = random_weights(dt, m, k, &mut rng);
+        let ids: Vec<u32> = vec![3, 0, 21, 7, 7];
+        let all: Vec<u32> = (0..m as u32).collect();
+        let cpu_rows = |ids: &[u32]| {
+            let wm = cpu_put(&cpu, &w);
+            let mut out = cpu.alloc(ids.len() * k * 4, "out").expect("alloc");
+            let wr = wref(&wm, dt, m, k);
+            cpu.embedding(wr, ids, &mut out);
+            let mut v = vec![0f32; ids.len() * k];
+            cpu.download_f32(&out, 0, &mut v);
+            cpu.check().expect("cpu embedding");
+            v
+        };
+        let mut s = Script::new();
+        s.load(0, &w);
+        s.load(
+            1,
+            &ids.iter().flat_map(|r| r.to_le_bytes()).collect::<Vec<_>>(),
+        );
+        s.zeros(2, ids.len() * k * 4);
+        s.launch(
+            &format!("embedding_{name}"),
+            (ids.len(), 1),
+            256,
+            &[b(0, 0), b(1, 0), b(2, 0), i(k)],
+        );
+        let gathered = s.save(2);
+        let tile = (dt != DType::F32).then(|| {
+            let n = m * k;
+            s.zeros(3, n * 4);
+            s.launch(
+                &format!("dequant_{name}"),
+                (n.div_ceil(256), 1),
+                256,
+                &[b(0, 0), b(3, 0), format!("u:{n}")],
+            );
+            s.save(3)
+        });
+        let out = s.run();
+        let tol = if dt.is_quantized() && !matches!(dt, DType::Q8_0 | DType::Q4_0 | DType::Q4_1) {
+            0.0
+        } else {
+            1e-6
+        };
+        close(
+            &format!("embedding_{name}"),
+            &cpu_rows(&ids),
+            &out[gathered],
+            k,
+            tol,
+        );
+        if let Some(t) = tile {
+            close(&format!("dequant_{name}"), &cpu_rows(&all), &out[t], k, tol);
+        }
+    }
+}
