@@ -90,12 +90,8 @@ fi
 "$sluiced" bench-stream "$synth" --backend cuda --weights-budget 50% --batch 1,8,32 \
   --steps 8 --prompt-tokens 16 --json > "$out/synth.json"
 
-echo "== kernel benchmark"
-"$sluiced" bench-kernels --json > "$out/kernels.json"
-
-echo "== resident step time: synthetic model, everything on the device"
-"$sluiced" bench-stream "$synth" --backend cuda --weights-budget 100% --batch 1,8,64 \
-  --steps 8 --prompt-tokens 16 --json > "$out/resident.json"
+echo "== kernel benchmark (and the synthetic model's resident step at batch 1, 8, 64)"
+"$sluiced" bench-kernels --model "$synth" --json > "$out/kernels.json"
 
 echo '{}' > "$out/smol.json"
 if [ -n "${SLUICE_SMOLLM2_GGUF:-}" ]; then
@@ -110,10 +106,10 @@ fi
 
 echo
 echo "== gpu-check summary ($(( $(date +%s) - start )) s)"
-python3 - "$out/synth.json" "$out/smol.json" "$test_line" "$smol_note" "$out/kernels.json" "$out/resident.json" <<'EOF'
+python3 - "$out/synth.json" "$out/smol.json" "$test_line" "$smol_note" "$out/kernels.json" <<'EOF'
 import json, sys
 s, m, tests, note = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
-kern, res = json.load(open(sys.argv[5])), json.load(open(sys.argv[6]))
+kern = json.load(open(sys.argv[5]))
 gib = 1 << 30
 print(f"GPU tests: {tests or 'no result line (see above)'}")
 if note:
@@ -137,7 +133,7 @@ for g in kern["gemv"]:
 att = {a["context"]: a["seconds"] for a in kern["attention"]}
 if 4096 in att and 32768 in att:
     row("attention decode, 32K context / 4K context", f"{att[32768] / att[4096]:.2f}", "~8")
-steps = {b["batch"]: b["pass_s"] for b in res["batches"]}
+steps = {b["batch"]: b["step_s"] for b in kern.get("resident_steps", [])}
 if 1 in steps and 64 in steps:
     row(f"resident step, batch 64 / batch 1 ({steps[1]*1e3:.2f} ms at 1)", f"{steps[64] / steps[1]:.2f}", "<= 3")
 print("GEMV effective bandwidth (weight bytes / time) over the copy's, every kernel:")

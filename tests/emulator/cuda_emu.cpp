@@ -67,6 +67,7 @@ static inline float __fadd_rn(float a, float b) { return a + b; }
 static inline float __fsub_rn(float a, float b) { return a - b; }
 static inline float sluice_emu_expf(float x) { return expf(x); }
 static inline int min(int a, int b) { return a < b ? a : b; }
+static inline float rsqrtf(float x) { return 1.0f / sqrtf(x); }
 static inline float __int_as_float(int i) {
     float f;
     memcpy(&f, &i, 4);
@@ -148,7 +149,7 @@ static void launch(dim3_ grid, unsigned block, const std::function<void()>& kern
     blockDim = dim3_{block, 1, 1};
     fibers.resize(block);
     for (auto& f : fibers)
-        if (f.stack.empty()) f.stack.resize(256 << 10);
+        if (f.stack.empty()) f.stack.resize(64 << 10);
     body = kernel;
     for (unsigned z = 0; z < grid.z; z++)
         for (unsigned y = 0; y < grid.y; y++)
@@ -192,6 +193,11 @@ static inline float __shfl_xor_sync(unsigned, float v, int o) {
 #include "matmul_k.cu"
 #include "attention.cu"
 #include "embedding.cu"
+#include "rms_norm.cu"
+#include "rope.cu"
+#include "kv_store.cu"
+#include "silu_mul.cu"
+#include "add.cu"
 
 // ---- the command interpreter ----
 struct Buf {
@@ -283,6 +289,34 @@ static std::map<std::string, std::pair<size_t, Launcher>> kernels() {
     DEQUANT(mxfp4)
     EMBED(f32) EMBED(f16) EMBED(bf16) EMBED(q8_0) EMBED(q4_0) EMBED(q4_1) EMBED(q5_0) EMBED(q5_1) EMBED(q2_k)
     EMBED(q3_k) EMBED(q4_k) EMBED(q5_k) EMBED(q6_k) EMBED(iq4_nl) EMBED(iq4_xs) EMBED(mxfp4)
+#define NORM(n)                                                                                      \
+    k["rms_norm_" #n] = {5, [](const std::vector<Arg>& a) {                                          \
+                             rms_norm_##n(P<const float*>(a[0]), P<const u8*>(a[1]), P<float*>(a[2]), I(a[3]), \
+                                          F(a[4]));                                                  \
+                         }};
+    NORM(f32) NORM(f16) NORM(bf16)
+    k["rope_f32"] = {5, [](const std::vector<Arg>& a) {
+                         rope_f32(P<float*>(a[0]), P<const float*>(a[1]), P<const u32*>(a[2]), I(a[3]), I(a[4]));
+                     }};
+    k["kv_store_f32"] = {6, [](const std::vector<Arg>& a) {
+                             kv_store_f32(P<const float*>(a[0]), P<const float*>(a[1]), P<float*>(a[2]),
+                                          P<float*>(a[3]), P<const unsigned long long*>(a[4]), I(a[5]));
+                         }};
+    k["kv_store_f16"] = {6, [](const std::vector<Arg>& a) {
+                             kv_store_f16(P<const float*>(a[0]), P<const float*>(a[1]), P<u16*>(a[2]), P<u16*>(a[3]),
+                                          P<const unsigned long long*>(a[4]), I(a[5]));
+                         }};
+#define ELEMENTWISE(n) \
+    k[#n] = {3, [](const std::vector<Arg>& a) { n(P<float*>(a[0]), P<const float*>(a[1]), I(a[2])); }};
+    ELEMENTWISE(silu_mul_f32) ELEMENTWISE(gelu_mul_f32) ELEMENTWISE(add_f32)
+    k["swiglu_clamp_mul_f32"] = {5, [](const std::vector<Arg>& a) {
+                                     swiglu_clamp_mul_f32(P<float*>(a[0]), P<const float*>(a[1]), I(a[2]), F(a[3]),
+                                                          F(a[4]));
+                                 }};
+    k["scale_f32"] = {3, [](const std::vector<Arg>& a) { scale_f32(P<float*>(a[0]), F(a[1]), I(a[2])); }};
+    k["add_bias_f32"] = {4, [](const std::vector<Arg>& a) {
+                             add_bias_f32(P<float*>(a[0]), P<const float*>(a[1]), I(a[2]), I(a[3]));
+                         }};
     k["attention_f32"] = {13, [](const std::vector<Arg>& a) {
                               attention_f32(P<const float*>(a[0]), P<const float*>(a[1]), P<const float*>(a[2]),
                                             P<float*>(a[3]), P<const u32*>(a[4]),

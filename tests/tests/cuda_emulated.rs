@@ -431,3 +431,192 @@ fn dequantization_and_embedding_kernels_match_the_cpu_backend() {
         }
     }
 }
+
+/// The decoder's other ops on the emulator against the CPU backend: RMS norm with f32, f16
+/// and bf16 weights over rows wider than a block's first pass, RoPE, the KV-cache store into
+/// f32 and f16 caches (the same bytes), SiLU, GELU and gpt-oss's clamped SwiGLU products,
+/// add, scale and the bias add.
+#[test]
+fn norm_rope_kv_store_and_elementwise_kernels_match_the_cpu_backend() {
+    let mut rng = Rng(17);
+    let cpu = CpuBackend::new(64 << 20, 1).expect("cpu backend");
+    let (rows, cols) = (5usize, 1100usize);
+    let n = rows * cols;
+    let x: Vec<f32> = (0..n).map(|_| rng.f() * 3.0).collect();
+    let y: Vec<f32> = (0..n).map(|_| rng.f() * 3.0).collect();
+    let download = |m: &sluice::backend::cpu::CpuMem, n: usize| {
+        let mut v = vec![0f32; n];
+        cpu.download_f32(m, 0, &mut v);
+        cpu.check().expect("cpu op");
+        v
+    };
+    let per_element = (n.div_ceil(256), 1);
+    let mut s = Script::new();
+    s.load(0, &f32_bytes(&x));
+    s.load(1, &f32_bytes(&y));
+    let mut checks: Vec<(String, Vec<f32>, usize, f64)> = Vec::new();
+
+    for (id, dt) in [(10, DType::F32), (11, DType::F16), (12, DType::BF16)] {
+        let w = random_weights(dt, 1, cols, &mut rng);
+        let (xm, wm) = (cpu_put(&cpu, &f32_bytes(&x)), cpu_put(&cpu, &w));
+        let mut om = cpu.alloc(n * 4, "out").expect("alloc");
+        cpu.rms_norm(&xm, wref(&wm, dt, 1, cols), 1e-5, rows, &mut om);
+        s.load(id, &w);
+        s.zeros(id + 10, n * 4);
+        let block = (cols.div_ceil(4).div_ceil(32) * 32).clamp(32, 1024);
+        s.launch(
+            &format!("rms_norm_{}", kernel_suffix(dt)),
+            (rows, 1),
+            block,
+            &[b(0, 0), b(id, 0), b(id + 10, 0), i(cols), "f:1e-5".into()],
+        );
+        checks.push((
+            format!("rms_norm_{dt}"),
+            download(&om, n),
+            s.save(id + 10),
+            1e-5,
+        ));
+    }
+
+    // RoPE over 5 rows of 4 heads of 22 dims (11 pairs), a table of 12 positions.
+    let (heads, head_dim, positions) = (4usize, 22usize, [0u32, 5, 11, 2, 7]);
+    let q: Vec<f32> = (0..rows * heads * head_dim).map(|_| rng.f()).collect();
+    let table: Vec<f32> = (0..12 * head_dim).map(|_| rng.f()).collect();
+    let (mut qm, tm) = (
+        cpu_put(&cpu, &f32_bytes(&q)),
+        cpu_put(&cpu, &f32_bytes(&table)),
+    );
+    cpu.rope(&mut qm, rows, heads, head_dim, &positions, &tm);
+    s.load(30, &f32_bytes(&q));
+    s.load(31, &f32_bytes(&table));
+    s.load(
+        32,
+        &positions
+            .iter()
+            .flat_map(|p| p.to_le_bytes())
+            .collect::<Vec<_>>(),
+    );
+    s.launch(
+        "rope_f32",
+        (rows, heads),
+        head_dim / 2,
+        &[b(30, 0), b(31, 0), b(32, 0), i(heads), i(head_dim)],
+    );
+    checks.push(("rope".into(), download(&qm, q.len()), s.save(30), 1e-6));
+
+    // The elementwise ops, each on its own copy of x.
+    type Op =
+        fn(&CpuBackend, &mut sluice::backend::cpu::CpuMem, &sluice::backend::cpu::CpuMem, usize);
+    let ops: [(&str, Op, Vec<String>); 5] = [
+        ("silu_mul_f32", |c, g, u, n| c.silu_mul(g, u, n), vec![]),
+        ("gelu_mul_f32", |c, g, u, n| c.gelu_mul(g, u, n), vec![]),
+        (
+            "swiglu_clamp_mul_f32",
+            |c, g, u, n| c.swiglu_clamp_mul(g, u, n, 1.702, 2.5),
+            vec!["f:1.702".into(), "f:2.5".into()],
+        ),
+        ("add_f32", |c, g, u, n| c.add(g, u, n), vec![]),
+        ("scale_f32", |c, g, _, n| c.scale(g, 0.37, n), vec![]),
+    ];
+    for (k, (name, op, extra)) in ops.into_iter().enumerate() {
+        let (mut gm, um) = (cpu_put(&cpu, &f32_bytes(&x)), cpu_put(&cpu, &f32_bytes(&y)));
+        op(&cpu, &mut gm, &um, n);
+        let id = 40 + k;
+        s.load(id, &f32_bytes(&x));
+        let args: Vec<String> = if name == "scale_f32" {
+            vec![b(id, 0), "f:0.37".into(), i(n)]
+        } else {
+            [vec![b(id, 0), b(1, 0), i(n)], extra].concat()
+        };
+        s.launch(name, per_element, 256, &args);
+        checks.push((name.into(), download(&gm, n), s.save(id), 1e-6));
+    }
+
+    // The bias add: out[r][c] + bias[c], one rounding.
+    let bias: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
+    s.load(50, &f32_bytes(&x));
+    s.load(51, &f32_bytes(&bias));
+    s.launch(
+        "add_bias_f32",
+        per_element,
+        256,
+        &[b(50, 0), b(51, 0), i(rows), i(cols)],
+    );
+    let want: Vec<f32> = (0..n).map(|e| x[e] + bias[e % cols]).collect();
+    checks.push(("add_bias_f32".into(), want, s.save(50), 0.0));
+
+    // The KV-cache store: each row's K and V at its span's position and slot.
+    for (k, kv) in [KvDtype::F32, KvDtype::F16].into_iter().enumerate() {
+        let c = AttnCase::new(kv, (4, 2, 32), 40, Some(12), &mut rng);
+        let width = 2 * 32;
+        let kin: Vec<f32> = (0..c.rows * width).map(|_| rng.f()).collect();
+        let vin: Vec<f32> = (0..c.rows * width).map(|_| rng.f()).collect();
+        let step = AttnStep {
+            layer: 0,
+            spans: &c.spans,
+            shape: c.shape,
+            cache: c.cache,
+        };
+        let (km, vm) = (
+            cpu_put(&cpu, &f32_bytes(&kin)),
+            cpu_put(&cpu, &f32_bytes(&vin)),
+        );
+        let (mut ckm, mut cvm) = (cpu_put(&cpu, &c.k), cpu_put(&cpu, &c.v));
+        cpu.kv_store(&km, &vm, &mut ckm, &mut cvm, &step);
+        let mut dst = Vec::new();
+        for sp in &c.spans {
+            for t in 0..sp.n {
+                let at = c.cache.at(&c.shape, sp.slot, sp.pos + t) - c.cache.base;
+                dst.push(at as u64);
+            }
+        }
+        let id = 60 + 10 * k;
+        s.load(id, &f32_bytes(&kin));
+        s.load(id + 1, &f32_bytes(&vin));
+        s.load(id + 2, &c.k);
+        s.load(id + 3, &c.v);
+        s.load(
+            id + 4,
+            &dst.iter().flat_map(|d| d.to_le_bytes()).collect::<Vec<_>>(),
+        );
+        let kernel = match kv {
+            KvDtype::F32 => "kv_store_f32",
+            KvDtype::F16 => "kv_store_f16",
+        };
+        s.launch(
+            kernel,
+            (c.rows, 1),
+            256,
+            &[
+                b(id, 0),
+                b(id + 1, 0),
+                b(id + 2, 0),
+                b(id + 3, 0),
+                b(id + 4, 0),
+                i(width),
+            ],
+        );
+        let words = c.k.len() / 4;
+        checks.push((
+            format!("{kernel} K"),
+            download(&ckm, words),
+            s.save(id + 2),
+            0.0,
+        ));
+        checks.push((
+            format!("{kernel} V"),
+            download(&cvm, words),
+            s.save(id + 3),
+            0.0,
+        ));
+    }
+
+    let out = s.run();
+    for (what, want, at, tol) in checks {
+        if tol == 0.0 {
+            same_bits(&what, &out[at], &want);
+        } else {
+            close(&what, &want, &out[at], cols.min(want.len()), tol);
+        }
+    }
+}

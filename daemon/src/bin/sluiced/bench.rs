@@ -459,9 +459,23 @@ pub struct BenchKernelsArgs {
     /// Timed samples per figure (each 20 launches in a row; the median is reported).
     #[arg(long, default_value_t = 9)]
     pub reps: usize,
+    /// A store to time whole decode steps of, everything resident on the device, at
+    /// batch 1, 8 and 64 (as bench-stream at --weights-budget 100%).
+    #[arg(long, value_name = "DIR")]
+    pub model: Option<PathBuf>,
     /// Print one JSON object.
     #[arg(long)]
     pub json: bool,
+}
+
+/// The step time of a model all resident, per batch size.
+#[derive(serde::Serialize)]
+struct ResidentStep {
+    batch: usize,
+    step_s: f64,
+    tokens_per_s: f64,
+    /// This batch's step time over batch 1's.
+    vs_batch_1: f64,
 }
 
 /// `sluiced bench-kernels` (CUDA only): each decode GEMV's effective bandwidth per weight
@@ -472,8 +486,14 @@ pub fn run_kernels(a: BenchKernelsArgs) -> Result<std::process::ExitCode> {
         anyhow::anyhow!("bench-kernels measures the CUDA kernels and needs a CUDA device: {e}")
     })?;
     let r = sluice::backend::cuda::bench::run(info.ordinal, a.reps)?;
+    let steps = match &a.model {
+        Some(dir) => resident_steps(dir, info)?,
+        None => Vec::new(),
+    };
     if a.json {
-        println!("{}", serde_json::to_string_pretty(&r)?);
+        let mut v = serde_json::to_value(&r)?;
+        v["resident_steps"] = serde_json::to_value(&steps)?;
+        println!("{}", serde_json::to_string_pretty(&v)?);
         return Ok(std::process::ExitCode::SUCCESS);
     }
     println!(
@@ -513,5 +533,60 @@ pub fn run_kernels(a: BenchKernelsArgs) -> Result<std::process::ExitCode> {
             t.kv_gbps
         );
     }
+    if let Some(dir) = &a.model {
+        println!("{}, all resident:", dir.display());
+        println!(
+            "{:>6} {:>10} {:>10} {:>11}",
+            "batch", "step ms", "tokens/s", "vs batch 1"
+        );
+        for s in &steps {
+            println!(
+                "{:>6} {:>10.2} {:>10.1} {:>11.2}",
+                s.batch,
+                s.step_s * 1e3,
+                s.tokens_per_s,
+                s.vs_batch_1
+            );
+        }
+    }
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// Decode steps of the store at `dir` with every weight on the device, at batch 1, 8, 64.
+fn resident_steps(
+    dir: &std::path::Path,
+    info: sluice::backend::cuda::DeviceInfo,
+) -> Result<Vec<ResidentStep>> {
+    let store = std::sync::Arc::new(Store::open(&sluice::util::store_path(dir, None))?);
+    let chosen = sluice::engine::Chosen::Cuda(info);
+    let batches = vec![1, 8, 64];
+    let (steps, prompt_tokens) = (8, 16);
+    let opts = bench_stream::model_options(&batches, prompt_tokens, steps);
+    let budget = bench_stream::budget_for_weights_share(&store, opts, None, 100.0, &chosen)?;
+    let o = bench_stream::BenchStreamOptions {
+        device_budget: Some(budget),
+        host_cache_budget: 0,
+        host: None,
+        prefetch: None,
+        expert_cache: None,
+        expert_eviction: Default::default(),
+        expert_prediction: Default::default(),
+        expert_profile: None,
+        threads: 0,
+        io: sluice::io::IoConfig::serving(),
+        batches,
+        steps,
+        prompt_tokens,
+    };
+    let r = bench_stream::run(&chosen, store, &o)?;
+    let one = r.batches.first().map_or(f64::NAN, |b| b.pass_s);
+    Ok(r.batches
+        .iter()
+        .map(|b| ResidentStep {
+            batch: b.batch,
+            step_s: b.pass_s,
+            tokens_per_s: b.tokens_per_s,
+            vs_batch_1: b.pass_s / one,
+        })
+        .collect())
 }
