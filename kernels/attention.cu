@@ -7,15 +7,25 @@
 // sums in f32). `sinks` (null, or one f32 logit per query head: gpt-oss) joins each softmax
 // as a logit whose weight is then dropped.
 //
-// Grid: (rows, kv_heads); block: ATT_WARPS warps (256 threads); no dynamic shared memory,
-// so the context is not bounded by it. One block takes one row and one KV head with all
-// the query heads that share it (up to ATT_G at a time), so each K and V row is read once
-// for the group.
-// Warp w takes positions w, w + ATT_WARPS, ...: per position its lanes load the K and V
-// rows (lane l holds dims l, l + 32, ...), and for each query head the score (a warp sum)
-// updates that warp's running max, sum and weighted V (online softmax). At the end the
-// warps' partials are rescaled to the block's max and summed in shared memory in warp
-// order, a fixed order: a row's result does not depend on the other rows of the step.
+// Two kernels, flash-decoding style, so a long context is spread over many blocks even
+// for one decode row:
+//   attention_part_*: grid (rows, kv_heads, splits); block: ATT_WARPS warps (256 threads).
+//     Block (r, g, s) takes row r's positions s * split .. (s + 1) * split - 1 (of the
+//     n = pos[r] + 1 - lo it sees) and the query heads that share KV head g (up to ATT_G
+//     at a time), so each K and V row is read once for the group. Warp w takes positions
+//     w, w + ATT_WARPS, ...: per position its lanes load the K and V rows (lane l holds
+//     dims l, l + 32, ...), and for each query head the score (a warp sum) updates that
+//     warp's running max, sum and weighted V (online softmax). The warps' partials are
+//     rescaled to the block's max and summed in shared memory in warp order; the block
+//     writes per head its max M, sum L and weighted V sum (head_dim floats) to
+//     part[((r * s_max + s) * heads + h) * (head_dim + 2)]. Blocks past a row's splits
+//     return at once.
+//   attention_combine_f32: grid (rows, heads); block: 128 threads over the dims. Row r's
+//     ceil(n / split) partials of head h, in split order, with the sink: out = sum_s V_s *
+//     exp(M_s - M) / (sum_s L_s * exp(M_s - M) + exp(sink - M)), M the largest.
+// No shared memory per position, so the context is not bounded by it. A row's splits
+// depend only on its own position, and every sum runs in a fixed order: its result does
+// not depend on the other rows of the step or how the host groups rows into launches.
 #include "common.cuh"
 
 #define ATT_WARPS 8
@@ -28,32 +38,41 @@ struct AttShared {
     float qs[ATT_G][ATT_HD];
     float red[ATT_G][ATT_HD];
     float wmax[ATT_WARPS][ATT_G], wsum[ATT_WARPS][ATT_G];
-    float gmax[ATT_G], ginv[ATT_G];
+    float gmax[ATT_G], gsum[ATT_G];
 };
+
+// The positions row r sees: lo .. lo + n - 1.
+__device__ __forceinline__ void visible(int p, int window, int& lo, int& n) {
+    lo = (window > 0 && p + 1 > window) ? p + 1 - window : 0;
+    n = p + 1 - lo;
+}
 
 template <typename KV, int DPL>
 __device__ __forceinline__ void attend(AttShared& sh, const float* __restrict__ q, const KV* __restrict__ cache_k,
-                                       const KV* __restrict__ cache_v, float* __restrict__ out,
+                                       const KV* __restrict__ cache_v, float* __restrict__ part,
                                        const u32* __restrict__ pos, const unsigned long long* __restrict__ base,
                                        int heads, int kv_heads, int head_dim, float scale, int cap, int window,
-                                       const float* __restrict__ sinks) {
+                                       int split, int s_max) {
     auto& qs = sh.qs;
     auto& red = sh.red;
     auto& wmax = sh.wmax;
     auto& wsum = sh.wsum;
     auto& gmax = sh.gmax;
-    auto& ginv = sh.ginv;
-    const int r = blockIdx.x, kvh = blockIdx.y;
+    auto& gsum = sh.gsum;
+    const int r = blockIdx.x, kvh = blockIdx.y, sp = blockIdx.z;
     const int group = heads / kv_heads;
     const int width_kv = kv_heads * head_dim;
-    const int p = (int)pos[r];
-    const int lo = (window > 0 && p + 1 > window) ? p + 1 - window : 0;
-    const int n = p + 1 - lo;
+    int lo, n;
+    visible((int)pos[r], window, lo, n);
+    // This block's positions: begin .. end - 1 of the n (the whole block leaves together).
+    const int begin = sp * split;
+    if (begin >= n) return;
+    const int end = min(n, begin + split);
     const KV* kb = cache_k + base[r] + (size_t)kvh * head_dim;
     const KV* vb = cache_v + base[r] + (size_t)kvh * head_dim;
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5, warps = min((int)(blockDim.x >> 5), ATT_WARPS);
     // Warps past ATT_WARPS (a larger block than the host launches) only keep the barriers.
-    const int first = warp < warps ? warp : 0x7fffffff;
+    const int first = warp < warps ? begin + warp : 0x7fffffff;
     for (int g0 = 0; g0 < group; g0 += ATT_G) {
         const int ng = min(ATT_G, group - g0);
         const int h0 = kvh * group + g0;
@@ -71,7 +90,7 @@ __device__ __forceinline__ void attend(AttShared& sh, const float* __restrict__ 
 #pragma unroll
             for (int i = 0; i < DPL; i++) acc[g][i] = 0.0f;
         }
-        for (int j = first; j < n; j += warps) {
+        for (int j = first; j < end; j += warps) {
             const size_t at = (size_t)((lo + j) % cap) * width_kv;
             float kr[DPL], vr[DPL];
 #pragma unroll
@@ -104,17 +123,15 @@ __device__ __forceinline__ void attend(AttShared& sh, const float* __restrict__ 
             }
         }
         __syncthreads();
-        // The block's max and sum of each head (the sink joins both).
+        // The block's max and sum of each head.
         if (threadIdx.x < (unsigned)ng) {
             const int g = threadIdx.x;
             float mx = wmax[0][g];
             for (int w = 1; w < warps; w++) mx = fmaxf(mx, wmax[w][g]);
-            if (sinks != nullptr) mx = fmaxf(mx, sinks[h0 + g]);
             float sum = 0.0f;
             for (int w = 0; w < warps; w++) sum = fmaf(wsum[w][g], __expf(wmax[w][g] - mx), sum);
-            if (sinks != nullptr) sum += __expf(sinks[h0 + g] - mx);
             gmax[g] = mx;
-            ginv[g] = 1.0f / sum;
+            gsum[g] = sum;
         }
         __syncthreads();
         // The warps' weighted V sums, rescaled to the block's max, added in warp order.
@@ -134,9 +151,11 @@ __device__ __forceinline__ void attend(AttShared& sh, const float* __restrict__ 
             }
             __syncthreads();
         }
-        for (int i = threadIdx.x; i < ng * head_dim; i += blockDim.x) {
-            const int g = i / head_dim, d = i % head_dim;
-            out[((size_t)r * heads + h0 + g) * head_dim + d] = red[g][d] * ginv[g];
+        // This split's partial per head: max, sum, then the weighted V sum.
+        for (int i = threadIdx.x; i < ng * (head_dim + 2); i += blockDim.x) {
+            const int g = i / (head_dim + 2), d = i % (head_dim + 2);
+            float* rec = part + (((size_t)r * s_max + sp) * heads + h0 + g) * (head_dim + 2);
+            rec[d] = d == 0 ? gmax[g] : d == 1 ? gsum[g] : red[g][d - 2];
         }
         __syncthreads();
     }
@@ -144,32 +163,57 @@ __device__ __forceinline__ void attend(AttShared& sh, const float* __restrict__ 
 
 // head_dim <= ATT_HD (the backend refuses larger heads): DPL dims per lane.
 template <typename KV>
-__device__ __forceinline__ void attention(const float* q, const KV* cache_k, const KV* cache_v, float* out,
-                                          const u32* pos, const unsigned long long* base, int heads, int kv_heads,
-                                          int head_dim, float scale, int cap, int window, const float* sinks) {
+__device__ __forceinline__ void attention_part(const float* q, const KV* cache_k, const KV* cache_v, float* part,
+                                               const u32* pos, const unsigned long long* base, int heads,
+                                               int kv_heads, int head_dim, float scale, int cap, int window,
+                                               int split, int s_max) {
     __shared__ AttShared sh;
     if (head_dim <= 32)
-        attend<KV, 1>(sh, q, cache_k, cache_v, out, pos, base, heads, kv_heads, head_dim, scale, cap, window, sinks);
+        attend<KV, 1>(sh, q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
     else if (head_dim <= 64)
-        attend<KV, 2>(sh, q, cache_k, cache_v, out, pos, base, heads, kv_heads, head_dim, scale, cap, window, sinks);
+        attend<KV, 2>(sh, q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
     else if (head_dim <= 128)
-        attend<KV, 4>(sh, q, cache_k, cache_v, out, pos, base, heads, kv_heads, head_dim, scale, cap, window, sinks);
+        attend<KV, 4>(sh, q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
     else
-        attend<KV, 8>(sh, q, cache_k, cache_v, out, pos, base, heads, kv_heads, head_dim, scale, cap, window, sinks);
+        attend<KV, 8>(sh, q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
 }
 
-extern "C" __global__ void attention_f32(const float* __restrict__ q, const float* __restrict__ cache_k,
-                                         const float* __restrict__ cache_v, float* __restrict__ out,
-                                         const u32* __restrict__ pos, const unsigned long long* __restrict__ base,
-                                         int heads, int kv_heads, int head_dim, float scale, int cap, int window,
-                                         const float* __restrict__ sinks) {
-    attention(q, cache_k, cache_v, out, pos, base, heads, kv_heads, head_dim, scale, cap, window, sinks);
+extern "C" __global__ void __launch_bounds__(256, 2) attention_part_f32(const float* __restrict__ q, const float* __restrict__ cache_k,
+                                              const float* __restrict__ cache_v, float* __restrict__ part,
+                                              const u32* __restrict__ pos, const unsigned long long* __restrict__ base,
+                                              int heads, int kv_heads, int head_dim, float scale, int cap, int window,
+                                              int split, int s_max) {
+    attention_part(q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
 }
 
-extern "C" __global__ void attention_f16(const float* __restrict__ q, const u16* __restrict__ cache_k,
-                                         const u16* __restrict__ cache_v, float* __restrict__ out,
-                                         const u32* __restrict__ pos, const unsigned long long* __restrict__ base,
-                                         int heads, int kv_heads, int head_dim, float scale, int cap, int window,
-                                         const float* __restrict__ sinks) {
-    attention(q, cache_k, cache_v, out, pos, base, heads, kv_heads, head_dim, scale, cap, window, sinks);
+extern "C" __global__ void __launch_bounds__(256, 2) attention_part_f16(const float* __restrict__ q, const u16* __restrict__ cache_k,
+                                              const u16* __restrict__ cache_v, float* __restrict__ part,
+                                              const u32* __restrict__ pos, const unsigned long long* __restrict__ base,
+                                              int heads, int kv_heads, int head_dim, float scale, int cap, int window,
+                                              int split, int s_max) {
+    attention_part(q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
+}
+
+extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
+                                                 const u32* __restrict__ pos, int heads, int head_dim, int window,
+                                                 int split, int s_max, const float* __restrict__ sinks) {
+    const int r = blockIdx.x, h = blockIdx.y;
+    int lo, n;
+    visible((int)pos[r], window, lo, n);
+    const int splits = (n + split - 1) / split;
+    const size_t stride = (size_t)heads * (head_dim + 2);
+    const float* rec = part + ((size_t)r * s_max * heads + h) * (head_dim + 2);
+    float mx = rec[0];
+    for (int s = 1; s < splits; s++) mx = fmaxf(mx, rec[s * stride]);
+    if (sinks != nullptr) mx = fmaxf(mx, sinks[h]);
+    float sum = 0.0f;
+    for (int s = 0; s < splits; s++) sum = fmaf(rec[s * stride + 1], __expf(rec[s * stride] - mx), sum);
+    if (sinks != nullptr) sum += __expf(sinks[h] - mx);
+    const float inv = 1.0f / sum;
+    float* o = out + ((size_t)r * heads + h) * head_dim;
+    for (int d = threadIdx.x; d < head_dim; d += blockDim.x) {
+        float acc = 0.0f;
+        for (int s = 0; s < splits; s++) acc = fmaf(rec[s * stride + 2 + d], __expf(rec[s * stride] - mx), acc);
+        o[d] = acc * inv;
+    }
 }

@@ -37,6 +37,7 @@
 #define __forceinline__ inline
 #define __shared__ static
 #define __constant__ static
+#define __launch_bounds__(...)
 #define __expf sluice_emu_expf
 
 struct dim3_ {
@@ -317,18 +318,23 @@ static std::map<std::string, std::pair<size_t, Launcher>> kernels() {
     k["add_bias_f32"] = {4, [](const std::vector<Arg>& a) {
                              add_bias_f32(P<float*>(a[0]), P<const float*>(a[1]), I(a[2]), I(a[3]));
                          }};
-    k["attention_f32"] = {13, [](const std::vector<Arg>& a) {
-                              attention_f32(P<const float*>(a[0]), P<const float*>(a[1]), P<const float*>(a[2]),
-                                            P<float*>(a[3]), P<const u32*>(a[4]),
-                                            P<const unsigned long long*>(a[5]), I(a[6]), I(a[7]), I(a[8]), F(a[9]),
-                                            I(a[10]), I(a[11]), P<const float*>(a[12]));
-                          }};
-    k["attention_f16"] = {13, [](const std::vector<Arg>& a) {
-                              attention_f16(P<const float*>(a[0]), P<const u16*>(a[1]), P<const u16*>(a[2]),
-                                            P<float*>(a[3]), P<const u32*>(a[4]),
-                                            P<const unsigned long long*>(a[5]), I(a[6]), I(a[7]), I(a[8]), F(a[9]),
-                                            I(a[10]), I(a[11]), P<const float*>(a[12]));
-                          }};
+    k["attention_part_f32"] = {14, [](const std::vector<Arg>& a) {
+                                   attention_part_f32(P<const float*>(a[0]), P<const float*>(a[1]),
+                                                      P<const float*>(a[2]), P<float*>(a[3]), P<const u32*>(a[4]),
+                                                      P<const unsigned long long*>(a[5]), I(a[6]), I(a[7]), I(a[8]),
+                                                      F(a[9]), I(a[10]), I(a[11]), I(a[12]), I(a[13]));
+                               }};
+    k["attention_part_f16"] = {14, [](const std::vector<Arg>& a) {
+                                   attention_part_f16(P<const float*>(a[0]), P<const u16*>(a[1]), P<const u16*>(a[2]),
+                                                      P<float*>(a[3]), P<const u32*>(a[4]),
+                                                      P<const unsigned long long*>(a[5]), I(a[6]), I(a[7]), I(a[8]),
+                                                      F(a[9]), I(a[10]), I(a[11]), I(a[12]), I(a[13]));
+                               }};
+    k["attention_combine_f32"] = {9, [](const std::vector<Arg>& a) {
+                                      attention_combine_f32(P<const float*>(a[0]), P<float*>(a[1]),
+                                                            P<const u32*>(a[2]), I(a[3]), I(a[4]), I(a[5]), I(a[6]),
+                                                            I(a[7]), P<const float*>(a[8]));
+                                  }};
     return k;
 }
 

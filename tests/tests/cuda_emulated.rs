@@ -87,10 +87,15 @@ impl Script {
     }
 
     fn launch(&mut self, name: &str, grid: (usize, usize), block: usize, args: &[String]) {
+        self.launch3(name, (grid.0, grid.1, 1), block, args)
+    }
+
+    fn launch3(&mut self, name: &str, grid: (usize, usize, usize), block: usize, args: &[String]) {
         self.lines += &format!(
-            "launch {name} {} {} 1 {block} {}\n",
+            "launch {name} {} {} {} {block} {}\n",
             grid.0,
             grid.1,
+            grid.2,
             args.join(" ")
         );
     }
@@ -315,7 +320,6 @@ fn attention_kernels_match_the_cpu_backend() {
             s.load(0, &f32_bytes(&c.q));
             s.load(1, &c.k);
             s.load(2, &c.v);
-            s.zeros(3, rows * wq * 4);
             s.load(
                 4,
                 &pos.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<_>>(),
@@ -329,38 +333,85 @@ fn attention_kernels_match_the_cpu_backend() {
             );
             s.load(6, &f32_bytes(&sinks));
             let kernel = match kv {
-                KvDtype::F32 => "attention_f32",
-                KvDtype::F16 => "attention_f16",
+                KvDtype::F32 => "attention_part_f32",
+                KvDtype::F16 => "attention_part_f16",
             };
-            s.launch(
-                kernel,
-                (rows, kv_heads),
-                256,
-                &[
-                    b(0, 0),
-                    b(1, 0),
-                    b(2, 0),
-                    b(3, 0),
-                    b(4, 0),
-                    b(5, 0),
-                    i(heads),
-                    i(kv_heads),
-                    i(head_dim),
-                    format!("f:{:e}", c.shape.scale),
-                    i(cache.cap),
-                    i(window.unwrap_or(0)),
-                    if with_sinks { b(6, 0) } else { "null".into() },
-                ],
-            );
-            let at = s.save(3);
+            let sink_arg = if with_sinks { b(6, 0) } else { "null".into() };
+            let seen = |p: usize| p + 1 - cache.first_visible(p);
+            // Rows r0..r1 of the step with splits of `split` positions, into buffer `out`.
+            let attend = |s: &mut Script, r0: usize, r1: usize, split: usize, out: usize| {
+                let s_max = pos[r0..r1]
+                    .iter()
+                    .map(|&p| seen(p as usize).div_ceil(split))
+                    .max()
+                    .unwrap_or(1);
+                let part = 100 + out;
+                s.zeros(part, (r1 - r0) * s_max * heads * (head_dim + 2) * 4);
+                s.launch3(
+                    kernel,
+                    (r1 - r0, kv_heads, s_max),
+                    256,
+                    &[
+                        b(0, r0 * wq * 4),
+                        b(1, 0),
+                        b(2, 0),
+                        b(part, 0),
+                        b(4, r0 * 4),
+                        b(5, r0 * 8),
+                        i(heads),
+                        i(kv_heads),
+                        i(head_dim),
+                        format!("f:{:e}", c.shape.scale),
+                        i(cache.cap),
+                        i(window.unwrap_or(0)),
+                        i(split),
+                        i(s_max),
+                    ],
+                );
+                s.launch(
+                    "attention_combine_f32",
+                    (r1 - r0, heads),
+                    128,
+                    &[
+                        b(part, 0),
+                        b(out, r0 * wq * 4),
+                        b(4, r0 * 4),
+                        i(heads),
+                        i(head_dim),
+                        i(window.unwrap_or(0)),
+                        i(split),
+                        i(s_max),
+                        sink_arg.clone(),
+                    ],
+                );
+            };
+            // One split per row (the backend's 1024 positions), splits of 16 positions, and
+            // splits of 16 with the rows in two launches (the bits of one launch).
+            s.zeros(3, rows * wq * 4);
+            attend(&mut s, 0, rows, 1024, 3);
+            let whole = s.save(3);
+            s.zeros(7, rows * wq * 4);
+            attend(&mut s, 0, rows, 16, 7);
+            let split = s.save(7);
+            s.zeros(8, rows * wq * 4);
+            attend(&mut s, 0, 3, 16, 8);
+            attend(&mut s, 3, rows, 16, 8);
+            let grouped = s.save(8);
             let got = s.run();
+            let what = format!("{kernel}: {heads} heads on {kv_heads}, {head_dim} dims, context {ctx}, window {window:?}, sinks {with_sinks}");
+            same_bits(
+                &format!("{what}: rows in two launches"),
+                &got[grouped],
+                &got[split],
+            );
             close(
-                &format!("{kernel}: {heads} heads on {kv_heads}, {head_dim} dims, context {ctx}, window {window:?}, sinks {with_sinks}"),
+                &format!("{what}, splits of 16"),
                 &want,
-                &got[at],
+                &got[split],
                 head_dim,
                 1e-5,
             );
+            close(&what, &want, &got[whole], head_dim, 1e-5);
         }
     }
 }

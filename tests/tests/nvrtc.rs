@@ -33,9 +33,9 @@ fn every_kernel_compiles_cleanly_for_sm80_and_sm90() {
             count += entries.len();
         }
     }
-    // 83 kernels today (add, attention, convert, embedding, kv_store, matmul_q, matmul_k,
+    // 84 kernels today (add, attention, convert, embedding, kv_store, matmul_q, matmul_k,
     // moe, rms_norm, rope, silu_mul), each for two architectures.
-    assert!(count >= 2 * 83, "only {count} kernel entries compiled");
+    assert!(count >= 2 * 84, "only {count} kernel entries compiled");
 }
 
 /// What the CUDA backend loads: machine code for the device (no PTX JIT in the driver).
@@ -123,20 +123,23 @@ fn the_kernel_table_matches_every_kernel_signature_in_the_sources() {
             k.name()
         );
     }
-    // 31 for the first six dtypes and the other ops (gelu_mul, scale, and the f16 KV
-    // cache's kv_store and attention among them; no argmax, never launched, and no f32
-    // to f16 conversion, f16 prefill going through f32 tiles), three for each of the ten
+    // 32 for the first six dtypes and the other ops (gelu_mul, scale, and the f16 KV
+    // cache's kv_store and attention among them, attention in two kernels, partials and
+    // their combination; no argmax, never launched, and no f32 to f16 conversion, f16
+    // prefill going through f32 tiles), three for each of the ten
     // K-quant-era block formats, gpt-oss's clamped SwiGLU, a mixture's row gather and
     // weighted scatter, the grouped GEMV of its decode rows for each of the 16 weight
     // dtypes, its grouped bias and combine, and its routing.
     assert_eq!(
         seen.len(),
-        31 + 3 * 10 + 1 + 2 + 16 + 2 + 1,
+        32 + 3 * 10 + 1 + 2 + 16 + 2 + 1,
         "kernels: {seen:?}"
     );
-    // The parser sees through parameter names, spacing, `__restrict__` and macros.
+    // The parser sees through parameter names, spacing, `__restrict__`,
+    // `__launch_bounds__` and macros.
     let sigs = entry_signatures(
         "extern \"C\" __global__ void a(float *__restrict__ x,\n   const unsigned long long* d, int n) {}\n\
+         extern \"C\" __global__ void __launch_bounds__(256, 2) lb(const float* p) {}\n\
          #define MK(name, b) \\\n  extern \"C\" __global__ void name(const u8* w, float s) { }\n\
          MK(mk_one, 1)\n\
          #define PAIR(t, b) \\\n  extern \"C\" __global__ void gemv_##t(int m) { } \\\n  extern \"C\" __global__ void t##_x(float s) { }\n\
@@ -153,6 +156,7 @@ fn the_kernel_table_matches_every_kernel_signature_in_the_sources() {
                     "int".to_string()
                 ]
             ),
+            ("lb".to_string(), vec!["const float*".to_string()]),
             (
                 "mk_one".to_string(),
                 vec!["const u8*".to_string(), "float".to_string()]

@@ -549,6 +549,8 @@ pub struct ScratchShape {
     pub rows: u64,
     pub hidden: u64,
     pub q_dim: u64,
+    /// Query heads (of q_dim / heads dimensions each).
+    pub heads: u64,
     pub intermediate: u64,
     pub vocab: u64,
     /// Positions per sequence in the KV cache.

@@ -128,6 +128,7 @@ impl ModelOptions {
             rows: self.max_batch_tokens.max(self.kv_slots) as u64,
             hidden: cfg.hidden as u64,
             q_dim: cfg.q_dim(),
+            heads: cfg.n_heads as u64,
             intermediate: ffn_rows(cfg),
             vocab: cfg.vocab as u64,
             max_context: self.max_context,

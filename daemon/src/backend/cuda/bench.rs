@@ -106,6 +106,7 @@ pub fn run(ordinal: usize, reps: usize) -> Result<KernelBench, BackendError> {
         rows: rows_max as u64,
         hidden: kmax as u64,
         q_dim: kmax as u64,
+        heads: attn.heads as u64,
         intermediate: mmax as u64,
         vocab: mmax as u64,
         max_context: attn.max_context,

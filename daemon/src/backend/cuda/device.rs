@@ -34,6 +34,51 @@ use std::sync::{Arc, Mutex};
 /// head it takes (ATT_HD).
 const ATTENTION_THREADS: u32 = 256;
 pub const ATTENTION_HEAD_DIM_MAX: usize = 256;
+/// Positions one attention block takes: a row seeing n positions is spread over
+/// ceil(n / ATTENTION_SPLIT) blocks per KV head, so one decode row at a long context still
+/// fills the device.
+pub const ATTENTION_SPLIT: usize = 1024;
+/// The attention partials' scratch (max, sum and weighted V per row, split and head) is
+/// sized for every row at the longest context, within this bound; beyond it a step's rows
+/// go in several launches.
+const ATTENTION_PART_MAX: u64 = 64 << 20;
+
+/// Row ranges [r0, r1) of one attention step per launch, and each launch's most splits of
+/// a row (the partials' stride), so that a launch's partials (`record` bytes per row,
+/// split) fit `cap` bytes. The grouping changes no row's result.
+pub(super) fn attention_launches(
+    splits: &[usize],
+    record: u64,
+    cap: u64,
+) -> Result<Vec<(usize, usize, usize)>, String> {
+    let mut out = Vec::new();
+    let (mut r0, mut s_max) = (0, 0);
+    for (r, &s) in splits.iter().enumerate() {
+        let grown = s_max.max(s);
+        if ((r + 1 - r0) * grown) as u64 * record > cap {
+            if r == r0 {
+                return Err(format!(
+                    "a row of {s} attention splits needs {} bytes of partials; the scratch holds {cap}",
+                    s as u64 * record
+                ));
+            }
+            out.push((r0, r, s_max));
+            (r0, s_max) = (r, s);
+            if s as u64 * record > cap {
+                return Err(format!(
+                    "a row of {s} attention splits needs {} bytes of partials; the scratch holds {cap}",
+                    s as u64 * record
+                ));
+            }
+        } else {
+            s_max = grown;
+        }
+    }
+    if r0 < splits.len() {
+        out.push((r0, splits.len(), s_max));
+    }
+    Ok(out)
+}
 /// Rows of a quantized weight dequantized per cuBLAS call are bounded by this tile.
 const TILE_BYTES_MAX: u64 = 64 << 20;
 /// Slots of the expert metadata ring (`Meta::expert_rows`): a slot's pinned bytes are
@@ -49,7 +94,7 @@ const BLAS_WORKSPACE: u64 = 32 << 20;
 /// memory plan counts it before anything else.
 pub fn scratch_bytes(shape: &ScratchShape) -> u64 {
     let l = Layout::new(shape);
-    l.meta + l.half + l.tile + l.bias + BLAS_WORKSPACE
+    l.meta + l.half + l.tile + l.bias + l.attn_part + BLAS_WORKSPACE
 }
 
 pub(super) struct Layout {
@@ -63,6 +108,8 @@ pub(super) struct Layout {
     pub(super) half: u64,
     pub(super) tile: u64,
     pub(super) bias: u64,
+    /// Attention partials: a record per (row, split, head) of head_dim + 2 floats.
+    pub(super) attn_part: u64,
 }
 
 impl Layout {
@@ -79,6 +126,10 @@ impl Layout {
         let group_off = ring.div_ceil(8) * 8;
         let route_off = group_off + (GROUP_META_SLOTS * group_slot_bytes(rows as usize)) as u64;
         let route_bytes = rows * shape.top_k * 8;
+        // Every row at the longest context, within ATTENTION_PART_MAX, but always one such row.
+        let row_part =
+            (shape.max_context.div_ceil(ATTENTION_SPLIT) as u64) * (q + 2 * shape.heads) * 4;
+        let attn_part = (rows * row_part).min(ATTENTION_PART_MAX).max(row_part);
         Layout {
             rows,
             meta: r(route_off + route_bytes),
@@ -88,6 +139,7 @@ impl Layout {
             half: r(rows * kmax * 2),
             tile: r((widest * kmax * 4).min(TILE_BYTES_MAX).max(kmax * 4 * 32)),
             bias: r(widest * 4),
+            attn_part: r(attn_part),
         }
     }
 }
@@ -110,6 +162,7 @@ pub struct CudaBackend {
     pub(super) half_src: Mutex<Option<(u64, usize)>>,
     pub(super) tile: CudaMem,
     pub(super) bias: CudaMem,
+    pub(super) attn_part: CudaMem,
     pub(super) _blas_ws: CudaMem,
     pub(super) meta: Mutex<Meta>,
     /// Scratch for a grouped-expert chunk's metadata (`experts`).
@@ -182,6 +235,7 @@ impl CudaBackend {
         let half = carve(layout.half, "half-precision activations")?;
         let tile = carve(layout.tile, "dequantization tile")?;
         let bias = carve(layout.bias, "bias")?;
+        let attn_part = carve(layout.attn_part, "attention partials")?;
         let blas_ws = carve(BLAS_WORKSPACE, "cuBLAS workspace")?;
         let handle = blas_on(&ctx, &dev, &compute, &blas_ws)?;
         // SAFETY: pinned host memory for the metadata, owned (and freed) by the guard.
@@ -229,6 +283,7 @@ impl CudaBackend {
             half_src: Mutex::new(None),
             tile,
             bias,
+            attn_part,
             _blas_ws: blas_ws,
             meta: Mutex::new(Meta {
                 host,
@@ -717,57 +772,96 @@ impl Backend for CudaBackend {
             self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
             let SpanMeta { pos, base, .. } = self.spans_meta(step)?;
             let off = step.cache.base as u64 * kvb;
-            // One block per row and KV head (its query heads together), 8 warps over the
-            // positions: no shared memory per position, so any context fits.
-            let dims = Dims {
-                grid: (rows as u32, sh.kv_heads as u32, 1),
-                block: ATTENTION_THREADS,
-                smem: 0,
-            };
             let (ck, cv) = (cache_k.ptr + off, cache_v.ptr + off);
             let (heads, kvh, hd) = (sh.heads as i32, sh.kv_heads as i32, sh.head_dim as i32);
             let (cap, win) = (
                 step.cache.cap as i32,
                 step.cache.window.map_or(0, |w| w as i32),
             );
-            match sh.kv {
-                KvDtype::F32 => self.kernels.attention(
+            // Each row's splits of ATTENTION_SPLIT positions; rows go in launches whose
+            // partials fit the scratch (s_max records per row, for every head).
+            let splits: Vec<usize> = step
+                .spans
+                .iter()
+                .flat_map(|sp| sp.pos..sp.pos + sp.n)
+                .map(|p| {
+                    let seen = p + 1 - step.cache.first_visible(p);
+                    seen.div_ceil(ATTENTION_SPLIT)
+                })
+                .collect();
+            let record = (sh.heads * (sh.head_dim + 2) * 4) as u64;
+            for (r0, r1, s_max) in attention_launches(&splits, record, self.attn_part.len as u64)? {
+                let n = (r1 - r0) as u32;
+                let part_dims = Dims {
+                    grid: (n, sh.kv_heads as u32, s_max as u32),
+                    block: ATTENTION_THREADS,
+                    smem: 0,
+                };
+                let qr = q.ptr + (r0 * wq * 4) as u64;
+                let (pr, br) = (pos + (r0 * 4) as u64, base + (r0 * 8) as u64);
+                let part = self.attn_part.ptr;
+                let (split, sm) = (ATTENTION_SPLIT as i32, s_max as i32);
+                match sh.kv {
+                    KvDtype::F32 => self.kernels.attention_part(
+                        &self.compute,
+                        Kernel::AttentionPartF32,
+                        part_dims,
+                        qr,
+                        ck,
+                        cv,
+                        part,
+                        pr,
+                        br,
+                        heads,
+                        kvh,
+                        hd,
+                        sh.scale,
+                        cap,
+                        win,
+                        split,
+                        sm,
+                    )?,
+                    KvDtype::F16 => self.kernels.attention_part_h(
+                        &self.compute,
+                        Kernel::AttentionPartF16,
+                        part_dims,
+                        qr,
+                        ck,
+                        cv,
+                        part,
+                        pr,
+                        br,
+                        heads,
+                        kvh,
+                        hd,
+                        sh.scale,
+                        cap,
+                        win,
+                        split,
+                        sm,
+                    )?,
+                }
+                let combine_dims = Dims {
+                    grid: (n, sh.heads as u32, 1),
+                    block: 128,
+                    smem: 0,
+                };
+                self.kernels.attention_combine(
                     &self.compute,
-                    Kernel::AttentionF32,
-                    dims,
-                    q.ptr,
-                    ck,
-                    cv,
-                    out.ptr,
-                    pos,
-                    base,
+                    Kernel::AttentionCombineF32,
+                    combine_dims,
+                    part,
+                    out.ptr + (r0 * wq * 4) as u64,
+                    pr,
                     heads,
-                    kvh,
                     hd,
-                    sh.scale,
-                    cap,
                     win,
+                    split,
+                    sm,
                     sinks,
-                ),
-                KvDtype::F16 => self.kernels.attention_h(
-                    &self.compute,
-                    Kernel::AttentionF16,
-                    dims,
-                    q.ptr,
-                    ck,
-                    cv,
-                    out.ptr,
-                    pos,
-                    base,
-                    heads,
-                    kvh,
-                    hd,
-                    sh.scale,
-                    cap,
-                    win,
-                    sinks,
-                ),
+                )?;
             }
+            Ok(())
         })();
         self.record("attention", r);
     }
@@ -963,5 +1057,29 @@ impl Backend for CudaBackend {
             .map_err(|e| e.to_string())
         })();
         self.record("copy_row", r);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn attention_launches_keep_each_launch_s_partials_within_the_scratch() {
+        // Rows of 1, 3, 32 and 2 splits; a record of 100 bytes; 400 bytes of scratch.
+        let l = attention_launches(&[1, 3, 1, 2, 1], 100, 400).unwrap();
+        assert_eq!(l, vec![(0, 1, 1), (1, 2, 3), (2, 4, 2), (4, 5, 1)]);
+        for &(r0, r1, s) in &l {
+            assert!(((r1 - r0) * s) as u64 * 100 <= 400);
+        }
+        // Everything in one launch when it fits.
+        assert_eq!(
+            attention_launches(&[2, 2, 2], 10, 1000).unwrap(),
+            vec![(0, 3, 2)]
+        );
+        assert!(attention_launches(&[], 10, 1000).unwrap().is_empty());
+        // A row whose own splits do not fit is an error naming the sizes.
+        let e = attention_launches(&[1, 9], 100, 400).unwrap_err();
+        assert!(e.contains("9 attention splits") && e.contains("900"), "{e}");
     }
 }

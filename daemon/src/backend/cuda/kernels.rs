@@ -176,12 +176,13 @@ kernels! {
     add_bias(out: u64 = "float*", bias: u64 = "const float*", rows: i32 = "int", cols: i32 = "int") {
         AddBiasF32 = "add_bias_f32",
     }
-    /// Causal grouped-query attention of each row over its sequence's cache.
-    attention(
+    /// Causal grouped-query attention of each row over its sequence's cache, one split of
+    /// positions per block: each split's max, sum and weighted V per head.
+    attention_part(
         q: u64 = "const float*",
         cache_k: u64 = "const float*",
         cache_v: u64 = "const float*",
-        out: u64 = "float*",
+        part: u64 = "float*",
         pos: u64 = "const u32*",
         base: u64 = "const unsigned long long*",
         heads: i32 = "int",
@@ -190,16 +191,17 @@ kernels! {
         scale: f32 = "float",
         cap: i32 = "int",
         window: i32 = "int",
-        sinks: u64 = "const float*",
+        split: i32 = "int",
+        s_max: i32 = "int",
     ) {
-        AttentionF32 = "attention_f32",
+        AttentionPartF32 = "attention_part_f32",
     }
-    /// `attention` over an f16 cache.
-    attention_h(
+    /// `attention_part` over an f16 cache.
+    attention_part_h(
         q: u64 = "const float*",
         cache_k: u64 = "const u16*",
         cache_v: u64 = "const u16*",
-        out: u64 = "float*",
+        part: u64 = "float*",
         pos: u64 = "const u32*",
         base: u64 = "const unsigned long long*",
         heads: i32 = "int",
@@ -208,9 +210,24 @@ kernels! {
         scale: f32 = "float",
         cap: i32 = "int",
         window: i32 = "int",
+        split: i32 = "int",
+        s_max: i32 = "int",
+    ) {
+        AttentionPartF16 = "attention_part_f16",
+    }
+    /// Each row's attention output from its splits' partials (and the sinks).
+    attention_combine(
+        part: u64 = "const float*",
+        out: u64 = "float*",
+        pos: u64 = "const u32*",
+        heads: i32 = "int",
+        head_dim: i32 = "int",
+        window: i32 = "int",
+        split: i32 = "int",
+        s_max: i32 = "int",
         sinks: u64 = "const float*",
     ) {
-        AttentionF16 = "attention_f16",
+        AttentionCombineF32 = "attention_combine_f32",
     }
     /// f32 activations to bf16 for cuBLAS GemmEx on bf16 weights.
     convert(x: u64 = "const float*", out: u64 = "u16*", n: u64 = "unsigned long long") {

@@ -82,7 +82,7 @@ pub fn entry_signatures(src: &str) -> Vec<(String, Vec<String>)> {
             .take_while(|c| c.is_ascii_alphanumeric() || *c == '_' || *c == '#')
             .collect()
     };
-    let joined = src.replace("\\\n", " ");
+    let joined = strip_launch_bounds(&src.replace("\\\n", " "));
     // Per macro: the kernels of its body, as (name with the first argument's parameter
     // still in it, parameter types), and that parameter.
     type Macro = (String, String, Vec<(String, Vec<String>)>);
@@ -144,6 +144,27 @@ pub fn entry_signatures(src: &str) -> Vec<(String, Vec<String>)> {
             }
         }
     }
+    out
+}
+
+/// `src` without its `__launch_bounds__(...)` qualifiers (they stand between `void` and a
+/// kernel's name).
+fn strip_launch_bounds(src: &str) -> String {
+    const LB: &str = "__launch_bounds__(";
+    let mut out = String::with_capacity(src.len());
+    let mut rest = src;
+    while let Some(at) = rest.find(LB) {
+        out.push_str(&rest[..at]);
+        let after = &rest[at + LB.len()..];
+        match after.find(')') {
+            Some(close) => rest = after[close + 1..].trim_start(),
+            None => {
+                rest = after;
+                break;
+            }
+        }
+    }
+    out.push_str(rest);
     out
 }
 
