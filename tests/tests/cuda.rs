@@ -174,7 +174,10 @@ impl Pair {
     }
 
     fn with_shape(shape: sluice::backend::ScratchShape) -> Pair {
-        let arena = 256 << 20;
+        Pair::with_arena(shape, 256 << 20)
+    }
+
+    fn with_arena(shape: sluice::backend::ScratchShape, arena: u64) -> Pair {
         Pair {
             cpu: CpuBackend::new(arena, 2).unwrap(),
             gpu: CudaBackend::new(0, arena, &shape).expect("a CUDA device"),
@@ -524,7 +527,14 @@ fn empty_launches_are_no_ops() {
 #[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
 fn attention_over_long_contexts_and_wide_head_groups_matches_the_cpu_backend() {
     use sluice::backend::KvDtype;
-    let p = Pair::new();
+    // The backend's attention scratch is sized by the longest context and the most heads.
+    let shape = sluice::backend::ScratchShape {
+        max_context: 70_000,
+        heads: 16,
+        q_dim: 16 * 256,
+        ..OPS_OPTS.scratch_shape(&test_cfg())
+    };
+    let p = Pair::with_arena(shape, 512 << 20);
     let mut rng = Rng(51);
     for kv in [KvDtype::F32, KvDtype::F16] {
         for (heads, kv_heads, head_dim, ctx, window) in [
