@@ -8,6 +8,9 @@ typedef unsigned short u16;
 typedef unsigned int u32;
 
 #ifndef SLUICE_EMULATE  // tests/emulator/cuda_emu.cpp runs these kernels on the CPU
+// A kernel's dynamic shared memory (sized at launch).
+#define DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+
 // f16 -> f32 without cuda_fp16.h.
 __device__ __forceinline__ float f16_to_f32(u16 h) {
     float f;

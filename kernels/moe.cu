@@ -80,7 +80,7 @@ __device__ __forceinline__ bool topk_beats(float av, int ai, float bv, int bi) {
 // memory n floats and n bytes.
 extern "C" __global__ void router_topk_f32(const float* __restrict__ logits, u32* __restrict__ experts,
                                            float* __restrict__ weights, int n, int k, int gating, int norm) {
-    extern __shared__ float topk_smem[];
+    DYNAMIC_SHARED(float, topk_smem);
     float* p = topk_smem;
     u8* taken = (u8*)(topk_smem + n);
     const int lane = threadIdx.x;

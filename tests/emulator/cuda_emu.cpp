@@ -11,7 +11,7 @@
 //   load ID PATH            buffer ID = the bytes of PATH (64-byte aligned)
 //   zeros ID BYTES          buffer ID = BYTES zero bytes
 //   addrs ID ARG...         buffer ID = the host addresses of buffer args (u64 each)
-//   launch NAME GX GY GZ BLOCK ARG...
+//   launch NAME GX GY GZ BLOCK ARG...   (an ARG smem:BYTES: the dynamic shared memory)
 //   save ID PATH            writes buffer ID to PATH
 // ARG: bID+OFFSET (a buffer's address plus a byte offset), i:INT, f:FLOAT, u:U64, null.
 // Compile: g++ -std=c++20 -O2 -ffp-contract=off -I kernels tests/emulator/cuda_emu.cpp
@@ -109,7 +109,8 @@ static int cur = 0;
 static std::function<void()> body;
 static int block_arrived = 0, block_gen = 0;
 static int warp_arrived[32], warp_gen[32];
-static float warp_slot[32][32];
+static uint64_t warp_slot[32][32];
+static std::vector<uint64_t> dyn_smem;
 static int alive = 0;
 
 static void yield() {
@@ -181,14 +182,20 @@ static void launch(dim3_ grid, unsigned block, const std::function<void()>& kern
 }  // namespace emu
 
 static inline void __syncthreads() { emu::barrier(emu::block_arrived, emu::block_gen, emu::alive); }
-static inline float __shfl_xor_sync(unsigned, float v, int o) {
+static inline void __syncwarp() { emu::warp_barrier(); }
+template <typename T>
+static inline T __shfl_xor_sync(unsigned, T v, int o) {
+    static_assert(sizeof(T) <= sizeof(uint64_t), "a shuffled value fits a slot");
     const int t = (int)threadIdx.x, w = t / 32, l = t % 32;
-    emu::warp_slot[w][l] = v;
+    memcpy(&emu::warp_slot[w][l], &v, sizeof(T));
     emu::warp_barrier();
-    const float r = emu::warp_slot[w][l ^ o];
+    T r;
+    memcpy(&r, &emu::warp_slot[w][l ^ o], sizeof(T));
     emu::warp_barrier();
     return r;
 }
+// A kernel's dynamic shared memory: the launch's `smem:BYTES` argument.
+#define DYNAMIC_SHARED(type, name) type* name = (type*)emu::dyn_smem.data()
 
 #include "matmul_q.cu"
 #include "matmul_k.cu"
@@ -199,6 +206,8 @@ static inline float __shfl_xor_sync(unsigned, float v, int o) {
 #include "kv_store.cu"
 #include "silu_mul.cu"
 #include "add.cu"
+#include "moe.cu"
+#include "convert.cu"
 
 // ---- the command interpreter ----
 struct Buf {
@@ -318,6 +327,28 @@ static std::map<std::string, std::pair<size_t, Launcher>> kernels() {
     k["add_bias_f32"] = {4, [](const std::vector<Arg>& a) {
                              add_bias_f32(P<float*>(a[0]), P<const float*>(a[1]), I(a[2]), I(a[3]));
                          }};
+    k["f32_to_bf16"] = {3, [](const std::vector<Arg>& a) {
+                            f32_to_bf16(P<const float*>(a[0]), P<u16*>(a[1]), (unsigned long long)a[2].v);
+                        }};
+    k["gather_rows_f32"] = {4, [](const std::vector<Arg>& a) {
+                                gather_rows_f32(P<const float*>(a[0]), P<const u32*>(a[1]), P<float*>(a[2]), I(a[3]));
+                            }};
+    k["scatter_add_rows_f32"] = {5, [](const std::vector<Arg>& a) {
+                                     scatter_add_rows_f32(P<const float*>(a[0]), P<const u32*>(a[1]),
+                                                          P<const float*>(a[2]), P<float*>(a[3]), I(a[4]));
+                                 }};
+    k["add_bias_grouped_f32"] = {4, [](const std::vector<Arg>& a) {
+                                     add_bias_grouped_f32(P<float*>(a[0]), P<const unsigned long long*>(a[1]), I(a[2]),
+                                                          I(a[3]));
+                                 }};
+    k["combine_rows_f32"] = {7, [](const std::vector<Arg>& a) {
+                                 combine_rows_f32(P<const float*>(a[0]), P<const u32*>(a[1]), P<const u32*>(a[2]),
+                                                  P<const u32*>(a[3]), P<const float*>(a[4]), P<float*>(a[5]), I(a[6]));
+                             }};
+    k["router_topk_f32"] = {7, [](const std::vector<Arg>& a) {
+                                router_topk_f32(P<const float*>(a[0]), P<u32*>(a[1]), P<float*>(a[2]), I(a[3]), I(a[4]),
+                                                I(a[5]), I(a[6]));
+                            }};
     k["attention_part_f32"] = {14, [](const std::vector<Arg>& a) {
                                    attention_part_f32(P<const float*>(a[0]), P<const float*>(a[1]),
                                                       P<const float*>(a[2]), P<float*>(a[3]), P<const u32*>(a[4]),
@@ -381,7 +412,14 @@ int main() {
             in >> name >> g.x >> g.y >> g.z >> block;
             std::vector<Arg> args;
             std::string a;
-            while (in >> a) args.push_back(parse_arg(a));
+            size_t smem = 0;
+            while (in >> a) {
+                if (a.rfind("smem:", 0) == 0)
+                    smem = std::stoull(a.substr(5));
+                else
+                    args.push_back(parse_arg(a));
+            }
+            emu::dyn_smem.assign((smem + 7) / 8, 0);
             auto it = table.find(name);
             if (it == table.end()) {
                 fprintf(stderr, "emu: line %d: unknown kernel %s\n", n, name.c_str());

@@ -9,7 +9,7 @@
 use sluice::backend::cpu::CpuBackend;
 use sluice::backend::{AttnStep, Backend, KvDtype};
 use sluice::dtype::{DType, ALL_DTYPES};
-use sluice_tests::ops::{close, f32_bytes, random_weights, wref, AttnCase, Rng};
+use sluice_tests::ops::{close, f16_bits, f32_bytes, random_weights, wref, AttnCase, Rng};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
@@ -669,5 +669,255 @@ fn norm_rope_kv_store_and_elementwise_kernels_match_the_cpu_backend() {
         } else {
             close(&what, &want, &out[at], cols.min(want.len()), tol);
         }
+    }
+}
+
+/// f16 bits to f32, exactly (test data).
+fn f16_value(h: u16) -> f32 {
+    let (sign, exp, mant) = ((h >> 15) & 1, ((h >> 10) & 31) as i32, (h & 1023) as f32);
+    let mag = match exp {
+        0 => mant * 2f32.powi(-24),
+        31 => f32::INFINITY,
+        e => (1024.0 + mant) * 2f32.powi(e - 25),
+    };
+    if sign == 1 {
+        -mag
+    } else {
+        mag
+    }
+}
+
+/// A mixture's kernels on the emulator: the routing against the host's (`Routes::route`,
+/// both gatings, with and without renormalization, ties and a NaN logit), the row gather
+/// and weighted scatter-add against the CPU backend, and the grouped form's bias add (f32,
+/// f16, bf16 biases) and per-row combination against their definitions.
+#[test]
+fn mixture_kernels_match_the_host_and_the_cpu_backend() {
+    use sluice::store::arch::{Gating, MoeConfig};
+    let mut rng = Rng(23);
+    let cpu = CpuBackend::new(64 << 20, 1).expect("cpu backend");
+    let (rows, n, k) = (6usize, 60usize, 4usize);
+    let mut logits: Vec<f32> = (0..rows * n).map(|_| rng.f() * 4.0).collect();
+    logits[n + 7] = logits[n + 3]; // a tie: the lower expert first
+    logits[2 * n + 5] = f32::NAN; // NaN ranks below every number
+    let mut s = Script::new();
+    s.load(0, &f32_bytes(&logits));
+    let mut routes = Vec::new();
+    for (c, (gating, norm)) in [
+        (Gating::SoftmaxTopK, true),
+        (Gating::SoftmaxTopK, false),
+        (Gating::TopKSoftmax, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let (e, w) = (10 + 2 * c, 11 + 2 * c);
+        s.zeros(e, rows * k * 4);
+        s.zeros(w, rows * k * 4);
+        s.launch(
+            "router_topk_f32",
+            (rows, 1),
+            32,
+            &[
+                b(0, 0),
+                b(e, 0),
+                b(w, 0),
+                i(n),
+                i(k),
+                i(usize::from(gating == Gating::TopKSoftmax)),
+                i(usize::from(norm)),
+                format!("smem:{}", n * 5),
+            ],
+        );
+        routes.push((gating, norm, s.save(e), s.save(w)));
+    }
+
+    // Gather rows 5, 0, 3 of y; scatter them back weighted onto x.
+    let cols = 300usize;
+    let y: Vec<f32> = (0..rows * cols).map(|_| rng.f()).collect();
+    let x: Vec<f32> = (0..rows * cols).map(|_| rng.f()).collect();
+    let picked = [5u32, 0, 3];
+    let weights = [0.25f32, 0.7, -1.5];
+    let u32s = |v: &[u32]| v.iter().flat_map(|r| r.to_le_bytes()).collect::<Vec<_>>();
+    s.load(20, &f32_bytes(&y));
+    s.load(21, &u32s(&picked));
+    s.zeros(22, picked.len() * cols * 4);
+    s.launch(
+        "gather_rows_f32",
+        (picked.len(), 1),
+        256,
+        &[b(20, 0), b(21, 0), b(22, 0), i(cols)],
+    );
+    let gathered = s.save(22);
+    s.load(23, &f32_bytes(&x));
+    s.load(24, &f32_bytes(&weights));
+    s.launch(
+        "scatter_add_rows_f32",
+        (picked.len(), 1),
+        256,
+        &[b(22, 0), b(21, 0), b(24, 0), b(23, 0), i(cols)],
+    );
+    let scattered = s.save(23);
+
+    // The grouped form: three pairs' outputs get their experts' biases (f32, f16, bf16),
+    // then rows 4 and 1 get their pairs, weighted, in order.
+    let pairs = 3usize;
+    let out: Vec<f32> = (0..pairs * cols).map(|_| rng.f()).collect();
+    let bias_f32: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
+    let bias_f16: Vec<u16> = (0..cols).map(|_| f16_bits(rng.f())).collect();
+    let bias_bf16: Vec<u16> = (0..cols)
+        .map(|_| (rng.f().to_bits() >> 16) as u16)
+        .collect();
+    let u16s = |v: &[u16]| v.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<_>>();
+    s.load(30, &f32_bytes(&out));
+    s.load(31, &f32_bytes(&bias_f32));
+    s.load(32, &u16s(&bias_f16));
+    s.load(33, &u16s(&bias_bf16));
+    let mut with_bias = Vec::new();
+    for (dtype, id) in [(0usize, 31usize), (1, 32), (2, 33)] {
+        let o = 34 + dtype;
+        s.load(o, &f32_bytes(&out));
+        s.addrs(40 + dtype, &[b(id, 0), b(id, 0), b(id, 0)]);
+        s.launch(
+            "add_bias_grouped_f32",
+            (pairs, 1),
+            256,
+            &[b(o, 0), b(40 + dtype, 0), i(dtype), i(cols)],
+        );
+        with_bias.push(s.save(o));
+    }
+    let (row_ids, starts, pair_ids) = ([4u32, 1], [0u32, 2, 3], [2u32, 0, 1]);
+    let pw = [0.5f32, -0.25, 2.0];
+    s.load(50, &u32s(&row_ids));
+    s.load(51, &u32s(&starts));
+    s.load(52, &u32s(&pair_ids));
+    s.load(53, &f32_bytes(&pw));
+    s.load(54, &f32_bytes(&x));
+    s.launch(
+        "combine_rows_f32",
+        (row_ids.len(), 1),
+        256,
+        &[
+            b(30, 0),
+            b(50, 0),
+            b(51, 0),
+            b(52, 0),
+            b(53, 0),
+            b(54, 0),
+            i(cols),
+        ],
+    );
+    let combined = s.save(54);
+    let got = s.run();
+
+    for (gating, norm, e, w) in routes {
+        let moe = MoeConfig {
+            n_experts: n as u32,
+            top_k: k as u32,
+            intermediate: 1,
+            norm_topk_prob: norm,
+            dense_layers: Vec::new(),
+        };
+        let mut host = sluice::model::moe::Routes::with_capacity(&moe, rows);
+        host.route(&moe, gating, &logits, rows);
+        for r in 0..rows {
+            for (t, &(he, hw)) in host.chosen(r, k).iter().enumerate() {
+                let (ge, gw) = (got[e][r * k + t].to_bits(), got[w][r * k + t]);
+                assert_eq!(
+                    ge, he,
+                    "{gating:?} norm {norm}: row {r}, choice {t}: expert"
+                );
+                // A NaN logit makes a softmax row NaN on both sides.
+                assert!(
+                    (gw - hw).abs() <= 1e-6 * hw.abs().max(1e-3) || (gw.is_nan() && hw.is_nan()),
+                    "{gating:?} norm {norm}: row {r}, choice {t}: weight {gw} vs the host's {hw}"
+                );
+            }
+        }
+    }
+    let (ym, xm) = (cpu_put(&cpu, &f32_bytes(&y)), cpu_put(&cpu, &f32_bytes(&x)));
+    let mut gm = cpu
+        .alloc(picked.len() * cols * 4, "gathered")
+        .expect("alloc");
+    cpu.gather_rows(&ym, &picked, cols, &mut gm);
+    let mut want = vec![0f32; picked.len() * cols];
+    cpu.download_f32(&gm, 0, &mut want);
+    same_bits("gather_rows_f32", &got[gathered], &want);
+    let mut sm = xm;
+    cpu.scatter_add_rows(&gm, &picked, &weights, cols, &mut sm);
+    let mut want = vec![0f32; rows * cols];
+    cpu.download_f32(&sm, 0, &mut want);
+    cpu.check().expect("cpu ops");
+    same_bits("scatter_add_rows_f32", &got[scattered], &want);
+    let biases: [Vec<f32>; 3] = [
+        bias_f32.clone(),
+        bias_f16.iter().map(|&h| f16_value(h)).collect(),
+        bias_bf16
+            .iter()
+            .map(|&h| f32::from_bits((h as u32) << 16))
+            .collect(),
+    ];
+    for (dtype, bias) in biases.iter().enumerate() {
+        let want: Vec<f32> = (0..pairs * cols).map(|e| out[e] + bias[e % cols]).collect();
+        same_bits(
+            &format!("add_bias_grouped_f32, dtype {dtype}"),
+            &got[with_bias[dtype]],
+            &want,
+        );
+    }
+    let mut want = x.clone();
+    for (r, &row) in row_ids.iter().enumerate() {
+        for &p in &pair_ids[starts[r] as usize..starts[r + 1] as usize] {
+            let p = p as usize;
+            for c in 0..cols {
+                let d = &mut want[row as usize * cols + c];
+                *d += pw[p] * out[p * cols + c];
+            }
+        }
+    }
+    same_bits("combine_rows_f32", &got[combined], &want);
+}
+
+/// The bf16 conversion of prefill activations for GemmEx, against the `half` crate's
+/// (round to nearest even; NaN stays NaN, quieted; infinities and f32's range kept).
+#[test]
+fn the_bf16_conversion_matches_the_half_crate() {
+    let mut rng = Rng(29);
+    let mut x: Vec<f32> = (0..2000).map(|_| rng.f() * 1e3).collect();
+    x.extend([
+        0.0,
+        -0.0,
+        f32::INFINITY,
+        f32::NEG_INFINITY,
+        f32::NAN,
+        f32::from_bits(0x7f80_0001), // a signalling NaN
+        f32::MAX,
+        f32::MIN_POSITIVE,
+        1e-40,
+        65504.0 * 4.0,
+        f32::from_bits(0x3f80_8000), // halfway: to even
+        f32::from_bits(0x3f81_8000), // halfway: to even, up
+    ]);
+    let mut s = Script::new();
+    s.load(0, &f32_bytes(&x));
+    s.zeros(1, x.len() * 2);
+    s.launch(
+        "f32_to_bf16",
+        (x.len().div_ceil(256), 1),
+        256,
+        &[b(0, 0), b(1, 0), format!("u:{}", x.len())],
+    );
+    let at = s.save(1);
+    let got = s.run();
+    let bits: Vec<u16> = got[at]
+        .iter()
+        .flat_map(|w| {
+            let b = w.to_bits();
+            [b as u16, (b >> 16) as u16]
+        })
+        .collect();
+    for (i, &v) in x.iter().enumerate() {
+        let want = half::bf16::from_f32(v).to_bits();
+        assert_eq!(bits[i], want, "{v:e} ({:#010x})", v.to_bits());
     }
 }
