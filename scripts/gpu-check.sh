@@ -82,16 +82,29 @@ tests_rc=${PIPESTATUS[0]}
 set -e
 test_line=$(grep -E '^test result' "$out/tests.txt" | tail -1 || true)
 
+# Each benchmark may fail on its own (a first run on a GPU finds bugs): its JSON is then
+# {} with the error kept, and the table says so instead of stopping there.
+failed=()
+bench() {  # bench NAME OUT.json CMD...
+  local name=$1 json=$2
+  shift 2
+  if ! "$@" > "$json" 2> "$out/$name.err"; then
+    cat "$out/$name.err" >&2
+    echo '{}' > "$json"
+    failed+=("$name: $(tail -1 "$out/$name.err")")
+  fi
+}
+
 echo "== streaming benchmark: synthetic model"
 synth="$work/gpu-check-synth"
 if [ ! -f "$synth/manifest.bin" ]; then
   "$sluiced" synth -o "$synth" --size "${SLUICE_SYNTH_SIZE:-4GiB}" --hidden 4096 --dtype bf16 --codec none
 fi
-"$sluiced" bench-stream "$synth" --backend cuda --weights-budget 50% --batch 1,8,32 \
-  --steps 8 --prompt-tokens 16 --json > "$out/synth.json"
+bench synth "$out/synth.json" "$sluiced" bench-stream "$synth" --backend cuda --weights-budget 50% \
+  --batch 1,8,32 --steps 8 --prompt-tokens 16 --json
 
 echo "== kernel benchmark (and the synthetic model's resident step at batch 1, 8, 64)"
-"$sluiced" bench-kernels --model "$synth" --json > "$out/kernels.json"
+bench kernels "$out/kernels.json" "$sluiced" bench-kernels --model "$synth" --json
 
 echo '{}' > "$out/smol.json"
 if [ -n "${SLUICE_SMOLLM2_GGUF:-}" ]; then
@@ -100,51 +113,59 @@ if [ -n "${SLUICE_SMOLLM2_GGUF:-}" ]; then
   if [ ! -f "$smol/manifest.bin" ]; then
     "$sluiced" pack "$SLUICE_SMOLLM2_GGUF" -o "$smol" --codec zstd:1 --force
   fi
-  "$sluiced" bench-stream "$smol" --backend cuda --weights-budget 50% --batch 1,8 \
-    --steps 32 --prompt-tokens 16 --json > "$out/smol.json"
+  bench smollm2 "$out/smol.json" "$sluiced" bench-stream "$smol" --backend cuda \
+    --weights-budget 50% --batch 1,8 --steps 32 --prompt-tokens 16 --json
 fi
+printf '%s\n' "${failed[@]+"${failed[@]}"}" > "$out/failed.txt"
 
 echo
 echo "== gpu-check summary ($(( $(date +%s) - start )) s)"
-python3 - "$out/synth.json" "$out/smol.json" "$test_line" "$smol_note" "$out/kernels.json" <<'EOF'
+python3 - "$out/synth.json" "$out/smol.json" "$test_line" "$smol_note" "$out/kernels.json" "$out/failed.txt" <<'EOF'
 import json, sys
 s, m, tests, note = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
 kern = json.load(open(sys.argv[5]))
+failed = [l for l in open(sys.argv[6]).read().splitlines() if l]
 gib = 1 << 30
 print(f"GPU tests: {tests or 'no result line (see above)'}")
 if note:
     print(note)
+for f in failed:
+    print(f"FAILED benchmark {f}")
 print(f"{'figure':<58} {'value':>14} {'target':>8}")
 def row(k, v, t=""):
     print(f"{k:<58} {v:>14} {t:>8}")
-print(f"synthetic model {s['model_raw_bytes']/gib:.2f} GiB, budget {s['device_budget']/gib:.2f} GiB "
-      f"({s['layers_resident']} units resident, {s['layers_streamed']} streamed)")
-row("copy stream H2D while streaming, GB/s", f"{s['copy_gbps']:.2f}")
-row("plain pinned cuMemcpyHtoD of a slot's size, GB/s", f"{s['plain_h2d_gbps']:.2f}")
-row("  ratio", f"{s['copy_vs_plain']:.3f}", ">= 0.9")
-row("pass ms: compute-only / streaming-only / streamed", f"{s['compute_only_pass_s']*1e3:.1f}/{s['streaming_only_pass_s']*1e3:.1f}/{s['streamed_pass_s']*1e3:.1f}")
-row("  streamed / max(compute-only, streaming-only)", f"{s['overlap_ratio']:.3f}", "<= 1.1")
-for b in s["batches"]:
-    row(f"  synthetic decode batch {b['batch']}: tokens/s (vs linear)", f"{b['tokens_per_s']:.1f} ({b['vs_linear']:.2f})")
-row(f"device-to-device copy on {kern['device']}, GB/s (read + write)", f"{kern['copy_gbps']:.0f}")
-for g in kern["gemv"]:
-    if g["dtype"] in ("q4_0", "q8_0", "Q4_0", "Q8_0") and g["rows"] in (1, 8):
-        row(f"  GEMV {g['dtype']} {g['m']}x{g['k']}, {g['rows']} rows: GB/s / copy", f"{g['gbps']:.0f} / {g['vs_copy']:.3f}", ">= 0.6")
-att = {a["context"]: a["seconds"] for a in kern["attention"]}
-if 4096 in att and 32768 in att:
-    row("attention decode, 32K context / 4K context", f"{att[32768] / att[4096]:.2f}", "~8")
-steps = {b["batch"]: b["step_s"] for b in kern.get("resident_steps", [])}
-if 1 in steps and 64 in steps:
-    row(f"resident step, batch 64 / batch 1 ({steps[1]*1e3:.2f} ms at 1)", f"{steps[64] / steps[1]:.2f}", "<= 3")
-print("GEMV effective bandwidth (weight bytes / time) over the copy's, every kernel:")
-for g in kern["gemv"]:
-    print(f"  {g['dtype']:>6} {g['m']:>5}x{g['k']:<5} rows {g['rows']:>2}: {g['seconds']*1e6:8.1f} us {g['gbps']:7.0f} GB/s {g['vs_copy']:6.3f}")
-for a in kern["attention"]:
-    print(f"  attention, context {a['context']:>6}: {a['seconds']*1e6:8.1f} us ({a['vs_first']:.2f}x the first), K+V {a['kv_gbps']:.0f} GB/s")
+if s:
+    print(f"synthetic model {s['model_raw_bytes']/gib:.2f} GiB, budget {s['device_budget']/gib:.2f} GiB "
+          f"({s['layers_resident']} units resident, {s['layers_streamed']} streamed)")
+    row("copy stream H2D while streaming, GB/s", f"{s['copy_gbps']:.2f}")
+    row("plain pinned cuMemcpyHtoD of a slot's size, GB/s", f"{s['plain_h2d_gbps']:.2f}")
+    row("  ratio", f"{s['copy_vs_plain']:.3f}", ">= 0.9")
+    row("pass ms: compute-only / streaming-only / streamed", f"{s['compute_only_pass_s']*1e3:.1f}/{s['streaming_only_pass_s']*1e3:.1f}/{s['streamed_pass_s']*1e3:.1f}")
+    row("  streamed / max(compute-only, streaming-only)", f"{s['overlap_ratio']:.3f}", "<= 1.1")
+    for b in s["batches"]:
+        row(f"  synthetic decode batch {b['batch']}: tokens/s (vs linear)", f"{b['tokens_per_s']:.1f} ({b['vs_linear']:.2f})")
+if kern:
+    row(f"device-to-device copy on {kern['device']}, GB/s (read + write)", f"{kern['copy_gbps']:.0f}")
+    for g in kern["gemv"]:
+        if g["dtype"] in ("q4_0", "q8_0") and g["rows"] in (1, 8):
+            row(f"  GEMV {g['dtype']} {g['m']}x{g['k']}, {g['rows']} rows: GB/s / copy", f"{g['gbps']:.0f} / {g['vs_copy']:.3f}", ">= 0.6")
+    att = {a["context"]: a["seconds"] for a in kern["attention"]}
+    if 4096 in att and 32768 in att:
+        row("attention decode, 32K context / 4K context", f"{att[32768] / att[4096]:.2f}", "~8")
+    steps = {b["batch"]: b["step_s"] for b in kern.get("resident_steps", [])}
+    if 1 in steps and 64 in steps:
+        row(f"resident step, batch 64 / batch 1 ({steps[1]*1e3:.2f} ms at 1)", f"{steps[64] / steps[1]:.2f}", "<= 3")
 if m:
     row("SmolLM2 decode tokens/s, all resident (batch 1)", f"{m['resident_tokens_per_s']:.1f}")
     row(f"SmolLM2 decode tokens/s, streamed {m['layers_streamed']} of {m['layers_streamed']+m['layers_resident']} units (batch 1)", f"{m['streamed_tokens_per_s']:.1f}")
     for b in m["batches"]:
         row(f"  SmolLM2 streamed batch {b['batch']}: tokens/s", f"{b['tokens_per_s']:.1f}")
+if kern:
+    print("GEMV effective bandwidth (weight bytes / time) over the copy's, every kernel:")
+    for g in kern["gemv"]:
+        print(f"  {g['dtype']:>6} {g['m']:>5}x{g['k']:<5} rows {g['rows']:>2}: {g['seconds']*1e6:8.1f} us {g['gbps']:7.0f} GB/s {g['vs_copy']:6.3f}")
+    for a in kern["attention"]:
+        print(f"  attention, context {a['context']:>6}: {a['seconds']*1e6:8.1f} us ({a['vs_first']:.2f}x the first), K+V {a['kv_gbps']:.0f} GB/s")
 EOF
+[ "${#failed[@]}" -eq 0 ] || [ "$tests_rc" -ne 0 ] || tests_rc=1
 exit "$tests_rc"
