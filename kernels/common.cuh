@@ -159,10 +159,10 @@ __device__ __forceinline__ void load_x8(const float* __restrict__ xr, int x0, in
     }
 }
 
-// `nr` (<= R) activation rows at xr, xr + k, ...: each lane's partial sums in acc.
-template <int R, typename F>
-__device__ __forceinline__ void gemv_acc(const F& f, const u8* __restrict__ row, const float* __restrict__ xr, int nr,
-                                         int k, int lane, bool xvec, float* acc) {
+// `nr` (<= R) activation rows, row r at xrow(r): each lane's partial sums in acc.
+template <int R, typename F, typename XRow>
+__device__ __forceinline__ void gemv_acc(const F& f, const u8* __restrict__ row, XRow xrow, int nr, int k, int lane,
+                                         bool xvec, float* acc) {
 #pragma unroll
     for (int r = 0; r < R; r++) acc[r] = 0.0f;
     const int n = f.chunks(k);
@@ -173,7 +173,7 @@ __device__ __forceinline__ void gemv_acc(const F& f, const u8* __restrict__ row,
         for (int r = 0; r < R; r++) {
             if (r < nr) {
                 float xa[8];
-                load_x8(xr + (size_t)r * k, ch.x0, ch.x1, xvec, xa);
+                load_x8(xrow(r), ch.x0, ch.x1, xvec, xa);
                 float t = 0.0f;
 #pragma unroll
                 for (int i = 0; i < 8; i++) t = fmaf(ch.w[i], xa[i], t);
@@ -192,7 +192,7 @@ __device__ __forceinline__ void gemv_acc(const F& f, const u8* __restrict__ row,
         const float wi = f.elem(row, i);
 #pragma unroll
         for (int r = 0; r < R; r++)
-            if (r < nr) acc[r] = fmaf(wi, __ldg(xr + (size_t)r * k + i), acc[r]);
+            if (r < nr) acc[r] = fmaf(wi, __ldg(xrow(r) + i), acc[r]);
     }
 }
 
@@ -209,15 +209,16 @@ __device__ void gemv(const u8* __restrict__ w, const float* __restrict__ x, floa
     const int nr = min(GEMV_R, rows - r0);
     const u8* row = w + (size_t)j * row_bytes;
     const float* xr = x + (size_t)r0 * k;
+    const auto xrow = [=](int r) { return xr + (size_t)r * k; };
     const bool xvec = x_vec(x, k);
     if (nr == 1) {
         float acc[1];
-        gemv_acc<1>(f, row, xr, 1, k, lane, xvec, acc);
+        gemv_acc<1>(f, row, xrow, 1, k, lane, xvec, acc);
         const float s = warp_sum(acc[0]);
         if (lane == 0) out[(size_t)r0 * m + j] = s;
     } else {
         float acc[GEMV_R];
-        gemv_acc<GEMV_R>(f, row, xr, nr, k, lane, xvec, acc);
+        gemv_acc<GEMV_R>(f, row, xrow, nr, k, lane, xvec, acc);
 #pragma unroll
         for (int r = 0; r < GEMV_R; r++) {
             if (r < nr) {
@@ -227,23 +228,48 @@ __device__ void gemv(const u8* __restrict__ w, const float* __restrict__ x, floa
         }
     }
 }
-// The grouped GEMV of a mixture's decode rows: pair p (blockIdx.y) is one (expert, row) of
-// the step, with its expert's weight matrix at ws[p] and its activation row x_rows[p] of
-// x (row p when x_rows is null): out[p][j] = dot(W_p[j], x[x_rows[p]]). Grid (ceil(m / 4),
-// pairs), block 128. The same arithmetic as `gemv` for one row, so a row's result is the
-// same bits either way.
+// The grouped GEMV of a mixture's decode rows: pair p is one (expert, row) of the step,
+// with its expert's weight matrix at ws[p] and its activation row x_rows[p] of x (row p
+// when x_rows is null): out[p][j] = dot(W_p[j], x[x_rows[p]]). Pairs come expert-major,
+// so block y takes pairs 8y..8y+7 and each run of them that shares an expert's weights
+// reads those weights once for the run. Grid (ceil(m / 4), ceil(pairs / GEMV_R)), block
+// 128. The same arithmetic as `gemv`, so a pair's result is its row's bits either way.
 template <typename F>
 __device__ void gemv_grouped(const unsigned long long* __restrict__ ws, const u32* __restrict__ x_rows,
-                             const float* __restrict__ x, float* __restrict__ out, int m, int k, size_t row_bytes,
-                             F f) {
+                             const float* __restrict__ x, float* __restrict__ out, int m, int k, int pairs,
+                             size_t row_bytes, F f) {
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const int j = blockIdx.x * 4 + warp;
-    if (j >= m) return;
-    const int p = blockIdx.y;
-    const size_t r = x_rows ? (size_t)x_rows[p] : (size_t)p;
-    const u8* row = (const u8*)ws[p] + (size_t)j * row_bytes;
-    float acc[1];
-    gemv_acc<1>(f, row, x + r * k, 1, k, lane, x_vec(x, k), acc);
-    const float s = warp_sum(acc[0]);
-    if (lane == 0) out[(size_t)p * m + j] = s;
+    const int p0 = blockIdx.y * GEMV_R;
+    if (j >= m || p0 >= pairs) return;
+    const int np = min(GEMV_R, pairs - p0);
+    const bool xvec = x_vec(x, k);
+    for (int a = 0; a < np;) {
+        const unsigned long long wa = ws[p0 + a];
+        int b = a + 1;
+        while (b < np && ws[p0 + b] == wa) b++;
+        const u8* row = (const u8*)wa + (size_t)j * row_bytes;
+        const int q0 = p0 + a;
+        const auto xrow = [=](int r) {
+            const size_t xr = x_rows ? (size_t)x_rows[q0 + r] : (size_t)(q0 + r);
+            return x + xr * k;
+        };
+        if (b - a == 1) {
+            float acc[1];
+            gemv_acc<1>(f, row, xrow, 1, k, lane, xvec, acc);
+            const float s = warp_sum(acc[0]);
+            if (lane == 0) out[(size_t)q0 * m + j] = s;
+        } else {
+            float acc[GEMV_R];
+            gemv_acc<GEMV_R>(f, row, xrow, b - a, k, lane, xvec, acc);
+#pragma unroll
+            for (int r = 0; r < GEMV_R; r++) {
+                if (r < b - a) {
+                    const float s = warp_sum(acc[r]);
+                    if (lane == 0) out[(size_t)(q0 + r) * m + j] = s;
+                }
+            }
+        }
+        a = b;
+    }
 }

@@ -278,9 +278,9 @@ static std::map<std::string, std::pair<size_t, Launcher>> kernels() {
                          I(a[5]));                                                                      \
                 }};
 #define GROUPED(name)                                                                                     \
-    k[#name] = {6, [](const std::vector<Arg>& a) {                                                        \
+    k[#name] = {7, [](const std::vector<Arg>& a) {                                                        \
                     name(P<const unsigned long long*>(a[0]), P<const u32*>(a[1]), P<const float*>(a[2]), \
-                         P<float*>(a[3]), I(a[4]), I(a[5]));                                              \
+                         P<float*>(a[3]), I(a[4]), I(a[5]), I(a[6]));                                     \
                 }};
 #define FORMAT(n) GEMV(gemv_##n) GROUPED(gemv_grouped_##n)
     FORMAT(f32) FORMAT(f16) FORMAT(bf16) FORMAT(q8_0) FORMAT(q4_0) FORMAT(q4_1) FORMAT(q5_0) FORMAT(q5_1)

@@ -204,16 +204,18 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
         s.load(0, &w);
         s.load(1, &f32_bytes(&x));
         let grid = |n: usize| (m.div_ceil(4), n.div_ceil(GEMV_R));
-        let gemv = |s: &mut Script, n: usize, x_off: usize, out: usize| {
+        let gemv_w = |s: &mut Script, w: usize, n: usize, x_off: usize, out: usize| {
             s.zeros(out, n * m * 4);
             s.launch(
                 &format!("gemv_{name}"),
                 grid(n),
                 128,
-                &[b(0, 0), b(1, x_off), b(out, 0), i(m), i(k), i(n)],
+                &[b(w, 0), b(1, x_off), b(out, 0), i(m), i(k), i(n)],
             );
             s.save(out)
         };
+        let gemv = |s: &mut Script, n: usize, x_off: usize, out: usize| gemv_w(s, 0, n, x_off, out);
+        let gemv_of = |s: &mut Script, w: usize, n: usize, out: usize| gemv_w(s, w, n, 0, out);
         let full = gemv(&mut s, rows, 0, 2);
         let first1 = gemv(&mut s, 1, 0, 3);
         let first9 = gemv(&mut s, 9, 0, 4);
@@ -222,9 +224,21 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
             .enumerate()
             .map(|(n, &r)| (r, gemv(&mut s, 1, r * k * 4, 10 + n)))
             .collect();
-        // The grouped form: pairs of (expert weights, activation row).
-        let picked = [7u32, 0, 19];
-        s.addrs(5, &[b(0, 0), b(0, 0), b(0, 0)]);
+        // The grouped form: (expert, activation row) pairs, expert-major as the backend
+        // makes them, over two experts (this weight and a second one), in runs that cross
+        // the kernel's blocks of 8 pairs: A A A B B B B B | B B A B B.
+        let w2 = random_weights(dt, m, k, &mut rng);
+        s.load(8, &w2);
+        let full2 = gemv_of(&mut s, 8, rows, 9);
+        let experts = [0usize, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 1, 1];
+        let picked: Vec<u32> = (0..experts.len())
+            .map(|_| (rng.next_u64() % rows as u64) as u32)
+            .collect();
+        let addrs: Vec<String> = experts
+            .iter()
+            .map(|&e| b(if e == 0 { 0 } else { 8 }, 0))
+            .collect();
+        s.addrs(5, &addrs);
         s.load(
             6,
             &picked
@@ -235,9 +249,17 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
         s.zeros(7, picked.len() * m * 4);
         s.launch(
             &format!("gemv_grouped_{name}"),
-            (m.div_ceil(4), picked.len()),
+            (m.div_ceil(4), picked.len().div_ceil(GEMV_R)),
             128,
-            &[b(5, 0), b(6, 0), b(1, 0), b(7, 0), i(m), i(k)],
+            &[
+                b(5, 0),
+                b(6, 0),
+                b(1, 0),
+                b(7, 0),
+                i(m),
+                i(k),
+                i(picked.len()),
+            ],
         );
         let grouped = s.save(7);
         let out = s.run();
@@ -258,12 +280,13 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
                 &out[full][r * m..(r + 1) * m],
             );
         }
-        for (p, &r) in picked.iter().enumerate() {
+        for (p, (&r, &e)) in picked.iter().zip(&experts).enumerate() {
             let r = r as usize;
+            let reference = if e == 0 { full } else { full2 };
             same_bits(
-                &what(&format!("grouped pair {p} (row {r})")),
+                &what(&format!("grouped pair {p} (expert {e}, row {r})")),
                 &out[grouped][p * m..(p + 1) * m],
-                &out[full][r * m..(r + 1) * m],
+                &out[reference][r * m..(r + 1) * m],
             );
         }
     }

@@ -294,7 +294,8 @@ kernels! {
         GemvIq4Xs = "gemv_iq4_xs",
         GemvMxfp4 = "gemv_mxfp4",
     }
-    /// A mixture's decode rows: each (expert, row) pair's own weights and activation row.
+    /// A mixture's decode rows: each (expert, row) pair's own weights and activation row;
+    /// a run of pairs on one expert reads its weights once.
     gemv_grouped(
         w: u64 = "const unsigned long long*",
         x_rows: u64 = "const u32*",
@@ -302,6 +303,7 @@ kernels! {
         out: u64 = "float*",
         m: i32 = "int",
         k: i32 = "int",
+        pairs: i32 = "int",
     ) {
         GemvGroupedF32 = "gemv_grouped_f32",
         GemvGroupedF16 = "gemv_grouped_f16",

@@ -9,7 +9,7 @@
 
 use super::device::CudaBackend;
 use super::handles::CudaMem;
-use super::kernels::{Dims, Kernel};
+use super::kernels::{Dims, Kernel, GEMV_R};
 use crate::backend::{ExpertCall, ExpertScratch, ExpertShape, GatedAct, RouteGating, WeightRef};
 use crate::dtype::DType;
 use cudarc::driver::result;
@@ -157,8 +157,9 @@ impl CudaBackend {
     ) -> Result<(), String> {
         let (n, h, inter) = (g.pairs(), shape.hidden, first.w[0].rows);
         let gemv = |i: usize, x_rows: u64, xp: u64, outp: u64, m: usize, k: usize| {
+            // Blocks of GEMV_R pairs: a run of them on one expert reads its weights once.
             let dims = Dims {
-                grid: (m.div_ceil(4) as u32, n as u32, 1),
+                grid: (m.div_ceil(4) as u32, n.div_ceil(GEMV_R) as u32, 1),
                 block: 128,
                 smem: 0,
             };
@@ -173,6 +174,7 @@ impl CudaBackend {
                 outp,
                 m as i32,
                 k as i32,
+                n as i32,
             )
         };
         let bias = |i: usize, outp: u64, cols: usize| -> Result<(), String> {
