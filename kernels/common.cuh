@@ -199,6 +199,29 @@ __device__ __forceinline__ void gemv_acc(const F& f, const u8* __restrict__ row,
 // Activation rows in float4s when every row and chunk offset is 16-byte aligned.
 __device__ __forceinline__ bool x_vec(const float* x, int k) { return (k & 3) == 0 && (((size_t)x) & 15) == 0; }
 
+// One weight row against `nr` activation rows: row r's dot product to o[r * m] (lane 0),
+// through the one-row form when nr is 1 (fewer registers), with the same arithmetic.
+template <typename F, typename XRow>
+__device__ __forceinline__ void gemv_out(const F& f, const u8* __restrict__ row, XRow xrow, int nr, int k, int lane,
+                                         bool xvec, float* __restrict__ o, int m) {
+    if (nr == 1) {
+        float acc[1];
+        gemv_acc<1>(f, row, xrow, 1, k, lane, xvec, acc);
+        const float s = warp_sum(acc[0]);
+        if (lane == 0) o[0] = s;
+    } else {
+        float acc[GEMV_R];
+        gemv_acc<GEMV_R>(f, row, xrow, nr, k, lane, xvec, acc);
+#pragma unroll
+        for (int r = 0; r < GEMV_R; r++) {
+            if (r < nr) {
+                const float s = warp_sum(acc[r]);
+                if (lane == 0) o[(size_t)r * m] = s;
+            }
+        }
+    }
+}
+
 template <typename F>
 __device__ void gemv(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, int m, int k,
                      int rows, size_t row_bytes, F f) {
@@ -210,23 +233,7 @@ __device__ void gemv(const u8* __restrict__ w, const float* __restrict__ x, floa
     const u8* row = w + (size_t)j * row_bytes;
     const float* xr = x + (size_t)r0 * k;
     const auto xrow = [=](int r) { return xr + (size_t)r * k; };
-    const bool xvec = x_vec(x, k);
-    if (nr == 1) {
-        float acc[1];
-        gemv_acc<1>(f, row, xrow, 1, k, lane, xvec, acc);
-        const float s = warp_sum(acc[0]);
-        if (lane == 0) out[(size_t)r0 * m + j] = s;
-    } else {
-        float acc[GEMV_R];
-        gemv_acc<GEMV_R>(f, row, xrow, nr, k, lane, xvec, acc);
-#pragma unroll
-        for (int r = 0; r < GEMV_R; r++) {
-            if (r < nr) {
-                const float s = warp_sum(acc[r]);
-                if (lane == 0) out[(size_t)(r0 + r) * m + j] = s;
-            }
-        }
-    }
+    gemv_out(f, row, xrow, nr, k, lane, x_vec(x, k), out + (size_t)r0 * m + j, m);
 }
 // The grouped GEMV of a mixture's decode rows: pair p is one (expert, row) of the step,
 // with its expert's weight matrix at ws[p] and its activation row x_rows[p] of x (row p
@@ -254,22 +261,7 @@ __device__ void gemv_grouped(const unsigned long long* __restrict__ ws, const u3
             const size_t xr = x_rows ? (size_t)x_rows[q0 + r] : (size_t)(q0 + r);
             return x + xr * k;
         };
-        if (b - a == 1) {
-            float acc[1];
-            gemv_acc<1>(f, row, xrow, 1, k, lane, xvec, acc);
-            const float s = warp_sum(acc[0]);
-            if (lane == 0) out[(size_t)q0 * m + j] = s;
-        } else {
-            float acc[GEMV_R];
-            gemv_acc<GEMV_R>(f, row, xrow, b - a, k, lane, xvec, acc);
-#pragma unroll
-            for (int r = 0; r < GEMV_R; r++) {
-                if (r < b - a) {
-                    const float s = warp_sum(acc[r]);
-                    if (lane == 0) out[(size_t)(q0 + r) * m + j] = s;
-                }
-            }
-        }
+        gemv_out(f, row, xrow, b - a, k, lane, xvec, out + (size_t)q0 * m + j, m);
         a = b;
     }
 }
