@@ -3,9 +3,9 @@
 // (lo = 0, or pos[r] + 1 - window for a sliding-window layer), whose slot of `cap`
 // positions starts at element base[r]; position j is at j % cap (a ring when cap is less
 // than the context); kv head = h / (heads / kv_heads).
-// The cache is f32 or f16 (attention_f16: rows widened to f32 as they are read; scores and
-// sums in f32). `sinks` (null, or one f32 logit per query head: gpt-oss) joins each softmax
-// as a logit whose weight is then dropped.
+// The cache is f32 or f16 (attention_part_f16: rows widened to f32 as they are read;
+// scores and sums in f32). `sinks` (null, or one f32 logit per query head: gpt-oss) joins
+// each softmax as a logit whose weight is then dropped.
 //
 // Two kernels, flash-decoding style, so a long context is spread over many blocks even
 // for one decode row:
