@@ -43,42 +43,41 @@ pub const ATTENTION_SPLIT: usize = 1024;
 /// go in several launches.
 const ATTENTION_PART_MAX: u64 = 64 << 20;
 
-/// Row ranges [r0, r1) of one attention step per launch, and each launch's most splits of
-/// a row (the partials' stride), so that a launch's partials (`record` bytes per row,
-/// split) fit `cap` bytes. The grouping changes no row's result.
+/// Row ranges [r0, r1) of one attention step per launch, each with its most splits of a
+/// row (the partials' stride), handed to `launch` in order, so that a launch's partials
+/// (`record` bytes per row and split) fit `cap` bytes. The grouping changes no row's
+/// result.
 pub(super) fn attention_launches(
     splits: &[usize],
     record: u64,
     cap: u64,
-) -> Result<Vec<(usize, usize, usize)>, String> {
-    let mut out = Vec::new();
+    mut launch: impl FnMut(usize, usize, usize) -> Result<(), String>,
+) -> Result<(), String> {
+    let too_big = |s: usize| {
+        format!(
+            "a row of {s} attention splits needs {} bytes of partials; the scratch holds {cap}",
+            s as u64 * record
+        )
+    };
     let (mut r0, mut s_max) = (0, 0);
     for (r, &s) in splits.iter().enumerate() {
+        if s as u64 * record > cap {
+            return Err(too_big(s));
+        }
         let grown = s_max.max(s);
         if ((r + 1 - r0) * grown) as u64 * record > cap {
-            if r == r0 {
-                return Err(format!(
-                    "a row of {s} attention splits needs {} bytes of partials; the scratch holds {cap}",
-                    s as u64 * record
-                ));
-            }
-            out.push((r0, r, s_max));
+            launch(r0, r, s_max)?;
             (r0, s_max) = (r, s);
-            if s as u64 * record > cap {
-                return Err(format!(
-                    "a row of {s} attention splits needs {} bytes of partials; the scratch holds {cap}",
-                    s as u64 * record
-                ));
-            }
         } else {
             s_max = grown;
         }
     }
     if r0 < splits.len() {
-        out.push((r0, splits.len(), s_max));
+        launch(r0, splits.len(), s_max)?;
     }
-    Ok(out)
+    Ok(())
 }
+
 /// Rows of a quantized weight dequantized per cuBLAS call are bounded by this tile.
 const TILE_BYTES_MAX: u64 = 64 << 20;
 /// Slots of the expert metadata ring (`Meta::expert_rows`): a slot's pinned bytes are
@@ -163,6 +162,8 @@ pub struct CudaBackend {
     pub(super) tile: CudaMem,
     pub(super) bias: CudaMem,
     pub(super) attn_part: CudaMem,
+    /// Scratch for a step's attention splits per row (`attention`).
+    pub(super) attn_splits: Mutex<Vec<usize>>,
     pub(super) _blas_ws: CudaMem,
     pub(super) meta: Mutex<Meta>,
     /// Scratch for a grouped-expert chunk's metadata (`experts`).
@@ -284,6 +285,7 @@ impl CudaBackend {
             tile,
             bias,
             attn_part,
+            attn_splits: Mutex::new(Vec::with_capacity(rows)),
             _blas_ws: blas_ws,
             meta: Mutex::new(Meta {
                 host,
@@ -778,90 +780,99 @@ impl Backend for CudaBackend {
                 step.cache.cap as i32,
                 step.cache.window.map_or(0, |w| w as i32),
             );
-            // Each row's splits of ATTENTION_SPLIT positions; rows go in launches whose
-            // partials fit the scratch (s_max records per row, for every head).
-            let splits: Vec<usize> = step
-                .spans
-                .iter()
-                .flat_map(|sp| sp.pos..sp.pos + sp.n)
-                .map(|p| {
+            // Each row's splits of ATTENTION_SPLIT positions (by row: spans name their
+            // rows); rows go in launches whose partials fit the scratch (s_max records
+            // per row, for every head). The list is kept: steps allocate nothing.
+            let mut splits = self
+                .attn_splits
+                .lock()
+                .map_err(|_| "attention lock poisoned")?;
+            splits.clear();
+            splits.resize(rows, 1);
+            for sp in step.spans {
+                for t in 0..sp.n {
+                    let p = sp.pos + t;
                     let seen = p + 1 - step.cache.first_visible(p);
-                    seen.div_ceil(ATTENTION_SPLIT)
-                })
-                .collect();
-            let record = (sh.heads * (sh.head_dim + 2) * 4) as u64;
-            for (r0, r1, s_max) in attention_launches(&splits, record, self.attn_part.len as u64)? {
-                let n = (r1 - r0) as u32;
-                let part_dims = Dims {
-                    grid: (n, sh.kv_heads as u32, s_max as u32),
-                    block: ATTENTION_THREADS,
-                    smem: 0,
-                };
-                let qr = q.ptr + (r0 * wq * 4) as u64;
-                let (pr, br) = (pos + (r0 * 4) as u64, base + (r0 * 8) as u64);
-                let part = self.attn_part.ptr;
-                let (split, sm) = (ATTENTION_SPLIT as i32, s_max as i32);
-                match sh.kv {
-                    KvDtype::F32 => self.kernels.attention_part(
-                        &self.compute,
-                        Kernel::AttentionPartF32,
-                        part_dims,
-                        qr,
-                        ck,
-                        cv,
-                        part,
-                        pr,
-                        br,
-                        heads,
-                        kvh,
-                        hd,
-                        sh.scale,
-                        cap,
-                        win,
-                        split,
-                        sm,
-                    )?,
-                    KvDtype::F16 => self.kernels.attention_part_h(
-                        &self.compute,
-                        Kernel::AttentionPartF16,
-                        part_dims,
-                        qr,
-                        ck,
-                        cv,
-                        part,
-                        pr,
-                        br,
-                        heads,
-                        kvh,
-                        hd,
-                        sh.scale,
-                        cap,
-                        win,
-                        split,
-                        sm,
-                    )?,
+                    splits[sp.row + t] = seen.div_ceil(ATTENTION_SPLIT);
                 }
-                let combine_dims = Dims {
-                    grid: (n, sh.heads as u32, 1),
-                    block: 128,
-                    smem: 0,
-                };
-                self.kernels.attention_combine(
-                    &self.compute,
-                    Kernel::AttentionCombineF32,
-                    combine_dims,
-                    part,
-                    out.ptr + (r0 * wq * 4) as u64,
-                    pr,
-                    heads,
-                    hd,
-                    win,
-                    split,
-                    sm,
-                    sinks,
-                )?;
             }
-            Ok(())
+            let record = (sh.heads * (sh.head_dim + 2) * 4) as u64;
+            attention_launches(
+                &splits,
+                record,
+                self.attn_part.len as u64,
+                |r0, r1, s_max| {
+                    let n = (r1 - r0) as u32;
+                    let part_dims = Dims {
+                        grid: (n, sh.kv_heads as u32, s_max as u32),
+                        block: ATTENTION_THREADS,
+                        smem: 0,
+                    };
+                    let qr = q.ptr + (r0 * wq * 4) as u64;
+                    let (pr, br) = (pos + (r0 * 4) as u64, base + (r0 * 8) as u64);
+                    let part = self.attn_part.ptr;
+                    let (split, sm) = (ATTENTION_SPLIT as i32, s_max as i32);
+                    match sh.kv {
+                        KvDtype::F32 => self.kernels.attention_part(
+                            &self.compute,
+                            Kernel::AttentionPartF32,
+                            part_dims,
+                            qr,
+                            ck,
+                            cv,
+                            part,
+                            pr,
+                            br,
+                            heads,
+                            kvh,
+                            hd,
+                            sh.scale,
+                            cap,
+                            win,
+                            split,
+                            sm,
+                        )?,
+                        KvDtype::F16 => self.kernels.attention_part_h(
+                            &self.compute,
+                            Kernel::AttentionPartF16,
+                            part_dims,
+                            qr,
+                            ck,
+                            cv,
+                            part,
+                            pr,
+                            br,
+                            heads,
+                            kvh,
+                            hd,
+                            sh.scale,
+                            cap,
+                            win,
+                            split,
+                            sm,
+                        )?,
+                    }
+                    let combine_dims = Dims {
+                        grid: (n, sh.heads as u32, 1),
+                        block: 128,
+                        smem: 0,
+                    };
+                    self.kernels.attention_combine(
+                        &self.compute,
+                        Kernel::AttentionCombineF32,
+                        combine_dims,
+                        part,
+                        out.ptr + (r0 * wq * 4) as u64,
+                        pr,
+                        heads,
+                        hd,
+                        win,
+                        split,
+                        sm,
+                        sinks,
+                    )
+                },
+            )
         })();
         self.record("attention", r);
     }
@@ -1064,22 +1075,46 @@ impl Backend for CudaBackend {
 mod tests {
     use super::*;
 
+    fn launches(
+        splits: &[usize],
+        record: u64,
+        cap: u64,
+    ) -> Result<Vec<(usize, usize, usize)>, String> {
+        let mut out = Vec::new();
+        attention_launches(splits, record, cap, |r0, r1, s| {
+            out.push((r0, r1, s));
+            Ok(())
+        })?;
+        Ok(out)
+    }
+
     #[test]
     fn attention_launches_keep_each_launch_s_partials_within_the_scratch() {
-        // Rows of 1, 3, 32 and 2 splits; a record of 100 bytes; 400 bytes of scratch.
-        let l = attention_launches(&[1, 3, 1, 2, 1], 100, 400).unwrap();
+        // Rows of 1, 3, 1, 2 and 1 splits; a record of 100 bytes; 400 bytes of scratch.
+        let l = launches(&[1, 3, 1, 2, 1], 100, 400).unwrap();
         assert_eq!(l, vec![(0, 1, 1), (1, 2, 3), (2, 4, 2), (4, 5, 1)]);
         for &(r0, r1, s) in &l {
             assert!(((r1 - r0) * s) as u64 * 100 <= 400);
         }
         // Everything in one launch when it fits.
-        assert_eq!(
-            attention_launches(&[2, 2, 2], 10, 1000).unwrap(),
-            vec![(0, 3, 2)]
-        );
-        assert!(attention_launches(&[], 10, 1000).unwrap().is_empty());
-        // A row whose own splits do not fit is an error naming the sizes.
-        let e = attention_launches(&[1, 9], 100, 400).unwrap_err();
+        assert_eq!(launches(&[2, 2, 2], 10, 1000).unwrap(), vec![(0, 3, 2)]);
+        assert!(launches(&[], 10, 1000).unwrap().is_empty());
+        // A row whose own splits do not fit is an error naming the sizes, before any
+        // launch.
+        let e = launches(&[1, 9], 100, 400).unwrap_err();
         assert!(e.contains("9 attention splits") && e.contains("900"), "{e}");
+        let mut any = false;
+        let _ = attention_launches(&[9, 1], 100, 400, |_, _, _| {
+            any = true;
+            Ok(())
+        });
+        assert!(!any, "a row that cannot fit launches nothing before it");
+        // A launch's error stops the rest.
+        let mut calls = 0;
+        let e = attention_launches(&[3, 3, 3], 100, 400, |_, _, _| {
+            calls += 1;
+            Err("launch failed".into())
+        });
+        assert_eq!((e, calls), (Err("launch failed".to_string()), 1));
     }
 }
