@@ -67,6 +67,13 @@ fn backend_auto_says_why_not_cuda_and_cuda_fails_cleanly() {
         "{e}"
     );
     assert!(!e.contains("panicked"), "{e}");
+    // The kernel benchmark measures CUDA only: it says why it cannot run.
+    let e = sluiced_err(&["bench-kernels", "--model", d]);
+    assert!(
+        e.contains("bench-kernels measures the CUDA kernels and needs a CUDA device: no NVIDIA driver library"),
+        "{e}"
+    );
+    assert!(!e.contains("panicked"), "{e}");
     // The daemon too, from its flag or its config file.
     let e = sluiced_err(&[
         "serve",
