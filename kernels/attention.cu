@@ -178,21 +178,18 @@ __device__ __forceinline__ void attention_part(const float* q, const KV* cache_k
         attend<KV, 8>(sh, q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
 }
 
-extern "C" __global__ void __launch_bounds__(256, 2) attention_part_f32(const float* __restrict__ q, const float* __restrict__ cache_k,
-                                              const float* __restrict__ cache_v, float* __restrict__ part,
-                                              const u32* __restrict__ pos, const unsigned long long* __restrict__ base,
-                                              int heads, int kv_heads, int head_dim, float scale, int cap, int window,
-                                              int split, int s_max) {
-    attention_part(q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
-}
-
-extern "C" __global__ void __launch_bounds__(256, 2) attention_part_f16(const float* __restrict__ q, const u16* __restrict__ cache_k,
-                                              const u16* __restrict__ cache_v, float* __restrict__ part,
-                                              const u32* __restrict__ pos, const unsigned long long* __restrict__ base,
-                                              int heads, int kv_heads, int head_dim, float scale, int cap, int window,
-                                              int split, int s_max) {
-    attention_part(q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
-}
+// The cache's element type is the kernel's (f32 or f16 as u16); the launcher passes both
+// through one parameter list.
+#define ATTENTION_PART(name, KV)                                                                             \
+    extern "C" __global__ void __launch_bounds__(256, 2)                                                    \
+        name(const float* __restrict__ q, const void* __restrict__ cache_k, const void* __restrict__ cache_v, \
+             float* __restrict__ part, const u32* __restrict__ pos, const unsigned long long* __restrict__ base, \
+             int heads, int kv_heads, int head_dim, float scale, int cap, int window, int split, int s_max) {   \
+        attention_part(q, (const KV*)cache_k, (const KV*)cache_v, part, pos, base, heads, kv_heads, head_dim,   \
+                       scale, cap, window, split, s_max);                                                       \
+    }
+ATTENTION_PART(attention_part_f32, float)
+ATTENTION_PART(attention_part_f16, u16)
 
 extern "C" __global__ void attention_combine_f32(const float* __restrict__ part, float* __restrict__ out,
                                                  const u32* __restrict__ pos, int heads, int head_dim, int window,

@@ -349,18 +349,13 @@ static std::map<std::string, std::pair<size_t, Launcher>> kernels() {
                                 router_topk_f32(P<const float*>(a[0]), P<u32*>(a[1]), P<float*>(a[2]), I(a[3]), I(a[4]),
                                                 I(a[5]), I(a[6]));
                             }};
-    k["attention_part_f32"] = {14, [](const std::vector<Arg>& a) {
-                                   attention_part_f32(P<const float*>(a[0]), P<const float*>(a[1]),
-                                                      P<const float*>(a[2]), P<float*>(a[3]), P<const u32*>(a[4]),
-                                                      P<const unsigned long long*>(a[5]), I(a[6]), I(a[7]), I(a[8]),
-                                                      F(a[9]), I(a[10]), I(a[11]), I(a[12]), I(a[13]));
-                               }};
-    k["attention_part_f16"] = {14, [](const std::vector<Arg>& a) {
-                                   attention_part_f16(P<const float*>(a[0]), P<const u16*>(a[1]), P<const u16*>(a[2]),
-                                                      P<float*>(a[3]), P<const u32*>(a[4]),
-                                                      P<const unsigned long long*>(a[5]), I(a[6]), I(a[7]), I(a[8]),
-                                                      F(a[9]), I(a[10]), I(a[11]), I(a[12]), I(a[13]));
-                               }};
+#define ATTENTION_PART_K(n)                                                                              \
+    k[#n] = {14, [](const std::vector<Arg>& a) {                                                           \
+                 n(P<const float*>(a[0]), P<const void*>(a[1]), P<const void*>(a[2]), P<float*>(a[3]),     \
+                   P<const u32*>(a[4]), P<const unsigned long long*>(a[5]), I(a[6]), I(a[7]), I(a[8]), F(a[9]), \
+                   I(a[10]), I(a[11]), I(a[12]), I(a[13]));                                                 \
+             }};
+    ATTENTION_PART_K(attention_part_f32) ATTENTION_PART_K(attention_part_f16)
     k["attention_combine_f32"] = {9, [](const std::vector<Arg>& a) {
                                       attention_combine_f32(P<const float*>(a[0]), P<float*>(a[1]),
                                                             P<const u32*>(a[2]), I(a[3]), I(a[4]), I(a[5]), I(a[6]),

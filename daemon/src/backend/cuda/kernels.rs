@@ -176,12 +176,13 @@ kernels! {
     add_bias(out: u64 = "float*", bias: u64 = "const float*", rows: i32 = "int", cols: i32 = "int") {
         AddBiasF32 = "add_bias_f32",
     }
-    /// Causal grouped-query attention of each row over its sequence's cache, one split of
-    /// positions per block: each split's max, sum and weighted V per head.
+    /// Causal grouped-query attention of each row over its sequence's cache (f32, or f16
+    /// as u16), one split of positions per block: each split's max, sum and weighted V per
+    /// head.
     attention_part(
         q: u64 = "const float*",
-        cache_k: u64 = "const float*",
-        cache_v: u64 = "const float*",
+        cache_k: u64 = "const void*",
+        cache_v: u64 = "const void*",
         part: u64 = "float*",
         pos: u64 = "const u32*",
         base: u64 = "const unsigned long long*",
@@ -195,24 +196,6 @@ kernels! {
         s_max: i32 = "int",
     ) {
         AttentionPartF32 = "attention_part_f32",
-    }
-    /// `attention_part` over an f16 cache.
-    attention_part_h(
-        q: u64 = "const float*",
-        cache_k: u64 = "const u16*",
-        cache_v: u64 = "const u16*",
-        part: u64 = "float*",
-        pos: u64 = "const u32*",
-        base: u64 = "const unsigned long long*",
-        heads: i32 = "int",
-        kv_heads: i32 = "int",
-        head_dim: i32 = "int",
-        scale: f32 = "float",
-        cap: i32 = "int",
-        window: i32 = "int",
-        split: i32 = "int",
-        s_max: i32 = "int",
-    ) {
         AttentionPartF16 = "attention_part_f16",
     }
     /// Each row's attention output from its splits' partials (and the sinks).
