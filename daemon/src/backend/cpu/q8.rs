@@ -121,13 +121,47 @@ pub fn gemv_rows(
     xq: &[&[Q8Block]],
     out: &mut [[f32; ROWS_MAX]],
 ) {
+    gemv_rows_with(true, dtype, w, row_bytes, xq, out)
+}
+
+/// `gemv_rows`, through VNNI only where `allow_vnni` and `vnni()` (the tests compare the
+/// two paths).
+fn gemv_rows_with(
+    allow_vnni: bool,
+    dtype: DType,
+    w: &[u8],
+    row_bytes: usize,
+    xq: &[&[Q8Block]],
+    out: &mut [[f32; ROWS_MAX]],
+) {
     assert!(covers(dtype), "no integer kernel for {dtype:?}");
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: AVX2/FMA/F16C present (covers checks); rows are whole blocks (validated
-    // shapes) and each xq row has the blocks of one weight row.
+    // SAFETY: AVX2/FMA/F16C present (covers checks), AVX512-VNNI/VL where `vnni()` says;
+    // rows are whole blocks (validated shapes) and each xq row has the blocks of one
+    // weight row.
     unsafe {
-        avx2::gemv_n(dtype, w, row_bytes, xq, out)
+        if allow_vnni && vnni() {
+            avx2::gemv_n_vnni(dtype, w, row_bytes, xq, out)
+        } else {
+            avx2::gemv_n(dtype, w, row_bytes, xq, out)
+        }
     }
+}
+
+/// Whether the 8-bit kernels take AVX512-VNNI's `vpdpbusd` (u8 x i8 quadruples summed
+/// into i32 in one instruction, where AVX2 needs `maddubs` then `madd`): where the CPU
+/// has AVX512-VNNI and AVX512-VL, unless `SLUICE_CPU_VNNI=0` (for A/B runs). The two
+/// give the same bits: no product pair of any format reaches `maddubs`'s saturation.
+pub fn vnni() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        let off = std::env::var("SLUICE_CPU_VNNI").is_ok_and(|v| v == "0");
+        #[cfg(target_arch = "x86_64")]
+        let has = is_x86_feature_detected!("avx512vnni") && is_x86_feature_detected!("avx512vl");
+        #[cfg(not(target_arch = "x86_64"))]
+        let has = false;
+        has && !off
+    })
 }
 
 /// `gemv_rows` with 16-bit activations (the output head).
@@ -185,6 +219,35 @@ mod avx2 {
         }
     }
 
+    /// The integer dot of 32 u8 (`a`) with 32 i8 (`b`) in i32 lanes: lane l sums the
+    /// products of elements 4l..4l+4.
+    pub trait Dot {
+        /// # Safety
+        /// AVX2 (and AVX512-VNNI/VL for `Vnni`).
+        unsafe fn dot(a: __m256i, b: __m256i) -> __m256i;
+    }
+
+    /// AVX2: `maddubs` (pairs to i16, saturating) then `madd` (pairs of those to i32).
+    pub struct Madd;
+    /// AVX512-VNNI: `vpdpbusd`, the quadruples in one instruction, without the i16 step.
+    pub struct Vnni;
+
+    impl Dot for Madd {
+        #[inline(always)]
+        unsafe fn dot(a: __m256i, b: __m256i) -> __m256i {
+            // SAFETY: this function's contract, which its caller upholds.
+            unsafe { _mm256_madd_epi16(_mm256_maddubs_epi16(a, b), _mm256_set1_epi16(1)) }
+        }
+    }
+
+    impl Dot for Vnni {
+        #[inline(always)]
+        unsafe fn dot(a: __m256i, b: __m256i) -> __m256i {
+            // SAFETY: this function's contract, which its caller upholds.
+            unsafe { _mm256_dpbusd_epi32(_mm256_setzero_si256(), a, b) }
+        }
+    }
+
     /// An activation block the kernels take: how a weight piece of 32 integers is prepared
     /// once for all the rows, and how it meets one row's block.
     pub trait Acts: Sized {
@@ -199,7 +262,7 @@ mod avx2 {
         ///
         /// # Safety
         /// AVX2 and FMA.
-        unsafe fn fma<const SIGNED: bool>(
+        unsafe fn fma<const SIGNED: bool, D: Dot>(
             w: Self::W,
             scale: __m256,
             x: &Self,
@@ -228,7 +291,7 @@ mod avx2 {
             }
         }
         #[inline(always)]
-        unsafe fn fma<const SIGNED: bool>(
+        unsafe fn fma<const SIGNED: bool, D: Dot>(
             (wa, wq): Self::W,
             scale: __m256,
             x: &Self,
@@ -240,7 +303,7 @@ mod avx2 {
                 if SIGNED {
                     xv = _mm256_sign_epi8(xv, wq);
                 }
-                let p = _mm256_madd_epi16(_mm256_maddubs_epi16(wa, xv), _mm256_set1_epi16(1));
+                let p = D::dot(wa, xv);
                 let s = _mm256_mul_ps(scale, _mm256_set1_ps(x.d));
                 _mm256_fmadd_ps(_mm256_cvtepi32_ps(p), s, acc)
             }
@@ -275,7 +338,7 @@ mod avx2 {
             }
         }
         #[inline(always)]
-        unsafe fn fma<const SIGNED: bool>(
+        unsafe fn fma<const SIGNED: bool, D: Dot>(
             (wl, wh): Self::W,
             scale: __m256,
             x: &Self,
@@ -307,7 +370,7 @@ mod avx2 {
     /// # Safety
     /// AVX2 and FMA; every `xq[r]` has a block `bi`.
     #[inline(always)]
-    unsafe fn piece<const N: usize, const SIGNED: bool, A: Acts>(
+    unsafe fn piece<const N: usize, const SIGNED: bool, A: Acts, D: Dot>(
         acc: &mut [__m256; N],
         wq: __m256i,
         scale: __m256,
@@ -318,7 +381,7 @@ mod avx2 {
         unsafe {
             let w = A::prep::<SIGNED>(wq);
             for (r, a) in acc.iter_mut().enumerate() {
-                *a = A::fma::<SIGNED>(w, scale, xq.get_unchecked(r).get_unchecked(bi), *a);
+                *a = A::fma::<SIGNED, D>(w, scale, xq.get_unchecked(r).get_unchecked(bi), *a);
             }
         }
     }
@@ -339,7 +402,11 @@ mod avx2 {
     /// # Safety
     /// AVX2, FMA, F16C; `row` is whole blocks, each `xq[r]` has one block per weight block.
     #[inline(always)]
-    unsafe fn row_q4_q8<const N: usize, A: Acts>(t: DType, row: &[u8], xq: &[&[A]]) -> [f32; N] {
+    unsafe fn row_q4_q8<const N: usize, A: Acts, D: Dot>(
+        t: DType,
+        row: &[u8],
+        xq: &[&[A]],
+    ) -> [f32; N] {
         // SAFETY: this function's contract; reads stay inside each block.
         unsafe {
             let bb = t.block_bytes() as usize;
@@ -350,18 +417,18 @@ mod avx2 {
                 match t {
                     DType::Q4_0 => {
                         let wq = _mm256_sub_epi8(nibbles(blk.as_ptr().add(2)), _mm256_set1_epi8(8));
-                        piece::<N, true, A>(&mut acc, wq, d, xq, b);
+                        piece::<N, true, A, D>(&mut acc, wq, d, xq, b);
                     }
                     DType::Q4_1 => {
                         let m = f16_scalar(blk, 2);
-                        piece::<N, false, A>(&mut acc, nibbles(blk.as_ptr().add(4)), d, xq, b);
+                        piece::<N, false, A, D>(&mut acc, nibbles(blk.as_ptr().add(4)), d, xq, b);
                         for r in 0..N {
                             offs[r] = m.mul_add(xq[r][b].ds(), offs[r]);
                         }
                     }
                     _ => {
                         let wq = _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i);
-                        piece::<N, true, A>(&mut acc, wq, d, xq, b);
+                        piece::<N, true, A, D>(&mut acc, wq, d, xq, b);
                     }
                 }
             }
@@ -375,7 +442,11 @@ mod avx2 {
     /// # Safety
     /// As `row_q4_q8`.
     #[inline(always)]
-    unsafe fn row_q5<const N: usize, A: Acts>(row: &[u8], xq: &[&[A]], q5_1: bool) -> [f32; N] {
+    unsafe fn row_q5<const N: usize, A: Acts, D: Dot>(
+        row: &[u8],
+        xq: &[&[A]],
+        q5_1: bool,
+    ) -> [f32; N] {
         // SAFETY: this function's contract; reads stay inside each block.
         unsafe {
             let (bb, at) = if q5_1 { (24, 4) } else { (22, 2) };
@@ -387,13 +458,13 @@ mod avx2 {
                 let q = _mm256_or_si256(nibbles(blk.as_ptr().add(at + 4)), bits32_to_0x10(qh));
                 if q5_1 {
                     let m = f16_scalar(blk, 2);
-                    piece::<N, false, A>(&mut acc, q, d, xq, b);
+                    piece::<N, false, A, D>(&mut acc, q, d, xq, b);
                     for r in 0..N {
                         offs[r] = m.mul_add(xq[r][b].ds(), offs[r]);
                     }
                 } else {
                     let wq = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-                    piece::<N, true, A>(&mut acc, wq, d, xq, b);
+                    piece::<N, true, A, D>(&mut acc, wq, d, xq, b);
                 }
             }
             std::array::from_fn(|r| hsum256(acc[r]) + offs[r])
@@ -405,7 +476,11 @@ mod avx2 {
     /// # Safety
     /// As `row_q4_q8`, with 256-weight super-blocks (eight activation blocks each).
     #[inline(always)]
-    unsafe fn row_q45k<const N: usize, A: Acts>(row: &[u8], xq: &[&[A]], q5: bool) -> [f32; N] {
+    unsafe fn row_q45k<const N: usize, A: Acts, D: Dot>(
+        row: &[u8],
+        xq: &[&[A]],
+        q5: bool,
+    ) -> [f32; N] {
         // SAFETY: this function's contract; reads stay inside each block.
         unsafe {
             let bb = if q5 { 176 } else { 144 };
@@ -417,7 +492,13 @@ mod avx2 {
                     for (half, qv) in q45k_pair(blk, p, q5).into_iter().enumerate() {
                         let j = 2 * p + half;
                         let (sc, m) = ggml::scale_min_k4(&blk[4..16], j);
-                        piece::<N, false, A>(&mut acc, qv, _mm256_set1_ps(d * sc), xq, 8 * b + j);
+                        piece::<N, false, A, D>(
+                            &mut acc,
+                            qv,
+                            _mm256_set1_ps(d * sc),
+                            xq,
+                            8 * b + j,
+                        );
                         let dm = dmin * m;
                         for r in 0..N {
                             offs[r] = (-dm).mul_add(xq[r][8 * b + j].ds(), offs[r]);
@@ -434,7 +515,7 @@ mod avx2 {
     /// # Safety
     /// As `row_q45k`.
     #[inline(always)]
-    unsafe fn row_q6k<const N: usize, A: Acts>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
+    unsafe fn row_q6k<const N: usize, A: Acts, D: Dot>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
         // SAFETY: this function's contract; reads stay inside each block.
         unsafe {
             let mut acc = [_mm256_setzero_ps(); N];
@@ -445,7 +526,7 @@ mod avx2 {
                         let q = q6k_piece(blk, h, t4);
                         let s = 192 + 8 * h + 2 * t4;
                         let scale = halves(d * blk[s] as i8 as f32, d * blk[s + 1] as i8 as f32);
-                        piece::<N, true, A>(&mut acc, q, scale, xq, 8 * b + 4 * h + t4);
+                        piece::<N, true, A, D>(&mut acc, q, scale, xq, 8 * b + 4 * h + t4);
                     }
                 }
             }
@@ -458,7 +539,7 @@ mod avx2 {
     /// # Safety
     /// As `row_q45k`.
     #[inline(always)]
-    unsafe fn row_q2k<const N: usize, A: Acts>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
+    unsafe fn row_q2k<const N: usize, A: Acts, D: Dot>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
         // SAFETY: this function's contract; reads stay inside each block.
         unsafe {
             let mut acc = [_mm256_setzero_ps(); N];
@@ -471,7 +552,7 @@ mod avx2 {
                         let c = 4 * h + j;
                         let (sa, sb) = (blk[2 * c], blk[2 * c + 1]);
                         let scale = halves(d * (sa & 15) as f32, d * (sb & 15) as f32);
-                        piece::<N, false, A>(&mut acc, q, scale, xq, 8 * b + c);
+                        piece::<N, false, A, D>(&mut acc, q, scale, xq, 8 * b + c);
                         let (ma, mb) = (dmin * (sa >> 4) as f32, dmin * (sb >> 4) as f32);
                         for r in 0..N {
                             let x = &xq[r][8 * b + c];
@@ -490,7 +571,7 @@ mod avx2 {
     /// # Safety
     /// As `row_q45k`.
     #[inline(always)]
-    unsafe fn row_q3k<const N: usize, A: Acts>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
+    unsafe fn row_q3k<const N: usize, A: Acts, D: Dot>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
         // SAFETY: this function's contract; reads stay inside each block.
         unsafe {
             let mut acc = [_mm256_setzero_ps(); N];
@@ -502,7 +583,7 @@ mod avx2 {
                         let c = 4 * h + j;
                         let q = q3k_piece(blk, h, j);
                         let sc = halves(scale(2 * c), scale(2 * c + 1));
-                        piece::<N, true, A>(&mut acc, q, sc, xq, 8 * b + c);
+                        piece::<N, true, A, D>(&mut acc, q, sc, xq, 8 * b + c);
                     }
                 }
             }
@@ -517,7 +598,11 @@ mod avx2 {
     /// # Safety
     /// As `row_q4_q8`.
     #[inline(always)]
-    unsafe fn row_lookup<const N: usize, A: Acts>(t: DType, row: &[u8], xq: &[&[A]]) -> [f32; N] {
+    unsafe fn row_lookup<const N: usize, A: Acts, D: Dot>(
+        t: DType,
+        row: &[u8],
+        xq: &[&[A]],
+    ) -> [f32; N] {
         // SAFETY: this function's contract; reads stay inside each block.
         unsafe {
             let table = if t == DType::Mxfp4 {
@@ -533,45 +618,80 @@ mod avx2 {
                 for ib in 0..be / 32 {
                     let (d, qs) = lookup_piece(t, blk, ib);
                     let q = _mm256_shuffle_epi8(lut, nibbles(qs.as_ptr()));
-                    piece::<N, true, A>(&mut acc, q, _mm256_set1_ps(d), xq, be / 32 * b + ib);
+                    piece::<N, true, A, D>(&mut acc, q, _mm256_set1_ps(d), xq, be / 32 * b + ib);
                 }
             }
             std::array::from_fn(|r| hsum256(acc[r]))
         }
     }
 
-    /// `gemv` for the 1 to 4 rows of `xq`.
-    ///
-    /// # Safety
-    /// As `gemv`.
-    pub(super) unsafe fn gemv_n<A: Acts>(
-        dtype: DType,
-        w: &[u8],
-        row_bytes: usize,
-        xq: &[&[A]],
-        out: &mut [[f32; super::ROWS_MAX]],
-    ) {
-        // SAFETY: this function's contract, which its caller upholds.
-        unsafe {
-            match xq.len() {
-                1 => gemv::<1, A>(dtype, w, row_bytes, xq, out),
-                2 => gemv::<2, A>(dtype, w, row_bytes, xq, out),
-                3 => gemv::<3, A>(dtype, w, row_bytes, xq, out),
-                4 => gemv::<4, A>(dtype, w, row_bytes, xq, out),
-                5 => gemv::<5, A>(dtype, w, row_bytes, xq, out),
-                6 => gemv::<6, A>(dtype, w, row_bytes, xq, out),
-                7 => gemv::<7, A>(dtype, w, row_bytes, xq, out),
-                8 => gemv::<8, A>(dtype, w, row_bytes, xq, out),
+    /// `gemv` for the 1 to ROWS_MAX rows of `xq`, with a macro so each row count gets
+    /// its own instance.
+    macro_rules! by_rows {
+        ($kernel:ident, $dtype:expr, $w:expr, $rb:expr, $xq:expr, $out:expr) => {
+            match $xq.len() {
+                1 => $kernel::<1, A>($dtype, $w, $rb, $xq, $out),
+                2 => $kernel::<2, A>($dtype, $w, $rb, $xq, $out),
+                3 => $kernel::<3, A>($dtype, $w, $rb, $xq, $out),
+                4 => $kernel::<4, A>($dtype, $w, $rb, $xq, $out),
+                5 => $kernel::<5, A>($dtype, $w, $rb, $xq, $out),
+                6 => $kernel::<6, A>($dtype, $w, $rb, $xq, $out),
+                7 => $kernel::<7, A>($dtype, $w, $rb, $xq, $out),
+                8 => $kernel::<8, A>($dtype, $w, $rb, $xq, $out),
                 n => panic!("{n} rows: 1 to {} at a time", super::ROWS_MAX),
             }
-        }
+        };
     }
 
+    /// An entry for 1 to ROWS_MAX rows (`$entry`) and its kernel compiled with
+    /// `$features` for the dot `$dot`.
+    macro_rules! gemv_with {
+        ($entry:ident, $kernel:ident, $dot:ty, $features:literal) => {
+            /// `gemv_body` with this dot for the rows of `xq`.
+            ///
+            /// # Safety
+            /// As `gemv_body`, and the CPU has the kernel's features.
+            pub(super) unsafe fn $entry<A: Acts>(
+                dtype: DType,
+                w: &[u8],
+                row_bytes: usize,
+                xq: &[&[A]],
+                out: &mut [[f32; super::ROWS_MAX]],
+            ) {
+                // SAFETY: this function's contract, which its caller upholds.
+                unsafe { by_rows!($kernel, dtype, w, row_bytes, xq, out) }
+            }
+
+            /// # Safety
+            /// As `gemv_body`, and the CPU has these features.
+            #[target_feature(enable = $features)]
+            unsafe fn $kernel<const N: usize, A: Acts>(
+                dtype: DType,
+                w: &[u8],
+                row_bytes: usize,
+                xq: &[&[A]],
+                out: &mut [[f32; super::ROWS_MAX]],
+            ) {
+                // SAFETY: this function's contract, which its caller upholds.
+                unsafe { gemv_body::<N, A, $dot>(dtype, w, row_bytes, xq, out) }
+            }
+        };
+    }
+
+    gemv_with!(gemv_n, gemv, Madd, "avx2,fma,f16c");
+    gemv_with!(
+        gemv_n_vnni,
+        gemv_vnni,
+        Vnni,
+        "avx2,fma,f16c,avx512vnni,avx512vl"
+    );
+
     /// # Safety
-    /// AVX2, FMA and F16C; `w` holds whole rows of `row_bytes`; each `xq[r]` (N of them)
-    /// has one block per 32 weights of a row; `out` has a slot per weight row.
-    #[target_feature(enable = "avx2,fma,f16c")]
-    unsafe fn gemv<const N: usize, A: Acts>(
+    /// AVX2, FMA and F16C (and what `D` needs); `w` holds whole rows of `row_bytes`; each
+    /// `xq[r]` (N of them) has one block per 32 weights of a row; `out` has a slot per
+    /// weight row.
+    #[inline(always)]
+    unsafe fn gemv_body<const N: usize, A: Acts, D: Dot>(
         dtype: DType,
         w: &[u8],
         row_bytes: usize,
@@ -585,15 +705,17 @@ mod avx2 {
         unsafe {
             for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
                 let v: [f32; N] = match dtype {
-                    DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => row_q4_q8(dtype, row, xq),
-                    DType::Q5_0 => row_q5(row, xq, false),
-                    DType::Q5_1 => row_q5(row, xq, true),
-                    DType::Q4K => row_q45k(row, xq, false),
-                    DType::Q5K => row_q45k(row, xq, true),
-                    DType::Q6K => row_q6k(row, xq),
-                    DType::Q2K => row_q2k(row, xq),
-                    DType::Q3K => row_q3k(row, xq),
-                    DType::Iq4Nl | DType::Iq4Xs | DType::Mxfp4 => row_lookup(dtype, row, xq),
+                    DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => row_q4_q8::<N, A, D>(dtype, row, xq),
+                    DType::Q5_0 => row_q5::<N, A, D>(row, xq, false),
+                    DType::Q5_1 => row_q5::<N, A, D>(row, xq, true),
+                    DType::Q4K => row_q45k::<N, A, D>(row, xq, false),
+                    DType::Q5K => row_q45k::<N, A, D>(row, xq, true),
+                    DType::Q6K => row_q6k::<N, A, D>(row, xq),
+                    DType::Q2K => row_q2k::<N, A, D>(row, xq),
+                    DType::Q3K => row_q3k::<N, A, D>(row, xq),
+                    DType::Iq4Nl | DType::Iq4Xs | DType::Mxfp4 => {
+                        row_lookup::<N, A, D>(dtype, row, xq)
+                    }
                     _ => unreachable!("covers() checked: {dtype:?} is not a block format"),
                 };
                 o[..N].copy_from_slice(&v);
@@ -651,6 +773,66 @@ mod tests {
         integer_dots::<i16>(gemv_rows16);
     }
 
+    /// Where the 8-bit kernels take VNNI, the AVX2 pair gives the same bits (for 16-bit
+    /// activations both are the same code).
+    fn same_bits_without_vnni<T: Level>(
+        dtype: DType,
+        w: &[u8],
+        rb: usize,
+        xq: &[QBlock<T>],
+        k: usize,
+        all: &[[f32; ROWS_MAX]],
+    ) {
+        if !vnni() || T::MAX > 1000.0 {
+            return;
+        }
+        // The blocks are i8 here (T is i8 whenever T::MAX is 127).
+        // SAFETY: QBlock<i8> is QBlock<T> for T = i8: same layout.
+        let x8: &[Q8Block] =
+            unsafe { std::slice::from_raw_parts(xq.as_ptr() as *const Q8Block, xq.len()) };
+        let rows: Vec<&[Q8Block]> = x8.chunks_exact(k / 32).collect();
+        let mut plain = vec![[0f32; ROWS_MAX]; all.len()];
+        gemv_rows_with(false, dtype, w, rb, &rows, &mut plain);
+        for (j, (a, b)) in all.iter().zip(&plain).enumerate() {
+            assert_eq!(
+                a.map(f32::to_bits),
+                b.map(f32::to_bits),
+                "{dtype:?} row {j}: VNNI vs AVX2"
+            );
+        }
+    }
+
+    /// The largest products any format makes (q8_0's -128 against activations of +-127)
+    /// are exact through both dots: no saturation in `maddubs`, so VNNI agrees with it.
+    #[test]
+    fn the_largest_products_are_exact_with_and_without_vnni() {
+        if !covers(DType::Q8_0) {
+            eprintln!("SKIPPED: no AVX2 on this CPU");
+            return;
+        }
+        let k = 64;
+        let mut w = Vec::new();
+        for _ in 0..k / 32 {
+            w.extend_from_slice(&half::f16::from_f32(1.0).to_le_bytes());
+            w.extend_from_slice(&[0x80u8; 32]);
+        }
+        for sign in [1i8, -1] {
+            let mut b = Q8Block {
+                d: 1.0,
+                ..Q8Block::default()
+            };
+            b.q = [127 * sign; 32];
+            let x = vec![b; k / 32];
+            let want = -128.0 * 127.0 * sign as f32 * k as f32;
+            for vnni in [true, false] {
+                let mut out = vec![[0f32; ROWS_MAX]; 1];
+                gemv_rows_with(vnni, DType::Q8_0, &w, w.len(), &[&x], &mut out);
+                assert_eq!(out[0][0], want);
+            }
+        }
+        eprintln!("VNNI on this CPU: {}", vnni());
+    }
+
     fn integer_dots<T: Level>(kernel: IntKernel<QBlock<T>>) {
         for dtype in crate::dtype::ALL_DTYPES
             .into_iter()
@@ -669,6 +851,7 @@ mod tests {
             let rows: Vec<&[QBlock<T>]> = xq.chunks_exact(k / 32).collect();
             let mut all = vec![[0f32; ROWS_MAX]; m];
             kernel(dtype, &w, rb, &rows, &mut all);
+            same_bits_without_vnni(dtype, &w, rb, &xq, k, &all);
             for n in 1..=ROWS_MAX {
                 for r0 in 0..=(ROWS_MAX - n) {
                     let mut part = vec![[0f32; ROWS_MAX]; m];
