@@ -112,6 +112,15 @@ pub const BATCH_TOKENS_MIN: usize = 32;
 /// (`max_batch_tokens`, whose workspace grows with it) down to `BATCH_TOKENS_MIN` (or the
 /// batch) before giving up, saying so: prefill then takes more passes, decode is the same.
 fn plan_within_host(m: &Manifest, input: &mut PlanInput) -> Result<crate::plan::Plan, EngineError> {
+    // A step never holds more tokens than its sequences' contexts: a workspace sized past
+    // that (512 tokens of prefill under a 256-token context) is memory no step can use,
+    // which a binding host budget would rather keep for resident weights.
+    let most = input
+        .opts
+        .max_context
+        .saturating_mul(input.opts.kv_slots)
+        .max(1);
+    input.opts.max_batch_tokens = input.opts.max_batch_tokens.min(most);
     let asked = input.opts.max_batch_tokens;
     let least = BATCH_TOKENS_MIN.max(input.opts.kv_slots);
     loop {
@@ -351,4 +360,26 @@ pub fn cuda_runner(
         &input.opts.scratch_shape(&m.arch),
     )?;
     Ok(Pipeline::new(backend, store, plan, input.opts, io)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn runner_with(max_context: usize, kv_slots: usize, batch_tokens: usize) -> ModelOptions {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let store = test_model::store(tmp.path());
+        let input = test_model::input(max_context, kv_slots, batch_tokens);
+        let r = cpu_runner(store, &input, 1, IoConfig::single_stream()).expect("pipeline");
+        *r.options()
+    }
+
+    /// The prefill chunk (and the workspace sized by it) never outgrows what the
+    /// sequences' contexts can hold; below that it is what was asked.
+    #[test]
+    fn the_prefill_chunk_never_outgrows_the_contexts() {
+        assert_eq!(runner_with(64, 2, 512).max_batch_tokens, 128);
+        assert_eq!(runner_with(64, 1, 512).max_batch_tokens, 64);
+        assert_eq!(runner_with(1024, 2, 512).max_batch_tokens, 512);
+    }
 }

@@ -7,9 +7,7 @@ use super::scheduler::{Event, Finish, Request, Scheduler, SchedulerConfig, Submi
 use super::sequence::GenerateParams;
 use super::test_model;
 use crate::io::IoConfig;
-use crate::model::ModelOptions;
 use crate::pipeline::Pipeline;
-use crate::plan::PlanInput;
 use crate::text::Tokenizer;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -23,22 +21,7 @@ fn pipeline(
     store: &Arc<crate::store::Store>,
     batch: usize,
 ) -> Pipeline<crate::backend::cpu::CpuBackend> {
-    let input = PlanInput {
-        device_budget: None,
-        host_cache_budget: 0,
-        opts: ModelOptions {
-            max_context: 64,
-            kv_slots: batch,
-            max_batch_tokens: 16,
-            kv_dtype: crate::backend::KvDtype::F32,
-            exact: true,
-        },
-        prefetch: None,
-        expert_cache: None,
-        expert_profile: None,
-        backend_reserved: 0,
-        host: Default::default(),
-    };
+    let input = test_model::input(64, batch, 16);
     super::cpu_runner(store.clone(), &input, 1, IoConfig::single_stream()).expect("pipeline")
 }
 
