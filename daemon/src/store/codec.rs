@@ -182,7 +182,7 @@ impl FrameEncoder {
     fn encode_float(&mut self, raw: &[u8], dtype: DType) -> Encoded<'_> {
         let layout = match dtype {
             DType::BF16 => Some(Layout::Bf16),
-            DType::F16 => Some(Layout::F16),
+            DType::F16 => Some(Layout::F16Bits),
             DType::F32 => Some(Layout::F32),
             _ => None,
         };
@@ -745,6 +745,40 @@ mod tests {
                 .expect("decodes");
             assert_eq!(out, raw);
         }
+    }
+
+    /// f16 frames written before format 7 (sign and exponent as one symbol, the top
+    /// mantissa bits packed four a byte) still decode; new ones use the bit planes.
+    #[test]
+    fn f16_frames_of_both_layouts_decode() {
+        let raw = weights_of(DType::F16, 4099, 7);
+        let mut enc = FrameEncoder::new(Codec::Float).expect("test setup");
+        let e = enc.encode(&raw, DType::F16).expect("encodes");
+        assert_eq!(e.codec, Codec::Float);
+        assert_eq!(
+            fpsplit::plane_layout(&e.bytes[..e.planes[0].stored_len as usize]),
+            Ok(fpsplit::Layout::F16Bits)
+        );
+        let mut planes: [Vec<u8>; 4] = Default::default();
+        fpsplit::split(fpsplit::Layout::F16, &raw, &mut planes);
+        let mut stored = Vec::new();
+        fpsplit::encode_plane(fpsplit::Layout::F16, &planes[0], &mut stored);
+        let mut frame = vec![Plane {
+            stored_len: stored.len() as u32,
+            compressed: true,
+        }];
+        for p in &planes[1..3] {
+            stored.extend_from_slice(p);
+            frame.push(Plane {
+                stored_len: p.len() as u32,
+                compressed: false,
+            });
+        }
+        let mut dec = FrameDecoder::new(raw.len()).expect("test setup");
+        let mut out = vec![0u8; raw.len()];
+        dec.decode(Codec::Float, &frame, xxh3_64(&raw), &stored, &mut out)
+            .expect("the format 6 layout decodes");
+        assert_eq!(out, raw);
     }
 
     #[test]

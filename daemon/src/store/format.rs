@@ -1,4 +1,4 @@
-//! Store format version 6: the manifest and its on-disk framing.
+//! Store format version 7: the manifest and its on-disk framing.
 //!
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
 //! | payload (postcard; from version 6 a zstd frame of it) | xxh3-64 of everything before
@@ -11,9 +11,11 @@
 //! of 4 and frames may use the `float` codec (a codec an older sluiced cannot decode, so
 //! it refuses the store by its version); version 6 appends the linked source
 //! (`Option<Link>`, `pack --link`) and compresses the payload (a GGUF's vocabulary is
-//! megabytes of strings: a linked store must cost well under 1 % of its source). Stores of
-//! versions 1 to 5 still open, with the defaults of a Llama-family model, no experts, no
-//! clamp and no link.
+//! megabytes of strings: a linked store must cost well under 1 % of its source); version 7
+//! has the payload of 6 and its f16 frames may use the `float` codec's `F16Bits` layout
+//! (exponent-only symbols; an older sluiced would fail on the frame, so the version
+//! refuses the store up front). Stores of versions 1 to 6 still open, with the defaults
+//! of a Llama-family model, no experts, no clamp and no link.
 
 use super::arch::{ArchConfig, ArchExt, MoeConfig, SwigluClamp};
 use super::codec::{Codec, Plane};
@@ -25,7 +27,7 @@ use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;
 
 pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
-pub const FORMAT_VERSION: u32 = 6;
+pub const FORMAT_VERSION: u32 = 7;
 /// The oldest format this sluiced still reads.
 pub const FORMAT_VERSION_MIN: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.bin";
@@ -686,39 +688,7 @@ impl Manifest {
                 if f.codec == Codec::None && f.planes.iter().any(|p| p.compressed) {
                     return Err(at("compressed plane in a raw frame".into()));
                 }
-                // The float codec's layout, by its plane count (its planes' own sizes).
-                let float = (f.codec == Codec::Float).then_some(match w {
-                    2 => super::fpsplit::Layout::Bf16,
-                    3 => super::fpsplit::Layout::F16,
-                    _ => super::fpsplit::Layout::F32,
-                });
-                if let Some(l) = float {
-                    if !(f.raw_len as usize).is_multiple_of(l.width()) {
-                        return Err(at(format!(
-                            "{w} float-codec planes for {} raw bytes",
-                            f.raw_len
-                        )));
-                    }
-                }
-                for (i, p) in f.planes.iter().enumerate() {
-                    // A raw plane is exactly its raw bytes; a compressed one is non-empty and
-                    // (by the 3 % rule) smaller than them.
-                    let plane_raw = match float {
-                        Some(l) => l.plane_len(i, f.raw_len as usize / l.width()) as u32,
-                        None => f.raw_len / w as u32,
-                    };
-                    let ok = if p.compressed {
-                        p.stored_len > 0 && p.stored_len < plane_raw
-                    } else {
-                        p.stored_len == plane_raw
-                    };
-                    if !ok {
-                        return Err(at(format!(
-                            "plane of {} stored bytes for {plane_raw} raw bytes",
-                            p.stored_len
-                        )));
-                    }
-                }
+                frame_planes_fit(f).map_err(at)?;
             }
             if raw_at != u.raw_len {
                 return Err(at(format!(
@@ -792,6 +762,57 @@ fn unzstd(coded: &[u8]) -> std::io::Result<Vec<u8>> {
     Ok(out)
 }
 
+/// A frame's planes against its raw length: a raw plane is exactly its raw bytes, a
+/// compressed one non-empty and (by the 3 % rule) smaller. The float codec's frames are
+/// checked against each layout of their plane count (the coded exponent plane names the
+/// one it is, which its decoder checks).
+fn frame_planes_fit(f: &Frame) -> Result<(), String> {
+    use super::fpsplit::Layout;
+    let w = f.planes.len();
+    let layouts: &[Layout] = if f.codec == Codec::Float {
+        Layout::with_planes(w)
+    } else {
+        &[]
+    };
+    if layouts
+        .iter()
+        .any(|l| !(f.raw_len as usize).is_multiple_of(l.width()))
+    {
+        return Err(format!(
+            "{w} float-codec planes for {} raw bytes",
+            f.raw_len
+        ));
+    }
+    let fit = |layout: Option<Layout>| -> Result<(), String> {
+        for (i, p) in f.planes.iter().enumerate() {
+            let plane_raw = match layout {
+                Some(l) => l.plane_len(i, f.raw_len as usize / l.width()) as u32,
+                None => f.raw_len / w as u32,
+            };
+            let ok = if p.compressed {
+                p.stored_len > 0 && p.stored_len < plane_raw
+            } else {
+                p.stored_len == plane_raw
+            };
+            if !ok {
+                return Err(format!(
+                    "plane of {} stored bytes for {plane_raw} raw bytes",
+                    p.stored_len
+                ));
+            }
+        }
+        Ok(())
+    };
+    if layouts.is_empty() {
+        return fit(None);
+    }
+    layouts
+        .iter()
+        .map(|&l| fit(Some(l)))
+        .reduce(|a, b| a.or(b))
+        .unwrap_or(Ok(()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -832,6 +853,32 @@ mod tests {
             tensors: vec![t.clone()],
         };
         (u, t)
+    }
+
+    /// A float-codec frame of three planes may be either f16 layout (format 7's bit planes
+    /// or format 6's packed top bits); other plane sizes are refused.
+    #[test]
+    fn both_f16_layouts_fit_their_frames_and_nothing_else_does() {
+        let frame = |sizes: [u32; 3]| Frame {
+            file_offset: 0,
+            raw_offset: 0,
+            raw_len: 2 * 100,
+            checksum: 0,
+            codec: Codec::Float,
+            planes: [(40, true), (sizes[1], false), (sizes[2], false)]
+                .into_iter()
+                .map(|(stored_len, compressed)| Plane {
+                    stored_len: if compressed { sizes[0] } else { stored_len },
+                    compressed,
+                })
+                .collect(),
+        };
+        // 100 elements: bit planes 3 x ceil(100 / 8) = 39 bytes; packed top bits 25.
+        assert_eq!(frame_planes_fit(&frame([40, 100, 39])), Ok(()));
+        assert_eq!(frame_planes_fit(&frame([40, 100, 25])), Ok(()));
+        let err = frame_planes_fit(&frame([40, 100, 30])).expect_err("neither layout");
+        assert!(err.contains("plane of 30 stored bytes"), "{err}");
+        assert!(frame_planes_fit(&frame([40, 99, 39])).is_err());
     }
 
     #[test]

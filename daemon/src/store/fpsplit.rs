@@ -13,8 +13,15 @@
 //!
 //! Layouts (the element's bits → planes; `Layout::plane_len`):
 //! - bf16: exponent = bits 7..15 (8 bits); sign << 7 | mantissa (7 bits).
-//! - f16: sign << 5 | exponent (bits 10..16, 6 bits); the mantissa's low byte; its top
-//!   two bits, four elements a byte (element i at bits 2 (i % 4)).
+//! - f16 (`F16Bits`, what the encoder writes): the exponent (bits 10..15, 5 bits); the
+//!   mantissa's low byte; then the sign and the mantissa's top two bits as bit planes, in
+//!   chunks of 32 elements: per chunk, g = ceil(elements / 8) bytes of signs, g of bit 9, g
+//!   of bit 8 (element j of the chunk at bit j % 8 of byte j / 8; g is 4 but in a frame's
+//!   last chunk). Exponent-only symbols carry about 2.6 bits each, so a table lookup
+//!   decodes as many of them as bf16's, and the bit planes join in a few vector ops.
+//! - f16 (`F16`, format 6 and earlier; still read): sign << 5 | exponent (6 bits); the
+//!   mantissa's low byte; its top two bits, four elements a byte (element i at bits
+//!   2 (i % 4)).
 //! - f32: exponent = bits 23..31; then sign << 23 | mantissa (23 bits) as three planes,
 //!   low byte first.
 //!
@@ -38,6 +45,7 @@ pub enum Layout {
     Bf16,
     F16,
     F32,
+    F16Bits,
 }
 
 impl Layout {
@@ -46,6 +54,7 @@ impl Layout {
             Layout::Bf16 => 1,
             Layout::F16 => 2,
             Layout::F32 => 3,
+            Layout::F16Bits => 4,
         }
     }
 
@@ -54,6 +63,7 @@ impl Layout {
             1 => Some(Layout::Bf16),
             2 => Some(Layout::F16),
             3 => Some(Layout::F32),
+            4 => Some(Layout::F16Bits),
             _ => None,
         }
     }
@@ -61,7 +71,7 @@ impl Layout {
     /// Bytes of one element.
     pub fn width(self) -> usize {
         match self {
-            Layout::Bf16 | Layout::F16 => 2,
+            Layout::Bf16 | Layout::F16 | Layout::F16Bits => 2,
             Layout::F32 => 4,
         }
     }
@@ -70,8 +80,19 @@ impl Layout {
     pub fn planes(self) -> usize {
         match self {
             Layout::Bf16 => 2,
-            Layout::F16 => 3,
+            Layout::F16 | Layout::F16Bits => 3,
             Layout::F32 => 4,
+        }
+    }
+
+    /// The layouts a float-codec frame of `planes` planes may have (the coded exponent
+    /// plane's first byte says which).
+    pub fn with_planes(planes: usize) -> &'static [Layout] {
+        match planes {
+            2 => &[Layout::Bf16],
+            3 => &[Layout::F16Bits, Layout::F16],
+            4 => &[Layout::F32],
+            _ => &[],
         }
     }
 
@@ -79,9 +100,23 @@ impl Layout {
     pub fn plane_len(self, i: usize, n: usize) -> usize {
         match (self, i) {
             (Layout::F16, 2) => n.div_ceil(4),
+            (Layout::F16Bits, 2) => 3 * n.div_ceil(8),
             _ => n,
         }
     }
+}
+
+/// `F16Bits`: elements a chunk of the bit planes, and its bytes when whole.
+const BITS_CHUNK: usize = 32;
+const BITS_CHUNK_BYTES: usize = 3 * BITS_CHUNK / 8;
+
+/// `F16Bits`: where element `i` of `n` sits in the bit planes: the byte of its sign (bit 9
+/// is `g` bytes on, bit 8 `2g`), `g`, and its bit.
+#[inline(always)]
+fn bits_at(i: usize, n: usize) -> (usize, usize, u32) {
+    let (c, j) = (i / BITS_CHUNK, i % BITS_CHUNK);
+    let g = (n - c * BITS_CHUNK).min(BITS_CHUNK).div_ceil(8);
+    (c * BITS_CHUNK_BYTES + j / 8, g, (j % 8) as u32)
 }
 
 /// Splits `raw` (whole elements of `layout`) into its byte planes: `planes[0]` the
@@ -107,6 +142,18 @@ pub fn split(layout: Layout, raw: &[u8], planes: &mut [Vec<u8>; 4]) {
                 if let Some(top) = r1.last_mut() {
                     *top |= (x[1] & 3) << (2 * (i % 4));
                 }
+            }
+        }
+        Layout::F16Bits => {
+            let n = raw.len() / 2;
+            r1.resize(Layout::F16Bits.plane_len(2, n), 0);
+            for (i, x) in raw.chunks_exact(2).enumerate() {
+                e.push((x[1] >> 2) & 0x1f);
+                r0.push(x[0]);
+                let (at, g, bit) = bits_at(i, n);
+                r1[at] |= (x[1] >> 7) << bit;
+                r1[at + g] |= ((x[1] >> 1) & 1) << bit;
+                r1[at + 2 * g] |= (x[1] & 1) << bit;
             }
         }
         Layout::F32 => {
@@ -141,7 +188,78 @@ pub fn join_as(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8], simd: Simd) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn join_avx2(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
+    if layout == Layout::F16Bits {
+        // SAFETY: this function's contract (AVX2).
+        let done = unsafe { f16_bits_avx2(planes, dst) };
+        f16_bits_from(done, planes, dst);
+        return;
+    }
     join_any(layout, planes, dst);
+}
+
+/// `F16Bits`: the whole chunks of 32 elements that `planes` and `dst` all hold, joined by
+/// AVX2 (each bit plane's 4 bytes spread to a byte an element by a shuffle and a compare;
+/// the high bytes made, then interleaved with the low ones); returns the elements done.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn f16_bits_avx2(planes: [&[u8]; 4], dst: &mut [u8]) -> usize {
+    use std::arch::x86_64::*;
+    let [e, lo, bits, _] = planes;
+    let n = dst.len() / 2;
+    let chunks = (n / BITS_CHUNK)
+        .min(e.len() / BITS_CHUNK)
+        .min(lo.len() / BITS_CHUNK)
+        .min(bits.len() / BITS_CHUNK_BYTES);
+    // SAFETY: every load and store below is inside chunk c < chunks of its buffer
+    // (32 bytes of e and lo, 12 of bits, 64 of dst), which the minimum above bounds.
+    unsafe {
+        // Byte k / 8 of the 4 to element k (each 128-bit lane holds the broadcast word).
+        let spread = _mm256_setr_epi8(
+            0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3,
+            3, 3, 3,
+        );
+        let bit = _mm256_set1_epi64x(0x8040_2010_0804_0201u64 as i64);
+        let expand = |word: *const u8, to: i8| {
+            let w = _mm256_set1_epi32(std::ptr::read_unaligned(word as *const i32));
+            let b = _mm256_and_si256(_mm256_shuffle_epi8(w, spread), bit);
+            _mm256_and_si256(_mm256_cmpeq_epi8(b, bit), _mm256_set1_epi8(to))
+        };
+        for c in 0..chunks {
+            let (at, bt) = (c * BITS_CHUNK, c * BITS_CHUNK_BYTES);
+            let ev = _mm256_loadu_si256(e.as_ptr().add(at) as *const __m256i);
+            let lv = _mm256_loadu_si256(lo.as_ptr().add(at) as *const __m256i);
+            let b = bits.as_ptr().add(bt);
+            let exp = _mm256_and_si256(_mm256_slli_epi16(ev, 2), _mm256_set1_epi8(0x7c));
+            let hi = _mm256_or_si256(
+                _mm256_or_si256(exp, expand(b, 0x80u8 as i8)),
+                _mm256_or_si256(expand(b.add(4), 2), expand(b.add(8), 1)),
+            );
+            let (a, z) = (_mm256_unpacklo_epi8(lv, hi), _mm256_unpackhi_epi8(lv, hi));
+            let o = dst.as_mut_ptr().add(2 * at) as *mut __m256i;
+            _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(a, z));
+            _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x31>(a, z));
+        }
+    }
+    chunks * BITS_CHUNK
+}
+
+/// `F16Bits`: elements `from..` of `dst` from their planes, one at a time (a byte a plane
+/// lacks reads as zero).
+fn f16_bits_from(from: usize, planes: [&[u8]; 4], dst: &mut [u8]) {
+    let [e, lo, bits, _] = planes;
+    let n = dst.len() / 2;
+    let bit_of = |at: usize, b: u32| (bits.get(at).copied().unwrap_or(0) >> b) & 1;
+    for (i, o) in dst.chunks_exact_mut(2).enumerate().skip(from) {
+        let (at, g, b) = bits_at(i, n);
+        o[0] = lo.get(i).copied().unwrap_or(0);
+        o[1] = (bit_of(at, b) << 7)
+            | ((e.get(i).copied().unwrap_or(0) & 0x1f) << 2)
+            | (bit_of(at + g, b) << 1)
+            | bit_of(at + 2 * g, b);
+    }
 }
 
 #[inline(always)]
@@ -183,6 +301,7 @@ fn join_any(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
                 dst[2 * i + 1] = (e.get(i).copied().unwrap_or(0) << 2) | ((t >> (2 * (i % 4))) & 3);
             }
         }
+        Layout::F16Bits => f16_bits_from(0, planes, dst),
         Layout::F32 => {
             let rest = r0.iter().zip(r1).zip(r2);
             for ((o, &x), ((&a, &b), &c)) in dst.chunks_exact_mut(4).zip(e).zip(rest) {
@@ -807,7 +926,9 @@ mod tests {
             0x3f80_0000,
             0xbf7f_ffff,
         ];
-        for n in [0usize, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 64, 1000, 4099] {
+        for n in [
+            0usize, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 95, 1000, 4099,
+        ] {
             let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ n as u64;
             let mut vals: Vec<u32> = (0..n)
                 .map(|i| {
@@ -829,6 +950,7 @@ mod tests {
                 .collect();
             round_trip(Layout::Bf16, &halves);
             round_trip(Layout::F16, &halves);
+            round_trip(Layout::F16Bits, &halves);
             // Every element with one exponent (the constant mode).
             vals.iter_mut()
                 .for_each(|v| *v = 0x3f80_0000 | (*v & 0x807f_ffff));
