@@ -554,7 +554,7 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
                 "passes": st.passes, "bytes_streamed_total": st.bytes_streamed_total,
                 "host_bytes_budget": st.host_bytes_budget, "host_bytes_planned": st.host_bytes_planned,
                 "host_bytes_peak": st.host_bytes_peak, "host_bytes_peak_source": st.host_bytes_peak_source,
-                "numerics": st.numerics, "kv_dtype": st.kv_dtype,
+                "numerics": st.numerics, "int_dots": st.int_dots, "kv_dtype": st.kv_dtype,
                 "max_batch": st.max_batch, "max_context": st.max_context,
                 "io_read_buffers": st.io_read_buffers, "io_read_buffers_free": st.io_read_buffers_free,
                 "io_slots": st.io_slots, "io_slots_free": st.io_slots_free, "io_slots_pageable": st.io_slots_pageable,
@@ -566,8 +566,13 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
         );
     } else {
         let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1048576.0);
+        let dots = if st.int_dots.is_empty() {
+            String::new()
+        } else {
+            format!(" ({} integer dots)", st.int_dots)
+        };
         println!(
-            "model            {} ({} backend, {} numerics, {} KV cache)",
+            "model            {} ({} backend, {} numerics{dots}, {} KV cache)",
             st.model, st.backend, st.numerics, st.kv_dtype
         );
         println!(

@@ -622,6 +622,9 @@ fn sluiced_run_json_reports_ids_text_and_rates() {
         assert!(j[k].as_f64().unwrap() > 0.0, "{k}");
     }
     assert!(j["device_bytes_peak"].as_u64() <= j["device_bytes_budget"].as_u64());
+    // Which path ran: the fast numerics, through this CPU's integer dots.
+    assert_eq!(j["numerics"], "fast");
+    assert_eq!(j["int_dots"], sluice::backend::cpu::q8::dots_name());
     // --prompt-ids takes ids as they are; a bad id is a clear error.
     let out = sluiced_ok(&[
         "run",
@@ -634,6 +637,22 @@ fn sluiced_run_json_reports_ids_text_and_rates() {
     ]);
     let j: Value = serde_json::from_str(&out).unwrap();
     assert_eq!(ids(&j["prompt_token_ids"]), vec![504, 3458, 282]);
+    // Under --exact no integer dots run.
+    let out = sluiced_ok(&[
+        "run",
+        dir.to_str().unwrap(),
+        "--prompt-ids",
+        "504",
+        "--max-tokens",
+        "1",
+        "--exact",
+        "--json",
+    ]);
+    let j: Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(
+        (&j["numerics"], &j["int_dots"]),
+        (&"exact".into(), &"".into())
+    );
     let e = sluiced_err(&["run", dir.to_str().unwrap(), "--prompt-ids", "1,999999"]);
     assert!(e.contains("999999") && e.contains("vocabulary"), "{e}");
 }

@@ -156,6 +156,9 @@ fn sixteen_concurrent_clients_get_the_outputs_they_get_alone() {
     );
     assert!(st["device_bytes_peak"].as_u64().unwrap() <= 115 << 20);
     assert_eq!(st["kv_dtype"], "f16");
+    // The integer dots this CPU's fast path runs, as `run --json` names them.
+    assert_eq!(st["int_dots"], sluice::backend::cpu::q8::dots_name());
+    assert!(["avx512-vnni", "avx2", "none"].contains(&sluice::backend::cpu::q8::dots_name()));
 }
 
 fn wait_active(addr: &str, want: u64, limit: Duration) {

@@ -188,6 +188,17 @@ pub fn kv_dtype_for(exact: bool, kv: Option<crate::backend::KvDtype>) -> crate::
     })
 }
 
+/// The integer dot products decode rows go through (`int_dots` in `run --json` and
+/// Status): on the CPU's fast path the kernel this CPU takes ("avx512-vnni" or "avx2");
+/// "" where none run (`--exact`, or CUDA, whose decode GEMVs take f32 activations).
+pub fn int_dots_for(backend: &str, exact: bool) -> &'static str {
+    if exact || backend != "cpu" {
+        ""
+    } else {
+        crate::backend::cpu::q8::dots_name()
+    }
+}
+
 /// `--backend`: where the layers run.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize, serde::Serialize)]
 #[serde(rename_all = "lowercase")]

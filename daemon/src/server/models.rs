@@ -140,6 +140,8 @@ pub struct Served {
     pub stat: Static,
     pub backend: String,
     pub numerics: &'static str,
+    /// `engine::int_dots_for`.
+    pub int_dots: &'static str,
     pub kv_dtype: crate::backend::KvDtype,
     pub max_batch: usize,
     pub engine: Mutex<Option<std::thread::JoinHandle<()>>>,

@@ -287,6 +287,7 @@ impl Inference for Service {
             host_bytes_peak: crate::hostmem::peak_rss_bytes().unwrap_or(0),
             host_bytes_peak_source: "VmHWM".into(),
             numerics: served.numerics.into(),
+            int_dots: served.int_dots.into(),
             kv_dtype: served.kv_dtype.to_string(),
             max_batch: served.max_batch as u32,
             max_context: served.front.sched.max_context as u32,

@@ -148,6 +148,18 @@ fn gemv_rows_with(
     }
 }
 
+/// The integer dot the decode kernels use on this CPU: "avx512-vnni", "avx2", or "none"
+/// (no integer kernels: decode rows take the f32 path).
+pub fn dots_name() -> &'static str {
+    if !covers(DType::Q8_0) {
+        "none"
+    } else if vnni() {
+        "avx512-vnni"
+    } else {
+        "avx2"
+    }
+}
+
 /// Whether the 8-bit kernels take AVX512-VNNI's `vpdpbusd` (u8 x i8 quadruples summed
 /// into i32 in one instruction, where AVX2 needs `maddubs` then `madd`): where the CPU
 /// has AVX512-VNNI and AVX512-VL, unless `SLUICE_CPU_VNNI=0` (for A/B runs). The two

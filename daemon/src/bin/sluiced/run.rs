@@ -348,7 +348,7 @@ fn run_generate<B: Backend>(
         })
     });
     if a.json {
-        let j = serde_json::json!({
+        let mut j = serde_json::json!({
             "prompt_token_ids": out.prompt_token_ids,
             "generated_token_ids": out.generated_token_ids,
             "text": out.text,
@@ -395,6 +395,8 @@ fn run_generate<B: Backend>(
             "expert_prediction": prediction_json(&runner.model.prediction_stats()),
             "plan": plan,
         });
+        // Past json!'s recursion limit: added after.
+        j["int_dots"] = sluice::engine::int_dots_for(b.name(), runner.options().exact).into();
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
         println!();

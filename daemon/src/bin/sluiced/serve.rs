@@ -353,6 +353,7 @@ impl ModelLoader {
         tracing::info!("{name}: {}\n{}", dir.display(), plan.table());
         let kv_dtype = sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype);
         let numerics = if cfg.exact { "exact" } else { "fast" };
+        let int_dots = sluice::engine::int_dots_for(backend_name, cfg.exact);
         let front = Arc::new(Frontend {
             usage: Arc::default(),
             sched,
@@ -395,6 +396,7 @@ impl ModelLoader {
             stat,
             backend: backend_name.into(),
             numerics,
+            int_dots,
             kv_dtype,
             max_batch: cfg.max_batch,
             engine: Mutex::new(Some(engine)),
