@@ -380,7 +380,7 @@ mod tests {
     fn runner_with(max_context: usize, kv_slots: usize, batch_tokens: usize) -> ModelOptions {
         let tmp = tempfile::tempdir().expect("tempdir");
         let store = test_model::store(tmp.path());
-        let input = test_model::input(max_context, kv_slots, batch_tokens);
+        let input = crate::plan::test_input(max_context, kv_slots, batch_tokens);
         let r = cpu_runner(store, &input, 1, IoConfig::single_stream()).expect("pipeline");
         *r.options()
     }

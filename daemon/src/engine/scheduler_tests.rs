@@ -21,7 +21,7 @@ fn pipeline(
     store: &Arc<crate::store::Store>,
     batch: usize,
 ) -> Pipeline<crate::backend::cpu::CpuBackend> {
-    let input = test_model::input(64, batch, 16);
+    let input = crate::plan::test_input(64, batch, 16);
     super::cpu_runner(store.clone(), &input, 1, IoConfig::single_stream()).expect("pipeline")
 }
 

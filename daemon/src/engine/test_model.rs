@@ -4,8 +4,6 @@
 use super::sequence::GenerateParams;
 use crate::dtype::DType;
 use crate::import::synth::{self, SynthSpec};
-use crate::model::ModelOptions;
-use crate::plan::PlanInput;
 use crate::store::format::{GgufVocab, TokenizerSpec};
 use crate::store::writer::{pack, PackOptions};
 use crate::store::Store;
@@ -14,26 +12,6 @@ use std::sync::Arc;
 
 pub const END_TOKEN: u32 = 299;
 pub const VOCAB: u32 = 300;
-
-/// A plan input with no budgets (everything resident), f32 KV and exact numerics.
-pub fn input(max_context: usize, kv_slots: usize, max_batch_tokens: usize) -> PlanInput {
-    PlanInput {
-        device_budget: None,
-        host_cache_budget: 0,
-        opts: ModelOptions {
-            max_context,
-            kv_slots,
-            max_batch_tokens,
-            kv_dtype: crate::backend::KvDtype::F32,
-            exact: true,
-        },
-        prefetch: None,
-        expert_cache: None,
-        expert_profile: None,
-        backend_reserved: 0,
-        host: Default::default(),
-    }
-}
 
 pub fn store(dir: &std::path::Path) -> Arc<Store> {
     let mut spec = SynthSpec::llama_like(64, 2, DType::F32);

@@ -12,6 +12,32 @@ use crate::store::format::{ExpertRange, Manifest, UnitKind};
 use crate::util::fmt_bytes;
 use std::ops::Range;
 
+/// For tests: a plan input with no budgets (everything resident), f32 KV and exact
+/// numerics.
+#[cfg(test)]
+pub(crate) fn test_input(
+    max_context: usize,
+    kv_slots: usize,
+    max_batch_tokens: usize,
+) -> PlanInput {
+    PlanInput {
+        device_budget: None,
+        host_cache_budget: 0,
+        opts: ModelOptions {
+            max_context,
+            kv_slots,
+            max_batch_tokens,
+            kv_dtype: crate::model::KvDtype::F32,
+            exact: true,
+        },
+        prefetch: None,
+        expert_cache: None,
+        expert_profile: None,
+        backend_reserved: 0,
+        host: Default::default(),
+    }
+}
+
 #[cfg(test)]
 mod tests;
 use serde::Serialize;

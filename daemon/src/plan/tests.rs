@@ -49,18 +49,7 @@ fn input(budget: Option<u64>, host_cache: u64) -> PlanInput {
     PlanInput {
         device_budget: budget,
         host_cache_budget: host_cache,
-        opts: ModelOptions {
-            max_context: 64,
-            kv_slots: 2,
-            max_batch_tokens: 32,
-            kv_dtype: crate::model::KvDtype::F32,
-            exact: true,
-        },
-        prefetch: None,
-        expert_cache: None,
-        expert_profile: None,
-        backend_reserved: 0,
-        host: Default::default(),
+        ..test_input(64, 2, 32)
     }
 }
 
