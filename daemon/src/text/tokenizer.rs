@@ -4,6 +4,7 @@
 //! `spm` (llama.cpp's algorithm).
 
 use crate::store::format::{GgufVocab, Manifest, SpecialTokens, TokenizerSpec};
+use serde::Serialize;
 use serde_json::{json, Value};
 
 #[derive(Debug, thiserror::Error)]
@@ -47,8 +48,10 @@ fn pre_regexes(pre: Option<&str>) -> Result<Vec<&'static str>, TokenizerError> {
     })
 }
 
-/// A tokenizer.json equivalent of a GGUF byte-level BPE vocabulary.
-fn gguf_tokenizer_json(v: &GgufVocab) -> Result<Value, TokenizerError> {
+/// A tokenizer.json equivalent of a GGUF byte-level BPE vocabulary, written straight from
+/// the vocabulary: a `serde_json::Value` of 49k tokens and merges would cost ten times the
+/// text's bytes at start, a transient the host budget must otherwise cover.
+fn gguf_tokenizer_json(v: &GgufVocab) -> Result<String, TokenizerError> {
     if v.model != "gpt2" {
         return Err(TokenizerError::Build(format!(
             "GGUF tokenizer model {:?} is not supported yet (only byte-level BPE, \"gpt2\"); pack the Hugging Face directory (tokenizer.json) instead",
@@ -68,24 +71,63 @@ fn gguf_tokenizer_json(v: &GgufVocab) -> Result<Value, TokenizerError> {
         .map(|r| json!({"type": "Split", "pattern": {"Regex": r}, "behavior": "Isolated", "invert": false}))
         .collect();
     splits.push(json!({"type": "ByteLevel", "add_prefix_space": false, "trim_offsets": true, "use_regex": false}));
-    let vocab: serde_json::Map<String, Value> = v
-        .tokens
-        .iter()
-        .enumerate()
-        .map(|(i, t)| (t.clone(), json!(i)))
-        .collect();
-    Ok(json!({
-        "version": "1.0",
-        "truncation": null,
-        "padding": null,
-        "added_tokens": added,
-        "normalizer": null,
-        "pre_tokenizer": {"type": "Sequence", "pretokenizers": splits},
-        "post_processor": null,
-        "decoder": {"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true},
-        "model": {"type": "BPE", "dropout": null, "unk_token": null, "continuing_subword_prefix": null, "end_of_word_suffix": null,
-                  "fuse_unk": false, "byte_fallback": false, "ignore_merges": false, "vocab": vocab, "merges": v.merges},
-    }))
+
+    /// The vocabulary as a JSON object, token -> id.
+    struct Vocab<'a>(&'a [String]);
+    impl Serialize for Vocab<'_> {
+        fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            s.collect_map(self.0.iter().enumerate().map(|(id, t)| (t, id)))
+        }
+    }
+    #[derive(Serialize)]
+    struct Bpe<'a> {
+        #[serde(rename = "type")]
+        kind: &'static str,
+        dropout: Option<f32>,
+        unk_token: Option<&'a str>,
+        continuing_subword_prefix: Option<&'a str>,
+        end_of_word_suffix: Option<&'a str>,
+        fuse_unk: bool,
+        byte_fallback: bool,
+        ignore_merges: bool,
+        vocab: Vocab<'a>,
+        merges: &'a [String],
+    }
+    #[derive(Serialize)]
+    struct TokenizerJson<'a> {
+        version: &'static str,
+        truncation: Option<()>,
+        padding: Option<()>,
+        added_tokens: Vec<Value>,
+        normalizer: Option<()>,
+        pre_tokenizer: Value,
+        post_processor: Option<()>,
+        decoder: Value,
+        model: Bpe<'a>,
+    }
+    serde_json::to_string(&TokenizerJson {
+        version: "1.0",
+        truncation: None,
+        padding: None,
+        added_tokens: added,
+        normalizer: None,
+        pre_tokenizer: json!({"type": "Sequence", "pretokenizers": splits}),
+        post_processor: None,
+        decoder: json!({"type": "ByteLevel", "add_prefix_space": true, "trim_offsets": true, "use_regex": true}),
+        model: Bpe {
+            kind: "BPE",
+            dropout: None,
+            unk_token: None,
+            continuing_subword_prefix: None,
+            end_of_word_suffix: None,
+            fuse_unk: false,
+            byte_fallback: false,
+            ignore_merges: false,
+            vocab: Vocab(&v.tokens),
+            merges: &v.merges,
+        },
+    })
+    .map_err(|e| TokenizerError::Build(format!("GGUF vocabulary as tokenizer.json: {e}")))
 }
 
 fn parse_json(json: &str) -> Result<tokenizers::Tokenizer, TokenizerError> {
@@ -114,7 +156,7 @@ impl Tokenizer {
             ),
             TokenizerSpec::HfJson(s) => (Inner::Hf(Box::new(parse_json(s)?)), false),
             TokenizerSpec::Gguf(v) => (
-                Inner::Hf(Box::new(parse_json(&gguf_tokenizer_json(v)?.to_string())?)),
+                Inner::Hf(Box::new(parse_json(&gguf_tokenizer_json(v)?)?)),
                 special.add_bos,
             ),
         };

@@ -156,7 +156,12 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     let opts = sluice::model::ModelOptions {
         max_context,
         kv_slots: a.parallel as usize,
-        max_batch_tokens: a.batch_tokens.max(1),
+        // No step carries more than the prompts (the same prompt for each sequence): a
+        // larger prefill chunk would be workspace nothing fills, taken from the budget.
+        max_batch_tokens: a
+            .batch_tokens
+            .min(prompt_ids.len().max(1) * a.parallel as usize)
+            .max(1),
         kv_dtype: sluice::engine::kv_dtype_for(a.exact, a.kv_dtype),
         exact: a.exact,
     };
