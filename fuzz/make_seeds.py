@@ -1,6 +1,7 @@
 """Writes the seed corpora of fuzz/corpus/TARGET/ from the committed tiny models: small,
 real inputs each target's parser accepts, for libFuzzer to mutate. Run from the repository
-root after `cargo build --release` (it packs a tiny model with sluiced for a manifest):
+root after `cargo build --release` (it packs a tiny model with sluiced for a manifest, and
+unpacks its payload with the zstd command):
     python3 fuzz/make_seeds.py
 """
 import os
@@ -76,7 +77,14 @@ for d in ["tiny-llama", "tiny-gemma3"]:
 with tempfile.TemporaryDirectory() as tmp:
     subprocess.run(["target/release/sluiced", "pack", f"{FIX}/tiny-llama-q.gguf", "-o",
                     f"{tmp}/s", "--codec", "lz4"], check=True, capture_output=True)
-    put("manifest", "tiny-llama-q", read(f"{tmp}/s/manifest.bin"))
+    # The manifest target: 0 then a whole file, or a format version then its payload
+    # decompressed (fuzzing::manifest).
+    m = read(f"{tmp}/s/manifest.bin")
+    version, n = struct.unpack_from("<IQ", m, 8)
+    payload = subprocess.run(["zstd", "-d", "-c"], input=m[20:20 + n], check=True,
+                             capture_output=True).stdout
+    put("manifest", "tiny-llama-q", b"\0" + m)
+    put("manifest", "tiny-llama-q-payload", bytes([version]) + payload)
 
 text = b"The quick brown fox jumps over the lazy dog. " * 8
 for codec in range(3):

@@ -45,8 +45,24 @@ pub fn safetensors(data: &[u8]) {
 }
 
 /// manifest.bin as a store holds it.
+/// A manifest: with a first byte 0, the rest is a whole manifest.bin (header, payload,
+/// checksum); otherwise the rest is a decompressed payload of the format that byte picks,
+/// decoded and validated as if its checksum held (mutations of a whole file almost never
+/// get past the checksum to the fields and `validate`).
 pub fn manifest(data: &[u8]) {
-    let _ = crate::store::format::Manifest::decode(data, Path::new("manifest.bin"));
+    use crate::store::format::{Manifest, FORMAT_VERSION, FORMAT_VERSION_MIN};
+    let path = Path::new("manifest.bin");
+    match data.split_first() {
+        Some((0, file)) => {
+            let _ = Manifest::decode(file, path);
+        }
+        Some((&v, payload)) => {
+            let versions = FORMAT_VERSION - FORMAT_VERSION_MIN + 1;
+            let version = FORMAT_VERSION_MIN + (u32::from(v) - 1) % versions;
+            let _ = Manifest::decode_payload(version, payload, path);
+        }
+        None => {}
+    }
 }
 
 /// One stored frame: the first 8 bytes choose the codec, the byte planes, which planes are
@@ -233,6 +249,23 @@ mod tests {
             }
             assert!(n > 0, "fuzz/corpus/{name} is empty: run fuzz/make_seeds.py");
         }
+    }
+
+    /// The manifest target's two seeds (a whole file, a version and its payload) are
+    /// the same valid manifest, so the fuzzer starts both ways from one that decodes.
+    #[test]
+    fn the_manifest_seeds_decode_to_one_manifest() {
+        use crate::store::format::Manifest;
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/manifest");
+        let file = std::fs::read(dir.join("tiny-llama-q")).expect("seed");
+        let payload = std::fs::read(dir.join("tiny-llama-q-payload")).expect("seed");
+        assert_eq!(file[0], 0);
+        let whole = Manifest::decode(&file[1..], Path::new("seed")).expect("whole-file seed");
+        let version = u32::from(payload[0]);
+        let parts = Manifest::decode_payload(version, &payload[1..], Path::new("seed"))
+            .expect("payload seed");
+        assert_eq!(whole, parts);
+        assert!(!whole.units.is_empty());
     }
 
     #[test]

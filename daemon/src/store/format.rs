@@ -514,8 +514,6 @@ impl Manifest {
                 ),
             ));
         }
-        let bad =
-            |e: postcard::Error| StoreError::invalid(path, format!("payload does not decode: {e}"));
         let unpacked;
         let payload = if version >= 6 {
             unpacked = unzstd(&bytes[HEADER_LEN..end]).map_err(|e| {
@@ -525,6 +523,20 @@ impl Manifest {
         } else {
             &bytes[HEADER_LEN..end]
         };
+        Manifest::decode_payload(version, payload, path)
+    }
+
+    /// A manifest from its payload as format `version` writes it (decompressed): the
+    /// fields, the extensions later formats append, then `validate`. (`decode` after the
+    /// header and checksum; the fuzzer calls it directly, which no checksum would let
+    /// mutated payloads reach.)
+    pub fn decode_payload(
+        version: u32,
+        payload: &[u8],
+        path: &Path,
+    ) -> Result<Manifest, StoreError> {
+        let bad =
+            |e: postcard::Error| StoreError::invalid(path, format!("payload does not decode: {e}"));
         let (mut m, rest): (Manifest, _) = postcard::take_from_bytes(payload).map_err(bad)?;
         let rest = if version >= 2 {
             let (ext, rest): (ArchExt, _) = postcard::take_from_bytes(rest).map_err(bad)?;
