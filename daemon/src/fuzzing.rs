@@ -44,7 +44,6 @@ pub fn safetensors(data: &[u8]) {
     }
 }
 
-/// manifest.bin as a store holds it.
 /// A manifest: with a first byte 0, the rest is a whole manifest.bin (header, payload,
 /// checksum); otherwise the rest is a decompressed payload of the format that byte picks,
 /// decoded and validated as if its checksum held (mutations of a whole file almost never
