@@ -26,9 +26,27 @@ pub const TARGETS: [(&str, Target); 8] = [
     ("grpc", grpc),
 ];
 
-/// A GGUF file's header, metadata and tensor table.
+/// Zero bytes the gguf target appends for tensor data: the seeds are headers, and the tiny
+/// models' tensors fit.
+const GGUF_DATA_PAD: usize = 384 << 10;
+
+/// A GGUF file's header, metadata and tensor table; then, with zeros for tensor data, the
+/// whole import (architecture, config, tensor map, tokenizer) and a tokenizer built from
+/// what it read, which tokenizes a line.
 pub fn gguf(data: &[u8]) {
-    let _ = crate::import::gguf::parse(data, Path::new("fuzz.gguf"));
+    let path = Path::new("fuzz.gguf");
+    let _ = crate::import::gguf::parse(data, path);
+    let mut file = Vec::with_capacity(data.len() + GGUF_DATA_PAD);
+    file.extend_from_slice(data);
+    file.resize(data.len() + GGUF_DATA_PAD, 0);
+    let Ok(m) = crate::import::gguf::import_bytes(&file, path) else {
+        return;
+    };
+    if let Ok(t) = Tokenizer::new(&m.tokenizer, &m.special, m.arch.vocab) {
+        if let Ok(ids) = t.encode("Hello world, caf\u{e9} 42.", true) {
+            let _ = t.decode(&ids);
+        }
+    }
 }
 
 /// A safetensors file (its header) and a config.json: the first 0 byte splits them.
@@ -247,6 +265,22 @@ mod tests {
                 }
             }
             assert!(n > 0, "fuzz/corpus/{name} is empty: run fuzz/make_seeds.py");
+        }
+    }
+
+    /// The gguf target's whole-header seeds import with their tensor data padded, and
+    /// their tokenizers build: the fuzzer starts past the header, in the importer.
+    #[test]
+    fn the_gguf_seeds_import_with_zeros_for_data() {
+        let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/gguf");
+        for name in ["tiny-llama-q", "tiny-qwen3"] {
+            let mut file = std::fs::read(dir.join(name)).expect("seed");
+            file.resize(file.len() + GGUF_DATA_PAD, 0);
+            let m = crate::import::gguf::import_bytes(&file, Path::new(name))
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            let t = Tokenizer::new(&m.tokenizer, &m.special, m.arch.vocab)
+                .unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert!(!t.encode("Hello world", true).expect("encodes").is_empty());
         }
     }
 

@@ -530,9 +530,36 @@ fn merged_experts(gguf: &str) -> Option<(u32, &'static str)> {
     Some((layer.parse().ok()?, part))
 }
 
+/// A GGUF file, mapped: `import_bytes` on its bytes, the model keeping the mapping.
 pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
     let map = mmap_file(path)?;
-    let g = parse(&map, path)?;
+    let p = import_bytes(&map, path)?;
+    Ok(ImportedModel {
+        source: path.to_path_buf(),
+        arch: p.arch,
+        tokenizer: p.tokenizer,
+        special: p.special,
+        chat_template: p.chat_template,
+        files: vec![(path.to_path_buf(), map)],
+        tensors: p.tensors,
+    })
+}
+
+/// What `import_bytes` reads from a GGUF: an `ImportedModel` but for the file it maps.
+pub struct Imported {
+    pub arch: ArchConfig,
+    pub tokenizer: TokenizerSpec,
+    pub special: SpecialTokens,
+    pub chat_template: Option<String>,
+    /// Canonical name -> source (file 0: the GGUF).
+    pub tensors: BTreeMap<String, SourceTensor>,
+}
+
+/// `import` of a GGUF's bytes, `path` naming them in errors: the header, the architecture
+/// and its config, the tensor map and the tokenizer (the fuzzer runs this on bytes in
+/// memory).
+pub fn import_bytes(map: &[u8], path: &Path) -> Result<Imported, ImportError> {
+    let g = parse(map, path)?;
     let meta = Meta {
         m: &g.metadata,
         path,
@@ -570,7 +597,7 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         kv: n_kv_heads,
         permuted_qk,
     };
-    let (tensors, rope_freqs) = map_tensors(&g, &map, path, arch, heads)?;
+    let (tensors, rope_freqs) = map_tensors(&g, map, path, arch, heads)?;
     let arch_cfg = arch_config(
         &meta,
         &tensors,
@@ -581,13 +608,11 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         head_dim,
     )?;
     let (tokenizer, special, chat_template) = tokenizer(&meta, arch_cfg.vocab)?;
-    Ok(ImportedModel {
-        source: path.to_path_buf(),
+    Ok(Imported {
         arch: arch_cfg,
         tokenizer,
         special,
         chat_template,
-        files: vec![(path.to_path_buf(), map)],
         tensors,
     })
 }
