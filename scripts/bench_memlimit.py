@@ -166,6 +166,12 @@ def fio_rate(path, seconds=3):
     return json.loads(out)["jobs"][0]["read"]["bw_bytes"]
 
 
+def stopped(r, late, batch, a):
+    """A run stopped after `late` seconds: the decode rate it could at most have reached."""
+    r.update(error=f"stopped after {late:.0f} s", tps_max=batch * a.decode / late)
+    return r
+
+
 def llama_cpp(gguf, limit, batch, a):
     cg = Cgroup("sluice-memlimit", limit)
     drop_caches()
@@ -174,8 +180,7 @@ def llama_cpp(gguf, limit, batch, a):
     r = {"peak": cg.peak(), "oom": cg.oom_kills()}
     cg.close()
     if late is not None:
-        r.update(error=f"stopped after {late:.0f} s", tps_max=batch * a.decode / late)
-        return r
+        return stopped(r, late, batch, a)
     if rc != 0:
         r["error"] = (err.strip().splitlines() or [f"exit {rc}"])[-1][:80]
         return r
@@ -194,8 +199,7 @@ def sluice(store, limit, batch, a):
     r = {"peak": cg.peak(), "oom": cg.oom_kills()}
     cg.close()
     if late is not None:
-        r.update(error=f"stopped after {late:.0f} s", tps_max=batch * a.decode / late)
-        return r
+        return stopped(r, late, batch, a)
     if rc != 0:
         r["error"] = (err.strip().splitlines() or [f"exit {rc}"])[-1][:100]
         return r

@@ -36,10 +36,7 @@ const GGUF_DATA_PAD: usize = 384 << 10;
 pub fn gguf(data: &[u8]) {
     let path = Path::new("fuzz.gguf");
     let _ = crate::import::gguf::parse(data, path);
-    let mut file = Vec::with_capacity(data.len() + GGUF_DATA_PAD);
-    file.extend_from_slice(data);
-    file.resize(data.len() + GGUF_DATA_PAD, 0);
-    let Ok(m) = crate::import::gguf::import_bytes(&file, path) else {
+    let Ok(m) = crate::import::gguf::import_bytes(&with_data_pad(data), path) else {
         return;
     };
     if let Ok(t) = Tokenizer::new(&m.tokenizer, &m.special, m.arch.vocab) {
@@ -47,6 +44,14 @@ pub fn gguf(data: &[u8]) {
             let _ = t.decode(&ids);
         }
     }
+}
+
+/// `data` and `GGUF_DATA_PAD` zero bytes after it.
+fn with_data_pad(data: &[u8]) -> Vec<u8> {
+    let mut file = Vec::with_capacity(data.len() + GGUF_DATA_PAD);
+    file.extend_from_slice(data);
+    file.resize(data.len() + GGUF_DATA_PAD, 0);
+    file
 }
 
 /// A safetensors file (its header) and a config.json: the first 0 byte splits them.
@@ -274,8 +279,7 @@ mod tests {
     fn the_gguf_seeds_import_with_zeros_for_data() {
         let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../fuzz/corpus/gguf");
         for name in ["tiny-llama-q", "tiny-qwen3"] {
-            let mut file = std::fs::read(dir.join(name)).expect("seed");
-            file.resize(file.len() + GGUF_DATA_PAD, 0);
+            let file = with_data_pad(&std::fs::read(dir.join(name)).expect("seed"));
             let m = crate::import::gguf::import_bytes(&file, Path::new(name))
                 .unwrap_or_else(|e| panic!("{name}: {e}"));
             let t = Tokenizer::new(&m.tokenizer, &m.special, m.arch.vocab)
