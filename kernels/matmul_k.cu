@@ -1,8 +1,9 @@
 // The block formats of K-quant and newer GGUFs: Q5_0, Q5_1, Q2_K, Q3_K, Q4_K, Q5_K, Q6_K,
 // IQ4_NL, IQ4_XS, MXFP4 (layouts: ggml-common.h, described in daemon/src/dtype/ggml.rs).
-// For each: a decode-row GEMV that dequantizes in registers (gemv_*, grid (ceil(m / 4),
-// ceil(rows / GEMV_R)), block 128: one warp per weight row, each lane eight weights of a
-// block at a time, decoded once for up to GEMV_R activation rows: the Fmt* chunk formats) and its grouped form for a mixture's decode rows (gemv_grouped_*), the
+// For each: a decode-row GEMV that dequantizes in registers (gemv_*, grid (ceil(m /
+// GEMV_W), ceil(rows / GEMV_R)), block 128 splitting GEMV_W weight rows, each thread eight
+// weights of a block at a time, decoded once for up to GEMV_R activation rows: the Fmt*
+// chunk formats) and its grouped form for a mixture's decode rows (gemv_grouped_*), the
 // dequantization into f32 tiles for the cuBLAS path (dequant_*, one thread per element,
 // grid ceil(n / 256), block 256), and the embedding gather (embedding_*, grid rows).
 //

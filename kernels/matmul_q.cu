@@ -1,14 +1,15 @@
 // Matrix-vector products for decode rows, weights dequantized in registers:
 //   out[r][j] = sum_k x[r][k] * W[j][k],   W rows of `k` elements in the stored dtype.
-// Grid: (ceil(m / 4), ceil(rows / GEMV_R)); block: 128 threads = 4 warps, one weight row
-// per warp, each weight chunk applied to up to GEMV_R activation rows (common.cuh: `gemv`).
+// Grid: (ceil(m / GEMV_W), ceil(rows / GEMV_R)); block: 128 threads splitting GEMV_W
+// weight rows, each weight chunk applied to up to GEMV_R activation rows (common.cuh:
+// `gemv`).
 // The grouped GEMVs of a mixture's decode rows take each pair's weights by address.
 // And dequantization into f32 tiles for the cuBLAS path (prefill rows):
 //   dequant_*: out[i] = W element i, for n elements. Grid: ceil(n / 256); block: 256.
 #include "common.cuh"
 
-// The chunk formats of `gemv` (common.cuh): 8 weights a lane at a time. In the 32-weight
-// GGML blocks four lanes share a block: lane part j = c % 4 takes quant bytes 8j..8j+7
+// The chunk formats of `gemv` (common.cuh): 8 weights a thread at a time. In the 32-weight
+// GGML blocks four threads share a block: part j = c % 4 takes quant bytes 8j..8j+7
 // (q8_0) or nibble bytes 4j..4j+3 (q4_0, q4_1: elements 4j.. in the low nibbles and
 // 16 + 4j.. in the high ones), with the widest loads their address allows (the blocks are
 // only 2-byte aligned); the dense

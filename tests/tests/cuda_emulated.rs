@@ -14,8 +14,11 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::sync::OnceLock;
 
-/// Rows of a GEMV block (`GEMV_R` in kernels/common.cuh).
-const GEMV_R: usize = sluice::backend::cuda::kernels::GEMV_R;
+/// A decode-row GEMV's grid as the backend launches it.
+fn gemv_grid(m: usize, rows: usize) -> (usize, usize) {
+    let d = sluice::backend::cuda::kernels::Dims::gemv(m, rows);
+    (d.grid.0 as usize, d.grid.1 as usize)
+}
 
 /// The emulator, built once per source version into the target directory.
 fn emulator() -> &'static Path {
@@ -193,6 +196,7 @@ fn same_bits(what: &str, a: &[f32], b: &[f32]) {
 #[test]
 fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
     let mut rng = Rng(5);
+    // 22 weight rows: the last block holds 2 of its GEMV_W.
     let (m, rows) = (22usize, 20usize);
     let mut cases: Vec<(DType, usize)> = ALL_DTYPES.iter().map(|&d| (d, 512)).collect();
     cases.extend([(DType::F32, 262), (DType::F16, 262), (DType::BF16, 262)]);
@@ -203,7 +207,7 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
         let mut s = Script::new();
         s.load(0, &w);
         s.load(1, &f32_bytes(&x));
-        let grid = |n: usize| (m.div_ceil(4), n.div_ceil(GEMV_R));
+        let grid = |n: usize| gemv_grid(m, n);
         let gemv_w = |s: &mut Script, w: usize, n: usize, x_off: usize, out: usize| {
             s.zeros(out, n * m * 4);
             s.launch(
@@ -249,7 +253,7 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
         s.zeros(7, picked.len() * m * 4);
         s.launch(
             &format!("gemv_grouped_{name}"),
-            (m.div_ceil(4), picked.len().div_ceil(GEMV_R)),
+            gemv_grid(m, picked.len()),
             128,
             &[
                 b(5, 0),

@@ -16,6 +16,10 @@ use std::sync::Arc;
 /// kernels/common.cuh): a step's B decode rows read every weight ceil(B / GEMV_R) times.
 pub const GEMV_R: usize = 8;
 
+/// Weight rows one block of a decode-row GEMV takes (`GEMV_W` in kernels/common.cuh): each
+/// activation chunk a thread loads serves that many weight rows.
+pub const GEMV_W: usize = 4;
+
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug)]
 pub struct Dims {
@@ -45,6 +49,17 @@ impl Dims {
         Dims {
             grid: (rows as u32, 1, 1),
             block: 256,
+            smem: 0,
+        }
+    }
+
+    /// A decode-row GEMV (plain or grouped) of `m` weight rows against `rows` activation
+    /// rows (or pairs): blocks of 128 threads that split each of their GEMV_W weight rows,
+    /// up to GEMV_R activation rows to a block.
+    pub fn gemv(m: usize, rows: usize) -> Dims {
+        Dims {
+            grid: (m.div_ceil(GEMV_W) as u32, rows.div_ceil(GEMV_R) as u32, 1),
+            block: 128,
             smem: 0,
         }
     }
@@ -257,8 +272,8 @@ kernels! {
     ) {
         KvStoreF16 = "kv_store_f16",
     }
-    /// Decode rows: one warp per weight row, dequantized in registers once for up to
-    /// `GEMV_R` activation rows.
+    /// Decode rows: blocks of GEMV_W weight rows split across their 128 threads, each
+    /// chunk dequantized in registers once for up to `GEMV_R` activation rows.
     gemv(w: u64 = "const u8*", x: u64 = "const float*", out: u64 = "float*", m: i32 = "int", k: i32 = "int", rows: i32 = "int") {
         GemvF32 = "gemv_f32",
         GemvF16 = "gemv_f16",
@@ -614,15 +629,11 @@ mod tests {
         assert!(Dims::per_element(0).is_empty());
         assert!(Dims::per_row(0).is_empty());
         assert!(!Dims::per_element(1).is_empty());
-        let gemv = |m: usize, rows: usize| Dims {
-            grid: (m.div_ceil(4) as u32, rows.div_ceil(GEMV_R) as u32, 1),
-            block: 128,
-            smem: 0,
-        };
-        assert!(gemv(0, 3).is_empty());
-        assert!(gemv(160, 0).is_empty());
-        assert!(!gemv(160, 9).is_empty());
-        assert_eq!(gemv(160, 9).grid, (40, 2, 1));
+        assert!(Dims::gemv(0, 3).is_empty());
+        assert!(Dims::gemv(160, 0).is_empty());
+        assert!(!Dims::gemv(160, 9).is_empty());
+        assert_eq!(Dims::gemv(160, 9).grid, (40, 2, 1));
+        assert_eq!(Dims::gemv(161, 1).grid, (41, 1, 1));
     }
 
     #[test]
@@ -644,6 +655,10 @@ mod tests {
         assert!(
             common.contains(&format!("#define GEMV_R {GEMV_R}\n")),
             "kernels/common.cuh must define GEMV_R as {GEMV_R}"
+        );
+        assert!(
+            common.contains(&format!("#define GEMV_W {GEMV_W}\n")),
+            "kernels/common.cuh must define GEMV_W as {GEMV_W}"
         );
     }
 }

@@ -5,7 +5,7 @@
 
 use super::device::CudaBackend;
 use super::handles::CudaMem;
-use super::kernels::{Dims, Kernel, GEMV_R};
+use super::kernels::{Dims, Kernel};
 use crate::backend::WeightRef;
 use crate::dtype::DType;
 use cudarc::cublas::{result as blas, sys as bsys};
@@ -42,13 +42,9 @@ impl CudaBackend {
             ));
         }
         if g > 0 {
-            // Decode rows: one warp per weight row, dequantized in registers once for up to
-            // GEMV_R rows; a row's result never depends on the other rows.
-            let dims = Dims {
-                grid: (m.div_ceil(4) as u32, g.div_ceil(GEMV_R) as u32, 1),
-                block: 128,
-                smem: 0,
-            };
+            // Decode rows: GEMV_W weight rows per warp, dequantized in registers once for up
+            // to GEMV_R rows; a row's result never depends on the other rows.
+            let dims = Dims::gemv(m, g);
             let gemv = Kernel::gemv(w.dtype);
             self.kernels.gemv(
                 &self.compute,

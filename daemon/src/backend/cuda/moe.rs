@@ -9,7 +9,7 @@
 
 use super::device::CudaBackend;
 use super::handles::CudaMem;
-use super::kernels::{Dims, Kernel, GEMV_R};
+use super::kernels::{Dims, Kernel};
 use crate::backend::{ExpertCall, ExpertScratch, ExpertShape, GatedAct, RouteGating, WeightRef};
 use crate::dtype::DType;
 use cudarc::driver::result;
@@ -158,11 +158,7 @@ impl CudaBackend {
         let (n, h, inter) = (g.pairs(), shape.hidden, first.w[0].rows);
         let gemv = |i: usize, x_rows: u64, xp: u64, outp: u64, m: usize, k: usize| {
             // Blocks of GEMV_R pairs: a run of them on one expert reads its weights once.
-            let dims = Dims {
-                grid: (m.div_ceil(4) as u32, n.div_ceil(GEMV_R) as u32, 1),
-                block: 128,
-                smem: 0,
-            };
+            let dims = Dims::gemv(m, n);
             let kernel = Kernel::gemv_grouped(first.w[i].dtype);
             self.kernels.gemv_grouped(
                 &self.compute,
