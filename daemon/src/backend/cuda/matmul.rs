@@ -42,8 +42,9 @@ impl CudaBackend {
             ));
         }
         if g > 0 {
-            // Decode rows: GEMV_W weight rows per warp, dequantized in registers once for up
-            // to GEMV_R rows; a row's result never depends on the other rows.
+            // Decode rows: GEMV_W weight rows to a block of 128 threads, dequantized in
+            // registers once for up to GEMV_R rows; a row's result never depends on the
+            // other rows.
             let dims = Dims::gemv(m, g);
             let gemv = Kernel::gemv(w.dtype);
             self.kernels.gemv(
