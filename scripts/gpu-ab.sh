@@ -63,6 +63,7 @@ for rev in "$@"; do
   sha=$(git rev-parse --short "$rev^{commit}")
   name="b-$sha"
   wt=$(mktemp -d)
+  trap 'git worktree remove --force "$wt" 2>/dev/null || true' EXIT
   git worktree add --detach --quiet "$wt" "$sha"
   (cd "$wt" && CARGO_TARGET_DIR="$root/target/ab" cargo build --release --quiet -p sluice-daemon --bin sluiced)
   git worktree remove --force "$wt"
@@ -75,6 +76,6 @@ list="${names[*]}"
 cat <<MSG
 
 Device command (carry [".ab"]; $(( ${#names[@]} * 2 )) JSON files come back, at most 8 a call):
-cd .ab && for v in $list; do gunzip -kf \$v.gz && chmod +x \$v; done && cd .. && export LD_LIBRARY_PATH=\$(python3 -c 'import glob,os,nvidia;print(os.path.dirname(glob.glob(list(nvidia.__path__)[0]+"/**/libnvrtc.so*",recursive=True)[0]))'):/usr/local/cuda/lib64; s=\$HOME/.cache/sluice/stores/ab-synth; [ -f \$s/manifest.bin ] || .ab/${names[0]} synth -o \$s --size 2GiB --hidden 4096 --dtype bf16 --codec none >/dev/null; for r in 1 2; do for v in $list; do timeout 90 .ab/\$v bench-kernels --model \$s --json > \$OUT/\$v-\$r.json 2> \$OUT/\$v-\$r.err; echo \$v \$r rc=\$?; done; done; rm -f \$OUT/*.err
+cd .ab && for v in $list; do gunzip -kf \$v.gz && chmod +x \$v; done && cd .. && export LD_LIBRARY_PATH=\$(python3 -c 'import glob,os,nvidia;print(os.path.dirname(glob.glob(list(nvidia.__path__)[0]+"/**/libnvrtc.so*",recursive=True)[0]))'):/usr/local/cuda/lib64; s=\$HOME/.cache/sluice/stores/ab-synth; [ -f \$s/manifest.bin ] || .ab/${names[0]} synth -o \$s --size 2GiB --hidden 4096 --dtype bf16 --codec none >/dev/null; for r in 1 2; do for v in $list; do if timeout 90 .ab/\$v bench-kernels --model \$s --json > \$OUT/\$v-\$r.json 2> \$OUT/\$v-\$r.err; then rm \$OUT/\$v-\$r.err; echo \$v \$r ok; else echo \$v \$r failed; tail -3 \$OUT/\$v-\$r.err; fi; done; done
 Then, here: scripts/gpu-ab.sh --compare /work/.device/N
 MSG
