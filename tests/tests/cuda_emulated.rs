@@ -20,6 +20,9 @@ fn gemv_grid(m: usize, rows: usize) -> (usize, usize) {
     (d.grid.0 as usize, d.grid.1 as usize)
 }
 
+/// A decode-row GEMV's block as the backend launches it.
+const GEMV_BLOCK: usize = sluice::backend::cuda::kernels::GEMV_THREADS as usize;
+
 /// The emulator, built once per source version into the target directory.
 fn emulator() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
@@ -213,7 +216,7 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
             s.launch(
                 &format!("gemv_{name}"),
                 grid(n),
-                128,
+                GEMV_BLOCK,
                 &[b(w, 0), b(1, x_off), b(out, 0), i(m), i(k), i(n)],
             );
             s.save(out)
@@ -254,7 +257,7 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
         s.launch(
             &format!("gemv_grouped_{name}"),
             gemv_grid(m, picked.len()),
-            128,
+            GEMV_BLOCK,
             &[
                 b(5, 0),
                 b(6, 0),

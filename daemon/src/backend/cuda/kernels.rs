@@ -20,6 +20,10 @@ pub const GEMV_R: usize = 8;
 /// activation chunk a thread loads serves that many weight rows.
 pub const GEMV_W: usize = 4;
 
+/// Threads of a decode-row GEMV block (`GEMV_THREADS` in kernels/common.cuh: its
+/// reduction sums that many threads' partials, so a launch must use exactly this).
+pub const GEMV_THREADS: u32 = 128;
+
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug)]
 pub struct Dims {
@@ -54,12 +58,12 @@ impl Dims {
     }
 
     /// A decode-row GEMV (plain or grouped) of `m` weight rows against `rows` activation
-    /// rows (or pairs): blocks of 128 threads that split each of their GEMV_W weight rows,
+    /// rows (or pairs): blocks of GEMV_THREADS that split each of their GEMV_W weight rows,
     /// up to GEMV_R activation rows to a block.
     pub fn gemv(m: usize, rows: usize) -> Dims {
         Dims {
             grid: (m.div_ceil(GEMV_W) as u32, rows.div_ceil(GEMV_R) as u32, 1),
-            block: 128,
+            block: GEMV_THREADS,
             smem: 0,
         }
     }
@@ -659,6 +663,10 @@ mod tests {
         assert!(
             common.contains(&format!("#define GEMV_W {GEMV_W}\n")),
             "kernels/common.cuh must define GEMV_W as {GEMV_W}"
+        );
+        assert!(
+            common.contains(&format!("#define GEMV_THREADS {GEMV_THREADS}\n")),
+            "kernels/common.cuh must define GEMV_THREADS as {GEMV_THREADS}"
         );
     }
 }
