@@ -100,9 +100,8 @@ __device__ __forceinline__ float deq_q4_1(const u8* b, int i) {
 // split each weight row: thread t takes chunks t, t + 128, ... (a warp reads 32
 // consecutive chunks: coalesced) and loads its next chunks before it uses the current
 // ones. Measured on an H200 against one warp per weight row (stride 32): 1.5-3x faster at
-// 8 rows, 1.1-2.2x at 64, but 0.6-0.85x at one row for most formats. The kernels take
-// 111-128 registers a thread (64-90 before), so an SM holds half the blocks; the one-row
-// path alone, with its two chunk positions ahead, takes 104-128, and 58-78 with one.
+// 8 rows, 1.1-2.2x at 64. The kernels take 111-128 registers a thread (64-90 before), so
+// an SM holds half the blocks; a step of one decode row runs `gemv1` below instead.
 // Grid: (ceil(m / GEMV_W), ceil(rows / GEMV_R)); block: GEMV_THREADS (128).
 //
 // A format `F` supplies:
@@ -286,6 +285,36 @@ __device__ __forceinline__ void gemv_out(const F& f, const u8* __restrict__ row,
         gemv_acc<GEMV_R, GEMV_W, 1>(f, rows, nw, xrow, nr, k, tid, xvec, acc);
         gemv_reduce<GEMV_R, GEMV_W>(acc, nw, nr, o, m);
     }
+}
+
+// One decode row, the batch-1 decode step's case, in a kernel of its own: a kernel's
+// register count is its largest path's, and the multi-row path's 8 x GEMV_W sums would set
+// it for the one-row launch too (fewer resident warps to hide each load's latency). Blocks
+// of GEMV_THREADS take GEMV1_W weight rows, GEMV1_U chunk positions loaded ahead. The
+// arithmetic is `gemv`'s (chunk order, butterflies, warp order), so a row's bits are the
+// same whichever kernel ran it. Grid: ceil(m / GEMV1_W); block: GEMV_THREADS.
+// Chosen on an H200 (scripts/gpu-ab.sh, each twice, alternating) among W = 1, 2, 4 and U =
+// 1, 2, 4: W = 2, U = 1 (40-48 registers) was 1.2-2.1x as fast as the multi-row kernel's
+// one-row path (q8_0 14336 x 4096: 79.7 -> 37.4 us, 0.40 of a device copy's rate; bf16
+// 0.73), the fastest at 14336 x 4096 in every format and within 13 % of the fastest at
+// 4096 x 4096 (W = 4, U = 1 won q8_0/q4_0/q4_1 there); W = 1 was 2-30 % slower than W = 2.
+#define GEMV1_W 2
+#define GEMV1_U 1
+static_assert(GEMV1_W <= GEMV_W * GEMV_R, "gemv_reduce's shared sums hold GEMV_W * GEMV_R");
+
+template <typename F>
+__device__ void gemv1(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, int m, int k,
+                      size_t row_bytes, F f) {
+    const int j = blockIdx.x * GEMV1_W;
+    if (j >= m) return;  // the whole block
+    const int nw = min(GEMV1_W, m - j);
+    const u8* rows[GEMV1_W];
+#pragma unroll
+    for (int q = 0; q < GEMV1_W; q++) rows[q] = w + (size_t)(j + min(q, nw - 1)) * row_bytes;
+    const auto xrow = [=](int) { return x; };
+    float acc[GEMV1_W];
+    gemv_acc<1, GEMV1_W, GEMV1_U>(f, rows, nw, xrow, 1, k, threadIdx.x, x_vec(x, k), acc);
+    gemv_reduce<1, GEMV1_W>(acc, nw, 1, out + j, m);
 }
 
 template <typename F>

@@ -3,7 +3,8 @@
 // For each: a decode-row GEMV that dequantizes in registers (gemv_*, grid (ceil(m /
 // GEMV_W), ceil(rows / GEMV_R)), block 128 splitting GEMV_W weight rows, each thread eight
 // weights of a block at a time, decoded once for up to GEMV_R activation rows: the Fmt*
-// chunk formats) and its grouped form for a mixture's decode rows (gemv_grouped_*), the
+// chunk formats), its one-row form (gemv1_*), its grouped form for a mixture's decode rows
+// (gemv_grouped_*), the
 // dequantization into f32 tiles for the cuBLAS path (dequant_*, one thread per element,
 // grid ceil(n / 256), block 256), and the embedding gather (embedding_*, grid rows).
 //
@@ -297,6 +298,10 @@ struct FmtIq4Xs : FmtK {
     extern "C" __global__ void gemv_##name(const u8* __restrict__ w, const float* __restrict__ x,         \
                                            float* __restrict__ out, int m, int k, int rows) {             \
         gemv(w, x, out, m, k, rows, (size_t)(k / be) * bb, fmt());                                        \
+    }                                                                                                      \
+    extern "C" __global__ void gemv1_##name(const u8* __restrict__ w, const float* __restrict__ x,        \
+                                            float* __restrict__ out, int m, int k) {                      \
+        gemv1(w, x, out, m, k, (size_t)(k / be) * bb, fmt());                                             \
     }                                                                                                      \
     extern "C" __global__ void gemv_grouped_##name(const unsigned long long* __restrict__ w,              \
                                                    const u32* __restrict__ x_rows, const float* __restrict__ x, \

@@ -2,7 +2,7 @@
 //   out[r][j] = sum_k x[r][k] * W[j][k],   W rows of `k` elements in the stored dtype.
 // Grid: (ceil(m / GEMV_W), ceil(rows / GEMV_R)); block: 128 threads splitting GEMV_W
 // weight rows, each weight chunk applied to up to GEMV_R activation rows (common.cuh:
-// `gemv`).
+// `gemv`); gemv1_*: the same for one row, grid ceil(m / GEMV1_W) (`gemv1`).
 // The grouped GEMVs of a mixture's decode rows take each pair's weights by address.
 // And dequantization into f32 tiles for the cuBLAS path (prefill rows):
 //   dequant_*: out[i] = W element i, for n elements. Grid: ceil(n / 256); block: 256.
@@ -109,6 +109,10 @@ struct FmtHalf {
     extern "C" __global__ void gemv_##name(const u8* __restrict__ w, const float* __restrict__ x,           \
                                            float* __restrict__ out, int m, int k, int rows) {               \
         gemv(w, x, out, m, k, rows, row_bytes, fmt());                                                      \
+    }                                                                                                        \
+    extern "C" __global__ void gemv1_##name(const u8* __restrict__ w, const float* __restrict__ x,          \
+                                            float* __restrict__ out, int m, int k) {                        \
+        gemv1(w, x, out, m, k, row_bytes, fmt());                                                           \
     }                                                                                                        \
     extern "C" __global__ void gemv_grouped_##name(const unsigned long long* __restrict__ w,                \
                                                    const u32* __restrict__ x_rows, const float* __restrict__ x, \

@@ -20,6 +20,12 @@ fn gemv_grid(m: usize, rows: usize) -> (usize, usize) {
     (d.grid.0 as usize, d.grid.1 as usize)
 }
 
+/// The one-row GEMV's grid as the backend launches it.
+fn gemv1_grid(m: usize) -> (usize, usize) {
+    let d = sluice::backend::cuda::kernels::Dims::gemv1(m);
+    (d.grid.0 as usize, d.grid.1 as usize)
+}
+
 /// A decode-row GEMV's block as the backend launches it.
 const GEMV_BLOCK: usize = sluice::backend::cuda::kernels::GEMV_THREADS as usize;
 
@@ -193,8 +199,8 @@ fn same_bits(what: &str, a: &[f32], b: &[f32]) {
 }
 
 /// Every weight type's decode GEMV against the CPU backend at 20 rows (two full groups of
-/// GEMV_R and a partial one), and against itself: the first 1 and 9 rows, a row alone and
-/// the grouped (mixture) form give the same bits as that row among 20. Dense rows also at
+/// GEMV_R and a partial one), and against itself: the first 1 and 9 rows, a row alone (the
+/// one-row kernel) and the grouped (mixture) form give the same bits as that row among 20. Dense rows also at
 /// k = 262 (a tail past the last 8-weight chunk, rows not 16-byte aligned).
 #[test]
 fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
@@ -223,13 +229,24 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
         };
         let gemv = |s: &mut Script, n: usize, x_off: usize, out: usize| gemv_w(s, 0, n, x_off, out);
         let gemv_of = |s: &mut Script, w: usize, n: usize, out: usize| gemv_w(s, w, n, 0, out);
+        // The one-row kernel, as the backend launches it for a step of one decode row.
+        let gemv1 = |s: &mut Script, x_off: usize, out: usize| {
+            s.zeros(out, m * 4);
+            s.launch(
+                &format!("gemv1_{name}"),
+                gemv1_grid(m),
+                GEMV_BLOCK,
+                &[b(0, 0), b(1, x_off), b(out, 0), i(m), i(k)],
+            );
+            s.save(out)
+        };
         let full = gemv(&mut s, rows, 0, 2);
         let first1 = gemv(&mut s, 1, 0, 3);
         let first9 = gemv(&mut s, 9, 0, 4);
         let alone: Vec<(usize, usize)> = [0usize, 8, 13, 19]
             .iter()
             .enumerate()
-            .map(|(n, &r)| (r, gemv(&mut s, 1, r * k * 4, 10 + n)))
+            .map(|(n, &r)| (r, gemv1(&mut s, r * k * 4, 10 + n)))
             .collect();
         // The grouped form: (expert, activation row) pairs, expert-major as the backend
         // makes them, over two experts (this weight and a second one), in runs that cross

@@ -24,6 +24,9 @@ pub const GEMV_W: usize = 4;
 /// reduction sums that many threads' partials, so a launch must use exactly this).
 pub const GEMV_THREADS: u32 = 128;
 
+/// Weight rows one block of the one-row GEMV takes (`GEMV1_W` in kernels/common.cuh).
+pub const GEMV1_W: usize = 2;
+
 /// Grid, block and dynamic shared memory of one launch.
 #[derive(Clone, Copy, Debug)]
 pub struct Dims {
@@ -53,6 +56,16 @@ impl Dims {
         Dims {
             grid: (rows as u32, 1, 1),
             block: 256,
+            smem: 0,
+        }
+    }
+
+    /// The one-row GEMV of `m` weight rows: blocks of GEMV_THREADS that split each of their
+    /// GEMV1_W weight rows.
+    pub fn gemv1(m: usize) -> Dims {
+        Dims {
+            grid: (m.div_ceil(GEMV1_W) as u32, 1, 1),
+            block: GEMV_THREADS,
             smem: 0,
         }
     }
@@ -296,6 +309,26 @@ kernels! {
         GemvIq4Xs = "gemv_iq4_xs",
         GemvMxfp4 = "gemv_mxfp4",
     }
+    /// One decode row (batch-1 decode): `gemv`'s arithmetic in a kernel of its own, so the
+    /// multi-row path's registers do not limit how many of its warps an SM holds.
+    gemv1(w: u64 = "const u8*", x: u64 = "const float*", out: u64 = "float*", m: i32 = "int", k: i32 = "int") {
+        Gemv1F32 = "gemv1_f32",
+        Gemv1F16 = "gemv1_f16",
+        Gemv1Bf16 = "gemv1_bf16",
+        Gemv1Q8_0 = "gemv1_q8_0",
+        Gemv1Q4_0 = "gemv1_q4_0",
+        Gemv1Q4_1 = "gemv1_q4_1",
+        Gemv1Q5_0 = "gemv1_q5_0",
+        Gemv1Q5_1 = "gemv1_q5_1",
+        Gemv1Q2K = "gemv1_q2_k",
+        Gemv1Q3K = "gemv1_q3_k",
+        Gemv1Q4K = "gemv1_q4_k",
+        Gemv1Q5K = "gemv1_q5_k",
+        Gemv1Q6K = "gemv1_q6_k",
+        Gemv1Iq4Nl = "gemv1_iq4_nl",
+        Gemv1Iq4Xs = "gemv1_iq4_xs",
+        Gemv1Mxfp4 = "gemv1_mxfp4",
+    }
     /// A mixture's decode rows: each (expert, row) pair's own weights and activation row;
     /// a run of pairs on one expert reads its weights once.
     gemv_grouped(
@@ -378,6 +411,28 @@ impl Kernel {
             DType::Iq4Nl => Kernel::GemvIq4Nl,
             DType::Iq4Xs => Kernel::GemvIq4Xs,
             DType::Mxfp4 => Kernel::GemvMxfp4,
+        }
+    }
+
+    /// The one-row GEMV for a weight dtype.
+    pub fn gemv1(d: DType) -> Kernel {
+        match d {
+            DType::F32 => Kernel::Gemv1F32,
+            DType::F16 => Kernel::Gemv1F16,
+            DType::BF16 => Kernel::Gemv1Bf16,
+            DType::Q8_0 => Kernel::Gemv1Q8_0,
+            DType::Q4_0 => Kernel::Gemv1Q4_0,
+            DType::Q4_1 => Kernel::Gemv1Q4_1,
+            DType::Q5_0 => Kernel::Gemv1Q5_0,
+            DType::Q5_1 => Kernel::Gemv1Q5_1,
+            DType::Q2K => Kernel::Gemv1Q2K,
+            DType::Q3K => Kernel::Gemv1Q3K,
+            DType::Q4K => Kernel::Gemv1Q4K,
+            DType::Q5K => Kernel::Gemv1Q5K,
+            DType::Q6K => Kernel::Gemv1Q6K,
+            DType::Iq4Nl => Kernel::Gemv1Iq4Nl,
+            DType::Iq4Xs => Kernel::Gemv1Iq4Xs,
+            DType::Mxfp4 => Kernel::Gemv1Mxfp4,
         }
     }
 
@@ -638,6 +693,11 @@ mod tests {
         assert!(!Dims::gemv(160, 9).is_empty());
         assert_eq!(Dims::gemv(160, 9).grid, (40, 2, 1));
         assert_eq!(Dims::gemv(161, 1).grid, (41, 1, 1));
+        assert_eq!(
+            Dims::gemv1(161).grid,
+            (161usize.div_ceil(GEMV1_W) as u32, 1, 1)
+        );
+        assert!(Dims::gemv1(0).is_empty());
     }
 
     #[test]
@@ -663,6 +723,10 @@ mod tests {
         assert!(
             common.contains(&format!("#define GEMV_W {GEMV_W}\n")),
             "kernels/common.cuh must define GEMV_W as {GEMV_W}"
+        );
+        assert!(
+            common.contains(&format!("#define GEMV1_W {GEMV1_W}\n")),
+            "kernels/common.cuh must define GEMV1_W as {GEMV1_W}"
         );
         assert!(
             common.contains(&format!("#define GEMV_THREADS {GEMV_THREADS}\n")),

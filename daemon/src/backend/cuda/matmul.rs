@@ -41,7 +41,20 @@ impl CudaBackend {
                 w.dtype
             ));
         }
-        if g > 0 {
+        if g == 1 {
+            // One decode row (batch-1 decode): the same arithmetic in a kernel with the
+            // one-row path's registers only.
+            self.kernels.gemv1(
+                &self.compute,
+                Kernel::gemv1(w.dtype),
+                Dims::gemv1(m),
+                wptr,
+                x.ptr,
+                out.ptr,
+                mi,
+                ki,
+            )?;
+        } else if g > 1 {
             // Decode rows: GEMV_W weight rows to a block of 128 threads, dequantized in
             // registers once for up to GEMV_R rows; a row's result never depends on the
             // other rows.
