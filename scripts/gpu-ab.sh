@@ -45,6 +45,13 @@ for a in first["attention"]:
         b = next((x for x in runs[n]["attention"] if x["context"] == a["context"]), None)
         cells.append(f"{b['seconds']*1e6:8.1f}" if b else "-")
     print(f"{'attention ctx ' + str(a['context']):<24}" + "".join(f"{c:>16}" for c in cells))
+for e in first.get("experts", []):
+    key = (e["dtype"], e["rows"])
+    cells = []
+    for n in names:
+        f = next((x for x in runs[n].get("experts", []) if (x["dtype"], x["rows"]) == key), None)
+        cells.append(f"{f['seconds']*1e6:8.1f} ({f['vs_copy']:.2f})" if f else "-")
+    print(f"{'experts ' + e['dtype'] + ' r' + str(e['rows']):<24}" + "".join(f"{c:>16}" for c in cells))
 for s in first.get("resident_steps", []):
     cells = []
     for n in names:

@@ -168,6 +168,10 @@ if kern:
     print("GEMV effective bandwidth (weight bytes / time) over the copy's, every kernel:")
     for g in kern["gemv"]:
         print(f"  {g['dtype']:>6} {g['m']:>5}x{g['k']:<5} rows {g['rows']:>2}: {g['seconds']*1e6:8.1f} us {g['gbps']:7.0f} GB/s {g['vs_copy']:6.3f}")
+    if kern.get("experts_error"):
+        print(f"  experts: FAILED: {kern['experts_error']}")
+    for e in kern.get("experts", []):
+        print(f"  experts {e['dtype']:>6} top-{e['top_k']} of {e['experts']:>2} used, rows {e['rows']:>2}: {e['seconds']*1e6:8.1f} us {e['gbps']:7.0f} GB/s {e['vs_copy']:6.3f}")
     for a in kern["attention"]:
         print(f"  attention, context {a['context']:>6}: {a['seconds']*1e6:8.1f} us ({a['vs_first']:.2f}x the first), K+V {a['kv_gbps']:.0f} GB/s")
 EOF

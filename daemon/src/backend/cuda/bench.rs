@@ -3,10 +3,12 @@
 //! stream) is the reference; each GEMV kernel's effective bandwidth is the bytes of its
 //! weight matrix over its time (the bytes a step must read once), at 1, 8 and 64 decode
 //! rows; attention is one decode row at contexts 512, 4096 and 32768 (its time should grow
-//! linearly). Weights and caches hold arbitrary bytes: no kernel's speed depends on values.
+//! linearly); a mixture's decode step (`Backend::experts`) at 1 and 8 rows, against the
+//! bytes of the experts it routes to. Weights and caches hold arbitrary bytes: no kernel's speed depends on values.
 
 use super::device::CudaBackend;
 use super::handles::CudaMem;
+use crate::backend::experts::{ExpertCall, ExpertScratch, ExpertShape, GatedAct};
 use crate::backend::{
     AttnShape, AttnStep, Backend, BackendError, KvDtype, LayerCache, ScratchShape, SeqSpan,
     WeightRef,
@@ -29,10 +31,41 @@ pub const GEMV_DTYPES: &[DType] = &[
     DType::Q6K,
 ];
 pub const ATTENTION_CONTEXTS: &[usize] = &[512, 4096, 32768];
+/// A mixture's decode step (Qwen3-30B-A3B's experts: hidden 2048, 768 wide, top-8 of
+/// 128): `EXPERT_POOL` experts on the device, each row routed to `EXPERT_TOP_K` of them.
+pub const EXPERT_HIDDEN: usize = 2048;
+pub const EXPERT_INTER: usize = 768;
+pub const EXPERT_TOP_K: usize = 8;
+pub const EXPERT_POOL: usize = 32;
+pub const EXPERT_ROWS: &[usize] = &[1, 8];
+pub const EXPERT_DTYPES: &[DType] = &[DType::Q4K, DType::Q8_0];
 /// Calls timed together in one sample of `time_compute`.
 const TIMED_CALLS: usize = 20;
 /// Bytes of the device-to-device reference copy.
 const COPY_BYTES: usize = 256 << 20;
+
+/// A timed call against the weight bytes it must read once.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct WeightRate {
+    pub weight_bytes: u64,
+    pub seconds: f64,
+    /// Weight bytes over the time.
+    pub gbps: f64,
+    /// `gbps` over the device's copy bandwidth.
+    pub vs_copy: f64,
+}
+
+impl WeightRate {
+    fn new(weight_bytes: u64, seconds: f64, copy_gbps: f64) -> WeightRate {
+        let gbps = weight_bytes as f64 / seconds / 1e9;
+        WeightRate {
+            weight_bytes,
+            seconds,
+            gbps,
+            vs_copy: gbps / copy_gbps,
+        }
+    }
+}
 
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct GemvFigure {
@@ -40,12 +73,8 @@ pub struct GemvFigure {
     pub m: usize,
     pub k: usize,
     pub rows: usize,
-    pub weight_bytes: u64,
-    pub seconds: f64,
-    /// Weight bytes over the time.
-    pub gbps: f64,
-    /// `gbps` over the device's copy bandwidth.
-    pub vs_copy: f64,
+    #[serde(flatten)]
+    pub rate: WeightRate,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -62,6 +91,22 @@ pub struct AttentionFigure {
     pub kv_gbps: f64,
 }
 
+/// `Backend::experts` for one decode step: every row's top-k experts, gate, up, the
+/// activation, down and the weighted sum.
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct ExpertsFigure {
+    pub dtype: String,
+    pub rows: usize,
+    pub top_k: usize,
+    /// Experts the step's rows routed to, distinct: the weights it must read.
+    pub experts: usize,
+    pub hidden: usize,
+    pub intermediate: usize,
+    /// Against the bytes of those experts' three matrices.
+    #[serde(flatten)]
+    pub rate: WeightRate,
+}
+
 #[derive(Clone, Debug, serde::Serialize)]
 pub struct KernelBench {
     pub device: String,
@@ -70,6 +115,9 @@ pub struct KernelBench {
     pub copy_gbps: f64,
     pub gemv: Vec<GemvFigure>,
     pub attention: Vec<AttentionFigure>,
+    pub experts: Vec<ExpertsFigure>,
+    /// Why the mixture step's figures are missing, where they are.
+    pub experts_error: Option<String>,
 }
 
 /// Runs every figure on CUDA device `ordinal`, each the median of `reps` timed launches
@@ -149,12 +197,7 @@ pub fn run(ordinal: usize, reps: usize) -> Result<KernelBench, BackendError> {
         b.upload(mem, &data)
     };
     let mut x = b.alloc(rows_max * kmax * 4, "activations")?;
-    // Activations of moderate size (random f32 bits could be NaN; speed does not care,
-    // but the figures should come from ordinary numbers).
-    let xs: Vec<u8> = (0..rows_max * kmax)
-        .flat_map(|i| (((i * 7919) % 2001) as f32 / 1000.0 - 1.0).to_le_bytes())
-        .collect();
-    b.upload(&mut x, &xs)?;
+    b.upload(&mut x, &activations(rows_max * kmax))?;
     let mut out = b.alloc(rows_max * mmax * 4, "outputs")?;
     let mut gemv = Vec::new();
     for &dt in GEMV_DTYPES {
@@ -177,21 +220,22 @@ pub fn run(ordinal: usize, reps: usize) -> Result<KernelBench, BackendError> {
                     b.matmul(&x, rows, rows, wr, None, &mut out);
                     Ok(())
                 })?;
-                let gbps = bytes as f64 / s / 1e9;
                 gemv.push(GemvFigure {
                     dtype: dt.to_string(),
                     m,
                     k,
                     rows,
-                    weight_bytes: bytes as u64,
-                    seconds: s,
-                    gbps,
-                    vs_copy: gbps / copy_gbps,
+                    rate: WeightRate::new(bytes as u64, s, copy_gbps),
                 });
             }
         }
     }
     drop((x, out));
+    // New in this benchmark and not yet run on a GPU: its failure leaves the other figures.
+    let (experts, experts_error) = match experts_figures(&b, reps, copy_gbps, &fill) {
+        Ok(f) => (f, None),
+        Err(e) => (Vec::new(), Some(e.to_string())),
+    };
 
     let kv_len = cache.elems(&attn) * attn.kv.bytes();
     let mut ck = b.alloc(kv_len, "K cache")?;
@@ -238,7 +282,128 @@ pub fn run(ordinal: usize, reps: usize) -> Result<KernelBench, BackendError> {
         copy_gbps,
         gemv,
         attention,
+        experts,
+        experts_error,
     })
+}
+
+/// `n` f32 activations of moderate size, as bytes (random f32 bits could be NaN; speed
+/// does not care, but the figures should come from ordinary numbers).
+fn activations(n: usize) -> Vec<u8> {
+    (0..n)
+        .flat_map(|i| (((i * 7919) % 2001) as f32 / 1000.0 - 1.0).to_le_bytes())
+        .collect()
+}
+
+/// Row r's experts: EXPERT_TOP_K distinct ones of the pool, spread as a router's would be.
+fn routed(r: usize) -> Vec<usize> {
+    let mut chosen = Vec::with_capacity(EXPERT_TOP_K);
+    let mut h = (r as u64 + 1).wrapping_mul(0x9e37_79b9_7f4a_7c15);
+    while chosen.len() < EXPERT_TOP_K.min(EXPERT_POOL) {
+        h ^= h >> 29;
+        h = h.wrapping_mul(0xbf58_476d_1ce4_e5b9);
+        let e = (h >> 32) as usize % EXPERT_POOL;
+        if !chosen.contains(&e) {
+            chosen.push(e);
+        }
+    }
+    chosen
+}
+
+/// A mixture's decode step at each of EXPERT_ROWS rows, for each of EXPERT_DTYPES.
+fn experts_figures(
+    b: &CudaBackend,
+    reps: usize,
+    copy_gbps: f64,
+    fill: &dyn Fn(&mut CudaMem, usize, u64) -> Result<(), BackendError>,
+) -> Result<Vec<ExpertsFigure>, BackendError> {
+    let (h, inter) = (EXPERT_HIDDEN, EXPERT_INTER);
+    let rows_max = EXPERT_ROWS.iter().copied().max().unwrap_or(1);
+    let pairs_max = rows_max * EXPERT_TOP_K;
+    let mut x = b.alloc(rows_max * h * 4, "expert activations")?;
+    b.upload(&mut x, &activations(rows_max * h))?;
+    let mut out = b.alloc(rows_max * h * 4, "expert outputs")?;
+    let mut sx = b.alloc(pairs_max * h * 4, "expert scratch x")?;
+    let mut gate = b.alloc(pairs_max * inter * 4, "expert scratch gate")?;
+    let mut up = b.alloc(pairs_max * inter * 4, "expert scratch up")?;
+    let mut y = b.alloc(pairs_max * h * 4, "expert scratch y")?;
+    let mut figures = Vec::new();
+    for &dt in EXPERT_DTYPES {
+        let (Some(rb_h), Some(rb_i)) = (dt.row_bytes(h as u64), dt.row_bytes(inter as u64)) else {
+            continue;
+        };
+        // Gate and up: inter rows of h; down: h rows of inter.
+        let sizes = [
+            rb_h as usize * inter,
+            rb_h as usize * inter,
+            rb_i as usize * h,
+        ];
+        let per_expert: usize = sizes.iter().sum();
+        let mut mats = Vec::with_capacity(EXPERT_POOL * 3);
+        for e in 0..EXPERT_POOL {
+            for (i, &n) in sizes.iter().enumerate() {
+                let mut m = b.alloc(n, "expert weights")?;
+                fill(&mut m, n, 0x5eed ^ (e * 3 + i) as u64)?;
+                mats.push(m);
+            }
+        }
+        for &rows in EXPERT_ROWS {
+            // Expert-major, as the decoder makes them: each expert with its rows ascending.
+            let mut by_expert: Vec<(Vec<u32>, Vec<f32>)> =
+                vec![(Vec::new(), Vec::new()); EXPERT_POOL];
+            for r in 0..rows {
+                for e in routed(r) {
+                    by_expert[e].0.push(r as u32);
+                    by_expert[e].1.push(1.0 / EXPERT_TOP_K as f32);
+                }
+            }
+            let used: Vec<usize> = (0..EXPERT_POOL)
+                .filter(|&e| !by_expert[e].0.is_empty())
+                .collect();
+            let wref = |e: usize, i: usize| WeightRef {
+                mem: &mats[e * 3 + i],
+                offset: 0,
+                dtype: dt,
+                rows: if i == 2 { h } else { inter },
+                cols: if i == 2 { inter } else { h },
+            };
+            let calls: Vec<ExpertCall<'_, CudaMem>> = used
+                .iter()
+                .map(|&e| ExpertCall {
+                    w: [wref(e, 0), wref(e, 1), wref(e, 2)],
+                    bias: None,
+                    rows: &by_expert[e].0,
+                    weights: &by_expert[e].1,
+                })
+                .collect();
+            let shape = ExpertShape {
+                hidden: h,
+                act: GatedAct::Silu,
+                decode: true,
+            };
+            let s = b.time_compute(reps, || {
+                let scratch = ExpertScratch {
+                    x: &mut sx,
+                    gate: &mut gate,
+                    up: &mut up,
+                    y: &mut y,
+                };
+                b.experts(&x, shape, &calls, scratch, &mut out);
+                Ok(())
+            })?;
+            let bytes = (used.len() * per_expert) as u64;
+            figures.push(ExpertsFigure {
+                dtype: dt.to_string(),
+                rows,
+                top_k: EXPERT_TOP_K,
+                experts: used.len(),
+                hidden: h,
+                intermediate: inter,
+                rate: WeightRate::new(bytes, s, copy_gbps),
+            });
+        }
+    }
+    Ok(figures)
 }
 
 impl CudaBackend {

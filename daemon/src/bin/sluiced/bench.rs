@@ -479,8 +479,8 @@ struct ResidentStep {
 }
 
 /// `sluiced bench-kernels` (CUDA only): each decode GEMV's effective bandwidth per weight
-/// type at 1, 8 and 64 rows against the device's own copy bandwidth, and attention at
-/// growing contexts.
+/// type at 1, 8 and 64 rows against the device's own copy bandwidth, attention at growing
+/// contexts, and a mixture's decode step against the bytes of the experts it uses.
 pub fn run_kernels(a: BenchKernelsArgs) -> Result<std::process::ExitCode> {
     let info = sluice::engine::cuda_usable(a.device).map_err(|e| {
         anyhow::anyhow!("bench-kernels measures the CUDA kernels and needs a CUDA device: {e}")
@@ -500,22 +500,29 @@ pub fn run_kernels(a: BenchKernelsArgs) -> Result<std::process::ExitCode> {
         "{} (sm_{}{}): device-to-device copy {:.0} GB/s (bytes read + written)",
         r.device, r.compute_capability.0, r.compute_capability.1, r.copy_gbps
     );
-    println!(
-        "{:>6} {:>13} {:>5} {:>10} {:>10} {:>8} {:>8}",
-        "dtype", "m x k", "rows", "weights", "us", "GB/s", "vs copy"
-    );
-    for g in &r.gemv {
+    // The GEMV and mixture tables: (dtype, what, rows, rate) a line.
+    use sluice::backend::cuda::bench::WeightRate;
+    let table = |what: &str, lines: Vec<(&str, String, usize, &WeightRate)>| {
         println!(
-            "{:>6} {:>13} {:>5} {:>10} {:>10.1} {:>8.0} {:>8.3}",
-            g.dtype,
-            format!("{}x{}", g.m, g.k),
-            g.rows,
-            fmt_bytes(g.weight_bytes),
-            g.seconds * 1e6,
-            g.gbps,
-            g.vs_copy
+            "{:>6} {what:>15} {:>5} {:>10} {:>10} {:>8} {:>8}",
+            "dtype", "rows", "weights", "us", "GB/s", "vs copy"
         );
-    }
+        for (dtype, what, rows, t) in lines {
+            println!(
+                "{dtype:>6} {what:>15} {rows:>5} {:>10} {:>10.1} {:>8.0} {:>8.3}",
+                fmt_bytes(t.weight_bytes),
+                t.seconds * 1e6,
+                t.gbps,
+                t.vs_copy
+            );
+        }
+    };
+    let gemv = r.gemv.iter();
+    table(
+        "m x k",
+        gemv.map(|g| (&*g.dtype, format!("{}x{}", g.m, g.k), g.rows, &g.rate))
+            .collect(),
+    );
     println!(
         "{:>8} {:>24} {:>10} {:>9} {:>10}",
         "context", "heads / kv / dim, cache", "us", "vs first", "KV GB/s"
@@ -532,6 +539,14 @@ pub fn run_kernels(a: BenchKernelsArgs) -> Result<std::process::ExitCode> {
             t.vs_first,
             t.kv_gbps
         );
+    }
+    let experts = r.experts.iter().map(|e| {
+        let what = format!("top-{}, {} used", e.top_k, e.experts);
+        (&*e.dtype, what, e.rows, &e.rate)
+    });
+    table("mixture step", experts.collect());
+    if let Some(e) = &r.experts_error {
+        println!("mixture step: failed: {e}");
     }
     if let Some(dir) = &a.model {
         println!("{}, all resident:", dir.display());
