@@ -302,19 +302,41 @@ __device__ __forceinline__ void gemv_out(const F& f, const u8* __restrict__ row,
 #define GEMV1_U 1
 static_assert(GEMV1_W <= GEMV_W * GEMV_R, "gemv_reduce's shared sums hold GEMV_W * GEMV_R");
 
+// Weight rows from blockIdx.x * GEMV1_W of the matrix at `w` against one activation row
+// `x`, into out[j..]. The caller has returned where blockIdx.x * GEMV1_W >= m.
 template <typename F>
-__device__ void gemv1(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, int m, int k,
-                      size_t row_bytes, F f) {
+__device__ __forceinline__ void gemv1_block(const u8* __restrict__ w, const float* __restrict__ x, bool xvec,
+                                            float* __restrict__ out, int m, int k, size_t row_bytes, const F& f) {
     const int j = blockIdx.x * GEMV1_W;
-    if (j >= m) return;  // the whole block
     const int nw = min(GEMV1_W, m - j);
     const u8* rows[GEMV1_W];
 #pragma unroll
     for (int q = 0; q < GEMV1_W; q++) rows[q] = w + (size_t)(j + min(q, nw - 1)) * row_bytes;
     const auto xrow = [=](int) { return x; };
     float acc[GEMV1_W];
-    gemv_acc<1, GEMV1_W, GEMV1_U>(f, rows, nw, xrow, 1, k, threadIdx.x, x_vec(x, k), acc);
+    gemv_acc<1, GEMV1_W, GEMV1_U>(f, rows, nw, xrow, 1, k, threadIdx.x, xvec, acc);
     gemv_reduce<1, GEMV1_W>(acc, nw, 1, out + j, m);
+}
+
+template <typename F>
+__device__ void gemv1(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, int m, int k,
+                      size_t row_bytes, F f) {
+    if (blockIdx.x * GEMV1_W >= m) return;  // the whole block
+    gemv1_block(w, x, x_vec(x, k), out, m, k, row_bytes, f);
+}
+
+// `gemv_grouped` where no two neighbouring pairs share an expert (a batch-1 step's top-k
+// pairs, and most pairs of a small batch over many experts): block (x, p) takes pair p
+// alone, as `gemv1` takes its row, at `gemv1`'s registers rather than the run-sharing
+// kernel's (230-251). Grid: (ceil(m / GEMV1_W), pairs); block: GEMV_THREADS.
+template <typename F>
+__device__ void gemv1_grouped(const unsigned long long* __restrict__ ws, const u32* __restrict__ x_rows,
+                              const float* __restrict__ x, float* __restrict__ out, int m, int k, int pairs,
+                              size_t row_bytes, F f) {
+    const int p = blockIdx.y;
+    if (blockIdx.x * GEMV1_W >= m || p >= pairs) return;  // the whole block
+    const size_t xr = x_rows ? (size_t)x_rows[p] : (size_t)p;
+    gemv1_block((const u8*)ws[p], x + xr * k, x_vec(x, k), out + (size_t)p * m, m, k, row_bytes, f);
 }
 
 template <typename F>

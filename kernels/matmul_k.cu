@@ -308,6 +308,11 @@ struct FmtIq4Xs : FmtK {
                                                    float* __restrict__ out, int m, int k, int pairs) {    \
         gemv_grouped(w, x_rows, x, out, m, k, pairs, (size_t)(k / be) * bb, fmt());                              \
     }                                                                                                      \
+    extern "C" __global__ void gemv1_grouped_##name(const unsigned long long* __restrict__ w,             \
+                                                    const u32* __restrict__ x_rows, const float* __restrict__ x, \
+                                                    float* __restrict__ out, int m, int k, int pairs) {   \
+        gemv1_grouped(w, x_rows, x, out, m, k, pairs, (size_t)(k / be) * bb, fmt());                      \
+    }                                                                                                      \
     extern "C" __global__ void dequant_##name(const u8* w, float* out, unsigned long long n) {            \
         const unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;           \
         if (i < n) out[i] = deq_##name(w + (i / be) * bb, (int)(i % be));                                \

@@ -118,6 +118,11 @@ struct FmtHalf {
                                                    const u32* __restrict__ x_rows, const float* __restrict__ x, \
                                                    float* __restrict__ out, int m, int k, int pairs) {      \
         gemv_grouped(w, x_rows, x, out, m, k, pairs, row_bytes, fmt());                                            \
+    }                                                                                                        \
+    extern "C" __global__ void gemv1_grouped_##name(const unsigned long long* __restrict__ w,               \
+                                                    const u32* __restrict__ x_rows, const float* __restrict__ x, \
+                                                    float* __restrict__ out, int m, int k, int pairs) {     \
+        gemv1_grouped(w, x_rows, x, out, m, k, pairs, row_bytes, fmt());                                    \
     }
 GEMV_FORMAT(q8_0, (size_t)(k / QK) * Q8_0_BYTES, FmtQ8_0)
 GEMV_FORMAT(q4_0, (size_t)(k / QK) * Q4_0_BYTES, FmtQ4<false>)

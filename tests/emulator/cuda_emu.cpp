@@ -286,7 +286,7 @@ static std::map<std::string, std::pair<size_t, Launcher>> kernels() {
     k[#name] = {5, [](const std::vector<Arg>& a) {                                                      \
                     name(P<const u8*>(a[0]), P<const float*>(a[1]), P<float*>(a[2]), I(a[3]), I(a[4])); \
                 }};
-#define FORMAT(n) GEMV(gemv_##n) GEMV1(gemv1_##n) GROUPED(gemv_grouped_##n)
+#define FORMAT(n) GEMV(gemv_##n) GEMV1(gemv1_##n) GROUPED(gemv_grouped_##n) GROUPED(gemv1_grouped_##n)
     FORMAT(f32) FORMAT(f16) FORMAT(bf16) FORMAT(q8_0) FORMAT(q4_0) FORMAT(q4_1) FORMAT(q5_0) FORMAT(q5_1)
     FORMAT(q2_k) FORMAT(q3_k) FORMAT(q4_k) FORMAT(q5_k) FORMAT(q6_k) FORMAT(iq4_nl) FORMAT(iq4_xs)
     FORMAT(mxfp4)

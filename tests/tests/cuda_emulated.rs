@@ -26,6 +26,12 @@ fn gemv1_grid(m: usize) -> (usize, usize) {
     (d.grid.0 as usize, d.grid.1 as usize)
 }
 
+/// The one-pair-a-block grouped GEMV's grid as the backend launches it.
+fn gemv1_grouped_grid(m: usize, pairs: usize) -> (usize, usize) {
+    let d = sluice::backend::cuda::kernels::Dims::gemv1_grouped(m, pairs);
+    (d.grid.0 as usize, d.grid.1 as usize)
+}
+
 /// A decode-row GEMV's block as the backend launches it.
 const GEMV_BLOCK: usize = sluice::backend::cuda::kernels::GEMV_THREADS as usize;
 
@@ -200,7 +206,7 @@ fn same_bits(what: &str, a: &[f32], b: &[f32]) {
 
 /// Every weight type's decode GEMV against the CPU backend at 20 rows (two full groups of
 /// GEMV_R and a partial one), and against itself: the first 1 and 9 rows, a row alone (the
-/// one-row kernel) and the grouped (mixture) form give the same bits as that row among 20. Dense rows also at
+/// one-row kernel) and the grouped (mixture) forms give the same bits as that row among 20. Dense rows also at
 /// k = 262 (a tail past the last 8-weight chunk, rows not 16-byte aligned).
 #[test]
 fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
@@ -286,6 +292,35 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
             ],
         );
         let grouped = s.save(7);
+        // The one-pair-a-block form the backend takes where no two neighbouring pairs share
+        // an expert: picked rows (x_rows given), then rows 0.. in order (x_rows null, as the
+        // down projection passes it).
+        let singles = [0usize, 1, 0, 1, 0];
+        let single_addrs: Vec<String> = singles
+            .iter()
+            .map(|&e| b(if e == 0 { 0 } else { 8 }, 0))
+            .collect();
+        s.addrs(11, &single_addrs);
+        let grouped1 = |s: &mut Script, x_rows: String, out: usize| {
+            s.zeros(out, singles.len() * m * 4);
+            s.launch(
+                &format!("gemv1_grouped_{name}"),
+                gemv1_grouped_grid(m, singles.len()),
+                GEMV_BLOCK,
+                &[
+                    b(11, 0),
+                    x_rows,
+                    b(1, 0),
+                    b(out, 0),
+                    i(m),
+                    i(k),
+                    i(singles.len()),
+                ],
+            );
+            s.save(out)
+        };
+        let single_picked = grouped1(&mut s, b(6, 0), 12);
+        let single_in_order = grouped1(&mut s, i(0), 13);
         let out = s.run();
         let what = |s: &str| format!("gemv_{name} (k {k}): {s}");
         close(
@@ -311,6 +346,22 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
                 &what(&format!("grouped pair {p} (expert {e}, row {r})")),
                 &out[grouped][p * m..(p + 1) * m],
                 &out[reference][r * m..(r + 1) * m],
+            );
+        }
+        for (p, &e) in singles.iter().enumerate() {
+            let reference = if e == 0 { full } else { full2 };
+            let r = picked[p] as usize;
+            same_bits(
+                &what(&format!("one-pair block {p} (expert {e}, row {r})")),
+                &out[single_picked][p * m..(p + 1) * m],
+                &out[reference][r * m..(r + 1) * m],
+            );
+            same_bits(
+                &what(&format!(
+                    "one-pair block {p} (expert {e}, row {p}, x_rows null)"
+                )),
+                &out[single_in_order][p * m..(p + 1) * m],
+                &out[reference][p * m..(p + 1) * m],
             );
         }
     }

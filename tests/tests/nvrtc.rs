@@ -129,11 +129,11 @@ fn the_kernel_table_matches_every_kernel_signature_in_the_sources() {
     // prefill going through f32 tiles), three for each of the ten
     // K-quant-era block formats, gpt-oss's clamped SwiGLU, a mixture's row gather and
     // weighted scatter, the grouped GEMV of its decode rows for each of the 16 weight
-    // dtypes, its grouped bias and combine, its routing, and the one-row GEMV of each of
-    // the 16 weight dtypes.
+    // dtypes, its grouped bias and combine, its routing, and the one-row GEMV and its
+    // one-pair-a-block grouped form for each of the 16 weight dtypes.
     assert_eq!(
         seen.len(),
-        32 + 3 * 10 + 1 + 2 + 16 + 2 + 1 + 16,
+        32 + 3 * 10 + 1 + 2 + 16 + 2 + 1 + 2 * 16,
         "kernels: {seen:?}"
     );
     // The parser sees through parameter names, spacing, `__restrict__`,

@@ -70,6 +70,15 @@ impl Dims {
         }
     }
 
+    /// `gemv1_grouped` of `m` weight rows for `pairs` pairs: one block row per pair.
+    pub fn gemv1_grouped(m: usize, pairs: usize) -> Dims {
+        Dims {
+            grid: (m.div_ceil(GEMV1_W) as u32, pairs as u32, 1),
+            block: GEMV_THREADS,
+            smem: 0,
+        }
+    }
+
     /// A decode-row GEMV (plain or grouped) of `m` weight rows against `rows` activation
     /// rows (or pairs): blocks of GEMV_THREADS that split each of their GEMV_W weight rows,
     /// up to GEMV_R activation rows to a block.
@@ -330,7 +339,9 @@ kernels! {
         Gemv1Mxfp4 = "gemv1_mxfp4",
     }
     /// A mixture's decode rows: each (expert, row) pair's own weights and activation row;
-    /// a run of pairs on one expert reads its weights once.
+    /// a run of pairs on one expert reads its weights once (`gemv_grouped_*`), or, where no
+    /// two neighbouring pairs share an expert, each pair alone at the one-row kernel's
+    /// registers (`gemv1_grouped_*`).
     gemv_grouped(
         w: u64 = "const unsigned long long*",
         x_rows: u64 = "const u32*",
@@ -356,6 +367,22 @@ kernels! {
         GemvGroupedIq4Nl = "gemv_grouped_iq4_nl",
         GemvGroupedIq4Xs = "gemv_grouped_iq4_xs",
         GemvGroupedMxfp4 = "gemv_grouped_mxfp4",
+        Gemv1GroupedF32 = "gemv1_grouped_f32",
+        Gemv1GroupedF16 = "gemv1_grouped_f16",
+        Gemv1GroupedBf16 = "gemv1_grouped_bf16",
+        Gemv1GroupedQ8_0 = "gemv1_grouped_q8_0",
+        Gemv1GroupedQ4_0 = "gemv1_grouped_q4_0",
+        Gemv1GroupedQ4_1 = "gemv1_grouped_q4_1",
+        Gemv1GroupedQ5_0 = "gemv1_grouped_q5_0",
+        Gemv1GroupedQ5_1 = "gemv1_grouped_q5_1",
+        Gemv1GroupedQ2K = "gemv1_grouped_q2_k",
+        Gemv1GroupedQ3K = "gemv1_grouped_q3_k",
+        Gemv1GroupedQ4K = "gemv1_grouped_q4_k",
+        Gemv1GroupedQ5K = "gemv1_grouped_q5_k",
+        Gemv1GroupedQ6K = "gemv1_grouped_q6_k",
+        Gemv1GroupedIq4Nl = "gemv1_grouped_iq4_nl",
+        Gemv1GroupedIq4Xs = "gemv1_grouped_iq4_xs",
+        Gemv1GroupedMxfp4 = "gemv1_grouped_mxfp4",
     }
     /// A weight tile (or a bias) to f32, for the cuBLAS path.
     dequant(w: u64 = "const u8*", out: u64 = "float*", n: u64 = "unsigned long long") {
@@ -455,6 +482,28 @@ impl Kernel {
             DType::Iq4Nl => Kernel::GemvGroupedIq4Nl,
             DType::Iq4Xs => Kernel::GemvGroupedIq4Xs,
             DType::Mxfp4 => Kernel::GemvGroupedMxfp4,
+        }
+    }
+
+    /// The grouped GEMV of pairs no two neighbours of which share an expert.
+    pub fn gemv1_grouped(d: DType) -> Kernel {
+        match d {
+            DType::F32 => Kernel::Gemv1GroupedF32,
+            DType::F16 => Kernel::Gemv1GroupedF16,
+            DType::BF16 => Kernel::Gemv1GroupedBf16,
+            DType::Q8_0 => Kernel::Gemv1GroupedQ8_0,
+            DType::Q4_0 => Kernel::Gemv1GroupedQ4_0,
+            DType::Q4_1 => Kernel::Gemv1GroupedQ4_1,
+            DType::Q5_0 => Kernel::Gemv1GroupedQ5_0,
+            DType::Q5_1 => Kernel::Gemv1GroupedQ5_1,
+            DType::Q2K => Kernel::Gemv1GroupedQ2K,
+            DType::Q3K => Kernel::Gemv1GroupedQ3K,
+            DType::Q4K => Kernel::Gemv1GroupedQ4K,
+            DType::Q5K => Kernel::Gemv1GroupedQ5K,
+            DType::Q6K => Kernel::Gemv1GroupedQ6K,
+            DType::Iq4Nl => Kernel::Gemv1GroupedIq4Nl,
+            DType::Iq4Xs => Kernel::Gemv1GroupedIq4Xs,
+            DType::Mxfp4 => Kernel::Gemv1GroupedMxfp4,
         }
     }
 

@@ -156,10 +156,19 @@ impl CudaBackend {
         out: &mut CudaMem,
     ) -> Result<(), String> {
         let (n, h, inter) = (g.pairs(), shape.hidden, first.w[0].rows);
+        // No run of pairs on one expert (a batch-1 step's top-k): each pair alone, at the
+        // one-row kernel's registers; else blocks of GEMV_R pairs, a run of them on one
+        // expert reading its weights once. Either way a pair's bits are its row's.
+        let singles = g.w.iter().all(|w| w.windows(2).all(|p| p[0] != p[1]));
         let gemv = |i: usize, x_rows: u64, xp: u64, outp: u64, m: usize, k: usize| {
-            // Blocks of GEMV_R pairs: a run of them on one expert reads its weights once.
-            let dims = Dims::gemv(m, n);
-            let kernel = Kernel::gemv_grouped(first.w[i].dtype);
+            let (dims, kernel) = if singles {
+                (
+                    Dims::gemv1_grouped(m, n),
+                    Kernel::gemv1_grouped(first.w[i].dtype),
+                )
+            } else {
+                (Dims::gemv(m, n), Kernel::gemv_grouped(first.w[i].dtype))
+            };
             self.kernels.gemv_grouped(
                 &self.compute,
                 kernel,
