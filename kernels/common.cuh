@@ -94,17 +94,19 @@ __device__ __forceinline__ float deq_q4_1(const u8* b, int i) {
 }
 
 // ---- Decode-row GEMV: out[r][j] = dot(W[j], x[r]) for the step's decode rows ----
-// A block of 128 threads (4 warps) takes GEMV_W weight rows and up to GEMV_R activation
-// rows, so a step with B decode rows reads every weight ceil(B / GEMV_R) times, not B, and
-// each activation chunk a thread loads serves GEMV_W weight rows. The block's threads
+// A block of 128 threads (4 warps) takes W weight rows (the format's: GEMV_W, 2 for Q6_K)
+// and up to GEMV_R activation rows, so a step with B decode rows reads every weight
+// ceil(B / GEMV_R) times, not B, and each activation chunk a thread loads serves W weight
+// rows. The block's threads
 // split each weight row: thread t takes chunks t, t + 128, ... (a warp reads 32
 // consecutive chunks: coalesced) and loads its next chunks before it uses the current
 // ones. Measured on an H200 against one warp per weight row (stride 32): 1.5-3x faster at
 // 8 rows, 1.1-2.2x at 64. The kernels take 111-128 registers a thread (64-90 before), so
 // an SM holds half the blocks; a step of one decode row runs `gemv1` below instead.
-// Grid: (ceil(m / GEMV_W), ceil(rows / GEMV_R)); block: GEMV_THREADS (128).
+// Grid: (ceil(m / W), ceil(rows / GEMV_R)); block: GEMV_THREADS (128).
 //
 // A format `F` supplies:
+//   W                      weight rows a block of the multi-row kernels (<= GEMV_W),
 //   chunks(k)              chunks in a row of k weights (whole chunks only),
 //   load(row, c, ch)       chunk c of a row: 8 weights w (unscaled), their scale d and
 //                          min mn (value = d * w + mn: mn only where HAS_MIN), and where
@@ -267,23 +269,26 @@ __device__ __forceinline__ void gemv_reduce(const float* acc, int nw, int nr, fl
 }
 
 // `nw` weight rows from `row` (row_bytes apart) against `nr` activation rows, into
-// o[r * m + w]: the one-row form (fewer registers, two chunks ahead) when nr is 1, with
-// the same arithmetic.
+// o[r * m + w]: the one-row form (fewer registers; two chunks ahead with GEMV_W weight
+// rows, one with fewer, as measured for Q6_K) when nr is 1, with the same arithmetic. W:
+// the format's weight rows a block (F::W, GEMV_W but for Q6_K).
 template <typename F, typename XRow>
 __device__ __forceinline__ void gemv_out(const F& f, const u8* __restrict__ row, size_t row_bytes, int nw,
                                          XRow xrow, int nr, int k, bool xvec, float* __restrict__ o, int m) {
+    constexpr int W = F::W;
+    static_assert(W >= 1 && W <= GEMV_W, "gemv_reduce's shared sums hold GEMV_W * GEMV_R");
     const int tid = threadIdx.x;
-    const u8* rows[GEMV_W];
+    const u8* rows[W];
 #pragma unroll
-    for (int w = 0; w < GEMV_W; w++) rows[w] = row + (size_t)min(w, nw - 1) * row_bytes;
+    for (int w = 0; w < W; w++) rows[w] = row + (size_t)min(w, nw - 1) * row_bytes;
     if (nr == 1) {
-        float acc[GEMV_W];
-        gemv_acc<1, GEMV_W, 2>(f, rows, nw, xrow, 1, k, tid, xvec, acc);
-        gemv_reduce<1, GEMV_W>(acc, nw, 1, o, m);
+        float acc[W];
+        gemv_acc<1, W, W == GEMV_W ? 2 : 1>(f, rows, nw, xrow, 1, k, tid, xvec, acc);
+        gemv_reduce<1, W>(acc, nw, 1, o, m);
     } else {
-        float acc[GEMV_W * GEMV_R];
-        gemv_acc<GEMV_R, GEMV_W, 1>(f, rows, nw, xrow, nr, k, tid, xvec, acc);
-        gemv_reduce<GEMV_R, GEMV_W>(acc, nw, nr, o, m);
+        float acc[W * GEMV_R];
+        gemv_acc<GEMV_R, W, 1>(f, rows, nw, xrow, nr, k, tid, xvec, acc);
+        gemv_reduce<GEMV_R, W>(acc, nw, nr, o, m);
     }
 }
 
@@ -342,10 +347,10 @@ __device__ void gemv1_grouped(const unsigned long long* __restrict__ ws, const u
 template <typename F>
 __device__ void gemv(const u8* __restrict__ w, const float* __restrict__ x, float* __restrict__ out, int m, int k,
                      int rows, size_t row_bytes, F f) {
-    const int j = blockIdx.x * GEMV_W;
+    const int j = blockIdx.x * F::W;
     const int r0 = blockIdx.y * GEMV_R;
     if (j >= m || r0 >= rows) return;  // the whole block
-    const int nr = min(GEMV_R, rows - r0), nw = min(GEMV_W, m - j);
+    const int nr = min(GEMV_R, rows - r0), nw = min(F::W, m - j);
     const u8* row = w + (size_t)j * row_bytes;
     const float* xr = x + (size_t)r0 * k;
     const auto xrow = [=](int r) { return xr + (size_t)r * k; };
@@ -361,10 +366,10 @@ template <typename F>
 __device__ void gemv_grouped(const unsigned long long* __restrict__ ws, const u32* __restrict__ x_rows,
                              const float* __restrict__ x, float* __restrict__ out, int m, int k, int pairs,
                              size_t row_bytes, F f) {
-    const int j = blockIdx.x * GEMV_W;
+    const int j = blockIdx.x * F::W;
     const int p0 = blockIdx.y * GEMV_R;
     if (j >= m || p0 >= pairs) return;  // the whole block
-    const int np = min(GEMV_R, pairs - p0), nw = min(GEMV_W, m - j);
+    const int np = min(GEMV_R, pairs - p0), nw = min(F::W, m - j);
     const bool xvec = x_vec(x, k);
     for (int a = 0; a < np;) {
         const unsigned long long wa = ws[p0 + a];

@@ -118,6 +118,7 @@ __device__ __forceinline__ float deq_mxfp4(const u8* b, int i) {
 // compute it.
 struct Fmt32 {
     static constexpr bool HAS_MIN = false;
+    static constexpr int W = GEMV_W;
     __device__ int chunks(int k) const { return k / 8; }
     __device__ float elem(const u8*, int) const { return 0.0f; }
 };
@@ -184,6 +185,7 @@ struct FmtMxfp4 : Fmt32 {
 // The 256-weight K-quants: chunk c is weights i0 = 8c.. of block i0 / 256, at e0 = i0 % 256.
 struct FmtK {
     static constexpr bool HAS_MIN = false;
+    static constexpr int W = GEMV_W;
     __device__ int chunks(int k) const { return k / 8; }
     __device__ float elem(const u8*, int) const { return 0.0f; }
 };
@@ -259,6 +261,10 @@ struct FmtQ45K : FmtK {
 };
 // Q6_K: dl * (q - 32), q from four low bits in ql and two high bits in qh.
 struct FmtQ6K : FmtK {
+    // Two weight rows a multi-row block (GEMV_W elsewhere): on an H200, Q6_K's 8- and 64-row
+    // GEMVs ran 14-22 % faster so at 14336 x 4096 and at 4096 x 4096 64 rows, 2 % at 4096 x
+    // 4096 8 rows; the other formats ran slower or mixed (scripts/gpu-ab.sh, 2026-12-04).
+    static constexpr int W = 2;
     __device__ void load(const u8* row, int c, Chunk& ch) const {
         int e0;
         const u8* b = chunk_k(row, c, 210, e0, ch);

@@ -17,6 +17,7 @@
 // (q4_1's quants are 4-byte aligned, so they come in one 32-bit load.)
 struct FmtQ8_0 {
     static constexpr bool HAS_MIN = false;
+    static constexpr int W = GEMV_W;
     __device__ int chunks(int k) const { return k / 8; }
     __device__ void load(const u8* row, int c, Chunk& ch) const {
         const int b = c >> 2, j = c & 3;
@@ -39,6 +40,7 @@ struct FmtQ8_0 {
 template <bool MIN>
 struct FmtQ4 {
     static constexpr bool HAS_MIN = MIN;
+    static constexpr int W = GEMV_W;
     __device__ int chunks(int k) const { return k / 8; }
     __device__ void load(const u8* row, int c, Chunk& ch) const {
         const int b = c >> 2, j = c & 3;
@@ -59,6 +61,7 @@ struct FmtQ4 {
 };
 struct FmtF32 {
     static constexpr bool HAS_MIN = false;
+    static constexpr int W = GEMV_W;
     __device__ int chunks(int k) const { return k / 8; }
     __device__ void load(const u8* row, int c, Chunk& ch) const {
         const float* r = (const float*)row + 8 * c;
@@ -81,6 +84,7 @@ struct FmtF32 {
 template <bool BF>
 struct FmtHalf {
     static constexpr bool HAS_MIN = false;
+    static constexpr int W = GEMV_W;
     __device__ static float widen(u32 h) { return BF ? bf16_to_f32((u16)h) : f16_to_f32((u16)h); }
     __device__ int chunks(int k) const { return k / 8; }
     __device__ void load(const u8* row, int c, Chunk& ch) const {

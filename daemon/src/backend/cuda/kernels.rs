@@ -24,6 +24,16 @@ pub const GEMV_W: usize = 4;
 /// reduction sums that many threads' partials, so a launch must use exactly this).
 pub const GEMV_THREADS: u32 = 128;
 
+/// Weight rows one block of a multi-row GEMV takes for weights of dtype `d` (`W` of its
+/// chunk format in kernels/*.cu): GEMV_W, but two for Q6_K (faster so on an H200, where
+/// the other formats were slower or mixed).
+pub fn gemv_w(d: DType) -> usize {
+    match d {
+        DType::Q6K => 2,
+        _ => GEMV_W,
+    }
+}
+
 /// Weight rows one block of the one-row GEMV takes (`GEMV1_W` in kernels/common.cuh).
 pub const GEMV1_W: usize = 2;
 
@@ -79,12 +89,16 @@ impl Dims {
         }
     }
 
-    /// A decode-row GEMV (plain or grouped) of `m` weight rows against `rows` activation
-    /// rows (or pairs): blocks of GEMV_THREADS that split each of their GEMV_W weight rows,
-    /// up to GEMV_R activation rows to a block.
-    pub fn gemv(m: usize, rows: usize) -> Dims {
+    /// A decode-row GEMV (plain or grouped) of `m` weight rows of dtype `d` against `rows`
+    /// activation rows (or pairs): blocks of GEMV_THREADS that split each of their
+    /// `gemv_w(d)` weight rows, up to GEMV_R activation rows to a block.
+    pub fn gemv(m: usize, rows: usize, d: DType) -> Dims {
         Dims {
-            grid: (m.div_ceil(GEMV_W) as u32, rows.div_ceil(GEMV_R) as u32, 1),
+            grid: (
+                m.div_ceil(gemv_w(d)) as u32,
+                rows.div_ceil(GEMV_R) as u32,
+                1,
+            ),
             block: GEMV_THREADS,
             smem: 0,
         }
@@ -737,11 +751,12 @@ mod tests {
         assert!(Dims::per_element(0).is_empty());
         assert!(Dims::per_row(0).is_empty());
         assert!(!Dims::per_element(1).is_empty());
-        assert!(Dims::gemv(0, 3).is_empty());
-        assert!(Dims::gemv(160, 0).is_empty());
-        assert!(!Dims::gemv(160, 9).is_empty());
-        assert_eq!(Dims::gemv(160, 9).grid, (40, 2, 1));
-        assert_eq!(Dims::gemv(161, 1).grid, (41, 1, 1));
+        assert!(Dims::gemv(0, 3, DType::Q8_0).is_empty());
+        assert!(Dims::gemv(160, 0, DType::Q8_0).is_empty());
+        assert!(!Dims::gemv(160, 9, DType::Q8_0).is_empty());
+        assert_eq!(Dims::gemv(160, 9, DType::Q8_0).grid, (40, 2, 1));
+        assert_eq!(Dims::gemv(161, 1, DType::Q8_0).grid, (41, 1, 1));
+        assert_eq!(Dims::gemv(161, 9, DType::Q6K).grid, (81, 2, 1));
         assert_eq!(
             Dims::gemv1(161).grid,
             (161usize.div_ceil(GEMV1_W) as u32, 1, 1)
@@ -760,6 +775,49 @@ mod tests {
         let mut other = opts.clone();
         other.retain(|o| o != "--use_fast_math");
         assert_ne!(k, cache_key("src", "sm_90", (13, 0), &other));
+    }
+
+    /// Every weight dtype's multi-row GEMV launches with its chunk format's `W`: the
+    /// format named in its GEMV_FORMAT / BLOCK_FORMAT line, its `static constexpr int W`
+    /// (its own or its base struct's) read from the source.
+    #[test]
+    fn each_format_s_weight_rows_a_block_match_the_kernels() {
+        let src: String = super::super::KERNELS.iter().map(|(_, s)| *s).collect();
+        // `W` of struct `name` (template arguments dropped), else of its base.
+        let w_of = |name: &str| -> Option<String> {
+            let mut name = name.to_string();
+            for _ in 0..4 {
+                let at = src.find(&format!("struct {name} "))?;
+                let body = &src[at..at + src[at..].find("\n};")?];
+                if let Some(w) = body.find("static constexpr int W = ") {
+                    let v = &body[w + "static constexpr int W = ".len()..];
+                    return Some(v[..v.find(';')?].to_string());
+                }
+                let head = &body[..body.find('{')?];
+                name = head.split(':').nth(1)?.trim().to_string();
+            }
+            None
+        };
+        for d in crate::dtype::ALL_DTYPES {
+            let kernel = Kernel::gemv(d).name();
+            let suffix = &kernel["gemv_".len()..];
+            let line = src
+                .lines()
+                .find(|l| {
+                    (l.starts_with("GEMV_FORMAT(") || l.starts_with("BLOCK_FORMAT("))
+                        && l.split(['(', ',']).nth(1) == Some(suffix)
+                })
+                .unwrap_or_else(|| panic!("no GEMV_FORMAT or BLOCK_FORMAT line for {suffix}"));
+            let fmt = line.trim_end_matches(')').rsplit(", ").next().unwrap_or("");
+            let fmt = fmt.split('<').next().unwrap_or(fmt);
+            let w = w_of(fmt).unwrap_or_else(|| panic!("no W for {fmt} ({suffix})"));
+            let w = if w == "GEMV_W" { GEMV_W.to_string() } else { w };
+            assert_eq!(
+                w,
+                gemv_w(d).to_string(),
+                "{suffix}: {fmt}'s W against gemv_w"
+            );
+        }
     }
 
     #[test]

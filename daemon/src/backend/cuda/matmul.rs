@@ -58,7 +58,7 @@ impl CudaBackend {
             // Decode rows: GEMV_W weight rows to a block of 128 threads, dequantized in
             // registers once for up to GEMV_R rows; a row's result never depends on the
             // other rows.
-            let dims = Dims::gemv(m, g);
+            let dims = Dims::gemv(m, g, w.dtype);
             let gemv = Kernel::gemv(w.dtype);
             self.kernels.gemv(
                 &self.compute,

@@ -167,7 +167,10 @@ impl CudaBackend {
                     Kernel::gemv1_grouped(first.w[i].dtype),
                 )
             } else {
-                (Dims::gemv(m, n), Kernel::gemv_grouped(first.w[i].dtype))
+                (
+                    Dims::gemv(m, n, first.w[i].dtype),
+                    Kernel::gemv_grouped(first.w[i].dtype),
+                )
             };
             self.kernels.gemv_grouped(
                 &self.compute,
