@@ -97,12 +97,12 @@ __device__ __forceinline__ float deq_q4_1(const u8* b, int i) {
 // A block of 128 threads (4 warps) takes W weight rows (the format's: GEMV_W, 2 for Q6_K)
 // and up to GEMV_R activation rows, so a step with B decode rows reads every weight
 // ceil(B / GEMV_R) times, not B, and each activation chunk a thread loads serves W weight
-// rows. The block's threads
-// split each weight row: thread t takes chunks t, t + 128, ... (a warp reads 32
-// consecutive chunks: coalesced) and loads its next chunks before it uses the current
-// ones. Measured on an H200 against one warp per weight row (stride 32): 1.5-3x faster at
-// 8 rows, 1.1-2.2x at 64. The kernels take 111-128 registers a thread (64-90 before), so
-// an SM holds half the blocks; a step of one decode row runs `gemv1` below instead.
+// rows. The block's threads split each weight row: thread t takes chunks t, t + 128, ...
+// (a warp reads 32 consecutive chunks: coalesced) and loads its next chunks before it uses
+// the current ones. Measured on an H200 against one warp per weight row (stride 32):
+// 1.5-3x faster at 8 rows, 1.1-2.2x at 64. The kernels take 111-128 registers a thread
+// (64-90 before; Q6_K's 72 at W = 2), so an SM holds half the blocks; a step of one decode
+// row runs `gemv1` below instead.
 // Grid: (ceil(m / W), ceil(rows / GEMV_R)); block: GEMV_THREADS (128).
 //
 // A format `F` supplies:
@@ -333,7 +333,7 @@ __device__ void gemv1(const u8* __restrict__ w, const float* __restrict__ x, flo
 // `gemv_grouped` where no two neighbouring pairs share an expert (a batch-1 step's top-k
 // pairs, and most pairs of a small batch over many experts): block (x, p) takes pair p
 // alone, as `gemv1` takes its row, at `gemv1`'s registers rather than the run-sharing
-// kernel's (230-251). Grid: (ceil(m / GEMV1_W), pairs); block: GEMV_THREADS.
+// kernel's (230-251; Q6_K's 94). Grid: (ceil(m / GEMV1_W), pairs); block: GEMV_THREADS.
 template <typename F>
 __device__ void gemv1_grouped(const unsigned long long* __restrict__ ws, const u32* __restrict__ x_rows,
                               const float* __restrict__ x, float* __restrict__ out, int m, int k, int pairs,

@@ -55,9 +55,9 @@ impl CudaBackend {
                 ki,
             )?;
         } else if g > 1 {
-            // Decode rows: GEMV_W weight rows to a block of 128 threads, dequantized in
-            // registers once for up to GEMV_R rows; a row's result never depends on the
-            // other rows.
+            // Decode rows: the format's weight rows (`gemv_w`: GEMV_W, 2 for Q6_K) to a
+            // block of 128 threads, dequantized in registers once for up to GEMV_R rows; a
+            // row's result never depends on the other rows.
             let dims = Dims::gemv(m, g, w.dtype);
             let gemv = Kernel::gemv(w.dtype);
             self.kernels.gemv(
