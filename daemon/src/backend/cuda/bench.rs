@@ -4,7 +4,8 @@
 //! weight matrix over its time (the bytes a step must read once), at 1, 8 and 64 decode
 //! rows; attention is one decode row at contexts 512, 4096 and 32768 (its time should grow
 //! linearly); a mixture's decode step (`Backend::experts`) at 1 and 8 rows, against the
-//! bytes of the experts it routes to. Weights and caches hold arbitrary bytes: no kernel's speed depends on values.
+//! bytes of the experts it routes to. Weights and caches hold arbitrary bytes: no kernel's
+//! speed depends on values.
 
 use super::device::CudaBackend;
 use super::handles::CudaMem;

@@ -823,21 +823,16 @@ mod tests {
     #[test]
     fn the_gemv_row_group_matches_the_kernels() {
         let common = super::super::COMMON;
-        assert!(
-            common.contains(&format!("#define GEMV_R {GEMV_R}\n")),
-            "kernels/common.cuh must define GEMV_R as {GEMV_R}"
-        );
-        assert!(
-            common.contains(&format!("#define GEMV_W {GEMV_W}\n")),
-            "kernels/common.cuh must define GEMV_W as {GEMV_W}"
-        );
-        assert!(
-            common.contains(&format!("#define GEMV1_W {GEMV1_W}\n")),
-            "kernels/common.cuh must define GEMV1_W as {GEMV1_W}"
-        );
-        assert!(
-            common.contains(&format!("#define GEMV_THREADS {GEMV_THREADS}\n")),
-            "kernels/common.cuh must define GEMV_THREADS as {GEMV_THREADS}"
-        );
+        for (name, value) in [
+            ("GEMV_R", GEMV_R),
+            ("GEMV_W", GEMV_W),
+            ("GEMV1_W", GEMV1_W),
+            ("GEMV_THREADS", GEMV_THREADS as usize),
+        ] {
+            assert!(
+                common.contains(&format!("#define {name} {value}\n")),
+                "kernels/common.cuh must define {name} as {value}"
+            );
+        }
     }
 }
