@@ -505,8 +505,26 @@ pub(super) mod avx2 {
         }
     }
 
+    /// `unpack_q4`'s byte shuffles: byte j (then 8 + j) of each 128-bit half into the low
+    /// byte of dword j (indices with the top bit set make zeros).
+    const Q4_SPREAD: [[i8; 32]; 2] = {
+        let mut t = [[-1i8; 32]; 2];
+        let mut j = 0;
+        while j < 8 {
+            t[0][4 * j] = j as i8;
+            t[1][4 * j] = 8 + j as i8;
+            j += 1;
+        }
+        t
+    };
+
     /// The 32 nibbles of a q4 block (16 bytes at `q`) as four vectors of f32: elements
     /// 0..8, 8..16 (low nibbles), 16..24, 24..32 (high nibbles).
+    ///
+    /// The block is broadcast to both halves of a vector by the load, and two byte
+    /// shuffles (`Q4_SPREAD`) put bytes 0..8 and 8..16 in the low byte of eight dwords
+    /// each; a mask and a dword shift take the nibbles out. That is two shuffles a block
+    /// where widening each quarter (`vpmovzxbd`) and moving the next one down took six.
     ///
     /// # Safety
     /// The CPU supports AVX2; `q` points at 16 readable bytes.
@@ -514,21 +532,26 @@ pub(super) mod avx2 {
     unsafe fn unpack_q4(q: *const u8) -> [__m256; 4] {
         // SAFETY: this function's contract, which its caller upholds.
         unsafe {
-            let m4 = _mm_set1_epi8(0x0F);
-            let v = _mm_loadu_si128(q as *const __m128i);
-            let lo = _mm_and_si128(v, m4);
-            let hi = _mm_and_si128(_mm_srli_epi16(v, 4), m4);
-            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v));
+            let v = _mm256_broadcastsi128_si256(_mm_loadu_si128(q as *const __m128i));
+            let idx = |o: &[i8; 32]| _mm256_loadu_si256(o.as_ptr() as *const __m256i);
+            let (first, second) = (idx(&Q4_SPREAD[0]), idx(&Q4_SPREAD[1]));
+            let (a, b) = (
+                _mm256_shuffle_epi8(v, first),
+                _mm256_shuffle_epi8(v, second),
+            );
+            let m4 = _mm256_set1_epi32(0x0F);
+            let f = _mm256_cvtepi32_ps;
             [
-                f(lo),
-                f(_mm_srli_si128(lo, 8)),
-                f(hi),
-                f(_mm_srli_si128(hi, 8)),
+                f(_mm256_and_si256(a, m4)),
+                f(_mm256_and_si256(b, m4)),
+                f(_mm256_srli_epi32::<4>(a)),
+                f(_mm256_srli_epi32::<4>(b)),
             ]
         }
     }
 
-    /// The 32 signed bytes of a q8_0 block (at `q`) as four vectors of f32.
+    /// The 32 signed bytes of a q8_0 block (at `q`) as four vectors of f32, each quarter
+    /// sign-extended straight from memory (no shuffle to move it down first).
     ///
     /// # Safety
     /// The CPU supports AVX2; `q` points at 32 readable bytes.
@@ -536,65 +559,112 @@ pub(super) mod avx2 {
     unsafe fn unpack_q8(q: *const u8) -> [__m256; 4] {
         // SAFETY: this function's contract, which its caller upholds.
         unsafe {
-            let q0 = _mm_loadu_si128(q as *const __m128i);
-            let q1 = _mm_loadu_si128(q.add(16) as *const __m128i);
-            let f = |v: __m128i| _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
-            [
-                f(q0),
-                f(_mm_srli_si128(q0, 8)),
-                f(q1),
-                f(_mm_srli_si128(q1, 8)),
-            ]
+            let f = |at: usize| {
+                let v = _mm_loadl_epi64(q.add(at) as *const __m128i);
+                _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v))
+            };
+            [f(0), f(8), f(16), f(24)]
         }
     }
 
-    /// One activation row; per row the arithmetic is exactly `dot4_q4`'s, so a sequence's
-    /// results do not depend on how many others share its batch.
+    /// One activation row against `R` weight rows, their blocks in step: a row's sums
+    /// are one chain of dependent FMAs from block to block (and the offset term another),
+    /// so a row alone runs at the FMA's latency, not its throughput; `R` rows in step are
+    /// `R` independent chains. Per row the arithmetic is exactly `dot4_q4`'s, so a
+    /// sequence's results depend neither on `R` nor on how many others share its batch.
     ///
     /// # Safety
-    /// The CPU supports AVX2, FMA and F16C; `x.len()` is a multiple of 32, `w` holds
-    /// `x.len() / 32` blocks of `bb` bytes with the 16 quant bytes at `qo`, and `xsum` one
-    /// sum per block.
+    /// The CPU supports AVX2, FMA and F16C; `x.len()` is a multiple of 32, each `w[r]`
+    /// holds `x.len() / 32` blocks of `bb` bytes with the 16 quant bytes at `qo`, and
+    /// `xsum` one sum per block.
     // The block index addresses raw pointers into w and x and the sums in lockstep.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn dot_q4(w: &[u8], x: &[f32], xsum: &[f32], bb: usize, qo: usize, q4_0: bool) -> f32 {
+    unsafe fn dot_q4<const R: usize>(
+        w: [&[u8]; R],
+        x: &[f32],
+        xsum: &[f32],
+        bb: usize,
+        qo: usize,
+        q4_0: bool,
+    ) -> [f32; R] {
         // SAFETY: this function's contract, which its caller upholds.
         unsafe {
-            let mut acc = _mm256_setzero_ps();
-            let mut moff = 0f32;
-            let (wp, xp) = (w.as_ptr(), x.as_ptr());
+            let mut acc = [_mm256_setzero_ps(); R];
+            let mut moff = [0f32; R];
+            let xp = x.as_ptr();
             for b in 0..x.len() / 32 {
-                let d = f16_scalar(w, b * bb);
-                let off = if q4_0 {
-                    -8.0 * d
-                } else {
-                    f16_scalar(w, b * bb + 2)
-                };
-                let s = dot32(&unpack_q4(wp.add(b * bb + qo)), xp.add(b * 32));
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc);
-                moff = off.mul_add(xsum[b], moff);
+                for r in 0..R {
+                    let d = f16_scalar(w[r], b * bb);
+                    let off = if q4_0 {
+                        -8.0 * d
+                    } else {
+                        f16_scalar(w[r], b * bb + 2)
+                    };
+                    let s = dot32(&unpack_q4(w[r].as_ptr().add(b * bb + qo)), xp.add(b * 32));
+                    acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc[r]);
+                    moff[r] = off.mul_add(xsum[b], moff[r]);
+                }
             }
-            hsum256(acc) + moff
+            std::array::from_fn(|r| hsum256(acc[r]) + moff[r])
         }
     }
 
+    /// One activation row against `R` q8_0 weight rows in step (as `dot_q4`).
+    ///
     /// # Safety
-    /// The CPU supports AVX2, FMA and F16C; `x.len()` is a multiple of 32 and `w` holds
-    /// `x.len() / 32` q8_0 blocks of 34 bytes.
+    /// The CPU supports AVX2, FMA and F16C; `x.len()` is a multiple of 32 and each `w[r]`
+    /// holds `x.len() / 32` q8_0 blocks of 34 bytes.
     #[inline(always)]
-    unsafe fn dot_q8_0(w: &[u8], x: &[f32]) -> f32 {
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn dot_q8_0<const R: usize>(w: [&[u8]; R], x: &[f32]) -> [f32; R] {
         // SAFETY: this function's contract, which its caller upholds.
         unsafe {
-            let mut acc = _mm256_setzero_ps();
-            let (wp, xp) = (w.as_ptr(), x.as_ptr());
+            let mut acc = [_mm256_setzero_ps(); R];
+            let xp = x.as_ptr();
             for b in 0..x.len() / 32 {
-                let s = dot32(&unpack_q8(wp.add(b * 34 + 2)), xp.add(b * 32));
-                acc = _mm256_fmadd_ps(_mm256_set1_ps(f16_scalar(w, b * 34)), s, acc);
+                for r in 0..R {
+                    let s = dot32(&unpack_q8(w[r].as_ptr().add(b * 34 + 2)), xp.add(b * 32));
+                    let d = _mm256_set1_ps(f16_scalar(w[r], b * 34));
+                    acc[r] = _mm256_fmadd_ps(d, s, acc[r]);
+                }
             }
-            hsum256(acc)
+            std::array::from_fn(|r| hsum256(acc[r]))
         }
     }
+
+    /// `out[i] = dot(row i of w, x)`, `ROWS_IN_STEP` rows in step through `many` (row i of
+    /// each `ROWS_IN_STEP`-th of the rows, so each is read front to back as one
+    /// sequential stream), the rows left over through `one`.
+    #[inline(always)]
+    fn rows_in_step(
+        w: &[u8],
+        row_bytes: usize,
+        out: &mut [f32],
+        mut many: impl FnMut([&[u8]; ROWS_IN_STEP]) -> [f32; ROWS_IN_STEP],
+        mut one: impl FnMut([&[u8]; 1]) -> [f32; 1],
+    ) {
+        let q = out.len() / ROWS_IN_STEP;
+        for i in 0..q {
+            let v = many(std::array::from_fn(|p| {
+                let r = p * q + i;
+                &w[r * row_bytes..(r + 1) * row_bytes]
+            }));
+            for (p, v) in v.into_iter().enumerate() {
+                out[p * q + i] = v;
+            }
+        }
+        let done = q * ROWS_IN_STEP;
+        for (o, row) in out[done..]
+            .iter_mut()
+            .zip(w[done * row_bytes..].chunks_exact(row_bytes))
+        {
+            *o = one([row])[0];
+        }
+    }
+
+    /// Weight rows a one-activation-row GEMV runs in step (`dot_q4`).
+    const ROWS_IN_STEP: usize = 2;
 
     /// Up to four activation rows against one weight row: the block is unpacked once and
     /// used for every row. `xsum[r]` holds row r's per-block sums (for the offset term).
@@ -705,18 +775,23 @@ pub(super) mod avx2 {
             debug_assert!(!dtype.is_quantized() || x.len().is_multiple_of(32));
             debug_assert!(x.len().is_multiple_of(dtype.block_elems() as usize));
             match dtype {
-                DType::Q4_0 => out
-                    .iter_mut()
-                    .zip(w.chunks_exact(row_bytes))
-                    .for_each(|(o, r)| *o = dot_q4(r, x, xsum, 18, 2, true)),
-                DType::Q4_1 => out
-                    .iter_mut()
-                    .zip(w.chunks_exact(row_bytes))
-                    .for_each(|(o, r)| *o = dot_q4(r, x, xsum, 20, 4, false)),
-                DType::Q8_0 => out
-                    .iter_mut()
-                    .zip(w.chunks_exact(row_bytes))
-                    .for_each(|(o, r)| *o = dot_q8_0(r, x)),
+                DType::Q4_0 | DType::Q4_1 => {
+                    let (bb, qo, q4_0) = if dtype == DType::Q4_0 {
+                        (18, 2, true)
+                    } else {
+                        (20, 4, false)
+                    };
+                    rows_in_step(
+                        w,
+                        row_bytes,
+                        out,
+                        |r| dot_q4(r, x, xsum, bb, qo, q4_0),
+                        |r| dot_q4(r, x, xsum, bb, qo, q4_0),
+                    )
+                }
+                DType::Q8_0 => {
+                    rows_in_step(w, row_bytes, out, |r| dot_q8_0(r, x), |r| dot_q8_0(r, x))
+                }
                 t if kquant::covers(t) => kquant::gemv_rows(t, w, row_bytes, &[x], &[xsum], out),
                 _ => gemv_impl::<true>(dtype, w, row_bytes, x, out),
             }
@@ -1108,6 +1183,14 @@ pub(super) mod tests {
             dequant_rows(dtype, &w, rb, cols, &mut deq);
             for r in 0..rows {
                 let row = &w[r * rb..(r + 1) * rb];
+                // A row alone (the kernels' tail) gives the bits it gives beside others.
+                let mut alone = [0f32];
+                gemv(dtype, row, rb, &x, &mut alone);
+                assert_eq!(
+                    alone[0].to_bits(),
+                    out[r].to_bits(),
+                    "{dtype} row {r} alone"
+                );
                 let want: f64 = (0..cols)
                     .map(|i| reference_value(dtype, row, i) * x[i] as f64)
                     .sum();

@@ -409,42 +409,54 @@ mod avx2 {
         unsafe { _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)) }
     }
 
-    /// q4_0 (d * (q - 8)), q4_1 (d * q + m) and q8_0 (d * q): one block per 32 weights.
+    /// q4_0 (d * (q - 8)), q4_1 (d * q + m) and q8_0 (d * q): one block per 32 weights,
+    /// for `WR` weight rows in step. A row's blocks are one chain of dependent FMAs (its
+    /// accumulator), so one weight row against one activation row runs at the FMA's
+    /// latency; `gemv_body` gives a lone activation row weight rows in pairs, two
+    /// independent chains. Per (weight row, activation row) the arithmetic and its order
+    /// are the same whatever `WR` and `N`.
     ///
     /// # Safety
-    /// AVX2, FMA, F16C; `row` is whole blocks, each `xq[r]` has one block per weight block.
+    /// AVX2, FMA, F16C; each row is whole blocks, each `xq[r]` has one block per weight
+    /// block.
     #[inline(always)]
-    unsafe fn row_q4_q8<const N: usize, A: Acts, D: Dot>(
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn row_q4_q8<const WR: usize, const N: usize, A: Acts, D: Dot>(
         t: DType,
-        row: &[u8],
+        rows: [&[u8]; WR],
         xq: &[&[A]],
-    ) -> [f32; N] {
+    ) -> [[f32; N]; WR] {
         // SAFETY: this function's contract; reads stay inside each block.
         unsafe {
             let bb = t.block_bytes() as usize;
-            let mut acc = [_mm256_setzero_ps(); N];
-            let mut offs = [0f32; N];
-            for (b, blk) in row.chunks_exact(bb).enumerate() {
-                let d = _mm256_set1_ps(f16_scalar(blk, 0));
-                match t {
-                    DType::Q4_0 => {
-                        let wq = _mm256_sub_epi8(nibbles(blk.as_ptr().add(2)), _mm256_set1_epi8(8));
-                        piece::<N, true, A, D>(&mut acc, wq, d, xq, b);
-                    }
-                    DType::Q4_1 => {
-                        let m = f16_scalar(blk, 2);
-                        piece::<N, false, A, D>(&mut acc, nibbles(blk.as_ptr().add(4)), d, xq, b);
-                        for r in 0..N {
-                            offs[r] = m.mul_add(xq[r][b].ds(), offs[r]);
+            let mut acc = [[_mm256_setzero_ps(); N]; WR];
+            let mut offs = [[0f32; N]; WR];
+            for b in 0..rows[0].len() / bb {
+                for k in 0..WR {
+                    let blk = rows[k].get_unchecked(b * bb..(b + 1) * bb);
+                    let d = _mm256_set1_ps(f16_scalar(blk, 0));
+                    match t {
+                        DType::Q4_0 => {
+                            let wq =
+                                _mm256_sub_epi8(nibbles(blk.as_ptr().add(2)), _mm256_set1_epi8(8));
+                            piece::<N, true, A, D>(&mut acc[k], wq, d, xq, b);
                         }
-                    }
-                    _ => {
-                        let wq = _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i);
-                        piece::<N, true, A, D>(&mut acc, wq, d, xq, b);
+                        DType::Q4_1 => {
+                            let m = f16_scalar(blk, 2);
+                            let wq = nibbles(blk.as_ptr().add(4));
+                            piece::<N, false, A, D>(&mut acc[k], wq, d, xq, b);
+                            for r in 0..N {
+                                offs[k][r] = m.mul_add(xq[r][b].ds(), offs[k][r]);
+                            }
+                        }
+                        _ => {
+                            let wq = _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i);
+                            piece::<N, true, A, D>(&mut acc[k], wq, d, xq, b);
+                        }
                     }
                 }
             }
-            std::array::from_fn(|r| hsum256(acc[r]) + offs[r])
+            std::array::from_fn(|k| std::array::from_fn(|r| hsum256(acc[k][r]) + offs[k][r]))
         }
     }
 
@@ -527,22 +539,33 @@ mod avx2 {
     /// # Safety
     /// As `row_q45k`.
     #[inline(always)]
-    unsafe fn row_q6k<const N: usize, A: Acts, D: Dot>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
+    #[allow(clippy::needless_range_loop)]
+    unsafe fn row_q6k<const WR: usize, const N: usize, A: Acts, D: Dot>(
+        rows: [&[u8]; WR],
+        xq: &[&[A]],
+    ) -> [[f32; N]; WR] {
         // SAFETY: this function's contract; reads stay inside each block.
         unsafe {
-            let mut acc = [_mm256_setzero_ps(); N];
-            for (b, blk) in row.chunks_exact(210).enumerate() {
-                let d = f16_scalar(blk, 208);
+            let mut acc = [[_mm256_setzero_ps(); N]; WR];
+            for b in 0..rows[0].len() / 210 {
+                let blks: [&[u8]; WR] =
+                    std::array::from_fn(|k| rows[k].get_unchecked(b * 210..(b + 1) * 210));
+                let d: [f32; WR] = std::array::from_fn(|k| f16_scalar(blks[k], 208));
                 for h in 0..2 {
                     for t4 in 0..4 {
-                        let q = q6k_piece(blk, h, t4);
-                        let s = 192 + 8 * h + 2 * t4;
-                        let scale = halves(d * blk[s] as i8 as f32, d * blk[s + 1] as i8 as f32);
-                        piece::<N, true, A, D>(&mut acc, q, scale, xq, 8 * b + 4 * h + t4);
+                        for k in 0..WR {
+                            let (blk, d) = (blks[k], d[k]);
+                            let q = q6k_piece(blk, h, t4);
+                            let s = 192 + 8 * h + 2 * t4;
+                            let scale =
+                                halves(d * blk[s] as i8 as f32, d * blk[s + 1] as i8 as f32);
+                            let bi = 8 * b + 4 * h + t4;
+                            piece::<N, true, A, D>(&mut acc[k], q, scale, xq, bi);
+                        }
                     }
                 }
             }
-            std::array::from_fn(|r| hsum256(acc[r]))
+            std::array::from_fn(|k| std::array::from_fn(|r| hsum256(acc[k][r])))
         }
     }
 
@@ -698,6 +721,35 @@ mod avx2 {
         "avx2,fma,f16c,avx512vnni,avx512vl"
     );
 
+    /// Weight rows a lone activation row takes in step (`gemv_body`).
+    const STEP: usize = 2;
+
+    /// The formats whose kernels take several weight rows in step: q4_0, q4_1, q8_0 and
+    /// q6_k. (q4_k and q5_k ran 1.5x slower in step: their per-piece scale decoding
+    /// leaves their lone row nothing to wait on.)
+    fn in_step(dtype: DType) -> bool {
+        matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q6K)
+    }
+
+    /// `WR` weight rows in step against the N rows of `xq` (a format `in_step` names).
+    ///
+    /// # Safety
+    /// As `row_q4_q8`.
+    #[inline(always)]
+    unsafe fn rows_in_step<const WR: usize, const N: usize, A: Acts, D: Dot>(
+        dtype: DType,
+        rows: [&[u8]; WR],
+        xq: &[&[A]],
+    ) -> [[f32; N]; WR] {
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            match dtype {
+                DType::Q6K => row_q6k::<WR, N, A, D>(rows, xq),
+                _ => row_q4_q8::<WR, N, A, D>(dtype, rows, xq),
+            }
+        }
+    }
+
     /// # Safety
     /// AVX2, FMA and F16C (and what `D` needs); `w` holds whole rows of `row_bytes`; each
     /// `xq[r]` (N of them) has one block per 32 weights of a row; `out` has a slot per
@@ -715,14 +767,37 @@ mod avx2 {
         // SAFETY: this function's contract: each row function reads inside its row and
         // the first `nb` blocks of each activation row.
         unsafe {
+            // A lone activation row takes STEP weight rows in step (`in_step`): row i of
+            // each STEP-th of the rows, so each is read front to back as one sequential
+            // stream (adjacent rows in step make short strided runs the prefetchers do
+            // not follow: 1.9x slower on SmolLM2's 30 MB output head).
+            let q = if N == 1 && in_step(dtype) {
+                out.len() / STEP
+            } else {
+                0
+            };
+            for i in 0..q {
+                let rows: [&[u8]; STEP] = std::array::from_fn(|p| {
+                    let r = p * q + i;
+                    &w[r * row_bytes..(r + 1) * row_bytes]
+                });
+                let v = rows_in_step::<STEP, N, A, D>(dtype, rows, xq);
+                for (p, v) in v.iter().enumerate() {
+                    out[p * q + i][..N].copy_from_slice(v);
+                }
+            }
+            let done = q * STEP;
+            let (out, w) = (&mut out[done..], &w[done * row_bytes..]);
             for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
                 let v: [f32; N] = match dtype {
-                    DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => row_q4_q8::<N, A, D>(dtype, row, xq),
+                    t if in_step(t) => {
+                        let [v] = rows_in_step::<1, N, A, D>(dtype, [row], xq);
+                        v
+                    }
                     DType::Q5_0 => row_q5::<N, A, D>(row, xq, false),
                     DType::Q5_1 => row_q5::<N, A, D>(row, xq, true),
                     DType::Q4K => row_q45k::<N, A, D>(row, xq, false),
                     DType::Q5K => row_q45k::<N, A, D>(row, xq, true),
-                    DType::Q6K => row_q6k::<N, A, D>(row, xq),
                     DType::Q2K => row_q2k::<N, A, D>(row, xq),
                     DType::Q3K => row_q3k::<N, A, D>(row, xq),
                     DType::Iq4Nl | DType::Iq4Xs | DType::Mxfp4 => {
