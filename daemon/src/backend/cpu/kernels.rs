@@ -567,6 +567,28 @@ pub(super) mod avx2 {
         }
     }
 
+    /// A q4 block's scale d and offset (q4_0: -8 d; q4_1: its m): the block's first four
+    /// bytes widened from f16 in one conversion.
+    ///
+    /// # Safety
+    /// The CPU supports F16C; `blk` points at 4 readable bytes.
+    #[inline(always)]
+    unsafe fn q4_scales(blk: *const u8, q4_0: bool) -> (f32, f32) {
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let dm = _mm_cvtph_ps(_mm_cvtsi32_si128(std::ptr::read_unaligned(
+                blk as *const i32,
+            )));
+            let d = _mm_cvtss_f32(dm);
+            let off = if q4_0 {
+                -8.0 * d
+            } else {
+                _mm_cvtss_f32(_mm_movehdup_ps(dm))
+            };
+            (d, off)
+        }
+    }
+
     /// One activation row against `R` weight rows, their blocks in step: a row's sums
     /// are one chain of dependent FMAs from block to block (and the offset term another),
     /// so a row alone runs at the FMA's latency, not its throughput; `R` rows in step are
@@ -595,13 +617,9 @@ pub(super) mod avx2 {
             let xp = x.as_ptr();
             for b in 0..x.len() / 32 {
                 for r in 0..R {
-                    let d = f16_scalar(w[r], b * bb);
-                    let off = if q4_0 {
-                        -8.0 * d
-                    } else {
-                        f16_scalar(w[r], b * bb + 2)
-                    };
-                    let s = dot32(&unpack_q4(w[r].as_ptr().add(b * bb + qo)), xp.add(b * 32));
+                    let blk = w[r].as_ptr().add(b * bb);
+                    let (d, off) = q4_scales(blk, q4_0);
+                    let s = dot32(&unpack_q4(blk.add(qo)), xp.add(b * 32));
                     acc[r] = _mm256_fmadd_ps(_mm256_set1_ps(d), s, acc[r]);
                     moff[r] = off.mul_add(xsum[b], moff[r]);
                 }
@@ -688,12 +706,7 @@ pub(super) mod avx2 {
             let mut moff = [0f32; 4];
             let wp = w.as_ptr();
             for b in 0..xs[0].len() / 32 {
-                let d = f16_scalar(w, b * bb);
-                let off = if q4_0 {
-                    -8.0 * d
-                } else {
-                    f16_scalar(w, b * bb + 2)
-                };
+                let (d, off) = q4_scales(wp.add(b * bb), q4_0);
                 let wv = unpack_q4(wp.add(b * bb + qo));
                 let dv = _mm256_set1_ps(d);
                 for r in 0..4 {
