@@ -409,6 +409,45 @@ mod avx2 {
         unsafe { _mm256_set_m128(_mm_set1_ps(hi), _mm_set1_ps(lo)) }
     }
 
+    /// q4_0 (d * (q - 8)), q4_1 (d * q + m) and q8_0 (d * q): one block per 32 weights.
+    ///
+    /// # Safety
+    /// AVX2, FMA, F16C; `row` is whole blocks, each `xq[r]` has one block per weight block.
+    #[inline(always)]
+    unsafe fn row_q4_q8<const N: usize, A: Acts, D: Dot>(
+        t: DType,
+        row: &[u8],
+        xq: &[&[A]],
+    ) -> [f32; N] {
+        // SAFETY: this function's contract; reads stay inside each block.
+        unsafe {
+            let bb = t.block_bytes() as usize;
+            let mut acc = [_mm256_setzero_ps(); N];
+            let mut offs = [0f32; N];
+            for (b, blk) in row.chunks_exact(bb).enumerate() {
+                let d = _mm256_set1_ps(f16_scalar(blk, 0));
+                match t {
+                    DType::Q4_0 => {
+                        let wq = _mm256_sub_epi8(nibbles(blk.as_ptr().add(2)), _mm256_set1_epi8(8));
+                        piece::<N, true, A, D>(&mut acc, wq, d, xq, b);
+                    }
+                    DType::Q4_1 => {
+                        let m = f16_scalar(blk, 2);
+                        piece::<N, false, A, D>(&mut acc, nibbles(blk.as_ptr().add(4)), d, xq, b);
+                        for r in 0..N {
+                            offs[r] = m.mul_add(xq[r][b].ds(), offs[r]);
+                        }
+                    }
+                    _ => {
+                        let wq = _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i);
+                        piece::<N, true, A, D>(&mut acc, wq, d, xq, b);
+                    }
+                }
+            }
+            std::array::from_fn(|r| hsum256(acc[r]) + offs[r])
+        }
+    }
+
     /// q4_0 (d * (q - 8)), q4_1 (d * q + m) and q8_0 (d * q): one block per 32 weights,
     /// for `WR` weight rows in step. A row's blocks are one chain of dependent FMAs (its
     /// accumulator), so one weight row against one activation row runs at the FMA's
@@ -421,7 +460,7 @@ mod avx2 {
     /// block.
     #[inline(always)]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn row_q4_q8<const WR: usize, const N: usize, A: Acts, D: Dot>(
+    unsafe fn row_q4_q8_in_step<const WR: usize, const N: usize, A: Acts, D: Dot>(
         t: DType,
         rows: [&[u8]; WR],
         xq: &[&[A]],
@@ -539,8 +578,32 @@ mod avx2 {
     /// # Safety
     /// As `row_q45k`.
     #[inline(always)]
+    unsafe fn row_q6k<const N: usize, A: Acts, D: Dot>(row: &[u8], xq: &[&[A]]) -> [f32; N] {
+        // SAFETY: this function's contract; reads stay inside each block.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); N];
+            for (b, blk) in row.chunks_exact(210).enumerate() {
+                let d = f16_scalar(blk, 208);
+                for h in 0..2 {
+                    for t4 in 0..4 {
+                        let q = q6k_piece(blk, h, t4);
+                        let s = 192 + 8 * h + 2 * t4;
+                        let scale = halves(d * blk[s] as i8 as f32, d * blk[s + 1] as i8 as f32);
+                        piece::<N, true, A, D>(&mut acc, q, scale, xq, 8 * b + 4 * h + t4);
+                    }
+                }
+            }
+            std::array::from_fn(|r| hsum256(acc[r]))
+        }
+    }
+
+    /// `row_q6k` for `WR` weight rows in step (as `row_q4_q8_in_step`).
+    ///
+    /// # Safety
+    /// As `row_q45k`.
+    #[inline(always)]
     #[allow(clippy::needless_range_loop)]
-    unsafe fn row_q6k<const WR: usize, const N: usize, A: Acts, D: Dot>(
+    unsafe fn row_q6k_in_step<const WR: usize, const N: usize, A: Acts, D: Dot>(
         rows: [&[u8]; WR],
         xq: &[&[A]],
     ) -> [[f32; N]; WR] {
@@ -744,8 +807,8 @@ mod avx2 {
         // SAFETY: this function's contract, which its caller upholds.
         unsafe {
             match dtype {
-                DType::Q6K => row_q6k::<WR, N, A, D>(rows, xq),
-                _ => row_q4_q8::<WR, N, A, D>(dtype, rows, xq),
+                DType::Q6K => row_q6k_in_step::<WR, N, A, D>(rows, xq),
+                _ => row_q4_q8_in_step::<WR, N, A, D>(dtype, rows, xq),
             }
         }
     }
@@ -790,10 +853,8 @@ mod avx2 {
             let (out, w) = (&mut out[done..], &w[done * row_bytes..]);
             for (o, row) in out.iter_mut().zip(w.chunks_exact(row_bytes)) {
                 let v: [f32; N] = match dtype {
-                    t if in_step(t) => {
-                        let [v] = rows_in_step::<1, N, A, D>(dtype, [row], xq);
-                        v
-                    }
+                    DType::Q4_0 | DType::Q4_1 | DType::Q8_0 => row_q4_q8::<N, A, D>(dtype, row, xq),
+                    DType::Q6K => row_q6k::<N, A, D>(row, xq),
                     DType::Q5_0 => row_q5::<N, A, D>(row, xq, false),
                     DType::Q5_1 => row_q5::<N, A, D>(row, xq, true),
                     DType::Q4K => row_q45k::<N, A, D>(row, xq, false),
