@@ -6,10 +6,11 @@
 
 use crate::dtype::DType;
 use crate::import::ImportedModel;
-use crate::store::codec::{Codec, FrameDecoder, FrameEncoder, Plane};
+use crate::store::codec::{CodeCensus, Codec, FrameDecoder, FrameEncoder, Plane};
+use crate::store::fpsplit::SharedTables;
 use crate::text::{ChatMessage, ChatTemplate, Tokenizer};
 use std::path::Path;
-use std::sync::OnceLock;
+use std::sync::{Arc, OnceLock};
 
 /// A target's body.
 pub type Target = fn(&[u8]);
@@ -123,19 +124,29 @@ pub fn frame(data: &[u8]) {
         });
         at = end;
     }
-    let Ok(mut dec) = FrameDecoder::new(raw_len) else {
+    // The float codec takes the frame as elements of a float dtype; its shared codes are
+    // made from the frame's own bytes (a plane may name one: mode 2).
+    let dtype = [DType::Q8_0, DType::BF16, DType::F16, DType::F32][head[1] as usize % 4];
+    let raw = &body[..body.len().min(1 << 14)];
+    let mut census = CodeCensus::default();
+    census.add(&raw[..raw.len() / 4 * 4], dtype);
+    let codes = census.codes();
+    let Ok(tables) = SharedTables::new(&codes) else {
+        panic!("the census made shared codes that do not check: {codes:?}");
+    };
+    let tables = Arc::new(tables);
+    let Ok(dec) = FrameDecoder::new(raw_len) else {
         return;
     };
+    let mut dec = dec.with_shared(tables.clone());
     let mut dst = vec![0u8; raw_len];
     let _ = dec.decode(codec, &planes, checksum, body, &mut dst);
 
     // The round trip: whatever the encoder makes of the bytes decodes back to them.
-    let raw = &body[..body.len().min(1 << 14)];
     let Ok(mut enc) = FrameEncoder::new(codec) else {
         return;
     };
-    // The float codec takes the frame as elements of a float dtype.
-    let dtype = [DType::Q8_0, DType::BF16, DType::F16, DType::F32][head[1] as usize % 4];
+    enc.set_shared(&codes);
     let e = if codec == Codec::Float {
         enc.encode(&raw[..raw.len() / 4 * 4], dtype)
     } else {
@@ -151,9 +162,10 @@ pub fn frame(data: &[u8]) {
     };
     let (codec, planes, bytes) = (e.codec, e.planes.clone(), e.bytes.to_vec());
     let sum = xxhash_rust::xxh3::xxh3_64(raw);
-    let Ok(mut dec) = FrameDecoder::new(raw.len()) else {
+    let Ok(dec) = FrameDecoder::new(raw.len()) else {
         return;
     };
+    let mut dec = dec.with_shared(tables);
     let mut back = vec![0u8; raw.len()];
     let r = dec.decode(codec, &planes, sum, &bytes, &mut back);
     assert!(

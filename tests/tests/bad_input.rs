@@ -3,7 +3,7 @@
 
 use sluice::import;
 use sluice::store::verify::verify;
-use sluice::store::{FrameDecoder, Store, StoreError};
+use sluice::store::{Store, StoreError};
 use sluice_tests::*;
 use std::path::{Path, PathBuf};
 
@@ -281,17 +281,18 @@ fn damaged_manifests_are_clear_errors() {
     b[0] = b'X';
     assert!(open_err(&b).contains("not a sluice manifest"));
     let mut b = good.clone();
-    b[8] = 8;
-    assert!(open_err(&b).contains("store format version 8"));
+    b[8] = 9;
+    assert!(open_err(&b).contains("store format version 9"));
     // Format 6 compresses the payload; the formats before it wrote it as it is.
     let end = good.len() - 8;
     let payload = zstd::bulk::decompress(&good[20..end], 1 << 30).unwrap();
     // A format-1 store (the manifest without the trailing architecture extension: four
     // zero bytes, its empty options and list, for a Llama model; nor format 3's mixture of
     // experts, one zero byte, None; nor format 4's SwiGLU clamp, one zero byte, None; nor
-    // format 6's linked source, one zero byte, None) still opens, with the Llama defaults.
+    // format 6's linked source, one zero byte, None; nor format 8's shared codes, one zero
+    // byte, none for a zstd store) still opens, with the Llama defaults.
     let n = payload.len();
-    assert_eq!(&payload[n - 7..], &[0u8; 7], "a Llama model's extensions");
+    assert_eq!(&payload[n - 8..], &[0u8; 8], "a Llama model's extensions");
     // The manifest as an older format wrote it: the payload without its last `cut` bytes,
     // uncompressed, under `version`, checksummed.
     let older = |version: u32, cut: usize| -> Vec<u8> {
@@ -303,20 +304,31 @@ fn damaged_manifests_are_clear_errors() {
         v.extend_from_slice(&sum.to_le_bytes());
         v
     };
-    // Formats 5 and 4: without the link (format 5 added the float codec); format 3:
-    // without the clamp; format 2: without the mixture either.
-    std::fs::write(&mpath, older(5, 1)).unwrap();
+    // Format 7: compressed, without the shared codes.
+    let mut v7 = good[..8].to_vec();
+    v7.extend_from_slice(&7u32.to_le_bytes());
+    let z = zstd::bulk::compress(&payload[..n - 1], 3).unwrap();
+    v7.extend_from_slice(&(z.len() as u64).to_le_bytes());
+    v7.extend_from_slice(&z);
+    let sum = xxhash_rust::xxh3::xxh3_64(&v7);
+    v7.extend_from_slice(&sum.to_le_bytes());
+    std::fs::write(&mpath, &v7).unwrap();
+    let old = Store::open(&dir).expect("a format-7 store opens");
+    assert!(old.manifest().codes.is_empty());
+    // Formats 5 and 4: without the link and the codes (format 5 added the float codec);
+    // format 3: without the clamp; format 2: without the mixture either.
+    std::fs::write(&mpath, older(5, 2)).unwrap();
     let old = Store::open(&dir).expect("a format-5 store opens");
     assert_eq!(old.manifest().link, None);
-    std::fs::write(&mpath, older(4, 1)).unwrap();
+    std::fs::write(&mpath, older(4, 2)).unwrap();
     Store::open(&dir).expect("a format-4 store opens");
-    std::fs::write(&mpath, older(3, 2)).unwrap();
+    std::fs::write(&mpath, older(3, 3)).unwrap();
     let old = Store::open(&dir).expect("a format-3 store opens");
     assert_eq!(old.manifest().arch.swiglu, None);
-    std::fs::write(&mpath, older(2, 3)).unwrap();
+    std::fs::write(&mpath, older(2, 4)).unwrap();
     let old = Store::open(&dir).expect("a format-2 store opens");
     assert_eq!(old.manifest().arch.moe, None);
-    let mut v1 = older(1, 7);
+    let mut v1 = older(1, 8);
     std::fs::write(&mpath, &v1).unwrap();
     let old = Store::open(&dir).expect("a format-1 store opens");
     assert_eq!(old.manifest().arch.ext, Default::default());
@@ -427,7 +439,7 @@ fn a_flipped_byte_in_any_frame_is_found_and_named() {
                 }
                 // The plain reader refuses the unit too: no silently wrong tensor.
                 let file = store.open_weights().unwrap();
-                let mut dec = FrameDecoder::new(4096).unwrap();
+                let mut dec = store.frame_decoder(4096).unwrap();
                 let mut raw = vec![0u8; store.units()[ui].raw_len as usize];
                 let e = store
                     .read_unit(&file, ui, &mut Vec::new(), &mut raw, &mut dec)

@@ -3,7 +3,7 @@
 //! name file, layer, frame and offset, and leak no buffer.
 
 use sluice::io::{IoConfig, IoEngine, ReaderChoice, ReaderKind};
-use sluice::store::{FrameDecoder, Store};
+use sluice::store::Store;
 use sluice_tests::*;
 use std::path::Path;
 use std::sync::Arc;
@@ -16,7 +16,9 @@ fn packed(src: &Path, out: &Path, codec: &str, frame_size: u32) -> Arc<Store> {
 /// Every unit decoded by the plain reader, the reference for the engine.
 fn reference(store: &Store) -> Vec<Vec<u8>> {
     let file = store.open_weights().unwrap();
-    let mut dec = FrameDecoder::new(store.manifest().frame_raw_len_max() as usize).unwrap();
+    let mut dec = store
+        .frame_decoder(store.manifest().frame_raw_len_max() as usize)
+        .unwrap();
     let mut stored = Vec::new();
     (0..store.units().len())
         .map(|i| {

@@ -11,7 +11,6 @@ use super::uring::UringReader;
 use super::workers::{worker, Job};
 use super::{IoConfig, IoError, IoStats, ReaderChoice, ReaderKind};
 use crate::hostbuf::{AlignedBuf, IO_ALIGN};
-use crate::store::codec::FrameDecoder;
 use crate::store::Store;
 use std::fs::File;
 use std::ops::Range;
@@ -360,8 +359,9 @@ impl IoEngine {
         for i in 0..cfg.workers {
             let (job_rx, store, waker, shared) =
                 (job_rx.clone(), store.clone(), waker.clone(), shared.clone());
-            let mut dec =
-                FrameDecoder::new(frame_raw_max).map_err(|e| setup(format!("decoder: {e}")))?;
+            let mut dec = store
+                .frame_decoder(frame_raw_max)
+                .map_err(|e| setup(format!("decoder: {e}")))?;
             let mut joined = vec![0u8; sizes.frame_stored_max];
             let h = std::thread::Builder::new()
                 .name(format!("sluice-decomp-{i}"))

@@ -6,7 +6,6 @@
 //! against the read-only passes on either side of it.
 
 use super::{IoConfig, IoEngine, IoError, IoStats};
-use crate::store::codec::FrameDecoder;
 use crate::store::Store;
 use serde::Serialize;
 use std::collections::VecDeque;
@@ -136,8 +135,9 @@ fn stream(
 fn core_decode_gbps(store: &Store, sample_bytes: u64) -> Result<(f64, f64), IoError> {
     let file = store.open_weights()?;
     let m = store.manifest();
-    let mut dec =
-        FrameDecoder::new(m.frame_raw_len_max() as usize).map_err(|e| IoError::Setup {
+    let mut dec = store
+        .frame_decoder(m.frame_raw_len_max() as usize)
+        .map_err(|e| IoError::Setup {
             path: store.weights_path().into(),
             msg: e.to_string(),
         })?;

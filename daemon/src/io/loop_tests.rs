@@ -7,7 +7,6 @@ use super::reader::{Msg, Reader, Target};
 use super::{IoConfig, IoEngine, IoError, PoolStatus, ReaderChoice};
 use crate::dtype::DType;
 use crate::import::synth::{self, SynthSpec};
-use crate::store::codec::FrameDecoder;
 use crate::store::writer::{pack, PackOptions};
 use crate::store::Store;
 use std::collections::VecDeque;
@@ -182,7 +181,9 @@ fn reference(store: &Store, unit: usize) -> Vec<u8> {
     let file = store.open_weights().expect("open");
     let u = &store.units()[unit];
     let mut dst = vec![0u8; u.raw_len as usize];
-    let mut dec = FrameDecoder::new(store.manifest().frame_raw_len_max() as usize).expect("dec");
+    let mut dec = store
+        .frame_decoder(store.manifest().frame_raw_len_max() as usize)
+        .expect("dec");
     store
         .read_unit(&file, unit, &mut Vec::new(), &mut dst, &mut dec)
         .expect("plain read");

@@ -100,7 +100,7 @@ impl RowGather {
         let bounce = AlignedBuf::new(bounce_len(m.frame_stored_len_max()))
             .ok_or_else(|| oom("read buffer"))?;
         let raw_max = m.frame_raw_len_max() as usize;
-        let dec = FrameDecoder::new(raw_max).map_err(|_| oom("decoder"))?;
+        let dec = store.frame_decoder(raw_max).map_err(|_| oom("decoder"))?;
         Ok(RowGather {
             file,
             direct,

@@ -325,7 +325,7 @@ fn load_resident_direct<B: Backend>(
     plan: &Plan,
     workers: usize,
 ) -> Result<Vec<Option<B::Mem>>, PipelineError> {
-    use crate::store::codec::{FrameDecoder, FrameFault};
+    use crate::store::codec::FrameFault;
     use std::sync::atomic::{AtomicUsize, Ordering};
     let path = store.weights_path();
     let (file, direct) = crate::io::open_direct(path)
@@ -369,7 +369,7 @@ fn load_resident_direct<B: Backend>(
                         }
                     };
                     let (Some(mut bounce), Ok(mut dec)) =
-                        (AlignedBuf::new(bounce_len), FrameDecoder::new(raw_max))
+                        (AlignedBuf::new(bounce_len), store.frame_decoder(raw_max))
                     else {
                         fail(0, FrameFault::Read("cannot allocate a frame buffer".into()));
                         return;

@@ -976,8 +976,11 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     // loader's threads (as many, gone before the streaming engine starts): a frame's
     // stored bytes and a decoder each.
     let frame = u64::from(m.frame_raw_len_max()) + frame_stored_max + 2 * 4096;
-    let scratch =
-        round(h.workers.max(1) as u64 * (frame + crate::store::codec::FrameDecoder::EXTRA_BYTES));
+    // The shared codes' decoding tables: one set, all decoders' (`Store::shared_tables`).
+    let shared = (m.codes.len() * crate::store::fpsplit::TABLES_BYTES) as u64;
+    let scratch = round(
+        h.workers.max(1) as u64 * (frame + crate::store::codec::FrameDecoder::EXTRA_BYTES) + shared,
+    );
     let host_fixed = h.overhead + reads + scratch;
 
     // The bytes the disk should have queued: the read buffers, or for reads that land in

@@ -9,7 +9,8 @@
 //! (fewer bytes read and cached), then the earlier candidate: for the same rates the
 //! choice is always the same.
 
-use super::codec::{Codec, FrameDecoder, FrameEncoder};
+use super::codec::{CodeCensus, Codec, FrameDecoder, FrameEncoder};
+use super::fpsplit::SharedTables;
 use crate::dtype::DType;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -70,6 +71,20 @@ pub fn measure_codec(
     let mut enc = FrameEncoder::new(codec)?;
     let mut coded = Vec::with_capacity(frames.len());
     let t = Instant::now();
+    // The float codec's shared codes, made from these frames as `pack` makes a store's
+    // from its small frames; their bytes count as stored bytes (they are the manifest's).
+    let shared = if codec == Codec::Float {
+        let mut census = CodeCensus::default();
+        frames.iter().for_each(|f| census.add(f, dtype));
+        census.codes()
+    } else {
+        Vec::new()
+    };
+    enc.set_shared(&shared);
+    let shared_bytes = match shared.is_empty() {
+        true => 0,
+        false => postcard::to_stdvec(&shared).map_or(0, |b| b.len()),
+    };
     for raw in frames {
         let e = enc.encode(raw, dtype)?;
         coded.push((e.codec, e.planes, e.bytes.to_vec()));
@@ -79,7 +94,8 @@ pub fn measure_codec(
         .iter()
         .map(|r| xxhash_rust::xxh3::xxh3_64(r))
         .collect();
-    let mut dec = FrameDecoder::new(frame_size)?;
+    let tables = SharedTables::new(&shared).map_err(std::io::Error::other)?;
+    let mut dec = FrameDecoder::new(frame_size)?.with_shared(std::sync::Arc::new(tables));
     let mut dst = vec![0u8; frame_size];
     let (mut best, t) = (f64::INFINITY, Instant::now());
     while best.is_infinite() || t.elapsed() < decode_time {
@@ -91,7 +107,7 @@ pub fn measure_codec(
         best = best.min(p.elapsed().as_secs_f64());
     }
     let raw: usize = frames.iter().map(|r| r.len()).sum();
-    let stored: usize = coded.iter().map(|c| c.2.len()).sum();
+    let stored: usize = coded.iter().map(|c| c.2.len()).sum::<usize>() + shared_bytes;
     let raw = raw as f64;
     Ok((
         stored as f64 / raw.max(1.0),
@@ -158,6 +174,13 @@ impl Auto {
             linked: false,
             encoders,
         })
+    }
+
+    /// The store's shared codes, for the float codec's ratios (`FrameEncoder::set_shared`).
+    pub fn set_shared(&mut self, codes: &[super::fpsplit::SharedCode]) {
+        for (_, e) in &mut self.encoders {
+            e.set_shared(codes);
+        }
     }
 
     /// The codec for one tensor (`raw`, of `dtype`): its dtype's decode rates with the

@@ -13,8 +13,10 @@
 use super::fpsplit::{self, Layout};
 use crate::dtype::DType;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
+use std::sync::Arc;
 use xxhash_rust::xxh3::xxh3_64;
 
 /// A frame or plane is stored compressed only when that saves at least 3 % of its bytes:
@@ -143,6 +145,8 @@ pub struct FrameEncoder {
     out: Vec<u8>,
     /// The float codec's byte planes.
     float_planes: [Vec<u8>; 4],
+    /// The store's shared codes a float plane may name (`set_shared`).
+    shared: Vec<fpsplit::SharedEncoding>,
 }
 
 impl FrameEncoder {
@@ -163,7 +167,14 @@ impl FrameEncoder {
             coded: Vec::new(),
             out: Vec::new(),
             float_planes: Default::default(),
+            shared: Vec::new(),
         })
+    }
+
+    /// The store's shared codes (`CodeCensus::codes`): a float plane names one where that
+    /// takes fewer bytes than a code of its own.
+    pub fn set_shared(&mut self, codes: &[fpsplit::SharedCode]) {
+        self.shared = fpsplit::shared_encodings(codes);
     }
 
     /// Encodes `raw`, elements of `dtype`: with the float codec for a float dtype, else
@@ -180,19 +191,13 @@ impl FrameEncoder {
     /// weights near 1 does), else raw; the frame kept raw when the whole does not save
     /// that much or the dtype is not a float.
     fn encode_float(&mut self, raw: &[u8], dtype: DType) -> Encoded<'_> {
-        let layout = match dtype {
-            DType::BF16 => Some(Layout::Bf16),
-            DType::F16 => Some(Layout::F16Bits),
-            DType::F32 => Some(Layout::F32),
-            _ => None,
-        };
-        if let Some(l) = layout.filter(|l| raw.len().is_multiple_of(l.width())) {
+        if let Some(l) = float_layout(dtype).filter(|l| raw.len().is_multiple_of(l.width())) {
             fpsplit::split(l, raw, &mut self.float_planes);
             self.out.clear();
             let mut planes = Vec::with_capacity(4);
             let mut exps_pay = true;
             for (i, p) in self.float_planes[..l.planes()].iter().enumerate() {
-                fpsplit::encode_plane(l, p, &mut self.coded);
+                fpsplit::encode_plane_with(l, i, p, &mut self.coded, &self.shared);
                 let pays = worth_keeping(self.coded.len(), p.len());
                 // The exponent plane is always coded (it names the layout): where that
                 // does not pay, neither does the codec.
@@ -321,12 +326,93 @@ fn compress_into(
     Ok(())
 }
 
+/// The float codec's layout for `dtype` (None: not a float it codes).
+fn float_layout(dtype: DType) -> Option<Layout> {
+    match dtype {
+        DType::BF16 => Some(Layout::Bf16),
+        DType::F16 => Some(Layout::F16Bits),
+        DType::F32 => Some(Layout::F32),
+        _ => None,
+    }
+}
+
+/// Float frames of at most this many bytes join the census of a store's shared codes:
+/// below it a code of its own costs a frame about 1 % or more in header bytes, and its
+/// tables take longer to build than its symbols to decode.
+pub const SHARED_FRAME_BYTES_MAX: usize = 256 << 10;
+
+/// The symbol counts of the small float frames of a store, per layout and plane, from
+/// which `pack` makes the store's shared codes (`fpsplit::SharedCode`).
+#[derive(Default)]
+pub struct CodeCensus {
+    /// Per (layout tag, plane): each frame's symbol counts (at most `CENSUS_FRAMES_MAX`;
+    /// frames past them add to one already there).
+    frames: BTreeMap<(u8, u8), Vec<[u64; 256]>>,
+    layouts: BTreeMap<u8, Layout>,
+    planes: [Vec<u8>; 4],
+    /// Frames counted so far.
+    added: usize,
+}
+
+/// Frames whose symbol counts the census keeps apart, per layout and plane.
+const CENSUS_FRAMES_MAX: usize = 4096;
+
+impl CodeCensus {
+    /// Counts the symbols of one frame (whole elements of `dtype`); frames of other
+    /// dtypes, or larger than `SHARED_FRAME_BYTES_MAX`, are left out.
+    pub fn add(&mut self, raw: &[u8], dtype: DType) {
+        let Some(l) = float_layout(dtype) else {
+            return;
+        };
+        if raw.is_empty()
+            || raw.len() > SHARED_FRAME_BYTES_MAX
+            || !raw.len().is_multiple_of(l.width())
+        {
+            return;
+        }
+        fpsplit::split(l, raw, &mut self.planes);
+        self.layouts.insert(l.tag(), l);
+        self.added += 1;
+        for (i, p) in self.planes[..l.planes()].iter().enumerate() {
+            let frames = self.frames.entry((l.tag(), i as u8)).or_default();
+            let at = if frames.len() < CENSUS_FRAMES_MAX {
+                frames.push([0; 256]);
+                frames.len() - 1
+            } else {
+                self.added % CENSUS_FRAMES_MAX
+            };
+            for &b in p {
+                frames[at][b as usize] += 1;
+            }
+        }
+    }
+
+    /// The codes of each plane (`fpsplit::shared_codes`), at most
+    /// `fpsplit::SHARED_CODES_MAX` in all.
+    pub fn codes(&self) -> Vec<fpsplit::SharedCode> {
+        self.frames
+            .iter()
+            .filter_map(|(&(tag, plane), f)| {
+                Some(fpsplit::shared_codes(
+                    *self.layouts.get(&tag)?,
+                    plane as usize,
+                    f,
+                ))
+            })
+            .flatten()
+            .take(fpsplit::SHARED_CODES_MAX)
+            .collect()
+    }
+}
+
 /// Reusable per-thread decoder state: one scratch buffer for split planes, allocated once
 /// at the frame size and reused for every frame.
 pub struct FrameDecoder {
     scratch: Vec<u8>,
     /// The float codec's planes' last decoding tables (made at the first float frame).
     float_cache: [fpsplit::PlaneCache; 4],
+    /// The store's shared codes' tables (`with_shared`; none by default).
+    shared: Arc<fpsplit::SharedTables>,
     zstd: zstd::bulk::Decompressor<'static>,
 }
 
@@ -343,8 +429,16 @@ impl FrameDecoder {
         Ok(FrameDecoder {
             scratch: vec![0; frame_size_max + SCRATCH_PAD],
             float_cache: Default::default(),
+            shared: Arc::default(),
             zstd: zstd::bulk::Decompressor::new()?,
         })
+    }
+
+    /// This decoder with the tables of its store's shared codes (`Store::shared_tables`):
+    /// a float plane that names one fails to decode without them.
+    pub fn with_shared(mut self, shared: Arc<fpsplit::SharedTables>) -> Self {
+        self.shared = shared;
+        self
     }
 
     /// Decodes one frame from its stored bytes straight into `dst` (its final place in the
@@ -506,8 +600,15 @@ impl FrameDecoder {
             let m = layout.plane_len(i, n);
             if p.compressed {
                 let (mine, rest) = std::mem::take(&mut free).split_at_mut(m + 8);
-                fpsplit::decode_plane(bytes, m, mine, &mut self.float_cache[i])
-                    .map_err(FrameFault::Decompress)?;
+                fpsplit::decode_plane_as(
+                    bytes,
+                    m,
+                    mine,
+                    &mut self.float_cache[i],
+                    &self.shared,
+                    fpsplit::Simd::Detect,
+                )
+                .map_err(FrameFault::Decompress)?;
                 decoded[i] = &mine[..m];
                 free = rest;
             } else if bytes.len() != m {

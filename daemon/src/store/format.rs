@@ -1,4 +1,4 @@
-//! Store format version 7: the manifest and its on-disk framing.
+//! Store format version 8: the manifest and its on-disk framing.
 //!
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
 //! | payload (postcard; from version 6 a zstd frame of it) | xxh3-64 of everything before
@@ -14,11 +14,14 @@
 //! megabytes of strings: a linked store must cost well under 1 % of its source); version 7
 //! has the payload of 6 and its f16 frames may use the `float` codec's `F16Bits` layout
 //! (exponent-only symbols; an older sluiced would fail on the frame, so the version
-//! refuses the store up front). Stores of versions 1 to 6 still open, with the defaults
-//! of a Llama-family model, no experts, no clamp and no link.
+//! refuses the store up front); version 8 appends the shared codes of the float codec
+//! (`Vec<fpsplit::SharedCode>`), which its small frames' planes may name (mode 2, which
+//! an older sluiced cannot decode). Stores of versions 1 to 7 still open, with the defaults
+//! of a Llama-family model, no experts, no clamp, no link and no shared codes.
 
 use super::arch::{ArchConfig, ArchExt, MoeConfig, SwigluClamp};
 use super::codec::{Codec, Plane};
+use super::fpsplit::{SharedCode, SHARED_CODES_MAX};
 use super::StoreError;
 use crate::dtype::DType;
 use serde::{Deserialize, Serialize};
@@ -27,7 +30,7 @@ use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;
 
 pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
-pub const FORMAT_VERSION: u32 = 7;
+pub const FORMAT_VERSION: u32 = 8;
 /// The oldest format this sluiced still reads.
 pub const FORMAT_VERSION_MIN: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.bin";
@@ -379,6 +382,10 @@ pub struct Manifest {
     /// stands in for weights.bin; None for a store that holds its own weights.
     #[serde(skip)]
     pub link: Option<Link>,
+    /// Format 8's: the float codec's codes shared by the store's small frames
+    /// (`fpsplit::SharedCode`); a plane names one by its index here.
+    #[serde(skip)]
+    pub codes: Vec<SharedCode>,
 }
 
 /// The source file of a linked store and how to tell it is the same file it was packed
@@ -445,6 +452,7 @@ impl Manifest {
         payload.extend_from_slice(&postcard::to_stdvec(&self.arch.moe).map_err(pc)?);
         payload.extend_from_slice(&postcard::to_stdvec(&self.arch.swiglu).map_err(pc)?);
         payload.extend_from_slice(&postcard::to_stdvec(&self.link).map_err(pc)?);
+        payload.extend_from_slice(&postcard::to_stdvec(&self.codes).map_err(pc)?);
         let payload = zstd::bulk::compress(&payload, PAYLOAD_ZSTD_LEVEL)
             .map_err(|e| format!("compress the manifest: {e}"))?;
         let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + 8);
@@ -568,6 +576,14 @@ impl Manifest {
         } else {
             rest
         };
+        let rest = if version >= 8 {
+            let (codes, rest): (Vec<SharedCode>, _) =
+                postcard::take_from_bytes(rest).map_err(bad)?;
+            m.codes = codes;
+            rest
+        } else {
+            rest
+        };
         if !rest.is_empty() {
             return Err(StoreError::invalid(
                 path,
@@ -585,6 +601,20 @@ impl Manifest {
         self.arch
             .validate()
             .map_err(|e| format!("architecture config: {e}"))?;
+        if !self.codes.is_empty() && self.link.is_some() {
+            return Err(
+                "a linked store with shared codes (its frames are the source's bytes)".into(),
+            );
+        }
+        if self.codes.len() > SHARED_CODES_MAX {
+            return Err(format!(
+                "{} shared codes, at most {SHARED_CODES_MAX}",
+                self.codes.len()
+            ));
+        }
+        for (i, c) in self.codes.iter().enumerate() {
+            c.check().map_err(|e| format!("shared code {i}: {e}"))?;
+        }
         if self.frame_size == 0 || self.frame_size > FRAME_RAW_BYTES_MAX {
             return Err(format!("frame size {} out of range", self.frame_size));
         }

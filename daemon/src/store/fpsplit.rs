@@ -28,11 +28,15 @@
 //! A coded plane's stored bytes: a layout byte, a mode byte (0: Huffman; 1: every
 //! element has one exponent, the next byte), then for Huffman the number of symbols used
 //! (u16), their (symbol, length) pairs, the byte lengths of the first three streams (u32
-//! each; the fourth runs to the end) and the streams. Stream s codes elements
-//! [s * q, min((s + 1) * q, n)) with q = ceil(n / 4), LSB first. Every read is bounds
+//! each; the fourth runs to the end) and the streams; mode 2 (format 8) names one of the
+//! store's shared codes instead of carrying its own (`SharedCode`): the code's index
+//! (u8), the first three streams' byte lengths as LEB128 varints, and the streams.
+//! Stream s codes elements [s * q, min((s + 1) * q, n)) with q = ceil(n / 4), LSB first. Every read is bounds
 //! checked and a stream decodes exactly its element count whatever its bytes, so damaged
 //! input decodes to wrong bytes (which the frame checksum catches) and never past a
 //! buffer.
+
+use serde::{Deserialize, Serialize};
 
 /// The longest code: the decoding table has 2^11 entries (4 KiB, in L1).
 const MAX_LEN: u32 = 11;
@@ -49,7 +53,7 @@ pub enum Layout {
 }
 
 impl Layout {
-    fn tag(self) -> u8 {
+    pub fn tag(self) -> u8 {
         match self {
             Layout::Bf16 => 1,
             Layout::F16 => 2,
@@ -425,9 +429,27 @@ impl Bits<'_> {
     }
 }
 
+/// A plane takes a code of its own over a shared one only when that saves more than this
+/// many bytes: its decoder then builds the code's tables first, which takes as long as
+/// decoding a few thousand symbols (64 bytes are 9 ns of a 7 GB/s disk; a table build
+/// is 2-4 us of a core).
+const OWN_CODE_SAVING_MIN: u64 = 64;
+
 /// Codes one byte plane of a frame of `layout` (`exps`: its symbols) into `out`, header
-/// and streams.
+/// and streams, with a code of its own.
 pub fn encode_plane(layout: Layout, exps: &[u8], out: &mut Vec<u8>) {
+    encode_plane_with(layout, 0, exps, out, &[]);
+}
+
+/// `encode_plane` for plane `plane` of its frame, which may instead name one of the
+/// store's `shared` codes (mode 2): the one whose header and bits come to fewer bytes.
+pub fn encode_plane_with(
+    layout: Layout,
+    plane: usize,
+    exps: &[u8],
+    out: &mut Vec<u8>,
+    shared: &[SharedEncoding],
+) {
     out.clear();
     out.push(layout.tag());
     let mut hist = [0u64; 256];
@@ -440,8 +462,37 @@ pub fn encode_plane(layout: Layout, exps: &[u8], out: &mut Vec<u8>) {
         out.push(exps.first().copied().unwrap_or(0));
         return;
     }
-    out.push(0);
+    let bits = |lens: &[u8; 256]| -> u64 {
+        hist.iter()
+            .zip(lens)
+            .map(|(&c, &l)| c * l as u64)
+            .sum::<u64>()
+    };
     let lens = code_lengths(&hist);
+    // Header bytes: the mode, the symbol table and fixed stream sizes for a code of its
+    // own; the mode, the code's index and three varint sizes (about two bytes) for a
+    // shared one.
+    let own = 1 + 2 + 2 * used as u64 + 4 * (STREAMS as u64 - 1) + bits(&lens).div_ceil(8);
+    let best = shared
+        .iter()
+        .filter(|c| c.layout == layout && c.plane as usize == plane)
+        .filter(|c| hist.iter().zip(&c.lens).all(|(&h, &l)| h == 0 || l > 0))
+        .map(|c| (2 + 2 * (STREAMS as u64 - 1) + bits(&c.lens).div_ceil(8), c))
+        .min_by_key(|&(bytes, _)| bytes);
+    if let Some((bytes, c)) = best.filter(|&(bytes, _)| bytes <= own + OWN_CODE_SAVING_MIN) {
+        debug_assert!(bytes > 0);
+        out.push(2);
+        out.push(c.index);
+        let sizes_at = out.len();
+        let sizes = write_streams(exps, &c.codes, out);
+        let mut varints = Vec::with_capacity(3 * 5);
+        for &len in &sizes[..STREAMS - 1] {
+            put_varint(&mut varints, len);
+        }
+        out.splice(sizes_at..sizes_at, varints);
+        return;
+    }
+    out.push(0);
     let codes = canonical(&lens);
     out.extend_from_slice(&(used as u16).to_le_bytes());
     for (s, &l) in lens.iter().enumerate() {
@@ -449,10 +500,20 @@ pub fn encode_plane(layout: Layout, exps: &[u8], out: &mut Vec<u8>) {
             out.extend_from_slice(&[s as u8, l]);
         }
     }
-    let q = exps.len().div_ceil(STREAMS);
     let lens_at = out.len();
     out.extend_from_slice(&[0u8; 4 * (STREAMS - 1)]);
-    for s in 0..STREAMS {
+    let sizes = write_streams(exps, &codes, out);
+    for (s, &len) in sizes[..STREAMS - 1].iter().enumerate() {
+        out[lens_at + 4 * s..lens_at + 4 * s + 4].copy_from_slice(&len.to_le_bytes());
+    }
+}
+
+/// Appends the four streams of `exps` coded with `codes` to `out`; returns their byte
+/// lengths.
+fn write_streams(exps: &[u8], codes: &[(u32, u8); 256], out: &mut Vec<u8>) -> [u32; STREAMS] {
+    let q = exps.len().div_ceil(STREAMS);
+    let mut sizes = [0u32; STREAMS];
+    for (s, size) in sizes.iter_mut().enumerate() {
         let start = out.len();
         let part = &exps[(s * q).min(exps.len())..((s + 1) * q).min(exps.len())];
         let mut w = Bits {
@@ -465,10 +526,302 @@ pub fn encode_plane(layout: Layout, exps: &[u8], out: &mut Vec<u8>) {
             w.put(c, l);
         }
         w.finish();
-        if s < STREAMS - 1 {
-            let len = (out.len() - start) as u32;
-            out[lens_at + 4 * s..lens_at + 4 * s + 4].copy_from_slice(&len.to_le_bytes());
+        *size = (out.len() - start) as u32;
+    }
+    sizes
+}
+
+fn put_varint(out: &mut Vec<u8>, mut v: u32) {
+    while v >= 0x80 {
+        out.push(v as u8 | 0x80);
+        v >>= 7;
+    }
+    out.push(v as u8);
+}
+
+/// A LEB128 u32 at `buf[*at..]`, moving `at` past it; None when cut short or too long.
+fn take_varint(buf: &[u8], at: &mut usize) -> Option<u32> {
+    let mut v = 0u64;
+    for shift in (0..35).step_by(7) {
+        let b = *buf.get(*at)?;
+        *at += 1;
+        v |= ((b & 0x7f) as u64) << shift;
+        if b & 0x80 == 0 {
+            return u32::try_from(v).ok();
         }
+    }
+    None
+}
+
+/// A code the small float frames of a store share (format 8): made at pack time from the
+/// census of all of them (`shared_code`), kept in the manifest, its decoding tables built
+/// once when the store opens (`SharedTables`). A frame of a few thousand elements pays
+/// for a code of its own in header bytes (two per symbol: more than coding saves on a
+/// norm vector's sign and mantissa) and in the time to build its tables (more than its
+/// symbols take); one code for all of them pays once, as a compressor of the whole
+/// model's bytes does.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Eq)]
+pub struct SharedCode {
+    /// The layout's tag (`Layout::tag`) and the plane of it (0: the exponents) the code
+    /// was made for.
+    pub layout: u8,
+    pub plane: u8,
+    /// (symbol, code length) of each symbol the code has, symbols ascending.
+    pub lens: Vec<(u8, u8)>,
+}
+
+impl SharedCode {
+    fn from_lens(layout: Layout, plane: usize, lens: &[u8; 256]) -> SharedCode {
+        SharedCode {
+            layout: layout.tag(),
+            plane: plane as u8,
+            lens: (0..=255u8)
+                .filter(|&s| lens[s as usize] > 0)
+                .map(|s| (s, lens[s as usize]))
+                .collect(),
+        }
+    }
+
+    /// Its layout and code lengths, checked: a known layout and one of its planes, each
+    /// symbol once, lengths of 1 to `MAX_LEN` bits making a complete prefix code.
+    pub fn check(&self) -> Result<(Layout, [u8; 256]), String> {
+        let layout = Layout::from_tag(self.layout)
+            .ok_or_else(|| format!("unknown layout {}", self.layout))?;
+        if self.plane as usize >= layout.planes() {
+            return Err(format!(
+                "plane {} of {layout:?}, which has {}",
+                self.plane,
+                layout.planes()
+            ));
+        }
+        let mut lens = [0u8; 256];
+        for &(s, l) in &self.lens {
+            if l == 0 || l as u32 > MAX_LEN {
+                return Err(format!("code length {l} for symbol {s}"));
+            }
+            if lens[s as usize] != 0 {
+                return Err(format!("symbol {s} twice"));
+            }
+            lens[s as usize] = l;
+        }
+        let kraft: u32 = lens
+            .iter()
+            .filter(|&&l| l > 0)
+            .map(|&l| 1u32 << (MAX_LEN - l as u32))
+            .sum();
+        if self.lens.len() < 2 || kraft != TABLE as u32 {
+            return Err("the code lengths are not a complete prefix code".into());
+        }
+        Ok((layout, lens))
+    }
+}
+
+/// The shared code for plane `plane` of `layout` from the symbol counts of every frame
+/// that may use it; None when they hold fewer than two symbols (a constant plane costs
+/// three bytes without one).
+pub fn shared_code(layout: Layout, plane: usize, hist: &[u64; 256]) -> Option<SharedCode> {
+    if hist.iter().filter(|&&c| c > 0).count() < 2 {
+        return None;
+    }
+    Some(SharedCode::from_lens(layout, plane, &code_lengths(hist)))
+}
+
+/// Shared codes of one layout's plane at most.
+pub const SHARED_CODES_PER_PLANE: usize = 8;
+
+/// The shared codes of plane `plane` of `layout` from the symbol counts of each small
+/// frame (`frames`): the norm vectors of one model differ (one kind sits near 1, another
+/// near 0.1), and one code for all of them serves some worse than codes of their own.
+/// So the frames are grouped, k-means style with coded bytes as the distance: first one
+/// group of all; then a group seeded with the frame the codes serve worst, each frame
+/// moved to the code that costs it fewest bytes and each code remade from its frames, kept
+/// while that lowers the total (the frames' bytes, a code of its own and
+/// `OWN_CODE_SAVING_MIN` for a frame no code serves within that, and each code's bytes
+/// in the manifest), up to `SHARED_CODES_PER_PLANE` codes. Deterministic.
+pub fn shared_codes(layout: Layout, plane: usize, frames: &[[u64; 256]]) -> Vec<SharedCode> {
+    let used = |h: &[u64; 256]| h.iter().filter(|&&c| c > 0).count() as u64;
+    let frames: Vec<&[u64; 256]> = frames.iter().filter(|h| used(h) >= 2).collect();
+    if frames.is_empty() {
+        return Vec::new();
+    }
+    let bits = |h: &[u64; 256], lens: &[u8; 256]| -> u64 {
+        h.iter().zip(lens).map(|(&c, &l)| c * l as u64).sum()
+    };
+    // What `encode_plane_with` counts: a code of its own, or a shared one's header.
+    let own: Vec<u64> = frames
+        .iter()
+        .map(|h| {
+            1 + 2 + 2 * used(h) + 4 * (STREAMS as u64 - 1) + bits(h, &code_lengths(h)).div_ceil(8)
+        })
+        .collect();
+    let shared_cost = |h: &[u64; 256], lens: &[u8; 256]| -> Option<u64> {
+        h.iter()
+            .zip(lens)
+            .all(|(&c, &l)| c == 0 || l > 0)
+            .then(|| 2 + 2 * (STREAMS as u64 - 1) + bits(h, lens).div_ceil(8))
+    };
+    let make = |members: &mut dyn Iterator<Item = usize>| -> [u8; 256] {
+        let mut sum = [0u64; 256];
+        for i in members {
+            sum.iter_mut().zip(frames[i]).for_each(|(s, &c)| *s += c);
+        }
+        code_lengths(&sum)
+    };
+    // A frame's plane without a shared code: a code of its own (and the table build it
+    // costs, in bytes), or kept raw where that is less.
+    let alone: Vec<u64> = frames
+        .iter()
+        .zip(&own)
+        .map(|(h, &own)| (own + OWN_CODE_SAVING_MIN).min(h.iter().sum()))
+        .collect();
+    // The total bytes of `codes`, each frame's code (None: none) and its excess over a
+    // code of its own.
+    let total = |codes: &[[u8; 256]]| -> (u64, Vec<Option<usize>>, Vec<u64>) {
+        let mut sum: u64 = codes
+            .iter()
+            .map(|l| 4 + 2 * l.iter().filter(|&&x| x > 0).count() as u64)
+            .sum();
+        let (mut pick, mut excess) = (Vec::with_capacity(frames.len()), Vec::new());
+        for ((h, &own), &alone) in frames.iter().zip(&own).zip(&alone) {
+            let best = codes
+                .iter()
+                .enumerate()
+                .filter_map(|(k, l)| shared_cost(h, l).map(|c| (c, k)))
+                .min();
+            match best.filter(|&(c, _)| c <= alone) {
+                Some((c, k)) => {
+                    sum += c;
+                    pick.push(Some(k));
+                    excess.push(c.saturating_sub(own));
+                }
+                None => {
+                    sum += alone;
+                    pick.push(None);
+                    excess.push(alone.saturating_sub(own));
+                }
+            }
+        }
+        (sum, pick, excess)
+    };
+    let mut codes = vec![make(&mut (0..frames.len()))];
+    let (mut best, mut pick, mut excess) = total(&codes);
+    // No code at all where one costs more than it saves (a few tiny frames).
+    if best >= alone.iter().sum::<u64>() {
+        return Vec::new();
+    }
+    while codes.len() < SHARED_CODES_PER_PLANE {
+        // The first frame of the largest excess seeds a new code.
+        let Some((seed, _)) = excess
+            .iter()
+            .enumerate()
+            .filter(|&(_, &e)| e > 0)
+            .max_by_key(|&(i, &e)| (e, std::cmp::Reverse(i)))
+        else {
+            break;
+        };
+        let mut trial = codes.clone();
+        trial.push(make(&mut std::iter::once(seed)));
+        for _ in 0..4 {
+            let (_, p, _) = total(&trial);
+            for (k, code) in trial.iter_mut().enumerate() {
+                let mut members = (0..frames.len()).filter(|&i| p[i] == Some(k)).peekable();
+                if members.peek().is_some() {
+                    *code = make(&mut members);
+                }
+            }
+        }
+        let (t, p, e) = total(&trial);
+        if t >= best {
+            break;
+        }
+        (codes, best, pick, excess) = (trial, t, p, e);
+    }
+    // Only the codes some frame takes.
+    codes
+        .iter()
+        .enumerate()
+        .filter(|&(k, _)| pick.contains(&Some(k)))
+        .map(|(_, lens)| SharedCode::from_lens(layout, plane, lens))
+        .collect()
+}
+
+/// A shared code as the encoder uses it: its index in the manifest, what it is for, and
+/// its lengths and codes.
+pub struct SharedEncoding {
+    index: u8,
+    layout: Layout,
+    plane: u8,
+    lens: [u8; 256],
+    codes: [(u32, u8); 256],
+}
+
+/// The encoder's form of each of `codes` (at most 256; a code that does not check is
+/// left out, and no frame names it).
+pub fn shared_encodings(codes: &[SharedCode]) -> Vec<SharedEncoding> {
+    codes
+        .iter()
+        .take(SHARED_CODES_MAX)
+        .enumerate()
+        .filter_map(|(i, c)| {
+            let (layout, lens) = c.check().ok()?;
+            Some(SharedEncoding {
+                index: i as u8,
+                layout,
+                plane: c.plane,
+                lens,
+                codes: canonical(&lens),
+            })
+        })
+        .collect()
+}
+
+/// Shared codes a store may have (a frame names one in a byte).
+pub const SHARED_CODES_MAX: usize = 256;
+
+/// The decoding tables of a store's shared codes, built once (with the multi-symbol part:
+/// a short plane then decodes as fast as a long one).
+#[derive(Default)]
+pub struct SharedTables {
+    codes: Vec<(Layout, Box<Tables>)>,
+}
+
+impl SharedTables {
+    pub fn new(codes: &[SharedCode]) -> Result<SharedTables, String> {
+        if codes.len() > SHARED_CODES_MAX {
+            return Err(format!(
+                "{} shared codes, at most {SHARED_CODES_MAX}",
+                codes.len()
+            ));
+        }
+        let codes = codes
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                let (layout, lens) = c.check().map_err(|e| format!("shared code {i}: {e}"))?;
+                let mut t = Box::new(Tables {
+                    single: [0; TABLE],
+                    multi: [0; TABLE],
+                    mask: 0,
+                });
+                fill_single(&mut t, &lens, MAX_LEN);
+                fill_multi(&mut t);
+                Ok((layout, t))
+            })
+            .collect::<Result<_, String>>()?;
+        Ok(SharedTables { codes })
+    }
+
+    pub fn len(&self) -> usize {
+        self.codes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.codes.is_empty()
+    }
+
+    /// Host bytes of the tables.
+    pub fn bytes(&self) -> usize {
+        self.codes.len() * TABLES_BYTES
     }
 }
 
@@ -518,18 +871,19 @@ pub fn plane_layout(coded: &[u8]) -> Result<Layout, String> {
     Layout::from_tag(tag).ok_or_else(|| format!("float codec: unknown layout {tag}"))
 }
 
-/// Decodes one coded plane of `n` symbols (`encode_plane`'s bytes) into `out[..n]` (`out`
-/// has 8 bytes of room past them at least). The error says what in the bytes is wrong.
-/// Host bytes of one plane's decoding tables (`PlaneCache`).
+/// Host bytes of one plane's decoding tables (`PlaneCache`, and each shared code's).
 pub const TABLES_BYTES: usize = std::mem::size_of::<Tables>();
 
+/// Decodes one coded plane of `n` symbols (`encode_plane`'s bytes, with no shared code)
+/// into `out[..n]` (`out` has 8 bytes of room past them at least). The error says what in
+/// the bytes is wrong.
 pub fn decode_plane(
     coded: &[u8],
     n: usize,
     out: &mut [u8],
     cache: &mut PlaneCache,
 ) -> Result<(), String> {
-    decode_plane_as(coded, n, out, cache, Simd::Detect)
+    decode_plane_as(coded, n, out, cache, &SharedTables::default(), Simd::Detect)
 }
 
 /// The decoding tables of the last code a plane decoder saw: the frames of a tensor often
@@ -559,12 +913,14 @@ pub enum Simd {
     Portable,
 }
 
-/// `decode_plane`, choosing the code path.
+/// `decode_plane` with the store's shared codes (mode 2 names one), choosing the code
+/// path.
 pub fn decode_plane_as(
     coded: &[u8],
     n: usize,
     out: &mut [u8],
     cache: &mut PlaneCache,
+    shared: &SharedTables,
     simd: Simd,
 ) -> Result<(), String> {
     let bad = |what: &str| format!("float codec: {what}");
@@ -574,13 +930,36 @@ pub fn decode_plane_as(
             out.len()
         )));
     }
-    plane_layout(coded)?;
+    let layout = plane_layout(coded)?;
     let body = &coded[1..];
     let (&mode, body) = body.split_first().ok_or_else(|| bad("no mode"))?;
     match mode {
         1 => {
             let &e = body.first().ok_or_else(|| bad("no constant symbol"))?;
             out[..n].fill(e);
+            return Ok(());
+        }
+        2 => {
+            let &i = body.first().ok_or_else(|| bad("no shared code"))?;
+            let (code_layout, table) = shared.codes.get(i as usize).ok_or_else(|| {
+                bad(&format!(
+                    "the plane names shared code {i}, and the store has {}",
+                    shared.codes.len()
+                ))
+            })?;
+            if *code_layout != layout {
+                return Err(bad(&format!(
+                    "a plane of {layout:?} names shared code {i}, made for {code_layout:?}"
+                )));
+            }
+            let mut at = 1;
+            let mut sizes = [0usize; STREAMS - 1];
+            for (s, size) in sizes.iter_mut().enumerate() {
+                *size = take_varint(body, &mut at)
+                    .ok_or_else(|| bad(&format!("stream {s}'s size cut short")))?
+                    as usize;
+            }
+            symbols_of(&body[at..], sizes, n, table, true, out, simd).map_err(|e| bad(&e))?;
             return Ok(());
         }
         0 => {}
@@ -636,7 +1015,31 @@ pub fn decode_plane_as(
     let sizes = body
         .get(at..at + 4 * (STREAMS - 1))
         .ok_or_else(|| bad("stream sizes cut short"))?;
-    let streams = &body[at + 4 * (STREAMS - 1)..];
+    let sizes: [usize; STREAMS - 1] =
+        std::array::from_fn(|s| u32::from_le_bytes(crate::util::array(&sizes[4 * s..])) as usize);
+    symbols_of(
+        &body[at + 4 * (STREAMS - 1)..],
+        sizes,
+        n,
+        table,
+        multi,
+        out,
+        simd,
+    )
+    .map_err(|e| bad(&e))
+}
+
+/// The `n` symbols of `streams` (four streams, the first three of `sizes` bytes, the last
+/// to the end) into `out[..n]`.
+fn symbols_of(
+    streams: &[u8],
+    sizes: [usize; STREAMS - 1],
+    n: usize,
+    table: &Tables,
+    multi: bool,
+    out: &mut [u8],
+    simd: Simd,
+) -> Result<(), String> {
     let mut r = [Reader {
         bits: 0,
         n: 0,
@@ -645,20 +1048,14 @@ pub fn decode_plane_as(
     }; STREAMS];
     let mut start = 0usize;
     for (s, rd) in r.iter_mut().enumerate() {
-        let len = if s < STREAMS - 1 {
-            u32::from_le_bytes([
-                sizes[4 * s],
-                sizes[4 * s + 1],
-                sizes[4 * s + 2],
-                sizes[4 * s + 3],
-            ]) as usize
-        } else {
-            streams.len().saturating_sub(start)
+        let len = match sizes.get(s) {
+            Some(&len) => len,
+            None => streams.len().saturating_sub(start),
         };
         let end = start
             .checked_add(len)
             .filter(|&e| e <= streams.len())
-            .ok_or_else(|| bad(&format!("stream {s} runs past the plane")))?;
+            .ok_or_else(|| format!("stream {s} runs past the plane"))?;
         *rd = Reader {
             bits: 0,
             n: 0,
@@ -875,7 +1272,9 @@ mod tests {
             assert_eq!(back[i][..m], planes[i][..], "{layout:?} plane {i}");
             let mut portable = vec![0u8; m + 8];
             let mut cache = PlaneCache::default();
-            decode_plane_as(&coded, m, &mut portable, &mut cache, Simd::Portable).expect("decodes");
+            let none = SharedTables::default();
+            decode_plane_as(&coded, m, &mut portable, &mut cache, &none, Simd::Portable)
+                .expect("decodes");
             assert_eq!(
                 portable[..m],
                 planes[i][..],
@@ -1032,6 +1431,179 @@ mod tests {
         }
     }
 
+    /// Norm-vector-like f32 frames: values near `centre`, bf16 precision (the low planes
+    /// zero), as a GGUF's F32 norms are.
+    fn norm_f32(n: usize, centre: f32, seed: u64) -> Vec<u8> {
+        let g = gaussian_bf16(n, seed);
+        g.chunks_exact(2)
+            .flat_map(|h| {
+                let v =
+                    centre + f32::from_bits((u16::from_le_bytes([h[0], h[1]]) as u32) << 16) * 20.0;
+                (v.to_bits() & 0xffff_0000).to_le_bytes()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn small_planes_name_a_shared_code_and_decode_with_the_store_tables() {
+        // A census of 24 small frames of two kinds, as a store's norm vectors.
+        let frames: Vec<Vec<u8>> = (0..24u64)
+            .map(|i| norm_f32(576 + 64 * (i as usize % 3), [1.0, 0.2][i as usize % 2], i))
+            .collect();
+        let mut hist: Vec<[u64; 256]> = vec![[0; 256]; 4];
+        let mut planes: [Vec<u8>; 4] = Default::default();
+        for f in &frames {
+            split(Layout::F32, f, &mut planes);
+            for (h, p) in hist.iter_mut().zip(&planes) {
+                p.iter().for_each(|&b| h[b as usize] += 1);
+            }
+        }
+        // One code for all: the two low planes are all zeros, so none for them.
+        let one: Vec<SharedCode> = (0..4)
+            .filter_map(|i| shared_code(Layout::F32, i, &hist[i]))
+            .collect();
+        assert_eq!(one.len(), 2, "{one:?}");
+        // Grouped: the frames near 1 and those near 0.2 get codes of their own kind.
+        let per_frame = |i: usize| -> Vec<[u64; 256]> {
+            frames
+                .iter()
+                .map(|f| {
+                    let mut planes: [Vec<u8>; 4] = Default::default();
+                    split(Layout::F32, f, &mut planes);
+                    let mut h = [0u64; 256];
+                    planes[i].iter().for_each(|&b| h[b as usize] += 1);
+                    h
+                })
+                .collect()
+        };
+        let codes: Vec<SharedCode> = (0..4)
+            .flat_map(|i| shared_codes(Layout::F32, i, &per_frame(i)))
+            .collect();
+        assert!(
+            codes.iter().all(|c| c.plane == 0 || c.plane == 3),
+            "{codes:?}"
+        );
+        assert!(
+            codes.len() > 2 && codes.len() <= 2 * SHARED_CODES_PER_PLANE,
+            "{codes:?}"
+        );
+        assert_eq!(
+            shared_codes(Layout::F32, 0, &per_frame(0)),
+            shared_codes(Layout::F32, 0, &per_frame(0))
+        );
+        let enc = shared_encodings(&codes);
+        let tables = SharedTables::new(&codes).expect("the census's codes check");
+        let mut named = 0;
+        for f in &frames {
+            split(Layout::F32, f, &mut planes);
+            for (i, p) in planes.iter().enumerate() {
+                let mut coded = Vec::new();
+                encode_plane_with(Layout::F32, i, p, &mut coded, &enc);
+                named += usize::from(coded[1] == 2);
+                let mut own = Vec::new();
+                encode_plane(Layout::F32, p, &mut own);
+                // Never more than `OWN_CODE_SAVING_MIN` over a code of its own.
+                assert!(coded.len() as u64 <= own.len() as u64 + OWN_CODE_SAVING_MIN);
+                for simd in [Simd::Detect, Simd::Portable] {
+                    let mut out = vec![0u8; p.len() + 8];
+                    let mut cache = PlaneCache::default();
+                    decode_plane_as(&coded, p.len(), &mut out, &mut cache, &tables, simd)
+                        .expect("decodes");
+                    assert_eq!(&out[..p.len()], &p[..], "plane {i}, {simd:?}");
+                }
+                if coded[1] == 2 {
+                    // Without the store's tables: an error that says so.
+                    let mut out = vec![0u8; p.len() + 8];
+                    let e = decode_plane(&coded, p.len(), &mut out, &mut PlaneCache::default())
+                        .expect_err("no shared tables");
+                    assert!(e.contains("shared code"), "{e}");
+                }
+            }
+        }
+        // Both coded planes of every frame name a shared code.
+        assert_eq!(named, 2 * frames.len());
+        // A plane with a symbol the census never saw takes a code of its own.
+        split(Layout::F32, &norm_f32(576, 1.0, 99), &mut planes);
+        let mut p = planes[0].clone();
+        let unseen = (0..=255u8)
+            .find(|&s| hist[0][s as usize] == 0)
+            .expect("a free symbol");
+        p[7] = unseen;
+        let mut coded = Vec::new();
+        encode_plane_with(Layout::F32, 0, &p, &mut coded, &enc);
+        assert_eq!(coded[1], 0);
+        let mut out = vec![0u8; p.len() + 8];
+        decode_plane_as(
+            &coded,
+            p.len(),
+            &mut out,
+            &mut PlaneCache::default(),
+            &tables,
+            Simd::Detect,
+        )
+        .expect("decodes");
+        assert_eq!(&out[..p.len()], &p[..]);
+        // Named for the wrong layout: refused.
+        let mut wrong = Vec::new();
+        encode_plane_with(Layout::F32, 3, &planes[3], &mut wrong, &enc);
+        assert_eq!(wrong[1], 2);
+        wrong[0] = Layout::Bf16.tag();
+        let e = decode_plane_as(
+            &wrong,
+            p.len(),
+            &mut out,
+            &mut PlaneCache::default(),
+            &tables,
+            Simd::Detect,
+        )
+        .expect_err("wrong layout");
+        assert!(e.contains("made for"), "{e}");
+    }
+
+    #[test]
+    fn a_shared_code_that_does_not_check_is_refused() {
+        let ok = SharedCode {
+            layout: Layout::Bf16.tag(),
+            plane: 0,
+            lens: vec![(3, 1), (7, 2), (9, 2)],
+        };
+        assert!(ok.check().is_ok());
+        let bad = [
+            SharedCode {
+                lens: vec![(3, 1), (7, 2)],
+                ..ok.clone()
+            },
+            SharedCode {
+                lens: vec![(3, 1), (3, 2), (9, 2)],
+                ..ok.clone()
+            },
+            SharedCode {
+                lens: vec![(3, 1), (7, 2), (9, 12)],
+                ..ok.clone()
+            },
+            SharedCode {
+                lens: vec![(3, 0), (7, 1), (9, 1)],
+                ..ok.clone()
+            },
+            SharedCode {
+                lens: vec![(3, 1)],
+                ..ok.clone()
+            },
+            SharedCode {
+                layout: 9,
+                ..ok.clone()
+            },
+            SharedCode {
+                plane: 2,
+                ..ok.clone()
+            },
+        ];
+        for c in &bad {
+            assert!(c.check().is_err(), "{c:?}");
+            assert!(SharedTables::new(std::slice::from_ref(c)).is_err(), "{c:?}");
+        }
+    }
+
     #[test]
     fn damaged_planes_decode_in_bounds_or_fail() {
         // Both decoders: a symbol a lookup (short planes) and several (long ones).
@@ -1045,13 +1617,30 @@ mod tests {
         let (mut planes, mut coded): ([Vec<u8>; 4], _) = (Default::default(), Vec::new());
         split(Layout::Bf16, &raw, &mut planes);
         encode_plane(Layout::Bf16, &planes[0], &mut coded);
+        damage(&coded, n, &SharedTables::default());
+        // A plane naming a shared code (mode 2), decoded with the tables.
+        let mut hist = [0u64; 256];
+        planes[1].iter().for_each(|&b| hist[b as usize] += 1);
+        let codes = vec![shared_code(Layout::Bf16, 1, &hist).expect("a code")];
+        encode_plane_with(
+            Layout::Bf16,
+            1,
+            &planes[1],
+            &mut coded,
+            &shared_encodings(&codes),
+        );
+        assert_eq!(coded[1], 2);
+        damage(&coded, n, &SharedTables::new(&codes).expect("checks"));
+    }
+
+    fn damage(coded: &[u8], n: usize, shared: &SharedTables) {
         let mut x = 0x1234_5678u64;
         let (mut out, mut cache) = (vec![0u8; n + 8], PlaneCache::default());
         for round in 0..1500 {
             x ^= x << 13;
             x ^= x >> 7;
             x ^= x << 17;
-            let mut bad = coded.clone();
+            let mut bad = coded.to_vec();
             match round % 3 {
                 0 => {
                     let at = x as usize % bad.len();
@@ -1066,7 +1655,7 @@ mod tests {
                 }),
             }
             // Wrong bytes or an error, never a panic or a read past a buffer.
-            let _ = decode_plane(&bad, n, &mut out, &mut cache);
+            let _ = decode_plane_as(&bad, n, &mut out, &mut cache, shared, Simd::Detect);
         }
     }
 }

@@ -58,6 +58,9 @@ pub struct Summary {
     pub dtypes: Vec<DTypeSummary>,
     /// The source file a linked store reads its weights from (`pack --link`).
     pub linked: Option<String>,
+    /// The float codec's shared codes (format 8) and their bytes in the manifest.
+    pub shared_codes: usize,
+    pub shared_code_bytes: u64,
 }
 
 fn ratio(stored: u64, raw: u64) -> f64 {
@@ -151,5 +154,7 @@ pub fn summarize(m: &Manifest) -> Summary {
         units,
         dtypes,
         linked: m.link.as_ref().map(|l| l.path().display().to_string()),
+        shared_codes: m.codes.len(),
+        shared_code_bytes: postcard::to_stdvec(&m.codes).map_or(0, |b| b.len() as u64),
     }
 }

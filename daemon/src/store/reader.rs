@@ -4,10 +4,12 @@
 
 use super::codec::{FrameDecoder, FrameFault};
 use super::format::{LayerUnit, Manifest, MANIFEST_FILE, WEIGHTS_FILE};
+use super::fpsplit::SharedTables;
 use super::StoreError;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Reads a whole file, then drops its pages from the page cache: a file read once (the
 /// manifest, with the tokenizer and chat template inside) stays charged to the memory
@@ -26,6 +28,8 @@ pub struct Store {
     manifest: Manifest,
     weights_path: PathBuf,
     weights_len: u64,
+    /// The decoding tables of the manifest's shared codes, built once.
+    shared: Arc<SharedTables>,
 }
 
 impl Store {
@@ -57,6 +61,10 @@ impl Store {
             }
         })?;
         let manifest = Manifest::decode(&bytes, &manifest_path)?;
+        let shared = Arc::new(
+            SharedTables::new(&manifest.codes)
+                .map_err(|e| StoreError::invalid(&manifest_path, e))?,
+        );
         if let Some(link) = &manifest.link {
             // A linked store's weights are its source's bytes (`pack --link`).
             super::link::check(link, dir)?;
@@ -65,6 +73,7 @@ impl Store {
                 weights_path: link.path(),
                 weights_len: link.len,
                 manifest,
+                shared,
             });
         }
         let weights_path = dir.join(WEIGHTS_FILE);
@@ -91,7 +100,19 @@ impl Store {
             manifest,
             weights_path,
             weights_len,
+            shared,
         })
+    }
+
+    /// The decoding tables of the store's shared codes (every decoder of its frames needs
+    /// them: `frame_decoder`).
+    pub fn shared_tables(&self) -> Arc<SharedTables> {
+        self.shared.clone()
+    }
+
+    /// A frame decoder for this store's frames of up to `frame_raw_max` bytes.
+    pub fn frame_decoder(&self, frame_raw_max: usize) -> std::io::Result<FrameDecoder> {
+        Ok(FrameDecoder::new(frame_raw_max)?.with_shared(self.shared.clone()))
     }
 
     pub fn dir(&self) -> &Path {

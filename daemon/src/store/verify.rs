@@ -1,7 +1,7 @@
 //! `sluiced verify`: reads every frame of a store and checks every checksum, reporting each
 //! bad frame (not only the first) with file, layer, frame and offset.
 
-use super::codec::{FrameDecoder, FrameFault};
+use super::codec::FrameFault;
 use super::reader::Store;
 use super::StoreError;
 use std::os::unix::fs::FileExt;
@@ -20,7 +20,8 @@ pub fn verify(store: &Store, mut on_unit: impl FnMut(u64)) -> Result<VerifyRepor
     let file = store.open_weights()?;
     let m = store.manifest();
     let frame_max = m.frame_raw_len_max() as usize;
-    let mut dec = FrameDecoder::new(frame_max)
+    let mut dec = store
+        .frame_decoder(frame_max)
         .map_err(|e| StoreError::io("create decoder for", store.weights_path(), e))?;
     let mut stored = Vec::with_capacity(frame_max);
     let mut raw = vec![0u8; frame_max];

@@ -5,12 +5,13 @@
 //! no half-written store at the target (the next pack removes the stale partial directory).
 
 use super::arch::ArchConfig;
-use super::codec::{Codec, FrameEncoder};
+use super::codec::{CodeCensus, Codec, FrameEncoder, SHARED_FRAME_BYTES_MAX};
 use super::format::{
     expert_of, Frame, LayerUnit, Manifest, TensorEntry, BLOB_ALIGN, MANIFEST_FILE, TENSOR_ALIGN,
     WEIGHTS_FILE,
 };
 use super::format::{SpecialTokens, TokenizerSpec, UnitKind};
+use super::fpsplit::SharedCode;
 use super::StoreError;
 use crate::dtype::DType;
 use std::collections::BTreeMap;
@@ -292,6 +293,16 @@ fn pack_into(
         ),
         None => None,
     };
+    // The float codec's shared codes, from the model's small float tensors (none for a
+    // store whose frames cannot use the float codec).
+    let mut codes = if opts.codec == Codec::Float || opts.auto.is_some() {
+        shared_codes(model, units, opts.frame_size)
+    } else {
+        Vec::new()
+    };
+    if let Some(a) = auto.as_mut() {
+        a.set_shared(&codes);
+    }
     let header = model.header();
     let linked = link_plan(model, units, opts, auto.as_mut(), &header.source)?;
     let (layer_units, weights_len, link) = match linked {
@@ -301,6 +312,8 @@ fn pack_into(
             // The source must still be the file whose bytes the frames were made from.
             super::link::check(&link, out)?;
             report.linked = Some(link.path());
+            // A linked store's frames are the source's bytes: no plane names a code.
+            codes.clear();
             (units, link.len, Some(link))
         }
         None => {
@@ -311,6 +324,7 @@ fn pack_into(
                 out,
                 opts,
                 auto.as_mut(),
+                &codes,
                 &mut report,
                 on_progress,
             )?;
@@ -336,6 +350,7 @@ fn pack_into(
         frame_size: opts.frame_size,
         source: header.source,
         link,
+        codes,
     };
     report.manifest_bytes = write_manifest(&partial.path, &manifest)?;
     partial.commit(out)?;
@@ -484,6 +499,7 @@ fn write_units(
     out: &Path,
     opts: &PackOptions,
     mut auto: Option<&mut super::auto::Auto>,
+    codes: &[SharedCode],
     report: &mut PackReport,
     mut on_progress: impl FnMut(u64),
 ) -> Result<(Vec<LayerUnit>, u64), StoreError> {
@@ -521,7 +537,7 @@ fn write_units(
             });
         }
         let pieces = frame_pieces(&tensors, &codecs, raw_len, opts.frame_size);
-        let encoded = compress(&mut encoders, &pieces, &blob)
+        let encoded = compress(&mut encoders, &pieces, &blob, codes)
             .map_err(|e| StoreError::io("compress frames for", out, e))?;
         let unit = w.write_unit(spec.kind, &pieces, encoded, raw_len, tensors)?;
         report.units += 1;
@@ -540,6 +556,29 @@ fn write_units(
         .sync_all()
         .map_err(|e| StoreError::io("fsync", &w.path, e))?;
     Ok((layer_units, file_at))
+}
+
+/// The float codec's shared codes for `units` (`CodeCensus`): the symbols of every frame
+/// of each float tensor of at most `SHARED_FRAME_BYTES_MAX` bytes, cut as
+/// `frame_pieces` cuts it (with its padding to `TENSOR_ALIGN`).
+fn shared_codes(model: &impl PackSource, units: &[UnitSpec], frame_size: u32) -> Vec<SharedCode> {
+    let mut census = CodeCensus::default();
+    let mut bytes = Vec::new();
+    for name in units.iter().flat_map(|u| &u.tensors) {
+        let Some(t) = model.tensor(name) else {
+            continue;
+        };
+        if t.len == 0 || t.len > SHARED_FRAME_BYTES_MAX as u64 || t.dtype.split_width() < 2 {
+            continue;
+        }
+        bytes.clear();
+        bytes.resize(align_up(t.len, TENSOR_ALIGN) as usize, 0);
+        model.copy_tensor(name, &mut bytes[..t.len as usize]);
+        for frame in bytes.chunks(frame_size as usize) {
+            census.add(frame, t.dtype);
+        }
+    }
+    census.codes()
 }
 
 /// `--codec auto`'s calibration samples: per dtype, up to `auto::SAMPLE_BYTES` of its
@@ -658,11 +697,13 @@ fn frame_pieces(
 struct Encoders(Vec<(Codec, FrameEncoder)>);
 
 impl Encoders {
-    fn get(&mut self, codec: Codec) -> std::io::Result<&mut FrameEncoder> {
+    fn get(&mut self, codec: Codec, shared: &[SharedCode]) -> std::io::Result<&mut FrameEncoder> {
         let i = match self.0.iter().position(|(c, _)| *c == codec) {
             Some(i) => i,
             None => {
-                self.0.push((codec, FrameEncoder::new(codec)?));
+                let mut e = FrameEncoder::new(codec)?;
+                e.set_shared(shared);
+                self.0.push((codec, e));
                 self.0.len() - 1
             }
         };
@@ -676,6 +717,7 @@ fn compress(
     encoders: &mut [Encoders],
     pieces: &[Piece],
     blob: &[u8],
+    shared: &[SharedCode],
 ) -> std::io::Result<Vec<EncodedFrame>> {
     let next = AtomicUsize::new(0);
     let results: Mutex<Vec<Option<EncodedFrame>>> = Mutex::new(vec![None; pieces.len()]);
@@ -689,7 +731,10 @@ fn compress(
                     break;
                 };
                 let raw = &blob[p.raw_offset as usize..(p.raw_offset + p.len) as usize];
-                match enc.get(p.codec).and_then(|e| e.encode(raw, p.dtype)) {
+                match enc
+                    .get(p.codec, shared)
+                    .and_then(|e| e.encode(raw, p.dtype))
+                {
                     Ok(e) => {
                         let r = EncodedFrame {
                             codec: e.codec,

@@ -6,7 +6,7 @@ use serde::Serialize;
 use sluice::dtype::DType;
 use sluice::import::gguf;
 use sluice::store::auto::measure_codec;
-use sluice::store::codec::{Codec, FrameDecoder};
+use sluice::store::codec::Codec;
 use sluice::store::{Store, StoreError};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -61,7 +61,8 @@ pub fn load(src: &Path, max_bytes: u64) -> Result<Vec<Group>, String> {
     if src.is_dir() {
         let store = Store::open(src).map_err(|e| e.to_string())?;
         let file = store.open_weights().map_err(|e| e.to_string())?;
-        let mut dec = FrameDecoder::new(store.manifest().frame_size as usize)
+        let mut dec = store
+            .frame_decoder(store.manifest().frame_size as usize)
             .map_err(|e| format!("a frame decoder: {e}"))?;
         let (mut stored, mut raw) = (Vec::new(), Vec::new());
         for (i, u) in store.units().iter().enumerate() {

@@ -163,6 +163,13 @@ fn print_summary(dir: &std::path::Path, s: &store::inspect::Summary) {
         fmt_bytes(s.stored_bytes),
         s.ratio
     );
+    if s.shared_codes > 0 {
+        println!(
+            "codes       {} shared by the small float frames ({} in the manifest)",
+            s.shared_codes,
+            fmt_bytes(s.shared_code_bytes)
+        );
+    }
     if let Some(l) = &s.linked {
         println!(
             "linked      weights read from {l} (pack --link): its stored bytes are that file's"
