@@ -448,8 +448,8 @@ mod avx2 {
         }
     }
 
-    /// q4_0 (d * (q - 8)), q4_1 (d * q + m) and q8_0 (d * q): one block per 32 weights,
-    /// for `WR` weight rows in step. A row's blocks are one chain of dependent FMAs (its
+    /// q4_0 (d * (q - 8)), q4_1 (d * q + m), q5_0, q5_1 (`row_q5`) and q8_0 (d * q): one
+    /// block per 32 weights, for `WR` weight rows in step. A row's blocks are one chain of dependent FMAs (its
     /// accumulator), so one weight row against one activation row runs at the FMA's
     /// latency; `gemv_body` gives a lone activation row weight rows in pairs, two
     /// independent chains. Per row the arithmetic and its order are `row_q4_q8`'s, so the
@@ -487,6 +487,31 @@ mod avx2 {
                             piece::<N, false, A, D>(&mut acc[k], wq, d, xq, b);
                             for r in 0..N {
                                 offs[k][r] = m.mul_add(xq[r][b].ds(), offs[k][r]);
+                            }
+                        }
+                        DType::Q5_0 | DType::Q5_1 => {
+                            // `row_q5`'s steps.
+                            let q5_1 = t == DType::Q5_1;
+                            let at = if q5_1 { 4 } else { 2 };
+                            let qh = u32::from_le_bytes([
+                                blk[at],
+                                blk[at + 1],
+                                blk[at + 2],
+                                blk[at + 3],
+                            ]);
+                            let q = _mm256_or_si256(
+                                nibbles(blk.as_ptr().add(at + 4)),
+                                bits32_to_0x10(qh),
+                            );
+                            if q5_1 {
+                                let m = f16_scalar(blk, 2);
+                                piece::<N, false, A, D>(&mut acc[k], q, d, xq, b);
+                                for r in 0..N {
+                                    offs[k][r] = m.mul_add(xq[r][b].ds(), offs[k][r]);
+                                }
+                            } else {
+                                let wq = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+                                piece::<N, true, A, D>(&mut acc[k], wq, d, xq, b);
                             }
                         }
                         _ => {
@@ -788,11 +813,14 @@ mod avx2 {
     /// Weight rows a lone activation row takes in step (`gemv_body`).
     const STEP: usize = 2;
 
-    /// The formats whose kernels take several weight rows in step: q4_0, q4_1, q8_0 and
-    /// q6_k. (q4_k and q5_k ran 1.5x slower in step: their per-piece scale decoding
+    /// The formats whose kernels take several weight rows in step: q4_0, q4_1, q5_0, q5_1,
+    /// q8_0 and q6_k. (q4_k and q5_k ran 1.5x slower in step: their per-piece scale decoding
     /// leaves their lone row nothing to wait on.)
     fn in_step(dtype: DType) -> bool {
-        matches!(dtype, DType::Q4_0 | DType::Q4_1 | DType::Q8_0 | DType::Q6K)
+        matches!(
+            dtype,
+            DType::Q4_0 | DType::Q4_1 | DType::Q5_0 | DType::Q5_1 | DType::Q8_0 | DType::Q6K
+        )
     }
 
     /// `WR` weight rows in step against the N rows of `xq` (a format `in_step` names).
