@@ -31,10 +31,10 @@
 //! each; the fourth runs to the end) and the streams; mode 2 (format 8) names one of the
 //! store's shared codes instead of carrying its own (`SharedCode`): the code's index
 //! (u8), the first three streams' byte lengths as LEB128 varints, and the streams.
-//! Stream s codes elements [s * q, min((s + 1) * q, n)) with q = ceil(n / 4), LSB first. Every read is bounds
-//! checked and a stream decodes exactly its element count whatever its bytes, so damaged
-//! input decodes to wrong bytes (which the frame checksum catches) and never past a
-//! buffer.
+//! Stream s codes elements [s * q, min((s + 1) * q, n)) with q = ceil(n / 4), LSB first.
+//! Every read is bounds checked and a stream decodes exactly its element count whatever
+//! its bytes, so damaged input decodes to wrong bytes (which the frame checksum catches)
+//! and never past a buffer.
 
 use serde::{Deserialize, Serialize};
 
@@ -479,8 +479,7 @@ pub fn encode_plane_with(
         .filter(|c| hist.iter().zip(&c.lens).all(|(&h, &l)| h == 0 || l > 0))
         .map(|c| (2 + 2 * (STREAMS as u64 - 1) + bits(&c.lens).div_ceil(8), c))
         .min_by_key(|&(bytes, _)| bytes);
-    if let Some((bytes, c)) = best.filter(|&(bytes, _)| bytes <= own + OWN_CODE_SAVING_MIN) {
-        debug_assert!(bytes > 0);
+    if let Some((_, c)) = best.filter(|&(bytes, _)| bytes <= own + OWN_CODE_SAVING_MIN) {
         out.push(2);
         out.push(c.index);
         let sizes_at = out.len();
