@@ -400,16 +400,11 @@ pub(super) mod avx2 {
         let n = q.len() / 8 * 8;
         // SAFETY: this function's contract.
         unsafe {
-            let mut acc = [_mm256_setzero_ps(); 4];
-            for i in (0..n).step_by(8) {
-                let qv = _mm256_loadu_ps(q.as_ptr().add(i));
-                for r in 0..4 {
-                    let kv = _mm256_cvtph_ps(_mm_loadu_si128(
-                        k.as_ptr().add(at[r] + i) as *const __m128i
-                    ));
-                    acc[r] = _mm256_fmadd_ps(qv, kv, acc[r]);
-                }
-            }
+            let acc = dot4_lanes(q, |acc, qv, r, i| {
+                let kv =
+                    _mm256_cvtph_ps(_mm_loadu_si128(k.as_ptr().add(at[r] + i) as *const __m128i));
+                _mm256_fmadd_ps(qv, kv, acc)
+            });
             std::array::from_fn(|r| {
                 let a = acc[r];
                 let h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
@@ -432,25 +427,113 @@ pub(super) mod avx2 {
         at: [usize; 4],
         o: &mut [f32],
     ) {
-        let n = o.len() / 8 * 8;
         // SAFETY: this function's contract.
+        unsafe {
+            let n = axpy4_lanes(w, o, |acc, w, r, i| {
+                let vv =
+                    _mm256_cvtph_ps(_mm_loadu_si128(v.as_ptr().add(at[r] + i) as *const __m128i));
+                _mm256_fmadd_ps(w, vv, acc)
+            });
+            for i in n..o.len() {
+                for r in 0..4 {
+                    let vv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(v[at[r] + i] as i32)));
+                    o[i] = w[r].mul_add(vv, o[i]);
+                }
+            }
+        }
+    }
+
+    /// The four-row dots' lanes over q's whole groups of 8 elements: q loaded once a
+    /// group, `mul_add(acc[r], q, r, i)` for the rows in order.
+    ///
+    /// # Safety
+    /// AVX2 (the caller's target features), and what `mul_add` reads in bounds.
+    #[inline(always)]
+    unsafe fn dot4_lanes(
+        q: &[f32],
+        mul_add: impl Fn(__m256, __m256, usize, usize) -> __m256,
+    ) -> [__m256; 4] {
+        // SAFETY: loads of `q` stay below its whole groups of 8.
+        unsafe {
+            let mut acc = [_mm256_setzero_ps(); 4];
+            for i in (0..q.len() / 8 * 8).step_by(8) {
+                let qv = _mm256_loadu_ps(q.as_ptr().add(i));
+                for (r, a) in acc.iter_mut().enumerate() {
+                    *a = mul_add(*a, qv, r, i);
+                }
+            }
+            acc
+        }
+    }
+
+    /// The four-row additions' whole groups of 8 elements: each loaded from `o` once,
+    /// `add(acc, w[r], r, i)` for the rows in order, stored; returns where the rest starts.
+    ///
+    /// # Safety
+    /// AVX2 (the caller's target features), and what `add` reads in bounds.
+    #[inline(always)]
+    unsafe fn axpy4_lanes(
+        w: [f32; 4],
+        o: &mut [f32],
+        add: impl Fn(__m256, __m256, usize, usize) -> __m256,
+    ) -> usize {
+        let n = o.len() / 8 * 8;
+        // SAFETY: loads and stores of `o` stay below n <= o.len().
         unsafe {
             let wv = w.map(|x| _mm256_set1_ps(x));
             for i in (0..n).step_by(8) {
                 let p = o.as_mut_ptr().add(i);
                 let mut acc = _mm256_loadu_ps(p);
-                for r in 0..4 {
-                    let vv = _mm256_cvtph_ps(_mm_loadu_si128(
-                        v.as_ptr().add(at[r] + i) as *const __m128i
-                    ));
-                    acc = _mm256_fmadd_ps(wv[r], vv, acc);
+                for (r, &w) in wv.iter().enumerate() {
+                    acc = add(acc, w, r, i);
                 }
                 _mm256_storeu_ps(p, acc);
             }
+        }
+        n
+    }
+
+    /// # Safety
+    /// AVX2; each `k[at[r]..at[r] + q.len()]` is in bounds.
+    #[target_feature(enable = "avx2")]
+    pub(in crate::backend::cpu) unsafe fn dot4_f32(
+        q: &[f32],
+        k: &[f32],
+        at: [usize; 4],
+    ) -> [[f32; 8]; 4] {
+        // SAFETY: this function's contract.
+        unsafe {
+            let acc = dot4_lanes(q, |acc, qv, r, i| {
+                let kv = _mm256_loadu_ps(k.as_ptr().add(at[r] + i));
+                // A product, then a sum: the scalar lanes' rounding (no FMA).
+                _mm256_add_ps(acc, _mm256_mul_ps(qv, kv))
+            });
+            acc.map(|a| {
+                let mut l = [0f32; 8];
+                _mm256_storeu_ps(l.as_mut_ptr(), a);
+                l
+            })
+        }
+    }
+
+    /// # Safety
+    /// AVX2; each `v[at[r]..at[r] + o.len()]` is in bounds.
+    #[target_feature(enable = "avx2")]
+    pub(in crate::backend::cpu) unsafe fn axpy4_f32(
+        w: [f32; 4],
+        v: &[f32],
+        at: [usize; 4],
+        o: &mut [f32],
+    ) {
+        // SAFETY: this function's contract.
+        unsafe {
+            let n = axpy4_lanes(w, o, |acc, w, r, i| {
+                let vv = _mm256_loadu_ps(v.as_ptr().add(at[r] + i));
+                _mm256_add_ps(acc, _mm256_mul_ps(w, vv))
+            });
             for i in n..o.len() {
                 for r in 0..4 {
-                    let vv = _mm_cvtss_f32(_mm_cvtph_ps(_mm_cvtsi32_si128(v[at[r] + i] as i32)));
-                    o[i] = w[r].mul_add(vv, o[i]);
+                    o[i] += w[r] * v[at[r] + i];
                 }
             }
         }
@@ -1054,6 +1137,66 @@ pub fn axpy4_f16(w: [f32; 4], v: &[u16], at: [usize; 4], o: &mut [f32]) {
     }
 }
 
+/// q . k for an f32 row (an f32 KV cache, `--exact`): eight lanes over q's whole
+/// multiples of 8, each a product then a sum (no FMA), the lanes summed in order, then
+/// the rest of the elements in order. The order depends only on q's length.
+pub fn dot_f32(q: &[f32], k: &[f32]) -> f32 {
+    let n = q.len();
+    let mut acc = [0f32; 8];
+    for (qc, kc) in q.chunks_exact(8).zip(k.chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] += qc[l] * kc[l];
+        }
+    }
+    dot_f32_finish(acc, q, &k[..n])
+}
+
+/// `dot_f32`'s end: the lanes summed in order, then the elements past the last 8.
+fn dot_f32_finish(acc: [f32; 8], q: &[f32], k: &[f32]) -> f32 {
+    let n = q.len();
+    let mut d: f32 = acc.iter().sum();
+    for i in n / 8 * 8..n {
+        d += q[i] * k[i];
+    }
+    d
+}
+
+/// `dot_f32` for four rows at once (`k[r]` starts at `at[r]`): the same bits per row,
+/// q loaded once for the four and the four rows' sums independent.
+pub fn dot4_f32(q: &[f32], k: &[f32], at: [usize; 4]) -> [f32; 4] {
+    let n = q.len();
+    assert!(at.iter().all(|&a| a + n <= k.len()));
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 present (checked); every row is inside `k` (asserted).
+        let lanes = unsafe { avx2::dot4_f32(q, k, at) };
+        return std::array::from_fn(|r| dot_f32_finish(lanes[r], q, &k[at[r]..at[r] + n]));
+    }
+    at.map(|a| dot_f32(q, &k[a..a + n]))
+}
+
+/// o += w[r] v[r] for four f32 rows in order (`v[r]` starts at `at[r]`), each a product
+/// then a sum: bit for bit four `axpy_f32` calls, o loaded and stored once.
+pub fn axpy4_f32(w: [f32; 4], v: &[f32], at: [usize; 4], o: &mut [f32]) {
+    let n = o.len();
+    assert!(at.iter().all(|&a| a + n <= v.len()));
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        // SAFETY: AVX2 present (checked); every row is inside `v` (asserted).
+        return unsafe { avx2::axpy4_f32(w, v, at, o) };
+    }
+    for r in 0..4 {
+        axpy_f32(w[r], &v[at[r]..at[r] + n], o);
+    }
+}
+
+/// o += w v (a product then a sum) for an f32 row `v`.
+pub fn axpy_f32(w: f32, v: &[f32], o: &mut [f32]) {
+    for (ov, &vv) in o.iter_mut().zip(v) {
+        *ov += w * vv;
+    }
+}
+
 /// o += w v for an f16 row `v` (an f16 KV cache).
 pub fn axpy_f16(w: f32, v: &[u16], o: &mut [f32]) {
     debug_assert_eq!(v.len(), o.len());
@@ -1302,6 +1445,56 @@ pub(super) mod tests {
                     one[d]
                 );
             }
+        }
+    }
+
+    /// `--exact`'s f32 attention kernels: four keys at a time give each key the bits of
+    /// the one-key scalar forms (the lanes' products then sums, no FMA, summed in order),
+    /// at head dimensions with and without a tail past the last 8; four value rows added
+    /// at once are four one-row additions in order.
+    #[test]
+    fn four_f32_keys_at_once_are_the_bits_of_one_at_a_time() {
+        // The scalar forms, written out as the f32 cache's attention had them.
+        let dot = |q: &[f32], k: &[f32]| -> f32 {
+            let mut acc = [0f32; 8];
+            for (qc, kc) in q.chunks_exact(8).zip(k.chunks_exact(8)) {
+                for l in 0..8 {
+                    acc[l] += qc[l] * kc[l];
+                }
+            }
+            let mut d: f32 = acc.iter().sum();
+            for i in q.len() / 8 * 8..q.len() {
+                d += q[i] * k[i];
+            }
+            d
+        };
+        for hd in [4usize, 8, 64, 72, 128, 100] {
+            let q = rand_vec(hd, hd as u64);
+            let kv = rand_vec(hd * 9 + 3, 7 + hd as u64);
+            let at = [3 * hd + 1, 0, 8 * hd + 3, hd];
+            let four = dot4_f32(&q, &kv, at);
+            for r in 0..4 {
+                let want = dot(&q, &kv[at[r]..at[r] + hd]);
+                assert_eq!(four[r].to_bits(), want.to_bits(), "hd {hd} key {r}");
+                assert_eq!(
+                    dot_f32(&q, &kv[at[r]..at[r] + hd]).to_bits(),
+                    want.to_bits()
+                );
+            }
+            let w = [0.25f32, -1.5, 3.0e-3, 0.7];
+            let mut o4 = rand_vec(hd, 99);
+            let mut o1 = o4.clone();
+            axpy4_f32(w, &kv, at, &mut o4);
+            for r in 0..4 {
+                for (o, &v) in o1.iter_mut().zip(&kv[at[r]..at[r] + hd]) {
+                    *o += w[r] * v;
+                }
+            }
+            assert_eq!(
+                o4.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                o1.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                "hd {hd}"
+            );
         }
     }
 }

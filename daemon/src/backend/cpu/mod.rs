@@ -43,34 +43,24 @@ impl<'a> KvRows<'a> {
     fn dot(&self, at: usize, q: &[f32]) -> f32 {
         let n = q.len();
         match self {
-            KvRows::F32(ks, _) => {
-                let krow = &ks[at..at + n];
-                let mut acc = [0f32; 8];
-                for (qc, kc) in q.chunks_exact(8).zip(krow.chunks_exact(8)) {
-                    for l in 0..8 {
-                        acc[l] += qc[l] * kc[l];
-                    }
-                }
-                let mut d: f32 = acc.iter().sum();
-                for i in n / 8 * 8..n {
-                    d += q[i] * krow[i];
-                }
-                d
-            }
+            KvRows::F32(ks, _) => kernels::dot_f32(q, &ks[at..at + n]),
             KvRows::F16(ks, _) => kernels::dot_f16(q, &ks[at..at + n]),
         }
     }
 
     /// Scores of keys lo..lo + sc.len() against q, `row(j)` the element of key j: four at a
-    /// time from lo (the grouping depends only on lo and the count, not on the batch).
+    /// time from lo (the grouping depends only on lo and the count, not on the batch;
+    /// each score's bits are `dot`'s).
     fn scores(&self, q: &[f32], lo: usize, row: impl Fn(usize) -> usize, sc: &mut [f32]) {
         let mut j = 0;
-        if let KvRows::F16(ks, _) = self {
-            while j + 4 <= sc.len() {
-                let at = std::array::from_fn(|r| row(lo + j + r));
-                sc[j..j + 4].copy_from_slice(&kernels::dot4_f16(q, ks, at));
-                j += 4;
-            }
+        while j + 4 <= sc.len() {
+            let at = std::array::from_fn(|r| row(lo + j + r));
+            let four = match self {
+                KvRows::F32(ks, _) => kernels::dot4_f32(q, ks, at),
+                KvRows::F16(ks, _) => kernels::dot4_f16(q, ks, at),
+            };
+            sc[j..j + 4].copy_from_slice(&four);
+            j += 4;
         }
         for (i, s) in sc.iter_mut().enumerate().skip(j) {
             *s = self.dot(row(lo + i), q);
@@ -80,12 +70,14 @@ impl<'a> KvRows<'a> {
     /// o += w[j] (value row of key lo + j) for every j, in order.
     fn weighted_sum(&self, w: &[f32], lo: usize, row: impl Fn(usize) -> usize, o: &mut [f32]) {
         let mut j = 0;
-        if let KvRows::F16(_, vs) = self {
-            while j + 4 <= w.len() {
-                let at = std::array::from_fn(|r| row(lo + j + r));
-                kernels::axpy4_f16(std::array::from_fn(|r| w[j + r]), vs, at, o);
-                j += 4;
+        while j + 4 <= w.len() {
+            let at = std::array::from_fn(|r| row(lo + j + r));
+            let four = std::array::from_fn(|r| w[j + r]);
+            match self {
+                KvRows::F32(_, vs) => kernels::axpy4_f32(four, vs, at, o),
+                KvRows::F16(_, vs) => kernels::axpy4_f16(four, vs, at, o),
             }
+            j += 4;
         }
         for (i, &wi) in w.iter().enumerate().skip(j) {
             self.axpy(row(lo + i), wi, o);
@@ -96,11 +88,7 @@ impl<'a> KvRows<'a> {
     fn axpy(&self, at: usize, w: f32, o: &mut [f32]) {
         let n = o.len();
         match self {
-            KvRows::F32(_, vs) => {
-                for (ov, &vv) in o.iter_mut().zip(&vs[at..at + n]) {
-                    *ov += w * vv;
-                }
-            }
+            KvRows::F32(_, vs) => kernels::axpy_f32(w, &vs[at..at + n], o),
             KvRows::F16(_, vs) => kernels::axpy_f16(w, &vs[at..at + n], o),
         }
     }
