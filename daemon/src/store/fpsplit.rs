@@ -469,15 +469,12 @@ pub fn encode_plane_with(
             .sum::<u64>()
     };
     let lens = code_lengths(&hist);
-    // Header bytes: the mode, the symbol table and fixed stream sizes for a code of its
-    // own; the mode, the code's index and three varint sizes (about two bytes) for a
-    // shared one.
-    let own = 1 + 2 + 2 * used as u64 + 4 * (STREAMS as u64 - 1) + bits(&lens).div_ceil(8);
+    let own = own_code_bytes(used as u64, bits(&lens));
     let best = shared
         .iter()
         .filter(|c| c.layout == layout && c.plane as usize == plane)
         .filter(|c| hist.iter().zip(&c.lens).all(|(&h, &l)| h == 0 || l > 0))
-        .map(|c| (2 + 2 * (STREAMS as u64 - 1) + bits(&c.lens).div_ceil(8), c))
+        .map(|c| (shared_code_bytes(bits(&c.lens)), c))
         .min_by_key(|&(bytes, _)| bytes);
     if let Some((_, c)) = best.filter(|&(bytes, _)| bytes <= own + OWN_CODE_SAVING_MIN) {
         out.push(2);
@@ -505,6 +502,18 @@ pub fn encode_plane_with(
     for (s, &len) in sizes[..STREAMS - 1].iter().enumerate() {
         out[lens_at + 4 * s..lens_at + 4 * s + 4].copy_from_slice(&len.to_le_bytes());
     }
+}
+
+/// A plane's bytes with a code of its own, `bits` of symbols: the mode, the symbol count
+/// and table (2 bytes a symbol), the fixed stream sizes and the streams.
+fn own_code_bytes(used: u64, bits: u64) -> u64 {
+    1 + 2 + 2 * used + 4 * (STREAMS as u64 - 1) + bits.div_ceil(8)
+}
+
+/// A plane's bytes naming a shared code, `bits` of symbols: the mode, the code's index,
+/// three varint stream sizes (about two bytes each) and the streams.
+fn shared_code_bytes(bits: u64) -> u64 {
+    2 + 2 * (STREAMS as u64 - 1) + bits.div_ceil(8)
 }
 
 /// Appends the four streams of `exps` coded with `codes` to `out`; returns their byte
@@ -553,7 +562,7 @@ fn take_varint(buf: &[u8], at: &mut usize) -> Option<u32> {
 }
 
 /// A code the small float frames of a store share (format 8): made at pack time from the
-/// census of all of them (`shared_code`), kept in the manifest, its decoding tables built
+/// census of all of them (`shared_codes`), kept in the manifest, its decoding tables built
 /// once when the store opens (`SharedTables`). A frame of a few thousand elements pays
 /// for a code of its own in header bytes (two per symbol: more than coding saves on a
 /// norm vector's sign and mantissa) and in the time to build its tables (more than its
@@ -615,16 +624,6 @@ impl SharedCode {
     }
 }
 
-/// The shared code for plane `plane` of `layout` from the symbol counts of every frame
-/// that may use it; None when they hold fewer than two symbols (a constant plane costs
-/// three bytes without one).
-pub fn shared_code(layout: Layout, plane: usize, hist: &[u64; 256]) -> Option<SharedCode> {
-    if hist.iter().filter(|&&c| c > 0).count() < 2 {
-        return None;
-    }
-    Some(SharedCode::from_lens(layout, plane, &code_lengths(hist)))
-}
-
 /// Shared codes of one layout's plane at most.
 pub const SHARED_CODES_PER_PLANE: usize = 8;
 
@@ -649,15 +648,13 @@ pub fn shared_codes(layout: Layout, plane: usize, frames: &[[u64; 256]]) -> Vec<
     // What `encode_plane_with` counts: a code of its own, or a shared one's header.
     let own: Vec<u64> = frames
         .iter()
-        .map(|h| {
-            1 + 2 + 2 * used(h) + 4 * (STREAMS as u64 - 1) + bits(h, &code_lengths(h)).div_ceil(8)
-        })
+        .map(|h| own_code_bytes(used(h), bits(h, &code_lengths(h))))
         .collect();
     let shared_cost = |h: &[u64; 256], lens: &[u8; 256]| -> Option<u64> {
         h.iter()
             .zip(lens)
             .all(|(&c, &l)| c == 0 || l > 0)
-            .then(|| 2 + 2 * (STREAMS as u64 - 1) + bits(h, lens).div_ceil(8))
+            .then(|| shared_code_bytes(bits(h, lens)))
     };
     let make = |members: &mut dyn Iterator<Item = usize>| -> [u8; 256] {
         let mut sum = [0u64; 256];
@@ -1251,6 +1248,15 @@ fn symbols_any(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// One code for plane `plane` of `layout` from the summed symbol counts of its
+    /// frames; None for fewer than two symbols.
+    fn shared_code(layout: Layout, plane: usize, hist: &[u64; 256]) -> Option<SharedCode> {
+        if hist.iter().filter(|&&c| c > 0).count() < 2 {
+            return None;
+        }
+        Some(SharedCode::from_lens(layout, plane, &code_lengths(hist)))
+    }
 
     /// Every plane of `raw` coded, decoded and joined back; returns the exponent plane's
     /// coded bytes.

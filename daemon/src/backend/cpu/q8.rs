@@ -490,29 +490,8 @@ mod avx2 {
                             }
                         }
                         DType::Q5_0 | DType::Q5_1 => {
-                            // `row_q5`'s steps.
                             let q5_1 = t == DType::Q5_1;
-                            let at = if q5_1 { 4 } else { 2 };
-                            let qh = u32::from_le_bytes([
-                                blk[at],
-                                blk[at + 1],
-                                blk[at + 2],
-                                blk[at + 3],
-                            ]);
-                            let q = _mm256_or_si256(
-                                nibbles(blk.as_ptr().add(at + 4)),
-                                bits32_to_0x10(qh),
-                            );
-                            if q5_1 {
-                                let m = f16_scalar(blk, 2);
-                                piece::<N, false, A, D>(&mut acc[k], q, d, xq, b);
-                                for r in 0..N {
-                                    offs[k][r] = m.mul_add(xq[r][b].ds(), offs[k][r]);
-                                }
-                            } else {
-                                let wq = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-                                piece::<N, true, A, D>(&mut acc[k], wq, d, xq, b);
-                            }
+                            q5_block::<N, A, D>(&mut acc[k], &mut offs[k], blk, d, xq, b, q5_1);
                         }
                         _ => {
                             let wq = _mm256_loadu_si256(blk.as_ptr().add(2) as *const __m256i);
@@ -538,25 +517,48 @@ mod avx2 {
     ) -> [f32; N] {
         // SAFETY: this function's contract; reads stay inside each block.
         unsafe {
-            let (bb, at) = if q5_1 { (24, 4) } else { (22, 2) };
+            let bb = if q5_1 { 24 } else { 22 };
             let mut acc = [_mm256_setzero_ps(); N];
             let mut offs = [0f32; N];
             for (b, blk) in row.chunks_exact(bb).enumerate() {
                 let d = _mm256_set1_ps(f16_scalar(blk, 0));
-                let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
-                let q = _mm256_or_si256(nibbles(blk.as_ptr().add(at + 4)), bits32_to_0x10(qh));
-                if q5_1 {
-                    let m = f16_scalar(blk, 2);
-                    piece::<N, false, A, D>(&mut acc, q, d, xq, b);
-                    for r in 0..N {
-                        offs[r] = m.mul_add(xq[r][b].ds(), offs[r]);
-                    }
-                } else {
-                    let wq = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
-                    piece::<N, true, A, D>(&mut acc, wq, d, xq, b);
-                }
+                q5_block::<N, A, D>(&mut acc, &mut offs, blk, d, xq, b, q5_1);
             }
             std::array::from_fn(|r| hsum256(acc[r]) + offs[r])
+        }
+    }
+
+    /// One q5_0 or q5_1 block (`blk`, scale `d` broadcast) into a weight row's lanes and
+    /// offsets: `row_q5`'s step, which the rows in step take too (the same bits).
+    ///
+    /// # Safety
+    /// As `row_q4_q8`; `blk` is one whole block of its format.
+    #[inline(always)]
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn q5_block<const N: usize, A: Acts, D: Dot>(
+        acc: &mut [__m256; N],
+        offs: &mut [f32; N],
+        blk: &[u8],
+        d: __m256,
+        xq: &[&[A]],
+        b: usize,
+        q5_1: bool,
+    ) {
+        // SAFETY: this function's contract; reads stay inside the block.
+        unsafe {
+            let at = if q5_1 { 4 } else { 2 };
+            let qh = u32::from_le_bytes([blk[at], blk[at + 1], blk[at + 2], blk[at + 3]]);
+            let q = _mm256_or_si256(nibbles(blk.as_ptr().add(at + 4)), bits32_to_0x10(qh));
+            if q5_1 {
+                let m = f16_scalar(blk, 2);
+                piece::<N, false, A, D>(acc, q, d, xq, b);
+                for r in 0..N {
+                    offs[r] = m.mul_add(xq[r][b].ds(), offs[r]);
+                }
+            } else {
+                let wq = _mm256_sub_epi8(q, _mm256_set1_epi8(16));
+                piece::<N, true, A, D>(acc, wq, d, xq, b);
+            }
         }
     }
 
