@@ -389,6 +389,106 @@ pub(super) mod avx2 {
         }
     }
 
+    /// Asks for the cache lines of `n` f32s from `row` (a hint: no fault, no effect on a
+    /// result).
+    #[inline(always)]
+    fn prefetch_row(row: *const f32, n: usize) {
+        for l in (0..n).step_by(16) {
+            // SAFETY: a prefetch hint reads nothing and cannot fault, whatever the address.
+            unsafe { _mm_prefetch::<_MM_HINT_T0>(row.wrapping_add(l) as *const i8) };
+        }
+    }
+
+    /// `sc[g * stride + j] = q[g] . key j` for the G query heads of one KV head over f32
+    /// keys (`q`: G rows of `hd`, hd a multiple of 8), each key loaded once for all G, KB
+    /// at a time (the last group padded with the last key): per score `dot_f32`'s lanes
+    /// (a product, then a sum) and `lanes_sum`, so its bits are `dot_f32`'s.
+    ///
+    /// # Safety
+    /// AVX2; every `ks[ats[j]..ats[j] + hd]` is in bounds; `sc` has (G - 1) * stride + n.
+    #[target_feature(enable = "avx2")]
+    pub(in crate::backend::cpu) unsafe fn group_scores_f32<const G: usize, const KB: usize>(
+        q: &[f32],
+        hd: usize,
+        ks: &[f32],
+        ats: &[usize],
+        (sc, stride): (&mut [f32], usize),
+    ) {
+        let n = ats.len();
+        // SAFETY: this function's contract.
+        unsafe {
+            let mut j = 0;
+            while j < n {
+                let at: [usize; KB] =
+                    std::array::from_fn(|i| *ats.get_unchecked((j + i).min(n - 1)));
+                // The keys two steps on, a cache line at a time (the hardware's prefetch
+                // does not follow rows a KV cache's width apart across pages).
+                for i in 2 * KB..3 * KB {
+                    if let Some(&a) = ats.get(j + i) {
+                        prefetch_row(ks.as_ptr().wrapping_add(a), hd);
+                    }
+                }
+                let mut acc = [[_mm256_setzero_ps(); KB]; G];
+                for c in (0..hd).step_by(8) {
+                    for (kk, &a) in at.iter().enumerate() {
+                        let kv = _mm256_loadu_ps(ks.as_ptr().add(a + c));
+                        for (g, acc_g) in acc.iter_mut().enumerate() {
+                            let qv = _mm256_loadu_ps(q.as_ptr().add(g * hd + c));
+                            acc_g[kk] = _mm256_add_ps(acc_g[kk], _mm256_mul_ps(qv, kv));
+                        }
+                    }
+                }
+                for (g, acc_g) in acc.iter().enumerate() {
+                    for (kk, a) in acc_g.iter().enumerate().take(n - j) {
+                        let mut l = [0f32; 8];
+                        _mm256_storeu_ps(l.as_mut_ptr(), *a);
+                        *sc.get_unchecked_mut(g * stride + j + kk) = lanes_sum(l);
+                    }
+                }
+                j += KB;
+            }
+        }
+    }
+
+    /// `o[g] += sum over j of p[g * stride + j] * value j` for the G heads of one KV head
+    /// over f32 values (`o`: G rows of `hd`, a multiple of 8): per element the keys in
+    /// order, each a product then a sum, so the bits are `axpy_f32`'s key after key; each
+    /// value loaded once for all G.
+    ///
+    /// # Safety
+    /// AVX2; every `vs[ats[j]..ats[j] + hd]` is in bounds; `p` has (G - 1) * stride + n.
+    #[target_feature(enable = "avx2")]
+    pub(in crate::backend::cpu) unsafe fn group_pv_f32<const G: usize>(
+        (p, stride): (&[f32], usize),
+        hd: usize,
+        vs: &[f32],
+        ats: &[usize],
+        o: &mut [f32],
+    ) {
+        // SAFETY: this function's contract.
+        unsafe {
+            for c in (0..hd).step_by(8) {
+                let mut acc: [__m256; G] =
+                    std::array::from_fn(|g| _mm256_loadu_ps(o.as_ptr().add(g * hd + c)));
+                for (j, &at) in ats.iter().enumerate() {
+                    if c == 0 {
+                        if let Some(&a) = ats.get(j + 8) {
+                            prefetch_row(vs.as_ptr().wrapping_add(a), hd);
+                        }
+                    }
+                    let vv = _mm256_loadu_ps(vs.as_ptr().add(at + c));
+                    for (g, a) in acc.iter_mut().enumerate() {
+                        let w = _mm256_set1_ps(*p.get_unchecked(g * stride + j));
+                        *a = _mm256_add_ps(*a, _mm256_mul_ps(w, vv));
+                    }
+                }
+                for (g, a) in acc.into_iter().enumerate() {
+                    _mm256_storeu_ps(o.as_mut_ptr().add(g * hd + c), a);
+                }
+            }
+        }
+    }
+
     /// # Safety
     /// AVX2, FMA and F16C; each `k[at[r]..at[r] + q.len()]` is in bounds.
     #[target_feature(enable = "avx2,fma,f16c")]
@@ -1109,6 +1209,85 @@ pub fn group_pv_f16(p: &[f32], hd: usize, vs: &[u16], ats: &[usize], o: &mut [f3
     });
 }
 
+/// The grouped f32 kernels' bounds: `heads` rows of `hd` (a multiple of 8) in a buffer of
+/// `len` with rows `stride` apart, each row holding a number per key, every key's row
+/// (`hd` from each of `ats`) inside a cache of `cache` elements.
+fn check_group_f32(
+    heads: usize,
+    hd: usize,
+    (len, stride): (usize, usize),
+    ats: &[usize],
+    cache: usize,
+) {
+    let n = ats.len();
+    assert!(
+        hd.is_multiple_of(8)
+            && n <= stride
+            && len >= (heads.max(1) - 1) * stride + n
+            && ats.iter().all(|&a| a + hd <= cache)
+    );
+}
+
+/// Scores of the query heads `q` (rows of `hd`, a multiple of 8) sharing one KV head
+/// against the f32 keys at `ats`: `sc[g * stride + j]`, each with `dot_f32`'s bits, each
+/// key read once for the heads (`--exact`'s attention).
+pub fn group_scores_f32(
+    q: &[f32],
+    hd: usize,
+    ks: &[f32],
+    ats: &[usize],
+    sc: &mut [f32],
+    stride: usize,
+) {
+    let heads = q.len() / hd;
+    check_group_f32(heads, hd, (sc.len(), stride), ats, ks.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        by_groups!(heads, |g0, G| {
+            let (q, sc) = (&q[g0 * hd..(g0 + G) * hd], &mut sc[g0 * stride..]);
+            // SAFETY: AVX2 present (checked), every key in bounds and room for G rows of
+            // scores (asserted). Four keys at a time up to three heads, two for four (the
+            // accumulators fit the sixteen registers).
+            unsafe {
+                if G <= 3 {
+                    avx2::group_scores_f32::<G, 4>(q, hd, ks, ats, (sc, stride))
+                } else {
+                    avx2::group_scores_f32::<G, 2>(q, hd, ks, ats, (sc, stride))
+                }
+            }
+        });
+        return;
+    }
+    for (g, qg) in q.chunks_exact(hd).enumerate() {
+        for (j, &a) in ats.iter().enumerate() {
+            sc[g * stride + j] = dot_f32(qg, &ks[a..a + hd]);
+        }
+    }
+}
+
+/// `o[g] += sum_j p[g * stride + j] * value j` for the heads sharing one KV head (`o`:
+/// rows of `hd`, a multiple of 8), f32 values at `ats`, keys in order: the bits of an
+/// `axpy_f32` per key, each value read once for the heads.
+pub fn group_pv_f32(p: &[f32], stride: usize, hd: usize, vs: &[f32], ats: &[usize], o: &mut [f32]) {
+    let heads = o.len() / hd;
+    check_group_f32(heads, hd, (p.len(), stride), ats, vs.len());
+    #[cfg(target_arch = "x86_64")]
+    if has_avx2() {
+        by_groups!(heads, |g0, G| {
+            let (p, o) = (&p[g0 * stride..], &mut o[g0 * hd..(g0 + G) * hd]);
+            // SAFETY: AVX2 present (checked), every value in bounds and G rows of
+            // weights (asserted).
+            unsafe { avx2::group_pv_f32::<G>((p, stride), hd, vs, ats, o) }
+        });
+        return;
+    }
+    for (g, og) in o.chunks_exact_mut(hd).enumerate() {
+        for (j, &a) in ats.iter().enumerate() {
+            axpy_f32(p[g * stride + j], &vs[a..a + hd], og);
+        }
+    }
+}
+
 /// q . k for four f16 rows at once (`k[r]` starts at `at[r]`, `q.len()` long): the same
 /// lanes as `dot_f16` per row, q loaded once for the four.
 pub fn dot4_f16(q: &[f32], k: &[u16], at: [usize; 4]) -> [f32; 4] {
@@ -1151,10 +1330,16 @@ pub fn dot_f32(q: &[f32], k: &[f32]) -> f32 {
     dot_f32_finish(acc, q, &k[..n])
 }
 
+/// `dot_f32`'s eight lanes summed in order.
+#[inline(always)]
+fn lanes_sum(acc: [f32; 8]) -> f32 {
+    acc.iter().sum()
+}
+
 /// `dot_f32`'s end: the lanes summed in order, then the elements past the last 8.
 fn dot_f32_finish(acc: [f32; 8], q: &[f32], k: &[f32]) -> f32 {
     let n = q.len();
-    let mut d: f32 = acc.iter().sum();
+    let mut d = lanes_sum(acc);
     for i in n / 8 * 8..n {
         d += q[i] * k[i];
     }
@@ -1495,6 +1680,53 @@ pub(super) mod tests {
                 o1.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                 "hd {hd}"
             );
+        }
+    }
+
+    /// The grouped f32 kernels (`--exact`'s attention, a KV head at a time) give every
+    /// score `dot_f32`'s bits and every output `axpy_f32`'s key after key, for one to six
+    /// heads (across GROUP_MAX), key counts around the four-key step, scattered keys and a
+    /// row stride wider than the keys.
+    #[test]
+    fn grouped_f32_attention_is_the_bits_of_a_head_at_a_time() {
+        for hd in [8usize, 64, 128] {
+            let kv = rand_vec(hd * 40, hd as u64);
+            for heads in 1..=6 {
+                let q = rand_vec(heads * hd, 3 + heads as u64);
+                for n in [1usize, 3, 4, 5, 9, 17] {
+                    let ats: Vec<usize> = (0..n).map(|j| (j * 7 % 37) * hd + j % 3).collect();
+                    let stride = n + 5;
+                    let mut sc = vec![f32::NAN; heads * stride];
+                    group_scores_f32(&q, hd, &kv, &ats, &mut sc, stride);
+                    let p = rand_vec(heads * stride, 11 + n as u64);
+                    let mut o = rand_vec(heads * hd, 5);
+                    let mut want_o = o.clone();
+                    group_pv_f32(&p, stride, hd, &kv, &ats, &mut o);
+                    for h in 0..heads {
+                        for (j, &a) in ats.iter().enumerate() {
+                            let want = dot_f32(&q[h * hd..(h + 1) * hd], &kv[a..a + hd]);
+                            assert_eq!(
+                                sc[h * stride + j].to_bits(),
+                                want.to_bits(),
+                                "hd {hd} heads {heads} head {h} key {j} of {n}"
+                            );
+                            axpy_f32(
+                                p[h * stride + j],
+                                &kv[a..a + hd],
+                                &mut want_o[h * hd..(h + 1) * hd],
+                            );
+                        }
+                        assert!(sc[h * stride + n..(h + 1) * stride]
+                            .iter()
+                            .all(|x| x.is_nan()));
+                    }
+                    assert_eq!(
+                        o.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        want_o.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                        "hd {hd} heads {heads} n {n}"
+                    );
+                }
+            }
         }
     }
 }

@@ -413,6 +413,78 @@ impl CpuBackend {
         }
     }
 
+    /// Attention over an f32 cache (`--exact`), a KV head at a time: each key and value is
+    /// read once for the query heads that share it (up to GROUP_MAX at once), a row's
+    /// scores over its whole visible context, then its softmax, then the weighted values,
+    /// in chunks of ATTN_CHUNK keys. A task is a (span, KV head). Every number has the bits
+    /// of the head-at-a-time path (`KvRows::scores`, `softmax_scaled`,
+    /// `KvRows::weighted_sum`): the same products and sums in the same order.
+    fn attention_grouped_f32(
+        &self,
+        qs: &[f32],
+        (ks, vs): (&[f32], &[f32]),
+        step: &AttnStep<'_>,
+        sinks: Option<&[f32]>,
+        optr: SharedPtr,
+    ) {
+        let (spans, shape, cache) = (step.spans, step.shape, step.cache);
+        let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
+        let (group, width_q, scale) = (heads / kv_heads, heads * hd, shape.scale);
+        let mut scratch = self.scratch();
+        let tasks = &mut scratch.attn_tasks;
+        tasks.clear();
+        tasks.extend((0..spans.len()).flat_map(|si| (0..kv_heads).map(move |g| (si, g, 0, 0))));
+        let tasks = &*tasks;
+        self.run(|par| {
+            par.for_each_in(tasks, |&(si, g, _, _)| {
+                let sp = spans[si];
+                SCORES.with(|sc| {
+                    KEYS.with(|keys| {
+                        let (mut sc, mut keys) = (sc.borrow_mut(), keys.borrow_mut());
+                        for t in 0..sp.n {
+                            let p = sp.pos + t;
+                            let lo = cache.first_visible(p);
+                            let len = p + 1 - lo;
+                            let row = (sp.row + t) * width_q;
+                            let chunks = (lo..=p)
+                                .step_by(ATTN_CHUNK)
+                                .map(|c0| (c0 - lo, c0..(c0 + ATTN_CHUNK).min(p + 1)));
+                            for h0 in (g * group..(g + 1) * group).step_by(kernels::GROUP_MAX) {
+                                let gh = ((g + 1) * group - h0).min(kernels::GROUP_MAX);
+                                let qg = &qs[row + h0 * hd..][..gh * hd];
+                                sc.resize(gh * len, 0.0);
+                                for (off, js) in chunks.clone() {
+                                    keys.clear();
+                                    keys.extend(js.map(|j| cache.at(&shape, sp.slot, j) + g * hd));
+                                    kernels::group_scores_f32(
+                                        qg,
+                                        hd,
+                                        ks,
+                                        &keys,
+                                        &mut sc[off..],
+                                        len,
+                                    );
+                                }
+                                for (i, row_sc) in sc.chunks_exact_mut(len).enumerate() {
+                                    softmax_scaled(row_sc, scale, sinks.map(|s| s[h0 + i]));
+                                }
+                                // SAFETY: task (span, KV head) writes the columns of its own
+                                // query heads in its own rows; no two tasks share one.
+                                let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
+                                o.fill(0.0);
+                                for (off, js) in chunks.clone() {
+                                    keys.clear();
+                                    keys.extend(js.map(|j| cache.at(&shape, sp.slot, j) + g * hd));
+                                    kernels::group_pv_f32(&sc[off..], len, hd, vs, &keys, o);
+                                }
+                            }
+                        }
+                    })
+                });
+            });
+        });
+    }
+
     /// Attention over an f16 cache, a KV head at a time: each key and value is converted
     /// once for the query heads that share it (up to GROUP_MAX at once), and a row's keys
     /// go in chunks of ATTN_CHUNK from its first visible position, each chunk's softmax
@@ -742,9 +814,9 @@ impl ThreadScratch {
         kernels::reserve_thread_scratch(self.k_max);
         RES4.with(|r| grow(&mut r.borrow_mut(), self.chunk_max));
         RES.with(|r| grow(&mut r.borrow_mut(), self.chunk_max));
-        // Scores: a whole row of one head (the f32 cache's path), or a chunk of keys for
-        // up to GROUP_MAX heads (the f16 cache's); the offsets of a chunk's keys.
-        let scores = self.max_context.max(kernels::GROUP_MAX * ATTN_CHUNK);
+        // Scores: whole rows of up to GROUP_MAX heads (the f32 cache's path), or a chunk
+        // of keys for as many (the f16 cache's); the offsets of a chunk's keys.
+        let scores = kernels::GROUP_MAX * self.max_context.max(ATTN_CHUNK);
         SCORES.with(|s| grow(&mut s.borrow_mut(), scores));
         KEYS.with(|s| grow(&mut s.borrow_mut(), ATTN_CHUNK));
         TILE.with(|t| grow(&mut t.borrow_mut(), TILE_ROWS * self.k_max));
@@ -1009,6 +1081,10 @@ impl Backend for CpuBackend {
         if let (KvRows::F16(ks, vs), true) = (&kv, kernels::has_group_f16(head_dim)) {
             drop(scratch);
             return self.attention_grouped(qs, (ks, vs), step, sinks, optr);
+        }
+        if let (KvRows::F32(ks, vs), true) = (&kv, head_dim.is_multiple_of(8)) {
+            drop(scratch);
+            return self.attention_grouped_f32(qs, (ks, vs), step, sinks, optr);
         }
         tasks.extend((0..spans.len()).flat_map(|i| (0..heads).map(move |h| (i, h))));
         let tasks = &*tasks;

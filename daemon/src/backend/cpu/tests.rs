@@ -387,6 +387,97 @@ fn attention_over_the_cache(kv: KvDtype) {
     }
 }
 
+/// The f32 cache's attention (`--exact`) runs a KV head at a time with each key read once
+/// for its query heads, over contexts longer than a chunk of keys: every output has the
+/// bits of the head-at-a-time form (`dot_f32` per key, `softmax_scaled` over the row,
+/// `axpy_f32` per key in order), with and without sinks, for a decode row at position
+/// 600 and a prefill beside it, in a window and without one.
+#[test]
+fn f32_attention_by_kv_head_is_the_bits_of_a_head_at_a_time() {
+    let b = backend();
+    let mut r = Rng(9);
+    let shape = AttnShape {
+        kv: KvDtype::F32,
+        heads: 6,
+        kv_heads: 2,
+        head_dim: 64,
+        max_context: 640,
+        slots: 2,
+        scale: 0.125,
+    };
+    let (hd, wq, wkv) = (64, 6 * 64, 2 * 64);
+    let spans = [
+        SeqSpan {
+            row: 0,
+            n: 1,
+            pos: 600,
+            slot: 1,
+        },
+        SeqSpan {
+            row: 1,
+            n: 3,
+            pos: 0,
+            slot: 0,
+        },
+    ];
+    let elems = shape.slots * shape.max_context * wkv;
+    let (kd, vd) = (r.vec(elems), r.vec(elems));
+    let (ck, cv) = (mem_f32(&b, &kd), mem_f32(&b, &vd));
+    let q = r.vec(4 * wq);
+    let qm = mem_f32(&b, &q);
+    let sinks = r.vec(6);
+    let sm = mem_f32(&b, &sinks);
+    let mut out = b.alloc(4 * wq * 4, "out").unwrap();
+    for window in [None, Some(300)] {
+        let cache = LayerCache {
+            base: 0,
+            cap: shape.max_context,
+            window,
+        };
+        let step = AttnStep {
+            layer: 0,
+            spans: &spans,
+            shape,
+            cache,
+        };
+        for sink in [None, Some(&sinks)] {
+            let w = sink.map(|_| WeightRef {
+                mem: &sm,
+                offset: 0,
+                dtype: DType::F32,
+                rows: 1,
+                cols: 6,
+            });
+            b.attention(&qm, &ck, &cv, &step, w, &mut out);
+            for sp in &spans {
+                for t in 0..sp.n {
+                    let p = sp.pos + t;
+                    let lo = cache.first_visible(p);
+                    for h in 0..6 {
+                        let at = |j: usize| cache.at(&shape, sp.slot, j) + h / 3 * hd;
+                        let qr = &q[(sp.row + t) * wq + h * hd..][..hd];
+                        let mut sc: Vec<f32> = (lo..=p)
+                            .map(|j| super::kernels::dot_f32(qr, &kd[at(j)..at(j) + hd]))
+                            .collect();
+                        super::softmax_scaled(&mut sc, 0.125, sink.map(|s| s[h]));
+                        let mut want = vec![0f32; hd];
+                        for (i, j) in (lo..=p).enumerate() {
+                            super::kernels::axpy_f32(sc[i], &vd[at(j)..at(j) + hd], &mut want);
+                        }
+                        let got = &out.f32s()[(sp.row + t) * wq + h * hd..][..hd];
+                        assert_eq!(
+                            got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
+                            "window {window:?} sinks {} pos {p} head {h}",
+                            sink.is_some()
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
+
 #[test]
 fn a_sliding_window_ring_attends_to_its_window_only() {
     for kv in [KvDtype::F32, KvDtype::F16] {
