@@ -93,6 +93,8 @@ fn cpu_runner_as(
 ) -> Result<Pipeline<CpuBackend>, EngineError> {
     let mut input = input.clone();
     input.host.unified = unified;
+    input.host.compute_scratch =
+        CpuBackend::scratch_bytes(&input.opts.scratch_shape(&store.manifest().arch), threads);
     fit_reads(&mut input, &io);
     let plan = plan_within_host(store.manifest(), &mut input)?;
     let backend = if unified {

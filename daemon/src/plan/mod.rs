@@ -109,6 +109,9 @@ pub struct HostInput {
     pub request_bytes_max: u64,
     /// Decompression workers (each has scratch of the largest frame).
     pub workers: usize,
+    /// What the compute threads keep for themselves outside the device arena (the CPU
+    /// backend's, `CpuBackend::scratch_bytes`; 0 for CUDA, whose scratch is on the device).
+    pub compute_scratch: u64,
 }
 
 impl Default for HostInput {
@@ -123,6 +126,7 @@ impl Default for HostInput {
             reads_max_bytes: 64 << 20,
             request_bytes_max: 4 << 20,
             workers: 1,
+            compute_scratch: 0,
         }
     }
 }
@@ -149,6 +153,8 @@ pub struct HostPlan {
     pub staging_slot_bytes: u64,
     /// Decompression workers' scratch (a frame each) and the loader's bounce buffers.
     pub scratch_bytes: u64,
+    /// The compute threads' own scratch (HostInput::compute_scratch).
+    pub compute_scratch_bytes: u64,
     /// A streamed embedding's lookup: the gathered rows, a frame's read buffer and its
     /// decoded bytes (0 when the embedding is resident).
     pub gather_bytes: u64,
@@ -334,7 +340,7 @@ pub struct DeviceBudgetError {
 /// The host budget cannot hold the least plan: every host role with its bytes.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
-    "host budget {} ({budget} bytes) is too small: process overhead {} + read buffers {} + decoder scratch {} + {} {} + staging slots {}{} = {} ({need} bytes) at least; raise --host-memory, or lower --max-context / --max-batch",
+    "host budget {} ({budget} bytes) is too small: process overhead {} + read buffers {} + decoder and compute scratch {} + {} {} + staging slots {}{} = {} ({need} bytes) at least; raise --host-memory, or lower --max-context / --max-batch",
     fmt_bytes(*budget),
     fmt_bytes(*overhead),
     fmt_bytes(*reads),
@@ -551,6 +557,13 @@ impl Plan {
             format!("{} x {}", h.staging_slots, fmt_bytes(h.staging_slot_bytes)),
         );
         line(&mut s, "  decoder scratch", fmt_bytes(h.scratch_bytes));
+        if h.compute_scratch_bytes > 0 {
+            line(
+                &mut s,
+                "  compute scratch",
+                fmt_bytes(h.compute_scratch_bytes),
+            );
+        }
         if h.gather_bytes > 0 {
             line(&mut s, "  embedding row gather", fmt_bytes(h.gather_bytes));
         }
@@ -978,9 +991,11 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     let frame = u64::from(m.frame_raw_len_max()) + frame_stored_max + 2 * 4096;
     // The shared codes' decoding tables: one set, all decoders' (`Store::shared_tables`).
     let shared = (m.codes.len() * crate::store::fpsplit::TABLES_BYTES) as u64;
-    let scratch = round(
+    let decoders = round(
         h.workers.max(1) as u64 * (frame + crate::store::codec::FrameDecoder::EXTRA_BYTES) + shared,
     );
+    let compute = round(h.compute_scratch);
+    let scratch = decoders + compute;
     let host_fixed = h.overhead + reads + scratch;
 
     // The bytes the disk should have queued: the read buffers, or for reads that land in
@@ -1401,7 +1416,8 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
             reads_in_flight,
             staging_slots: staging,
             staging_slot_bytes,
-            scratch_bytes: scratch,
+            scratch_bytes: decoders,
+            compute_scratch_bytes: compute,
             gather_bytes: gather_host,
             host_cache_bytes,
             arena_bytes: arena,

@@ -223,6 +223,7 @@ fn unified(budget: Option<u64>) -> PlanInput {
         budget,
         overhead: 1 << 20,
         unified: true,
+        compute_scratch: 300 << 10,
         ..HostInput::default()
     };
     i
@@ -236,6 +237,7 @@ fn a_host_budget_bounds_every_host_role_of_a_unified_backend() {
     let free = plan(m, &unified(None)).expect("plan");
     assert_eq!(free.layers_streamed(), 0);
     assert_eq!(free.host.arena_bytes, free.device_bytes());
+    assert_eq!(free.host.compute_scratch_bytes, 300 << 10);
     // Below the arena plus the overhead something must stream, whatever the reads take.
     let full = free.host.arena_bytes + free.host.overhead_bytes;
     let least = plan(m, &unified(Some(1 << 20)))
@@ -257,6 +259,7 @@ fn a_host_budget_bounds_every_host_role_of_a_unified_backend() {
             h.overhead_bytes
                 + h.read_bytes()
                 + h.scratch_bytes
+                + h.compute_scratch_bytes
                 + h.gather_bytes
                 + h.arena_bytes
                 + h.staging_slots as u64 * h.staging_slot_bytes,

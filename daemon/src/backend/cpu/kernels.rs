@@ -1061,6 +1061,11 @@ pub fn reserve_thread_scratch(k_max: usize) {
     });
 }
 
+/// The bytes `reserve_thread_scratch` makes room for.
+pub fn thread_scratch_bytes(k_max: usize) -> usize {
+    k_max / 32 * std::mem::size_of::<f32>()
+}
+
 /// Whether `gemv4` has a fast kernel for this dtype on this CPU.
 pub fn has_gemv4(dtype: DType) -> bool {
     #[cfg(target_arch = "x86_64")]
