@@ -661,7 +661,7 @@ impl CpuBackend {
         const PIECE: usize = 16 * 1024;
         let (xs, ys) = (&mut x.f32s_mut()[..n], &y.f32s()[..n]);
         if n < 2 * PIECE || self.threads == 1 {
-            xs.iter_mut().zip(ys).for_each(|(a, &b)| *a = f(*a, b));
+            kernels::map2(xs, ys, f);
             return;
         }
         let xp = SharedPtr(xs.as_mut_ptr());
@@ -670,9 +670,7 @@ impl CpuBackend {
                 let (i0, i1) = (c * PIECE, ((c + 1) * PIECE).min(n));
                 // SAFETY: piece c is elements i0..i1 only; pieces are disjoint.
                 let xc = unsafe { xp.slice(i0, i1 - i0) };
-                xc.iter_mut()
-                    .zip(&ys[i0..i1])
-                    .for_each(|(a, &b)| *a = f(*a, b));
+                kernels::map2(xc, &ys[i0..i1], &f);
             });
         });
     }
@@ -761,12 +759,8 @@ fn exp_scaled(sc: &mut [f32], scale: f32) -> (f32, f32) {
         *s *= scale;
         mx = mx.max(*s);
     }
-    let mut sum = 0f32;
-    for s in sc.iter_mut() {
-        *s = (*s - mx).exp();
-        sum += *s;
-    }
-    (mx, sum)
+    kernels::map1(sc, |s| kernels::exp_f32(s - mx));
+    (mx, sc.iter().sum())
 }
 
 /// Scores times `scale`, then softmax in place: `exp_scaled`, then scaled by 1 / sum (the
@@ -1169,7 +1163,7 @@ impl Backend for CpuBackend {
     }
 
     fn silu_mul(&self, gate: &mut CpuMem, up: &CpuMem, n: usize) {
-        self.elementwise(gate, up, n, |g, u| g / (1.0 + (-g).exp()) * u);
+        self.elementwise(gate, up, n, |g, u| silu(g) * u);
     }
 
     fn gelu_mul(&self, gate: &mut CpuMem, up: &CpuMem, n: usize) {
@@ -1180,7 +1174,7 @@ impl Backend for CpuBackend {
         self.elementwise(gate, up, n, move |g, u| {
             let g = g.min(limit);
             let u = u.clamp(-limit, limit);
-            (u + 1.0) * (g / (1.0 + (-alpha * g).exp()))
+            (u + 1.0) * (g / (1.0 + kernels::exp_f32(-alpha * g)))
         });
     }
 
@@ -1471,10 +1465,19 @@ fn prefill_rows(par: &Par, mm: &[Matmul], g: usize, t: usize) {
 }
 
 /// GELU with the tanh approximation, as transformers' `gelu_pytorch_tanh`:
-/// 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))).
+/// 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), written as the equal
+/// x / (1 + e^(-2u)), which loses nothing where tanh(u) nears -1 and vectorizes
+/// (`kernels::exp_f32`).
+#[inline(always)]
 pub fn gelu_tanh(x: f32) -> f32 {
     const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    0.5 * x * (1.0 + (SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)).tanh())
+    x / (1.0 + kernels::exp_f32(-2.0 * SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
+}
+
+/// SiLU: x / (1 + e^-x).
+#[inline(always)]
+pub fn silu(x: f32) -> f32 {
+    x / (1.0 + kernels::exp_f32(-x))
 }
 
 #[cfg(test)]
