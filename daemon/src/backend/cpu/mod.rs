@@ -435,9 +435,12 @@ impl CpuBackend {
     /// Attention over an f32 cache (`--exact`), a KV head at a time: each key and value is
     /// read once for the query heads that share it (up to GROUP_MAX at once), a row's
     /// scores over its whole visible context, then its softmax, then the weighted values,
-    /// in chunks of ATTN_CHUNK keys. A task is a (span, KV head). Every number has the bits
-    /// of the head-at-a-time path (`KvRows::scores`, `softmax_scaled`,
-    /// `KvRows::weighted_sum`): the same products and sums in the same order.
+    /// in chunks of ATTN_CHUNK keys. A task is a (span, KV head); when those are fewer
+    /// than two a thread, a decode row's scores are computed a chunk of keys a task, then
+    /// its weighted values a block of columns a task (each softmaxing the row again), so a
+    /// long context keeps every thread busy. Every number has the bits of the
+    /// head-at-a-time path (`KvRows::scores`, `softmax_scaled`, `KvRows::weighted_sum`):
+    /// the same products and sums in the same order, however the work is cut.
     fn attention_grouped_f32(
         &self,
         qs: &[f32],
@@ -449,40 +452,61 @@ impl CpuBackend {
         let (spans, shape, cache) = (step.spans, step.shape, step.cache);
         let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
         let (group, width_q, scale) = (heads / kv_heads, heads * hd, shape.scale);
+        let split = self.threads > 1 && spans.len() * kv_heads < 2 * self.threads;
+        // A split row's columns in blocks of `width` (a multiple of 8), enough blocks for
+        // two tasks a thread.
+        let blocks = (2 * self.threads).div_ceil((spans.len() * kv_heads).max(1));
+        let width = hd.div_ceil(blocks).next_multiple_of(8).min(hd);
+        // A chunk's scores for the group's heads, rows ATTN_CHUNK apart.
+        let block = group * ATTN_CHUNK;
+        let visible = |p: usize| (cache.first_visible(p), p + 1 - cache.first_visible(p));
+        let chunk_keys = |keys: &mut Vec<usize>, sp: &SeqSpan, p: usize, g: usize, c: usize| {
+            let lo = cache.first_visible(p) + c * ATTN_CHUNK;
+            keys.clear();
+            keys.extend(
+                (lo..(lo + ATTN_CHUNK).min(p + 1)).map(|j| cache.at(&shape, sp.slot, j) + g * hd),
+            );
+        };
         let mut scratch = self.scratch();
-        let tasks = &mut scratch.attn_tasks;
-        tasks.clear();
-        tasks.extend((0..spans.len()).flat_map(|si| (0..kv_heads).map(move |g| (si, g, 0, 0))));
-        let tasks = &*tasks;
+        let Scratch {
+            attn_tasks,
+            partials,
+            ..
+        } = &mut *scratch;
+        // (span, KV head, chunk or ALL of them, where a chunk's scores go).
+        let chunks_of = |sp: &SeqSpan| visible(sp.pos).1.div_ceil(ATTN_CHUNK);
+        let at = attention_tasks(attn_tasks, (spans, kv_heads), split, chunks_of, block);
+        partials.clear();
+        partials.resize(at, 0.0);
+        let pptr = SharedPtr(partials.as_mut_ptr());
+        let tasks = &*attn_tasks;
         self.run(|par| {
-            par.for_each_in(tasks, |&(si, g, _, _)| {
+            par.for_each_in(tasks, |&(si, g, c, at)| {
                 let sp = spans[si];
-                SCORES.with(|sc| {
-                    KEYS.with(|keys| {
-                        let (mut sc, mut keys) = (sc.borrow_mut(), keys.borrow_mut());
+                KEYS.with(|keys| {
+                    let mut keys = keys.borrow_mut();
+                    if c != ALL {
+                        // SAFETY: this task's own block of the partials.
+                        let out = unsafe { pptr.slice(at, block) };
+                        chunk_keys(&mut keys, &sp, sp.pos, g, c);
+                        let qg = &qs[sp.row * width_q + g * group * hd..][..group * hd];
+                        kernels::group_scores_f32(qg, hd, ks, &keys, out, ATTN_CHUNK);
+                        return;
+                    }
+                    SCORES.with(|sc| {
+                        let mut sc = sc.borrow_mut();
                         for t in 0..sp.n {
                             let p = sp.pos + t;
-                            let lo = cache.first_visible(p);
-                            let len = p + 1 - lo;
+                            let (_, len) = visible(p);
                             let row = (sp.row + t) * width_q;
-                            let chunks = (lo..=p)
-                                .step_by(ATTN_CHUNK)
-                                .map(|c0| (c0 - lo, c0..(c0 + ATTN_CHUNK).min(p + 1)));
-                            for h0 in (g * group..(g + 1) * group).step_by(kernels::GROUP_MAX) {
-                                let gh = ((g + 1) * group - h0).min(kernels::GROUP_MAX);
+                            let n_chunks = len.div_ceil(ATTN_CHUNK);
+                            for (h0, gh) in head_subgroups(g, group) {
                                 let qg = &qs[row + h0 * hd..][..gh * hd];
                                 sc.resize(gh * len, 0.0);
-                                for (off, js) in chunks.clone() {
-                                    keys.clear();
-                                    keys.extend(js.map(|j| cache.at(&shape, sp.slot, j) + g * hd));
-                                    kernels::group_scores_f32(
-                                        qg,
-                                        hd,
-                                        ks,
-                                        &keys,
-                                        &mut sc[off..],
-                                        len,
-                                    );
+                                for c in 0..n_chunks {
+                                    chunk_keys(&mut keys, &sp, p, g, c);
+                                    let out = &mut sc[c * ATTN_CHUNK..];
+                                    kernels::group_scores_f32(qg, hd, ks, &keys, out, len);
                                 }
                                 for (i, row_sc) in sc.chunks_exact_mut(len).enumerate() {
                                     softmax_scaled(row_sc, scale, sinks.map(|s| s[h0 + i]));
@@ -491,13 +515,66 @@ impl CpuBackend {
                                 // query heads in its own rows; no two tasks share one.
                                 let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
                                 o.fill(0.0);
-                                for (off, js) in chunks.clone() {
-                                    keys.clear();
-                                    keys.extend(js.map(|j| cache.at(&shape, sp.slot, j) + g * hd));
-                                    kernels::group_pv_f32(&sc[off..], len, hd, vs, &keys, o);
+                                for c in 0..n_chunks {
+                                    chunk_keys(&mut keys, &sp, p, g, c);
+                                    let w = &sc[c * ATTN_CHUNK..];
+                                    kernels::group_pv_f32(w, len, hd, vs, &keys, o);
                                 }
                             }
                         }
+                    })
+                });
+            });
+        });
+        if at == 0 {
+            return;
+        }
+        // The split rows' weighted values: (span, KV head, column block, its scores).
+        let n = attn_tasks.len();
+        for i in 0..n {
+            let (si, g, c, at) = attn_tasks[i];
+            if c == 0 {
+                attn_tasks.extend((0..hd.div_ceil(width)).map(|b| (si, g, b, at)));
+            }
+        }
+        attn_tasks.drain(..n);
+        let (tasks, partials) = (&*attn_tasks, &*partials);
+        self.run(|par| {
+            par.for_each_in(tasks, |&(si, g, b, at)| {
+                let sp = spans[si];
+                let (_, len) = visible(sp.pos);
+                let (row, c0) = (sp.row * width_q, b * width);
+                let w = width.min(hd - c0);
+                SCORES.with(|sc| {
+                    KEYS.with(|keys| {
+                        PARTIAL.with(|part| {
+                            let (mut sc, mut keys) = (sc.borrow_mut(), keys.borrow_mut());
+                            let mut part = part.borrow_mut();
+                            for (h0, gh) in head_subgroups(g, group) {
+                                sc.resize(gh * len, 0.0);
+                                for (i, row_sc) in sc.chunks_exact_mut(len).enumerate() {
+                                    let hr = h0 - g * group + i;
+                                    for (c, piece) in row_sc.chunks_mut(ATTN_CHUNK).enumerate() {
+                                        let from = at + c * block + hr * ATTN_CHUNK;
+                                        piece.copy_from_slice(&partials[from..from + piece.len()]);
+                                    }
+                                    softmax_scaled(row_sc, scale, sinks.map(|s| s[h0 + i]));
+                                }
+                                part.clear();
+                                part.resize(gh * w, 0.0);
+                                for c in 0..len.div_ceil(ATTN_CHUNK) {
+                                    chunk_keys(&mut keys, &sp, sp.pos, g, c);
+                                    let p = &sc[c * ATTN_CHUNK..];
+                                    kernels::group_pv_f32(p, len, w, &vs[c0..], &keys, &mut part);
+                                }
+                                for (i, o) in part.chunks_exact(w).enumerate() {
+                                    // SAFETY: task (span, KV head, block) writes its own
+                                    // columns of its own query heads in its own row.
+                                    let dst = unsafe { optr.slice(row + (h0 + i) * hd + c0, w) };
+                                    dst.copy_from_slice(o);
+                                }
+                            }
+                        })
                     })
                 });
             });
@@ -536,21 +613,7 @@ impl CpuBackend {
             ..
         } = &mut *scratch;
         // (span, KV head, chunk or ALL of them in order, where its partial goes).
-        const ALL: usize = usize::MAX;
-        attn_tasks.clear();
-        let mut at = 0;
-        for (si, sp) in spans.iter().enumerate() {
-            for g in 0..kv_heads {
-                if split && sp.n == 1 {
-                    for c in 0..chunks_of(sp) {
-                        attn_tasks.push((si, g, c, at));
-                        at += rec;
-                    }
-                } else {
-                    attn_tasks.push((si, g, ALL, 0));
-                }
-            }
-        }
+        let at = attention_tasks(attn_tasks, (spans, kv_heads), split, chunks_of, rec);
         partials.clear();
         partials.resize(at, 0.0);
         let pptr = SharedPtr(partials.as_mut_ptr());
@@ -563,11 +626,7 @@ impl CpuBackend {
             keys.clear();
             keys.extend((lo..hi).map(|j| cache.at(&shape, sp.slot, j) + g * hd));
         };
-        let subgroups = |g: usize| {
-            (g * group..(g + 1) * group)
-                .step_by(kernels::GROUP_MAX)
-                .map(move |h0| (h0, ((g + 1) * group - h0).min(kernels::GROUP_MAX)))
-        };
+        let subgroups = |g: usize| head_subgroups(g, group);
         self.run(|par| {
             par.for_each_in(tasks, |&(si, g, c, at)| {
                 let sp = spans[si];
@@ -696,6 +755,45 @@ fn f32_vector<'a>(w: &WeightRef<'a, CpuMem>, scratch: &'a mut Vec<f32>) -> &'a [
     scratch.resize(n, 0.0);
     kernels::dequant_rows(w.dtype, bytes, bytes.len() / w.rows.max(1), w.cols, scratch);
     scratch
+}
+
+/// A grouped attention's task for all of a (span, KV head)'s chunks of keys.
+const ALL: usize = usize::MAX;
+
+/// The tasks of a grouped attention into `tasks`: (span, KV head, ALL, 0) for each, or
+/// where `split`, for a span of one row (a decode row), a task per chunk of its keys
+/// (`chunks_of`): (span, KV head, chunk, where its `rec` floats of results go). Returns
+/// the floats the chunks' results take.
+fn attention_tasks(
+    tasks: &mut Vec<(usize, usize, usize, usize)>,
+    (spans, kv_heads): (&[SeqSpan], usize),
+    split: bool,
+    chunks_of: impl Fn(&SeqSpan) -> usize,
+    rec: usize,
+) -> usize {
+    tasks.clear();
+    let mut at = 0;
+    for (si, sp) in spans.iter().enumerate() {
+        for g in 0..kv_heads {
+            if split && sp.n == 1 {
+                for c in 0..chunks_of(sp) {
+                    tasks.push((si, g, c, at));
+                    at += rec;
+                }
+            } else {
+                tasks.push((si, g, ALL, 0));
+            }
+        }
+    }
+    at
+}
+
+/// The query heads of KV head `g` (`group` of them) in runs of at most GROUP_MAX: (first
+/// head, count).
+fn head_subgroups(g: usize, group: usize) -> impl Iterator<Item = (usize, usize)> + Clone {
+    (g * group..(g + 1) * group)
+        .step_by(kernels::GROUP_MAX)
+        .map(move |h0| (h0, ((g + 1) * group - h0).min(kernels::GROUP_MAX)))
 }
 
 /// Keys a chunk of grouped f16 attention (`CpuBackend::attention_grouped`).

@@ -405,7 +405,9 @@ fn attention_over_the_cache(kv: KvDtype) {
 /// for its query heads, over contexts longer than a chunk of keys: every output has the
 /// bits of the head-at-a-time form (`dot_f32` per key, `softmax_scaled` over the row,
 /// `axpy_f32` per key in order), with and without sinks, for a decode row at position
-/// 600 and a prefill beside it, in a window and without one.
+/// 600 and a prefill beside it, and for the decode row alone (too few tasks for two
+/// threads: its scores a chunk of keys a task, its values a block of columns a task), in
+/// a window and without one.
 #[test]
 fn f32_attention_by_kv_head_is_the_bits_of_a_head_at_a_time() {
     let b = backend();
@@ -442,7 +444,10 @@ fn f32_attention_by_kv_head_is_the_bits_of_a_head_at_a_time() {
     let sinks = r.vec(6);
     let sm = mem_f32(&b, &sinks);
     let mut out = b.alloc(4 * wq * 4, "out").unwrap();
-    for window in [None, Some(300)] {
+    let cases = [None, Some(300)]
+        .into_iter()
+        .flat_map(|w| [(w, &spans[..]), (w, &spans[..1])]);
+    for (window, spans) in cases {
         let cache = LayerCache {
             base: 0,
             cap: shape.max_context,
@@ -450,7 +455,7 @@ fn f32_attention_by_kv_head_is_the_bits_of_a_head_at_a_time() {
         };
         let step = AttnStep {
             layer: 0,
-            spans: &spans,
+            spans,
             shape,
             cache,
         };
@@ -463,7 +468,7 @@ fn f32_attention_by_kv_head_is_the_bits_of_a_head_at_a_time() {
                 cols: 6,
             });
             b.attention(&qm, &ck, &cv, &step, w, &mut out);
-            for sp in &spans {
+            for sp in spans {
                 for t in 0..sp.n {
                     let p = sp.pos + t;
                     let lo = cache.first_visible(p);
@@ -482,7 +487,8 @@ fn f32_attention_by_kv_head_is_the_bits_of_a_head_at_a_time() {
                         assert_eq!(
                             got.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
                             want.iter().map(|x| x.to_bits()).collect::<Vec<_>>(),
-                            "window {window:?} sinks {} pos {p} head {h}",
+                            "window {window:?} spans {} sinks {} pos {p} head {h}",
+                            spans.len(),
                             sink.is_some()
                         );
                     }
