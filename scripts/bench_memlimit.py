@@ -32,7 +32,7 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SLUICED = os.path.join(ROOT, "target/release/sluiced")
+SLUICED = os.environ.get("SLUICED", os.path.join(ROOT, "target/release/sluiced"))
 PROMPT = "The history of the printing press begins"
 MIB = 2**20
 

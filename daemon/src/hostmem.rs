@@ -156,16 +156,19 @@ pub fn default_host_budget() -> (Option<u64>, String) {
 
 /// Bytes the plan adds to the resident set measured at start for what it does not
 /// allocate itself: thread stacks as they are touched (a few pages each), the allocator's
-/// per-thread arenas as they are used, request bookkeeping. (Logits rows are the caller's
-/// `extra`.) On SmolLM2 (`run`, 256 positions, prefill chunk capped at the prompt) the
-/// memory cgroup's peak stayed 5-6 MiB under the plan's total from the least budget to
-/// all-resident. Start-up's own transient (decoding the manifest, building the tokenizer)
-/// comes before the plan and peaks lower (27 MiB of anonymous memory on SmolLM2, whose
-/// least plan is 35 MiB).
-pub const OVERHEAD_MARGIN: u64 = 4 << 20;
+/// per-thread arenas as they are used, request bookkeeping (logits rows are the caller's
+/// `extra`), and room for the pages of code the decode loop keeps touching. Those are page
+/// cache, which a memory cgroup charges like the rest: SmolLM2's decode keeps 3-7 MB of the
+/// executable and libraries mapped, and with 4 MiB of margin the plans at 64-96 MiB left
+/// them too little once the plan counted all of its own scratch (the code was read again
+/// every step: 1.5-4 tokens/s instead of 20-47). With 8 MiB each of SmolLM2's plans from
+/// 64 to 112 MiB reads what it plans (within 3%). Start-up's own transient (decoding the
+/// manifest, building the tokenizer) comes before the plan and peaks lower (27 MiB of
+/// anonymous memory on SmolLM2, whose least plan is 35 MiB).
+pub const OVERHEAD_MARGIN: u64 = 8 << 20;
 
 /// The overhead a plan starts from: the anonymous resident set now (`anon_rss_bytes`; the
-/// margin covers the text pages the hot loop keeps touched) plus `OVERHEAD_MARGIN` and
+/// margin leaves room for the code pages the hot loop keeps touched) plus `OVERHEAD_MARGIN` and
 /// `extra` (bytes the caller knows it will allocate, such as logits rows).
 pub fn overhead_now(extra: u64) -> u64 {
     // Start-up (manifest decode, tokenizer build) frees more than it keeps: hand the freed

@@ -1515,46 +1515,58 @@ fn plan_unified(
             device_budget: dev.unwrap_or(all_resident),
         });
     }
-    // Streaming: room for the embedding's gathered rows (see plan_once) and the experts'
-    // cache and staging.
-    let (fixed, scratch) = (fixed + gather_dev + expert_cache, scratch + gather_host);
-    let host_room = h
-        .budget
-        .map(|b| b.checked_sub(h.overhead + reads + scratch));
-    // Staging slots from prefetch + 1 down to two (one computing, one loading). Units are
-    // staged ahead in bytes, not in units: first try depths whose slots hold the reads in
-    // flight (small units need more of them ahead), then shallower ones.
-    let deepest = prefetch_want + 1;
-    // One computing, the reads in flight, and one more so the disk has the next unit
-    // queued when a unit lands (1.2 GB Llama at 512 MiB: 2 slots 1.33 tokens/s, 3 1.75).
-    // Reads that land in the slots count here as much as read buffers do.
-    let want =
-        |s: u64| (2 + in_flight.div_ceil(s.max(1)) as usize).clamp(STREAM_SLOTS_MIN, deepest);
-    let room = |s: u64, n: usize| -> Option<u64> {
-        let by_dev = match dev {
-            Some(d) => Some(d.checked_sub(fixed)?),
-            None => None,
+    // Streaming: room for the experts' cache and staging, and for the embedding's gathered
+    // rows (see plan_once) where it streams. First without the rows, which a split that
+    // keeps the embedding resident does not need (charging them anyway pushed SmolLM2's
+    // tied embedding out at 64 MiB, to be streamed in row parts every step); again with
+    // them only when that split streams the embedding.
+    let search = |(gather_dev, gather_host): (u64, u64)| {
+        let (fixed, scratch) = (fixed + gather_dev + expert_cache, scratch + gather_host);
+        let host_room = h
+            .budget
+            .map(|b| b.checked_sub(h.overhead + reads + scratch));
+        // Staging slots from prefetch + 1 down to two (one computing, one loading). Units are
+        // staged ahead in bytes, not in units: first try depths whose slots hold the reads in
+        // flight (small units need more of them ahead), then shallower ones.
+        let deepest = prefetch_want + 1;
+        // One computing, the reads in flight, and one more so the disk has the next unit
+        // queued when a unit lands (1.2 GB Llama at 512 MiB: 2 slots 1.33 tokens/s, 3 1.75).
+        // Reads that land in the slots count here as much as read buffers do.
+        let want =
+            |s: u64| (2 + in_flight.div_ceil(s.max(1)) as usize).clamp(STREAM_SLOTS_MIN, deepest);
+        let room = |s: u64, n: usize| -> Option<u64> {
+            let by_dev = match dev {
+                Some(d) => Some(d.checked_sub(fixed)?),
+                None => None,
+            };
+            let by_host = match host_room {
+                Some(r) => Some(r?.checked_sub(fixed + (n + expert_reads) as u64 * s)?),
+                None => None,
+            };
+            match (by_dev, by_host) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (Some(a), None) => Some(a),
+                (None, Some(b)) => Some(b),
+                (None, None) => Some(u64::MAX),
+            }
         };
-        let by_host = match host_room {
-            Some(r) => Some(r?.checked_sub(fixed + (n + expert_reads) as u64 * s)?),
-            None => None,
-        };
-        match (by_dev, by_host) {
-            (Some(a), Some(b)) => Some(a.min(b)),
-            (Some(a), None) => Some(a),
-            (None, Some(b)) => Some(b),
-            (None, None) => Some(u64::MAX),
-        }
+        let deep: Vec<usize> = (STREAM_SLOTS_MIN..=deepest).rev().collect();
+        let c = choose_residency(raw, e, &deep, |sz, n| {
+            if n >= want(sz) {
+                room(sz, n)
+            } else {
+                None
+            }
+        })
+        .or_else(|| choose_residency(raw, e, &deep, room));
+        (c, fixed, scratch)
     };
-    let deep: Vec<usize> = (STREAM_SLOTS_MIN..=deepest).rev().collect();
-    let c = choose_residency(raw, e, &deep, |sz, n| {
-        if n >= want(sz) {
-            room(sz, n)
-        } else {
-            None
+    let (c, fixed, scratch) = match search((0, 0)) {
+        (Some(c), fixed, scratch) if c.resident[0] || (gather_dev, gather_host) == (0, 0) => {
+            (Some(c), fixed, scratch)
         }
-    })
-    .or_else(|| choose_residency(raw, e, &deep, room));
+        _ => search((gather_dev, gather_host)),
+    };
     match c {
         Some(c) => {
             let arena = fixed

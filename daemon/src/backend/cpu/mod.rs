@@ -94,20 +94,34 @@ impl<'a> KvRows<'a> {
     }
 }
 
-/// Dequantized weights a thread's sgemm tile holds (512 KiB of f32), unless TILE_ROWS_MIN
-/// rows need more.
+/// Dequantized weights a thread's sgemm tile holds at most (512 KiB of f32), unless
+/// TILE_ROWS_MIN rows need more.
 const TILE_F32S: usize = 128 * 1024;
 const TILE_ROWS_MIN: usize = 32;
-const TILE_ROWS_MAX: usize = 256;
+/// At most 56 rows: matrixmultiply's sgemm allocates a packing buffer of KC x (MC + rows)
+/// f32 a call (KC 256, MC 64), and 56 rows keep it under glibc's 128 KiB mmap threshold.
+/// A larger one is mmapped, and once freed it raises the threshold, so that every later
+/// one stays in the thread's heap: 224-row tiles left SmolLM2's resident set 2.7 MB larger,
+/// which under a 96 MiB memory cgroup pushed the executable's pages out (decode 1.5
+/// tokens/s instead of 47).
+const TILE_ROWS_MAX: usize = 56;
+/// sgemm's packing buffer for a tile of TILE_ROWS_MAX rows (see there).
+const SGEMM_PACK_BYTES: usize = 256 * (64 + TILE_ROWS_MAX) * std::mem::size_of::<f32>();
 
 /// Weight rows per sgemm tile for rows of `k`: as many as TILE_F32S holds, from
 /// TILE_ROWS_MIN to TILE_ROWS_MAX, a multiple of 8. sgemm packs the whole block of
 /// activations once a call, so a tile of few rows packs them again and again (32 rows
-/// spent a fifth of SmolLM2's prefill packing; 80 to 224 rows run it about 20% faster).
-/// Whatever the tile, an output's bits are the same: its dot product over k, in sgemm's
-/// order.
+/// spent a fifth of SmolLM2's prefill packing; 56 rows run it 5-10% faster). Whatever the
+/// tile, an output's bits are the same: its dot product over k, in sgemm's order.
 fn tile_rows(k: usize) -> usize {
     (TILE_F32S / k.max(1) / 8 * 8).clamp(TILE_ROWS_MIN, TILE_ROWS_MAX)
+}
+
+/// The most f32 a tile takes for rows of at most `k_max`.
+fn tile_f32s_max(k_max: usize) -> usize {
+    (TILE_ROWS_MAX * k_max)
+        .min(TILE_F32S)
+        .max(TILE_ROWS_MIN * k_max)
 }
 
 /// A device allocation of the CPU backend: an arena buffer it owns, or (for a streamed
@@ -935,13 +949,14 @@ impl ThreadScratch {
     }
 
     fn tile(self) -> usize {
-        TILE_F32S.max(TILE_ROWS_MIN * self.k_max)
+        tile_f32s_max(self.k_max)
     }
 
-    /// The bytes `reserve` makes room for.
+    /// The bytes `reserve` makes room for, and sgemm's packing buffer.
     fn bytes(self) -> usize {
         use std::mem::size_of;
-        kernels::thread_scratch_bytes(self.k_max)
+        SGEMM_PACK_BYTES
+            + kernels::thread_scratch_bytes(self.k_max)
             + self.chunk_max * (size_of::<[f32; 4]>() + size_of::<[f32; q8::ROWS_MAX]>())
             + (self.scores() + self.tile()) * size_of::<f32>()
             + ATTN_CHUNK * size_of::<usize>()
