@@ -11,7 +11,8 @@ fio's rate / sluice's bytes per step.
 Models: SmolLM2-135M (the project's GGUF) and, with --big, a random 1.2 GB Llama made by
 scripts/make_random_llama_gguf.py; with --moe, a random 0.87 GiB mixture of experts (8
 layers, hidden 1024, 64 experts of 512 rows, top 4, Q8_0, a skewed router) made by the same
-script. sluice runs with --host-memory equal to the limit.
+script. sluice runs with --host-memory equal to the limit; SLUICED=BIN runs another build
+(an earlier commit's, to compare).
 Needs root (a child of this process's memory cgroup, v1 or v2), llama-cpp-python, fio and
 a release build.
 
