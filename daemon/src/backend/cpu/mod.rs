@@ -473,7 +473,8 @@ impl CpuBackend {
         let width = hd.div_ceil(blocks).next_multiple_of(8).min(hd);
         // A chunk's scores for the group's heads, rows ATTN_CHUNK apart.
         let block = group * ATTN_CHUNK;
-        let visible = |p: usize| (cache.first_visible(p), p + 1 - cache.first_visible(p));
+        // Positions a query at p sees.
+        let visible = |p: usize| p + 1 - cache.first_visible(p);
         let chunk_keys = |keys: &mut Vec<usize>, sp: &SeqSpan, p: usize, g: usize, c: usize| {
             let lo = cache.first_visible(p) + c * ATTN_CHUNK;
             keys.clear();
@@ -488,7 +489,7 @@ impl CpuBackend {
             ..
         } = &mut *scratch;
         // (span, KV head, chunk or ALL of them, where a chunk's scores go).
-        let chunks_of = |sp: &SeqSpan| visible(sp.pos).1.div_ceil(ATTN_CHUNK);
+        let chunks_of = |sp: &SeqSpan| visible(sp.pos).div_ceil(ATTN_CHUNK);
         let at = attention_tasks(attn_tasks, (spans, kv_heads), split, chunks_of, block);
         partials.clear();
         partials.resize(at, 0.0);
@@ -511,7 +512,7 @@ impl CpuBackend {
                         let mut sc = sc.borrow_mut();
                         for t in 0..sp.n {
                             let p = sp.pos + t;
-                            let (_, len) = visible(p);
+                            let len = visible(p);
                             let row = (sp.row + t) * width_q;
                             let n_chunks = len.div_ceil(ATTN_CHUNK);
                             for (h0, gh) in head_subgroups(g, group) {
@@ -556,7 +557,7 @@ impl CpuBackend {
         self.run(|par| {
             par.for_each_in(tasks, |&(si, g, b, at)| {
                 let sp = spans[si];
-                let (_, len) = visible(sp.pos);
+                let len = visible(sp.pos);
                 let (row, c0) = (sp.row * width_q, b * width);
                 let w = width.min(hd - c0);
                 SCORES.with(|sc| {
@@ -925,6 +926,9 @@ struct ThreadScratch {
     k_max: usize,
     chunk_max: usize,
     max_context: usize,
+    /// Query heads and their dimensions (the attention partials).
+    heads: usize,
+    head_dim: usize,
 }
 
 impl ThreadScratch {
@@ -935,11 +939,21 @@ impl ThreadScratch {
             .max(shape.intermediate)
             .max(shape.q_dim)
             .max(shape.hidden) as usize;
+        let heads = shape.heads.max(1) as usize;
         ThreadScratch {
             k_max,
             chunk_max: decode_chunk(m_max, threads),
             max_context: shape.max_context,
+            heads,
+            head_dim: shape.q_dim as usize / heads,
         }
+    }
+
+    /// Attention partials: a row's running softmax partial and a chunk's for the query
+    /// heads of a KV head (at most all of them, the f16 cache's path), or a block of
+    /// columns for up to GROUP_MAX heads (the f32 cache's split rows).
+    fn partial(self) -> usize {
+        (2 * self.heads * (2 + self.head_dim)).max(kernels::GROUP_MAX * self.head_dim)
     }
 
     /// Scores: whole rows of up to GROUP_MAX heads (the f32 cache's path), or a chunk of
@@ -958,12 +972,12 @@ impl ThreadScratch {
         SGEMM_PACK_BYTES
             + kernels::thread_scratch_bytes(self.k_max)
             + self.chunk_max * (size_of::<[f32; 4]>() + size_of::<[f32; q8::ROWS_MAX]>())
-            + (self.scores() + self.tile()) * size_of::<f32>()
+            + (self.scores() + self.tile() + self.partial()) * size_of::<f32>()
             + ATTN_CHUNK * size_of::<usize>()
     }
 
-    /// Grows this thread's scratch (GEMV sums, four-row results, attention scores, the
-    /// offsets of a chunk's keys, dequantized tiles) to hold the largest op of the shape
+    /// Grows this thread's scratch (GEMV sums, four-row results, attention scores and
+    /// partials, the offsets of a chunk's keys, dequantized tiles) to hold the largest op of the shape
     /// at once, so that no thread grows one mid-run (which thread runs which task is not
     /// fixed).
     fn reserve(self) {
@@ -975,6 +989,7 @@ impl ThreadScratch {
         RES4.with(|r| grow(&mut r.borrow_mut(), self.chunk_max));
         RES.with(|r| grow(&mut r.borrow_mut(), self.chunk_max));
         SCORES.with(|s| grow(&mut s.borrow_mut(), self.scores()));
+        PARTIAL.with(|s| grow(&mut s.borrow_mut(), self.partial()));
         KEYS.with(|s| grow(&mut s.borrow_mut(), ATTN_CHUNK));
         TILE.with(|t| grow(&mut t.borrow_mut(), self.tile()));
     }
