@@ -1468,13 +1468,23 @@ fn plan_discrete(
             device_budget: budget,
         });
     }
-    // A third slot lets an asynchronous backend upload one unit ahead.
+    // A third slot lets an asynchronous backend upload one unit ahead. The streamed
+    // embedding's gathered rows are charged only where the split streams it (see
+    // plan_unified).
     let counts = [STREAM_SLOTS_MIN + 1, STREAM_SLOTS_MIN];
+    let search = |gather: u64| {
+        let fixed = fixed + gather + expert_cache;
+        choose_residency(raw, e, &counts, |s, n| {
+            budget.checked_sub(fixed + n as u64 * s)
+        })
+    };
+    let c = match search(0) {
+        Some(c) if c.resident[0] || gather == 0 => Some(c),
+        _ => search(gather),
+    };
     let fixed = fixed + gather + expert_cache;
-    let c = choose_residency(raw, e, &counts, |s, n| {
-        budget.checked_sub(fixed + n as u64 * s)
-    })
-    .ok_or_else(|| least_budget_error(raw, e, budget, kv, fixed - kv, STREAM_SLOTS_MIN))?;
+    let c =
+        c.ok_or_else(|| least_budget_error(raw, e, budget, kv, fixed - kv, STREAM_SLOTS_MIN))?;
     Ok(Split {
         resident: c.resident,
         slots: c.slots,

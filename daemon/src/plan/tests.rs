@@ -285,43 +285,67 @@ fn a_host_budget_bounds_every_host_role_of_a_unified_backend() {
 }
 
 /// A split that keeps the embedding resident is not charged for the rows a streamed one
-/// gathers: at the least host budget that keeps a tied embedding (8 MiB, layers of 1)
-/// resident, the plan spends all of it. Were the gather charged, that budget would exceed
-/// the plan by the gather's bytes, as it did when SmolLM2 at 64 MiB streamed its tied
+/// gathers: at the least budget that keeps a tied embedding (8 MiB, layers of 1)
+/// resident, the plan spends all of it, on a unified backend (a host budget) and a
+/// discrete one (a device budget). Were the gather charged, that budget would exceed the
+/// plan by the gather's bytes, as it did when SmolLM2 at 64 MiB streamed its tied
 /// embedding in row parts every step.
 #[test]
 fn keeping_the_embedding_resident_charges_no_row_gather() {
     let tmp = tempfile::tempdir().expect("tempdir");
     let s = store_framed(tmp.path(), true, 256 << 10, 16384);
     let m = s.manifest();
-    let resident = |b: u64| {
-        plan(m, &unified(Some(b)))
-            .ok()
-            .filter(|p| p.placement(0) == Placement::Resident)
-    };
-    let least = plan(m, &unified(Some(1 << 20)))
-        .expect_err("too small")
-        .need();
-    let mut hi = plan(m, &unified(None)).expect("plan").host.total_bytes;
-    let mut lo = least;
-    let streamed = plan(m, &unified(Some(lo))).expect("the least plan");
-    assert!(streamed.embedding_gathered && streamed.host.gather_bytes > 0);
-    assert!(resident(hi).is_some() && resident(lo).is_none());
-    while hi - lo > 1 {
-        let mid = (lo + hi) / 2;
-        if resident(mid).is_some() {
-            hi = mid;
-        } else {
-            lo = mid;
-        }
-    }
-    let p = resident(hi).expect("resident at the threshold");
-    assert!(p.layers_streamed() > 0, "the threshold streams layers");
-    assert_eq!((p.embedding_gathered, p.host.gather_bytes), (false, 0));
-    assert_eq!(
-        p.host.total_bytes, hi,
-        "the threshold plan spends its whole budget"
+    let unified_in = |b: Option<u64>| unified(b);
+    let discrete_in = |b: Option<u64>| input(b, 0);
+    let spent_unified = |p: &Plan| p.host.total_bytes;
+    let spent_discrete = |p: &Plan| p.device_bytes();
+    type Case<'a> = (
+        &'a str,
+        &'a dyn Fn(Option<u64>) -> PlanInput,
+        &'a dyn Fn(&Plan) -> u64,
     );
+    let cases: [Case; 2] = [
+        ("unified", &unified_in, &spent_unified),
+        ("discrete", &discrete_in, &spent_discrete),
+    ];
+    for (name, make, spent) in cases {
+        let resident = |b: u64| {
+            plan(m, &make(Some(b)))
+                .ok()
+                .filter(|p| p.placement(0) == Placement::Resident)
+        };
+        let mut lo = plan(m, &make(Some(1 << 20))).expect_err("too small").need();
+        let streamed = plan(m, &make(Some(lo))).expect("the least plan");
+        assert!(
+            streamed.embedding_gathered,
+            "{name}: the least plan streams the embedding"
+        );
+        let mut hi = spent(&plan(m, &make(None)).expect("plan"));
+        assert!(resident(hi).is_some() && resident(lo).is_none(), "{name}");
+        while hi - lo > 1 {
+            let mid = (lo + hi) / 2;
+            if resident(mid).is_some() {
+                hi = mid;
+            } else {
+                lo = mid;
+            }
+        }
+        let p = resident(hi).expect("resident at the threshold");
+        assert!(
+            p.layers_streamed() > 0,
+            "{name}: the threshold streams layers"
+        );
+        assert_eq!(
+            (p.embedding_gathered, p.host.gather_bytes),
+            (false, 0),
+            "{name}"
+        );
+        assert_eq!(
+            spent(&p),
+            hi,
+            "{name}: the threshold plan spends its whole budget"
+        );
+    }
 }
 
 #[test]
