@@ -192,13 +192,73 @@ pub fn join_as(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8], simd: Simd) {
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
 unsafe fn join_avx2(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
-    if layout == Layout::F16Bits {
-        // SAFETY: this function's contract (AVX2).
-        let done = unsafe { f16_bits_avx2(planes, dst) };
-        f16_bits_from(done, planes, dst);
-        return;
+    match layout {
+        Layout::F16Bits => {
+            // SAFETY: this function's contract (AVX2).
+            let done = unsafe { f16_bits_avx2(planes, dst) };
+            f16_bits_from(done, planes, dst);
+        }
+        Layout::F32 => {
+            // SAFETY: this function's contract (AVX2).
+            let done = unsafe { f32_avx2(planes, dst) };
+            let [e, r0, r1, r2] = planes.map(|p| &p[done.min(p.len())..]);
+            join_any(layout, [e, r0, r1, r2], &mut dst[4 * done..]);
+        }
+        _ => join_any(layout, planes, dst),
     }
-    join_any(layout, planes, dst);
+}
+
+/// `F32`: the whole blocks of 32 elements that `planes` and `dst` all hold, joined by
+/// AVX2 (the top halves made as bf16's join makes an element, the bytes then interleaved
+/// into 16-bit halves and the halves into elements); returns the elements done.
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn f32_avx2(planes: [&[u8]; 4], dst: &mut [u8]) -> usize {
+    use std::arch::x86_64::*;
+    const BLOCK: usize = 32;
+    let [e, r0, r1, r2] = planes;
+    let blocks = (dst.len() / 4)
+        .min(e.len())
+        .min(r0.len())
+        .min(r1.len())
+        .min(r2.len())
+        / BLOCK;
+    // SAFETY: every load and store below is inside block c < blocks of its buffer (32
+    // bytes of each plane, 128 of dst), which the minimum above bounds.
+    unsafe {
+        let load = |p: &[u8], at: usize| _mm256_loadu_si256(p.as_ptr().add(at) as *const __m256i);
+        let (top, low7) = (_mm256_set1_epi8(0x80u8 as i8), _mm256_set1_epi8(0x7f));
+        for c in 0..blocks {
+            let at = c * BLOCK;
+            let (x, a, b, s) = (load(e, at), load(r0, at), load(r1, at), load(r2, at));
+            // Byte 2: the exponent's low bit over the mantissa's top 7; byte 3: the sign
+            // over the exponent's top 7 (16-bit shifts, each byte masked to its own bits).
+            let b2 = _mm256_or_si256(
+                _mm256_and_si256(_mm256_slli_epi16(x, 7), top),
+                _mm256_and_si256(s, low7),
+            );
+            let b3 = _mm256_or_si256(
+                _mm256_and_si256(s, top),
+                _mm256_and_si256(_mm256_srli_epi16(x, 1), low7),
+            );
+            // Per 128-bit lane: elements 0..8 of the lane in the lo halves, 8..16 in hi.
+            let (lo_a, lo_b) = (_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b));
+            let (hi_a, hi_b) = (_mm256_unpacklo_epi8(b2, b3), _mm256_unpackhi_epi8(b2, b3));
+            let w0 = _mm256_unpacklo_epi16(lo_a, hi_a); // elements 0..4 | 16..20
+            let w1 = _mm256_unpackhi_epi16(lo_a, hi_a); // 4..8 | 20..24
+            let w2 = _mm256_unpacklo_epi16(lo_b, hi_b); // 8..12 | 24..28
+            let w3 = _mm256_unpackhi_epi16(lo_b, hi_b); // 12..16 | 28..32
+            let o = dst.as_mut_ptr().add(4 * at) as *mut __m256i;
+            _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(w0, w1));
+            _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x20>(w2, w3));
+            _mm256_storeu_si256(o.add(2), _mm256_permute2x128_si256::<0x31>(w0, w1));
+            _mm256_storeu_si256(o.add(3), _mm256_permute2x128_si256::<0x31>(w2, w3));
+        }
+    }
+    blocks * BLOCK
 }
 
 /// `F16Bits`: the whole chunks of 32 elements that `planes` and `dst` all hold, joined by
@@ -798,6 +858,7 @@ impl SharedTables {
                     single: [0; TABLE],
                     multi: [0; TABLE],
                     mask: 0,
+                    multi_pays: false,
                 });
                 fill_single(&mut t, &lens, MAX_LEN);
                 fill_multi(&mut t);
@@ -991,6 +1052,7 @@ pub fn decode_plane_as(
             single: [0; TABLE],
             multi: [0; TABLE],
             mask: 0,
+            multi_pays: false,
         })
     });
     if fresh {
@@ -1070,7 +1132,7 @@ fn symbols_of(
         at,
         ends,
     };
-    symbols(s, table, multi, out, simd);
+    symbols(s, table, multi && table.multi_pays, out, simd);
     Ok(())
 }
 
@@ -1084,6 +1146,8 @@ struct Tables {
     /// `single` is filled for windows of this mask's bits (the code's longest length, or
     /// all 11 with `multi`): a short plane's few symbols need a small table.
     mask: usize,
+    /// `multi`'s lookups yield enough symbols to pay for its size (`fill_multi`).
+    multi_pays: bool,
 }
 
 /// Symbols of one `multi` entry at most.
@@ -1098,6 +1162,7 @@ const MULTI_MIN: usize = 1 << 14;
 fn fill_single(t: &mut Tables, lens: &[u8; 256], width: u32) {
     let size = 1usize << width.min(MAX_LEN);
     t.mask = size - 1;
+    t.multi_pays = false;
     for (s, &(code, len)) in canonical(lens).iter().enumerate() {
         if len == 0 {
             continue;
@@ -1110,8 +1175,16 @@ fn fill_single(t: &mut Tables, lens: &[u8; 256], width: u32) {
     }
 }
 
-/// The multi-symbol table from `t.single`.
+/// Symbols a `multi` lookup yields on average (over windows of random bits, which is how
+/// the code's own symbol frequencies fall) below which it decodes with `single`: a code
+/// of long codes packs a second symbol in few windows, and its 16 KiB of `multi` entries
+/// spill from L1 where `single`'s 4 KiB stay (Gemma 3's norm vectors' sign and mantissa
+/// codes, about 6.5 bits long, yield 1.2 a lookup).
+const MULTI_PAYS_MIN: u32 = 3 * TABLE as u32 / 2;
+
+/// The multi-symbol table from `t.single`, and whether it pays.
 fn fill_multi(t: &mut Tables) {
+    let mut yielded = 0u32;
     for w in 0..TABLE {
         let (mut word, mut used, mut count) = (0u64, 0u32, 0u32);
         while count < MULTI_SYMBOLS {
@@ -1126,15 +1199,18 @@ fn fill_multi(t: &mut Tables) {
             count += 1;
         }
         t.multi[w] = word | (count as u64) << 40 | (used as u64) << 48;
+        yielded += count;
     }
+    t.multi_pays = yielded >= MULTI_PAYS_MIN;
 }
 
-/// Stream s's symbols into `out[at[s]..ends[s]]`: four table lookups a stream between
-/// refills (4 x 11 <= 56 bits), each up to five symbols, written as one 8-byte word (the
-/// bytes past its symbols land on the stream's next ones, written over later); the four
-/// streams in turn while each has room for a round of lookups and a word (planes of
-/// `MULTI_MIN` symbols or more); then a symbol a lookup, the streams in turn as far as
-/// all go, and each one's tail.
+/// Stream s's symbols into `out[at[s]..ends[s]]`. With `multi` (planes of `MULTI_MIN`
+/// symbols or more, and shared codes, where the code's `multi` table pays): four table
+/// lookups a stream between refills (4 x 11 <= 56 bits), each up to five symbols, written
+/// as one 8-byte word (the bytes past its symbols land on the stream's next ones, written
+/// over later), the four streams in turn while each has room for a round of lookups and a
+/// word; then each stream's tail, still up to five symbols a lookup. Otherwise a symbol a
+/// lookup, the streams in turn as far as all go, then each one's tail.
 fn symbols(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8], simd: Simd) {
     #[cfg(target_arch = "x86_64")]
     if simd == Simd::Detect && std::is_x86_feature_detected!("bmi2") {
@@ -1208,39 +1284,71 @@ fn symbols_any(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
             }
         }
     }
-    // A symbol a lookup: the four streams in turn, four symbols each between refills, as
-    // far as every stream goes; then each one's tail.
+    if multi {
+        // Each stream's tail, a lookup at a time: a whole word while the stream has room
+        // for one, then only the symbols it still needs (any more in the window come from
+        // bits past the stream's last code, and the stream ends there).
+        for (s, mut rd) in [r0, r1, r2, r3].into_iter().enumerate() {
+            let (mut a, end) = (at[s], ends[s]);
+            while a < end {
+                if rd.n < MAX_LEN {
+                    rd.refill(streams);
+                }
+                let e = t.multi[(rd.bits as usize) & (TABLE - 1)];
+                let count = ((e >> 40) & 7) as usize;
+                // SAFETY: the bytes written are out[a..a + 8] with a + 8 <= end, or
+                // out[a..min(a + count, end)]; end <= out.len().
+                unsafe {
+                    if end - a >= 8 {
+                        std::ptr::write_unaligned(base.add(a) as *mut u64, e.to_le());
+                    } else {
+                        for k in 0..count.min(end - a) {
+                            *base.add(a + k) = (e >> (8 * k)) as u8;
+                        }
+                    }
+                }
+                let used = (e >> 48) as u32;
+                rd.bits >>= used;
+                rd.n -= used;
+                a += count;
+            }
+        }
+        return;
+    }
+    // A symbol a lookup: the four streams in turn, five symbols each between refills
+    // (5 x 11 <= 56 bits), as far as every stream goes; then each one's tail.
     let one = |rd: &mut Reader| -> u8 {
-        let e = t.single[(rd.bits as usize) & t.mask];
+        // (`mask` is below TABLE: the second mask only spares a bounds check.)
+        let e = t.single[(rd.bits as usize) & t.mask & (TABLE - 1)];
         let len = (e >> 8) as u32;
         rd.bits >>= len;
         rd.n -= len;
         e as u8
     };
-    let common = (0..STREAMS).map(|s| ends[s] - at[s]).min().unwrap_or(0) / 4 * 4;
-    {
-        let (mut o0, mut o1, mut o2, mut o3) = (at[0], at[1], at[2], at[3]);
-        for _ in 0..common / 4 {
-            r0.refill(streams);
-            r1.refill(streams);
-            r2.refill(streams);
-            r3.refill(streams);
-            for _ in 0..4 {
-                let (e0, e1, e2, e3) = (one(&mut r0), one(&mut r1), one(&mut r2), one(&mut r3));
-                out[o0] = e0;
-                out[o1] = e1;
-                out[o2] = e2;
-                out[o3] = e3;
-                (o0, o1, o2, o3) = (o0 + 1, o1 + 1, o2 + 1, o3 + 1);
+    const RUN: usize = 5;
+    let runs = (0..STREAMS).map(|s| ends[s] - at[s]).min().unwrap_or(0) / RUN;
+    let mut o = at.map(|a| base.wrapping_add(a));
+    for _ in 0..runs {
+        r0.refill(streams);
+        r1.refill(streams);
+        r2.refill(streams);
+        r3.refill(streams);
+        for _ in 0..RUN {
+            let (e0, e1, e2, e3) = (one(&mut r0), one(&mut r1), one(&mut r2), one(&mut r3));
+            // SAFETY: stream s writes out[at[s] + i] for i < runs x RUN <= ends[s] - at[s],
+            // and ends[s] <= out.len().
+            unsafe {
+                (*o[0], *o[1], *o[2], *o[3]) = (e0, e1, e2, e3);
+                o = o.map(|p| p.add(1));
             }
         }
     }
     for (s, mut rd) in [r0, r1, r2, r3].into_iter().enumerate() {
-        for o in &mut out[at[s] + common..ends[s]] {
+        for x in &mut out[at[s] + runs * RUN..ends[s]] {
             if rd.n < MAX_LEN {
                 rd.refill(streams);
             }
-            *o = one(&mut rd);
+            *x = one(&mut rd);
         }
     }
 }
@@ -1433,6 +1541,42 @@ mod tests {
         for (p, coded) in cases.iter().chain(cases.iter().rev()) {
             decode_plane(coded, p.len(), &mut out, &mut cache).expect("decodes");
             assert_eq!(&out[..p.len()], &p[..]);
+        }
+    }
+
+    #[test]
+    fn long_planes_decode_with_the_table_that_pays_to_their_last_symbol() {
+        // A skewed two-symbol plane packs five symbols a lookup; a plane of ~7-bit codes
+        // (128 symbols in turn) packs one, so it decodes a symbol a lookup from the
+        // small table. Lengths around MULTI_MIN and its multiples of 4 and 20 end the
+        // streams' multi-symbol tails with 0 to 7 symbols left after the last whole word.
+        let mut x = 0x2545_f491_4f6c_dd1du64;
+        let mut rand = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut cache = PlaneCache::default();
+        for n in
+            (MULTI_MIN..MULTI_MIN + 9).chain([MULTI_MIN + 41, MULTI_MIN + 80, 3 * MULTI_MIN + 7])
+        {
+            let skewed: Vec<u8> = (0..n).map(|_| 60 + (rand() % 10 == 0) as u8).collect();
+            let wide: Vec<u8> = (0..n)
+                .map(|i| (i % 128) as u8 ^ (rand() % 2) as u8)
+                .collect();
+            for (plane, pays) in [(&skewed, true), (&wide, false)] {
+                let mut coded = Vec::new();
+                encode_plane(Layout::Bf16, plane, &mut coded);
+                for simd in [Simd::Detect, Simd::Portable] {
+                    let mut out = vec![0xa5u8; n + 8];
+                    let none = SharedTables::default();
+                    decode_plane_as(&coded, n, &mut out, &mut cache, &none, simd).expect("decodes");
+                    assert_eq!(out[..n], plane[..], "n {n}, multi pays {pays}, {simd:?}");
+                    let t = cache.tables.as_ref().expect("tables");
+                    assert_eq!(t.multi_pays, pays, "n {n}");
+                }
+            }
         }
     }
 
