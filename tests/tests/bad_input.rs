@@ -281,8 +281,8 @@ fn damaged_manifests_are_clear_errors() {
     b[0] = b'X';
     assert!(open_err(&b).contains("not a sluice manifest"));
     let mut b = good.clone();
-    b[8] = 9;
-    assert!(open_err(&b).contains("store format version 9"));
+    b[8] = 10;
+    assert!(open_err(&b).contains("store format version 10"));
     // Format 6 compresses the payload; the formats before it wrote it as it is.
     let end = good.len() - 8;
     let payload = zstd::bulk::decompress(&good[20..end], 1 << 30).unwrap();
@@ -304,6 +304,14 @@ fn damaged_manifests_are_clear_errors() {
         v.extend_from_slice(&sum.to_le_bytes());
         v
     };
+    // Format 8: the payload of 9 (which added a layout of the float codec, not a field).
+    let mut v8 = good.clone();
+    v8[8..12].copy_from_slice(&8u32.to_le_bytes());
+    let sum = xxhash_rust::xxh3::xxh3_64(&v8[..v8.len() - 8]);
+    let at = v8.len() - 8;
+    v8[at..].copy_from_slice(&sum.to_le_bytes());
+    std::fs::write(&mpath, &v8).unwrap();
+    Store::open(&dir).expect("a format-8 store opens");
     // Format 7: compressed, without the shared codes.
     let mut v7 = good[..8].to_vec();
     v7.extend_from_slice(&7u32.to_le_bytes());

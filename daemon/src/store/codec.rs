@@ -144,7 +144,7 @@ pub struct FrameEncoder {
     coded: Vec<u8>,
     out: Vec<u8>,
     /// The float codec's byte planes.
-    float_planes: [Vec<u8>; 4],
+    float_planes: [Vec<u8>; fpsplit::PLANES_MAX],
     /// The store's shared codes a float plane may name (`set_shared`).
     shared: Vec<fpsplit::SharedEncoding>,
 }
@@ -191,7 +191,7 @@ impl FrameEncoder {
     /// weights near 1 does), else raw; the frame kept raw when the whole does not save
     /// that much or the dtype is not a float.
     fn encode_float(&mut self, raw: &[u8], dtype: DType) -> Encoded<'_> {
-        if let Some(l) = float_layout(dtype).filter(|l| raw.len().is_multiple_of(l.width())) {
+        if let Some(l) = float_layout(dtype, raw).filter(|l| raw.len().is_multiple_of(l.width())) {
             fpsplit::split(l, raw, &mut self.float_planes);
             self.out.clear();
             let mut planes = Vec::with_capacity(4);
@@ -326,12 +326,12 @@ fn compress_into(
     Ok(())
 }
 
-/// The float codec's layout for `dtype` (None: not a float it codes).
-fn float_layout(dtype: DType) -> Option<Layout> {
+/// The float codec's layout for `raw`, elements of `dtype` (None: not a float it codes).
+fn float_layout(dtype: DType, raw: &[u8]) -> Option<Layout> {
     match dtype {
         DType::BF16 => Some(Layout::Bf16),
         DType::F16 => Some(Layout::F16Bits),
-        DType::F32 => Some(Layout::F32),
+        DType::F32 => Some(fpsplit::f32_layout(raw)),
         _ => None,
     }
 }
@@ -349,7 +349,7 @@ pub struct CodeCensus {
     /// frames past them add to one already there).
     frames: BTreeMap<(u8, u8), Vec<[u64; 256]>>,
     layouts: BTreeMap<u8, Layout>,
-    planes: [Vec<u8>; 4],
+    planes: [Vec<u8>; fpsplit::PLANES_MAX],
     /// Frames counted so far.
     added: usize,
 }
@@ -361,7 +361,7 @@ impl CodeCensus {
     /// Counts the symbols of one frame (whole elements of `dtype`); frames of other
     /// dtypes, or larger than `SHARED_FRAME_BYTES_MAX`, are left out.
     pub fn add(&mut self, raw: &[u8], dtype: DType) {
-        let Some(l) = float_layout(dtype) else {
+        let Some(l) = float_layout(dtype, raw) else {
             return;
         };
         if raw.is_empty()
@@ -410,7 +410,7 @@ impl CodeCensus {
 pub struct FrameDecoder {
     scratch: Vec<u8>,
     /// The float codec's planes' last decoding tables (made at the first float frame).
-    float_cache: [fpsplit::PlaneCache; 4],
+    float_cache: [fpsplit::PlaneCache; fpsplit::PLANES_MAX],
     /// The store's shared codes' tables (`with_shared`; none by default).
     shared: Arc<fpsplit::SharedTables>,
     zstd: zstd::bulk::Decompressor<'static>,
@@ -423,7 +423,7 @@ const SCRATCH_PAD: usize = 64;
 impl FrameDecoder {
     /// Host bytes one decoder holds beyond its frame-sized scratch, at most: the pad and
     /// the float codec's tables (the memory plan counts them per worker).
-    pub const EXTRA_BYTES: u64 = (SCRATCH_PAD + 4 * fpsplit::TABLES_BYTES) as u64;
+    pub const EXTRA_BYTES: u64 = (SCRATCH_PAD + fpsplit::PLANES_MAX * fpsplit::TABLES_BYTES) as u64;
 
     pub fn new(frame_size_max: usize) -> std::io::Result<Self> {
         Ok(FrameDecoder {
@@ -593,7 +593,7 @@ impl FrameDecoder {
             self.scratch.resize(need, 0);
         }
         let mut free: &mut [u8] = &mut self.scratch;
-        let mut decoded: [&[u8]; 4] = [&[]; 4];
+        let mut decoded: [&[u8]; fpsplit::PLANES_MAX] = [&[]; fpsplit::PLANES_MAX];
         let mut at = 0usize;
         for (i, p) in planes.iter().enumerate() {
             let bytes = &stored[at..at + p.stored_len as usize];
@@ -621,8 +621,7 @@ impl FrameDecoder {
             }
             at += p.stored_len as usize;
         }
-        let plane = |i: usize| -> &[u8] { decoded[i] };
-        fpsplit::join(layout, [plane(0), plane(1), plane(2), plane(3)], dst);
+        fpsplit::join(layout, decoded, dst);
         Ok(())
     }
 }
@@ -860,7 +859,7 @@ mod tests {
             fpsplit::plane_layout(&e.bytes[..e.planes[0].stored_len as usize]),
             Ok(fpsplit::Layout::F16Bits)
         );
-        let mut planes: [Vec<u8>; 4] = Default::default();
+        let mut planes: [Vec<u8>; fpsplit::PLANES_MAX] = Default::default();
         fpsplit::split(fpsplit::Layout::F16, &raw, &mut planes);
         let mut stored = Vec::new();
         fpsplit::encode_plane(fpsplit::Layout::F16, &planes[0], &mut stored);
@@ -914,6 +913,64 @@ mod tests {
             }]
         );
         assert_eq!(e.bytes, &raw[..]);
+    }
+
+    #[test]
+    fn norm_vectors_take_the_top_split_and_a_flipped_byte_is_caught() {
+        // f32 norm weights as a GGUF holds them: near 1, bf16 precision.
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut uniform = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f32 / (1u64 << 53) as f32
+        };
+        for n in [256usize, 576, 4099] {
+            let raw: Vec<u8> = (0..n)
+                .flat_map(|_| {
+                    let v = 1.0 + (uniform() + uniform() + uniform() - 1.5) * 0.3;
+                    (v.to_bits() & 0xffff_0000).to_le_bytes()
+                })
+                .collect();
+            let mut enc = FrameEncoder::new(Codec::Float).expect("test setup");
+            let e = enc.encode(&raw, DType::F32).expect("test setup");
+            let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
+            assert_eq!(c, Codec::Float);
+            assert_eq!(planes.len(), 5, "{n}");
+            let exps = &stored[..planes[0].stored_len as usize];
+            assert_eq!(fpsplit::plane_layout(exps), Ok(Layout::F32Top));
+            let mut dec = FrameDecoder::new(raw.len()).expect("test setup");
+            let mut out = vec![0u8; raw.len()];
+            dec.decode(c, &planes, xxh3_64(&raw), &stored, &mut out)
+                .expect("decodes");
+            assert_eq!(out, raw, "{n}");
+            // A flip in a stream's padding bits decodes to the same bytes; every other
+            // one is an error, never wrong data.
+            let mut caught = 0;
+            for pos in 0..stored.len() {
+                let mut bad = stored.clone();
+                bad[pos] ^= 0x20;
+                match dec.decode(c, &planes, xxh3_64(&raw), &bad, &mut out) {
+                    Err(_) => caught += 1,
+                    Ok(()) => assert_eq!(out, raw, "{n}: flip at {pos} decoded wrong data"),
+                }
+            }
+            assert!(
+                caught * 100 >= stored.len() * 95,
+                "{n}: {caught} of {} flips caught",
+                stored.len()
+            );
+        }
+        // Trained weights keep the four planes of F32.
+        let raw = floats_f32(4096);
+        let mut enc = FrameEncoder::new(Codec::Float).expect("test setup");
+        assert_eq!(
+            enc.encode(&raw, DType::F32)
+                .expect("test setup")
+                .planes
+                .len(),
+            4
+        );
     }
 
     #[test]

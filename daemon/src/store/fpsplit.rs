@@ -22,8 +22,15 @@
 //! - f16 (`F16`, format 6 and earlier; still read): sign << 5 | exponent (6 bits); the
 //!   mantissa's low byte; its top two bits, four elements a byte (element i at bits
 //!   2 (i % 4)).
-//! - f32: exponent = bits 23..31; then sign << 23 | mantissa (23 bits) as three planes,
-//!   low byte first.
+//! - f32 (`F32`): exponent = bits 23..31; then sign << 23 | mantissa (23 bits) as three
+//!   planes, low byte first.
+//! - f32 (`F32Top`, format 9, for frames whose mantissa top is skewed: norm vectors near
+//!   a centre): the exponent; sign << 3 | the mantissa's top 3 bits (4-bit symbols, about
+//!   2.5 bits of information in a norm vector, so a lookup decodes several); its next 4
+//!   bits, two elements a byte (element i at bits 4 (i % 2)); its middle byte; its low
+//!   byte. `F32`'s sign-and-top-7 byte of such frames codes to about 6.5 bits, a symbol a
+//!   lookup; here it costs about 0.2 bits an element more and half the lookups
+//!   (`f32_layout` chooses).
 //!
 //! A coded plane's stored bytes: a layout byte, a mode byte (0: Huffman; 1: every
 //! element has one exponent, the next byte), then for Huffman the number of symbols used
@@ -50,7 +57,11 @@ pub enum Layout {
     F16,
     F32,
     F16Bits,
+    F32Top,
 }
+
+/// Planes of a frame at most (`F32Top`'s).
+pub const PLANES_MAX: usize = 5;
 
 impl Layout {
     pub fn tag(self) -> u8 {
@@ -59,6 +70,7 @@ impl Layout {
             Layout::F16 => 2,
             Layout::F32 => 3,
             Layout::F16Bits => 4,
+            Layout::F32Top => 5,
         }
     }
 
@@ -68,6 +80,7 @@ impl Layout {
             2 => Some(Layout::F16),
             3 => Some(Layout::F32),
             4 => Some(Layout::F16Bits),
+            5 => Some(Layout::F32Top),
             _ => None,
         }
     }
@@ -76,7 +89,7 @@ impl Layout {
     pub fn width(self) -> usize {
         match self {
             Layout::Bf16 | Layout::F16 | Layout::F16Bits => 2,
-            Layout::F32 => 4,
+            Layout::F32 | Layout::F32Top => 4,
         }
     }
 
@@ -86,6 +99,7 @@ impl Layout {
             Layout::Bf16 => 2,
             Layout::F16 | Layout::F16Bits => 3,
             Layout::F32 => 4,
+            Layout::F32Top => 5,
         }
     }
 
@@ -96,6 +110,7 @@ impl Layout {
             2 => &[Layout::Bf16],
             3 => &[Layout::F16Bits, Layout::F16],
             4 => &[Layout::F32],
+            5 => &[Layout::F32Top],
             _ => &[],
         }
     }
@@ -105,6 +120,7 @@ impl Layout {
         match (self, i) {
             (Layout::F16, 2) => n.div_ceil(4),
             (Layout::F16Bits, 2) => 3 * n.div_ceil(8),
+            (Layout::F32Top, 2) => n.div_ceil(2),
             _ => n,
         }
     }
@@ -125,9 +141,9 @@ fn bits_at(i: usize, n: usize) -> (usize, usize, u32) {
 
 /// Splits `raw` (whole elements of `layout`) into its byte planes: `planes[0]` the
 /// exponent symbols, then the rest's (the module's layouts).
-pub fn split(layout: Layout, raw: &[u8], planes: &mut [Vec<u8>; 4]) {
+pub fn split(layout: Layout, raw: &[u8], planes: &mut [Vec<u8>; PLANES_MAX]) {
     planes.iter_mut().for_each(Vec::clear);
-    let [e, r0, r1, r2] = planes;
+    let [e, r0, r1, r2, r3] = planes;
     match layout {
         Layout::Bf16 => {
             for x in raw.chunks_exact(2) {
@@ -169,16 +185,65 @@ pub fn split(layout: Layout, raw: &[u8], planes: &mut [Vec<u8>; 4]) {
                 r2.push(((v >> 24) as u8 & 0x80) | ((v >> 16) as u8 & 0x7f));
             }
         }
+        Layout::F32Top => {
+            for (i, x) in raw.chunks_exact(4).enumerate() {
+                let v = u32::from_le_bytes([x[0], x[1], x[2], x[3]]);
+                e.push((v >> 23) as u8);
+                r0.push(((v >> 28) as u8 & 8) | ((v >> 20) as u8 & 7));
+                let nibble = (v >> 16) as u8 & 0xf;
+                if i % 2 == 0 {
+                    r1.push(nibble);
+                } else if let Some(pair) = r1.last_mut() {
+                    *pair |= nibble << 4;
+                }
+                r2.push((v >> 8) as u8);
+                r3.push(v as u8);
+            }
+        }
+    }
+}
+
+/// The layout of an f32 frame: `F32Top` where its sign-and-top-7 byte would code (its
+/// entropy saves `F32`'s raw-plane margin) and its top 4 bits code to within half a bit
+/// an element of that byte's own code, else `F32`. Entropies of the frame's own
+/// histogram; the same bytes always give the same layout (pack's census and its encoder
+/// agree).
+pub fn f32_layout(raw: &[u8]) -> Layout {
+    let mut hist = [0u32; 256];
+    for x in raw.chunks_exact(4) {
+        hist[((x[3] & 0x80) | (x[2] & 0x7f)) as usize] += 1;
+    }
+    let n = raw.len() / 4;
+    if n == 0 {
+        return Layout::F32;
+    }
+    let entropy = |counts: &mut dyn Iterator<Item = u32>| -> f64 {
+        counts
+            .filter(|&c| c > 0)
+            .map(|c| {
+                let p = c as f64 / n as f64;
+                -p * p.log2()
+            })
+            .sum()
+    };
+    let byte = entropy(&mut hist.iter().copied());
+    let top = entropy(&mut hist.chunks_exact(16).map(|c| c.iter().sum()));
+    let pays =
+        top + 4.0 <= 8.0 * (1.0 - super::codec::KEEP_RAW_SAVING_MIN) && top + 4.0 <= byte + 0.5;
+    if pays {
+        Layout::F32Top
+    } else {
+        Layout::F32
     }
 }
 
 /// The elements of `layout` from their planes (as `split` makes them) into `dst`.
-pub fn join(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
+pub fn join(layout: Layout, planes: [&[u8]; PLANES_MAX], dst: &mut [u8]) {
     join_as(layout, planes, dst, Simd::Detect)
 }
 
 /// `join`, choosing the code path.
-pub fn join_as(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8], simd: Simd) {
+pub fn join_as(layout: Layout, planes: [&[u8]; PLANES_MAX], dst: &mut [u8], simd: Simd) {
     #[cfg(target_arch = "x86_64")]
     if simd == Simd::Detect && std::is_x86_feature_detected!("avx2") {
         // SAFETY: the CPU has AVX2 (checked just above).
@@ -191,7 +256,10 @@ pub fn join_as(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8], simd: Simd) {
 /// `join` compiled for AVX2 (32-byte vectors where the portable build has 16).
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn join_avx2(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
+unsafe fn join_avx2(layout: Layout, planes: [&[u8]; PLANES_MAX], dst: &mut [u8]) {
+    fn from(p: &[u8], at: usize) -> &[u8] {
+        &p[at.min(p.len())..]
+    }
     match layout {
         Layout::F16Bits => {
             // SAFETY: this function's contract (AVX2).
@@ -201,8 +269,21 @@ unsafe fn join_avx2(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
         Layout::F32 => {
             // SAFETY: this function's contract (AVX2).
             let done = unsafe { f32_avx2(planes, dst) };
-            let [e, r0, r1, r2] = planes.map(|p| &p[done.min(p.len())..]);
-            join_any(layout, [e, r0, r1, r2], &mut dst[4 * done..]);
+            join_any(layout, planes.map(|p| from(p, done)), &mut dst[4 * done..]);
+        }
+        Layout::F32Top => {
+            // SAFETY: this function's contract (AVX2).
+            let done = unsafe { f32_top_avx2(planes, dst) };
+            // (done is a multiple of 32: the nibble plane's byte done / 2 starts an element.)
+            let [e, r0, r1, r2, r3] = planes;
+            let rest = [
+                from(e, done),
+                from(r0, done),
+                from(r1, done / 2),
+                from(r2, done),
+                from(r3, done),
+            ];
+            join_any(layout, rest, &mut dst[4 * done..]);
         }
         _ => join_any(layout, planes, dst),
     }
@@ -216,10 +297,10 @@ unsafe fn join_avx2(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
 /// The CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn f32_avx2(planes: [&[u8]; 4], dst: &mut [u8]) -> usize {
+unsafe fn f32_avx2(planes: [&[u8]; PLANES_MAX], dst: &mut [u8]) -> usize {
     use std::arch::x86_64::*;
     const BLOCK: usize = 32;
-    let [e, r0, r1, r2] = planes;
+    let [e, r0, r1, r2, _] = planes;
     let blocks = (dst.len() / 4)
         .min(e.len())
         .min(r0.len())
@@ -244,21 +325,92 @@ unsafe fn f32_avx2(planes: [&[u8]; 4], dst: &mut [u8]) -> usize {
                 _mm256_and_si256(s, top),
                 _mm256_and_si256(_mm256_srli_epi16(x, 1), low7),
             );
-            // Per 128-bit lane: elements 0..8 of the lane in the lo halves, 8..16 in hi.
-            let (lo_a, lo_b) = (_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b));
-            let (hi_a, hi_b) = (_mm256_unpacklo_epi8(b2, b3), _mm256_unpackhi_epi8(b2, b3));
-            let w0 = _mm256_unpacklo_epi16(lo_a, hi_a); // elements 0..4 | 16..20
-            let w1 = _mm256_unpackhi_epi16(lo_a, hi_a); // 4..8 | 20..24
-            let w2 = _mm256_unpacklo_epi16(lo_b, hi_b); // 8..12 | 24..28
-            let w3 = _mm256_unpackhi_epi16(lo_b, hi_b); // 12..16 | 28..32
-            let o = dst.as_mut_ptr().add(4 * at) as *mut __m256i;
-            _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(w0, w1));
-            _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x20>(w2, w3));
-            _mm256_storeu_si256(o.add(2), _mm256_permute2x128_si256::<0x31>(w0, w1));
-            _mm256_storeu_si256(o.add(3), _mm256_permute2x128_si256::<0x31>(w2, w3));
+            store_f32s(dst.as_mut_ptr().add(4 * at), [a, b, b2, b3]);
         }
     }
     blocks * BLOCK
+}
+
+/// `F32Top`: as `f32_avx2` (blocks of 32 elements; the nibble plane's 16 bytes a block
+/// spread to a byte an element).
+///
+/// # Safety
+/// The CPU has AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn f32_top_avx2(planes: [&[u8]; PLANES_MAX], dst: &mut [u8]) -> usize {
+    use std::arch::x86_64::*;
+    const BLOCK: usize = 32;
+    let [e, t, nib, mid, low] = planes;
+    let blocks = (dst.len() / 4)
+        .min(e.len())
+        .min(t.len())
+        .min(nib.len() / (BLOCK / 2) * BLOCK)
+        .min(mid.len())
+        .min(low.len())
+        / BLOCK;
+    // SAFETY: every load and store below is inside block c < blocks of its buffer (32
+    // bytes of e, t, mid and low, 16 of nib, 128 of dst), which the minimum above bounds.
+    unsafe {
+        let load = |p: &[u8], at: usize| _mm256_loadu_si256(p.as_ptr().add(at) as *const __m256i);
+        let byte = |b: u8| _mm256_set1_epi8(b as i8);
+        for c in 0..blocks {
+            let at = c * BLOCK;
+            let (x, s, a, b) = (load(e, at), load(t, at), load(low, at), load(mid, at));
+            let pairs = _mm_loadu_si128(nib.as_ptr().add(at / 2) as *const __m128i);
+            let (lo4, hi4) = (
+                _mm_and_si128(pairs, _mm_set1_epi8(0xf)),
+                _mm_and_si128(_mm_srli_epi16(pairs, 4), _mm_set1_epi8(0xf)),
+            );
+            // Element 2j's nibble is pair j's low half, 2j + 1's its high half.
+            let nibbles =
+                _mm256_set_m128i(_mm_unpackhi_epi8(lo4, hi4), _mm_unpacklo_epi8(lo4, hi4));
+            // Byte 2: the exponent's low bit, the mantissa's top 3, then its next 4; byte
+            // 3: the sign over the exponent's top 7 (16-bit shifts, bytes masked).
+            let s4 = _mm256_slli_epi16(s, 4);
+            let b2 = _mm256_or_si256(
+                _mm256_or_si256(
+                    _mm256_and_si256(_mm256_slli_epi16(x, 7), byte(0x80)),
+                    _mm256_and_si256(s4, byte(0x70)),
+                ),
+                nibbles,
+            );
+            let b3 = _mm256_or_si256(
+                _mm256_and_si256(s4, byte(0x80)),
+                _mm256_and_si256(_mm256_srli_epi16(x, 1), byte(0x7f)),
+            );
+            store_f32s(dst.as_mut_ptr().add(4 * at), [a, b, b2, b3]);
+        }
+    }
+    blocks * BLOCK
+}
+
+/// 32 f32 elements to `o` from their four bytes' vectors (byte k of element i at lane
+/// byte i of `bytes[k]`).
+///
+/// # Safety
+/// The CPU has AVX2; `o` has 128 bytes of room.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+#[inline]
+unsafe fn store_f32s(o: *mut u8, bytes: [std::arch::x86_64::__m256i; 4]) {
+    use std::arch::x86_64::*;
+    let [a, b, b2, b3] = bytes;
+    // Per 128-bit lane: elements 0..8 of the lane in the lo halves, 8..16 in hi.
+    let (lo_a, lo_b) = (_mm256_unpacklo_epi8(a, b), _mm256_unpackhi_epi8(a, b));
+    let (hi_a, hi_b) = (_mm256_unpacklo_epi8(b2, b3), _mm256_unpackhi_epi8(b2, b3));
+    let w0 = _mm256_unpacklo_epi16(lo_a, hi_a); // elements 0..4 | 16..20
+    let w1 = _mm256_unpackhi_epi16(lo_a, hi_a); // 4..8 | 20..24
+    let w2 = _mm256_unpacklo_epi16(lo_b, hi_b); // 8..12 | 24..28
+    let w3 = _mm256_unpackhi_epi16(lo_b, hi_b); // 12..16 | 28..32
+    let o = o as *mut __m256i;
+    // SAFETY: the caller's: 128 bytes at o.
+    unsafe {
+        _mm256_storeu_si256(o, _mm256_permute2x128_si256::<0x20>(w0, w1));
+        _mm256_storeu_si256(o.add(1), _mm256_permute2x128_si256::<0x20>(w2, w3));
+        _mm256_storeu_si256(o.add(2), _mm256_permute2x128_si256::<0x31>(w0, w1));
+        _mm256_storeu_si256(o.add(3), _mm256_permute2x128_si256::<0x31>(w2, w3));
+    }
 }
 
 /// `F16Bits`: the whole chunks of 32 elements that `planes` and `dst` all hold, joined by
@@ -269,9 +421,9 @@ unsafe fn f32_avx2(planes: [&[u8]; 4], dst: &mut [u8]) -> usize {
 /// The CPU has AVX2.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2")]
-unsafe fn f16_bits_avx2(planes: [&[u8]; 4], dst: &mut [u8]) -> usize {
+unsafe fn f16_bits_avx2(planes: [&[u8]; PLANES_MAX], dst: &mut [u8]) -> usize {
     use std::arch::x86_64::*;
-    let [e, lo, bits, _] = planes;
+    let [e, lo, bits, ..] = planes;
     let n = dst.len() / 2;
     let chunks = (n / BITS_CHUNK)
         .min(e.len() / BITS_CHUNK)
@@ -312,8 +464,8 @@ unsafe fn f16_bits_avx2(planes: [&[u8]; 4], dst: &mut [u8]) -> usize {
 
 /// `F16Bits`: elements `from..` of `dst` from their planes, one at a time (a byte a plane
 /// lacks reads as zero).
-fn f16_bits_from(from: usize, planes: [&[u8]; 4], dst: &mut [u8]) {
-    let [e, lo, bits, _] = planes;
+fn f16_bits_from(from: usize, planes: [&[u8]; PLANES_MAX], dst: &mut [u8]) {
+    let [e, lo, bits, ..] = planes;
     let n = dst.len() / 2;
     let bit_of = |at: usize, b: u32| (bits.get(at).copied().unwrap_or(0) >> b) & 1;
     for (i, o) in dst.chunks_exact_mut(2).enumerate().skip(from) {
@@ -327,8 +479,8 @@ fn f16_bits_from(from: usize, planes: [&[u8]; 4], dst: &mut [u8]) {
 }
 
 #[inline(always)]
-fn join_any(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
-    let [e, r0, r1, r2] = planes;
+fn join_any(layout: Layout, planes: [&[u8]; PLANES_MAX], dst: &mut [u8]) {
+    let [e, r0, r1, r2, r3] = planes;
     match layout {
         Layout::Bf16 => {
             // Fixed-size blocks (the compiler vectorizes them), then the tail.
@@ -374,6 +526,20 @@ fn join_any(layout: Layout, planes: [&[u8]; 4], dst: &mut [u8]) {
                     | ((c as u32 & 0x7f) << 16)
                     | ((b as u32) << 8)
                     | a as u32;
+                o.copy_from_slice(&v.to_le_bytes());
+            }
+        }
+        Layout::F32Top => {
+            // A plane a byte short reads as zero there.
+            let at = |p: &[u8], i: usize| p.get(i).copied().unwrap_or(0) as u32;
+            for (i, o) in dst.chunks_exact_mut(4).enumerate() {
+                let t = at(r0, i);
+                let v = (t & 8) << 28
+                    | at(e, i) << 23
+                    | (t & 7) << 20
+                    | (at(r1, i / 2) >> (4 * (i % 2)) & 0xf) << 16
+                    | at(r2, i) << 8
+                    | at(r3, i);
                 o.copy_from_slice(&v.to_le_bytes());
             }
         }
@@ -1369,10 +1535,10 @@ mod tests {
     /// Every plane of `raw` coded, decoded and joined back; returns the exponent plane's
     /// coded bytes.
     fn round_trip(layout: Layout, raw: &[u8]) -> usize {
-        let mut planes: [Vec<u8>; 4] = Default::default();
+        let mut planes: [Vec<u8>; PLANES_MAX] = Default::default();
         split(layout, raw, &mut planes);
         let n = raw.len() / layout.width();
-        let mut back: [Vec<u8>; 4] = Default::default();
+        let mut back: [Vec<u8>; PLANES_MAX] = Default::default();
         let mut exp_bytes = 0;
         for i in 0..layout.planes() {
             let m = layout.plane_len(i, n);
@@ -1399,10 +1565,10 @@ mod tests {
             }
         }
         let mut out = vec![0u8; raw.len()];
-        join(layout, [&back[0], &back[1], &back[2], &back[3]], &mut out);
+        join(layout, back.each_ref().map(|b| &b[..]), &mut out);
         assert_eq!(out, raw, "{layout:?}, {} bytes", raw.len());
         let mut portable = vec![0u8; raw.len()];
-        let planes = [&back[0][..], &back[1][..], &back[2][..], &back[3][..]];
+        let planes = back.each_ref().map(|b| &b[..]);
         join_as(layout, planes, &mut portable, Simd::Portable);
         assert_eq!(portable, raw, "{layout:?}, {} bytes, portable", raw.len());
         exp_bytes
@@ -1456,6 +1622,7 @@ mod tests {
                 .collect();
             let f32s: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
             round_trip(Layout::F32, &f32s);
+            round_trip(Layout::F32Top, &f32s);
             let halves: Vec<u8> = vals
                 .iter()
                 .flat_map(|v| ((v >> 16) as u16).to_le_bytes())
@@ -1468,14 +1635,44 @@ mod tests {
                 .for_each(|v| *v = 0x3f80_0000 | (*v & 0x807f_ffff));
             let same: Vec<u8> = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
             round_trip(Layout::F32, &same);
+            round_trip(Layout::F32Top, &same);
         }
+    }
+
+    #[test]
+    fn f32_frames_of_a_skewed_mantissa_top_take_the_top_split() {
+        // Norm vectors: values near a centre in bf16 precision, and the same plus one in
+        // f32 (as Gemma's converter adds it: the middle byte carries a bit); the top
+        // split then costs less than F32's sign-and-top-7 byte, or within half a bit.
+        for (n, centre) in [(256, 1.0f32), (576, 1.5), (640, 2.5), (4099, 1.0)] {
+            let raw = norm_f32(n, centre, n as u64);
+            assert_eq!(f32_layout(&raw), Layout::F32Top, "{n} near {centre}");
+            let plus_one: Vec<u8> = raw
+                .chunks_exact(4)
+                .flat_map(|x| (f32::from_le_bytes(crate::util::array(x)) + 1.0).to_le_bytes())
+                .collect();
+            assert_eq!(
+                f32_layout(&plus_one),
+                Layout::F32Top,
+                "{n} near {centre} + 1"
+            );
+            round_trip(Layout::F32Top, &plus_one);
+        }
+        // Trained weights' mantissas are nearly random: F32 keeps its layout.
+        let weights: Vec<u8> = gaussian_bf16(1 << 14, 4)
+            .chunks_exact(2)
+            .zip(gaussian_bf16(1 << 14, 5).chunks_exact(2))
+            .flat_map(|(h, l)| [l[0], l[1], h[0], h[1]])
+            .collect();
+        assert_eq!(f32_layout(&weights), Layout::F32);
+        assert_eq!(f32_layout(&[]), Layout::F32);
     }
 
     #[test]
     fn exponents_of_gaussian_weights_code_near_their_entropy() {
         let raw = gaussian_bf16(1 << 19, 3);
         let coded = round_trip(Layout::Bf16, &raw);
-        let mut planes: [Vec<u8>; 4] = Default::default();
+        let mut planes: [Vec<u8>; PLANES_MAX] = Default::default();
         split(Layout::Bf16, &raw, &mut planes);
         let e = &planes[0];
         let mut hist = [0u64; 256];
@@ -1525,7 +1722,7 @@ mod tests {
         let mut cache = PlaneCache::default();
         let mut out = vec![0u8; MULTI_MIN * 2 + 8];
         let long = gaussian_bf16(MULTI_MIN * 2, 5);
-        let mut planes: [Vec<u8>; 4] = Default::default();
+        let mut planes: [Vec<u8>; PLANES_MAX] = Default::default();
         split(Layout::Bf16, &long, &mut planes);
         let short = planes[0][..1000].to_vec();
         let other: Vec<u8> = planes[1].clone();
@@ -1600,7 +1797,7 @@ mod tests {
             .map(|i| norm_f32(576 + 64 * (i as usize % 3), [1.0, 0.2][i as usize % 2], i))
             .collect();
         let mut hist: Vec<[u64; 256]> = vec![[0; 256]; 4];
-        let mut planes: [Vec<u8>; 4] = Default::default();
+        let mut planes: [Vec<u8>; PLANES_MAX] = Default::default();
         for f in &frames {
             split(Layout::F32, f, &mut planes);
             for (h, p) in hist.iter_mut().zip(&planes) {
@@ -1617,7 +1814,7 @@ mod tests {
             frames
                 .iter()
                 .map(|f| {
-                    let mut planes: [Vec<u8>; 4] = Default::default();
+                    let mut planes: [Vec<u8>; PLANES_MAX] = Default::default();
                     split(Layout::F32, f, &mut planes);
                     let mut h = [0u64; 256];
                     planes[i].iter().for_each(|&b| h[b as usize] += 1);
@@ -1763,7 +1960,7 @@ mod tests {
 
     fn damaged(n: usize) {
         let raw = gaussian_bf16(n, 9);
-        let (mut planes, mut coded): ([Vec<u8>; 4], _) = (Default::default(), Vec::new());
+        let (mut planes, mut coded): ([Vec<u8>; PLANES_MAX], _) = (Default::default(), Vec::new());
         split(Layout::Bf16, &raw, &mut planes);
         encode_plane(Layout::Bf16, &planes[0], &mut coded);
         damage(&coded, n, &SharedTables::default());
