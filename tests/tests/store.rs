@@ -195,6 +195,33 @@ fn smollm2_packs_inspects_and_verifies() {
 }
 
 #[test]
+fn smollm2_norm_vectors_take_the_float_codecs_top_split_and_read_back() {
+    // A GGUF's F32 norm vectors (bf16 values near a centre): the float codec stores them
+    // in its five-plane F32Top layout (format 9), which the manifest check accepts and
+    // the reader decodes to the GGUF's bytes.
+    let gguf = smollm2_gguf();
+    let tmp = tempfile::tempdir().unwrap();
+    let model = import::open(&gguf).unwrap();
+    let store = pack_to(&model, &tmp.path().join("float"), Codec::Float, 1 << 20);
+    let top_split = store
+        .units()
+        .iter()
+        .flat_map(|u| &u.frames)
+        .filter(|f| f.codec == Codec::Float && f.planes.len() == 5)
+        .count();
+    assert!(
+        top_split >= 60,
+        "{top_split} F32Top frames of SmolLM2's 61 norm vectors"
+    );
+    let got = read_all(&store);
+    for (name, t) in &model.tensors {
+        let mut want = vec![0u8; t.len as usize];
+        model.copy_source(t, &mut want);
+        assert!(got[name].2 == want, "tensor {name} differs");
+    }
+}
+
+#[test]
 fn bench_codec_measures_every_codec_on_the_same_bytes_of_each_dtype() {
     // A safetensors shard (f32, f16 and bf16 tensors) and a GGUF (quantized and f32).
     for (src, dtypes) in [

@@ -720,11 +720,11 @@ impl Manifest {
                     (None, _) => {}
                 }
                 let w = f.planes.len();
-                // Byte-split planes: 1, 2 or 4 equal ones; the float codec: 2 to 4 of its
+                // Byte-split planes: 1, 2 or 4 equal ones; the float codec: 2 to 5 of its
                 // own sizes (its decoder checks them against the layout its bytes name).
                 let split_ok = matches!(w, 1 | 2 | 4) && (f.raw_len as usize).is_multiple_of(w);
                 let float_ok = f.codec == Codec::Float
-                    && (2..=4).contains(&w)
+                    && (2..=super::fpsplit::PLANES_MAX).contains(&w)
                     && (f.raw_len as usize).is_multiple_of(2);
                 if !split_ok && !float_ok {
                     return Err(at(format!("{w} planes for {} raw bytes", f.raw_len)));
