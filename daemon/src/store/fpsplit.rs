@@ -1048,23 +1048,24 @@ impl SharedTables {
     }
 }
 
-/// One stream's reader: LSB-first bits from `buf[pos..end]`, zeros past the end.
+/// One stream's reader: LSB-first bits from `buf[pos..]`, the plane's streams (a stream
+/// reads on into the next one's bytes, zeros past the last): a stream's symbols are
+/// decoded from its own bits, and only those it still needs are kept from a window that
+/// reaches past them, so the bits that follow a stream change nothing a valid stream
+/// decodes to. One bound for the four streams spares the loops a register each.
 #[derive(Clone, Copy)]
 struct Reader {
     bits: u64,
     n: u32,
     pos: usize,
-    end: usize,
 }
 
 impl Reader {
-    /// At least 56 bits in `bits` (those past the stream's end are zeros).
+    /// At least 56 bits in `bits` (those past `buf`'s end are zeros).
     #[inline(always)]
     fn refill(&mut self, buf: &[u8]) {
-        if self.pos + 8 <= self.end {
-            debug_assert!(self.end <= buf.len());
-            // SAFETY: pos + 8 <= end <= buf.len() (`decode_plane` checks every stream's end
-            // against the plane); an unaligned read of 8 bytes inside `buf`.
+        if self.pos + 8 <= buf.len() {
+            // SAFETY: pos + 8 <= buf.len(): an unaligned read of 8 bytes inside `buf`.
             let w = u64::from_le(unsafe {
                 std::ptr::read_unaligned(buf.as_ptr().add(self.pos) as *const u64)
             });
@@ -1073,11 +1074,7 @@ impl Reader {
             self.n |= 56;
         } else {
             while self.n < 56 {
-                let b = if self.pos < self.end {
-                    buf[self.pos]
-                } else {
-                    0
-                };
+                let b = buf.get(self.pos).copied().unwrap_or(0);
                 self.bits |= (b as u64) << self.n;
                 self.pos += 1;
                 self.n += 8;
@@ -1268,7 +1265,6 @@ fn symbols_of(
         bits: 0,
         n: 0,
         pos: 0,
-        end: 0,
     }; STREAMS];
     let mut start = 0usize;
     for (s, rd) in r.iter_mut().enumerate() {
@@ -1284,7 +1280,6 @@ fn symbols_of(
             bits: 0,
             n: 0,
             pos: start,
-            end,
         };
         start = end;
     }
