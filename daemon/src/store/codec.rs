@@ -331,7 +331,7 @@ fn float_layout(dtype: DType, raw: &[u8]) -> Option<Layout> {
     match dtype {
         DType::BF16 => Some(Layout::Bf16),
         DType::F16 => Some(Layout::F16Bits),
-        DType::F32 => Some(fpsplit::f32_layout(raw)),
+        DType::F32 => Some(fpsplit::f32_layout(raw, KEEP_RAW_SAVING_MIN)),
         _ => None,
     }
 }

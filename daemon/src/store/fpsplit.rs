@@ -203,12 +203,12 @@ pub fn split(layout: Layout, raw: &[u8], planes: &mut [Vec<u8>; PLANES_MAX]) {
     }
 }
 
-/// The layout of an f32 frame: `F32Top` where its sign-and-top-7 byte would code (its
-/// entropy saves `F32`'s raw-plane margin) and its top 4 bits code to within half a bit
-/// an element of that byte's own code, else `F32`. Entropies of the frame's own
-/// histogram; the same bytes always give the same layout (pack's census and its encoder
-/// agree).
-pub fn f32_layout(raw: &[u8]) -> Layout {
+/// The layout of an f32 frame: `F32Top` where its top symbol and 4 raw bits code (save
+/// `keep_raw_saving` of a byte, the share a coded plane must save) and cost within half a
+/// bit an element of the sign-and-top-7 byte's own code, else `F32`. Entropies of the
+/// frame's own histogram; the same bytes always give the same layout (pack's census and
+/// its encoder agree).
+pub fn f32_layout(raw: &[u8], keep_raw_saving: f64) -> Layout {
     let mut hist = [0u32; 256];
     for x in raw.chunks_exact(4) {
         hist[((x[3] & 0x80) | (x[2] & 0x7f)) as usize] += 1;
@@ -228,8 +228,7 @@ pub fn f32_layout(raw: &[u8]) -> Layout {
     };
     let byte = entropy(&mut hist.iter().copied());
     let top = entropy(&mut hist.chunks_exact(16).map(|c| c.iter().sum()));
-    let pays =
-        top + 4.0 <= 8.0 * (1.0 - super::codec::KEEP_RAW_SAVING_MIN) && top + 4.0 <= byte + 0.5;
+    let pays = top + 4.0 <= 8.0 * (1.0 - keep_raw_saving) && top + 4.0 <= byte + 0.5;
     if pays {
         Layout::F32Top
     } else {
@@ -1339,8 +1338,8 @@ fn fill_single(t: &mut Tables, lens: &[u8; 256], width: u32) {
 /// Symbols a `multi` lookup yields on average (over windows of random bits, which is how
 /// the code's own symbol frequencies fall) below which it decodes with `single`: a code
 /// of long codes packs a second symbol in few windows, and its 16 KiB of `multi` entries
-/// spill from L1 where `single`'s 4 KiB stay (Gemma 3's norm vectors' sign and mantissa
-/// codes, about 6.5 bits long, yield 1.2 a lookup).
+/// spill from L1 where `single`'s 4 KiB stay (an `F32` sign-and-top-7 code of norm-like
+/// frames, about 6.5 bits a symbol, yields about 1.2 a lookup).
 const MULTI_PAYS_MIN: u32 = 3 * TABLE as u32 / 2;
 
 /// The multi-symbol table from `t.single`, and whether it pays.
@@ -1641,13 +1640,13 @@ mod tests {
         // split then costs less than F32's sign-and-top-7 byte, or within half a bit.
         for (n, centre) in [(256, 1.0f32), (576, 1.5), (640, 2.5), (4099, 1.0)] {
             let raw = norm_f32(n, centre, n as u64);
-            assert_eq!(f32_layout(&raw), Layout::F32Top, "{n} near {centre}");
+            assert_eq!(f32_layout(&raw, 0.03), Layout::F32Top, "{n} near {centre}");
             let plus_one: Vec<u8> = raw
                 .chunks_exact(4)
                 .flat_map(|x| (f32::from_le_bytes(crate::util::array(x)) + 1.0).to_le_bytes())
                 .collect();
             assert_eq!(
-                f32_layout(&plus_one),
+                f32_layout(&plus_one, 0.03),
                 Layout::F32Top,
                 "{n} near {centre} + 1"
             );
@@ -1659,8 +1658,8 @@ mod tests {
             .zip(gaussian_bf16(1 << 14, 5).chunks_exact(2))
             .flat_map(|(h, l)| [l[0], l[1], h[0], h[1]])
             .collect();
-        assert_eq!(f32_layout(&weights), Layout::F32);
-        assert_eq!(f32_layout(&[]), Layout::F32);
+        assert_eq!(f32_layout(&weights, 0.03), Layout::F32);
+        assert_eq!(f32_layout(&[], 0.03), Layout::F32);
     }
 
     #[test]
