@@ -917,18 +917,13 @@ mod tests {
 
     #[test]
     fn norm_vectors_take_the_top_split_and_a_flipped_byte_is_caught() {
-        // f32 norm weights as a GGUF holds them: near 1, bf16 precision.
-        let mut x = 0x9e37_79b9_7f4a_7c15u64;
-        let mut uniform = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 11) as f32 / (1u64 << 53) as f32
-        };
+        // f32 norm weights as a GGUF holds them: near 1, bf16 precision (`floats_f32`'s
+        // values, spread six times wider around 1).
         for n in [256usize, 576, 4099] {
-            let raw: Vec<u8> = (0..n)
-                .flat_map(|_| {
-                    let v = 1.0 + (uniform() + uniform() + uniform() - 1.5) * 0.3;
+            let raw: Vec<u8> = floats_f32(n)
+                .chunks_exact(4)
+                .flat_map(|b| {
+                    let v = 1.0 + f32::from_le_bytes(crate::util::array(b)) * 6.0;
                     (v.to_bits() & 0xffff_0000).to_le_bytes()
                 })
                 .collect();
