@@ -1047,40 +1047,39 @@ impl SharedTables {
     }
 }
 
-/// One stream's reader: LSB-first bits from `buf[pos..]`, the plane's streams (a stream
-/// reads on into the next one's bytes, zeros past the last): a stream's symbols are
-/// decoded from its own bits, and only those it still needs are kept from a window that
-/// reaches past them, so the bits that follow a stream change nothing a valid stream
-/// decodes to. One bound for the four streams spares the loops a register each.
-#[derive(Clone, Copy)]
-struct Reader {
-    bits: u64,
-    n: u32,
-    pos: usize,
+/// A stream's bits from bit `bp` of the plane's streams, LSB first, with at least 57 of
+/// them its own (the top `bp & 7` bits are zeros). A stream reads on into the next one's
+/// bytes, and zeros past the last: its symbols are decoded from its own bits, and only
+/// those it still needs are kept from a window that reaches past them, so the bits that
+/// follow a stream change nothing a valid stream decodes to. One bound for the four
+/// streams spares the loops a register each.
+#[inline(always)]
+fn peek(buf: &[u8], bp: usize) -> u64 {
+    let b = bp >> 3;
+    let w = if b + 8 <= buf.len() {
+        // SAFETY: b + 8 <= buf.len(): an unaligned read of 8 bytes inside `buf`.
+        u64::from_le(unsafe { std::ptr::read_unaligned(buf.as_ptr().add(b) as *const u64) })
+    } else {
+        let mut w = [0u8; 8];
+        let rest = buf.get(b..).unwrap_or(&[]);
+        w[..rest.len()].copy_from_slice(rest);
+        u64::from_le_bytes(w)
+    };
+    w >> (bp & 7)
 }
 
-impl Reader {
-    /// At least 56 bits in `bits` (those past `buf`'s end are zeros).
-    #[inline(always)]
-    fn refill(&mut self, buf: &[u8]) {
-        if self.pos + 8 <= buf.len() {
-            // SAFETY: pos + 8 <= buf.len(): an unaligned read of 8 bytes inside `buf`.
-            let w = u64::from_le(unsafe {
-                std::ptr::read_unaligned(buf.as_ptr().add(self.pos) as *const u64)
-            });
-            self.bits |= w << self.n;
-            self.pos += ((63 - self.n) >> 3) as usize;
-            self.n |= 56;
-        } else {
-            while self.n < 56 {
-                let b = buf.get(self.pos).copied().unwrap_or(0);
-                self.bits |= (b as u64) << self.n;
-                self.pos += 1;
-                self.n += 8;
-            }
-        }
-    }
+/// A round's word of a stream's bits (`peek`) with a 1 in its top bit, above them: the
+/// round's lookups shift the word right by the bits they use, and its leading zeros then
+/// count them, so the loops keep no bit count of their own.
+#[inline(always)]
+fn round_word(buf: &[u8], bp: usize) -> u64 {
+    peek(buf, bp) | 1 << 63
 }
+
+/// The last bit of a round word (`round_word`) at which a lookup may start: its 11-bit
+/// window then ends at bit 56, inside the 57 bits that are the stream's at least. (A round
+/// of the loops starts its last lookup at bit 44 at most: 4 x 11 or 5 x 11 bits a round.)
+const WORD_LOOKUP_LAST: u32 = 57 - MAX_LEN;
 
 /// The layout a coded plane names (its first byte).
 pub fn plane_layout(coded: &[u8]) -> Result<Layout, String> {
@@ -1260,13 +1259,9 @@ fn symbols_of(
     out: &mut [u8],
     simd: Simd,
 ) -> Result<(), String> {
-    let mut r = [Reader {
-        bits: 0,
-        n: 0,
-        pos: 0,
-    }; STREAMS];
+    let mut bp = [0usize; STREAMS];
     let mut start = 0usize;
-    for (s, rd) in r.iter_mut().enumerate() {
+    for (s, b) in bp.iter_mut().enumerate() {
         let len = match sizes.get(s) {
             Some(&len) => len,
             None => streams.len().saturating_sub(start),
@@ -1275,11 +1270,7 @@ fn symbols_of(
             .checked_add(len)
             .filter(|&e| e <= streams.len())
             .ok_or_else(|| format!("stream {s} runs past the plane"))?;
-        *rd = Reader {
-            bits: 0,
-            n: 0,
-            pos: start,
-        };
+        *b = 8 * start;
         start = end;
     }
     let q = n.div_ceil(STREAMS);
@@ -1288,7 +1279,7 @@ fn symbols_of(
     let ends = [first(1), first(2), first(3), n];
     let s = Streams {
         buf: streams,
-        r,
+        bp,
         at,
         ends,
     };
@@ -1298,8 +1289,8 @@ fn symbols_of(
 
 /// The decoding tables of a complete code: per 11-bit window, its first symbol and that
 /// code's length (`single`: symbol | length << 8), and as many whole codes as fit in the
-/// window, up to five (`multi`: symbols in bytes 0..5, their count in bits 40..43, their
-/// total length from bit 48).
+/// window, up to five (`multi`: symbols in bytes 0..5, their total length in bits 40..44,
+/// their count in bits 61..64; `multi_shift`, `multi_count`).
 struct Tables {
     single: [u16; TABLE],
     multi: [u64; TABLE],
@@ -1312,6 +1303,19 @@ struct Tables {
 
 /// Symbols of one `multi` entry at most.
 const MULTI_SYMBOLS: u32 = 5;
+
+/// A `multi` entry's symbol count.
+#[inline(always)]
+fn multi_count(e: u64) -> usize {
+    (e >> 61) as usize
+}
+
+/// A `multi` entry's length in bits, as a shift amount: its low 6 bits are the length, and
+/// a shift takes only those (`u64::wrapping_shr`, x86's own), so the hot loop needs no mask.
+#[inline(always)]
+fn multi_shift(e: u64) -> u32 {
+    (e >> 40) as u32
+}
 
 /// Planes shorter than this decode a symbol a lookup (`single_table`): building the
 /// multi-symbol table costs more than it saves there.
@@ -1358,41 +1362,47 @@ fn fill_multi(t: &mut Tables) {
             used += len;
             count += 1;
         }
-        t.multi[w] = word | (count as u64) << 40 | (used as u64) << 48;
+        t.multi[w] = word | (used as u64) << 40 | (count as u64) << 61;
         yielded += count;
     }
     t.multi_pays = yielded >= MULTI_PAYS_MIN;
 }
 
 /// Stream s's symbols into `out[at[s]..ends[s]]`. With `multi` (planes of `MULTI_MIN`
-/// symbols or more, and shared codes, where the code's `multi` table pays): four table
-/// lookups a stream between refills (4 x 11 <= 56 bits), each up to five symbols, written
-/// as one 8-byte word (the bytes past its symbols land on the stream's next ones, written
-/// over later), the four streams in turn while each has room for a round of lookups and a
-/// word; then each stream's tail, still up to five symbols a lookup. Otherwise a symbol a
-/// lookup, the streams in turn as far as all go, then each one's tail.
+/// symbols or more, and shared codes, where the code's `multi` table pays): rounds of four
+/// table lookups a stream from one word of its bits (4 x 11 <= 57 bits), each up to five
+/// symbols, written as one 8-byte word (the bytes past its symbols land on the stream's
+/// next ones, written over later), the four streams in turn while each has room for a
+/// round and a word; then each stream's tail, still up to five symbols a lookup. Otherwise
+/// a symbol a lookup, five a stream a round (5 x 11 <= 57 bits), the streams in turn as far
+/// as all go, then each one's tail.
 fn symbols(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8], simd: Simd) {
     #[cfg(target_arch = "x86_64")]
-    if simd == Simd::Detect && std::is_x86_feature_detected!("bmi2") {
-        // SAFETY: the CPU has BMI2 (checked just above).
+    if simd == Simd::Detect
+        && std::is_x86_feature_detected!("bmi2")
+        && std::is_x86_feature_detected!("lzcnt")
+    {
+        // SAFETY: the CPU has BMI2 and LZCNT (checked just above).
         unsafe { symbols_bmi2(s, t, multi, out) };
         return;
     }
     symbols_any(s, t, multi, out);
 }
 
-/// A plane's four streams: their bytes, readers, and each one's next and end element.
+/// A plane's four streams: their bytes, each one's bit position in them, and each one's
+/// next and end element.
 struct Streams<'a> {
     buf: &'a [u8],
-    r: [Reader; STREAMS],
+    bp: [usize; STREAMS],
     at: [usize; STREAMS],
     ends: [usize; STREAMS],
 }
 
-/// `symbols` where the CPU has BMI2: its shifts by a register amount (SHRX) leave CL
-/// alone, which the bit readers' shifts otherwise queue on.
+/// `symbols` where the CPU has BMI2 and LZCNT: shifts by a register amount (SHRX) that
+/// leave CL alone and take the amount's low 6 bits as they are, and a leading-zero count
+/// without a branch for zero.
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "bmi2")]
+#[target_feature(enable = "bmi2,lzcnt")]
 unsafe fn symbols_bmi2(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
     symbols_any(s, t, multi, out);
 }
@@ -1400,62 +1410,73 @@ unsafe fn symbols_bmi2(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) 
 #[inline(always)]
 fn symbols_any(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
     let Streams {
-        buf: streams,
-        r,
+        buf,
+        mut bp,
         mut at,
         ends,
     } = s;
-    let [mut r0, mut r1, mut r2, mut r3] = r;
-    // A round writes at most 4 x 5 symbols a stream, and a word 8 bytes from its start.
-    const ROUND: usize = 4 * MULTI_SYMBOLS as usize;
     debug_assert!(ends.iter().all(|&e| e + 4 <= out.len()));
     let base = out.as_mut_ptr();
-    let step = |rd: &mut Reader, at: &mut usize| {
-        let e = t.multi[(rd.bits as usize) & (TABLE - 1)];
-        // SAFETY: `at` + 8 <= ends[s] <= out.len(): the rounds below run only while every
-        // stream has ROUND + 8 symbols left or more, and a step advances at most 5 (so
-        // the words stay inside the stream's own range, below its neighbour's symbols).
-        unsafe { std::ptr::write_unaligned(base.add(*at) as *mut u64, e.to_le()) };
-        let used = (e >> 48) as u32;
-        rd.bits >>= used;
-        rd.n -= used;
-        *at += ((e >> 40) & 7) as usize;
-    };
-    loop {
-        // Rounds every stream has room for, checked once for all of them.
-        let rounds = (0..STREAMS)
-            .map(|s| (ends[s] - at[s]).saturating_sub(8) / ROUND)
-            .min()
-            .unwrap_or(0);
-        if !multi || rounds == 0 {
-            break;
-        }
-        let [a0, a1, a2, a3] = &mut at;
-        for _ in 0..rounds {
-            r0.refill(streams);
-            r1.refill(streams);
-            r2.refill(streams);
-            r3.refill(streams);
-            for _ in 0..4 {
-                step(&mut r0, a0);
-                step(&mut r1, a1);
-                step(&mut r2, a2);
-                step(&mut r3, a3);
-            }
-        }
-    }
     if multi {
+        // A round writes at most 4 x 5 symbols a stream, and a word 8 bytes from its start.
+        const ROUND: usize = 4 * MULTI_SYMBOLS as usize;
+        let step = |w: &mut u64, o: &mut *mut u8| {
+            let e = t.multi[(*w as usize) & (TABLE - 1)];
+            // SAFETY: *o + 8 <= base + ends[s] <= base + out.len(): the rounds below run
+            // only while every stream has ROUND + 8 symbols left or more, and a step
+            // advances at most 5 (so the words stay inside the stream's own range, below
+            // its neighbour's symbols).
+            unsafe {
+                std::ptr::write_unaligned(*o as *mut u64, e.to_le());
+                *o = o.add(multi_count(e));
+            }
+            *w = w.wrapping_shr(multi_shift(e));
+        };
+        loop {
+            // Rounds every stream has room for, checked once for all of them.
+            let rounds = (0..STREAMS)
+                .map(|s| (ends[s] - at[s]).saturating_sub(8) / ROUND)
+                .min()
+                .unwrap_or(0);
+            if rounds == 0 {
+                break;
+            }
+            let [mut o0, mut o1, mut o2, mut o3] = at.map(|a| base.wrapping_add(a));
+            let [mut b0, mut b1, mut b2, mut b3] = bp;
+            for _ in 0..rounds {
+                let (mut w0, mut w1, mut w2, mut w3) = (
+                    round_word(buf, b0),
+                    round_word(buf, b1),
+                    round_word(buf, b2),
+                    round_word(buf, b3),
+                );
+                for _ in 0..4 {
+                    step(&mut w0, &mut o0);
+                    step(&mut w1, &mut o1);
+                    step(&mut w2, &mut o2);
+                    step(&mut w3, &mut o3);
+                }
+                b0 += w0.leading_zeros() as usize;
+                b1 += w1.leading_zeros() as usize;
+                b2 += w2.leading_zeros() as usize;
+                b3 += w3.leading_zeros() as usize;
+            }
+            bp = [b0, b1, b2, b3];
+            at = [o0, o1, o2, o3].map(|o| o as usize - base as usize);
+        }
         // Each stream's tail, a lookup at a time: a whole word while the stream has room
         // for one, then only the symbols it still needs (any more in the window come from
         // bits past the stream's last code, and the stream ends there).
-        for (s, mut rd) in [r0, r1, r2, r3].into_iter().enumerate() {
-            let (mut a, end) = (at[s], ends[s]);
+        for s in 0..STREAMS {
+            let (mut a, end, mut p) = (at[s], ends[s], bp[s]);
+            let mut w = round_word(buf, p);
             while a < end {
-                if rd.n < MAX_LEN {
-                    rd.refill(streams);
+                if w.leading_zeros() > WORD_LOOKUP_LAST {
+                    p += w.leading_zeros() as usize;
+                    w = round_word(buf, p);
                 }
-                let e = t.multi[(rd.bits as usize) & (TABLE - 1)];
-                let count = ((e >> 40) & 7) as usize;
+                let e = t.multi[(w as usize) & (TABLE - 1)];
+                let count = multi_count(e);
                 // SAFETY: the bytes written are out[a..a + 8] with a + 8 <= end, or
                 // out[a..min(a + count, end)]; end <= out.len().
                 unsafe {
@@ -1467,34 +1488,33 @@ fn symbols_any(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
                         }
                     }
                 }
-                let used = (e >> 48) as u32;
-                rd.bits >>= used;
-                rd.n -= used;
+                w = w.wrapping_shr(multi_shift(e));
                 a += count;
             }
         }
         return;
     }
-    // A symbol a lookup: the four streams in turn, five symbols each between refills
-    // (5 x 11 <= 56 bits), as far as every stream goes; then each one's tail.
-    let one = |rd: &mut Reader| -> u8 {
+    // A symbol a lookup: the four streams in turn, five symbols each a round, as far as
+    // every stream goes; then each one's tail.
+    let one = |w: &mut u64| -> u8 {
         // (`mask` is below TABLE: the second mask only spares a bounds check.)
-        let e = t.single[(rd.bits as usize) & t.mask & (TABLE - 1)];
-        let len = (e >> 8) as u32;
-        rd.bits >>= len;
-        rd.n -= len;
+        let e = t.single[(*w as usize) & t.mask & (TABLE - 1)];
+        *w >>= e >> 8;
         e as u8
     };
     const RUN: usize = 5;
     let runs = (0..STREAMS).map(|s| ends[s] - at[s]).min().unwrap_or(0) / RUN;
     let mut o = at.map(|a| base.wrapping_add(a));
+    let [mut b0, mut b1, mut b2, mut b3] = bp;
     for _ in 0..runs {
-        r0.refill(streams);
-        r1.refill(streams);
-        r2.refill(streams);
-        r3.refill(streams);
+        let (mut w0, mut w1, mut w2, mut w3) = (
+            round_word(buf, b0),
+            round_word(buf, b1),
+            round_word(buf, b2),
+            round_word(buf, b3),
+        );
         for _ in 0..RUN {
-            let (e0, e1, e2, e3) = (one(&mut r0), one(&mut r1), one(&mut r2), one(&mut r3));
+            let (e0, e1, e2, e3) = (one(&mut w0), one(&mut w1), one(&mut w2), one(&mut w3));
             // SAFETY: stream s writes out[at[s] + i] for i < runs x RUN <= ends[s] - at[s],
             // and ends[s] <= out.len().
             unsafe {
@@ -1502,13 +1522,19 @@ fn symbols_any(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
                 o = o.map(|p| p.add(1));
             }
         }
+        b0 += w0.leading_zeros() as usize;
+        b1 += w1.leading_zeros() as usize;
+        b2 += w2.leading_zeros() as usize;
+        b3 += w3.leading_zeros() as usize;
     }
-    for (s, mut rd) in [r0, r1, r2, r3].into_iter().enumerate() {
+    for (s, mut p) in [b0, b1, b2, b3].into_iter().enumerate() {
+        let mut w = round_word(buf, p);
         for x in &mut out[at[s] + runs * RUN..ends[s]] {
-            if rd.n < MAX_LEN {
-                rd.refill(streams);
+            if w.leading_zeros() > WORD_LOOKUP_LAST {
+                p += w.leading_zeros() as usize;
+                w = round_word(buf, p);
             }
-            *x = one(&mut rd);
+            *x = one(&mut w);
         }
     }
 }
