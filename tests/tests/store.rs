@@ -222,6 +222,71 @@ fn smollm2_norm_vectors_take_the_float_codecs_top_split_and_read_back() {
 }
 
 #[test]
+fn an_untied_embedding_is_cut_in_small_frames_so_a_gathered_row_reads_little() {
+    // A streamed embedding costs a frame per distinct token of a step. An untied table (a
+    // synthetic model's, 4096 rows) is cut in frames of 64 KiB whichever codec the store
+    // names, but the float codec on a float table; the layers keep the store's frame size
+    // (256 KiB here). A tied table (SmolLM2's, which streams whole as the head) keeps it
+    // too. Every store verifies.
+    let tmp = tempfile::tempdir().unwrap();
+    for (codec, dtype, emb_want) in [
+        ("none", "q8_0", 64 << 10),
+        ("zstd:1", "q8_0", 64 << 10),
+        ("float", "bf16", 256 << 10),
+    ] {
+        let out = tmp.path().join(format!("{codec}-{dtype}"));
+        let o = out.to_str().unwrap();
+        sluiced_ok(&[
+            "synth",
+            "-o",
+            o,
+            "--layers",
+            "2",
+            "--hidden",
+            "256",
+            "--intermediate",
+            "1024",
+            "--heads",
+            "4",
+            "--kv-heads",
+            "2",
+            "--vocab",
+            "4096",
+            "--dtype",
+            dtype,
+            "--codec",
+            codec,
+            "--frame-size",
+            "256KiB",
+        ]);
+        let store = Store::open(&out).unwrap();
+        let largest = |u: &sluice::store::LayerUnit| u.frames.iter().map(|f| f.raw_len).max();
+        let units = store.units();
+        assert_eq!(units[0].kind, UnitKind::Embedding);
+        assert_eq!(
+            largest(&units[0]),
+            Some(emb_want),
+            "{codec} {dtype}: the table's frames"
+        );
+        let layers = units[1..].iter().filter_map(largest).max();
+        assert_eq!(
+            layers,
+            Some(256 << 10),
+            "{codec} {dtype}: the layers' frames"
+        );
+        sluiced_ok(&["verify", o]);
+    }
+    let model = import::open(&smollm2_gguf()).unwrap();
+    let store = pack_to(&model, &tmp.path().join("smollm2"), Codec::None, 256 << 10);
+    let emb = store.units()[0].frames.iter().map(|f| f.raw_len).max();
+    assert_eq!(
+        emb,
+        Some(256 << 10),
+        "SmolLM2's tied table keeps the store's frames"
+    );
+}
+
+#[test]
 fn bench_codec_measures_every_codec_on_the_same_bytes_of_each_dtype() {
     // A safetensors shard (f32, f16 and bf16 tensors) and a GGUF (quantized and f32).
     for (src, dtypes) in [

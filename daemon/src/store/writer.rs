@@ -421,11 +421,14 @@ fn link_units(
     let frame_max =
         (opts.frame_size as u64).min(super::format::FRAME_RAW_BYTES_MAX as u64 - BLOB_ALIGN);
     let mut layer_units = Vec::with_capacity(units.len());
+    let tied = model.header().arch.tied_embeddings;
     let mut blob: Vec<u8> = Vec::new();
     for spec in units {
         let (tensors, raw_len) = lay_out(model, spec, out)?;
         blob.clear();
         blob.resize(raw_len as usize, 0);
+        // (A linked frame is the source's bytes, never float-coded.)
+        let frame_max = frame_size_of(spec.kind, false, tied, frame_max as u32) as u64;
         let mut frames = Vec::new();
         for (i, t) in tensors.iter().enumerate() {
             let dst = &mut blob[t.offset as usize..(t.offset + t.len) as usize];
@@ -512,6 +515,7 @@ fn write_units(
         at: 0,
     };
     let mut layer_units = Vec::with_capacity(units.len());
+    let tied = model.header().arch.tied_embeddings;
     let mut blob: Vec<u8> = Vec::new();
     let mut encoders: Vec<Encoders> = (0..opts.threads.max(1))
         .map(|_| Encoders::default())
@@ -536,7 +540,7 @@ fn write_units(
                 None => opts.codec,
             });
         }
-        let pieces = frame_pieces(&tensors, &codecs, raw_len, opts.frame_size);
+        let pieces = frame_pieces(spec.kind, tied, &tensors, &codecs, raw_len, opts.frame_size);
         let encoded = compress(&mut encoders, &pieces, &blob, codes)
             .map_err(|e| StoreError::io("compress frames for", out, e))?;
         let unit = w.write_unit(spec.kind, &pieces, encoded, raw_len, tensors)?;
@@ -666,9 +670,31 @@ struct Piece {
     dtype: DType,
 }
 
-/// Each tensor's region (its bytes and the padding after them) in `frame_size` pieces,
-/// so a frame holds one dtype and the byte split applies.
+/// Frames of an untied embedding table are at most this size unless the float codec codes
+/// them: a step whose embedding streams reads a whole frame per distinct token
+/// (`pipeline::gather`), and a row is small (a few KiB at most), so 1 MiB frames read 1 MiB
+/// a distinct token (at batch 8 on a q4_1 table cut this way, 3.4 MB a pass become 0.5).
+/// A float-coded table keeps the store's frame size: each frame with a code of its own
+/// builds its decoding tables, which small frames pay for. So does a tied table: it
+/// streams whole each pass as the head anyway, and the plan reserves a seam row per frame
+/// of it (`plan`'s gather table), which small frames would multiply.
+pub const EMBEDDING_FRAME_MAX: u32 = 64 << 10;
+
+/// The frame size of a tensor in a unit of `kind`, float-coded or not (the float codec
+/// named for a float dtype), of a model whose embeddings are `tied` or not.
+fn frame_size_of(kind: UnitKind, float_coded: bool, tied: bool, frame_size: u32) -> u32 {
+    if kind == UnitKind::Embedding && !float_coded && !tied {
+        frame_size.min(EMBEDDING_FRAME_MAX)
+    } else {
+        frame_size
+    }
+}
+
+/// Each tensor's region (its bytes and the padding after them) in pieces of its frame
+/// size (`frame_size_of`), so a frame holds one dtype and the byte split applies.
 fn frame_pieces(
+    kind: UnitKind,
+    tied: bool,
     tensors: &[TensorEntry],
     codecs: &[Codec],
     raw_len: u64,
@@ -677,9 +703,11 @@ fn frame_pieces(
     let mut pieces = Vec::new();
     for ((i, t), &codec) in tensors.iter().enumerate().zip(codecs) {
         let end = tensors.get(i + 1).map_or(raw_len, |n| n.offset);
+        let float_coded = codec == Codec::Float && t.dtype.split_width() >= 2;
+        let size = frame_size_of(kind, float_coded, tied, frame_size);
         let mut at = t.offset;
         while at < end {
-            let len = (end - at).min(frame_size as u64);
+            let len = (end - at).min(size as u64);
             pieces.push(Piece {
                 raw_offset: at,
                 len,
