@@ -10,7 +10,7 @@ use std::ptr::NonNull;
 pub const IO_ALIGN: usize = 4096;
 
 /// Buffers from this size up are mapped straight from the kernel: page-aligned, zero, and
-/// backed by memory only as they are touched. (The allocator's over-aligned `alloc_zeroed`
+/// backed by memory only as they are touched (a huge page at a time where `map` gets them). (The allocator's over-aligned `alloc_zeroed`
 /// memsets every byte up front: gigabytes of staging slots touched at start for nothing.)
 const MMAP_MIN: usize = 1 << 20;
 
@@ -62,7 +62,68 @@ pub fn memlock_hint(bytes: u64, limit: Option<u64>) -> String {
 pub struct AlignedBuf {
     ptr: NonNull<u8>,
     len: usize,
+    /// Mapped from the kernel (unmapped on drop), not from the allocator.
+    mapped: bool,
     pinned: Option<Pinner>,
+}
+
+/// Transparent huge pages: large mappings start on this boundary and ask for them.
+const HUGE_PAGE: usize = 2 << 20;
+
+/// Maps `len` bytes (a multiple of IO_ALIGN) of zeroed anonymous memory. From HUGE_PAGE up
+/// the mapping starts on a huge-page boundary and asks for transparent huge pages
+/// (MADV_HUGEPAGE; where the kernel has none, or none free, it stays on 4 KiB pages). A
+/// read into 4 KiB pages the allocator hands out scattered is one scatter-gather segment
+/// per page: the block layer can then neither merge neighbouring reads (a request holds
+/// at most `max_segments`, 254 on this project's virtio disk) nor send large ones, and on
+/// that disk the same streamed pass read at 1.0-1.3 GB/s in 512 KiB requests against
+/// 2.0-2.4 in merged 1.5 MiB ones once the slots were physically contiguous. Huge pages
+/// also spare the TLB when the CPU backend computes straight from a slot.
+fn map(len: usize) -> Option<NonNull<u8>> {
+    let huge = len >= HUGE_PAGE;
+    // Room to slide the start up to the next huge-page boundary.
+    let span = if huge {
+        len + HUGE_PAGE - IO_ALIGN
+    } else {
+        len
+    };
+    // SAFETY: an anonymous private mapping of `span` bytes; checked for MAP_FAILED.
+    let p = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            span,
+            libc::PROT_READ | libc::PROT_WRITE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
+            -1,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        return None;
+    }
+    let base = p as usize;
+    let start = if huge {
+        base.next_multiple_of(HUGE_PAGE)
+    } else {
+        base
+    };
+    let (head, tail) = (start - base, span - (start - base) - len);
+    // SAFETY: both ranges are page-aligned parts of the mapping just made, outside
+    // [start, start + len); unmapping them leaves exactly that range mapped.
+    unsafe {
+        if head > 0 {
+            libc::munmap(p, head);
+        }
+        if tail > 0 {
+            libc::munmap((start + len) as *mut libc::c_void, tail);
+        }
+    }
+    if huge {
+        // Advice only: EINVAL where the kernel has no transparent huge pages is fine.
+        // SAFETY: the range is the mapping's own.
+        unsafe { libc::madvise(start as *mut libc::c_void, len, libc::MADV_HUGEPAGE) };
+    }
+    NonNull::new(start as *mut u8)
 }
 
 // SAFETY: AlignedBuf owns its allocation like a Box<[u8]>; sharing rules are those of the
@@ -75,23 +136,10 @@ impl AlignedBuf {
     pub fn new(len: usize) -> Option<AlignedBuf> {
         let len = len.max(1).div_ceil(IO_ALIGN) * IO_ALIGN;
         if len >= MMAP_MIN {
-            // SAFETY: an anonymous private mapping of `len` bytes; checked for MAP_FAILED.
-            let p = unsafe {
-                libc::mmap(
-                    std::ptr::null_mut(),
-                    len,
-                    libc::PROT_READ | libc::PROT_WRITE,
-                    libc::MAP_PRIVATE | libc::MAP_ANONYMOUS,
-                    -1,
-                    0,
-                )
-            };
-            if p == libc::MAP_FAILED {
-                return None;
-            }
             return Some(AlignedBuf {
-                ptr: NonNull::new(p as *mut u8)?,
+                ptr: map(len)?,
                 len,
+                mapped: true,
                 pinned: None,
             });
         }
@@ -101,8 +149,35 @@ impl AlignedBuf {
         Some(AlignedBuf {
             ptr,
             len,
+            mapped: false,
             pinned: None,
         })
+    }
+
+    /// `n` buffers of `len` bytes (rounded up to IO_ALIGN) cut from one mapping, back to
+    /// back: a pool of read buffers or staging slots smaller than a huge page still lies
+    /// on huge pages (see `map`). Each buffer unmaps its own part when dropped.
+    pub fn many(n: usize, len: usize) -> Option<Vec<AlignedBuf>> {
+        let len = len.max(1).div_ceil(IO_ALIGN) * IO_ALIGN;
+        if n == 0 {
+            return Some(Vec::new());
+        }
+        let total = len.checked_mul(n)?;
+        if total < MMAP_MIN {
+            return (0..n).map(|_| AlignedBuf::new(len)).collect();
+        }
+        let base = map(total)?;
+        Some(
+            (0..n)
+                .map(|i| AlignedBuf {
+                    // SAFETY: `i * len + len <= total`: inside the mapping.
+                    ptr: unsafe { NonNull::new_unchecked(base.as_ptr().add(i * len)) },
+                    len,
+                    mapped: true,
+                    pinned: None,
+                })
+                .collect(),
+        )
     }
 
     /// Page-locks the buffer for DMA until it is dropped. The error names the size and,
@@ -164,8 +239,9 @@ impl Drop for AlignedBuf {
         if let Some(p) = self.pinned.take() {
             p.0.unpin(self.ptr.as_ptr());
         }
-        if self.len >= MMAP_MIN {
-            // SAFETY: mapped in new() with exactly this length.
+        if self.mapped {
+            // SAFETY: mapped in new() or many() with exactly this length at this address
+            // (a part of a shared mapping is unmapped on its own).
             unsafe { libc::munmap(self.ptr.as_ptr() as *mut libc::c_void, self.len) };
             return;
         }
@@ -173,5 +249,93 @@ impl Drop for AlignedBuf {
             Layout::from_size_align(self.len, IO_ALIGN).expect("layout was valid at allocation");
         // SAFETY: allocated in new() with this layout.
         unsafe { dealloc(self.ptr.as_ptr(), layout) }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The VmFlags line of the mapping that holds `addr` in /proc/self/smaps.
+    fn vm_flags(addr: usize) -> String {
+        let smaps = std::fs::read_to_string("/proc/self/smaps").expect("smaps");
+        let mut inside = false;
+        for line in smaps.lines() {
+            if let Some((range, _)) = line.split_once(' ') {
+                if let Some((lo, hi)) = range.split_once('-') {
+                    if let (Ok(lo), Ok(hi)) =
+                        (usize::from_str_radix(lo, 16), usize::from_str_radix(hi, 16))
+                    {
+                        inside = (lo..hi).contains(&addr);
+                        continue;
+                    }
+                }
+            }
+            if inside {
+                if let Some(flags) = line.strip_prefix("VmFlags:") {
+                    return flags.to_string();
+                }
+            }
+        }
+        panic!("no mapping holds {addr:#x}")
+    }
+
+    #[test]
+    fn a_large_buffer_starts_on_a_huge_page_and_asks_for_huge_pages() {
+        for len in [HUGE_PAGE, HUGE_PAGE + IO_ALIGN, 3 * HUGE_PAGE + 12345] {
+            let mut b = AlignedBuf::new(len).expect("buffer");
+            assert_eq!(b.as_ptr() as usize % HUGE_PAGE, 0, "{len}");
+            assert_eq!(b.len(), len.div_ceil(IO_ALIGN) * IO_ALIGN);
+            assert!(b.as_slice().iter().all(|&x| x == 0));
+            b.as_mut_slice().fill(7);
+            assert!(b.as_slice().iter().all(|&x| x == 7));
+            // The advice takes where the kernel has transparent huge pages.
+            if std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
+                let flags = vm_flags(b.as_ptr() as usize);
+                assert!(
+                    flags.split_whitespace().any(|f| f == "hg"),
+                    "{len}: VmFlags{flags}"
+                );
+            }
+        }
+        // Below a huge page: page-aligned, no advice needed.
+        let b = AlignedBuf::new(MMAP_MIN).expect("buffer");
+        assert_eq!(b.as_ptr() as usize % IO_ALIGN, 0);
+    }
+
+    #[test]
+    fn a_pool_is_one_mapping_cut_back_to_back_and_each_part_frees_alone() {
+        for (n, len) in [
+            (5usize, 2220032usize),
+            (64, 512 << 10),
+            (3, 100),
+            (1, 4 << 20),
+        ] {
+            let mut pool = AlignedBuf::many(n, len).expect("pool");
+            let each = len.div_ceil(IO_ALIGN) * IO_ALIGN;
+            assert_eq!(pool.len(), n);
+            for (i, b) in pool.iter_mut().enumerate() {
+                assert_eq!(b.len(), each);
+                assert_eq!(b.as_ptr() as usize % IO_ALIGN, 0);
+                assert!(b.as_slice().iter().all(|&x| x == 0), "part {i} zeroed");
+                b.as_mut_slice().fill(i as u8 + 1);
+            }
+            if n * each >= MMAP_MIN {
+                let base = pool[0].as_ptr() as usize;
+                assert_eq!(base % HUGE_PAGE, 0, "{n} x {len}");
+                for (i, b) in pool.iter().enumerate() {
+                    assert_eq!(b.as_ptr() as usize, base + i * each, "back to back");
+                }
+            }
+            // Every part kept its own bytes; dropping one leaves its neighbours mapped.
+            if n > 2 {
+                pool.remove(1);
+            }
+            for b in &pool {
+                let first = b.as_slice()[0];
+                assert!(b.as_slice().iter().all(|&x| x == first));
+            }
+        }
+        assert!(AlignedBuf::many(0, 4096).expect("empty pool").is_empty());
     }
 }

@@ -126,13 +126,11 @@ pub(super) struct Pools {
 
 impl Pools {
     pub(super) fn allocate(cfg: &IoConfig, sizes: &Sizes) -> Result<Pools, String> {
+        // Each pool is one mapping, on huge pages where the kernel gives them: reads into
+        // it are a few large scatter-gather segments, not one per 4 KiB page.
         let alloc = |n: usize, len: usize, what: &str| -> Result<Vec<AlignedBuf>, String> {
-            (0..n)
-                .map(|_| {
-                    AlignedBuf::new(len)
-                        .ok_or_else(|| format!("cannot allocate {n} {what} of {len} bytes"))
-                })
-                .collect()
+            AlignedBuf::many(n, len)
+                .ok_or_else(|| format!("cannot allocate {n} {what} of {len} bytes"))
         };
         let mut read_bufs = alloc(cfg.read_buffers, cfg.request_bytes, "read buffers")?;
         let mut slots = alloc(cfg.staging_slots, sizes.slot_bytes, "staging slots")?;
