@@ -150,6 +150,10 @@ class Cgroup:
 
 
 def drop_caches():
+    # Dirty pages are not dropped: a GGUF just written (the random Llama, made in this run)
+    # would stay cached, charged to this script's group, and the next engine would read it
+    # from memory its limit does not see.
+    os.sync()
     try:
         open("/proc/sys/vm/drop_caches", "w").write("1")
     except OSError:

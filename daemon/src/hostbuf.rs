@@ -70,17 +70,22 @@ pub struct AlignedBuf {
 /// Transparent huge pages: large mappings start on this boundary and ask for them.
 const HUGE_PAGE: usize = 2 << 20;
 
-/// Maps `len` bytes (a multiple of IO_ALIGN) of zeroed anonymous memory. From HUGE_PAGE up
-/// the mapping starts on a huge-page boundary and asks for transparent huge pages
-/// (MADV_HUGEPAGE; where the kernel has none, or none free, it stays on 4 KiB pages). A
-/// read into 4 KiB pages the allocator hands out scattered is one scatter-gather segment
-/// per page: the block layer can then neither merge neighbouring reads (a request holds
-/// at most `max_segments`, 254 on this project's virtio disk) nor send large ones, and on
-/// that disk the same streamed pass read at 1.0-1.3 GB/s in 512 KiB requests against
-/// 2.0-2.4 in merged 1.5 MiB ones once the slots were physically contiguous. Huge pages
-/// also spare the TLB when the CPU backend computes straight from a slot.
-fn map(len: usize) -> Option<NonNull<u8>> {
-    let huge = len >= HUGE_PAGE;
+/// Maps `len` bytes (a multiple of IO_ALIGN) of zeroed anonymous memory. With `huge`, and
+/// from HUGE_PAGE up, the mapping starts on a huge-page boundary and asks for transparent
+/// huge pages (MADV_HUGEPAGE; where the kernel has none, or none free, it stays on 4 KiB
+/// pages). A read into 4 KiB pages the allocator hands out scattered is one scatter-gather
+/// segment per page: the block layer can then neither merge neighbouring reads (a request
+/// holds at most `max_segments`, 254 on this project's virtio disk) nor send large ones,
+/// and on that disk the same streamed pass read at 1.0-1.4 GB/s in 512 KiB requests against
+/// 2.1-2.3 in merged 1.9 MiB ones once the slots were physically contiguous.
+///
+/// Only for memory that is all touched (the I/O pools, faulted in at start): a huge page is
+/// backed whole at its first touch, so a buffer used in part (the CPU arena's KV cache and
+/// workspace, sized for the longest context) would take memory the host budget leaves to
+/// the page cache (SmolLM2 at batch 8 in a 96 MiB cgroup then re-read its executable's
+/// pages: 2.3 GB a step).
+fn map(len: usize, huge: bool) -> Option<NonNull<u8>> {
+    let huge = huge && len >= HUGE_PAGE;
     // Room to slide the start up to the next huge-page boundary.
     let span = if huge {
         len + HUGE_PAGE - IO_ALIGN
@@ -137,7 +142,7 @@ impl AlignedBuf {
         let len = len.max(1).div_ceil(IO_ALIGN) * IO_ALIGN;
         if len >= MMAP_MIN {
             return Some(AlignedBuf {
-                ptr: map(len)?,
+                ptr: map(len, false)?,
                 len,
                 mapped: true,
                 pinned: None,
@@ -155,8 +160,9 @@ impl AlignedBuf {
     }
 
     /// `n` buffers of `len` bytes (rounded up to IO_ALIGN) cut from one mapping, back to
-    /// back: a pool of read buffers or staging slots smaller than a huge page still lies
-    /// on huge pages (see `map`). Each buffer unmaps its own part when dropped.
+    /// back, on huge pages where the kernel gives them (see `map`): for a pool that is
+    /// faulted in whole (read buffers, staging slots), however small each buffer. Each
+    /// buffer unmaps its own part when dropped.
     pub fn many(n: usize, len: usize) -> Option<Vec<AlignedBuf>> {
         let len = len.max(1).div_ceil(IO_ALIGN) * IO_ALIGN;
         if n == 0 {
@@ -166,7 +172,7 @@ impl AlignedBuf {
         if total < MMAP_MIN {
             return (0..n).map(|_| AlignedBuf::new(len)).collect();
         }
-        let base = map(total)?;
+        let base = map(total, true)?;
         Some(
             (0..n)
                 .map(|i| AlignedBuf {
@@ -280,27 +286,30 @@ mod tests {
         panic!("no mapping holds {addr:#x}")
     }
 
+    fn asks_for_huge_pages(ptr: *mut u8) -> bool {
+        vm_flags(ptr as usize).split_whitespace().any(|f| f == "hg")
+    }
+
     #[test]
-    fn a_large_buffer_starts_on_a_huge_page_and_asks_for_huge_pages() {
+    fn a_pool_starts_on_a_huge_page_and_asks_for_huge_pages_a_single_buffer_does_not() {
+        let thp = std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists();
         for len in [HUGE_PAGE, HUGE_PAGE + IO_ALIGN, 3 * HUGE_PAGE + 12345] {
-            let mut b = AlignedBuf::new(len).expect("buffer");
+            let mut pool = AlignedBuf::many(1, len).expect("pool");
+            let b = &mut pool[0];
             assert_eq!(b.as_ptr() as usize % HUGE_PAGE, 0, "{len}");
             assert_eq!(b.len(), len.div_ceil(IO_ALIGN) * IO_ALIGN);
             assert!(b.as_slice().iter().all(|&x| x == 0));
             b.as_mut_slice().fill(7);
             assert!(b.as_slice().iter().all(|&x| x == 7));
             // The advice takes where the kernel has transparent huge pages.
-            if std::path::Path::new("/sys/kernel/mm/transparent_hugepage/enabled").exists() {
-                let flags = vm_flags(b.as_ptr() as usize);
-                assert!(
-                    flags.split_whitespace().any(|f| f == "hg"),
-                    "{len}: VmFlags{flags}"
-                );
+            if thp {
+                assert!(asks_for_huge_pages(b.as_ptr()), "pool of {len}");
             }
+            // A buffer that may be used in part (the CPU arena) stays on 4 KiB pages.
+            let one = AlignedBuf::new(len).expect("buffer");
+            assert_eq!(one.as_ptr() as usize % IO_ALIGN, 0);
+            assert!(!asks_for_huge_pages(one.as_ptr()), "single buffer of {len}");
         }
-        // Below a huge page: page-aligned, no advice needed.
-        let b = AlignedBuf::new(MMAP_MIN).expect("buffer");
-        assert_eq!(b.as_ptr() as usize % IO_ALIGN, 0);
     }
 
     #[test]
