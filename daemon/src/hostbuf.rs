@@ -10,8 +10,9 @@ use std::ptr::NonNull;
 pub const IO_ALIGN: usize = 4096;
 
 /// Buffers from this size up are mapped straight from the kernel: page-aligned, zero, and
-/// backed by memory only as they are touched (a huge page at a time where `map` gets them). (The allocator's over-aligned `alloc_zeroed`
-/// memsets every byte up front: gigabytes of staging slots touched at start for nothing.)
+/// backed by memory only as they are touched (a huge page at a time where `map` asked for
+/// them). (The allocator's over-aligned `alloc_zeroed` memsets every byte up front:
+/// gigabytes of staging slots touched at start for nothing.)
 const MMAP_MIN: usize = 1 << 20;
 
 /// Page-locks host memory for a device's DMA engine (the CUDA backend registers it with
@@ -88,7 +89,7 @@ fn map(len: usize, huge: bool) -> Option<NonNull<u8>> {
     let huge = huge && len >= HUGE_PAGE;
     // Room to slide the start up to the next huge-page boundary.
     let span = if huge {
-        len + HUGE_PAGE - IO_ALIGN
+        len.checked_add(HUGE_PAGE - IO_ALIGN)?
     } else {
         len
     };
