@@ -157,6 +157,7 @@ fn plan_within_host(m: &Manifest, input: &mut PlanInput) -> Result<crate::plan::
 fn fit_reads(input: &mut PlanInput, io: &IoConfig) {
     input.host.reads_max_bytes = (io.read_buffers * io.request_bytes) as u64;
     input.host.request_bytes_max = io.request_bytes as u64;
+    input.host.in_flight_max_bytes = io.in_flight_bytes as u64;
     input.host.workers = io.workers;
 }
 

@@ -82,6 +82,8 @@ struct Op {
     done: usize,
     /// When the read (or the resubmission of its rest) went to the disk.
     since: Instant,
+    /// Bytes it counts in `Loop::bytes_in_flight` (its chunk's, until it is freed).
+    bytes: usize,
 }
 
 pub(super) struct Loop {
@@ -109,6 +111,8 @@ pub(super) struct Loop {
     ops: Vec<Option<Op>>,
     free_ops: Vec<usize>,
     in_flight: usize,
+    /// Bytes of the chunks whose reads are out (`IoConfig::in_flight_bytes` bounds it).
+    bytes_in_flight: usize,
     jobs: SyncSender<Job>,
     /// Per staging slot, the chunk and frame lists its next unit reuses.
     spare: Vec<(Vec<Chunk>, Vec<FrameState>)>,
@@ -210,6 +214,7 @@ impl Loop {
             ops: (0..cfg.queue_depth).map(|_| None).collect(),
             free_ops: (0..cfg.queue_depth).rev().collect(),
             in_flight: 0,
+            bytes_in_flight: 0,
             jobs,
             spare: (0..cfg.staging_slots)
                 .map(|_| {
@@ -455,6 +460,14 @@ impl Loop {
                 if self.free_ops.is_empty() {
                     break 'outer;
                 }
+                // Bytes in flight are bounded too (the first read goes whatever its size):
+                // the disk serves what it holds side by side, so fewer bytes out land the
+                // oldest request's reads sooner.
+                let len = a.chunks[a.next_chunk].len;
+                if self.bytes_in_flight > 0 && self.bytes_in_flight + len > self.cfg.in_flight_bytes
+                {
+                    break 'outer;
+                }
                 // A unit stored as raw reads into its slot; others need a read buffer.
                 let buf = if a.direct {
                     None
@@ -476,12 +489,14 @@ impl Loop {
                 a.progress = Instant::now();
                 let chunk = &mut a.chunks[c];
                 chunk.buf = buf;
-                let (offset, len) = (chunk.offset, chunk.len);
+                let offset = chunk.offset;
+                self.bytes_in_flight += len;
                 self.ops[op] = Some(Op {
                     slot,
                     chunk: c,
                     done: 0,
                     since: Instant::now(),
+                    bytes: len,
                 });
                 self.push_read(op, 0, len, offset);
             }
@@ -621,6 +636,7 @@ impl Loop {
             return;
         }
         self.free_ops.push(op);
+        self.bytes_in_flight -= o.bytes;
         a.ops -= 1;
         let chunk_idx = o.chunk;
         if res <= 0 || a.aborted {

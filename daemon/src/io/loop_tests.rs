@@ -34,6 +34,8 @@ struct Script {
     steps: Mutex<VecDeque<Step>>,
     release: AtomicBool,
     pushed: AtomicUsize,
+    /// The most reads pushed and not yet answered at once.
+    most_out: AtomicUsize,
 }
 
 struct Pending {
@@ -74,6 +76,9 @@ impl Reader for Scripted {
             offset,
             step,
         });
+        self.script
+            .most_out
+            .fetch_max(self.pending.len(), Ordering::SeqCst);
         Ok(())
     }
 
@@ -164,9 +169,13 @@ fn config() -> IoConfig {
 }
 
 fn engine(store: &Arc<Store>, script: &Arc<Script>) -> IoEngine {
+    engine_with(store, script, config())
+}
+
+fn engine_with(store: &Arc<Store>, script: &Arc<Script>, cfg: IoConfig) -> IoEngine {
     let file = File::open(store.weights_path()).expect("open weights");
     let script = script.clone();
-    IoEngine::with_reader(store.clone(), config(), move |_| {
+    IoEngine::with_reader(store.clone(), cfg, move |_| {
         Box::new(Scripted {
             file,
             script,
@@ -462,4 +471,53 @@ fn an_urgent_request_gets_the_next_slot_before_older_ones() {
     assert!(got.data() == reference(&store, u).as_slice());
     drop(got);
     wait_full(&e);
+}
+
+#[test]
+fn reads_in_flight_stay_within_the_byte_cap_and_the_unit_loads() {
+    for codec in CODECS {
+        // The cap holds two 4 KiB reads of the four the queue depth allows; without it
+        // (the default 32 MiB) all four go out.
+        assert_eq!(reads_out_with(codec, 2 * 4096), 2, "{codec}, capped");
+        assert_eq!(reads_out_with(codec, 32 << 20), 4, "{codec}, uncapped");
+    }
+}
+
+/// Reads the engine sends for the largest unit while the disk answers none, with
+/// `in_flight_bytes` out at most; then, answered, the unit loads bit for bit and no more
+/// than that many were ever out.
+fn reads_out_with(codec: &str, in_flight_bytes: usize) -> usize {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = packed(tmp.path(), codec);
+    let script = Arc::new(Script::default());
+    script.steps.lock().unwrap().extend([Step::Hold; 64]);
+    let cfg = IoConfig {
+        in_flight_bytes,
+        ..config()
+    };
+    let e = engine_with(&store, &script, cfg);
+    let u = largest_unit(&store);
+    assert!(
+        store.units()[u].stored_len > 4 * 4096,
+        "the test needs a unit of more than four reads"
+    );
+    let ticket = e.request(u).expect("request");
+    // The loop sends what it may at once; give it time to send more than it should.
+    let t0 = Instant::now();
+    while script.pushed.load(Ordering::SeqCst) == 0 {
+        assert!(t0.elapsed() < Duration::from_secs(10), "no read went out");
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let out = script.pushed.load(Ordering::SeqCst);
+    script.release.store(true, Ordering::SeqCst);
+    let got = e.wait(ticket).expect("load").data().to_vec();
+    assert!(got == reference(&store, u), "{codec}: unit {u} differs");
+    assert_eq!(
+        script.most_out.load(Ordering::SeqCst),
+        out,
+        "{codec}: more reads went out once the first were answered"
+    );
+    wait_full(&e);
+    out
 }

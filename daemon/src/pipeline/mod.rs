@@ -462,7 +462,7 @@ impl<B: Backend> Pipeline<B> {
         let io_cfg = IoConfig {
             read_buffers: plan.host.read_buffers,
             queue_depth: if plan.host.read_buffers > 0 {
-                io_cfg.queue_depth.min(plan.host.read_buffers)
+                io_cfg.queue_depth.min(plan.host.reads_in_flight)
             } else {
                 plan.host.reads_in_flight
             }

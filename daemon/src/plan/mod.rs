@@ -104,9 +104,11 @@ pub struct HostInput {
     /// the host budget, streamed units run straight from their staging slots (no device
     /// streaming slots, no copy) and a host cache is pointless (it would be resident).
     pub unified: bool,
-    /// Bytes in flight the reads may use at most, and the largest read.
+    /// Bytes the read buffers may hold at most, and the largest read.
     pub reads_max_bytes: u64,
     pub request_bytes_max: u64,
+    /// Bytes of reads the engine keeps out at once at most (`IoConfig::in_flight_bytes`).
+    pub in_flight_max_bytes: u64,
     /// Decompression workers (each has scratch of the largest frame).
     pub workers: usize,
     /// What the compute threads keep for themselves outside the device arena (the CPU
@@ -125,6 +127,7 @@ impl Default for HostInput {
             // engine's actual shape.
             reads_max_bytes: 64 << 20,
             request_bytes_max: 4 << 20,
+            in_flight_max_bytes: 32 << 20,
             workers: 1,
             compute_scratch: 0,
         }
@@ -145,7 +148,8 @@ pub struct HostPlan {
     pub request_bytes: u64,
     /// Reads the engine may have in flight: one per read buffer, or for a store read into
     /// its staging slots, enough for `HostInput::reads_max_bytes` (they cost no memory
-    /// beyond the slots).
+    /// beyond the slots); either way no more than `HostInput::in_flight_max_bytes` of
+    /// them (read buffers past that hold what has landed until a worker decodes it).
     pub reads_in_flight: usize,
     /// Staging slots the streamed units decompress into (on a unified backend their
     /// compute reads them there).
@@ -538,7 +542,12 @@ impl Plan {
             line(
                 &mut s,
                 "  read buffers",
-                format!("{} x {}", h.read_buffers, fmt_bytes(h.request_bytes)),
+                format!(
+                    "{} x {}, up to {} in flight",
+                    h.read_buffers,
+                    fmt_bytes(h.request_bytes),
+                    h.reads_in_flight
+                ),
             );
         } else {
             line(
@@ -881,12 +890,13 @@ fn read_shape(h: &HostInput, frame_stored_max: u64, unit: u64, share: u64) -> (u
 
 /// Reads of a store whose units are stored as raw, which land in the staging slots: a
 /// quarter of a typical unit each (so one unit is several reads in flight), within
-/// [128 KiB, the caller's maximum], and as many in flight as `reads_max_bytes` allows
-/// (bounded in practice by the units requested ahead). (1.2 GB Llama at 256 MiB, through
-/// 8 read buffers of 1 MiB: streaming-only 1.12 GB/s against fio's 3.0.)
+/// [128 KiB, the caller's maximum], and as many in flight as `reads_max_bytes` and
+/// `in_flight_max_bytes` allow (bounded in practice by the units requested ahead).
+/// (1.2 GB Llama at 256 MiB, through 8 read buffers of 1 MiB: streaming-only 1.12 GB/s against fio's 3.0.)
 fn into_slots_shape(h: &HostInput, unit: u64) -> (u64, usize) {
     let request = request_size(h, unit / 4);
-    let ops = (h.reads_max_bytes / request).clamp(2, 256) as usize;
+    let in_flight = h.reads_max_bytes.min(h.in_flight_max_bytes);
+    let ops = (in_flight / request).clamp(2, 256) as usize;
     (request, ops)
 }
 
@@ -982,7 +992,8 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         (0, request, ops)
     } else {
         let (n, request) = read_shape(h, frame_stored_max, median, reads_share);
-        (n, request, n)
+        let out = (h.in_flight_max_bytes / request).max(1) as usize;
+        (n, request, n.min(out))
     };
     let reads = read_buffers as u64 * request_bytes;
     // Each worker: a frame's split planes and a frame spanning two reads; the unified

@@ -216,7 +216,12 @@ pub struct BenchIoArgs {
     /// Bytes per read request.
     #[arg(long, default_value = "4MiB", value_parser = parse_size)]
     pub request_size: u64,
-    /// Read buffers (default: the queue depth).
+    /// Bytes of reads in flight at most, whatever the queue depth (the disk serves what it
+    /// holds side by side: fewer bytes out land the oldest reads sooner).
+    #[arg(long, default_value = "32MiB", value_parser = parse_size)]
+    pub in_flight: u64,
+    /// Read buffers (default: the queue depth): those past the bytes in flight hold what
+    /// has landed until a worker decodes it.
     #[arg(long)]
     pub read_buffers: Option<usize>,
     /// Decompression workers (default: cores - 1).
@@ -246,6 +251,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
         engine,
         qd,
         request_size,
+        in_flight,
         read_buffers,
         workers,
         slots,
@@ -260,6 +266,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
         reader: engine,
         direct: !buffered,
         queue_depth: qd,
+        in_flight_bytes: usize::try_from(in_flight).context("--in-flight")?,
         request_bytes: usize::try_from(request_size).context("--request-size")?,
         read_buffers: read_buffers.unwrap_or(qd),
         staging_slots: slots.max(2),
@@ -298,7 +305,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
 
 fn print_bench_io(r: &sluice::io::bench::BenchIoReport) {
     println!(
-        "engine {}{} (qd {}, request {}, {} read buffers, {} workers), {} passes over {} units",
+        "engine {}{} (qd {}, {} in flight at most, request {}, {} read buffers, {} workers), {} passes over {} units",
         r.engine,
         if r.direct {
             " + O_DIRECT"
@@ -306,6 +313,7 @@ fn print_bench_io(r: &sluice::io::bench::BenchIoReport) {
             " (buffered)"
         },
         r.queue_depth,
+        fmt_bytes(r.in_flight_bytes as u64),
         fmt_bytes(r.request_bytes as u64),
         r.read_buffers,
         r.workers,
