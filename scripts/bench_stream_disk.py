@@ -7,8 +7,10 @@ Each round runs fio on the store's weights.bin (io_uring, O_DIRECT, registered b
 streaming-only and streamed passes, alternated), then fio again. fio's registered buffers
 (--fixedbufs) matter on this project's VM: without them the same run read 0.8-1.1 GB/s
 against 1.5-2.2 with them, and sluice registers its read buffers and staging slots too. The
-disk's rate also grows with the bytes in flight (here 0.8 GB/s at 8 MiB, 1.6 at 64, 2.0 at
-256), and 4 MiB x 64 keeps 256 MiB in flight, more than a small model's pass holds.
+disk's rate grew with the bytes in flight when its reads could not merge (0.8 GB/s at 8 MiB,
+1.6 at 64, 2.0 at 256); with the engine's buffers on huge pages it no longer does past 32 MiB
+(fio 4 MiB reads, four alternating rounds: medians 1.3 GB/s at 8 MiB, 1.55 at 32 and at 256),
+which is what sluice keeps in flight at most. 4 MiB x 64 is kept as fio's best here.
 
     python3 scripts/bench_stream_disk.py STORE [--rounds 3] [--prefetch auto,4]
         [--device-memory 48MiB | --host-memory 640MiB | --weights-budget 50%] [--steps 16]
