@@ -136,10 +136,10 @@ pub const REQUEST_BYTES_DEFAULT: usize = 4 << 20;
 /// buffers beyond it hold what has landed until a worker decodes it, so the disk does not
 /// stop while the workers catch up. Measured on the 2-core VM's virtio disk (2.4 GB/s;
 /// 48 reads of 4 MiB sent together all landed within 2 ms of each other, 75 ms later):
-/// `bench-io` on 1 GiB bf16 stores, decoded rate against its bound with 256 MiB in flight
-/// and with 32 MiB, 64 buffers both: float 0.68-0.71 and 0.73-0.88, zstd:1 0.80-0.86 and
-/// 0.88-0.93, lz4 0.70-0.71 and 0.84-0.87; `bench-stream` on SmolLM2 stored raw, the
-/// streamed pass 9 % shorter.
+/// `bench-io` on 1 GiB bf16 stores, 64 read buffers, decoded GB/s with 256 MiB in flight
+/// and with 32 MiB, three alternating rounds: float 2.12-2.42 and 2.46-3.12, zstd:1
+/// 1.25-1.26 and 1.32-1.44, lz4 1.45-1.74 and 1.97-2.04; `bench-stream` on SmolLM2
+/// stored raw, the streamed pass 14 % shorter.
 pub const IN_FLIGHT_BYTES_DEFAULT: usize = 32 << 20;
 pub const QUEUE_DEPTH_MAX: usize = 4096;
 /// How long one read may go unanswered. An NVMe read of 4 MiB takes milliseconds even

@@ -892,7 +892,8 @@ fn read_shape(h: &HostInput, frame_stored_max: u64, unit: u64, share: u64) -> (u
 /// quarter of a typical unit each (so one unit is several reads in flight), within
 /// [128 KiB, the caller's maximum], and as many in flight as `reads_max_bytes` and
 /// `in_flight_max_bytes` allow (bounded in practice by the units requested ahead).
-/// (1.2 GB Llama at 256 MiB, through 8 read buffers of 1 MiB: streaming-only 1.12 GB/s against fio's 3.0.)
+/// (1.2 GB Llama at 256 MiB, through 8 read buffers of 1 MiB: streaming-only 1.12 GB/s
+/// against fio's 3.0.)
 fn into_slots_shape(h: &HostInput, unit: u64) -> (u64, usize) {
     let request = request_size(h, unit / 4);
     let in_flight = h.reads_max_bytes.min(h.in_flight_max_bytes);
