@@ -359,15 +359,6 @@ impl Loop {
             };
             self.slot_state[slot] = SlotState::Loading;
             self.shared.free_slots.fetch_sub(1, Ordering::AcqRel);
-            let busy = self
-                .slot_state
-                .iter()
-                .filter(|&&s| s != SlotState::Free)
-                .count();
-            self.shared
-                .counters
-                .slots_busy_max
-                .fetch_max(busy as u64, Ordering::Relaxed);
             let u = &self.store.units()[unit];
             let align = IO_ALIGN as u64;
             // Blobs start 4096-aligned, a part's first frame maybe not (it then starts at

@@ -870,12 +870,6 @@ impl<B: Backend> Pipeline<B> {
             .ahead
             .pop_front()
             .expect("a load is requested for every streamed unit");
-        // `prefetch` loads go out behind this one before it is waited for: it holds its
-        // staging slot while it lands and runs (or uploads), and the plan made `prefetch`
-        // more for the loads ahead. (Topped up only once it had run, one planned slot stood
-        // empty: SmolLM2 at 64 MiB streamed its layers two at a time, each pair landing
-        // together and computed with nothing in flight.)
-        self.top_up()?;
         if self.unified {
             self.borrow(load, t, st)?;
             return Ok(None);
