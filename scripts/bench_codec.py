@@ -11,8 +11,11 @@ Real weights (trained bf16 weights ship in no PyPI wheel we found):
   gaussian-bf16          a synthetic store's weights: N(0, 0.02) in bf16.
 For each, `sluiced bench-codec --json` measures every sluice codec and ZipNN (the `zipnn`
 package from PyPI, installed here when missing, threads=1) compresses and decompresses
-the same bytes: each float dtype's tensors, whole, in file order, up to --max-mib. Both
-check their round trip. A table per source, then one JSON line (bf16 of minilm):
+the same bytes: each float dtype's tensors, whole, up to --max-mib. ZipNN gets them end
+to end in file order as one buffer; sluice in the frames `pack` cuts (a GGUF's: each
+layer's norm vectors together in one frame; a file that is not a model: a frame a tensor),
+the same bytes in unit order. Both check their round trip. A table per source, then one
+JSON line (bf16 of minilm):
   {"zipnn": {"ratio", "decode_gbps_per_core"}, "sluice": {"codec", "ratio",
    "decode_gbps_per_core"}}
 Rates are GB/s (1e9 bytes) of decompressed bytes per second on one core; decoding
@@ -191,6 +194,7 @@ def main():
         print(f"\n{label}: {path}")
         print(f"  {'dtype':<7} {'codec':<8} {'ratio':>7} {'compress GB/s':>14} {'decompress GB/s':>16}")
         for g in report["groups"]:
+            print(f"  {g['dtype']:<7} {g['tensors']} tensors in {g['frames']} frames ({g['framing']} framing)")
             for c in g["codecs"]:
                 print(f"  {g['dtype']:<7} {c['codec']:<8} {c['ratio']:>7.4f} {c['compress_gbps']:>14.3f} {c['decompress_gbps']:>16.3f}")
             if g["dtype"] in floats:

@@ -195,23 +195,44 @@ fn smollm2_packs_inspects_and_verifies() {
 }
 
 #[test]
-fn smollm2_norm_vectors_take_the_float_codecs_top_split_and_read_back() {
-    // A GGUF's F32 norm vectors (bf16 values near a centre): the float codec stores them
-    // in its five-plane F32Top layout (format 9), which the manifest check accepts and
-    // the reader decodes to the GGUF's bytes.
+fn smollm2_norm_vectors_share_a_frame_per_layer_in_the_float_codecs_top_split_and_read_back() {
+    // A GGUF's F32 norm vectors (bf16 values near a centre): pack lays a unit's vectors
+    // out first and cuts each layer's two into one frame, which the float codec stores in
+    // its five-plane F32Top layout (format 9); the manifest check accepts it and the
+    // reader decodes the GGUF's bytes.
     let gguf = smollm2_gguf();
     let tmp = tempfile::tempdir().unwrap();
     let model = import::open(&gguf).unwrap();
     let store = pack_to(&model, &tmp.path().join("float"), Codec::Float, 1 << 20);
-    let top_split = store
+    let mut norm_frames = 0;
+    for u in store
         .units()
         .iter()
-        .flat_map(|u| &u.frames)
-        .filter(|f| f.codec == Codec::Float && f.planes.len() == 5)
-        .count();
+        .filter(|u| matches!(u.kind, UnitKind::Decoder(_)))
+    {
+        let [a, b] = [&u.tensors[0], &u.tensors[1]];
+        assert!(
+            a.name.ends_with("input_layernorm.weight")
+                && b.name.ends_with("post_attention_layernorm.weight"),
+            "{}: the vectors first, in order: {} {}",
+            u.kind,
+            a.name,
+            b.name
+        );
+        let f = &u.frames[0];
+        assert_eq!(
+            (f.raw_offset, f.raw_len as u64),
+            (0, b.offset + b.len),
+            "{}: one frame for both norms",
+            u.kind
+        );
+        assert_eq!(f.codec, Codec::Float, "{}", u.kind);
+        norm_frames += (f.planes.len() == 5) as usize;
+        assert!(u.frames[1].raw_offset >= b.offset + b.len);
+    }
     assert!(
-        top_split >= 60,
-        "{top_split} F32Top frames of SmolLM2's 61 norm vectors"
+        norm_frames >= 29,
+        "{norm_frames} F32Top frames of SmolLM2's 30 layers' norm pairs"
     );
     let got = read_all(&store);
     for (name, t) in &model.tensors {
@@ -302,6 +323,24 @@ fn bench_codec_measures_every_codec_on_the_same_bytes_of_each_dtype() {
         let out = sluiced_ok(&["bench-codec", src.to_str().unwrap(), "--json"]);
         let j: serde_json::Value = serde_json::from_str(&out).unwrap();
         let groups = j["groups"].as_array().unwrap();
+        // A model sluice imports is cut as pack cuts it: the f32 vectors of a layer share
+        // a frame. The shard alone is not a model, and its tensors are cut one by one.
+        for g in groups {
+            let (framing, tensors, frames) = (
+                g["framing"].as_str().unwrap(),
+                g["tensors"].as_u64().unwrap(),
+                g["frames"].as_u64().unwrap(),
+            );
+            if src.extension().is_some_and(|e| e == "gguf") {
+                assert_eq!(framing, "pack", "{g}");
+                if g["dtype"] == "f32" {
+                    assert!(frames < tensors, "{g}");
+                }
+            } else {
+                assert_eq!(framing, "tensor", "{g}");
+                assert!(frames >= tensors, "{g}");
+            }
+        }
         let seen: Vec<&str> = groups
             .iter()
             .map(|g| g["dtype"].as_str().unwrap())

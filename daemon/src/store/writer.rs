@@ -296,7 +296,7 @@ fn pack_into(
     // The float codec's shared codes, from the model's small float tensors (none for a
     // store whose frames cannot use the float codec).
     let mut codes = if opts.codec == Codec::Float || opts.auto.is_some() {
-        shared_codes(model, units, opts.frame_size)
+        shared_codes(model, units, out, opts.frame_size)?
     } else {
         Vec::new()
     };
@@ -526,9 +526,9 @@ fn write_units(
         let (tensors, raw_len) = lay_out(model, spec, out)?;
         blob.clear();
         blob.resize(raw_len as usize, 0);
-        for (entry, name) in tensors.iter().zip(&spec.tensors) {
-            let dst = &mut blob[entry.offset as usize..(entry.offset + entry.len) as usize];
-            model.copy_tensor(name, dst);
+        for t in &tensors {
+            let dst = &mut blob[t.offset as usize..(t.offset + t.len) as usize];
+            model.copy_tensor(&t.name, dst);
         }
         codecs.clear();
         for t in &tensors {
@@ -563,26 +563,42 @@ fn write_units(
 }
 
 /// The float codec's shared codes for `units` (`CodeCensus`): the symbols of every frame
-/// of each float tensor of at most `SHARED_FRAME_BYTES_MAX` bytes, cut as
-/// `frame_pieces` cuts it (with its padding to `TENSOR_ALIGN`).
-fn shared_codes(model: &impl PackSource, units: &[UnitSpec], frame_size: u32) -> Vec<SharedCode> {
+/// of float tensors of at most `SHARED_FRAME_BYTES_MAX` bytes, cut as `frame_pieces` cuts
+/// the units with the float codec (with their padding to `TENSOR_ALIGN`).
+fn shared_codes(
+    model: &impl PackSource,
+    units: &[UnitSpec],
+    out: &Path,
+    frame_size: u32,
+) -> Result<Vec<SharedCode>, StoreError> {
     let mut census = CodeCensus::default();
+    let tied = model.header().arch.tied_embeddings;
     let mut bytes = Vec::new();
-    for name in units.iter().flat_map(|u| &u.tensors) {
-        let Some(t) = model.tensor(name) else {
-            continue;
-        };
-        if t.len == 0 || t.len > SHARED_FRAME_BYTES_MAX as u64 || t.dtype.split_width() < 2 {
-            continue;
-        }
-        bytes.clear();
-        bytes.resize(align_up(t.len, TENSOR_ALIGN) as usize, 0);
-        model.copy_tensor(name, &mut bytes[..t.len as usize]);
-        for frame in bytes.chunks(frame_size as usize) {
-            census.add(frame, t.dtype);
+    for spec in units {
+        let (tensors, raw_len) = lay_out(model, spec, out)?;
+        let codecs = vec![Codec::Float; tensors.len()];
+        for p in frame_pieces(spec.kind, tied, &tensors, &codecs, raw_len, frame_size) {
+            // (A frame of a larger tensor is left out, even when it is small.)
+            let first = tensors.iter().rfind(|t| t.offset <= p.raw_offset);
+            if p.len > SHARED_FRAME_BYTES_MAX as u64
+                || p.dtype.split_width() < 2
+                || first.is_none_or(|t| t.len > SHARED_FRAME_BYTES_MAX as u64)
+            {
+                continue;
+            }
+            bytes.clear();
+            bytes.resize(p.len as usize, 0);
+            for t in tensors
+                .iter()
+                .filter(|t| t.offset >= p.raw_offset && t.offset + t.len <= p.raw_offset + p.len)
+            {
+                let at = (t.offset - p.raw_offset) as usize;
+                model.copy_tensor(&t.name, &mut bytes[at..at + t.len as usize]);
+            }
+            census.add(&bytes, p.dtype);
         }
     }
-    census.codes()
+    Ok(census.codes())
 }
 
 /// `--codec auto`'s calibration samples: per dtype, up to `auto::SAMPLE_BYTES` of its
@@ -622,7 +638,12 @@ fn check_frame_size(out: &Path, frame_size: u32) -> Result<(), StoreError> {
     Ok(())
 }
 
-/// A unit's tensors at aligned offsets in its decompressed blob, and the blob's length.
+/// A unit's tensors at aligned offsets in its decompressed blob, and the blob's length:
+/// its vectors first (`is_vector`: norms, biases that are not an expert's), in the spec's
+/// order, then the rest in the spec's order. The vectors then lie together, and
+/// `frame_pieces` cuts those of one dtype into one frame: a layer's norms are a few KiB
+/// each, and a frame apiece made the float codec build its streams, and the I/O engine
+/// check a frame, for a few hundred elements.
 fn lay_out(
     model: &impl PackSource,
     spec: &UnitSpec,
@@ -630,7 +651,11 @@ fn lay_out(
 ) -> Result<(Vec<TensorEntry>, u64), StoreError> {
     let mut tensors = Vec::with_capacity(spec.tensors.len());
     let mut raw_at = 0u64;
-    for name in &spec.tensors {
+    let (vectors, rest): (Vec<&String>, Vec<&String>) = spec
+        .tensors
+        .iter()
+        .partition(|n| model.tensor(n).is_some_and(|t| is_vector(n, &t.shape)));
+    for name in vectors.into_iter().chain(rest) {
         let t = model.tensor(name).ok_or_else(|| {
             StoreError::invalid(
                 out,
@@ -659,6 +684,13 @@ fn lay_out(
         raw_at += t.len;
     }
     Ok((tensors, align_up(raw_at, TENSOR_ALIGN)))
+}
+
+/// A tensor `lay_out` puts first and `frame_pieces` may join with its neighbours: one
+/// dimension, and not part of an expert (an expert's tensors stay one run, which a step
+/// reads alone).
+fn is_vector(name: &str, shape: &[u64]) -> bool {
+    shape.len() == 1 && expert_of(name).is_none()
 }
 
 /// One frame's place in the blob, and its codec.
@@ -691,7 +723,9 @@ fn frame_size_of(kind: UnitKind, float_coded: bool, tied: bool, frame_size: u32)
 }
 
 /// Each tensor's region (its bytes and the padding after them) in pieces of its frame
-/// size (`frame_size_of`), so a frame holds one dtype and the byte split applies.
+/// size (`frame_size_of`), so a frame holds one dtype and the byte split applies. Vectors
+/// (`is_vector`) next to each other with one dtype and codec share a frame while it has
+/// room: a frame then holds several tensors' regions, whole.
 fn frame_pieces(
     kind: UnitKind,
     tied: bool,
@@ -700,14 +734,27 @@ fn frame_pieces(
     raw_len: u64,
     frame_size: u32,
 ) -> Vec<Piece> {
-    let mut pieces = Vec::new();
+    let mut pieces: Vec<Piece> = Vec::new();
+    // The last piece is vectors' and may take the next vector's region.
+    let mut open = false;
     for ((i, t), &codec) in tensors.iter().enumerate().zip(codecs) {
         let end = tensors.get(i + 1).map_or(raw_len, |n| n.offset);
         let float_coded = codec == Codec::Float && t.dtype.split_width() >= 2;
-        let size = frame_size_of(kind, float_coded, tied, frame_size);
+        let size = frame_size_of(kind, float_coded, tied, frame_size) as u64;
+        let vector = is_vector(&t.name, &t.shape);
+        if let Some(last) = pieces.last_mut().filter(|p| {
+            open && vector
+                && p.dtype == t.dtype
+                && p.codec == codec
+                && p.raw_offset + p.len == t.offset
+                && end - p.raw_offset <= size
+        }) {
+            last.len = end - last.raw_offset;
+            continue;
+        }
         let mut at = t.offset;
         while at < end {
-            let len = (end - at).min(size as u64);
+            let len = (end - at).min(size);
             pieces.push(Piece {
                 raw_offset: at,
                 len,
@@ -716,8 +763,42 @@ fn frame_pieces(
             });
             at += len;
         }
+        // A vector cut into several frames has filled its last one's room already.
+        open = vector && end - t.offset <= size;
     }
     pieces
+}
+
+/// A unit as `pack` lays it out and cuts it into frames (`packed_frames`).
+pub struct PackedUnit {
+    pub tensors: Vec<TensorEntry>,
+    pub raw_len: u64,
+    /// Each frame's raw offset, length and dtype.
+    pub frames: Vec<(u64, u64, DType)>,
+}
+
+/// The frames `pack` cuts a unit of `model` into when every tensor gets `codec` (for
+/// measuring codecs on the frames a store would hold: `sluiced bench-codec`).
+pub fn packed_frames(
+    model: &impl PackSource,
+    spec: &UnitSpec,
+    codec: Codec,
+    frame_size: u32,
+    src: &Path,
+) -> Result<PackedUnit, StoreError> {
+    check_frame_size(src, frame_size)?;
+    let (tensors, raw_len) = lay_out(model, spec, src)?;
+    let tied = model.header().arch.tied_embeddings;
+    let codecs = vec![codec; tensors.len()];
+    let frames = frame_pieces(spec.kind, tied, &tensors, &codecs, raw_len, frame_size)
+        .into_iter()
+        .map(|p| (p.raw_offset, p.len, p.dtype))
+        .collect();
+    Ok(PackedUnit {
+        tensors,
+        raw_len,
+        frames,
+    })
 }
 
 /// One thread's encoders, one per codec its pieces use, made when first needed.
@@ -873,4 +954,84 @@ fn write_manifest(dir: &Path, manifest: &Manifest) -> Result<u64, StoreError> {
         .map_err(|e| StoreError::io("write", &manifest_path, e))?;
     fsync_dir(dir)?;
     Ok(bytes.len() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry(name: &str, dtype: DType, shape: &[u64], offset: u64, len: u64) -> TensorEntry {
+        TensorEntry {
+            name: name.into(),
+            dtype,
+            shape: shape.to_vec(),
+            offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn neighbouring_vectors_of_one_dtype_and_codec_share_a_frame_while_it_has_room() {
+        let p = "model.layers.0";
+        let x = "model.layers.0.mlp.experts.0";
+        let f32v = |name: &str, offset: u64| entry(name, DType::F32, &[250], offset, 1000);
+        let tensors = vec![
+            f32v(&format!("{p}.input_layernorm.weight"), 0),
+            f32v(&format!("{p}.post_attention_layernorm.weight"), 1024),
+            // A third would pass the 2048-byte frame: a frame of its own.
+            f32v(&format!("{p}.self_attn.q_norm.weight"), 2048),
+            // Another dtype, then another codec: their own frames.
+            entry(
+                &format!("{p}.self_attn.k_norm.weight"),
+                DType::F16,
+                &[256],
+                3072,
+                512,
+            ),
+            f32v(&format!("{p}.self_attn.sinks"), 3584),
+            f32v(&format!("{p}.self_attn.q_proj.bias"), 4608),
+            // A matrix is cut on its own, and a vector after it does not join it.
+            entry(
+                &format!("{p}.self_attn.o_proj.weight"),
+                DType::F32,
+                &[2, 500],
+                5632,
+                4000,
+            ),
+            f32v(&format!("{p}.mlp.gate.bias"), 9728),
+            // An expert's vector stays in its expert's run.
+            f32v(&format!("{x}.gate_proj.bias"), 10752),
+        ];
+        let mut codecs = vec![Codec::Float; tensors.len()];
+        codecs[4] = Codec::Zstd { level: 1 };
+        let raw_len = 11776;
+        let kind = UnitKind::Decoder(0);
+        let pieces = frame_pieces(kind, true, &tensors, &codecs, raw_len, 2048);
+        let got: Vec<(u64, u64)> = pieces.iter().map(|p| (p.raw_offset, p.len)).collect();
+        assert_eq!(
+            got,
+            [
+                (0, 2048),
+                (2048, 1024),
+                (3072, 512),
+                (3584, 1024),
+                (4608, 1024),
+                (5632, 2048),
+                (7680, 2048),
+                (9728, 1024),
+                (10752, 1024),
+            ]
+        );
+        assert!(is_vector(&tensors[0].name, &tensors[0].shape));
+        assert!(!is_vector(&tensors[8].name, &tensors[8].shape));
+        // With room, the run of f32 vectors of one codec joins up to the matrix.
+        let tensors: Vec<TensorEntry> = tensors
+            .into_iter()
+            .filter(|t| t.dtype == DType::F32)
+            .collect();
+        let codecs = vec![Codec::Float; tensors.len()];
+        let pieces = frame_pieces(kind, true, &tensors, &codecs, raw_len, 1 << 20);
+        let got: Vec<(u64, u64)> = pieces.iter().map(|p| (p.raw_offset, p.len)).collect();
+        assert_eq!(got, [(0, 5632), (5632, 4096), (9728, 1024), (10752, 1024)]);
+    }
 }

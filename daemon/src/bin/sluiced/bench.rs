@@ -414,7 +414,8 @@ pub struct BenchCodecArgs {
 /// `sluiced bench-codec`: ratio and one core's compress and decompress rates of every
 /// codec, per dtype, on the same bytes.
 pub fn run_codec(a: BenchCodecArgs) -> Result<std::process::ExitCode> {
-    let groups = crate::codec::load(&a.src, a.max_bytes).map_err(anyhow::Error::msg)?;
+    let groups =
+        crate::codec::load(&a.src, a.max_bytes, a.frame_size).map_err(anyhow::Error::msg)?;
     let mut figures = Vec::new();
     for g in &groups {
         figures.push(
@@ -440,9 +441,15 @@ pub fn run_codec(a: BenchCodecArgs) -> Result<std::process::ExitCode> {
     );
     for g in &figures {
         println!(
-            "\n{} ({} tensors, {})",
+            "\n{} ({} tensors in {} frames cut as {}, {})",
             g.dtype,
             g.tensors,
+            g.frames,
+            match g.framing {
+                crate::codec::Framing::Store => "the store's",
+                crate::codec::Framing::Pack => "pack cuts them",
+                crate::codec::Framing::Tensor => "one tensor at a time",
+            },
             sluice::util::fmt_bytes(g.bytes)
         );
         println!(
