@@ -281,8 +281,8 @@ fn damaged_manifests_are_clear_errors() {
     b[0] = b'X';
     assert!(open_err(&b).contains("not a sluice manifest"));
     let mut b = good.clone();
-    b[8] = 10;
-    assert!(open_err(&b).contains("store format version 10"));
+    b[8] = 11;
+    assert!(open_err(&b).contains("store format version 11"));
     // Format 6 compresses the payload; the formats before it wrote it as it is.
     let end = good.len() - 8;
     let payload = zstd::bulk::decompress(&good[20..end], 1 << 30).unwrap();

@@ -1,4 +1,4 @@
-//! Store format version 9: the manifest and its on-disk framing.
+//! Store format version 10: the manifest and its on-disk framing.
 //!
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
 //! | payload (postcard; from version 6 a zstd frame of it) | xxh3-64 of everything before
@@ -18,7 +18,9 @@
 //! (`Vec<fpsplit::SharedCode>`), which its small frames' planes may name (mode 2, which
 //! an older sluiced cannot decode); version 9 has the payload of 8 and its f32 frames may
 //! use the float codec's `F32Top` layout (five planes, which an older sluiced would refuse
-//! frame by frame). Stores of versions 1 to 8 still open, with the defaults of a
+//! frame by frame); version 10 has the payload of 9 and its float-coded planes may be
+//! sparse (mode 3, which an older sluiced would fail on mid-stream). Stores of versions 1
+//! to 9 still open, with the defaults of a
 //! Llama-family model, no experts, no clamp, no link and no shared codes.
 
 use super::arch::{ArchConfig, ArchExt, MoeConfig, SwigluClamp};
@@ -32,7 +34,7 @@ use std::path::Path;
 use xxhash_rust::xxh3::xxh3_64;
 
 pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
-pub const FORMAT_VERSION: u32 = 9;
+pub const FORMAT_VERSION: u32 = 10;
 /// The oldest format this sluiced still reads.
 pub const FORMAT_VERSION_MIN: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.bin";

@@ -37,7 +37,9 @@
 //! (u16), their (symbol, length) pairs, the byte lengths of the first three streams (u32
 //! each; the fourth runs to the end) and the streams; mode 2 (format 8) names one of the
 //! store's shared codes instead of carrying its own (`SharedCode`): the code's index
-//! (u8), the first three streams' byte lengths as LEB128 varints, and the streams.
+//! (u8), the first three streams' byte lengths as LEB128 varints, and the streams; mode 3
+//! (format 10) is a sparse plane, a base symbol and the exceptions to it
+//! (`sparse_bytes`), where that is no larger than the Huffman code.
 //! Stream s codes elements [s * q, min((s + 1) * q, n)) with q = ceil(n / 4), LSB first.
 //! Every read is bounds checked and a stream decodes exactly its element count whatever
 //! its bytes, so damaged input decodes to wrong bytes (which the frame checksum catches)
@@ -701,6 +703,25 @@ pub fn encode_plane_with(
         .filter(|c| hist.iter().zip(&c.lens).all(|(&h, &l)| h == 0 || l > 0))
         .map(|c| (shared_code_bytes(bits(&c.lens)), c))
         .min_by_key(|&(bytes, _)| bytes);
+    let coded = best.map_or(own, |(bytes, _)| bytes.min(own));
+    let base = (0..256)
+        .max_by_key(|&s| (hist[s], usize::MAX - s))
+        .unwrap_or(0) as u8;
+    if sparse_bytes(exps, base) <= coded {
+        out.push(3);
+        out.push(base);
+        let mut next = 0usize;
+        for (i, &e) in exps.iter().enumerate().filter(|&(_, &e)| e != base) {
+            let mut gap = i - next;
+            while gap >= SPARSE_SKIP {
+                out.push(SPARSE_SKIP as u8);
+                gap -= SPARSE_SKIP;
+            }
+            out.extend_from_slice(&[gap as u8, e]);
+            next = i + 1;
+        }
+        return;
+    }
     if let Some((_, c)) = best.filter(|&(bytes, _)| bytes <= own + OWN_CODE_SAVING_MIN) {
         out.push(2);
         out.push(c.index);
@@ -727,6 +748,26 @@ pub fn encode_plane_with(
     for (s, &len) in sizes[..STREAMS - 1].iter().enumerate() {
         out[lens_at + 4 * s..lens_at + 4 * s + 4].copy_from_slice(&len.to_le_bytes());
     }
+}
+
+/// A sparse plane's (mode 3) gap byte that only skips: this many elements of the base
+/// symbol, and no exception after them.
+const SPARSE_SKIP: usize = 255;
+
+/// A plane's bytes in mode 3 (sparse): the mode, the base symbol, then per element that is
+/// not the base (an exception) the count of base elements before it since the last one (a
+/// byte below `SPARSE_SKIP`, after as many `SPARSE_SKIP` bytes as it takes) and its
+/// symbol. A plane of few exceptions (the low mantissa bytes of f32 norms made from bf16
+/// ones: a few percent of their elements have any) costs about two bytes an exception,
+/// under the bit a Huffman code spends on every element, and decodes as a fill and a
+/// scatter.
+fn sparse_bytes(exps: &[u8], base: u8) -> u64 {
+    let (mut bytes, mut next) = (2u64, 0usize);
+    for (i, _) in exps.iter().enumerate().filter(|&(_, &e)| e != base) {
+        bytes += 2 + ((i - next) / SPARSE_SKIP) as u64;
+        next = i + 1;
+    }
+    bytes
 }
 
 /// A plane's bytes with a code of its own, `bits` of symbols: the mode, the symbol count
@@ -1178,6 +1219,30 @@ pub fn decode_plane_as(
                     as usize;
             }
             symbols_of(&body[at..], sizes, n, table, true, out, simd).map_err(|e| bad(&e))?;
+            return Ok(());
+        }
+        3 => {
+            let (&base, mut list) = body.split_first().ok_or_else(|| bad("no base symbol"))?;
+            out[..n].fill(base);
+            let mut at = 0usize;
+            while let Some((&gap, rest)) = list.split_first() {
+                at += gap as usize;
+                if gap as usize == SPARSE_SKIP {
+                    list = rest;
+                    continue;
+                }
+                let (&e, rest) = rest
+                    .split_first()
+                    .ok_or_else(|| bad("a sparse plane ends inside an exception"))?;
+                if at >= n {
+                    return Err(bad(&format!(
+                        "a sparse plane's exception at element {at} of {n}"
+                    )));
+                }
+                out[at] = e;
+                at += 1;
+                list = rest;
+            }
             return Ok(());
         }
         0 => {}
@@ -1976,6 +2041,56 @@ mod tests {
         for n in [3000, MULTI_MIN + 3001] {
             damaged(n);
         }
+    }
+
+    #[test]
+    fn planes_of_few_exceptions_code_sparse_and_round_trip() {
+        // Exceptions at the ends, gaps on either side of the skip byte, a run of them, and
+        // a base symbol that is not zero.
+        let n = 3000;
+        let cases: [(u8, &[usize]); 4] = [
+            (0, &[0, 1, 2, 254, 510, 765, 766, 1021, 2999]),
+            (0x40, &[255, 256, 1000, 1001, 1002, 2998]),
+            (7, &[2999]),
+            (0, &[0]),
+        ];
+        for (base, at) in cases {
+            let mut plane = vec![base; n];
+            for (k, &i) in at.iter().enumerate() {
+                plane[i] = base ^ (1 + k as u8);
+            }
+            let mut coded = Vec::new();
+            encode_plane(Layout::F32, &plane, &mut coded);
+            assert_eq!(coded[1], 3, "mode of a plane with {} exceptions", at.len());
+            assert_eq!(coded.len() as u64, 1 + sparse_bytes(&plane, base));
+            let mut out = vec![0xaau8; n + 8];
+            decode_plane(&coded, n, &mut out, &mut PlaneCache::default()).expect("decodes");
+            assert_eq!(out[..n], plane[..], "base {base}, exceptions {at:?}");
+        }
+        // Where the exceptions are many, the Huffman code is the smaller and is kept.
+        let dense: Vec<u8> = (0..n).map(|i| (i % 3 == 0) as u8).collect();
+        let mut coded = Vec::new();
+        encode_plane(Layout::F32, &dense, &mut coded);
+        assert_eq!(coded[1], 0);
+        // An exception past the plane's end, or cut in half, is refused.
+        let mut out = vec![0u8; 16 + 8];
+        for bad in [
+            &[5u8, 3, 0, 16, 1][..],
+            &[5, 3, 0, 2],
+            &[5, 3, 0, 255, 0, 1],
+        ] {
+            let err = decode_plane(bad, 16, &mut out, &mut PlaneCache::default());
+            assert!(err.is_err(), "{bad:?} decoded");
+        }
+        let at_end = decode_plane(&[5, 3, 0, 15, 9], 16, &mut out, &mut PlaneCache::default());
+        assert_eq!(at_end, Ok(()));
+        assert_eq!(out[..16], [&[0u8; 15][..], &[9]].concat());
+        // Damaged sparse planes decode in bounds or fail.
+        let mut plane = vec![0u8; n];
+        (0..n).step_by(37).for_each(|i| plane[i] = i as u8 | 1);
+        encode_plane(Layout::F32, &plane, &mut coded);
+        assert_eq!(coded[1], 3);
+        damage(&coded, n, &SharedTables::default());
     }
 
     fn damaged(n: usize) {
