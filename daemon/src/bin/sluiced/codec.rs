@@ -41,6 +41,37 @@ pub struct Group {
     pub framing: Framing,
 }
 
+/// The groups by dtype, each taking frames while they fit in `max_bytes` (its first
+/// frame whatever its size).
+struct Groups {
+    map: BTreeMap<&'static str, Group>,
+    max_bytes: u64,
+}
+
+impl Groups {
+    fn fits(&self, dtype: DType, len: u64) -> bool {
+        self.map
+            .get(dtype.name())
+            .is_none_or(|g| g.frames.is_empty() || g.bytes.len() as u64 + len <= self.max_bytes)
+    }
+
+    fn add(&mut self, dtype: DType, bytes: &[u8], tensors: usize, framing: Framing) {
+        if !self.fits(dtype, bytes.len() as u64) {
+            return;
+        }
+        let g = self.map.entry(dtype.name()).or_insert_with(|| Group {
+            dtype,
+            bytes: Vec::new(),
+            frames: Vec::new(),
+            tensors: 0,
+            framing,
+        });
+        g.bytes.extend_from_slice(bytes);
+        g.frames.push(bytes.len());
+        g.tensors += tensors;
+    }
+}
+
 /// One codec on one group.
 #[derive(Clone, Debug, Serialize)]
 pub struct CodecFigures {
@@ -67,20 +98,9 @@ pub struct GroupFigures {
 /// frames in order; at least one): a store's own frames, else those `pack` would cut with
 /// frames of `frame_size` (`Framing`).
 pub fn load(src: &Path, max_bytes: u64, frame_size: u32) -> Result<Vec<Group>, String> {
-    let mut groups: BTreeMap<&'static str, Group> = BTreeMap::new();
-    let mut add = |dtype: DType, bytes: &[u8], tensors: usize, framing: Framing| {
-        let g = groups.entry(dtype.name()).or_insert_with(|| Group {
-            dtype,
-            bytes: Vec::new(),
-            frames: Vec::new(),
-            tensors: 0,
-            framing,
-        });
-        if g.frames.is_empty() || (g.bytes.len() + bytes.len()) as u64 <= max_bytes {
-            g.bytes.extend_from_slice(bytes);
-            g.frames.push(bytes.len());
-            g.tensors += tensors;
-        }
+    let mut groups = Groups {
+        map: BTreeMap::new(),
+        max_bytes,
     };
     let name = src.to_string_lossy();
     // Tensors starting in the frame at `at` of `len` bytes.
@@ -107,7 +127,7 @@ pub fn load(src: &Path, max_bytes: u64, frame_size: u32) -> Result<Vec<Group>, S
                     continue;
                 };
                 let (at, len) = (f.raw_offset, f.raw_len as u64);
-                add(
+                groups.add(
                     u.tensors[t].dtype,
                     &raw[at as usize..(at + len) as usize],
                     starting(&u.tensors, at, len),
@@ -115,7 +135,7 @@ pub fn load(src: &Path, max_bytes: u64, frame_size: u32) -> Result<Vec<Group>, S
                 );
             }
         }
-        return Ok(groups.into_values().collect());
+        return Ok(groups.map.into_values().collect());
     }
     if let Ok((model, units)) = sluice::import::open(src)
         .map_err(|e| e.to_string())
@@ -131,14 +151,21 @@ pub fn load(src: &Path, max_bytes: u64, frame_size: u32) -> Result<Vec<Group>, S
                 .map_err(|e| e.to_string())?;
             blob.clear();
             blob.resize(raw_len as usize, 0);
-            for t in &tensors {
-                model.copy_tensor(
-                    &t.name,
-                    &mut blob[t.offset as usize..(t.offset + t.len) as usize],
-                );
-            }
+            // Only the tensors of frames a group still takes are read (a large model's
+            // groups fill in its first layers).
+            let mut copied = vec![false; tensors.len()];
             for (at, len, dtype) in frames {
-                add(
+                if !groups.fits(dtype, len) {
+                    continue;
+                }
+                for (i, t) in tensors.iter().enumerate() {
+                    if !copied[i] && t.offset < at + len && t.offset + t.len > at {
+                        let dst = &mut blob[t.offset as usize..(t.offset + t.len) as usize];
+                        model.copy_tensor(&t.name, dst);
+                        copied[i] = true;
+                    }
+                }
+                groups.add(
                     dtype,
                     &blob[at as usize..(at + len) as usize],
                     starting(&tensors, at, len),
@@ -146,11 +173,11 @@ pub fn load(src: &Path, max_bytes: u64, frame_size: u32) -> Result<Vec<Group>, S
                 );
             }
         }
-        return Ok(groups.into_values().collect());
+        return Ok(groups.map.into_values().collect());
     }
     let mut add_tensor = |dtype: DType, bytes: &[u8]| {
         for (i, f) in bytes.chunks(frame_size as usize).enumerate() {
-            add(dtype, f, (i == 0) as usize, Framing::Tensor);
+            groups.add(dtype, f, (i == 0) as usize, Framing::Tensor);
         }
     };
     let f = std::fs::File::open(src).map_err(|e| format!("{name}: {e}"))?;
@@ -193,10 +220,10 @@ pub fn load(src: &Path, max_bytes: u64, frame_size: u32) -> Result<Vec<Group>, S
             add_tensor(dt, v.data());
         }
     }
-    if groups.is_empty() {
+    if groups.map.is_empty() {
         return Err(format!("{name}: no tensors of a dtype sluice stores"));
     }
-    Ok(groups.into_values().collect())
+    Ok(groups.map.into_values().collect())
 }
 
 /// Every codec of `codecs` on the frames of `g`. Each frame decodes back to its bytes,
