@@ -188,8 +188,11 @@ fn eio_short_reads_and_stalls_under_a_serving_daemon_fail_only_the_requests_they
     faults(&control, "");
     // The stalled reads land 4 s after they were sent: then every buffer and slot is back.
     let s = recovered(&d, &want, &idle, "stalls past the limit");
+    // The first request's read timed out; the second fails on a read of its own or, when
+    // every staging slot is still held by the first one's unanswered reads (the loads
+    // ahead hold all of them), on the wait for a slot: UNAVAILABLE either way (above).
     let stalled = s["io_reads_stalled"].as_u64().unwrap() - stalled_before;
-    assert!(stalled >= 2, "{s}");
+    assert!(stalled >= 1, "{s}");
     matrix.push(format!(
         "every read 4 s late (limit 1 s): HTTP 503 after {:.1} s, gRPC UNAVAILABLE; {stalled} reads timed out, all buffers back once they landed",
         took.as_secs_f64()

@@ -45,6 +45,8 @@ pub struct BenchIoReport {
     pub cache_drop: String,
     pub queue_depth: usize,
     pub in_flight_bytes: usize,
+    /// `IoConfig::follow_bytes`.
+    pub follow_bytes: usize,
     pub request_bytes: usize,
     pub read_buffers: usize,
     pub workers: usize,
@@ -275,6 +277,7 @@ pub fn bench_io(store: Arc<Store>, opts: &BenchIoOptions) -> Result<BenchIoRepor
         cache_drop: cache,
         queue_depth: opts.cfg.queue_depth,
         in_flight_bytes: opts.cfg.in_flight_bytes,
+        follow_bytes: opts.cfg.follow_bytes,
         request_bytes: opts.cfg.request_bytes,
         read_buffers: opts.cfg.read_buffers,
         workers: opts.cfg.workers,

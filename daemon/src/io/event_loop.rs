@@ -359,6 +359,15 @@ impl Loop {
             };
             self.slot_state[slot] = SlotState::Loading;
             self.shared.free_slots.fetch_sub(1, Ordering::AcqRel);
+            let busy = self
+                .slot_state
+                .iter()
+                .filter(|&&s| s != SlotState::Free)
+                .count();
+            self.shared
+                .counters
+                .slots_busy_max
+                .fetch_max(busy as u64, Ordering::Relaxed);
             let u = &self.store.units()[unit];
             let align = IO_ALIGN as u64;
             // Blobs start 4096-aligned, a part's first frame maybe not (it then starts at
@@ -449,12 +458,18 @@ impl Loop {
         let mut order = std::mem::take(&mut self.order_scratch);
         order.clear();
         order.extend(self.order.iter().copied());
+        // The oldest request with reads to send or out may fill `in_flight_bytes`; those
+        // behind it start only below `follow_bytes` (`FOLLOW_BYTES_DEFAULT`).
+        let mut cap = self.cfg.in_flight_bytes;
         'outer: for &slot in &order {
             loop {
                 let Some(a) = self.active[slot].as_mut() else {
                     continue 'outer;
                 };
                 if a.aborted || a.next_chunk >= a.chunks.len() {
+                    if !a.aborted && a.ops > 0 {
+                        cap = cap.min(self.cfg.follow_bytes);
+                    }
                     continue 'outer;
                 }
                 if self.free_ops.is_empty() {
@@ -464,8 +479,7 @@ impl Loop {
                 // the disk serves what it holds side by side, so fewer bytes out land the
                 // oldest request's reads sooner.
                 let len = a.chunks[a.next_chunk].len;
-                if self.bytes_in_flight > 0 && self.bytes_in_flight + len > self.cfg.in_flight_bytes
-                {
+                if self.bytes_in_flight > 0 && self.bytes_in_flight + len > cap {
                     break 'outer;
                 }
                 // A unit stored as raw reads into its slot; others need a read buffer.

@@ -36,6 +36,8 @@ struct Script {
     pushed: AtomicUsize,
     /// The most reads pushed and not yet answered at once.
     most_out: AtomicUsize,
+    /// The file offset of every read pushed, in order.
+    offsets: Mutex<Vec<u64>>,
 }
 
 struct Pending {
@@ -62,6 +64,7 @@ impl Reader for Scripted {
         offset: u64,
     ) -> std::io::Result<()> {
         self.script.pushed.fetch_add(1, Ordering::SeqCst);
+        self.script.offsets.lock().unwrap().push(offset);
         let step = self
             .script
             .steps
@@ -481,6 +484,68 @@ fn reads_in_flight_stay_within_the_byte_cap_and_the_unit_loads() {
         assert_eq!(reads_out_with(codec, 2 * 4096), 2, "{codec}, capped");
         assert_eq!(reads_out_with(codec, 32 << 20), 4, "{codec}, uncapped");
     }
+}
+
+#[test]
+fn the_next_units_reads_wait_until_the_oldest_units_are_below_the_follow_bytes() {
+    for codec in CODECS {
+        // The oldest unit's reads held out: with the default follow bytes (2 MiB, more
+        // than both units) the next unit's reads join them; with 4 KiB (one read) none
+        // goes until the oldest's have landed.
+        assert!(next_reads_out_with(codec, 2 << 20) > 0, "{codec}, default");
+        assert_eq!(next_reads_out_with(codec, 4096), 0, "{codec}, follow 4 KiB");
+    }
+}
+
+/// Reads the engine sends for a second unit while the first's are all held out, with
+/// `follow_bytes`; then, answered, both units load bit for bit.
+fn next_reads_out_with(codec: &str, follow_bytes: usize) -> usize {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = packed(tmp.path(), codec);
+    let units = store.units();
+    // The two smallest units of three reads or more.
+    let mut by_size: Vec<usize> = (0..units.len())
+        .filter(|&u| units[u].stored_len >= 3 * 4096)
+        .collect();
+    by_size.sort_by_key(|&u| units[u].stored_len);
+    let [a, b] = [by_size[0], by_size[1]];
+    let reads = |u: usize| units[u].stored_len.div_ceil(4096) as usize;
+    let script = Arc::new(Script::default());
+    script.steps.lock().unwrap().extend([Step::Hold; 256]);
+    let cfg = IoConfig {
+        queue_depth: reads(a) + reads(b) + 4,
+        read_buffers: reads(a) + reads(b) + 4,
+        follow_bytes,
+        ..config()
+    };
+    let e = engine_with(&store, &script, cfg);
+    let (ta, tb) = (
+        e.request(a).expect("request"),
+        e.request(b).expect("request"),
+    );
+    let t0 = Instant::now();
+    while script.pushed.load(Ordering::SeqCst) < reads(a) {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the first unit's reads"
+        );
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(50));
+    let span = |u: usize| units[u].file_offset..units[u].file_offset + units[u].stored_len;
+    let offsets = script.offsets.lock().unwrap().clone();
+    let of_b = offsets.iter().filter(|o| span(b).contains(o)).count();
+    let of_a = offsets.iter().filter(|o| span(a).contains(o)).count();
+    assert_eq!(
+        of_a,
+        reads(a),
+        "{codec}: every read of the first unit went out"
+    );
+    script.release.store(true, Ordering::SeqCst);
+    assert!(e.wait(ta).expect("load").data().to_vec() == reference(&store, a));
+    assert!(e.wait(tb).expect("load").data().to_vec() == reference(&store, b));
+    wait_full(&e);
+    of_b
 }
 
 /// Reads the engine sends for the largest unit while the disk answers none, with

@@ -32,6 +32,8 @@ pub struct IoStats {
     pub reads_stalled: u64,
     /// Reads in flight on average while any was (the queue depth achieved).
     pub queue_depth_avg: f64,
+    /// Staging slots loading or held by a caller at once, at most.
+    pub slots_busy_max: u64,
 }
 
 /// When the counters' clock started (the loop's times are nanoseconds since).
@@ -58,6 +60,7 @@ pub(super) struct Counters {
     pub(super) units_done: AtomicU64,
     pub(super) units_failed: AtomicU64,
     pub(super) reads_stalled: AtomicU64,
+    pub(super) slots_busy_max: AtomicU64,
     /// Sum over time of reads in flight (ns x reads), for the average queue depth, up to
     /// `depth_since_ns`; reads in flight since then.
     pub(super) inflight_ns: AtomicU64,
@@ -104,6 +107,7 @@ impl Counters {
             units_failed: c.units_failed.load(Ordering::Relaxed),
             reads_stalled: c.reads_stalled.load(Ordering::Relaxed),
             queue_depth_avg: inflight_ns as f64 / (busy_ns as f64).max(1.0),
+            slots_busy_max: c.slots_busy_max.load(Ordering::Relaxed),
         }
     }
 
@@ -123,6 +127,7 @@ impl Counters {
             &c.units_done,
             &c.units_failed,
             &c.reads_stalled,
+            &c.slots_busy_max,
             &c.inflight_ns,
         ] {
             a.store(0, Ordering::Relaxed);

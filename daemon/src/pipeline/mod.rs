@@ -870,6 +870,12 @@ impl<B: Backend> Pipeline<B> {
             .ahead
             .pop_front()
             .expect("a load is requested for every streamed unit");
+        // `prefetch` loads go out behind this one before it is waited for: it holds its
+        // staging slot while it lands and runs (or uploads), and the plan made `prefetch`
+        // more for the loads ahead. The I/O engine sends the reads of the loads behind the
+        // oldest only as its last are out (`io::FOLLOW_BYTES_DEFAULT`), so they keep the
+        // disk busy while a layer runs without delaying the load it waits for.
+        self.top_up()?;
         if self.unified {
             self.borrow(load, t, st)?;
             return Ok(None);

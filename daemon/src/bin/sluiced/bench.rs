@@ -220,6 +220,10 @@ pub struct BenchIoArgs {
     /// holds side by side: fewer bytes out land the oldest reads sooner).
     #[arg(long, default_value = "32MiB", value_parser = parse_size)]
     pub in_flight: u64,
+    /// Reads of a unit behind the oldest unfinished one go out only while fewer bytes than
+    /// this are in flight (the disk then serves the units in order).
+    #[arg(long, default_value = "2MiB", value_parser = parse_size)]
+    pub follow: u64,
     /// Read buffers (default: the queue depth): those past the bytes in flight hold what
     /// has landed until a worker decodes it.
     #[arg(long)]
@@ -252,6 +256,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
         qd,
         request_size,
         in_flight,
+        follow,
         read_buffers,
         workers,
         slots,
@@ -267,6 +272,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
         direct: !buffered,
         queue_depth: qd,
         in_flight_bytes: usize::try_from(in_flight).context("--in-flight")?,
+        follow_bytes: usize::try_from(follow).context("--follow")?,
         request_bytes: usize::try_from(request_size).context("--request-size")?,
         read_buffers: read_buffers.unwrap_or(qd),
         staging_slots: slots.max(2),
@@ -305,7 +311,7 @@ pub fn run_io(a: BenchIoArgs) -> Result<std::process::ExitCode> {
 
 fn print_bench_io(r: &sluice::io::bench::BenchIoReport) {
     println!(
-        "engine {}{} (qd {}, {} in flight at most, request {}, {} read buffers, {} workers), {} passes over {} units",
+        "engine {}{} (qd {}, {} in flight at most, {} behind the oldest unit, request {}, {} read buffers, {} workers), {} passes over {} units",
         r.engine,
         if r.direct {
             " + O_DIRECT"
@@ -314,6 +320,7 @@ fn print_bench_io(r: &sluice::io::bench::BenchIoReport) {
         },
         r.queue_depth,
         fmt_bytes(r.in_flight_bytes as u64),
+        fmt_bytes(r.follow_bytes as u64),
         fmt_bytes(r.request_bytes as u64),
         r.read_buffers,
         r.workers,
