@@ -573,10 +573,12 @@ fn shared_codes(
 ) -> Result<Vec<SharedCode>, StoreError> {
     let mut census = CodeCensus::default();
     let tied = model.header().arch.tied_embeddings;
-    let mut bytes = Vec::new();
+    let (mut bytes, mut whole) = (Vec::new(), Vec::new());
     for spec in units {
         let (tensors, raw_len) = lay_out(model, spec, out)?;
         let codecs = vec![Codec::Float; tensors.len()];
+        // The tensor in `whole` (a frame may hold a piece of one).
+        let mut held = None;
         for p in frame_pieces(spec.kind, tied, &tensors, &codecs, raw_len, frame_size) {
             // (A frame of a larger tensor is left out, even when it is small.)
             let first = tensors.iter().rfind(|t| t.offset <= p.raw_offset);
@@ -588,12 +590,19 @@ fn shared_codes(
             }
             bytes.clear();
             bytes.resize(p.len as usize, 0);
-            for t in tensors
-                .iter()
-                .filter(|t| t.offset >= p.raw_offset && t.offset + t.len <= p.raw_offset + p.len)
-            {
-                let at = (t.offset - p.raw_offset) as usize;
-                model.copy_tensor(&t.name, &mut bytes[at..at + t.len as usize]);
+            let end = p.raw_offset + p.len;
+            for (i, t) in tensors.iter().enumerate() {
+                let (lo, hi) = (t.offset.max(p.raw_offset), (t.offset + t.len).min(end));
+                if lo >= hi {
+                    continue;
+                }
+                if held != Some(i) {
+                    whole.resize(t.len as usize, 0);
+                    model.copy_tensor(&t.name, &mut whole);
+                    held = Some(i);
+                }
+                bytes[(lo - p.raw_offset) as usize..(hi - p.raw_offset) as usize]
+                    .copy_from_slice(&whole[(lo - t.offset) as usize..(hi - t.offset) as usize]);
             }
             census.add(&bytes, p.dtype);
         }
@@ -968,6 +977,44 @@ mod tests {
             offset,
             len,
         }
+    }
+
+    #[test]
+    fn the_shared_code_census_sees_every_small_frame_as_pack_cuts_it() {
+        // 4 KiB frames cut the synthetic model's 16 KiB f32 matrices (a frame a piece of a
+        // tensor) and join each layer's two norms: the census counts the frames' own
+        // bytes, as the units' blobs hold them.
+        let model = crate::import::synth::model(&crate::import::synth::SynthSpec::llama_like(
+            64,
+            2,
+            DType::F32,
+        ));
+        let units = model.units().expect("units");
+        let out = Path::new("/nonexistent/s");
+        let mut census = CodeCensus::default();
+        let mut pieces_of_tensors = 0;
+        for spec in &units {
+            let (tensors, raw_len) = lay_out(&model, spec, out).expect("lay out");
+            let mut blob = vec![0u8; raw_len as usize];
+            for t in &tensors {
+                model.copy_tensor(&t.name, &mut blob[t.offset as usize..][..t.len as usize]);
+            }
+            let codecs = vec![Codec::Float; tensors.len()];
+            for p in frame_pieces(spec.kind, false, &tensors, &codecs, raw_len, 4096) {
+                let t = tensors
+                    .iter()
+                    .rfind(|t| t.offset <= p.raw_offset)
+                    .expect("a tensor");
+                if t.len as usize <= SHARED_FRAME_BYTES_MAX {
+                    pieces_of_tensors += (p.len < t.len) as usize;
+                    census.add(&blob[p.raw_offset as usize..][..p.len as usize], p.dtype);
+                }
+            }
+        }
+        assert!(pieces_of_tensors > 0, "no frame holds a piece of a tensor");
+        let codes = shared_codes(&model, &units, out, 4096).expect("census");
+        assert!(!codes.is_empty());
+        assert_eq!(codes, census.codes());
     }
 
     #[test]
