@@ -243,6 +243,39 @@ fn smollm2_norm_vectors_share_a_frame_per_layer_in_the_float_codecs_top_split_an
 }
 
 #[test]
+fn the_shared_code_census_sees_every_small_frame_as_pack_cuts_it() {
+    // 4 KiB frames cut a synthetic model's 16 KiB f32 matrices (a frame a piece of a
+    // tensor) and join each layer's two norms: the store's shared codes are the census of
+    // its small frames' own bytes, as the reader decodes them.
+    use sluice::store::codec::{CodeCensus, SHARED_FRAME_BYTES_MAX};
+    let spec = import::synth::SynthSpec::llama_like(64, 2, sluice::dtype::DType::F32);
+    let model = import::synth::model(&spec);
+    let tmp = tempfile::tempdir().unwrap();
+    let store = pack_to(&model, &tmp.path().join("s"), Codec::Float, 4096);
+    let file = store.open_weights().unwrap();
+    let mut dec = store.frame_decoder(4096).unwrap();
+    let (mut census, mut pieces_of_tensors) = (CodeCensus::default(), 0);
+    for (i, u) in store.units().iter().enumerate() {
+        let mut raw = vec![0u8; u.raw_len as usize];
+        store
+            .read_unit(&file, i, &mut Vec::new(), &mut raw, &mut dec)
+            .unwrap();
+        for f in &u.frames {
+            let t = &u.tensors[u.tensor_at(f.raw_offset).unwrap()];
+            if t.len as usize <= SHARED_FRAME_BYTES_MAX {
+                pieces_of_tensors += ((f.raw_len as u64) < t.len) as usize;
+                let at = f.raw_offset as usize;
+                census.add(&raw[at..at + f.raw_len as usize], t.dtype);
+            }
+        }
+    }
+    assert!(pieces_of_tensors > 0, "no frame holds a piece of a tensor");
+    let codes = &store.manifest().codes;
+    assert!(!codes.is_empty());
+    assert_eq!(*codes, census.codes());
+}
+
+#[test]
 fn an_untied_embedding_is_cut_in_small_frames_so_a_gathered_row_reads_little() {
     // A streamed embedding costs a frame per distinct token of a step. An untied table (a
     // synthetic model's, 4096 rows) is cut in frames of 64 KiB whichever codec the store

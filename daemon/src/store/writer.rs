@@ -980,44 +980,6 @@ mod tests {
     }
 
     #[test]
-    fn the_shared_code_census_sees_every_small_frame_as_pack_cuts_it() {
-        // 4 KiB frames cut the synthetic model's 16 KiB f32 matrices (a frame a piece of a
-        // tensor) and join each layer's two norms: the census counts the frames' own
-        // bytes, as the units' blobs hold them.
-        let model = crate::import::synth::model(&crate::import::synth::SynthSpec::llama_like(
-            64,
-            2,
-            DType::F32,
-        ));
-        let units = model.units().expect("units");
-        let out = Path::new("/nonexistent/s");
-        let mut census = CodeCensus::default();
-        let mut pieces_of_tensors = 0;
-        for spec in &units {
-            let (tensors, raw_len) = lay_out(&model, spec, out).expect("lay out");
-            let mut blob = vec![0u8; raw_len as usize];
-            for t in &tensors {
-                model.copy_tensor(&t.name, &mut blob[t.offset as usize..][..t.len as usize]);
-            }
-            let codecs = vec![Codec::Float; tensors.len()];
-            for p in frame_pieces(spec.kind, false, &tensors, &codecs, raw_len, 4096) {
-                let t = tensors
-                    .iter()
-                    .rfind(|t| t.offset <= p.raw_offset)
-                    .expect("a tensor");
-                if t.len as usize <= SHARED_FRAME_BYTES_MAX {
-                    pieces_of_tensors += (p.len < t.len) as usize;
-                    census.add(&blob[p.raw_offset as usize..][..p.len as usize], p.dtype);
-                }
-            }
-        }
-        assert!(pieces_of_tensors > 0, "no frame holds a piece of a tensor");
-        let codes = shared_codes(&model, &units, out, 4096).expect("census");
-        assert!(!codes.is_empty());
-        assert_eq!(codes, census.codes());
-    }
-
-    #[test]
     fn neighbouring_vectors_of_one_dtype_and_codec_share_a_frame_while_it_has_room() {
         let p = "model.layers.0";
         let x = "model.layers.0.mlp.experts.0";
