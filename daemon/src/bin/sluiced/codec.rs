@@ -118,6 +118,18 @@ pub fn load(src: &Path, max_bytes: u64, frame_size: u32) -> Result<Vec<Group>, S
             .map_err(|e| format!("a frame decoder: {e}"))?;
         let (mut stored, mut raw) = (Vec::new(), Vec::new());
         for (i, u) in store.units().iter().enumerate() {
+            // A unit none of whose frames a group still takes is not read (a large
+            // store's groups fill in its first layers).
+            let dtype_at = |f: &sluice::store::format::Frame| {
+                u.tensor_at(f.raw_offset).map(|t| u.tensors[t].dtype)
+            };
+            if !u
+                .frames
+                .iter()
+                .any(|f| dtype_at(f).is_some_and(|d| groups.fits(d, f.raw_len as u64)))
+            {
+                continue;
+            }
             raw.resize(u.raw_len as usize, 0);
             store
                 .read_unit(&file, i, &mut stored, &mut raw, &mut dec)
@@ -149,10 +161,12 @@ pub fn load(src: &Path, max_bytes: u64, frame_size: u32) -> Result<Vec<Group>, S
                 frames,
             } = writer::packed_frames(&model, spec, Codec::Float, frame_size, src)
                 .map_err(|e| e.to_string())?;
+            if !frames.iter().any(|&(_, len, d)| groups.fits(d, len)) {
+                continue;
+            }
             blob.clear();
             blob.resize(raw_len as usize, 0);
-            // Only the tensors of frames a group still takes are read (a large model's
-            // groups fill in its first layers).
+            // Only the tensors of frames a group still takes are read.
             let mut copied = vec![false; tensors.len()];
             for (at, len, dtype) in frames {
                 if !groups.fits(dtype, len) {
