@@ -3,7 +3,8 @@
 //! `float` (`fpsplit.rs`) splits each float element into its exponent and the rest and
 //! Huffman-codes the exponents only; the codecs below work on byte planes.
 //!
-//! A frame is up to `frame_size` bytes of one tensor's decompressed blob. For 16- and 32-bit
+//! A frame is up to `frame_size` bytes of one dtype of a unit's decompressed blob (a piece of
+//! a tensor, or neighbouring vectors whole: `writer::frame_pieces`). For 16- and 32-bit
 //! floats the frame is split into byte planes (most significant byte of every element first,
 //! then the next, ...): exponents cluster, so the high planes compress well and the low
 //! mantissa planes rarely do. Each plane is coded on its own and kept raw when coding does

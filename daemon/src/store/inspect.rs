@@ -88,7 +88,8 @@ pub fn summarize(m: &Manifest) -> Summary {
             d.tensors += 1;
         }
         for f in &u.frames {
-            // Frames never straddle tensors: each belongs to the tensor whose region holds it.
+            // A frame holds one dtype (a piece of one tensor, or a unit's neighbouring
+            // vectors whole): the tensor whose region holds its start has it.
             let Some(t) = u.tensor_at(f.raw_offset) else {
                 continue;
             };
