@@ -161,7 +161,7 @@ pub fn frame(data: &[u8]) {
         raw
     };
     let (codec, planes, bytes) = (e.codec, e.planes.clone(), e.bytes.to_vec());
-    let sum = xxhash_rust::xxh3::xxh3_64(raw);
+    let sum = crate::util::xxh3(raw);
     let Ok(dec) = FrameDecoder::new(raw.len()) else {
         return;
     };

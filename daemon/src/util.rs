@@ -132,6 +132,15 @@ pub fn drop_cached(file: &std::fs::File) {
     }
 }
 
+/// XXH3-64 (seed 0) of `bytes`: every frame checksum, linked-source sample and cache key
+/// sluice writes. twox-hash picks its AVX2 or SSE2 loop when it runs; xxhash-rust, which
+/// wrote the checksums of earlier stores, picks at build time and, built for any x86-64,
+/// runs the SSE2 loop at about half the AVX2 rate. One function, one value
+/// (`tests/tests/store.rs` checks them against each other).
+pub fn xxh3(bytes: &[u8]) -> u64 {
+    twox_hash::XxHash3_64::oneshot(bytes)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

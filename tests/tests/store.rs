@@ -480,3 +480,32 @@ fn codec_auto_follows_the_disk_it_is_told_and_round_trips() {
     ]);
     assert!(e.contains("unknown codec \"brotli\""), "{e}");
 }
+
+/// The checksums sluice writes and checks (`util::xxh3`, twox-hash) are the ones stores
+/// of earlier builds hold (xxhash-rust's XXH3-64): every length through the short, mid and
+/// long inputs' paths (0–16, 17–128, 129–240, then stripes and 1 KiB blocks), every start
+/// offset in a word, and a few frames of a megabyte or so.
+#[test]
+fn frame_checksums_are_the_xxh3_earlier_stores_hold() {
+    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let bytes: Vec<u8> = (0..(1 << 20) + 4099)
+        .map(|_| {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state >> 24) as u8
+        })
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    for len in (0..=2200).chain([4095, 4096, 65_536, 1 << 20, (1 << 20) + 4091]) {
+        for off in [0, 1, 3, 7] {
+            let b = &bytes[off..off + len];
+            let want = xxhash_rust::xxh3::xxh3_64(b);
+            assert_eq!(sluice::util::xxh3(b), want, "{len} bytes at offset {off}");
+            seen.insert(want);
+        }
+    }
+    // The inputs differ, so must their checksums (a constant function would pass above
+    // only if xxhash-rust's were one too).
+    assert!(seen.len() > 8000, "{} distinct checksums", seen.len());
+}

@@ -90,10 +90,7 @@ pub fn measure_codec(
         coded.push((e.codec, e.planes, e.bytes.to_vec()));
     }
     let compress = t.elapsed().as_secs_f64();
-    let sums: Vec<u64> = frames
-        .iter()
-        .map(|r| xxhash_rust::xxh3::xxh3_64(r))
-        .collect();
+    let sums: Vec<u64> = frames.iter().map(|r| crate::util::xxh3(r)).collect();
     let tables = SharedTables::new(&shared).map_err(std::io::Error::other)?;
     let mut dec = FrameDecoder::new(frame_size)?.with_shared(std::sync::Arc::new(tables));
     let mut dst = vec![0u8; frame_size];

@@ -13,12 +13,12 @@
 
 use super::fpsplit::{self, Layout};
 use crate::dtype::DType;
+use crate::util::xxh3 as xxh3_64;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::Arc;
-use xxhash_rust::xxh3::xxh3_64;
 
 /// A frame or plane is stored compressed only when that saves at least 3 % of its bytes:
 /// below that the decompression time costs more than the disk time it saves.

@@ -28,10 +28,10 @@ use super::codec::{Codec, Plane};
 use super::fpsplit::{SharedCode, SHARED_CODES_MAX};
 use super::StoreError;
 use crate::dtype::DType;
+use crate::util::xxh3 as xxh3_64;
 use serde::{Deserialize, Serialize};
 use std::ops::Range;
 use std::path::Path;
-use xxhash_rust::xxh3::xxh3_64;
 
 pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
 pub const FORMAT_VERSION: u32 = 10;

@@ -125,7 +125,7 @@ fn sample_checksum(file: &File, offset: u64, len: usize, buf: &mut [u8]) -> std:
     let n = len.min(buf.len());
     let b = &mut buf[..n];
     file.read_exact_at(b, offset)?;
-    Ok(xxhash_rust::xxh3::xxh3_64(b))
+    Ok(crate::util::xxh3(b))
 }
 
 #[cfg(test)]

@@ -461,7 +461,7 @@ fn link_units(
                     file_offset: lt.offset + (at - t.offset),
                     raw_offset: at,
                     raw_len: (raw_end - at) as u32,
-                    checksum: xxhash_rust::xxh3::xxh3_64(&blob[at as usize..raw_end as usize]),
+                    checksum: crate::util::xxh3(&blob[at as usize..raw_end as usize]),
                     codec: Codec::Source {
                         head_rows: lt.head_rows,
                         row_bytes: row_bytes as u32,
@@ -858,7 +858,7 @@ fn compress(
                             codec: e.codec,
                             planes: e.planes,
                             bytes: e.bytes.to_vec(),
-                            checksum: xxhash_rust::xxh3::xxh3_64(raw),
+                            checksum: crate::util::xxh3(raw),
                         };
                         results
                             .lock()

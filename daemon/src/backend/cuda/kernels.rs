@@ -670,7 +670,7 @@ impl KernelTable {
 /// The cache key of a compiled kernel file: its full source, the architecture, the NVRTC
 /// version and the compile options, so changing any of them compiles it again.
 pub fn cache_key(full: &str, sm: &str, nvrtc: (i32, i32), options: &[String]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(
+    crate::util::xxh3(
         format!(
             "{full}\n{sm}\nnvrtc {}.{}\n{}",
             nvrtc.0,
