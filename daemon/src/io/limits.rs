@@ -97,16 +97,17 @@ pub(super) fn check(cfg: &IoConfig, m: &Manifest) -> Result<Sizes, String> {
         .units
         .iter()
         .map(|u| {
-            if m.link.is_some() {
-                // Each frame may start chunks of its own (`linked_chunks`).
-                u.frames
-                    .iter()
-                    .map(|f| (f.stored_len() as usize + 2 * IO_ALIGN).div_ceil(cfg.request_bytes))
-                    .sum()
-            } else {
-                ((u.stored_len as usize).div_ceil(IO_ALIGN) * IO_ALIGN).div_ceil(cfg.request_bytes)
-                    + 1
-            }
+            // Cut where frames end, each frame may start chunks of its own (`frame_chunks`);
+            // otherwise requests back to back.
+            let by_frames: usize = u
+                .frames
+                .iter()
+                .map(|f| (f.stored_len() as usize + 2 * IO_ALIGN).div_ceil(cfg.request_bytes))
+                .sum();
+            let back_to_back = ((u.stored_len as usize).div_ceil(IO_ALIGN) * IO_ALIGN)
+                .div_ceil(cfg.request_bytes)
+                + 1;
+            by_frames.max(back_to_back)
         })
         .max()
         .unwrap_or(0);

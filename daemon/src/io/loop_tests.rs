@@ -38,6 +38,8 @@ struct Script {
     most_out: AtomicUsize,
     /// The file offset of every read pushed, in order.
     offsets: Mutex<Vec<u64>>,
+    /// The byte length of each of them.
+    lens: Mutex<Vec<usize>>,
 }
 
 struct Pending {
@@ -65,6 +67,7 @@ impl Reader for Scripted {
     ) -> std::io::Result<()> {
         self.script.pushed.fetch_add(1, Ordering::SeqCst);
         self.script.offsets.lock().unwrap().push(offset);
+        self.script.lens.lock().unwrap().push(len);
         let step = self
             .script
             .steps
@@ -136,6 +139,11 @@ const CODECS: [&str; 2] = ["zstd:3", "none"];
 
 /// A tiny synthetic model packed with small frames, so frames span 4 KiB reads.
 fn packed(dir: &std::path::Path, codec: &str) -> Arc<Store> {
+    packed_in(dir, codec, 4096)
+}
+
+/// The same model packed in frames of `frame_size` raw bytes.
+fn packed_in(dir: &std::path::Path, codec: &str, frame_size: u32) -> Arc<Store> {
     let spec = SynthSpec::llama_like(64, 2, DType::F32);
     let model = synth::model(&spec);
     let units = model.units().expect("units");
@@ -143,7 +151,7 @@ fn packed(dir: &std::path::Path, codec: &str) -> Arc<Store> {
     let opts = PackOptions {
         auto: None,
         codec: codec.parse().expect("codec"),
-        frame_size: 4096,
+        frame_size,
         threads: 1,
         force: true,
         link: false,
@@ -585,4 +593,63 @@ fn reads_out_with(codec: &str, in_flight_bytes: usize) -> usize {
     );
     wait_full(&e);
     out
+}
+
+#[test]
+fn reads_of_large_requests_end_where_frames_end_so_no_frame_spans_two() {
+    // 64 KiB frames (zstd: each stored in fewer bytes, so they do not start on blocks)
+    // read in 1 MiB requests: each read ends with a frame, the next starts at the block
+    // that frame ends in, and every frame lies in one read buffer (its worker decodes it
+    // there, with nothing to join).
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = packed_in(tmp.path(), "zstd:1", 64 << 10);
+    let u = largest_unit(&store);
+    let unit = &store.units()[u];
+    let req = super::event_loop::FRAME_CUT_REQUEST_MIN;
+    assert!(
+        unit.stored_len > 3 * req as u64,
+        "{} bytes: too few for several reads",
+        unit.stored_len
+    );
+    // Requests back to back would cut frames: the test would pass without the cuts
+    // otherwise.
+    let cut = |f: &crate::store::format::Frame| {
+        let (s, e) = (
+            f.file_offset - unit.file_offset,
+            f.file_offset - unit.file_offset + f.stored_len(),
+        );
+        s / req as u64 != (e - 1) / req as u64
+    };
+    assert!(unit.frames.iter().filter(|f| cut(f)).count() >= 2);
+    let script = Arc::new(Script::default());
+    let cfg = IoConfig {
+        request_bytes: req,
+        read_buffers: 4,
+        ..config()
+    };
+    let e = engine_with(&store, &script, cfg);
+    assert_loads_like_pread(&e, &store, u);
+    let reads: Vec<(u64, u64)> = {
+        let (o, l) = (script.offsets.lock().unwrap(), script.lens.lock().unwrap());
+        o.iter()
+            .zip(l.iter())
+            .map(|(&o, &l)| (o, o + l as u64))
+            .collect()
+    };
+    for (i, f) in unit.frames.iter().enumerate() {
+        let (s, e) = (f.file_offset, f.file_offset + f.stored_len());
+        assert!(
+            reads.iter().any(|&(a, b)| a <= s && e <= b),
+            "frame {i} ({s}..{e}) is in no one read: {reads:?}"
+        );
+    }
+    for w in reads.windows(2) {
+        assert!(w[1].0 <= w[0].1, "a gap between reads: {w:?}");
+        assert!(
+            w[0].1 <= w[1].0 + 4096,
+            "reads share more than a block: {w:?}"
+        );
+        assert!(w[1].1 - w[1].0 <= req as u64);
+    }
+    wait_full(&e);
 }

@@ -62,7 +62,8 @@ pub(super) fn worker(
             unsafe { std::slice::from_raw_parts(job.pieces[0].0 as *const u8, job.pieces[0].1) }
         } else {
             // A frame spanning reads is joined into this worker's scratch: the one copy
-            // the engine makes, for a few frames per layer.
+            // the engine makes, for frames larger than a read or read in small requests
+            // (large requests end where frames end, `event_loop::frame_chunks`).
             let mut at = 0;
             for &(p, n) in &job.pieces {
                 let p = p as *const u8;
