@@ -16,11 +16,12 @@ use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
 /// What `--codec auto` chooses among.
-pub const CANDIDATES: [Codec; 4] = [
+pub const CANDIDATES: [Codec; 5] = [
     Codec::None,
     Codec::Lz4,
     Codec::Zstd { level: 1 },
     Codec::Float,
+    Codec::FloatFast,
 ];
 
 /// Bytes of each dtype's calibration sample at most (the writer takes them from the
@@ -73,8 +74,8 @@ pub fn measure_codec(
     let t = Instant::now();
     // The float codec's shared codes, made from these frames as `pack` makes a store's
     // from its small frames; their bytes count as stored bytes (they are the manifest's).
-    let shared = if codec == Codec::Float {
-        let mut census = CodeCensus::default();
+    let shared = if codec.is_float() {
+        let mut census = CodeCensus::for_codec(Some(codec));
         frames.iter().for_each(|f| census.add(f, dtype));
         census.codes()
     } else {

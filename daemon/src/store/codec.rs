@@ -48,6 +48,31 @@ pub enum Codec {
         head_rows: u32,
         row_bytes: u32,
     },
+    /// The float codec's fast setting (`--codec float-fast`), an encoder's choice only: its
+    /// frames are `Float` frames, and stores record them so (`Codec::stored`). A plane
+    /// other than the exponents is coded only where that halves it at least, and f32
+    /// frames take the `F32` layout, whose sign-and-top-7 byte then stays raw: a plane
+    /// that codes to more than 4 bits an element costs a table lookup for every 2.75
+    /// elements or fewer, more decode time than its saved bytes take to read from a fast
+    /// disk. Gemma 3's norm vectors: 0.405 of their size at 3.8 GB/s a core, against
+    /// `Float`'s 0.376 at 2.6 (`sluiced bench-codec`); `--codec auto` weighs the two.
+    /// Appended last: the manifest encodes variants by index.
+    FloatFast,
+}
+
+impl Codec {
+    /// The codec frames encoded with this one record: `FloatFast` frames are `Float`'s.
+    pub fn stored(self) -> Codec {
+        match self {
+            Codec::FloatFast => Codec::Float,
+            c => c,
+        }
+    }
+
+    /// One of the float codec's settings.
+    pub fn is_float(self) -> bool {
+        matches!(self, Codec::Float | Codec::FloatFast)
+    }
 }
 
 impl fmt::Display for Codec {
@@ -57,6 +82,7 @@ impl fmt::Display for Codec {
             Codec::Lz4 => f.write_str("lz4"),
             Codec::Zstd { level } => write!(f, "zstd:{level}"),
             Codec::Float => f.write_str("float"),
+            Codec::FloatFast => f.write_str("float-fast"),
             Codec::Source { head_rows: 0, .. } => f.write_str("link"),
             Codec::Source { .. } => f.write_str("link (rows in rotary order)"),
         }
@@ -72,9 +98,10 @@ impl FromStr for Codec {
             "lz4" => Ok(Codec::Lz4),
             "zstd" => Ok(Codec::Zstd { level: 3 }),
             "float" => Ok(Codec::Float),
+            "float-fast" => Ok(Codec::FloatFast),
             _ => {
                 let level = s.strip_prefix("zstd:").ok_or_else(|| {
-                    format!("unknown codec {s:?}: expected none, lz4, zstd, zstd:N, float (or auto when packing)")
+                    format!("unknown codec {s:?}: expected none, lz4, zstd, zstd:N, float, float-fast (or auto when packing)")
                 })?;
                 let level: i32 = level
                     .parse()
@@ -181,25 +208,32 @@ impl FrameEncoder {
     /// Encodes `raw`, elements of `dtype`: with the float codec for a float dtype, else
     /// split into the dtype's byte planes (`DType::split_width`, 2 or 4 for floats).
     pub fn encode(&mut self, raw: &[u8], dtype: DType) -> std::io::Result<Encoded<'_>> {
-        if self.codec == Codec::Float {
-            return Ok(self.encode_float(raw, dtype));
+        if self.codec.is_float() {
+            return Ok(self.encode_float(raw, dtype, self.codec == Codec::FloatFast));
         }
         self.encode_split(raw, dtype.split_width())
     }
 
     /// The float codec: the exponent plane coded, then each byte plane of the rest coded
     /// where that saves `KEEP_RAW_SAVING_MIN` of it (the top mantissa byte of norm
-    /// weights near 1 does), else raw; the frame kept raw when the whole does not save
-    /// that much or the dtype is not a float.
-    fn encode_float(&mut self, raw: &[u8], dtype: DType) -> Encoded<'_> {
-        if let Some(l) = float_layout(dtype, raw).filter(|l| raw.len().is_multiple_of(l.width())) {
+    /// weights near 1 does; `fast`: half of it, `Codec::FloatFast`), else raw; the frame
+    /// kept raw when the whole does not save that much or the dtype is not a float.
+    fn encode_float(&mut self, raw: &[u8], dtype: DType, fast: bool) -> Encoded<'_> {
+        let saving = if fast {
+            FAST_SAVING_MIN
+        } else {
+            KEEP_RAW_SAVING_MIN
+        };
+        if let Some(l) =
+            float_layout(dtype, raw, fast).filter(|l| raw.len().is_multiple_of(l.width()))
+        {
             fpsplit::split(l, raw, &mut self.float_planes);
             self.out.clear();
             let mut planes = Vec::with_capacity(4);
             let mut exps_pay = true;
             for (i, p) in self.float_planes[..l.planes()].iter().enumerate() {
                 fpsplit::encode_plane_with(l, i, p, &mut self.coded, &self.shared);
-                let pays = worth_keeping(self.coded.len(), p.len());
+                let pays = (self.coded.len() as f64) <= (p.len() as f64) * (1.0 - saving);
                 // The exponent plane is always coded (it names the layout): where that
                 // does not pay, neither does the codec.
                 exps_pay &= i != 0 || pays;
@@ -327,11 +361,17 @@ fn compress_into(
     Ok(())
 }
 
-/// The float codec's layout for `raw`, elements of `dtype` (None: not a float it codes).
-fn float_layout(dtype: DType, raw: &[u8]) -> Option<Layout> {
+/// The share of a plane `Codec::FloatFast` codes only where coding saves (a plane of more
+/// than 4 bits an element stays raw).
+const FAST_SAVING_MIN: f64 = 0.5;
+
+/// The float codec's layout for `raw`, elements of `dtype` (None: not a float it codes);
+/// `fast`: `Codec::FloatFast`'s.
+fn float_layout(dtype: DType, raw: &[u8], fast: bool) -> Option<Layout> {
     match dtype {
         DType::BF16 => Some(Layout::Bf16),
         DType::F16 => Some(Layout::F16Bits),
+        DType::F32 if fast => Some(Layout::F32),
         DType::F32 => Some(fpsplit::f32_layout(raw, KEEP_RAW_SAVING_MIN)),
         _ => None,
     }
@@ -353,18 +393,47 @@ pub struct CodeCensus {
     planes: [Vec<u8>; fpsplit::PLANES_MAX],
     /// Frames counted so far.
     added: usize,
+    /// Frames are counted in `Codec::FloatFast`'s layout too, where it differs (a store
+    /// whose frames may take either setting).
+    fast: bool,
+    /// Frames are counted in `Codec::FloatFast`'s layout only.
+    fast_only: bool,
 }
 
 /// Frames whose symbol counts the census keeps apart, per layout and plane.
 const CENSUS_FRAMES_MAX: usize = 4096;
 
 impl CodeCensus {
+    /// A census of the frames of a store packed with `codec` (a float setting), or with
+    /// `--codec auto` (None): frames counted as that setting lays them out, or as either.
+    pub fn for_codec(codec: Option<Codec>) -> Self {
+        CodeCensus {
+            fast: codec.is_none(),
+            fast_only: codec == Some(Codec::FloatFast),
+            ..CodeCensus::default()
+        }
+    }
+
     /// Counts the symbols of one frame (whole elements of `dtype`); frames of other
     /// dtypes, or larger than `SHARED_FRAME_BYTES_MAX`, are left out.
     pub fn add(&mut self, raw: &[u8], dtype: DType) {
-        let Some(l) = float_layout(dtype, raw) else {
+        let (Some(l), Some(f)) = (
+            float_layout(dtype, raw, false),
+            float_layout(dtype, raw, true),
+        ) else {
             return;
         };
+        if self.fast_only {
+            self.add_as(f, raw);
+            return;
+        }
+        self.add_as(l, raw);
+        if self.fast && f != l {
+            self.add_as(f, raw);
+        }
+    }
+
+    fn add_as(&mut self, l: Layout, raw: &[u8]) {
         if raw.is_empty()
             || raw.len() > SHARED_FRAME_BYTES_MAX
             || !raw.len().is_multiple_of(l.width())
@@ -706,9 +775,11 @@ fn decompress_into(
         Codec::Zstd { .. } => zstd
             .decompress_to_buffer(src, dst)
             .map_err(|e| FrameFault::Decompress(format!("zstd: {e}"))),
-        Codec::None | Codec::Float | Codec::Source { .. } => Err(FrameFault::Decompress(format!(
-            "a byte plane marked compressed in a frame stored with codec {codec}"
-        ))),
+        Codec::None | Codec::Float | Codec::FloatFast | Codec::Source { .. } => {
+            Err(FrameFault::Decompress(format!(
+                "a byte plane marked compressed in a frame stored with codec {codec}"
+            )))
+        }
     }
 }
 
@@ -811,6 +882,7 @@ mod tests {
             Codec::Zstd { level: 1 },
             Codec::Zstd { level: 3 },
             Codec::Float,
+            Codec::FloatFast,
         ];
         for dtype in [DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4K] {
             let per = dtype.block_elems() as usize;
@@ -826,9 +898,11 @@ mod tests {
                     dec.decode(c, &planes, xxh3_64(&raw), &stored, &mut out)
                         .unwrap_or_else(|e| panic!("{dtype:?} x {n} {codec}: {e}"));
                     assert_eq!(out, raw, "{dtype:?} x {n} with {codec}");
-                    if codec == Codec::Float && dtype.split_width() > 1 && n >= 4096 {
+                    if codec.is_float() && dtype.split_width() > 1 && n >= 4096 {
                         assert_eq!(c, Codec::Float, "{dtype:?} x {n}: the float codec pays");
                     }
+                    // Frames record what decodes them: float-fast's are float frames.
+                    assert_ne!(c, Codec::FloatFast);
                 }
             }
         }
@@ -916,18 +990,61 @@ mod tests {
         assert_eq!(e.bytes, &raw[..]);
     }
 
+    /// f32 norm weights as a GGUF holds them: near 1, bf16 precision (`floats_f32`'s
+    /// values, spread six times wider around 1).
+    fn norm_frame(n: usize) -> Vec<u8> {
+        floats_f32(n)
+            .chunks_exact(4)
+            .flat_map(|b| {
+                let v = 1.0 + f32::from_le_bytes(crate::util::array(b)) * 6.0;
+                (v.to_bits() & 0xffff_0000).to_le_bytes()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn float_fast_keeps_norm_vectors_sign_and_top_byte_raw_and_writes_float_frames() {
+        assert_eq!("float-fast".parse::<Codec>(), Ok(Codec::FloatFast));
+        assert_eq!(Codec::FloatFast.to_string(), "float-fast");
+        assert_eq!(Codec::FloatFast.stored(), Codec::Float);
+        // Norm vectors as in the test below: `float` takes the top split, whose 4-bit
+        // top symbols code to about 3 bits (several lookups' worth an element); the fast
+        // setting takes `F32`, codes the exponents and keeps the sign-and-top-7 byte
+        // (about 6.5 bits coded: less than half saved) raw.
+        for n in [256usize, 576, 4099] {
+            let raw = norm_frame(n);
+            let size = |codec: Codec| -> usize {
+                let mut enc = FrameEncoder::new(codec).expect("test setup");
+                enc.encode(&raw, DType::F32).expect("encodes").bytes.len()
+            };
+            let mut enc = FrameEncoder::new(Codec::FloatFast).expect("test setup");
+            let e = enc.encode(&raw, DType::F32).expect("encodes");
+            let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());
+            assert_eq!(c, Codec::Float, "{n}");
+            assert_eq!(planes.len(), 4, "{n}");
+            let exps = &stored[..planes[0].stored_len as usize];
+            assert_eq!(fpsplit::plane_layout(exps), Ok(Layout::F32));
+            assert!(
+                planes[0].compressed && !planes[3].compressed,
+                "{n}: {planes:?}"
+            );
+            let mut dec = FrameDecoder::new(raw.len()).expect("test setup");
+            let mut out = vec![0u8; raw.len()];
+            dec.decode(c, &planes, xxh3_64(&raw), &stored, &mut out)
+                .expect("decodes");
+            assert_eq!(out, raw, "{n}");
+            let (float, fast) = (size(Codec::Float), stored.len());
+            assert!(
+                float < fast && fast < raw.len(),
+                "{n}: float {float}, fast {fast}"
+            );
+        }
+    }
+
     #[test]
     fn norm_vectors_take_the_top_split_and_a_flipped_byte_is_caught() {
-        // f32 norm weights as a GGUF holds them: near 1, bf16 precision (`floats_f32`'s
-        // values, spread six times wider around 1).
         for n in [256usize, 576, 4099] {
-            let raw: Vec<u8> = floats_f32(n)
-                .chunks_exact(4)
-                .flat_map(|b| {
-                    let v = 1.0 + f32::from_le_bytes(crate::util::array(b)) * 6.0;
-                    (v.to_bits() & 0xffff_0000).to_le_bytes()
-                })
-                .collect();
+            let raw = norm_frame(n);
             let mut enc = FrameEncoder::new(Codec::Float).expect("test setup");
             let e = enc.encode(&raw, DType::F32).expect("test setup");
             let (c, planes, stored) = (e.codec, e.planes.clone(), e.bytes.to_vec());

@@ -719,6 +719,12 @@ impl Manifest {
                     (None, c @ Codec::Source { .. }) => {
                         return Err(at(format!("codec {c} in a store that links no source")));
                     }
+                    (None, Codec::FloatFast) => {
+                        return Err(at(
+                            "codec float-fast recorded in a frame (its frames are float frames)"
+                                .into(),
+                        ));
+                    }
                     (None, _) => {}
                 }
                 let w = f.planes.len();

@@ -295,8 +295,9 @@ fn pack_into(
     };
     // The float codec's shared codes, from the model's small float tensors (none for a
     // store whose frames cannot use the float codec).
-    let mut codes = if opts.codec == Codec::Float || opts.auto.is_some() {
-        shared_codes(model, units, out, opts.frame_size)?
+    let mut codes = if opts.codec.is_float() || opts.auto.is_some() {
+        let codec = opts.auto.is_none().then_some(opts.codec);
+        shared_codes(model, units, out, opts.frame_size, codec)?
     } else {
         Vec::new()
     };
@@ -336,8 +337,8 @@ fn pack_into(
             head_rows: 0,
             row_bytes: 0,
         },
-        (None, Some(a)) => a.main_codec(),
-        (None, None) => opts.codec,
+        (None, Some(a)) => a.main_codec().stored(),
+        (None, None) => opts.codec.stored(),
     };
     let manifest = Manifest {
         arch: header.arch,
@@ -564,14 +565,16 @@ fn write_units(
 
 /// The float codec's shared codes for `units` (`CodeCensus`): the symbols of every frame
 /// of float tensors of at most `SHARED_FRAME_BYTES_MAX` bytes, cut as `frame_pieces` cuts
-/// the units with the float codec (with their padding to `TENSOR_ALIGN`).
+/// the units with the float codec (with their padding to `TENSOR_ALIGN`), laid out as
+/// `codec` lays them (None: `--codec auto`, as either float setting).
 fn shared_codes(
     model: &impl PackSource,
     units: &[UnitSpec],
     out: &Path,
     frame_size: u32,
+    codec: Option<Codec>,
 ) -> Result<Vec<SharedCode>, StoreError> {
-    let mut census = CodeCensus::default();
+    let mut census = CodeCensus::for_codec(codec);
     let tied = model.header().arch.tied_embeddings;
     let (mut bytes, mut whole) = (Vec::new(), Vec::new());
     for spec in units {
@@ -748,7 +751,7 @@ fn frame_pieces(
     let mut open = false;
     for ((i, t), &codec) in tensors.iter().enumerate().zip(codecs) {
         let end = tensors.get(i + 1).map_or(raw_len, |n| n.offset);
-        let float_coded = codec == Codec::Float && t.dtype.split_width() >= 2;
+        let float_coded = codec.is_float() && t.dtype.split_width() >= 2;
         let size = frame_size_of(kind, float_coded, tied, frame_size) as u64;
         let vector = is_vector(&t.name, &t.shape);
         if let Some(last) = pieces.last_mut().filter(|p| {

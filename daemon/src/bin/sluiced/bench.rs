@@ -403,7 +403,7 @@ pub struct BenchCodecArgs {
     /// Codecs to measure, comma-separated.
     #[arg(
         long,
-        default_value = "none,lz4,zstd:1,zstd:3,float",
+        default_value = "none,lz4,zstd:1,zstd:3,float,float-fast",
         value_delimiter = ','
     )]
     pub codecs: Vec<Codec>,

@@ -23,7 +23,9 @@ pub struct PackArgs {
     #[arg(long)]
     pub models_dir: Option<PathBuf>,
     /// Frame codec: none, lz4, zstd, zstd:N, float (16- and 32-bit floats: exponents
-    /// Huffman-coded, sign and mantissa raw; other tensors raw), or auto: per tensor,
+    /// Huffman-coded, sign and mantissa raw; other tensors raw), float-fast (float's
+    /// fast setting: other planes coded only where that halves them, for fast disks), or
+    /// auto: per tensor,
     /// the codec that delivers decompressed bytes fastest, min(disk / ratio, workers x
     /// decode rate), from rates measured here (pin them with --disk-gbps and
     /// --decode-workers for a store packed on one machine for another).

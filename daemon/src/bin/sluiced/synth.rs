@@ -43,8 +43,9 @@ pub struct SynthArgs {
     /// Seed of the random weights.
     #[arg(long, default_value_t = 1)]
     pub seed: u64,
-    /// Frame codec: none, lz4, zstd, zstd:N, or float (16- and 32-bit floats: exponents
-    /// Huffman-coded, sign and mantissa raw; other tensors raw).
+    /// Frame codec: none, lz4, zstd, zstd:N, float (16- and 32-bit floats: exponents
+    /// Huffman-coded, sign and mantissa raw; other tensors raw) or float-fast (float's
+    /// fast setting).
     #[arg(long, default_value = "zstd:1", value_parser = parse_codec)]
     pub codec: Codec,
     /// Uncompressed bytes per frame (e.g. 1MiB).
