@@ -193,17 +193,17 @@ def main():
         report = json.loads(out)
         floats = gguf_float_groups(path, max_bytes) if str(path).endswith(".gguf") else safetensors_groups(path, max_bytes)
         print(f"\n{label}: {path}")
-        print(f"  {'dtype':<7} {'codec':<8} {'ratio':>7} {'compress GB/s':>14} {'decompress GB/s':>16}")
+        print(f"  {'dtype':<7} {'codec':<10} {'ratio':>7} {'compress GB/s':>14} {'decompress GB/s':>16}")
         for g in report["groups"]:
             print(f"  {g['dtype']:<7} {g['tensors']} tensors in {g['frames']} frames ({g['framing']} framing)")
             for c in g["codecs"]:
-                print(f"  {g['dtype']:<7} {c['codec']:<8} {c['ratio']:>7.4f} {c['compress_gbps']:>14.3f} {c['decompress_gbps']:>16.3f}")
+                print(f"  {g['dtype']:<7} {c['codec']:<10} {c['ratio']:>7.4f} {c['compress_gbps']:>14.3f} {c['decompress_gbps']:>16.3f}")
             if g["dtype"] in floats:
                 data = floats[g["dtype"]]
                 if len(data) != g["bytes"]:
                     sys.exit(f"{label} {g['dtype']}: {len(data)} bytes here, {g['bytes']} in sluiced's run")
                 z = zipnn_figures(g["dtype"], data)
-                print(f"  {g['dtype']:<7} {'zipnn':<8} {z['ratio']:>7.4f} {z['compress_gbps']:>14.3f} {z['decompress_gbps']:>16.3f}")
+                print(f"  {g['dtype']:<7} {'zipnn':<10} {z['ratio']:>7.4f} {z['compress_gbps']:>14.3f} {z['decompress_gbps']:>16.3f}")
                 best = next((c for c in g["codecs"] if c["codec"] == "float"), None)
                 for c in g["codecs"]:
                     if c["codec"] in ("float", "float-fast"):
