@@ -233,7 +233,9 @@ impl FrameEncoder {
             let mut exps_pay = true;
             for (i, p) in self.float_planes[..l.planes()].iter().enumerate() {
                 fpsplit::encode_plane_with(l, i, p, &mut self.coded, &self.shared);
-                let pays = (self.coded.len() as f64) <= (p.len() as f64) * (1.0 - saving);
+                // (The exponents, under the 3 % rule in either setting.)
+                let need = if i == 0 { KEEP_RAW_SAVING_MIN } else { saving };
+                let pays = (self.coded.len() as f64) <= (p.len() as f64) * (1.0 - need);
                 // The exponent plane is always coded (it names the layout): where that
                 // does not pay, neither does the codec.
                 exps_pay &= i != 0 || pays;
