@@ -140,7 +140,8 @@ pub(super) const FRAME_CUT_REQUEST_MIN: usize = 256 * IO_ALIGN;
 /// it reads for, and each frame's chunks are consecutive, in order, and hold its bytes
 /// once: a frame no larger than a request lies in one read buffer, and its worker decodes
 /// it where it landed instead of first joining its pieces (a copy of about one frame in
-/// every request's worth, 4 % of a worker's time on a float-coded store).
+/// every request's worth; on this VM's noisy bench-io runs the saving was not
+/// measurable).
 fn frame_chunks(
     frames: &[crate::store::format::Frame],
     part: Range<usize>,
