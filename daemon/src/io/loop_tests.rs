@@ -36,10 +36,8 @@ struct Script {
     pushed: AtomicUsize,
     /// The most reads pushed and not yet answered at once.
     most_out: AtomicUsize,
-    /// The file offset of every read pushed, in order.
-    offsets: Mutex<Vec<u64>>,
-    /// The byte length of each of them.
-    lens: Mutex<Vec<usize>>,
+    /// The file offset and byte length of every read pushed, in order.
+    reads: Mutex<Vec<(u64, usize)>>,
 }
 
 struct Pending {
@@ -66,8 +64,7 @@ impl Reader for Scripted {
         offset: u64,
     ) -> std::io::Result<()> {
         self.script.pushed.fetch_add(1, Ordering::SeqCst);
-        self.script.offsets.lock().unwrap().push(offset);
-        self.script.lens.lock().unwrap().push(len);
+        self.script.reads.lock().unwrap().push((offset, len));
         let step = self
             .script
             .steps
@@ -541,7 +538,7 @@ fn next_reads_out_with(codec: &str, follow_bytes: usize) -> usize {
     }
     std::thread::sleep(Duration::from_millis(50));
     let span = |u: usize| units[u].file_offset..units[u].file_offset + units[u].stored_len;
-    let offsets = script.offsets.lock().unwrap().clone();
+    let offsets: Vec<u64> = script.reads.lock().unwrap().iter().map(|r| r.0).collect();
     let of_b = offsets.iter().filter(|o| span(b).contains(o)).count();
     let of_a = offsets.iter().filter(|o| span(a).contains(o)).count();
     assert_eq!(
@@ -629,13 +626,13 @@ fn reads_of_large_requests_end_where_frames_end_so_no_frame_spans_two() {
     };
     let e = engine_with(&store, &script, cfg);
     assert_loads_like_pread(&e, &store, u);
-    let reads: Vec<(u64, u64)> = {
-        let (o, l) = (script.offsets.lock().unwrap(), script.lens.lock().unwrap());
-        o.iter()
-            .zip(l.iter())
-            .map(|(&o, &l)| (o, o + l as u64))
-            .collect()
-    };
+    let reads: Vec<(u64, u64)> = script
+        .reads
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|&(o, l)| (o, o + l as u64))
+        .collect();
     for (i, f) in unit.frames.iter().enumerate() {
         let (s, e) = (f.file_offset, f.file_offset + f.stored_len());
         assert!(

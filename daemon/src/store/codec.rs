@@ -395,11 +395,18 @@ pub struct CodeCensus {
     planes: [Vec<u8>; fpsplit::PLANES_MAX],
     /// Frames counted so far.
     added: usize,
-    /// Frames are counted in `Codec::FloatFast`'s layout too, where it differs (a store
-    /// whose frames may take either setting).
-    fast: bool,
-    /// Frames are counted in `Codec::FloatFast`'s layout only.
-    fast_only: bool,
+    /// The float settings whose layouts frames are counted in.
+    settings: CensusSettings,
+}
+
+/// Which float settings' layouts a census counts frames in (`CodeCensus::for_codec`).
+#[derive(Default, Clone, Copy, PartialEq, Eq)]
+enum CensusSettings {
+    #[default]
+    Float,
+    FloatFast,
+    /// Both (`--codec auto`): a frame whose two layouts differ is counted in each.
+    Either,
 }
 
 /// Frames whose symbol counts the census keeps apart, per layout and plane.
@@ -409,9 +416,13 @@ impl CodeCensus {
     /// A census of the frames of a store packed with `codec` (a float setting), or with
     /// `--codec auto` (None): frames counted as that setting lays them out, or as either.
     pub fn for_codec(codec: Option<Codec>) -> Self {
+        let settings = match codec {
+            None => CensusSettings::Either,
+            Some(Codec::FloatFast) => CensusSettings::FloatFast,
+            Some(_) => CensusSettings::Float,
+        };
         CodeCensus {
-            fast: codec.is_none(),
-            fast_only: codec == Some(Codec::FloatFast),
+            settings,
             ..CodeCensus::default()
         }
     }
@@ -425,13 +436,15 @@ impl CodeCensus {
         ) else {
             return;
         };
-        if self.fast_only {
-            self.add_as(f, raw);
-            return;
-        }
-        self.add_as(l, raw);
-        if self.fast && f != l {
-            self.add_as(f, raw);
+        match self.settings {
+            CensusSettings::Float => self.add_as(l, raw),
+            CensusSettings::FloatFast => self.add_as(f, raw),
+            CensusSettings::Either => {
+                self.add_as(l, raw);
+                if f != l {
+                    self.add_as(f, raw);
+                }
+            }
         }
     }
 
