@@ -23,6 +23,12 @@ use crate::store::arch::Gating;
 use crate::store::format::{LayerUnit, Manifest, UnitKind};
 use std::ops::Range;
 
+/// The phases of a dense decoder layer, in the order they run (`Decoder::layer_phases`):
+/// attention (with every norm and bias of the layer: they lie first in its unit), then the
+/// gate, up and down projections. A layer that streams in pieces (`plan::layer_pieces`)
+/// runs each piece's phases as it lands.
+pub const LAYER_PHASES: usize = 4;
+
 /// Where a tensor is inside its unit's blob.
 #[derive(Clone, Copy, Debug)]
 pub struct TensorLoc {
@@ -1114,6 +1120,76 @@ impl<B: Backend> Decoder<B> {
             .sparse_layer(unit)
             .expect("sparse_end on a mixture's layer");
         self.ffn_end(b, i, mem);
+    }
+
+    /// Phases `phases` of dense decoder layer unit `unit` (`LAYER_PHASES`: 0
+    /// attention with the norm before the feed-forward block, 1 gate, 2 up and the gated
+    /// activation, 3 down and the residual): `mem` holds the unit's raw bytes from
+    /// `raw_base` on (the phases' tensors at least). Run over all four phases in order, in
+    /// one call or several, a layer computes exactly what `forward_unit` does: the gate
+    /// and up projections are the same rows' dot products whether made in one call or two.
+    pub fn layer_phases(
+        &mut self,
+        b: &B,
+        unit: usize,
+        phases: Range<usize>,
+        mem: &B::Mem,
+        raw_base: u64,
+    ) {
+        let UnitKind::Decoder(i) = self.unit_kinds[unit] else {
+            panic!(
+                "layer phases of {}, not a decoder layer",
+                self.unit_kinds[unit]
+            );
+        };
+        let i = i as usize;
+        let _span = tracing::trace_span!("phases", unit, start = phases.start).entered();
+        let base = raw_base as usize;
+        let at = |t: &TensorLoc| TensorLoc {
+            offset: t.offset - base,
+            ..*t
+        };
+        for phase in phases {
+            if phase == 0 {
+                assert_eq!(base, 0, "attention runs from the unit's first piece");
+                self.attention(b, i, mem);
+                continue;
+            }
+            let Ffn::Dense { gate, up, down } = &self.layers[i].ffn else {
+                panic!("feed-forward phases of layer {i}, which has no dense MLP");
+            };
+            let (rows, gemv_rows, ws) = (self.rows, self.gemv_rows, &mut self.ws);
+            match phase {
+                1 => b.matmul(
+                    &ws.xn,
+                    rows,
+                    gemv_rows,
+                    at(gate).at(mem),
+                    None,
+                    &mut ws.gate,
+                ),
+                2 => {
+                    b.matmul(&ws.xn, rows, gemv_rows, at(up).at(mem), None, &mut ws.up);
+                    gated_act(&self.cfg).apply(b, &mut ws.gate, &ws.up, rows * gate.rows);
+                }
+                3 => {
+                    b.matmul(
+                        &ws.gate,
+                        rows,
+                        gemv_rows,
+                        at(down).at(mem),
+                        None,
+                        &mut ws.proj,
+                    );
+                    assert!(
+                        base == 0 || self.layers[i].post_ffn_norm.is_none(),
+                        "a norm after the feed-forward block lies in the first piece"
+                    );
+                    self.ffn_end(b, i, mem);
+                }
+                _ => panic!("layer phase {phase} of {LAYER_PHASES}"),
+            }
+        }
     }
 
     /// The embedding table: its place in unit 0.

@@ -148,13 +148,15 @@ impl PassStats {
 }
 
 /// One load of a pass: a whole unit, row part `.0` of the embedding for a tied head
-/// (`Plan::head_parts`), the dense part of a mixture's layer that streams sparsely
+/// (`Plan::head_parts`), piece `.1` of a dense layer that streams in pieces
+/// (`Plan::pieces`), the dense part of a mixture's layer that streams sparsely
 /// (`Plan::sparse`), or one expert of such a layer (requested once the layer routed, or
 /// predicted before).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Load {
     Unit(usize),
     Part(usize),
+    Piece(usize, usize),
     Dense(usize),
     Expert(usize, u32),
 }
@@ -162,7 +164,7 @@ enum Load {
 impl Load {
     fn unit(self) -> usize {
         match self {
-            Load::Unit(u) | Load::Dense(u) | Load::Expert(u, _) => u,
+            Load::Unit(u) | Load::Piece(u, _) | Load::Dense(u) | Load::Expert(u, _) => u,
             Load::Part(_) => 0,
         }
     }
@@ -510,10 +512,13 @@ impl<B: Backend> Pipeline<B> {
         let mut loads = Vec::with_capacity(n + plan.head_parts.len());
         for (u, r) in resident.iter().enumerate().skip(1) {
             if r.is_none() {
-                match (&plan.sparse[u], plan.dense_resident.get(u)) {
-                    (Some(_), Some(true)) => {}
-                    (Some(_), _) => loads.push(Load::Dense(u)),
-                    (None, _) => loads.push(Load::Unit(u)),
+                match (&plan.sparse[u], plan.dense_resident.get(u), &plan.pieces[u]) {
+                    (Some(_), Some(true), _) => {}
+                    (Some(_), _, _) => loads.push(Load::Dense(u)),
+                    (None, _, Some(pieces)) => {
+                        loads.extend((0..pieces.len()).map(|k| Load::Piece(u, k)))
+                    }
+                    (None, _, None) => loads.push(Load::Unit(u)),
                 }
             }
             if u == n - 1 {
@@ -646,7 +651,9 @@ impl<B: Backend> Pipeline<B> {
                     Load::Part(p) => self
                         .io
                         .request_part(0, self.plan.head_parts[p].frames.clone())?,
-                    Load::Dense(u) => self.io.request_part(u, self.load_frames(load))?,
+                    Load::Dense(u) | Load::Piece(u, _) => {
+                        self.io.request_part(u, self.load_frames(load))?
+                    }
                     Load::Expert(..) => unreachable!("experts load once routed"),
                 })
             };
@@ -766,6 +773,10 @@ impl<B: Backend> Pipeline<B> {
                 self.sparse_layer(u, &mut at, &mut st)?;
                 continue;
             }
+            if self.resident[u].is_none() && self.plan.pieces[u].is_some() {
+                self.pieced_layer(u, &mut at, &mut st)?;
+                continue;
+            }
             let is_head = self.store.units()[u].kind == UnitKind::Head;
             let in_parts = is_head && !self.plan.head_parts.is_empty();
             let used = if self.resident[u].is_none() {
@@ -820,6 +831,37 @@ impl<B: Backend> Pipeline<B> {
         }
         self.backend.check()?;
         self.account(st, copy0, t_pass);
+        Ok(())
+    }
+
+    /// A dense layer that streams in pieces (`Plan::pieces`): each piece is fetched as the
+    /// one before runs, and its phases run as soon as it is in; its slot goes back once
+    /// they are enqueued, so the slots hold pieces, not layers.
+    fn pieced_layer(
+        &mut self,
+        u: usize,
+        at: &mut PassAt,
+        st: &mut PassStats,
+    ) -> Result<(), PipelineError> {
+        let n = self.plan.pieces[u].as_ref().map_or(0, |p| p.len());
+        for k in 0..n {
+            let load = Load::Piece(u, k);
+            let used = self.fetch(load, at, st)?;
+            if !self.skip_compute {
+                let t0 = Instant::now();
+                let mem = mem_of!(self, load);
+                let piece = &self.plan.pieces[u].as_ref().expect("counted above")[k];
+                self.model.layer_phases(
+                    &self.backend,
+                    u,
+                    piece.phases.clone(),
+                    mem,
+                    piece.raw_base,
+                );
+                st.compute_s += t0.elapsed().as_secs_f64();
+            }
+            self.computed(used, st)?;
+        }
         Ok(())
     }
 
@@ -909,13 +951,20 @@ impl<B: Backend> Pipeline<B> {
         match load {
             Load::Unit(u) => units[u].raw_len as usize,
             Load::Part(p) => self.plan.head_parts[p].raw_len as usize,
-            Load::Dense(u) | Load::Expert(u, _) => {
+            Load::Dense(u) | Load::Expert(u, _) | Load::Piece(u, _) => {
                 units[u].part_span(self.load_frames(load), false) as usize
             }
         }
     }
 
-    /// The frames of a sparse layer's load.
+    /// Piece `k` of pieced layer `u`.
+    fn piece(&self, u: usize, k: usize) -> &crate::plan::LayerPiece {
+        &self.plan.pieces[u]
+            .as_ref()
+            .expect("a piece of a layer that streams in pieces")[k]
+    }
+
+    /// The frames of a sparse layer's load, a piece or a part.
     fn load_frames(&self, load: Load) -> std::ops::Range<usize> {
         let sp = |u: usize| {
             self.plan.sparse[u]
@@ -927,6 +976,7 @@ impl<B: Backend> Pipeline<B> {
             Load::Expert(u, e) => sp(u).experts[e as usize].frames.clone(),
             Load::Unit(u) => 0..self.store.units()[u].frames.len(),
             Load::Part(p) => self.plan.head_parts[p].frames.clone(),
+            Load::Piece(u, k) => self.piece(u, k).frames.clone(),
         }
     }
 
@@ -935,6 +985,7 @@ impl<B: Backend> Pipeline<B> {
         match load {
             Load::Unit(_) | Load::Dense(_) => 0,
             Load::Part(p) => self.plan.head_parts[p].raw_base,
+            Load::Piece(u, k) => self.piece(u, k).raw_base,
             Load::Expert(u, e) => {
                 self.plan.sparse[u]
                     .as_ref()

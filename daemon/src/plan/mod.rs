@@ -8,7 +8,7 @@
 
 use crate::model::decoder::{kv_cache_bytes, workspace_bytes};
 use crate::model::ModelOptions;
-use crate::store::format::{ExpertRange, Manifest, UnitKind};
+use crate::store::format::{ExpertRange, Manifest, UnitKind, BLOB_ALIGN};
 use crate::util::fmt_bytes;
 use std::ops::Range;
 
@@ -200,6 +200,8 @@ pub struct UnitPlan {
     pub experts_routed: bool,
     /// Such a layer whose dense part is resident: only its experts load.
     pub dense_resident: bool,
+    /// A streamed dense layer that loads in pieces (`Plan::pieces`): how many (0: whole).
+    pub pieces: usize,
 }
 
 /// A decoder layer of a mixture of experts that streams sparsely: its dense part
@@ -235,6 +237,81 @@ pub fn sparse_unit(m: &Manifest, u: usize) -> Option<SparseUnit> {
         dense_raw: first.raw.start,
         experts,
     })
+}
+
+pub use crate::model::decoder::LAYER_PHASES;
+
+/// A piece of a dense layer that streams in pieces: a run of its unit's frames holding
+/// the whole tensors of consecutive phases (`LAYER_PHASES`), loaded into a staging slot
+/// sized for it, and run as soon as it lands.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
+pub struct LayerPiece {
+    pub frames: Range<usize>,
+    /// The raw offset in its unit of its first byte.
+    pub raw_base: u64,
+    pub phases: Range<usize>,
+}
+
+/// Unit `u` cut into pieces where a feed-forward projection starts a frame, so that a slot
+/// need hold only the largest piece, not the layer: a dense decoder layer (a mixture's
+/// layer streams its experts instead) laid out as `lay_out` writes one, its vectors and
+/// attention first, then the gate, up and down projections. A store read straight into
+/// the slots (stored as raw) is cut only where the frame starts O_DIRECT-aligned in the
+/// file. A model with a norm after its feed-forward block (Gemma 2 and 3) is not cut: that
+/// norm lies in the first piece, whose slot is handed back before the last piece runs.
+/// None where no cut can be made.
+pub fn layer_pieces(m: &Manifest, u: usize) -> Option<Vec<LayerPiece>> {
+    let unit = m.units.get(u)?;
+    let UnitKind::Decoder(i) = unit.kind else {
+        return None;
+    };
+    if m.arch.is_sparse(i) || m.arch.arch.recipe().post_ffn_norm.is_some() {
+        return None;
+    }
+    let mlp = ["gate_proj", "up_proj", "down_proj"]
+        .map(|n| unit.tensor(&format!("model.layers.{i}.mlp.{n}.weight")));
+    let [Some(gate), Some(up), Some(down)] = mlp else {
+        return None;
+    };
+    let others_first = unit
+        .tensors
+        .iter()
+        .filter(|t| ![gate, up, down].iter().any(|x| x.name == t.name))
+        .all(|t| t.offset + t.len <= gate.offset);
+    if !others_first || gate.offset >= up.offset || up.offset >= down.offset {
+        return None;
+    }
+    let direct = unit.stored_as_raw();
+    // (first frame, phase) where a piece may start.
+    let cuts: Vec<(usize, usize)> = [gate, up, down]
+        .iter()
+        .enumerate()
+        .filter_map(|(k, t)| {
+            let f = unit.frames.iter().position(|f| f.raw_offset == t.offset)?;
+            let aligned = unit.frames[f].file_offset.is_multiple_of(BLOB_ALIGN);
+            (!direct || aligned).then_some((f, k + 1))
+        })
+        .collect();
+    if cuts.is_empty() {
+        return None;
+    }
+    let starts: Vec<(usize, usize)> = std::iter::once((0, 0)).chain(cuts).collect();
+    let pieces = starts
+        .iter()
+        .enumerate()
+        .map(|(j, &(f, phase))| {
+            let (f_end, p_end) = starts
+                .get(j + 1)
+                .copied()
+                .unwrap_or((unit.frames.len(), LAYER_PHASES));
+            LayerPiece {
+                frames: f..f_end,
+                raw_base: unit.frames[f].raw_offset,
+                phases: phase..p_end,
+            }
+        })
+        .collect();
+    Some(pieces)
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -275,6 +352,10 @@ pub struct Plan {
     /// serialized: `UnitPlan::experts_routed` says which).
     #[serde(skip)]
     pub sparse: Vec<Option<SparseUnit>>,
+    /// Per unit, the pieces a streamed dense layer loads in, where the slots are smaller
+    /// than it (`layer_pieces`; `UnitPlan::pieces` counts them).
+    #[serde(skip)]
+    pub pieces: Vec<Option<Vec<LayerPiece>>>,
     /// Per unit, a sparse layer whose dense part is resident (its experts still stream),
     /// and their bytes.
     #[serde(skip)]
@@ -606,11 +687,15 @@ impl Plan {
             fmt_bytes(self.upload_bytes_per_pass),
         );
         // Runs of units with the same placement, e.g. "layers 0-11 resident".
+        let how = |u: &UnitPlan| match u.pieces {
+            0 => format!("{:?}", u.placement),
+            n => format!("{:?} in {n} pieces", u.placement),
+        };
         let mut i = 0;
         while i < self.units.len() {
-            let p = self.units[i].placement;
+            let p = how(&self.units[i]);
             let mut j = i;
-            while j + 1 < self.units.len() && self.units[j + 1].placement == p {
+            while j + 1 < self.units.len() && how(&self.units[j + 1]) == p {
                 j += 1;
             }
             let name = if i == j {
@@ -618,7 +703,7 @@ impl Plan {
             } else {
                 format!("{} .. {}", self.units[i].unit, self.units[j].unit)
             };
-            s.push_str(&format!("  {name:<28} {p:?}\n"));
+            s.push_str(&format!("  {name:<28} {p}\n"));
             i = j + 1;
         }
         s
@@ -630,6 +715,8 @@ struct Candidate {
     /// Bytes streamed per pass (the tied embedding counts twice).
     streamed: u64,
     resident: Vec<bool>,
+    /// Streamed units that load in pieces at this slot size.
+    pieced: usize,
     slots: usize,
     slot_bytes: u64,
 }
@@ -653,7 +740,7 @@ fn choose_residency(
     let spread = |u: usize| (u.reverse_bits() >> (usize::BITS - bits), u);
     let mut order: Vec<usize> = (0..raw.len()).collect();
     order.sort_by(|&x, &y| value(y).cmp(&value(x)).then(spread(x).cmp(&spread(y))));
-    let mut sizes: Vec<u64> = (0..raw.len()).map(|u| e.need(raw, u)).collect();
+    let mut sizes: Vec<u64> = (0..raw.len()).flat_map(|u| e.needs(raw, u)).collect();
     sizes.sort_unstable_by(|x, y| y.cmp(x));
     sizes.dedup();
     let mut best: Option<Candidate> = None;
@@ -689,14 +776,20 @@ fn choose_residency(
                 }
             }
             let streamed: u64 = (0..raw.len()).filter(|&u| !res[u]).map(value).sum();
-            // Prefer fewer bytes streamed, then more slots (deeper prefetch).
+            let pieced = (0..raw.len())
+                .filter(|&u| !res[u] && e.need(raw, u) > s)
+                .count();
+            // Prefer fewer bytes streamed, then whole loads over pieces, then more slots
+            // (deeper prefetch).
             let better = best.as_ref().is_none_or(|b| {
-                streamed < b.streamed || (streamed == b.streamed && n_slots > b.slots)
+                (streamed, pieced, std::cmp::Reverse(n_slots))
+                    < (b.streamed, b.pieced, std::cmp::Reverse(b.slots))
             });
             if better {
                 best = Some(Candidate {
                     streamed,
                     resident: res,
+                    pieced,
                     slots: n_slots,
                     slot_bytes: s,
                 });
@@ -709,7 +802,7 @@ fn choose_residency(
 /// For each slot size: (bytes of units that cannot stream through it, which must be
 /// resident, the size).
 fn oversized(raw: &[u64], e: &UnitCosts) -> Vec<(u64, u64)> {
-    let mut sizes: Vec<u64> = (0..raw.len()).map(|u| e.need(raw, u)).collect();
+    let mut sizes: Vec<u64> = (0..raw.len()).flat_map(|u| e.needs(raw, u)).collect();
     sizes.sort_unstable_by(|x, y| y.cmp(x));
     sizes.dedup();
     sizes
@@ -742,6 +835,9 @@ struct UnitCosts<'m> {
     /// bytes a pass loads of it, estimated as the dense part and one expert per routing
     /// choice of a full batch, all of them at most).
     sparse: Vec<Option<(u64, u64)>>,
+    /// Per dense layer that can load in pieces (`layer_pieces`): the slot bytes its
+    /// largest piece needs, and the pieces.
+    pieced: Vec<Option<(u64, Vec<LayerPiece>)>>,
 }
 
 impl<'m> UnitCosts<'m> {
@@ -775,6 +871,18 @@ impl<'m> UnitCosts<'m> {
                 Some((need, sp.dense_raw + routed * expert_raw))
             })
             .collect();
+        let pieced = (0..m.units.len())
+            .map(|u| {
+                let pieces = layer_pieces(m, u)?;
+                let lu = &m.units[u];
+                let direct = lu.stored_as_raw();
+                let need = pieces
+                    .iter()
+                    .map(|p| round(lu.part_span(p.frames.clone(), direct)))
+                    .max()?;
+                Some((need, pieces))
+            })
+            .collect();
         UnitCosts {
             unit,
             table,
@@ -782,6 +890,7 @@ impl<'m> UnitCosts<'m> {
             direct: unit.stored_as_raw(),
             gather: (frame * opts.kv_slots as u64).min(unit.stored_len),
             sparse,
+            pieced,
         }
     }
 
@@ -798,6 +907,28 @@ impl<'m> UnitCosts<'m> {
         }
     }
 
+    /// The slot sizes unit `u` can stream through: whole (`need`), and in pieces.
+    fn needs(&self, raw: &[u64], u: usize) -> impl Iterator<Item = u64> {
+        let pieced = self.pieced.get(u).and_then(|p| p.as_ref()).map(|p| p.0);
+        [Some(self.need(raw, u)), pieced].into_iter().flatten()
+    }
+
+    /// The slot bytes unit `u` needs to stream through slots of `s` bytes: whole where it
+    /// fits, else in pieces where those fit (None: neither).
+    fn need_at(&self, raw: &[u64], u: usize, s: u64) -> Option<u64> {
+        self.needs(raw, u).find(|&n| n <= s)
+    }
+
+    /// The pieces unit `u` loads in through slots of `s` bytes (None: it loads whole).
+    fn pieces_at(&self, raw: &[u64], u: usize, s: u64) -> Option<Vec<LayerPiece>> {
+        match self.pieced.get(u) {
+            Some(Some((need, pieces))) if self.need(raw, u) > s && *need <= s => {
+                Some(pieces.clone())
+            }
+            _ => None,
+        }
+    }
+
     /// The tied head's row parts through slots of `cap` bytes and the rows between them
     /// (None: the frames cannot be cut to fit).
     fn parts(&self, cap: u64) -> Option<(Vec<crate::store::format::RowPart>, Vec<u64>)> {
@@ -808,7 +939,7 @@ impl<'m> UnitCosts<'m> {
     /// Unit `u` can stream through slots of `s` bytes.
     fn streams_at(&self, raw: &[u64], u: usize, s: u64) -> bool {
         if u != 0 || self.table.is_none() {
-            return self.need(raw, u) <= s;
+            return self.need_at(raw, u, s).is_some();
         }
         !self.tied || self.parts(s).is_some()
     }
@@ -1121,9 +1252,20 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     // Slots hold the largest streamed unit (the embedding never whole: its lookup gathers
     // rows, a tied head reads it in parts), and each head part; parts are cut to fit
     // slots of that size where they can, else of the size the split chose.
+    // A dense layer larger than the slot the split chose loads in pieces.
+    let pieces: Vec<Option<Vec<LayerPiece>>> = (0..raw.len())
+        .map(|u| {
+            (!resident[u] && u != 0)
+                .then(|| emb.pieces_at(&raw, u, cap))
+                .flatten()
+        })
+        .collect();
     let largest_streamed = (0..raw.len())
         .filter(|&u| !resident[u] && u != 0)
-        .map(|u| emb.need(&raw, u))
+        .map(|u| {
+            emb.need_at(&raw, u, cap)
+                .expect("the split streams only units whose loads fit its slots")
+        })
         .max()
         .unwrap_or(0);
     // The streamed layers of a mixture load their dense part and the routed experts.
@@ -1168,7 +1310,11 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     // Discrete devices stage prefetch + 1 units on the host; fewer when the host budget is
     // short (one computing, one loading at least).
     // Loads a pass makes through the slots: no more can be requested ahead of one.
-    let loads = (1..raw.len()).filter(|&u| !resident[u]).count() + head_parts.len();
+    let loads = (1..raw.len())
+        .filter(|&u| !resident[u])
+        .map(|u| pieces[u].as_ref().map_or(1, |p| p.len()))
+        .sum::<usize>()
+        + head_parts.len();
     let (staging, prefetch) = match staging {
         Some(n) => {
             let n = n.min(loads + 1).max(STREAM_SLOTS_MIN);
@@ -1385,6 +1531,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
             stored_bytes: lu.stored_len,
             experts_routed: sparse[u].is_some(),
             dense_resident: dense_resident[u],
+            pieces: pieces[u].as_ref().map_or(0, |p| p.len()),
         });
     }
     let plan = Plan {
@@ -1408,6 +1555,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         head_parts,
         head_seams,
         sparse,
+        pieces,
         dense_resident,
         dense_resident_bytes,
         expert_cache_slots,
