@@ -738,12 +738,13 @@ fn smollm2_tied_embedding_streamed_in_row_parts_is_bit_identical_to_resident() {
 
 /// Dense layers larger than the slots stream in pieces (attention, then the gate, up and
 /// down projections, each loaded as the piece before runs), so the slots hold pieces and
-/// more of the model stays resident. At the least device budget (discrete) and, for a
-/// model large enough to stream there, the least host budget (unified), compressed and
-/// stored raw (read straight into the slots: cut only where O_DIRECT allows, which a
-/// synthetic Q8_0 model of hidden 512 does everywhere), outputs are bit-identical to
-/// all-resident. Gemma 3 (a norm after its feed-forward block, which lies in the first
-/// piece) and SmolLM2 stored raw (no projection starts a 4 KiB block) are never cut.
+/// more of the model stays resident. A piece is at least one read request, so the tiny
+/// fixtures' layers are cut only with 4 KiB requests, which these runs use. At the least
+/// device budget (discrete) and, for models large enough to stream there, the least host
+/// budget (unified), compressed and stored raw (read straight into the slots: cut only
+/// where O_DIRECT allows, which `pack` gives every projection), outputs are bit-identical
+/// to all-resident. Gemma 3 (a norm after its feed-forward block, which lies in the first
+/// piece) is never cut, and with 4 MiB requests SmolLM2's layers (2.1 MB) are not either.
 #[test]
 fn dense_layers_stream_in_pieces_bit_identical_to_resident() {
     use sluice::import::synth::{model, SynthSpec};
@@ -763,47 +764,57 @@ fn dense_layers_stream_in_pieces_bit_identical_to_resident() {
         pack(&synth, &synth.units().unwrap(), &out, &opts, |_| {}).unwrap();
         Arc::new(Store::open(&out).unwrap())
     };
+    let t = tmp.path();
+    // Each store with the runs it gets: discrete at the least device budget, unified at
+    // the least host budget, unified at a given host budget.
+    enum Budget {
+        LeastDevice,
+        LeastHost,
+        Host(u64),
+    }
+    use Budget::*;
+    let tiny = |src: &str, dir: &str, codec: &str| {
+        pack_store(&fixture(src), &t.join(dir), codec, 64 << 10)
+    };
     let stores = [
+        (tiny("tiny-llama", "l", "zstd:1"), vec![LeastDevice]),
+        (tiny("tiny-qwen3", "q", "lz4"), vec![LeastDevice]),
+        (tiny("tiny-llama-q.gguf", "lq", "float"), vec![LeastDevice]),
+        (pack_synth("none"), vec![LeastDevice, LeastHost]),
+        (pack_synth("zstd:1"), vec![LeastDevice, LeastHost]),
+        // Stored raw: `pack` starts each projection at a 4 KiB block, so the cuts are
+        // O_DIRECT-aligned whatever the tensors' sizes (SmolLM2's q is 50.6 blocks). At its
+        // least budgets its tied head streams in parts of a 1 MiB frame at least, through
+        // slots that hold a layer whole; at 80 MiB the embedding stays and layers stream.
         (
-            pack_store(
-                &fixture("tiny-llama"),
-                &tmp.path().join("l"),
-                "zstd:1",
-                64 << 10,
-            ),
-            false,
+            pack_store(&smollm2_gguf(), &t.join("smol"), "none", 1 << 20),
+            vec![Host(80 << 20)],
         ),
-        (
-            pack_store(
-                &fixture("tiny-qwen3"),
-                &tmp.path().join("q"),
-                "lz4",
-                64 << 10,
-            ),
-            false,
-        ),
-        (
-            pack_store(
-                &fixture("tiny-llama-q.gguf"),
-                &tmp.path().join("lq"),
-                "float",
-                64 << 10,
-            ),
-            false,
-        ),
-        (pack_synth("none"), true),
-        (pack_synth("zstd:1"), true),
     ];
-    for (s, unified_too) in &stores {
+    let small_reads = IoConfig {
+        request_bytes: 4096,
+        read_buffers: 64,
+        queue_depth: 64,
+        ..io()
+    };
+    for (s, runs) in &stores {
         let name = s.manifest().source.clone();
         let vocab = s.manifest().arch.vocab;
         let want = outputs(&mut runner(s, None, 0), vocab);
         let layer_max = s.units()[1..].iter().map(|u| u.raw_len).max().unwrap();
-        for unified in [false, true].into_iter().filter(|&u| !u || *unified_too) {
-            let mut r = if unified {
-                least_host_runner(s)
-            } else {
-                runner_as(s, Some(least_budget(s, None, false)), 0, false)
+        for run in runs {
+            let (mut r, unified) = match run {
+                LeastDevice => (least_runner(s, false, &small_reads), false),
+                LeastHost => (least_runner(s, true, &small_reads), true),
+                Host(b) => {
+                    let host = sluice::plan::HostInput {
+                        budget: Some(*b),
+                        ..Default::default()
+                    };
+                    let input = input_at(None, host);
+                    let r = cpu_runner(s.clone(), &input, 2, small_reads.clone()).unwrap();
+                    (r, true)
+                }
             };
             let pieced: Vec<usize> = (0..s.units().len())
                 .filter(|&u| r.plan.pieces[u].is_some())
@@ -845,14 +856,44 @@ fn dense_layers_stream_in_pieces_bit_identical_to_resident() {
             assert!(r.total().bytes_uploaded >= passes * pieced_bytes, "{name}");
         }
     }
-    assert!(stores.iter().any(|(s, _)| s.units()[1].stored_as_raw()));
-    let gemma = store(&fixture("tiny-gemma3"), &tmp.path().join("gemma3"));
-    let smol = pack_store(&smollm2_gguf(), &tmp.path().join("smol"), "none", 1 << 20);
-    for s in [gemma, smol] {
-        for u in 0..s.units().len() {
-            assert!(sluice::plan::layer_pieces(s.manifest(), u).is_none());
+    let gemma = store(&fixture("tiny-gemma3"), &t.join("gemma3"));
+    let smol = &stores[5].0;
+    for u in 0..smol.units().len() {
+        assert!(sluice::plan::layer_pieces(gemma.manifest(), u.min(2), 0).is_none());
+        assert!(sluice::plan::layer_pieces(smol.manifest(), u, 4 << 20).is_none());
+    }
+    assert!(sluice::plan::layer_pieces(smol.manifest(), 1, 4096).is_some());
+}
+
+/// A pipeline at the least budget that plans for `s` with reads of `io`: the device
+/// budget (discrete) or the host budget (unified), from the planner's own error.
+fn least_runner(s: &Arc<Store>, unified: bool, io: &IoConfig) -> Pipeline<CpuBackend> {
+    let mut budget = 4096;
+    for _ in 0..64 {
+        let (device, host) = match unified {
+            true => (None, Some(budget)),
+            false => (Some(budget), None),
+        };
+        let input = input_at(
+            device,
+            sluice::plan::HostInput {
+                budget: host,
+                ..Default::default()
+            },
+        );
+        let make = if unified {
+            cpu_runner
+        } else {
+            sluice::engine::cpu_runner_discrete
+        };
+        match make(s.clone(), &input, 2, io.clone()) {
+            Ok(r) => return r,
+            Err(sluice::engine::EngineError::Plan(e)) if e.need() > budget => budget = e.need(),
+            Err(sluice::engine::EngineError::Plan(_)) => budget += 4096,
+            Err(e) => panic!("{e}"),
         }
     }
+    panic!("no budget plans")
 }
 
 /// The tests' plan input with a device budget and a host input: prefetch 3, no host
@@ -868,28 +909,6 @@ fn input_at(device_budget: Option<u64>, host: sluice::plan::HostInput) -> PlanIn
         backend_reserved: 0,
         host,
     }
-}
-
-/// A unified pipeline at the least host budget that plans for `s` (from the planner's own
-/// error, as `sluiced run --host-memory` reports it).
-fn least_host_runner(s: &Arc<Store>) -> Pipeline<CpuBackend> {
-    let mut budget = 1 << 20;
-    for _ in 0..32 {
-        let input = input_at(
-            None,
-            sluice::plan::HostInput {
-                budget: Some(budget),
-                ..Default::default()
-            },
-        );
-        match cpu_runner(s.clone(), &input, 2, io()) {
-            Ok(r) => return r,
-            Err(sluice::engine::EngineError::Plan(e)) if e.need() > budget => budget = e.need(),
-            Err(sluice::engine::EngineError::Plan(_)) => budget += 64 << 10,
-            Err(e) => panic!("{e}"),
-        }
-    }
-    panic!("no host budget plans")
 }
 
 /// The least device budget that plans for `s` (`unified`: the arena's), from the planner's

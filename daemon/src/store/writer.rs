@@ -679,8 +679,14 @@ fn lay_out(
         })?;
         // Each expert of a mixture (its gate, up and down, in that order, with their
         // biases) starts a page of its own: read straight into a slot, it is one O_DIRECT
-        // read.
-        let align = if expert_of(name).is_some_and(|(_, part)| part == "gate_proj.weight") {
+        // read. So does each projection of a dense feed-forward block: a layer that
+        // streams in pieces (`plan::layer_pieces`) is cut there.
+        let dense_projection = ["gate_proj", "up_proj", "down_proj"]
+            .iter()
+            .any(|p| name.ends_with(&format!(".mlp.{p}.weight")));
+        let align = if dense_projection
+            || expert_of(name).is_some_and(|(_, part)| part == "gate_proj.weight")
+        {
             BLOB_ALIGN
         } else {
             TENSOR_ALIGN
