@@ -431,3 +431,55 @@ fn small_units_read_into_their_slots_queue_many_ahead_only_where_memory_allows()
     );
     assert!(h.host.staging_slots < p.host.staging_slots);
 }
+
+#[test]
+fn a_dense_layer_is_cut_where_its_projections_start_aligned_and_no_piece_is_below_the_least() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let s = store(tmp.path(), false);
+    let m = s.manifest();
+    let u = 1;
+    let unit = &m.units[u];
+    let start = |n: &str| {
+        unit.tensor(&format!("model.layers.0.mlp.{n}.weight"))
+            .expect("projection")
+            .offset
+    };
+    let (gate, up, down) = (start("gate_proj"), start("up_proj"), start("down_proj"));
+    // Attention, gate, up, down: each a run of whole frames, starting where its first
+    // tensor does (4096-aligned in the file: pack starts each projection at a block).
+    let pieces = layer_pieces(m, u, 0).expect("cut");
+    let bases: Vec<u64> = pieces.iter().map(|p| p.raw_base).collect();
+    assert_eq!(bases, [0, gate, up, down]);
+    let phases: Vec<Range<usize>> = pieces.iter().map(|p| p.phases.clone()).collect();
+    assert_eq!(phases, [0..1, 1..2, 2..3, 3..4]);
+    assert_eq!(pieces[3].frames.end, unit.frames.len());
+    for p in &pieces {
+        assert!(unit.frames[p.frames.start]
+            .file_offset
+            .is_multiple_of(BLOB_ALIGN));
+    }
+    // No piece below the least: one byte more than the attention piece joins it to the
+    // gate, and (the projections being a little smaller still) the up to the down; where
+    // every piece would be too small nothing is cut.
+    let least = gate + 1;
+    assert!(up - gate < least && up - gate == down - up);
+    let joined = layer_pieces(m, u, least).expect("cut");
+    let phases: Vec<Range<usize>> = joined.iter().map(|p| p.phases.clone()).collect();
+    assert_eq!(phases, [0..2, 2..4], "least {least}: {joined:?}");
+    assert!(joined
+        .iter()
+        .all(|p| unit.part_span(p.frames.clone(), false) >= least));
+    assert!(layer_pieces(m, u, unit.raw_len).is_none());
+    // Read straight into the slots (stored as raw), a projection that does not start a
+    // block is not a cut: the unit's bytes 256 further into the file, none does.
+    let mut shifted = m.clone();
+    let su = &mut shifted.units[u];
+    su.file_offset += 256;
+    for f in &mut su.frames {
+        f.file_offset += 256;
+    }
+    assert!(shifted.units[u].stored_as_raw());
+    assert!(layer_pieces(&shifted, u, 0).is_none());
+    // Not a decoder layer.
+    assert!(layer_pieces(m, 0, 0).is_none());
+}
