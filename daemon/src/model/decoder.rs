@@ -1122,12 +1122,23 @@ impl<B: Backend> Decoder<B> {
         self.ffn_end(b, i, mem);
     }
 
+    /// Whether dense layer unit `unit` run in pieces needs its first piece (its vectors)
+    /// again at the end: a norm after its feed-forward block (Gemma 2 and 3).
+    pub fn first_piece_to_end(&self, unit: usize) -> bool {
+        match self.unit_kinds[unit] {
+            UnitKind::Decoder(i) => self.layers[i as usize].post_ffn_norm.is_some(),
+            _ => false,
+        }
+    }
+
     /// Phases `phases` of dense decoder layer unit `unit` (`LAYER_PHASES`: 0
     /// attention with the norm before the feed-forward block, 1 gate, 2 up and the gated
     /// activation, 3 down and the residual): `mem` holds the unit's raw bytes from
-    /// `raw_base` on (the phases' tensors at least). Run over all four phases in order, in
-    /// one call or several, a layer computes exactly what `forward_unit` does: the gate
-    /// and up projections are the same rows' dot products whether made in one call or two.
+    /// `raw_base` on (the phases' tensors at least), and `first` (where `mem` does not
+    /// start at the unit) its first piece, whose vectors the residual may need
+    /// (`first_piece_to_end`). Run over all four phases in order, in one call or several,
+    /// a layer computes exactly what `forward_unit` does: the gate and up projections are
+    /// the same rows' dot products whether made in one call or two.
     pub fn layer_phases(
         &mut self,
         b: &B,
@@ -1135,6 +1146,7 @@ impl<B: Backend> Decoder<B> {
         phases: Range<usize>,
         mem: &B::Mem,
         raw_base: u64,
+        first: Option<&B::Mem>,
     ) {
         let UnitKind::Decoder(i) = self.unit_kinds[unit] else {
             panic!(
@@ -1181,11 +1193,19 @@ impl<B: Backend> Decoder<B> {
                         None,
                         &mut ws.proj,
                     );
-                    assert!(
-                        base == 0 || self.layers[i].post_ffn_norm.is_none(),
-                        "a norm after the feed-forward block lies in the first piece"
-                    );
-                    self.ffn_end(b, i, mem);
+                    // The vectors lie in the first piece.
+                    let vectors = match (base, first) {
+                        (0, _) => mem,
+                        (_, Some(f)) => f,
+                        (_, None) => {
+                            assert!(
+                                self.layers[i].post_ffn_norm.is_none(),
+                                "layer {i}'s norm after its feed-forward block is in its first piece"
+                            );
+                            mem
+                        }
+                    };
+                    self.ffn_end(b, i, vectors);
                 }
                 _ => panic!("layer phase {phase} of {LAYER_PHASES}"),
             }

@@ -223,6 +223,9 @@ pub struct Pipeline<B: Backend> {
     routed_buf: Vec<u32>,
     /// Which load each streaming slot holds during a pass.
     in_slot: Vec<Option<Load>>,
+    /// A streaming slot kept for a layer's first piece until its last phase has run
+    /// (`Decoder::first_piece_to_end`): `fetch` passes over it.
+    pinned: Option<usize>,
     /// Device memory is host memory: streamed units run from their staging slots.
     unified: bool,
     /// On a unified backend, the units the running unit reads from staging slots: the
@@ -605,6 +608,7 @@ impl<B: Backend> Pipeline<B> {
             unified,
             borrowed: Vec::with_capacity(2),
             in_slot: vec![None; plan_slots],
+            pinned: None,
             skip_compute: false,
             expert_eviction: Eviction::default(),
             expert_prior: Vec::new(),
@@ -725,6 +729,7 @@ impl<B: Backend> Pipeline<B> {
         let r = self.pass(steps, logits);
         if r.is_err() {
             self.early = None;
+            self.pinned = None;
             self.borrowed.clear();
             // A staging slot goes back only once no copy reads it any more.
             for (d, guard) in std::mem::take(&mut self.held) {
@@ -836,7 +841,11 @@ impl<B: Backend> Pipeline<B> {
 
     /// A dense layer that streams in pieces (`Plan::pieces`): each piece is fetched as the
     /// one before runs, and its phases run as soon as it is in; its slot goes back once
-    /// they are enqueued, so the slots hold pieces, not layers.
+    /// they are enqueued, so the slots hold pieces, not layers. A layer whose residual
+    /// reads a vector of its first piece (`Decoder::first_piece_to_end`) keeps that piece
+    /// until its last phase: lent (unified; its staging slot is then one fewer for the
+    /// loads ahead) or in a pinned streaming slot (discrete; the others take the pieces
+    /// after it).
     fn pieced_layer(
         &mut self,
         u: usize,
@@ -844,12 +853,18 @@ impl<B: Backend> Pipeline<B> {
         st: &mut PassStats,
     ) -> Result<(), PipelineError> {
         let n = self.plan.pieces[u].as_ref().map_or(0, |p| p.len());
+        let keep = self.model.first_piece_to_end(u);
+        let first = Load::Piece(u, 0);
         for k in 0..n {
             let load = Load::Piece(u, k);
             let used = self.fetch(load, at, st)?;
+            if keep && k == 0 {
+                self.pinned = used;
+            }
             if !self.skip_compute {
                 let t0 = Instant::now();
                 let mem = mem_of!(self, load);
+                let first_mem = (keep && k > 0).then(|| mem_of!(self, first));
                 let piece = &self.plan.pieces[u].as_ref().expect("counted above")[k];
                 self.model.layer_phases(
                     &self.backend,
@@ -857,10 +872,24 @@ impl<B: Backend> Pipeline<B> {
                     piece.phases.clone(),
                     mem,
                     piece.raw_base,
+                    first_mem,
                 );
                 st.compute_s += t0.elapsed().as_secs_f64();
             }
-            self.computed(used, st)?;
+            if keep && k + 1 < n {
+                if let Some(s) = used {
+                    self.backend.release_after(&self.slots[s]);
+                }
+                self.borrowed.retain(|b| b.0 == first);
+                self.release_held(st)?;
+                self.top_up()?;
+            } else {
+                self.computed(used, st)?;
+            }
+        }
+        // The first piece's slot: its next upload waits for the layer's last phase.
+        if let Some(s) = self.pinned.take() {
+            self.backend.release_after(&self.slots[s]);
         }
         Ok(())
     }
@@ -922,8 +951,12 @@ impl<B: Backend> Pipeline<B> {
             self.borrow(load, t, st)?;
             return Ok(None);
         }
-        let slot = at.slot;
-        at.slot = (at.slot + 1) % self.slots.len();
+        let mut slot = at.slot;
+        if self.pinned == Some(slot) {
+            slot = (slot + 1) % self.slots.len();
+        }
+        debug_assert!(self.pinned != Some(slot), "two streaming slots at least");
+        at.slot = (slot + 1) % self.slots.len();
         self.stage(load, t, Dst::Stream(slot), st)?;
         self.in_slot[slot] = Some(load);
         Ok(Some(slot))

@@ -257,8 +257,8 @@ pub struct LayerPiece {
 /// layer streams its experts instead) laid out as `lay_out` writes one, its vectors and
 /// attention first, then the gate, up and down projections. A store read straight into
 /// the slots (stored as raw) is cut only where the frame starts O_DIRECT-aligned in the
-/// file. A model with a norm after its feed-forward block (Gemma 2 and 3) is not cut: that
-/// norm lies in the first piece, whose slot is handed back before the last piece runs.
+/// file. A model with a norm after its feed-forward block (Gemma 2 and 3) keeps the first
+/// piece, where that norm lies, until the last has run (`Decoder::first_piece_to_end`).
 /// No piece is smaller than `min_bytes` (the plan's largest read request): a load smaller
 /// than one read cannot keep the disk busy by itself, and each costs a request and a
 /// hand-off (SmolLM2 stored raw at `--host-memory 64MiB`, in pieces of 0.55 MB against
@@ -270,7 +270,7 @@ pub fn layer_pieces(m: &Manifest, u: usize, min_bytes: u64) -> Option<Vec<LayerP
     let UnitKind::Decoder(i) = unit.kind else {
         return None;
     };
-    if m.arch.is_sparse(i) || m.arch.arch.recipe().post_ffn_norm.is_some() {
+    if m.arch.is_sparse(i) {
         return None;
     }
     let mlp = ["gate_proj", "up_proj", "down_proj"]
