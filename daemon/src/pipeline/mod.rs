@@ -876,16 +876,8 @@ impl<B: Backend> Pipeline<B> {
                 );
                 st.compute_s += t0.elapsed().as_secs_f64();
             }
-            if keep && k + 1 < n {
-                if let Some(s) = used {
-                    self.backend.release_after(&self.slots[s]);
-                }
-                self.borrowed.retain(|b| b.0 == first);
-                self.release_held(st)?;
-                self.top_up()?;
-            } else {
-                self.computed(used, st)?;
-            }
+            let kept = (keep && k + 1 < n).then_some(first);
+            self.computed_keeping(used, kept, st)?;
         }
         // The first piece's slot: its next upload waits for the layer's last phase.
         if let Some(s) = self.pinned.take() {
@@ -965,11 +957,22 @@ impl<B: Backend> Pipeline<B> {
     /// Once a load's compute is enqueued: its streaming slot's next upload waits for that
     /// compute only, and its staging slot goes back to the I/O engine.
     fn computed(&mut self, used: Option<usize>, st: &mut PassStats) -> Result<(), PipelineError> {
+        self.computed_keeping(used, None, st)
+    }
+
+    /// `computed`, but a unified backend keeps lending load `keep` (a layer's first
+    /// piece its last phase still reads).
+    fn computed_keeping(
+        &mut self,
+        used: Option<usize>,
+        keep: Option<Load>,
+        st: &mut PassStats,
+    ) -> Result<(), PipelineError> {
         if let Some(s) = used {
             self.backend.release_after(&self.slots[s]);
         }
         // A unified backend's compute has read its staging slots: they go back.
-        self.borrowed.clear();
+        self.borrowed.retain(|b| Some(b.0) == keep);
         // Once its upload has read the staging slots, they go back to the I/O engine for
         // the next loads (every one waited for, even after a failed wait, before any is
         // released).
