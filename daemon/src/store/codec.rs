@@ -54,8 +54,8 @@ pub enum Codec {
     /// frames take the `F32` layout, whose sign-and-top-7 byte then stays raw: a plane
     /// that codes to more than 4 bits an element costs a table lookup for every 2.75
     /// elements or fewer, more decode time than its saved bytes take to read from a fast
-    /// disk. Gemma 3's norm vectors: 0.405 of their size at 3.8 GB/s a core, against
-    /// `Float`'s 0.376 at 2.6 (`sluiced bench-codec`); `--codec auto` weighs the two.
+    /// disk. Gemma 3's norm vectors: 0.405 of their size at 4.0 GB/s a core, against
+    /// `Float`'s 0.376 at 2.8 (`sluiced bench-codec`); `--codec auto` weighs the two.
     /// Appended last: the manifest encodes variants by index.
     FloatFast,
 }

@@ -1353,9 +1353,12 @@ fn symbols_of(
 }
 
 /// The decoding tables of a complete code: per 11-bit window, its first symbol and that
-/// code's length (`single`: symbol | length << 8), and as many whole codes as fit in the
-/// window, up to five (`multi`: symbols in bytes 0..5, their total length in bits 40..44,
-/// their count in bits 61..64; `multi_shift`, `multi_count`).
+/// code's length (`single`: length | symbol << 8), and as many whole codes as fit in the
+/// window, up to five (`multi`: their total length in bits 0..6, the symbols in bytes
+/// 1..6, their count in bits 61..64; `multi_symbols`, `multi_count`). The length is in the
+/// low bits so the decoder shifts its bits by the entry itself (a shift takes only the
+/// amount's low 6 bits, x86's own): one operation fewer on the chain of dependent lookups
+/// that bounds a stream's rate.
 struct Tables {
     single: [u16; TABLE],
     multi: [u64; TABLE],
@@ -1375,11 +1378,10 @@ fn multi_count(e: u64) -> usize {
     (e >> 61) as usize
 }
 
-/// A `multi` entry's length in bits, as a shift amount: its low 6 bits are the length, and
-/// a shift takes only those (`u64::wrapping_shr`, x86's own), so the hot loop needs no mask.
+/// A `multi` entry's symbols, in its low bytes (the bytes past its count are garbage).
 #[inline(always)]
-fn multi_shift(e: u64) -> u32 {
-    (e >> 40) as u32
+fn multi_symbols(e: u64) -> u64 {
+    e >> 8
 }
 
 /// Planes shorter than this decode a symbol a lookup (`single_table`): building the
@@ -1398,7 +1400,7 @@ fn fill_single(t: &mut Tables, lens: &[u8; 256], width: u32) {
         }
         let mut i = code as usize;
         while i < size {
-            t.single[i] = (len as u16) << 8 | s as u16;
+            t.single[i] = (s as u16) << 8 | len as u16;
             i += 1 << len;
         }
     }
@@ -1418,16 +1420,16 @@ fn fill_multi(t: &mut Tables) {
         let (mut word, mut used, mut count) = (0u64, 0u32, 0u32);
         while count < MULTI_SYMBOLS {
             let e = t.single[w >> used];
-            let len = (e >> 8) as u32;
+            let len = (e & 0xff) as u32;
             // The next code is known only if all its bits are inside the window.
             if used + len > MAX_LEN {
                 break;
             }
-            word |= ((e & 0xff) as u64) << (8 * count);
+            word |= ((e >> 8) as u64) << (8 * count);
             used += len;
             count += 1;
         }
-        t.multi[w] = word | (used as u64) << 40 | (count as u64) << 61;
+        t.multi[w] = used as u64 | word << 8 | (count as u64) << 61;
         yielded += count;
     }
     t.multi_pays = yielded >= MULTI_PAYS_MIN;
@@ -1438,7 +1440,8 @@ fn fill_multi(t: &mut Tables) {
 /// table lookups a stream from one word of its bits (4 x 11 <= 57 bits), each up to five
 /// symbols, written as one 8-byte word (the bytes past its symbols land on the stream's
 /// next ones, written over later), the four streams in turn while each has room for a
-/// round and a word; then each stream's tail, still up to five symbols a lookup. Otherwise
+/// round and a word; then a lookup a stream, in turn, for the streams that still have room
+/// for a word; then each stream's tail, still up to five symbols a lookup. Otherwise
 /// a symbol a lookup, five a stream a round (5 x 11 <= 57 bits), the streams in turn as far
 /// as all go, then each one's tail.
 fn symbols(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8], simd: Simd) {
@@ -1492,10 +1495,10 @@ fn symbols_any(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
             // advances at most 5 (so the words stay inside the stream's own range, below
             // its neighbour's symbols).
             unsafe {
-                std::ptr::write_unaligned(*o as *mut u64, e.to_le());
+                std::ptr::write_unaligned(*o as *mut u64, multi_symbols(e).to_le());
                 *o = o.add(multi_count(e));
             }
-            *w = w.wrapping_shr(multi_shift(e));
+            *w = w.wrapping_shr(e as u32);
         };
         loop {
             // Rounds every stream has room for, checked once for all of them.
@@ -1529,32 +1532,70 @@ fn symbols_any(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
             bp = [b0, b1, b2, b3];
             at = [o0, o1, o2, o3].map(|o| o as usize - base as usize);
         }
-        // Each stream's tail, a lookup at a time: a whole word while the stream has room
-        // for one, then only the symbols it still needs (any more in the window come from
-        // bits past the stream's last code, and the stream ends there).
-        for s in 0..STREAMS {
-            let (mut a, end, mut p) = (at[s], ends[s], bp[s]);
-            let mut w = round_word(buf, p);
-            while a < end {
+        // Then a lookup a stream, the streams in turn, for each while it has room for a
+        // word. The round loop stops when the stream that decodes fastest nears its end:
+        // the streams of a frame of several vectors code parts of different entropy (one
+        // a norm of a single exponent, five symbols a lookup, the next of many), and in a
+        // frame of norm vectors the others then had up to a third of their symbols left,
+        // which a stream alone decodes each lookup waiting for the one before (a tenth of
+        // such a plane's decode time). Interleaved, the lookups of the streams still
+        // going overlap.
+        {
+            let mut w = bp.map(|p| round_word(buf, p));
+            // A lookup of a stream at `a` with `room` symbols left, 8 or more.
+            let step = |w: &mut u64, p: &mut usize, a: &mut usize, room: usize| {
+                debug_assert!(room >= 8);
                 if w.leading_zeros() > WORD_LOOKUP_LAST {
-                    p += w.leading_zeros() as usize;
-                    w = round_word(buf, p);
+                    *p += w.leading_zeros() as usize;
+                    *w = round_word(buf, *p);
                 }
-                let e = t.multi[(w as usize) & (TABLE - 1)];
-                let count = multi_count(e);
-                // SAFETY: the bytes written are out[a..a + 8] with a + 8 <= end, or
-                // out[a..min(a + count, end)]; end <= out.len().
+                let e = t.multi[(*w as usize) & (TABLE - 1)];
+                // SAFETY: a + 8 <= ends[s] <= out.len(): the callers step a stream only
+                // while it has room for a word.
                 unsafe {
-                    if end - a >= 8 {
-                        std::ptr::write_unaligned(base.add(a) as *mut u64, e.to_le());
-                    } else {
-                        for k in 0..count.min(end - a) {
-                            *base.add(a + k) = (e >> (8 * k)) as u8;
-                        }
+                    std::ptr::write_unaligned(base.add(*a) as *mut u64, multi_symbols(e).to_le());
+                }
+                *a += multi_count(e);
+                *w = w.wrapping_shr(e as u32);
+            };
+            // All four while all go, then those still going.
+            while (0..STREAMS).all(|s| ends[s] - at[s] >= 8) {
+                for s in 0..STREAMS {
+                    let room = ends[s] - at[s];
+                    step(&mut w[s], &mut bp[s], &mut at[s], room);
+                }
+            }
+            loop {
+                let mut going = false;
+                for s in 0..STREAMS {
+                    let room = ends[s] - at[s];
+                    if room >= 8 {
+                        going = true;
+                        step(&mut w[s], &mut bp[s], &mut at[s], room);
                     }
                 }
-                w = w.wrapping_shr(multi_shift(e));
-                a += count;
+                if !going {
+                    break;
+                }
+            }
+            // Each stream's last symbols, fewer than 8: a lookup at a time, only the symbols
+            // it still needs (any more in the window come from bits past the stream's last
+            // code, and the stream ends there).
+            for s in 0..STREAMS {
+                let (mut a, end) = (at[s], ends[s]);
+                while a < end {
+                    if w[s].leading_zeros() > WORD_LOOKUP_LAST {
+                        bp[s] += w[s].leading_zeros() as usize;
+                        w[s] = round_word(buf, bp[s]);
+                    }
+                    let e = t.multi[(w[s] as usize) & (TABLE - 1)];
+                    for k in 0..multi_count(e).min(end - a) {
+                        // SAFETY: a + k < end <= out.len().
+                        unsafe { *base.add(a + k) = (multi_symbols(e) >> (8 * k)) as u8 };
+                    }
+                    w[s] = w[s].wrapping_shr(e as u32);
+                    a += multi_count(e);
+                }
             }
         }
         return;
@@ -1564,8 +1605,8 @@ fn symbols_any(s: Streams<'_>, t: &Tables, multi: bool, out: &mut [u8]) {
     let one = |w: &mut u64| -> u8 {
         // (`mask` is below TABLE: the second mask only spares a bounds check.)
         let e = t.single[(*w as usize) & t.mask & (TABLE - 1)];
-        *w >>= e >> 8;
-        e as u8
+        *w = w.wrapping_shr(e as u32);
+        (e >> 8) as u8
     };
     const RUN: usize = 5;
     let runs = (0..STREAMS).map(|s| ends[s] - at[s]).min().unwrap_or(0) / RUN;
@@ -1657,6 +1698,17 @@ mod tests {
         join_as(layout, planes, &mut portable, Simd::Portable);
         assert_eq!(portable, raw, "{layout:?}, {} bytes, portable", raw.len());
         exp_bytes
+    }
+
+    /// A xorshift64 generator from `seed` (not zero).
+    fn xorshift(seed: u64) -> impl FnMut() -> u64 {
+        let mut x = seed;
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        }
     }
 
     fn gaussian_bf16(n: usize, seed: u64) -> Vec<u8> {
@@ -1832,18 +1884,14 @@ mod tests {
         // (128 symbols in turn) packs one, so it decodes a symbol a lookup from the
         // small table. Lengths around MULTI_MIN and its multiples of 4 and 20 end the
         // streams' multi-symbol tails with 0 to 7 symbols left after the last whole word.
-        let mut x = 0x2545_f491_4f6c_dd1du64;
-        let mut rand = || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rand = xorshift(0x2545_f491_4f6c_dd1d);
         let mut cache = PlaneCache::default();
         for n in
             (MULTI_MIN..MULTI_MIN + 9).chain([MULTI_MIN + 41, MULTI_MIN + 80, 3 * MULTI_MIN + 7])
         {
-            let skewed: Vec<u8> = (0..n).map(|_| 60 + (rand() % 10 == 0) as u8).collect();
+            let skewed: Vec<u8> = (0..n)
+                .map(|_| 60 + rand().is_multiple_of(10) as u8)
+                .collect();
             let wide: Vec<u8> = (0..n)
                 .map(|i| (i % 128) as u8 ^ (rand() % 2) as u8)
                 .collect();
@@ -1857,6 +1905,56 @@ mod tests {
                     assert_eq!(out[..n], plane[..], "n {n}, multi pays {pays}, {simd:?}");
                     let t = cache.tables.as_ref().expect("tables");
                     assert_eq!(t.multi_pays, pays, "n {n}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn streams_that_decode_at_different_rates_each_end_exactly() {
+        // A plane of two parts, as a frame of several norm vectors is: one stream's
+        // quarter nearly one symbol (five a lookup), the others' of sixteen symbols (about
+        // two a lookup). The round loop then stops with the slow streams far from their
+        // ends, and they go on interleaved without the fast one; each quarter must decode
+        // to its own symbols and no stream may write into its neighbour's. Every position
+        // of the fast quarter, shared codes (small planes) and own codes (long ones).
+        let mut rand = xorshift(0x9e37_79b9_7f4a_7c15);
+        for n in [3072, 3077, MULTI_MIN + 5] {
+            let q = n.div_ceil(STREAMS);
+            for fast in 0..STREAMS {
+                let plane: Vec<u8> = (0..n)
+                    .map(|i| match i / q == fast {
+                        true => 60 + rand().is_multiple_of(16) as u8,
+                        false => 40 + (rand() % 16) as u8,
+                    })
+                    .collect();
+                let mut hist = [0u64; 256];
+                plane.iter().for_each(|&b| hist[b as usize] += 1);
+                let codes = vec![shared_code(Layout::Bf16, 0, &hist).expect("a code")];
+                let shared = SharedTables::new(&codes).expect("checks");
+                let mut coded = Vec::new();
+                encode_plane_with(
+                    Layout::Bf16,
+                    0,
+                    &plane,
+                    &mut coded,
+                    &shared_encodings(&codes),
+                );
+                let mut own = Vec::new();
+                encode_plane(Layout::Bf16, &plane, &mut own);
+                for (coded, mode) in [(&coded, 2), (&own, 0)] {
+                    assert_eq!(coded[1], mode, "n {n}");
+                    for simd in [Simd::Detect, Simd::Portable] {
+                        let mut out = vec![0xa5u8; n + 8];
+                        let mut cache = PlaneCache::default();
+                        decode_plane_as(coded, n, &mut out, &mut cache, &shared, simd)
+                            .expect("decodes");
+                        assert_eq!(
+                            out[..n],
+                            plane[..],
+                            "n {n}, fast stream {fast}, mode {mode}, {simd:?}"
+                        );
+                    }
                 }
             }
         }
