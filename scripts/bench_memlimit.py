@@ -6,7 +6,9 @@ decode, same prompt and threads. For each limit, batch and engine: decode tokens
 batch, bytes read from storage per decode step (from /proc/PID/io, polled while it runs),
 and the cgroup's peak memory (anonymous memory and page cache). fio measures the disk in
 the same run (4 MiB x 64, registered buffers: its best here); the disk bound is batch x
-fio's rate / sluice's bytes per step.
+fio's rate / sluice's bytes per step, the compute bound sluice's own rate with no limit
+(everything resident, same batch, measured first), and "vs bound" is sluice's rate over the
+lower of the two ("limit" names it: the disk where streaming is the limit).
 
 Models: SmolLM2-135M (the project's GGUF) and, with --big, a random 1.2 GB Llama made by
 scripts/make_random_llama_gguf.py; with --moe, a random 0.87 GiB mixture of experts (8
@@ -220,14 +222,27 @@ def sluice(store, limit, batch, a):
     return r
 
 
+def unlimited(store, batch, a):
+    """sluice's decode tokens/s with no memory limit (every unit resident): the compute
+    bound of a batch."""
+    argv = [SLUICED, "run", store, "--prompt", PROMPT, "--max-tokens", str(a.decode + 1), "--ignore-eos",
+            "--max-context", "256", "--threads", str(a.threads), "--parallel", str(batch), "--json"]
+    p = subprocess.run(argv, capture_output=True, text=True)
+    if p.returncode != 0:
+        raise SystemExit(f"sluice with no limit failed: {p.stderr.strip()[-300:]}")
+    return json.loads(p.stdout)["decode_tokens_per_s"]
+
+
 def bench(name, gguf, limits, a):
     size = os.path.getsize(gguf)
     with tempfile.TemporaryDirectory(dir=os.path.expanduser("~/.cache/sluice")) as tmp:
         store = os.path.join(tmp, "store")
         subprocess.run([SLUICED, "pack", gguf, "-o", store, "--codec", "none"], check=True, capture_output=True)
         disk = fio_rate(os.path.join(store, "weights.bin"))
+        compute = {b: unlimited(store, b, a) for b in a.batches}
         print(f"\n{name}: GGUF {size / MIB:.0f} MiB, {a.threads} threads, batches {a.batch}, {a.decode} greedy decode steps; fio sequential O_DIRECT read {disk / 1e9:.2f} GB/s")
-        print(f"{'limit':>9} {'batch':>5} | {'llama.cpp tok/s':>15} {'MB/step':>9} {'peak MiB':>9} | {'sluice tok/s':>15} {'MB/step':>9} {'peak MiB':>9} {'disk bound':>10} {'vs bound':>8} {'vs llama':>8} | fio GB/s, sluice plan")
+        print("sluice with no limit (the compute bound): " + ", ".join(f"batch {b} {t:.1f} tok/s" for b, t in compute.items()))
+        print(f"{'limit':>9} {'batch':>5} | {'llama.cpp tok/s':>15} {'MB/step':>9} {'peak MiB':>9} | {'sluice tok/s':>15} {'MB/step':>9} {'peak MiB':>9} {'disk bound':>10} {'limit':>7} {'vs bound':>8} {'vs llama':>8} | fio GB/s, sluice plan")
         for limit in limits:
             for batch in a.batches:
                 # The disk varies (a VM's burst credits, the host's cache): with --rounds N
@@ -256,10 +271,11 @@ def bench(name, gguf, limits, a):
                 if "error" not in s:
                     # A step reads its bytes once for every sequence of the batch.
                     bound = batch * disk / s["read"] if s["read"] > 0 else float("inf")
-                    vs_bound = s["tps"] / bound if s["read"] > 0 else float("nan")
+                    limit_by = "disk" if bound < compute[batch] else "compute"
+                    vs_bound = s["tps"] / min(bound, compute[batch])
                     vs_llama = (f"{s['tps'] / l['tps']:>8.2f}" if "error" not in l
                                 else f"{'> %.2f' % (s['tps'] / l['tps_max']):>8}" if "tps_max" in l else f"{'nan':>8}")
-                    line += f" {bound:>10.1f} {vs_bound:>8.2f} {vs_llama} | {disk / 1e9:.2f}, {s['streamed']} units streamed, overhead {s['overhead'] / MIB:.0f} MiB, planned {s['planned'] / MIB:.0f} MiB, read {s['own_read'] / 1e6:.1f} MB/pass vs weights - resident {(s['weights'] - s['resident']) / 1e6:.1f} MB"
+                    line += f" {bound:>10.1f} {limit_by:>7} {vs_bound:>8.2f} {vs_llama} | {disk / 1e9:.2f}, {s['streamed']} units streamed, overhead {s['overhead'] / MIB:.0f} MiB, planned {s['planned'] / MIB:.0f} MiB, read {s['own_read'] / 1e6:.1f} MB/pass vs weights - resident {(s['weights'] - s['resident']) / 1e6:.1f} MB"
                 else:
                     line += f"  ({s['error']})"
                 if "error" in l:
@@ -307,7 +323,8 @@ def main():
         bench("random mixture 64x4 0.87 GiB Q8_0", moe, [int(x) * MIB for x in a.moe_limits.split(",")], a)
     print("\ntok/s: decode tokens per second of the whole batch. MB/step: storage reads per decode step (one token for each")
     print("sequence) from /proc/PID/io (llama.cpp: its page cache refaults; sluice: O_DIRECT reads).")
-    print("peak: the cgroup's max usage (anonymous + page cache). disk bound: batch x fio rate / sluice's bytes per step.")
+    print("peak: the cgroup's max usage (anonymous + page cache). disk bound: batch x fio rate / sluice's bytes per step;")
+    print("limit: the lower of it and the compute bound (sluice with no limit); vs bound: sluice over that one.")
 
 
 if __name__ == "__main__":
