@@ -920,17 +920,14 @@ fn input_at(device_budget: Option<u64>, host: sluice::plan::HostInput) -> PlanIn
 /// own error.
 fn least_budget(s: &Store, expert_cache: Option<usize>, unified: bool) -> u64 {
     let input = |budget| PlanInput {
-        device_budget: Some(budget),
-        host_cache_budget: 0,
-        opts: OPTS,
-        prefetch: Some(3),
         expert_cache,
-        expert_profile: None,
-        backend_reserved: 0,
-        host: sluice::plan::HostInput {
-            unified,
-            ..Default::default()
-        },
+        ..input_at(
+            Some(budget),
+            sluice::plan::HostInput {
+                unified,
+                ..Default::default()
+            },
+        )
     };
     match plan(s.manifest(), &input(4096)) {
         Err(e) => {

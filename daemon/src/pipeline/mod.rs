@@ -865,7 +865,7 @@ impl<B: Backend> Pipeline<B> {
                 let t0 = Instant::now();
                 let mem = mem_of!(self, load);
                 let first_mem = (keep && k > 0).then(|| mem_of!(self, first));
-                let piece = &self.plan.pieces[u].as_ref().expect("counted above")[k];
+                let piece = self.piece(u, k);
                 self.model.layer_phases(
                     &self.backend,
                     u,
