@@ -477,6 +477,12 @@ fn each_error_has_its_status_and_openai_shape_and_the_daemon_keeps_serving() {
     let (status, head, b) = hi(&d);
     assert_error(status, 429, &b, "queue is full");
     assert!(head.contains("retry-after: 1"), "{head}");
+    // A call of more prompts than the queue holds can never be admitted: a 400 that says
+    // so, not a 429 to retry; and it queues none of them.
+    let two = json!({"prompt": ["a", "b"], "max_tokens": 2});
+    let (status, _, b) = post(&d, "/v1/completions", &two.to_string(), &[]);
+    assert_error(status, 400, &b, "--queue-max");
+    assert_eq!(status_json(&d)["queue_depth"], 1);
 
     // SIGTERM: in-flight requests finish; new ones, and /health, are 503.
     // SAFETY: plain kill(2) on our child's pid.

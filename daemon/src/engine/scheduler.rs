@@ -129,6 +129,48 @@ pub struct Scheduler {
     queue_max: usize,
 }
 
+/// Places held in the queue for one call's requests (`Scheduler::reserve`): each request
+/// submitted through them takes one; those not taken are given back when they drop.
+/// `queued` counts them from the start, and every request reaches the channel through
+/// such places, so `queued <= queue_max` holds and the channel (of `queue_max` places)
+/// has room for each of them.
+pub struct Places<'a> {
+    s: &'a Scheduler,
+    left: usize,
+}
+
+impl Places<'_> {
+    /// Queues a request in one of the places (`Scheduler::submit`'s checks).
+    pub fn submit(&mut self, req: Request) -> Result<(), SubmitError> {
+        self.s.validate(&req)?;
+        self.send(req)
+    }
+
+    fn send(&mut self, req: Request) -> Result<(), SubmitError> {
+        if self.left == 0 {
+            return Err(SubmitError::Invalid(
+                "more requests than the places held for them".into(),
+            ));
+        }
+        match self.s.tx.try_send(req) {
+            Ok(()) => {
+                self.left -= 1;
+                Ok(())
+            }
+            Err(TrySendError::Full(_)) => Err(SubmitError::QueueFull(self.s.queue_max)),
+            Err(TrySendError::Disconnected(_)) => Err(SubmitError::ShuttingDown),
+        }
+    }
+}
+
+impl Drop for Places<'_> {
+    fn drop(&mut self) {
+        if self.left > 0 {
+            self.s.queued.fetch_sub(self.left, Ordering::AcqRel);
+        }
+    }
+}
+
 /// An admitted request: its sequence and where its events go.
 struct Active {
     seq: Sequence,
@@ -204,20 +246,45 @@ impl Scheduler {
         if !self.accepting.load(Ordering::Acquire) {
             return Err(SubmitError::ShuttingDown);
         }
-        super::sequence::validate(&req.prompt_ids, &req.params, self.limits())
-            .map_err(SubmitError::Invalid)?;
-        self.queued.fetch_add(1, Ordering::AcqRel);
-        match self.tx.try_send(req) {
-            Ok(()) => Ok(()),
-            Err(TrySendError::Full(_)) => {
-                self.queued.fetch_sub(1, Ordering::AcqRel);
-                Err(SubmitError::QueueFull(self.queue_max))
+        self.validate(&req)?;
+        self.reserve(1)?.send(req)
+    }
+
+    /// Holds `n` places in the queue for the requests of one call, all or none: a call of
+    /// several prompts that do not all fit is refused whole and leaves nothing queued
+    /// (queued one by one, the first ones waited, cancelled, until the engine took them,
+    /// and meanwhile filled the queue against other clients). More than the queue ever
+    /// holds is invalid, not "retry later": such a call could never be admitted.
+    pub fn reserve(&self, n: usize) -> Result<Places<'_>, SubmitError> {
+        if !self.accepting.load(Ordering::Acquire) {
+            return Err(SubmitError::ShuttingDown);
+        }
+        if n > self.queue_max {
+            return Err(SubmitError::Invalid(format!(
+                "{n} prompts in one call, and the queue holds {} requests: send at most {} a call (or raise `--queue-max`, `queue_max` in the config file)",
+                self.queue_max, self.queue_max
+            )));
+        }
+        let mut now = self.queued.load(Ordering::Acquire);
+        loop {
+            if now + n > self.queue_max {
+                return Err(SubmitError::QueueFull(self.queue_max));
             }
-            Err(TrySendError::Disconnected(_)) => {
-                self.queued.fetch_sub(1, Ordering::AcqRel);
-                Err(SubmitError::ShuttingDown)
+            match self.queued.compare_exchange_weak(
+                now,
+                now + n,
+                Ordering::AcqRel,
+                Ordering::Acquire,
+            ) {
+                Ok(_) => return Ok(Places { s: self, left: n }),
+                Err(seen) => now = seen,
             }
         }
+    }
+
+    fn validate(&self, req: &Request) -> Result<(), SubmitError> {
+        super::sequence::validate(&req.prompt_ids, &req.params, self.limits())
+            .map_err(SubmitError::Invalid)
     }
 
     fn limits(&self) -> SeqLimits {

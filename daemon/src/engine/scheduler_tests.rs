@@ -1,6 +1,7 @@
 //! The scheduler on a real (tiny) pipeline: a request's greedy tokens are the same alone
-//! through `generate` and in a batch, a full queue is refused without blocking, and a
-//! shutdown past its grace period cancels what runs and what waits.
+//! through `generate` and in a batch, a full queue is refused without blocking (a call of
+//! several prompts whole), and a shutdown past its grace period cancels what runs and
+//! what waits.
 
 use super::generate::generate;
 use super::scheduler::{Event, Finish, Request, Scheduler, SchedulerConfig, SubmitError};
@@ -46,18 +47,51 @@ fn collect(mut rx: UnboundedReceiver<Event>) -> (Vec<u32>, Finish) {
     }
 }
 
+fn request(prompt: Vec<u32>, max_tokens: usize) -> (Request, UnboundedReceiver<Event>) {
+    let (tx, rx) = unbounded_channel();
+    let req = Request {
+        prompt_ids: prompt,
+        params: params(max_tokens),
+        events: tx,
+    };
+    (req, rx)
+}
+
 fn submit(
     s: &Scheduler,
     prompt: Vec<u32>,
     max_tokens: usize,
 ) -> Result<UnboundedReceiver<Event>, SubmitError> {
-    let (tx, rx) = unbounded_channel();
-    s.submit(Request {
-        prompt_ids: prompt,
-        params: params(max_tokens),
-        events: tx,
-    })?;
+    let (req, rx) = request(prompt, max_tokens);
+    s.submit(req)?;
     Ok(rx)
+}
+
+/// A scheduler on the tiny model with one KV slot and `queue_max` queue places, its slot
+/// held by a request that runs long (its events returned once it is admitted), and the
+/// directory of the model's store.
+fn one_slot_held(
+    queue_max: usize,
+) -> (
+    tempfile::TempDir,
+    Scheduler,
+    std::thread::JoinHandle<()>,
+    UnboundedReceiver<Event>,
+) {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = test_model::store(tmp.path());
+    let tok = Arc::new(Tokenizer::from_manifest(store.manifest()).expect("tokenizer"));
+    let (s, engine) = Scheduler::start(pipeline(&store, 1), tok, SchedulerConfig { queue_max });
+    let running = submit(&s, vec![1, 2, 3], 60).expect("submit");
+    let t0 = Instant::now();
+    while s.status().active_sequences != 1 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the request was never admitted"
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    (tmp, s, engine, running)
 }
 
 fn prompts() -> Vec<Vec<u32>> {
@@ -97,20 +131,8 @@ fn a_batch_gives_each_request_the_tokens_it_gets_alone() {
 
 #[test]
 fn a_full_queue_is_refused_and_a_shutdown_past_grace_cancels_everything() {
-    let tmp = tempfile::tempdir().expect("tempdir");
-    let store = test_model::store(tmp.path());
-    let tok = Arc::new(Tokenizer::from_manifest(store.manifest()).expect("tokenizer"));
-    let (s, engine) = Scheduler::start(pipeline(&store, 1), tok, SchedulerConfig { queue_max: 1 });
     // One long request takes the only slot...
-    let running = submit(&s, vec![1, 2, 3], 60).expect("submit");
-    let t0 = Instant::now();
-    while s.status().active_sequences != 1 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(20),
-            "the request was never admitted"
-        );
-        std::thread::sleep(Duration::from_millis(1));
-    }
+    let (_tmp, s, engine, running) = one_slot_held(1);
     // ...one waits in the queue, and the next is refused at once.
     let queued = submit(&s, vec![4, 5], 4).expect("one request fits the queue");
     match submit(&s, vec![6], 4) {
@@ -131,5 +153,54 @@ fn a_full_queue_is_refused_and_a_shutdown_past_grace_cancels_everything() {
         submit(&s, vec![1], 1),
         Err(SubmitError::ShuttingDown)
     ));
+    engine.join().expect("engine thread");
+}
+
+#[test]
+fn a_call_of_several_prompts_is_queued_whole_or_not_at_all() {
+    let (_tmp, s, engine, running) = one_slot_held(3);
+    let waiting = submit(&s, vec![4, 5], 4).expect("one request waits");
+    assert_eq!(s.status().queue_depth, 1);
+    // Two more places are free: a call of three is refused whole and queues nothing.
+    match s.reserve(3) {
+        Err(SubmitError::QueueFull(3)) => {}
+        other => panic!("expected QueueFull(3), got {:?}", other.map(|_| ())),
+    }
+    assert_eq!(
+        s.status().queue_depth,
+        1,
+        "a refused call left requests queued"
+    );
+    // A call of more prompts than the queue ever holds is invalid, not "retry later".
+    match s.reserve(4) {
+        Err(SubmitError::Invalid(m)) => assert!(m.contains("--queue-max"), "{m}"),
+        other => panic!("expected Invalid, got {:?}", other.map(|_| ())),
+    }
+    // Places held count as queued at once, so another client is refused meanwhile; a place
+    // not used is given back when the call's places drop.
+    let (first, first_rx) = request(vec![6], 4);
+    {
+        let mut places = s.reserve(2).expect("two places are free");
+        assert_eq!(s.status().queue_depth, 3);
+        match submit(&s, vec![7], 4) {
+            Err(SubmitError::QueueFull(3)) => {}
+            other => panic!("expected QueueFull(3), got {:?}", other.map(|_| ())),
+        }
+        places.submit(first).expect("queued in a held place");
+        let (bad, _) = request(vec![], 4);
+        match places.submit(bad) {
+            Err(SubmitError::Invalid(m)) => assert!(m.contains("empty"), "{m}"),
+            other => panic!("expected Invalid, got {:?}", other.map(|_| ())),
+        }
+    }
+    assert_eq!(
+        s.status().queue_depth,
+        2,
+        "the unused place was not given back"
+    );
+    s.shutdown(Duration::ZERO);
+    for rx in [running, waiting, first_rx] {
+        assert_eq!(collect(rx).1, Finish::Cancelled);
+    }
     engine.join().expect("engine thread");
 }

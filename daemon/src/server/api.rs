@@ -4,7 +4,7 @@
 //! request is accepted or refused for the same reason on both.
 
 use super::metrics::{Api, Metrics};
-use crate::engine::scheduler::{Event, Finish, Request, Scheduler, SubmitError};
+use crate::engine::scheduler::{Event, Finish, Places, Request, Scheduler, SubmitError};
 use crate::engine::sequence::GenerateParams;
 use crate::text::{ChatMessage, ChatTemplate, SamplingParams};
 use std::pin::Pin;
@@ -295,27 +295,51 @@ impl Frontend {
     /// `max_tokens` past the room it leaves, and every other bad parameter are refused
     /// here, before the request takes a slot.
     pub fn submit(&self, api: Api, input: GenerateInput) -> Result<Submitted, ApiError> {
+        self.submit_to(None, api, input)
+    }
+
+    /// Holds places in the queue for a call of `n` prompts, all or none
+    /// (`Scheduler::reserve`); `submit_in` queues each prompt in one.
+    pub fn reserve(&self, api: Api, n: usize) -> Result<Places<'_>, ApiError> {
+        self.sched.reserve(n).map_err(|e| {
+            let e = submit_error(e);
+            self.metrics.request(api, e.kind.outcome());
+            e
+        })
+    }
+
+    /// `submit` into places `reserve` held.
+    pub fn submit_in(
+        &self,
+        places: &mut Places<'_>,
+        api: Api,
+        input: GenerateInput,
+    ) -> Result<Submitted, ApiError> {
+        self.submit_to(Some(places), api, input)
+    }
+
+    fn submit_to(
+        &self,
+        places: Option<&mut Places<'_>>,
+        api: Api,
+        input: GenerateInput,
+    ) -> Result<Submitted, ApiError> {
         let t0 = Instant::now();
         let r = self
             .prepare(input)
             .and_then(|(prompt_ids, params, truncated)| {
                 let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                 let prompt_tokens = prompt_ids.len();
-                self.sched
-                    .submit(Request {
-                        prompt_ids,
-                        params,
-                        events: tx,
-                    })
-                    .map_err(|e| match e {
-                        SubmitError::QueueFull(_) => {
-                            ApiError::new(ErrorKind::QueueFull, e.to_string())
-                        }
-                        SubmitError::ShuttingDown => {
-                            ApiError::new(ErrorKind::Unavailable, e.to_string())
-                        }
-                        SubmitError::Invalid(m) => ApiError::invalid(None, m),
-                    })?;
+                let req = Request {
+                    prompt_ids,
+                    params,
+                    events: tx,
+                };
+                match places {
+                    Some(p) => p.submit(req),
+                    None => self.sched.submit(req),
+                }
+                .map_err(submit_error)?;
                 Ok(Submitted {
                     prompt_tokens,
                     truncated,
@@ -597,5 +621,14 @@ impl Drop for Events {
         if !self.ended {
             self.metrics.request(self.api, "disconnected");
         }
+    }
+}
+
+/// A refusal of the scheduler as the API answers it.
+fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::QueueFull(_) => ApiError::new(ErrorKind::QueueFull, e.to_string()),
+        SubmitError::ShuttingDown => ApiError::new(ErrorKind::Unavailable, e.to_string()),
+        SubmitError::Invalid(m) => ApiError::invalid(None, m),
     }
 }

@@ -451,17 +451,20 @@ fn failed(failure: crate::engine::Failure, message: String) -> ApiError {
     ApiError::new(ErrorKind::of_failure(failure), message)
 }
 
-/// Submits every prompt of the call; on a refusal the prompts already queued are dropped
-/// (their sequences are evicted). Returns each prompt's events and the prompt tokens.
+/// Submits every prompt of the call into places held for all of them first (a call that
+/// does not fit the queue is refused whole); on a refusal of one prompt (a bad one) those
+/// already queued are dropped (their sequences are evicted). Returns each prompt's events
+/// and the prompt tokens.
 fn submit_all(
     front: &Frontend,
     api: Api,
     inputs: Vec<super::api::GenerateInput>,
 ) -> Result<(Vec<Events>, usize), ApiError> {
+    let mut places = front.reserve(api, inputs.len())?;
     let mut events = Vec::with_capacity(inputs.len());
     let mut prompt_tokens = 0;
     for input in inputs {
-        let sub = front.submit(api, input)?;
+        let sub = front.submit_in(&mut places, api, input)?;
         prompt_tokens += sub.prompt_tokens;
         events.push(sub.events);
     }
