@@ -943,3 +943,92 @@ fn penalties_over_http_and_grpc_give_what_sluiced_run_gives() {
     let v = assert_error(status, 400, &b, "[-2, 2]");
     assert_eq!(v["error"]["param"], "presence_penalty");
 }
+
+/// Gemma's turn format (as its instruction-tuned models' template writes it), given to a
+/// base model that ships no template.
+const GEMMA_TEMPLATE: &str = "{{ bos_token }}{% for m in messages %}{% if m.role == 'assistant' %}{% set role = 'model' %}{% else %}{% set role = m.role %}{% endif %}<start_of_turn>{{ role }}\n{{ m.content | trim }}<end_of_turn>\n{% endfor %}{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}";
+
+/// The real Gemma 3 270M GGUF is a base model with no chat template: chat calls are
+/// refused, until `--chat-template FILE` gives one. Then a chat call is the completion of
+/// the text the template renders (the same prompt tokens, the same greedy tokens), and
+/// generation also ends at the template's end-of-turn token, which the store's end
+/// tokens lack.
+#[test]
+fn a_chat_template_given_at_start_serves_chat_on_a_base_model() {
+    let models = tempfile::tempdir().unwrap();
+    let store = models.path().join("gemma3");
+    let store = store.to_str().unwrap();
+    sluiced_ok(&[
+        "pack",
+        "--link",
+        gemma3_gguf().to_str().unwrap(),
+        "-o",
+        store,
+    ]);
+    let file = models.path().join("gemma.jinja");
+    std::fs::write(&file, GEMMA_TEMPLATE).unwrap();
+
+    let mut tok = sluice::text::Tokenizer::from_manifest(
+        sluice::store::Store::open(std::path::Path::new(store))
+            .unwrap()
+            .manifest(),
+    )
+    .unwrap();
+    let eot = tok.token_id("<end_of_turn>").expect("Gemma's vocabulary");
+    assert!(!tok.is_end(eot), "the base model's store ends at eos only");
+    assert_eq!(tok.end_turns_of(GEMMA_TEMPLATE), vec![eot]);
+    assert!(tok.is_end(eot));
+
+    let chat = json!({"messages": [{"role": "user", "content": "Name a colour."}],
+                      "max_tokens": 8, "temperature": 0});
+    let flags = ["--max-context", "256", "--max-batch", "1"];
+    let d = Daemon::serve(tempfile::tempdir().unwrap(), &["--model", store], &flags);
+    let (status, _, b) = post(&d, "/v1/chat/completions", &chat.to_string(), &[]);
+    assert_error(status, 400, &b, "no chat template");
+    drop(d);
+
+    let file = file.to_str().unwrap();
+    let mut with = vec!["--chat-template", file];
+    with.extend_from_slice(&flags);
+    let d = Daemon::serve(tempfile::tempdir().unwrap(), &["--model", store], &with);
+    let (status, _, b) = post(&d, "/v1/chat/completions", &chat.to_string(), &[]);
+    assert_eq!(status, 200, "{b}");
+    let c: Value = serde_json::from_str(&b).unwrap();
+    // The template renders BOS itself; a completion prompt gets it from the tokenizer.
+    let rendered = "<start_of_turn>user\nName a colour.<end_of_turn>\n<start_of_turn>model\n";
+    let comp = json!({"prompt": rendered, "max_tokens": 8, "temperature": 0});
+    let (status, _, b) = post(&d, "/v1/completions", &comp.to_string(), &[]);
+    assert_eq!(status, 200, "{b}");
+    let p: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(c["usage"]["prompt_tokens"], p["usage"]["prompt_tokens"]);
+    assert_eq!(
+        c["choices"][0]["message"]["content"],
+        p["choices"][0]["text"]
+    );
+    assert_eq!(
+        c["choices"][0]["finish_reason"],
+        p["choices"][0]["finish_reason"]
+    );
+    assert!(c["usage"]["completion_tokens"].as_u64().unwrap() > 0, "{c}");
+    // `sluiced run --chat --chat-template` renders the same prompt and generates the same.
+    let run: Value = serde_json::from_str(&sluiced_ok(&[
+        "run",
+        store,
+        "--chat",
+        "--chat-template",
+        file,
+        "--prompt",
+        "Name a colour.",
+        "--max-tokens",
+        "8",
+        "--max-context",
+        "256",
+        "--json",
+    ]))
+    .unwrap();
+    assert_eq!(run["text"], c["choices"][0]["message"]["content"]);
+    assert_eq!(
+        run["prompt_token_ids"].as_array().unwrap().len() as u64,
+        c["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+}

@@ -1,12 +1,12 @@
 //! GGUF (v2/v3) importer: metadata, tensor infos, alignment, tokenizer and chat template.
 //! Every read is bounds-checked against the file and reported with its offset.
 
-use super::{end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, SourceTensor};
+use super::{mmap_file, push_unique, ImportError, ImportedModel, SourceTensor};
 use crate::dtype::{ggml_type_name, DType};
 use crate::store::arch::{
     every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling, SwigluClamp,
 };
-use crate::store::format::{GgufVocab, SpecialTokens, TokenizerSpec};
+use crate::store::format::{end_of_turn_tokens, GgufVocab, SpecialTokens, TokenizerSpec};
 use std::collections::BTreeMap;
 use std::path::Path;
 

@@ -3,14 +3,13 @@
 //! template, special tokens) and generation_config.json (end tokens).
 
 use super::{
-    end_of_turn_tokens, mmap_file, push_unique, ImportError, ImportedModel, OpenAiMxfp4,
-    SourceTensor, Strided, Widen,
+    mmap_file, push_unique, ImportError, ImportedModel, OpenAiMxfp4, SourceTensor, Strided, Widen,
 };
 use crate::dtype::DType;
 use crate::store::arch::{
     every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling, SwigluClamp,
 };
-use crate::store::format::{SpecialTokens, TokenizerSpec};
+use crate::store::format::{end_of_turn_tokens, SpecialTokens, TokenizerSpec};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

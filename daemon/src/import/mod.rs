@@ -422,28 +422,6 @@ impl PackSource for ImportedModel {
     }
 }
 
-/// Finds the end-of-turn tokens a chat template uses among the vocabulary, so generation
-/// stops at them as well as at eos.
-pub(crate) fn end_of_turn_tokens(
-    template: Option<&str>,
-    lookup: impl Fn(&str) -> Option<u32>,
-) -> Vec<u32> {
-    const END_OF_TURN: [&str; 6] = [
-        "<|im_end|>",
-        "<|eot_id|>",
-        "<|end|>",
-        "<end_of_turn>",
-        "<|endoftext|>",
-        "</s>",
-    ];
-    let Some(t) = template else { return Vec::new() };
-    END_OF_TURN
-        .iter()
-        .filter(|s| t.contains(*s))
-        .filter_map(|s| lookup(s))
-        .collect()
-}
-
 pub(crate) fn push_unique(v: &mut Vec<u32>, id: Option<u32>) {
     if let Some(id) = id {
         if !v.contains(&id) {

@@ -67,6 +67,9 @@ pub struct ServeConfig {
     pub expert_cache: Option<usize>,
     /// An expert profile (`sluiced run --save-expert-profile`) for the `model` store.
     pub expert_profile: Option<PathBuf>,
+    /// A chat template (a Jinja file) for the `model` store, used instead of its own (a base
+    /// model has none; some models ship a wrong one).
+    pub chat_template: Option<PathBuf>,
     /// Compute threads of the CPU backend (0: all cores).
     pub threads: usize,
     /// "auto" (CUDA when a usable GPU is there, else the CPU), "cpu" or "cuda".
@@ -110,6 +113,7 @@ impl Default for ServeConfig {
             prefetch: None,
             expert_cache: None,
             expert_profile: None,
+            chat_template: None,
             threads: 0,
             backend: crate::engine::BackendChoice::Auto,
             device: 0,

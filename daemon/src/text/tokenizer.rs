@@ -251,6 +251,19 @@ impl Tokenizer {
         self.special.end_tokens.contains(&id)
     }
 
+    /// Generation also ends at the end-of-turn tokens `template` uses (a chat template given
+    /// at run time, `--chat-template`: a base model's store knows none of them); returns
+    /// those it added.
+    pub fn end_turns_of(&mut self, template: &str) -> Vec<u32> {
+        let ids = crate::store::format::end_of_turn_tokens(Some(template), |s| self.token_id(s));
+        let added: Vec<u32> = ids
+            .into_iter()
+            .filter(|id| !self.special.end_tokens.contains(id))
+            .collect();
+        self.special.end_tokens.extend(&added);
+        added
+    }
+
     pub fn vocab(&self) -> u32 {
         self.vocab
     }

@@ -32,6 +32,11 @@ pub struct RunArgs {
     /// A system message (with --chat).
     #[arg(long)]
     system: Option<String>,
+    /// A chat template (a Jinja file) to render --chat with instead of the store's: a base
+    /// model has none, and some models ship a wrong one. Generation also ends at the
+    /// end-of-turn tokens it uses.
+    #[arg(long, value_name = "FILE", requires = "chat")]
+    chat_template: Option<PathBuf>,
     /// Tokens to generate at most (the context may stop it sooner).
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
@@ -145,11 +150,19 @@ pub struct RunArgs {
 
 pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     let mut store = Store::open(&store_path(&a.dir, None))?;
-    let tok = Tokenizer::from_manifest(store.manifest())?;
+    let mut tok = Tokenizer::from_manifest(store.manifest())?;
     store.release_tokenizer_spec();
     let store = std::sync::Arc::new(store);
     let m = store.manifest();
-    let prompt_ids = prompt_ids(&a, m, &tok)?;
+    let template = match &a.chat_template {
+        Some(path) => {
+            let t = crate::util::read_chat_template(path)?;
+            tok.end_turns_of(&t);
+            Some(t)
+        }
+        None => None,
+    };
+    let prompt_ids = prompt_ids(&a, m, &tok, template.as_deref())?;
     let max_context = a
         .max_context
         .unwrap_or((m.arch.max_context as usize).min(4096));
@@ -203,8 +216,13 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
 }
 
 /// The prompt's token ids: given directly, or the prompt (or file) encoded, rendered with
-/// the chat template under --chat.
-fn prompt_ids(a: &RunArgs, m: &sluice::store::Manifest, tok: &Tokenizer) -> Result<Vec<u32>> {
+/// the chat template under --chat (`template`, from --chat-template, else the store's).
+fn prompt_ids(
+    a: &RunArgs,
+    m: &sluice::store::Manifest,
+    tok: &Tokenizer,
+    template: Option<&str>,
+) -> Result<Vec<u32>> {
     if let Some(ids) = a.prompt_ids.clone() {
         if let Some(bad) = ids.iter().find(|&&i| i >= m.arch.vocab) {
             bail!(
@@ -223,10 +241,9 @@ fn prompt_ids(a: &RunArgs, m: &sluice::store::Manifest, tok: &Tokenizer) -> Resu
     if !a.chat {
         return Ok(tok.encode(&text, true)?);
     }
-    let src = m
-        .chat_template
-        .as_deref()
-        .context("--chat: this model has no chat template")?;
+    let src = template
+        .or(m.chat_template.as_deref())
+        .context("--chat: this model has no chat template; give one with --chat-template FILE")?;
     let piece = |id: Option<u32>| id.map(|i| tok.piece(i)).unwrap_or_default();
     let t = ChatTemplate::new(src, piece(m.special.bos), piece(m.special.eos))?;
     let mut msgs = Vec::new();

@@ -110,6 +110,11 @@ pub struct ServeArgs {
     /// expert cache starts with the hottest experts, part of it pinned.
     #[arg(long, value_name = "PATH")]
     pub expert_profile: Option<PathBuf>,
+    /// A chat template (a Jinja file) for the --model store, used instead of its own: a base
+    /// model has none, and some models ship a wrong one. Generation also ends at the
+    /// end-of-turn tokens it uses.
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
     /// Compute threads of the CPU backend (default 0: all cores).
     #[arg(long)]
     pub threads: Option<usize>,
@@ -212,6 +217,9 @@ impl ServeArgs {
         if self.expert_profile.is_some() {
             c.expert_profile = self.expert_profile;
         }
+        if self.chat_template.is_some() {
+            c.chat_template = self.chat_template;
+        }
         if self.exact {
             c.exact = true;
         }
@@ -303,22 +311,29 @@ impl ModelLoader {
         }
     }
 
-    /// Loads the store at `dir` as `name`, with the expert profile at `profile` (the pinned
-    /// model's `expert_profile`).
+    /// Loads the store at `dir` as `name`, with the expert profile at `profile` and the chat
+    /// template `template` instead of the store's (the pinned model's `expert_profile` and
+    /// `chat_template`).
     fn load_model(
         &self,
         name: &str,
         dir: &Path,
         device_room: Option<u64>,
         profile: Option<&Path>,
+        template: Option<&str>,
     ) -> Result<Served> {
         let cfg = &self.cfg;
         let mut store = Store::open(dir)?;
-        let tokenizer = Arc::new(Tokenizer::from_manifest(store.manifest())?);
+        let mut tokenizer = Tokenizer::from_manifest(store.manifest())?;
+        if let Some(t) = template {
+            let ends = tokenizer.end_turns_of(t);
+            tracing::info!(model = name, "chat template from the config (--chat-template), generation also ending at tokens {ends:?}");
+        }
+        let tokenizer = Arc::new(tokenizer);
         store.release_tokenizer_spec();
         let store = Arc::new(store);
         let m = store.manifest();
-        let template = match &m.chat_template {
+        let template = match template.or(m.chat_template.as_deref()) {
             Some(src) => {
                 let piece = |id: Option<u32>| id.map(|i| tokenizer.piece(i)).unwrap_or_default();
                 Some(Arc::new(ChatTemplate::sandboxed(
@@ -414,7 +429,7 @@ impl Loader for ModelLoader {
     }
 
     fn load(&self, name: &str, dir: &Path, device_room: Option<u64>) -> Result<Served, String> {
-        self.load_model(name, dir, device_room, None)
+        self.load_model(name, dir, device_room, None, None)
             .map_err(|e| format!("{e:#}"))
     }
 }
@@ -566,13 +581,25 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
                 .file_name()
                 .map(|n| n.to_string_lossy().into_owned())
                 .unwrap_or_else(|| "model".into());
-            let served =
-                loader.load_model(&name, &path, device_total, cfg.expert_profile.as_deref())?;
+            let template = match &cfg.chat_template {
+                Some(p) => Some(crate::util::read_chat_template(p)?),
+                None => None,
+            };
+            let served = loader.load_model(
+                &name,
+                &path,
+                device_total,
+                cfg.expert_profile.as_deref(),
+                template.as_deref(),
+            )?;
             let info = StoreInfo::read(&path).map_err(anyhow::Error::msg)?;
             Some((name, path, info, served))
         }
         None if cfg.expert_profile.is_some() => {
             bail!("expert_profile is for the store given with --model (model in the config); none is given")
+        }
+        None if cfg.chat_template.is_some() => {
+            bail!("chat_template is for the store given with --model (model in the config); none is given")
         }
         None => None,
     };

@@ -23,6 +23,21 @@ pub fn parse_size_u32(s: &str) -> Result<u32, String> {
     u32::try_from(b).map_err(|_| format!("{s} is over 4 GiB"))
 }
 
+/// A chat template given with `--chat-template FILE` (Jinja, as a model's
+/// `tokenizer_config.json` or `chat_template.jinja` holds it).
+pub fn read_chat_template(path: &std::path::Path) -> anyhow::Result<String> {
+    use anyhow::Context;
+    let t = std::fs::read_to_string(path)
+        .with_context(|| format!("--chat-template {}: cannot read it", path.display()))?;
+    if t.trim().is_empty() {
+        anyhow::bail!(
+            "--chat-template {}: the file is empty; give a Jinja chat template",
+            path.display()
+        );
+    }
+    Ok(t)
+}
+
 pub fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
     let pb = indicatif::ProgressBar::new(total);
     let style = indicatif::ProgressStyle::with_template(
