@@ -415,9 +415,9 @@ fn each_error_has_its_status_and_openai_shape_and_the_daemon_keeps_serving() {
         ("{not json".into(), 400, "not valid"),
         (r#"{"messages":"hi"}"#.into(), 400, "invalid type"),
         (
-            format!(r#"{{"messages":{user},"n":3}}"#),
+            format!(r#"{{"messages":{user},"n":129}}"#),
             400,
-            "n must be 1",
+            "n must be 1 to 128",
         ),
         (
             format!(r#"{{"messages":{user},"temperature":-1}}"#),
@@ -795,7 +795,7 @@ fn metrics_parse_as_prometheus_text_and_move_as_requests_run() {
     assert_eq!(status, 200, "{b}");
     let o = sluice(&d, &["generate", "Hello", "--max-tokens", "4"]);
     assert!(o.status.success());
-    let (status, _, _) = post(&d, "/v1/completions", r#"{"prompt":"Hi","n":2}"#, &[]);
+    let (status, _, _) = post(&d, "/v1/completions", r#"{"prompt":"Hi","n":0}"#, &[]);
     assert_eq!(status, 400);
     let after = python(&["metrics", &d.http]);
     let s1 = &after["samples"];
@@ -1030,5 +1030,85 @@ fn a_chat_template_given_at_start_serves_chat_on_a_base_model() {
     assert_eq!(
         run["prompt_token_ids"].as_array().unwrap().len() as u64,
         c["usage"]["prompt_tokens"].as_u64().unwrap()
+    );
+}
+
+/// `n` choices a prompt: choice i of a seeded call is what the call alone with the seed
+/// plus i gives (batch invariance), choices come prompt by prompt, and a prompt's tokens
+/// count once in the usage, streamed or not.
+#[test]
+fn n_choices_are_the_seeded_calls_alone_and_count_each_prompt_once() {
+    let d = Daemon::start(&["--max-context", "256", "--max-batch", "4"]);
+    let ask = |path: &str, body: Value| -> Value {
+        let (status, _, b) = post(&d, path, &body.to_string(), &[]);
+        assert_eq!(status, 200, "{b}");
+        serde_json::from_str(&b).unwrap()
+    };
+    let prompts = [PROMPTS[1], PROMPTS[2]];
+    let alone = |p: &str, seed: u64| {
+        ask(
+            "/v1/completions",
+            json!({"prompt": p, "max_tokens": 6, "temperature": 1, "seed": seed}),
+        )
+    };
+    let all = ask(
+        "/v1/completions",
+        json!({"prompt": prompts, "n": 2, "max_tokens": 6, "temperature": 1, "seed": 11}),
+    );
+    let choices = all["choices"].as_array().unwrap();
+    assert_eq!(choices.len(), 4);
+    let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    for (k, p) in prompts.iter().enumerate() {
+        for i in 0..2 {
+            let one = alone(p, 11 + i as u64);
+            let c = &choices[2 * k + i];
+            assert_eq!(c["index"], 2 * k + i);
+            assert_eq!(
+                c["text"], one["choices"][0]["text"],
+                "prompt {k} choice {i}"
+            );
+            completion_tokens += one["usage"]["completion_tokens"].as_u64().unwrap();
+            if i == 0 {
+                prompt_tokens += one["usage"]["prompt_tokens"].as_u64().unwrap();
+            }
+        }
+    }
+    assert_eq!(all["usage"]["prompt_tokens"], prompt_tokens);
+    assert_eq!(all["usage"]["completion_tokens"], completion_tokens);
+    assert_ne!(choices[0]["text"], choices[1]["text"], "two samples alike");
+
+    // Streamed chat: every choice's deltas, the prompt counted once.
+    let msgs = json!([{"role": "user", "content": PROMPTS[3]}]);
+    let single = ask(
+        "/v1/chat/completions",
+        json!({"messages": msgs, "max_tokens": 4, "temperature": 0}),
+    );
+    let body = json!({"messages": msgs, "max_tokens": 4, "temperature": 0, "n": 3,
+                      "stream": true, "stream_options": {"include_usage": true}});
+    let (status, _, b) = post(&d, "/v1/chat/completions", &body.to_string(), &[]);
+    assert_eq!(status, 200, "{b}");
+    let chunks: Vec<Value> = b
+        .lines()
+        .filter_map(|l| l.strip_prefix("data: "))
+        .filter(|l| *l != "[DONE]")
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut texts = vec![String::new(); 3];
+    for c in &chunks {
+        for ch in c["choices"].as_array().unwrap() {
+            let i = ch["index"].as_u64().unwrap() as usize;
+            texts[i].push_str(ch["delta"]["content"].as_str().unwrap_or(""));
+        }
+    }
+    let greedy = single["choices"][0]["message"]["content"].as_str().unwrap();
+    assert!(
+        texts.iter().all(|t| t == greedy),
+        "{texts:?} against {greedy:?}"
+    );
+    let usage = &chunks.last().unwrap()["usage"];
+    assert_eq!(usage["prompt_tokens"], single["usage"]["prompt_tokens"]);
+    assert_eq!(
+        usage["completion_tokens"].as_u64().unwrap(),
+        3 * single["usage"]["completion_tokens"].as_u64().unwrap()
     );
 }

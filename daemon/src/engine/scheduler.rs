@@ -261,7 +261,7 @@ impl Scheduler {
         }
         if n > self.queue_max {
             return Err(SubmitError::Invalid(format!(
-                "{n} prompts in one call, and the queue holds {} requests: send at most {} a call (or raise `--queue-max`, `queue_max` in the config file)",
+                "{n} sequences in one call (prompts times n), and the queue holds {} requests: send at most {} a call (or raise `--queue-max`, `queue_max` in the config file)",
                 self.queue_max, self.queue_max
             )));
         }

@@ -105,6 +105,7 @@ impl std::fmt::Display for ApiError {
 }
 
 /// The prompt of a request, in one of the three forms both wires accept.
+#[derive(Clone)]
 pub enum Prompt {
     /// Text, tokenized with the model's BOS where it has one.
     Text(String),
@@ -114,6 +115,7 @@ pub enum Prompt {
     Ids(Vec<u32>),
 }
 
+#[derive(Clone)]
 pub struct GenerateInput {
     /// Empty: the daemon's model.
     pub model: String,

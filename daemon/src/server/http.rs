@@ -309,6 +309,8 @@ struct Head {
     model: String,
     kind: Kind,
     tok: Arc<Tokenizer>,
+    /// Choices per prompt (`n`): a prompt's tokens count once in the usage.
+    n: usize,
 }
 
 impl Head {
@@ -459,19 +461,22 @@ fn submit_all(
     front: &Frontend,
     api: Api,
     inputs: Vec<super::api::GenerateInput>,
+    n: usize,
 ) -> Result<(Vec<Events>, usize), ApiError> {
     let mut places = front.reserve(api, inputs.len())?;
     let mut events = Vec::with_capacity(inputs.len());
     let mut prompt_tokens = 0;
-    for input in inputs {
+    for (i, input) in inputs.into_iter().enumerate() {
         let sub = front.submit_in(&mut places, api, input)?;
-        prompt_tokens += sub.prompt_tokens;
+        if i % n.max(1) == 0 {
+            prompt_tokens += sub.prompt_tokens;
+        }
         events.push(sub.events);
     }
     Ok((events, prompt_tokens))
 }
 
-fn head(front: &Frontend, kind: Kind) -> Head {
+fn head(front: &Frontend, kind: Kind, n: usize) -> Head {
     Head {
         id: request_id(if kind == Kind::Chat {
             "chatcmpl"
@@ -482,16 +487,17 @@ fn head(front: &Frontend, kind: Kind) -> Head {
         model: front.meta.name.clone(),
         kind,
         tok: front.sched.tokenizer.clone(),
+        n: n.max(1),
     }
 }
 
 /// Submits every prompt of the call; answers with one JSON response or a stream.
 async fn run(front: Arc<Frontend>, call: Call, kind: Kind) -> Response {
-    let (events, prompt_tokens) = match submit_all(&front, Api::Http, call.inputs) {
+    let (events, prompt_tokens) = match submit_all(&front, Api::Http, call.inputs, call.n) {
         Ok(r) => r,
         Err(e) => return error_response(&e),
     };
-    let head = head(&front, kind);
+    let head = head(&front, kind, call.n);
     if call.stream {
         stream(head, events, call.include_usage)
     } else {
@@ -550,11 +556,11 @@ pub async fn call_json(
         Err(e) => return refuse(e),
     };
     let front = &served.front;
-    let (events, prompt_tokens) = match submit_all(front, api, call.inputs) {
+    let (events, prompt_tokens) = match submit_all(front, api, call.inputs, call.n) {
         Ok(r) => r,
         Err(e) => return answer(e),
     };
-    match complete(head(front, kind), events, prompt_tokens).await {
+    match complete(head(front, kind, call.n), events, prompt_tokens).await {
         Ok(v) => (200, v),
         Err(e) => answer(e),
     }
@@ -676,7 +682,9 @@ async fn pump(head: Head, events: Vec<Events>, include_usage: bool, tx: mpsc::Se
                 head.choice_delta(i, Some(&text), lp, None)
             }
             Event::Done(d) => {
-                prompt_tokens += d.prompt_token_ids.len();
+                if i % head.n == 0 {
+                    prompt_tokens += d.prompt_token_ids.len();
+                }
                 completion_tokens += d.generated_token_ids.len();
                 match openai::finish_reason(d.finish) {
                     Some(f) => head.choice_delta(i, None, Value::Null, Some(f)),

@@ -79,10 +79,26 @@ pub struct Call {
     /// The model named (empty: the daemon's default) and how long to keep it loaded.
     pub model: String,
     pub keep_alive: Option<KeepAlive>,
-    /// One input per prompt (chat: one).
+    /// `n` inputs per prompt (chat: one prompt), choice `i` of prompt `p` at `p * n + i`
+    /// as OpenAI orders them.
     pub inputs: Vec<GenerateInput>,
+    /// Choices per prompt (`n`).
+    pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
+}
+
+/// Choices per prompt at most (OpenAI's limit).
+pub const N_MAX: usize = 128;
+
+/// `n` choices of one prompt: choice `i` samples with the seed plus `i`, so a seeded call
+/// is repeatable and its choices differ (an unseeded one drew its seed at random).
+fn choices(input: GenerateInput, n: usize) -> impl Iterator<Item = GenerateInput> {
+    (0..n as u64).map(move |i| {
+        let mut c = input.clone();
+        c.sampling.seed = c.sampling.seed.wrapping_add(i);
+        c
+    })
 }
 
 fn body_error(e: serde_json::Error) -> ApiError {
@@ -114,10 +130,10 @@ impl Common {
     /// The sampling settings and the refusals common to both endpoints. OpenAI's default
     /// temperature is 1; 0 is greedy.
     fn sampling(&self) -> Result<SamplingParams, ApiError> {
-        if self.n.is_some_and(|n| n != 1) {
+        if self.n.is_some_and(|n| n == 0 || n as usize > N_MAX) {
             return Err(ApiError::invalid(
                 Some("n"),
-                "n must be 1: sluice returns one choice per prompt (send the request again for more samples)",
+                format!("n must be 1 to {N_MAX} (choices per prompt)"),
             ));
         }
         if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
@@ -252,20 +268,24 @@ pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
     }
     let sampling = b.common.sampling()?;
     let c = b.common;
+    let n = c.n.unwrap_or(1) as usize;
+    let include_usage = c.include_usage();
+    let input = GenerateInput {
+        model: c.model.clone().unwrap_or_default(),
+        prompt: Prompt::Messages(messages(b.messages)?),
+        max_tokens: b.max_completion_tokens.or(c.max_tokens),
+        sampling,
+        stop: stop_list(c.stop)?,
+        logprobs,
+        truncate: false,
+    };
     Ok(Call {
         keep_alive: keep_alive(c.keep_alive.as_ref())?,
         model: c.model.clone().unwrap_or_default(),
-        include_usage: c.include_usage(),
+        include_usage,
         stream: c.stream.unwrap_or(false),
-        inputs: vec![GenerateInput {
-            model: c.model.unwrap_or_default(),
-            prompt: Prompt::Messages(messages(b.messages)?),
-            max_tokens: b.max_completion_tokens.or(c.max_tokens),
-            sampling,
-            stop: stop_list(c.stop)?,
-            logprobs,
-            truncate: false,
-        }],
+        inputs: choices(input, n).collect(),
+        n,
     })
 }
 
@@ -345,6 +365,7 @@ pub fn parse_completion(body: &[u8], max_prompts: usize) -> Result<Call, ApiErro
     let stop = stop_list(c.stop)?;
     let model = c.model.unwrap_or_default();
     let max_tokens = c.max_tokens.unwrap_or(COMPLETION_MAX_TOKENS_DEFAULT);
+    let n = c.n.unwrap_or(1) as usize;
     Ok(Call {
         keep_alive: keep_alive(c.keep_alive.as_ref())?,
         model: model.clone(),
@@ -352,16 +373,20 @@ pub fn parse_completion(body: &[u8], max_prompts: usize) -> Result<Call, ApiErro
         stream: c.stream.unwrap_or(false),
         inputs: prompts(b.prompt, max_prompts)?
             .into_iter()
-            .map(|prompt| GenerateInput {
-                model: model.clone(),
-                prompt,
-                max_tokens: Some(max_tokens),
-                sampling,
-                stop: stop.clone(),
-                logprobs: b.logprobs.map(|n| n as usize),
-                truncate: false,
+            .flat_map(|prompt| {
+                let input = GenerateInput {
+                    model: model.clone(),
+                    prompt,
+                    max_tokens: Some(max_tokens),
+                    sampling,
+                    stop: stop.clone(),
+                    logprobs: b.logprobs.map(|n| n as usize),
+                    truncate: false,
+                };
+                choices(input, n)
             })
             .collect(),
+        n,
     })
 }
 
@@ -421,7 +446,8 @@ mod tests {
             ("system", "a\nb")
         );
         for (body, param) in [
-            (&br#"{"messages":[],"n":2}"#[..], "n"),
+            (&br#"{"messages":[],"n":0}"#[..], "n"),
+            (br#"{"messages":[],"n":129}"#, "n"),
             (br#"{"messages":[],"top_logprobs":2}"#, "top_logprobs"),
             (br#"{"messages":[],"logit_bias":{"1":5}}"#, "logit_bias"),
             (br#"{"messages":[],"tools":[{"type":"function"}]}"#, "tools"),
@@ -441,6 +467,25 @@ mod tests {
         assert_eq!(c.inputs[0].max_tokens, Some(COMPLETION_MAX_TOKENS_DEFAULT));
         assert!(matches!(&c.inputs[1].prompt, Prompt::Ids(v) if v == &[3]));
         assert!(parse_completion(br#"{"prompt":["a","b","c"]}"#, 2).is_err());
+        // n choices a prompt, prompt by prompt, choice i with the seed plus i.
+        let c = parse_completion(br#"{"prompt":["a","b"],"n":3,"seed":7}"#, 8).expect("n");
+        assert_eq!(c.n, 3);
+        let got: Vec<(String, u64)> = c
+            .inputs
+            .iter()
+            .map(|i| match &i.prompt {
+                Prompt::Text(t) => (t.clone(), i.sampling.seed),
+                _ => panic!("a text prompt"),
+            })
+            .collect();
+        let want: Vec<(String, u64)> = [("a", 7), ("a", 8), ("a", 9), ("b", 7), ("b", 8), ("b", 9)]
+            .iter()
+            .map(|&(t, s)| (t.to_string(), s))
+            .collect();
+        assert_eq!(got, want);
+        let c = parse_chat(br#"{"messages":[{"role":"user","content":"x"}],"n":2}"#).expect("n");
+        assert_eq!((c.n, c.inputs.len()), (2, 2));
+        assert_ne!(c.inputs[0].sampling.seed, c.inputs[1].sampling.seed);
         assert!(parse_completion(br#"{"prompt":[1,-2]}"#, 2).is_err());
     }
 }
