@@ -105,7 +105,6 @@ impl std::fmt::Display for ApiError {
 }
 
 /// The prompt of a request, in one of the three forms both wires accept.
-#[derive(Clone)]
 pub enum Prompt {
     /// Text, tokenized with the model's BOS where it has one.
     Text(String),
@@ -115,7 +114,6 @@ pub enum Prompt {
     Ids(Vec<u32>),
 }
 
-#[derive(Clone)]
 pub struct GenerateInput {
     /// Empty: the daemon's model.
     pub model: String,
@@ -297,11 +295,13 @@ impl Frontend {
     /// `max_tokens` past the room it leaves, and every other bad parameter are refused
     /// here, before the request takes a slot.
     pub fn submit(&self, api: Api, input: GenerateInput) -> Result<Submitted, ApiError> {
-        self.submit_to(None, api, input)
+        self.submit_to(None, api, input, 1)?
+            .pop()
+            .ok_or_else(|| ApiError::new(ErrorKind::Internal, "no request was submitted"))
     }
 
-    /// Holds places in the queue for a call of `n` prompts, all or none
-    /// (`Scheduler::reserve`); `submit_in` queues each prompt in one.
+    /// Holds places in the queue for a call of `n` sequences, all or none
+    /// (`Scheduler::reserve`); `submit_in` queues each prompt's in them.
     pub fn reserve(&self, api: Api, n: usize) -> Result<Places<'_>, ApiError> {
         self.sched.reserve(n).map_err(|e| {
             let e = submit_error(e);
@@ -310,51 +310,61 @@ impl Frontend {
         })
     }
 
-    /// `submit` into places `reserve` held.
+    /// `submit` of `n` sequences of one prompt (`n` choices) into places `reserve` held:
+    /// the prompt is read and tokenized once, and sequence i samples with its seed plus i
+    /// (a seeded call repeats, and its choices differ).
     pub fn submit_in(
         &self,
         places: &mut Places<'_>,
         api: Api,
         input: GenerateInput,
-    ) -> Result<Submitted, ApiError> {
-        self.submit_to(Some(places), api, input)
+        n: usize,
+    ) -> Result<Vec<Submitted>, ApiError> {
+        self.submit_to(Some(places), api, input, n)
     }
 
     fn submit_to(
         &self,
-        places: Option<&mut Places<'_>>,
+        mut places: Option<&mut Places<'_>>,
         api: Api,
         input: GenerateInput,
-    ) -> Result<Submitted, ApiError> {
+        n: usize,
+    ) -> Result<Vec<Submitted>, ApiError> {
         let t0 = Instant::now();
         let r = self
             .prepare(input)
             .and_then(|(prompt_ids, params, truncated)| {
-                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
                 let prompt_tokens = prompt_ids.len();
-                let req = Request {
-                    prompt_ids,
-                    params,
-                    events: tx,
-                };
-                match places {
-                    Some(p) => p.submit(req),
-                    None => self.sched.submit(req),
-                }
-                .map_err(submit_error)?;
-                Ok(Submitted {
-                    prompt_tokens,
-                    truncated,
-                    events: Events {
-                        _hold: self.usage.hold(),
-                        rx,
-                        metrics: self.metrics.clone(),
-                        api,
-                        t_submit: t0,
-                        t_last: None,
-                        ended: false,
-                    },
-                })
+                (0..n as u64)
+                    .map(|i| {
+                        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                        let mut params = params.clone();
+                        params.sampling.seed = params.sampling.seed.wrapping_add(i);
+                        let req = Request {
+                            prompt_ids: prompt_ids.clone(),
+                            params,
+                            events: tx,
+                        };
+                        match places.as_deref_mut() {
+                            Some(p) => p.submit(req),
+                            None => self.sched.submit(req),
+                        }
+                        .map_err(submit_error)?;
+                        Ok(Submitted {
+                            prompt_tokens,
+                            truncated,
+                            events: Events {
+                                _hold: self.usage.hold(),
+                                rx,
+                                metrics: self.metrics.clone(),
+                                api,
+                                t_submit: t0,
+                                t_last: None,
+                                ended: false,
+                            },
+                        })
+                    })
+                    .collect::<Result<Vec<_>, ApiError>>()
             });
         if let Err(e) = &r {
             self.metrics.request(api, e.kind.outcome());

@@ -453,25 +453,24 @@ fn failed(failure: crate::engine::Failure, message: String) -> ApiError {
     ApiError::new(ErrorKind::of_failure(failure), message)
 }
 
-/// Submits every prompt of the call into places held for all of them first (a call that
-/// does not fit the queue is refused whole); on a refusal of one prompt (a bad one) those
-/// already queued are dropped (their sequences are evicted). Returns each prompt's events
-/// and the prompt tokens.
+/// Submits `n` sequences of every prompt of the call into places held for all of them
+/// first (a call that does not fit the queue is refused whole); on a refusal of one prompt
+/// (a bad one) those already queued are dropped (their sequences are evicted). Returns
+/// each sequence's events, prompt by prompt, and the prompt tokens (each prompt's once).
 fn submit_all(
     front: &Frontend,
     api: Api,
     inputs: Vec<super::api::GenerateInput>,
     n: usize,
 ) -> Result<(Vec<Events>, usize), ApiError> {
-    let mut places = front.reserve(api, inputs.len())?;
-    let mut events = Vec::with_capacity(inputs.len());
+    let sequences = inputs.len().saturating_mul(n);
+    let mut places = front.reserve(api, sequences)?;
+    let mut events = Vec::with_capacity(sequences);
     let mut prompt_tokens = 0;
-    for (i, input) in inputs.into_iter().enumerate() {
-        let sub = front.submit_in(&mut places, api, input)?;
-        if i % n.max(1) == 0 {
-            prompt_tokens += sub.prompt_tokens;
-        }
-        events.push(sub.events);
+    for input in inputs {
+        let subs = front.submit_in(&mut places, api, input, n)?;
+        prompt_tokens += subs.first().map_or(0, |s| s.prompt_tokens);
+        events.extend(subs.into_iter().map(|s| s.events));
     }
     Ok((events, prompt_tokens))
 }

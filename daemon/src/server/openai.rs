@@ -79,10 +79,10 @@ pub struct Call {
     /// The model named (empty: the daemon's default) and how long to keep it loaded.
     pub model: String,
     pub keep_alive: Option<KeepAlive>,
-    /// `n` inputs per prompt (chat: one prompt), choice `i` of prompt `p` at `p * n + i`
-    /// as OpenAI orders them.
+    /// One input per prompt (chat: one).
     pub inputs: Vec<GenerateInput>,
-    /// Choices per prompt (`n`).
+    /// Choices per prompt (`n`): choice `i` of prompt `p` is at `p * n + i`, as OpenAI
+    /// orders them (`Frontend::submit_in` makes them).
     pub n: usize,
     pub stream: bool,
     pub include_usage: bool,
@@ -90,16 +90,6 @@ pub struct Call {
 
 /// Choices per prompt at most (OpenAI's limit).
 pub const N_MAX: usize = 128;
-
-/// `n` choices of one prompt: choice `i` samples with the seed plus `i`, so a seeded call
-/// is repeatable and its choices differ (an unseeded one drew its seed at random).
-fn choices(input: GenerateInput, n: usize) -> impl Iterator<Item = GenerateInput> {
-    (0..n as u64).map(move |i| {
-        let mut c = input.clone();
-        c.sampling.seed = c.sampling.seed.wrapping_add(i);
-        c
-    })
-}
 
 fn body_error(e: serde_json::Error) -> ApiError {
     ApiError::invalid(None, format!("the request body is not valid: {e}"))
@@ -284,7 +274,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
         model: c.model.clone().unwrap_or_default(),
         include_usage,
         stream: c.stream.unwrap_or(false),
-        inputs: choices(input, n).collect(),
+        inputs: vec![input],
         n,
     })
 }
@@ -373,17 +363,14 @@ pub fn parse_completion(body: &[u8], max_prompts: usize) -> Result<Call, ApiErro
         stream: c.stream.unwrap_or(false),
         inputs: prompts(b.prompt, max_prompts)?
             .into_iter()
-            .flat_map(|prompt| {
-                let input = GenerateInput {
-                    model: model.clone(),
-                    prompt,
-                    max_tokens: Some(max_tokens),
-                    sampling,
-                    stop: stop.clone(),
-                    logprobs: b.logprobs.map(|n| n as usize),
-                    truncate: false,
-                };
-                choices(input, n)
+            .map(|prompt| GenerateInput {
+                model: model.clone(),
+                prompt,
+                max_tokens: Some(max_tokens),
+                sampling,
+                stop: stop.clone(),
+                logprobs: b.logprobs.map(|n| n as usize),
+                truncate: false,
             })
             .collect(),
         n,
@@ -467,25 +454,11 @@ mod tests {
         assert_eq!(c.inputs[0].max_tokens, Some(COMPLETION_MAX_TOKENS_DEFAULT));
         assert!(matches!(&c.inputs[1].prompt, Prompt::Ids(v) if v == &[3]));
         assert!(parse_completion(br#"{"prompt":["a","b","c"]}"#, 2).is_err());
-        // n choices a prompt, prompt by prompt, choice i with the seed plus i.
+        // n choices a prompt: one input a prompt still (the front end submits n of each).
         let c = parse_completion(br#"{"prompt":["a","b"],"n":3,"seed":7}"#, 8).expect("n");
-        assert_eq!(c.n, 3);
-        let got: Vec<(String, u64)> = c
-            .inputs
-            .iter()
-            .map(|i| match &i.prompt {
-                Prompt::Text(t) => (t.clone(), i.sampling.seed),
-                _ => panic!("a text prompt"),
-            })
-            .collect();
-        let want: Vec<(String, u64)> = [("a", 7), ("a", 8), ("a", 9), ("b", 7), ("b", 8), ("b", 9)]
-            .iter()
-            .map(|&(t, s)| (t.to_string(), s))
-            .collect();
-        assert_eq!(got, want);
+        assert_eq!((c.n, c.inputs.len(), c.inputs[1].sampling.seed), (3, 2, 7));
         let c = parse_chat(br#"{"messages":[{"role":"user","content":"x"}],"n":2}"#).expect("n");
-        assert_eq!((c.n, c.inputs.len()), (2, 2));
-        assert_ne!(c.inputs[0].sampling.seed, c.inputs[1].sampling.seed);
+        assert_eq!((c.n, c.inputs.len()), (2, 1));
         assert!(parse_completion(br#"{"prompt":[1,-2]}"#, 2).is_err());
     }
 }
