@@ -216,7 +216,7 @@ fn openai_batch_files_run_unchanged_with_bad_lines_reported_by_number() {
     input.push(
         json!({"custom_id": "get", "method": "GET", "url": "/v1/models", "body": {}}).to_string(),
     ); // 10
-    input.push(json!({"custom_id": "n3", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}], "n": 3}}).to_string()); // 11
+    input.push(json!({"custom_id": "n0", "method": "POST", "url": "/v1/chat/completions", "body": {"messages": [{"role": "user", "content": "x"}], "n": 0}}).to_string()); // 11
     let path = tmp.path().join("in.jsonl");
     std::fs::write(&path, input.join("\n") + "\n").unwrap();
     let out = tmp.path().join("out.jsonl");
@@ -281,12 +281,12 @@ fn openai_batch_files_run_unchanged_with_bad_lines_reported_by_number() {
             "line {line} ({needle}) not reported: {errors:?}"
         );
     }
-    let n3 = errors
+    let n0 = errors
         .iter()
-        .find(|e| e["custom_id"] == "n3")
+        .find(|e| e["custom_id"] == "n0")
         .expect("the 400 is in the errors file");
-    assert_eq!(n3["response"]["status_code"], 400);
-    assert_eq!(n3["error"]["param"], "n");
+    assert_eq!(n0["response"]["status_code"], 400);
+    assert_eq!(n0["error"]["param"], "n");
     // A rerun does nothing twice: the failed item is tried again, the written ones are not.
     let o = run();
     assert_eq!(o.status.code(), Some(5), "{}", stderr(&o));
@@ -303,7 +303,9 @@ fn other_parameters_are_refused_and_over_long_documents_fail_or_are_cut() {
     let d = Daemon::start(&["--max-context", "128", "--max-batch", "4"]);
     let tmp = tempfile::tempdir().unwrap();
     let input = tmp.path().join("in.jsonl");
-    let long = json!({"id": "long", "text": "The river ran on and on. ".repeat(80)}).to_string();
+    // 50 KB: past what any 128 tokens of SmolLM2 can hold (its longest token is 81 bytes),
+    // so it is refused by its length, and cut to that before truncation tokenizes it.
+    let long = json!({"id": "long", "text": "The river ran on and on. ".repeat(2000)}).to_string();
     write_docs(&input, 6, &[&long]);
     let out = tmp.path().join("out.jsonl");
     let run = |extra: &[&str]| {

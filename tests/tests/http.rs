@@ -456,6 +456,23 @@ fn each_error_has_its_status_and_openai_shape_and_the_daemon_keeps_serving() {
             assert_eq!(v["error"]["param"], "model");
         }
     }
+    // A prompt longer than any 256 tokens can be (4 x the longest token's bytes each) is
+    // refused by its length, before it is tokenized.
+    let longest = sluice::text::Tokenizer::from_manifest(
+        sluice::store::Store::open(&d.store()).unwrap().manifest(),
+    )
+    .unwrap()
+    .longest_token_bytes();
+    let long = json!({"prompt": "word ".repeat(256 * longest * 4 / 5 + 10)});
+    let (status, _, b) = post(&d, "/v1/completions", &long.to_string(), &[]);
+    let v = assert_error(status, 400, &b, "the context holds 256");
+    assert!(
+        v["error"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("bytes, at least"),
+        "{v}"
+    );
     let big = format!(r#"{{"prompt":"{}"}}"#, "a".repeat(9 << 20));
     let f = d.tmp.path().join("big.json");
     std::fs::write(&f, big).unwrap();

@@ -248,6 +248,41 @@ impl Frontend {
     }
 
     pub fn prompt_ids(&self, prompt: &Prompt) -> Result<Vec<u32>, ApiError> {
+        self.prompt_ids_within(prompt, None)
+    }
+
+    /// The bytes of text beyond which a prompt cannot fit the context, whatever its
+    /// tokens (`Tokenizer::longest_token_bytes`, with a margin of 4 for normalization).
+    fn text_bytes_max(&self) -> usize {
+        let longest = self.sched.tokenizer.longest_token_bytes();
+        self.sched
+            .max_context
+            .saturating_mul(longest)
+            .saturating_mul(4)
+    }
+
+    /// `prompt_ids`; a text (a prompt, or messages rendered) longer than `bytes_max` is
+    /// refused before it is tokenized.
+    fn prompt_ids_within(
+        &self,
+        prompt: &Prompt,
+        bytes_max: Option<usize>,
+    ) -> Result<Vec<u32>, ApiError> {
+        let too_long = |param: &'static str, text: &str| {
+            match bytes_max {
+            Some(max) if text.len() > max => Err(ApiError::invalid(
+                Some(param),
+                format!(
+                    "the prompt is {} bytes, at least {} tokens (no token is longer than {} bytes); the context holds {} (prompt plus generated tokens): shorten the prompt",
+                    text.len(),
+                    text.len() / 4 / self.sched.tokenizer.longest_token_bytes(),
+                    self.sched.tokenizer.longest_token_bytes(),
+                    self.sched.max_context
+                ),
+            )),
+            _ => Ok(()),
+        }
+        };
         let tok = &self.sched.tokenizer;
         let ids = match prompt {
             Prompt::Ids(ids) => ids.clone(),
@@ -274,6 +309,7 @@ impl Frontend {
                 let text = t
                     .render(msgs, true)
                     .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
+                too_long("messages", &text)?;
                 tok.encode(&text, false)
                     .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?
             }
@@ -281,6 +317,7 @@ impl Frontend {
                 if text.is_empty() {
                     return Err(ApiError::invalid(Some("prompt"), "the prompt is empty"));
                 }
+                too_long("prompt", text)?;
                 tok.encode(text, true)
                     .map_err(|e| ApiError::invalid(Some("prompt"), e.to_string()))?
             }
@@ -484,7 +521,15 @@ impl Frontend {
             ));
         }
         let mut prompt = input.prompt;
-        let mut ids = self.prompt_ids(&prompt)?;
+        // A prompt far past the context is refused (or, to be truncated, cut) by its bytes
+        // before it is tokenized.
+        let bytes_max = self.text_bytes_max();
+        let mut ids = if input.truncate {
+            cut_text(&mut prompt, bytes_max);
+            self.prompt_ids(&prompt)?
+        } else {
+            self.prompt_ids_within(&prompt, Some(bytes_max))?
+        };
         let context = self.sched.max_context;
         let want = input
             .max_tokens
@@ -633,6 +678,27 @@ impl Drop for Events {
         if !self.ended {
             self.metrics.request(self.api, "disconnected");
         }
+    }
+}
+
+/// Cuts a prompt's text (or its last message's content, the part truncation cuts) to at
+/// most `max` bytes, at a character boundary: no prefix longer fits the context, so
+/// truncation finds the same cut in less text.
+fn cut_text(prompt: &mut Prompt, max: usize) {
+    let text = match prompt {
+        Prompt::Text(t) => t,
+        Prompt::Messages(m) => match m.last_mut() {
+            Some(last) => &mut last.content,
+            None => return,
+        },
+        Prompt::Ids(_) => return,
+    };
+    if text.len() > max {
+        let mut at = max;
+        while !text.is_char_boundary(at) {
+            at -= 1;
+        }
+        text.truncate(at);
     }
 }
 

@@ -27,6 +27,8 @@ pub struct Tokenizer {
     /// their post-processor.
     prepend_bos: bool,
     vocab: u32,
+    /// The most bytes one token stands for (`longest_token_bytes`), found on first use.
+    longest: std::sync::OnceLock<usize>,
 }
 
 /// GPT-2's pre-tokenizer regex.
@@ -165,6 +167,7 @@ impl Tokenizer {
             special: special.clone(),
             prepend_bos: prepend_bos && special.bos.is_some(),
             vocab,
+            longest: std::sync::OnceLock::new(),
         })
     }
 
@@ -245,6 +248,21 @@ impl Tokenizer {
 
     pub fn special(&self) -> &SpecialTokens {
         &self.special
+    }
+
+    /// The most bytes of text one token stands for (special tokens: their string; at least
+    /// 1). A text of B bytes is then at least B / this many tokens, give or take what
+    /// normalization shrinks (a composed accent: 3 bytes to 2), so a prompt far longer than
+    /// the context is refused by its length before it is tokenized, which for megabytes of
+    /// text takes hundreds of MB and seconds.
+    pub fn longest_token_bytes(&self) -> usize {
+        *self.longest.get_or_init(|| {
+            (0..self.vocab)
+                .map(|id| self.token_bytes(id).len())
+                .max()
+                .unwrap_or(1)
+                .max(1)
+        })
     }
 
     pub fn is_end(&self, id: u32) -> bool {
