@@ -261,6 +261,19 @@ impl Frontend {
             .saturating_mul(4)
     }
 
+    /// The refusal of a text of `bytes` past `text_bytes_max`.
+    fn longer_than_context(&self, param: &'static str, bytes: usize) -> ApiError {
+        let longest = self.sched.tokenizer.longest_token_bytes();
+        ApiError::invalid(
+            Some(param),
+            format!(
+                "the prompt is {bytes} bytes, at least {} tokens (no token is longer than {longest} bytes); the context holds {} (prompt plus generated tokens): shorten the prompt",
+                bytes / 4 / longest,
+                self.sched.max_context
+            ),
+        )
+    }
+
     /// `prompt_ids`; a text (a prompt, or messages rendered) longer than `bytes_max` is
     /// refused before it is tokenized.
     fn prompt_ids_within(
@@ -268,20 +281,9 @@ impl Frontend {
         prompt: &Prompt,
         bytes_max: Option<usize>,
     ) -> Result<Vec<u32>, ApiError> {
-        let too_long = |param: &'static str, text: &str| {
-            match bytes_max {
-            Some(max) if text.len() > max => Err(ApiError::invalid(
-                Some(param),
-                format!(
-                    "the prompt is {} bytes, at least {} tokens (no token is longer than {} bytes); the context holds {} (prompt plus generated tokens): shorten the prompt",
-                    text.len(),
-                    text.len() / 4 / self.sched.tokenizer.longest_token_bytes(),
-                    self.sched.tokenizer.longest_token_bytes(),
-                    self.sched.max_context
-                ),
-            )),
+        let too_long = |param: &'static str, text: &str| match bytes_max {
+            Some(max) if text.len() > max => Err(self.longer_than_context(param, text.len())),
             _ => Ok(()),
-        }
         };
         let tok = &self.sched.tokenizer;
         let ids = match prompt {
