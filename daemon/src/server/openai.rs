@@ -258,24 +258,21 @@ pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
     }
     let sampling = b.common.sampling()?;
     let c = b.common;
-    let n = c.n.unwrap_or(1) as usize;
-    let include_usage = c.include_usage();
-    let input = GenerateInput {
-        model: c.model.clone().unwrap_or_default(),
-        prompt: Prompt::Messages(messages(b.messages)?),
-        max_tokens: b.max_completion_tokens.or(c.max_tokens),
-        sampling,
-        stop: stop_list(c.stop)?,
-        logprobs,
-        truncate: false,
-    };
     Ok(Call {
         keep_alive: keep_alive(c.keep_alive.as_ref())?,
         model: c.model.clone().unwrap_or_default(),
-        include_usage,
+        include_usage: c.include_usage(),
         stream: c.stream.unwrap_or(false),
-        inputs: vec![input],
-        n,
+        n: c.n.unwrap_or(1) as usize,
+        inputs: vec![GenerateInput {
+            model: c.model.unwrap_or_default(),
+            prompt: Prompt::Messages(messages(b.messages)?),
+            max_tokens: b.max_completion_tokens.or(c.max_tokens),
+            sampling,
+            stop: stop_list(c.stop)?,
+            logprobs,
+            truncate: false,
+        }],
     })
 }
 
