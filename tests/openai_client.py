@@ -5,6 +5,11 @@
       The official `openai` package: models, chat (plain and streamed with include_usage),
       completions from text and from token ids, greedy. Prints one JSON object of what
       came back; the Rust test compares it with `sluiced run`.
+  openai_client.py json BASE_URL CHAT_PROMPT TEXT_PROMPT MAX_TOKENS
+      JSON mode through the `openai` package: chat greedy with and without
+      response_format json_object, chat sampled with n=4 and a seed, and a completion with
+      response_format (vLLM's extension, as extra_body). Each text is judged by Python's
+      `json` module: {"text", "finish_reason", "is_object"}.
   openai_client.py metrics BASE_URL
       GET /metrics parsed by `prometheus_client`'s text parser (a parse error fails).
       Prints {"name{label=value,...}": value}.
@@ -52,6 +57,36 @@ def basic(base, chat_prompt, text_prompt, ids, max_tokens):
     print(json.dumps(out))
 
 
+def judged(text, finish_reason):
+    try:
+        is_object = isinstance(json.loads(text), dict)
+    except ValueError:
+        is_object = False
+    return {"text": text, "finish_reason": finish_reason, "is_object": is_object}
+
+
+def json_mode(base, chat_prompt, text_prompt, max_tokens):
+    import openai
+
+    c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    model = c.models.list().data[0].id
+    msgs = [{"role": "user", "content": chat_prompt}]
+    out = {}
+    for name, fmt in [("plain", {"type": "text"}), ("greedy", {"type": "json_object"})]:
+        r = c.chat.completions.create(model=model, messages=msgs, temperature=0,
+                                      max_tokens=max_tokens, response_format=fmt)
+        out[name] = judged(r.choices[0].message.content, r.choices[0].finish_reason)
+    r = c.chat.completions.create(model=model, messages=msgs, temperature=1, seed=3, n=4,
+                                  max_tokens=max_tokens,
+                                  response_format={"type": "json_object"})
+    out["sampled"] = [judged(ch.message.content, ch.finish_reason) for ch in r.choices]
+    r = c.completions.create(model=model, prompt=text_prompt, temperature=0,
+                             max_tokens=max_tokens,
+                             extra_body={"response_format": {"type": "json_object"}})
+    out["completion"] = judged(r.choices[0].text, r.choices[0].finish_reason)
+    print(json.dumps(out))
+
+
 def metrics(base):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -71,6 +106,8 @@ if __name__ == "__main__":
     if mode == "basic":
         basic(base, sys.argv[3], sys.argv[4], [int(t) for t in sys.argv[5].split(",")],
               int(sys.argv[6]))
+    elif mode == "json":
+        json_mode(base, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     elif mode == "metrics":
         metrics(base)
     else:

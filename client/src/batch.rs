@@ -503,7 +503,7 @@ async fn run_item(mut client: Client, item: &Item, p: Patience) -> Attempt {
 
 /// The parameters an output was made with, kept beside it as OUTPUT.params.json.
 fn params_of(job: &BatchJob, model: &pb::ModelInfo) -> Value {
-    let s = job.base.sampling.unwrap_or_default();
+    let s = job.base.sampling.clone().unwrap_or_default();
     let mut p = json!({
         "format": format!("{:?}", job.format).to_lowercase(),
         "model": {"name": model.name, "architecture": model.architecture, "raw_bytes": model.raw_bytes, "stored_bytes": model.stored_bytes},

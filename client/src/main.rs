@@ -120,6 +120,7 @@ impl Sampling {
                 repetition_penalty: self.repetition_penalty,
                 presence_penalty: self.presence_penalty,
                 frequency_penalty: self.frequency_penalty,
+                ..Default::default()
             }),
             stop: self.stop.clone(),
             keep_alive: self.keep_alive.clone().unwrap_or_default(),

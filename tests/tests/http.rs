@@ -1129,3 +1129,150 @@ fn n_choices_are_the_seeded_calls_alone_and_count_each_prompt_once() {
         3 * single["usage"]["completion_tokens"].as_u64().unwrap()
     );
 }
+
+/// JSON mode (`response_format: {"type": "json_object"}`) through the real `openai` client,
+/// each text judged by Python's `json` module; `sluiced run --json-object` and grpcurl give
+/// the same greedy object. logit_bias moves exactly the token it names: -100 on the greedy
+/// token gives the model's second choice (from its own logprobs), on HTTP and in `run`.
+#[test]
+fn json_mode_makes_objects_and_logit_bias_moves_the_token_it_names() {
+    let d = Daemon::start(&["--max-context", "512", "--max-batch", "4"]);
+    let chat = "Give a JSON object with the name, age and favourite food of a cat.";
+    let got = python(&[
+        "json",
+        &d.http,
+        chat,
+        "A JSON object describing Mars:",
+        "200",
+    ]);
+    // Asked plainly, the model wraps its answer in a code fence and talks after it.
+    assert_eq!(got["plain"]["is_object"], false, "{}", got["plain"]);
+    let g = &got["greedy"];
+    assert_eq!(
+        (&g["finish_reason"], &g["is_object"]),
+        (&json!("stop"), &json!(true)),
+        "{g}"
+    );
+    for s in got["sampled"].as_array().unwrap() {
+        // A sampled text ends as an object, or is cut by max_tokens (then it is none).
+        let whole = s["finish_reason"] == "stop";
+        assert_eq!(s["is_object"], whole, "{s}");
+    }
+    let whole = got["sampled"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| s["is_object"] == true)
+        .count();
+    assert!(whole >= 2, "{}", got["sampled"]);
+    let texts: std::collections::HashSet<&str> = got["sampled"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["text"].as_str().unwrap())
+        .collect();
+    assert!(texts.len() > 1, "four samples alike");
+    let c = &got["completion"];
+    assert_eq!(c["is_object"], c["finish_reason"] == "stop", "{c}");
+    assert!(
+        c["text"].as_str().unwrap().trim_start().starts_with('{'),
+        "{c}"
+    );
+
+    let run = sluiced_run(
+        &d,
+        &[
+            "--chat",
+            "--json-object",
+            "--prompt",
+            chat,
+            "--max-tokens",
+            "200",
+        ],
+    );
+    assert_eq!(run["text"], g["text"], "sluiced run --json-object differs");
+    let host = d.addr.trim_start_matches("http://");
+    let body = json!({"messages": [{"role": "user", "content": chat}], "max_tokens": 200,
+                      "response_format": "RESPONSE_FORMAT_JSON_OBJECT"});
+    let o = Command::new("grpcurl")
+        .args(["-plaintext", "-d", &body.to_string(), host])
+        .arg("sluice.v1.Inference/Generate")
+        .output()
+        .expect("grpcurl");
+    assert!(o.status.success(), "{}", stderr(&o));
+    let mut grpc_text = String::new();
+    let out = stdout(&o);
+    let mut stream = serde_json::Deserializer::from_str(&out).into_iter::<Value>();
+    while let Some(Ok(m)) = stream.next() {
+        grpc_text.push_str(m["piece"]["text"].as_str().unwrap_or(""));
+    }
+    assert_eq!(grpc_text, g["text"].as_str().unwrap(), "grpcurl differs");
+
+    // logit_bias: the greedy first token, banned, gives way to the second most likely.
+    let prompt = PROMPTS[4];
+    let first = sluiced_run(&d, &["--prompt", prompt, "--max-tokens", "1"]);
+    let top = first["generated_token_ids"][0].as_u64().unwrap();
+    let ask = |body: Value| -> Value {
+        let (status, _, b) = post(&d, "/v1/completions", &body.to_string(), &[]);
+        assert_eq!(status, 200, "{b}");
+        serde_json::from_str(&b).unwrap()
+    };
+    let plain = ask(json!({"prompt": prompt, "max_tokens": 1, "temperature": 0, "logprobs": 2}));
+    let alts = plain["choices"][0]["logprobs"]["top_logprobs"][0]
+        .as_object()
+        .unwrap()
+        .clone();
+    let mut alts: Vec<(String, f64)> = alts
+        .into_iter()
+        .map(|(k, v)| (k, v.as_f64().unwrap()))
+        .collect();
+    alts.sort_by(|a, b| b.1.total_cmp(&a.1));
+    assert_eq!(plain["choices"][0]["text"], alts[0].0.as_str());
+    let biased = ask(json!({"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                            "logit_bias": {top.to_string(): -100}}));
+    assert_eq!(biased["choices"][0]["text"], alts[1].0.as_str(), "{biased}");
+    let run = sluiced_run(
+        &d,
+        &[
+            "--prompt",
+            prompt,
+            "--max-tokens",
+            "1",
+            "--logit-bias",
+            &format!("{top}=-100"),
+        ],
+    );
+    assert_eq!(run["text"], alts[1].0.as_str());
+    // +100 on a token makes it every token.
+    let forced = ask(json!({"prompt": prompt, "max_tokens": 3, "temperature": 0,
+                            "logit_bias": {top.to_string(): 100}}));
+    assert_eq!(
+        forced["choices"][0]["text"],
+        alts[0].0.repeat(3),
+        "{forced}"
+    );
+    // Refusals name the field.
+    for (body, what) in [
+        (
+            json!({"prompt": prompt, "logit_bias": {"4000000": 1}}),
+            "vocabulary",
+        ),
+        (
+            json!({"prompt": prompt, "logit_bias": {"5": 200}}),
+            "[-100, 100]",
+        ),
+        (
+            json!({"prompt": prompt, "response_format": {"type": "json_schema"}}),
+            "json_object",
+        ),
+    ] {
+        let (status, _, b) = post(&d, "/v1/completions", &body.to_string(), &[]);
+        let e: Value = serde_json::from_str(&b).unwrap();
+        assert_eq!(status, 400, "{b}");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(what),
+            "{b}"
+        );
+    }
+    assert_eq!(hi(&d).0, 200);
+}

@@ -510,6 +510,8 @@ fn smollm2_greedy_continuations_match_transformers() {
             stop: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            logit_bias: Vec::new(),
+            format: Default::default(),
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(
@@ -751,6 +753,8 @@ fn gemma3_270m_matches_transformers() {
             stop: Vec::new(),
             ignore_eos: true,
             logprobs: None,
+            logit_bias: Vec::new(),
+            format: Default::default(),
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(
@@ -911,6 +915,8 @@ fn repetition_penalty_continuations_match_transformers() {
             stop: Vec::new(),
             ignore_eos: false,
             logprobs: None,
+            logit_bias: Vec::new(),
+            format: Default::default(),
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(

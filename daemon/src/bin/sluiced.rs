@@ -40,7 +40,7 @@ enum Cmd {
     /// Read every frame of a store and check every checksum.
     Verify(inspect::VerifyArgs),
     /// Generate text from a prompt (CPU or CUDA backend) and report tokens/s.
-    Run(run::RunArgs),
+    Run(Box<run::RunArgs>),
     /// Serve the model over gRPC (sluice.v1.Inference) and the OpenAI-compatible HTTP API
     /// (flags override the config file).
     Serve(Box<serve::ServeArgs>),
@@ -89,7 +89,7 @@ fn main() -> std::process::ExitCode {
         Cmd::Pack(a) => pack::run(a),
         Cmd::Inspect(a) => inspect::run(a),
         Cmd::Verify(a) => inspect::verify(a),
-        Cmd::Run(a) => run::run(a),
+        Cmd::Run(a) => run::run(*a),
         Cmd::Serve(a) => (*a)
             .config()
             .and_then(serve::serve)

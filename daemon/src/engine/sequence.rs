@@ -12,6 +12,7 @@
 
 use crate::model::SeqStep;
 use crate::text::detok::{Detokenizer, StopMatcher};
+use crate::text::sampler::OutputFormat;
 use crate::text::{Sampler, SamplingParams, TokenLogprob, Tokenizer};
 use serde::Serialize;
 use std::time::Instant;
@@ -25,6 +26,10 @@ pub struct GenerateParams {
     pub ignore_eos: bool,
     /// Each generated token's log-probability with this many alternatives (None: off).
     pub logprobs: Option<usize>,
+    /// Added to these tokens' logits before sampling (OpenAI's `logit_bias`).
+    pub logit_bias: Vec<(u32, f32)>,
+    /// What the text must be (JSON mode: one object, then the end).
+    pub format: OutputFormat,
 }
 
 /// Why a sequence ended.
@@ -69,6 +74,7 @@ pub fn validate(prompt: &[u32], params: &GenerateParams, limits: SeqLimits) -> R
             limits.vocab
         ));
     }
+    crate::text::sampler::check_logit_bias(&params.logit_bias, limits.vocab)?;
     params.sampling.validate()
 }
 
@@ -127,7 +133,8 @@ impl Sequence {
     ) -> Result<Sequence, String> {
         validate(&prompt, &params, limits)?;
         Ok(Sequence {
-            sampler: Sampler::with_prompt(params.sampling, &prompt),
+            sampler: Sampler::with_prompt(params.sampling, &prompt)
+                .constrained(&params.logit_bias, params.format),
             stops: StopMatcher::new(params.stop.clone()),
             prompt,
             params,
@@ -229,7 +236,8 @@ impl Sequence {
                 return None;
             }
         }
-        let token = self.sampler.sample(logits);
+        let texts = (self.params.format != OutputFormat::Text).then(|| tok.texts());
+        let token = self.sampler.sample_in(logits, texts);
         self.t_first.get_or_insert_with(Instant::now);
         self.generated.push(token);
         self.unsent_ids.push(token);

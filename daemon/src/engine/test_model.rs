@@ -80,5 +80,7 @@ pub fn greedy(max_tokens: usize, stop: &[&str], ignore_eos: bool) -> GeneratePar
         stop: stop.iter().map(|s| s.to_string()).collect(),
         ignore_eos,
         logprobs: None,
+        logit_bias: Vec::new(),
+        format: Default::default(),
     }
 }

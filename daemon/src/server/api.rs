@@ -6,6 +6,7 @@
 use super::metrics::{Api, Metrics};
 use crate::engine::scheduler::{Event, Finish, Places, Request, Scheduler, SubmitError};
 use crate::engine::sequence::GenerateParams;
+use crate::text::sampler::{check_logit_bias, OutputFormat};
 use crate::text::{ChatMessage, ChatTemplate, SamplingParams};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -127,6 +128,10 @@ pub struct GenerateInput {
     /// Cut the end of the prompt (text, or the last message's content) until prompt and
     /// max_tokens fit in the context, instead of refusing.
     pub truncate: bool,
+    /// Added to these tokens' logits (OpenAI's `logit_bias`), in token order.
+    pub logit_bias: Vec<(u32, f32)>,
+    /// What the text must be (JSON mode).
+    pub format: OutputFormat,
 }
 
 /// Alternatives per token at most when log-probabilities are asked for (OpenAI's limit).
@@ -516,6 +521,8 @@ impl Frontend {
             Prompt::Messages(_) => "messages",
             _ => "prompt",
         };
+        check_logit_bias(&input.logit_bias, self.meta.vocab)
+            .map_err(|m| ApiError::invalid(Some("logit_bias"), m))?;
         if input.logprobs.is_some_and(|n| n > TOP_LOGPROBS_MAX) {
             return Err(ApiError::invalid(
                 Some("top_logprobs"),
@@ -589,6 +596,8 @@ impl Frontend {
                 stop: input.stop,
                 ignore_eos: false,
                 logprobs: input.logprobs,
+                logit_bias: input.logit_bias,
+                format: input.format,
             },
             truncated,
         ))

@@ -6,6 +6,7 @@
 use super::api::{ApiError, ErrorKind, GenerateInput, Prompt};
 use super::models::{parse_keep_alive, KeepAlive};
 use crate::engine::scheduler::Finish;
+use crate::text::sampler::OutputFormat;
 use crate::text::{ChatMessage, SamplingParams};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -36,6 +37,8 @@ struct Common {
     /// vLLM's: transformers' repetition penalty over the prompt and the text.
     repetition_penalty: Option<f32>,
     logit_bias: Option<serde_json::Map<String, Value>>,
+    /// Chat's; vLLM takes it on completions too.
+    response_format: Option<Value>,
     /// Ollama's: how long the model stays loaded after this request.
     keep_alive: Option<Value>,
 }
@@ -58,7 +61,6 @@ struct ChatBody {
     logprobs: Option<bool>,
     top_logprobs: Option<u32>,
     tools: Option<Vec<Value>>,
-    response_format: Option<Value>,
     #[serde(flatten)]
     common: Common,
 }
@@ -126,9 +128,6 @@ impl Common {
                 format!("n must be 1 to {N_MAX} (choices per prompt)"),
             ));
         }
-        if self.logit_bias.as_ref().is_some_and(|m| !m.is_empty()) {
-            return Err(unsupported("logit_bias", "logit_bias"));
-        }
         let mut temperature = self.temperature.unwrap_or(1.0);
         let top_p = self.top_p.unwrap_or(1.0);
         if top_p == 0.0 {
@@ -149,6 +148,57 @@ impl Common {
             presence_penalty: self.presence_penalty.unwrap_or(0.0),
             frequency_penalty: self.frequency_penalty.unwrap_or(0.0),
         })
+    }
+
+    /// `logit_bias`: token ids (as strings, JSON keys) to a number in [-100, 100], in token
+    /// order. Ids past the vocabulary are refused where the model is known.
+    fn logit_bias(&self) -> Result<Vec<(u32, f32)>, ApiError> {
+        let Some(m) = &self.logit_bias else {
+            return Ok(Vec::new());
+        };
+        let max = crate::text::sampler::LOGIT_BIAS_MAX;
+        let mut out = Vec::with_capacity(m.len());
+        for (k, v) in m {
+            let bad = |what: String| ApiError::invalid(Some("logit_bias"), what);
+            let t: u32 = k.trim().parse().map_err(|_| {
+                bad(format!(
+                    "logit_bias key {k:?} is not a token id (keys are token ids as strings: {{\"1234\": -100}})"
+                ))
+            })?;
+            let b = v
+                .as_f64()
+                .filter(|b| b.abs() <= f64::from(max))
+                .ok_or_else(|| {
+                    bad(format!(
+                        "logit_bias for token {t} must be a number in [-{max}, {max}]"
+                    ))
+                })?;
+            out.push((t, b as f32));
+        }
+        out.sort_by_key(|&(t, _)| t);
+        Ok(out)
+    }
+
+    /// `response_format`: text, or `json_object` (JSON mode); a JSON schema is refused.
+    fn format(&self) -> Result<OutputFormat, ApiError> {
+        let Some(f) = &self.response_format else {
+            return Ok(OutputFormat::Text);
+        };
+        match f.get("type").and_then(Value::as_str) {
+            Some("text") => Ok(OutputFormat::Text),
+            Some("json_object") => Ok(OutputFormat::JsonObject),
+            Some("json_schema") => Err(ApiError::invalid(
+                Some("response_format"),
+                "response_format json_schema (structured outputs) is not supported by sluice; json_object (JSON mode) is",
+            )),
+            kind => Err(ApiError::invalid(
+                Some("response_format"),
+                format!(
+                    "response_format {} is not one of text, json_object",
+                    kind.map_or("without a type".to_string(), |k| format!("{k:?}"))
+                ),
+            )),
+        }
     }
 
     fn include_usage(&self) -> bool {
@@ -247,16 +297,8 @@ pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
     if b.tools.as_ref().is_some_and(|t| !t.is_empty()) {
         return Err(unsupported("tools", "tool calling"));
     }
-    if let Some(f) = &b.response_format {
-        let kind = f.get("type").and_then(Value::as_str);
-        if kind != Some("text") {
-            return Err(unsupported(
-                "response_format",
-                &format!("response_format {}", kind.unwrap_or("without a type")),
-            ));
-        }
-    }
     let sampling = b.common.sampling()?;
+    let (logit_bias, format) = (b.common.logit_bias()?, b.common.format()?);
     let c = b.common;
     Ok(Call {
         keep_alive: keep_alive(c.keep_alive.as_ref())?,
@@ -272,6 +314,8 @@ pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
             stop: stop_list(c.stop)?,
             logprobs,
             truncate: false,
+            logit_bias,
+            format,
         }],
     })
 }
@@ -348,6 +392,7 @@ pub fn parse_completion(body: &[u8], max_prompts: usize) -> Result<Call, ApiErro
         return Err(ApiError::invalid(Some("best_of"), "best_of must be 1"));
     }
     let sampling = b.common.sampling()?;
+    let (logit_bias, format) = (b.common.logit_bias()?, b.common.format()?);
     let c = b.common;
     let stop = stop_list(c.stop)?;
     let model = c.model.unwrap_or_default();
@@ -368,6 +413,8 @@ pub fn parse_completion(body: &[u8], max_prompts: usize) -> Result<Call, ApiErro
                 stop: stop.clone(),
                 logprobs: b.logprobs.map(|n| n as usize),
                 truncate: false,
+                logit_bias: logit_bias.clone(),
+                format,
             })
             .collect(),
         n,
@@ -433,7 +480,17 @@ mod tests {
             (&br#"{"messages":[],"n":0}"#[..], "n"),
             (br#"{"messages":[],"n":129}"#, "n"),
             (br#"{"messages":[],"top_logprobs":2}"#, "top_logprobs"),
-            (br#"{"messages":[],"logit_bias":{"1":5}}"#, "logit_bias"),
+            (br#"{"messages":[],"logit_bias":{"x":5}}"#, "logit_bias"),
+            (br#"{"messages":[],"logit_bias":{"1":101}}"#, "logit_bias"),
+            (br#"{"messages":[],"logit_bias":{"1":"5"}}"#, "logit_bias"),
+            (
+                br#"{"messages":[],"response_format":{"type":"json_schema"}}"#,
+                "response_format",
+            ),
+            (
+                br#"{"messages":[],"response_format":{}}"#,
+                "response_format",
+            ),
             (br#"{"messages":[],"tools":[{"type":"function"}]}"#, "tools"),
             (
                 br#"{"messages":[{"role":"user","content":[{"type":"image_url"}]}]}"#,
@@ -457,5 +514,19 @@ mod tests {
         let c = parse_chat(br#"{"messages":[{"role":"user","content":"x"}],"n":2}"#).expect("n");
         assert_eq!((c.n, c.inputs.len()), (2, 1));
         assert!(parse_completion(br#"{"prompt":[1,-2]}"#, 2).is_err());
+        // Biases come in token order; JSON mode on either endpoint.
+        let c = parse_chat(br#"{"messages":[],"logit_bias":{"70":-100,"3":2.5},"response_format":{"type":"json_object"}}"#).expect("bias");
+        let i = &c.inputs[0];
+        assert_eq!(i.logit_bias, [(3, 2.5), (70, -100.0)]);
+        assert_eq!(i.format, OutputFormat::JsonObject);
+        let c = parse_completion(
+            br#"{"prompt":["a","b"],"logit_bias":{"9":1},"response_format":{"type":"text"}}"#,
+            8,
+        )
+        .expect("bias");
+        assert!(c
+            .inputs
+            .iter()
+            .all(|i| i.logit_bias == [(9, 1.0)] && i.format == OutputFormat::Text));
     }
 }

@@ -6,6 +6,7 @@ use super::metrics::{Api, Metrics};
 use super::models::{parse_keep_alive, Models};
 use crate::engine::scheduler::{Event, Finish};
 use crate::plan::Placement;
+use crate::text::sampler::OutputFormat;
 use crate::text::{ChatMessage, SamplingParams};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::inference_server::Inference;
@@ -46,6 +47,10 @@ fn finish_reason(f: Finish) -> pb::FinishReason {
 
 /// The request in the shape both wires share: token ids first, then messages, then text.
 pub fn input_of(r: pb::GenerateRequest) -> GenerateInput {
+    let format = match r.response_format() {
+        pb::ResponseFormat::Text => OutputFormat::Text,
+        pb::ResponseFormat::JsonObject => OutputFormat::JsonObject,
+    };
     let prompt = if !r.prompt_token_ids.is_empty() {
         Prompt::Ids(r.prompt_token_ids)
     } else if !r.messages.is_empty() {
@@ -62,6 +67,8 @@ pub fn input_of(r: pb::GenerateRequest) -> GenerateInput {
         Prompt::Text(r.prompt)
     };
     let s = r.sampling.unwrap_or_default();
+    let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.into_iter().collect();
+    logit_bias.sort_by_key(|&(t, _)| t);
     GenerateInput {
         model: r.model,
         prompt,
@@ -83,6 +90,8 @@ pub fn input_of(r: pb::GenerateRequest) -> GenerateInput {
         stop: r.stop,
         logprobs: None,
         truncate: r.truncate,
+        logit_bias,
+        format,
     }
 }
 

@@ -1,6 +1,7 @@
 //! Text: tokenizer, chat template, sampler, incremental detokenization, stop strings.
 
 pub mod detok;
+pub mod json;
 pub mod sampler;
 pub mod sandbox;
 pub mod spm;

@@ -1,9 +1,44 @@
-//! Sampling: penalties on tokens already seen, then greedy, or temperature followed by
-//! top-k, top-p and min-p (transformers' warper order), drawn with a seeded generator so a
-//! seed reproduces a completion. Sampling runs on the host from each sequence's logits row,
-//! so every backend samples the same way.
+//! Sampling: penalties on tokens already seen, then the request's logit biases, then (JSON
+//! mode) every token that would leave the text no prefix of a JSON object masked out, then
+//! greedy, or temperature followed by top-k, top-p and min-p (transformers' warper order),
+//! drawn with a seeded generator so a seed reproduces a completion. Sampling runs on the
+//! host from each sequence's logits row, so every backend samples the same way.
 
+use super::json::JsonState;
+use super::tokenizer::{TokenKind, TokenTexts};
 use std::collections::{HashMap, HashSet};
+
+/// What the generated text must be.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum OutputFormat {
+    #[default]
+    Text,
+    /// One JSON object, then the end (OpenAI's `response_format: {"type": "json_object"}`).
+    JsonObject,
+}
+
+/// OpenAI's range of a logit bias: -100 bans a token in effect, 100 all but forces it.
+pub const LOGIT_BIAS_MAX: f32 = 100.0;
+
+/// Logit biases name tokens of the vocabulary, each by a number in [-100, 100]; the message
+/// says which does not.
+pub fn check_logit_bias(bias: &[(u32, f32)], vocab: u32) -> Result<(), String> {
+    let max = LOGIT_BIAS_MAX;
+    for &(t, b) in bias {
+        if t >= vocab {
+            return Err(format!(
+                "logit_bias names token {t}; the vocabulary has {vocab} (ids 0 to {})",
+                vocab.saturating_sub(1)
+            ));
+        }
+        if !(-max..=max).contains(&b) {
+            return Err(format!(
+                "logit_bias {b} for token {t} must be in [-{max}, {max}]"
+            ));
+        }
+    }
+    Ok(())
+}
 
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct SamplingParams {
@@ -87,6 +122,10 @@ pub struct Sampler {
     penalized: Vec<f32>,
     seen: HashSet<u32>,
     counts: HashMap<u32, u32>,
+    /// Added to token logits (after the penalties).
+    bias: Vec<(u32, f32)>,
+    /// JSON mode: where the text so far stands.
+    json: Option<JsonState>,
 }
 
 /// Index of the largest value; the first on ties (as torch.argmax).
@@ -119,11 +158,26 @@ impl Sampler {
             penalized: Vec::new(),
             seen,
             counts: HashMap::new(),
+            bias: Vec::new(),
+            json: None,
         }
     }
 
-    /// The penalties applied to a copy of `logits` (only the tokens seen change).
-    fn penalize(&mut self, logits: &[f32]) {
+    /// The sampler with logit biases (token, added to its logit) and an output format.
+    pub fn constrained(mut self, bias: &[(u32, f32)], format: OutputFormat) -> Sampler {
+        self.bias = bias.to_vec();
+        self.json = (format == OutputFormat::JsonObject).then(JsonState::new);
+        self
+    }
+
+    /// JSON mode: the text so far is one whole JSON object.
+    pub fn json_done(&self) -> Option<bool> {
+        self.json.map(|j| j.is_done())
+    }
+
+    /// The penalties and biases applied to a copy of `logits` (only the tokens they name
+    /// change).
+    fn shape(&mut self, logits: &[f32]) {
         let p = self.params;
         self.penalized.clear();
         self.penalized.extend_from_slice(logits);
@@ -143,16 +197,38 @@ impl Sampler {
                 *l -= p.frequency_penalty * n as f32 + p.presence_penalty;
             }
         }
+        for &(t, b) in &self.bias {
+            if let Some(l) = self.penalized.get_mut(t as usize) {
+                *l += b;
+            }
+        }
     }
 
-    /// Samples the next token and remembers it for the penalties.
+    /// Samples the next token of text without constraints (no JSON mode) and remembers it
+    /// for the penalties.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        if !self.params.penalizes() {
+        self.sample_in(logits, None)
+    }
+
+    /// Samples the next token and remembers it for the penalties and JSON mode, whose
+    /// checks need the vocabulary's `texts` (without them it is not applied).
+    pub fn sample_in(&mut self, logits: &[f32], texts: Option<&TokenTexts>) -> u32 {
+        let json = self.json.zip(texts);
+        if !self.params.penalizes() && self.bias.is_empty() && json.is_none() {
             return self.draw(logits);
         }
-        self.penalize(logits);
-        let row = std::mem::take(&mut self.penalized);
-        let t = self.draw(&row);
+        self.shape(logits);
+        let mut row = std::mem::take(&mut self.penalized);
+        let t = match json {
+            Some((state, texts)) => {
+                let t = self.draw_json(&mut row, state, texts, logits);
+                if let TokenKind::Text { .. } = texts.kind(t) {
+                    self.json = state.feed(texts.bytes(t)).or(Some(state));
+                }
+                t
+            }
+            None => self.draw(&row),
+        };
         self.penalized = row;
         if self.params.repetition_penalty != 1.0 {
             self.seen.insert(t);
@@ -172,18 +248,67 @@ impl Sampler {
         ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
     }
 
+    /// JSON mode's draw: among the tokens that keep the text a prefix of one JSON object
+    /// (end tokens once it is whole). Greedy tries the best token first and masks the row
+    /// only when it does not fit; sampling masks the row, so the draw is the model's
+    /// distribution restricted to what fits, then the usual warpers.
+    fn draw_json(
+        &mut self,
+        row: &mut [f32],
+        state: JsonState,
+        texts: &TokenTexts,
+        logits: &[f32],
+    ) -> u32 {
+        let fits = |t: u32| match texts.kind(t) {
+            TokenKind::End => state.is_done(),
+            TokenKind::Silent => false,
+            TokenKind::Text { plain } => {
+                !state.is_done()
+                    && ((plain && state.in_plain_string()) || state.feed(texts.bytes(t)).is_some())
+            }
+        };
+        if self.params.temperature <= 0.0 {
+            let best = argmax(row);
+            if fits(best) {
+                return best;
+            }
+        }
+        let mut any = false;
+        for (t, l) in row.iter_mut().enumerate() {
+            if fits(t as u32) {
+                any |= *l > f32::NEG_INFINITY;
+            } else {
+                *l = f32::NEG_INFINITY;
+            }
+        }
+        if !any {
+            // Nothing in the vocabulary continues the text: end it where an end token
+            // exists (the text is then no whole object, as at max_tokens), else go on
+            // unconstrained.
+            return (0..texts.len() as u32)
+                .find(|&t| texts.kind(t) == TokenKind::End)
+                .unwrap_or_else(|| argmax(logits));
+        }
+        self.draw(row)
+    }
+
     fn draw(&mut self, logits: &[f32]) -> u32 {
         let p = self.params;
         if p.temperature <= 0.0 {
             return argmax(logits);
         }
         self.cand.clear();
+        // Tokens masked out (JSON mode) are left out of the candidates.
         self.cand.extend(
             logits
                 .iter()
                 .enumerate()
+                .filter(|(_, &l)| l > f32::NEG_INFINITY)
                 .map(|(i, &l)| (l / p.temperature, i as u32)),
         );
+        if self.cand.is_empty() {
+            return argmax(logits);
+        }
         let by_logit_desc =
             |a: &(f32, u32), b: &(f32, u32)| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1));
         if p.top_k > 0 && p.top_k < self.cand.len() {
@@ -271,6 +396,7 @@ pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> TokenLogprob {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::text::tokenizer::{TokenKind, TokenTexts};
 
     #[test]
     fn greedy_takes_the_first_maximum() {
@@ -321,6 +447,158 @@ mod tests {
             ..Default::default()
         });
         assert!((0..50).all(|_| s.sample(&logits) == order[0]));
+    }
+
+    /// A vocabulary of JSON's pieces, a few that never fit, an end token and a silent one.
+    fn json_vocab() -> TokenTexts {
+        let text = |b: &'static str| -> (&'static [u8], TokenKind) {
+            let plain = b
+                .bytes()
+                .all(|c| (0x20..0x7f).contains(&c) && c != b'"' && c != b'\\');
+            (b.as_bytes(), TokenKind::Text { plain })
+        };
+        let mut v: Vec<(&[u8], TokenKind)> = [
+            "{", "}", "[", "]", ",", ":", "\"", "\"k\"", "\":", "1", "0", "-", ".", "true", "nul",
+            "l", "x", "cat", " ", "\n  ", "\\", "\\n", "é", "{\"", "\"}", "]}", "'",
+        ]
+        .into_iter()
+        .map(text)
+        .collect();
+        v.push((&[0xC3], TokenKind::Text { plain: false }));
+        v.push((&[0xA9], TokenKind::Text { plain: false }));
+        v.push((b"", TokenKind::End));
+        v.push((b"<pad>", TokenKind::Silent));
+        TokenTexts::of(&v)
+    }
+
+    fn xorshift(state: &mut u64) -> u64 {
+        *state ^= *state << 13;
+        *state ^= *state >> 7;
+        *state ^= *state << 17;
+        *state
+    }
+
+    /// Sampled with random logits, every text JSON mode makes is a prefix of an object,
+    /// and one that reached the end token is a whole object by serde_json's reading.
+    #[test]
+    fn json_mode_makes_objects_and_ends_only_when_one_is_whole() {
+        let v = json_vocab();
+        let end = (0..v.len() as u32)
+            .find(|&t| v.kind(t) == TokenKind::End)
+            .unwrap();
+        let mut rng = 0x9E3779B97F4A7C15u64;
+        let (mut whole, mut cut) = (0, 0);
+        for seed in 0..400 {
+            let temperature = [0.0, 0.7, 1.0, 2.0][seed % 4];
+            let mut s = Sampler::new(SamplingParams {
+                temperature,
+                top_k: [0, 5][seed % 2],
+                seed: seed as u64,
+                ..Default::default()
+            })
+            .constrained(&[], OutputFormat::JsonObject);
+            let mut text = Vec::new();
+            let mut ended = false;
+            for _ in 0..40 {
+                let logits: Vec<f32> = (0..v.len())
+                    .map(|_| (xorshift(&mut rng) % 1000) as f32 / 100.0)
+                    .collect();
+                let t = s.sample_in(&logits, Some(&v));
+                assert_ne!(v.kind(t), TokenKind::Silent, "seed {seed}");
+                if t == end {
+                    ended = true;
+                    break;
+                }
+                text.extend_from_slice(v.bytes(t));
+                assert!(
+                    JsonState::new().feed(&text).is_some(),
+                    "seed {seed}: {:?}",
+                    String::from_utf8_lossy(&text)
+                );
+            }
+            let parsed =
+                serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&text);
+            // (No token starts an exponent, so no number is past serde_json's range.)
+            let object = parsed.is_ok();
+            let done = s.json_done() == Some(true);
+            assert_eq!(
+                done,
+                object,
+                "seed {seed}: {:?}",
+                String::from_utf8_lossy(&text)
+            );
+            assert!(done || !ended, "seed {seed}");
+            if ended {
+                whole += 1;
+            } else {
+                cut += 1;
+            }
+        }
+        assert!(
+            whole > 40 && cut > 40,
+            "{whole} whole, {cut} cut at 40 tokens"
+        );
+    }
+
+    /// Greedy JSON mode takes the best token that fits, which is the best token when it
+    /// fits; without JSON mode the same logits give the best token.
+    #[test]
+    fn greedy_json_mode_takes_the_best_token_that_fits() {
+        let v = json_vocab();
+        let id = |b: &str| {
+            (0..v.len() as u32)
+                .find(|&t| v.bytes(t) == b.as_bytes() && v.kind(t) != TokenKind::End)
+                .unwrap()
+        };
+        // Preference: a lone continuation byte (it fits nowhere here), then ":, then {",
+        // then cat, then }, then the rest.
+        let mut logits = vec![0.0f32; v.len()];
+        let lone = (0..v.len() as u32).find(|&t| v.bytes(t) == [0xA9]).unwrap();
+        logits[lone as usize] = 11.0;
+        for (i, b) in ["\":", "{\"", "cat", "}"].into_iter().enumerate() {
+            logits[id(b) as usize] = 10.0 - i as f32;
+        }
+        let mut plain = Sampler::new(SamplingParams::default());
+        assert_eq!(plain.sample_in(&logits, Some(&v)), lone);
+        let mut s =
+            Sampler::new(SamplingParams::default()).constrained(&[], OutputFormat::JsonObject);
+        let mut text = Vec::new();
+        for _ in 0..12 {
+            let t = s.sample_in(&logits, Some(&v));
+            if v.kind(t) == TokenKind::End {
+                break;
+            }
+            text.extend_from_slice(v.bytes(t));
+        }
+        // {" (": cannot start an object); ": ends the key; ": opens a string value with
+        // a colon in it; ": no longer fits (nothing follows a value but , or }), {"
+        // does and ends the string; } closes the object; the end.
+        assert_eq!(String::from_utf8_lossy(&text), "{\"\":\":{\"}");
+        assert_eq!(s.json_done(), Some(true));
+    }
+
+    #[test]
+    fn logit_bias_moves_the_tokens_it_names_and_only_those() {
+        let logits = [0.0f32, 1.0, 2.0, 3.0];
+        let greedy = |bias: &[(u32, f32)]| {
+            let mut s =
+                Sampler::new(SamplingParams::default()).constrained(bias, OutputFormat::Text);
+            s.sample(&logits)
+        };
+        assert_eq!(greedy(&[]), 3);
+        assert_eq!(greedy(&[(3, -100.0)]), 2);
+        assert_eq!(greedy(&[(0, 100.0)]), 0);
+        assert_eq!(greedy(&[(3, -1.5), (2, 0.4)]), 2);
+        // Sampled: a token biased by -100 is never drawn, the others all are.
+        let mut s = Sampler::new(SamplingParams {
+            temperature: 1.0,
+            seed: 5,
+            ..Default::default()
+        })
+        .constrained(&[(3, -100.0)], OutputFormat::Text);
+        let draws: Vec<u32> = (0..400).map(|_| s.sample(&logits)).collect();
+        assert!(!draws.contains(&3));
+        assert!((0..3).all(|t| draws.contains(&t)));
     }
 
     #[test]

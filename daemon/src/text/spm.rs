@@ -247,6 +247,11 @@ impl Spm {
         }
     }
 
+    /// A control or unknown token: text leaves it out.
+    pub fn is_control(&self, id: u32) -> bool {
+        matches!(self.types.get(id as usize), Some(&(CONTROL | UNKNOWN)))
+    }
+
     pub fn token(&self, id: u32) -> Option<&str> {
         self.tokens.get(id as usize).map(String::as_str)
     }

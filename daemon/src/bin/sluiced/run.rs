@@ -7,6 +7,7 @@ use sluice::engine::{on_backend, BackendChoice, EngineError, OnBackend};
 use sluice::io::IoConfig;
 use sluice::pipeline::Pipeline;
 use sluice::store::Store;
+use sluice::text::sampler::OutputFormat;
 use sluice::text::{ChatMessage, ChatTemplate, Tokenizer};
 use sluice::util::{fmt_bytes, parse_size, store_path};
 use std::path::PathBuf;
@@ -71,6 +72,14 @@ pub struct RunArgs {
     /// Keep generating past end tokens (benchmarks).
     #[arg(long)]
     ignore_eos: bool,
+    /// Add BIAS to token ID's logit before sampling, as ID=BIAS with BIAS in [-100, 100]
+    /// (OpenAI's logit_bias; -100 all but bans the token; repeatable).
+    #[arg(long, value_parser = parse_logit_bias, allow_negative_numbers = true)]
+    logit_bias: Vec<(u32, f32)>,
+    /// Generate one JSON object and end there (OpenAI's JSON mode): tokens that would make
+    /// the text anything else are never sampled.
+    #[arg(long)]
+    json_object: bool,
     /// Positions of KV cache (default: the model's context, at most 4096).
     #[arg(long)]
     max_context: Option<usize>,
@@ -342,6 +351,12 @@ fn run_generate<B: Backend>(
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         logprobs: None,
+        logit_bias: a.logit_bias.clone(),
+        format: if a.json_object {
+            OutputFormat::JsonObject
+        } else {
+            OutputFormat::Text
+        },
     };
     let stdout = std::io::stdout();
     let parallel = a.parallel as usize;
@@ -513,4 +528,22 @@ fn experts_json(t: &sluice::pipeline::PassStats) -> serde_json::Value {
         "prefetched": t.expert_prefetches,
         "prefetched_unused": t.expert_prefetches_wasted,
     })
+}
+
+/// `--logit-bias ID=BIAS`.
+fn parse_logit_bias(s: &str) -> Result<(u32, f32), String> {
+    let max = sluice::text::sampler::LOGIT_BIAS_MAX;
+    let (id, bias) = s
+        .split_once('=')
+        .ok_or_else(|| format!("{s:?} is not ID=BIAS (e.g. 1234=-100)"))?;
+    let id = id
+        .trim()
+        .parse()
+        .map_err(|_| format!("{id:?} in {s:?} is not a token id"))?;
+    match bias.trim().parse::<f32>() {
+        Ok(b) if b.abs() <= max => Ok((id, b)),
+        _ => Err(format!(
+            "the bias in {s:?} must be a number in [-{max}, {max}]"
+        )),
+    }
 }
