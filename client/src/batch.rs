@@ -516,6 +516,10 @@ fn params_of(job: &BatchJob, model: &pb::ModelInfo) -> Value {
         p["sampling"] = json!({"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p, "seed": s.seed,
             "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty});
         p["stop"] = json!(job.base.stop);
+        // Only where it is on, so outputs made before JSON mode existed still resume.
+        if job.base.response_format() == pb::ResponseFormat::JsonObject {
+            p["response_format"] = json!("json_object");
+        }
     }
     p
 }
@@ -542,16 +546,18 @@ fn check_params(job: &BatchJob, want: &Value, done: usize) -> Result<()> {
             let had: Value = serde_json::from_str(&text)
                 .with_context(|| format!("{} is not JSON", path.display()))?;
             if &had != want && done > 0 && !job.force_params {
-                let diff: Vec<String> = want
-                    .as_object()
+                // Keys of either (one may be only in the old file: a mode now off).
+                let keys: std::collections::BTreeSet<&String> = [want, &had]
                     .into_iter()
-                    .flatten()
-                    .filter(|(k, v)| had.get(k.as_str()) != Some(v))
-                    .map(|(k, v)| {
-                        format!(
-                            "{k}: {} -> {v}",
-                            had.get(k.as_str()).unwrap_or(&Value::Null)
-                        )
+                    .filter_map(Value::as_object)
+                    .flat_map(|m| m.keys())
+                    .collect();
+                let diff: Vec<String> = keys
+                    .into_iter()
+                    .filter(|k| had.get(k.as_str()) != want.get(k.as_str()))
+                    .map(|k| {
+                        let of = |v: &Value| v.get(k.as_str()).cloned().unwrap_or(Value::Null);
+                        format!("{k}: {} -> {}", of(&had), of(want))
                     })
                     .collect();
                 bail!(

@@ -69,6 +69,10 @@ struct Sampling {
     /// Stop when the text contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
+    /// Generate one JSON object and end there (OpenAI's JSON mode): tokens that would make
+    /// the text anything else are never sampled. Say in the prompt which fields to write.
+    #[arg(long)]
+    json_object: bool,
     /// How long the daemon keeps the model loaded after this request ("30s", "5m"; "0"
     /// unloads it once idle, "-1" keeps it; default: the daemon's --keep-alive).
     #[arg(long, allow_hyphen_values = true)]
@@ -124,6 +128,12 @@ impl Sampling {
             }),
             stop: self.stop.clone(),
             keep_alive: self.keep_alive.clone().unwrap_or_default(),
+            response_format: if self.json_object {
+                pb::ResponseFormat::JsonObject
+            } else {
+                pb::ResponseFormat::Text
+            }
+            .into(),
             ..Default::default()
         }
     }

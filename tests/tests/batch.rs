@@ -380,6 +380,58 @@ fn other_parameters_are_refused_and_over_long_documents_fail_or_are_cut() {
         .all(|l| l["truncated"] == false));
 }
 
+/// `--json-object`: every item that finished on its own is one JSON object (serde_json's
+/// reading), the parameters record it, and a rerun without it is refused as other
+/// parameters.
+#[test]
+fn json_object_jobs_write_objects_and_record_the_mode() {
+    let d = Daemon::start(&["--max-context", "256", "--max-batch", "4"]);
+    let tmp = tempfile::tempdir().unwrap();
+    let input = tmp.path().join("in.jsonl");
+    write_docs(&input, 6, &[]);
+    let out = tmp.path().join("out.jsonl");
+    let args = |json_mode: bool| {
+        let mut a = vec![
+            input.to_str().unwrap().to_string(),
+            "-o".into(),
+            out.to_str().unwrap().into(),
+            "--template".into(),
+            "Give a JSON object with a title and a one-line summary of this text: {text}".into(),
+            "--max-tokens".into(),
+            "96".into(),
+        ];
+        if json_mode {
+            a.push("--json-object".into());
+        }
+        a
+    };
+    let a = args(true);
+    let o = batch(&d, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "{}", stderr(&o));
+    let got = lines(&out);
+    assert_eq!(got.len(), 6);
+    let mut whole = 0;
+    for l in &got {
+        let text = l["output"].as_str().unwrap();
+        let object = serde_json::from_str::<serde_json::Map<String, Value>>(text).is_ok();
+        assert_eq!(object, l["finish_reason"] == "stop", "{l}");
+        whole += usize::from(object);
+    }
+    assert!(whole >= 3, "{got:?}");
+    let params: Value = serde_json::from_str(
+        &std::fs::read_to_string(tmp.path().join("out.jsonl.params.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(params["response_format"], "json_object");
+    let a = args(false);
+    let o = batch(&d, &a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(
+        !o.status.success() && stderr(&o).contains("response_format"),
+        "{}",
+        stderr(&o)
+    );
+}
+
 #[test]
 fn the_kubernetes_example_validates_and_wires_each_index_to_its_shard() {
     let path = concat!(
