@@ -10,6 +10,10 @@
       response_format json_object, chat sampled with n=4 and a seed, and a completion with
       response_format (vLLM's extension, as extra_body). Each text is judged by Python's
       `json` module: {"text", "finish_reason", "is_object"}.
+  openai_client.py schema BASE_URL CHAT_PROMPT SCHEMA_FILE MAX_TOKENS
+      Structured outputs through the `openai` package: chat with response_format
+      json_schema, greedy and sampled (n=4, a seed). Each text is validated against the
+      schema by the `jsonschema` package: {"text", "finish_reason", "valid", "error"}.
   openai_client.py metrics BASE_URL
       GET /metrics parsed by `prometheus_client`'s text parser (a parse error fails).
       Prints {"name{label=value,...}": value}.
@@ -87,6 +91,34 @@ def json_mode(base, chat_prompt, text_prompt, max_tokens):
     print(json.dumps(out))
 
 
+def schema_mode(base, chat_prompt, schema_file, max_tokens):
+    import jsonschema
+    import openai
+
+    with open(schema_file) as f:
+        schema = json.load(f)
+    c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    model = c.models.list().data[0].id
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+
+    def validated(ch):
+        text = ch.message.content
+        try:
+            jsonschema.validate(json.loads(text), schema)
+            return {"text": text, "finish_reason": ch.finish_reason, "valid": True, "error": None}
+        except (ValueError, jsonschema.ValidationError) as e:
+            return {"text": text, "finish_reason": ch.finish_reason, "valid": False, "error": str(e)}
+
+    msgs = [{"role": "user", "content": chat_prompt}]
+    r = c.chat.completions.create(model=model, messages=msgs, temperature=0,
+                                  max_tokens=max_tokens, response_format=fmt)
+    out = {"greedy": validated(r.choices[0])}
+    r = c.chat.completions.create(model=model, messages=msgs, temperature=1, seed=5, n=4,
+                                  max_tokens=max_tokens, response_format=fmt)
+    out["sampled"] = [validated(ch) for ch in r.choices]
+    print(json.dumps(out))
+
+
 def metrics(base):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -108,6 +140,8 @@ if __name__ == "__main__":
               int(sys.argv[6]))
     elif mode == "json":
         json_mode(base, sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif mode == "schema":
+        schema_mode(base, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     elif mode == "metrics":
         metrics(base)
     else:

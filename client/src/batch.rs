@@ -184,7 +184,7 @@ pub fn parse_shard(sh: &str) -> Result<(u64, u64)> {
 /// What one item asks of the daemon.
 #[derive(Clone)]
 enum Work {
-    Generate(pb::GenerateRequest),
+    Generate(Box<pb::GenerateRequest>),
     Complete { url: String, body: String },
 }
 
@@ -250,7 +250,7 @@ fn read_items(
             Format::Simple => match v.get("text").or_else(|| v.get("prompt")) {
                 Some(Value::String(t)) => {
                     let prompt = job.template.replace("{text}", t);
-                    Work::Generate(if job.raw {
+                    Work::Generate(Box::new(if job.raw {
                         pb::GenerateRequest {
                             prompt,
                             ..job.base.clone()
@@ -263,7 +263,7 @@ fn read_items(
                             }],
                             ..job.base.clone()
                         }
-                    })
+                    }))
                 }
                 _ => {
                     fail(Some(id), "no \"text\" (a string)".into());
@@ -446,7 +446,7 @@ async fn run_item(mut client: Client, item: &Item, p: Patience) -> Attempt {
     loop {
         let a = match &item.work {
             Work::Generate(req) => {
-                let mut req = req.clone();
+                let mut req = pb::GenerateRequest::clone(req);
                 req.truncate = truncate;
                 simple_attempt(&item.id, crate::generate(&mut client, req, |_| {}).await)
             }
@@ -517,8 +517,14 @@ fn params_of(job: &BatchJob, model: &pb::ModelInfo) -> Value {
             "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty});
         p["stop"] = json!(job.base.stop);
         // Only where it is on, so outputs made before JSON mode existed still resume.
-        if job.base.response_format() == pb::ResponseFormat::JsonObject {
-            p["response_format"] = json!("json_object");
+        match job.base.response_format() {
+            pb::ResponseFormat::Text => {}
+            pb::ResponseFormat::JsonObject => p["response_format"] = json!("json_object"),
+            pb::ResponseFormat::JsonSchema => {
+                let schema: Value =
+                    serde_json::from_str(&job.base.json_schema).unwrap_or(Value::Null);
+                p["response_format"] = json!({"json_schema": schema});
+            }
         }
     }
     p

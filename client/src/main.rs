@@ -73,6 +73,10 @@ struct Sampling {
     /// the text anything else are never sampled. Say in the prompt which fields to write.
     #[arg(long)]
     json_object: bool,
+    /// Generate one instance of the JSON schema in FILE and end there (OpenAI's structured
+    /// outputs; its properties are written in the schema's order).
+    #[arg(long, value_name = "FILE", value_parser = read_json_file, conflicts_with = "json_object")]
+    json_schema: Option<String>,
     /// How long the daemon keeps the model loaded after this request ("30s", "5m"; "0"
     /// unloads it once idle, "-1" keeps it; default: the daemon's --keep-alive).
     #[arg(long, allow_hyphen_values = true)]
@@ -128,12 +132,13 @@ impl Sampling {
             }),
             stop: self.stop.clone(),
             keep_alive: self.keep_alive.clone().unwrap_or_default(),
-            response_format: if self.json_object {
-                pb::ResponseFormat::JsonObject
-            } else {
-                pb::ResponseFormat::Text
+            response_format: match (&self.json_schema, self.json_object) {
+                (Some(_), _) => pb::ResponseFormat::JsonSchema,
+                (None, true) => pb::ResponseFormat::JsonObject,
+                (None, false) => pb::ResponseFormat::Text,
             }
             .into(),
+            json_schema: self.json_schema.clone().unwrap_or_default(),
             ..Default::default()
         }
     }
@@ -807,4 +812,12 @@ async fn cmd_tokenize(
         serde_json::json!({"token_ids": r.token_ids, "texts": r.texts, "pieces": r.pieces})
     );
     Ok(())
+}
+
+/// A file that holds JSON (`--json-schema`): its text.
+fn read_json_file(path: &str) -> Result<String, String> {
+    let text = std::fs::read_to_string(path).map_err(|e| format!("read {path}: {e}"))?;
+    serde_json::from_str::<serde_json::Value>(&text)
+        .map_err(|e| format!("{path} is not JSON: {e}"))?;
+    Ok(text)
 }

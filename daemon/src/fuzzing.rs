@@ -220,8 +220,9 @@ pub fn grpc(data: &[u8]) {
     use prost::Message;
     if let Ok(r) = sluice_proto::v1::GenerateRequest::decode(data) {
         let _ = crate::server::models::parse_keep_alive(&r.keep_alive);
-        let input = crate::server::service::input_of(r);
-        let _ = input.sampling.validate();
+        if let Ok(input) = crate::server::service::input_of(r) {
+            let _ = input.sampling.validate();
+        }
     }
 }
 

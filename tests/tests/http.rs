@@ -1130,6 +1130,26 @@ fn n_choices_are_the_seeded_calls_alone_and_count_each_prompt_once() {
     );
 }
 
+/// `Generate` called by grpcurl with `body` (JSON).
+fn grpcurl_generate(d: &Daemon, body: &Value) -> std::process::Output {
+    Command::new("grpcurl")
+        .args(["-plaintext", "-d", &body.to_string()])
+        .arg(d.addr.trim_start_matches("http://"))
+        .arg("sluice.v1.Inference/Generate")
+        .output()
+        .expect("grpcurl")
+}
+
+/// The text of a `Generate` stream as grpcurl prints it (one JSON object a message).
+fn generated_text(o: &std::process::Output) -> String {
+    let out = stdout(o);
+    serde_json::Deserializer::from_str(&out)
+        .into_iter::<Value>()
+        .map_while(Result::ok)
+        .filter_map(|m| m["piece"]["text"].as_str().map(str::to_string))
+        .collect()
+}
+
 /// JSON mode (`response_format: {"type": "json_object"}`) through the real `openai` client,
 /// each text judged by Python's `json` module; `sluiced run --json-object` and grpcurl give
 /// the same greedy object. logit_bias moves exactly the token it names: -100 on the greedy
@@ -1191,22 +1211,15 @@ fn json_mode_makes_objects_and_logit_bias_moves_the_token_it_names() {
         ],
     );
     assert_eq!(run["text"], g["text"], "sluiced run --json-object differs");
-    let host = d.addr.trim_start_matches("http://");
     let body = json!({"messages": [{"role": "user", "content": chat}], "max_tokens": 200,
                       "response_format": "RESPONSE_FORMAT_JSON_OBJECT"});
-    let o = Command::new("grpcurl")
-        .args(["-plaintext", "-d", &body.to_string(), host])
-        .arg("sluice.v1.Inference/Generate")
-        .output()
-        .expect("grpcurl");
+    let o = grpcurl_generate(&d, &body);
     assert!(o.status.success(), "{}", stderr(&o));
-    let mut grpc_text = String::new();
-    let out = stdout(&o);
-    let mut stream = serde_json::Deserializer::from_str(&out).into_iter::<Value>();
-    while let Some(Ok(m)) = stream.next() {
-        grpc_text.push_str(m["piece"]["text"].as_str().unwrap_or(""));
-    }
-    assert_eq!(grpc_text, g["text"].as_str().unwrap(), "grpcurl differs");
+    assert_eq!(
+        generated_text(&o),
+        g["text"].as_str().unwrap(),
+        "grpcurl differs"
+    );
 
     // logit_bias: the greedy first token, banned, gives way to the second most likely.
     let prompt = PROMPTS[4];
@@ -1263,7 +1276,7 @@ fn json_mode_makes_objects_and_logit_bias_moves_the_token_it_names() {
         ),
         (
             json!({"prompt": prompt, "response_format": {"type": "json_schema"}}),
-            "json_object",
+            "json_schema.schema",
         ),
     ] {
         let (status, _, b) = post(&d, "/v1/completions", &body.to_string(), &[]);
@@ -1274,5 +1287,107 @@ fn json_mode_makes_objects_and_logit_bias_moves_the_token_it_names() {
             "{b}"
         );
     }
+    assert_eq!(hi(&d).0, 200);
+}
+
+/// Structured outputs (`response_format: {"type": "json_schema"}`): greedy and sampled
+/// texts through the real `openai` client are instances of the schema by the `jsonschema`
+/// package's validation, properties in the schema's order; `sluiced run --json-schema` and
+/// grpcurl give the greedy text; a schema with a keyword sluice does not enforce is refused
+/// by name.
+#[test]
+fn structured_outputs_are_instances_of_the_schema() {
+    let d = Daemon::start(&["--max-context", "512", "--max-batch", "4"]);
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "name": {"type": "string"},
+            "age": {"type": "integer"},
+            "colour": {"enum": ["black", "white", "ginger", "grey"]},
+            "indoor": {"type": "boolean"},
+            "toys": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
+            "owner": {"$ref": "#/$defs/person"},
+            "nickname": {"type": "string"}
+        },
+        "required": ["name", "age", "colour", "indoor", "toys", "owner"],
+        "additionalProperties": false,
+        "$defs": {"person": {"type": "object", "title": "Person",
+            "properties": {"first": {"type": "string"}, "score": {"type": "number"}},
+            "required": ["first", "score"], "additionalProperties": false}}
+    });
+    let file = d.tmp.path().join("cat.schema.json");
+    std::fs::write(&file, schema.to_string()).unwrap();
+    let chat = "Describe a cat.";
+    let got = python(&["schema", &d.http, chat, file.to_str().unwrap(), "200"]);
+    let g = &got["greedy"];
+    assert_eq!(
+        (&g["finish_reason"], &g["valid"]),
+        (&json!("stop"), &json!(true)),
+        "{g}"
+    );
+    // Properties come in the schema's order.
+    let text = g["text"].as_str().unwrap();
+    let at: Vec<usize> = [
+        "\"name\"",
+        "\"age\"",
+        "\"colour\"",
+        "\"indoor\"",
+        "\"toys\"",
+        "\"owner\"",
+    ]
+    .iter()
+    .map(|k| text.find(k).unwrap_or_else(|| panic!("{k} in {text}")))
+    .collect();
+    assert!(at.windows(2).all(|w| w[0] < w[1]), "{text}");
+    let mut valid = 0;
+    for s in got["sampled"].as_array().unwrap() {
+        // Sampled: an instance when it ended by itself; cut by max_tokens, none.
+        assert_eq!(s["valid"], s["finish_reason"] == "stop", "{s}");
+        valid += usize::from(s["valid"] == true);
+    }
+    assert!(valid >= 2, "{}", got["sampled"]);
+
+    let run = sluiced_run(
+        &d,
+        &[
+            "--chat",
+            "--json-schema",
+            file.to_str().unwrap(),
+            "--prompt",
+            chat,
+            "--max-tokens",
+            "200",
+        ],
+    );
+    assert_eq!(run["text"], g["text"], "sluiced run --json-schema differs");
+    let grpc = |schema: &Value| {
+        let body = json!({"messages": [{"role": "user", "content": chat}], "max_tokens": 200,
+                          "response_format": "RESPONSE_FORMAT_JSON_SCHEMA",
+                          "json_schema": schema.to_string()});
+        grpcurl_generate(&d, &body)
+    };
+    let o = grpc(&schema);
+    assert!(o.status.success(), "{}", stderr(&o));
+    assert_eq!(generated_text(&o), text, "grpcurl differs");
+
+    // A keyword that constrains values and is not enforced: refused, named.
+    let mut pattern = schema.clone();
+    pattern["properties"]["name"]["pattern"] = json!("^[A-Z]");
+    let body = json!({"messages": [{"role": "user", "content": chat}],
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": pattern}}});
+    let (status, _, b) = post(&d, "/v1/chat/completions", &body.to_string(), &[]);
+    assert_eq!(status, 400, "{b}");
+    assert!(
+        b.contains("pattern") && b.contains("properties.name"),
+        "{b}"
+    );
+    let o = grpc(&pattern);
+    assert!(
+        !o.status.success()
+            && stderr(&o).contains("InvalidArgument")
+            && stderr(&o).contains("pattern"),
+        "{}",
+        stderr(&o)
+    );
     assert_eq!(hi(&d).0, 200);
 }

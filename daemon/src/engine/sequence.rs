@@ -134,7 +134,7 @@ impl Sequence {
         validate(&prompt, &params, limits)?;
         Ok(Sequence {
             sampler: Sampler::with_prompt(params.sampling, &prompt)
-                .constrained(&params.logit_bias, params.format),
+                .constrained(&params.logit_bias, &params.format),
             stops: StopMatcher::new(params.stop.clone()),
             prompt,
             params,
@@ -236,7 +236,7 @@ impl Sequence {
                 return None;
             }
         }
-        let texts = (self.params.format != OutputFormat::Text).then(|| tok.texts());
+        let texts = (!self.params.format.is_text()).then(|| tok.texts());
         let token = self.sampler.sample_in(logits, texts);
         self.t_first.get_or_insert_with(Instant::now);
         self.generated.push(token);

@@ -179,7 +179,8 @@ impl Common {
         Ok(out)
     }
 
-    /// `response_format`: text, or `json_object` (JSON mode); a JSON schema is refused.
+    /// `response_format`: text, `json_object` (JSON mode) or `json_schema` (structured
+    /// outputs; a schema with parts sluice does not enforce is refused, naming them).
     fn format(&self) -> Result<OutputFormat, ApiError> {
         let Some(f) = &self.response_format else {
             return Ok(OutputFormat::Text);
@@ -187,14 +188,25 @@ impl Common {
         match f.get("type").and_then(Value::as_str) {
             Some("text") => Ok(OutputFormat::Text),
             Some("json_object") => Ok(OutputFormat::JsonObject),
-            Some("json_schema") => Err(ApiError::invalid(
-                Some("response_format"),
-                "response_format json_schema (structured outputs) is not supported by sluice; json_object (JSON mode) is",
-            )),
+            Some("json_schema") => {
+                let bad = |m: String| ApiError::invalid(Some("response_format"), m);
+                let schema = f
+                    .get("json_schema")
+                    .and_then(|j| j.get("schema"))
+                    .ok_or_else(|| {
+                        bad(
+                            "response_format json_schema needs json_schema.schema (a JSON schema)"
+                                .into(),
+                        )
+                    })?;
+                crate::text::schema::Schema::compile(schema)
+                    .map(OutputFormat::JsonSchema)
+                    .map_err(|m| bad(format!("response_format json_schema: {m}")))
+            }
             kind => Err(ApiError::invalid(
                 Some("response_format"),
                 format!(
-                    "response_format {} is not one of text, json_object",
+                    "response_format {} is not one of text, json_object, json_schema",
                     kind.map_or("without a type".to_string(), |k| format!("{k:?}"))
                 ),
             )),
@@ -414,7 +426,7 @@ pub fn parse_completion(body: &[u8], max_prompts: usize) -> Result<Call, ApiErro
                 logprobs: b.logprobs.map(|n| n as usize),
                 truncate: false,
                 logit_bias: logit_bias.clone(),
-                format,
+                format: format.clone(),
             })
             .collect(),
         n,
@@ -488,6 +500,10 @@ mod tests {
                 "response_format",
             ),
             (
+                br#"{"messages":[],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"object","properties":{"a":{"type":"string","pattern":"^a"}}}}}}"#,
+                "response_format",
+            ),
+            (
                 br#"{"messages":[],"response_format":{}}"#,
                 "response_format",
             ),
@@ -518,7 +534,7 @@ mod tests {
         let c = parse_chat(br#"{"messages":[],"logit_bias":{"70":-100,"3":2.5},"response_format":{"type":"json_object"}}"#).expect("bias");
         let i = &c.inputs[0];
         assert_eq!(i.logit_bias, [(3, 2.5), (70, -100.0)]);
-        assert_eq!(i.format, OutputFormat::JsonObject);
+        assert!(matches!(i.format, OutputFormat::JsonObject));
         let c = parse_completion(
             br#"{"prompt":["a","b"],"logit_bias":{"9":1},"response_format":{"type":"text"}}"#,
             8,
@@ -527,6 +543,6 @@ mod tests {
         assert!(c
             .inputs
             .iter()
-            .all(|i| i.logit_bias == [(9, 1.0)] && i.format == OutputFormat::Text));
+            .all(|i| i.logit_bias == [(9, 1.0)] && i.format.is_text()));
     }
 }

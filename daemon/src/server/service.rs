@@ -46,10 +46,11 @@ fn finish_reason(f: Finish) -> pb::FinishReason {
 }
 
 /// The request in the shape both wires share: token ids first, then messages, then text.
-pub fn input_of(r: pb::GenerateRequest) -> GenerateInput {
+pub fn input_of(r: pb::GenerateRequest) -> Result<GenerateInput, ApiError> {
     let format = match r.response_format() {
         pb::ResponseFormat::Text => OutputFormat::Text,
         pb::ResponseFormat::JsonObject => OutputFormat::JsonObject,
+        pb::ResponseFormat::JsonSchema => OutputFormat::JsonSchema(json_schema(&r.json_schema)?),
     };
     let prompt = if !r.prompt_token_ids.is_empty() {
         Prompt::Ids(r.prompt_token_ids)
@@ -69,7 +70,7 @@ pub fn input_of(r: pb::GenerateRequest) -> GenerateInput {
     let s = r.sampling.unwrap_or_default();
     let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.into_iter().collect();
     logit_bias.sort_by_key(|&(t, _)| t);
-    GenerateInput {
+    Ok(GenerateInput {
         model: r.model,
         prompt,
         max_tokens: (r.max_tokens != 0).then_some(r.max_tokens),
@@ -92,7 +93,20 @@ pub fn input_of(r: pb::GenerateRequest) -> GenerateInput {
         truncate: r.truncate,
         logit_bias,
         format,
+    })
+}
+
+/// The schema of RESPONSE_FORMAT_JSON_SCHEMA, compiled.
+fn json_schema(text: &str) -> Result<std::sync::Arc<crate::text::schema::Schema>, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("json_schema"), m);
+    if text.is_empty() {
+        return Err(bad(
+            "RESPONSE_FORMAT_JSON_SCHEMA needs json_schema (a JSON schema as text)".into(),
+        ));
     }
+    let v: serde_json::Value =
+        serde_json::from_str(text).map_err(|e| bad(format!("json_schema is not JSON: {e}")))?;
+    crate::text::schema::Schema::compile(&v).map_err(|m| bad(format!("json_schema: {m}")))
 }
 
 type GenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
@@ -115,7 +129,7 @@ impl Inference for Service {
         let (served, _hold) = self.models.resolve(&r.model, keep).await.map_err(refuse)?;
         let sub = served
             .front
-            .submit(Api::Grpc, input_of(r))
+            .submit(Api::Grpc, input_of(r).map_err(refuse)?)
             .map_err(status_of)?;
         // The stream ends after Done (the engine drops its sender); a client that goes away
         // drops the receiver, which the engine sees and evicts the sequence.

@@ -4,6 +4,7 @@ pub mod detok;
 pub mod json;
 pub mod sampler;
 pub mod sandbox;
+pub mod schema;
 pub mod spm;
 pub mod template;
 pub mod tokenizer;

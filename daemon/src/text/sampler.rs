@@ -5,16 +5,67 @@
 //! host from each sequence's logits row, so every backend samples the same way.
 
 use super::json::JsonState;
+use super::schema::{Schema, SchemaState};
 use super::tokenizer::{TokenKind, TokenTexts};
 use std::collections::{HashMap, HashSet};
+use std::sync::Arc;
 
 /// What the generated text must be.
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default)]
 pub enum OutputFormat {
     #[default]
     Text,
     /// One JSON object, then the end (OpenAI's `response_format: {"type": "json_object"}`).
     JsonObject,
+    /// One instance of a JSON schema, then the end (`{"type": "json_schema"}`).
+    JsonSchema(Arc<Schema>),
+}
+
+impl OutputFormat {
+    pub fn is_text(&self) -> bool {
+        matches!(self, OutputFormat::Text)
+    }
+}
+
+/// Where the text stands in what it must be.
+#[derive(Clone, Debug)]
+enum Constraint {
+    Json(JsonState),
+    Schema(Arc<Schema>, SchemaState),
+}
+
+impl Constraint {
+    fn is_done(&self) -> bool {
+        match self {
+            Constraint::Json(j) => j.is_done(),
+            Constraint::Schema(_, s) => s.is_done(),
+        }
+    }
+
+    fn in_plain_string(&self) -> bool {
+        match self {
+            Constraint::Json(j) => j.in_plain_string(),
+            Constraint::Schema(_, s) => s.in_plain_string(),
+        }
+    }
+
+    fn fits(&self, bytes: &[u8]) -> bool {
+        match self {
+            Constraint::Json(j) => j.feed(bytes).is_some(),
+            Constraint::Schema(schema, s) => s.feed(schema, bytes).is_some(),
+        }
+    }
+
+    /// The state after `bytes` (unchanged where they do not fit).
+    fn fed(self, bytes: &[u8]) -> Constraint {
+        match self {
+            Constraint::Json(j) => Constraint::Json(j.feed(bytes).unwrap_or(j)),
+            Constraint::Schema(schema, s) => {
+                let next = s.feed(&schema, bytes).unwrap_or(s);
+                Constraint::Schema(schema, next)
+            }
+        }
+    }
 }
 
 /// OpenAI's range of a logit bias: -100 bans a token in effect, 100 all but forces it.
@@ -124,8 +175,8 @@ pub struct Sampler {
     counts: HashMap<u32, u32>,
     /// Added to token logits (after the penalties).
     bias: Vec<(u32, f32)>,
-    /// JSON mode: where the text so far stands.
-    json: Option<JsonState>,
+    /// JSON mode or a schema: where the text so far stands.
+    constraint: Option<Constraint>,
 }
 
 /// Index of the largest value; the first on ties (as torch.argmax).
@@ -159,20 +210,24 @@ impl Sampler {
             seen,
             counts: HashMap::new(),
             bias: Vec::new(),
-            json: None,
+            constraint: None,
         }
     }
 
     /// The sampler with logit biases (token, added to its logit) and an output format.
-    pub fn constrained(mut self, bias: &[(u32, f32)], format: OutputFormat) -> Sampler {
+    pub fn constrained(mut self, bias: &[(u32, f32)], format: &OutputFormat) -> Sampler {
         self.bias = bias.to_vec();
-        self.json = (format == OutputFormat::JsonObject).then(JsonState::new);
+        self.constraint = match format {
+            OutputFormat::Text => None,
+            OutputFormat::JsonObject => Some(Constraint::Json(JsonState::new())),
+            OutputFormat::JsonSchema(s) => Some(Constraint::Schema(s.clone(), SchemaState::new())),
+        };
         self
     }
 
-    /// JSON mode: the text so far is one whole JSON object.
+    /// JSON mode or a schema: the text so far is whole (an object, an instance).
     pub fn json_done(&self) -> Option<bool> {
-        self.json.map(|j| j.is_done())
+        self.constraint.as_ref().map(Constraint::is_done)
     }
 
     /// The penalties and biases applied to a copy of `logits` (only the tokens they name
@@ -213,21 +268,25 @@ impl Sampler {
     /// Samples the next token and remembers it for the penalties and JSON mode, whose
     /// checks need the vocabulary's `texts` (without them it is not applied).
     pub fn sample_in(&mut self, logits: &[f32], texts: Option<&TokenTexts>) -> u32 {
-        let json = self.json.zip(texts);
-        if !self.params.penalizes() && self.bias.is_empty() && json.is_none() {
+        let constrained = self.constraint.is_some() && texts.is_some();
+        if !self.params.penalizes() && self.bias.is_empty() && !constrained {
             return self.draw(logits);
         }
         self.shape(logits);
         let mut row = std::mem::take(&mut self.penalized);
-        let t = match json {
-            Some((state, texts)) => {
-                let t = self.draw_json(&mut row, state, texts, logits);
-                if let TokenKind::Text { .. } = texts.kind(t) {
-                    self.json = state.feed(texts.bytes(t)).or(Some(state));
-                }
+        let t = match (self.constraint.take(), texts) {
+            (Some(c), Some(texts)) => {
+                let t = self.draw_json(&mut row, &c, texts, logits);
+                self.constraint = Some(match texts.kind(t) {
+                    TokenKind::Text { .. } => c.fed(texts.bytes(t)),
+                    _ => c,
+                });
                 t
             }
-            None => self.draw(&row),
+            (c, _) => {
+                self.constraint = c;
+                self.draw(&row)
+            }
         };
         self.penalized = row;
         if self.params.repetition_penalty != 1.0 {
@@ -248,14 +307,14 @@ impl Sampler {
         ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
     }
 
-    /// JSON mode's draw: among the tokens that keep the text a prefix of one JSON object
-    /// (end tokens once it is whole). Greedy tries the best token first and masks the row
-    /// only when it does not fit; sampling masks the row, so the draw is the model's
-    /// distribution restricted to what fits, then the usual warpers.
+    /// JSON mode's (or a schema's) draw: among the tokens that keep the text a prefix of
+    /// what it must be (end tokens once it is whole). Greedy tries the best token first and
+    /// masks the row only when it does not fit; sampling masks the row, so the draw is the
+    /// model's distribution restricted to what fits, then the usual warpers.
     fn draw_json(
         &mut self,
         row: &mut [f32],
-        state: JsonState,
+        state: &Constraint,
         texts: &TokenTexts,
         logits: &[f32],
     ) -> u32 {
@@ -264,7 +323,7 @@ impl Sampler {
             TokenKind::Silent => false,
             TokenKind::Text { plain } => {
                 !state.is_done()
-                    && ((plain && state.in_plain_string()) || state.feed(texts.bytes(t)).is_some())
+                    && ((plain && state.in_plain_string()) || state.fits(texts.bytes(t)))
             }
         };
         if self.params.temperature <= 0.0 {
@@ -598,7 +657,7 @@ mod tests {
                 seed: seed as u64,
                 ..Default::default()
             })
-            .constrained(&[], OutputFormat::JsonObject);
+            .constrained(&[], &OutputFormat::JsonObject);
             let mut text = Vec::new();
             let mut ended = false;
             for _ in 0..40 {
@@ -663,7 +722,7 @@ mod tests {
         let mut plain = Sampler::new(SamplingParams::default());
         assert_eq!(plain.sample_in(&logits, Some(&v)), lone);
         let mut s =
-            Sampler::new(SamplingParams::default()).constrained(&[], OutputFormat::JsonObject);
+            Sampler::new(SamplingParams::default()).constrained(&[], &OutputFormat::JsonObject);
         let mut text = Vec::new();
         for _ in 0..12 {
             let t = s.sample_in(&logits, Some(&v));
@@ -684,7 +743,7 @@ mod tests {
         let logits = [0.0f32, 1.0, 2.0, 3.0];
         let greedy = |bias: &[(u32, f32)]| {
             let mut s =
-                Sampler::new(SamplingParams::default()).constrained(bias, OutputFormat::Text);
+                Sampler::new(SamplingParams::default()).constrained(bias, &OutputFormat::Text);
             s.sample(&logits)
         };
         assert_eq!(greedy(&[]), 3);
@@ -697,7 +756,7 @@ mod tests {
             seed: 5,
             ..Default::default()
         })
-        .constrained(&[(3, -100.0)], OutputFormat::Text);
+        .constrained(&[(3, -100.0)], &OutputFormat::Text);
         let draws: Vec<u32> = (0..400).map(|_| s.sample(&logits)).collect();
         assert!(!draws.contains(&3));
         assert!((0..3).all(|t| draws.contains(&t)));

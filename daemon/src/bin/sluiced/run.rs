@@ -80,6 +80,10 @@ pub struct RunArgs {
     /// the text anything else are never sampled.
     #[arg(long)]
     json_object: bool,
+    /// Generate one instance of the JSON schema in FILE and end there (OpenAI's structured
+    /// outputs; its properties are written in the schema's order).
+    #[arg(long, value_name = "FILE", conflicts_with = "json_object")]
+    json_schema: Option<PathBuf>,
     /// Positions of KV cache (default: the model's context, at most 4096).
     #[arg(long)]
     max_context: Option<usize>,
@@ -352,10 +356,10 @@ fn run_generate<B: Backend>(
         ignore_eos: a.ignore_eos,
         logprobs: None,
         logit_bias: a.logit_bias.clone(),
-        format: if a.json_object {
-            OutputFormat::JsonObject
-        } else {
-            OutputFormat::Text
+        format: match (&a.json_schema, a.json_object) {
+            (Some(path), _) => OutputFormat::JsonSchema(load_schema(path)?),
+            (None, true) => OutputFormat::JsonObject,
+            (None, false) => OutputFormat::Text,
         },
     };
     let stdout = std::io::stdout();
@@ -546,4 +550,14 @@ fn parse_logit_bias(s: &str) -> Result<(u32, f32), String> {
             "the bias in {s:?} must be a number in [-{max}, {max}]"
         )),
     }
+}
+
+/// `--json-schema FILE`, compiled.
+fn load_schema(path: &std::path::Path) -> Result<std::sync::Arc<sluice::text::schema::Schema>> {
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("read the JSON schema {}", path.display()))?;
+    let v: serde_json::Value =
+        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
+    sluice::text::schema::Schema::compile(&v)
+        .map_err(|m| anyhow::anyhow!("{}: {m}", path.display()))
 }
