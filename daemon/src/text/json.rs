@@ -233,6 +233,11 @@ impl JsonState {
         matches!(self.mode, Mode::Str { lex, .. } if lex.is_plain())
     }
 
+    /// In `true`, `false` or `null`.
+    pub fn in_literal(&self) -> bool {
+        matches!(self.mode, Mode::Lit(..))
+    }
+
     /// The state after `bytes`, or None where they leave the text no prefix of an object.
     pub fn feed(mut self, bytes: &[u8]) -> Option<JsonState> {
         for &b in bytes {
@@ -572,6 +577,26 @@ mod tests {
             objects > 1000 && refused > 1000,
             "{objects} objects, {refused} not"
         );
+    }
+
+    /// What the tokenizer calls plain (`TokenKind::Text { plain }`: whole characters, no
+    /// quote, backslash or control character) keeps a string one, from any character.
+    #[test]
+    fn plain_text_keeps_a_string_one() {
+        let mut state = 7u64;
+        for _ in 0..20_000 {
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            let c = char::from_u32((state % 0x11_0000) as u32).unwrap_or('x');
+            let plain = c >= ' ' && c != '"' && c != '\\';
+            let text = format!("{{\"a\":\"{c}{c}");
+            assert_eq!(
+                ours(text.as_bytes()).is_some_and(|s| s.in_plain_string()),
+                plain,
+                "{c:?}"
+            );
+        }
     }
 
     /// Bytes that cannot be UTF-8 anywhere are refused in strings; all of Unicode's

@@ -27,6 +27,55 @@ impl OutputFormat {
     }
 }
 
+/// Which first bytes can continue a constrained text, directly and after each whitespace
+/// byte: a token whose lead byte cannot is masked without running it through the
+/// automaton. (A token that fits after a run of whitespace fits after the run's first
+/// byte: whitespace between tokens only counts toward its limits, and in a string only a
+/// space is text. Not so inside a literal, a key or an enum value with spaces in it: there
+/// only the first byte is gated.)
+struct Gate {
+    direct: [bool; 256],
+    after: [[bool; 256]; 4],
+    literal: bool,
+}
+
+const WS: [u8; 4] = [b' ', b'\n', b'\t', b'\r'];
+
+impl Gate {
+    fn of(c: &Constraint) -> Gate {
+        let mut g = Gate {
+            direct: [false; 256],
+            after: [[false; 256]; 4],
+            literal: c.in_literal(),
+        };
+        for b in 0..=255u8 {
+            g.direct[b as usize] = c.fits(&[b]);
+            for (w, ws) in WS.iter().enumerate() {
+                g.after[w][b as usize] = c.fits(&[*ws, b]);
+            }
+        }
+        g
+    }
+
+    /// False only where `bytes` cannot fit.
+    fn may_fit(&self, bytes: &[u8]) -> bool {
+        let Some(&first) = bytes.first() else {
+            return true;
+        };
+        let Some(w) = WS.iter().position(|&c| c == first) else {
+            return self.direct[first as usize];
+        };
+        if self.literal {
+            return self.direct[first as usize];
+        }
+        match bytes.iter().find(|c| !WS.contains(c)) {
+            Some(&lead) => self.after[w][lead as usize],
+            // Whitespace only: run it.
+            None => true,
+        }
+    }
+}
+
 /// Where the text stands in what it must be.
 #[derive(Clone, Debug)]
 enum Constraint {
@@ -46,6 +95,14 @@ impl Constraint {
         match self {
             Constraint::Json(j) => j.in_plain_string(),
             Constraint::Schema(_, s) => s.in_plain_string(),
+        }
+    }
+
+    /// Matching a literal text (true/false/null, a key, an enum value).
+    fn in_literal(&self) -> bool {
+        match self {
+            Constraint::Json(j) => j.in_literal(),
+            Constraint::Schema(_, s) => s.in_literal(),
         }
     }
 
@@ -318,23 +375,28 @@ impl Sampler {
         texts: &TokenTexts,
         logits: &[f32],
     ) -> u32 {
-        let fits = |t: u32| match texts.kind(t) {
+        let fits = |t: u32, gate: Option<&Gate>| match texts.kind(t) {
             TokenKind::End => state.is_done(),
             TokenKind::Silent => false,
             TokenKind::Text { plain } => {
+                let b = texts.bytes(t);
                 !state.is_done()
-                    && ((plain && state.in_plain_string()) || state.fits(texts.bytes(t)))
+                    && ((plain && state.in_plain_string())
+                        || (gate.is_none_or(|g| g.may_fit(b)) && state.fits(b)))
             }
         };
         if self.params.temperature <= 0.0 {
             let best = argmax(row);
-            if fits(best) {
+            if fits(best, None) {
                 return best;
             }
         }
+        // Most tokens cannot fit for their first byte (or their first after whitespace):
+        // those are masked without running them.
+        let gate = Gate::of(state);
         let mut any = false;
         for (t, l) in row.iter_mut().enumerate() {
-            if fits(t as u32) {
+            if fits(t as u32, Some(&gate)) {
                 any |= *l > f32::NEG_INFINITY;
             } else {
                 *l = f32::NEG_INFINITY;
@@ -469,6 +531,7 @@ pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> TokenLogprob {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::text::schema::Schema;
     use crate::text::tokenizer::{TokenKind, TokenTexts};
 
     #[test]
@@ -699,6 +762,71 @@ mod tests {
             whole > 40 && cut > 40,
             "{whole} whole, {cut} cut at 40 tokens"
         );
+    }
+
+    /// The gate masks no token that fits: at every state of random walks through JSON mode
+    /// and a schema with spaces inside keys and enum values, each token of a vocabulary of
+    /// whitespace-led pieces is either let through or does not fit.
+    #[test]
+    fn the_gate_masks_no_token_that_fits() {
+        let schema = Schema::compile(&serde_json::json!({
+            "type": "object",
+            "properties": {
+                "k  k": {"enum": ["a  b", "x y", 7, 71]},
+                "s": {"type": "string"},
+                "n": {"type": "array", "items": {"type": "number"}}
+            },
+            "required": ["k  k"]
+        }))
+        .unwrap();
+        let pieces = [
+            "{", "}", "[", "]", ",", ":", "\"", " ", "  ", "\n", "\n  ", "\t", " \"", "  \"k",
+            "\"k", " k", "k", "  b", " b", "a", "b", "x", " y", "y\"", "7", " 7", "1", " 1", ".",
+            "e", " :", " ,", " }", "\n}", " ]", "s", "\"s\"", "\"n\"", " [", "-", "é", "\\n",
+            " true", "null",
+        ];
+        let tokens: Vec<(&[u8], TokenKind)> = pieces
+            .iter()
+            .map(|p| (p.as_bytes(), TokenKind::Text { plain: false }))
+            .chain([(&b""[..], TokenKind::End)])
+            .collect();
+        let v = TokenTexts::of(&tokens);
+        let mut rng = 0x9E3779B97F4A7C15u64;
+        let mut checked = 0;
+        for seed in 0..200u64 {
+            let format = if seed % 2 == 0 {
+                OutputFormat::JsonObject
+            } else {
+                OutputFormat::JsonSchema(schema.clone())
+            };
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 2.0,
+                seed,
+                ..Default::default()
+            })
+            .constrained(&[], &format);
+            for _ in 0..40 {
+                let c = s.constraint.clone().unwrap();
+                if c.is_done() {
+                    break;
+                }
+                let gate = Gate::of(&c);
+                for t in 0..v.len() as u32 - 1 {
+                    let b = v.bytes(t);
+                    assert!(
+                        gate.may_fit(b) || !c.fits(b),
+                        "{:?} masked at {c:?}",
+                        String::from_utf8_lossy(b)
+                    );
+                    checked += usize::from(c.fits(b));
+                }
+                let logits: Vec<f32> = (0..v.len())
+                    .map(|_| (xorshift(&mut rng) % 100) as f32 / 10.0)
+                    .collect();
+                s.sample_in(&logits, Some(&v));
+            }
+        }
+        assert!(checked > 5000, "{checked} fitting tokens checked");
     }
 
     /// Greedy JSON mode takes the best token that fits, which is the best token when it

@@ -366,6 +366,11 @@ impl SchemaState {
         matches!(self.lex, Lex::Str(lex) if lex.is_plain())
     }
 
+    /// Matching a key or a literal (enum, const, boolean, null).
+    pub fn in_literal(&self) -> bool {
+        matches!(self.lex, Lex::Lit { .. })
+    }
+
     pub fn feed(mut self, s: &Schema, bytes: &[u8]) -> Option<SchemaState> {
         for &b in bytes {
             self = self.step(s, b)?;

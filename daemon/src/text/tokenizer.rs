@@ -45,7 +45,8 @@ pub struct TokenTexts {
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum TokenKind {
-    /// Text; `plain`: printable ASCII only, no `"` or backslash (it keeps a JSON string one).
+    /// Text; `plain`: whole UTF-8 characters, none of them `"`, a backslash or a control
+    /// character (it keeps a JSON string one, without running it through the automaton).
     Text { plain: bool },
     /// Ends generation (eos, end of turn).
     End,
@@ -345,9 +346,9 @@ impl Tokenizer {
                         TokenKind::Silent
                     } else {
                         TokenKind::Text {
-                            plain: b
-                                .iter()
-                                .all(|&c| (0x20..0x7f).contains(&c) && c != b'"' && c != b'\\'),
+                            plain: std::str::from_utf8(&b).is_ok()
+                                && b.iter()
+                                    .all(|&c| c >= 0x20 && c != 0x7f && c != b'"' && c != b'\\'),
                         }
                     }
                 };
