@@ -128,10 +128,19 @@ impl Constraint {
 /// OpenAI's range of a logit bias: -100 bans a token in effect, 100 all but forces it.
 pub const LOGIT_BIAS_MAX: f32 = 100.0;
 
-/// Logit biases name tokens of the vocabulary, each by a number in [-100, 100]; the message
-/// says which does not.
+/// Tokens one request may bias at most (OpenAI takes 300).
+pub const LOGIT_BIAS_TOKENS_MAX: usize = 1024;
+
+/// Logit biases name tokens of the vocabulary, each by a number in [-100, 100], at most
+/// `LOGIT_BIAS_TOKENS_MAX` of them; the message says which does not.
 pub fn check_logit_bias(bias: &[(u32, f32)], vocab: u32) -> Result<(), String> {
     let max = LOGIT_BIAS_MAX;
+    if bias.len() > LOGIT_BIAS_TOKENS_MAX {
+        return Err(format!(
+            "logit_bias names {} tokens; at most {LOGIT_BIAS_TOKENS_MAX}",
+            bias.len()
+        ));
+    }
     for &(t, b) in bias {
         if t >= vocab {
             return Err(format!(
@@ -878,6 +887,16 @@ mod tests {
         assert_eq!(greedy(&[(3, -100.0)]), 2);
         assert_eq!(greedy(&[(0, 100.0)]), 0);
         assert_eq!(greedy(&[(3, -1.5), (2, 0.4)]), 2);
+        assert!(check_logit_bias(&[(3, 100.0), (0, -100.0)], 4).is_ok());
+        for (bad, says) in [
+            (vec![(4, 1.0)], "token 4"),
+            (vec![(1, 100.5)], "[-100, 100]"),
+            (vec![(1, f32::NAN)], "[-100, 100]"),
+            (vec![(0, 1.0); 1025], "at most 1024"),
+        ] {
+            let m = check_logit_bias(&bad, 4).expect_err("refused");
+            assert!(m.contains(says), "{m}");
+        }
         // Sampled: a token biased by -100 is never drawn, the others all are.
         let mut s = Sampler::new(SamplingParams {
             temperature: 1.0,

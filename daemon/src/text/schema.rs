@@ -64,6 +64,21 @@ const ANNOTATIONS: [&str; 9] = [
     "strict",
 ];
 
+/// Bytes of one literal (an enum value, a property name) at most.
+const LITERAL_MAX: usize = 1024;
+
+/// `v` as JSON text, to be matched byte for byte.
+fn literal_text(at: &str, v: &Value) -> Result<Vec<u8>, String> {
+    let t = serde_json::to_vec(v).map_err(|e| format!("{at}: {e}"))?;
+    if t.len() > LITERAL_MAX {
+        return Err(format!(
+            "{at}: a value or property name of {} bytes (at most {LITERAL_MAX})",
+            t.len()
+        ));
+    }
+    Ok(t)
+}
+
 struct Compiler<'a> {
     root: &'a Value,
     nodes: Vec<Node>,
@@ -78,17 +93,32 @@ impl<'a> Compiler<'a> {
         Ok((self.nodes.len() - 1) as u16)
     }
 
-    fn literals(&mut self, at: &str, values: &[Value]) -> Result<u16, String> {
+    /// The values of an enum (or a const), each of `ty` where the schema gives one.
+    fn literals(&mut self, at: &str, values: &[Value], ty: Option<&Value>) -> Result<u16, String> {
         if values.is_empty() || values.len() > CHOICES_MAX {
             return Err(format!(
                 "{at}: an enum of {} values (1 to {CHOICES_MAX} are taken)",
                 values.len()
             ));
         }
-        let texts = values
-            .iter()
-            .map(|v| serde_json::to_vec(v).map_err(|e| format!("{at}: {e}")))
-            .collect::<Result<Vec<_>, _>>()?;
+        let mut texts = Vec::with_capacity(values.len());
+        for v in values {
+            if let Some(ty) = ty {
+                let is = match v {
+                    Value::Null => "null",
+                    Value::Bool(_) => "boolean",
+                    Value::Number(n) if n.is_i64() || n.is_u64() => "integer",
+                    Value::Number(_) => "number",
+                    Value::String(_) => "string",
+                    Value::Array(_) => "array",
+                    Value::Object(_) => "object",
+                };
+                if ty.as_str() != Some(is) && !(ty == "number" && is == "integer") {
+                    return Err(format!("{at}: the enum value {v} is not of type {ty}"));
+                }
+            }
+            texts.push(literal_text(at, v)?);
+        }
         self.push(Node::Literals(texts))
     }
 
@@ -123,11 +153,11 @@ impl<'a> Compiler<'a> {
             return self.push(Node::Ref(r.to_string()));
         }
         if let Some(c) = o.get("const") {
-            return self.literals(at, std::slice::from_ref(c));
+            return self.literals(at, std::slice::from_ref(c), o.get("type"));
         }
         if let Some(e) = o.get("enum") {
             let e = e.as_array().ok_or(format!("{at}: enum must be a list"))?;
-            return self.literals(at, e);
+            return self.literals(at, e, o.get("type"));
         }
         let ty = o.get("type").ok_or(format!(
             "{at} has no type (a schema of any value is not supported)"
@@ -163,7 +193,7 @@ impl<'a> Compiler<'a> {
                 let mut out = Vec::with_capacity(props.len());
                 for (name, p) in props {
                     let node = self.compile(p, &format!("{at}.properties.{name}"))?;
-                    let key = serde_json::to_vec(name).map_err(|e| e.to_string())?;
+                    let key = literal_text(at, &Value::String(name.clone()))?;
                     out.push((key, node, required.contains(&name.as_str())));
                 }
                 self.push(Node::Object { props: out })
@@ -189,8 +219,8 @@ impl<'a> Compiler<'a> {
             "string" => self.push(Node::String),
             "number" => self.push(Node::Number { integer: false }),
             "integer" => self.push(Node::Number { integer: true }),
-            "boolean" => self.literals(at, &[Value::Bool(true), Value::Bool(false)]),
-            "null" => self.literals(at, &[Value::Null]),
+            "boolean" => self.literals(at, &[Value::Bool(true), Value::Bool(false)], None),
+            "null" => self.literals(at, &[Value::Null], None),
             t => Err(format!("{at}: unknown type {t:?}")),
         }
     }
