@@ -965,4 +965,122 @@ mod tests {
         .validate()
         .is_err());
     }
+
+    /// Sampled with random logits over a vocabulary of pieces, every text that reaches the
+    /// end is an instance: checked field by field on serde_json's reading.
+    #[test]
+    fn sampled_texts_are_instances() {
+        let schema = Schema::compile(&serde_json::json!({
+            "type": "object",
+            "properties": {
+                "n": {"type": "integer"},
+                "k": {"enum": ["x", "y"]},
+                "l": {"type": "array", "items": {"type": "boolean"}, "maxItems": 2},
+                "o": {"type": "string"},
+                "t": {"$ref": "#"}
+            },
+            "required": ["n", "k", "l"]
+        }))
+        .unwrap();
+        let pieces = [
+            "{", "}", "[", "]", ",", ":", "\"", "\"n\"", "\"k\":", "\"l\"", "\"o\"", "\"t\":", "1",
+            "0", "-", ".", "5", "true", "false", "x", "\"y\"", "ab", " ", "\n  ", "é", "{\"",
+            // Every byte the schema's texts need alone, as byte-level vocabularies have.
+            "k", "l", "n", "o", "t", "y", "r", "u", "e", "f", "a", "s",
+        ];
+        let mut tokens: Vec<(&[u8], TokenKind)> = pieces
+            .iter()
+            .map(|p| {
+                (
+                    p.as_bytes(),
+                    TokenKind::Text {
+                        plain: p
+                            .bytes()
+                            .all(|c| (0x20..0x7f).contains(&c) && c != b'"' && c != b'\\'),
+                    },
+                )
+            })
+            .collect();
+        tokens.push((b"", TokenKind::End));
+        let v = TokenTexts::of(&tokens);
+        let end = (tokens.len() - 1) as u32;
+        let mut rng = 0x2545F4914F6CDD1Du64;
+        let mut whole = 0;
+        for seed in 0..300u64 {
+            let mut s = Sampler::new(SamplingParams {
+                temperature: [0.0, 1.0, 3.0][seed as usize % 3],
+                seed,
+                ..Default::default()
+            })
+            .constrained(&[], &OutputFormat::JsonSchema(schema.clone()));
+            let mut text = Vec::new();
+            let mut ended = false;
+            for _ in 0..80 {
+                let logits: Vec<f32> = (0..v.len())
+                    .map(|_| {
+                        rng ^= rng << 13;
+                        rng ^= rng >> 7;
+                        rng ^= rng << 17;
+                        (rng % 1000) as f32 / 100.0
+                    })
+                    .collect();
+                let t = s.sample_in(&logits, Some(&v));
+                if t == end {
+                    ended = true;
+                    break;
+                }
+                text.extend_from_slice(v.bytes(t));
+                assert!(
+                    crate::text::schema::SchemaState::new()
+                        .feed(&schema, &text)
+                        .is_some(),
+                    "{:?}",
+                    String::from_utf8_lossy(&text)
+                );
+            }
+            if !ended {
+                continue;
+            }
+            whole += 1;
+            let value: serde_json::Value = serde_json::from_slice(&text)
+                .unwrap_or_else(|e| panic!("{e}: {:?}", String::from_utf8_lossy(&text)));
+            fn check(v: &serde_json::Value) {
+                let o = v.as_object().expect("an object");
+                let keys: Vec<&str> = o.keys().map(String::as_str).collect();
+                let order = ["n", "k", "l", "o", "t"];
+                let mut last = 0;
+                for k in &keys {
+                    let at = order.iter().position(|o| o == k).expect("a known property");
+                    assert!(at >= last, "order: {keys:?}");
+                    last = at;
+                }
+                // (serde_json reads -0 as a float; JSON Schema's integer is any whole number.)
+                assert!(o["n"].as_f64().is_some_and(|f| f.fract() == 0.0), "{v}");
+                assert!(o["k"] == "x" || o["k"] == "y", "{v}");
+                let l = o["l"].as_array().expect("l is a list");
+                assert!(
+                    l.len() <= 2 && l.iter().all(serde_json::Value::is_boolean),
+                    "{v}"
+                );
+                if let Some(s) = o.get("o") {
+                    assert!(s.is_string());
+                }
+                if let Some(t) = o.get("t") {
+                    check(t);
+                }
+            }
+            check(&value);
+            // Integers are written without a fraction or an exponent.
+            let t = String::from_utf8_lossy(&text);
+            for (at, _) in t.match_indices("\"n\":") {
+                let num: String = t[at + 4..]
+                    .trim_start()
+                    .chars()
+                    .take_while(|c| "-+0123456789.eE".contains(*c))
+                    .collect();
+                assert!(!num.contains(['.', 'e', 'E']), "{t}");
+            }
+        }
+        assert!(whole > 30, "{whole} of 300 ended");
+    }
 }
