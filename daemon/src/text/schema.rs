@@ -6,12 +6,13 @@
 //! The schemas OpenAI's strict mode and Pydantic models make are taken: `type` object,
 //! array, string, number, integer, boolean or null; `properties`, `required`,
 //! `additionalProperties` (no other property is written either way), `items`, `minItems`,
-//! `maxItems`, `enum`, `const`, and `$ref` into `$defs` / `definitions` (recursion up to
-//! `DEPTH_MAX` containers). Properties are written in the schema's order, optional ones
-//! when the model chooses to. Annotations (`title`, `description`, `default`, `format`,
-//! `examples`) change nothing. Every other keyword that constrains a value (`anyOf`,
-//! `pattern`, `minimum`, ...) is refused by name: an output the schema would reject is
-//! never passed off as conforming.
+//! `maxItems`, `enum`, `const`, `$ref` into `$defs` / `definitions` (recursion up to
+//! `DEPTH_MAX` containers), and `anyOf` or a list of types whose branches start with
+//! different bytes (a nullable field: the branch is known at the value's first byte).
+//! Properties are written in the schema's order, optional ones when the model chooses to.
+//! Annotations (`title`, `description`, `default`, `format`, `examples`) change nothing.
+//! Every other keyword that constrains a value (`pattern`, `minimum`, `not`, ...) is
+//! refused by name: an output the schema would reject is never passed off as conforming.
 
 use super::json::{InStr, Num, StrLex, Ws};
 use serde_json::Value;
@@ -41,6 +42,8 @@ enum Node {
     },
     /// One of these JSON texts (enum, const, boolean, null).
     Literals(Vec<Vec<u8>>),
+    /// One of these (`anyOf`, or a list of types), told apart by their first byte.
+    Union(Vec<u16>),
     /// A `$ref` resolved once every definition is compiled.
     Ref(String),
 }
@@ -63,6 +66,41 @@ const ANNOTATIONS: [&str; 9] = [
     "$comment",
     "strict",
 ];
+
+/// The bytes a value of `node` can start with.
+fn first_bytes(nodes: &[Node], node: u16, depth: usize) -> Result<[bool; 256], String> {
+    let mut f = [false; 256];
+    match &nodes[node as usize] {
+        Node::Object { .. } => f[b'{' as usize] = true,
+        Node::Array { .. } => f[b'[' as usize] = true,
+        Node::String => f[b'"' as usize] = true,
+        Node::Number { .. } => {
+            for b in b"-0123456789" {
+                f[*b as usize] = true;
+            }
+        }
+        Node::Literals(l) => {
+            for t in l {
+                if let Some(&b) = t.first() {
+                    f[b as usize] = true;
+                }
+            }
+        }
+        Node::Union(alts) => {
+            if depth > 16 {
+                return Err("schema: anyOf nested in itself".into());
+            }
+            for &a in alts {
+                let g = first_bytes(nodes, a, depth + 1)?;
+                for b in 0..256 {
+                    f[b] |= g[b];
+                }
+            }
+        }
+        Node::Ref(_) => return Err("schema: a $ref that only points at itself".into()),
+    }
+    Ok(f)
+}
 
 /// Bytes of one literal (an enum value, a property name) at most.
 const LITERAL_MAX: usize = 1024;
@@ -113,7 +151,12 @@ impl<'a> Compiler<'a> {
                     Value::Array(_) => "array",
                     Value::Object(_) => "object",
                 };
-                if ty.as_str() != Some(is) && !(ty == "number" && is == "integer") {
+                let of = |t: &Value| t == is || (t == "number" && is == "integer");
+                let fits = match ty {
+                    Value::Array(list) => list.iter().any(of),
+                    t => of(t),
+                };
+                if !fits {
                     return Err(format!("{at}: the enum value {v} is not of type {ty}"));
                 }
             }
@@ -136,6 +179,7 @@ impl<'a> Compiler<'a> {
             "maxItems",
             "enum",
             "const",
+            "anyOf",
             "$ref",
             "$defs",
             "definitions",
@@ -145,12 +189,47 @@ impl<'a> Compiler<'a> {
             .find(|k| !known.contains(&k.as_str()) && !ANNOTATIONS.contains(&k.as_str()))
         {
             return Err(format!(
-                "{at}: the keyword {k:?} is not supported (supported: type, properties, required, additionalProperties, items, minItems, maxItems, enum, const, $ref)"
+                "{at}: the keyword {k:?} is not supported (supported: type, properties, required, additionalProperties, items, minItems, maxItems, enum, const, anyOf, $ref)"
             ));
         }
         if let Some(r) = o.get("$ref") {
             let r = r.as_str().ok_or(format!("{at}: $ref must be a string"))?;
             return self.push(Node::Ref(r.to_string()));
+        }
+        if let Some(any) = o.get("anyOf") {
+            let any = any
+                .as_array()
+                .filter(|a| !a.is_empty())
+                .ok_or(format!("{at}: anyOf must be a list of schemas"))?;
+            if let Some(k) = ["type", "enum", "const", "properties", "items"]
+                .iter()
+                .find(|k| o.contains_key(**k))
+            {
+                return Err(format!(
+                    "{at}: anyOf beside {k:?} is not supported (put it in each branch)"
+                ));
+            }
+            let alts = any
+                .iter()
+                .enumerate()
+                .map(|(i, b)| self.compile(b, &format!("{at}.anyOf[{i}]")))
+                .collect::<Result<Vec<u16>, String>>()?;
+            return self.push(Node::Union(alts));
+        }
+        // A list of types: a union of the schema with each.
+        if let (Some(Value::Array(types)), None, None) =
+            (o.get("type"), o.get("enum"), o.get("const"))
+        {
+            if types.is_empty() {
+                return Err(format!("{at}: an empty list of types"));
+            }
+            let mut alts = Vec::with_capacity(types.len());
+            for t in types {
+                let mut one = o.clone();
+                one.insert("type".into(), t.clone());
+                alts.push(self.compile(&Value::Object(one), &format!("{at}[type {t}]"))?);
+            }
+            return self.push(Node::Union(alts));
         }
         if let Some(c) = o.get("const") {
             return self.literals(at, std::slice::from_ref(c), o.get("type"));
@@ -162,9 +241,9 @@ impl<'a> Compiler<'a> {
         let ty = o.get("type").ok_or(format!(
             "{at} has no type (a schema of any value is not supported)"
         ))?;
-        let ty = ty.as_str().ok_or(format!(
-            "{at}: type must be one name (a list of types is not supported)"
-        ))?;
+        let ty = ty
+            .as_str()
+            .ok_or(format!("{at}: type must be a name or a list of names"))?;
         match ty {
             "object" => {
                 let required: Vec<&str> = match o.get("required") {
@@ -289,7 +368,26 @@ impl Schema {
             match node {
                 Node::Object { props } => props.iter_mut().for_each(|p| p.1 = map[p.1 as usize]),
                 Node::Array { items, .. } => *items = map[*items as usize],
+                Node::Union(alts) => alts.iter_mut().for_each(|a| *a = map[*a as usize]),
                 _ => {}
+            }
+        }
+        // A union's branches must be told apart by the first byte of a value.
+        for node in &c.nodes {
+            if let Node::Union(alts) = node {
+                let mut seen = [false; 256];
+                for &a in alts {
+                    let first = first_bytes(&c.nodes, a, 0)?;
+                    if let Some(b) = (0..256).find(|&b| first[b] && seen[b]) {
+                        return Err(format!(
+                            "schema: anyOf branches (or types) that can both start with {:?} are not supported: sluice tells them apart by their first byte",
+                            b as u8 as char
+                        ));
+                    }
+                    for b in 0..256 {
+                        seen[b] |= first[b];
+                    }
+                }
             }
         }
         if !matches!(c.nodes[root as usize], Node::Object { .. }) {
@@ -456,6 +554,7 @@ impl SchemaState {
                 };
                 Some(self)
             }
+            Node::Union(alts) => alts.iter().find_map(|&a| self.value(s, a, b)),
             Node::Literals(l) => {
                 let all = if l.len() == 64 {
                     u64::MAX
@@ -685,12 +784,20 @@ mod tests {
                 "\"pattern\"",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}]}}}),
-                "\"anyOf\"",
+                json!({"type": "object", "properties": {"a": {"anyOf": [{"type": "object"}, {"type": "object", "properties": {"b": {"type": "null"}}}]}}}),
+                "both start with '{'",
             ),
             (
-                json!({"type": "object", "properties": {"a": {"type": ["string", "null"]}}}),
-                "list of types",
+                json!({"type": "object", "properties": {"a": {"type": ["number", "integer"]}}}),
+                "both start with '-'",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"anyOf": [{"type": "string"}], "type": "string"}}}),
+                "anyOf beside \"type\"",
+            ),
+            (
+                json!({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}),
+                "\"not\"",
             ),
             (
                 json!({"type": "object", "properties": {"a": {}}}),
@@ -742,6 +849,54 @@ mod tests {
 
     fn state(s: &Schema, text: &[u8]) -> Option<SchemaState> {
         SchemaState::new().feed(s, text)
+    }
+
+    /// Nullable fields, as OpenAI's strict mode (a list of types) and Pydantic (`anyOf`
+    /// with null) write them, and a union of an object and a list.
+    #[test]
+    fn unions_take_each_branch_and_nothing_else() {
+        let s = Schema::compile(&json!({
+            "type": "object",
+            "properties": {
+                "a": {"type": ["string", "null"]},
+                "b": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}], "title": "B"},
+                "c": {"anyOf": [{"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"]},
+                                {"type": "array", "items": {"type": "integer"}}]},
+                "d": {"type": ["integer", "boolean"], "enum": [1, true]}
+            },
+            "required": ["a", "b", "c", "d"],
+            "$defs": {"n": {"type": "number"}}
+        }))
+        .unwrap();
+        for ok in [
+            r#"{"a":"s","b":1.5,"c":{"x":true},"d":1}"#,
+            r#"{"a":null,"b":null,"c":[1,2],"d":true}"#,
+        ] {
+            assert!(
+                state(&s, ok.as_bytes()).is_some_and(|st| st.is_done()),
+                "{ok}"
+            );
+        }
+        for (bad, good_len) in [
+            (r#"{"a":1"#, 5),
+            (r#"{"a":null,"b":"x"#, 14),
+            (r#"{"a":null,"b":null,"c":""#, 23),
+            (r#"{"a":null,"b":null,"c":[true"#, 24),
+            (r#"{"a":null,"b":null,"c":[],"d":2"#, 30),
+        ] {
+            let bad = bad.as_bytes();
+            assert!(
+                state(&s, &bad[..good_len]).is_some(),
+                "{:?}",
+                String::from_utf8_lossy(bad)
+            );
+            assert_eq!(
+                state(&s, &bad[..good_len + 1]),
+                None,
+                "{:?} at {good_len}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 
     #[test]
