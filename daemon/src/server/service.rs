@@ -104,9 +104,7 @@ fn json_schema(text: &str) -> Result<std::sync::Arc<crate::text::schema::Schema>
             "RESPONSE_FORMAT_JSON_SCHEMA needs json_schema (a JSON schema as text)".into(),
         ));
     }
-    let v: serde_json::Value =
-        serde_json::from_str(text).map_err(|e| bad(format!("json_schema is not JSON: {e}")))?;
-    crate::text::schema::Schema::compile(&v).map_err(|m| bad(format!("json_schema: {m}")))
+    crate::text::schema::Schema::parse(text).map_err(|m| bad(format!("json_schema: {m}")))
 }
 
 type GenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;

@@ -324,6 +324,12 @@ impl<'a> Compiler<'a> {
 }
 
 impl Schema {
+    /// Compiles a schema given as JSON text (gRPC's `json_schema`, a `--json-schema` file).
+    pub fn parse(text: &str) -> Result<Arc<Schema>, String> {
+        let v: Value = serde_json::from_str(text).map_err(|e| format!("not JSON: {e}"))?;
+        Schema::compile(&v)
+    }
+
     /// Compiles `schema`; the message names the part that is not supported.
     pub fn compile(schema: &Value) -> Result<Arc<Schema>, String> {
         let mut c = Compiler {

@@ -556,8 +556,6 @@ fn parse_logit_bias(s: &str) -> Result<(u32, f32), String> {
 fn load_schema(path: &std::path::Path) -> Result<std::sync::Arc<sluice::text::schema::Schema>> {
     let text = std::fs::read_to_string(path)
         .with_context(|| format!("read the JSON schema {}", path.display()))?;
-    let v: serde_json::Value =
-        serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))?;
-    sluice::text::schema::Schema::compile(&v)
+    sluice::text::schema::Schema::parse(&text)
         .map_err(|m| anyhow::anyhow!("{}: {m}", path.display()))
 }
