@@ -12,6 +12,9 @@ import tempfile
 
 FIX = "tests/fixtures"
 OUT = "fuzz/corpus"
+# sluiced is wherever cargo puts it (CARGO_TARGET_DIR, build.target-dir or ./target).
+SLUICED = os.path.join(subprocess.run(["scripts/target-dir.sh"], check=True, capture_output=True,
+                                      text=True).stdout.strip(), "release", "sluiced")
 
 
 def put(target, name, data):
@@ -75,7 +78,7 @@ for d in ["tiny-llama", "tiny-gemma3"]:
     put("safetensors", d, b[: 8 + n + 32] + b"\0" + read(f"{FIX}/{d}/config.json"))
 
 with tempfile.TemporaryDirectory() as tmp:
-    subprocess.run(["target/release/sluiced", "pack", f"{FIX}/tiny-llama-q.gguf", "-o",
+    subprocess.run([SLUICED, "pack", f"{FIX}/tiny-llama-q.gguf", "-o",
                     f"{tmp}/s", "--codec", "lz4"], check=True, capture_output=True)
     # The manifest target: 0 then a whole file, or a format version then its payload
     # decompressed (fuzzing::manifest).

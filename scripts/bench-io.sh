@@ -9,7 +9,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ $# -ge 1 ] || { echo "usage: $0 STORE [STORE ...]" >&2; exit 2; }
 command -v fio >/dev/null || { echo "bench-io: fio is missing (apt-get install fio)" >&2; exit 1; }
-sluiced=./target/release/sluiced
+sluiced="$(scripts/target-dir.sh)/release/sluiced"
 first_weights="$1/weights.bin"
 
 fio_gbps() {

@@ -24,6 +24,9 @@ import llama_cpp
 import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The binaries are wherever cargo puts them (CARGO_TARGET_DIR, build.target-dir or ./target).
+RELEASE = os.path.join(subprocess.run([os.path.join(ROOT, "scripts/target-dir.sh")], check=True, capture_output=True,
+                                      text=True).stdout.strip(), "release")
 TEXT = ("The printing press, invented by Johannes Gutenberg around the middle of the fifteenth century, "
         "changed how knowledge moved through Europe. Before it, books were copied by hand, slowly and at great cost. ")
 
@@ -43,7 +46,7 @@ def llama_cpp_run(gguf, ids, threads, decode):
 
 
 def sluice_run(store, ids, threads, decode, extra=(), binary=None):
-    out = subprocess.run([binary or os.path.join(ROOT, "target/release/sluiced"), "run", store, "--prompt-ids", ",".join(map(str, ids)),
+    out = subprocess.run([binary or os.path.join(RELEASE, "sluiced"), "run", store, "--prompt-ids", ",".join(map(str, ids)),
                           "--max-tokens", str(decode + 1), "--ignore-eos", "--threads", str(threads), "--json", *extra],
                          check=True, capture_output=True, text=True).stdout
     j = json.loads(out)
@@ -67,7 +70,7 @@ def main():
     assert len(ids) == 512
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "smollm2")
-        subprocess.run([os.path.join(ROOT, "target/release/sluiced"), "pack", a.gguf, "-o", store, "--codec", "none"], check=True, capture_output=True)
+        subprocess.run([os.path.join(RELEASE, "sluiced"), "pack", a.gguf, "-o", store, "--codec", "none"], check=True, capture_output=True)
         rows = []
         for r in range(a.rounds):
             if not a.no_llama:

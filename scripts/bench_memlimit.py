@@ -35,7 +35,10 @@ import tempfile
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SLUICED = os.environ.get("SLUICED", os.path.join(ROOT, "target/release/sluiced"))
+# The binaries are wherever cargo puts them (CARGO_TARGET_DIR, build.target-dir or ./target).
+RELEASE = os.path.join(subprocess.run([os.path.join(ROOT, "scripts/target-dir.sh")], check=True, capture_output=True,
+                                      text=True).stdout.strip(), "release")
+SLUICED = os.environ.get("SLUICED", os.path.join(RELEASE, "sluiced"))
 PROMPT = "The history of the printing press begins"
 MIB = 2**20
 

@@ -16,6 +16,6 @@ for l in sys.stdin:
 rm -rf .gpu-bundle
 mkdir -p .gpu-bundle/deps
 # The test binary finds sluiced one directory above its own (as in target/release/deps).
-objcopy --strip-debug target/release/sluiced .gpu-bundle/sluiced
+objcopy --strip-debug "$(scripts/target-dir.sh)/release/sluiced" .gpu-bundle/sluiced
 objcopy --strip-debug "$test_bin" .gpu-bundle/deps/cuda
 du -sh .gpu-bundle

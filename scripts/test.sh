@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# The whole test suite: fetches the real test models (cached), then runs every test of the
-# workspace in release mode (the same build `cargo build --release` makes, so it is reused).
+# The whole test suite: installs what it needs (scripts/test-deps.sh: as root it installs
+# what is missing; otherwise it names it and stops before building), fetches the real test
+# models (cached), then runs every test of the workspace in release mode (the same build
+# `cargo build --release` makes, so it is reused). Every test binary runs even when an
+# earlier one fails; the summary at the end names each one that failed.
+#
+#   SLUICE_SLURM_TEST=0   leave out the Slurm cluster test (it needs root and Slurm)
+#   extra arguments go to `cargo test` (a test name filter, `-- --nocapture`, ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
+export SLUICE_SLURM_TEST=${SLUICE_SLURM_TEST:-1}
+scripts/test-deps.sh
 export SLUICE_SMOLLM2_GGUF="$(scripts/fetch-model.sh)"
 export SLUICE_GEMMA3_GGUF="$(scripts/fetch-model.sh gemma3-270m)"
-# NVRTC for the kernel compile test: the CUDA NVRTC wheel's library, when installed (.ci/run
-# installs it); a CUDA toolkit on the library path works too.
+# NVRTC for the kernel compile test: the CUDA NVRTC wheel's library (test-deps.sh installs
+# it); a CUDA toolkit on the library path works too.
 nvrtc_lib=$(python3 -c 'import nvidia.cuda_nvrtc as m, os; print(os.path.join(list(m.__path__)[0], "lib"))' 2>/dev/null || true)
 if [ -n "$nvrtc_lib" ] && [ -d "$nvrtc_lib" ]; then
   export LD_LIBRARY_PATH="$nvrtc_lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
@@ -18,9 +26,29 @@ cargo clippy --release --workspace --all-targets -- -D warnings
 # The end-to-end tests run the real binaries; `cargo test` builds only the test harnesses of
 # other packages' binaries, so build them first.
 cargo build --release --workspace
-cargo test --release --workspace "$@"
-# The Slurm test starts a one-machine cluster as root (scripts/slurm-local.sh): opt in with
-# SLUICE_SLURM_TEST=1, as .ci/run does after installing Slurm.
-if [ "${SLUICE_SLURM_TEST:-0}" = 1 ]; then
-  cargo test --release -p sluice-tests --test slurm -- --ignored --nocapture
+
+log=$(mktemp)
+trap 'rm -f "$log"' EXIT
+failed=()
+# --no-fail-fast: a failing binary does not hide the ones after it. Cargo's own closing
+# lines name the failed targets; they are collected for the summary below.
+if ! cargo test --release --workspace --no-fail-fast "$@" 2>&1 | tee "$log"; then
+  mapfile -t targets < <(sed -n 's/^    `\(.*\)`$/\1/p' "$log")
+  [ ${#targets[@]} -gt 0 ] || targets=("cargo test (see its output above)")
+  failed+=("${targets[@]}")
 fi
+# The Slurm test starts a one-machine cluster as root (scripts/slurm-local.sh).
+if [ "$SLUICE_SLURM_TEST" = 1 ]; then
+  cargo test --release -p sluice-tests --test slurm -- --ignored --nocapture ||
+    failed+=("-p sluice-tests --test slurm (the Slurm cluster test)")
+else
+  echo "test: the Slurm cluster test was left out (SLUICE_SLURM_TEST=$SLUICE_SLURM_TEST)" >&2
+fi
+
+if [ ${#failed[@]} -gt 0 ]; then
+  echo >&2
+  echo "test: ${#failed[@]} test binaries failed:" >&2
+  for f in "${failed[@]}"; do echo "  cargo test --release $f" >&2; done
+  exit 1
+fi
+echo "test: every test binary passed" >&2
