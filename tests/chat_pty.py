@@ -26,7 +26,7 @@ def clean(s):
 def spawn(*extra):
     c = pexpect.spawn(
         SLUICE,
-        ["--addr", ADDR, "chat", "--history", HISTORY, "--max-tokens", "24", *extra],
+        ["--addr", ADDR, "chat", "--temperature", "0", "--history", HISTORY, "--max-tokens", "24", *extra],
         env={"TERM": "xterm", "PATH": "/usr/bin:/bin", "HOME": "/nonexistent"},
         encoding="utf-8",
         timeout=60,

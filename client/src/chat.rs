@@ -25,6 +25,7 @@ Commands (they never reach the model):
   /system TEXT         set the system message; /system alone shows it, /system - removes it
   /set NAME VALUE      set a sampling parameter: temperature, top_p, top_k, min_p, seed,
                        max_tokens, repetition_penalty, presence_penalty, frequency_penalty
+                       (VALUE model: back to the model default)
   /set                 show the parameters
   /show                the model, its context and what the conversation holds
   /history [json]      the conversation's messages, as the next request sends them

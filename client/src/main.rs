@@ -41,25 +41,30 @@ struct Sampling {
     /// --max-tokens-default`, 256 unless set), cut to the room the context leaves.
     #[arg(long, default_value_t = 0)]
     max_tokens: u32,
-    /// Sampling temperature; 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Keep only the k most likely tokens (0: off).
-    #[arg(long, default_value_t = 0)]
-    top_k: u32,
-    /// Drop tokens less likely than this fraction of the most likely one (0: off).
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
+    /// Sampling temperature in [0, 2]; 0 is greedy. Each sampling setting left out is the
+    /// model's recommended one (its generation_config.json or GGUF metadata), else
+    /// temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repetition penalty 1.05.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off;
+    /// default: the model's, else 0.95).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Keep only the k most likely tokens (0: off; default: the model's, else 40).
+    #[arg(long)]
+    top_k: Option<u32>,
+    /// Drop tokens less likely than this fraction of the most likely one (0: off; default:
+    /// the model's, else 0.05).
+    #[arg(long)]
+    min_p: Option<f32>,
     /// Seed of the sampler: the same seed and prompt give the same text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Divide positive logits (multiply negative ones) of tokens already in the prompt or
-    /// the text by this (transformers' repetition_penalty; 1: off).
-    #[arg(long, default_value_t = 1.0)]
-    repetition_penalty: f32,
+    /// the text by this (transformers' repetition_penalty; 1: off; default: the model's,
+    /// else 1.05).
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
     /// Subtract this from the logit of every token generated so far (OpenAI's; 0: off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     presence_penalty: f32,
@@ -86,11 +91,14 @@ struct Sampling {
 impl Sampling {
     /// The parameters as `/set` names them.
     fn describe(&self) -> String {
+        fn or_model<T: std::fmt::Display>(v: Option<T>) -> String {
+            v.map_or("model's".to_string(), |v| v.to_string())
+        }
         format!(
             "temperature {} top_p {} top_k {} min_p {} seed {} max_tokens {} repetition_penalty {} presence_penalty {} frequency_penalty {}",
-            self.temperature, self.top_p, self.top_k, self.min_p, self.seed,
+            or_model(self.temperature), or_model(self.top_p), or_model(self.top_k), or_model(self.min_p), self.seed,
             if self.max_tokens == 0 { "default".to_string() } else { self.max_tokens.to_string() },
-            self.repetition_penalty, self.presence_penalty, self.frequency_penalty
+            or_model(self.repetition_penalty), self.presence_penalty, self.frequency_penalty
         )
     }
 
@@ -101,14 +109,21 @@ impl Sampling {
                 anyhow::anyhow!("/set {name}: {v:?} is not a number of the right kind")
             })
         }
+        // "model" (or "default") goes back to the model's default.
+        fn opt<T: std::str::FromStr>(name: &str, v: &str) -> Result<Option<T>> {
+            if v == "model" || v == "default" {
+                return Ok(None);
+            }
+            num(name, v).map(Some)
+        }
         match name {
-            "temperature" => self.temperature = num(name, value)?,
-            "top_p" => self.top_p = num(name, value)?,
-            "top_k" => self.top_k = num(name, value)?,
-            "min_p" => self.min_p = num(name, value)?,
+            "temperature" => self.temperature = opt(name, value)?,
+            "top_p" => self.top_p = opt(name, value)?,
+            "top_k" => self.top_k = opt(name, value)?,
+            "min_p" => self.min_p = opt(name, value)?,
             "seed" => self.seed = num(name, value)?,
             "max_tokens" => self.max_tokens = num(name, value)?,
-            "repetition_penalty" => self.repetition_penalty = num(name, value)?,
+            "repetition_penalty" => self.repetition_penalty = opt(name, value)?,
             "presence_penalty" => self.presence_penalty = num(name, value)?,
             "frequency_penalty" => self.frequency_penalty = num(name, value)?,
             other => bail!("/set {other}: no such parameter; /set lists them"),

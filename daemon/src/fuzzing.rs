@@ -220,7 +220,7 @@ pub fn grpc(data: &[u8]) {
     use prost::Message;
     if let Ok(r) = sluice_proto::v1::GenerateRequest::decode(data) {
         let _ = crate::server::models::parse_keep_alive(&r.keep_alive);
-        if let Ok(input) = crate::server::service::input_of(r) {
+        if let Ok(input) = crate::server::service::input_of(r, &crate::text::sampler::FAMILIAR) {
             let _ = input.sampling.validate();
         }
     }

@@ -20,7 +20,7 @@ fn lines(path: &Path) -> Vec<Value> {
 
 fn batch(d: &Daemon, args: &[&str]) -> Output {
     Command::new(bin("sluice"))
-        .args(["--addr", &d.addr, "batch"])
+        .args(["--addr", &d.addr, "batch", "--temperature", "0"])
         .args(args)
         .output()
         .expect("spawn sluice batch")
@@ -29,7 +29,7 @@ fn batch(d: &Daemon, args: &[&str]) -> Output {
 /// `sluice batch ARGS` started against `d`, once it has written 4 items to `out`.
 fn batch_started(d: &Daemon, args: &[&str], out: &Path) -> std::process::Child {
     let c = Command::new(bin("sluice"))
-        .args(["--addr", &d.addr, "batch"])
+        .args(["--addr", &d.addr, "batch", "--temperature", "0"])
         .args(args)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())

@@ -54,6 +54,8 @@ fn backend_auto_says_why_not_cuda_and_cuda_fails_cleanly() {
     let d = dir.to_str().unwrap();
     let e = sluiced_err(&[
         "run",
+        "--temperature",
+        "0",
         d,
         "--prompt-ids",
         "1,2,3",
@@ -112,6 +114,8 @@ fn backend_auto_says_why_not_cuda_and_cuda_fails_cleanly() {
     let o = std::process::Command::new(bin("sluiced"))
         .args([
             "run",
+            "--temperature",
+            "0",
             d,
             "--prompt-ids",
             "1,2,3",

@@ -177,6 +177,8 @@ fn eio_short_reads_and_stalls_under_a_serving_daemon_fail_only_the_requests_they
             "--addr",
             &d.addr,
             "generate",
+            "--temperature",
+            "0",
             "The capital of France is",
             "--max-tokens",
             "4",

@@ -129,6 +129,8 @@ fn sluiced_run(d: &Daemon, args: &[&str]) -> Value {
     let store = d.store();
     let mut a = vec![
         "run",
+        "--temperature",
+        "0",
         store.to_str().unwrap(),
         "--max-context",
         "256",
@@ -292,7 +294,18 @@ fn http_and_grpc_streams_share_the_batch_and_each_gets_what_it_gets_alone() {
     let alone: Vec<Value> = PROMPTS
         .iter()
         .map(|p| {
-            let o = sluice(&d, &["generate", p, "--max-tokens", "16", "--json"]);
+            let o = sluice(
+                &d,
+                &[
+                    "generate",
+                    "--temperature",
+                    "0",
+                    p,
+                    "--max-tokens",
+                    "16",
+                    "--json",
+                ],
+            );
             assert!(o.status.success(), "{}", stderr(&o));
             let j: Value = serde_json::from_str(&stdout(&o)).unwrap();
             j["text"].clone()
@@ -317,6 +330,8 @@ fn http_and_grpc_streams_share_the_batch_and_each_gets_what_it_gets_alone() {
                     "--addr",
                     &d.addr,
                     "generate",
+                    "--temperature",
+                    "0",
                     p,
                     "--max-tokens",
                     "16",
@@ -695,7 +710,16 @@ fn api_keys_guard_both_wires_and_an_open_port_needs_one() {
     );
     let o = sluice(
         &d,
-        &["--api-key", key, "generate", "Hi", "--max-tokens", "2"],
+        &[
+            "--api-key",
+            key,
+            "generate",
+            "--temperature",
+            "0",
+            "Hi",
+            "--max-tokens",
+            "2",
+        ],
     );
     assert!(o.status.success(), "{}", stderr(&o));
     let host = d.addr.trim_start_matches("http://");
@@ -810,7 +834,17 @@ fn metrics_parse_as_prometheus_text_and_move_as_requests_run() {
         &[],
     );
     assert_eq!(status, 200, "{b}");
-    let o = sluice(&d, &["generate", "Hello", "--max-tokens", "4"]);
+    let o = sluice(
+        &d,
+        &[
+            "generate",
+            "--temperature",
+            "0",
+            "Hello",
+            "--max-tokens",
+            "4",
+        ],
+    );
     assert!(o.status.success());
     let (status, _, _) = post(&d, "/v1/completions", r#"{"prompt":"Hi","n":0}"#, &[]);
     assert_eq!(status, 400);
@@ -943,7 +977,7 @@ fn penalties_over_http_and_grpc_give_what_sluiced_run_gives() {
         v["choices"][0]["text"], run["text"],
         "HTTP differs from sluiced run"
     );
-    let gen: Vec<&str> = ["generate", PROMPTS[2], "--json"]
+    let gen: Vec<&str> = ["generate", "--temperature", "0", PROMPTS[2], "--json"]
         .into_iter()
         .chain(penalties)
         .collect();
@@ -1030,6 +1064,8 @@ fn a_chat_template_given_at_start_serves_chat_on_a_base_model() {
     // `sluiced run --chat --chat-template` renders the same prompt and generates the same.
     let run: Value = serde_json::from_str(&sluiced_ok(&[
         "run",
+        "--temperature",
+        "0",
         store,
         "--chat",
         "--chat-template",
@@ -1212,6 +1248,7 @@ fn json_mode_makes_objects_and_logit_bias_moves_the_token_it_names() {
     );
     assert_eq!(run["text"], g["text"], "sluiced run --json-object differs");
     let body = json!({"messages": [{"role": "user", "content": chat}], "max_tokens": 200,
+                      "sampling": {"temperature": 0},
                       "response_format": "RESPONSE_FORMAT_JSON_OBJECT"});
     let o = grpcurl_generate(&d, &body);
     assert!(o.status.success(), "{}", stderr(&o));
@@ -1362,6 +1399,7 @@ fn structured_outputs_are_instances_of_the_schema() {
     assert_eq!(run["text"], g["text"], "sluiced run --json-schema differs");
     let grpc = |schema: &Value| {
         let body = json!({"messages": [{"role": "user", "content": chat}], "max_tokens": 200,
+                          "sampling": {"temperature": 0},
                           "response_format": "RESPONSE_FORMAT_JSON_SCHEMA",
                           "json_schema": schema.to_string()});
         grpcurl_generate(&d, &body)

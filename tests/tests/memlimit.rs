@@ -112,6 +112,8 @@ impl Drop for Cgroup {
 fn run_args<'a>(store: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut a = vec![
         "run",
+        "--temperature",
+        "0",
         store,
         "--prompt",
         "The history of the printing press begins",

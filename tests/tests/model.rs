@@ -598,6 +598,8 @@ fn sluiced_run_json_reports_ids_text_and_rates() {
     ]);
     let out = sluiced_ok(&[
         "run",
+        "--temperature",
+        "0",
         dir.to_str().unwrap(),
         "--prompt",
         "The history of the printing press begins",
@@ -630,6 +632,8 @@ fn sluiced_run_json_reports_ids_text_and_rates() {
     // --prompt-ids takes ids as they are; a bad id is a clear error.
     let out = sluiced_ok(&[
         "run",
+        "--temperature",
+        "0",
         dir.to_str().unwrap(),
         "--prompt-ids",
         "504,3458,282",
@@ -642,6 +646,8 @@ fn sluiced_run_json_reports_ids_text_and_rates() {
     // Under --exact no integer dots run.
     let out = sluiced_ok(&[
         "run",
+        "--temperature",
+        "0",
         dir.to_str().unwrap(),
         "--prompt-ids",
         "504",

@@ -77,6 +77,8 @@ fn served_ids(addr: &str, model: &str, extra: &[&str]) -> Value {
         "--model",
         model,
         "generate",
+        "--temperature",
+        "0",
         PROMPT,
         "--max-tokens",
         "12",
@@ -93,6 +95,8 @@ fn served_ids(addr: &str, model: &str, extra: &[&str]) -> Value {
 fn run_ids(store: &Path) -> Value {
     let j: Value = serde_json::from_str(&sluiced_ok(&[
         "run",
+        "--temperature",
+        "0",
         store.to_str().unwrap(),
         "--prompt",
         PROMPT,
@@ -138,12 +142,13 @@ fn two_stores_in_a_models_directory_serve_their_own_outputs_and_unload_when_idle
             )
         })
         .collect();
-    // Gemma 3 270M's "Q4_K_M" GGUF is mostly Q5_0: its 640-wide rows do not split into
-    // K-quant blocks of 256.
+    // The file type each GGUF declares (general.file_type, as gguf-py reads it): Gemma 3
+    // 270M's file is a Q4_K_M mix, though most of its matrices are Q5_0 (its 640-wide rows
+    // do not split into K-quant blocks of 256).
     assert_eq!(
         summary,
         [
-            ("gemma3", "gemma3", "Q5_0", false),
+            ("gemma3", "gemma3", "Q4_K_M", false),
             ("smollm2", "llama", "Q4_1", false)
         ]
     );
@@ -168,14 +173,24 @@ fn two_stores_in_a_models_directory_serve_their_own_outputs_and_unload_when_idle
     assert!(table.contains("stays loaded"), "{table}");
 
     // Two models and none named: the daemon asks which, and an unknown one is named back.
-    let o = sluice(&d.addr, &["generate", PROMPT]);
+    let o = sluice(&d.addr, &["generate", "--temperature", "0", PROMPT]);
     assert!(!o.status.success());
     assert!(
         stderr(&o).contains("name a model") && stderr(&o).contains("\"gemma3\", \"smollm2\""),
         "{}",
         stderr(&o)
     );
-    let o = sluice(&d.addr, &["--model", "llama-70b", "generate", PROMPT]);
+    let o = sluice(
+        &d.addr,
+        &[
+            "--model",
+            "llama-70b",
+            "generate",
+            "--temperature",
+            "0",
+            PROMPT,
+        ],
+    );
     assert!(
         stderr(&o).contains("NotFound") && stderr(&o).contains("sluiced pack SRC --name llama-70b"),
         "{}",

@@ -73,6 +73,12 @@ fn the_quick_start_runs_as_written() {
         o.status.success(),
         "the quick start failed:\n--- stdout\n{out}\n--- stderr\n{err}"
     );
+    // Every `sluiced run` shows what it is there to show: it generates text (a prompt the
+    // model ends at once prints nothing, and looks broken).
+    assert!(
+        !err.contains("decode: 0 tokens") && !err.contains("prefill: 0 tokens"),
+        "a quick start run generated nothing:\n{err}"
+    );
     // The streaming example streams, and its plan says so.
     assert!(
         err.contains("Streamed"),

@@ -34,6 +34,8 @@ fn generate_json(addr: &str, prompt: &str, max_tokens: u32) -> Value {
         addr,
         &[
             "generate",
+            "--temperature",
+            "0",
             prompt,
             "--max-tokens",
             &max_tokens.to_string(),
@@ -50,6 +52,8 @@ fn generate_streams_and_matches_sluiced_run() {
     let j = generate_json(&d.addr, PROMPTS[0], 24);
     let run: Value = serde_json::from_str(&sluiced_ok(&[
         "run",
+        "--temperature",
+        "0",
         d.store().to_str().unwrap(),
         "--prompt",
         PROMPTS[0],
@@ -73,7 +77,17 @@ fn generate_streams_and_matches_sluiced_run() {
             && j["time_to_first_token_s"].as_f64().unwrap() > 0.0
     );
     // Streaming: the text arrives in pieces on stdout, the stats line on stderr.
-    let o = sluice(&d.addr, &["generate", PROMPTS[0], "--max-tokens", "24"]);
+    let o = sluice(
+        &d.addr,
+        &[
+            "generate",
+            "--temperature",
+            "0",
+            PROMPTS[0],
+            "--max-tokens",
+            "24",
+        ],
+    );
     assert!(o.status.success());
     assert_eq!(
         stdout(&o).trim_end_matches('\n'),
@@ -89,6 +103,8 @@ fn generate_streams_and_matches_sluiced_run() {
         &d.addr,
         &[
             "generate",
+            "--temperature",
+            "0",
             "--chat",
             "What is the capital of France?",
             "--max-tokens",
@@ -137,7 +153,20 @@ fn sixteen_concurrent_clients_get_the_outputs_they_get_alone() {
         .collect();
     let children: Vec<_> = PROMPTS
         .iter()
-        .map(|p| spawn_sluice(&d.addr, &["generate", p, "--max-tokens", "20", "--json"]))
+        .map(|p| {
+            spawn_sluice(
+                &d.addr,
+                &[
+                    "generate",
+                    "--temperature",
+                    "0",
+                    p,
+                    "--max-tokens",
+                    "20",
+                    "--json",
+                ],
+            )
+        })
         .collect();
     for (i, c) in children.into_iter().enumerate() {
         let o = c.wait_with_output().unwrap();
@@ -185,7 +214,14 @@ fn a_client_that_disconnects_frees_its_slot() {
     // disconnect cancelled the sequence.
     let mut c = spawn_sluice(
         &d.addr,
-        &["generate", "Once upon a time", "--max-tokens", "2000"],
+        &[
+            "generate",
+            "--temperature",
+            "0",
+            "Once upon a time",
+            "--max-tokens",
+            "2000",
+        ],
     );
     let mut first = [0u8; 8];
     c.stdout.as_mut().unwrap().read_exact(&mut first).unwrap();
@@ -216,7 +252,14 @@ fn a_full_queue_and_an_over_long_prompt_get_their_status_codes() {
     let long = || {
         spawn_sluice(
             &d.addr,
-            &["generate", "Once upon a time", "--max-tokens", "480"],
+            &[
+                "generate",
+                "--temperature",
+                "0",
+                "Once upon a time",
+                "--max-tokens",
+                "480",
+            ],
         )
     };
     // One request holds the only slot, a second waits in the one-place queue...
@@ -232,7 +275,17 @@ fn a_full_queue_and_an_over_long_prompt_get_their_status_codes() {
         std::thread::sleep(Duration::from_millis(20));
     }
     // ...so a third is refused at once.
-    let o = sluice(&d.addr, &["generate", "hello", "--max-tokens", "3"]);
+    let o = sluice(
+        &d.addr,
+        &[
+            "generate",
+            "--temperature",
+            "0",
+            "hello",
+            "--max-tokens",
+            "3",
+        ],
+    );
     assert!(!o.status.success());
     assert!(
         stderr(&o).contains("ResourceExhausted") && stderr(&o).contains("queue is full"),
@@ -245,7 +298,17 @@ fn a_full_queue_and_an_over_long_prompt_get_their_status_codes() {
     }
     // A prompt the context cannot hold is refused before it takes a slot.
     let prompt = "word ".repeat(600);
-    let o = sluice(&d.addr, &["generate", &prompt, "--max-tokens", "3"]);
+    let o = sluice(
+        &d.addr,
+        &[
+            "generate",
+            "--temperature",
+            "0",
+            &prompt,
+            "--max-tokens",
+            "3",
+        ],
+    );
     assert!(!o.status.success());
     assert!(
         stderr(&o).contains("InvalidArgument") && stderr(&o).contains("the context holds 512"),
@@ -324,6 +387,8 @@ fn a_batch_killed_mid_run_resumes_with_every_id_exactly_once() {
             "--addr".into(),
             d.addr.clone(),
             "batch".into(),
+            "--temperature".into(),
+            "0".into(),
             input.to_str().unwrap().into(),
             "-o".into(),
             o.to_str().unwrap().into(),
@@ -395,6 +460,8 @@ fn sigterm_drains_in_flight_requests_and_exits_zero() {
         &d.addr,
         &[
             "generate",
+            "--temperature",
+            "0",
             "Once upon a time",
             "--max-tokens",
             "150",
@@ -452,6 +519,8 @@ fn generate_exits_non_zero_when_the_daemon_cuts_it_off_and_reads_a_prompt_from_s
             "--addr",
             &d.addr,
             "generate",
+            "--temperature",
+            "0",
             "-",
             "--max-tokens",
             "5",
@@ -471,7 +540,14 @@ fn generate_exits_non_zero_when_the_daemon_cuts_it_off_and_reads_a_prompt_from_s
     // Cut off by the shutdown (no grace): not a success.
     let c = spawn_sluice(
         &d.addr,
-        &["generate", "Once upon a time", "--max-tokens", "2000"],
+        &[
+            "generate",
+            "--temperature",
+            "0",
+            "Once upon a time",
+            "--max-tokens",
+            "2000",
+        ],
     );
     wait_active(&d.addr, 1, Duration::from_secs(20));
     // SAFETY: plain kill(2) on our child's pid.

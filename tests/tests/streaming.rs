@@ -427,6 +427,8 @@ fn a_budget_too_small_fails_at_start_with_the_numbers() {
     }
     let e = sluiced_err(&[
         "run",
+        "--temperature",
+        "0",
         s.dir().to_str().unwrap(),
         "--prompt-ids",
         "1,2",
@@ -569,6 +571,8 @@ fn sluiced_run_streams_under_a_budget_and_reports_it() {
     let args = |dm: &str| -> serde_json::Value {
         let mut a = vec![
             "run",
+            "--temperature",
+            "0",
             dir.to_str().unwrap(),
             "--prompt",
             "The history of the printing press begins",
@@ -1226,6 +1230,8 @@ fn sluiced_synth_moe_streams_its_routed_experts() {
     let run = |extra: &[&str]| -> serde_json::Value {
         let mut a = vec![
             "run",
+            "--temperature",
+            "0",
             d,
             "--prompt-ids",
             "1,2,3,4,5,6,7,8",
@@ -1328,6 +1334,8 @@ fn sluiced_synth_moe_streams_its_routed_experts() {
     std::fs::write(&prof, "{\"model\": 1}").unwrap();
     let e = sluiced_err(&[
         "run",
+        "--temperature",
+        "0",
         d,
         "--prompt-ids",
         "1,2",

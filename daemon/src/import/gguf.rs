@@ -6,7 +6,9 @@ use crate::dtype::{ggml_type_name, DType};
 use crate::store::arch::{
     every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling, SwigluClamp,
 };
-use crate::store::format::{end_of_turn_tokens, GgufVocab, SpecialTokens, TokenizerSpec};
+use crate::store::format::{
+    end_of_turn_tokens, GgufVocab, RecommendedSampling, SourceMeta, SpecialTokens, TokenizerSpec,
+};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -540,6 +542,7 @@ pub fn import(path: &Path) -> Result<ImportedModel, ImportError> {
         tokenizer: p.tokenizer,
         special: p.special,
         chat_template: p.chat_template,
+        meta: p.meta,
         files: vec![(path.to_path_buf(), map)],
         tensors: p.tensors,
     })
@@ -551,6 +554,8 @@ pub struct Imported {
     pub tokenizer: TokenizerSpec,
     pub special: SpecialTokens,
     pub chat_template: Option<String>,
+    /// `general.file_type` and `general.sampling.*`.
+    pub meta: SourceMeta,
     /// Canonical name -> source (file 0: the GGUF).
     pub tensors: BTreeMap<String, SourceTensor>,
 }
@@ -613,8 +618,97 @@ pub fn import_bytes(map: &[u8], path: &Path) -> Result<Imported, ImportError> {
         tokenizer,
         special,
         chat_template,
+        meta: source_meta(&meta, path),
         tensors,
     })
+}
+
+/// llama.cpp's name of a `general.file_type` (its `llama_ftype`, less `MOSTLY_`): the
+/// quantization a GGUF declares for itself, which names the mix ("Q4_K_M") even where
+/// most tensors are of another type (Gemma 3 270M's 640-wide rows take Q5_0, not Q4_K).
+pub fn file_type_name(t: u32) -> Option<&'static str> {
+    Some(match t {
+        0 => "F32",
+        1 => "F16",
+        2 => "Q4_0",
+        3 => "Q4_1",
+        7 => "Q8_0",
+        8 => "Q5_0",
+        9 => "Q5_1",
+        10 => "Q2_K",
+        11 => "Q3_K_S",
+        12 => "Q3_K_M",
+        13 => "Q3_K_L",
+        14 => "Q4_K_S",
+        15 => "Q4_K_M",
+        16 => "Q5_K_S",
+        17 => "Q5_K_M",
+        18 => "Q6_K",
+        19 => "IQ2_XXS",
+        20 => "IQ2_XS",
+        21 => "Q2_K_S",
+        22 => "IQ3_XS",
+        23 => "IQ3_XXS",
+        24 => "IQ1_S",
+        25 => "IQ4_NL",
+        26 => "IQ3_S",
+        27 => "IQ3_M",
+        28 => "IQ2_S",
+        29 => "IQ2_M",
+        30 => "IQ4_XS",
+        31 => "IQ1_M",
+        32 => "BF16",
+        36 => "TQ1_0",
+        37 => "TQ2_0",
+        38 => "MXFP4_MOE",
+        _ => return None,
+    })
+}
+
+/// What a GGUF says of itself beyond the weights: its file type and the sampling its
+/// maker recommends (`general.sampling.*`, as llama.cpp reads them). A value of the wrong
+/// type or out of range is left out with a warning: it changes no weight, and the model
+/// still packs.
+fn source_meta(meta: &Meta, path: &Path) -> SourceMeta {
+    let warn = |key: &str, e: &dyn std::fmt::Display| {
+        tracing::warn!("{}: {key}: {e}; left out", path.display());
+    };
+    let f = |key: &str| match meta.f32_opt(key) {
+        Ok(v) => v,
+        Err(e) => {
+            warn(key, &e);
+            None
+        }
+    };
+    let file_type = match meta.u32_opt("general.file_type") {
+        Ok(t) => t.and_then(file_type_name).map(str::to_string),
+        Err(e) => {
+            warn("general.file_type", &e);
+            None
+        }
+    };
+    let top_k = match meta.u32_opt("general.sampling.top_k") {
+        Ok(k) => k,
+        Err(e) => {
+            warn("general.sampling.top_k", &e);
+            None
+        }
+    };
+    let mut sampling = RecommendedSampling {
+        temperature: f("general.sampling.temp"),
+        top_k,
+        top_p: f("general.sampling.top_p"),
+        min_p: f("general.sampling.min_p"),
+        repetition_penalty: f("general.sampling.penalty_repeat"),
+    };
+    if let Err(e) = sampling.check() {
+        warn("general.sampling", &e);
+        sampling = RecommendedSampling::default();
+    }
+    SourceMeta {
+        file_type,
+        sampling,
+    }
 }
 
 /// Attention heads, and whether llama.cpp's converter permuted the q/k rows.

@@ -9,7 +9,9 @@ use crate::dtype::DType;
 use crate::store::arch::{
     every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling, SwigluClamp,
 };
-use crate::store::format::{end_of_turn_tokens, SpecialTokens, TokenizerSpec};
+use crate::store::format::{
+    end_of_turn_tokens, RecommendedSampling, SourceMeta, SpecialTokens, TokenizerSpec,
+};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -1047,13 +1049,54 @@ pub fn import(dir: &Path) -> Result<ImportedModel, ImportError> {
             .and_then(Value::as_bool)
             .unwrap_or(false),
     };
+    let meta = SourceMeta {
+        file_type: None,
+        sampling: gc
+            .as_ref()
+            .map(|g| recommended_sampling(g, dir))
+            .unwrap_or_default(),
+    };
     Ok(ImportedModel {
         source: dir.to_path_buf(),
         arch,
         tokenizer: TokenizerSpec::HfJson(tok_text),
         special,
         chat_template,
+        meta,
         files,
         tensors,
     })
+}
+
+/// The sampling a `generation_config.json` recommends: its `temperature`, `top_k`,
+/// `top_p`, `min_p` and `repetition_penalty`, with `"do_sample": false` meaning greedy (as
+/// transformers' `generate` reads it). Values of the wrong type or out of range are left
+/// out with a warning: they change no weight, and the model still packs.
+fn recommended_sampling(g: &Value, dir: &Path) -> RecommendedSampling {
+    let f = |key: &str| g.get(key).and_then(Value::as_f64).map(|x| x as f32);
+    let mut s = RecommendedSampling {
+        temperature: f("temperature"),
+        top_k: g
+            .get("top_k")
+            .and_then(Value::as_u64)
+            .and_then(|k| u32::try_from(k).ok()),
+        top_p: f("top_p"),
+        min_p: f("min_p"),
+        repetition_penalty: f("repetition_penalty"),
+    };
+    if g.get("do_sample").and_then(Value::as_bool) == Some(false) {
+        s = RecommendedSampling {
+            temperature: Some(0.0),
+            repetition_penalty: s.repetition_penalty,
+            ..RecommendedSampling::default()
+        };
+    }
+    if let Err(e) = s.check() {
+        tracing::warn!(
+            "{}: generation_config.json: {e}; its sampling is left out",
+            dir.join("generation_config.json").display()
+        );
+        return RecommendedSampling::default();
+    }
+    s
 }

@@ -12,7 +12,7 @@ pub mod synth;
 
 use crate::dtype::DType;
 use crate::store::arch::ArchConfig;
-use crate::store::format::{SpecialTokens, TokenizerSpec, UnitKind};
+use crate::store::format::{SourceMeta, SpecialTokens, TokenizerSpec, UnitKind};
 pub use crate::store::writer::UnitSpec;
 use crate::store::writer::{LinkedTensor, ModelHeader, PackSource, TensorLayout};
 use memmap2::Mmap;
@@ -129,6 +129,8 @@ pub struct ImportedModel {
     pub tokenizer: TokenizerSpec,
     pub special: SpecialTokens,
     pub chat_template: Option<String>,
+    /// The file type the source declares and the sampling it recommends.
+    pub meta: SourceMeta,
     pub files: Vec<(PathBuf, Mmap)>,
     /// Canonical name -> source.
     pub tensors: BTreeMap<String, SourceTensor>,
@@ -352,6 +354,7 @@ impl PackSource for ImportedModel {
             tokenizer: self.tokenizer.clone(),
             special: self.special.clone(),
             chat_template: self.chat_template.clone(),
+            meta: self.meta.clone(),
             source: self
                 .source
                 .file_name()

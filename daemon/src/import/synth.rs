@@ -326,6 +326,7 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
         }),
         special: SpecialTokens::default(),
         chat_template: None,
+        meta: Default::default(),
         files: Vec::new(),
         tensors,
     }

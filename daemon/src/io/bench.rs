@@ -370,3 +370,77 @@ pub fn disk_read_gbps(
         all_direct,
     ))
 }
+
+/// What `engine_disk_gbps` measured.
+#[derive(Clone, Debug)]
+pub struct DiskProbe {
+    /// The best pass's read rate, GB/s.
+    pub gbps: f64,
+    /// Every pass's rate, GB/s.
+    pub passes: Vec<f64>,
+    /// The engine's reader ("io_uring" or "pread").
+    pub reader: String,
+    /// Whether the reads went around the page cache (O_DIRECT); a cached file reads at
+    /// memory speed, which is no disk's rate.
+    pub direct: bool,
+    pub queue_depth: usize,
+    pub request_bytes: u64,
+}
+
+/// The disk's read rate as the I/O engine will read a store written into `dir`: a scratch
+/// store of about 200 MiB of raw weights packed there (codec none, so the figure is the
+/// disk's, not a codec's), read three times by the engine itself with `cfg` (its reader,
+/// O_DIRECT, request size and queue depth; decoding off, the page cache dropped before
+/// each pass), then removed. The source file of a model says less: it may sit on another
+/// file system, and reading it any other way (fewer requests in flight, plain reads) gives
+/// another figure (on this project's VM 4 threads of 4 MiB preads read a third of what
+/// the engine then did).
+pub fn engine_disk_gbps(dir: &std::path::Path, cfg: &IoConfig) -> Result<DiskProbe, String> {
+    use crate::import::synth::{self, SynthSpec};
+    use crate::store::writer::{pack, PackOptions};
+    /// Removes the scratch store however this returns.
+    struct Scratch(std::path::PathBuf);
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let scratch = Scratch(dir.join(format!(".sluice-disk-probe-{}", std::process::id())));
+    let spec = SynthSpec::llama_like(1024, 4, crate::dtype::DType::BF16);
+    let model = synth::model(&spec);
+    let units = model.units().map_err(|e| e.to_string())?;
+    let opts = PackOptions {
+        codec: crate::store::Codec::None,
+        auto: None,
+        frame_size: 1 << 20,
+        threads: 1,
+        force: true,
+        link: false,
+    };
+    pack(&model, &units, &scratch.0, &opts, |_| {})
+        .map_err(|e| format!("write a scratch store in {}: {e}", dir.display()))?;
+    let store = Arc::new(Store::open(&scratch.0).map_err(|e| e.to_string())?);
+    let e = IoEngine::new(
+        store.clone(),
+        IoConfig {
+            decompress: false,
+            ..cfg.clone()
+        },
+    )
+    .map_err(|e| e.to_string())?;
+    let mut passes = Vec::new();
+    for _ in 0..3 {
+        let before = e.stats().read_bytes;
+        let (secs, _) = stream(&e, store.units().len(), 1, cfg.queue_depth, e.direct())
+            .map_err(|e| e.to_string())?;
+        passes.push((e.stats().read_bytes - before) as f64 / secs.max(1e-9) / 1e9);
+    }
+    Ok(DiskProbe {
+        gbps: passes.iter().cloned().fold(0.0, f64::max),
+        passes,
+        reader: e.kind().to_string(),
+        direct: e.direct(),
+        queue_depth: cfg.queue_depth,
+        request_bytes: cfg.request_bytes as u64,
+    })
+}

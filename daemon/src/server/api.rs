@@ -28,6 +28,9 @@ pub struct ModelMeta {
     pub raw_bytes: u64,
     /// Unix seconds when the model was loaded (OpenAI's `created`).
     pub created: u64,
+    /// What gRPC requests sample with where they leave a setting unset (the model's
+    /// recommended sampling, else `sampler::FAMILIAR`); HTTP keeps OpenAI's defaults.
+    pub sampling: crate::text::SamplingParams,
 }
 
 /// Why a request was refused or failed; each wire maps a kind to its own code.
@@ -310,7 +313,7 @@ impl Frontend {
                 let t = self.template.as_ref().ok_or_else(|| {
                     ApiError::invalid(
                         Some("messages"),
-                        "this model has no chat template; send a prompt (completions) instead of messages",
+                        "this model has no chat template: send a prompt (completions) instead of messages, or give the model one (a Jinja file): `sluiced pack SRC --name NAME --chat-template FILE`, the file saved as chat_template.jinja in the store's directory, or `sluiced serve --chat-template FILE` for its --model",
                     )
                 })?;
                 let text = t

@@ -99,7 +99,8 @@ pub struct StoreInfo {
     pub trained_context: u32,
     pub stored_bytes: u64,
     pub raw_bytes: u64,
-    /// The type of most weight matrices (`Q4_K`, `BF16`, ...).
+    /// The file type the source declares (a GGUF's `general.file_type`: `Q4_K_M`), else
+    /// the type of most weight matrices (`Q4_K`, `BF16`, ...).
     pub quantization: String,
 }
 
@@ -115,11 +116,13 @@ impl StoreInfo {
                 *by_type.entry(t.dtype.ggml_name()).or_default() += 1;
             }
         }
-        let quantization = by_type
-            .into_iter()
-            .max_by_key(|(_, b)| *b)
-            .map(|(t, _)| t)
-            .unwrap_or_default();
+        let quantization = m.meta.file_type.clone().unwrap_or_else(|| {
+            by_type
+                .into_iter()
+                .max_by_key(|(_, b)| *b)
+                .map(|(t, _)| t)
+                .unwrap_or_default()
+        });
         Ok(StoreInfo {
             architecture: m.arch.arch.to_string(),
             layers: m.arch.n_layers,
@@ -382,14 +385,9 @@ impl Models {
         if let Some((n, _)) = t.iter().find(|(_, e)| e.pinned) {
             return Ok(n.clone());
         }
-        let loaded: Vec<&String> = t
-            .iter()
-            .filter(|(_, e)| matches!(e.state, State::Loaded(_)))
-            .map(|(n, _)| n)
-            .collect();
-        if let [n] = loaded.as_slice() {
-            return Ok((*n).clone());
-        }
+        // Without a default (--model), a request that names no model goes nowhere unless the
+        // daemon serves just one: which model happens to be loaded depends on keep-alive
+        // timing, so it decides nothing.
         if t.len() == 1 {
             if let Some(n) = t.keys().next() {
                 return Ok(n.clone());
@@ -403,7 +401,7 @@ impl Models {
                     None => "no model is served".to_string(),
                 }
             } else {
-                format!("name a model: this daemon serves {}", names(t))
+                format!("name a model (\"model\" in the request, `sluice --model NAME`): this daemon serves {} and has no default (`sluiced serve --model NAME` sets one)", names(t))
             },
         ))
     }

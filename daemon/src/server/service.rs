@@ -46,7 +46,12 @@ fn finish_reason(f: Finish) -> pb::FinishReason {
 }
 
 /// The request in the shape both wires share: token ids first, then messages, then text.
-pub fn input_of(r: pb::GenerateRequest) -> Result<GenerateInput, ApiError> {
+/// A gRPC request as the front end takes it; an unset sampling field (or no `sampling`)
+/// takes `defaults`, the model's (`SamplingParams::model_default`).
+pub fn input_of(
+    r: pb::GenerateRequest,
+    defaults: &SamplingParams,
+) -> Result<GenerateInput, ApiError> {
     let format = match r.response_format() {
         pb::ResponseFormat::Text => OutputFormat::Text,
         pb::ResponseFormat::JsonObject => OutputFormat::JsonObject,
@@ -74,20 +79,20 @@ pub fn input_of(r: pb::GenerateRequest) -> Result<GenerateInput, ApiError> {
         model: r.model,
         prompt,
         max_tokens: (r.max_tokens != 0).then_some(r.max_tokens),
-        sampling: SamplingParams {
+        sampling: crate::text::sampler::SamplingChoice {
             temperature: s.temperature,
-            top_k: s.top_k as usize,
-            top_p: if s.top_p == 0.0 { 1.0 } else { s.top_p },
+            top_k: s.top_k.map(|k| k as usize),
+            // 0 is off, as 1 is (proto3 JSON clients write 0 for "no value").
+            top_p: s.top_p.map(|p| if p == 0.0 { 1.0 } else { p }),
             min_p: s.min_p,
+            repetition_penalty: s.repetition_penalty.map(|r| if r == 0.0 { 1.0 } else { r }),
+        }
+        .over(&SamplingParams {
             seed: s.seed,
-            repetition_penalty: if s.repetition_penalty == 0.0 {
-                1.0
-            } else {
-                s.repetition_penalty
-            },
             presence_penalty: s.presence_penalty,
             frequency_penalty: s.frequency_penalty,
-        },
+            ..*defaults
+        }),
         stop: r.stop,
         logprobs: None,
         truncate: r.truncate,
@@ -127,7 +132,10 @@ impl Inference for Service {
         let (served, _hold) = self.models.resolve(&r.model, keep).await.map_err(refuse)?;
         let sub = served
             .front
-            .submit(Api::Grpc, input_of(r).map_err(refuse)?)
+            .submit(
+                Api::Grpc,
+                input_of(r, &served.front.meta.sampling).map_err(refuse)?,
+            )
             .map_err(status_of)?;
         // The stream ends after Done (the engine drops its sender); a client that goes away
         // drops the receiver, which the engine sees and evicts the sequence.

@@ -1,4 +1,4 @@
-//! Store format version 10: the manifest and its on-disk framing.
+//! Store format version 11: the manifest and its on-disk framing.
 //!
 //! `manifest.bin` = magic `SLUICE\0\x01` | format version (u32 LE) | payload length (u64 LE)
 //! | payload (postcard; from version 6 a zstd frame of it) | xxh3-64 of everything before
@@ -19,9 +19,11 @@
 //! an older sluiced cannot decode); version 9 has the payload of 8 and its f32 frames may
 //! use the float codec's `F32Top` layout (five planes, which an older sluiced would refuse
 //! frame by frame); version 10 has the payload of 9 and its float-coded planes may be
-//! sparse (mode 3, which an older sluiced would fail on mid-stream). Stores of versions 1
-//! to 9 still open, with the defaults of a
-//! Llama-family model, no experts, no clamp, no link and no shared codes.
+//! sparse (mode 3, which an older sluiced would fail on mid-stream); version 11 appends
+//! what the source says of itself (`SourceMeta`: the quantization a GGUF declares, the
+//! sampling the model's authors recommend). Stores of versions 1 to 10 still open, with
+//! the defaults of a Llama-family model, no experts, no clamp, no link, no shared codes
+//! and no source metadata.
 
 use super::arch::{ArchConfig, ArchExt, MoeConfig, SwigluClamp};
 use super::codec::{Codec, Plane};
@@ -34,7 +36,7 @@ use std::ops::Range;
 use std::path::Path;
 
 pub const MAGIC: [u8; 8] = *b"SLUICE\0\x01";
-pub const FORMAT_VERSION: u32 = 10;
+pub const FORMAT_VERSION: u32 = 11;
 /// The oldest format this sluiced still reads.
 pub const FORMAT_VERSION_MIN: u32 = 1;
 pub const MANIFEST_FILE: &str = "manifest.bin";
@@ -412,6 +414,60 @@ pub struct Manifest {
     /// (`fpsplit::SharedCode`); a plane names one by its index here.
     #[serde(skip)]
     pub codes: Vec<SharedCode>,
+    /// Format 11's: what the source file says of itself beyond its weights.
+    #[serde(skip)]
+    pub meta: SourceMeta,
+}
+
+/// What a source file says of the model beyond its weights and tokenizer.
+#[derive(Serialize, Deserialize, Clone, Debug, PartialEq, Default)]
+pub struct SourceMeta {
+    /// The quantization the file declares for itself, as llama.cpp names it ("Q4_K_M";
+    /// a GGUF's `general.file_type`): a mix's name, where its tensors' types differ.
+    pub file_type: Option<String>,
+    /// The sampling the model's authors recommend.
+    pub sampling: RecommendedSampling,
+}
+
+/// Sampling settings a model ships (a Hugging Face `generation_config.json`, a GGUF's
+/// `general.sampling.*`); each None where the source says nothing of it.
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Default)]
+pub struct RecommendedSampling {
+    pub temperature: Option<f32>,
+    pub top_k: Option<u32>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+}
+
+impl RecommendedSampling {
+    /// Whether the source recommends anything at all.
+    pub fn is_empty(&self) -> bool {
+        *self == RecommendedSampling::default()
+    }
+
+    /// The values in the ranges sampling takes (temperature in [0, 2], top_p and min_p in
+    /// [0, 1], a repetition penalty in (0, 10]); the name of the first one that is not.
+    pub fn check(&self) -> Result<(), String> {
+        let bad =
+            |name: &str, v: f32| Err(format!("recommended sampling: {name} {v} is out of range"));
+        if let Some(t) = self.temperature.filter(|t| !(0.0..=2.0).contains(t)) {
+            return bad("temperature", t);
+        }
+        if let Some(p) = self.top_p.filter(|p| !(0.0..=1.0).contains(p)) {
+            return bad("top_p", p);
+        }
+        if let Some(p) = self.min_p.filter(|p| !(0.0..=1.0).contains(p)) {
+            return bad("min_p", p);
+        }
+        if let Some(r) = self
+            .repetition_penalty
+            .filter(|r| !(*r > 0.0 && *r <= 10.0))
+        {
+            return bad("repetition_penalty", r);
+        }
+        Ok(())
+    }
 }
 
 /// The source file of a linked store and how to tell it is the same file it was packed
@@ -479,6 +535,7 @@ impl Manifest {
         payload.extend_from_slice(&postcard::to_stdvec(&self.arch.swiglu).map_err(pc)?);
         payload.extend_from_slice(&postcard::to_stdvec(&self.link).map_err(pc)?);
         payload.extend_from_slice(&postcard::to_stdvec(&self.codes).map_err(pc)?);
+        payload.extend_from_slice(&postcard::to_stdvec(&self.meta).map_err(pc)?);
         let payload = zstd::bulk::compress(&payload, PAYLOAD_ZSTD_LEVEL)
             .map_err(|e| format!("compress the manifest: {e}"))?;
         let mut out = Vec::with_capacity(HEADER_LEN + payload.len() + 8);
@@ -610,6 +667,13 @@ impl Manifest {
         } else {
             rest
         };
+        let rest = if version >= 11 {
+            let (meta, rest): (SourceMeta, _) = postcard::take_from_bytes(rest).map_err(bad)?;
+            m.meta = meta;
+            rest
+        } else {
+            rest
+        };
         if !rest.is_empty() {
             return Err(StoreError::invalid(
                 path,
@@ -624,6 +688,10 @@ impl Manifest {
     /// manifest (a bug, a crafted file) is an error here and never an out-of-bounds access
     /// or a huge allocation later.
     pub fn validate(&self) -> Result<(), String> {
+        self.meta.sampling.check()?;
+        if let Some(t) = self.meta.file_type.as_ref().filter(|t| t.len() > 64) {
+            return Err(format!("a file type of {} bytes (at most 64)", t.len()));
+        }
         self.arch
             .validate()
             .map_err(|e| format!("architecture config: {e}"))?;

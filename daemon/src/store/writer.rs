@@ -10,7 +10,7 @@ use super::format::{
     expert_of, Frame, LayerUnit, Manifest, TensorEntry, BLOB_ALIGN, MANIFEST_FILE, TENSOR_ALIGN,
     WEIGHTS_FILE,
 };
-use super::format::{SpecialTokens, TokenizerSpec, UnitKind};
+use super::format::{SourceMeta, SpecialTokens, TokenizerSpec, UnitKind};
 use super::fpsplit::SharedCode;
 use super::StoreError;
 use crate::dtype::DType;
@@ -93,6 +93,7 @@ pub struct ModelHeader {
     pub chat_template: Option<String>,
     /// File name of the source, for `inspect`.
     pub source: String,
+    pub meta: SourceMeta,
 }
 
 /// Dtype, shape (row-major, last dimension contiguous) and byte length of one tensor.
@@ -172,7 +173,7 @@ impl PartialDir {
         if out.exists() && !force {
             return Err(StoreError::Refused {
                 path: out.to_path_buf(),
-                msg: "already exists; pass --force to replace it, or choose another -o".into(),
+                msg: "already exists; pass --force to replace it, or choose another name (--name) or directory (-o)".into(),
             });
         }
         std::fs::create_dir_all(&parent)
@@ -352,6 +353,7 @@ fn pack_into(
         source: header.source,
         link,
         codes,
+        meta: header.meta,
     };
     report.manifest_bytes = write_manifest(&partial.path, &manifest)?;
     partial.commit(out)?;

@@ -51,7 +51,7 @@ pub const DEPTH_MAX: u8 = 64;
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Mode {
-    /// Before the object: whitespace or `{`.
+    /// Before the object: only `{` (no leading whitespace).
     Start,
     /// After `{`: a key or `}`.
     ObjectFirst,
@@ -308,7 +308,9 @@ impl JsonState {
         let structural = !matches!(self.mode, Mode::Str { .. } | Mode::Num(_) | Mode::Lit(..));
         if structural {
             if Ws::is_ws(b) {
-                if self.mode == Mode::Done {
+                // The object starts at its brace: a reply that opens with blank lines or
+                // spaces is not what JSON mode asks for. After the close the text ends.
+                if matches!(self.mode, Mode::Done | Mode::Start) {
                     return None;
                 }
                 self.ws = self.ws.push(b)?;
@@ -398,7 +400,7 @@ mod tests {
     fn objects_are_done_and_every_prefix_of_one_is_a_prefix() {
         let docs: [&[u8]; 9] = [
             br#"{}"#,
-            br#" { "a" : 1 } "#.trim_ascii_end(),
+            br#"{ "a" : 1 } "#.trim_ascii_end(),
             br#"{"a":[1,-2.5e+3,0,0.0,1E9,true,false,null,"x",{},[]],"b":{"c":"\u00e9\n\\\"/"}}"#,
             "{\"k\": \"é → 😀 ✓\"}".as_bytes(),
             b"{\n  \"name\": \"cat\",\n  \"legs\": 4,\n  \"tags\": [\n    \"pet\"\n  ]\n}",
@@ -556,9 +558,13 @@ mod tests {
                     Err(e) if e.to_string().contains("number out of range") => continue,
                     Err(_) => false,
                 };
-            // The automaton takes no whitespace after the object (the end token comes next),
-            // and no run of it with two newlines.
+            // The automaton takes no whitespace before the object (it starts at its brace)
+            // or after it (the end token comes next), and no run of it with two newlines.
             let body = text.trim_end_matches([' ', '\n', '\t', '\r']);
+            if body.starts_with(|c: char| c.is_ascii_whitespace()) {
+                assert!(ours(body.as_bytes()).is_none(), "{text:?}");
+                continue;
+            }
             let two_newlines = body
                 .split(|c: char| !c.is_ascii_whitespace())
                 .any(|run| run.matches('\n').count() > 1);

@@ -192,11 +192,89 @@ impl Default for SamplingParams {
     }
 }
 
+/// What sampling takes where neither the model nor the caller says otherwise: llama.cpp's
+/// and Ollama's defaults (temperature 0.8, top-k 40, top-p 0.95, min-p 0.05) and a mild
+/// repetition penalty, so that a first story does not loop the way greedy decoding does.
+/// `sluiced run`, `sluice generate`, `chat` and `batch` and gRPC requests use it for every
+/// setting they do not give; the HTTP API keeps OpenAI's defaults.
+pub const FAMILIAR: SamplingParams = SamplingParams {
+    temperature: 0.8,
+    top_k: 40,
+    top_p: 0.95,
+    min_p: 0.05,
+    seed: 0,
+    repetition_penalty: 1.05,
+    presence_penalty: 0.0,
+    frequency_penalty: 0.0,
+};
+
+/// Sampling settings a caller gave, each None where it gave none (a flag left out, an
+/// unset gRPC field): `over` fills them from a model's defaults.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct SamplingChoice {
+    pub temperature: Option<f32>,
+    pub top_k: Option<usize>,
+    pub top_p: Option<f32>,
+    pub min_p: Option<f32>,
+    pub repetition_penalty: Option<f32>,
+}
+
+impl SamplingChoice {
+    /// These settings where given, `defaults`' elsewhere (the seed and OpenAI's penalties
+    /// are always the caller's: they have no model default).
+    pub fn over(&self, defaults: &SamplingParams) -> SamplingParams {
+        SamplingParams {
+            temperature: self.temperature.unwrap_or(defaults.temperature),
+            top_k: self.top_k.unwrap_or(defaults.top_k),
+            top_p: self.top_p.unwrap_or(defaults.top_p),
+            min_p: self.min_p.unwrap_or(defaults.min_p),
+            repetition_penalty: self
+                .repetition_penalty
+                .unwrap_or(defaults.repetition_penalty),
+            ..*defaults
+        }
+    }
+}
+
 impl SamplingParams {
+    /// A model's default sampling: what it recommends (`RecommendedSampling`, from its
+    /// generation_config.json or GGUF metadata), `FAMILIAR` for what it does not say, as
+    /// llama.cpp starts from its own defaults and takes the ones a GGUF declares.
+    pub fn model_default(rec: &crate::store::format::RecommendedSampling) -> SamplingParams {
+        SamplingChoice {
+            temperature: rec.temperature,
+            top_k: rec.top_k.map(|k| k as usize),
+            top_p: rec.top_p,
+            min_p: rec.min_p,
+            repetition_penalty: rec.repetition_penalty,
+        }
+        .over(&FAMILIAR)
+    }
+
+    /// One line naming the settings, as the CLIs print them.
+    pub fn describe(&self) -> String {
+        if self.temperature == 0.0 {
+            return format!(
+                "greedy (temperature 0), repetition_penalty {}",
+                self.repetition_penalty
+            );
+        }
+        format!(
+            "temperature {} top_k {} top_p {} min_p {} repetition_penalty {} seed {}",
+            self.temperature,
+            self.top_k,
+            self.top_p,
+            self.min_p,
+            self.repetition_penalty,
+            self.seed
+        )
+    }
+
     pub fn validate(&self) -> Result<(), String> {
-        if !(self.temperature >= 0.0 && self.temperature.is_finite()) {
+        // OpenAI's range: past 2 the text is noise, and a typo (5 for 0.5) should not pass.
+        if !(0.0..=2.0).contains(&self.temperature) {
             return Err(format!(
-                "temperature {} must be a finite number >= 0",
+                "temperature {} must be in [0, 2] (0 is greedy)",
                 self.temperature
             ));
         }

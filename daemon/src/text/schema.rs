@@ -702,8 +702,11 @@ impl SchemaState {
             }
             Lex::None => {}
         }
-        // Between tokens.
+        // Between tokens; the value starts at its first byte, never at whitespace.
         if Ws::is_ws(b) {
+            if !self.started {
+                return None;
+            }
             self.ws = self.ws.push(b)?;
             return Some(self);
         }

@@ -31,8 +31,8 @@ pub struct PackArgs {
     /// --decode-workers for a store packed on one machine for another).
     #[arg(long, default_value = "zstd:3")]
     pub codec: String,
-    /// With --codec auto: the disk's read rate in GB/s (default: measured on the source
-    /// files with O_DIRECT).
+    /// With --codec auto: the disk's read rate in GB/s (default: measured where the store
+    /// goes, by the I/O engine reading a scratch store as the daemon reads one).
     #[arg(long)]
     pub disk_gbps: Option<f64>,
     /// With --codec auto: decompression workers the store will be read with (default:
@@ -55,6 +55,12 @@ pub struct PackArgs {
     /// the codecs it would choose for this disk save under 3 % of the bytes.
     #[arg(long, conflicts_with_all = ["codec", "disk_gbps", "decode_workers"])]
     pub link: bool,
+    /// A chat template (a Jinja file) for the store: a base model has none, and some
+    /// models ship a wrong one. Chat requests render with it and end at the end-of-turn
+    /// tokens it uses. (A chat_template.jinja file in a store's directory does the same
+    /// without repacking.)
+    #[arg(long, value_name = "FILE")]
+    pub chat_template: Option<PathBuf>,
 }
 
 pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
@@ -70,6 +76,7 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         threads,
         force,
         link,
+        chat_template,
     } = a;
     let auto_codec = codec == "auto";
     let codec: Codec = if auto_codec {
@@ -101,13 +108,21 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         (None, None) => bail!("give -o DIR or --name NAME"),
     };
     let t0 = Instant::now();
-    let model = sluice::import::open(&src).with_context(|| format!("import {}", src.display()))?;
+    let template = match &chat_template {
+        Some(p) => Some(super::util::read_chat_template(p)?),
+        None => None,
+    };
+    let mut model =
+        sluice::import::open(&src).with_context(|| format!("import {}", src.display()))?;
+    if let Some(t) = template {
+        model.chat_template = Some(t);
+    }
     let units = model.units()?;
     let total: u64 = model.tensors.values().map(|t| t.len).sum();
     let auto = if auto_codec {
         let disk = match disk_gbps {
             Some(d) => d,
-            None => measured_disk(&src)?,
+            None => measured_disk(&output)?,
         };
         let workers = decode_workers
             .unwrap_or_else(|| sluice::io::IoConfig::default().workers)
@@ -170,27 +185,29 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
 
 /// The read rate of the disk under `src` (its model files, 1 GiB at most, O_DIRECT), said
 /// in the log.
-fn measured_disk(src: &std::path::Path) -> Result<f64> {
-    let files: Vec<PathBuf> = if src.is_dir() {
-        let mut v: Vec<PathBuf> = std::fs::read_dir(src)
-            .with_context(|| format!("list {}", src.display()))?
-            .filter_map(|e| e.ok().map(|e| e.path()))
-            .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-            .collect();
-        v.sort();
-        v
-    } else {
-        vec![src.to_path_buf()]
+fn measured_disk(out: &std::path::Path) -> Result<f64> {
+    // The store's file system, read as the daemon reads a store (its engine preset).
+    let dir = match out.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+        _ => PathBuf::from("."),
     };
-    let (gbps, direct) = sluice::io::bench::disk_read_gbps(&files, 1 << 30)
-        .with_context(|| format!("measure the disk under {}", src.display()))?;
-    if direct {
-        tracing::info!(
-            "--codec auto: {} reads at {gbps:.2} GB/s (O_DIRECT); pin with --disk-gbps",
-            src.display()
-        );
-    } else {
-        tracing::warn!("--codec auto: {} reads at {gbps:.2} GB/s through the page cache (the file system refused O_DIRECT): that may be memory, not the disk; give --disk-gbps", src.display());
+    let cfg = sluice::io::IoConfig::serving();
+    let probe = sluice::io::bench::engine_disk_gbps(&dir, &cfg)
+        .map_err(anyhow::Error::msg)
+        .with_context(|| format!("--codec auto: measure the disk under {}", dir.display()))?;
+    let passes: Vec<String> = probe.passes.iter().map(|g| format!("{g:.2}")).collect();
+    println!(
+        "--codec auto: the disk under {} reads at {:.2} GB/s (best of {} GB/s: the engine's {} reader, {}, {} reads of {} in flight); --disk-gbps pins it",
+        dir.display(),
+        probe.gbps,
+        passes.join(", "),
+        probe.reader,
+        if probe.direct { "O_DIRECT" } else { "through the page cache" },
+        probe.queue_depth,
+        fmt_bytes(probe.request_bytes),
+    );
+    if !probe.direct {
+        tracing::warn!("--codec auto: the file system under {} refused O_DIRECT: the rate is the page cache's, not the disk's; give --disk-gbps", dir.display());
     }
-    Ok(gbps)
+    Ok(probe.gbps)
 }

@@ -41,25 +41,30 @@ pub struct RunArgs {
     /// Tokens to generate at most (the context may stop it sooner).
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
-    /// 0 is greedy.
-    #[arg(long, default_value_t = 0.0)]
-    temperature: f32,
-    /// Keep only the k most likely tokens (0: off).
-    #[arg(long, default_value_t = 0)]
-    top_k: usize,
-    /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off).
-    #[arg(long, default_value_t = 1.0)]
-    top_p: f32,
-    /// Drop tokens less likely than this fraction of the most likely one (0: off).
-    #[arg(long, default_value_t = 0.0)]
-    min_p: f32,
+    /// Sampling temperature in [0, 2]; 0 is greedy. Each sampling setting left out is the
+    /// model's recommended one (its generation_config.json or GGUF metadata), else
+    /// temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repetition penalty 1.05.
+    #[arg(long)]
+    temperature: Option<f32>,
+    /// Keep only the k most likely tokens (0: off; default: the model's, else 40).
+    #[arg(long)]
+    top_k: Option<usize>,
+    /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off;
+    /// default: the model's, else 0.95).
+    #[arg(long)]
+    top_p: Option<f32>,
+    /// Drop tokens less likely than this fraction of the most likely one (0: off; default:
+    /// the model's, else 0.05).
+    #[arg(long)]
+    min_p: Option<f32>,
     /// Seed of the sampler: the same seed and prompt give the same text.
     #[arg(long, default_value_t = 0)]
     seed: u64,
     /// Divide positive logits (multiply negative ones) of tokens already in the prompt or
-    /// the text by this (transformers' repetition_penalty; 1: off).
-    #[arg(long, default_value_t = 1.0)]
-    repetition_penalty: f32,
+    /// the text by this (transformers' repetition_penalty; 1: off; default: the model's,
+    /// else 1.05).
+    #[arg(long)]
+    repetition_penalty: Option<f32>,
     /// Subtract this from the logit of every token generated so far (OpenAI's; 0: off).
     #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
     presence_penalty: f32,
@@ -167,14 +172,16 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     store.release_tokenizer_spec();
     let store = std::sync::Arc::new(store);
     let m = store.manifest();
+    // --chat-template, else the store directory's chat_template.jinja, else the store's.
+    let path = store_path(&a.dir, None);
     let template = match &a.chat_template {
-        Some(path) => {
-            let t = crate::util::read_chat_template(path)?;
-            tok.end_turns_of(&t);
-            Some(t)
-        }
+        Some(path) => Some(crate::util::read_chat_template(path)?),
+        None if a.chat => crate::util::chat_template_sidecar(&path)?,
         None => None,
     };
+    if let Some(t) = &template {
+        tok.end_turns_of(t);
+    }
     let prompt_ids = prompt_ids(&a, m, &tok, template.as_deref())?;
     let max_context = a
         .max_context
@@ -217,7 +224,9 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         ),
     };
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
+    let sampling = sampling_of(&a, &m.meta.sampling);
     let job = Generate {
+        sampling,
         profile,
         a: &a,
         tok: &tok,
@@ -275,6 +284,7 @@ fn prompt_ids(
 
 /// `sluiced run`'s work once the backend is known.
 struct Generate<'a> {
+    sampling: sluice::text::SamplingParams,
     profile: Option<sluice::pipeline::ExpertProfile>,
     a: &'a RunArgs,
     tok: &'a Tokenizer,
@@ -295,6 +305,7 @@ impl OnBackend for Generate<'_> {
             self.tok,
             self.prompt_ids,
             self.profile,
+            self.sampling,
         ))
     }
 }
@@ -306,13 +317,14 @@ fn run_generate<B: Backend>(
     tok: &Tokenizer,
     prompt_ids: &[u32],
     profile: Option<sluice::pipeline::ExpertProfile>,
+    sampling: sluice::text::SamplingParams,
 ) -> Result<()> {
     use sluice::engine::generate::generate_parallel;
     use sluice::engine::sequence::GenerateParams;
-    use sluice::text::SamplingParams;
     use std::io::Write;
     if !a.json {
         eprint!("{}", runner.plan.table());
+        eprintln!("sampling: {}", sampling.describe());
     }
     runner.expert_eviction = a.expert_eviction;
     let profile = match (&a.expert_profile, profile) {
@@ -342,16 +354,7 @@ fn run_generate<B: Backend>(
     }
     let params = GenerateParams {
         max_tokens: a.max_tokens,
-        sampling: SamplingParams {
-            temperature: a.temperature,
-            top_k: a.top_k,
-            top_p: a.top_p,
-            min_p: a.min_p,
-            seed: a.seed,
-            repetition_penalty: a.repetition_penalty,
-            presence_penalty: a.presence_penalty,
-            frequency_penalty: a.frequency_penalty,
-        },
+        sampling,
         stop: a.stop.clone(),
         ignore_eos: a.ignore_eos,
         logprobs: None,
@@ -558,4 +561,27 @@ fn load_schema(path: &std::path::Path) -> Result<std::sync::Arc<sluice::text::sc
         .with_context(|| format!("read the JSON schema {}", path.display()))?;
     sluice::text::schema::Schema::parse(&text)
         .map_err(|m| anyhow::anyhow!("{}: {m}", path.display()))
+}
+
+/// The run's sampling: each setting given on the command line, the model's default for the
+/// rest (`SamplingParams::model_default`).
+fn sampling_of(
+    a: &RunArgs,
+    rec: &sluice::store::format::RecommendedSampling,
+) -> sluice::text::SamplingParams {
+    use sluice::text::SamplingParams;
+    let defaults = SamplingParams {
+        seed: a.seed,
+        presence_penalty: a.presence_penalty,
+        frequency_penalty: a.frequency_penalty,
+        ..SamplingParams::model_default(rec)
+    };
+    sluice::text::sampler::SamplingChoice {
+        temperature: a.temperature,
+        top_k: a.top_k,
+        top_p: a.top_p,
+        min_p: a.min_p,
+        repetition_penalty: a.repetition_penalty,
+    }
+    .over(&defaults)
 }

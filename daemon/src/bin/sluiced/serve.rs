@@ -325,15 +325,27 @@ impl ModelLoader {
         let cfg = &self.cfg;
         let mut store = Store::open(dir)?;
         let mut tokenizer = Tokenizer::from_manifest(store.manifest())?;
-        if let Some(t) = template {
+        // The template: the config's (--chat-template, the pinned model's), else the store
+        // directory's sidecar file, else the one the store was packed with.
+        let sidecar = crate::util::chat_template_sidecar(dir)?;
+        let (template, from) = match (template, sidecar.as_deref()) {
+            (Some(t), _) => (Some(t), "the config (--chat-template)"),
+            (None, Some(t)) => (Some(t), crate::util::CHAT_TEMPLATE_SIDECAR),
+            (None, None) => (store.manifest().chat_template.as_deref(), "the store"),
+        };
+        let template = template.map(str::to_owned);
+        if let Some(t) = &template {
             let ends = tokenizer.end_turns_of(t);
-            tracing::info!(model = name, "chat template from the config (--chat-template), generation also ending at tokens {ends:?}");
+            tracing::info!(
+                model = name,
+                "chat template from {from}, generation also ending at tokens {ends:?}"
+            );
         }
         let tokenizer = Arc::new(tokenizer);
         store.release_tokenizer_spec();
         let store = Arc::new(store);
         let m = store.manifest();
-        let template = match template.or(m.chat_template.as_deref()) {
+        let template = match template.as_deref() {
             Some(src) => {
                 let piece = |id: Option<u32>| id.map(|i| tokenizer.piece(i)).unwrap_or_default();
                 Some(Arc::new(ChatTemplate::sandboxed(
@@ -380,6 +392,7 @@ impl ModelLoader {
                 vocab: m.arch.vocab,
                 context: cfg.max_context as u32,
                 trained_context: m.arch.max_context,
+                sampling: sluice::text::SamplingParams::model_default(&m.meta.sampling),
                 stored_bytes: m.stored_bytes(),
                 raw_bytes: m.raw_bytes(),
                 created: std::time::SystemTime::now()
@@ -477,13 +490,21 @@ fn group_id(name: &str) -> Result<u32> {
     }
 }
 
-/// The models directory: the one given, else (with no --model) the default.
+/// The models directory: the one given, else the default one, also when --model names a
+/// store in it (that store is the one kept loaded; the others load on request). A --model
+/// outside every models directory is served alone.
 fn models_dir(cfg: &ServeConfig) -> Result<Option<PathBuf>> {
     if let Some(d) = &cfg.models_dir {
         return Ok(Some(d.clone()));
     }
-    if cfg.model.is_some() {
-        return Ok(None);
+    if let Some(m) = &cfg.model {
+        let default = sluice::util::default_models_dir();
+        let store = sluice::util::store_path(m, None);
+        let store = store.canonicalize().unwrap_or(store);
+        return Ok(default.filter(|d| {
+            let d = d.canonicalize().unwrap_or_else(|_| d.clone());
+            store.parent() == Some(d.as_path())
+        }));
     }
     match sluice::util::default_models_dir() {
         Some(d) if d.is_dir() => Ok(Some(d)),

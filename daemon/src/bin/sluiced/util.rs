@@ -38,6 +38,20 @@ pub fn read_chat_template(path: &std::path::Path) -> anyhow::Result<String> {
     Ok(t)
 }
 
+/// The chat template file a store directory may carry beside its manifest: it gives a
+/// store packed without one (a base model) a template, or replaces a wrong one, without
+/// repacking; the daemon reads it whenever it loads the store.
+pub const CHAT_TEMPLATE_SIDECAR: &str = "chat_template.jinja";
+
+/// The sidecar chat template of the store at `dir`, when it has one.
+pub fn chat_template_sidecar(dir: &std::path::Path) -> anyhow::Result<Option<String>> {
+    let path = dir.join(CHAT_TEMPLATE_SIDECAR);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    read_chat_template(&path).map(Some)
+}
+
 pub fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
     let pb = indicatif::ProgressBar::new(total);
     let style = indicatif::ProgressStyle::with_template(
