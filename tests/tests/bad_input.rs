@@ -281,11 +281,32 @@ fn damaged_manifests_are_clear_errors() {
     b[0] = b'X';
     assert!(open_err(&b).contains("not a sluice manifest"));
     let mut b = good.clone();
-    b[8] = 11;
-    assert!(open_err(&b).contains("store format version 11"));
+    b[8] = 12;
+    assert!(open_err(&b).contains("store format version 12"));
     // Format 6 compresses the payload; the formats before it wrote it as it is.
     let end = good.len() - 8;
     let payload = zstd::bulk::decompress(&good[20..end], 1 << 30).unwrap();
+    // Format 11 appends what the source says of itself: for this model (a Hugging Face
+    // directory without generation_config.json) no file type and no sampling, six zero
+    // bytes. The older formats below are cut from format 10's manifest.
+    assert_eq!(
+        &payload[payload.len() - 6..],
+        &[0u8; 6],
+        "an empty SourceMeta"
+    );
+    let payload = payload[..payload.len() - 6].to_vec();
+    let good = {
+        let mut v = good[..8].to_vec();
+        v.extend_from_slice(&10u32.to_le_bytes());
+        let z = zstd::bulk::compress(&payload, 3).unwrap();
+        v.extend_from_slice(&(z.len() as u64).to_le_bytes());
+        v.extend_from_slice(&z);
+        let sum = xxhash_rust::xxh3::xxh3_64(&v);
+        v.extend_from_slice(&sum.to_le_bytes());
+        v
+    };
+    std::fs::write(&mpath, &good).unwrap();
+    Store::open(&dir).expect("a format-10 store opens");
     // A format-1 store (the manifest without the trailing architecture extension: four
     // zero bytes, its empty options and list, for a Llama model; nor format 3's mixture of
     // experts, one zero byte, None; nor format 4's SwiGLU clamp, one zero byte, None; nor

@@ -194,6 +194,19 @@ pub fn kv_dtype_for(exact: bool, kv: Option<crate::backend::KvDtype>) -> crate::
 /// The integer dot products decode rows go through (`int_dots` in `run --json` and
 /// Status): on the CPU's fast path the kernel this CPU takes ("avx512-vnni" or "avx2");
 /// "" where none run (`--exact`, or CUDA, whose decode GEMVs take f32 activations).
+/// The sampling a model's requests take where they leave a setting out: what its manifest
+/// says the model recommends, `text::sampler::FAMILIAR` for the rest.
+pub fn sampling_defaults(m: &crate::store::Manifest) -> crate::text::SamplingParams {
+    let r = &m.meta.sampling;
+    crate::text::SamplingParams::model_default(&crate::text::sampler::SamplingChoice {
+        temperature: r.temperature,
+        top_k: r.top_k.map(|k| k as usize),
+        top_p: r.top_p,
+        min_p: r.min_p,
+        repetition_penalty: r.repetition_penalty,
+    })
+}
+
 pub fn int_dots_for(backend: &str, exact: bool) -> &'static str {
     if exact || backend != "cpu" {
         ""

@@ -387,39 +387,14 @@ pub struct DiskProbe {
     pub request_bytes: u64,
 }
 
-/// The disk's read rate as the I/O engine will read a store written into `dir`: a scratch
-/// store of about 200 MiB of raw weights packed there (codec none, so the figure is the
-/// disk's, not a codec's), read three times by the engine itself with `cfg` (its reader,
-/// O_DIRECT, request size and queue depth; decoding off, the page cache dropped before
-/// each pass), then removed. The source file of a model says less: it may sit on another
-/// file system, and reading it any other way (fewer requests in flight, plain reads) gives
-/// another figure (on this project's VM 4 threads of 4 MiB preads read a third of what
-/// the engine then did).
-pub fn engine_disk_gbps(dir: &std::path::Path, cfg: &IoConfig) -> Result<DiskProbe, String> {
-    use crate::import::synth::{self, SynthSpec};
-    use crate::store::writer::{pack, PackOptions};
-    /// Removes the scratch store however this returns.
-    struct Scratch(std::path::PathBuf);
-    impl Drop for Scratch {
-        fn drop(&mut self) {
-            let _ = std::fs::remove_dir_all(&self.0);
-        }
-    }
-    let scratch = Scratch(dir.join(format!(".sluice-disk-probe-{}", std::process::id())));
-    let spec = SynthSpec::llama_like(1024, 4, crate::dtype::DType::BF16);
-    let model = synth::model(&spec);
-    let units = model.units().map_err(|e| e.to_string())?;
-    let opts = PackOptions {
-        codec: crate::store::Codec::None,
-        auto: None,
-        frame_size: 1 << 20,
-        threads: 1,
-        force: true,
-        link: false,
-    };
-    pack(&model, &units, &scratch.0, &opts, |_| {})
-        .map_err(|e| format!("write a scratch store in {}: {e}", dir.display()))?;
-    let store = Arc::new(Store::open(&scratch.0).map_err(|e| e.to_string())?);
+/// The disk's read rate as the I/O engine reads `store`: three passes by the engine itself
+/// with `cfg` (its reader, O_DIRECT, request size and queue depth; decoding off, the page
+/// cache dropped before each pass). `sluiced pack --codec auto` runs it on a scratch raw
+/// store it writes where the store goes: the source file of a model says less, as it may
+/// sit on another file system, and reading it any other way (fewer requests in flight,
+/// plain reads) gives another figure (on this project's VM 4 threads of 4 MiB preads read
+/// a third of what the engine then did).
+pub fn engine_read_probe(store: Arc<Store>, cfg: &IoConfig) -> Result<DiskProbe, String> {
     let e = IoEngine::new(
         store.clone(),
         IoConfig {

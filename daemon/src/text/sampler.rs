@@ -222,33 +222,33 @@ pub struct SamplingChoice {
 impl SamplingChoice {
     /// These settings where given, `defaults`' elsewhere (the seed and OpenAI's penalties
     /// are always the caller's: they have no model default).
+    /// A temperature of 0 given by the caller is plain greedy decoding: the default
+    /// repetition penalty does not apply then (only one the caller gives), so greedy
+    /// outputs match other implementations' greedy outputs and the HTTP API's.
     pub fn over(&self, defaults: &SamplingParams) -> SamplingParams {
+        let greedy = self.temperature == Some(0.0);
         SamplingParams {
             temperature: self.temperature.unwrap_or(defaults.temperature),
             top_k: self.top_k.unwrap_or(defaults.top_k),
             top_p: self.top_p.unwrap_or(defaults.top_p),
             min_p: self.min_p.unwrap_or(defaults.min_p),
-            repetition_penalty: self
-                .repetition_penalty
-                .unwrap_or(defaults.repetition_penalty),
+            repetition_penalty: self.repetition_penalty.unwrap_or(if greedy {
+                1.0
+            } else {
+                defaults.repetition_penalty
+            }),
             ..*defaults
         }
     }
 }
 
 impl SamplingParams {
-    /// A model's default sampling: what it recommends (`RecommendedSampling`, from its
-    /// generation_config.json or GGUF metadata), `FAMILIAR` for what it does not say, as
+    /// A model's default sampling: what it recommends (its manifest's `RecommendedSampling`,
+    /// from its generation_config.json or GGUF metadata, as `engine::sampling_defaults`
+    /// hands it over), `FAMILIAR` for what it does not say, as
     /// llama.cpp starts from its own defaults and takes the ones a GGUF declares.
-    pub fn model_default(rec: &crate::store::format::RecommendedSampling) -> SamplingParams {
-        SamplingChoice {
-            temperature: rec.temperature,
-            top_k: rec.top_k.map(|k| k as usize),
-            top_p: rec.top_p,
-            min_p: rec.min_p,
-            repetition_penalty: rec.repetition_penalty,
-        }
-        .over(&FAMILIAR)
+    pub fn model_default(rec: &SamplingChoice) -> SamplingParams {
+        rec.over(&FAMILIAR)
     }
 
     /// One line naming the settings, as the CLIs print them.

@@ -702,11 +702,8 @@ impl SchemaState {
             }
             Lex::None => {}
         }
-        // Between tokens; the value starts at its first byte, never at whitespace.
+        // Between tokens.
         if Ws::is_ws(b) {
-            if !self.started {
-                return None;
-            }
             self.ws = self.ws.push(b)?;
             return Some(self);
         }

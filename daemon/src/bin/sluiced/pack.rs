@@ -192,7 +192,7 @@ fn measured_disk(out: &std::path::Path) -> Result<f64> {
         _ => PathBuf::from("."),
     };
     let cfg = sluice::io::IoConfig::serving();
-    let probe = sluice::io::bench::engine_disk_gbps(&dir, &cfg)
+    let probe = scratch_probe(&dir, &cfg)
         .map_err(anyhow::Error::msg)
         .with_context(|| format!("--codec auto: measure the disk under {}", dir.display()))?;
     let passes: Vec<String> = probe.passes.iter().map(|g| format!("{g:.2}")).collect();
@@ -210,4 +210,37 @@ fn measured_disk(out: &std::path::Path) -> Result<f64> {
         tracing::warn!("--codec auto: the file system under {} refused O_DIRECT: the rate is the page cache's, not the disk's; give --disk-gbps", dir.display());
     }
     Ok(probe.gbps)
+}
+
+/// `io::bench::engine_read_probe` on a scratch store of about 200 MiB of raw weights (codec
+/// none, so the figure is the disk's, not a codec's) packed into `dir`, then removed.
+fn scratch_probe(
+    dir: &std::path::Path,
+    cfg: &sluice::io::IoConfig,
+) -> std::result::Result<sluice::io::bench::DiskProbe, String> {
+    use sluice::import::synth::{self, SynthSpec};
+    use sluice::store::writer::{pack, PackOptions};
+    /// Removes the scratch store however this returns.
+    struct Scratch(PathBuf);
+    impl Drop for Scratch {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+    let scratch = Scratch(dir.join(format!(".sluice-disk-probe-{}", std::process::id())));
+    let spec = SynthSpec::llama_like(1024, 4, sluice::dtype::DType::BF16);
+    let model = synth::model(&spec);
+    let units = model.units().map_err(|e| e.to_string())?;
+    let opts = PackOptions {
+        codec: Codec::None,
+        auto: None,
+        frame_size: 1 << 20,
+        threads: 1,
+        force: true,
+        link: false,
+    };
+    pack(&model, &units, &scratch.0, &opts, |_| {})
+        .map_err(|e| format!("write a scratch store in {}: {e}", dir.display()))?;
+    let store = sluice::store::Store::open(&scratch.0).map_err(|e| e.to_string())?;
+    sluice::io::bench::engine_read_probe(std::sync::Arc::new(store), cfg)
 }

@@ -224,7 +224,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         ),
     };
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
-    let sampling = sampling_of(&a, &m.meta.sampling);
+    let sampling = sampling_of(&a, m);
     let job = Generate {
         sampling,
         profile,
@@ -565,16 +565,13 @@ fn load_schema(path: &std::path::Path) -> Result<std::sync::Arc<sluice::text::sc
 
 /// The run's sampling: each setting given on the command line, the model's default for the
 /// rest (`SamplingParams::model_default`).
-fn sampling_of(
-    a: &RunArgs,
-    rec: &sluice::store::format::RecommendedSampling,
-) -> sluice::text::SamplingParams {
+fn sampling_of(a: &RunArgs, m: &sluice::store::Manifest) -> sluice::text::SamplingParams {
     use sluice::text::SamplingParams;
     let defaults = SamplingParams {
         seed: a.seed,
         presence_penalty: a.presence_penalty,
         frequency_penalty: a.frequency_penalty,
-        ..SamplingParams::model_default(rec)
+        ..sluice::engine::sampling_defaults(m)
     };
     sluice::text::sampler::SamplingChoice {
         temperature: a.temperature,

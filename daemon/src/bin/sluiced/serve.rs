@@ -392,7 +392,7 @@ impl ModelLoader {
                 vocab: m.arch.vocab,
                 context: cfg.max_context as u32,
                 trained_context: m.arch.max_context,
-                sampling: sluice::text::SamplingParams::model_default(&m.meta.sampling),
+                sampling: sluice::engine::sampling_defaults(m),
                 stored_bytes: m.stored_bytes(),
                 raw_bytes: m.raw_bytes(),
                 created: std::time::SystemTime::now()
