@@ -68,43 +68,80 @@ pub fn mem_available() -> Option<u64> {
     kib_field("/proc/meminfo", "MemAvailable")
 }
 
-/// The memory limit of this process's cgroup and what the cgroup uses now (v2
-/// `memory.max`/`memory.current`, or v1 `memory.limit_in_bytes`/`memory.usage_in_bytes`);
-/// None when there is no limit or no memory controller.
-pub fn cgroup_limit() -> Option<(u64, u64)> {
+/// This process's memory cgroup: its directory and whether it is cgroup v2. None when no
+/// memory controller is mounted where it is expected.
+fn memory_cgroup() -> Option<(std::path::PathBuf, bool)> {
     let groups = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+    let mut v2 = None;
     for line in groups.lines() {
         let mut parts = line.splitn(3, ':');
         let (_, controllers, path) = (parts.next()?, parts.next()?, parts.next()?);
         let path = path.trim_start_matches('/');
-        let (dir, limit_file, usage_file) = if controllers.split(',').any(|c| c == "memory") {
-            (
-                Path::new("/sys/fs/cgroup/memory").join(path),
-                "memory.limit_in_bytes",
-                "memory.usage_in_bytes",
-            )
-        } else if controllers.is_empty() {
-            (
-                Path::new("/sys/fs/cgroup").join(path),
-                "memory.max",
-                "memory.current",
-            )
-        } else {
-            continue;
-        };
-        let read = |f: &str| -> Option<u64> {
-            std::fs::read_to_string(dir.join(f))
-                .ok()?
-                .trim()
-                .parse()
-                .ok()
-        };
-        // "max" (v2) or a page-rounded i64::MAX (v1) do not parse or are absurd: no limit.
-        if let Some(limit) = read(limit_file).filter(|&l| l < 1 << 60) {
-            return Some((limit, read(usage_file).unwrap_or(0)));
+        if controllers.split(',').any(|c| c == "memory") {
+            return Some((Path::new("/sys/fs/cgroup/memory").join(path), false));
+        }
+        if controllers.is_empty() {
+            v2 = Some((Path::new("/sys/fs/cgroup").join(path), true));
         }
     }
-    None
+    v2.filter(|(dir, _)| dir.join("memory.max").exists())
+}
+
+fn read_u64(dir: &Path, file: &str) -> Option<u64> {
+    std::fs::read_to_string(dir.join(file))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// The memory limit of this process's cgroup and what the cgroup uses now (v2
+/// `memory.max`/`memory.current`, or v1 `memory.limit_in_bytes`/`memory.usage_in_bytes`);
+/// None when there is no limit or no memory controller.
+pub fn cgroup_limit() -> Option<(u64, u64)> {
+    let (dir, v2) = memory_cgroup()?;
+    let (limit_file, usage_file) = if v2 {
+        ("memory.max", "memory.current")
+    } else {
+        ("memory.limit_in_bytes", "memory.usage_in_bytes")
+    };
+    // "max" (v2) or a page-rounded i64::MAX (v1) do not parse or are absurd: no limit.
+    let limit = read_u64(&dir, limit_file).filter(|&l| l < 1 << 60)?;
+    Some((limit, read_u64(&dir, usage_file).unwrap_or(0)))
+}
+
+/// The host peak as the user should read it, and what measured it. Alone in a memory
+/// cgroup with a limit (a systemd unit's `MemoryMax`, a container, `sluiced run` under
+/// `systemd-run -p MemoryMax=`), it is the cgroup's own high-water mark (v2 `memory.peak`,
+/// v1 `memory.max_usage_in_bytes`): what the kernel charged, page cache included, against
+/// the limit it enforces. Otherwise the resident set's high-water mark (VmHWM), which
+/// counts the pages of the executable and libraries this process mapped whoever they are
+/// charged to.
+pub fn host_peak() -> (u64, &'static str) {
+    let vm = peak_rss_bytes().unwrap_or(0);
+    let Some((dir, v2)) = memory_cgroup() else {
+        return (vm, "VmHWM");
+    };
+    let limited = if v2 {
+        read_u64(&dir, "memory.max").is_some()
+    } else {
+        read_u64(&dir, "memory.limit_in_bytes").is_some_and(|l| l < 1 << 60)
+    };
+    let me = std::process::id().to_string();
+    let alone = std::fs::read_to_string(dir.join("cgroup.procs"))
+        .is_ok_and(|p| p.split_whitespace().eq(std::iter::once(me.as_str())));
+    let peak = read_u64(
+        &dir,
+        if v2 {
+            "memory.peak"
+        } else {
+            "memory.max_usage_in_bytes"
+        },
+    );
+    match peak {
+        Some(p) if limited && alone => (p, "memory cgroup"),
+        _ => (vm, "VmHWM"),
+    }
 }
 
 /// Share of the available memory the default host budget takes: the rest stays for the
@@ -154,22 +191,31 @@ pub fn default_host_budget() -> (Option<u64>, String) {
     }
 }
 
-/// Bytes the plan adds to the resident set measured at start for what it does not
-/// allocate itself: thread stacks as they are touched (a few pages each), the allocator's
-/// per-thread arenas as they are used, request bookkeeping (logits rows are the caller's
-/// `extra`), and room for the pages of code the decode loop keeps touching. Those are page
-/// cache, which a memory cgroup charges like the rest: SmolLM2's decode keeps 3-7 MB of the
-/// executable and libraries mapped, and with 4 MiB of margin the plans at 64-96 MiB left
-/// them too little once the plan counted all of its own scratch (the code was read again
-/// every step: 1.5-4 tokens/s instead of 20-47). With 8 MiB each of SmolLM2's plans from
-/// 64 to 112 MiB reads what it plans (within 3%). Start-up's own transient (decoding the
-/// manifest, building the tokenizer) comes before the plan and peaks lower (27 MiB of
-/// anonymous memory on SmolLM2, whose least plan is 35 MiB).
-pub const OVERHEAD_MARGIN: u64 = 8 << 20;
+/// The pages of the executable and libraries mapped now (RssFile): clean page cache, but a
+/// memory cgroup charges it to whoever read it first, and the decode loop needs its code
+/// resident: a cold start under a limit of exactly the budget has to hold them too.
+pub fn file_rss_bytes() -> Option<u64> {
+    status_bytes("RssFile")
+}
 
-/// The overhead a plan starts from: the anonymous resident set now (`anon_rss_bytes`; the
-/// margin leaves room for the code pages the hot loop keeps touched) plus `OVERHEAD_MARGIN` and
-/// `extra` (bytes the caller knows it will allocate, such as logits rows).
+/// Bytes the plan adds to what is resident at start for what it does not allocate itself
+/// and has not touched yet: the code of the decode loop, the I/O engine and the kernels
+/// (start-up has not run them when the plan is made), thread stacks as they are touched,
+/// the allocator's per-thread arenas, request bookkeeping (logits rows are the caller's
+/// `extra`). With the executable's and libraries' pages mapped at start counted (RssFile),
+/// SmolLM2 at its least plans (contexts 64-1024, 1-8 sequences, each started cold in a
+/// memory cgroup of exactly its budget: `tests/tests/memlimit.rs`) peaked (VmHWM) at
+/// least 1.4 MiB under the plan, and a 64-token context still ran with its cgroup 5 MiB smaller (129
+/// major faults). With no margin the same run read its code from disk again and again
+/// (2,172 major faults in its first 10 s, 0.2 tokens/s); so did the earlier count of
+/// anonymous memory plus 8 MiB, which left the executable's pages out (73,000 faults).
+pub const OVERHEAD_MARGIN: u64 = 6 << 20;
+
+/// The overhead a plan starts from: what is resident now, anonymous memory and the mapped
+/// executable and libraries alike (`anon_rss_bytes`, `file_rss_bytes`), plus
+/// `OVERHEAD_MARGIN` and `extra` (bytes the caller knows it will allocate, such as logits
+/// rows), rounded up to a whole MiB so that the least budget an error names is the same
+/// from one start to the next (the resident set at start varies by a few pages).
 pub fn overhead_now(extra: u64) -> u64 {
     // Start-up (manifest decode, tokenizer build) frees more than it keeps: hand the freed
     // heap back to the kernel first, so the resident set is what stays.
@@ -177,7 +223,8 @@ pub fn overhead_now(extra: u64) -> u64 {
     unsafe {
         libc::malloc_trim(0);
     }
-    anon_rss_bytes().unwrap_or(0) + OVERHEAD_MARGIN + extra
+    let resident = anon_rss_bytes().unwrap_or(0) + file_rss_bytes().unwrap_or(0);
+    (resident + OVERHEAD_MARGIN + extra).next_multiple_of(1 << 20)
 }
 
 pub use crate::util::drop_cached;

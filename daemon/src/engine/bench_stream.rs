@@ -472,7 +472,7 @@ pub fn bench_stream<B: Backend>(
         copy_vs_plain: if plain > 0.0 { copy_gbps / plain } else { 0.0 },
         host_bytes_budget: r.plan.host.budget,
         host_bytes_planned: r.plan.host.total_bytes,
-        host_bytes_peak: crate::hostmem::peak_rss_bytes().unwrap_or(0),
+        host_bytes_peak: crate::hostmem::host_peak().0,
         expert_cache_slots: r.plan.expert_cache_slots,
         expert_hot_slots: r.plan.expert_hot_slots,
         expert_eviction: r.expert_eviction,

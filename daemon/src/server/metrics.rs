@@ -291,8 +291,8 @@ impl Metrics {
             ),
             (
                 "sluice_host_memory_peak_bytes",
-                "Peak resident set of the process (VmHWM).",
-                crate::hostmem::peak_rss_bytes().unwrap_or(0) as f64,
+                "Peak host memory: the memory cgroup's peak when the daemon is alone in a limited one, else the peak resident set (VmHWM).",
+                crate::hostmem::host_peak().0 as f64,
             ),
             (
                 "sluice_kv_cache_bytes",

@@ -269,6 +269,7 @@ impl Inference for Service {
         let s = served.front.sched.status();
         let p = &served.plan;
         let st = &s.stages;
+        let host_peak = crate::hostmem::host_peak();
         let stage = |name: &str, rate: f64, secs: f64| pb::StageThroughput {
             stage: name.into(),
             bytes_per_s: rate,
@@ -313,8 +314,8 @@ impl Inference for Service {
             bytes_streamed_total: s.bytes_streamed_total,
             host_bytes_budget: p.host.budget.unwrap_or(0),
             host_bytes_planned: p.host.total_bytes,
-            host_bytes_peak: crate::hostmem::peak_rss_bytes().unwrap_or(0),
-            host_bytes_peak_source: "VmHWM".into(),
+            host_bytes_peak: host_peak.0,
+            host_bytes_peak_source: host_peak.1.into(),
             numerics: served.numerics.into(),
             int_dots: served.int_dots.into(),
             kv_dtype: served.kv_dtype.to_string(),

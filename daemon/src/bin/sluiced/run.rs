@@ -391,6 +391,7 @@ fn run_generate<B: Backend>(
             "experts_pinned": (*n).min(plan.expert_hot_slots),
         })
     });
+    let (host_peak, host_peak_source) = sluice::hostmem::host_peak();
     if a.json {
         let mut j = serde_json::json!({
             "prompt_token_ids": out.prompt_token_ids,
@@ -419,8 +420,8 @@ fn run_generate<B: Backend>(
             "device_bytes_peak": b.budget().peak(),
             "host_bytes_budget": plan.host.budget,
             "host_bytes_planned": plan.host.total_bytes,
-            "host_bytes_peak": sluice::hostmem::peak_rss_bytes(),
-            "host_bytes_peak_source": "VmHWM",
+            "host_bytes_peak": host_peak,
+            "host_bytes_peak_source": host_peak_source,
             "layers_resident": plan.layers_resident(),
             "layers_streamed": plan.layers_streamed(),
             "bytes_streamed": total.bytes_uploaded,
@@ -441,6 +442,7 @@ fn run_generate<B: Backend>(
         });
         // Past json!'s recursion limit: added after.
         j["int_dots"] = sluice::engine::int_dots_for(b.name(), runner.options().exact).into();
+        j["host_bytes_vmhwm"] = sluice::hostmem::peak_rss_bytes().into();
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
         println!();
@@ -460,7 +462,7 @@ fn run_generate<B: Backend>(
             },
         );
         eprintln!(
-            "passes: {}, {:.2} ms each; per pass {} read, {} uploaded; compute {:.3} s, upload {:.3} s, waiting for loads {:.3} s; device memory peak {} of {}; host peak {} (VmHWM) of {} planned",
+            "passes: {}, {:.2} ms each; per pass {} read, {} uploaded; compute {:.3} s, upload {:.3} s, waiting for loads {:.3} s; device memory peak {} of {}; host peak {} ({host_peak_source}) of {} planned",
             total.passes,
             total.pass_time_s / passes * 1e3,
             fmt_bytes((total.bytes_read as f64 / passes) as u64),
@@ -470,7 +472,7 @@ fn run_generate<B: Backend>(
             total.load_stall_s,
             fmt_bytes(b.budget().peak()),
             fmt_bytes(b.budget().limit()),
-            fmt_bytes(sluice::hostmem::peak_rss_bytes().unwrap_or(0)),
+            fmt_bytes(host_peak),
             fmt_bytes(plan.host.total_bytes),
         );
         if total.experts_routed > 0 {
