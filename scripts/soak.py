@@ -10,9 +10,15 @@ prompts longer than the context. Then it checks:
   RESOURCE_EXHAUSTED); every invalid one its 400 / INVALID_ARGUMENT; nothing else;
 - no sequence is left in the batch and nothing in the queue; every read buffer is free
   and the staging slots stand as before the soak;
-- the resident set at the end is within --rss-slack MiB of the one after warm-up, and the
-  heap's live allocations (glibc mallinfo2) at the end are no more than at warm-up;
+- the resident set, sampled every --sample-s seconds, has a fitted growth over the last
+  two thirds of the run of at most --rss-slope MiB per hour, and at the end is within
+  --rss-slack MiB of the one after warm-up; the heap's live allocations (glibc mallinfo2)
+  at the end are no more than at warm-up;
 - greedy outputs after the soak equal those before.
+
+For the middle third of the run the disk misbehaves under the daemon (SLUICE_FAULTS: a
+fifth of reads cut short, 2 % answered 300 ms late, under a 5 s read timeout): the same
+checks hold, and no request fails for it (--no-faults leaves the disk alone).
 
 It prints requests/s, p50/p99 time to first token, tokens/s, RSS start/end, then one JSON
 line. Exit status 0 only if every check held.
@@ -20,6 +26,9 @@ line. Exit status 0 only if every check held.
     pip install grpcio grpcio-tools
     cargo build --release
     scripts/soak.sh [MINUTES]            # or: python3 scripts/soak.py --minutes 2
+
+The binaries are taken from cargo's target directory (scripts/target-dir.sh), or from the
+directory SLUICE_BIN names.
 """
 import argparse
 import http.client
@@ -34,7 +43,9 @@ import threading
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "target", "release")
+BIN = os.environ.get("SLUICE_BIN") or os.path.join(subprocess.run(
+    [os.path.join(ROOT, "scripts", "target-dir.sh")], check=True, capture_output=True,
+    text=True).stdout.strip(), "release")
 sys.path.insert(0, os.path.join(ROOT, "scripts"))
 from bench_http import free_port, grpc_stubs  # noqa: E402  (the same ports and stubs)
 WORDS = ("river stone light paper engine garden music winter signal market forest number "
@@ -45,6 +56,18 @@ PROMPTS = [
     "What causes the seasons on Earth?",
     "Give me three tips for learning a language.",
 ]
+
+
+def slope_per_hour(points):
+    """Least-squares slope of (seconds, MiB) points, in MiB per hour (0 for fewer than 2)."""
+    if len(points) < 2:
+        return 0.0
+    mt = statistics.fmean(t for t, _ in points)
+    mv = statistics.fmean(v for _, v in points)
+    var = sum((t - mt) ** 2 for t, _ in points)
+    if var == 0:
+        return 0.0
+    return sum((t - mt) * (v - mv) for t, v in points) / var * 3600
 
 
 def rss_kib(pid):
@@ -131,6 +154,14 @@ def main():
     ap.add_argument("--device-memory", default="150MiB",
                     help="a budget below the model and its KV cache, so that layers stream")
     ap.add_argument("--rss-slack", type=float, default=8.0, help="MiB")
+    ap.add_argument("--rss-slope", type=float, default=2.0,
+                    help="most fitted RSS growth over the last two thirds, MiB per hour")
+    ap.add_argument("--sample-s", type=float, default=60.0, help="RSS sampling interval")
+    ap.add_argument("--queue-max", type=int, default=32,
+                    help="the daemon's queue; fewer places than clients beyond --max-batch 8 "
+                         "keep it full, where a bad request must still get its 400")
+    ap.add_argument("--no-faults", action="store_true",
+                    help="no disk faults in the middle third of the run")
     ap.add_argument("--store", help="a packed SmolLM2 store (default: pack one)")
     args = ap.parse_args()
 
@@ -148,12 +179,15 @@ def main():
     gport, hport = free_port(), free_port()
     context = 512
     log = open(os.path.join(tmp, "sluiced.log"), "w")
+    faults = os.path.join(tmp, "faults")
+    open(faults, "w").close()
     daemon = subprocess.Popen(
         [f"{BIN}/sluiced", "serve", "--model", store, "--config", "/dev/null",
          "--listen", f"127.0.0.1:{gport}", "--http-listen", f"127.0.0.1:{hport}",
          "--device-memory", args.device_memory, "--max-batch", "8",
-         "--max-context", str(context), "--queue-max", "32"],
-        stdout=log, stderr=log)
+         "--max-context", str(context), "--queue-max", str(args.queue_max),
+         "--read-timeout", "5s"],
+        stdout=log, stderr=log, env=dict(os.environ, SLUICE_FAULTS=faults))
     deadline = time.time() + 120
     while True:
         try:
@@ -287,13 +321,37 @@ def main():
 
     threads = [threading.Thread(target=client, args=(i,), daemon=True) for i in range(args.clients)]
     t_start = time.time()
+    run_s = args.minutes * 60
     for t in threads:
         t.start()
-    time.sleep(args.warmup_s)
-    rss_warm = rss_kib(daemon.pid)
-    heap_warm = stub.Status(pb.StatusRequest()).host_heap_in_use_bytes
-    warm_outcomes = sum(stats.outcomes.values())
-    time.sleep(max(0.0, args.minutes * 60 - args.warmup_s))
+    # The resident set every --sample-s seconds from the start, the disk's faults switched
+    # on for the middle third; the warm-up's figures once it has passed.
+    curve = []
+    rss_warm = heap_warm = warm_outcomes = None
+    faults_on = faults_off = None
+    while True:
+        now = time.time() - t_start
+        if now >= run_s:
+            break
+        if rss_warm is None and now >= args.warmup_s:
+            rss_warm = rss_kib(daemon.pid)
+            heap_warm = stub.Status(pb.StatusRequest()).host_heap_in_use_bytes
+            warm_outcomes = sum(stats.outcomes.values())
+        if not args.no_faults and faults_on is None and now >= run_s / 3:
+            with open(faults, "w") as f:
+                f.write("short=0.2 stall=0.02 stall_ms=300 seed=7")
+            faults_on = now
+        if faults_on is not None and faults_off is None and now >= 2 * run_s / 3:
+            open(faults, "w").close()
+            faults_off = now
+        if not curve or now - curve[-1][0] >= args.sample_s:
+            curve.append((now, rss_kib(daemon.pid) / 1024))
+        time.sleep(min(1.0, args.sample_s / 4))
+    curve.append((time.time() - t_start, rss_kib(daemon.pid) / 1024))
+    open(faults, "w").close()
+    if rss_warm is None:
+        sys.exit(f"--minutes {args.minutes} ends before --warmup-s {args.warmup_s}")
+    short_reads = stub.Status(pb.StatusRequest()).io_short_reads
     stop.set()
     for t in threads:
         t.join(timeout=180)
@@ -317,6 +375,8 @@ def main():
     ttft = sorted(stats.ttft)
     pct = (lambda q: ttft[min(len(ttft) - 1, int(q * len(ttft)))] if ttft else float("nan"))
     rss_delta_mib = (rss_end - rss_warm) / 1024
+    tail = [(t, v) for t, v in curve if t >= max(args.warmup_s, run_s / 3)]
+    slope = slope_per_hour(tail)
     checks = {
         "daemon_alive": alive,
         "no_unexpected_outcomes": not stats.failures,
@@ -324,6 +384,9 @@ def main():
         # Each greedy run ends the same way, so the staging slots it leaves prefetched match.
         "no_io_buffer_or_slot_in_use": io_before is not None and io_before == io_after,
         "rss_within_slack": abs(rss_delta_mib) <= args.rss_slack,
+        "rss_slope_within_limit": slope <= args.rss_slope,
+        # The faults were met: reads were cut short (and resubmitted) while they were on.
+        "faults_met": args.no_faults or short_reads > 0,
         # Live allocations at idle after the soak are no more than under load at warm-up
         # (plus a MiB): a leak grows them; the allocator keeping freed pages grows only RSS.
         "heap_in_use_not_grown": heap_end <= heap_warm + 2**20,
@@ -336,6 +399,12 @@ def main():
     print(f"time to first token  p50 {pct(0.5):.3f} s  p99 {pct(0.99):.3f} s")
     print(f"tokens/s             {stats.tokens / wall:.1f} (streamed pieces, all requests)")
     print(f"RSS                  {rss_warm / 1024:.1f} MiB after warm-up, {rss_end / 1024:.1f} MiB at the end ({rss_delta_mib:+.1f})")
+    print(f"RSS slope            {slope:+.2f} MiB/hour over the last two thirds ({len(tail)} samples; "
+          f"limit {args.rss_slope})")
+    print("RSS curve            " + " ".join(f"{t / 60:.1f}m:{v:.1f}" for t, v in curve))
+    if not args.no_faults:
+        print(f"disk faults          on from {faults_on / 60:.1f} to {(faults_off or run_s) / 60:.1f} min: "
+              f"{short_reads} short reads resubmitted")
     print(f"heap in use          {heap_warm / 2**20:.1f} MiB after warm-up, {heap_end / 2**20:.1f} MiB at the end "
           f"({(heap_end - heap_warm) / 2**20:+.1f}; glibc mallinfo2: live allocations only)")
     print(f"layers streamed      {st.layers_streamed} of {st.layers_streamed + st.layers_resident}")
@@ -349,6 +418,9 @@ def main():
                       "ttft_p99_s": pct(0.99), "tokens_per_s": stats.tokens / wall,
                       "rss_warm_mib": rss_warm / 1024, "rss_end_mib": rss_end / 1024,
                       "heap_in_use_warm_mib": heap_warm / 2**20, "heap_in_use_end_mib": heap_end / 2**20,
+                      "rss_slope_mib_per_hour": slope,
+                      "rss_curve": [[round(t / 60, 2), round(v, 1)] for t, v in curve],
+                      "io_short_reads": short_reads, "faults": not args.no_faults,
                       "outcomes": stats.outcomes, "failures": len(stats.failures),
                       "checks": checks}))
     sys.exit(0 if all(checks.values()) else 1)

@@ -51,6 +51,9 @@ py_has openai || need_pip "python: openai" openai
 py_has prometheus_client || need_pip "python: prometheus_client" prometheus_client
 py_has pexpect || need_pip "python: pexpect" pexpect
 py_has jsonschema || need_pip "python: jsonschema" jsonschema
+# The CI soak (tests/soak.rs runs scripts/soak.py) drives gRPC from Python.
+py_has grpc || need_pip "python: grpcio" grpcio
+py_has grpc_tools || need_pip "python: grpcio-tools" grpcio-tools
 # deploy/kubernetes-indexed-job.yaml is validated against the Kubernetes API's schema.
 command -v kubernetes-validate >/dev/null || need_pip kubernetes-validate kubernetes-validate
 # NVRTC (no GPU needed): the kernel test compiles every kernel for sm_80 and sm_90.

@@ -63,6 +63,43 @@ pub fn heap_in_use_bytes() -> Option<u64> {
     }
 }
 
+/// Bytes the C heap holds free (glibc `mallinfo2().fordblks`, every arena): memory freed
+/// by the program that the allocator keeps for later. None off glibc.
+pub fn heap_free_bytes() -> Option<u64> {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: mallinfo2 takes no arguments and returns a struct by value.
+        let m = unsafe { libc::mallinfo2() };
+        Some(m.fordblks as u64)
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        None
+    }
+}
+
+/// Free heap the daemon leaves with the allocator before `trim_heap` hands it back.
+pub const HEAP_SLACK: u64 = 1 << 20;
+
+/// Hands the free heap back to the kernel (`malloc_trim(0)`: the free pages of every
+/// arena, not only the top of the main one) when more than `HEAP_SLACK` is free; returns
+/// the bytes the resident set shrank by. glibc keeps what a burst freed (a thread's arena
+/// grows to its peak and stays there, and a large block once freed raises the mmap
+/// threshold so that later ones stay in the heap), so without this a daemon's resident set
+/// steps up with each larger burst and never comes down. The serving daemon calls it
+/// every few seconds from its housekeeping thread.
+pub fn trim_heap() -> u64 {
+    if heap_free_bytes().is_some_and(|f| f <= HEAP_SLACK) {
+        return 0;
+    }
+    let before = rss_bytes().unwrap_or(0);
+    // SAFETY: malloc_trim only returns free heap pages to the kernel.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+    before.saturating_sub(rss_bytes().unwrap_or(0))
+}
+
 /// `MemAvailable` of /proc/meminfo.
 pub fn mem_available() -> Option<u64> {
     kib_field("/proc/meminfo", "MemAvailable")

@@ -478,8 +478,8 @@ fn each_error_has_its_status_and_openai_shape_and_the_daemon_keeps_serving() {
     )
     .unwrap()
     .longest_token_bytes();
-    let long = json!({"prompt": "word ".repeat(256 * longest * 4 / 5 + 10)});
-    let (status, _, b) = post(&d, "/v1/completions", &long.to_string(), &[]);
+    let huge = json!({"prompt": "word ".repeat(256 * longest * 4 / 5 + 10)});
+    let (status, _, b) = post(&d, "/v1/completions", &huge.to_string(), &[]);
     let v = assert_error(status, 400, &b, "the context holds 256");
     assert!(
         v["error"]["message"]
@@ -509,6 +509,57 @@ fn each_error_has_its_status_and_openai_shape_and_the_daemon_keeps_serving() {
     let (status, head, b) = hi(&d);
     assert_error(status, 429, &b, "queue is full");
     assert!(head.contains("retry-after: 1"), "{head}");
+    // While the queue is full, a request that could never run is still its 400 or 404,
+    // not a 429 to retry (a client would retry it until the queue drained): every case
+    // above again, a call of several prompts with a bad one, and gRPC's own.
+    for (body, want, needle) in &cases {
+        let (status, _, b) = post(&d, chat, body, &[]);
+        assert_error(status, *want, &b, needle);
+    }
+    let (status, _, b) = post(&d, "/v1/completions", &huge.to_string(), &[]);
+    assert_error(status, 400, &b, "the context holds 256");
+    let mixed = json!({"prompt": ["Hi", "word ".repeat(300)], "max_tokens": 2});
+    let (status, _, b) = post(&d, "/v1/completions", &mixed.to_string(), &[]);
+    assert_error(status, 400, &b, "the context holds 256");
+    for (body, code, needle) in [
+        (
+            json!({"prompt": "Hi", "sampling": {"top_p": 2.0}}),
+            "InvalidArgument",
+            "top_p",
+        ),
+        (
+            json!({"prompt": "word ".repeat(300)}),
+            "InvalidArgument",
+            "the context holds 256",
+        ),
+        (
+            json!({"prompt": "Hi", "max_tokens": 1000}),
+            "InvalidArgument",
+            "at most",
+        ),
+        (
+            json!({"prompt": "Hi", "model": "gpt-4"}),
+            "NotFound",
+            "gpt-4",
+        ),
+    ] {
+        let o = grpcurl_generate(&d, &body);
+        let err = stderr(&o);
+        assert!(
+            !o.status.success() && err.contains(code) && err.contains(needle),
+            "gRPC {body} with the queue full: want {code} naming {needle:?}, got: {err}"
+        );
+    }
+    // The queue was full throughout: a valid request is still refused as busy.
+    let (status, _, b) = hi(&d);
+    assert_error(status, 429, &b, "queue is full");
+    assert_eq!(status_json(&d)["queue_depth"], 1);
+    let o = grpcurl_generate(&d, &json!({"prompt": "Hi", "max_tokens": 2}));
+    assert!(
+        stderr(&o).contains("ResourceExhausted"),
+        "a valid gRPC request with the queue full: {}",
+        stderr(&o)
+    );
     // A call of more prompts than the queue holds can never be admitted: a 400 that says
     // so, not a 429 to retry; and it queues none of them.
     let two = json!({"prompt": ["a", "b"], "max_tokens": 2});

@@ -283,8 +283,15 @@ impl Scheduler {
     }
 
     fn validate(&self, req: &Request) -> Result<(), SubmitError> {
-        super::sequence::validate(&req.prompt_ids, &req.params, self.limits())
-            .map_err(SubmitError::Invalid)
+        self.check(&req.prompt_ids, &req.params)
+    }
+
+    /// The checks `submit` makes of a request (its prompt against the context and the
+    /// vocabulary, its parameters), without queueing it: a caller that must take queue
+    /// places for several requests checks each first, so that a full queue refuses only
+    /// requests that could run.
+    pub fn check(&self, prompt_ids: &[u32], params: &GenerateParams) -> Result<(), SubmitError> {
+        super::sequence::validate(prompt_ids, params, self.limits()).map_err(SubmitError::Invalid)
     }
 
     fn limits(&self) -> SeqLimits {

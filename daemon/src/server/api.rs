@@ -220,6 +220,15 @@ pub struct Frontend {
     pub metrics: Arc<Metrics>,
 }
 
+/// A request `Frontend::check` found valid, tokenized, not yet queued.
+pub struct Prepared {
+    prompt_ids: Vec<u32>,
+    params: GenerateParams,
+    truncated: bool,
+    /// When the request was received (time to first token counts from here).
+    t0: Instant,
+}
+
 /// An accepted request: its prompt's length, whether it was cut to fit, and its events.
 pub struct Submitted {
     pub prompt_tokens: usize,
@@ -340,15 +349,42 @@ impl Frontend {
 
     /// Validates `input`, tokenizes it and queues it. A prompt the context cannot hold, a
     /// `max_tokens` past the room it leaves, and every other bad parameter are refused
-    /// here, before the request takes a slot.
+    /// here, before the request takes a place in the queue: a full queue answers only
+    /// requests that could run.
     pub fn submit(&self, api: Api, input: GenerateInput) -> Result<Submitted, ApiError> {
-        self.submit_to(None, api, input, 1)?
+        let p = self.check(api, input)?;
+        self.queue(None, api, p, 1)?
             .pop()
             .ok_or_else(|| ApiError::new(ErrorKind::Internal, "no request was submitted"))
     }
 
+    /// Everything about `input` that can be refused without the engine, refused now: its
+    /// fields and their ranges, the model's name, the chat template's rendering, the
+    /// prompt's length against the context and `max_tokens`, the scheduler's own checks.
+    /// Takes no place in the queue; a refusal is counted.
+    pub fn check(&self, api: Api, input: GenerateInput) -> Result<Prepared, ApiError> {
+        let t0 = Instant::now();
+        let r = self
+            .prepare(input)
+            .and_then(|(prompt_ids, params, truncated)| {
+                self.sched
+                    .check(&prompt_ids, &params)
+                    .map_err(submit_error)?;
+                Ok(Prepared {
+                    prompt_ids,
+                    params,
+                    truncated,
+                    t0,
+                })
+            });
+        if let Err(e) = &r {
+            self.metrics.request(api, e.kind.outcome());
+        }
+        r
+    }
+
     /// Holds places in the queue for a call of `n` sequences, all or none
-    /// (`Scheduler::reserve`); `submit_in` queues each prompt's in them.
+    /// (`Scheduler::reserve`); `submit_in` queues each checked prompt's in them.
     pub fn reserve(&self, api: Api, n: usize) -> Result<Places<'_>, ApiError> {
         self.sched.reserve(n).map_err(|e| {
             let e = submit_error(e);
@@ -357,62 +393,57 @@ impl Frontend {
         })
     }
 
-    /// `submit` of `n` sequences of one prompt (`n` choices) into places `reserve` held:
-    /// the prompt is read and tokenized once, and sequence i samples with its seed plus i
-    /// (a seeded call repeats, and its choices differ).
+    /// `n` sequences of one checked prompt (`n` choices) queued into places `reserve`
+    /// held: the prompt was read and tokenized once, and sequence i samples with its seed
+    /// plus i (a seeded call repeats, and its choices differ).
     pub fn submit_in(
         &self,
         places: &mut Places<'_>,
         api: Api,
-        input: GenerateInput,
+        prepared: Prepared,
         n: usize,
     ) -> Result<Vec<Submitted>, ApiError> {
-        self.submit_to(Some(places), api, input, n)
+        self.queue(Some(places), api, prepared, n)
     }
 
-    fn submit_to(
+    fn queue(
         &self,
         mut places: Option<&mut Places<'_>>,
         api: Api,
-        input: GenerateInput,
+        p: Prepared,
         n: usize,
     ) -> Result<Vec<Submitted>, ApiError> {
-        let t0 = Instant::now();
-        let r = self
-            .prepare(input)
-            .and_then(|(prompt_ids, params, truncated)| {
-                let prompt_tokens = prompt_ids.len();
-                (0..n as u64)
-                    .map(|i| {
-                        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
-                        let mut params = params.clone();
-                        params.sampling.seed = params.sampling.seed.wrapping_add(i);
-                        let req = Request {
-                            prompt_ids: prompt_ids.clone(),
-                            params,
-                            events: tx,
-                        };
-                        match places.as_deref_mut() {
-                            Some(p) => p.submit(req),
-                            None => self.sched.submit(req),
-                        }
-                        .map_err(submit_error)?;
-                        Ok(Submitted {
-                            prompt_tokens,
-                            truncated,
-                            events: Events {
-                                _hold: self.usage.hold(),
-                                rx,
-                                metrics: self.metrics.clone(),
-                                api,
-                                t_submit: t0,
-                                t_last: None,
-                                ended: false,
-                            },
-                        })
-                    })
-                    .collect::<Result<Vec<_>, ApiError>>()
-            });
+        let prompt_tokens = p.prompt_ids.len();
+        let r = (0..n as u64)
+            .map(|i| {
+                let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+                let mut params = p.params.clone();
+                params.sampling.seed = params.sampling.seed.wrapping_add(i);
+                let req = Request {
+                    prompt_ids: p.prompt_ids.clone(),
+                    params,
+                    events: tx,
+                };
+                match places.as_deref_mut() {
+                    Some(pl) => pl.submit(req),
+                    None => self.sched.submit(req),
+                }
+                .map_err(submit_error)?;
+                Ok(Submitted {
+                    prompt_tokens,
+                    truncated: p.truncated,
+                    events: Events {
+                        _hold: self.usage.hold(),
+                        rx,
+                        metrics: self.metrics.clone(),
+                        api,
+                        t_submit: p.t0,
+                        t_last: None,
+                        ended: false,
+                    },
+                })
+            })
+            .collect::<Result<Vec<_>, ApiError>>();
         if let Err(e) = &r {
             self.metrics.request(api, e.kind.outcome());
         }

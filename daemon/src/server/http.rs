@@ -453,22 +453,26 @@ fn failed(failure: crate::engine::Failure, message: String) -> ApiError {
     ApiError::new(ErrorKind::of_failure(failure), message)
 }
 
-/// Submits `n` sequences of every prompt of the call into places held for all of them
-/// first (a call that does not fit the queue is refused whole); on a refusal of one prompt
-/// (a bad one) those already queued are dropped (their sequences are evicted). Returns
-/// each sequence's events, prompt by prompt, and the prompt tokens (each prompt's once).
+/// Submits `n` sequences of every prompt of the call: every prompt is checked first (a bad
+/// one is its 400 whatever the queue holds), then places are held for all of them (a call
+/// that does not fit the queue is refused whole, 429), then each is queued. Returns each
+/// sequence's events, prompt by prompt, and the prompt tokens (each prompt's once).
 fn submit_all(
     front: &Frontend,
     api: Api,
     inputs: Vec<super::api::GenerateInput>,
     n: usize,
 ) -> Result<(Vec<Events>, usize), ApiError> {
-    let sequences = inputs.len().saturating_mul(n);
+    let prepared = inputs
+        .into_iter()
+        .map(|i| front.check(api, i))
+        .collect::<Result<Vec<_>, _>>()?;
+    let sequences = prepared.len().saturating_mul(n);
     let mut places = front.reserve(api, sequences)?;
     let mut events = Vec::with_capacity(sequences);
     let mut prompt_tokens = 0;
-    for input in inputs {
-        let subs = front.submit_in(&mut places, api, input, n)?;
+    for p in prepared {
+        let subs = front.submit_in(&mut places, api, p, n)?;
         prompt_tokens += subs.first().map_or(0, |s| s.prompt_tokens);
         events.extend(subs.into_iter().map(|s| s.events));
     }

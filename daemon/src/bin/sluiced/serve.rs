@@ -685,6 +685,9 @@ struct Net {
     auth: GrpcAuth,
 }
 
+/// Reaper ticks (a quarter second each) between heap trims: every 5 s.
+const HEAP_TRIM_TICKS: u64 = 20;
+
 /// Serves gRPC on TCP (and the Unix socket) beside the HTTP API until SIGTERM or SIGINT,
 /// then drains: stops admission, lets in-flight requests finish within the grace period,
 /// joins the engine.
@@ -697,15 +700,29 @@ fn listen_until_stopped(
     name: &str,
 ) -> Result<()> {
     rt.block_on(async move {
-        // Idle models whose keep-alive ran out are unloaded within a quarter second.
+        // Idle models whose keep-alive ran out are unloaded within a quarter second; every
+        // HEAP_TRIM_TICKS ticks the free heap goes back to the kernel (`hostmem::trim_heap`),
+        // so the resident set follows the load instead of its highest burst.
         let reaper = {
             let models = models.clone();
             tokio::spawn(async move {
                 let mut tick = tokio::time::interval(Duration::from_millis(250));
+                let mut n: u64 = 0;
                 loop {
                     tick.tick().await;
+                    n += 1;
                     let m = models.clone();
-                    let _ = tokio::task::spawn_blocking(move || m.reap()).await;
+                    let trim = n.is_multiple_of(HEAP_TRIM_TICKS);
+                    let _ = tokio::task::spawn_blocking(move || {
+                        m.reap();
+                        if trim {
+                            let freed = sluice::hostmem::trim_heap();
+                            if freed > 0 {
+                                tracing::debug!("heap trimmed: {freed} bytes back to the kernel");
+                            }
+                        }
+                    })
+                    .await;
                 }
             })
         };
