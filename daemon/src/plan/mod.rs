@@ -1772,11 +1772,13 @@ fn plan_unified(
         }
         None => {
             // The least that runs: for some slot size, units larger than it resident (in
-            // the arena, within --device-memory) and two staging slots of it.
+            // the arena, within --device-memory), two staging slots of it and, for a
+            // mixture, the slots its expert loads land in (as `room` counts them: without
+            // them the least a mixture's error named did not run).
             let least = oversized(raw, e)
                 .into_iter()
                 .filter(|&(big, _)| dev.is_none_or(|d| fixed + big <= d))
-                .map(|(big, s)| (fixed + big, STREAM_SLOTS_MIN as u64 * s))
+                .map(|(big, s)| (fixed + big, (STREAM_SLOTS_MIN + expert_reads) as u64 * s))
                 .min_by_key(|&(arena, staged)| arena + staged);
             match (least, h.budget) {
                 (Some((arena, staged)), Some(_)) => Err(PlanError::Host(HostBudgetError::new(

@@ -483,3 +483,103 @@ fn a_dense_layer_is_cut_where_its_projections_start_aligned_and_no_piece_is_belo
     // Not a decoder layer.
     assert!(layer_pieces(m, 0, 0).is_none());
 }
+
+/// A mixture of experts in every layer (8 experts of 128 rows, top 2), packed raw.
+fn store_moe(dir: &std::path::Path) -> Store {
+    let mut spec = SynthSpec::llama_like(128, 6, DType::F32);
+    spec.vocab = 2048;
+    spec.moe = Some(synth::SynthMoe {
+        experts: 8,
+        top_k: 2,
+        intermediate: 128,
+        skew: 0.0,
+    });
+    let model = synth::model(&spec);
+    let units = model.units().expect("units");
+    let out = dir.join("moe");
+    let opts = PackOptions {
+        auto: None,
+        codec: "none".parse().expect("codec"),
+        frame_size: 1 << 20,
+        threads: 1,
+        force: true,
+        link: false,
+    };
+    pack(&model, &units, &out, &opts, |_| {}).expect("pack");
+    Store::open(&out).expect("open")
+}
+
+#[test]
+fn a_mixture_streams_its_experts_within_the_device_budget_down_to_the_least_that_runs() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let s = store_moe(tmp.path());
+    let m = s.manifest();
+    let full = plan(m, &input(None, 0)).expect("plan").device_budget;
+    let PlanError::Device(e) =
+        plan(m, &input(Some(4096), 0)).expect_err("4 KiB cannot run a model")
+    else {
+        panic!("a device budget error");
+    };
+    assert!(
+        e.need < full,
+        "the least ({}) is below all-resident ({full})",
+        e.need
+    );
+    let least = plan(m, &input(Some(e.need), 0)).expect("the budget the error names runs");
+    assert!(least.device_bytes() <= e.need);
+    assert!(
+        least.layers_streamed() > 0 && least.expert_cache_slots + least.expert_hot_slots < 48,
+        "at the least, layers stream and not every expert is cached: {least:?}"
+    );
+    assert!(
+        plan(m, &input(Some(e.need - 1), 0)).is_err(),
+        "one byte less does not run"
+    );
+    // Every budget in between plans within itself, reading no less per pass as it shrinks.
+    let mut read = 0;
+    for pct in [95u64, 80, 60, 40, 20] {
+        let budget = e.need + (full - e.need) * pct / 100;
+        let p = plan(m, &input(Some(budget), 0)).expect("a plan for this budget");
+        assert!(
+            p.device_bytes() <= budget,
+            "{pct}%: {} > {budget}",
+            p.device_bytes()
+        );
+        assert!(
+            p.disk_bytes_per_pass >= read,
+            "{pct}%: reads less with less memory"
+        );
+        read = p.disk_bytes_per_pass;
+    }
+}
+
+#[test]
+fn a_mixture_on_a_unified_backend_runs_at_the_least_host_budget_it_names() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let s = store_moe(tmp.path());
+    let m = s.manifest();
+    let PlanError::Host(e) = plan(m, &unified(Some(2 << 20))).expect_err("2 MiB is too small")
+    else {
+        panic!("a host budget error");
+    };
+    let p = plan(m, &unified(Some(e.need))).expect("the budget the error names runs");
+    assert!(p.host.total_bytes <= e.need);
+    assert!(p.layers_streamed() > 0);
+    // The least that runs, found by bisection: the named least is at most 10% above it.
+    // (It charges the embedding's gathered rows; the least plan keeps the embedding
+    // resident instead, which the split's greedy search only finds at some budgets.)
+    let (mut lo, mut hi) = (e.need / 2, e.need);
+    while lo + 1 < hi {
+        let mid = (lo + hi) / 2;
+        if plan(m, &unified(Some(mid))).is_ok() {
+            hi = mid;
+        } else {
+            lo = mid;
+        }
+    }
+    assert!(
+        plan(m, &unified(Some(hi - 1))).is_err() && e.need - hi <= e.need / 10,
+        "the least named {} is more than 10% above the least that runs, {hi}",
+        e.need
+    );
+}
