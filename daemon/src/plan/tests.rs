@@ -31,8 +31,16 @@ fn store_shaped(
         model.arch.tied_embeddings = true;
         model.tensors.remove("lm_head.weight");
     }
+    pack_raw(
+        &model,
+        &dir.join(if tied { "tied" } else { "untied" }),
+        frame_size,
+    )
+}
+
+/// `model` packed raw (codec none) at `out`, opened.
+fn pack_raw(model: &crate::import::ImportedModel, out: &std::path::Path, frame_size: u32) -> Store {
     let units = model.units().expect("units");
-    let out = dir.join(if tied { "tied" } else { "untied" });
     let opts = PackOptions {
         auto: None,
         codec: "none".parse().expect("codec"),
@@ -41,8 +49,8 @@ fn store_shaped(
         force: true,
         link: false,
     };
-    pack(&model, &units, &out, &opts, |_| {}).expect("pack");
-    Store::open(&out).expect("open")
+    pack(model, &units, out, &opts, |_| {}).expect("pack");
+    Store::open(out).expect("open")
 }
 
 fn input(budget: Option<u64>, host_cache: u64) -> PlanInput {
@@ -495,18 +503,7 @@ fn store_moe(dir: &std::path::Path) -> Store {
         skew: 0.0,
     });
     let model = synth::model(&spec);
-    let units = model.units().expect("units");
-    let out = dir.join("moe");
-    let opts = PackOptions {
-        auto: None,
-        codec: "none".parse().expect("codec"),
-        frame_size: 1 << 20,
-        threads: 1,
-        force: true,
-        link: false,
-    };
-    pack(&model, &units, &out, &opts, |_| {}).expect("pack");
-    Store::open(&out).expect("open")
+    pack_raw(&model, &dir.join("moe"), 1 << 20)
 }
 
 #[test]
