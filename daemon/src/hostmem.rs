@@ -51,31 +51,33 @@ pub fn peak_rss_bytes() -> Option<u64> {
 /// that grows while this stays flat is the allocator's high-water mark, not a leak. None
 /// off glibc.
 pub fn heap_in_use_bytes() -> Option<u64> {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: mallinfo2 takes no arguments and returns a struct by value.
-        let m = unsafe { libc::mallinfo2() };
-        Some((m.uordblks + m.hblkhd) as u64)
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        None
-    }
+    mallinfo().map(|m| (m.uordblks + m.hblkhd) as u64)
+}
+
+/// glibc's `mallinfo2` (every arena's totals); None off glibc.
+#[cfg(all(target_os = "linux", target_env = "gnu"))]
+fn mallinfo() -> Option<libc::mallinfo2> {
+    // SAFETY: mallinfo2 takes no arguments and returns a struct by value.
+    Some(unsafe { libc::mallinfo2() })
+}
+
+/// The fields read of `mallinfo2`, where there is none.
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+struct NoMallinfo {
+    uordblks: usize,
+    hblkhd: usize,
+    fordblks: usize,
+}
+
+#[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+fn mallinfo() -> Option<NoMallinfo> {
+    None
 }
 
 /// Bytes the C heap holds free (glibc `mallinfo2().fordblks`, every arena): memory freed
 /// by the program that the allocator keeps for later. None off glibc.
 pub fn heap_free_bytes() -> Option<u64> {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    {
-        // SAFETY: mallinfo2 takes no arguments and returns a struct by value.
-        let m = unsafe { libc::mallinfo2() };
-        Some(m.fordblks as u64)
-    }
-    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
-    {
-        None
-    }
+    mallinfo().map(|m| m.fordblks as u64)
 }
 
 /// Free heap the daemon leaves with the allocator before `trim_heap` hands it back.
@@ -159,11 +161,7 @@ pub fn host_peak() -> (u64, &'static str) {
     let Some((dir, v2)) = memory_cgroup() else {
         return (vm, "VmHWM");
     };
-    let limited = if v2 {
-        read_u64(&dir, "memory.max").is_some()
-    } else {
-        read_u64(&dir, "memory.limit_in_bytes").is_some_and(|l| l < 1 << 60)
-    };
+    let limited = cgroup_limit().is_some();
     let me = std::process::id().to_string();
     let alone = std::fs::read_to_string(dir.join("cgroup.procs"))
         .is_ok_and(|p| p.split_whitespace().eq(std::iter::once(me.as_str())));
