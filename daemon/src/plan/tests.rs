@@ -5,8 +5,10 @@
 use super::*;
 use crate::dtype::DType;
 use crate::import::synth::{self, SynthSpec};
+use crate::store::format::BLOB_ALIGN;
 use crate::store::writer::{pack, PackOptions};
 use crate::store::Store;
+use std::ops::Range;
 
 fn store(dir: &std::path::Path, tied: bool) -> Store {
     store_framed(dir, tied, 1 << 20, 2048)
