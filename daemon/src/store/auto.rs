@@ -139,10 +139,12 @@ pub struct Auto {
     pub workers: usize,
     pub rates: BTreeMap<DType, Vec<Rate>>,
     pub chosen: BTreeMap<DType, BTreeMap<String, (usize, u64)>>,
-    /// The link decision's reasoning (`link_pays`), when the source could be linked.
+    /// Every tensor is stored raw (`settle_raw`), and why.
+    pub all_raw: bool,
+    pub raw: Option<String>,
+    /// What `pack --link` would save instead (`link_alternative`), when the source could
+    /// be linked.
     pub link: Option<String>,
-    /// The store links its source: no tensor was given a codec.
-    pub linked: bool,
     encoders: Vec<(Codec, FrameEncoder)>,
 }
 
@@ -168,8 +170,9 @@ impl Auto {
             workers: workers.max(1),
             rates,
             chosen: BTreeMap::new(),
+            all_raw: false,
+            raw: None,
             link: None,
-            linked: false,
             encoders,
         })
     }
@@ -189,8 +192,12 @@ impl Auto {
         dtype: DType,
         frame_size: usize,
     ) -> std::io::Result<Codec> {
-        let Some(rates) = self.rates.get(&dtype) else {
-            return Ok(Codec::None);
+        let rates = match self.rates.get(&dtype) {
+            Some(r) if !self.all_raw => r,
+            _ => {
+                self.count(dtype, Codec::None, raw.len());
+                return Ok(Codec::None);
+            }
         };
         let frames = raw.len().div_ceil(frame_size.max(1)).max(1);
         let mut picks = vec![0, frames / 2, frames - 1];
@@ -215,6 +222,12 @@ impl Auto {
             });
         }
         let codec = choose(self.disk_gbps, self.workers, &mine);
+        self.count(dtype, codec, raw.len());
+        Ok(codec)
+    }
+
+    /// A tensor of `len` bytes of `dtype` got `codec`.
+    fn count(&mut self, dtype: DType, codec: Codec, len: usize) {
         let e = self
             .chosen
             .entry(dtype)
@@ -222,18 +235,13 @@ impl Auto {
             .entry(codec.to_string())
             .or_default();
         e.0 += 1;
-        e.1 += raw.len() as u64;
-        Ok(codec)
+        e.1 += len as u64;
     }
 
-    /// For a source a store can link (`pack --link`): true when the codecs this disk and
-    /// these workers call for save under `KEEP_RAW_SAVING_MIN` of its bytes (`bytes`: raw
-    /// bytes per dtype), each dtype at the ratio, on its sample, of the candidate `choose`
-    /// picks for it. A codec that shrinks the bytes a little but decodes slower than the
-    /// disk reads (zstd on Q8_0 blocks) is not chosen and saves nothing, so a copy would
-    /// be the source's bytes again; on a slow disk (`--disk-gbps`) the same codec pays and
-    /// the store is a copy. The same rates, the same answer.
-    pub fn link_pays(&mut self, bytes: &BTreeMap<DType, u64>, source: &str) -> bool {
+    /// The share of `bytes` (raw bytes per dtype) that the codecs this disk and these
+    /// workers call for save, each dtype at the ratio, on its sample, of the candidate
+    /// `choose` picks for it.
+    fn saving(&self, bytes: &BTreeMap<DType, u64>) -> f64 {
         let total: u64 = bytes.values().sum();
         let saved: f64 = bytes
             .iter()
@@ -245,25 +253,48 @@ impl Auto {
                 b as f64 * (1.0 - ratio).max(0.0)
             })
             .sum();
-        let frac = saved / total.max(1) as f64;
+        saved / total.max(1) as f64
+    }
+
+    /// Where the chosen codecs save under `KEEP_RAW_SAVING_MIN` of the model (`bytes`: raw
+    /// bytes per dtype), every tensor is stored raw: a unit stored as raw is read straight
+    /// into its staging slot, with no read buffers and no decode (a quantized model's few
+    /// float norms, coded, saved 0.1 % of SmolLM2 and cost it that path). A codec that
+    /// shrinks the bytes a little but decodes slower than the disk reads (zstd on Q8_0
+    /// blocks) is not chosen and saves nothing; on a slow disk (`--disk-gbps`) the same
+    /// codec pays. The same rates, the same answer.
+    pub fn settle_raw(&mut self, bytes: &BTreeMap<DType, u64>) -> bool {
+        let frac = self.saving(bytes);
         let min = super::codec::KEEP_RAW_SAVING_MIN;
-        self.linked = frac < min;
-        self.link = Some(if self.linked {
-            format!(
-                "  link: the codecs chosen here save {:.1} % of {} (under {:.0} %): the store points at {source} instead of copying it",
-                frac * 100.0,
-                crate::util::fmt_bytes(total),
-                min * 100.0
-            )
-        } else {
-            format!(
-                "  link: not linked to {source}: the codecs chosen here save {:.1} % of {} (at least {:.0} %)",
-                frac * 100.0,
-                crate::util::fmt_bytes(total),
-                min * 100.0
-            )
-        });
-        self.linked
+        self.all_raw = frac < min;
+        self.raw = Some(format!(
+            "  raw: the codecs chosen here save {:.1} % of {} ({} {:.0} %){}",
+            frac * 100.0,
+            crate::util::fmt_bytes(bytes.values().sum()),
+            if self.all_raw { "under" } else { "at least" },
+            min * 100.0,
+            if self.all_raw {
+                ": every tensor is stored raw, read straight into its staging slot"
+            } else {
+                ""
+            }
+        ));
+        self.all_raw
+    }
+
+    /// For a source a store can link (`pack --link`), after `settle_raw`: where this
+    /// store is the source's bytes again, a line saying what `--link` would save.
+    /// `--codec auto` never links: a linked store streams slower wherever the host budget
+    /// is tight, because the source's tensors sit at offsets the engine's O_DIRECT reads
+    /// cannot land in place (every read needs a bounce span and the pipeline one more
+    /// staging slot, which a tight `--host-memory` takes from resident layers).
+    pub fn link_alternative(&mut self, source: &str) -> bool {
+        if self.all_raw {
+            self.link = Some(format!(
+                "  link: this store is {source} again; `pack --link` would point at it instead of copying it, but streams slower under a tight --host-memory (unaligned tensors: bounce reads and one more staging slot)"
+            ));
+        }
+        self.all_raw
     }
 
     /// The reasoning, a line per dtype: each candidate's ratio, decode rate and effective
@@ -303,15 +334,14 @@ impl Auto {
                 "  {}: ratio/GB/s->effective: {}; chose {}",
                 dtype.name(),
                 cands.join(", "),
-                if self.linked {
-                    "to link".to_string()
-                } else if got.is_empty() {
+                if got.is_empty() {
                     "nothing".to_string()
                 } else {
                     got.join(", ")
                 }
             ));
         }
+        lines.extend(self.raw.clone());
         lines.extend(self.link.clone());
         lines
     }
@@ -384,18 +414,21 @@ mod tests {
         assert_eq!(choose(2.0, 1, &q), Codec::None);
     }
 
-    /// Link where the chosen codecs save under 3 % of the bytes, each dtype weighted by
-    /// its bytes: a K-quant model links, a bf16 one is packed, and a model mostly of
-    /// quantized blocks with a few float tensors links; the same rates, the same answer.
+    /// Every tensor is stored raw where the chosen codecs save under 3 % of the bytes,
+    /// each dtype weighted by its bytes: a K-quant model with a few float tensors, not a
+    /// bf16 one nor one whose float tensors are a fifth of it; the same rates, the same
+    /// answer. A linkable source stored raw names `--link` (`write_packed` never links for
+    /// `--codec auto`).
     #[test]
-    fn a_store_links_its_source_where_the_chosen_codecs_save_under_3_percent() {
+    fn every_tensor_is_raw_where_the_chosen_codecs_save_under_3_percent() {
         let auto = |rates: Vec<(DType, Vec<Rate>)>| Auto {
             disk_gbps: 2.0,
             workers: 1,
             rates: rates.into_iter().collect(),
             chosen: BTreeMap::new(),
+            all_raw: false,
+            raw: None,
             link: None,
-            linked: false,
             encoders: Vec::new(),
         };
         let quant = vec![
@@ -411,28 +444,43 @@ mod tests {
             (DType::F32, f32s.clone()),
         ]);
         let bytes: BTreeMap<DType, u64> = [(DType::Q4K, 1000u64), (DType::F32, 10)].into();
-        assert!(q.link_pays(&bytes, "m.gguf"));
+        assert!(q.settle_raw(&bytes));
+        // The float tensors the rates would code are stored raw too.
+        assert_eq!(
+            q.choose_for(&[0u8; 64], DType::F32, 32).expect("choose"),
+            Codec::None
+        );
+        assert!(q.link_alternative("m.gguf"));
         let line = q.link.clone().expect("a reason");
-        assert!(line.contains("points at m.gguf"), "{line}");
-        assert!(q.report().iter().any(|l| l.contains("chose to link")));
-        // Float tensors that are a fifth of the bytes save 4 %: a copy pays.
+        assert!(line.contains("`pack --link` would point at it"), "{line}");
+        let report = q.report();
+        assert!(report.iter().any(|l| l == &line));
+        assert!(
+            report
+                .iter()
+                .any(|l| l.contains("every tensor is stored raw")),
+            "{report:?}"
+        );
+        // Float tensors that are a fifth of the bytes save 4 %: they are coded.
         let many: BTreeMap<DType, u64> = [(DType::Q4K, 800u64), (DType::F32, 200)].into();
-        assert!(!auto(vec![(DType::Q4K, quant.clone()), (DType::F32, f32s)]).link_pays(&many, "m"));
+        let mut f = auto(vec![(DType::Q4K, quant.clone()), (DType::F32, f32s)]);
+        assert!(!f.settle_raw(&many));
+        assert!(!f.link_alternative("m") && f.link.is_none());
         let mut b = auto(vec![(DType::BF16, bf16)]);
-        assert!(!b.link_pays(&[(DType::BF16, 100u64)].into(), "m"));
-        assert!(b.link.expect("a reason").contains("not linked"));
+        assert!(!b.settle_raw(&[(DType::BF16, 100u64)].into()));
+        assert!(b.raw.expect("a reason").contains("at least 3 %"));
         // zstd saves 5 % of Q8_0 blocks but decodes at 1.2 GB/s: from a 2 GB/s disk it is
-        // not chosen and the store links; from a 0.5 GB/s one it pays and it is a copy.
+        // not chosen and the store is raw; from a 0.5 GB/s one it pays.
         let q8 = vec![
             rate(Codec::None, 1.0, 12.0),
             rate(Codec::Zstd { level: 1 }, 0.945, 1.2),
         ];
         let q8_bytes: BTreeMap<DType, u64> = [(DType::Q8_0, 100u64)].into();
-        assert!(auto(vec![(DType::Q8_0, q8.clone())]).link_pays(&q8_bytes, "m"));
+        assert!(auto(vec![(DType::Q8_0, q8.clone())]).settle_raw(&q8_bytes));
         let mut slow = auto(vec![(DType::Q8_0, q8)]);
         slow.disk_gbps = 0.5;
-        assert!(!slow.link_pays(&q8_bytes, "m"));
+        assert!(!slow.settle_raw(&q8_bytes));
         // A dtype with no measured rates saves nothing.
-        assert!(auto(vec![]).link_pays(&[(DType::Q8_0, 5u64)].into(), "m"));
+        assert!(auto(vec![]).settle_raw(&[(DType::Q8_0, 5u64)].into()));
     }
 }

@@ -304,6 +304,16 @@ fn pack_into(
     };
     if let Some(a) = auto.as_mut() {
         a.set_shared(&codes);
+        let mut bytes: BTreeMap<DType, u64> = BTreeMap::new();
+        for name in units.iter().flat_map(|u| &u.tensors) {
+            if let Some(t) = model.tensor(name) {
+                *bytes.entry(t.dtype).or_default() += t.len;
+            }
+        }
+        if a.settle_raw(&bytes) {
+            // No frame will name a shared code: the decoders need no tables for them.
+            codes.clear();
+        }
     }
     let header = model.header();
     let linked = link_plan(model, units, opts, auto.as_mut(), &header.source)?;
@@ -362,10 +372,10 @@ fn pack_into(
 }
 
 /// Whether this pack links its source (`store::link`), and where each tensor is in it if
-/// so: `--link` (refused, saying why, for a source that is not one file holding every
-/// tensor as it is), or `--codec auto` when the codecs it would choose save under 3 % of
-/// the bytes of a source it can link (`Auto::link_pays`; its reasoning goes to the
-/// report).
+/// so: only with `--link` (refused, saying why, for a source that is not one file holding
+/// every tensor as it is). `--codec auto` packs a copy, which streams faster under a tight
+/// host budget; for a source it could link whose copy is all raw, its report says that
+/// `--link` would save the disk (`Auto::link_alternative`).
 #[allow(clippy::type_complexity)] // (the file, each tensor's place in it)
 fn link_plan(
     model: &impl PackSource,
@@ -395,17 +405,9 @@ fn link_plan(
         Err(_) => return Ok(None),
     };
     if let Some(a) = auto {
-        let mut bytes: BTreeMap<DType, u64> = BTreeMap::new();
-        for name in units.iter().flat_map(|u| &u.tensors) {
-            if let Some(t) = model.tensor(name) {
-                *bytes.entry(t.dtype).or_default() += t.len;
-            }
-        }
-        if !a.link_pays(&bytes, &file.display().to_string()) {
-            return Ok(None);
-        }
+        a.link_alternative(&file.display().to_string());
     }
-    Ok(Some((file, at)))
+    Ok(opts.link.then_some((file, at)))
 }
 
 /// A linked store's units: the tensors laid out as `write_units` lays them out, each cut

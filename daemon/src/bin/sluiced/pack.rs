@@ -51,8 +51,10 @@ pub struct PackArgs {
     /// Write only the manifest: its frames point at the source file's own bytes (a GGUF
     /// whose quantized blocks no codec shrinks), so the model is not on disk twice. The
     /// store then needs that file, unchanged, where it is now (its size, modification time
-    /// and sampled checksums are checked at open). `--codec auto` links by itself where
-    /// the codecs it would choose for this disk save under 3 % of the bytes.
+    /// and sampled checksums are checked at open). A linked store streams slower under a
+    /// tight --host-memory (the source's tensors are not at aligned offsets), so
+    /// `--codec auto` never links: where no codec saves 3 % it stores every tensor raw
+    /// and says that --link would save the disk.
     #[arg(long, conflicts_with_all = ["codec", "disk_gbps", "decode_workers"])]
     pub link: bool,
     /// A chat template (a Jinja file) for the store: a base model has none, and some
