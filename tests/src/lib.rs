@@ -5,6 +5,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
 pub mod ops;
+pub mod source;
 
 /// The committed tiny fixture models (tests/fixtures, made by make_tiny.py); from
 /// $SLUICE_FIXTURES when set (a test binary run away from its build tree, as

@@ -5,6 +5,7 @@
 //! The check reads the source text (comments and string literals removed) for paths that
 //! start with `crate::`, `super::` or `self::`, and for a module file's `use child::...`.
 
+use sluice_tests::source::{code_only, is_test_file, rust_files, src_root};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -55,131 +56,6 @@ const ALLOWED: &[(&str, &[&str])] = &[
 /// Test-only files (`tests.rs`, `*_tests.rs`, `test_*.rs`) may also name these, to make fixtures (a
 /// synthetic model to pack); nothing they name reaches the library's code.
 const TEST_FIXTURES: &[&str] = &["import", "store"];
-
-fn is_test_file(rel: &Path) -> bool {
-    rel.file_name()
-        .and_then(|n| n.to_str())
-        .is_some_and(|n| n == "tests.rs" || n.ends_with("_tests.rs") || n.starts_with("test_"))
-}
-
-fn src_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../daemon/src")
-}
-
-/// Every .rs file under `dir`, sorted.
-fn rust_files(dir: &Path, out: &mut Vec<PathBuf>) {
-    let mut entries: Vec<_> = std::fs::read_dir(dir)
-        .unwrap_or_else(|e| panic!("read {}: {e}", dir.display()))
-        .map(|e| e.expect("directory entry").path())
-        .collect();
-    entries.sort();
-    for p in entries {
-        if p.is_dir() {
-            rust_files(&p, out);
-        } else if p.extension().is_some_and(|x| x == "rs") {
-            out.push(p);
-        }
-    }
-}
-
-/// The source with comments, string literals and char literals blanked out, so a path
-/// inside a doc comment or an error message is not taken for a dependency.
-fn code_only(src: &str) -> String {
-    let b = src.as_bytes();
-    let mut out = String::with_capacity(src.len());
-    let mut i = 0;
-    while i < b.len() {
-        let c = b[i];
-        if c == b'/' && b.get(i + 1) == Some(&b'/') {
-            while i < b.len() && b[i] != b'\n' {
-                i += 1;
-            }
-        } else if c == b'/' && b.get(i + 1) == Some(&b'*') {
-            let mut depth = 0;
-            while i < b.len() {
-                if b[i] == b'/' && b.get(i + 1) == Some(&b'*') {
-                    depth += 1;
-                    i += 2;
-                } else if b[i] == b'*' && b.get(i + 1) == Some(&b'/') {
-                    depth -= 1;
-                    i += 2;
-                    if depth == 0 {
-                        break;
-                    }
-                } else {
-                    i += 1;
-                }
-            }
-            out.push(' ');
-        } else if c == b'r'
-            && (b.get(i + 1) == Some(&b'"') || b.get(i + 1) == Some(&b'#'))
-            && (i == 0 || !(b[i - 1].is_ascii_alphanumeric() || b[i - 1] == b'_'))
-        {
-            // Raw string r"..." or r#"..."#.
-            let mut j = i + 1;
-            let mut hashes = 0;
-            while b.get(j) == Some(&b'#') {
-                hashes += 1;
-                j += 1;
-            }
-            if b.get(j) != Some(&b'"') {
-                out.push('r');
-                i += 1;
-                continue;
-            }
-            j += 1;
-            loop {
-                if j >= b.len() {
-                    break;
-                }
-                if b[j] == b'"'
-                    && b[j + 1..]
-                        .iter()
-                        .take(hashes)
-                        .filter(|&&h| h == b'#')
-                        .count()
-                        == hashes
-                {
-                    j += 1 + hashes;
-                    break;
-                }
-                j += 1;
-            }
-            out.push_str("\"\"");
-            i = j;
-        } else if c == b'"' {
-            i += 1;
-            while i < b.len() && b[i] != b'"' {
-                if b[i] == b'\\' {
-                    i += 1;
-                }
-                i += 1;
-            }
-            i += 1;
-            out.push_str("\"\"");
-        } else if c == b'\'' {
-            // A char literal ('x', '\n', '\u{..}') or a lifetime ('a).
-            if b.get(i + 1) == Some(&b'\\') {
-                let mut j = i + 2;
-                while j < b.len() && b[j] != b'\'' {
-                    j += 1;
-                }
-                i = j + 1;
-                out.push_str("' '");
-            } else if b.get(i + 2) == Some(&b'\'') {
-                i += 3;
-                out.push_str("' '");
-            } else {
-                out.push('\'');
-                i += 1;
-            }
-        } else {
-            out.push(c as char);
-            i += 1;
-        }
-    }
-    out
-}
 
 /// Module path of a file: `io/engine.rs` -> [io, engine], `io/mod.rs` -> [io], `lib.rs` -> [].
 fn module_path(rel: &Path) -> Vec<String> {
@@ -259,6 +135,45 @@ fn expand(prefix: &[String], rest: &str) -> Vec<Vec<String>> {
     }
 }
 
+/// The inline modules of a file (`mod name { .. }`), outermost first: (the byte where the
+/// `mod` keyword is, the byte of its closing brace, its name).
+fn inline_modules(code: &str) -> Vec<(usize, usize, String)> {
+    let b = code.as_bytes();
+    let mut out = Vec::new();
+    let mut from = 0;
+    while let Some(k) = code[from..].find("mod ") {
+        let at = from + k;
+        from = at + 4;
+        if at > 0 && (b[at - 1].is_ascii_alphanumeric() || b[at - 1] == b'_') {
+            continue;
+        }
+        let name: String = code[at + 4..]
+            .chars()
+            .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
+            .collect();
+        let after = code[at + 4 + name.len()..].trim_start();
+        if name.is_empty() || !after.starts_with('{') {
+            continue;
+        }
+        let open = code.len() - after.len();
+        let mut depth = 0usize;
+        for (i, &c) in b.iter().enumerate().skip(open) {
+            match c {
+                b'{' => depth += 1,
+                b'}' => {
+                    depth -= 1;
+                    if depth == 0 {
+                        out.push((at, i, name));
+                        break;
+                    }
+                }
+                _ => {}
+            }
+        }
+    }
+    out
+}
+
 /// The absolute module paths a file names.
 fn named_paths(
     code: &str,
@@ -275,16 +190,19 @@ fn named_paths(
                 || bytes[k - 1] == b':'
                 || bytes[k - 1] == b'$')
     };
-    for (kw, base) in [
-        ("crate::", Vec::<String>::new()),
-        ("super::", {
-            // The parent of this file's module.
-            let mut p = here.to_vec();
-            p.pop();
-            p
-        }),
-        ("self::", here.to_vec()),
-    ] {
+    let inline = inline_modules(code);
+    // The module at byte `at`: this file's, inside the inline modules around `at`.
+    let module_at = |at: usize| {
+        let mut m = here.to_vec();
+        m.extend(
+            inline
+                .iter()
+                .filter(|(s, e, _)| *s < at && at < *e)
+                .map(|(_, _, name)| name.clone()),
+        );
+        m
+    };
+    for kw in ["crate::", "super::", "self::"] {
         let mut from = 0;
         while let Some(k) = code[from..].find(kw) {
             let at = from + k;
@@ -292,7 +210,16 @@ fn named_paths(
             if starts_ident(at) {
                 continue;
             }
-            let mut base = base.clone();
+            let mut base = match kw {
+                "crate::" => Vec::new(),
+                // The parent of the module this occurrence is in.
+                "super::" => {
+                    let mut p = module_at(at);
+                    p.pop();
+                    p
+                }
+                _ => module_at(at),
+            };
             let mut rest = &code[from..];
             // super::super::...
             while let Some(r) = rest.strip_prefix("super::") {
@@ -534,7 +461,9 @@ fn the_checker_sees_the_forms_a_dependency_takes() {
          // crate::model::Llama in a comment\n\
          let s = \"crate::engine::X\"; let c = '\"'; fn f<'a>(x: &'a u8) {}\n\
          use super::uring::UringReader;\n\
-         let e = crate::backend::BackendError::Alloc;\n",
+         let e = crate::backend::BackendError::Alloc;\n\
+         mod avx2 { use super::simd::Dot; mod deep { use super::super::lanes::L; } }\n\
+         use self::after::A;\n",
     );
     let paths: BTreeSet<String> = named_paths(&code, &here, false, &BTreeSet::new())
         .into_iter()
@@ -545,6 +474,10 @@ fn the_checker_sees_the_forms_a_dependency_takes() {
         "store::Store",
         "io::uring::UringReader",
         "backend::BackendError::Alloc",
+        // Inside an inline module, super:: is that module's parent.
+        "io::engine::simd::Dot",
+        "io::engine::lanes::L",
+        "io::engine::after::A",
     ]
     .iter()
     .map(|s| s.to_string())

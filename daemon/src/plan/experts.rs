@@ -2,18 +2,10 @@
 //! memory it leaves holds (the dense parts of streamed layers, then the expert cache).
 
 use super::costs::UnitCosts;
-use super::split::Streamed;
+use super::layout::expert_loads_per_step;
+use super::streamed::Streamed;
 use super::{round, PlanInput, SparseUnit};
-use crate::store::arch::MoeConfig;
 use crate::store::format::Manifest;
-
-/// Expert loads a step keeps in flight: one row's choices and as many again (a batch's
-/// union, the predicted ones), within the experts there are.
-pub(super) fn expert_loads_per_step(moe: &MoeConfig) -> usize {
-    (2 * moe.top_k as usize)
-        .min(moe.n_experts as usize)
-        .clamp(1, 16)
-}
 
 /// What the split leaves room for, should a mixture's layers stream: the expert cache's
 /// slots (`--expert-cache`, else one on a discrete device, whose experts run from there;

@@ -1,7 +1,7 @@
 //! The host side's shape: read buffers and requests, decoder and compute scratch.
 
 use super::costs::UnitCosts;
-use super::split::Streamed;
+use super::streamed::Streamed;
 use super::{
     round, HostInput, PlanInput, ALLOC_ALIGN, PREFETCH_DEFAULT, STAGING_MAX, STREAM_AHEAD_BYTES,
     STREAM_SLOTS_MIN,

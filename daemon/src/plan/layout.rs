@@ -2,6 +2,7 @@
 //! load per routed expert, a dense layer in pieces cut where its projections start.
 
 pub use crate::model::decoder::LAYER_PHASES;
+use crate::store::arch::MoeConfig;
 use crate::store::format::{ExpertRange, Manifest, UnitKind, BLOB_ALIGN};
 use serde::Serialize;
 use std::ops::Range;
@@ -125,4 +126,12 @@ pub fn layer_pieces(m: &Manifest, u: usize, min_bytes: u64) -> Option<Vec<LayerP
         })
         .collect();
     Some(pieces)
+}
+
+/// Expert loads a step keeps in flight: one row's choices and as many again (a batch's
+/// union, the predicted ones), within the experts there are.
+pub(super) fn expert_loads_per_step(moe: &MoeConfig) -> usize {
+    (2 * moe.top_k as usize)
+        .min(moe.n_experts as usize)
+        .clamp(1, 16)
 }

@@ -15,6 +15,7 @@ mod experts;
 mod host;
 mod layout;
 mod split;
+mod streamed;
 mod table;
 
 pub use costs::gather_host_bytes;
@@ -23,7 +24,8 @@ pub use error::{DeviceBudgetError, HostBudgetError, PlanError};
 use experts::{ExpertReserve, ExpertResidency};
 use host::{HostCache, HostShape, Staging};
 pub use layout::{layer_pieces, sparse_unit, LayerPiece, SparseUnit, LAYER_PHASES};
-use split::{Split, SplitInput, Streamed};
+use split::{Split, SplitInput};
+use streamed::Streamed;
 
 /// For tests: a plan input with no budgets (everything resident), f32 KV and exact
 /// numerics.
@@ -375,7 +377,8 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         gather,
         experts: &reserve,
     })?;
-    let st = Streamed::new(m, &costs, raw, &split, sparse_all, gather);
+    let split_shape = (&split.resident[..], split.slots, split.cap);
+    let st = Streamed::new(m, &costs, raw, split_shape, sparse_all, gather);
     let host_fixed = shape.fixed(h) + st.gather.host;
     let staging = Staging::settle(h, split.staging, shape.prefetch_want, host_fixed, &st);
     let resident_bytes = split.resident_bytes(raw);

@@ -3,10 +3,9 @@
 
 use super::costs::{choose_residency, oversized, FixedCosts, Gather, UnitCosts};
 use super::error::{least_budget_error, HostBudgetError};
-use super::experts::{expert_loads_per_step, ExpertReserve};
+use super::experts::ExpertReserve;
 use super::host::HostShape;
-use super::{round, LayerPiece, PlanError, PlanInput, SparseUnit, STREAM_SLOTS_MIN};
-use crate::store::format::{Manifest, RowPart};
+use super::{PlanError, PlanInput, STREAM_SLOTS_MIN};
 
 /// What the split is made from.
 pub(super) struct SplitInput<'a> {
@@ -96,7 +95,7 @@ fn plan_discrete(si: &SplitInput) -> Result<Split, PlanError> {
 /// given, caps the arena inside it.
 fn plan_unified(si: &SplitInput) -> Result<Split, PlanError> {
     let (raw, e, input, h) = (&si.fixed.raw, si.costs, si.input, &si.input.host);
-    let (kv, fixed, all_resident) = (si.fixed.kv, si.fixed.device, si.fixed.all_resident);
+    let (fixed, all_resident) = (si.fixed.device, si.fixed.all_resident);
     let (reads, scratch, in_flight) = (si.shape.reads, si.shape.scratch(), si.shape.in_flight);
     let (expert_cache, expert_reads) = (si.experts.cache_bytes, si.experts.reads);
     let prefetch_want = si.shape.prefetch_want;
@@ -182,153 +181,33 @@ fn plan_unified(si: &SplitInput) -> Result<Split, PlanError> {
                 device_budget: dev.unwrap_or(arena),
             })
         }
-        None => {
-            // The least that runs: for some slot size, units larger than it resident (in
-            // the arena, within --device-memory), two staging slots of it and, for a
-            // mixture, the slots its expert loads land in (as `room` counts them: without
-            // them the least a mixture's error named did not run).
-            let least = oversized(raw, e)
-                .into_iter()
-                .filter(|&(big, _)| dev.is_none_or(|d| fixed + big <= d))
-                .map(|(big, s)| (fixed + big, (STREAM_SLOTS_MIN + expert_reads) as u64 * s))
-                .min_by_key(|&(arena, staged)| arena + staged);
-            match (least, h.budget) {
-                (Some((arena, staged)), Some(_)) => Err(PlanError::Host(HostBudgetError::new(
-                    h,
-                    [reads, scratch, arena, staged, 0],
-                ))),
-                _ => Err(least_budget_error(
-                    raw,
-                    e,
-                    dev.unwrap_or(0),
-                    kv,
-                    fixed - kv,
-                    0,
-                )),
-            }
-        }
+        None => Err(unified_least(si, fixed, scratch)),
     }
 }
 
-/// What streams through the slots once the split is made: the units' loads (whole, in
-/// pieces, a sparse layer's dense part and routed experts, a tied head's row parts) and
-/// the slot size they need.
-pub(super) struct Streamed {
-    /// The embedding streams: its lookup gathers rows (`gather` is charged).
-    pub gathered: bool,
-    /// The row gather's bytes (zero unless `gathered`).
-    pub gather: Gather,
-    /// Per unit, the pieces a streamed dense layer larger than the slots loads in.
-    pub pieces: Vec<Option<Vec<LayerPiece>>>,
-    /// Per unit, a streamed layer of a mixture that loads its dense part and the routed
-    /// experts.
-    pub sparse: Vec<Option<SparseUnit>>,
-    pub experts_streamed: usize,
-    pub expert_slot_bytes: u64,
-    /// Expert loads in flight (`expert_loads_per_step`, where experts stream).
-    pub expert_reads: usize,
-    pub head_parts: Vec<RowPart>,
-    pub head_seams: Vec<u64>,
-    /// A slot's bytes, device and host staging alike.
-    pub slot_bytes: u64,
-    /// Units load through slots (not when only an untied embedding streams).
-    pub through_slots: bool,
-    /// Device streaming slots (0 when nothing loads through them).
-    pub slots: usize,
-    /// Loads a pass makes through the slots: no more can be requested ahead of one.
-    pub loads: usize,
-}
-
-impl Streamed {
-    /// Device bytes of the streaming: the gathered rows' table and, on a discrete device,
-    /// the slots.
-    pub fn device_bytes(&self, unified: bool) -> u64 {
-        let slots = if unified {
-            0
-        } else {
-            self.slots as u64 * self.slot_bytes
-        };
-        self.gather.device + slots
-    }
-
-    pub fn new(
-        m: &Manifest,
-        e: &UnitCosts,
-        raw: &[u64],
-        split: &Split,
-        sparse_all: Vec<Option<SparseUnit>>,
-        gather: Gather,
-    ) -> Self {
-        let resident = &split.resident;
-        let streams = resident.iter().any(|r| !r);
-        let gathered = streams && !resident[0];
-        // Slots hold the largest streamed unit (the embedding never whole: its lookup
-        // gathers rows, a tied head reads it in parts), and each head part; parts are cut
-        // to fit slots of that size where they can, else of the size the split chose. A
-        // dense layer larger than the slot the split chose loads in pieces.
-        let pieces: Vec<Option<Vec<LayerPiece>>> = (0..raw.len())
-            .map(|u| {
-                (!resident[u] && u != 0)
-                    .then(|| e.pieces_at(raw, u, split.cap))
-                    .flatten()
-            })
-            .collect();
-        let largest_streamed = (0..raw.len())
-            .filter(|&u| !resident[u] && u != 0)
-            .map(|u| {
-                e.need_at(raw, u, split.cap)
-                    .expect("the split streams only units whose loads fit its slots")
-            })
-            .max()
-            .unwrap_or(0);
-        let sparse: Vec<Option<SparseUnit>> = sparse_all
-            .into_iter()
-            .enumerate()
-            .map(|(u, sp)| sp.filter(|_| !resident[u]))
-            .collect();
-        let experts_streamed: usize = sparse.iter().flatten().map(|sp| sp.experts.len()).sum();
-        let expert_slot_bytes = sparse
-            .iter()
-            .flatten()
-            .flat_map(|sp| sp.experts.iter().map(|x| round(x.raw.end - x.raw.start)))
-            .max()
-            .unwrap_or(0);
-        let expert_reads = match (&m.arch.moe, experts_streamed) {
-            (Some(moe), 1..) => expert_loads_per_step(moe),
-            _ => 0,
-        };
-        let (head_parts, head_seams) = if gathered && m.arch.tied_embeddings {
-            e.parts(largest_streamed)
-                .or_else(|| e.parts(split.cap))
-                .expect("the split streams the embedding only where its parts fit")
-        } else {
-            (Vec::new(), Vec::new())
-        };
-        let part_max = head_parts
-            .iter()
-            .map(|p| round(m.units[0].part_span(p.frames.clone(), e.direct)))
-            .max()
-            .unwrap_or(0);
-        let through_slots = largest_streamed > 0 || !head_parts.is_empty();
-        let loads = (1..raw.len())
-            .filter(|&u| !resident[u])
-            .map(|u| pieces[u].as_ref().map_or(1, |p| p.len()))
-            .sum::<usize>()
-            + head_parts.len();
-        Streamed {
-            gathered,
-            gather: if gathered { gather } else { Gather::default() },
-            pieces,
-            sparse,
-            experts_streamed,
-            expert_slot_bytes,
-            expert_reads,
-            head_parts,
-            head_seams,
-            slot_bytes: largest_streamed.max(part_max),
-            through_slots,
-            slots: if through_slots { split.slots } else { 0 },
-            loads,
+/// The error of a unified split that found no plan: the least that runs is, for some
+/// slot size, units larger than it resident (in the arena, within --device-memory), two
+/// staging slots of it and, for a mixture, the slots its expert loads land in (as the
+/// search counts them: without them the least a mixture's error named did not run).
+/// `fixed` and `scratch`: the device's and the host's fixed roles as the last search
+/// charged them.
+fn unified_least(si: &SplitInput, fixed: u64, scratch: u64) -> PlanError {
+    let (raw, e, h) = (&si.fixed.raw, si.costs, &si.input.host);
+    let dev = si.input.device_budget;
+    let least = oversized(raw, e)
+        .into_iter()
+        .filter(|&(big, _)| dev.is_none_or(|d| fixed + big <= d))
+        .map(|(big, s)| {
+            let staged = (STREAM_SLOTS_MIN + si.experts.reads) as u64 * s;
+            (fixed + big, staged)
+        })
+        .min_by_key(|&(arena, staged)| arena + staged);
+    let kv = si.fixed.kv;
+    match (least, h.budget) {
+        (Some((arena, staged)), Some(_)) => {
+            let roles = [si.shape.reads, scratch, arena, staged, 0];
+            PlanError::Host(HostBudgetError::new(h, roles))
         }
+        _ => least_budget_error(raw, e, dev.unwrap_or(0), kv, fixed - kv, 0),
     }
 }

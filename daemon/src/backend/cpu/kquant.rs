@@ -10,7 +10,7 @@
 //!
 //! Layouts are ggml's block structs (`ggml-common.h`), described in `dtype/ggml.rs`.
 
-use super::kernels::avx2::{dot32, f16_scalar, hsum256};
+use super::simd::{dot32, f16_scalar, hsum256};
 use crate::dtype::{ggml, DType};
 use std::arch::x86_64::*;
 

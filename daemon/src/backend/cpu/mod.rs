@@ -7,6 +7,8 @@ pub mod kernels;
 #[cfg(target_arch = "x86_64")]
 mod kquant;
 pub mod q8;
+#[cfg(target_arch = "x86_64")]
+mod simd;
 mod team;
 
 use super::{

@@ -208,10 +208,10 @@ pub fn reference_dot<T: Level>(dtype: DType, w: &[u8], x: &[QBlock<T>]) -> f64 {
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::{Q16Block, Q8Block};
-    use crate::backend::cpu::kernels::avx2::{f16_scalar, hsum256};
     use crate::backend::cpu::kquant::{
         bits32_to_0x10, lookup_piece, q2k_piece, q3k_piece, q3k_scale, q45k_pair, q6k_piece,
     };
+    use crate::backend::cpu::simd::{f16_scalar, hsum256};
     use crate::dtype::{ggml, DType};
     use std::arch::x86_64::*;
 

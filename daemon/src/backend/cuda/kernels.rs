@@ -766,7 +766,7 @@ mod tests {
 
     #[test]
     fn the_kernel_cache_key_changes_with_the_source_arch_nvrtc_and_options() {
-        let opts = super::super::nvrtc::options("sm_90");
+        let opts = crate::backend::cuda::nvrtc::options("sm_90");
         let k = cache_key("src", "sm_90", (13, 0), &opts);
         assert_eq!(k, cache_key("src", "sm_90", (13, 0), &opts));
         assert_ne!(k, cache_key("src2", "sm_90", (13, 0), &opts));
@@ -782,7 +782,10 @@ mod tests {
     /// (its own or its base struct's) read from the source.
     #[test]
     fn each_format_s_weight_rows_a_block_match_the_kernels() {
-        let src: String = super::super::KERNELS.iter().map(|(_, s)| *s).collect();
+        let src: String = crate::backend::cuda::KERNELS
+            .iter()
+            .map(|(_, s)| *s)
+            .collect();
         // `W` of struct `name` (template arguments dropped), else of its base.
         let w_of = |name: &str| -> Option<String> {
             let mut name = name.to_string();
@@ -822,7 +825,7 @@ mod tests {
 
     #[test]
     fn the_gemv_row_group_matches_the_kernels() {
-        let common = super::super::COMMON;
+        let common = crate::backend::cuda::COMMON;
         for (name, value) in [
             ("GEMV_R", GEMV_R),
             ("GEMV_W", GEMV_W),
