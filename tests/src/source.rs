@@ -129,3 +129,21 @@ pub fn code_only(src: &str) -> String {
     }
     out
 }
+
+/// The byte offset of the brace that closes the one at `open` (`code[open] == b'{'`).
+pub fn closing(code: &[u8], open: usize) -> Option<usize> {
+    let mut depth = 0usize;
+    for (i, &c) in code.iter().enumerate().skip(open) {
+        match c {
+            b'{' => depth += 1,
+            b'}' => {
+                depth -= 1;
+                if depth == 0 {
+                    return Some(i);
+                }
+            }
+            _ => {}
+        }
+    }
+    None
+}

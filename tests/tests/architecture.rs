@@ -5,7 +5,7 @@
 //! The check reads the source text (comments and string literals removed) for paths that
 //! start with `crate::`, `super::` or `self::`, and for a module file's `use child::...`.
 
-use sluice_tests::source::{code_only, is_test_file, rust_files, src_root};
+use sluice_tests::source::{closing, code_only, is_test_file, rust_files, src_root};
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -156,19 +156,8 @@ fn inline_modules(code: &str) -> Vec<(usize, usize, String)> {
             continue;
         }
         let open = code.len() - after.len();
-        let mut depth = 0usize;
-        for (i, &c) in b.iter().enumerate().skip(open) {
-            match c {
-                b'{' => depth += 1,
-                b'}' => {
-                    depth -= 1;
-                    if depth == 0 {
-                        out.push((at, i, name));
-                        break;
-                    }
-                }
-                _ => {}
-            }
+        if let Some(close) = closing(b, open) {
+            out.push((at, close, name));
         }
     }
     out

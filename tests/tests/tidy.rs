@@ -9,7 +9,7 @@
 //! test-only files and `#[cfg(test)]` modules left out. Lines are counted from the `fn`
 //! keyword to the closing brace, and for a file, all of it.
 
-use sluice_tests::source::{code_only, is_test_file, rust_files};
+use sluice_tests::source::{closing, code_only, is_test_file, rust_files};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -112,24 +112,6 @@ fn sources() -> Vec<(String, String)> {
         }
     }
     out
-}
-
-/// The byte offset of the brace that closes the one at `open` (`code[open] == b'{'`).
-fn closing(code: &[u8], open: usize) -> Option<usize> {
-    let mut depth = 0usize;
-    for (i, &c) in code.iter().enumerate().skip(open) {
-        match c {
-            b'{' => depth += 1,
-            b'}' => {
-                depth -= 1;
-                if depth == 0 {
-                    return Some(i);
-                }
-            }
-            _ => {}
-        }
-    }
-    None
 }
 
 fn is_ident(c: u8) -> bool {
