@@ -6,6 +6,10 @@
 # earlier one fails; the summary at the end names each one that failed.
 #
 #   SLUICE_SLURM_TEST=0   leave out the Slurm cluster test (it needs root and Slurm)
+#   SLUICE_PRIVILEGED_TESTS=1|0   the tests that need a memory cgroup of their own
+#                         (memlimit.rs) or a private mount namespace (faults.rs's full
+#                         disk): 1 runs them (failing where they cannot run), 0 leaves them
+#                         out; unset, each runs where this machine allows it
 #   extra arguments go to `cargo test` (a test name filter, `-- --nocapture`, ...)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -37,6 +41,44 @@ if ! cargo test --release --workspace --no-fail-fast "$@" 2>&1 | tee "$log"; the
   [ ${#targets[@]} -gt 0 ] || targets=("cargo test (see its output above)")
   failed+=("${targets[@]}")
 fi
+# Tests that need what not every machine grants, each run where it can (see the top).
+# A child memory cgroup of this process's own can be made (v1 memory controller, or v2).
+can_cgroup() {
+  local rel dir
+  rel=$(awk -F: '$2 ~ /(^|,)memory(,|$)/ {print $3; exit}' /proc/self/cgroup)
+  if [ -n "$rel" ] && [ -d "/sys/fs/cgroup/memory$rel" ]; then
+    dir="/sys/fs/cgroup/memory$rel"
+  elif [ -f /sys/fs/cgroup/cgroup.controllers ]; then
+    dir="/sys/fs/cgroup$(awk -F: '$1 == "0" {print $3; exit}' /proc/self/cgroup)"
+  else
+    return 1
+  fi
+  mkdir "$dir/sluice-probe-$$" 2>/dev/null && rmdir "$dir/sluice-probe-$$"
+}
+# A private mount namespace with a tmpfs can be made.
+can_unshare() {
+  local m rc
+  m=$(mktemp -d)
+  unshare -rm sh -c "mount -t tmpfs none $m" >/dev/null 2>&1 && rc=0 || rc=1
+  rmdir "$m"
+  return $rc
+}
+privileged() { # name, probe, cargo test arguments...
+  local name=$1 probe=$2
+  shift 2
+  case "${SLUICE_PRIVILEGED_TESTS:-}" in
+    0) echo "test: $name was left out (SLUICE_PRIVILEGED_TESTS=0)" >&2; return ;;
+    1) ;;
+    *) if ! $probe; then
+         echo "test: $name was left out: this machine does not allow it (SLUICE_PRIVILEGED_TESTS=1 runs it anyway)" >&2
+         return
+       fi ;;
+  esac
+  cargo test --release -p sluice-tests "$@" -- --ignored || failed+=("-p sluice-tests $* -- --ignored ($name)")
+}
+privileged "the memory cgroup test" can_cgroup --test memlimit
+privileged "the full-disk test" can_unshare --test faults
+
 # The Slurm test starts a one-machine cluster as root (scripts/slurm-local.sh).
 if [ "$SLUICE_SLURM_TEST" = 1 ]; then
   cargo test --release -p sluice-tests --test slurm -- --ignored --nocapture ||

@@ -80,10 +80,16 @@ pub fn random_weights(dtype: DType, rows: usize, cols: usize, rng: &mut Rng) -> 
     out
 }
 
-/// max |gpu - cpu| over max |cpu| (row by row when `cols` is given), must be below `tol`.
+/// max |gpu - cpu| over max |cpu| (row by row when `cols` is given), must be below `tol`;
+/// a NaN or an infinity on either side fails (`f64::max` would drop a NaN).
 pub fn close(what: &str, cpu: &[f32], gpu: &[f32], cols: usize, tol: f64) {
     assert_eq!(cpu.len(), gpu.len());
     for (r, (c, g)) in cpu.chunks(cols).zip(gpu.chunks(cols)).enumerate() {
+        for (side, xs) in [("cpu", c), ("gpu", g)] {
+            if let Some(i) = xs.iter().position(|x| !x.is_finite()) {
+                panic!("{what}: row {r}: {side} element {i} is {}", xs[i]);
+            }
+        }
         let scale = c.iter().fold(1e-6f64, |m, x| m.max(x.abs() as f64));
         let err = c
             .iter()
@@ -95,10 +101,6 @@ pub fn close(what: &str, cpu: &[f32], gpu: &[f32], cols: usize, tol: f64) {
             err / scale,
             &c[..c.len().min(4)],
             &g[..g.len().min(4)]
-        );
-        assert!(
-            g.iter().all(|x| x.is_finite()),
-            "{what}: row {r} not finite"
         );
     }
 }
@@ -180,5 +182,24 @@ pub fn wref<M>(mem: &M, dtype: DType, rows: usize, cols: usize) -> WeightRef<'_,
         dtype,
         rows,
         cols,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// `close` fails on a NaN or an infinity on either side, and on a real difference.
+    #[test]
+    fn close_fails_on_nan_on_either_side() {
+        let ok = [1.0f32, 2.0, 3.0, 4.0];
+        super::close("same", &ok, &ok, 2, 1e-6);
+        for (cpu, gpu) in [
+            ([f32::NAN, 2.0, 3.0, 4.0], ok),
+            (ok, [1.0, 2.0, f32::NAN, 4.0]),
+            (ok, [1.0, f32::INFINITY, 3.0, 4.0]),
+            (ok, [1.0, 2.0, 3.0, 4.5]),
+        ] {
+            let r = std::panic::catch_unwind(|| super::close("bad", &cpu, &gpu, 2, 1e-3));
+            assert!(r.is_err(), "passed: {cpu:?} against {gpu:?}");
+        }
     }
 }

@@ -1,6 +1,7 @@
 //! The hot path never allocates: a counting global allocator watches decode steps on the
 //! CPU backend, with every unit resident and with most of them streaming through the I/O
-//! engine, with one and with two compute threads. After warm-up a step allocates nothing,
+//! engine, with one and with two compute threads, under `--exact` and the default
+//! numerics (f16 KV cache, 8-bit activations); a control checks the counter counts. After warm-up a step allocates nothing,
 //! on any thread (pipeline, model, kernels, I/O loop, workers, the compute team: an op
 //! publishes its tasks in one atomic word, with nothing queued).
 //!
@@ -73,16 +74,28 @@ static GLOBAL: Counting = Counting;
 /// One test at a time: the counter is global.
 static SERIAL: Mutex<()> = Mutex::new(());
 
-const OPTS: ModelOptions = ModelOptions {
-    max_context: 64,
-    kv_slots: 2,
-    max_batch_tokens: 32,
-    kv_dtype: sluice::backend::KvDtype::F32,
-    exact: true,
-};
+/// `--exact` (f32 KV cache, f32 activations) and the default numerics (f16 KV cache,
+/// activations quantized to 8 bits for the quantized GEMVs).
+const OPTS: [ModelOptions; 2] = [
+    ModelOptions {
+        max_context: 64,
+        kv_slots: 2,
+        max_batch_tokens: 32,
+        kv_dtype: sluice::backend::KvDtype::F32,
+        exact: true,
+    },
+    ModelOptions {
+        max_context: 64,
+        kv_slots: 2,
+        max_batch_tokens: 32,
+        kv_dtype: sluice::backend::KvDtype::F16,
+        exact: false,
+    },
+];
 
 fn pipeline(
     store: &std::sync::Arc<sluice::store::Store>,
+    opts: ModelOptions,
     budget: Option<u64>,
     threads: usize,
 ) -> Pipeline<sluice::backend::cpu::CpuBackend> {
@@ -96,7 +109,7 @@ fn pipeline(
     let input = PlanInput {
         device_budget: budget,
         host_cache_budget: 0,
-        opts: OPTS,
+        opts,
         prefetch: Some(2),
         expert_cache: None,
         expert_profile: None,
@@ -159,53 +172,71 @@ fn check(src: &std::path::Path, name: &str) {
     let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let tmp = tempfile::tempdir().expect("tempdir");
     let store = pack_store(src, &tmp.path().join("s"), "zstd:1", 64 << 10);
-    let full = plan(
-        store.manifest(),
-        &PlanInput {
-            device_budget: None,
+    for opts in OPTS {
+        let input = |device_budget| PlanInput {
+            device_budget,
             host_cache_budget: 0,
-            opts: OPTS,
+            opts,
             prefetch: Some(2),
             expert_cache: None,
             expert_profile: None,
             backend_reserved: 0,
             host: Default::default(),
-        },
-    )
-    .expect("plan");
-    // The least budget that runs streams nearly every unit.
-    let least = plan(
-        store.manifest(),
-        &PlanInput {
-            device_budget: Some(4096),
-            host_cache_budget: 0,
-            opts: OPTS,
-            prefetch: Some(2),
-            expert_cache: None,
-            expert_profile: None,
-            backend_reserved: 0,
-            host: Default::default(),
-        },
-    )
-    .expect_err("4 KiB is too small")
-    .need();
-    for threads in [1, 2] {
-        for (what, budget) in [("all resident", None), ("streamed", Some(least))] {
-            let mut r = pipeline(&store, budget, threads);
-            if budget.is_some() {
-                assert!(r.plan.layers_streamed() > 0, "{name}: nothing streams");
-            } else {
-                assert_eq!(r.plan.device_budget, full.device_budget);
+        };
+        let full = plan(store.manifest(), &input(None)).expect("plan");
+        // The least budget that runs streams nearly every unit.
+        let least = plan(store.manifest(), &input(Some(4096)))
+            .expect_err("4 KiB is too small")
+            .need();
+        let numerics = if opts.exact {
+            "--exact"
+        } else {
+            "default numerics"
+        };
+        for threads in [1, 2] {
+            for (what, budget) in [("all resident", None), ("streamed", Some(least))] {
+                let mut r = pipeline(&store, opts, budget, threads);
+                if budget.is_some() {
+                    assert!(r.plan.layers_streamed() > 0, "{name}: nothing streams");
+                } else {
+                    assert_eq!(r.plan.device_budget, full.device_budget);
+                }
+                let (allocs, steps) = allocations_per_step(&mut r);
+                let at = format!("{name}, {numerics}, {what}, {threads} threads");
+                assert_eq!(
+                    allocs, 0,
+                    "{at}: {allocs} allocations in {steps} decode steps (run with SLUICE_ALLOC_TRACE=1 to see where)"
+                );
+                eprintln!("{at}: {allocs} allocations in {steps} decode steps");
             }
-            let (allocs, steps) = allocations_per_step(&mut r);
-            let at = format!("{name}, {what}, {threads} threads");
-            assert_eq!(
-                allocs, 0,
-                "{at}: {allocs} allocations in {steps} decode steps (run with SLUICE_ALLOC_TRACE=1 to see where)"
-            );
-            eprintln!("{at}: {allocs} allocations in {steps} decode steps");
         }
     }
+}
+
+/// The control: the counter sees allocations made while it counts, on this thread and on
+/// another, and none once it stops (else a zero above would prove nothing).
+#[test]
+fn the_counter_sees_allocations_while_counting() {
+    let _one = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    ALLOCS.store(0, Ordering::SeqCst);
+    COUNTING.store(true, Ordering::SeqCst);
+    let here = std::hint::black_box(vec![1u8; 100]);
+    let there = std::thread::spawn(|| std::hint::black_box(vec![2u8; 100]).len())
+        .join()
+        .expect("thread");
+    COUNTING.store(false, Ordering::SeqCst);
+    let seen = ALLOCS.load(Ordering::SeqCst);
+    assert!(
+        seen >= 2,
+        "{seen} allocations counted for at least two ({} + {there} bytes)",
+        here.len()
+    );
+    drop(std::hint::black_box(vec![3u8; 100]));
+    assert_eq!(
+        ALLOCS.load(Ordering::SeqCst),
+        seen,
+        "counted while not counting"
+    );
 }
 
 #[test]

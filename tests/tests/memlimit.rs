@@ -318,15 +318,11 @@ fn run_capped(
 }
 
 #[test]
+#[ignore = "needs a memory cgroup of its own (root): scripts/test.sh runs it where one can be made, SLUICE_PRIVILEGED_TESTS=1 insists"]
 fn sluiced_run_completes_within_its_host_memory_inside_a_cgroup_of_that_limit() {
-    let probe = match Cgroup::new("sluice-memlimit-probe", 64 << 20) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!("SKIPPED: cannot make a memory cgroup here ({e})");
-            return;
-        }
-    };
-    drop(probe);
+    if let Err(e) = Cgroup::new("sluice-memlimit-probe", 64 << 20) {
+        panic!("cannot make a memory cgroup here ({e}): run as root on a machine with the memory controller, or leave this test out (SLUICE_PRIVILEGED_TESTS=0)");
+    }
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("smollm2");
     pack_store(&smollm2_gguf(), &dir, "lz4", 1 << 20);
