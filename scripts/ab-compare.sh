@@ -20,8 +20,9 @@ ids_of() { python3 -c 'import json,sys; print(json.load(sys.stdin)["generated_to
 same=0; differ=0
 for m in "${!SRC[@]}"; do
   "$NEW" pack "${SRC[$m]}" -o "$W/$m" --codec zstd:1 --frame-size 64KiB --force >/dev/null 2>&1 || { echo "pack $m failed"; differ=$((differ+1)); continue; }
-  # The least budget that runs (most units stream), as the planner's error states it.
-  least=$("$NEW" run "$W/$m" --prompt-ids 1 --max-tokens 1 --max-context 128 --device-memory 4096 --backend cpu 2>&1 | sed -n 's/.*(\([0-9]*\) bytes) at least.*/\1/p')
+  # The least budget that runs (most units stream), as the planner's error states it for
+  # the longest run below (its workspace grows with the prompt).
+  least=$("$NEW" run "$W/$m" --prompt-ids 10,200,30,40,5,60,7 --max-tokens 24 --max-context 128 --device-memory 4096 --backend cpu 2>&1 | sed -n 's/.*(\([0-9]*\) bytes) at least.*/\1/p')
   for budget in all-resident "$least"; do
     extra=(); [ "$budget" != all-resident ] && extra=(--device-memory "$budget")
     for samp in "--temperature 0" "--temperature 0.8 --top-p 0.95 --seed 7"; do

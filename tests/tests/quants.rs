@@ -116,7 +116,7 @@ fn gemma3_270m_every_tensor_dequantizes_like_gguf_py() {
         let cols = t.dims[0];
         let rows = n / cols;
         let rb = dt.row_bytes(cols).expect("whole blocks") as usize;
-        sluice::backend::cpu::kernels::dequant_rows(
+        sluice::backend::cpu::dequant_rows(
             dt,
             &bytes[at..at + rb * rows as usize],
             rb,

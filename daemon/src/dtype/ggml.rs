@@ -22,8 +22,19 @@ pub(crate) const KVALUES_IQ4NL: [i8; 16] = [
 pub(crate) const KVALUES_MXFP4: [i8; 16] =
     [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12];
 
+#[inline(always)]
 fn f16_at(b: &[u8], at: usize) -> f32 {
     f16::from_le_bytes([b[at], b[at + 1]]).to_f32()
+}
+
+/// Where the quants of a Q8_0, Q4_0 or Q4_1 block start: after its f16 scale d (and, in
+/// Q4_1, its f16 minimum m). The CPU's fused dot kernels read the blocks in place by it.
+pub(crate) const fn quants_at(t: DType) -> usize {
+    if matches!(t, DType::Q4_1) {
+        4
+    } else {
+        2
+    }
 }
 
 /// An E8M0 exponent as the f32 2^(e - 128) (half the scale: the values are doubled).
@@ -73,12 +84,7 @@ pub fn dequantize(t: DType, src: &[u8], out: &mut [f32]) -> Result<(), String> {
 #[inline]
 pub fn dequantize_block(t: DType, b: &[u8], y: &mut [f32]) {
     match t {
-        DType::Q8_0 => {
-            let d = f16_at(b, 0);
-            for (o, &q) in y.iter_mut().zip(&b[2..34]) {
-                *o = d * q as i8 as f32;
-            }
-        }
+        DType::Q8_0 => q8_0(b, y),
         DType::Q4_0 | DType::Q4_1 => q4(t, b, y),
         DType::Q5_0 | DType::Q5_1 => q5(t, b, y),
         DType::Q2K => q2_k(b, y),
@@ -92,14 +98,24 @@ pub fn dequantize_block(t: DType, b: &[u8], y: &mut [f32]) {
     }
 }
 
+/// Q8_0 (d, qs[32]: d * q). Inlined into the CPU's row dequantization (its hot loop).
+#[inline(always)]
+pub(crate) fn q8_0(b: &[u8], y: &mut [f32]) {
+    let d = f16_at(b, 0);
+    for (o, &q) in y.iter_mut().zip(&b[quants_at(DType::Q8_0)..][..32]) {
+        *o = d * q as i8 as f32;
+    }
+}
+
 /// Q4_0 (d, qs[16]: q - 8) and Q4_1 (d, m, qs: q * d + m); byte j holds element j in its
-/// low nibble and j + 16 in its high one.
-fn q4(t: DType, b: &[u8], y: &mut [f32]) {
+/// low nibble and j + 16 in its high one. Inlined as `q8_0` is.
+#[inline(always)]
+pub(crate) fn q4(t: DType, b: &[u8], y: &mut [f32]) {
     let d = f16_at(b, 0);
     let (m, at) = if t == DType::Q4_1 {
-        (f16_at(b, 2), 4)
+        (f16_at(b, 2), quants_at(DType::Q4_1))
     } else {
-        (-8.0 * d, 2)
+        (-8.0 * d, quants_at(DType::Q4_0))
     };
     for j in 0..16 {
         let q = b[at + j];

@@ -1,22 +1,38 @@
 //! The CPU backend: device memory is host memory carved from a budgeted arena (so the
-//! streaming path and its budget are real without a GPU), ops are multi-threaded with
-//! a team of spinning threads (`team.rs`), dense tiles go through `matrixmultiply`'s sgemm, and quantized weights are
-//! dequantized a tile of rows at a time (never a whole matrix).
+//! streaming path and its budget are real without a GPU), ops are multi-threaded with a
+//! team of spinning threads (`team.rs`), each thread's scratch reserved ahead (nothing is
+//! allocated per step). This file holds the memory, the scratch and the `Backend` impl;
+//! the ops are split as the CUDA backend's are: matrix products in `matmul.rs` (decode
+//! rows through `gemv.rs` and `q8.rs`, prefill rows through dequantized tiles and
+//! `matrixmultiply`'s sgemm, never a whole matrix at once), attention in `attention/`,
+//! element-wise ops in `elementwise.rs`.
 
-pub mod kernels;
+mod attention;
+mod elementwise;
+mod gemv;
 #[cfg(target_arch = "x86_64")]
 mod kquant;
+mod matmul;
 pub mod q8;
 #[cfg(target_arch = "x86_64")]
 mod simd;
 mod team;
 
+pub use elementwise::{gelu_tanh, silu};
+
+/// A row range of a quantized matrix as f32 (`tests/tests/quants.rs` checks it against
+/// gguf-py on real tensors).
+pub use gemv::dequant_rows;
+
 use super::{
-    check_upload, AttnShape, AttnStep, Backend, BackendError, KvDtype, MatmulOut, MemBudget,
-    ScratchShape, SeqSpan, WeightRef,
+    check_upload, AttnStep, Backend, BackendError, KvDtype, MatmulOut, MemBudget, ScratchShape,
+    WeightRef,
 };
 use crate::dtype::DType;
 use crate::hostbuf::{AlignedBuf, IO_ALIGN};
+use attention::kernels::GROUP_MAX;
+use attention::ATTN_CHUNK;
+use matmul::{decode_chunk, tile_f32s_max, Acts, SGEMM_PACK_BYTES};
 use std::cell::{Cell, RefCell};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -25,105 +41,6 @@ use std::sync::{Arc, Mutex};
 fn bytemuck_f16(x: &mut [u16]) -> &mut [half::f16] {
     // SAFETY: f16 is a transparent u16.
     unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr() as *mut half::f16, x.len()) }
-}
-
-/// The KV cache's rows, whatever its element type: q . k and o += w v.
-enum KvRows<'a> {
-    F32(&'a [f32], &'a [f32]),
-    F16(&'a [u16], &'a [u16]),
-}
-
-impl<'a> KvRows<'a> {
-    fn of(kv: KvDtype, k: &'a CpuMem, v: &'a CpuMem) -> KvRows<'a> {
-        match kv {
-            KvDtype::F32 => KvRows::F32(k.f32s(), v.f32s()),
-            KvDtype::F16 => KvRows::F16(k.u16s(), v.u16s()),
-        }
-    }
-
-    /// q . (key row at `at`), in an order that depends only on the head dimension.
-    fn dot(&self, at: usize, q: &[f32]) -> f32 {
-        let n = q.len();
-        match self {
-            KvRows::F32(ks, _) => kernels::dot_f32(q, &ks[at..at + n]),
-            KvRows::F16(ks, _) => kernels::dot_f16(q, &ks[at..at + n]),
-        }
-    }
-
-    /// Scores of keys lo..lo + sc.len() against q, `row(j)` the element of key j: four at a
-    /// time from lo (the grouping depends only on lo and the count, not on the batch;
-    /// each score's bits are `dot`'s).
-    fn scores(&self, q: &[f32], lo: usize, row: impl Fn(usize) -> usize, sc: &mut [f32]) {
-        let mut j = 0;
-        while j + 4 <= sc.len() {
-            let at = std::array::from_fn(|r| row(lo + j + r));
-            let four = match self {
-                KvRows::F32(ks, _) => kernels::dot4_f32(q, ks, at),
-                KvRows::F16(ks, _) => kernels::dot4_f16(q, ks, at),
-            };
-            sc[j..j + 4].copy_from_slice(&four);
-            j += 4;
-        }
-        for (i, s) in sc.iter_mut().enumerate().skip(j) {
-            *s = self.dot(row(lo + i), q);
-        }
-    }
-
-    /// o += w[j] (value row of key lo + j) for every j, in order.
-    fn weighted_sum(&self, w: &[f32], lo: usize, row: impl Fn(usize) -> usize, o: &mut [f32]) {
-        let mut j = 0;
-        while j + 4 <= w.len() {
-            let at = std::array::from_fn(|r| row(lo + j + r));
-            let four = std::array::from_fn(|r| w[j + r]);
-            match self {
-                KvRows::F32(_, vs) => kernels::axpy4_f32(four, vs, at, o),
-                KvRows::F16(_, vs) => kernels::axpy4_f16(four, vs, at, o),
-            }
-            j += 4;
-        }
-        for (i, &wi) in w.iter().enumerate().skip(j) {
-            self.axpy(row(lo + i), wi, o);
-        }
-    }
-
-    /// o += w (value row at `at`).
-    fn axpy(&self, at: usize, w: f32, o: &mut [f32]) {
-        let n = o.len();
-        match self {
-            KvRows::F32(_, vs) => kernels::axpy_f32(w, &vs[at..at + n], o),
-            KvRows::F16(_, vs) => kernels::axpy_f16(w, &vs[at..at + n], o),
-        }
-    }
-}
-
-/// Dequantized weights a thread's sgemm tile holds at most (512 KiB of f32), unless
-/// TILE_ROWS_MIN rows need more.
-const TILE_F32S: usize = 128 * 1024;
-const TILE_ROWS_MIN: usize = 32;
-/// At most 56 rows: matrixmultiply's sgemm allocates a packing buffer of KC x (MC + rows)
-/// f32 a call (KC 256, MC 64), and 56 rows keep it under glibc's 128 KiB mmap threshold.
-/// A larger one is mmapped, and once freed it raises the threshold, so that every later
-/// one stays in the thread's heap: 224-row tiles left SmolLM2's resident set 2.7 MB larger,
-/// which under a 96 MiB memory cgroup pushed the executable's pages out (decode 1.5
-/// tokens/s instead of 47).
-const TILE_ROWS_MAX: usize = 56;
-/// sgemm's packing buffer for a tile of TILE_ROWS_MAX rows (see there).
-const SGEMM_PACK_BYTES: usize = 256 * (64 + TILE_ROWS_MAX) * std::mem::size_of::<f32>();
-
-/// Weight rows per sgemm tile for rows of `k`: as many as TILE_F32S holds, from
-/// TILE_ROWS_MIN to TILE_ROWS_MAX, a multiple of 8. sgemm packs the whole block of
-/// activations once a call, so a tile of few rows packs them again and again (32 rows
-/// spent a fifth of SmolLM2's prefill packing; 56 rows run it 5-10% faster). Whatever the
-/// tile, an output's bits are the same: its dot product over k, in sgemm's order.
-fn tile_rows(k: usize) -> usize {
-    (TILE_F32S / k.max(1) / 8 * 8).clamp(TILE_ROWS_MIN, TILE_ROWS_MAX)
-}
-
-/// The most f32 a tile takes for rows of at most `k_max`.
-fn tile_f32s_max(k_max: usize) -> usize {
-    (TILE_ROWS_MAX * k_max)
-        .min(TILE_F32S)
-        .max(TILE_ROWS_MIN * k_max)
 }
 
 /// A device allocation of the CPU backend: an arena buffer it owns, or (for a streamed
@@ -226,15 +143,6 @@ struct Scratch {
     attn_tasks: Vec<(usize, usize, usize, usize)>,
     /// Softmax partials of the chunks of split decode rows.
     partials: Vec<f32>,
-}
-
-/// The activations a decode matmul's integer kernels see: f32 (the reference, `--exact`),
-/// 8 bits (every matmul on the fast path) or 16 bits (the output head on the fast path).
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Acts {
-    F32,
-    I8,
-    I16,
 }
 
 /// How an op's independent tasks run: across the team, or in order on the calling thread
@@ -363,394 +271,6 @@ impl CpuBackend {
         RESERVED.with(|r| r.set(epoch));
     }
 
-    /// `Backend::matmuls` with the activations of decode rows 8-bit, 16-bit or f32: the
-    /// decode rows are converted once for every product, and the products' tasks run as
-    /// one op (a weight's output columns in chunks, every weight's chunks together).
-    fn matmul_as(
-        &self,
-        x: &CpuMem,
-        rows: usize,
-        gemv_rows: usize,
-        outs: &mut [MatmulOut<'_, CpuMem>],
-        acts: Acts,
-    ) {
-        let n = outs.len();
-        assert!(
-            (1..=MAX_SHARED).contains(&n),
-            "{n} products of one activation (1 to {MAX_SHARED})"
-        );
-        let k = outs[0].w.cols;
-        for o in outs.iter_mut() {
-            let m = o.w.rows;
-            assert!(
-                o.w.cols == k && x.len / 4 >= rows * k && o.out.len / 4 >= rows * m,
-                "matmul shapes: x {} f32, out {} f32 for [{rows}, {k}] x [{m}, {}]^T",
-                x.len / 4,
-                o.out.len / 4,
-                o.w.cols
-            );
-        }
-        assert!(gemv_rows <= rows);
-        let xs = &x.f32s()[..rows * k];
-        let g = gemv_rows;
-        let mm: [Matmul; MAX_SHARED] = std::array::from_fn(|i| {
-            let o = &mut outs[i.min(n - 1)];
-            let w = o.w;
-            Matmul {
-                dtype: w.dtype,
-                wb: weight_bytes(&w),
-                rb: w.dtype.row_bytes(k as u64).expect("validated") as usize,
-                xs,
-                k,
-                m: w.rows,
-                out: SharedPtr(o.out.f32s_mut().as_mut_ptr()),
-                threads: self.threads,
-                path: DecodePath::of(w.dtype, acts),
-            }
-        });
-        let mm = &mm[..n];
-        let mut scratch = self.scratch();
-        let Scratch { xsums, q8, q16, .. } = &mut *scratch;
-        // Each conversion of the decode rows once, for every product that takes it.
-        let needs = |p: DecodePath| g > 0 && mm.iter().any(|m| m.path == p);
-        if needs(DecodePath::Int8) {
-            q8::quantize_rows(&xs[..g * k], k, q8);
-        }
-        if needs(DecodePath::Int16) {
-            q8::quantize_rows(&xs[..g * k], k, q16);
-        }
-        if needs(DecodePath::Rows4) {
-            kernels::block_sums_into(&xs[..g * k], xsums);
-        }
-        let acts = DecodeActs { q8, q16, xsums };
-        self.run(|par| {
-            // Single-token rows (decode) run through the dot-product kernels, whose result for
-            // a row does not depend on the other rows; the rest (prefill chunks) through
-            // dequantized tiles and sgemm, also row by row independent. So a sequence's
-            // numbers are the same alone or in any batch.
-            if g > 0 {
-                decode_rows(par, mm, g, &acts);
-            }
-            if rows > g {
-                prefill_rows(par, mm, g, rows - g);
-            }
-        });
-        for o in outs.iter_mut() {
-            if let Some(b) = o.bias {
-                let m = o.w.rows;
-                let bv = f32_vector(&b, &mut scratch.weights);
-                for orow in o.out.f32s_mut()[..rows * m].chunks_exact_mut(m) {
-                    for (v, bb) in orow.iter_mut().zip(bv) {
-                        *v += bb;
-                    }
-                }
-            }
-        }
-    }
-
-    /// Attention over an f32 cache (`--exact`), a KV head at a time: each key and value is
-    /// read once for the query heads that share it (up to GROUP_MAX at once), a row's
-    /// scores over its whole visible context, then its softmax, then the weighted values,
-    /// in chunks of ATTN_CHUNK keys. A task is a (span, KV head); when those are fewer
-    /// than two a thread, a decode row's scores are computed a chunk of keys a task, then
-    /// its weighted values a block of columns a task (each softmaxing the row again), so a
-    /// long context keeps every thread busy. Every number has the bits of the
-    /// head-at-a-time path (`KvRows::scores`, `softmax_scaled`, `KvRows::weighted_sum`):
-    /// the same products and sums in the same order, however the work is cut.
-    fn attention_grouped_f32(
-        &self,
-        qs: &[f32],
-        (ks, vs): (&[f32], &[f32]),
-        step: &AttnStep<'_>,
-        sinks: Option<&[f32]>,
-        optr: SharedPtr,
-    ) {
-        let (spans, shape, cache) = (step.spans, step.shape, step.cache);
-        let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
-        let (group, width_q, scale) = (heads / kv_heads, heads * hd, shape.scale);
-        let split = self.threads > 1 && spans.len() * kv_heads < 2 * self.threads;
-        // A split row's columns in blocks of `width` (a multiple of 8), enough blocks for
-        // two tasks a thread.
-        let blocks = (2 * self.threads).div_ceil((spans.len() * kv_heads).max(1));
-        let width = hd.div_ceil(blocks).next_multiple_of(8).min(hd);
-        // A chunk's scores for the group's heads, rows ATTN_CHUNK apart.
-        let block = group * ATTN_CHUNK;
-        // Positions a query at p sees.
-        let visible = |p: usize| p + 1 - cache.first_visible(p);
-        let chunk_keys = |keys: &mut Vec<usize>, sp: &SeqSpan, p: usize, g: usize, c: usize| {
-            let lo = cache.first_visible(p) + c * ATTN_CHUNK;
-            keys.clear();
-            keys.extend(
-                (lo..(lo + ATTN_CHUNK).min(p + 1)).map(|j| cache.at(&shape, sp.slot, j) + g * hd),
-            );
-        };
-        let mut scratch = self.scratch();
-        let Scratch {
-            attn_tasks,
-            partials,
-            ..
-        } = &mut *scratch;
-        // (span, KV head, chunk or ALL of them, where a chunk's scores go).
-        let chunks_of = |sp: &SeqSpan| visible(sp.pos).div_ceil(ATTN_CHUNK);
-        let at = attention_tasks(attn_tasks, (spans, kv_heads), split, chunks_of, block);
-        partials.clear();
-        partials.resize(at, 0.0);
-        let pptr = SharedPtr(partials.as_mut_ptr());
-        let tasks = &*attn_tasks;
-        self.run(|par| {
-            par.for_each_in(tasks, |&(si, g, c, at)| {
-                let sp = spans[si];
-                KEYS.with(|keys| {
-                    let mut keys = keys.borrow_mut();
-                    if c != ALL {
-                        // SAFETY: this task's own block of the partials.
-                        let out = unsafe { pptr.slice(at, block) };
-                        chunk_keys(&mut keys, &sp, sp.pos, g, c);
-                        let qg = &qs[sp.row * width_q + g * group * hd..][..group * hd];
-                        kernels::group_scores_f32(qg, hd, ks, &keys, out, ATTN_CHUNK);
-                        return;
-                    }
-                    SCORES.with(|sc| {
-                        let mut sc = sc.borrow_mut();
-                        for t in 0..sp.n {
-                            let p = sp.pos + t;
-                            let len = visible(p);
-                            let row = (sp.row + t) * width_q;
-                            let n_chunks = len.div_ceil(ATTN_CHUNK);
-                            for (h0, gh) in head_subgroups(g, group) {
-                                let qg = &qs[row + h0 * hd..][..gh * hd];
-                                sc.resize(gh * len, 0.0);
-                                for c in 0..n_chunks {
-                                    chunk_keys(&mut keys, &sp, p, g, c);
-                                    let out = &mut sc[c * ATTN_CHUNK..];
-                                    kernels::group_scores_f32(qg, hd, ks, &keys, out, len);
-                                }
-                                for (i, row_sc) in sc.chunks_exact_mut(len).enumerate() {
-                                    softmax_scaled(row_sc, scale, sinks.map(|s| s[h0 + i]));
-                                }
-                                // SAFETY: task (span, KV head) writes the columns of its own
-                                // query heads in its own rows; no two tasks share one.
-                                let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
-                                o.fill(0.0);
-                                for c in 0..n_chunks {
-                                    chunk_keys(&mut keys, &sp, p, g, c);
-                                    let w = &sc[c * ATTN_CHUNK..];
-                                    kernels::group_pv_f32(w, len, hd, vs, &keys, o);
-                                }
-                            }
-                        }
-                    })
-                });
-            });
-        });
-        if at == 0 {
-            return;
-        }
-        // The split rows' weighted values: (span, KV head, column block, its scores).
-        let n = attn_tasks.len();
-        for i in 0..n {
-            let (si, g, c, at) = attn_tasks[i];
-            if c == 0 {
-                attn_tasks.extend((0..hd.div_ceil(width)).map(|b| (si, g, b, at)));
-            }
-        }
-        attn_tasks.drain(..n);
-        let (tasks, partials) = (&*attn_tasks, &*partials);
-        self.run(|par| {
-            par.for_each_in(tasks, |&(si, g, b, at)| {
-                let sp = spans[si];
-                let len = visible(sp.pos);
-                let (row, c0) = (sp.row * width_q, b * width);
-                let w = width.min(hd - c0);
-                SCORES.with(|sc| {
-                    KEYS.with(|keys| {
-                        PARTIAL.with(|part| {
-                            let (mut sc, mut keys) = (sc.borrow_mut(), keys.borrow_mut());
-                            let mut part = part.borrow_mut();
-                            for (h0, gh) in head_subgroups(g, group) {
-                                sc.resize(gh * len, 0.0);
-                                for (i, row_sc) in sc.chunks_exact_mut(len).enumerate() {
-                                    let hr = h0 - g * group + i;
-                                    for (c, piece) in row_sc.chunks_mut(ATTN_CHUNK).enumerate() {
-                                        let from = at + c * block + hr * ATTN_CHUNK;
-                                        piece.copy_from_slice(&partials[from..from + piece.len()]);
-                                    }
-                                    softmax_scaled(row_sc, scale, sinks.map(|s| s[h0 + i]));
-                                }
-                                part.clear();
-                                part.resize(gh * w, 0.0);
-                                for c in 0..len.div_ceil(ATTN_CHUNK) {
-                                    chunk_keys(&mut keys, &sp, sp.pos, g, c);
-                                    let p = &sc[c * ATTN_CHUNK..];
-                                    kernels::group_pv_f32(p, len, w, &vs[c0..], &keys, &mut part);
-                                }
-                                for (i, o) in part.chunks_exact(w).enumerate() {
-                                    // SAFETY: task (span, KV head, block) writes its own
-                                    // columns of its own query heads in its own row.
-                                    let dst = unsafe { optr.slice(row + (h0 + i) * hd + c0, w) };
-                                    dst.copy_from_slice(o);
-                                }
-                            }
-                        })
-                    })
-                });
-            });
-        });
-    }
-
-    /// Attention over an f16 cache, a KV head at a time: each key and value is converted
-    /// once for the query heads that share it (up to GROUP_MAX at once), and a row's keys
-    /// go in chunks of ATTN_CHUNK from its first visible position, each chunk's softmax
-    /// partial merged into the row's in chunk order (`chunk_partial`, `merge_partial`).
-    /// A task is a (span, KV head); when those are fewer than two a thread, the chunks of
-    /// single-token spans (decode rows) become tasks of their own and merge after, so one
-    /// sequence's long context keeps every thread busy. Either way a row's numbers are the
-    /// same: the same partials merged in the same order.
-    fn attention_grouped(
-        &self,
-        qs: &[f32],
-        (ks, vs): (&[u16], &[u16]),
-        step: &AttnStep<'_>,
-        sinks: Option<&[f32]>,
-        optr: SharedPtr,
-    ) {
-        let (spans, shape, cache) = (step.spans, step.shape, step.cache);
-        let (heads, kv_heads, hd) = (shape.heads, shape.kv_heads, shape.head_dim);
-        let (group, width_q, scale) = (heads / kv_heads, heads * hd, shape.scale);
-        let rec = group * (2 + hd);
-        let chunks_of = |sp: &SeqSpan| {
-            let p = sp.pos + sp.n - 1;
-            (p + 1 - cache.first_visible(p)).div_ceil(ATTN_CHUNK)
-        };
-        let split = self.threads > 1 && spans.len() * kv_heads < 2 * self.threads;
-        let mut scratch = self.scratch();
-        let Scratch {
-            attn_tasks,
-            partials,
-            ..
-        } = &mut *scratch;
-        // (span, KV head, chunk or ALL of them in order, where its partial goes).
-        let at = attention_tasks(attn_tasks, (spans, kv_heads), split, chunks_of, rec);
-        partials.clear();
-        partials.resize(at, 0.0);
-        let pptr = SharedPtr(partials.as_mut_ptr());
-        let tasks = &*attn_tasks;
-        // The keys of row (span, t) in chunk c, for KV head g.
-        let chunk_keys = |keys: &mut Vec<usize>, sp: &SeqSpan, t: usize, g: usize, c: usize| {
-            let p = sp.pos + t;
-            let lo = cache.first_visible(p) + c * ATTN_CHUNK;
-            let hi = (lo + ATTN_CHUNK).min(p + 1);
-            keys.clear();
-            keys.extend((lo..hi).map(|j| cache.at(&shape, sp.slot, j) + g * hd));
-        };
-        let subgroups = |g: usize| head_subgroups(g, group);
-        self.run(|par| {
-            par.for_each_in(tasks, |&(si, g, c, at)| {
-                let sp = spans[si];
-                SCORES.with(|sc| {
-                    KEYS.with(|keys| {
-                        PARTIAL.with(|part| {
-                            let (mut sc, mut keys) = (sc.borrow_mut(), keys.borrow_mut());
-                            let mut part = part.borrow_mut();
-                            part.resize(2 * rec, 0.0);
-                            let (acc, cur) = part.split_at_mut(rec);
-                            if c != ALL {
-                                // SAFETY: this task's own record of the partials.
-                                let out = unsafe { pptr.slice(at, rec) };
-                                chunk_keys(&mut keys, &sp, 0, g, c);
-                                for (h0, gh) in subgroups(g) {
-                                    let qg = &qs[sp.row * width_q + h0 * hd..][..gh * hd];
-                                    let r =
-                                        &mut out[(h0 - g * group) * (2 + hd)..][..gh * (2 + hd)];
-                                    chunk_partial(qg, hd, (ks, vs), &keys, scale, &mut sc, r);
-                                }
-                                return;
-                            }
-                            for t in 0..sp.n {
-                                let p = sp.pos + t;
-                                let n_chunks =
-                                    (p + 1 - cache.first_visible(p)).div_ceil(ATTN_CHUNK);
-                                let row = (sp.row + t) * width_q;
-                                for (h0, gh) in subgroups(g) {
-                                    let qg = &qs[row + h0 * hd..][..gh * hd];
-                                    let w = gh * (2 + hd);
-                                    for c in 0..n_chunks {
-                                        chunk_keys(&mut keys, &sp, t, g, c);
-                                        let r = if c == 0 { &mut acc[..w] } else { &mut cur[..w] };
-                                        chunk_partial(qg, hd, (ks, vs), &keys, scale, &mut sc, r);
-                                        if c > 0 {
-                                            merge_partial(&mut acc[..w], &cur[..w], gh, hd);
-                                        }
-                                    }
-                                    // SAFETY: task (span, KV head) writes the columns of its
-                                    // own query heads in its own rows; no two tasks share one.
-                                    let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
-                                    let sk = sinks.map(|s| &s[h0..h0 + gh]);
-                                    finish_partial(&acc[..w], gh, hd, sk, o);
-                                }
-                            }
-                        })
-                    })
-                });
-            });
-        });
-        // The split rows: their chunks' partials merged in chunk order (on this thread,
-        // its partial buffer reused).
-        PARTIAL.with(|part| {
-            let mut acc = part.borrow_mut();
-            let mut i = 0;
-            while i < tasks.len() {
-                let (si, g, c, at) = tasks[i];
-                if c == ALL {
-                    i += 1;
-                    continue;
-                }
-                let n_chunks = chunks_of(&spans[si]);
-                let row = spans[si].row * width_q;
-                for (h0, gh) in subgroups(g) {
-                    let (off, w) = ((h0 - g * group) * (2 + hd), gh * (2 + hd));
-                    acc.clear();
-                    acc.extend_from_slice(&partials[at + off..at + off + w]);
-                    for k in 1..n_chunks {
-                        let r = at + k * rec + off;
-                        merge_partial(&mut acc, &partials[r..r + w], gh, hd);
-                    }
-                    // SAFETY: the pool is done; this (row, head group) is written once.
-                    let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
-                    finish_partial(&acc, gh, hd, sinks.map(|s| &s[h0..h0 + gh]), o);
-                }
-                i += n_chunks;
-            }
-        });
-    }
-
-    /// `x[i] = f(x[i], y[i])` for the first `n` elements, in pieces across the pool where
-    /// `n` is a prefill's worth (an activation's exp or tanh costs more than its memory
-    /// traffic); element by element, so the split does not change a bit.
-    fn elementwise(
-        &self,
-        x: &mut CpuMem,
-        y: &CpuMem,
-        n: usize,
-        f: impl Fn(f32, f32) -> f32 + Sync,
-    ) {
-        const PIECE: usize = 16 * 1024;
-        let (xs, ys) = (&mut x.f32s_mut()[..n], &y.f32s()[..n]);
-        if n < 2 * PIECE || self.threads == 1 {
-            kernels::map2(xs, ys, f);
-            return;
-        }
-        let xp = SharedPtr(xs.as_mut_ptr());
-        self.run(|par| {
-            par.for_each(n.div_ceil(PIECE), |c| {
-                let (i0, i1) = (c * PIECE, ((c + 1) * PIECE).min(n));
-                // SAFETY: piece c is elements i0..i1 only; pieces are disjoint.
-                let xc = unsafe { xp.slice(i0, i1 - i0) };
-                kernels::map2(xc, &ys[i0..i1], &f);
-            });
-        });
-    }
-
     fn scratch(&self) -> std::sync::MutexGuard<'_, Scratch> {
         // A panicked op leaves only stale scratch contents behind.
         self.scratch.lock().unwrap_or_else(|e| e.into_inner())
@@ -770,132 +290,8 @@ fn f32_vector<'a>(w: &WeightRef<'a, CpuMem>, scratch: &'a mut Vec<f32>) -> &'a [
         return unsafe { std::slice::from_raw_parts(bytes.as_ptr() as *const f32, n) };
     }
     scratch.resize(n, 0.0);
-    kernels::dequant_rows(w.dtype, bytes, bytes.len() / w.rows.max(1), w.cols, scratch);
+    gemv::dequant_rows(w.dtype, bytes, bytes.len() / w.rows.max(1), w.cols, scratch);
     scratch
-}
-
-/// A grouped attention's task for all of a (span, KV head)'s chunks of keys.
-const ALL: usize = usize::MAX;
-
-/// The tasks of a grouped attention into `tasks`: (span, KV head, ALL, 0) for each, or
-/// where `split`, for a span of one row (a decode row), a task per chunk of its keys
-/// (`chunks_of`): (span, KV head, chunk, where its `rec` floats of results go). Returns
-/// the floats the chunks' results take.
-fn attention_tasks(
-    tasks: &mut Vec<(usize, usize, usize, usize)>,
-    (spans, kv_heads): (&[SeqSpan], usize),
-    split: bool,
-    chunks_of: impl Fn(&SeqSpan) -> usize,
-    rec: usize,
-) -> usize {
-    tasks.clear();
-    let mut at = 0;
-    for (si, sp) in spans.iter().enumerate() {
-        for g in 0..kv_heads {
-            if split && sp.n == 1 {
-                for c in 0..chunks_of(sp) {
-                    tasks.push((si, g, c, at));
-                    at += rec;
-                }
-            } else {
-                tasks.push((si, g, ALL, 0));
-            }
-        }
-    }
-    at
-}
-
-/// The query heads of KV head `g` (`group` of them) in runs of at most GROUP_MAX: (first
-/// head, count).
-fn head_subgroups(g: usize, group: usize) -> impl Iterator<Item = (usize, usize)> + Clone {
-    (g * group..(g + 1) * group)
-        .step_by(kernels::GROUP_MAX)
-        .map(move |h0| (h0, ((g + 1) * group - h0).min(kernels::GROUP_MAX)))
-}
-
-/// Keys a chunk of grouped f16 attention (`CpuBackend::attention_grouped`).
-const ATTN_CHUNK: usize = 256;
-
-/// The softmax partial of one chunk of keys for `gh` query heads `qg` (rows of `hd`):
-/// `out` = [max score; gh], [sum of exp(score - max); gh], [sum of exp(score - max) *
-/// value; gh rows of hd].
-fn chunk_partial(
-    qg: &[f32],
-    hd: usize,
-    (ks, vs): (&[u16], &[u16]),
-    keys: &[usize],
-    scale: f32,
-    sc: &mut Vec<f32>,
-    out: &mut [f32],
-) {
-    let (gh, n) = (qg.len() / hd, keys.len());
-    sc.resize(gh * n, 0.0);
-    kernels::group_scores_f16(qg, hd, ks, keys, sc);
-    for (i, s) in sc.chunks_exact_mut(n).enumerate() {
-        (out[i], out[gh + i]) = exp_scaled(s, scale);
-    }
-    kernels::group_pv_f16(sc, hd, vs, keys, &mut out[2 * gh..2 * gh + gh * hd]);
-}
-
-/// Merges the partial `new` into `acc` (both as `chunk_partial` writes them).
-fn merge_partial(acc: &mut [f32], new: &[f32], gh: usize, hd: usize) {
-    for i in 0..gh {
-        let m = acc[i].max(new[i]);
-        let (a, b) = ((acc[i] - m).exp(), (new[i] - m).exp());
-        acc[i] = m;
-        acc[gh + i] = acc[gh + i] * a + new[gh + i] * b;
-        let o = 2 * gh + i * hd;
-        for (x, &y) in acc[o..o + hd].iter_mut().zip(&new[o..o + hd]) {
-            *x = *x * a + y * b;
-        }
-    }
-}
-
-/// The attention output of a merged partial: weighted values over the sum (with each
-/// head's sink logit in the sum, where the model has sinks).
-fn finish_partial(acc: &[f32], gh: usize, hd: usize, sinks: Option<&[f32]>, o: &mut [f32]) {
-    for i in 0..gh {
-        let inv = match sinks {
-            None => 1.0 / acc[gh + i],
-            Some(s) => sink_share(acc[i], acc[gh + i], s[i]),
-        };
-        let src = &acc[2 * gh + i * hd..2 * gh + (i + 1) * hd];
-        for (x, &y) in o[i * hd..(i + 1) * hd].iter_mut().zip(src) {
-            *x = y * inv;
-        }
-    }
-}
-
-/// Scores times `scale`, then exp(score - max) in place; returns (max, sum of the exps),
-/// summed in order.
-fn exp_scaled(sc: &mut [f32], scale: f32) -> (f32, f32) {
-    let mut mx = f32::NEG_INFINITY;
-    for s in sc.iter_mut() {
-        *s *= scale;
-        mx = mx.max(*s);
-    }
-    kernels::map1(sc, |s| kernels::exp_f32(s - mx));
-    (mx, sc.iter().sum())
-}
-
-/// Scores times `scale`, then softmax in place: `exp_scaled`, then scaled by 1 / sum (the
-/// sum with the sink's term, where there is a sink).
-fn softmax_scaled(sc: &mut [f32], scale: f32, sink: Option<f32>) {
-    let (mx, sum) = exp_scaled(sc, scale);
-    let inv = match sink {
-        None => 1.0 / sum,
-        Some(s) => sink_share(mx, sum, s),
-    };
-    sc.iter_mut().for_each(|s| *s *= inv);
-}
-
-/// What exp(score - `mx`) is multiplied by to become a probability when a sink logit
-/// joins the softmax (`sum` = the sum of the scores' exp(score - mx)): with m the larger of
-/// mx and the sink, e^(mx - m) / (sum e^(mx - m) + e^(sink - m)).
-fn sink_share(mx: f32, sum: f32, sink: f32) -> f32 {
-    let m = mx.max(sink);
-    let a = (mx - m).exp();
-    a / (sum * a + (sink - m).exp())
 }
 
 /// A pointer that parallel tasks write through at disjoint places.
@@ -907,6 +303,7 @@ unsafe impl Sync for SharedPtr {}
 
 impl SharedPtr {
     /// The address of element `i` (a method, so a closure captures the whole `SharedPtr`).
+    #[inline]
     fn at(self, i: usize) -> *mut f32 {
         self.0.wrapping_add(i)
     }
@@ -916,6 +313,7 @@ impl SharedPtr {
     /// # Safety
     /// The range is inside the allocation, and no other task reads or writes it while the
     /// slice lives.
+    #[inline]
     unsafe fn slice<'o>(self, at: usize, len: usize) -> &'o mut [f32] {
         // SAFETY: the caller's contract.
         unsafe { std::slice::from_raw_parts_mut(self.0.add(at), len) }
@@ -955,13 +353,13 @@ impl ThreadScratch {
     /// heads of a KV head (at most all of them, the f16 cache's path), or a block of
     /// columns for up to GROUP_MAX heads (the f32 cache's split rows).
     fn partial(self) -> usize {
-        (2 * self.heads * (2 + self.head_dim)).max(kernels::GROUP_MAX * self.head_dim)
+        (2 * self.heads * (2 + self.head_dim)).max(GROUP_MAX * self.head_dim)
     }
 
     /// Scores: whole rows of up to GROUP_MAX heads (the f32 cache's path), or a chunk of
     /// keys for as many (the f16 cache's).
     fn scores(self) -> usize {
-        kernels::GROUP_MAX * self.max_context.max(ATTN_CHUNK)
+        GROUP_MAX * self.max_context.max(ATTN_CHUNK)
     }
 
     fn tile(self) -> usize {
@@ -972,7 +370,7 @@ impl ThreadScratch {
     fn bytes(self) -> usize {
         use std::mem::size_of;
         SGEMM_PACK_BYTES
-            + kernels::thread_scratch_bytes(self.k_max)
+            + gemv::thread_scratch_bytes(self.k_max)
             + self.chunk_max * (size_of::<[f32; 4]>() + size_of::<[f32; q8::ROWS_MAX]>())
             + (self.scores() + self.tile() + self.partial()) * size_of::<f32>()
             + ATTN_CHUNK * size_of::<usize>()
@@ -987,7 +385,7 @@ impl ThreadScratch {
             let len = v.len();
             v.reserve(n.saturating_sub(len));
         }
-        kernels::reserve_thread_scratch(self.k_max);
+        gemv::reserve_thread_scratch(self.k_max);
         RES4.with(|r| grow(&mut r.borrow_mut(), self.chunk_max));
         RES.with(|r| grow(&mut r.borrow_mut(), self.chunk_max));
         SCORES.with(|s| grow(&mut s.borrow_mut(), self.scores()));
@@ -1098,7 +496,7 @@ impl Backend for CpuBackend {
                 "token id {id} past the {} embedding rows",
                 table.rows
             );
-            kernels::dequant_rows(table.dtype, &bytes[id * rb..(id + 1) * rb], rb, cols, row);
+            gemv::dequant_rows(table.dtype, &bytes[id * rb..(id + 1) * rb], rb, cols, row);
         }
     }
 
@@ -1232,64 +630,7 @@ impl Backend for CpuBackend {
         sinks: Option<WeightRef<'_, CpuMem>>,
         out: &mut CpuMem,
     ) {
-        // The decoder stores sinks in f32 (read in place); another dtype is converted.
-        let mut converted = Vec::new();
-        let sinks = sinks.map(|w| f32_vector(&w, &mut converted));
-        let (spans, shape, cache) = (step.spans, step.shape, step.cache);
-        let AttnShape {
-            heads,
-            kv_heads,
-            head_dim,
-            max_context,
-            scale,
-            ..
-        } = shape;
-        let group = heads / kv_heads;
-        let width_q = heads * head_dim;
-        let qs = q.f32s();
-        let kv = KvRows::of(shape.kv, cache_k, cache_v);
-        let optr = SharedPtr(out.f32s_mut().as_mut_ptr());
-        let mut scratch = self.scratch();
-        let tasks = &mut scratch.tasks;
-        tasks.clear();
-        if let (KvRows::F16(ks, vs), true) = (&kv, kernels::has_group_f16(head_dim)) {
-            drop(scratch);
-            return self.attention_grouped(qs, (ks, vs), step, sinks, optr);
-        }
-        if let (KvRows::F32(ks, vs), true) = (&kv, head_dim.is_multiple_of(8)) {
-            drop(scratch);
-            return self.attention_grouped_f32(qs, (ks, vs), step, sinks, optr);
-        }
-        tasks.extend((0..spans.len()).flat_map(|i| (0..heads).map(move |h| (i, h))));
-        let tasks = &*tasks;
-        self.run(|par| {
-            par.for_each_in(tasks, |&(si, h)| {
-                let sp = spans[si];
-                let g = h / group;
-                SCORES.with(|sc| {
-                    let mut sc = sc.borrow_mut();
-                    // Room for the whole context once, not a doubling as positions grow.
-                    let len = sc.len();
-                    sc.reserve(max_context.saturating_sub(len));
-                    for t in 0..sp.n {
-                        // Attends to positions lo..=p (all of them, or its window).
-                        let p = sp.pos + t;
-                        let lo = cache.first_visible(p);
-                        let kv_row = |j: usize| cache.at(&shape, sp.slot, j) + g * head_dim;
-                        let qrow = &qs[(sp.row + t) * width_q + h * head_dim..][..head_dim];
-                        sc.resize(p + 1 - lo, 0.0);
-                        kv.scores(qrow, lo, kv_row, &mut sc);
-                        softmax_scaled(&mut sc, scale, sinks.map(|s| s[h]));
-                        // SAFETY: task (span, head) writes its own head's columns of its own
-                        // rows; no two tasks share a (row, head).
-                        let o =
-                            unsafe { optr.slice((sp.row + t) * width_q + h * head_dim, head_dim) };
-                        o.fill(0.0);
-                        kv.weighted_sum(&sc, lo, kv_row, o);
-                    }
-                });
-            });
-        });
+        self.attend(q, cache_k, cache_v, step, sinks, out);
     }
 
     fn silu_mul(&self, gate: &mut CpuMem, up: &CpuMem, n: usize) {
@@ -1304,7 +645,7 @@ impl Backend for CpuBackend {
         self.elementwise(gate, up, n, move |g, u| {
             let g = g.min(limit);
             let u = u.clamp(-limit, limit);
-            (u + 1.0) * (g / (1.0 + kernels::exp_f32(-alpha * g)))
+            (u + 1.0) * (g / (1.0 + elementwise::exp_f32(-alpha * g)))
         });
     }
 
@@ -1359,255 +700,6 @@ impl Backend for CpuBackend {
         let s = &src.f32s()[src_row * cols..(src_row + 1) * cols];
         dst.f32s_mut()[dst_row * cols..(dst_row + 1) * cols].copy_from_slice(s);
     }
-}
-
-/// Products of one activation that `matmuls` runs as one op, at most.
-const MAX_SHARED: usize = 4;
-
-/// How a weight meets the decode rows: integer dots against their 8- or 16-bit blocks,
-/// the four-row f32 kernels (with per-block sums), or the one-row f32 dots.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum DecodePath {
-    Int8,
-    Int16,
-    Rows4,
-    Rows,
-}
-
-impl DecodePath {
-    /// Decode rows one weight read serves.
-    fn group(self) -> usize {
-        match self {
-            DecodePath::Int8 | DecodePath::Int16 => q8::ROWS_MAX,
-            DecodePath::Rows4 | DecodePath::Rows => 4,
-        }
-    }
-
-    fn of(dtype: DType, acts: Acts) -> DecodePath {
-        let int = q8::covers(dtype);
-        match acts {
-            Acts::I8 if int => DecodePath::Int8,
-            Acts::I16 if int => DecodePath::Int16,
-            _ if kernels::has_gemv4(dtype) => DecodePath::Rows4,
-            _ => DecodePath::Rows,
-        }
-    }
-}
-
-/// The decode rows converted for the products that need it (`DecodePath`).
-struct DecodeActs<'a> {
-    q8: &'a [q8::Q8Block],
-    q16: &'a [q8::Q16Block],
-    xsums: &'a [f32],
-}
-
-/// One matrix product's operands, shared by its tasks: weight rows `wb` (`rb` bytes each,
-/// `m` of them), activations `xs` (rows of `k`), the output rows (`m` wide), and the path
-/// its decode rows take.
-#[derive(Clone, Copy)]
-struct Matmul<'a> {
-    dtype: DType,
-    wb: &'a [u8],
-    rb: usize,
-    xs: &'a [f32],
-    k: usize,
-    m: usize,
-    out: SharedPtr,
-    threads: usize,
-    path: DecodePath,
-}
-
-impl Matmul<'_> {
-    fn decode_chunk(&self) -> usize {
-        decode_chunk(self.m, self.threads)
-    }
-
-    /// Rows `r0..r0 + n` of the first `g` decode rows against weight rows `j0..j1`: into
-    /// `res` (one column a row; returns true), or straight into the output (false).
-    #[allow(clippy::too_many_arguments)] // a task's place and its operands
-    fn decode_task(
-        &self,
-        acts: &DecodeActs<'_>,
-        g: usize,
-        r0: usize,
-        n: usize,
-        (j0, j1): (usize, usize),
-        res: &mut [[f32; q8::ROWS_MAX]],
-    ) -> bool {
-        let Matmul {
-            dtype,
-            wb,
-            rb,
-            xs,
-            k,
-            m,
-            out: optr,
-            ..
-        } = *self;
-        let nb = k / 32;
-        let w = &wb[j0 * rb..j1 * rb];
-        // A short group repeats its last row (results dropped).
-        let pick = |i: usize| (r0 + i).min(g - 1);
-        match self.path {
-            DecodePath::Int8 => {
-                let rows: [&[q8::Q8Block]; q8::ROWS_MAX] =
-                    std::array::from_fn(|i| &acts.q8[pick(i) * nb..(pick(i) + 1) * nb]);
-                q8::gemv_rows(dtype, w, rb, &rows[..n], res);
-                true
-            }
-            DecodePath::Int16 => {
-                let rows: [&[q8::Q16Block]; q8::ROWS_MAX] =
-                    std::array::from_fn(|i| &acts.q16[pick(i) * nb..(pick(i) + 1) * nb]);
-                q8::gemv_rows16(dtype, w, rb, &rows[..n], res);
-                true
-            }
-            DecodePath::Rows4 if n > 1 => {
-                let xr: [&[f32]; 4] = std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
-                let xsr: [&[f32]; 4] =
-                    std::array::from_fn(|i| &acts.xsums[pick(i) * nb..(pick(i) + 1) * nb]);
-                RES4.with(|r4| {
-                    let mut r4 = r4.borrow_mut();
-                    r4.clear();
-                    r4.resize(res.len(), [0f32; 4]);
-                    kernels::gemv4(dtype, w, rb, &xr, &xsr, &mut r4);
-                    for (o, v) in res.iter_mut().zip(r4.iter()) {
-                        o[..4].copy_from_slice(v);
-                    }
-                });
-                true
-            }
-            DecodePath::Rows4 | DecodePath::Rows => {
-                for r in r0..r0 + n {
-                    // SAFETY: the task of chunk j0..j1 writes out[r][j0..j1] only.
-                    let o = unsafe { optr.slice(r * m + j0, j1 - j0) };
-                    kernels::gemv(dtype, w, rb, &xs[r * k..(r + 1) * k], o);
-                }
-                false
-            }
-        }
-    }
-}
-
-/// Output columns per decode task of a product of `m` columns: about `TASKS_PER_THREAD`
-/// tasks per thread (claimed as threads free up, so a thread that fell behind takes fewer),
-/// at least 16 columns.
-fn decode_chunk(m: usize, threads: usize) -> usize {
-    const TASKS_PER_THREAD: usize = 4;
-    m.div_ceil(threads * TASKS_PER_THREAD).max(16)
-}
-
-/// Task `t` of tasks numbered product by product, `count(mm)` of them each: (product, its
-/// task).
-fn locate<'a>(
-    mm: &'a [Matmul<'a>],
-    count: impl Fn(&Matmul) -> usize,
-    mut t: usize,
-) -> (&'a Matmul<'a>, usize) {
-    for p in mm {
-        let c = count(p);
-        if t < c {
-            return (p, t);
-        }
-        t -= c;
-    }
-    unreachable!("task past the products' tasks")
-}
-
-/// The first `g` rows of every product, in groups of up to `DecodePath::group` rows (a
-/// weight block read once per group), each product's output chunk `j0..j1` a task; a
-/// task's results are scattered into the output rows.
-fn decode_rows(par: &Par, mm: &[Matmul], g: usize, acts: &DecodeActs<'_>) {
-    let count = |p: &Matmul| p.m.div_ceil(p.decode_chunk());
-    let total = mm.iter().map(count).sum();
-    par.for_each(total, |t| {
-        let (p, c) = locate(mm, count, t);
-        let (m, chunk) = (p.m, p.decode_chunk());
-        let (j0, j1) = (c * chunk, ((c + 1) * chunk).min(m));
-        let group = p.path.group();
-        RES.with(|res| {
-            let mut res = res.borrow_mut();
-            res.clear();
-            res.resize(j1 - j0, [0f32; q8::ROWS_MAX]);
-            for r0 in (0..g).step_by(group) {
-                let n = (g - r0).min(group);
-                if !p.decode_task(acts, g, r0, n, (j0, j1), &mut res) {
-                    continue;
-                }
-                for i in 0..n {
-                    // SAFETY: task c writes out[r][j0..j1] only; tasks are disjoint in j.
-                    let o = unsafe { p.out.slice((r0 + i) * m + j0, j1 - j0) };
-                    for (oj, rj) in o.iter_mut().zip(res.iter()) {
-                        *oj = rj[i];
-                    }
-                }
-            }
-        });
-    });
-}
-
-/// `t` prefill rows from row `g` on, of every product: weight tiles dequantized to f32,
-/// then sgemm, a tile of each product's rows a task.
-fn prefill_rows(par: &Par, mm: &[Matmul], g: usize, t: usize) {
-    let count = |p: &Matmul| p.m.div_ceil(tile_rows(p.k));
-    let total = mm.iter().map(count).sum();
-    par.for_each(total, |task| {
-        let (p, ti) = locate(mm, count, task);
-        let Matmul {
-            dtype,
-            wb,
-            rb,
-            xs,
-            k,
-            m,
-            out: optr,
-            ..
-        } = *p;
-        let xt = &xs[g * k..(g + t) * k];
-        let rows = tile_rows(k);
-        let (j0, j1) = (ti * rows, ((ti + 1) * rows).min(m));
-        let nb = j1 - j0;
-        TILE.with(|tile| {
-            let mut tile = tile.borrow_mut();
-            tile.resize(rows * k, 0.0);
-            kernels::dequant_rows(dtype, &wb[j0 * rb..j1 * rb], rb, k, &mut tile[..nb * k]);
-            // SAFETY: C = X[t, k] . T^T lands in out[g.., j0..j1] (row stride m),
-            // disjoint across tasks; A and B are live slices of the given sizes.
-            unsafe {
-                matrixmultiply::sgemm(
-                    t,
-                    k,
-                    nb,
-                    1.0,
-                    xt.as_ptr(),
-                    k as isize,
-                    1,
-                    tile.as_ptr(),
-                    1,
-                    k as isize,
-                    0.0,
-                    optr.at(g * m + j0),
-                    m as isize,
-                    1,
-                );
-            }
-        });
-    });
-}
-
-/// GELU with the tanh approximation, as transformers' `gelu_pytorch_tanh`:
-/// 0.5 x (1 + tanh(u)), u = sqrt(2 / pi) (x + 0.044715 x^3), written as the equal
-/// x / (1 + e^(-2u)), which loses nothing where tanh(u) nears -1 and vectorizes
-/// (`kernels::exp_f32`).
-#[inline(always)]
-pub fn gelu_tanh(x: f32) -> f32 {
-    const SQRT_2_OVER_PI: f32 = 0.797_884_6;
-    x / (1.0 + kernels::exp_f32(-2.0 * SQRT_2_OVER_PI * (x + 0.044715 * x * x * x)))
-}
-
-/// SiLU: x / (1 + e^-x).
-#[inline(always)]
-pub fn silu(x: f32) -> f32 {
-    x / (1.0 + kernels::exp_f32(-x))
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@
 //! 32 i16 for the output head), and a weight block meets it in integer dot products (AVX2
 //! `maddubs`: u8 x i8 pairs summed to i16, then to i32; `madd` of i16 for 16 bits), scaled
 //! once per block. This is the default path; `--exact` keeps f32 activations
-//! (`kernels.rs`).
+//! (`gemv.rs`).
 //!
 //! Covered weight formats: every block format sluice reads (q4_0, q4_1, q8_0, q5_0, q5_1,
 //! q2_k..q6_k, iq4_nl, iq4_xs, mxfp4). Each weight piece of 32 is unpacked in registers to
@@ -79,7 +79,7 @@ impl<T: Level> Default for QBlock<T> {
 /// Weight formats with an integer-activation kernel on this CPU: every block format, where
 /// the CPU has AVX2.
 pub fn covers(dtype: DType) -> bool {
-    dtype.is_quantized() && super::kernels::has_gemv4(dtype)
+    dtype.is_quantized() && super::gemv::has_gemv4(dtype)
 }
 
 /// Quantizes `rows` rows of `k` (a multiple of 32) into `out` (k / 32 blocks a row):
@@ -906,7 +906,7 @@ mod avx2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::cpu::kernels::tests::rand_vec;
+    use crate::backend::cpu::tests::rand_vec;
     use crate::dtype::ggml;
 
     fn rng_floats(seed: u64, n: usize) -> Vec<f32> {

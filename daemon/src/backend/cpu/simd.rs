@@ -1,9 +1,20 @@
-//! The AVX2 helpers the GEMV kernels (`kernels.rs`) and the K-quant kernels
-//! (`kquant.rs`) share: a half-precision scalar, a horizontal sum, one block's 32
-//! products. Each is `unsafe` for the CPU features it needs, which its callers check once
-//! at dispatch.
+//! The AVX2 helpers the GEMV kernels (`gemv.rs`) and the K-quant kernels (`kquant.rs`)
+//! share: a half-precision scalar, a horizontal sum, one block's 32 products. Each is
+//! `unsafe` for the CPU features it needs, which its callers check once at dispatch, with
+//! `has_avx2` (every kernel file's run-time check).
 
 use std::arch::x86_64::*;
+
+/// Whether this CPU has AVX2, FMA and F16C (the AVX2 kernels' features), checked once.
+#[inline]
+pub(in crate::backend::cpu) fn has_avx2() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx2")
+            && is_x86_feature_detected!("fma")
+            && is_x86_feature_detected!("f16c")
+    })
+}
 
 /// # Safety
 /// The CPU supports F16C. (`b[at..at + 2]` is bounds-checked.)

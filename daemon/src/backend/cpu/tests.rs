@@ -1,5 +1,7 @@
 //! Every CPU op against a naive f64 reference on seeded random inputs.
 
+use super::attention::{self, kernels};
+use super::elementwise::{gelu_tanh, silu};
 use super::CpuBackend;
 use crate::backend::{AttnShape, AttnStep, Backend, KvDtype, LayerCache, SeqSpan, WeightRef};
 use crate::dtype::{DType, ALL_DTYPES};
@@ -17,6 +19,12 @@ impl Rng {
     fn vec(&mut self, n: usize) -> Vec<f32> {
         (0..n).map(|_| self.f()).collect()
     }
+}
+
+/// `n` seeded values uniform in [-1, 1) (`Rng`'s): the inputs of the kernels' tests too
+/// (`gemv.rs`, `attention/tests.rs`, `q8.rs`).
+pub(super) fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
+    Rng(seed).vec(n)
 }
 
 fn backend() -> CpuBackend {
@@ -476,12 +484,12 @@ fn f32_attention_by_kv_head_is_the_bits_of_a_head_at_a_time() {
                         let at = |j: usize| cache.at(&shape, sp.slot, j) + h / 3 * hd;
                         let qr = &q[(sp.row + t) * wq + h * hd..][..hd];
                         let mut sc: Vec<f32> = (lo..=p)
-                            .map(|j| super::kernels::dot_f32(qr, &kd[at(j)..at(j) + hd]))
+                            .map(|j| kernels::dot_f32(qr, &kd[at(j)..at(j) + hd]))
                             .collect();
-                        super::softmax_scaled(&mut sc, 0.125, sink.map(|s| s[h]));
+                        attention::softmax_scaled(&mut sc, 0.125, sink.map(|s| s[h]));
                         let mut want = vec![0f32; hd];
                         for (i, j) in (lo..=p).enumerate() {
-                            super::kernels::axpy_f32(sc[i], &vd[at(j)..at(j) + hd], &mut want);
+                            kernels::axpy_f32(sc[i], &vd[at(j)..at(j) + hd], &mut want);
                         }
                         let got = &out.f32s()[(sp.row + t) * wq + h * hd..][..hd];
                         assert_eq!(
@@ -712,11 +720,7 @@ fn activations_split_across_threads_give_the_same_bits() {
         let (a, b) = (run(&one), run(&two));
         for i in 0..n {
             let (x, u) = (gate[i], up[i]);
-            let want = if gelu {
-                super::gelu_tanh(x) * u
-            } else {
-                super::silu(x) * u
-            };
+            let want = if gelu { gelu_tanh(x) * u } else { silu(x) * u };
             assert_eq!(
                 a[i].to_bits(),
                 want.to_bits(),
