@@ -4,7 +4,7 @@
 //! decode tokens/s at several batch sizes under the same budget.
 
 use crate::backend::Backend;
-use crate::engine::{backend_scratch_bytes, on_backend, Chosen, EngineError, OnBackend};
+use crate::engine::{on_backend, Chosen, EngineError, OnBackend};
 use crate::io::IoConfig;
 use crate::model::{ModelOptions, SeqStep};
 use crate::pipeline::Pipeline;
@@ -332,7 +332,7 @@ pub fn budget_for_weights_share(
             host: Default::default(),
         },
     )?;
-    let scratch = backend_scratch_bytes(chosen, m, &opts);
+    let scratch = chosen.scratch_bytes(m, &opts);
     Ok(p.kv_cache_bytes
         + p.workspace_bytes
         + scratch

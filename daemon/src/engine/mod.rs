@@ -36,8 +36,8 @@ pub enum EngineError {
     Model(#[from] ModelError),
     #[error(transparent)]
     Backend(#[from] BackendError),
-    #[error(transparent)]
-    Io(#[from] IoError),
+    /// The pipeline, or the I/O engine under it (an `IoError` converts to
+    /// `Pipeline(PipelineError::Io)`: one way to reach it).
     #[error(transparent)]
     Pipeline(#[from] PipelineError),
     #[error(transparent)]
@@ -50,14 +50,16 @@ pub enum EngineError {
     Invalid(String),
 }
 
+impl From<IoError> for EngineError {
+    fn from(e: IoError) -> Self {
+        EngineError::Pipeline(PipelineError::Io(e))
+    }
+}
+
 impl EngineError {
     /// True when stored model data is bad (DATA_LOSS for a server).
     pub fn is_data_loss(&self) -> bool {
-        match self {
-            EngineError::Io(e) => e.is_data_loss(),
-            EngineError::Pipeline(e) => e.is_data_loss(),
-            _ => false,
-        }
+        matches!(self, EngineError::Pipeline(e) if e.is_data_loss())
     }
 }
 
@@ -286,15 +288,6 @@ pub fn choose_backend(choice: BackendChoice, device: usize) -> Result<Chosen, En
     }
 }
 
-/// Device memory the chosen backend keeps for itself for this model and these limits
-/// (the plan counts it first).
-pub fn backend_scratch_bytes(chosen: &Chosen, m: &Manifest, opts: &ModelOptions) -> u64 {
-    match chosen {
-        Chosen::Cpu { .. } => 0,
-        Chosen::Cuda(_) => cuda::scratch_bytes(&opts.scratch_shape(&m.arch)),
-    }
-}
-
 /// What to do with pipelines on whichever backend was chosen. A trait rather than a
 /// closure because the body is generic over the backend type.
 pub trait OnBackend {
@@ -308,8 +301,57 @@ pub trait OnBackend {
         B::Mem: 'static;
 }
 
-/// The one place that dispatches on the chosen backend: hands `f` a builder of pipelines
-/// on it (`cpu_runner` with `threads`, or `cuda_runner` on the probed device).
+/// What differs between the backends, in one place (with `on_backend`, which builds the
+/// pipelines): their names, the device budget a plan defaults to, the device memory the
+/// backend keeps for itself, and the input a plan is made from.
+impl Chosen {
+    /// "cpu" or "cuda".
+    pub fn name(&self) -> &'static str {
+        match self {
+            Chosen::Cpu { .. } => "cpu",
+            Chosen::Cuda(_) => "cuda",
+        }
+    }
+
+    /// The device memory plans may use when no budget is given: CUDA's free memory less
+    /// `cuda_headroom`; None on the CPU, whose device memory is the host's (the host
+    /// budget bounds it).
+    pub fn default_device_budget(&self) -> Option<u64> {
+        match self {
+            Chosen::Cpu { .. } => None,
+            Chosen::Cuda(info) => Some(cuda_default_budget(info)),
+        }
+    }
+
+    /// Device memory the backend keeps for itself for this model and these limits (the
+    /// plan counts it first).
+    pub fn scratch_bytes(&self, m: &Manifest, opts: &ModelOptions) -> u64 {
+        match self {
+            Chosen::Cpu { .. } => 0,
+            Chosen::Cuda(_) => cuda::scratch_bytes(&opts.scratch_shape(&m.arch)),
+        }
+    }
+
+    /// The input the runner `on_backend` builds plans with: the CPU's device memory is
+    /// host memory; CUDA counts its scratch and defaults the budget.
+    fn plan_input(&self, m: &Manifest, input: &PlanInput, io: &IoConfig) -> PlanInput {
+        let mut input = input.clone();
+        match self {
+            Chosen::Cpu { .. } => input.host.unified = true,
+            Chosen::Cuda(info) => {
+                input.backend_reserved = self.scratch_bytes(m, &input.opts);
+                if input.device_budget.is_none() {
+                    input.device_budget = Some(cuda_default_budget(info));
+                }
+            }
+        }
+        fit_reads(&mut input, io);
+        input
+    }
+}
+
+/// Hands `f` a builder of pipelines on the chosen backend (`cpu_runner` with `threads`, or
+/// `cuda_runner` on the probed device).
 pub fn on_backend<F: OnBackend>(
     chosen: &Chosen,
     store: &Arc<Store>,
@@ -333,18 +375,10 @@ pub fn cuda_headroom(total: u64) -> u64 {
     (total / 50).max(1 << 30)
 }
 
-/// The input `cuda_runner` plans with: the backend's scratch counted, the budget defaulted.
-fn cuda_input(m: &Manifest, input: &PlanInput, info: &DeviceInfo, io: &IoConfig) -> PlanInput {
-    let mut input = input.clone();
-    input.backend_reserved = cuda::scratch_bytes(&input.opts.scratch_shape(&m.arch));
-    if input.device_budget.is_none() {
-        input.device_budget = Some(
-            info.free_bytes
-                .saturating_sub(cuda_headroom(info.total_bytes)),
-        );
-    }
-    fit_reads(&mut input, io);
-    input
+/// CUDA's device budget when none is given: the free memory less `cuda_headroom`.
+fn cuda_default_budget(info: &DeviceInfo) -> u64 {
+    info.free_bytes
+        .saturating_sub(cuda_headroom(info.total_bytes))
 }
 
 /// The plan the runner `on_backend` builds for `chosen` would make of this input, made
@@ -356,15 +390,7 @@ pub fn plan_for(
     input: &PlanInput,
     io: &IoConfig,
 ) -> Result<crate::plan::Plan, EngineError> {
-    let mut input = match chosen {
-        Chosen::Cpu { .. } => {
-            let mut i = input.clone();
-            i.host.unified = true;
-            fit_reads(&mut i, io);
-            i
-        }
-        Chosen::Cuda(info) => cuda_input(m, input, info, io),
-    };
+    let mut input = chosen.plan_input(m, input, io);
     plan_within_host(m, &mut input)
 }
 
@@ -379,7 +405,7 @@ pub fn cuda_runner(
     io: IoConfig,
 ) -> Result<Pipeline<CudaBackend>, EngineError> {
     let m = store.manifest();
-    let mut input = cuda_input(m, input, info, &io);
+    let mut input = Chosen::Cuda(info.clone()).plan_input(m, input, &io);
     let plan = plan_within_host(m, &mut input)?;
     let backend = CudaBackend::new(
         info.ordinal,

@@ -570,18 +570,11 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     // Every loaded model's plan shares an explicit budget; without one, the CPU plans
     // each within the host budget (which counts what is loaded) and CUDA within the
     // device's free memory at the start.
-    let device_total = match (&chosen, cfg.device_memory) {
-        (_, Some(b)) => Some(b.0),
-        (sluice::engine::Chosen::Cuda(info), None) => Some(
-            info.free_bytes
-                .saturating_sub(sluice::engine::cuda_headroom(info.total_bytes)),
-        ),
-        (sluice::engine::Chosen::Cpu { .. }, None) => None,
-    };
-    let backend = match &chosen {
-        sluice::engine::Chosen::Cpu { .. } => "cpu",
-        sluice::engine::Chosen::Cuda(_) => "cuda",
-    };
+    let device_total = cfg
+        .device_memory
+        .map(|b| b.0)
+        .or_else(|| chosen.default_device_budget());
+    let backend = chosen.name();
     let keep_alive = sluice::server::models::parse_keep_alive(&cfg.keep_alive)
         .map_err(anyhow::Error::msg)?
         .unwrap_or(KeepAlive::For(Duration::from_secs(300)));

@@ -22,69 +22,11 @@ use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 use std::time::Instant;
 
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-enum SlotState {
-    Free,
-    Loading,
-    /// Ready and handed to the caller of ticket `.0` (or waiting to be).
-    Held(u64),
-}
-
-#[derive(Clone, Copy, PartialEq, Eq)]
-enum FrameState {
-    Waiting,
-    AtWorker,
-    Done,
-}
-
-struct Chunk {
-    offset: u64,
-    len: usize,
-    buf: Option<usize>,
-    done: bool,
-    frames: Range<usize>,
-}
-
-struct Active {
-    ticket: u64,
-    unit: usize,
-    /// Read before requests that were not urgent (`Msg::Request`).
-    urgent: bool,
-    /// Raw offset in the unit of the slot's first byte: 0 for a whole unit, the first
-    /// frame's for a part.
-    raw_base: u64,
-    /// The unit is stored as raw: its chunks are read straight into the staging slot (no
-    /// read buffer, no copy) and its frames only have their checksums checked.
-    direct: bool,
-    chunks: Vec<Chunk>,
-    next_chunk: usize,
-    frames: Vec<FrameState>,
-    frames_left: usize,
-    /// Frames done from the first one on, without a gap (the decoded prefix).
-    prefix: usize,
-    /// A decoded prefix was published: a consumer may be copying out of the slot.
-    progressed: bool,
-    at_worker: usize,
-    ops: usize,
-    /// Failed or cancelled: nothing more is read or dispatched; the slot is freed once the
-    /// reads in flight and the frames at workers are back.
-    aborted: bool,
-    /// Failed because a read ran past `read_timeout` (that read may still be out).
-    stalled: bool,
-    /// When it was admitted, or last had a read sent or answered.
-    progress: Instant,
-}
-
-struct Op {
-    slot: usize,
-    chunk: usize,
-    /// Bytes of the chunk already read (short reads resubmit the rest).
-    done: usize,
-    /// When the read (or the resubmission of its rest) went to the disk.
-    since: Instant,
-    /// Bytes it counts in `Loop::bytes_in_flight` (its chunk's, until it is freed).
-    bytes: usize,
-}
+mod requests;
+pub(super) use requests::FRAME_CUT_REQUEST_MIN;
+use requests::{
+    back_to_back_chunks, frame_chunks, Active, Chunk, FrameState, Op, SlotState, Waiting,
+};
 
 pub(super) struct Loop {
     store: Arc<Store>,
@@ -105,9 +47,8 @@ pub(super) struct Loop {
     active: Vec<Option<Active>>,
     /// Active slots in admission order: older requests' reads go first.
     order: VecDeque<usize>,
-    /// Requests waiting for a staging slot: ticket, unit, its frames, since when, urgent
-    /// (the urgent ones first).
-    queue: VecDeque<(u64, usize, Range<usize>, Instant, bool)>,
+    /// Requests waiting for a staging slot (the urgent ones first).
+    queue: VecDeque<Waiting>,
     ops: Vec<Option<Op>>,
     free_ops: Vec<usize>,
     in_flight: usize,
@@ -126,54 +67,6 @@ pub(super) struct Loop {
     buf_starved_since: Option<Instant>,
     slot_starved_since: Option<Instant>,
     path: std::path::PathBuf,
-}
-
-/// Requests at least this large are cut where frames end (`frame_chunks`): the block two
-/// requests then both read is at most 0.4 % of the bytes.
-pub(super) const FRAME_CUT_REQUEST_MIN: usize = 256 * IO_ALIGN;
-
-/// Read chunks for frames `part` of a unit, cut where frames end: a frame that starts
-/// inside the last chunk and ends within a request of its start joins it (a packed unit's
-/// frames lie back to back; a linked unit's tensors, a few bytes of padding apart); any
-/// other starts chunks of its own at the block before it (the block it shares with the
-/// frame before is read twice: 4 KiB a request). A chunk's frames are then exactly those
-/// it reads for, and each frame's chunks are consecutive, in order, and hold its bytes
-/// once: a frame no larger than a request lies in one read buffer, and its worker decodes
-/// it where it landed instead of first joining its pieces (a copy of about one frame in
-/// every request's worth; on this VM's noisy bench-io runs the saving was not
-/// measurable).
-fn frame_chunks(
-    frames: &[crate::store::format::Frame],
-    part: Range<usize>,
-    req: u64,
-    chunks: &mut Vec<Chunk>,
-) {
-    let align = IO_ALIGN as u64;
-    for f in part {
-        let fr = &frames[f];
-        let (fo, fe) = (fr.file_offset, fr.file_offset + fr.stored_len());
-        let end = fe.div_ceil(align) * align;
-        if let Some(c) = chunks.last_mut() {
-            let c_end = c.offset + c.len as u64;
-            if fo >= c.offset && fo <= c_end && end - c.offset <= req {
-                c.len = c.len.max((end - c.offset) as usize);
-                c.frames.end = f + 1;
-                continue;
-            }
-        }
-        let mut at = fo / align * align;
-        while at < end {
-            let len = (end - at).min(req);
-            chunks.push(Chunk {
-                offset: at,
-                len: len as usize,
-                buf: None,
-                done: false,
-                frames: f..f + 1,
-            });
-            at += len;
-        }
-    }
 }
 
 /// Marks the engine stopped and wakes waiters however the loop ends (a panic included).
@@ -292,16 +185,23 @@ impl Loop {
                         .publish(ticket, TicketState::Failed(IoError::Stopped));
                 } else {
                     let at = if urgent {
-                        self.queue.iter().take_while(|q| q.4).count()
+                        self.queue.iter().take_while(|q| q.urgent).count()
                     } else {
                         self.queue.len()
                     };
-                    self.queue
-                        .insert(at, (ticket, unit, frames, Instant::now(), urgent));
+                    let since = Instant::now();
+                    let waiting = Waiting {
+                        ticket,
+                        unit,
+                        frames,
+                        since,
+                        urgent,
+                    };
+                    self.queue.insert(at, waiting);
                 }
             }
             Msg::Cancel { ticket } => {
-                self.queue.retain(|q| q.0 != ticket);
+                self.queue.retain(|q| q.ticket != ticket);
                 if let Some(slot) = self
                     .slot_state
                     .iter()
@@ -333,9 +233,9 @@ impl Loop {
             Msg::ReadDone { op, res } => self.complete(op, res),
             Msg::Shutdown => {
                 self.shutting_down = true;
-                for (ticket, ..) in std::mem::take(&mut self.queue) {
+                for q in std::mem::take(&mut self.queue) {
                     self.shared
-                        .publish(ticket, TicketState::Failed(IoError::Stopped));
+                        .publish(q.ticket, TicketState::Failed(IoError::Stopped));
                 }
                 for slot in 0..self.active.len() {
                     if self.active[slot].is_some() {
@@ -358,14 +258,14 @@ impl Loop {
 
     /// Gives queued requests free slots and lays out their reads.
     fn admit(&mut self) {
-        while let Some((ticket, unit, ..)) = self.queue.front() {
-            let (ticket, unit) = (*ticket, *unit);
+        while !self.queue.is_empty() {
             let Some(slot) = self.slot_state.iter().position(|&s| s == SlotState::Free) else {
                 break;
             };
-            let Some((_, _, part, _, urgent)) = self.queue.pop_front() else {
-                unreachable!("front checked")
+            let Some(q) = self.queue.pop_front() else {
+                unreachable!("not empty")
             };
+            let (ticket, unit, part, urgent) = (q.ticket, q.unit, q.frames, q.urgent);
             self.slot_state[slot] = SlotState::Loading;
             self.shared.free_slots.fetch_sub(1, Ordering::AcqRel);
             let busy = self
@@ -407,29 +307,7 @@ impl Loop {
             if self.linked || (!direct && req >= FRAME_CUT_REQUEST_MIN as u64) {
                 frame_chunks(&u.frames, part.clone(), req, &mut chunks);
             } else {
-                let mut at = start;
-                while at < end {
-                    let len = (end - at).min(req);
-                    // Only the part's frames: a chunk's aligned ends may touch its
-                    // neighbours.
-                    let lo = u
-                        .frames
-                        .partition_point(|f| f.file_offset + f.stored_len() <= at)
-                        .max(part.start);
-                    let hi = u
-                        .frames
-                        .partition_point(|f| f.file_offset < at + len)
-                        .min(part.end)
-                        .max(lo);
-                    chunks.push(Chunk {
-                        offset: at,
-                        len: len as usize,
-                        buf: None,
-                        done: false,
-                        frames: lo..hi,
-                    });
-                    at += len;
-                }
+                back_to_back_chunks(&u.frames, part.clone(), start..end, req, &mut chunks);
             }
             // Frames outside the part count as done: the decoded prefix starts at the part.
             frames.resize(u.frames.len(), FrameState::Done);
@@ -940,7 +818,7 @@ impl Loop {
             .filter(|o| self.active[o.slot].as_ref().is_some_and(|a| !a.aborted))
             .map(|o| o.since + limit);
         let starved = self.stalled_reads_out().then(|| {
-            let queued = self.queue.front().map(|q| q.3);
+            let queued = self.queue.front().map(|q| q.since);
             let active = self
                 .active
                 .iter()
@@ -1040,7 +918,13 @@ impl Loop {
             };
             self.abort(slot, Some(err));
         }
-        while let Some(&(ticket, unit, _, since, _)) = self.queue.front() {
+        while let Some(&Waiting {
+            ticket,
+            unit,
+            since,
+            ..
+        }) = self.queue.front()
+        {
             let waited = now - since;
             if waited < limit {
                 break;
