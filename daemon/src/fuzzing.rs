@@ -7,7 +7,7 @@
 use crate::dtype::DType;
 use crate::import::ImportedModel;
 use crate::store::codec::{CodeCensus, Codec, FrameDecoder, FrameEncoder, Plane};
-use crate::store::fpsplit::SharedTables;
+use crate::store::float::SharedTables;
 use crate::text::{ChatMessage, ChatTemplate, Tokenizer};
 use std::path::Path;
 use std::sync::{Arc, OnceLock};

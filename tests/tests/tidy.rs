@@ -56,9 +56,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("daemon/src/store/arch.rs", "validate", 133),
     ("daemon/src/store/codec.rs", "decode", 113),
     ("daemon/src/store/format.rs", "validate", 195),
-    ("daemon/src/store/fpsplit.rs", "decode_plane_as", 138),
-    ("daemon/src/store/fpsplit.rs", "shared_codes", 104),
-    ("daemon/src/store/fpsplit.rs", "symbols_any", 168),
     ("daemon/src/store/writer.rs", "pack_into", 106),
     ("daemon/src/text/schema.rs", "compile", 138),
 ];
@@ -73,7 +70,6 @@ const LONG_FILES: &[(&str, usize)] = &[
     ("daemon/src/pipeline/mod.rs", 1129),
     ("daemon/src/store/codec.rs", 1205),
     ("daemon/src/store/format.rs", 1079),
-    ("daemon/src/store/fpsplit.rs", 2240),
     ("daemon/src/store/writer.rs", 1059),
     ("daemon/src/text/sampler.rs", 1164),
 ];

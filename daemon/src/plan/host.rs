@@ -71,7 +71,7 @@ impl HostShape {
         // stored bytes and a decoder each.
         let frame = u64::from(m.frame_raw_len_max()) + frame_stored_max + 2 * ALLOC_ALIGN;
         // The shared codes' decoding tables: one set, all decoders' (`Store::shared_tables`).
-        let shared = (m.codes.len() * crate::store::fpsplit::TABLES_BYTES) as u64;
+        let shared = (m.codes.len() * crate::store::float::TABLES_BYTES) as u64;
         let decoders = round(
             h.workers.max(1) as u64 * (frame + crate::store::codec::FrameDecoder::EXTRA_BYTES)
                 + shared,

@@ -10,7 +10,7 @@
 //! choice is always the same.
 
 use super::codec::{CodeCensus, Codec, FrameDecoder, FrameEncoder};
-use super::fpsplit::SharedTables;
+use super::float::SharedTables;
 use crate::dtype::DType;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -178,7 +178,7 @@ impl Auto {
     }
 
     /// The store's shared codes, for the float codec's ratios (`FrameEncoder::set_shared`).
-    pub fn set_shared(&mut self, codes: &[super::fpsplit::SharedCode]) {
+    pub fn set_shared(&mut self, codes: &[super::float::SharedCode]) {
         for (_, e) in &mut self.encoders {
             e.set_shared(codes);
         }

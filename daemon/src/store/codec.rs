@@ -1,6 +1,6 @@
 //! Frame codecs and the byte-split filter.
 //!
-//! `float` (`fpsplit.rs`) splits each float element into its exponent and the rest and
+//! `float` (`float/`) splits each float element into its exponent and the rest and
 //! Huffman-codes the exponents only; the codecs below work on byte planes.
 //!
 //! A frame is up to `frame_size` bytes of one dtype of a unit's decompressed blob (a piece of
@@ -11,7 +11,7 @@
 //! not save at least `KEEP_RAW_SAVING_MIN`; the whole frame is kept raw under the same rule,
 //! so quantized weights never pay decompression for nothing.
 
-use super::fpsplit::{self, Layout};
+use super::float::{self, Layout};
 use crate::dtype::DType;
 use crate::util::xxh3 as xxh3_64;
 use serde::{Deserialize, Serialize};
@@ -35,7 +35,7 @@ pub enum Codec {
     Zstd {
         level: i32,
     },
-    /// Exponents Huffman-coded, sign and mantissa raw (`fpsplit`); 16- and 32-bit floats
+    /// Exponents Huffman-coded, sign and mantissa raw (`float`); 16- and 32-bit floats
     /// only (other frames are kept raw).
     Float,
     /// A frame of a linked store (`pack --link`): its stored bytes are a piece of a tensor
@@ -172,9 +172,9 @@ pub struct FrameEncoder {
     coded: Vec<u8>,
     out: Vec<u8>,
     /// The float codec's byte planes.
-    float_planes: [Vec<u8>; fpsplit::PLANES_MAX],
+    float_planes: [Vec<u8>; float::PLANES_MAX],
     /// The store's shared codes a float plane may name (`set_shared`).
-    shared: Vec<fpsplit::SharedEncoding>,
+    shared: Vec<float::SharedEncoding>,
 }
 
 impl FrameEncoder {
@@ -201,8 +201,8 @@ impl FrameEncoder {
 
     /// The store's shared codes (`CodeCensus::codes`): a float plane names one where that
     /// takes fewer bytes than a code of its own.
-    pub fn set_shared(&mut self, codes: &[fpsplit::SharedCode]) {
-        self.shared = fpsplit::shared_encodings(codes);
+    pub fn set_shared(&mut self, codes: &[float::SharedCode]) {
+        self.shared = float::shared_encodings(codes);
     }
 
     /// Encodes `raw`, elements of `dtype`: with the float codec for a float dtype, else
@@ -227,12 +227,12 @@ impl FrameEncoder {
         if let Some(l) =
             float_layout(dtype, raw, fast).filter(|l| raw.len().is_multiple_of(l.width()))
         {
-            fpsplit::split(l, raw, &mut self.float_planes);
+            float::split(l, raw, &mut self.float_planes);
             self.out.clear();
             let mut planes = Vec::with_capacity(4);
             let mut exps_pay = true;
             for (i, p) in self.float_planes[..l.planes()].iter().enumerate() {
-                fpsplit::encode_plane_with(l, i, p, &mut self.coded, &self.shared);
+                float::encode_plane_with(l, i, p, &mut self.coded, &self.shared);
                 // (The exponents, under the 3 % rule in either setting.)
                 let need = if i == 0 { KEEP_RAW_SAVING_MIN } else { saving };
                 let pays = (self.coded.len() as f64) <= (p.len() as f64) * (1.0 - need);
@@ -374,7 +374,7 @@ fn float_layout(dtype: DType, raw: &[u8], fast: bool) -> Option<Layout> {
         DType::BF16 => Some(Layout::Bf16),
         DType::F16 => Some(Layout::F16Bits),
         DType::F32 if fast => Some(Layout::F32),
-        DType::F32 => Some(fpsplit::f32_layout(raw, KEEP_RAW_SAVING_MIN)),
+        DType::F32 => Some(float::f32_layout(raw, KEEP_RAW_SAVING_MIN)),
         _ => None,
     }
 }
@@ -385,14 +385,14 @@ fn float_layout(dtype: DType, raw: &[u8], fast: bool) -> Option<Layout> {
 pub const SHARED_FRAME_BYTES_MAX: usize = 256 << 10;
 
 /// The symbol counts of the small float frames of a store, per layout and plane, from
-/// which `pack` makes the store's shared codes (`fpsplit::SharedCode`).
+/// which `pack` makes the store's shared codes (`float::SharedCode`).
 #[derive(Default)]
 pub struct CodeCensus {
     /// Per (layout tag, plane): each frame's symbol counts (at most `CENSUS_FRAMES_MAX`;
     /// frames past them add to one already there).
     frames: BTreeMap<(u8, u8), Vec<[u64; 256]>>,
     layouts: BTreeMap<u8, Layout>,
-    planes: [Vec<u8>; fpsplit::PLANES_MAX],
+    planes: [Vec<u8>; float::PLANES_MAX],
     /// Frames counted so far.
     added: usize,
     /// The float settings whose layouts frames are counted in.
@@ -455,7 +455,7 @@ impl CodeCensus {
         {
             return;
         }
-        fpsplit::split(l, raw, &mut self.planes);
+        float::split(l, raw, &mut self.planes);
         self.layouts.insert(l.tag(), l);
         self.added += 1;
         for (i, p) in self.planes[..l.planes()].iter().enumerate() {
@@ -472,20 +472,20 @@ impl CodeCensus {
         }
     }
 
-    /// The codes of each plane (`fpsplit::shared_codes`), at most
-    /// `fpsplit::SHARED_CODES_MAX` in all.
-    pub fn codes(&self) -> Vec<fpsplit::SharedCode> {
+    /// The codes of each plane (`float::shared_codes`), at most
+    /// `float::SHARED_CODES_MAX` in all.
+    pub fn codes(&self) -> Vec<float::SharedCode> {
         self.frames
             .iter()
             .filter_map(|(&(tag, plane), f)| {
-                Some(fpsplit::shared_codes(
+                Some(float::shared_codes(
                     *self.layouts.get(&tag)?,
                     plane as usize,
                     f,
                 ))
             })
             .flatten()
-            .take(fpsplit::SHARED_CODES_MAX)
+            .take(float::SHARED_CODES_MAX)
             .collect()
     }
 }
@@ -495,9 +495,9 @@ impl CodeCensus {
 pub struct FrameDecoder {
     scratch: Vec<u8>,
     /// The float codec's planes' last decoding tables (made at the first float frame).
-    float_cache: [fpsplit::PlaneCache; fpsplit::PLANES_MAX],
+    float_cache: [float::PlaneCache; float::PLANES_MAX],
     /// The store's shared codes' tables (`with_shared`; none by default).
-    shared: Arc<fpsplit::SharedTables>,
+    shared: Arc<float::SharedTables>,
     zstd: zstd::bulk::Decompressor<'static>,
 }
 
@@ -508,7 +508,7 @@ const SCRATCH_PAD: usize = 64;
 impl FrameDecoder {
     /// Host bytes one decoder holds beyond its frame-sized scratch, at most: the pad and
     /// the float codec's tables (the memory plan counts them per worker).
-    pub const EXTRA_BYTES: u64 = (SCRATCH_PAD + fpsplit::PLANES_MAX * fpsplit::TABLES_BYTES) as u64;
+    pub const EXTRA_BYTES: u64 = (SCRATCH_PAD + float::PLANES_MAX * float::TABLES_BYTES) as u64;
 
     pub fn new(frame_size_max: usize) -> std::io::Result<Self> {
         Ok(FrameDecoder {
@@ -521,7 +521,7 @@ impl FrameDecoder {
 
     /// This decoder with the tables of its store's shared codes (`Store::shared_tables`):
     /// a float plane that names one fails to decode without them.
-    pub fn with_shared(mut self, shared: Arc<fpsplit::SharedTables>) -> Self {
+    pub fn with_shared(mut self, shared: Arc<float::SharedTables>) -> Self {
         self.shared = shared;
         self
     }
@@ -656,8 +656,8 @@ impl FrameDecoder {
         if !first.compressed {
             return Err(bad("the exponent plane is not coded".into()));
         }
-        let layout = fpsplit::plane_layout(&stored[..first.stored_len as usize])
-            .map_err(FrameFault::Decompress)?;
+        let layout = float::plane_layout(&stored[..first.stored_len as usize])
+            .map_err(|e| bad(e.to_string()))?;
         let w = layout.width();
         if planes.len() != layout.planes() || !dst.len().is_multiple_of(w) {
             return Err(bad(format!(
@@ -678,22 +678,22 @@ impl FrameDecoder {
             self.scratch.resize(need, 0);
         }
         let mut free: &mut [u8] = &mut self.scratch;
-        let mut decoded: [&[u8]; fpsplit::PLANES_MAX] = [&[]; fpsplit::PLANES_MAX];
+        let mut decoded: [&[u8]; float::PLANES_MAX] = [&[]; float::PLANES_MAX];
         let mut at = 0usize;
         for (i, p) in planes.iter().enumerate() {
             let bytes = &stored[at..at + p.stored_len as usize];
             let m = layout.plane_len(i, n);
             if p.compressed {
                 let (mine, rest) = std::mem::take(&mut free).split_at_mut(m + 8);
-                fpsplit::decode_plane_as(
+                float::decode_plane_as(
                     bytes,
                     m,
                     mine,
                     &mut self.float_cache[i],
                     &self.shared,
-                    fpsplit::Simd::Detect,
+                    float::Simd::Detect,
                 )
-                .map_err(FrameFault::Decompress)?;
+                .map_err(|e| bad(e.to_string()))?;
                 decoded[i] = &mine[..m];
                 free = rest;
             } else if bytes.len() != m {
@@ -706,7 +706,7 @@ impl FrameDecoder {
             }
             at += p.stored_len as usize;
         }
-        fpsplit::join(layout, decoded, dst);
+        float::join(layout, decoded, dst);
         Ok(())
     }
 }
@@ -946,13 +946,13 @@ mod tests {
         let e = enc.encode(&raw, DType::F16).expect("encodes");
         assert_eq!(e.codec, Codec::Float);
         assert_eq!(
-            fpsplit::plane_layout(&e.bytes[..e.planes[0].stored_len as usize]),
-            Ok(fpsplit::Layout::F16Bits)
+            float::plane_layout(&e.bytes[..e.planes[0].stored_len as usize]),
+            Ok(float::Layout::F16Bits)
         );
-        let mut planes: [Vec<u8>; fpsplit::PLANES_MAX] = Default::default();
-        fpsplit::split(fpsplit::Layout::F16, &raw, &mut planes);
+        let mut planes: [Vec<u8>; float::PLANES_MAX] = Default::default();
+        float::split(float::Layout::F16, &raw, &mut planes);
         let mut stored = Vec::new();
-        fpsplit::encode_plane(fpsplit::Layout::F16, &planes[0], &mut stored);
+        float::encode_plane(float::Layout::F16, &planes[0], &mut stored);
         let mut frame = vec![Plane {
             stored_len: stored.len() as u32,
             compressed: true,
@@ -1038,7 +1038,7 @@ mod tests {
             assert_eq!(c, Codec::Float, "{n}");
             assert_eq!(planes.len(), 4, "{n}");
             let exps = &stored[..planes[0].stored_len as usize];
-            assert_eq!(fpsplit::plane_layout(exps), Ok(Layout::F32));
+            assert_eq!(float::plane_layout(exps), Ok(Layout::F32));
             assert!(
                 planes[0].compressed && !planes[3].compressed,
                 "{n}: {planes:?}"
@@ -1066,7 +1066,7 @@ mod tests {
             assert_eq!(c, Codec::Float);
             assert_eq!(planes.len(), 5, "{n}");
             let exps = &stored[..planes[0].stored_len as usize];
-            assert_eq!(fpsplit::plane_layout(exps), Ok(Layout::F32Top));
+            assert_eq!(float::plane_layout(exps), Ok(Layout::F32Top));
             let mut dec = FrameDecoder::new(raw.len()).expect("test setup");
             let mut out = vec![0u8; raw.len()];
             dec.decode(c, &planes, xxh3_64(&raw), &stored, &mut out)

@@ -15,7 +15,7 @@
 //! has the payload of 6 and its f16 frames may use the `float` codec's `F16Bits` layout
 //! (exponent-only symbols; an older sluiced would fail on the frame, so the version
 //! refuses the store up front); version 8 appends the shared codes of the float codec
-//! (`Vec<fpsplit::SharedCode>`), which its small frames' planes may name (mode 2, which
+//! (`Vec<float::SharedCode>`), which its small frames' planes may name (mode 2, which
 //! an older sluiced cannot decode); version 9 has the payload of 8 and its f32 frames may
 //! use the float codec's `F32Top` layout (five planes, which an older sluiced would refuse
 //! frame by frame); version 10 has the payload of 9 and its float-coded planes may be
@@ -27,7 +27,7 @@
 
 use super::arch::{ArchConfig, ArchExt, MoeConfig, SwigluClamp};
 use super::codec::{Codec, Plane};
-use super::fpsplit::{SharedCode, SHARED_CODES_MAX};
+use super::float::{SharedCode, SHARED_CODES_MAX};
 use super::StoreError;
 use crate::dtype::DType;
 use crate::util::xxh3 as xxh3_64;
@@ -411,7 +411,7 @@ pub struct Manifest {
     #[serde(skip)]
     pub link: Option<Link>,
     /// Format 8's: the float codec's codes shared by the store's small frames
-    /// (`fpsplit::SharedCode`); a plane names one by its index here.
+    /// (`float::SharedCode`); a plane names one by its index here.
     #[serde(skip)]
     pub codes: Vec<SharedCode>,
     /// Format 11's: what the source file says of itself beyond its weights.
@@ -822,7 +822,7 @@ impl Manifest {
                 // own sizes (its decoder checks them against the layout its bytes name).
                 let split_ok = matches!(w, 1 | 2 | 4) && (f.raw_len as usize).is_multiple_of(w);
                 let float_ok = f.codec == Codec::Float
-                    && (2..=super::fpsplit::PLANES_MAX).contains(&w)
+                    && (2..=super::float::PLANES_MAX).contains(&w)
                     && (f.raw_len as usize).is_multiple_of(2);
                 if !split_ok && !float_ok {
                     return Err(at(format!("{w} planes for {} raw bytes", f.raw_len)));
@@ -909,7 +909,7 @@ fn unzstd(coded: &[u8]) -> std::io::Result<Vec<u8>> {
 /// checked against each layout of their plane count (the coded exponent plane names the
 /// one it is, which its decoder checks).
 fn frame_planes_fit(f: &Frame) -> Result<(), String> {
-    use super::fpsplit::Layout;
+    use super::float::Layout;
     let w = f.planes.len();
     let layouts: &[Layout] = if f.codec == Codec::Float {
         Layout::with_planes(w)

@@ -7,8 +7,8 @@
 pub mod arch;
 pub mod auto;
 pub mod codec;
+pub mod float;
 pub mod format;
-pub mod fpsplit;
 pub mod inspect;
 pub mod link;
 pub mod reader;

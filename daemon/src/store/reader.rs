@@ -3,8 +3,8 @@
 //! `read_unit` is the plain pread path for verify, tools and tests.
 
 use super::codec::{FrameDecoder, FrameFault};
+use super::float::SharedTables;
 use super::format::{LayerUnit, Manifest, MANIFEST_FILE, WEIGHTS_FILE};
-use super::fpsplit::SharedTables;
 use super::StoreError;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
@@ -63,7 +63,7 @@ impl Store {
         let manifest = Manifest::decode(&bytes, &manifest_path)?;
         let shared = Arc::new(
             SharedTables::new(&manifest.codes)
-                .map_err(|e| StoreError::invalid(&manifest_path, e))?,
+                .map_err(|e| StoreError::invalid(&manifest_path, e.to_string()))?,
         );
         if let Some(link) = &manifest.link {
             // A linked store's weights are its source's bytes (`pack --link`).

@@ -6,12 +6,12 @@
 
 use super::arch::ArchConfig;
 use super::codec::{CodeCensus, Codec, FrameEncoder, SHARED_FRAME_BYTES_MAX};
+use super::float::SharedCode;
 use super::format::{
     expert_of, Frame, LayerUnit, Manifest, TensorEntry, BLOB_ALIGN, MANIFEST_FILE, TENSOR_ALIGN,
     WEIGHTS_FILE,
 };
 use super::format::{SourceMeta, SpecialTokens, TokenizerSpec, UnitKind};
-use super::fpsplit::SharedCode;
 use super::StoreError;
 use crate::dtype::DType;
 use std::collections::BTreeMap;
