@@ -25,7 +25,7 @@ use std::time::Instant;
 mod requests;
 pub(super) use requests::FRAME_CUT_REQUEST_MIN;
 use requests::{
-    back_to_back_chunks, frame_chunks, Active, Chunk, FrameState, Op, SlotState, Waiting,
+    back_to_back_chunks, frame_chunks, Active, Chunk, FrameState, Op, SlotState, Standing, Waiting,
 };
 
 pub(super) struct Loop {
@@ -326,8 +326,7 @@ impl Loop {
                 progressed: false,
                 at_worker: 0,
                 ops: 0,
-                aborted: false,
-                stalled: false,
+                standing: Standing::Loading,
                 progress: Instant::now(),
             });
             // An urgent request's reads go before the others', after older urgent ones.
@@ -357,8 +356,8 @@ impl Loop {
                 let Some(a) = self.active[slot].as_mut() else {
                     continue 'outer;
                 };
-                if a.aborted || a.next_chunk >= a.chunks.len() {
-                    if !a.aborted && a.ops > 0 {
+                if a.aborted() || a.next_chunk >= a.chunks.len() {
+                    if !a.aborted() && a.ops > 0 {
                         cap = cap.min(self.cfg.follow_bytes);
                     }
                     continue 'outer;
@@ -524,7 +523,7 @@ impl Loop {
         // A chunk's aligned end may pass the end of a linked source (a store's own file is
         // padded): the bytes up to the end are all it has to deliver.
         let need = len.min(self.file_len.saturating_sub(offset) as usize);
-        if res > 0 && !a.aborted && (o.done + res as usize) < need {
+        if res > 0 && !a.aborted() && (o.done + res as usize) < need {
             // Short read: ask for the rest into the same buffer.
             o.done += res as usize;
             self.shared
@@ -544,10 +543,10 @@ impl Loop {
         self.bytes_in_flight -= o.bytes;
         a.ops -= 1;
         let chunk_idx = o.chunk;
-        if res <= 0 || a.aborted {
+        if res <= 0 || a.aborted() {
             let a = self.active[slot].as_mut().expect("active");
             a.chunks[chunk_idx].done = true;
-            if !a.aborted {
+            if !a.aborted() {
                 let what = if res == 0 {
                     format!("read at offset {} returned end of file after {} of {len} bytes: weights.bin is shorter than the manifest says", offset + o.done as u64, o.done)
                 } else {
@@ -599,7 +598,7 @@ impl Loop {
 
     fn dispatch(&mut self, slot: usize, f: usize) {
         let a = self.active[slot].as_mut().expect("active");
-        if a.aborted || a.frames[f] != FrameState::Waiting {
+        if a.aborted() || a.frames[f] != FrameState::Waiting {
             return;
         }
         let frame = &self.store.units()[a.unit].frames[f];
@@ -681,7 +680,7 @@ impl Loop {
                 while a.prefix < a.frames.len() && a.frames[a.prefix] == FrameState::Done {
                     a.prefix += 1;
                 }
-                if a.prefix > before && a.frames_left > 0 && !a.aborted {
+                if a.prefix > before && a.frames_left > 0 && !a.aborted() {
                     let last = &self.store.units()[a.unit].frames[a.prefix - 1];
                     let ready = (last.raw_offset + last.raw_len as u64 - a.raw_base) as usize;
                     a.progressed = true;
@@ -711,7 +710,7 @@ impl Loop {
             }
             let settled = a.frames[ch.frames.clone()]
                 .iter()
-                .all(|&s| s == FrameState::Done || (a.aborted && s == FrameState::Waiting));
+                .all(|&s| s == FrameState::Done || (a.aborted() && s == FrameState::Waiting));
             if settled {
                 let b = a.chunks[c].buf.take().expect("checked");
                 self.free_buf(b);
@@ -732,10 +731,10 @@ impl Loop {
         let Some(a) = self.active[slot].as_mut() else {
             return;
         };
-        if a.aborted {
+        if a.aborted() {
             return;
         }
-        a.aborted = true;
+        a.standing = Standing::Aborted;
         let ticket = a.ticket;
         let n = a.chunks.len();
         if let Some(e) = err {
@@ -754,7 +753,7 @@ impl Loop {
         let Some(a) = self.active[slot].as_ref() else {
             return;
         };
-        if a.aborted {
+        if a.aborted() {
             if a.ops == 0 && a.at_worker == 0 {
                 assert!(
                     a.chunks.iter().all(|c| c.buf.is_none()),
@@ -815,7 +814,7 @@ impl Loop {
             .ops
             .iter()
             .flatten()
-            .filter(|o| self.active[o.slot].as_ref().is_some_and(|a| !a.aborted))
+            .filter(|o| self.active[o.slot].as_ref().is_some_and(|a| !a.aborted()))
             .map(|o| o.since + limit);
         let starved = self.stalled_reads_out().then(|| {
             let queued = self.queue.front().map(|q| q.since);
@@ -837,13 +836,13 @@ impl Loop {
         self.active
             .iter()
             .flatten()
-            .any(|a| a.aborted && a.ops > 0 && a.stalled)
+            .any(|a| a.standing == Standing::Stalled && a.ops > 0)
     }
 
     /// A unit with reads still to send and none out: it waits for a read buffer or a
     /// queue entry.
     fn starved(a: &Active) -> bool {
-        !a.aborted && a.ops == 0 && a.next_chunk < a.chunks.len()
+        !a.aborted() && a.ops == 0 && a.next_chunk < a.chunks.len()
     }
 
     /// Fails the units whose reads the disk has not answered within `read_timeout`, and
@@ -867,7 +866,7 @@ impl Loop {
             let a = self.active[slot]
                 .as_mut()
                 .expect("an op's unit stays active until its completion");
-            if a.aborted {
+            if a.aborted() {
                 continue;
             }
             let c = &a.chunks[o.chunk];
@@ -878,7 +877,6 @@ impl Loop {
                 self.store.units()[a.unit].kind,
                 waited.as_secs_f64()
             );
-            a.stalled = true;
             self.shared
                 .counters
                 .reads_stalled
@@ -890,6 +888,10 @@ impl Loop {
                 limit_s: limit.as_secs_f64(),
             };
             self.abort(slot, Some(err));
+            // Its read is still out (so the unit is still active), holding a buffer.
+            if let Some(a) = self.active[slot].as_mut() {
+                a.standing = Standing::Stalled;
+            }
         }
         if !self.stalled_reads_out() {
             return;
@@ -953,7 +955,7 @@ impl Loop {
         let wants_buf = self.order.iter().any(|&s| {
             self.active[s]
                 .as_ref()
-                .is_some_and(|a| !a.aborted && !a.direct && a.next_chunk < a.chunks.len())
+                .is_some_and(|a| !a.aborted() && !a.direct && a.next_chunk < a.chunks.len())
         });
         // Only when the queue has room: a full queue is the disk's pace, not a stall.
         let buf_starved = wants_buf && self.free_bufs.is_empty() && !self.free_ops.is_empty();

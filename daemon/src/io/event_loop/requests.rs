@@ -50,13 +50,29 @@ pub(super) struct Active {
     pub(super) progressed: bool,
     pub(super) at_worker: usize,
     pub(super) ops: usize,
-    /// Failed or cancelled: nothing more is read or dispatched; the slot is freed once the
-    /// reads in flight and the frames at workers are back.
-    pub(super) aborted: bool,
-    /// Failed because a read ran past `read_timeout` (that read may still be out).
-    pub(super) stalled: bool,
+    pub(super) standing: Standing,
     /// When it was admitted, or last had a read sent or answered.
     pub(super) progress: Instant,
+}
+
+impl Active {
+    /// Failed or cancelled (`Standing::Aborted` or `Stalled`).
+    pub(super) fn aborted(&self) -> bool {
+        self.standing != Standing::Loading
+    }
+}
+
+/// Where an active request stands.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Standing {
+    /// Reading and decoding.
+    Loading,
+    /// Failed or cancelled: nothing more is read or dispatched; the slot is freed once the
+    /// reads in flight and the frames at workers are back.
+    Aborted,
+    /// Failed because a read ran past `read_timeout` (that read may still be out, holding
+    /// its read buffer and the slot).
+    Stalled,
 }
 
 /// A request waiting for a staging slot.
