@@ -384,7 +384,7 @@ fn link_plan(
     auto: Option<&mut super::auto::Auto>,
     source: &str,
 ) -> Result<Option<(PathBuf, BTreeMap<String, LinkedTensor>)>, StoreError> {
-    if !opts.link && auto.is_none() {
+    if !opts.link && !auto.as_ref().is_some_and(|a| a.all_raw) {
         return Ok(None);
     }
     let linked = model.link_file().and_then(|file| {
