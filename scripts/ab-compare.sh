@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Two sluiced binaries side by side (a refactor's before and after): the same stores and
 # prompts through `sluiced run --json` (greedy and seeded sampling, every unit resident and
-# at the least budget that runs, on SmolLM2 and every fixture model) must give the same
-# token ids; then `bench-stream` on SmolLM2, alternating the binaries, ROUNDS rounds each.
+# at the least budget that runs, on SmolLM2 and the fixture models of every architecture,
+# mixtures included) must give the same token ids; then `bench-stream` on SmolLM2, alternating the binaries, ROUNDS rounds each.
 #
 #   scripts/ab-compare.sh OLD_SLUICED NEW_SLUICED [ROUNDS]
 #
@@ -15,7 +15,10 @@ W=$(mktemp -d); trap 'rm -rf "$W"' EXIT
 smollm2=$(scripts/fetch-model.sh)
 declare -A SRC=([smollm2]=$smollm2 [tiny-llama]=tests/fixtures/tiny-llama
   [tiny-llama-gguf]=tests/fixtures/tiny-llama.gguf [tiny-llama-q]=tests/fixtures/tiny-llama-q.gguf
-  [tiny-qwen2]=tests/fixtures/tiny-qwen2 [tiny-qwen2-gguf]=tests/fixtures/tiny-qwen2.gguf)
+  [tiny-qwen2]=tests/fixtures/tiny-qwen2 [tiny-qwen2-gguf]=tests/fixtures/tiny-qwen2.gguf
+  [tiny-qwen3]=tests/fixtures/tiny-qwen3 [tiny-gemma3]=tests/fixtures/tiny-gemma3
+  [tiny-qwen3moe]=tests/fixtures/tiny-qwen3moe [tiny-mixtral]=tests/fixtures/tiny-mixtral
+  [tiny-gptoss]=tests/fixtures/tiny-gptoss)
 ids_of() { python3 -c 'import json,sys; print(json.load(sys.stdin)["generated_token_ids"])' 2>/dev/null; }
 same=0; differ=0
 for m in "${!SRC[@]}"; do

@@ -116,7 +116,7 @@ fn pipeline(
         backend_reserved: 0,
         host: Default::default(),
     };
-    cpu_runner(store.clone(), &input, threads, io).expect("pipeline")
+    cpu_runner(store.clone(), &input, threads, io, Default::default()).expect("pipeline")
 }
 
 /// Allocations and thread-pool submissions during the counted decode steps of a batch of

@@ -1061,11 +1061,25 @@ fn compare_model(src: &Path, tol: f64, decode: usize) {
         kv_dtype: sluice::backend::KvDtype::F32,
         exact: true,
     };
-    let mut cpu = cpu_runner(store.clone(), &input(None, opts), 2, io()).unwrap();
+    let mut cpu = cpu_runner(
+        store.clone(),
+        &input(None, opts),
+        2,
+        io(),
+        Default::default(),
+    )
+    .unwrap();
     let (lc, tc) = run(&mut cpu, vocab, 24, decode, None);
     drop(cpu);
     let dev = cuda_usable(0).expect("a usable CUDA device");
-    let mut gpu = cuda_runner(store.clone(), &input(None, opts), &dev, io()).unwrap();
+    let mut gpu = cuda_runner(
+        store.clone(),
+        &input(None, opts),
+        &dev,
+        io(),
+        Default::default(),
+    )
+    .unwrap();
     assert_eq!(gpu.plan.layers_streamed(), 0);
     // The GPU is fed the CPU's greedy tokens, so every step compares like with like.
     let (lg, tg) = run(&mut gpu, vocab, 24, decode, Some(&tc));
@@ -1113,17 +1127,37 @@ fn compare_model(src: &Path, tol: f64, decode: usize) {
     // GPU all resident: the same kernels on the same data, so bit-identical.
     drop(gpu);
     // The least budget that runs, as the planner states it when asked for too little.
-    let budget = match cuda_runner(store.clone(), &input(Some(4096), opts), &dev, io()) {
+    let budget = match cuda_runner(
+        store.clone(),
+        &input(Some(4096), opts),
+        &dev,
+        io(),
+        Default::default(),
+    ) {
         Err(sluice::engine::EngineError::Plan(e)) => e.need(),
         Err(e) => panic!("{}: {e}", src.display()),
         Ok(_) => panic!("{}: 4 KiB of device memory cannot run it", src.display()),
     };
-    let mut streamed = cuda_runner(store.clone(), &input(Some(budget), opts), &dev, io()).unwrap();
+    let mut streamed = cuda_runner(
+        store.clone(),
+        &input(Some(budget), opts),
+        &dev,
+        io(),
+        Default::default(),
+    )
+    .unwrap();
     assert!(
         streamed.plan.layers_streamed() > 0,
         "the budget must make layers stream"
     );
-    let mut resident = cuda_runner(store.clone(), &input(None, opts), &dev, io()).unwrap();
+    let mut resident = cuda_runner(
+        store.clone(),
+        &input(None, opts),
+        &dev,
+        io(),
+        Default::default(),
+    )
+    .unwrap();
     let (ls, ts) = run(&mut streamed, vocab, 24, decode, None);
     let (lr, tr) = run(&mut resident, vocab, 24, decode, None);
     assert_eq!(ts, tr, "{}: streamed vs resident tokens", src.display());

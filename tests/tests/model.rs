@@ -173,6 +173,7 @@ fn runner_kv(
         },
         2,
         io,
+        Default::default(),
     )
     .unwrap()
 }

@@ -7,7 +7,7 @@ use sluice::backend::Backend;
 use sluice::engine::cpu_runner;
 use sluice::io::IoConfig;
 use sluice::model::{ModelOptions, SeqStep};
-use sluice::pipeline::Pipeline;
+use sluice::pipeline::{Pipeline, PipelineOptions};
 use sluice::plan::{plan, PlanInput};
 use sluice::store::Store;
 use sluice_tests::*;
@@ -54,6 +54,25 @@ fn runner_with(
     unified: bool,
     expert_cache: Option<usize>,
 ) -> Pipeline<CpuBackend> {
+    runner_run(
+        s,
+        budget,
+        host_cache,
+        unified,
+        expert_cache,
+        Default::default(),
+    )
+}
+
+/// `runner_with` running with the pipeline options `run`.
+fn runner_run(
+    s: &Arc<Store>,
+    budget: Option<u64>,
+    host_cache: u64,
+    unified: bool,
+    expert_cache: Option<usize>,
+    run: PipelineOptions,
+) -> Pipeline<CpuBackend> {
     let make = if unified {
         cpu_runner
     } else {
@@ -73,6 +92,7 @@ fn runner_with(
         },
         2,
         io(),
+        run,
     )
     .unwrap()
 }
@@ -272,8 +292,11 @@ fn every_budget_gives_bit_identical_outputs_within_its_arena() {
                     // unit) give the same outputs.
                     // Whether the pipeline catches up with a unit still decompressing is a
                     // matter of timing: repeat a few times so that some run does.
-                    let mut r = runner(&s, budget, 0);
-                    r.upload_chunk = 4096;
+                    let chunked = PipelineOptions {
+                        upload_chunk: 4096,
+                        ..Default::default()
+                    };
+                    let mut r = runner_run(&s, budget, 0, false, None, chunked);
                     for _ in 0..10 {
                         let got = outputs(&mut r, vocab);
                         assert!(
@@ -412,6 +435,7 @@ fn a_budget_too_small_fails_at_start_with_the_numbers() {
         },
         1,
         io(),
+        Default::default(),
     )
     .err()
     .unwrap()
@@ -476,11 +500,20 @@ fn corrupted_layer(last_frame_with_parts: bool, unified: bool) {
         .max()
         .unwrap();
     let two = two.map(|b| if unified { b - largest } else { b });
+    let run = PipelineOptions {
+        upload_chunk: if last_frame_with_parts {
+            4096
+        } else {
+            sluice::pipeline::UPLOAD_CHUNK_DEFAULT
+        },
+        ..Default::default()
+    };
     let mut r = make(
         s.clone(),
         &input_at(two, Default::default()),
         2,
         IoConfig { workers: 1, ..io() },
+        run,
     )
     .unwrap();
     let unit = (0..s.units().len())
@@ -492,7 +525,6 @@ fn corrupted_layer(last_frame_with_parts: bool, unified: bool) {
     let frames = &s.units()[unit].frames;
     let f = if last_frame_with_parts {
         assert!(frames.len() > 2, "the layer needs several frames");
-        r.upload_chunk = 4096;
         frames[frames.len() - 1].clone()
     } else {
         frames[0].clone()
@@ -823,7 +855,14 @@ fn dense_layers_stream_in_pieces_bit_identical_to_resident() {
                         ..Default::default()
                     };
                     let input = input_at(None, host);
-                    let r = cpu_runner(s.clone(), &input, 2, small_reads.clone()).unwrap();
+                    let r = cpu_runner(
+                        s.clone(),
+                        &input,
+                        2,
+                        small_reads.clone(),
+                        Default::default(),
+                    )
+                    .unwrap();
                     (r, true)
                 }
             };
@@ -895,7 +934,7 @@ fn least_runner(s: &Arc<Store>, unified: bool, io: &IoConfig) -> Pipeline<CpuBac
         } else {
             sluice::engine::cpu_runner_discrete
         };
-        match make(s.clone(), &input, 2, io.clone()) {
+        match make(s.clone(), &input, 2, io.clone(), Default::default()) {
             Ok(r) => return r,
             Err(sluice::engine::EngineError::Plan(e)) if e.need() > budget => budget = e.need(),
             Err(sluice::engine::EngineError::Plan(_)) => budget += 4096,
@@ -1025,8 +1064,8 @@ fn moe_layers_stream_only_their_routed_experts_bit_identical_to_resident() {
                     let consecutive = sparse.windows(2).any(|w| w[1] == w[0] + 1);
                     if unified && consecutive {
                         let p = r.model.prediction_stats();
-                        assert!(p.lookahead_predicted > 0, "{label}: {p:?}");
-                        assert!(p.lookahead_right <= p.lookahead_predicted, "{label}");
+                        assert!(p.lookahead.predicted > 0, "{label}: {p:?}");
+                        assert!(p.lookahead.right <= p.lookahead.predicted, "{label}");
                     }
                     if cache.is_none() {
                         // Budgets above the least, until one leaves room for dense parts
@@ -1056,7 +1095,7 @@ fn moe_layers_stream_only_their_routed_experts_bit_identical_to_resident() {
                             let next_kept = kept.iter().any(|&n| r.plan.sparse[n - 1].is_some());
                             if next_kept {
                                 let p = r.model.prediction_stats();
-                                assert!(p.lookahead_predicted > 0, "{label}: {p:?}");
+                                assert!(p.lookahead.predicted > 0, "{label}: {p:?}");
                             }
                             break;
                         }
@@ -1067,8 +1106,12 @@ fn moe_layers_stream_only_their_routed_experts_bit_identical_to_resident() {
                             sluice::pipeline::Prediction::Previous,
                             sluice::pipeline::Prediction::Off,
                         ] {
-                            let mut r = moe_runner(&s, unified, cache, 0);
-                            r.expert_prediction = mode;
+                            let budget = least_budget(&s, cache, unified);
+                            let run = PipelineOptions {
+                                expert_prediction: mode,
+                                ..Default::default()
+                            };
+                            let mut r = runner_run(&s, Some(budget), 0, unified, cache, run);
                             assert!(outputs(&mut r, vocab) == want, "{label} {mode:?}");
                             let t = r.total();
                             if mode == sluice::pipeline::Prediction::Off {
@@ -1419,7 +1462,7 @@ fn an_expert_profile_pins_the_hottest_experts_and_outputs_stay_bit_identical() {
         } else {
             sluice::engine::cpu_runner_discrete
         };
-        let mut r = make(s.clone(), &input(budget), 2, io()).unwrap();
+        let mut r = make(s.clone(), &input(budget), 2, io(), Default::default()).unwrap();
         let label = format!("unified={unified}");
         let p = &r.plan;
         assert!(

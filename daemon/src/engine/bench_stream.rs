@@ -246,12 +246,12 @@ fn alternating_passes<B: Backend>(
     // and reads in flight x seconds to their kind's sums (0 streaming-only, 1 streamed).
     let mut io = [(0f64, 0f64, 0f64); 2];
     let mut pass = |r: &mut Pipeline<B>, skip: bool, timed: bool| -> Result<f64, EngineError> {
-        r.skip_compute = skip;
+        r.set_skip_compute(skip);
         let before = r.io().stats();
         let t = Instant::now();
         let done = decode_step(r, 1, pos, vocab, &mut logits);
         let wall = t.elapsed().as_secs_f64();
-        r.skip_compute = false;
+        r.set_skip_compute(false);
         pos += 1;
         done?;
         if timed {
@@ -355,7 +355,12 @@ pub fn run(
             bench_stream(self.0, self.1, make)
         }
     }
-    on_backend(chosen, &store, o.threads, &o.io, Job(store.clone(), o))
+    let run = crate::pipeline::PipelineOptions {
+        expert_eviction: o.expert_eviction,
+        expert_prediction: o.expert_prediction,
+        ..Default::default()
+    };
+    on_backend(chosen, &store, o.threads, &o.io, run, Job(store.clone(), o))
 }
 
 /// Runs the benchmark with pipelines from `make` (one backend).
@@ -380,11 +385,10 @@ pub fn bench_stream<B: Backend>(
         backend_reserved: 0,
         host: host.cloned().unwrap_or_default(),
     };
-    // A streamed run's pipeline, with the expert policies and profile asked for.
+    // A streamed run's pipeline, with the expert profile asked for (`make` gives it the
+    // expert policies).
     let streamed_run = |input: &PlanInput| -> Result<Pipeline<B>, EngineError> {
         let mut r = make(input)?;
-        r.expert_eviction = o.expert_eviction;
-        r.expert_prediction = o.expert_prediction;
         if let Some(p) = &o.expert_profile {
             r.load_expert_profile(p.clone())?;
         }
@@ -475,8 +479,8 @@ pub fn bench_stream<B: Backend>(
         host_bytes_peak: crate::hostmem::host_peak().0,
         expert_cache_slots: r.plan.expert_cache_slots,
         expert_hot_slots: r.plan.expert_hot_slots,
-        expert_eviction: r.expert_eviction,
-        expert_prediction: r.expert_prediction,
+        expert_eviction: r.pipeline_options().expert_eviction,
+        expert_prediction: r.pipeline_options().expert_prediction,
         batches,
     })
 }

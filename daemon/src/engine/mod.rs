@@ -24,8 +24,8 @@ use crate::backend::{Backend, BackendError};
 use crate::io::IoConfig;
 use crate::io::IoError;
 use crate::model::{ModelError, ModelOptions};
-use crate::pipeline::Pipeline;
 use crate::pipeline::PipelineError;
+use crate::pipeline::{Pipeline, PipelineOptions};
 use crate::plan::{HostInput, PlanInput};
 use crate::store::{Manifest, Store};
 use std::sync::Arc;
@@ -71,8 +71,9 @@ pub fn cpu_runner(
     input: &PlanInput,
     threads: usize,
     io: IoConfig,
+    run: PipelineOptions,
 ) -> Result<Pipeline<CpuBackend>, EngineError> {
-    cpu_runner_as(store, input, threads, io, true)
+    cpu_runner_as(store, input, threads, io, run, true)
 }
 
 /// `cpu_runner` with the CPU acting as a discrete device (`CpuBackend::new_discrete`):
@@ -82,8 +83,9 @@ pub fn cpu_runner_discrete(
     input: &PlanInput,
     threads: usize,
     io: IoConfig,
+    run: PipelineOptions,
 ) -> Result<Pipeline<CpuBackend>, EngineError> {
-    cpu_runner_as(store, input, threads, io, false)
+    cpu_runner_as(store, input, threads, io, run, false)
 }
 
 fn cpu_runner_as(
@@ -91,6 +93,7 @@ fn cpu_runner_as(
     input: &PlanInput,
     threads: usize,
     io: IoConfig,
+    run: PipelineOptions,
     unified: bool,
 ) -> Result<Pipeline<CpuBackend>, EngineError> {
     let mut input = input.clone();
@@ -106,7 +109,7 @@ fn cpu_runner_as(
     };
     backend.set_int8_activations(!input.opts.exact);
     backend.reserve_scratch(&input.opts.scratch_shape(&store.manifest().arch));
-    Ok(Pipeline::new(backend, store, plan, input.opts, io)?)
+    Ok(Pipeline::new(backend, store, plan, input.opts, io, run)?)
 }
 
 /// Tokens per prefill step the planner may lower the chunk to when the host budget is short.
@@ -357,14 +360,15 @@ pub fn on_backend<F: OnBackend>(
     store: &Arc<Store>,
     threads: usize,
     io: &IoConfig,
+    run: PipelineOptions,
     f: F,
 ) -> Result<F::Output, EngineError> {
     match chosen {
         Chosen::Cpu { .. } => {
-            f.call(&|input: &PlanInput| cpu_runner(store.clone(), input, threads, io.clone()))
+            f.call(&|input: &PlanInput| cpu_runner(store.clone(), input, threads, io.clone(), run))
         }
         Chosen::Cuda(info) => {
-            f.call(&|input: &PlanInput| cuda_runner(store.clone(), input, info, io.clone()))
+            f.call(&|input: &PlanInput| cuda_runner(store.clone(), input, info, io.clone(), run))
         }
     }
 }
@@ -403,6 +407,7 @@ pub fn cuda_runner(
     input: &PlanInput,
     info: &DeviceInfo,
     io: IoConfig,
+    run: PipelineOptions,
 ) -> Result<Pipeline<CudaBackend>, EngineError> {
     let m = store.manifest();
     let mut input = Chosen::Cuda(info.clone()).plan_input(m, input, &io);
@@ -412,7 +417,7 @@ pub fn cuda_runner(
         plan.device_bytes(),
         &input.opts.scratch_shape(&m.arch),
     )?;
-    Ok(Pipeline::new(backend, store, plan, input.opts, io)?)
+    Ok(Pipeline::new(backend, store, plan, input.opts, io, run)?)
 }
 
 #[cfg(test)]
@@ -423,7 +428,14 @@ mod tests {
         let tmp = tempfile::tempdir().expect("tempdir");
         let store = test_model::store(tmp.path());
         let input = crate::plan::test_input(max_context, kv_slots, batch_tokens);
-        let r = cpu_runner(store, &input, 1, IoConfig::single_stream()).expect("pipeline");
+        let r = cpu_runner(
+            store,
+            &input,
+            1,
+            IoConfig::single_stream(),
+            Default::default(),
+        )
+        .expect("pipeline");
         *r.options()
     }
 

@@ -23,7 +23,14 @@ fn pipeline(
     batch: usize,
 ) -> Pipeline<crate::backend::cpu::CpuBackend> {
     let input = crate::plan::test_input(64, batch, 16);
-    super::cpu_runner(store.clone(), &input, 1, IoConfig::single_stream()).expect("pipeline")
+    super::cpu_runner(
+        store.clone(),
+        &input,
+        1,
+        IoConfig::single_stream(),
+        Default::default(),
+    )
+    .expect("pipeline")
 }
 
 /// Collects a request's events until Done; returns its generated ids and finish.

@@ -269,20 +269,15 @@ impl ImportedModel {
     /// no unexpected one is, and groups them into layer units in forward order.
     pub fn units(&self) -> Result<Vec<UnitSpec>, ImportError> {
         let a = &self.arch;
-        let (h, vocab) = (a.hidden as u64, a.vocab as u64);
+        let named = |t: crate::store::spec::TensorSpec| (t.name, t.shape);
         let mut expected: Vec<(UnitKind, Vec<NamedShape>)> = Vec::new();
-        expected.push((
-            UnitKind::Embedding,
-            vec![("model.embed_tokens.weight".into(), vec![vocab, h])],
-        ));
+        expected.push((UnitKind::Embedding, vec![named(a.embedding_spec())]));
         for i in 0..a.n_layers {
             expected.push((UnitKind::Decoder(i), a.layer_tensors(i)));
         }
-        let mut head = vec![("model.norm.weight".to_string(), vec![h])];
-        if !a.tied_embeddings {
-            head.push(("lm_head.weight".into(), vec![vocab, h]));
-        }
-        expected.push((UnitKind::Head, head));
+        let head = a.head_spec();
+        let head = std::iter::once(head.norm).chain(head.lm_head);
+        expected.push((UnitKind::Head, head.map(named).collect()));
 
         let mut units = Vec::with_capacity(expected.len());
         let mut used = 0usize;

@@ -10,17 +10,19 @@
 //! through one layer unit at a time: `forward_unit` is the loop body the streaming
 //! pipeline drives, so one pass over the weights serves the whole batch.
 
-use super::moe::Routes;
+use super::layout::Workspace;
+pub use super::layout::{kv_cache_bytes, kv_layout, workspace_bytes, ModelOptions};
+use super::moe::{route_rows, Mixture, PredictionStats};
 use super::rope::rope_table;
 use super::{Activation, ArchConfig, RopeScaling};
 use crate::backend::experts::gated_mlp;
 use crate::backend::{
     AttnShape, AttnStep, Backend, BackendError, ExpertCall, ExpertScratch, ExpertShape, GatedAct,
-    KvDtype, LayerCache, MatmulOut, RouteGating, ScratchShape, SeqSpan, WeightRef,
+    LayerCache, MatmulOut, SeqSpan, WeightRef,
 };
 use crate::dtype::DType;
-use crate::store::arch::Gating;
 use crate::store::format::{LayerUnit, Manifest, UnitKind};
+use crate::store::spec::{ExpertSpec, FfnSpec, LayerSpec, TensorSpec};
 use std::ops::Range;
 
 /// The phases of a dense decoder layer, in the order they run (`Decoder::layer_phases`):
@@ -50,53 +52,20 @@ impl TensorLoc {
     }
 }
 
+/// A decoder layer's tensors where they lie in its unit (`ArchConfig::layer_spec` bound),
+/// its part of the KV cache (a ring for sliding-window layers), and whether it rotates
+/// with the local (sliding-window) RoPE base.
 #[derive(Clone, Debug)]
 struct LayerTensors {
-    attn_norm: TensorLoc,
-    q: TensorLoc,
-    k: TensorLoc,
-    v: TensorLoc,
-    qkv_bias: Option<[TensorLoc; 3]>,
-    /// Per-head norms of q and k.
-    qk_norm: Option<[TensorLoc; 2]>,
-    o: TensorLoc,
-    o_bias: Option<TensorLoc>,
-    /// Per-head attention sink logits (f32).
-    sinks: Option<TensorLoc>,
-    post_attn_norm: Option<TensorLoc>,
-    ffn_norm: TensorLoc,
-    ffn: Ffn,
-    post_ffn_norm: Option<TensorLoc>,
-    /// Its part of the KV cache (a ring for sliding-window layers).
+    w: LayerSpec<TensorLoc>,
     cache: LayerCache,
-    /// RoPE with the local (sliding-window) base.
     local_rope: bool,
 }
 
-/// A layer's feed-forward block: a gated MLP, or a mixture of experts (its router and
-/// each expert's gate, up and down projections).
-#[derive(Clone, Debug)]
-enum Ffn {
-    Dense {
-        gate: TensorLoc,
-        up: TensorLoc,
-        down: TensorLoc,
-    },
-    Moe {
-        router: TensorLoc,
-        router_bias: Option<TensorLoc>,
-        experts: Vec<ExpertLocs>,
-    },
-}
+type Ffn = FfnSpec<TensorLoc>;
+type ExpertLocs = ExpertSpec<TensorLoc>;
 
-/// One expert's gate, up and down projections, and their biases where the model has them.
-#[derive(Clone, Copy, Debug)]
-struct ExpertLocs {
-    w: [TensorLoc; 3],
-    b: Option<[TensorLoc; 3]>,
-}
-
-impl ExpertLocs {
+impl ExpertSpec<TensorLoc> {
     /// The same tensors in bytes that start at the unit's raw offset `raw_base`.
     fn rebased(&self, raw_base: usize) -> ExpertLocs {
         let r = |t: TensorLoc| TensorLoc {
@@ -106,39 +75,6 @@ impl ExpertLocs {
         ExpertLocs {
             w: self.w.map(r),
             b: self.b.map(|b| b.map(r)),
-        }
-    }
-}
-
-/// Limits of one model instance; the memory plan derives them from config.
-#[derive(Clone, Copy, Debug)]
-pub struct ModelOptions {
-    /// Positions per sequence in the KV cache.
-    pub max_context: usize,
-    /// Sequences the KV cache holds (the maximum batch).
-    pub kv_slots: usize,
-    /// Tokens one step may carry over all sequences (prefill chunk size).
-    pub max_batch_tokens: usize,
-    /// Element type of the KV cache.
-    pub kv_dtype: KvDtype,
-    /// The reference path (`--exact`): f32 activations into every matmul. Otherwise decode
-    /// rows of quantized weights are quantized to 8 bits per 32-element block and use
-    /// integer dot products where the backend has them.
-    pub exact: bool,
-}
-
-impl ModelOptions {
-    /// What a backend needs to size its scratch for this model under these limits.
-    pub fn scratch_shape(&self, cfg: &ArchConfig) -> ScratchShape {
-        ScratchShape {
-            rows: self.max_batch_tokens.max(self.kv_slots) as u64,
-            hidden: cfg.hidden as u64,
-            q_dim: cfg.q_dim(),
-            heads: cfg.n_heads as u64,
-            intermediate: ffn_rows(cfg),
-            vocab: cfg.vocab as u64,
-            max_context: self.max_context,
-            top_k: cfg.moe.as_ref().map_or(0, |m| m.top_k as u64),
         }
     }
 }
@@ -155,35 +91,6 @@ fn gated_act(c: &ArchConfig) -> GatedAct {
         (Activation::SwigluClamp, None) => {
             unreachable!("validated: a clamped SwiGLU has its constants")
         }
-    }
-}
-
-/// Routes `rows` rows of a mixture's router logits (on the device, in `logits`): the
-/// backend's own top-k where it has one, else on the host from the logits downloaded into
-/// `host`.
-fn route_rows<B: Backend>(
-    b: &B,
-    c: &ArchConfig,
-    logits: &B::Mem,
-    rows: usize,
-    host: &mut Vec<f32>,
-    routes: &mut Routes,
-) {
-    let moe = c.moe.as_ref().expect("a mixture's layer has its config");
-    let (n, k) = (moe.n_experts as usize, moe.top_k as usize);
-    let gating = c.arch.recipe().gating;
-    let on_device = match gating {
-        Gating::SoftmaxTopK => RouteGating::SoftmaxTopK {
-            norm: moe.norm_topk_prob,
-        },
-        Gating::TopKSoftmax => RouteGating::TopKSoftmax,
-    };
-    if b.route_top_k(logits, (rows, n, k), on_device, routes.chosen_mut()) {
-        routes.group(moe);
-    } else {
-        host.resize(rows * n, 0.0);
-        b.download_f32(logits, 0, host);
-        routes.route(moe, gating, host, rows);
     }
 }
 
@@ -205,29 +112,6 @@ pub enum ModelError {
     Layout(String),
     #[error("invalid step: {0}")]
     Step(String),
-}
-
-struct Workspace<M> {
-    x: M,
-    xn: M,
-    proj: M,
-    q: M,
-    k: M,
-    v: M,
-    attn: M,
-    gate: M,
-    up: M,
-    last: M,
-    last_n: M,
-    logits: M,
-    /// Room for q and k after their per-head norm (models with q/k norm).
-    qk_normed: Option<(M, M)>,
-    /// A mixture of experts: the router's logits, one expert's rows gathered, and its
-    /// output before it is added into `proj`.
-    moe: Option<(M, M, M)>,
-    /// A mixture: the hidden state normed for the router lookahead (`lookahead_route`),
-    /// apart from `xn`, which the running layer's experts still read.
-    lookahead_xn: Option<M>,
 }
 
 pub struct Decoder<B: Backend> {
@@ -259,22 +143,8 @@ pub struct Decoder<B: Backend> {
     host_logits: Vec<f32>,
     part_logits: Vec<f32>,
     logits_on_host: bool,
-    /// A mixture of experts' router logits on the host, and the step's routing.
-    router_logits: Vec<f32>,
-    routes: Option<Routes>,
-    /// Per decoder layer, tokens routed to each expert since the start (empty for a
-    /// dense layer).
-    expert_tokens: Vec<Vec<u64>>,
-    /// Per decoder layer, the experts its last routing chose (ascending).
-    last_routed: Vec<Vec<u32>>,
-    /// Per decoder layer, the experts the router lookahead predicted for this step
-    /// (`lookahead_route`), and how both predictors fared (`PredictionStats`).
-    lookahead: Vec<Vec<u32>>,
-    lookahead_routes: Option<Routes>,
-    prediction: PredictionStats,
-    /// The allocations of a mixture's expert call lists (decode, prefill), kept empty
-    /// between layers (`recycle`) so a step allocates nothing.
-    expert_calls: (Vec<ExpertCall<'static, ()>>, Vec<ExpertCall<'static, ()>>),
+    /// A mixture's routing state across steps (empty for a dense model).
+    moe: Mixture,
 }
 
 /// An empty Vec of `U` in the allocation of `v`: the standard library collects a Vec's
@@ -292,34 +162,21 @@ fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
         .collect()
 }
 
-/// How well a layer's experts are predicted before it routes, over the steps so far, by
-/// two predictors: the previous step's choices at the layer, and the layer's router
-/// applied to the hidden state entering the layer before (`lookahead_route`; measured
-/// only where it ran). Counts are experts: predicted, and of those routed to.
-#[derive(Clone, Copy, Debug, Default, serde::Serialize)]
-pub struct PredictionStats {
-    pub routed: u64,
-    pub previous_predicted: u64,
-    pub previous_right: u64,
-    /// Experts routed at the layers the lookahead predicted.
-    pub lookahead_routed: u64,
-    pub lookahead_predicted: u64,
-    pub lookahead_right: u64,
-}
-
-fn loc(unit: &LayerUnit, name: &str, rows: u64, cols: u64) -> Result<TensorLoc, ModelError> {
+/// Where tensor `spec` lies in `unit`, checked against the shape the spec gives it.
+fn bind(unit: &LayerUnit, spec: &TensorSpec) -> Result<TensorLoc, ModelError> {
+    let name = &spec.name;
     let t = unit
         .tensor(name)
         .ok_or_else(|| ModelError::Layout(format!("{} lacks tensor {name}", unit.kind)))?;
-    let shape_ok = if rows == 1 {
-        t.shape == [cols]
-    } else {
-        t.shape == [rows, cols]
+    let (rows, cols) = match spec.shape[..] {
+        [cols] => (1, cols),
+        [rows, cols] => (rows, cols),
+        _ => unreachable!("layer specs are vectors and matrices"),
     };
-    if !shape_ok {
+    if t.shape != spec.shape {
         return Err(ModelError::Layout(format!(
-            "{name} has shape {:?}, expected [{rows}, {cols}]",
-            t.shape
+            "{name} has shape {:?}, expected {:?}",
+            t.shape, spec.shape
         )));
     }
     Ok(TensorLoc {
@@ -328,76 +185,6 @@ fn loc(unit: &LayerUnit, name: &str, rows: u64, cols: u64) -> Result<TensorLoc, 
         rows: rows as usize,
         cols: cols as usize,
     })
-}
-
-/// Each layer's part of the KV cache under these options, and the f32 elements of the
-/// whole K (or V) cache. A sliding-window layer's slot holds the window plus the longest
-/// span one step may write (so a prefill chunk does not overwrite what its own first
-/// queries see), never more than the context.
-pub fn kv_layout(cfg: &ArchConfig, opts: &ModelOptions) -> (Vec<LayerCache>, usize) {
-    let width = cfg.kv_dim() as usize;
-    let mut base = 0;
-    let layers = (0..cfg.n_layers)
-        .map(|i| {
-            let window = cfg.window(i).map(|w| w as usize);
-            let cap = window.map_or(opts.max_context, |w| {
-                (w + opts.max_batch_tokens.saturating_sub(1)).min(opts.max_context)
-            });
-            let c = LayerCache { base, cap, window };
-            base += opts.kv_slots * cap * width;
-            c
-        })
-        .collect();
-    (layers, base)
-}
-
-/// Bytes of KV cache for these options (K and V, every layer, f32).
-pub fn kv_cache_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
-    2 * kv_layout(cfg, opts).1 as u64 * opts.kv_dtype.bytes() as u64
-}
-
-/// The widest feed-forward activation: the dense MLP's rows, or an expert's.
-fn ffn_rows(cfg: &ArchConfig) -> u64 {
-    let dense = if cfg.moe.is_none() || (0..cfg.n_layers).any(|i| !cfg.is_sparse(i)) {
-        cfg.intermediate
-    } else {
-        0
-    };
-    dense.max(cfg.moe.as_ref().map_or(0, |m| m.intermediate)) as u64
-}
-
-/// Bytes of activation workspace (and rotary tables) for these options.
-pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
-    let t = opts.max_batch_tokens as u64;
-    let (h, q, kv, i, v) = (
-        cfg.hidden as u64,
-        cfg.q_dim(),
-        cfg.kv_dim(),
-        ffn_rows(cfg),
-        cfg.vocab as u64,
-    );
-    // A mixture: router logits, an expert's gathered rows and its output.
-    let moe = cfg
-        .moe
-        .as_ref()
-        .map_or(0, |m| t * (m.n_experts as u64 + 3 * h));
-    let s = opts.kv_slots as u64;
-    let qk = if cfg.arch.recipe().qk_norm {
-        t * (q + kv)
-    } else {
-        0
-    };
-    let f32s = t * (3 * h + 2 * q + 2 * kv + 2 * i) + s * (2 * h + v) + qk + moe;
-    let tables = if cfg.ext.rope_local_theta.is_some() {
-        2
-    } else {
-        1
-    };
-    let rope = tables * opts.max_context as u64 * cfg.head_dim as u64;
-    // Each allocation rounds up to 4096 bytes: the workspace's 12 buffers, q/k norm's 2, a
-    // mixture's 3, the rotary tables, and a few to spare.
-    let allocs = 12 + if qk > 0 { 2 } else { 0 } + if moe > 0 { 4 } else { 0 } + tables + 4;
-    4 * (f32s + rope) + allocs * 4096
 }
 
 impl<B: Backend> Decoder<B> {
@@ -410,13 +197,6 @@ impl<B: Backend> Decoder<B> {
                 "max context, KV slots and batch tokens must be at least 1".into(),
             ));
         }
-        let (h, q, kv, inter, vocab) = (
-            c.hidden as u64,
-            c.q_dim(),
-            c.kv_dim(),
-            c.intermediate as u64,
-            c.vocab as u64,
-        );
         let kinds: Vec<UnitKind> = m.units.iter().map(|u| u.kind).collect();
         let expected: Vec<UnitKind> = std::iter::once(UnitKind::Embedding)
             .chain((0..c.n_layers).map(UnitKind::Decoder))
@@ -428,112 +208,27 @@ impl<B: Backend> Decoder<B> {
                 c.n_layers
             )));
         }
-        let embed = loc(&m.units[0], "model.embed_tokens.weight", vocab, h)?;
+        let embed = bind(&m.units[0], &c.embedding_spec())?;
         let head = m.units.last().expect("checked");
-        let norm = loc(head, "model.norm.weight", 1, h)?;
-        let lm_head = if c.tied_embeddings {
-            embed
-        } else {
-            loc(head, "lm_head.weight", vocab, h)?
+        let head_spec = c.head_spec();
+        let norm = bind(head, &head_spec.norm)?;
+        let lm_head = match &head_spec.lm_head {
+            Some(t) => bind(head, t)?,
+            None => embed,
         };
-        let names = c.arch.recipe();
         let (caches, cache_elems) = kv_layout(&c, &opts);
         let mut layers = Vec::with_capacity(c.n_layers as usize);
         for (i, u) in m.units[1..=c.n_layers as usize].iter().enumerate() {
-            let p = format!("model.layers.{i}");
-            let qkv_bias = if c.qkv_bias {
-                Some([
-                    loc(u, &format!("{p}.self_attn.q_proj.bias"), 1, q)?,
-                    loc(u, &format!("{p}.self_attn.k_proj.bias"), 1, kv)?,
-                    loc(u, &format!("{p}.self_attn.v_proj.bias"), 1, kv)?,
-                ])
-            } else {
-                None
-            };
-            let hd = c.head_dim as u64;
-            let qk_norm = if names.qk_norm {
-                Some([
-                    loc(u, &format!("{p}.self_attn.q_norm.weight"), 1, hd)?,
-                    loc(u, &format!("{p}.self_attn.k_norm.weight"), 1, hd)?,
-                ])
-            } else {
-                None
-            };
-            let post = |name: Option<&str>| -> Result<Option<TensorLoc>, ModelError> {
-                name.map(|n| loc(u, &format!("{p}.{n}.weight"), 1, h))
-                    .transpose()
-            };
+            let w = c.layer_spec(i as u32).try_map(|t| bind(u, t))?;
+            if let Some(t) = w.sinks.filter(|t| t.dtype != DType::F32) {
+                return Err(ModelError::Layout(format!(
+                    "model.layers.{i}.self_attn.sinks is {}, expected f32 (repack the model)",
+                    t.dtype
+                )));
+            }
             let cache = caches[i];
-            let sinks = if names.attn_sinks {
-                let t = loc(u, &format!("{p}.self_attn.sinks"), 1, c.n_heads as u64)?;
-                if t.dtype != DType::F32 {
-                    return Err(ModelError::Layout(format!(
-                        "{p}.self_attn.sinks is {}, expected f32 (repack the model)",
-                        t.dtype
-                    )));
-                }
-                Some(t)
-            } else {
-                None
-            };
             layers.push(LayerTensors {
-                attn_norm: loc(u, &format!("{p}.{}.weight", names.attn_norm), 1, h)?,
-                q: loc(u, &format!("{p}.self_attn.q_proj.weight"), q, h)?,
-                k: loc(u, &format!("{p}.self_attn.k_proj.weight"), kv, h)?,
-                v: loc(u, &format!("{p}.self_attn.v_proj.weight"), kv, h)?,
-                qkv_bias,
-                qk_norm,
-                o: loc(u, &format!("{p}.self_attn.o_proj.weight"), h, q)?,
-                o_bias: if names.o_bias {
-                    Some(loc(u, &format!("{p}.self_attn.o_proj.bias"), 1, h)?)
-                } else {
-                    None
-                },
-                sinks,
-                post_attn_norm: post(names.post_attn_norm)?,
-                ffn_norm: loc(u, &format!("{p}.{}.weight", names.ffn_norm), 1, h)?,
-                ffn: match c.moe.as_ref().filter(|_| c.is_sparse(i as u32)) {
-                    Some(m) => {
-                        let (n, mi) = (m.n_experts as u64, m.intermediate as u64);
-                        let expert = |e: u64| -> Result<ExpertLocs, ModelError> {
-                            let x = format!("{p}.mlp.experts.{e}");
-                            let bias = |proj: &str, rows: u64| {
-                                loc(u, &format!("{x}.{proj}.bias"), 1, rows)
-                            };
-                            Ok(ExpertLocs {
-                                w: [
-                                    loc(u, &format!("{x}.gate_proj.weight"), mi, h)?,
-                                    loc(u, &format!("{x}.up_proj.weight"), mi, h)?,
-                                    loc(u, &format!("{x}.down_proj.weight"), h, mi)?,
-                                ],
-                                b: if names.moe_bias {
-                                    Some([
-                                        bias("gate_proj", mi)?,
-                                        bias("up_proj", mi)?,
-                                        bias("down_proj", h)?,
-                                    ])
-                                } else {
-                                    None
-                                },
-                            })
-                        };
-                        Ffn::Moe {
-                            router: loc(u, &format!("{p}.mlp.gate.weight"), n, h)?,
-                            router_bias: if names.moe_bias {
-                                Some(loc(u, &format!("{p}.mlp.gate.bias"), 1, n)?)
-                            } else {
-                                None
-                            },
-                            experts: (0..n).map(expert).collect::<Result<_, _>>()?,
-                        }
-                    }
-                    None => Ffn::Dense {
-                        gate: loc(u, &format!("{p}.mlp.gate_proj.weight"), inter, h)?,
-                        up: loc(u, &format!("{p}.mlp.up_proj.weight"), inter, h)?,
-                        down: loc(u, &format!("{p}.mlp.down_proj.weight"), h, inter)?,
-                    },
-                },
-                post_ffn_norm: post(names.post_ffn_norm)?,
+                w,
                 cache,
                 local_rope: cache.window.is_some() && c.ext.rope_local_theta.is_some(),
             });
@@ -576,58 +271,8 @@ impl<B: Backend> Decoder<B> {
             None => None,
         };
         let t = opts.max_batch_tokens;
-        let s = opts.kv_slots;
-        let a = |n: u64, what: &str| backend.alloc(n as usize * 4, what);
-        let ffn = ffn_rows(&c);
-        let ws = Workspace {
-            x: a(t as u64 * h, "activations")?,
-            xn: a(t as u64 * h, "activations")?,
-            proj: a(t as u64 * h, "activations")?,
-            q: a(t as u64 * q, "activations")?,
-            k: a(t as u64 * kv, "activations")?,
-            v: a(t as u64 * kv, "activations")?,
-            attn: a(t as u64 * q, "activations")?,
-            gate: a(t as u64 * ffn, "activations")?,
-            up: a(t as u64 * ffn, "activations")?,
-            last: a(s as u64 * h, "activations")?,
-            last_n: a(s as u64 * h, "activations")?,
-            logits: a(s as u64 * vocab, "logits")?,
-            qk_normed: if c.arch.recipe().qk_norm {
-                Some((
-                    a(t as u64 * q, "activations")?,
-                    a(t as u64 * kv, "activations")?,
-                ))
-            } else {
-                None
-            },
-            moe: match &c.moe {
-                Some(m) => Some((
-                    a(t as u64 * m.n_experts as u64, "router logits")?,
-                    a(t as u64 * h, "activations")?,
-                    a(t as u64 * h, "activations")?,
-                )),
-                None => None,
-            },
-            lookahead_xn: match &c.moe {
-                Some(_) => Some(a(t as u64 * h, "activations")?),
-                None => None,
-            },
-        };
-        let c_layers = c.n_layers as usize;
-        let cfg_moe = c.moe.clone();
-        let expert_tokens = (0..c.n_layers)
-            .map(|i| match &c.moe {
-                Some(m) if c.is_sparse(i) => vec![0; m.n_experts as usize],
-                _ => Vec::new(),
-            })
-            .collect();
-        let (router_logits, routes) = match &c.moe {
-            Some(m) => (
-                Vec::with_capacity(t * m.n_experts as usize),
-                Some(Routes::with_capacity(m, t)),
-            ),
-            None => (Vec::new(), None),
-        };
+        let ws = Workspace::new(backend, &c, &opts)?;
+        let moe = Mixture::new(&c, t);
         Ok(Decoder {
             cfg: c,
             opts,
@@ -651,23 +296,13 @@ impl<B: Backend> Decoder<B> {
             host_logits: Vec::new(),
             part_logits: Vec::new(),
             logits_on_host: false,
-            router_logits,
-            routes,
-            expert_tokens,
-            last_routed: vec![Vec::new(); c_layers],
-            lookahead: vec![Vec::new(); c_layers],
-            lookahead_routes: cfg_moe.as_ref().map(|m| Routes::with_capacity(m, t)),
-            prediction: PredictionStats::default(),
-            expert_calls: {
-                let n = cfg_moe.as_ref().map_or(0, |m| m.n_experts as usize);
-                (Vec::with_capacity(n), Vec::with_capacity(n))
-            },
+            moe,
         })
     }
 
     /// Per decoder layer, the tokens each expert has served (empty for a dense layer).
     pub fn expert_tokens(&self) -> &[Vec<u64>] {
-        &self.expert_tokens
+        &self.moe.expert_tokens
     }
 
     pub fn config(&self) -> &ArchConfig {
@@ -790,7 +425,7 @@ impl<B: Backend> Decoder<B> {
         if n_experts > 0 {
             self.route(b, i, mem);
             self.experts(b, i, 0..n_experts, mem, 0);
-        } else if let Ffn::Dense { gate, up, down } = &self.layers[i].ffn {
+        } else if let Ffn::Dense { gate, up, down } = &self.layers[i].w.ffn {
             let ws = &mut self.ws;
             gated_mlp(
                 b,
@@ -811,25 +446,25 @@ impl<B: Backend> Decoder<B> {
         let (rows, c) = (self.rows, &self.cfg);
         let h = c.hidden as usize;
         let ws = &mut self.ws;
-        b.rms_norm(&ws.x, l.attn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
-        let bias = |k: usize| l.qkv_bias.map(|bs| bs[k].at(mem));
+        b.rms_norm(&ws.x, l.w.attn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
+        let bias = |k: usize| l.w.qkv_bias.map(|bs| bs[k].at(mem));
         b.matmuls(
             &ws.xn,
             rows,
             self.gemv_rows,
             &mut [
                 MatmulOut {
-                    w: l.q.at(mem),
+                    w: l.w.q.at(mem),
                     bias: bias(0),
                     out: &mut ws.q,
                 },
                 MatmulOut {
-                    w: l.k.at(mem),
+                    w: l.w.k.at(mem),
                     bias: bias(1),
                     out: &mut ws.k,
                 },
                 MatmulOut {
-                    w: l.v.at(mem),
+                    w: l.w.v.at(mem),
                     bias: bias(2),
                     out: &mut ws.v,
                 },
@@ -841,7 +476,7 @@ impl<B: Backend> Decoder<B> {
             c.head_dim as usize,
         );
         // Per-head RMSNorm of q and k (each head a row of head_dim), before RoPE.
-        if let (Some([qn, kn]), Some((qo, ko))) = (l.qk_norm, ws.qk_normed.as_mut()) {
+        if let (Some([qn, kn]), Some((qo, ko))) = (l.w.qk_norm, ws.qk_normed.as_mut()) {
             b.rms_norm(&ws.q, qn.at(mem), c.rms_eps, rows * heads, qo);
             b.rms_norm(&ws.k, kn.at(mem), c.rms_eps, rows * kv_heads, ko);
             std::mem::swap(&mut ws.q, qo);
@@ -865,15 +500,15 @@ impl<B: Backend> Decoder<B> {
             &self.cache_k,
             &self.cache_v,
             &step,
-            l.sinks.map(|t| t.at(mem)),
+            l.w.sinks.map(|t| t.at(mem)),
             &mut ws.attn,
         );
         b.matmul(
             &ws.attn,
             rows,
             self.gemv_rows,
-            l.o.at(mem),
-            l.o_bias.map(|t| t.at(mem)),
+            l.w.o.at(mem),
+            l.w.o_bias.map(|t| t.at(mem)),
             &mut ws.proj,
         );
         residual(
@@ -881,12 +516,12 @@ impl<B: Backend> Decoder<B> {
             &mut ws.x,
             &mut ws.proj,
             &mut ws.xn,
-            l.post_attn_norm.map(|n| n.at(mem)),
+            l.w.post_attn_norm.map(|n| n.at(mem)),
             c.rms_eps,
             rows,
             h,
         );
-        b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
+        b.rms_norm(&ws.x, l.w.ffn_norm.at(mem), c.rms_eps, rows, &mut ws.xn);
     }
 
     /// The feed-forward block's output into the residual stream.
@@ -898,7 +533,7 @@ impl<B: Backend> Decoder<B> {
             &mut ws.x,
             &mut ws.proj,
             &mut ws.xn,
-            l.post_ffn_norm.map(|n| n.at(mem)),
+            l.w.post_ffn_norm.map(|n| n.at(mem)),
             c.rms_eps,
             rows,
             c.hidden as usize,
@@ -912,36 +547,31 @@ impl<B: Backend> Decoder<B> {
             router,
             router_bias,
             ..
-        } = &self.layers[i].ffn
+        } = &self.layers[i].w.ffn
         else {
             unreachable!("routed a dense layer")
         };
         let (rows, c, ws) = (self.rows, &self.cfg, &mut self.ws);
         let moe = c.moe.as_ref().expect("a mixture's layer has its config");
-        let routes = self.routes.as_mut().expect("a mixture has its routes");
+        let routes = self.moe.routes.as_mut().expect("a mixture has its routes");
         let (logits, _, _) = ws.moe.as_mut().expect("a mixture has its workspace");
         let n = moe.n_experts as usize;
         let bias = router_bias.map(|t| t.at(mem));
         b.matmul(&ws.xn, rows, self.gemv_rows, router.at(mem), bias, logits);
-        route_rows(b, c, logits, rows, &mut self.router_logits, routes);
-        for (e, n) in self.expert_tokens[i].iter_mut().enumerate() {
+        route_rows(b, c, logits, rows, &mut self.moe.router_logits, routes);
+        for (e, n) in self.moe.expert_tokens[i].iter_mut().enumerate() {
             *n += (routes.starts[e + 1] - routes.starts[e]) as u64;
         }
         // How the predictions made before this routing fare, then this step's choices.
         let chosen = |e: &u32| routes.starts[*e as usize + 1] > routes.starts[*e as usize];
-        let p = &mut self.prediction;
+        let (p, last) = (&mut self.moe.prediction, &mut self.moe.last_routed[i]);
         let routed = (0..n as u32).filter(chosen).count() as u64;
-        p.routed += routed;
-        p.previous_predicted += self.last_routed[i].len() as u64;
-        p.previous_right += self.last_routed[i].iter().filter(|e| chosen(e)).count() as u64;
-        let ahead = &mut self.lookahead[i];
+        p.previous.add(last, chosen, routed);
+        let ahead = &mut self.moe.lookahead[i];
         if !ahead.is_empty() {
-            p.lookahead_routed += routed;
-            p.lookahead_predicted += ahead.len() as u64;
-            p.lookahead_right += ahead.iter().filter(|e| chosen(e)).count() as u64;
+            p.lookahead.add(ahead, chosen, routed);
         }
         ahead.clear();
-        let last = &mut self.last_routed[i];
         last.clear();
         last.extend((0..n as u32).filter(chosen));
         b.zero(&mut ws.proj, rows * c.hidden as usize);
@@ -949,7 +579,7 @@ impl<B: Backend> Decoder<B> {
 
     /// Experts of layer `i`'s mixture (0 for a dense layer).
     fn routed_count(&self, i: usize) -> usize {
-        match &self.layers[i].ffn {
+        match &self.layers[i].w.ffn {
             Ffn::Moe { experts, .. } => experts.len(),
             Ffn::Dense { .. } => 0,
         }
@@ -961,16 +591,16 @@ impl<B: Backend> Decoder<B> {
     /// order, so each row's sum goes in the order transformers adds them; the decode rows
     /// of all of them go as one call (a device runs them together), then the prefill rows.
     fn experts(&mut self, b: &B, i: usize, es: Range<usize>, mem: &B::Mem, raw_base: usize) {
-        let Ffn::Moe { experts, .. } = &self.layers[i].ffn else {
+        let Ffn::Moe { experts, .. } = &self.layers[i].w.ffn else {
             unreachable!("experts of a dense layer")
         };
         let (c, ws, g) = (&self.cfg, &mut self.ws, self.gemv_rows);
-        let routes = self.routes.as_ref().expect("a mixture has its routes");
+        let routes = self.moe.routes.as_ref().expect("a mixture has its routes");
         let (_, xe, ye) = ws.moe.as_mut().expect("a mixture has its workspace");
         let mut decode: Vec<ExpertCall<'_, B::Mem>> =
-            recycle(std::mem::take(&mut self.expert_calls.0));
+            recycle(std::mem::take(&mut self.moe.expert_calls.0));
         let mut prefill: Vec<ExpertCall<'_, B::Mem>> =
-            recycle(std::mem::take(&mut self.expert_calls.1));
+            recycle(std::mem::take(&mut self.moe.expert_calls.1));
         for e in es {
             let (er, ew) = routes.of(e);
             if er.is_empty() {
@@ -1016,7 +646,7 @@ impl<B: Backend> Decoder<B> {
             };
             b.experts(&ws.xn, shape, calls, scratch, &mut ws.proj);
         }
-        self.expert_calls = (recycle(decode), recycle(prefill));
+        self.moe.expert_calls = (recycle(decode), recycle(prefill));
     }
 
     /// The decoder layer of unit `unit` (a mixture's layer, else None).
@@ -1046,7 +676,7 @@ impl<B: Backend> Decoder<B> {
     /// `sparse_begin`; before it, those of the step before: a prediction).
     pub fn routed_experts(&self, unit: usize) -> &[u32] {
         match self.unit_kinds.get(unit) {
-            Some(&UnitKind::Decoder(i)) => &self.last_routed[i as usize],
+            Some(&UnitKind::Decoder(i)) => &self.moe.last_routed[i as usize],
             _ => &[],
         }
     }
@@ -1066,25 +696,25 @@ impl<B: Backend> Decoder<B> {
             router,
             router_bias,
             ..
-        } = &l.ffn
+        } = &l.w.ffn
         else {
             return;
         };
         let (rows, c, ws) = (self.rows, &self.cfg, &mut self.ws);
         let (Some(moe), Some(routes), Some((logits, _, _)), Some(xl)) = (
             c.moe.as_ref(),
-            self.lookahead_routes.as_mut(),
+            self.moe.lookahead_routes.as_mut(),
             ws.moe.as_mut(),
             ws.lookahead_xn.as_mut(),
         ) else {
             return;
         };
         let n = moe.n_experts as usize;
-        b.rms_norm(&ws.x, l.ffn_norm.at(mem), c.rms_eps, rows, xl);
+        b.rms_norm(&ws.x, l.w.ffn_norm.at(mem), c.rms_eps, rows, xl);
         let bias = router_bias.map(|t| t.at(mem));
         b.matmul(xl, rows, self.gemv_rows, router.at(mem), bias, logits);
-        route_rows(b, c, logits, rows, &mut self.router_logits, routes);
-        let ahead = &mut self.lookahead[i];
+        route_rows(b, c, logits, rows, &mut self.moe.router_logits, routes);
+        let ahead = &mut self.moe.lookahead[i];
         ahead.clear();
         ahead.extend(
             (0..n as u32).filter(|&e| routes.starts[e as usize + 1] > routes.starts[e as usize]),
@@ -1095,14 +725,14 @@ impl<B: Backend> Decoder<B> {
     /// once the layer has routed).
     pub fn lookahead_experts(&self, unit: usize) -> &[u32] {
         match self.unit_kinds.get(unit) {
-            Some(&UnitKind::Decoder(i)) => &self.lookahead[i as usize],
+            Some(&UnitKind::Decoder(i)) => &self.moe.lookahead[i as usize],
             _ => &[],
         }
     }
 
     /// How well each predictor foresaw the routing so far (`PredictionStats`).
     pub fn prediction_stats(&self) -> PredictionStats {
-        self.prediction
+        self.moe.prediction
     }
 
     /// Expert `e` of the layer begun with `sparse_begin`: `mem` holds the unit's raw bytes
@@ -1126,7 +756,7 @@ impl<B: Backend> Decoder<B> {
     /// again at the end: a norm after its feed-forward block (Gemma 2 and 3).
     pub fn first_piece_to_end(&self, unit: usize) -> bool {
         match self.unit_kinds[unit] {
-            UnitKind::Decoder(i) => self.layers[i as usize].post_ffn_norm.is_some(),
+            UnitKind::Decoder(i) => self.layers[i as usize].w.post_ffn_norm.is_some(),
             _ => false,
         }
     }
@@ -1167,7 +797,7 @@ impl<B: Backend> Decoder<B> {
                 self.attention(b, i, mem);
                 continue;
             }
-            let Ffn::Dense { gate, up, down } = &self.layers[i].ffn else {
+            let Ffn::Dense { gate, up, down } = &self.layers[i].w.ffn else {
                 panic!("feed-forward phases of layer {i}, which has no dense MLP");
             };
             let (rows, gemv_rows, ws) = (self.rows, self.gemv_rows, &mut self.ws);
@@ -1199,7 +829,7 @@ impl<B: Backend> Decoder<B> {
                         (_, Some(f)) => f,
                         (_, None) => {
                             assert!(
-                                self.layers[i].post_ffn_norm.is_none(),
+                                self.layers[i].w.post_ffn_norm.is_none(),
                                 "layer {i}'s norm after its feed-forward block is in its first piece"
                             );
                             mem

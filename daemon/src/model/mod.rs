@@ -2,6 +2,7 @@
 //! a layer of each architecture has) and the decoder every architecture runs.
 
 pub mod decoder;
+pub mod layout;
 pub mod moe;
 pub mod rope;
 

@@ -10,7 +10,126 @@
 //! weight x expert(row), from zero. gpt-oss (`GptOssTopKRouter`, llama.cpp's
 //! `SOFTMAX_WEIGHT` gating): the k largest logits, then softmax over those k.
 
-use crate::store::arch::{Gating, MoeConfig};
+use crate::backend::{Backend, ExpertCall, RouteGating};
+use crate::store::arch::{ArchConfig, Gating, MoeConfig};
+
+/// How one predictor of a mixture's routing fared: the experts it predicted, how many of
+/// those the routing then chose, and the experts routed at the layers it predicted for
+/// (precision = right / predicted, recall = right / routed).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PredictionScore {
+    pub predicted: u64,
+    pub right: u64,
+    pub routed: u64,
+}
+
+impl PredictionScore {
+    /// Scores prediction `predicted` against a layer's routing: `chosen` says whether it
+    /// routed to an expert, `routed` how many it routed to. Returns how many were right.
+    pub fn add(&mut self, predicted: &[u32], chosen: impl Fn(&u32) -> bool, routed: u64) -> u64 {
+        let right = predicted.iter().filter(|e| chosen(e)).count() as u64;
+        self.predicted += predicted.len() as u64;
+        self.right += right;
+        self.routed += routed;
+        right
+    }
+}
+
+/// How well a layer's experts are predicted before it routes, by two predictors: the
+/// previous step's choices at the layer, and the layer's router applied to the hidden
+/// state entering the layer before (the router lookahead; scored only where it ran).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PredictionStats {
+    pub previous: PredictionScore,
+    pub lookahead: PredictionScore,
+}
+
+impl PredictionStats {
+    /// The lookahead's score, or the previous step's choices'.
+    pub fn by(&mut self, lookahead: bool) -> &mut PredictionScore {
+        if lookahead {
+            &mut self.lookahead
+        } else {
+            &mut self.previous
+        }
+    }
+}
+
+/// A mixture's routing state in the decoder, across steps (every list empty for a dense
+/// model, a layer's for a dense layer).
+pub(super) struct Mixture {
+    /// The router logits on the host, and the step's routing.
+    pub router_logits: Vec<f32>,
+    pub routes: Option<Routes>,
+    /// Per decoder layer, tokens routed to each expert since the start.
+    pub expert_tokens: Vec<Vec<u64>>,
+    /// Per decoder layer, the experts its last routing chose (ascending).
+    pub last_routed: Vec<Vec<u32>>,
+    /// Per decoder layer, the experts the router lookahead predicted for this step
+    /// (`Decoder::lookahead_route`), its routing, and how both predictors fared.
+    pub lookahead: Vec<Vec<u32>>,
+    pub lookahead_routes: Option<Routes>,
+    pub prediction: PredictionStats,
+    /// The allocations of the expert call lists (decode, prefill), kept empty between
+    /// layers (`recycle`) so a step allocates nothing.
+    pub expert_calls: (Vec<ExpertCall<'static, ()>>, Vec<ExpertCall<'static, ()>>),
+}
+
+impl Mixture {
+    /// The state of model `c`, for steps of at most `tokens` rows.
+    pub fn new(c: &ArchConfig, tokens: usize) -> Mixture {
+        let layers = c.n_layers as usize;
+        let n = c.moe.as_ref().map_or(0, |m| m.n_experts as usize);
+        let routes = || c.moe.as_ref().map(|m| Routes::with_capacity(m, tokens));
+        Mixture {
+            router_logits: Vec::with_capacity(tokens * n),
+            routes: routes(),
+            expert_tokens: (0..c.n_layers)
+                .map(|i| {
+                    if c.is_sparse(i) {
+                        vec![0; n]
+                    } else {
+                        Vec::new()
+                    }
+                })
+                .collect(),
+            last_routed: vec![Vec::new(); layers],
+            lookahead: vec![Vec::new(); layers],
+            lookahead_routes: routes(),
+            prediction: PredictionStats::default(),
+            expert_calls: (Vec::with_capacity(n), Vec::with_capacity(n)),
+        }
+    }
+}
+
+/// Routes `rows` rows of a mixture's router logits (on the device, in `logits`): the
+/// backend's own top-k where it has one, else on the host from the logits downloaded into
+/// `host`.
+pub(super) fn route_rows<B: Backend>(
+    b: &B,
+    c: &ArchConfig,
+    logits: &B::Mem,
+    rows: usize,
+    host: &mut Vec<f32>,
+    routes: &mut Routes,
+) {
+    let moe = c.moe.as_ref().expect("a mixture's layer has its config");
+    let (n, k) = (moe.n_experts as usize, moe.top_k as usize);
+    let gating = c.arch.recipe().gating;
+    let on_device = match gating {
+        Gating::SoftmaxTopK => RouteGating::SoftmaxTopK {
+            norm: moe.norm_topk_prob,
+        },
+        Gating::TopKSoftmax => RouteGating::TopKSoftmax,
+    };
+    if b.route_top_k(logits, (rows, n, k), on_device, routes.chosen_mut()) {
+        routes.group(moe);
+    } else {
+        host.resize(rows * n, 0.0);
+        b.download_f32(logits, 0, host);
+        routes.route(moe, gating, host, rows);
+    }
+}
 
 /// One step's routing, grouped by expert: expert e's rows are
 /// `rows[starts[e]..starts[e + 1]]` in ascending order, with their weights beside them.

@@ -3,14 +3,68 @@
 //! checked and decoded), not the whole table. The rows land in a small table of their
 //! own, uploaded to the device; the step's ids are renumbered into it.
 
+use super::PipelineError;
+use crate::backend::Backend;
 use crate::hostbuf::{AlignedBuf, IO_ALIGN};
 use crate::io::IoError;
+use crate::model::decoder::TensorLoc;
+use crate::model::ModelError;
+use crate::plan::Plan;
 use crate::store::codec::{FrameDecoder, FrameFault};
 use crate::store::format::Frame;
 use crate::store::Store;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::sync::Arc;
+
+/// A streamed embedding's lookup: the rows of the step's tokens, gathered from the store
+/// (or the host cache), and their table on the device.
+pub(super) struct Gathered<M> {
+    pub(super) rows: RowGather,
+    pub(super) table: M,
+    /// A tied head's seam rows (`Plan::head_seams`), gathered once.
+    pub(super) seams: M,
+}
+
+impl<M> Gathered<M> {
+    /// The lookup of embedding `e` (of `store`'s unit 0) for steps of up to `max_rows`
+    /// tokens, with the plan's seam rows gathered (from `host_cache` when the embedding
+    /// has a host copy).
+    pub(super) fn new<B: Backend<Mem = M>>(
+        backend: &B,
+        store: &Arc<Store>,
+        plan: &Plan,
+        e: TensorLoc,
+        max_rows: usize,
+        host_cache: Option<&AlignedBuf>,
+    ) -> Result<Self, PipelineError> {
+        let row_bytes = e
+            .dtype
+            .row_bytes(e.cols as u64)
+            .ok_or_else(|| ModelError::Layout("embedding rows are not whole blocks".into()))?
+            as usize;
+        let table = backend.alloc((max_rows * row_bytes).max(1), "gathered embedding rows")?;
+        let mut rows = RowGather::new(
+            store.clone(),
+            0,
+            e.offset as u64,
+            row_bytes,
+            e.rows as u64,
+            max_rows.max(plan.head_seams.len()),
+        )?;
+        // The rows between the head's parts, read once and kept.
+        let seam_ids: Vec<u32> = plan.head_seams.iter().map(|&r| r as u32).collect();
+        let mut seams = backend.alloc(
+            (seam_ids.len() * row_bytes).max(1),
+            "embedding rows between head parts",
+        )?;
+        if !seam_ids.is_empty() {
+            rows.gather(&seam_ids, host_cache.map(|b| b.as_slice()))?;
+            backend.upload(&mut seams, &rows.table)?;
+        }
+        Ok(Gathered { rows, table, seams })
+    }
+}
 
 /// Reads the stored bytes of frame `f` into `bounce` (from the 4096-aligned block before
 /// it to the one after, so the read suits O_DIRECT) and returns them.

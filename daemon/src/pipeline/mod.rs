@@ -25,7 +25,6 @@ use crate::model::{Decoder, ModelOptions, SeqStep};
 use crate::plan::{Placement, Plan};
 use crate::store::format::UnitKind;
 use crate::store::Store;
-use serde::Serialize;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
@@ -57,6 +56,10 @@ impl PipelineError {
 use std::time::Instant;
 
 mod gather;
+use gather::Gathered;
+mod load;
+mod stats;
+pub use stats::PassStats;
 
 /// Where an upload lands: a streaming slot, or a slot of the expert cache.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -71,7 +74,7 @@ macro_rules! dst_mem {
     ($p:ident, $d:expr) => {
         match $d {
             Dst::Stream(i) => &mut $p.slots[i],
-            Dst::Expert(i) => &mut $p.experts.slots[i],
+            Dst::Expert(i) => &mut $p.moe.cache.slots[i],
         }
     };
 }
@@ -81,69 +84,32 @@ macro_rules! dst_mem {
 /// that a big layer's copy overlaps its own decompression.
 pub const UPLOAD_CHUNK_DEFAULT: usize = 8 << 20;
 
-/// Statistics of forward passes (one pass, or summed).
-#[derive(Clone, Debug, Default, Serialize)]
-pub struct PassStats {
-    pub passes: u64,
-    pub pass_time_s: f64,
-    /// Time in layer compute.
-    pub compute_s: f64,
-    /// Host time in upload calls (the copy itself for a synchronous backend).
-    pub upload_s: f64,
-    /// Device time of the copies (asynchronous backends; 0 otherwise): bytes_uploaded /
-    /// copy_device_s is the copy stream's bandwidth while streaming.
-    pub copy_device_s: f64,
-    /// Time waiting for the I/O engine (disk read and decompression behind the compute).
-    pub load_stall_s: f64,
-    pub bytes_read: u64,
-    pub bytes_decompressed: u64,
-    /// Bytes copied to the device (a unified backend: lent in their staging slots).
-    pub bytes_uploaded: u64,
-    pub bytes_from_host_cache: u64,
-    /// Upload parts copied before their unit had finished decompressing.
-    pub partial_uploads: u64,
-    /// Stored bytes a streamed embedding's lookup read (also in `bytes_read`).
-    pub bytes_gathered: u64,
-    /// Streamed layers of a mixture: the experts their steps routed to (each counted once
-    /// per layer and step), those found in the expert cache, and those loaded (from disk
-    /// or the host cache) with their raw bytes.
-    pub experts_routed: u64,
-    pub expert_cache_hits: u64,
-    pub experts_loaded: u64,
-    pub expert_bytes_loaded: u64,
-    /// Experts predicted for a layer before it routed (those the step before chose there),
-    /// and how many of them it then chose: precision = used / predicted, recall = used /
-    /// routed.
-    pub experts_predicted: u64,
-    pub experts_predicted_used: u64,
-    /// Predicted experts requested from disk before their layer routed, and how many of
-    /// those loads went unused (cancelled or read in vain).
-    pub expert_prefetches: u64,
-    pub expert_prefetches_wasted: u64,
+/// How a pipeline runs: the policies a run chooses (the plan decides the memory).
+#[derive(Clone, Copy, Debug)]
+pub struct PipelineOptions {
+    /// Skip the layer compute (measures streaming alone; `set_skip_compute` toggles it
+    /// between passes).
+    pub skip_compute: bool,
+    /// The expert cache's eviction (frequency by default; LRU to compare).
+    pub expert_eviction: Eviction,
+    /// How a mixture's streamed experts are predicted before their layer routes.
+    pub expert_prediction: Prediction,
+    /// Measure the router lookahead as a predictor of a mixture's routing
+    /// (`Decoder::lookahead_route`; costs a router per resident layer and step).
+    pub measure_lookahead: bool,
+    /// Bytes of a unit's decoded prefix worth an upload of their own.
+    pub upload_chunk: usize,
 }
 
-impl PassStats {
-    fn add(&mut self, o: &PassStats) {
-        self.passes += o.passes;
-        self.pass_time_s += o.pass_time_s;
-        self.compute_s += o.compute_s;
-        self.upload_s += o.upload_s;
-        self.copy_device_s += o.copy_device_s;
-        self.load_stall_s += o.load_stall_s;
-        self.bytes_read += o.bytes_read;
-        self.bytes_decompressed += o.bytes_decompressed;
-        self.bytes_uploaded += o.bytes_uploaded;
-        self.bytes_from_host_cache += o.bytes_from_host_cache;
-        self.partial_uploads += o.partial_uploads;
-        self.bytes_gathered += o.bytes_gathered;
-        self.experts_routed += o.experts_routed;
-        self.expert_cache_hits += o.expert_cache_hits;
-        self.experts_loaded += o.experts_loaded;
-        self.expert_bytes_loaded += o.expert_bytes_loaded;
-        self.experts_predicted += o.experts_predicted;
-        self.experts_predicted_used += o.experts_predicted_used;
-        self.expert_prefetches += o.expert_prefetches;
-        self.expert_prefetches_wasted += o.expert_prefetches_wasted;
+impl Default for PipelineOptions {
+    fn default() -> Self {
+        PipelineOptions {
+            skip_compute: false,
+            expert_eviction: Eviction::default(),
+            expert_prediction: Prediction::default(),
+            measure_lookahead: false,
+            upload_chunk: UPLOAD_CHUNK_DEFAULT,
+        }
     }
 }
 
@@ -170,20 +136,12 @@ impl Load {
     }
 }
 
-/// A streamed embedding's lookup: the rows of the step's tokens, gathered from the store
-/// (or the host cache), and their table on the device.
-struct Gathered<M> {
-    rows: gather::RowGather,
-    table: M,
-    /// A tied head's seam rows (`Plan::head_seams`), gathered once.
-    seams: M,
-}
-
 pub struct Pipeline<B: Backend> {
     pub backend: B,
     pub model: Decoder<B>,
     pub store: Arc<Store>,
     pub plan: Plan,
+    opts: PipelineOptions,
     resident: Vec<Option<B::Mem>>,
     slots: Vec<B::Mem>,
     host_cache: Vec<Option<AlignedBuf>>,
@@ -203,24 +161,8 @@ pub struct Pipeline<B: Backend> {
     held: Vec<(Dst, crate::io::HeldSlot)>,
     /// `held`'s twin, swapped in while the held slots are waited for (no allocation).
     held_spare: Vec<(Dst, crate::io::HeldSlot)>,
-    /// Per unit, a sparse layer's resident dense part (`Plan::dense_resident`).
-    dense_mem: Vec<Option<B::Mem>>,
-    /// The expert cache, and the expert loads requested and not yet run.
-    experts: experts::ExpertCache<B::Mem>,
-    expert_loads: Vec<experts::ExpertLoad>,
-    /// Per unit, the experts predicted for it this step (before it routed), and the pass
-    /// that predicted them last.
-    predicted: Vec<Vec<u32>>,
-    predicted_pass: Vec<u64>,
-    /// Passes begun (numbers the predictions).
-    pass_no: u64,
-    /// Experts predicted over the run and how many of them were then routed to, by the
-    /// router lookahead [0] and by the previous step's choices [1]; and per unit, which
-    /// made its prediction this pass.
-    prediction: [(u64, u64); 2],
-    predicted_by_lookahead: Vec<bool>,
-    /// A layer's routed experts while they run (no allocation per layer).
-    routed_buf: Vec<u32>,
+    /// A mixture's layers that stream sparsely: the expert cache, loads and predictions.
+    moe: moe::Moe<B::Mem>,
     /// Which load each streaming slot holds during a pass.
     in_slot: Vec<Option<Load>>,
     /// A streaming slot kept for a layer's first piece until its last phase has run
@@ -231,185 +173,50 @@ pub struct Pipeline<B: Backend> {
     /// On a unified backend, the units the running unit reads from staging slots: the
     /// unit, its view as device memory, and the slot (dropped in that order).
     borrowed: Vec<(Load, B::Mem, crate::io::HeldSlot)>,
-    /// Skip the layer compute (measures streaming alone).
-    pub skip_compute: bool,
-    /// The expert cache's eviction (frequency by default; LRU to compare).
-    pub expert_eviction: Eviction,
-    /// A loaded expert profile's routing counts per decoder layer (empty: none).
-    expert_prior: Vec<Vec<u64>>,
-    /// Measure the router lookahead as a predictor of a mixture's routing
-    /// (`Decoder::lookahead_route`; costs a router per resident layer and step).
-    pub measure_lookahead: bool,
-    /// How a mixture's streamed experts are predicted before their layer routes.
-    pub expert_prediction: Prediction,
-    /// On a unified backend, the next layer's dense part taken early for the router
-    /// lookahead (`experts.rs`), lent until that layer runs.
-    early: Option<(Load, B::Mem, crate::io::HeldSlot)>,
-    /// Bytes of a unit's decoded prefix worth an upload of their own (UPLOAD_CHUNK_DEFAULT).
-    pub upload_chunk: usize,
     /// Upload parts made before their unit was complete, failed passes included.
     partial_uploads: u64,
     last: PassStats,
     total: PassStats,
 }
 
-/// Resident units and host-cached copies, loaded through their own I/O engine with two
-/// staging slots of the largest such unit, dropped once loaded: the streaming engine's
-/// slots (prefetch + 1 of them, in host memory, later page-locked) are sized for the
-/// streamed units only.
-#[allow(clippy::type_complexity)] // (device copy per unit, host copy per unit)
-fn load_kept<B: Backend>(
-    backend: &B,
-    store: &Arc<Store>,
-    plan: &Plan,
-    io_cfg: &IoConfig,
-) -> Result<(Vec<Option<B::Mem>>, Vec<Option<AlignedBuf>>), PipelineError> {
-    let n = store.units().len();
-    let kept: Vec<usize> = (0..n)
-        .filter(|&u| plan.placement(u) != Placement::Streamed)
-        .collect();
-    let loader = IoEngine::new(
-        store.clone(),
-        IoConfig {
-            staging_slots: 2,
-            units: Some(kept.clone()),
-            pinner: backend.pinner(),
-            ..io_cfg.clone()
-        },
-    )?;
-    let mut resident: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
-    let mut host_cache: Vec<Option<AlignedBuf>> = (0..n).map(|_| None).collect();
-    // Load what stays put, two units in flight.
-    let mut pending = VecDeque::new();
-    let mut next = 0;
-    for _ in 0..kept.len() {
-        while next < kept.len() && pending.len() < 2 {
-            pending.push_back(loader.request(kept[next])?);
-            next += 1;
+/// The I/O configuration `io_cfg` with reads as the plan sized them (in bytes in flight,
+/// within the host budget).
+fn planned_reads(plan: &Plan, io_cfg: IoConfig) -> IoConfig {
+    IoConfig {
+        read_buffers: plan.host.read_buffers,
+        queue_depth: if plan.host.read_buffers > 0 {
+            io_cfg.queue_depth.min(plan.host.reads_in_flight)
+        } else {
+            plan.host.reads_in_flight
         }
-        let ticket: Ticket = pending.pop_front().expect("requested above");
-        let u = ticket.unit();
-        let slot = loader.wait(ticket)?;
-        let kind = store.units()[u].kind;
-        match plan.placement(u) {
-            Placement::Resident => {
-                let mut mem = backend.alloc(slot.data().len(), &format!("weights of {kind}"))?;
-                backend.upload(&mut mem, slot.data())?;
-                resident[u] = Some(mem);
-            }
-            Placement::HostCached => {
-                let mut buf =
-                    AlignedBuf::new(slot.data().len()).ok_or(PipelineError::HostCacheAlloc {
-                        unit: kind,
-                        bytes: slot.data().len() as u64,
-                    })?;
-                if let Some(p) = backend.pinner() {
-                    // Pinned copies upload at full speed; unpinned ones still work.
-                    if let Err(e) = buf.pin(&p) {
-                        tracing::warn!("host cache of {kind} stays pageable: {e}");
-                    }
-                }
-                buf.as_mut_slice()[..slot.data().len()].copy_from_slice(slot.data());
-                host_cache[u] = Some(buf);
-            }
-            Placement::Streamed => unreachable!("filtered above"),
-        }
+        .max(1),
+        request_bytes: plan.host.request_bytes as usize,
+        ..io_cfg
     }
-    drop(loader);
-    Ok((resident, host_cache))
 }
 
-/// Resident units on a unified backend (device memory is host memory): every frame is
-/// read (O_DIRECT where the file system takes it, else with its pages dropped after) into
-/// a per-thread bounce buffer and decoded straight into the unit's allocation, by
-/// `workers` threads taking frames in turn. No staging slot, no second copy, nothing left
-/// in the page cache: the host holds the arena and a frame per thread.
-fn load_resident_direct<B: Backend>(
-    backend: &B,
-    store: &Arc<Store>,
-    plan: &Plan,
-    workers: usize,
-) -> Result<Vec<Option<B::Mem>>, PipelineError> {
-    use crate::store::codec::FrameFault;
-    use std::sync::atomic::{AtomicUsize, Ordering};
-    let path = store.weights_path();
-    let (file, direct) = crate::io::open_direct(path)
-        .map_err(|e| IoError::Data(crate::store::StoreError::io("open", path, e)))?;
-    let m = store.manifest();
-    let bounce_len = gather::bounce_len(m.frame_stored_len_max());
-    let raw_max = m.frame_raw_len_max() as usize;
-    let n = store.units().len();
-    let mut resident: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
-    for (u, unit) in store.units().iter().enumerate() {
-        if plan.placement(u) != Placement::Resident {
-            continue;
-        }
-        let mut mem = backend.alloc(unit.raw_len as usize, &format!("weights of {}", unit.kind))?;
-        let dst = backend
-            .host_bytes_mut(&mut mem)
-            .expect("a unified backend's memory is host bytes");
-        /// Disjoint frame ranges of one unit, written from several threads.
-        struct Dst(*mut u8, usize);
-        // SAFETY: each frame's raw range is written by the one thread that took it.
-        unsafe impl Sync for Dst {}
-        impl Dst {
-            /// SAFETY: no other live slice may overlap d..d+len.
-            #[allow(clippy::mut_from_ref)]
-            unsafe fn range(&self, d: usize, len: usize) -> &mut [u8] {
-                assert!(d + len <= self.1, "frame inside its unit (validated)");
-                // SAFETY: inside the allocation; exclusivity is the caller's.
-                unsafe { std::slice::from_raw_parts_mut(self.0.add(d), len) }
+/// The streamed loads of one pass in order, given which units are `resident`. The
+/// embedding never loads whole when it streams: its lookup gathers rows and a tied head
+/// reads it in parts, right after the head unit's final norm.
+fn pass_loads<M>(plan: &Plan, resident: &[Option<M>]) -> Vec<Load> {
+    let n = resident.len();
+    let mut loads = Vec::with_capacity(n + plan.head_parts.len());
+    for (u, r) in resident.iter().enumerate().skip(1) {
+        if r.is_none() {
+            match (&plan.sparse[u], plan.dense_resident.get(u), &plan.pieces[u]) {
+                (Some(_), Some(true), _) => {}
+                (Some(_), _, _) => loads.push(Load::Dense(u)),
+                (None, _, Some(pieces)) => {
+                    loads.extend((0..pieces.len()).map(|k| Load::Piece(u, k)))
+                }
+                (None, _, None) => loads.push(Load::Unit(u)),
             }
         }
-        let out = Dst(dst.as_mut_ptr(), dst.len());
-        let next = AtomicUsize::new(0);
-        let first_err: std::sync::Mutex<Option<(usize, FrameFault)>> = Default::default();
-        std::thread::scope(|sc| {
-            for _ in 0..workers.max(1).min(unit.frames.len().max(1)) {
-                sc.spawn(|| {
-                    let fail = |fi: usize, fault: FrameFault| {
-                        let mut e = first_err.lock().unwrap_or_else(|p| p.into_inner());
-                        if e.as_ref().is_none_or(|(f, _)| fi < *f) {
-                            *e = Some((fi, fault));
-                        }
-                    };
-                    let (Some(mut bounce), Ok(mut dec)) =
-                        (AlignedBuf::new(bounce_len), store.frame_decoder(raw_max))
-                    else {
-                        fail(0, FrameFault::Read("cannot allocate a frame buffer".into()));
-                        return;
-                    };
-                    loop {
-                        let fi = next.fetch_add(1, Ordering::Relaxed);
-                        let Some(f) = unit.frames.get(fi) else { break };
-                        let src = match gather::read_frame(&file, f, &mut bounce) {
-                            Ok(src) => src,
-                            Err(fault) => {
-                                fail(fi, fault);
-                                return;
-                            }
-                        };
-                        let (d, dl) = (f.raw_offset as usize, f.raw_len as usize);
-                        // SAFETY: frames of a unit cover disjoint raw ranges inside it
-                        // (validated with the manifest); this thread alone took frame fi.
-                        let dst = unsafe { out.range(d, dl) };
-                        if let Err(fault) = dec.decode(f.codec, &f.planes, f.checksum, src, dst) {
-                            fail(fi, fault);
-                            return;
-                        }
-                    }
-                });
-            }
-        });
-        if let Some((fi, fault)) = first_err.into_inner().unwrap_or_else(|p| p.into_inner()) {
-            return Err(IoError::Data(store.frame_error(u, fi, fault)).into());
+        if u == n - 1 {
+            loads.extend((0..plan.head_parts.len()).map(Load::Part));
         }
-        resident[u] = Some(mem);
     }
-    if !direct {
-        crate::hostmem::drop_cached(&file);
-    }
-    Ok(resident)
+    loads
 }
 
 /// Where a pass is: the next load in `loads` and the next streaming slot.
@@ -461,20 +268,10 @@ impl<B: Backend> Pipeline<B> {
         plan: Plan,
         opts: ModelOptions,
         io_cfg: IoConfig,
+        run: PipelineOptions,
     ) -> Result<Self, PipelineError> {
         let model = Decoder::new(&backend, store.manifest(), opts)?;
-        // Reads as the plan sized them (in bytes in flight, within the host budget).
-        let io_cfg = IoConfig {
-            read_buffers: plan.host.read_buffers,
-            queue_depth: if plan.host.read_buffers > 0 {
-                io_cfg.queue_depth.min(plan.host.reads_in_flight)
-            } else {
-                plan.host.reads_in_flight
-            }
-            .max(1),
-            request_bytes: plan.host.request_bytes as usize,
-            ..io_cfg
-        };
+        let io_cfg = planned_reads(&plan, io_cfg);
         let unified = backend.unified();
         let plan_slots = plan.stream_slots;
         let mut slots = Vec::with_capacity(plan_slots);
@@ -486,10 +283,10 @@ impl<B: Backend> Pipeline<B> {
         }
         let n = store.units().len();
         let (resident, host_cache) = if unified {
-            let resident = load_resident_direct(&backend, &store, &plan, io_cfg.workers)?;
+            let resident = load::load_resident_direct(&backend, &store, &plan, io_cfg.workers)?;
             (resident, (0..n).map(|_| None).collect())
         } else {
-            load_kept(&backend, &store, &plan, &io_cfg)?
+            load::load_kept(&backend, &store, &plan, &io_cfg)?
         };
         let streamed: Vec<usize> = (0..n)
             .filter(|&u| plan.placement(u) != Placement::Resident)
@@ -510,86 +307,22 @@ impl<B: Backend> Pipeline<B> {
                 ..io_cfg
             },
         )?;
-        // The embedding never loads whole when it streams: its lookup gathers rows and a
-        // tied head reads it in parts, right after the head unit's final norm.
-        let mut loads = Vec::with_capacity(n + plan.head_parts.len());
-        for (u, r) in resident.iter().enumerate().skip(1) {
-            if r.is_none() {
-                match (&plan.sparse[u], plan.dense_resident.get(u), &plan.pieces[u]) {
-                    (Some(_), Some(true), _) => {}
-                    (Some(_), _, _) => loads.push(Load::Dense(u)),
-                    (None, _, Some(pieces)) => {
-                        loads.extend((0..pieces.len()).map(|k| Load::Piece(u, k)))
-                    }
-                    (None, _, None) => loads.push(Load::Unit(u)),
-                }
-            }
-            if u == n - 1 {
-                loads.extend((0..plan.head_parts.len()).map(Load::Part));
-            }
-        }
-        let gathered = if resident[0].is_none() {
-            let e = model.embedding_loc();
-            let row_bytes =
-                e.dtype.row_bytes(e.cols as u64).ok_or_else(|| {
-                    ModelError::Layout("embedding rows are not whole blocks".into())
-                })? as usize;
-            let max_rows = opts.max_batch_tokens;
-            let table = backend.alloc((max_rows * row_bytes).max(1), "gathered embedding rows")?;
-            let mut rows = gather::RowGather::new(
-                store.clone(),
-                0,
-                e.offset as u64,
-                row_bytes,
-                e.rows as u64,
-                max_rows.max(plan.head_seams.len()),
-            )?;
-            // The rows between the head's parts, read once and kept.
-            let seam_ids: Vec<u32> = plan.head_seams.iter().map(|&r| r as u32).collect();
-            let mut seams = backend.alloc(
-                (seam_ids.len() * row_bytes).max(1),
-                "embedding rows between head parts",
-            )?;
-            if !seam_ids.is_empty() {
-                rows.gather(&seam_ids, host_cache[0].as_ref().map(|b| b.as_slice()))?;
-                backend.upload(&mut seams, &rows.table)?;
-            }
-            Some(Gathered { rows, table, seams })
-        } else {
-            None
+        let loads = pass_loads(&plan, &resident);
+        let gathered = match resident[0] {
+            Some(_) => None,
+            None => Some(Gathered::new(
+                &backend,
+                &store,
+                &plan,
+                model.embedding_loc(),
+                opts.max_batch_tokens,
+                host_cache[0].as_ref(),
+            )?),
         };
-        // The resident dense parts of sparse layers, through the streaming engine (its
-        // staging slots hold a dense part).
-        let mut dense_mem: Vec<Option<B::Mem>> = (0..n).map(|_| None).collect();
-        for (u, m) in dense_mem.iter_mut().enumerate() {
-            let (Some(sp), Some(true)) = (&plan.sparse[u], plan.dense_resident.get(u)) else {
-                continue;
-            };
-            let kind = store.units()[u].kind;
-            let len = store.units()[u].part_span(sp.dense_frames.clone(), false) as usize;
-            let ticket = io.request_part(u, sp.dense_frames.clone())?;
-            let slot = io.wait(ticket)?;
-            let mut mem = backend.alloc(len, &format!("dense part of {kind}"))?;
-            backend.upload(&mut mem, &slot.data()[..len])?;
-            *m = Some(mem);
-        }
-        let mut cache_slots = Vec::with_capacity(plan.expert_cache_slots);
-        for i in 0..plan.expert_cache_slots {
-            cache_slots.push(backend.alloc(
-                plan.expert_slot_bytes as usize,
-                &format!("expert cache slot {i}"),
-            )?);
-        }
+        let moe = moe::Moe::load(&backend, &store, &plan, &io, run.expert_prediction)?;
         Ok(Pipeline {
-            experts: experts::ExpertCache::new(cache_slots),
-            dense_mem,
-            expert_loads: Vec::with_capacity(plan.expert_reads),
-            predicted: vec![Vec::new(); n],
-            predicted_pass: vec![0; n],
-            pass_no: 0,
-            prediction: [(0, 0); 2],
-            predicted_by_lookahead: vec![false; n],
-            routed_buf: Vec::new(),
+            moe,
+            opts: run,
             backend,
             model,
             store,
@@ -609,13 +342,6 @@ impl<B: Backend> Pipeline<B> {
             borrowed: Vec::with_capacity(2),
             in_slot: vec![None; plan_slots],
             pinned: None,
-            skip_compute: false,
-            expert_eviction: Eviction::default(),
-            expert_prior: Vec::new(),
-            measure_lookahead: false,
-            expert_prediction: Prediction::default(),
-            early: None,
-            upload_chunk: UPLOAD_CHUNK_DEFAULT,
             partial_uploads: 0,
             last: PassStats::default(),
             total: PassStats::default(),
@@ -677,7 +403,7 @@ impl<B: Backend> Pipeline<B> {
         len: usize,
         st: &mut PassStats,
     ) -> Result<(), PipelineError> {
-        let chunk = self.upload_chunk.max(1);
+        let chunk = self.opts.upload_chunk.max(1);
         let mut sent = 0;
         self.backend.upload_begin(dst_mem!(self, dst))?;
         let progressive = loop {
@@ -728,7 +454,7 @@ impl<B: Backend> Pipeline<B> {
     pub fn step(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), PipelineError> {
         let r = self.pass(steps, logits);
         if r.is_err() {
-            self.early = None;
+            self.moe.early = None;
             self.pinned = None;
             self.borrowed.clear();
             // A staging slot goes back only once no copy reads it any more.
@@ -737,7 +463,7 @@ impl<B: Backend> Pipeline<B> {
                 drop(guard);
             }
             // Expert loads requested for this pass are dropped (cancelled) too.
-            self.expert_loads.clear();
+            self.moe.loads.clear();
             // Drop what was requested ahead (the tickets cancel); the next pass starts clean.
             self.ahead.clear();
             self.next_issue = 0;
@@ -747,7 +473,7 @@ impl<B: Backend> Pipeline<B> {
 
     fn pass(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), PipelineError> {
         self.model.begin(steps)?;
-        self.pass_no += 1;
+        self.moe.begin_pass();
         let t_pass = Instant::now();
         let mut st = PassStats {
             passes: 1,
@@ -767,8 +493,8 @@ impl<B: Backend> Pipeline<B> {
             // The study of the router lookahead: the next layer's router on the hidden
             // state entering this one, where the next layer is resident.
             if let (true, false, true, Some(Some(next))) = (
-                self.measure_lookahead,
-                self.skip_compute,
+                self.opts.measure_lookahead,
+                self.opts.skip_compute,
                 u > 0,
                 self.resident.get(u + 1),
             ) {
@@ -789,7 +515,7 @@ impl<B: Backend> Pipeline<B> {
             } else {
                 None
             };
-            if !self.skip_compute {
+            if !self.opts.skip_compute {
                 let t0 = Instant::now();
                 let mem = mem_of!(self, Load::Unit(u));
                 if in_parts {
@@ -809,7 +535,7 @@ impl<B: Backend> Pipeline<B> {
             if in_parts {
                 for p in 0..self.plan.head_parts.len() {
                     let used = self.fetch(Load::Part(p), &mut at, &mut st)?;
-                    if !self.skip_compute {
+                    if !self.opts.skip_compute {
                         let t0 = Instant::now();
                         let mem = mem_of!(self, Load::Part(p));
                         let part = &self.plan.head_parts[p];
@@ -819,14 +545,14 @@ impl<B: Backend> Pipeline<B> {
                     }
                     self.computed(used, &mut st)?;
                 }
-                if let (Some(g), false) = (&self.gathered, self.skip_compute) {
+                if let (Some(g), false) = (&self.gathered, self.opts.skip_compute) {
                     self.model
                         .head_rows(&self.backend, &g.seams, &self.plan.head_seams);
                 }
             }
         }
         debug_assert!(at.load == self.loads.len());
-        if !self.skip_compute {
+        if !self.opts.skip_compute {
             self.model.logits(&self.backend, logits);
         } else {
             // Streaming alone: the pass ends when the last upload has landed.
@@ -861,7 +587,7 @@ impl<B: Backend> Pipeline<B> {
             if keep && k == 0 {
                 self.pinned = used;
             }
-            if !self.skip_compute {
+            if !self.opts.skip_compute {
                 let t0 = Instant::now();
                 let mem = mem_of!(self, load);
                 let first_mem = (keep && k > 0).then(|| mem_of!(self, first));
@@ -903,7 +629,7 @@ impl<B: Backend> Pipeline<B> {
             return Ok(());
         }
         self.backend.upload(&mut g.table, &g.rows.table)?;
-        if !self.skip_compute {
+        if !self.opts.skip_compute {
             let t0 = Instant::now();
             self.model
                 .embed_gathered(&self.backend, &g.table, &g.rows.rows_of);
@@ -921,7 +647,7 @@ impl<B: Backend> Pipeline<B> {
         st: &mut PassStats,
     ) -> Result<Option<usize>, PipelineError> {
         // Taken early (and counted then) for the router lookahead.
-        if let Some(e) = self.early.take() {
+        if let Some(e) = self.moe.early.take() {
             debug_assert_eq!(e.0, load, "the early load is the next");
             self.borrowed.push(e);
             return Ok(None);
@@ -1122,8 +848,19 @@ impl<B: Backend> Pipeline<B> {
     pub fn options(&self) -> &ModelOptions {
         self.model.options()
     }
+
+    /// The policies this pipeline runs with.
+    pub fn pipeline_options(&self) -> &PipelineOptions {
+        &self.opts
+    }
+
+    /// Skips the layer compute from the next pass on (or runs it again): a pass then
+    /// measures streaming alone.
+    pub fn set_skip_compute(&mut self, skip: bool) {
+        self.opts.skip_compute = skip;
+    }
 }
 
 // After the macros, which it uses.
-mod experts;
-pub use experts::{Eviction, ExpertProfile, Prediction, PROFILE_HOT_SHARE};
+mod moe;
+pub use moe::{Eviction, ExpertProfile, Prediction, PROFILE_HOT_SHARE};

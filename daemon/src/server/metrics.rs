@@ -121,6 +121,32 @@ pub struct Static {
     pub layers_streamed: u64,
 }
 
+impl Static {
+    /// The page's figures for model `model` served by `backend` under `plan`.
+    pub fn of(
+        model: &str,
+        backend: &str,
+        numerics: &'static str,
+        kv_dtype: String,
+        plan: &crate::plan::Plan,
+    ) -> Static {
+        Static {
+            model: model.to_string(),
+            backend: backend.into(),
+            numerics,
+            kv_dtype,
+            device_bytes_budget: plan.device_budget,
+            host_bytes_budget: plan.host.budget.unwrap_or(0),
+            host_bytes_planned: plan.host.total_bytes,
+            kv_cache_bytes: plan.kv_cache_bytes,
+            host_cache_bytes: plan.host_cache_bytes,
+            bytes_streamed_per_pass: plan.upload_bytes_per_pass,
+            layers_resident: plan.layers_resident() as u64,
+            layers_streamed: plan.layers_streamed() as u64,
+        }
+    }
+}
+
 fn header(out: &mut String, name: &str, help: &str, kind: &str) {
     let _ = writeln!(out, "# HELP {name} {help}");
     let _ = writeln!(out, "# TYPE {name} {kind}");

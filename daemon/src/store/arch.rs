@@ -305,77 +305,14 @@ impl ArchConfig {
         self.n_kv_heads as u64 * self.head_dim as u64
     }
 
-    /// The tensors of decoder layer `i` and their shapes, in unit order.
+    /// The tensors of decoder layer `i` and their shapes, in unit order
+    /// (`layer_spec` flattened).
     pub fn layer_tensors(&self, i: u32) -> Vec<(String, Vec<u64>)> {
-        let (h, q, kv, inter, hd) = (
-            self.hidden as u64,
-            self.q_dim(),
-            self.kv_dim(),
-            self.intermediate as u64,
-            self.head_dim as u64,
-        );
-        let r = self.arch.recipe();
-        let p = format!("model.layers.{i}");
-        let mut t = vec![
-            (format!("{p}.{}.weight", r.attn_norm), vec![h]),
-            (format!("{p}.self_attn.q_proj.weight"), vec![q, h]),
-            (format!("{p}.self_attn.k_proj.weight"), vec![kv, h]),
-            (format!("{p}.self_attn.v_proj.weight"), vec![kv, h]),
-        ];
-        if self.qkv_bias {
-            t.push((format!("{p}.self_attn.q_proj.bias"), vec![q]));
-            t.push((format!("{p}.self_attn.k_proj.bias"), vec![kv]));
-            t.push((format!("{p}.self_attn.v_proj.bias"), vec![kv]));
-        }
-        if r.qk_norm {
-            t.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
-            t.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
-        }
-        t.push((format!("{p}.self_attn.o_proj.weight"), vec![h, q]));
-        if r.o_bias {
-            t.push((format!("{p}.self_attn.o_proj.bias"), vec![h]));
-        }
-        if r.attn_sinks {
-            t.push((format!("{p}.self_attn.sinks"), vec![self.n_heads as u64]));
-        }
-        if let Some(n) = r.post_attn_norm {
-            t.push((format!("{p}.{n}.weight"), vec![h]));
-        }
-        t.push((format!("{p}.{}.weight", r.ffn_norm), vec![h]));
-        match self.moe.as_ref().filter(|_| self.is_sparse(i)) {
-            // The router, then each expert's three projections (and their biases)
-            // together, expert by expert (so an expert is one contiguous run of the unit).
-            Some(moe) => {
-                let (n, mi) = (moe.n_experts as u64, moe.intermediate as u64);
-                t.push((format!("{p}.mlp.gate.weight"), vec![n, h]));
-                if r.moe_bias {
-                    t.push((format!("{p}.mlp.gate.bias"), vec![n]));
-                }
-                for e in 0..n {
-                    let x = format!("{p}.mlp.experts.{e}");
-                    for (proj, shape) in [
-                        ("gate_proj", vec![mi, h]),
-                        ("up_proj", vec![mi, h]),
-                        ("down_proj", vec![h, mi]),
-                    ] {
-                        let rows = shape[0];
-                        t.push((format!("{x}.{proj}.weight"), shape));
-                        if r.moe_bias {
-                            t.push((format!("{x}.{proj}.bias"), vec![rows]));
-                        }
-                    }
-                }
-            }
-            None => t.extend([
-                (format!("{p}.mlp.gate_proj.weight"), vec![inter, h]),
-                (format!("{p}.mlp.up_proj.weight"), vec![inter, h]),
-                (format!("{p}.mlp.down_proj.weight"), vec![h, inter]),
-            ]),
-        }
-        if let Some(n) = r.post_ffn_norm {
-            t.push((format!("{p}.{n}.weight"), vec![h]));
-        }
-        t
+        let spec = self.layer_spec(i);
+        spec.flatten()
+            .into_iter()
+            .map(|t| (t.name, t.shape))
+            .collect()
     }
 
     /// Whether layer `i` has a mixture of experts (not a dense MLP).

@@ -12,6 +12,7 @@ pub mod format;
 pub mod inspect;
 pub mod link;
 pub mod reader;
+pub mod spec;
 pub mod verify;
 pub mod writer;
 

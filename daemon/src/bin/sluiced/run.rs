@@ -233,7 +233,20 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         prompt_ids: &prompt_ids,
         input,
     };
-    on_backend(&chosen, &store, a.threads, &IoConfig::single_stream(), job)??;
+    let run = sluice::pipeline::PipelineOptions {
+        expert_eviction: a.expert_eviction,
+        expert_prediction: a.expert_prediction,
+        measure_lookahead: a.measure_expert_prediction,
+        ..Default::default()
+    };
+    on_backend(
+        &chosen,
+        &store,
+        a.threads,
+        &IoConfig::single_stream(),
+        run,
+        job,
+    )??;
     Ok(std::process::ExitCode::SUCCESS)
 }
 
@@ -326,7 +339,6 @@ fn run_generate<B: Backend>(
         eprint!("{}", runner.plan.table());
         eprintln!("sampling: {}", sampling.describe());
     }
-    runner.expert_eviction = a.expert_eviction;
     let profile = match (&a.expert_profile, profile) {
         (Some(path), Some(p)) => {
             let n = runner.load_expert_profile(p)?;
@@ -341,8 +353,6 @@ fn run_generate<B: Backend>(
         }
         _ => None,
     };
-    runner.measure_lookahead = a.measure_expert_prediction;
-    runner.expert_prediction = a.expert_prediction;
     let context = runner.options().max_context;
     if prompt_ids.len() + a.max_tokens > context && prompt_ids.len() < context {
         eprintln!(
@@ -434,9 +444,9 @@ fn run_generate<B: Backend>(
             "upload_s": total.upload_s,
             "stall_load_s": total.load_stall_s,
             "experts": experts_json(&total),
-            "expert_eviction": runner.expert_eviction,
+            "expert_eviction": runner.pipeline_options().expert_eviction,
             "expert_profile": profile_json,
-            "expert_prediction_mode": runner.expert_prediction,
+            "expert_prediction_mode": runner.pipeline_options().expert_prediction,
             "expert_prediction": prediction_json(&runner.model.prediction_stats()),
             "plan": plan,
         });
@@ -482,7 +492,7 @@ fn run_generate<B: Backend>(
                 total.expert_cache_hits,
                 total.experts_loaded,
                 fmt_bytes(total.expert_bytes_loaded),
-                runner.expert_prediction,
+                runner.pipeline_options().expert_prediction,
                 ratio(total.experts_predicted_used, total.experts_predicted),
                 ratio(total.experts_predicted_used, total.experts_routed),
             );
@@ -509,16 +519,24 @@ fn ratio(a: u64, b: u64) -> f64 {
 }
 
 /// Both predictors of a mixture's routing over the run (the lookahead only where measured).
-fn prediction_json(p: &sluice::model::decoder::PredictionStats) -> serde_json::Value {
+fn prediction_json(p: &sluice::model::moe::PredictionStats) -> serde_json::Value {
+    let (prev, ahead) = (&p.previous, &p.lookahead);
     serde_json::json!({
-        "counts": p,
+        "counts": {
+            "routed": prev.routed,
+            "previous_predicted": prev.predicted,
+            "previous_right": prev.right,
+            "lookahead_routed": ahead.routed,
+            "lookahead_predicted": ahead.predicted,
+            "lookahead_right": ahead.right,
+        },
         "previous_token": {
-            "precision": ratio(p.previous_right, p.previous_predicted),
-            "recall": ratio(p.previous_right, p.routed),
+            "precision": ratio(prev.right, prev.predicted),
+            "recall": ratio(prev.right, prev.routed),
         },
         "router_lookahead": {
-            "precision": ratio(p.lookahead_right, p.lookahead_predicted),
-            "recall": ratio(p.lookahead_right, p.lookahead_routed),
+            "precision": ratio(ahead.right, ahead.predicted),
+            "recall": ratio(ahead.right, ahead.routed),
         },
     })
 }

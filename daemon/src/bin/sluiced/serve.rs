@@ -357,12 +357,10 @@ impl ModelLoader {
             }
             None => None,
         };
-        let profile = match profile {
-            Some(p) => Some(
-                sluice::pipeline::ExpertProfile::load(p, &m.arch).map_err(anyhow::Error::msg)?,
-            ),
-            None => None,
-        };
+        let profile = profile
+            .map(|p| sluice::pipeline::ExpertProfile::load(p, &m.arch))
+            .transpose()
+            .map_err(anyhow::Error::msg)?;
         let hot = profile
             .as_ref()
             .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));
@@ -375,8 +373,14 @@ impl ModelLoader {
             },
         };
         let io = self.io();
-        let (plan, sched, engine, backend_name) =
-            sluice::engine::on_backend(&self.chosen, &store, cfg.threads, &io, start)?;
+        let (plan, sched, engine, backend_name) = sluice::engine::on_backend(
+            &self.chosen,
+            &store,
+            cfg.threads,
+            &io,
+            Default::default(),
+            start,
+        )?;
         tracing::info!("{name}: {}\n{}", dir.display(), plan.table());
         let kv_dtype = sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype);
         let numerics = if cfg.exact { "exact" } else { "fast" };
@@ -404,20 +408,7 @@ impl ModelLoader {
             limits: self.limits,
             metrics: self.metrics.clone(),
         });
-        let stat = Static {
-            model: name.to_string(),
-            backend: backend_name.into(),
-            numerics,
-            kv_dtype: kv_dtype.to_string(),
-            device_bytes_budget: plan.device_budget,
-            host_bytes_budget: plan.host.budget.unwrap_or(0),
-            host_bytes_planned: plan.host.total_bytes,
-            kv_cache_bytes: plan.kv_cache_bytes,
-            host_cache_bytes: plan.host_cache_bytes,
-            bytes_streamed_per_pass: plan.upload_bytes_per_pass,
-            layers_resident: plan.layers_resident() as u64,
-            layers_streamed: plan.layers_streamed() as u64,
-        };
+        let stat = Static::of(name, backend_name, numerics, kv_dtype.to_string(), &plan);
         Ok(Served {
             front,
             plan,

@@ -1,0 +1,75 @@
+//! Expert profiles: the tokens each expert of each layer was routed in an earlier run,
+//! saved with `--save-expert-profile` and loaded to warm a later run's expert cache.
+
+use crate::store::arch::ArchConfig;
+
+/// Of a loaded expert profile, the share of its routed tokens whose experts the plan keeps
+/// resident (`ExpertProfile::hot_set`).
+pub const PROFILE_HOT_SHARE: f64 = 0.5;
+
+/// The tokens each expert of each decoder layer was routed (empty for a dense layer), as a
+/// run measured them: saved to a file and loaded to warm a later run's expert cache.
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+pub struct ExpertProfile {
+    /// The model's name as its store gives it (shown in the error when a profile's layers
+    /// and experts do not match the model loading it).
+    pub model: String,
+    pub layers: Vec<Vec<u64>>,
+}
+
+impl ExpertProfile {
+    /// Reads a profile from `path` (JSON), checked against `cfg`: a layer per decoder
+    /// layer, an expert count per expert of each sparse layer, none for a dense one.
+    pub fn load(path: &std::path::Path, cfg: &ArchConfig) -> Result<ExpertProfile, String> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| format!("read expert profile {}: {e}", path.display()))?;
+        let p: ExpertProfile = serde_json::from_str(&text)
+            .map_err(|e| format!("expert profile {}: {e}", path.display()))?;
+        let want: Vec<usize> = (0..cfg.n_layers)
+            .map(|i| match &cfg.moe {
+                Some(m) if cfg.is_sparse(i) => m.n_experts as usize,
+                _ => 0,
+            })
+            .collect();
+        let got: Vec<usize> = p.layers.iter().map(Vec::len).collect();
+        if got != want {
+            return Err(format!(
+                "expert profile {} (of model {:?}) has {} layers of {:?} experts; this model's are {} of {:?}: save a profile of this model (--save-expert-profile)",
+                path.display(),
+                p.model,
+                got.len(),
+                got.iter().max().copied().unwrap_or(0),
+                want.len(),
+                want.iter().max().copied().unwrap_or(0)
+            ));
+        }
+        Ok(p)
+    }
+
+    /// The experts worth keeping resident: the fewest of the sparse layers' experts that
+    /// together served `share` of the routed tokens (hottest first).
+    pub fn hot_set(&self, share: f64) -> usize {
+        let mut counts: Vec<u64> = self.layers.iter().flatten().copied().collect();
+        counts.sort_unstable_by(|a, b| b.cmp(a));
+        let total: u64 = counts.iter().sum();
+        let want = (total as f64 * share).ceil() as u64;
+        let mut sum = 0;
+        counts
+            .iter()
+            .take_while(|&&c| {
+                let short = sum < want && c > 0;
+                sum += c;
+                short
+            })
+            .count()
+    }
+
+    /// Writes the profile to `path` (JSON, replaced whole).
+    pub fn save(&self, path: &std::path::Path) -> Result<(), String> {
+        let text = serde_json::to_string(self).map_err(|e| e.to_string())?;
+        let tmp = path.with_extension("tmp");
+        std::fs::write(&tmp, text)
+            .and_then(|_| std::fs::rename(&tmp, path))
+            .map_err(|e| format!("write expert profile {}: {e}", path.display()))
+    }
+}
