@@ -9,6 +9,7 @@ pub mod backend;
 pub mod dtype;
 pub mod engine;
 #[doc(hidden)]
+#[cfg(any(test, feature = "fuzz"))]
 pub mod fuzzing;
 pub mod hostbuf;
 pub mod hostmem;

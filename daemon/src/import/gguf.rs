@@ -563,7 +563,7 @@ pub struct Imported {
 /// `import` of a GGUF's bytes, `path` naming them in errors: the header, the architecture
 /// and its config, the tensor map and the tokenizer (the fuzzer runs this on bytes in
 /// memory).
-pub fn import_bytes(map: &[u8], path: &Path) -> Result<Imported, ImportError> {
+pub(crate) fn import_bytes(map: &[u8], path: &Path) -> Result<Imported, ImportError> {
     let g = parse(map, path)?;
     let meta = Meta {
         m: &g.metadata,

@@ -119,7 +119,7 @@ fn arch_config(dir: &Path) -> Result<ArchConfig, ImportError> {
 }
 
 /// The architecture a parsed config.json (at `path`, for errors) describes.
-pub fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportError> {
+pub(crate) fn arch_of_config(top: &Value, path: &Path) -> Result<ArchConfig, ImportError> {
     let path = path.to_path_buf();
     let model_type = top.get("model_type").and_then(Value::as_str).unwrap_or("");
     // A multimodal Gemma 3 keeps its language model's config under text_config.
@@ -834,7 +834,7 @@ fn check_links(dir: &Path) -> Result<(), ImportError> {
 
 /// The header length a safetensors file declares, refused past `SAFETENSORS_HEADER_MAX`
 /// before the header is parsed.
-pub fn check_header_bytes(path: &Path, map: &[u8]) -> Result<(), ImportError> {
+pub(crate) fn check_header_bytes(path: &Path, map: &[u8]) -> Result<(), ImportError> {
     let n = map
         .get(..8)
         .and_then(|b| b.try_into().ok())

@@ -6,6 +6,8 @@
 // `expect` on a true invariant carries an #[allow] saying why it holds.
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
+#[cfg(any(test, feature = "fuzz"))]
+pub mod fuzz;
 pub mod gguf;
 pub mod hf;
 pub mod synth;

@@ -11,6 +11,8 @@
 pub mod api;
 pub mod auth;
 pub mod config;
+#[cfg(any(test, feature = "fuzz"))]
+pub mod fuzz;
 pub mod http;
 pub mod metrics;
 pub mod models;

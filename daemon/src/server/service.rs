@@ -48,7 +48,7 @@ fn finish_reason(f: Finish) -> pb::FinishReason {
 /// The request in the shape both wires share: token ids first, then messages, then text.
 /// A gRPC request as the front end takes it; an unset sampling field (or no `sampling`)
 /// takes `defaults`, the model's (`SamplingParams::model_default`).
-pub fn input_of(
+pub(crate) fn input_of(
     r: pb::GenerateRequest,
     defaults: &SamplingParams,
 ) -> Result<GenerateInput, ApiError> {

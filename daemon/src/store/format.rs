@@ -621,7 +621,7 @@ impl Manifest {
     /// fields, the extensions later formats append, then `validate`. (`decode` after the
     /// header and checksum; the fuzzer calls it directly, which no checksum would let
     /// mutated payloads reach.)
-    pub fn decode_payload(
+    pub(crate) fn decode_payload(
         version: u32,
         payload: &[u8],
         path: &Path,

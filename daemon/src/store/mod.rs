@@ -9,6 +9,8 @@ pub mod auto;
 pub mod codec;
 pub mod float;
 pub mod format;
+#[cfg(any(test, feature = "fuzz"))]
+pub mod fuzz;
 pub mod inspect;
 pub mod link;
 pub mod reader;

@@ -1,6 +1,8 @@
 //! Text: tokenizer, chat template, sampler, incremental detokenization, stop strings.
 
 pub mod detok;
+#[cfg(any(test, feature = "fuzz"))]
+pub mod fuzz;
 pub mod json;
 pub mod sampler;
 pub mod sandbox;
