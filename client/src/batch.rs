@@ -18,6 +18,7 @@ use crate::{Client, Outcome};
 use anyhow::{bail, Context, Result};
 use serde_json::{json, Value};
 use sluice_client::pb;
+use sluice_proto::sampling::SamplingArgs;
 use std::collections::{HashMap, HashSet};
 use std::io::Write;
 use std::path::{Path, PathBuf};
@@ -513,8 +514,7 @@ fn params_of(job: &BatchJob, model: &pb::ModelInfo) -> Value {
         p["template"] = json!(job.template);
         p["raw"] = json!(job.raw);
         p["max_tokens"] = json!(job.base.max_tokens);
-        p["sampling"] = json!({"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k, "min_p": s.min_p, "seed": s.seed,
-            "repetition_penalty": s.repetition_penalty, "presence_penalty": s.presence_penalty, "frequency_penalty": s.frequency_penalty});
+        p["sampling"] = json!(SamplingArgs::of_request(&s));
         p["stop"] = json!(job.base.stop);
         // Only where it is on, so outputs made before JSON mode existed still resume.
         match job.base.response_format() {

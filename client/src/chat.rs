@@ -478,6 +478,15 @@ async fn drain(sigint: &mut Signal) {
 mod tests {
     use super::*;
 
+    /// `/help` names every setting `/set` takes (the list is `SamplingArgs::NAMES`).
+    #[test]
+    fn help_names_every_sampling_setting() {
+        let names = sluice_proto::sampling::SamplingArgs::NAMES;
+        for name in names.iter().chain(&["max_tokens"]) {
+            assert!(HELP.contains(name), "/help does not name {name}");
+        }
+    }
+
     #[test]
     fn multi_line_input() {
         assert!(continues("\"\"\"first"));

@@ -10,6 +10,7 @@ mod batch;
 mod chat;
 
 use sluice_client::{connect, pb, resolve_addr, Client, Target};
+use sluice_proto::sampling::SamplingArgs;
 use std::io::Write;
 use std::path::PathBuf;
 use tokio_stream::StreamExt;
@@ -41,36 +42,8 @@ struct Sampling {
     /// --max-tokens-default`, 256 unless set), cut to the room the context leaves.
     #[arg(long, default_value_t = 0)]
     max_tokens: u32,
-    /// Sampling temperature in [0, 2]; 0 is greedy. Each sampling setting left out is the
-    /// model's recommended one (its generation_config.json or GGUF metadata), else
-    /// temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repetition penalty 1.05.
-    #[arg(long)]
-    temperature: Option<f32>,
-    /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off;
-    /// default: the model's, else 0.95).
-    #[arg(long)]
-    top_p: Option<f32>,
-    /// Keep only the k most likely tokens (0: off; default: the model's, else 40).
-    #[arg(long)]
-    top_k: Option<u32>,
-    /// Drop tokens less likely than this fraction of the most likely one (0: off; default:
-    /// the model's, else 0.05).
-    #[arg(long)]
-    min_p: Option<f32>,
-    /// Seed of the sampler: the same seed and prompt give the same text.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Divide positive logits (multiply negative ones) of tokens already in the prompt or
-    /// the text by this (transformers' repetition_penalty; 1: off; default: the model's,
-    /// else 1.05).
-    #[arg(long)]
-    repetition_penalty: Option<f32>,
-    /// Subtract this from the logit of every token generated so far (OpenAI's; 0: off).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    presence_penalty: f32,
-    /// Subtract this once per time a token was generated (OpenAI's; 0: off).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    frequency_penalty: f32,
+    #[command(flatten)]
+    params: SamplingArgs,
     /// Stop when the text contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -89,62 +62,32 @@ struct Sampling {
 }
 
 impl Sampling {
-    /// The parameters as `/set` names them.
+    /// The settings as `/set` names them.
     fn describe(&self) -> String {
-        fn or_model<T: std::fmt::Display>(v: Option<T>) -> String {
-            v.map_or("model's".to_string(), |v| v.to_string())
-        }
-        format!(
-            "temperature {} top_p {} top_k {} min_p {} seed {} max_tokens {} repetition_penalty {} presence_penalty {} frequency_penalty {}",
-            or_model(self.temperature), or_model(self.top_p), or_model(self.top_k), or_model(self.min_p), self.seed,
-            if self.max_tokens == 0 { "default".to_string() } else { self.max_tokens.to_string() },
-            or_model(self.repetition_penalty), self.presence_penalty, self.frequency_penalty
-        )
+        let max_tokens = match self.max_tokens {
+            0 => "default".to_string(),
+            n => n.to_string(),
+        };
+        format!("{} max_tokens {max_tokens}", self.params.describe())
     }
 
     /// `/set NAME VALUE`; the daemon checks the ranges when the next request goes.
     fn set(&mut self, name: &str, value: &str) -> Result<()> {
-        fn num<T: std::str::FromStr>(name: &str, v: &str) -> Result<T> {
-            v.parse().map_err(|_| {
-                anyhow::anyhow!("/set {name}: {v:?} is not a number of the right kind")
-            })
+        if name == "max_tokens" {
+            self.max_tokens = value.parse().map_err(|_| {
+                anyhow::anyhow!("/set max_tokens: {value:?} is not a number of the right kind")
+            })?;
+            return Ok(());
         }
-        // "model" (or "default") goes back to the model's default.
-        fn opt<T: std::str::FromStr>(name: &str, v: &str) -> Result<Option<T>> {
-            if v == "model" || v == "default" {
-                return Ok(None);
-            }
-            num(name, v).map(Some)
-        }
-        match name {
-            "temperature" => self.temperature = opt(name, value)?,
-            "top_p" => self.top_p = opt(name, value)?,
-            "top_k" => self.top_k = opt(name, value)?,
-            "min_p" => self.min_p = opt(name, value)?,
-            "seed" => self.seed = num(name, value)?,
-            "max_tokens" => self.max_tokens = num(name, value)?,
-            "repetition_penalty" => self.repetition_penalty = opt(name, value)?,
-            "presence_penalty" => self.presence_penalty = num(name, value)?,
-            "frequency_penalty" => self.frequency_penalty = num(name, value)?,
-            other => bail!("/set {other}: no such parameter; /set lists them"),
-        }
-        Ok(())
+        self.params
+            .set(name, value)
+            .map_err(|e| anyhow::anyhow!("/set {e}; /set lists them"))
     }
 
     fn request(&self) -> pb::GenerateRequest {
         pb::GenerateRequest {
             max_tokens: self.max_tokens,
-            sampling: Some(pb::SamplingParams {
-                temperature: self.temperature,
-                top_p: self.top_p,
-                top_k: self.top_k,
-                min_p: self.min_p,
-                seed: self.seed,
-                repetition_penalty: self.repetition_penalty,
-                presence_penalty: self.presence_penalty,
-                frequency_penalty: self.frequency_penalty,
-                ..Default::default()
-            }),
+            sampling: Some(self.params.request()),
             stop: self.stop.clone(),
             keep_alive: self.keep_alive.clone().unwrap_or_default(),
             response_format: match (&self.json_schema, self.json_object) {

@@ -73,31 +73,37 @@ pub(crate) fn input_of(
         Prompt::Text(r.prompt)
     };
     let s = r.sampling.unwrap_or_default();
-    let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.into_iter().collect();
+    let mut logit_bias: Vec<(u32, f32)> = s.logit_bias.iter().map(|(&t, &b)| (t, b)).collect();
     logit_bias.sort_by_key(|&(t, _)| t);
     Ok(GenerateInput {
         model: r.model,
         prompt,
         max_tokens: (r.max_tokens != 0).then_some(r.max_tokens),
-        sampling: crate::text::sampler::SamplingChoice {
-            temperature: s.temperature,
-            top_k: s.top_k.map(|k| k as usize),
-            // 0 is off, as 1 is (proto3 JSON clients write 0 for "no value").
-            top_p: s.top_p.map(|p| if p == 0.0 { 1.0 } else { p }),
-            min_p: s.min_p,
-            repetition_penalty: s.repetition_penalty.map(|r| if r == 0.0 { 1.0 } else { r }),
-        }
-        .over(&SamplingParams {
-            seed: s.seed,
-            presence_penalty: s.presence_penalty,
-            frequency_penalty: s.frequency_penalty,
-            ..*defaults
-        }),
+        sampling: sampling_of(&s, defaults),
         stop: r.stop,
         logprobs: None,
         truncate: r.truncate,
         logit_bias,
         format,
+    })
+}
+
+/// The sampling a request's settings `s` ask for, `defaults` (the model's) where it leaves
+/// one out: the one mapping of the wire's settings (gRPC, and `sluiced run`'s flags).
+pub fn sampling_of(s: &pb::SamplingParams, defaults: &SamplingParams) -> SamplingParams {
+    crate::text::sampler::SamplingChoice {
+        temperature: s.temperature,
+        top_k: s.top_k.map(|k| k as usize),
+        // 0 is off, as 1 is (proto3 JSON clients write 0 for "no value").
+        top_p: s.top_p.map(|p| if p == 0.0 { 1.0 } else { p }),
+        min_p: s.min_p,
+        repetition_penalty: s.repetition_penalty.map(|r| if r == 0.0 { 1.0 } else { r }),
+    }
+    .over(&SamplingParams {
+        seed: s.seed,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        ..*defaults
     })
 }
 

@@ -10,6 +10,7 @@ use sluice::store::Store;
 use sluice::text::sampler::OutputFormat;
 use sluice::text::{ChatMessage, ChatTemplate, Tokenizer};
 use sluice::util::{fmt_bytes, parse_size, store_path};
+use sluice_proto::sampling::SamplingArgs;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
@@ -41,36 +42,8 @@ pub struct RunArgs {
     /// Tokens to generate at most (the context may stop it sooner).
     #[arg(long, default_value_t = 128)]
     max_tokens: usize,
-    /// Sampling temperature in [0, 2]; 0 is greedy. Each sampling setting left out is the
-    /// model's recommended one (its generation_config.json or GGUF metadata), else
-    /// temperature 0.8, top-k 40, top-p 0.95, min-p 0.05, repetition penalty 1.05.
-    #[arg(long)]
-    temperature: Option<f32>,
-    /// Keep only the k most likely tokens (0: off; default: the model's, else 40).
-    #[arg(long)]
-    top_k: Option<usize>,
-    /// Nucleus sampling: keep the most likely tokens up to this probability mass (1: off;
-    /// default: the model's, else 0.95).
-    #[arg(long)]
-    top_p: Option<f32>,
-    /// Drop tokens less likely than this fraction of the most likely one (0: off; default:
-    /// the model's, else 0.05).
-    #[arg(long)]
-    min_p: Option<f32>,
-    /// Seed of the sampler: the same seed and prompt give the same text.
-    #[arg(long, default_value_t = 0)]
-    seed: u64,
-    /// Divide positive logits (multiply negative ones) of tokens already in the prompt or
-    /// the text by this (transformers' repetition_penalty; 1: off; default: the model's,
-    /// else 1.05).
-    #[arg(long)]
-    repetition_penalty: Option<f32>,
-    /// Subtract this from the logit of every token generated so far (OpenAI's; 0: off).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    presence_penalty: f32,
-    /// Subtract this once per time a token was generated (OpenAI's; 0: off).
-    #[arg(long, default_value_t = 0.0, allow_negative_numbers = true)]
-    frequency_penalty: f32,
+    #[command(flatten)]
+    sampling: SamplingArgs,
     /// Stop when the text contains this string (repeatable).
     #[arg(long)]
     stop: Vec<String>,
@@ -224,7 +197,9 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         ),
     };
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
-    let sampling = sampling_of(&a, m);
+    // Each setting given on the command line, the model's default for the rest.
+    let defaults = sluice::engine::sampling_defaults(m);
+    let sampling = sluice::server::service::sampling_of(&a.sampling.request(), &defaults);
     let job = Generate {
         sampling,
         profile,
@@ -581,24 +556,4 @@ fn load_schema(path: &std::path::Path) -> Result<std::sync::Arc<sluice::text::sc
         .with_context(|| format!("read the JSON schema {}", path.display()))?;
     sluice::text::schema::Schema::parse(&text)
         .map_err(|m| anyhow::anyhow!("{}: {m}", path.display()))
-}
-
-/// The run's sampling: each setting given on the command line, the model's default for the
-/// rest (`SamplingParams::model_default`).
-fn sampling_of(a: &RunArgs, m: &sluice::store::Manifest) -> sluice::text::SamplingParams {
-    use sluice::text::SamplingParams;
-    let defaults = SamplingParams {
-        seed: a.seed,
-        presence_penalty: a.presence_penalty,
-        frequency_penalty: a.frequency_penalty,
-        ..sluice::engine::sampling_defaults(m)
-    };
-    sluice::text::sampler::SamplingChoice {
-        temperature: a.temperature,
-        top_k: a.top_k,
-        top_p: a.top_p,
-        min_p: a.min_p,
-        repetition_penalty: a.repetition_penalty,
-    }
-    .over(&defaults)
 }
