@@ -145,13 +145,8 @@ mod tests {
     /// no panic, and every round trip holds.
     #[test]
     fn random_frames_are_refused_or_decoded_and_round_trip() {
-        let mut x = 0x243f_6a88_85a3_08d3u64;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = crate::util::rng::Rng::new(0x243f_6a88_85a3_08d3);
+        let mut next = move || rng.next_u64();
         for i in 0..4000usize {
             let len = 8 + (next() % 3000) as usize;
             let mut data: Vec<u8> = (0..len).map(|_| next() as u8).collect();

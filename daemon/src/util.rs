@@ -1,4 +1,7 @@
-//! Small shared helpers: byte sizes as people write them, and as people read them.
+//! Small shared helpers: byte sizes as people write them, and as people read them; the
+//! one pseudo-random generator (`rng`).
+
+pub mod rng;
 
 /// Parses sizes like `1MiB`, `64MiB`, `32GiB`, `4096`, `1.5GB` into bytes.
 pub fn parse_size(s: &str) -> Result<u64, String> {

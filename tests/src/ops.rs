@@ -5,20 +5,7 @@
 use sluice::backend::{AttnShape, KvDtype, LayerCache, SeqSpan, WeightRef};
 use sluice::dtype::DType;
 
-pub struct Rng(pub u64);
-impl Rng {
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        self.0 >> 11
-    }
-    /// Uniform in [-1, 1).
-    pub fn f(&mut self) -> f32 {
-        (self.next_u64() as f64 / (1u64 << 53) as f64 * 2.0 - 1.0) as f32
-    }
-}
+pub use sluice::util::rng::Rng;
 
 /// f16 bits of `x` (test data only: below 2^-14 it is flushed to zero, and |x| <= 65504).
 pub fn f16_bits(x: f32) -> u16 {
@@ -42,28 +29,42 @@ pub fn random_weights(dtype: DType, rows: usize, cols: usize, rng: &mut Rng) -> 
     let n = rows * cols;
     let mut out = Vec::new();
     match dtype {
-        DType::F32 => out = f32_bytes(&(0..n).map(|_| rng.f() * 0.1).collect::<Vec<_>>()),
+        DType::F32 => {
+            out = f32_bytes(
+                &(0..n)
+                    .map(|_| rng.symmetric_f32() * 0.1)
+                    .collect::<Vec<_>>(),
+            )
+        }
         DType::F16 => {
             for _ in 0..n {
-                out.extend_from_slice(&f16_bits(rng.f() * 0.1 + 0.0001).to_le_bytes())
+                out.extend_from_slice(&f16_bits(rng.symmetric_f32() * 0.1 + 0.0001).to_le_bytes())
             }
         }
         DType::BF16 => {
             for _ in 0..n {
-                out.extend_from_slice(&(((rng.f() * 0.1).to_bits() >> 16) as u16).to_le_bytes())
+                out.extend_from_slice(
+                    &(((rng.symmetric_f32() * 0.1).to_bits() >> 16) as u16).to_le_bytes(),
+                )
             }
         }
         DType::Q8_0 => {
             for _ in 0..n / 32 {
-                out.extend_from_slice(&f16_bits(0.001 + 0.002 * rng.f().abs()).to_le_bytes());
+                out.extend_from_slice(
+                    &f16_bits(0.001 + 0.002 * rng.symmetric_f32().abs()).to_le_bytes(),
+                );
                 out.extend((0..32).map(|_| (rng.next_u64() % 256) as u8));
             }
         }
         DType::Q4_0 | DType::Q4_1 => {
             for _ in 0..n / 32 {
-                out.extend_from_slice(&f16_bits(0.005 + 0.01 * rng.f().abs()).to_le_bytes());
+                out.extend_from_slice(
+                    &f16_bits(0.005 + 0.01 * rng.symmetric_f32().abs()).to_le_bytes(),
+                );
                 if dtype == DType::Q4_1 {
-                    out.extend_from_slice(&f16_bits(-0.04 - 0.01 * rng.f().abs()).to_le_bytes());
+                    out.extend_from_slice(
+                        &f16_bits(-0.04 - 0.01 * rng.symmetric_f32().abs()).to_le_bytes(),
+                    );
                 }
                 out.extend((0..16).map(|_| (rng.next_u64() % 256) as u8));
             }
@@ -145,9 +146,11 @@ impl AttnCase {
         let elems = cache.elems(&shape);
         let mut fill = || -> Vec<u8> {
             match kv {
-                KvDtype::F32 => f32_bytes(&(0..elems).map(|_| rng.f()).collect::<Vec<_>>()),
+                KvDtype::F32 => {
+                    f32_bytes(&(0..elems).map(|_| rng.symmetric_f32()).collect::<Vec<_>>())
+                }
                 KvDtype::F16 => (0..elems)
-                    .flat_map(|_| f16_bits(rng.f()).to_le_bytes())
+                    .flat_map(|_| f16_bits(rng.symmetric_f32()).to_le_bytes())
                     .collect(),
             }
         };
@@ -160,7 +163,7 @@ impl AttnCase {
         ];
         let rows = 7;
         let q = (0..rows * heads * head_dim)
-            .map(|_| rng.f() * 2.0)
+            .map(|_| rng.symmetric_f32() * 2.0)
             .collect();
         AttnCase {
             shape,

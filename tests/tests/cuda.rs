@@ -225,9 +225,9 @@ impl Pair {
 fn ops_match_the_cpu_backend() {
     let _ = GPU;
     let p = Pair::new();
-    let mut rng = Rng(7);
+    let mut rng = Rng::new(7);
     let (rows, gemv_rows, k, m) = (23usize, 5usize, 256usize, 160usize);
-    let x: Vec<f32> = (0..rows * k).map(|_| rng.f()).collect();
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.symmetric_f32()).collect();
     let xm = p.put(&f32_bytes(&x));
 
     // matmul: decode rows through the GEMV kernels, prefill rows through cuBLAS, with and
@@ -339,7 +339,7 @@ fn ops_match_the_cpu_backend() {
     }
 
     // silu_mul, add, copy_row.
-    let y: Vec<f32> = (0..rows * k).map(|_| rng.f() * 3.0).collect();
+    let y: Vec<f32> = (0..rows * k).map(|_| rng.symmetric_f32() * 3.0).collect();
     let ym = p.put(&f32_bytes(&y));
     let (mut gc, mut gg) = p.put(&f32_bytes(&x));
     p.cpu.silu_mul(&mut gc, &ym.0, rows * k);
@@ -356,7 +356,7 @@ fn ops_match_the_cpu_backend() {
     let (c, g) = p.get(&(rc, rg), 4 * k);
     close("copy_row", &c, &g, k, 0.0);
     // gpt-oss's clamped SwiGLU, with gates and ups past the limit on both sides.
-    let big: Vec<f32> = (0..rows * k).map(|_| rng.f() * 12.0).collect();
+    let big: Vec<f32> = (0..rows * k).map(|_| rng.symmetric_f32() * 12.0).collect();
     let (mut gc, mut gg) = p.put(&f32_bytes(&big));
     p.cpu.swiglu_clamp_mul(&mut gc, &ym.0, rows * k, 1.702, 2.5);
     p.gpu.swiglu_clamp_mul(&mut gg, &ym.1, rows * k, 1.702, 2.5);
@@ -414,9 +414,9 @@ fn same_bits(what: &str, a: &[f32], b: &[f32]) {
 fn multi_row_gemv_results_do_not_depend_on_the_batch() {
     let _ = GPU;
     let p = Pair::new();
-    let mut rng = Rng(21);
+    let mut rng = Rng::new(21);
     let (rows, k, m) = (64usize, 256usize, 160usize);
-    let x: Vec<f32> = (0..rows * k).map(|_| rng.f()).collect();
+    let x: Vec<f32> = (0..rows * k).map(|_| rng.symmetric_f32()).collect();
     let xm = p.put(&f32_bytes(&x));
     for dt in ALL_DTYPES {
         let wm = p.put(&random_weights(dt, m, k, &mut rng));
@@ -454,15 +454,15 @@ fn multi_row_gemv_results_do_not_depend_on_the_batch() {
 #[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
 fn prefill_activations_are_converted_once_and_never_used_stale() {
     let p = Pair::new();
-    let mut rng = Rng(31);
+    let mut rng = Rng::new(31);
     let (t, k) = (12usize, 256usize);
-    let x: Vec<f32> = (0..t * k).map(|_| rng.f() * 3.0).collect();
+    let x: Vec<f32> = (0..t * k).map(|_| rng.symmetric_f32() * 3.0).collect();
     let (mut xc, mut xg) = p.put(&f32_bytes(&x));
     let ws: Vec<Both> = (0..3)
         .map(|_| p.put(&random_weights(DType::BF16, k, k, &mut rng)))
         .collect();
     let wq8 = p.put(&random_weights(DType::Q8_0, k, k, &mut rng));
-    let y: Vec<f32> = (0..t * k).map(|_| rng.f()).collect();
+    let y: Vec<f32> = (0..t * k).map(|_| rng.symmetric_f32()).collect();
     let ym = p.put(&f32_bytes(&y));
     let product = |xc: &sluice::backend::cpu::CpuMem,
                    xg: &cuda::CudaMem,
@@ -499,7 +499,7 @@ fn prefill_activations_are_converted_once_and_never_used_stale() {
         2e-2,
     );
     // f16 weights, activations far past 65504.
-    let big: Vec<f32> = (0..t * k).map(|_| rng.f() * 4e5).collect();
+    let big: Vec<f32> = (0..t * k).map(|_| rng.symmetric_f32() * 4e5).collect();
     let bm = p.put(&f32_bytes(&big));
     let w16 = p.put(&random_weights(DType::F16, k, k, &mut rng));
     product(
@@ -517,7 +517,7 @@ fn prefill_activations_are_converted_once_and_never_used_stale() {
 #[ignore = "needs an NVIDIA GPU; scripts/gpu-check.sh runs it"]
 fn empty_launches_are_no_ops() {
     let p = Pair::new();
-    let mut rng = Rng(41);
+    let mut rng = Rng::new(41);
     let (k, m) = (256usize, 160usize);
     let w = p.put(&random_weights(DType::Q4_0, m, k, &mut rng));
     let x = p.put(&f32_bytes(&vec![0.5f32; 4 * k]));
@@ -548,7 +548,7 @@ fn attention_over_long_contexts_and_wide_head_groups_matches_the_cpu_backend() {
         ..OPS_OPTS.scratch_shape(&test_cfg())
     };
     let p = Pair::with_arena(shape, 512 << 20);
-    let mut rng = Rng(51);
+    let mut rng = Rng::new(51);
     for kv in [KvDtype::F32, KvDtype::F16] {
         for (heads, kv_heads, head_dim, ctx, window) in [
             (8usize, 1usize, 64usize, 70_000usize, None),
@@ -619,12 +619,14 @@ fn a_mixture_s_routing_and_grouped_experts_match_one_expert_at_a_time() {
     let mut shape = OPS_OPTS.scratch_shape(&test_cfg());
     shape.top_k = 4;
     let p = Pair::with_shape(shape);
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let (rows, h, inter, n_exp, k) = (9usize, 256usize, 256usize, 6usize, 3usize);
 
     // Routing: the same experts as the host's, weights to a few ulp, for both gatings, with
     // and without renormalization, on rows with ties, a NaN row and an infinity.
-    let mut logits: Vec<f32> = (0..rows * n_exp).map(|_| rng.f() * 4.0).collect();
+    let mut logits: Vec<f32> = (0..rows * n_exp)
+        .map(|_| rng.symmetric_f32() * 4.0)
+        .collect();
     logits[6..12].fill(0.5);
     logits[12..18].fill(f32::NAN);
     logits[20] = f32::INFINITY;
@@ -677,12 +679,14 @@ fn a_mixture_s_routing_and_grouped_experts_match_one_expert_at_a_time() {
         norm_topk_prob: true,
         dense_layers: Vec::new(),
     };
-    let clean: Vec<f32> = (0..rows * n_exp).map(|_| rng.f() * 4.0).collect();
+    let clean: Vec<f32> = (0..rows * n_exp)
+        .map(|_| rng.symmetric_f32() * 4.0)
+        .collect();
     let mut routes = Routes::with_capacity(&moe, rows);
     routes.route(&moe, Gating::SoftmaxTopK, &clean, rows);
-    let x: Vec<f32> = (0..rows * h).map(|_| rng.f()).collect();
+    let x: Vec<f32> = (0..rows * h).map(|_| rng.symmetric_f32()).collect();
     let xm = p.put(&f32_bytes(&x));
-    let base: Vec<f32> = (0..rows * h).map(|_| rng.f()).collect();
+    let base: Vec<f32> = (0..rows * h).map(|_| rng.symmetric_f32()).collect();
     for (dt, bias_dt, act) in [
         (DType::Q8_0, None, GatedAct::Silu),
         (DType::Q4K, None, GatedAct::GeluTanh),
@@ -817,7 +821,7 @@ fn rope_kv_cache_and_attention_match_the_cpu_backend() {
 fn rope_kv_cache_and_attention(kv: sluice::backend::KvDtype) {
     let p = Pair::new();
     let cfg = test_cfg();
-    let mut rng = Rng(11);
+    let mut rng = Rng::new(11);
     let shape = AttnShape {
         kv,
         heads: cfg.n_heads as usize,
@@ -865,9 +869,9 @@ fn rope_kv_cache_and_attention(kv: sluice::backend::KvDtype) {
                 .iter()
                 .flat_map(|s| (s.pos..s.pos + s.n).map(|x| x as u32))
                 .collect();
-            let q: Vec<f32> = (0..rows * wq).map(|_| rng.f()).collect();
-            let k: Vec<f32> = (0..rows * wkv).map(|_| rng.f()).collect();
-            let v: Vec<f32> = (0..rows * wkv).map(|_| rng.f()).collect();
+            let q: Vec<f32> = (0..rows * wq).map(|_| rng.symmetric_f32()).collect();
+            let k: Vec<f32> = (0..rows * wkv).map(|_| rng.symmetric_f32()).collect();
+            let v: Vec<f32> = (0..rows * wkv).map(|_| rng.symmetric_f32()).collect();
             let (mut qc, mut qg) = p.put(&f32_bytes(&q));
             let (mut kc, mut kg) = p.put(&f32_bytes(&k));
             let vm = p.put(&f32_bytes(&v));
@@ -912,7 +916,9 @@ fn rope_kv_cache_and_attention(kv: sluice::backend::KvDtype) {
             p.cpu.kv_store(&kc, &vm.0, &mut ckc, &mut cvc, &step);
             p.gpu.kv_store(&kg, &vm.1, &mut ckg, &mut cvg, &step);
             // Without and with attention sinks (gpt-oss: one f32 logit per query head).
-            let sinks: Vec<f32> = (0..shape.heads).map(|_| 2.0 * rng.f()).collect();
+            let sinks: Vec<f32> = (0..shape.heads)
+                .map(|_| 2.0 * rng.symmetric_f32())
+                .collect();
             let sm = p.put(&f32_bytes(&sinks));
             for with_sinks in [false, true] {
                 let (mut oc, mut og) = p.zeros(rows * wq);

@@ -210,14 +210,14 @@ fn same_bits(what: &str, a: &[f32], b: &[f32]) {
 /// k = 262 (a tail past the last 8-weight chunk, rows not 16-byte aligned).
 #[test]
 fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
-    let mut rng = Rng(5);
+    let mut rng = Rng::new(5);
     // 23 weight rows: the last block holds 3 of GEMV_W, 1 of Q6_K's 2 and of GEMV1_W.
     let (m, rows) = (23usize, 20usize);
     let mut cases: Vec<(DType, usize)> = ALL_DTYPES.iter().map(|&d| (d, 512)).collect();
     cases.extend([(DType::F32, 262), (DType::F16, 262), (DType::BF16, 262)]);
     for (dt, k) in cases {
         let name = kernel_suffix(dt);
-        let x: Vec<f32> = (0..rows * k).map(|_| rng.f()).collect();
+        let x: Vec<f32> = (0..rows * k).map(|_| rng.symmetric_f32()).collect();
         let w = random_weights(dt, m, k, &mut rng);
         let mut s = Script::new();
         s.load(0, &w);
@@ -373,7 +373,7 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
 /// and a prefill span per step.
 #[test]
 fn attention_kernels_match_the_cpu_backend() {
-    let mut rng = Rng(9);
+    let mut rng = Rng::new(9);
     let cpu = CpuBackend::new(64 << 20, 1).expect("cpu backend");
     for kv in [KvDtype::F32, KvDtype::F16] {
         for (heads, kv_heads, head_dim, ctx, window, with_sinks) in [
@@ -384,7 +384,7 @@ fn attention_kernels_match_the_cpu_backend() {
         ] {
             let c = AttnCase::new(kv, (heads, kv_heads, head_dim), ctx, window, &mut rng);
             let (rows, wq, cache) = (c.rows, heads * head_dim, c.cache);
-            let sinks: Vec<f32> = (0..heads).map(|_| 2.0 * rng.f()).collect();
+            let sinks: Vec<f32> = (0..heads).map(|_| 2.0 * rng.symmetric_f32()).collect();
             let step = AttnStep {
                 layer: 0,
                 spans: &c.spans,
@@ -519,7 +519,7 @@ fn attention_kernels_match_the_cpu_backend() {
 /// (their device decoders round every product and sum as the CPU's do), 1e-6 for the rest.
 #[test]
 fn dequantization_and_embedding_kernels_match_the_cpu_backend() {
-    let mut rng = Rng(13);
+    let mut rng = Rng::new(13);
     let (m, k) = (22usize, 512usize);
     let cpu = CpuBackend::new(64 << 20, 1).expect("cpu backend");
     for dt in ALL_DTYPES {
@@ -587,12 +587,12 @@ fn dequantization_and_embedding_kernels_match_the_cpu_backend() {
 /// add, scale and the bias add.
 #[test]
 fn norm_rope_kv_store_and_elementwise_kernels_match_the_cpu_backend() {
-    let mut rng = Rng(17);
+    let mut rng = Rng::new(17);
     let cpu = CpuBackend::new(64 << 20, 1).expect("cpu backend");
     let (rows, cols) = (5usize, 1100usize);
     let n = rows * cols;
-    let x: Vec<f32> = (0..n).map(|_| rng.f() * 3.0).collect();
-    let y: Vec<f32> = (0..n).map(|_| rng.f() * 3.0).collect();
+    let x: Vec<f32> = (0..n).map(|_| rng.symmetric_f32() * 3.0).collect();
+    let y: Vec<f32> = (0..n).map(|_| rng.symmetric_f32() * 3.0).collect();
     let download = |m: &sluice::backend::cpu::CpuMem, n: usize| {
         let mut v = vec![0f32; n];
         cpu.download_f32(m, 0, &mut v);
@@ -629,8 +629,10 @@ fn norm_rope_kv_store_and_elementwise_kernels_match_the_cpu_backend() {
 
     // RoPE over 5 rows of 4 heads of 22 dims (11 pairs), a table of 12 positions.
     let (heads, head_dim, positions) = (4usize, 22usize, [0u32, 5, 11, 2, 7]);
-    let q: Vec<f32> = (0..rows * heads * head_dim).map(|_| rng.f()).collect();
-    let table: Vec<f32> = (0..12 * head_dim).map(|_| rng.f()).collect();
+    let q: Vec<f32> = (0..rows * heads * head_dim)
+        .map(|_| rng.symmetric_f32())
+        .collect();
+    let table: Vec<f32> = (0..12 * head_dim).map(|_| rng.symmetric_f32()).collect();
     let (mut qm, tm) = (
         cpu_put(&cpu, &f32_bytes(&q)),
         cpu_put(&cpu, &f32_bytes(&table)),
@@ -682,7 +684,7 @@ fn norm_rope_kv_store_and_elementwise_kernels_match_the_cpu_backend() {
     }
 
     // The bias add: out[r][c] + bias[c], one rounding.
-    let bias: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
+    let bias: Vec<f32> = (0..cols).map(|_| rng.symmetric_f32()).collect();
     s.load(50, &f32_bytes(&x));
     s.load(51, &f32_bytes(&bias));
     s.launch(
@@ -698,8 +700,8 @@ fn norm_rope_kv_store_and_elementwise_kernels_match_the_cpu_backend() {
     for (k, kv) in [KvDtype::F32, KvDtype::F16].into_iter().enumerate() {
         let c = AttnCase::new(kv, (4, 2, 32), 40, Some(12), &mut rng);
         let width = 2 * 32;
-        let kin: Vec<f32> = (0..c.rows * width).map(|_| rng.f()).collect();
-        let vin: Vec<f32> = (0..c.rows * width).map(|_| rng.f()).collect();
+        let kin: Vec<f32> = (0..c.rows * width).map(|_| rng.symmetric_f32()).collect();
+        let vin: Vec<f32> = (0..c.rows * width).map(|_| rng.symmetric_f32()).collect();
         let step = AttnStep {
             layer: 0,
             spans: &c.spans,
@@ -792,10 +794,10 @@ fn f16_value(h: u16) -> f32 {
 #[test]
 fn mixture_kernels_match_the_host_and_the_cpu_backend() {
     use sluice::store::arch::{Gating, MoeConfig};
-    let mut rng = Rng(23);
+    let mut rng = Rng::new(23);
     let cpu = CpuBackend::new(64 << 20, 1).expect("cpu backend");
     let (rows, n, k) = (6usize, 60usize, 4usize);
-    let mut logits: Vec<f32> = (0..rows * n).map(|_| rng.f() * 4.0).collect();
+    let mut logits: Vec<f32> = (0..rows * n).map(|_| rng.symmetric_f32() * 4.0).collect();
     logits[n + 7] = logits[n + 3]; // a tie: the lower expert first
     logits[2 * n + 5] = f32::NAN; // NaN ranks below every number
     let mut s = Script::new();
@@ -832,8 +834,8 @@ fn mixture_kernels_match_the_host_and_the_cpu_backend() {
 
     // Gather rows 5, 0, 3 of y; scatter them back weighted onto x.
     let cols = 300usize;
-    let y: Vec<f32> = (0..rows * cols).map(|_| rng.f()).collect();
-    let x: Vec<f32> = (0..rows * cols).map(|_| rng.f()).collect();
+    let y: Vec<f32> = (0..rows * cols).map(|_| rng.symmetric_f32()).collect();
+    let x: Vec<f32> = (0..rows * cols).map(|_| rng.symmetric_f32()).collect();
     let picked = [5u32, 0, 3];
     let weights = [0.25f32, 0.7, -1.5];
     let u32s = |v: &[u32]| v.iter().flat_map(|r| r.to_le_bytes()).collect::<Vec<_>>();
@@ -860,11 +862,11 @@ fn mixture_kernels_match_the_host_and_the_cpu_backend() {
     // The grouped form: three pairs' outputs get their experts' biases (f32, f16, bf16),
     // then rows 4 and 1 get their pairs, weighted, in order.
     let pairs = 3usize;
-    let out: Vec<f32> = (0..pairs * cols).map(|_| rng.f()).collect();
-    let bias_f32: Vec<f32> = (0..cols).map(|_| rng.f()).collect();
-    let bias_f16: Vec<u16> = (0..cols).map(|_| f16_bits(rng.f())).collect();
+    let out: Vec<f32> = (0..pairs * cols).map(|_| rng.symmetric_f32()).collect();
+    let bias_f32: Vec<f32> = (0..cols).map(|_| rng.symmetric_f32()).collect();
+    let bias_f16: Vec<u16> = (0..cols).map(|_| f16_bits(rng.symmetric_f32())).collect();
     let bias_bf16: Vec<u16> = (0..cols)
-        .map(|_| (rng.f().to_bits() >> 16) as u16)
+        .map(|_| (rng.symmetric_f32().to_bits() >> 16) as u16)
         .collect();
     let u16s = |v: &[u16]| v.iter().flat_map(|h| h.to_le_bytes()).collect::<Vec<_>>();
     s.load(30, &f32_bytes(&out));
@@ -980,8 +982,8 @@ fn mixture_kernels_match_the_host_and_the_cpu_backend() {
 /// (round to nearest even; NaN stays NaN, quieted; infinities and f32's range kept).
 #[test]
 fn the_bf16_conversion_matches_the_half_crate() {
-    let mut rng = Rng(29);
-    let mut x: Vec<f32> = (0..2000).map(|_| rng.f() * 1e3).collect();
+    let mut rng = Rng::new(29);
+    let mut x: Vec<f32> = (0..2000).map(|_| rng.symmetric_f32() * 1e3).collect();
     x.extend([
         0.0,
         -0.0,

@@ -656,11 +656,9 @@ fn a_hundred_bit_flips_in_a_live_store_are_each_caught_and_never_change_an_outpu
             .position(|x| x.file_offset == fr.file_offset)
             .unwrap_or(usize::MAX)
     };
-    let mut rng = 0x9e37_79b9_7f4a_7c15u64;
+    let mut gen = sluice::util::rng::Rng::new(0x9e37_79b9_7f4a_7c15);
     for i in 0..100 {
-        rng ^= rng << 13;
-        rng ^= rng >> 7;
-        rng ^= rng << 17;
+        let rng = gen.next_u64();
         let u = &units[i % units.len()];
         let fr = &u.frames[(rng as usize >> 8) % u.frames.len()];
         let at = fr.file_offset + (rng >> 24) % fr.stored_len();

@@ -498,14 +498,9 @@ fn codec_auto_follows_the_disk_it_is_told_and_round_trips() {
 /// offset in a word, and a few frames of a megabyte or so.
 #[test]
 fn frame_checksums_are_the_xxh3_earlier_stores_hold() {
-    let mut state = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rng = sluice::util::rng::Rng::new(0x9e37_79b9_7f4a_7c15);
     let bytes: Vec<u8> = (0..(1 << 20) + 4099)
-        .map(|_| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state >> 24) as u8
-        })
+        .map(|_| (rng.next_u64() >> 24) as u8)
         .collect();
     let mut seen = std::collections::HashSet::new();
     for len in (0..=2200).chain([4095, 4096, 65_536, 1 << 20, (1 << 20) + 4091]) {

@@ -111,15 +111,10 @@ pub struct BenchStreamReport {
 }
 
 fn token_ids(n: usize, vocab: u32, seed: u64) -> Vec<u32> {
-    let mut s = seed;
+    let mut rng = crate::util::rng::Rng::new(seed);
+    // Stay clear of the special ids at the start of most vocabularies.
     (0..n)
-        .map(|_| {
-            s = s
-                .wrapping_mul(6364136223846793005)
-                .wrapping_add(1442695040888963407);
-            // Stay clear of the special ids at the start of most vocabularies.
-            256 + ((s >> 33) % (vocab as u64 - 256).max(1)) as u32
-        })
+        .map(|_| 256 + rng.below((vocab as u64).saturating_sub(256).max(1)) as u32)
         .collect()
 }
 

@@ -7,6 +7,7 @@ use super::{ImportedModel, SourceTensor};
 use crate::dtype::DType;
 use crate::store::arch::{Arch, ArchConfig, MoeConfig};
 use crate::store::format::{GgufVocab, SpecialTokens, TokenizerSpec};
+use crate::util::rng::Rng;
 use half::{bf16, f16};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -84,30 +85,17 @@ impl SynthSpec {
     }
 }
 
-/// A small stateless generator (splitmix64): fast enough to make gigabytes in seconds.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        z ^ (z >> 31)
-    }
-
-    /// Roughly normal, mean 0, standard deviation `std` (sum of four uniforms).
-    fn normal(&mut self, std: f32) -> f32 {
-        let r = self.next();
-        let u = |s: u32| ((r >> s) & 0xFFFF) as f32 / 65536.0;
-        (u(0) + u(16) + u(32) + u(48) - 2.0) * std * 1.732
-    }
+/// Roughly normal, mean 0, standard deviation `std` (sum of four uniforms).
+fn normal(rng: &mut Rng, std: f32) -> f32 {
+    let r = rng.next_u64();
+    let u = |s: u32| ((r >> s) & 0xFFFF) as f32 / 65536.0;
+    (u(0) + u(16) + u(32) + u(48) - 2.0) * std * 1.732
 }
 
 /// Fills `dst` with random weights of `dtype`, like trained ones in magnitude: matrices
 /// ~N(0, 1/sqrt(cols)), vectors (norms) around 1.
 pub fn fill(dtype: DType, shape: &[u64], seed: u64, dst: &mut [u8]) {
-    let mut rng = Rng(seed);
+    let mut rng = Rng::new(seed);
     let cols = *shape.last().unwrap_or(&1) as f32;
     let is_vector = shape.len() == 1;
     let std = if is_vector { 0.1 } else { 1.0 / cols.sqrt() };
@@ -115,17 +103,17 @@ pub fn fill(dtype: DType, shape: &[u64], seed: u64, dst: &mut [u8]) {
     match dtype {
         DType::F32 => dst
             .chunks_exact_mut(4)
-            .for_each(|c| c.copy_from_slice(&(mean + rng.normal(std)).to_le_bytes())),
-        DType::F16 => dst
-            .chunks_exact_mut(2)
-            .for_each(|c| c.copy_from_slice(&f16::from_f32(mean + rng.normal(std)).to_le_bytes())),
-        DType::BF16 => dst
-            .chunks_exact_mut(2)
-            .for_each(|c| c.copy_from_slice(&bf16::from_f32(mean + rng.normal(std)).to_le_bytes())),
+            .for_each(|c| c.copy_from_slice(&(mean + normal(&mut rng, std)).to_le_bytes())),
+        DType::F16 => dst.chunks_exact_mut(2).for_each(|c| {
+            c.copy_from_slice(&f16::from_f32(mean + normal(&mut rng, std)).to_le_bytes())
+        }),
+        DType::BF16 => dst.chunks_exact_mut(2).for_each(|c| {
+            c.copy_from_slice(&bf16::from_f32(mean + normal(&mut rng, std)).to_le_bytes())
+        }),
         DType::Q8_0 | DType::Q4_0 | DType::Q4_1 => {
             let bb = dtype.block_bytes() as usize;
             for block in dst.chunks_exact_mut(bb) {
-                let r = rng.next();
+                let r = rng.next_u64();
                 let scale = f16::from_f32(std * (0.15 + (r & 0xFF) as f32 / 2048.0));
                 block[0..2].copy_from_slice(&scale.to_le_bytes());
                 let mut at = 2;
@@ -135,7 +123,7 @@ pub fn fill(dtype: DType, shape: &[u64], seed: u64, dst: &mut [u8]) {
                     at = 4;
                 }
                 for b in block[at..].chunks_mut(8) {
-                    let v = rng.next().to_le_bytes();
+                    let v = rng.next_u64().to_le_bytes();
                     b.copy_from_slice(&v[..b.len()]);
                 }
             }
@@ -191,11 +179,9 @@ pub fn model(spec: &SynthSpec) -> ImportedModel {
         spec.kv_heads as u64 * head_dim as u64,
     );
     let mut tensors = BTreeMap::new();
-    let mut seed = spec.seed;
+    let mut seeds = Rng::new(spec.seed);
     let mut add = |name: String, dtype: DType, shape: Vec<u64>, skew: Option<f32>| {
-        seed = seed
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
+        let seed = seeds.next_u64();
         // Synthetic shapes are whole blocks by construction (the spec's sizes are checked).
         #[allow(clippy::expect_used)]
         let len = dtype

@@ -16,6 +16,7 @@
 
 use super::reader::{Msg, Reader, Target};
 use crate::hostbuf::IO_ALIGN;
+use crate::util::rng::Rng;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::sync::mpsc::Receiver;
@@ -107,26 +108,6 @@ impl Control {
             }
         }
         self.text = text;
-    }
-}
-
-/// xorshift64*: enough to spread faults over reads, reproducible from a seed.
-struct Rng(u64);
-
-impl Rng {
-    fn new(seed: u64) -> Rng {
-        Rng(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
-
-    fn chance(&mut self, p: f64) -> bool {
-        if p <= 0.0 {
-            return false;
-        }
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        let x = self.0.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 11;
-        (x as f64 / (1u64 << 53) as f64) < p
     }
 }
 

@@ -359,11 +359,8 @@ mod tests {
     #[test]
     fn a_row_routes_alike_alone_and_in_a_batch_and_odd_rows_stay_in_bounds() {
         let m = moe(8, 3, true);
-        let mut s = 7u64;
-        let mut rnd = || {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1);
-            (s >> 40) as f32 / (1u64 << 24) as f32 * 8.0 - 4.0
-        };
+        let mut rng = crate::util::rng::Rng::new(7);
+        let mut rnd = || rng.unit_f32() * 8.0 - 4.0;
         let mut logits: Vec<f32> = (0..5 * 8).map(|_| rnd()).collect();
         // A row of NaN, one of infinities, one all equal: still k distinct experts each.
         logits[8..16].fill(f32::NAN);

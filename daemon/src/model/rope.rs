@@ -134,17 +134,6 @@ mod tests {
         m
     }
 
-    fn rng_vec(state: &mut u64, n: usize) -> Vec<f32> {
-        (0..n)
-            .map(|_| {
-                *state = state
-                    .wrapping_mul(6364136223846793005)
-                    .wrapping_add(1442695040888963407);
-                ((*state >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-            })
-            .collect()
-    }
-
     fn cfg(head_dim: u32, rope_scaling: Option<RopeScaling>) -> ArchConfig {
         ArchConfig {
             arch: Arch::Llama,
@@ -172,7 +161,7 @@ mod tests {
     #[test]
     fn rope_matches_f64_rotate_half_for_default_and_llama3_scaling() {
         let b = CpuBackend::new(1 << 30, 2).unwrap();
-        let mut r = 3u64;
+        let mut r = crate::util::rng::Rng::new(3);
         let hd = 16usize;
         let llama3 = RopeScaling::Llama3 {
             factor: 8.0,
@@ -186,7 +175,7 @@ mod tests {
             let tm = mem_f32(&b, &table);
             let heads = 3;
             let positions = [0u32, 5, 63];
-            let x = rng_vec(&mut r, positions.len() * heads * hd);
+            let x = r.symmetric_vec(positions.len() * heads * hd);
             let mut xm = mem_f32(&b, &x);
             b.rope(&mut xm, positions.len(), heads, hd, &positions, &tm);
             // transformers: inv_freq (with llama3 smoothing), rotate_half.

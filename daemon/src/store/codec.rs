@@ -805,13 +805,8 @@ mod tests {
     fn floats_f32(n: usize) -> Vec<u8> {
         // Pseudo-random small values like trained weights: clustered exponents, noisy
         // mantissas (a sum of uniforms is roughly normal).
-        let mut x = 0x2545F4914F6CDD1Du64;
-        let mut uniform = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            (x >> 11) as f32 / (1u64 << 53) as f32
-        };
+        let mut rng = crate::util::rng::Rng::new(0x2545F4914F6CDD1D);
+        let mut uniform = move || rng.unit_f64() as f32;
         (0..n)
             .flat_map(|_| ((uniform() + uniform() + uniform() - 1.5) * 0.05).to_le_bytes())
             .collect()
@@ -852,13 +847,8 @@ mod tests {
             0x7fc0_1234,
             0xff81_0000,
         ];
-        let mut x = seed | 1;
-        let mut next = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
+        let mut rng = crate::util::rng::Rng::new(seed);
+        let mut next = move || rng.next_u64();
         let vals: Vec<u32> = (0..n)
             .map(|i| {
                 let r = next();
@@ -982,16 +972,9 @@ mod tests {
 
     #[test]
     fn incompressible_frames_are_kept_raw() {
-        // xorshift noise does not compress: the frame must be stored raw, codec none.
-        let mut x = 0x9E3779B97F4A7C15u64;
-        let raw: Vec<u8> = (0..65536)
-            .map(|_| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                x as u8
-            })
-            .collect();
+        // Pseudo-random noise does not compress: the frame must be stored raw, codec none.
+        let mut rng = crate::util::rng::Rng::new(0x9E3779B97F4A7C15);
+        let raw: Vec<u8> = (0..65536).map(|_| rng.next_u64() as u8).collect();
         let mut enc = FrameEncoder::new(Codec::Zstd { level: 3 }).expect("test setup");
         let e = enc.encode_split(&raw, 1).expect("test setup");
         assert_eq!(e.codec, Codec::None);

@@ -534,13 +534,8 @@ mod tests {
             "x",
             "{\"k\":",
         ];
-        let mut state = 0x2545F4914F6CDD1Du64;
-        let mut next = |n: usize| {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            (state % n as u64) as usize
-        };
+        let mut rng = crate::util::rng::Rng::new(0x2545F4914F6CDD1D);
+        let mut next = |n: usize| rng.below(n as u64) as usize;
         let (mut objects, mut refused) = (0, 0);
         for _ in 0..200_000 {
             let mut text = String::new();
@@ -589,12 +584,9 @@ mod tests {
     /// quote, backslash or control character) keeps a string one, from any character.
     #[test]
     fn plain_text_keeps_a_string_one() {
-        let mut state = 7u64;
+        let mut rng = crate::util::rng::Rng::new(7);
         for _ in 0..20_000 {
-            state ^= state << 13;
-            state ^= state >> 7;
-            state ^= state << 17;
-            let c = char::from_u32((state % 0x11_0000) as u32).unwrap_or('x');
+            let c = char::from_u32(rng.below(0x11_0000) as u32).unwrap_or('x');
             let plain = c >= ' ' && c != '"' && c != '\\';
             let text = format!("{{\"a\":\"{c}{c}");
             assert_eq!(

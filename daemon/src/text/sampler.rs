@@ -7,6 +7,7 @@
 use super::json::JsonState;
 use super::schema::{Schema, SchemaState};
 use super::tokenizer::{TokenKind, TokenTexts};
+use crate::util::rng::Rng;
 use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
@@ -310,7 +311,8 @@ impl SamplingParams {
 
 pub struct Sampler {
     params: SamplingParams,
-    state: u64,
+    /// The seeded draws.
+    rng: Rng,
     cand: Vec<(f32, u32)>,
     /// With penalties: the logits row after them, the tokens of the prompt and the text so
     /// far, and how often each was generated.
@@ -348,7 +350,7 @@ impl Sampler {
         };
         Sampler {
             params,
-            state: params.seed ^ 0x9E3779B97F4A7C15,
+            rng: Rng::new(params.seed ^ 0x9E3779B97F4A7C15),
             cand: Vec::new(),
             penalized: Vec::new(),
             seen,
@@ -443,12 +445,7 @@ impl Sampler {
     }
 
     fn uniform(&mut self) -> f32 {
-        // splitmix64
-        self.state = self.state.wrapping_add(0x9E3779B97F4A7C15);
-        let mut z = self.state;
-        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
-        ((z ^ (z >> 31)) >> 40) as f32 / (1u64 << 24) as f32
+        self.rng.unit_f32()
     }
 
     /// JSON mode's (or a schema's) draw: among the tokens that keep the text a prefix of
@@ -782,13 +779,6 @@ mod tests {
         TokenTexts::of(&v)
     }
 
-    fn xorshift(state: &mut u64) -> u64 {
-        *state ^= *state << 13;
-        *state ^= *state >> 7;
-        *state ^= *state << 17;
-        *state
-    }
-
     /// Sampled with random logits, every text JSON mode makes is a prefix of an object,
     /// and one that reached the end token is a whole object by serde_json's reading.
     #[test]
@@ -797,7 +787,7 @@ mod tests {
         let end = (0..v.len() as u32)
             .find(|&t| v.kind(t) == TokenKind::End)
             .unwrap();
-        let mut rng = 0x9E3779B97F4A7C15u64;
+        let mut rng = Rng::new(1);
         let (mut whole, mut cut) = (0, 0);
         for seed in 0..400 {
             let temperature = [0.0, 0.7, 1.0, 2.0][seed % 4];
@@ -812,7 +802,7 @@ mod tests {
             let mut ended = false;
             for _ in 0..40 {
                 let logits: Vec<f32> = (0..v.len())
-                    .map(|_| (xorshift(&mut rng) % 1000) as f32 / 100.0)
+                    .map(|_| rng.below(1000) as f32 / 100.0)
                     .collect();
                 let t = s.sample_in(&logits, Some(&v));
                 assert_ne!(v.kind(t), TokenKind::Silent, "seed {seed}");
@@ -878,7 +868,7 @@ mod tests {
             .chain([(&b""[..], TokenKind::End)])
             .collect();
         let v = TokenTexts::of(&tokens);
-        let mut rng = 0x9E3779B97F4A7C15u64;
+        let mut rng = Rng::new(3);
         let mut checked = 0;
         for seed in 0..200u64 {
             let format = if seed % 2 == 0 {
@@ -907,9 +897,7 @@ mod tests {
                     );
                     checked += usize::from(c.fits(b));
                 }
-                let logits: Vec<f32> = (0..v.len())
-                    .map(|_| (xorshift(&mut rng) % 100) as f32 / 10.0)
-                    .collect();
+                let logits: Vec<f32> = (0..v.len()).map(|_| rng.below(100) as f32 / 10.0).collect();
                 s.sample_in(&logits, Some(&v));
             }
         }
@@ -1082,7 +1070,7 @@ mod tests {
         tokens.push((b"", TokenKind::End));
         let v = TokenTexts::of(&tokens);
         let end = (tokens.len() - 1) as u32;
-        let mut rng = 0x2545F4914F6CDD1Du64;
+        let mut rng = Rng::new(2);
         let mut whole = 0;
         for seed in 0..300u64 {
             let mut s = Sampler::new(SamplingParams {
@@ -1095,12 +1083,7 @@ mod tests {
             let mut ended = false;
             for _ in 0..80 {
                 let logits: Vec<f32> = (0..v.len())
-                    .map(|_| {
-                        rng ^= rng << 13;
-                        rng ^= rng >> 7;
-                        rng ^= rng << 17;
-                        (rng % 1000) as f32 / 100.0
-                    })
+                    .map(|_| rng.below(1000) as f32 / 100.0)
                     .collect();
                 let t = s.sample_in(&logits, Some(&v));
                 if t == end {

@@ -7,24 +7,12 @@ use crate::backend::{AttnShape, AttnStep, Backend, KvDtype, LayerCache, SeqSpan,
 use crate::dtype::{DType, ALL_DTYPES};
 use half::{bf16, f16};
 
-struct Rng(u64);
-impl Rng {
-    fn f(&mut self) -> f32 {
-        self.0 = self
-            .0
-            .wrapping_mul(6364136223846793005)
-            .wrapping_add(1442695040888963407);
-        ((self.0 >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize) -> Vec<f32> {
-        (0..n).map(|_| self.f()).collect()
-    }
-}
+use crate::util::rng::Rng;
 
 /// `n` seeded values uniform in [-1, 1) (`Rng`'s): the inputs of the kernels' tests too
 /// (`gemv.rs`, `attention/tests.rs`, `q8.rs`).
 pub(super) fn rand_vec(n: usize, seed: u64) -> Vec<f32> {
-    Rng(seed).vec(n)
+    Rng::new(seed).symmetric_vec(n)
 }
 
 fn backend() -> CpuBackend {
@@ -123,13 +111,13 @@ fn encode(dtype: DType, v: &[f32]) -> (Vec<u8>, Vec<f64>) {
 #[test]
 fn matmul_matches_f64_for_every_dtype_in_both_paths() {
     let b = backend();
-    let mut r = Rng(1);
+    let mut r = Rng::new(1);
     // k is whole K-quant super-blocks (256).
     let (m, k) = (70, 512);
     for dtype in ALL_DTYPES {
-        let (wb, wx) = encode(dtype, &r.vec(m * k));
+        let (wb, wx) = encode(dtype, &r.symmetric_vec(m * k));
         let w = mem_bytes(&b, &wb);
-        let bias = r.vec(m);
+        let bias = r.symmetric_vec(m);
         let bias_mem = mem_f32(&b, &bias);
         // gemv rows (decode kernels) and tile rows (sgemm) in several mixes.
         for (rows, gemv_rows, with_bias) in [
@@ -144,7 +132,7 @@ fn matmul_matches_f64_for_every_dtype_in_both_paths() {
             (17, 0, true),
             (1, 0, false),
         ] {
-            let x = r.vec(rows * k);
+            let x = r.symmetric_vec(rows * k);
             let xm = mem_f32(&b, &x);
             let mut out = b.alloc(rows * m * 4, "out").unwrap();
             let wr = WeightRef {
@@ -183,10 +171,10 @@ fn matmul_matches_f64_for_every_dtype_in_both_paths() {
 #[test]
 fn embedding_rms_norm_silu_add_match_f64() {
     let b = backend();
-    let mut r = Rng(2);
+    let mut r = Rng::new(2);
     let (vocab, h) = (40, 256);
     for dtype in ALL_DTYPES {
-        let (tb, tx) = encode(dtype, &r.vec(vocab * h));
+        let (tb, tx) = encode(dtype, &r.symmetric_vec(vocab * h));
         let t = mem_bytes(&b, &tb);
         let ids = [3u32, 0, 39, 3];
         let mut out = b.alloc(ids.len() * h * 4, "out").unwrap();
@@ -212,8 +200,8 @@ fn embedding_rms_norm_silu_add_match_f64() {
         }
     }
     let rows = 3;
-    let x = r.vec(rows * h);
-    let g = r.vec(h);
+    let x = r.symmetric_vec(rows * h);
+    let g = r.symmetric_vec(h);
     let (xm, gm) = (mem_f32(&b, &x), mem_f32(&b, &g));
     let mut out = b.alloc(rows * h * 4, "out").unwrap();
     b.rms_norm(
@@ -240,7 +228,7 @@ fn embedding_rms_norm_silu_add_match_f64() {
             assert!((out.f32s()[i * h + c] as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()));
         }
     }
-    let (gate, up) = (r.vec(100), r.vec(100));
+    let (gate, up) = (r.symmetric_vec(100), r.symmetric_vec(100));
     let mut gm = mem_f32(&b, &gate);
     let um = mem_f32(&b, &up);
     b.silu_mul(&mut gm, &um, 100);
@@ -279,7 +267,7 @@ fn attention_is_causal_grouped_query_over_the_cache() {
 /// difference the cache type may make.
 fn attention_over_the_cache(kv: KvDtype) {
     let b = backend();
-    let mut r = Rng(4);
+    let mut r = Rng::new(4);
     let round = |x: &[f32]| -> Vec<f32> {
         match kv {
             KvDtype::F32 => x.to_vec(),
@@ -326,8 +314,8 @@ fn attention_over_the_cache(kv: KvDtype) {
         window: None,
     };
     // Earlier positions of slot 0.
-    let old_k = r.vec(6 * wkv);
-    let old_v = r.vec(6 * wkv);
+    let old_k = r.symmetric_vec(6 * wkv);
+    let old_v = r.symmetric_vec(6 * wkv);
     let base = layer * layer_elems;
     for (c, old) in [(&mut ck, &old_k), (&mut cv, &old_v)] {
         match kv {
@@ -339,7 +327,11 @@ fn attention_over_the_cache(kv: KvDtype) {
             }
         }
     }
-    let (q, k, v) = (r.vec(rows * wq), r.vec(rows * wkv), r.vec(rows * wkv));
+    let (q, k, v) = (
+        r.symmetric_vec(rows * wq),
+        r.symmetric_vec(rows * wkv),
+        r.symmetric_vec(rows * wkv),
+    );
     let (qm, km, vm) = (mem_f32(&b, &q), mem_f32(&b, &k), mem_f32(&b, &v));
     let (old_k, old_v, k, v) = (round(&old_k), round(&old_v), round(&k), round(&v));
     let mut out = b.alloc(rows * wq * 4, "out").unwrap();
@@ -419,7 +411,7 @@ fn attention_over_the_cache(kv: KvDtype) {
 #[test]
 fn f32_attention_by_kv_head_is_the_bits_of_a_head_at_a_time() {
     let b = backend();
-    let mut r = Rng(9);
+    let mut r = Rng::new(9);
     let shape = AttnShape {
         kv: KvDtype::F32,
         heads: 6,
@@ -445,11 +437,11 @@ fn f32_attention_by_kv_head_is_the_bits_of_a_head_at_a_time() {
         },
     ];
     let elems = shape.slots * shape.max_context * wkv;
-    let (kd, vd) = (r.vec(elems), r.vec(elems));
+    let (kd, vd) = (r.symmetric_vec(elems), r.symmetric_vec(elems));
     let (ck, cv) = (mem_f32(&b, &kd), mem_f32(&b, &vd));
-    let q = r.vec(4 * wq);
+    let q = r.symmetric_vec(4 * wq);
     let qm = mem_f32(&b, &q);
-    let sinks = r.vec(6);
+    let sinks = r.symmetric_vec(6);
     let sm = mem_f32(&b, &sinks);
     let mut out = b.alloc(4 * wq * 4, "out").unwrap();
     let cases = [None, Some(300)]
@@ -520,7 +512,7 @@ fn a_sliding_window_ring_attends_to_its_window_only() {
 /// head).
 fn sliding_window_ring(kv: KvDtype) {
     let b = backend();
-    let mut r = Rng(5);
+    let mut r = Rng::new(5);
     let round = |x: &[f32]| -> Vec<f32> {
         match kv {
             KvDtype::F32 => x.to_vec(),
@@ -548,7 +540,11 @@ fn sliding_window_ring(kv: KvDtype) {
     let (mut all_k, mut all_v) = (Vec::new(), Vec::new());
     let mut pos = 0;
     for n in [7, 1, 3, 7, 2, 1, 7, 5, 7] {
-        let (q, k, v) = (r.vec(n * 16), r.vec(n * 8), r.vec(n * 8));
+        let (q, k, v) = (
+            r.symmetric_vec(n * 16),
+            r.symmetric_vec(n * 8),
+            r.symmetric_vec(n * 8),
+        );
         all_k.extend_from_slice(&round(&k));
         all_v.extend_from_slice(&round(&v));
         let spans = [SeqSpan {
@@ -605,8 +601,8 @@ fn sliding_window_ring(kv: KvDtype) {
 #[test]
 fn gelu_mul_and_scale_match_f64() {
     let b = backend();
-    let mut r = Rng(6);
-    let (gate, up) = (r.vec(100), r.vec(100));
+    let mut r = Rng::new(6);
+    let (gate, up) = (r.symmetric_vec(100), r.symmetric_vec(100));
     let mut gm = mem_f32(&b, &gate.iter().map(|x| x * 4.0).collect::<Vec<_>>());
     let um = mem_f32(&b, &up);
     b.gelu_mul(&mut gm, &um, 100);
@@ -618,7 +614,7 @@ fn gelu_mul_and_scale_match_f64() {
         let want = gelu * up[i] as f64;
         assert!((gm.f32s()[i] as f64 - want).abs() <= 1e-5, "{i}");
     }
-    let x = r.vec(50);
+    let x = r.symmetric_vec(50);
     let mut xm = mem_f32(&b, &x);
     b.scale(&mut xm, 25.3, 40);
     for (i, &v) in x.iter().enumerate() {
@@ -653,10 +649,10 @@ fn a_rows_result_does_not_depend_on_the_other_rows() {
     // decode rows (1, 2-4, 5-8 rows through the dot kernels) and prefill rows (sgemm tiles
     // with different row counts).
     let b = backend();
-    let mut r = Rng(9);
+    let mut r = Rng::new(9);
     let (m, k) = (50, 256);
     for dtype in ALL_DTYPES {
-        let (wb, _) = encode(dtype, &r.vec(m * k));
+        let (wb, _) = encode(dtype, &r.symmetric_vec(m * k));
         let w = mem_bytes(&b, &wb);
         let wr = WeightRef {
             mem: &w,
@@ -665,7 +661,7 @@ fn a_rows_result_does_not_depend_on_the_other_rows() {
             rows: m,
             cols: k,
         };
-        let x = r.vec(9 * k);
+        let x = r.symmetric_vec(9 * k);
         let run = |rows: usize, gemv_rows: usize, first_row: usize| -> Vec<u32> {
             let xm = mem_f32(&b, &x[first_row * k..(first_row + rows) * k]);
             let mut out = b.alloc(rows * m * 4, "out").unwrap();
@@ -699,8 +695,8 @@ fn activations_split_across_threads_give_the_same_bits() {
     // ragged last piece): two threads agree bit for bit with one thread and with the
     // formula element by element.
     let n = 3 * 16 * 1024 + 77;
-    let mut r = Rng(11);
-    let (gate, up) = (r.vec(n), r.vec(n));
+    let mut r = Rng::new(11);
+    let (gate, up) = (r.symmetric_vec(n), r.symmetric_vec(n));
     let gate: Vec<f32> = gate.iter().map(|x| x * 6.0).collect();
     let (one, two) = (
         CpuBackend::new(1 << 24, 1).unwrap(),
@@ -744,7 +740,7 @@ fn a_long_row_is_the_same_bits_split_in_chunks_alone_in_a_batch_or_in_a_prefill(
     // sequences (a task a (span, KV head) again). The same bits each way, and f64's
     // numbers (K and V rounded to f16 as the cache holds them).
     let b = backend();
-    let mut r = Rng(12);
+    let mut r = Rng::new(12);
     let shape = AttnShape {
         kv: KvDtype::F16,
         heads: 4,
@@ -763,7 +759,11 @@ fn a_long_row_is_the_same_bits_split_in_chunks_alone_in_a_batch_or_in_a_prefill(
     let elems = cache.elems(&shape);
     let mut ck = b.alloc(elems * 2, "k").unwrap();
     let mut cv = b.alloc(elems * 2, "v").unwrap();
-    let (q, k, v) = (r.vec(n * wq), r.vec(n * wkv), r.vec(n * wkv));
+    let (q, k, v) = (
+        r.symmetric_vec(n * wq),
+        r.symmetric_vec(n * wkv),
+        r.symmetric_vec(n * wkv),
+    );
     let run = |ck: &mut super::CpuMem,
                cv: &mut super::CpuMem,
                spans: &[SeqSpan],
@@ -827,9 +827,9 @@ fn a_long_row_is_the_same_bits_split_in_chunks_alone_in_a_batch_or_in_a_prefill(
     .chain(others)
     .collect();
     let (q4, k4, v4) = (
-        [ql.to_vec(), r.vec(3 * wq)].concat(),
-        [kl.to_vec(), r.vec(3 * wkv)].concat(),
-        [vl.to_vec(), r.vec(3 * wkv)].concat(),
+        [ql.to_vec(), r.symmetric_vec(3 * wq)].concat(),
+        [kl.to_vec(), r.symmetric_vec(3 * wkv)].concat(),
+        [vl.to_vec(), r.symmetric_vec(3 * wkv)].concat(),
     );
     let batch = run(&mut ck, &mut cv, &spans, &q4, &k4, &v4);
     let f16 = |x: f32| half::f16::from_f32(x).to_f32() as f64;
@@ -879,7 +879,7 @@ fn matmuls_of_one_activation_give_each_matmuls_bits() {
     // decode and prefill rows, on both activation paths.
     use crate::backend::MatmulOut;
     let b = backend();
-    let mut r = Rng(21);
+    let mut r = Rng::new(21);
     let k = 512;
     let groups: [&[(DType, usize)]; 3] = [
         &[(DType::Q4K, 96), (DType::Q6K, 32), (DType::Q8_0, 32)],
@@ -895,8 +895,13 @@ fn matmuls_of_one_activation_give_each_matmuls_bits() {
         let weights: Vec<(DType, usize, super::CpuMem, super::CpuMem)> = group
             .iter()
             .map(|&(dtype, m)| {
-                let (wb, _) = encode(dtype, &r.vec(m * k));
-                (dtype, m, mem_bytes(&b, &wb), mem_f32(&b, &r.vec(m)))
+                let (wb, _) = encode(dtype, &r.symmetric_vec(m * k));
+                (
+                    dtype,
+                    m,
+                    mem_bytes(&b, &wb),
+                    mem_f32(&b, &r.symmetric_vec(m)),
+                )
             })
             .collect();
         let refs = |bias: bool| -> Vec<(
@@ -929,7 +934,7 @@ fn matmuls_of_one_activation_give_each_matmuls_bits() {
             for (rows, gemv_rows, bias) in
                 [(1, 1, false), (3, 3, true), (6, 2, true), (9, 0, false)]
             {
-                let xm = mem_f32(&b, &r.vec(rows * k));
+                let xm = mem_f32(&b, &r.symmetric_vec(rows * k));
                 let ws = refs(bias);
                 let mut alone: Vec<super::CpuMem> = Vec::new();
                 for (wr, br) in &ws {

@@ -107,9 +107,9 @@ mod tests {
     fn random_alloc_free_never_overlaps() {
         let mut a = Arena::new(1 << 20);
         let mut live: Vec<(usize, usize)> = Vec::new();
-        let mut s = 12345u64;
+        let mut rng = crate::util::rng::Rng::new(12345);
         for _ in 0..5000 {
-            s = s.wrapping_mul(6364136223846793005).wrapping_add(1);
+            let s = rng.next_u64();
             if !(s >> 40).is_multiple_of(3) || live.is_empty() {
                 let bytes = ((s >> 20) % 20000) as usize + 1;
                 if let Some(off) = a.alloc(bytes) {

@@ -186,15 +186,8 @@ pub fn run(ordinal: usize, reps: usize) -> Result<KernelBench, BackendError> {
     let copy_gbps = 2.0 * COPY_BYTES as f64 / copy_s / 1e9;
 
     let fill = |mem: &mut CudaMem, bytes: usize, seed: u64| -> Result<(), BackendError> {
-        let mut s = seed | 1;
-        let data: Vec<u8> = (0..bytes)
-            .map(|_| {
-                s ^= s << 13;
-                s ^= s >> 7;
-                s ^= s << 17;
-                (s >> 24) as u8
-            })
-            .collect();
+        let mut rng = crate::util::rng::Rng::new(seed);
+        let data: Vec<u8> = (0..bytes).map(|_| (rng.next_u64() >> 24) as u8).collect();
         b.upload(mem, &data)
     };
     let mut x = b.alloc(rows_max * kmax * 4, "activations")?;

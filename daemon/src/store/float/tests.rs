@@ -5,6 +5,7 @@ use super::decode::MULTI_MIN;
 use super::huffman::{code_lengths, MAX_LEN};
 use super::plane::{sparse_bytes, OWN_CODE_SAVING_MIN, STREAMS};
 use super::*;
+use crate::util::rng::Rng;
 
 /// One code for plane `plane` of `layout` from the summed symbol counts of its
 /// frames; None for fewer than two symbols.
@@ -57,25 +58,15 @@ fn round_trip(layout: Layout, raw: &[u8]) -> usize {
     exp_bytes
 }
 
-/// A xorshift64 generator from `seed` (not zero).
-fn xorshift(seed: u64) -> impl FnMut() -> u64 {
-    let mut x = seed;
-    move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        x
-    }
+/// The project's generator from `seed`, as a closure.
+fn random(seed: u64) -> impl FnMut() -> u64 {
+    let mut rng = Rng::new(seed);
+    move || rng.next_u64()
 }
 
 fn gaussian_bf16(n: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    let mut u = move || {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
-        (x >> 11) as f32 / (1u64 << 53) as f32
-    };
+    let mut rng = Rng::new(seed);
+    let mut u = move || rng.unit_f64() as f32;
     (0..n)
         .flat_map(|_| {
             let v = (u() + u() + u() + u() - 2.0) * 0.02;
@@ -101,12 +92,10 @@ fn every_layout_round_trips_at_every_length_and_special_value() {
     for n in [
         0usize, 1, 2, 3, 4, 5, 7, 8, 15, 16, 17, 31, 32, 33, 63, 64, 95, 1000, 4099,
     ] {
-        let mut x = 0x9e37_79b9_7f4a_7c15u64 ^ n as u64;
+        let mut rng = Rng::new(n as u64);
         let mut vals: Vec<u32> = (0..n)
             .map(|i| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
+                let x = rng.next_u64();
                 if i % 5 == 0 {
                     specials[(x % 10) as usize]
                 } else {
@@ -241,7 +230,7 @@ fn long_planes_decode_with_the_table_that_pays_to_their_last_symbol() {
     // (128 symbols in turn) packs one, so it decodes a symbol a lookup from the
     // small table. Lengths around MULTI_MIN and its multiples of 4 and 20 end the
     // streams' multi-symbol tails with 0 to 7 symbols left after the last whole word.
-    let mut rand = xorshift(0x2545_f491_4f6c_dd1d);
+    let mut rand = random(0x2545_f491_4f6c_dd1d);
     let mut cache = PlaneCache::default();
     for n in (MULTI_MIN..MULTI_MIN + 9).chain([MULTI_MIN + 41, MULTI_MIN + 80, 3 * MULTI_MIN + 7]) {
         let skewed: Vec<u8> = (0..n)
@@ -273,7 +262,7 @@ fn streams_that_decode_at_different_rates_each_end_exactly() {
     // ends, and they go on interleaved without the fast one; each quarter must decode
     // to its own symbols and no stream may write into its neighbour's. Every position
     // of the fast quarter, shared codes (small planes) and own codes (long ones).
-    let mut rand = xorshift(0x9e37_79b9_7f4a_7c15);
+    let mut rand = random(0x9e37_79b9_7f4a_7c15);
     for n in [3072, 3077, MULTI_MIN + 5] {
         let q = n.div_ceil(STREAMS);
         for fast in 0..STREAMS {
@@ -575,12 +564,10 @@ fn damaged(n: usize) {
 }
 
 fn damage(coded: &[u8], n: usize, shared: &SharedTables) {
-    let mut x = 0x1234_5678u64;
+    let mut rng = Rng::new(0x1234_5678);
     let (mut out, mut cache) = (vec![0u8; n + 8], PlaneCache::default());
     for round in 0..1500 {
-        x ^= x << 13;
-        x ^= x >> 7;
-        x ^= x << 17;
+        let x = rng.next_u64();
         let mut bad = coded.to_vec();
         match round % 3 {
             0 => {
@@ -588,12 +575,10 @@ fn damage(coded: &[u8], n: usize, shared: &SharedTables) {
                 bad[at] ^= 1 << ((x >> 32) % 8);
             }
             1 => bad.truncate(x as usize % bad.len()),
-            _ => bad.iter_mut().skip(x as usize % 16).for_each(|b| {
-                x ^= x << 13;
-                x ^= x >> 7;
-                x ^= x << 17;
-                *b = x as u8
-            }),
+            _ => bad
+                .iter_mut()
+                .skip(x as usize % 16)
+                .for_each(|b| *b = rng.next_u64() as u8),
         }
         // Wrong bytes or an error, never a panic or a read past a buffer.
         let _ = decode_plane_as(&bad, n, &mut out, &mut cache, shared, Simd::Detect);
