@@ -81,7 +81,9 @@ fn a_truncated_block_is_an_error_naming_the_type() {
     for t in new_formats() {
         let bytes = vec![0u8; t.block_bytes() as usize * 2 - 1];
         let mut out = vec![0f32; t.block_elems() as usize * 2];
-        let e = dequantize(t, &bytes, &mut out).expect_err("a partial block");
+        let e = dequantize(t, &bytes, &mut out)
+            .expect_err("a partial block")
+            .to_string();
         assert!(
             e.starts_with(&t.ggml_name()) && e.contains("whole blocks"),
             "{e}"

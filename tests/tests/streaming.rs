@@ -1521,7 +1521,9 @@ fn an_expert_profile_pins_the_hottest_experts_and_outputs_stay_bit_identical() {
         .unwrap(),
     )
     .unwrap();
-    let e = ExpertProfile::load(&other, &m.arch).unwrap_err();
+    let e = ExpertProfile::load(&other, &m.arch)
+        .unwrap_err()
+        .to_string();
     assert!(
         e.contains("other.json") && e.contains("--save-expert-profile"),
         "{e}"

@@ -60,19 +60,31 @@ pub(crate) fn scale_min_k4(s: &[u8], j: usize) -> (f32, f32) {
     }
 }
 
+/// Why `dequantize` refused its input.
+#[derive(Debug, thiserror::Error)]
+pub enum DequantError {
+    #[error("{}: {bytes} bytes are not whole blocks of {} for {values} values ({} per block)", dtype.ggml_name(), dtype.block_bytes(), dtype.block_elems())]
+    NotWholeBlocks {
+        dtype: DType,
+        bytes: usize,
+        values: usize,
+    },
+    #[error("{}: not a block format", .0.ggml_name())]
+    NotBlocks(DType),
+}
+
 /// Dequantizes whole blocks of `t` from `src` into `out`; the lengths must agree.
-pub fn dequantize(t: DType, src: &[u8], out: &mut [f32]) -> Result<(), String> {
+pub fn dequantize(t: DType, src: &[u8], out: &mut [f32]) -> Result<(), DequantError> {
     let (be, bb) = (t.block_elems() as usize, t.block_bytes() as usize);
     if !src.len().is_multiple_of(bb) || src.len() / bb * be != out.len() {
-        return Err(format!(
-            "{}: {} bytes are not whole blocks of {bb} for {} values ({be} per block)",
-            t.ggml_name(),
-            src.len(),
-            out.len()
-        ));
+        return Err(DequantError::NotWholeBlocks {
+            dtype: t,
+            bytes: src.len(),
+            values: out.len(),
+        });
     }
     if !t.is_quantized() {
-        return Err(format!("{}: not a block format", t.ggml_name()));
+        return Err(DequantError::NotBlocks(t));
     }
     for (b, y) in src.chunks_exact(bb).zip(out.chunks_exact_mut(be)) {
         dequantize_block(t, b, y);

@@ -863,4 +863,4 @@ impl<B: Backend> Pipeline<B> {
 
 // After the macros, which it uses.
 mod moe;
-pub use moe::{Eviction, ExpertProfile, Prediction, PROFILE_HOT_SHARE};
+pub use moe::{Eviction, ExpertProfile, Prediction, ProfileError, PROFILE_HOT_SHARE};

@@ -87,10 +87,10 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
     } = a;
     let store = std::sync::Arc::new(Store::open(&sluice::util::store_path(&dir, None))?);
     let expert_profile = match &expert_profile {
-        Some(p) => Some(
-            sluice::pipeline::ExpertProfile::load(p, &store.manifest().arch)
-                .map_err(anyhow::Error::msg)?,
-        ),
+        Some(p) => Some(sluice::pipeline::ExpertProfile::load(
+            p,
+            &store.manifest().arch,
+        )?),
         None => None,
     };
     let chosen = sluice::engine::choose_backend(backend, device)?;

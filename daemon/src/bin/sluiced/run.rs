@@ -174,9 +174,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     // A profile's hottest experts, those that served half its routed tokens, are planned
     // resident.
     let profile = match &a.expert_profile {
-        Some(path) => {
-            Some(sluice::pipeline::ExpertProfile::load(path, &m.arch).map_err(anyhow::Error::msg)?)
-        }
+        Some(path) => Some(sluice::pipeline::ExpertProfile::load(path, &m.arch)?),
         None => None,
     };
     let profile_hot = profile
@@ -474,10 +472,7 @@ fn run_generate<B: Backend>(
         }
     }
     if let Some(path) = &a.save_expert_profile {
-        runner
-            .expert_profile()
-            .save(path)
-            .map_err(anyhow::Error::msg)?;
+        runner.expert_profile().save(path)?;
         if !a.json {
             eprintln!("expert profile saved to {}", path.display());
         }

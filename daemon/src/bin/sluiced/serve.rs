@@ -359,8 +359,7 @@ impl ModelLoader {
         };
         let profile = profile
             .map(|p| sluice::pipeline::ExpertProfile::load(p, &m.arch))
-            .transpose()
-            .map_err(anyhow::Error::msg)?;
+            .transpose()?;
         let hot = profile
             .as_ref()
             .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));

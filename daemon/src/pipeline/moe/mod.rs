@@ -32,7 +32,7 @@ mod run;
 
 pub use cache::Eviction;
 pub use predict::Prediction;
-pub use profile::{ExpertProfile, PROFILE_HOT_SHARE};
+pub use profile::{ExpertProfile, ProfileError, PROFILE_HOT_SHARE};
 
 use super::{Load, PipelineError};
 use crate::backend::Backend;

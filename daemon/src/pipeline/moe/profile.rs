@@ -2,6 +2,30 @@
 //! saved with `--save-expert-profile` and loaded to warm a later run's expert cache.
 
 use crate::store::arch::ArchConfig;
+use std::path::{Path, PathBuf};
+
+/// Why an expert profile could not be read or written; each names the file.
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("read expert profile {}: {err}", path.display())]
+    Read { path: PathBuf, err: std::io::Error },
+    #[error("expert profile {}: {err}", path.display())]
+    Parse {
+        path: PathBuf,
+        err: serde_json::Error,
+    },
+    #[error("expert profile {} (of model {model:?}) has {layers} layers of {experts} experts; this model's are {want_layers} of {want_experts}: save a profile of this model (--save-expert-profile)", path.display())]
+    Mismatch {
+        path: PathBuf,
+        model: String,
+        layers: usize,
+        experts: usize,
+        want_layers: usize,
+        want_experts: usize,
+    },
+    #[error("write expert profile {}: {err}", path.display())]
+    Write { path: PathBuf, err: std::io::Error },
+}
 
 /// Of a loaded expert profile, the share of its routed tokens whose experts the plan keeps
 /// resident (`ExpertProfile::hot_set`).
@@ -20,11 +44,16 @@ pub struct ExpertProfile {
 impl ExpertProfile {
     /// Reads a profile from `path` (JSON), checked against `cfg`: a layer per decoder
     /// layer, an expert count per expert of each sparse layer, none for a dense one.
-    pub fn load(path: &std::path::Path, cfg: &ArchConfig) -> Result<ExpertProfile, String> {
-        let text = std::fs::read_to_string(path)
-            .map_err(|e| format!("read expert profile {}: {e}", path.display()))?;
-        let p: ExpertProfile = serde_json::from_str(&text)
-            .map_err(|e| format!("expert profile {}: {e}", path.display()))?;
+    pub fn load(path: &Path, cfg: &ArchConfig) -> Result<ExpertProfile, ProfileError> {
+        let path_buf = || path.to_path_buf();
+        let text = std::fs::read_to_string(path).map_err(|err| ProfileError::Read {
+            path: path_buf(),
+            err,
+        })?;
+        let p: ExpertProfile = serde_json::from_str(&text).map_err(|err| ProfileError::Parse {
+            path: path_buf(),
+            err,
+        })?;
         let want: Vec<usize> = (0..cfg.n_layers)
             .map(|i| match &cfg.moe {
                 Some(m) if cfg.is_sparse(i) => m.n_experts as usize,
@@ -33,15 +62,14 @@ impl ExpertProfile {
             .collect();
         let got: Vec<usize> = p.layers.iter().map(Vec::len).collect();
         if got != want {
-            return Err(format!(
-                "expert profile {} (of model {:?}) has {} layers of {:?} experts; this model's are {} of {:?}: save a profile of this model (--save-expert-profile)",
-                path.display(),
-                p.model,
-                got.len(),
-                got.iter().max().copied().unwrap_or(0),
-                want.len(),
-                want.iter().max().copied().unwrap_or(0)
-            ));
+            return Err(ProfileError::Mismatch {
+                path: path_buf(),
+                model: p.model,
+                layers: got.len(),
+                experts: got.iter().max().copied().unwrap_or(0),
+                want_layers: want.len(),
+                want_experts: want.iter().max().copied().unwrap_or(0),
+            });
         }
         Ok(p)
     }
@@ -65,11 +93,15 @@ impl ExpertProfile {
     }
 
     /// Writes the profile to `path` (JSON, replaced whole).
-    pub fn save(&self, path: &std::path::Path) -> Result<(), String> {
-        let text = serde_json::to_string(self).map_err(|e| e.to_string())?;
+    pub fn save(&self, path: &Path) -> Result<(), ProfileError> {
+        // Counts and a name: serializing them cannot fail.
+        let text = serde_json::to_string(self).unwrap_or_default();
         let tmp = path.with_extension("tmp");
         std::fs::write(&tmp, text)
             .and_then(|_| std::fs::rename(&tmp, path))
-            .map_err(|e| format!("write expert profile {}: {e}", path.display()))
+            .map_err(|err| ProfileError::Write {
+                path: path.to_path_buf(),
+                err,
+            })
     }
 }
