@@ -13,6 +13,9 @@
 //! a prompt the context cannot hold) goes to the errors file with its line and reason;
 //! what still failed after the retries is written nowhere, so a rerun does it. The output
 //! has a `.params.json` beside it: a rerun with other parameters is refused.
+//!
+//! Items go longest first, with the daemon's max batch in flight; the summary at the end
+//! takes the bytes streamed from the daemon's Status before and after the job.
 
 use crate::{Client, Outcome};
 use anyhow::{bail, Context, Result};

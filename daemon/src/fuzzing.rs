@@ -5,6 +5,10 @@
 //! committed corpora run on stable as plain tests. Any input may be refused; none may
 //! panic, hang or allocate without bound. Where a round trip is defined (frames), it must
 //! hold.
+//!
+//! The corpora: `fuzz/corpus/TARGET/` (seeds from `fuzz/make_seeds.py`) and
+//! `fuzz/regressions/TARGET/` (inputs a fuzzer found, kept once fixed); `scripts/fuzz.sh
+//! [SECONDS]` fuzzes each target on nightly.
 
 use crate::import::ImportedModel;
 use crate::text::{ChatTemplate, Tokenizer};

@@ -14,6 +14,12 @@
 //!
 //! A consumer may take a unit whole (`wait`) or as its decoded prefix grows
 //! (`wait_progress`), to start copying it to the device before its last frame is done.
+//!
+//! The disk sees the loads in the order they are needed: at most `IoConfig::in_flight_bytes`
+//! of reads are out (`IN_FLIGHT_BYTES_DEFAULT`), with read buffers past it holding what waits
+//! for a worker, and a request behind the oldest sends its reads only as the oldest's last
+//! are out (`FOLLOW_BYTES_DEFAULT`). With the cap, `bench-io`'s decoded rate against its bound
+//! went from 0.63-0.87 to 0.72-0.97 on 1 GiB bf16 stores (float, zstd:1, lz4).
 
 // Input from outside (files, requests, the disk) never meets an unwrap or expect here: an
 // `expect` on a true invariant carries an #[allow] saying why it holds.

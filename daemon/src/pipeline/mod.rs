@@ -14,6 +14,26 @@
 //! an upload to finish reading its staging slot (`upload_wait`) only after the unit's
 //! compute is enqueued, so disk, decompression, copy and compute all overlap; the host runs
 //! at most as many units ahead of the device as there are streaming slots.
+//!
+//! Requests run `prefetch` loads ahead and wrap into the next pass (`top_up`), so its first
+//! units load while this pass finishes; the I/O engine sends a later request's reads only as
+//! the oldest's last are out (`io::FOLLOW_BYTES_DEFAULT`), so the disk serves the loads in
+//! the order they are needed. Sent together, this project's VM's disk served them side by
+//! side and both landed late: requesting ahead then helped SmolLM2 at 64 MiB and cost it
+//! 25 % at 96 MiB.
+//!
+//! Loads other than whole units: a streamed embedding is never loaded whole; its lookup
+//! gathers the step's rows (`gather.rs`), so an untied embedding costs a pass almost nothing
+//! and is the first unit to stream. A tied one is also the output head: after the head
+//! unit's final norm it streams through the ordinary slots in row parts (`Load::Part`,
+//! `LayerUnit::row_parts`), each giving the logits of the rows it holds whole; the rows that
+//! straddle two parts (at most one per boundary) are gathered once at start and kept on the
+//! device. A tied embedding therefore streams once a pass through layer-sized slots instead
+//! of needing a slot (or residency) of its own size; its parts are bit-identical to the
+//! resident head (tested on SmolLM2, raw and zstd, copied and unified). A dense layer larger
+//! than the slots streams in pieces (`Load::Piece`, `Plan::pieces`), each fetched as the one
+//! before runs, its slot back once its phases are enqueued; outputs are bit-identical to
+//! all-resident (tested copied and unified, compressed and raw).
 
 use crate::backend::Backend;
 use crate::backend::BackendError;
