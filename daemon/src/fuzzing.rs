@@ -15,7 +15,7 @@ use crate::text::{ChatTemplate, Tokenizer};
 use std::path::Path;
 use std::sync::OnceLock;
 
-pub use crate::import::fuzz::{gguf, safetensors};
+pub use crate::import::fuzz::safetensors;
 pub use crate::server::fuzz::{grpc, openai};
 pub use crate::store::fuzz::{frame, manifest};
 
@@ -33,6 +33,19 @@ pub const TARGETS: [(&str, Target); 8] = [
     ("openai", openai),
     ("grpc", grpc),
 ];
+
+/// A GGUF file through the whole import (`import::fuzz::gguf`), and a tokenizer built from
+/// what it read, which tokenizes a line.
+pub fn gguf(data: &[u8]) {
+    let Some(m) = crate::import::fuzz::gguf(data) else {
+        return;
+    };
+    if let Ok(t) = Tokenizer::new(&m.tokenizer, &m.special, m.arch.vocab) {
+        if let Ok(ids) = t.encode("Hello world, caf\u{e9} 42.", true) {
+            let _ = t.decode(&ids);
+        }
+    }
+}
 
 /// Chat templates (ChatML's and Gemma's) rendering messages from the input
 /// (`text::fuzz::template`).

@@ -71,7 +71,7 @@ pub fn random_weights(dtype: DType, rows: usize, cols: usize, rng: &mut Rng) -> 
         }
         _ => {
             let blocks = n / dtype.block_elems() as usize;
-            out = sluice::dtype::ggml::sample_blocks(dtype, blocks, rng.next_u64());
+            out = sluice::dtype::ggml::sample_blocks(dtype, blocks, &mut || rng.next_u64());
         }
     }
     assert_eq!(

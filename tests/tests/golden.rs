@@ -82,7 +82,9 @@ fn decoded_units(store: &Store) -> Vec<Vec<u8>> {
 }
 
 /// Each tensor's decoded bytes, by name.
-fn tensors(store: &Store, units: &[Vec<u8>]) -> BTreeMap<String, Vec<u8>> {
+type Tensors = BTreeMap<String, Vec<u8>>;
+
+fn tensors(store: &Store, units: &[Vec<u8>]) -> Tensors {
     let mut out = BTreeMap::new();
     for (u, unit) in store.units().iter().enumerate() {
         for t in &unit.tensors {
@@ -99,7 +101,7 @@ fn hex(v: u64) -> String {
 
 #[test]
 fn stores_of_earlier_versions_decode_to_the_bytes_they_held() {
-    let mut by_source: BTreeMap<&str, Vec<(&str, BTreeMap<String, Vec<u8>>)>> = BTreeMap::new();
+    let mut by_source: BTreeMap<&str, Vec<(&str, Tensors)>> = BTreeMap::new();
     for g in GOLDEN {
         let dir = golden_dir(g.name);
         let store = Store::open(&dir).unwrap_or_else(|e| panic!("{}: {e}", g.name));

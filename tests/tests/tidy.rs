@@ -61,7 +61,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
 
 /// Files over `FILE_LINES_MAX` today: (file, lines).
 const LONG_FILES: &[(&str, usize)] = &[
-    ("daemon/src/backend/cpu/q8.rs", 1094),
+    ("daemon/src/backend/cpu/q8.rs", 1091),
     ("daemon/src/backend/cuda/device.rs", 1103),
     ("daemon/src/import/gguf.rs", 1117),
     ("daemon/src/import/hf.rs", 1102),

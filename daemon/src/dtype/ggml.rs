@@ -276,13 +276,13 @@ fn mxfp4(b: &[u8], y: &mut [f32]) {
     }
 }
 
-/// `n` well-formed blocks of `t` from a seeded generator: random quant bits, and scales
+/// `n` well-formed blocks of `t` from `random` (the caller's seeded generator,
+/// `util::rng::Rng`: this module knows no other): random quant bits, and scales
 /// that are moderate random f16 (or E8M0 exponents near 1), so dot products stay in range.
 /// For kernel tests and synthetic models; plain floats get uniform values in [-1, 1).
-pub fn sample_blocks(t: DType, n: usize, seed: u64) -> Vec<u8> {
-    let mut rng = crate::util::rng::Rng::new(seed);
+pub fn sample_blocks(t: DType, n: usize, random: &mut dyn FnMut() -> u64) -> Vec<u8> {
     // 31 bits (`unit` below maps them to [-1, 1)).
-    let mut next = move || (rng.next_u64() >> 33) as u32;
+    let mut next = move || (random() >> 33) as u32;
     let bb = t.block_bytes() as usize;
     let mut out: Vec<u8> = (0..n * bb).map(|_| next() as u8).collect();
     let unit = |r: u32| (r as f32 / (1u64 << 31) as f32) * 2.0 - 1.0;

@@ -131,7 +131,9 @@ pub fn fill(dtype: DType, shape: &[u64], seed: u64, dst: &mut [u8]) {
         // The K-quant-era formats: random bits under moderate scales.
         _ => {
             let n = dst.len() / dtype.block_bytes() as usize;
-            dst.copy_from_slice(&crate::dtype::ggml::sample_blocks(dtype, n, seed));
+            dst.copy_from_slice(&crate::dtype::ggml::sample_blocks(dtype, n, &mut || {
+                rng.next_u64()
+            }));
         }
     }
 }

@@ -20,6 +20,11 @@ impl Rng {
         z ^ (z >> 31)
     }
 
+    /// This generator as a closure of `next_u64` (for code that takes any generator).
+    pub fn into_fn(mut self) -> impl FnMut() -> u64 {
+        move || self.next_u64()
+    }
+
     /// Uniform in [0, n) (n > 0; the modulo's bias is below 2^-40 for the n used here).
     pub fn below(&mut self, n: u64) -> u64 {
         self.next_u64() % n

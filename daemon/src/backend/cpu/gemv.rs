@@ -739,7 +739,11 @@ mod tests {
             }
             // The K-quant-era formats: seeded random blocks (their decoder is checked
             // bit-exactly against gguf-py in tests/tests/quants.rs).
-            _ => return ggml::sample_blocks(dtype, v.len() / dtype.block_elems() as usize, 5),
+            _ => {
+                let blocks = v.len() / dtype.block_elems() as usize;
+                let random = &mut crate::util::rng::Rng::new(5).into_fn();
+                return ggml::sample_blocks(dtype, blocks, random);
+            }
         }
         out
     }

@@ -909,12 +909,8 @@ mod tests {
     use crate::backend::cpu::tests::rand_vec;
     use crate::dtype::ggml;
 
-    fn rng_floats(seed: u64, n: usize) -> Vec<f32> {
-        rand_vec(n, seed)
-    }
-
     fn round_trip<T: Level>() {
-        let x = rng_floats(1, 256);
+        let x = rand_vec(256, 1);
         let mut q: Vec<QBlock<T>> = Vec::new();
         quantize_rows(&x, 256, &mut q);
         assert_eq!(q.len(), 8);
@@ -1023,8 +1019,9 @@ mod tests {
             }
             let (k, m) = (256usize, 7usize);
             let rb = dtype.row_bytes(k as u64).unwrap() as usize;
-            let w = ggml::sample_blocks(dtype, m * k / dtype.block_elems() as usize, 5);
-            let xs = rng_floats(9, ROWS_MAX * k);
+            let random = &mut crate::util::rng::Rng::new(5).into_fn();
+            let w = ggml::sample_blocks(dtype, m * k / dtype.block_elems() as usize, random);
+            let xs = rand_vec(ROWS_MAX * k, 9);
             let mut xq: Vec<QBlock<T>> = Vec::new();
             quantize_rows(&xs, k, &mut xq);
             let rows: Vec<&[QBlock<T>]> = xq.chunks_exact(k / 32).collect();

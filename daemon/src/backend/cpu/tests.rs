@@ -98,8 +98,8 @@ fn encode(dtype: DType, v: &[f32]) -> (Vec<u8>, Vec<f64>) {
         // The K-quant-era formats: seeded random blocks, valued by the reference decoder
         // (bit-exact against gguf-py, tests/tests/quants.rs).
         _ => {
-            out =
-                crate::dtype::ggml::sample_blocks(dtype, v.len() / dtype.block_elems() as usize, 3);
+            let blocks = v.len() / dtype.block_elems() as usize;
+            out = crate::dtype::ggml::sample_blocks(dtype, blocks, &mut Rng::new(3).into_fn());
             let mut vals = vec![0f32; v.len()];
             crate::dtype::ggml::dequantize(dtype, &out, &mut vals).unwrap();
             exact = vals.iter().map(|&x| x as f64).collect();
