@@ -1,11 +1,14 @@
 #!/usr/bin/env python3
-"""A GGUF on the CPU (SmolLM2 by default; --gguf for another, e.g. Gemma 3 270M): sluice
-beside llama.cpp (llama-cpp-python) on the same GGUF, the same threads and the same 512-token prompt, measured in one run. Prints prefill and decode
-tokens/s of each and the ratios.
+"""GGUFs on the CPU: sluice beside llama.cpp (llama-cpp-python) on the same GGUF, the same
+threads and the same 512-token prompt, measured in one run. Prints prefill and decode
+tokens/s of each and the ratios. By default SmolLM2 three ways: its Q4_1 GGUF, and the
+same rewritten as F16 and as BF16 by llama.cpp's own quantizer (`llama_model_quantize`,
+allow_requantize; made once, beside the Q4_1 in the model cache), so the 16-bit kernels are
+never out of sight; --gguf (repeatable) for others, e.g. Gemma 3 270M.
 
     pip install llama-cpp-python
     cargo build --release
-    python3 scripts/bench_cpu.py [--threads 2] [--decode 128] [--rounds 2] [--baseline BIN] [--no-exact]
+    python3 scripts/bench_cpu.py [--gguf FILE]... [--threads 2] [--decode 128] [--rounds 2] [--baseline BIN] [--no-exact]
 
 sluice runs twice a round: its default numerics (8-bit activations, f16 KV cache) and --exact.
 --baseline BIN adds another sluiced binary (an earlier build) to every round, so a change is
@@ -13,6 +16,7 @@ measured against its parent in the same alternation. Ratios are per round (each 
 against the llama.cpp run of its own round), then their median.
 """
 import argparse
+import ctypes
 import json
 import os
 import subprocess
@@ -53,9 +57,34 @@ def sluice_run(store, ids, threads, decode, extra=(), binary=None):
     return j["prefill_tokens_per_s"], j["decode_tokens_per_s"]
 
 
+SMOLLM2 = os.path.join(os.environ.get("SLUICE_CACHE", os.path.expanduser("~/.cache/sluice")), "models",
+                       "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def rewritten(src, name, ftype):
+    """`src` rewritten as `name` (F16, BF16) by llama.cpp's quantizer, made once beside it."""
+    dst = src.replace(".Q4_1.gguf", f".{name}.gguf")
+    if not os.path.exists(dst):
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype, params.allow_requantize, params.nthread = ftype, True, 2
+        # The quantizer logs every tensor on stderr: keep it off the table.
+        saved, null = os.dup(2), os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, 2)
+        try:
+            rc = llama_cpp.llama_model_quantize(src.encode(), (dst + ".tmp").encode(), ctypes.byref(params))
+        finally:
+            os.dup2(saved, 2)
+            os.close(null)
+            os.close(saved)
+        if rc != 0:
+            sys.exit(f"llama_model_quantize {src} -> {name} failed ({rc})")
+        os.replace(dst + ".tmp", dst)
+    return dst
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--gguf", default=os.path.expanduser("~/.cache/sluice/models/SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--gguf", action="append", help="a GGUF to run (repeatable; default: SmolLM2 Q4_1, F16 and BF16)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--decode", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
@@ -63,24 +92,30 @@ def main():
     ap.add_argument("--no-exact", action="store_true", help="skip the --exact runs")
     ap.add_argument("--no-llama", action="store_true", help="sluice against --baseline only (no llama.cpp runs)")
     a = ap.parse_args()
-    vocab = llama_cpp.Llama(model_path=a.gguf, vocab_only=True, verbose=False)
     if a.no_llama and not a.baseline:
         ap.error("--no-llama needs --baseline")
+    ggufs = a.gguf or [SMOLLM2, rewritten(SMOLLM2, "F16", 1), rewritten(SMOLLM2, "BF16", 32)]
+    for gguf in ggufs:
+        bench(a, gguf)
+
+
+def bench(a, gguf):
+    vocab = llama_cpp.Llama(model_path=gguf, vocab_only=True, verbose=False)
     ids = vocab.tokenize((TEXT * 40).encode(), add_bos=False)[:512]
     assert len(ids) == 512
     with tempfile.TemporaryDirectory() as tmp:
         store = os.path.join(tmp, "smollm2")
-        subprocess.run([os.path.join(RELEASE, "sluiced"), "pack", a.gguf, "-o", store, "--codec", "none"], check=True, capture_output=True)
+        subprocess.run([os.path.join(RELEASE, "sluiced"), "pack", gguf, "-o", store, "--codec", "none"], check=True, capture_output=True)
         rows = []
         for r in range(a.rounds):
             if not a.no_llama:
-                rows.append((r, "llama.cpp", *llama_cpp_run(a.gguf, ids, a.threads, a.decode)))
+                rows.append((r, "llama.cpp", *llama_cpp_run(gguf, ids, a.threads, a.decode)))
             rows.append((r, "sluice", *sluice_run(store, ids, a.threads, a.decode)))
             if a.baseline:
                 rows.append((r, "baseline", *sluice_run(store, ids, a.threads, a.decode, binary=a.baseline)))
             if not a.no_exact:
                 rows.append((r, "sluice --exact", *sluice_run(store, ids, a.threads, a.decode, ["--exact"])))
-    print(f"{os.path.basename(a.gguf)}, {a.threads} threads, 512-token prompt, {a.decode} decode tokens, {a.rounds} rounds alternating")
+    print(f"\n{os.path.basename(gguf)}, {a.threads} threads, 512-token prompt, {a.decode} decode tokens, {a.rounds} rounds alternating")
     print(f"{'round':<6} {'engine':<16} {'prefill tok/s':>14} {'decode tok/s':>13}")
     for r, name, p, d in rows:
         print(f"{r:<6} {name:<16} {p:>14.1f} {d:>13.1f}")

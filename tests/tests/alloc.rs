@@ -245,6 +245,11 @@ fn decode_steps_allocate_nothing_on_f32_weights() {
 }
 
 #[test]
+fn decode_steps_allocate_nothing_on_16_bit_weights() {
+    check(&fixture("tiny-llama.gguf"), "tiny-llama (f16, bf16 and f32 gguf)");
+}
+
+#[test]
 fn decode_steps_allocate_nothing_on_quantized_weights() {
     check(&fixture("tiny-llama-q.gguf"), "tiny-llama-q (q8_0/q4 gguf)");
 }

@@ -279,8 +279,8 @@ mod avx2 {
     //! not vectorize well: nibble and byte unpacking to f32). Activations stay f32, so the
     //! results match a dequantize-then-multiply reference to f32 rounding.
     use super::*;
-    use crate::backend::cpu::kquant;
     use crate::backend::cpu::simd::{dot32, f16_scalar, hsum256};
+    use crate::backend::cpu::{floatdot, kquant};
     use std::arch::x86_64::*;
 
     /// `unpack_q4`'s byte shuffles: byte j (then 8 + j) of each 128-bit half into the low
@@ -584,6 +584,7 @@ mod avx2 {
                     rows_in_step(w, row_bytes, out, |r| dot_q8_0(r, x), |r| dot_q8_0(r, x))
                 }
                 t if kquant::covers(t) => kquant::gemv_rows(t, w, row_bytes, &[x], &[xsum], out),
+                t if floatdot::covers(t) => floatdot::gemv(t, w, row_bytes, x, out),
                 _ => gemv_impl::<true>(dtype, w, row_bytes, x, out),
             }
         }
@@ -599,7 +600,9 @@ mod avx2 {
         cols: usize,
         out: &mut [f32],
     ) {
-        dequant_rows_impl(dtype, w, row_bytes, cols, out)
+        if !floatdot::widen_rows(dtype, w, row_bytes, cols, out) {
+            dequant_rows_impl(dtype, w, row_bytes, cols, out)
+        }
     }
 }
 

@@ -144,6 +144,7 @@ const MAX_SHARED: usize = 4;
 enum DecodePath {
     Int8,
     Int16,
+    Float,
     Rows4,
     Rows,
 }
@@ -153,13 +154,23 @@ impl DecodePath {
     fn group(self) -> usize {
         match self {
             DecodePath::Int8 | DecodePath::Int16 => q8::ROWS_MAX,
+            #[cfg(target_arch = "x86_64")]
+            DecodePath::Float => super::floatdot::ROWS,
+            #[cfg(not(target_arch = "x86_64"))]
+            DecodePath::Float => 1,
             DecodePath::Rows4 | DecodePath::Rows => 4,
         }
     }
 
     fn of(dtype: DType, acts: Acts) -> DecodePath {
         let int = q8::covers(dtype);
+        #[cfg(target_arch = "x86_64")]
+        let float = super::floatdot::covers(dtype) && super::simd::has_avx2();
+        #[cfg(not(target_arch = "x86_64"))]
+        let float = false;
         match acts {
+            // Float weights take f32 activations whatever the numerics (floatdot.rs).
+            _ if float => DecodePath::Float,
             Acts::I8 if int => DecodePath::Int8,
             Acts::I16 if int => DecodePath::Int16,
             _ if gemv::has_gemv4(dtype) => DecodePath::Rows4,
@@ -235,6 +246,15 @@ impl Matmul<'_> {
                 q8::gemv_rows16(dtype, w, rb, &rows[..n], res);
                 true
             }
+            #[cfg(target_arch = "x86_64")]
+            DecodePath::Float => {
+                let xr: [&[f32]; super::floatdot::ROWS] =
+                    std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
+                super::floatdot::gemv_rows(dtype, w, rb, &xr[..n], res);
+                true
+            }
+            #[cfg(not(target_arch = "x86_64"))]
+            DecodePath::Float => unreachable!("float kernels are x86_64's"),
             DecodePath::Rows4 if n > 1 => {
                 let xr: [&[f32]; 4] = std::array::from_fn(|i| &xs[pick(i) * k..(pick(i) + 1) * k]);
                 let xsr: [&[f32]; 4] =

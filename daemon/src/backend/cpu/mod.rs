@@ -9,6 +9,8 @@
 
 mod attention;
 mod elementwise;
+#[cfg(target_arch = "x86_64")]
+mod floatdot;
 mod gemv;
 #[cfg(target_arch = "x86_64")]
 mod kquant;

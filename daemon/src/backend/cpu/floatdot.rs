@@ -1,0 +1,341 @@
+//! Float weights (f32, f16, bf16) on the decode path: dot products of up to four
+//! activation rows against each weight row, every weight loaded and widened once for all
+//! of them (f16 by F16C's `vcvtph2ps`, bf16 by a 16-bit shift), and their conversion to f32
+//! for the prefill tiles.
+//!
+//! A row's number does not depend on the rows beside it: whatever the group, an output is
+//! its weight row against its activation row in 16-element steps into two accumulators
+//! (elements 0-7 and 8-15 of each step), added, summed across lanes in `hsum256`'s order,
+//! then the tail (k not a multiple of 16) added element by element. One row alone and the
+//! same row among four give the same bits, as speculative verification needs.
+//!
+//! Activations stay f32 on the default path and under `--exact` alike: a 16-bit weight is
+//! two bytes an element to read whatever the activations, and at batch 1 the read, not the
+//! arithmetic, bounds the step.
+
+use super::simd::hsum256;
+use crate::dtype::DType;
+use std::arch::x86_64::*;
+
+/// How far ahead of the weights being read they are prefetched.
+const PREFETCH_BYTES: usize = 512;
+
+/// Activation rows one pass over a weight row serves at most.
+pub(super) const ROWS: usize = 4;
+
+/// Whether `dtype` is a float format these kernels take.
+pub(super) fn covers(dtype: DType) -> bool {
+    matches!(dtype, DType::F32 | DType::F16 | DType::BF16)
+}
+
+/// A float weight format: its element size and how eight elements widen to f32.
+trait Float {
+    const BYTES: usize;
+    /// # Safety
+    /// The CPU supports AVX2 and F16C; `p` points at `8 * BYTES` readable bytes.
+    unsafe fn load8(p: *const u8) -> __m256;
+    fn scalar(b: &[u8]) -> f32;
+}
+
+struct F32;
+struct F16;
+struct Bf16;
+
+impl Float for F32 {
+    const BYTES: usize = 4;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe { _mm256_loadu_ps(p as *const f32) }
+    }
+    #[inline(always)]
+    fn scalar(b: &[u8]) -> f32 {
+        f32::from_le_bytes([b[0], b[1], b[2], b[3]])
+    }
+}
+
+impl Float for F16 {
+    const BYTES: usize = 2;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe { _mm256_cvtph_ps(_mm_loadu_si128(p as *const __m128i)) }
+    }
+    #[inline(always)]
+    fn scalar(b: &[u8]) -> f32 {
+        half::f16::from_bits(u16::from_le_bytes([b[0], b[1]])).to_f32()
+    }
+}
+
+impl Float for Bf16 {
+    const BYTES: usize = 2;
+    #[inline(always)]
+    unsafe fn load8(p: *const u8) -> __m256 {
+        // SAFETY: this function's contract, which its caller upholds.
+        unsafe {
+            let h = _mm256_cvtepu16_epi32(_mm_loadu_si128(p as *const __m128i));
+            _mm256_castsi256_ps(_mm256_slli_epi32(h, 16))
+        }
+    }
+    #[inline(always)]
+    fn scalar(b: &[u8]) -> f32 {
+        f32::from_bits((u16::from_le_bytes([b[0], b[1]]) as u32) << 16)
+    }
+}
+
+/// Weight row `w` (k elements of `W`) against the `N` activation rows `xs`.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `w` holds k elements and each `xs[r]` k f32.
+#[inline(always)]
+unsafe fn dot<W: Float, const N: usize>(w: &[u8], xs: &[&[f32]; N], k: usize) -> [f32; N] {
+    // SAFETY: this function's contract, which its caller upholds; every pointer below stays
+    // inside `w` (k * BYTES bytes) or an `xs[r]` (k f32), as the loop bound k16 <= k keeps.
+    unsafe {
+        debug_assert!(w.len() >= k * W::BYTES && xs.iter().all(|x| x.len() >= k));
+        let k16 = k / 16 * 16;
+        let mut acc = [[_mm256_setzero_ps(); 2]; N];
+        let wp = w.as_ptr();
+        let mut i = 0;
+        while i < k16 {
+            // The weights stream from memory once: ask for them a few lines ahead.
+            _mm_prefetch::<_MM_HINT_T0>(wp.add(i * W::BYTES + PREFETCH_BYTES) as *const i8);
+            let w0 = W::load8(wp.add(i * W::BYTES));
+            let w1 = W::load8(wp.add((i + 8) * W::BYTES));
+            for r in 0..N {
+                let x = xs[r].as_ptr().add(i);
+                acc[r][0] = _mm256_fmadd_ps(w0, _mm256_loadu_ps(x), acc[r][0]);
+                acc[r][1] = _mm256_fmadd_ps(w1, _mm256_loadu_ps(x.add(8)), acc[r][1]);
+            }
+            i += 16;
+        }
+        // A loop, not `array::from_fn`: a closure would not inherit the caller's target
+        // features, and the intrinsics in it would become calls.
+        let mut out = [0f32; N];
+        for r in 0..N {
+            let mut s = hsum256(_mm256_add_ps(acc[r][0], acc[r][1]));
+            for j in k16..k {
+                s = W::scalar(&w[j * W::BYTES..]).mul_add(xs[r][j], s);
+            }
+            out[r] = s;
+        }
+        out
+    }
+}
+
+/// `res[j][r] = dot(weight row j, xs[r])` for the weight rows of `w` (`rb` bytes each).
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; as `dot`.
+#[inline(always)]
+unsafe fn rows_of<W: Float, const N: usize>(
+    w: &[u8],
+    rb: usize,
+    xs: &[&[f32]; N],
+    res: &mut [[f32; super::q8::ROWS_MAX]],
+) {
+    let k = rb / W::BYTES;
+    for (row, o) in w.chunks_exact(rb).zip(res.iter_mut()) {
+        // SAFETY: this function's contract; a row holds k elements.
+        o[..N].copy_from_slice(&unsafe { dot::<W, N>(row, xs, k) });
+    }
+}
+
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; each `xs[r]` holds a weight row's elements.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_n<const N: usize>(
+    dtype: DType,
+    w: &[u8],
+    rb: usize,
+    xs: &[&[f32]; N],
+    res: &mut [[f32; super::q8::ROWS_MAX]],
+) {
+    // SAFETY: this function's contract, which its caller upholds.
+    unsafe {
+        match dtype {
+            DType::F32 => rows_of::<F32, N>(w, rb, xs, res),
+            DType::F16 => rows_of::<F16, N>(w, rb, xs, res),
+            DType::BF16 => rows_of::<Bf16, N>(w, rb, xs, res),
+            _ => unreachable!("float weights only (covers)"),
+        }
+    }
+}
+
+/// `res[j][r]` = weight row j of `w` (`rb` bytes each, float `dtype`) against activation
+/// row `xs[r]`, for the 1 to `ROWS` rows of `xs`. Needs AVX2, FMA and F16C (`has_avx2`).
+pub(super) fn gemv_rows(
+    dtype: DType,
+    w: &[u8],
+    rb: usize,
+    xs: &[&[f32]],
+    res: &mut [[f32; super::q8::ROWS_MAX]],
+) {
+    assert!(
+        covers(dtype) && super::simd::has_avx2(),
+        "float weights on AVX2"
+    );
+    let k = rb / dtype.block_bytes() as usize;
+    assert!(xs.iter().all(|x| x.len() >= k), "activation rows of {k}");
+    // SAFETY: AVX2, FMA and F16C present (asserted); rows of k elements (asserted).
+    unsafe {
+        match *xs {
+            [a] => rows_n::<1>(dtype, w, rb, &[a], res),
+            [a, b] => rows_n::<2>(dtype, w, rb, &[a, b], res),
+            [a, b, c] => rows_n::<3>(dtype, w, rb, &[a, b, c], res),
+            [a, b, c, d] => rows_n::<4>(dtype, w, rb, &[a, b, c, d], res),
+            _ => panic!("1 to {ROWS} activation rows, not {}", xs.len()),
+        }
+    }
+}
+
+/// `out[j]` = weight row j of `w` against the one activation row `x`: the arithmetic of
+/// `gemv_rows` for one row.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; `x` holds a weight row's elements.
+#[target_feature(enable = "avx2,fma,f16c")]
+pub(super) unsafe fn gemv(dtype: DType, w: &[u8], rb: usize, x: &[f32], out: &mut [f32]) {
+    #[inline(always)]
+    unsafe fn each<W: Float>(w: &[u8], rb: usize, x: &[f32], out: &mut [f32]) {
+        let k = rb / W::BYTES;
+        for (row, o) in w.chunks_exact(rb).zip(out.iter_mut()) {
+            // SAFETY: the caller's contract; a row holds k elements.
+            *o = unsafe { dot::<W, 1>(row, &[x], k) }[0];
+        }
+    }
+    // SAFETY: this function's contract, which its caller upholds.
+    unsafe {
+        match dtype {
+            DType::F32 => each::<F32>(w, rb, x, out),
+            DType::F16 => each::<F16>(w, rb, x, out),
+            DType::BF16 => each::<Bf16>(w, rb, x, out),
+            _ => unreachable!("float weights only (covers)"),
+        }
+    }
+}
+
+/// Widens f16 `src` into `out` (as many elements as `out` holds).
+///
+/// # Safety
+/// The CPU supports AVX2 and F16C; `src` holds `2 * out.len()` bytes.
+#[target_feature(enable = "avx2,f16c")]
+unsafe fn widen_f16(src: &[u8], out: &mut [f32]) {
+    let n8 = out.len() / 8 * 8;
+    // SAFETY: this function's contract; i + 8 <= n8 <= out.len(), 2 bytes an element.
+    unsafe {
+        for i in (0..n8).step_by(8) {
+            let v = F16::load8(src.as_ptr().add(2 * i));
+            _mm256_storeu_ps(out.as_mut_ptr().add(i), v);
+        }
+    }
+    for (i, o) in out.iter_mut().enumerate().skip(n8) {
+        *o = F16::scalar(&src[2 * i..]);
+    }
+}
+
+/// Converts rows of float `dtype` weights (`rb` bytes each, `cols` elements) into `out`,
+/// f16 with F16C (the prefill tiles; bf16 and f32 the compiler vectorizes as they are).
+/// Returns false for a format it does not convert (the caller's general path then does).
+pub(super) fn widen_rows(dtype: DType, w: &[u8], rb: usize, cols: usize, out: &mut [f32]) -> bool {
+    if dtype != DType::F16 || !super::simd::has_avx2() {
+        return false;
+    }
+    for (row, o) in w.chunks_exact(rb).zip(out.chunks_exact_mut(cols)) {
+        assert!(row.len() >= 2 * cols, "f16 rows of {cols}");
+        // SAFETY: AVX2 and F16C present (checked); the row holds `cols` f16 (asserted).
+        unsafe { widen_f16(row, o) };
+    }
+    true
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::cpu::tests::rand_vec;
+    use half::{bf16, f16};
+
+    fn encode(dtype: DType, v: &[f32]) -> (Vec<u8>, Vec<f64>) {
+        match dtype {
+            DType::F32 => (
+                v.iter().flat_map(|x| x.to_le_bytes()).collect(),
+                v.iter().map(|&x| x as f64).collect(),
+            ),
+            DType::F16 => (
+                v.iter()
+                    .flat_map(|&x| f16::from_f32(x).to_le_bytes())
+                    .collect(),
+                v.iter().map(|&x| f16::from_f32(x).to_f64()).collect(),
+            ),
+            _ => (
+                v.iter()
+                    .flat_map(|&x| bf16::from_f32(x).to_le_bytes())
+                    .collect(),
+                v.iter().map(|&x| bf16::from_f32(x).to_f64()).collect(),
+            ),
+        }
+    }
+
+    /// Every float format at 1, 3, 5 and 17 activation rows (groups of up to four, and
+    /// rows past a multiple of 16 elements) against an f64 reference, and every row the
+    /// same bits in its group as alone and through the one-row `gemv`.
+    #[test]
+    fn rows_match_f64_and_each_row_is_the_same_bits_alone() {
+        if !super::super::simd::has_avx2() {
+            eprintln!("SKIPPED: no AVX2/FMA/F16C on this CPU");
+            return;
+        }
+        let m = 9;
+        for (seed, k) in [(1u64, 64usize), (2, 37), (3, 576)] {
+            for dtype in [DType::F32, DType::F16, DType::BF16] {
+                let (w, wx) = encode(dtype, &rand_vec(m * k, seed));
+                let rb = k * dtype.block_bytes() as usize;
+                for rows in [1usize, 3, 5, 17] {
+                    let x = rand_vec(rows * k, seed + 10);
+                    let xr: Vec<&[f32]> = x.chunks_exact(k).collect();
+                    let mut res = vec![[0f32; crate::backend::cpu::q8::ROWS_MAX]; m];
+                    let mut alone = vec![0f32; m];
+                    for (g, group) in xr.chunks(ROWS).enumerate() {
+                        gemv_rows(dtype, &w, rb, group, &mut res);
+                        for (i, xi) in group.iter().enumerate() {
+                            let r = g * ROWS + i;
+                            // SAFETY: AVX2, FMA and F16C present (checked above).
+                            unsafe { gemv(dtype, &w, rb, xi, &mut alone) };
+                            for j in 0..m {
+                                let want: f64 = (0..k).map(|c| xi[c] as f64 * wx[j * k + c]).sum();
+                                let got = res[j][i];
+                                assert!(
+                                    (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                                    "{dtype} k {k} rows {rows} [{r},{j}]: {got} vs {want}"
+                                );
+                                assert_eq!(
+                                    got.to_bits(),
+                                    alone[j].to_bits(),
+                                    "{dtype} k {k}: row {r} in a group of {} vs alone",
+                                    group.len()
+                                );
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// f16 rows widen to the values the `half` crate gives, tails included.
+    #[test]
+    fn f16_rows_widen_exactly() {
+        if !super::super::simd::has_avx2() {
+            eprintln!("SKIPPED: no AVX2/FMA/F16C on this CPU");
+            return;
+        }
+        let (rows, cols) = (3, 21);
+        let (w, wx) = encode(DType::F16, &rand_vec(rows * cols, 7));
+        let mut out = vec![0f32; rows * cols];
+        assert!(widen_rows(DType::F16, &w, 2 * cols, cols, &mut out));
+        for (o, x) in out.iter().zip(&wx) {
+            assert_eq!(*o as f64, *x);
+        }
+        assert!(!widen_rows(DType::BF16, &w, 2 * cols, cols, &mut out));
+    }
+}
