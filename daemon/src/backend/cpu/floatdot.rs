@@ -215,6 +215,140 @@ pub(super) unsafe fn gemv(dtype: DType, w: &[u8], rb: usize, x: &[f32], out: &mu
     }
 }
 
+/// Token rows and weight rows one prefill micro-kernel call covers (12 accumulators).
+const MR: usize = 4;
+const NR: usize = 3;
+
+/// The `M` x `N` block of `out` (row stride `ldo`) at token rows `x` and tile rows `w`,
+/// k f32 each (rows k apart): one 8-lane accumulator per output, summed
+/// across lanes in `hsum256`'s order, then the tail element by element. An output's
+/// arithmetic does not depend on the block it is computed in.
+///
+/// # Safety
+/// The CPU supports AVX2 and FMA; the rows hold k f32 and `out` the block.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by constant bounds
+unsafe fn block<const M: usize, const N: usize>(
+    x: *const f32,
+    w: *const f32,
+    k: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // SAFETY: this function's contract; p + 8 <= k8 <= k inside every row.
+    unsafe {
+        let k8 = k / 8 * 8;
+        let mut acc = [[_mm256_setzero_ps(); N]; M];
+        let mut p = 0;
+        while p < k8 {
+            let mut wv = [_mm256_setzero_ps(); N];
+            for j in 0..N {
+                wv[j] = _mm256_loadu_ps(w.add(j * k + p));
+            }
+            for i in 0..M {
+                let xv = _mm256_loadu_ps(x.add(i * k + p));
+                for j in 0..N {
+                    acc[i][j] = _mm256_fmadd_ps(xv, wv[j], acc[i][j]);
+                }
+            }
+            p += 8;
+        }
+        for i in 0..M {
+            for j in 0..N {
+                let mut s = hsum256(acc[i][j]);
+                for q in k8..k {
+                    s = (*x.add(i * k + q)).mul_add(*w.add(j * k + q), s);
+                }
+                *out.add(i * ldo + j) = s;
+            }
+        }
+    }
+}
+
+/// `block` for the `m` x `n` (at most MR x NR) left at an edge.
+///
+/// # Safety
+/// As `block`.
+#[inline(always)]
+unsafe fn edge_block(
+    (m, n): (usize, usize),
+    x: *const f32,
+    w: *const f32,
+    k: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // SAFETY: the caller's contract.
+    unsafe {
+        macro_rules! go {
+            ($($mm:literal, $nn:literal);*) => {
+                match (m, n) {
+                    $(($mm, $nn) => block::<$mm, $nn>(x, w, k, out, ldo),)*
+                    _ => unreachable!("blocks of at most {MR} x {NR}"),
+                }
+            };
+        }
+        go!(1, 1; 1, 2; 1, 3; 2, 1; 2, 2; 2, 3; 3, 1; 3, 2; 3, 3; 4, 1; 4, 2; 4, 3)
+    }
+}
+
+/// # Safety
+/// The CPU supports AVX2 and FMA; as `tile_product`'s asserts.
+#[target_feature(enable = "avx2,fma")]
+unsafe fn tile_product_avx2(
+    x: &[f32],
+    (t, k): (usize, usize),
+    tile: &[f32],
+    nb: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // SAFETY: this function's contract: every block lies inside x, the tile and out.
+    unsafe {
+        for i0 in (0..t).step_by(MR) {
+            let m = (t - i0).min(MR);
+            for j0 in (0..nb).step_by(NR) {
+                let n = (nb - j0).min(NR);
+                let (xp, wp, op) = (
+                    x.as_ptr().add(i0 * k),
+                    tile.as_ptr().add(j0 * k),
+                    out.add(i0 * ldo + j0),
+                );
+                if (m, n) == (MR, NR) {
+                    block::<MR, NR>(xp, wp, k, op, ldo);
+                } else {
+                    edge_block((m, n), xp, wp, k, op, ldo);
+                }
+            }
+        }
+    }
+}
+
+/// Prefill rows against a tile of weights already in f32: `out[i * ldo + j]` = token row
+/// i of `x` (t rows of k) against tile row j (nb rows of k), for every i and j. Each
+/// output's arithmetic is the same whatever t, nb or the block it falls in. Needs AVX2
+/// and FMA (`has_avx2`).
+///
+/// # Safety
+/// `out` points at t rows of stride `ldo` with room for nb outputs each, which no one else
+/// writes meanwhile.
+pub(super) unsafe fn tile_product(
+    x: &[f32],
+    (t, k): (usize, usize),
+    tile: &[f32],
+    nb: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    assert!(super::simd::has_avx2(), "tile_product needs AVX2 and FMA");
+    assert!(
+        x.len() >= t * k && tile.len() >= nb * k && nb <= ldo,
+        "tile product shapes"
+    );
+    // SAFETY: AVX2 and FMA present, shapes asserted; `out` is the caller's contract.
+    unsafe { tile_product_avx2(x, (t, k), tile, nb, out, ldo) }
+}
+
 /// Widens f16 `src` into `out` (as many elements as `out` holds).
 ///
 /// # Safety
@@ -281,7 +415,7 @@ mod tests {
     /// same bits in its group as alone and through the one-row `gemv`.
     #[test]
     fn rows_match_f64_and_each_row_is_the_same_bits_alone() {
-        if !super::super::simd::has_avx2() {
+        if !crate::backend::cpu::simd::has_avx2() {
             eprintln!("SKIPPED: no AVX2/FMA/F16C on this CPU");
             return;
         }
@@ -322,10 +456,50 @@ mod tests {
         }
     }
 
+    /// The prefill tile product against f64 at 1, 3, 5 and 17 token rows and tiles of 1
+    /// to 7 rows (every edge block), k with and without a tail; each output the same bits
+    /// computed alone.
+    #[test]
+    fn tile_products_match_f64_and_each_output_is_the_same_bits_alone() {
+        if !crate::backend::cpu::simd::has_avx2() {
+            eprintln!("SKIPPED: no AVX2/FMA/F16C on this CPU");
+            return;
+        }
+        for k in [37usize, 64, 200] {
+            let tile = rand_vec(7 * k, k as u64);
+            for t in [1usize, 3, 5, 17] {
+                let x = rand_vec(t * k, 100 + t as u64);
+                for nb in 1..=7 {
+                    let ldo = nb + 2;
+                    let mut out = vec![f32::NAN; t * ldo];
+                    // SAFETY: out holds t rows of ldo >= nb.
+                    unsafe { tile_product(&x, (t, k), &tile, nb, out.as_mut_ptr(), ldo) };
+                    for i in 0..t {
+                        for j in 0..nb {
+                            let want: f64 = (0..k)
+                                .map(|c| x[i * k + c] as f64 * tile[j * k + c] as f64)
+                                .sum();
+                            let got = out[i * ldo + j];
+                            assert!(
+                                (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                                "k {k} t {t} nb {nb} [{i},{j}]: {got} vs {want}"
+                            );
+                            let mut one = [0f32];
+                            let (xi, tj) = (&x[i * k..(i + 1) * k], &tile[j * k..(j + 1) * k]);
+                            // SAFETY: one output.
+                            unsafe { tile_product(xi, (1, k), tj, 1, one.as_mut_ptr(), 1) };
+                            assert_eq!(one[0].to_bits(), got.to_bits(), "k {k} t {t} nb {nb}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
     /// f16 rows widen to the values the `half` crate gives, tails included.
     #[test]
     fn f16_rows_widen_exactly() {
-        if !super::super::simd::has_avx2() {
+        if !crate::backend::cpu::simd::has_avx2() {
             eprintln!("SKIPPED: no AVX2/FMA/F16C on this CPU");
             return;
         }

@@ -364,6 +364,24 @@ fn prefill_rows(par: &Par, mm: &[Matmul], g: usize, t: usize) {
             let mut tile = tile.borrow_mut();
             tile.resize(rows * k, 0.0);
             gemv::dequant_rows(dtype, &wb[j0 * rb..j1 * rb], rb, k, &mut tile[..nb * k]);
+            // Float weights: the tile against the rows straight from them, packed never
+            // (sgemm packed the whole activation block again for every tile).
+            #[cfg(target_arch = "x86_64")]
+            if super::floatdot::covers(dtype) && super::simd::has_avx2() {
+                // SAFETY: out[g.., j0..j1] (row stride m), disjoint across tasks; the
+                // activations and the tile are live slices of those shapes.
+                unsafe {
+                    super::floatdot::tile_product(
+                        xt,
+                        (t, k),
+                        &tile[..nb * k],
+                        nb,
+                        optr.at(g * m + j0),
+                        m,
+                    )
+                };
+                return;
+            }
             // SAFETY: C = X[t, k] . T^T lands in out[g.., j0..j1] (row stride m),
             // disjoint across tasks; A and B are live slices of the given sizes.
             unsafe {
