@@ -128,11 +128,11 @@ unsafe fn dot<W: Float, const N: usize>(w: &[u8], xs: &[&[f32]; N], k: usize) ->
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C; as `dot`.
 #[inline(always)]
-unsafe fn rows_of<W: Float, const N: usize>(
+unsafe fn rows_of<W: Float, const N: usize, const R: usize>(
     w: &[u8],
     rb: usize,
     xs: &[&[f32]; N],
-    res: &mut [[f32; super::q8::ROWS_MAX]],
+    res: &mut [[f32; R]],
 ) {
     let k = rb / W::BYTES;
     for (row, o) in w.chunks_exact(rb).zip(res.iter_mut()) {
@@ -144,33 +144,39 @@ unsafe fn rows_of<W: Float, const N: usize>(
 /// # Safety
 /// The CPU supports AVX2, FMA and F16C; each `xs[r]` holds a weight row's elements.
 #[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_n<const N: usize>(
+unsafe fn rows_n<const N: usize, const R: usize>(
     dtype: DType,
     w: &[u8],
     rb: usize,
     xs: &[&[f32]; N],
-    res: &mut [[f32; super::q8::ROWS_MAX]],
+    res: &mut [[f32; R]],
 ) {
     // SAFETY: this function's contract, which its caller upholds.
     unsafe {
         match dtype {
-            DType::F32 => rows_of::<F32, N>(w, rb, xs, res),
-            DType::F16 => rows_of::<F16, N>(w, rb, xs, res),
-            DType::BF16 => rows_of::<Bf16, N>(w, rb, xs, res),
+            DType::F32 => rows_of::<F32, N, R>(w, rb, xs, res),
+            DType::F16 => rows_of::<F16, N, R>(w, rb, xs, res),
+            DType::BF16 => rows_of::<Bf16, N, R>(w, rb, xs, res),
             _ => unreachable!("float weights only (covers)"),
         }
     }
 }
 
 /// `res[j][r]` = weight row j of `w` (`rb` bytes each, float `dtype`) against activation
-/// row `xs[r]`, for the 1 to `ROWS` rows of `xs`. Needs AVX2, FMA and F16C (`has_avx2`).
-pub(super) fn gemv_rows(
+/// row `xs[r]`, for the 1 to `ROWS` rows of `xs` (`res` rows at least that wide). Needs
+/// AVX2, FMA and F16C (`has_avx2`).
+pub(super) fn gemv_rows<const R: usize>(
     dtype: DType,
     w: &[u8],
     rb: usize,
     xs: &[&[f32]],
-    res: &mut [[f32; super::q8::ROWS_MAX]],
+    res: &mut [[f32; R]],
 ) {
+    assert!(
+        xs.len() <= R,
+        "result rows of {R} for {} activation rows",
+        xs.len()
+    );
     assert!(
         covers(dtype) && super::simd::has_avx2(),
         "float weights on AVX2"
@@ -180,10 +186,10 @@ pub(super) fn gemv_rows(
     // SAFETY: AVX2, FMA and F16C present (asserted); rows of k elements (asserted).
     unsafe {
         match *xs {
-            [a] => rows_n::<1>(dtype, w, rb, &[a], res),
-            [a, b] => rows_n::<2>(dtype, w, rb, &[a, b], res),
-            [a, b, c] => rows_n::<3>(dtype, w, rb, &[a, b, c], res),
-            [a, b, c, d] => rows_n::<4>(dtype, w, rb, &[a, b, c, d], res),
+            [a] => rows_n::<1, R>(dtype, w, rb, &[a], res),
+            [a, b] => rows_n::<2, R>(dtype, w, rb, &[a, b], res),
+            [a, b, c] => rows_n::<3, R>(dtype, w, rb, &[a, b, c], res),
+            [a, b, c, d] => rows_n::<4, R>(dtype, w, rb, &[a, b, c, d], res),
             _ => panic!("1 to {ROWS} activation rows, not {}", xs.len()),
         }
     }
@@ -349,6 +355,162 @@ pub(super) unsafe fn tile_product(
     unsafe { tile_product_avx2(x, (t, k), tile, nb, out, ldo) }
 }
 
+/// Whether this CPU has AVX-512 with the bf16 dot product (`vdpbf16ps`), checked once.
+pub(super) fn has_avx512_bf16() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| {
+        is_x86_feature_detected!("avx512f")
+            && is_x86_feature_detected!("avx512bw")
+            && is_x86_feature_detected!("avx512bf16")
+    })
+}
+
+/// Token rows `tile_product_bf16` converts to bf16 at a time.
+const BF16_ROWS: usize = 32;
+
+/// The f32 of scratch `tile_product_bf16` needs for rows of k.
+pub(super) fn bf16_scratch_f32s(k: usize) -> usize {
+    BF16_ROWS * k.div_ceil(32) * 32 / 2
+}
+
+/// The `M` x `N` block of `out` (row stride `ldo`) at bf16 token rows `x` (`kp` apart,
+/// zero past k) and bf16 weight rows `w` (`rb` bytes apart, k each): one 16-lane
+/// accumulator per output over 32-element steps of `vdpbf16ps` (the last step's weights
+/// masked to k), summed by `_mm512_reduce_add_ps`. An output's arithmetic does not
+/// depend on its block.
+///
+/// # Safety
+/// The CPU supports AVX-512F/BW/BF16; the rows hold what is said above.
+#[inline(always)]
+#[allow(clippy::needless_range_loop)] // register arrays indexed by constant bounds
+unsafe fn block_bf16<const M: usize, const N: usize>(
+    x: *const u16,
+    kp: usize,
+    w: *const u8,
+    rb: usize,
+    k: usize,
+    out: *mut f32,
+    ldo: usize,
+) {
+    // SAFETY: this function's contract: full steps stay inside every row (p + 32 <= k for
+    // weights; activations are padded to kp), the last weight step is masked to k.
+    unsafe {
+        let mut acc = [[_mm512_setzero_ps(); N]; M];
+        let mut p = 0;
+        while p < kp {
+            let left = k - p;
+            let mask: __mmask32 = if left >= 32 { !0 } else { (1u32 << left) - 1 };
+            let zero: __m512bh = std::mem::transmute(_mm512_setzero_si512());
+            let mut wv = [zero; N];
+            for j in 0..N {
+                let v = _mm512_maskz_loadu_epi16(mask, w.add(j * rb + 2 * p) as *const i16);
+                wv[j] = std::mem::transmute::<__m512i, __m512bh>(v);
+            }
+            for i in 0..M {
+                let xv: __m512bh =
+                    std::mem::transmute(_mm512_loadu_si512(x.add(i * kp + p) as *const _));
+                for j in 0..N {
+                    acc[i][j] = _mm512_dpbf16_ps(acc[i][j], xv, wv[j]);
+                }
+            }
+            p += 32;
+        }
+        for i in 0..M {
+            for j in 0..N {
+                *out.add(i * ldo + j) = _mm512_reduce_add_ps(acc[i][j]);
+            }
+        }
+    }
+}
+
+/// # Safety
+/// As `tile_product_bf16`, and the CPU supports AVX-512F/BW/BF16.
+#[target_feature(enable = "avx512f,avx512bw,avx512bf16")]
+unsafe fn bf16_avx512(
+    x: &[f32],
+    (t, k): (usize, usize),
+    (w, rb, nb): (&[u8], usize, usize),
+    scratch: &mut [f32],
+    out: *mut f32,
+    ldo: usize,
+) {
+    let kp = k.div_ceil(32) * 32;
+    // SAFETY: `scratch` holds BF16_ROWS * kp / 2 f32 (asserted by the caller), viewed as
+    // twice as many u16 (a narrower alignment); the blocks below stay inside x, w and out.
+    unsafe {
+        let xb = std::slice::from_raw_parts_mut(scratch.as_mut_ptr() as *mut u16, BF16_ROWS * kp);
+        for i0 in (0..t).step_by(BF16_ROWS) {
+            let tb = (t - i0).min(BF16_ROWS);
+            // The rows to bf16 (round to nearest even), zero past k.
+            for i in 0..tb {
+                let src = x.as_ptr().add((i0 + i) * k);
+                for p in (0..kp).step_by(32) {
+                    let m = |q: usize| -> __mmask16 {
+                        let left = k.saturating_sub(p + q);
+                        if left >= 16 {
+                            !0
+                        } else {
+                            (1u16 << left) - 1
+                        }
+                    };
+                    let lo = _mm512_maskz_loadu_ps(m(0), src.add(p.min(k)));
+                    let hi = _mm512_maskz_loadu_ps(m(16), src.add((p + 16).min(k)));
+                    let v: __m512i = std::mem::transmute(_mm512_cvtne2ps_pbh(hi, lo));
+                    _mm512_storeu_si512(xb.as_mut_ptr().add(i * kp + p) as *mut _, v);
+                }
+            }
+            for i in (0..tb).step_by(4) {
+                let mr = (tb - i).min(4);
+                for j0 in (0..nb).step_by(3) {
+                    let nr = (nb - j0).min(3);
+                    let (xp, wp, op) = (
+                        xb.as_ptr().add(i * kp),
+                        w.as_ptr().add(j0 * rb),
+                        out.add((i0 + i) * ldo + j0),
+                    );
+                    macro_rules! go {
+                        ($($mm:literal, $nn:literal);*) => {
+                            match (mr, nr) {
+                                $(($mm, $nn) => block_bf16::<$mm, $nn>(xp, kp, wp, rb, k, op, ldo),)*
+                                _ => unreachable!("blocks of at most 4 x 3"),
+                            }
+                        };
+                    }
+                    go!(1, 1; 1, 2; 1, 3; 2, 1; 2, 2; 2, 3; 3, 1; 3, 2; 3, 3; 4, 1; 4, 2; 4, 3)
+                }
+            }
+        }
+    }
+}
+
+/// Prefill rows against bf16 weight rows, the activations rounded to bf16 (the default
+/// path for bf16 weights; `--exact` keeps `tile_product`'s f32): `out[i * ldo + j]` =
+/// token row i of `x` (t rows of k) against weight row j of `w` (nb rows of `rb` bytes),
+/// by `vdpbf16ps`, two products a lane an instruction. Each output's arithmetic is the
+/// same whatever t, nb or the block. `scratch` holds `bf16_scratch_f32s(k)` f32. Needs
+/// `has_avx512_bf16`.
+///
+/// # Safety
+/// `out` points at t rows of stride `ldo` with room for nb outputs each, which no one else
+/// writes meanwhile.
+pub(super) unsafe fn tile_product_bf16(
+    x: &[f32],
+    (t, k): (usize, usize),
+    (w, rb, nb): (&[u8], usize, usize),
+    scratch: &mut [f32],
+    out: *mut f32,
+    ldo: usize,
+) {
+    assert!(has_avx512_bf16(), "tile_product_bf16 needs AVX-512 BF16");
+    assert!(
+        x.len() >= t * k && rb >= 2 * k && w.len() >= nb * rb && nb <= ldo,
+        "bf16 tile product shapes"
+    );
+    assert!(scratch.len() >= bf16_scratch_f32s(k), "bf16 scratch");
+    // SAFETY: the features and shapes asserted; `out` is the caller's contract.
+    unsafe { bf16_avx512(x, (t, k), (w, rb, nb), scratch, out, ldo) }
+}
+
 /// Widens f16 `src` into `out` (as many elements as `out` holds).
 ///
 /// # Safety
@@ -427,7 +589,7 @@ mod tests {
                 for rows in [1usize, 3, 5, 17] {
                     let x = rand_vec(rows * k, seed + 10);
                     let xr: Vec<&[f32]> = x.chunks_exact(k).collect();
-                    let mut res = vec![[0f32; crate::backend::cpu::q8::ROWS_MAX]; m];
+                    let mut res = vec![[0f32; ROWS]; m];
                     let mut alone = vec![0f32; m];
                     for (g, group) in xr.chunks(ROWS).enumerate() {
                         gemv_rows(dtype, &w, rb, group, &mut res);
@@ -488,6 +650,53 @@ mod tests {
                             let (xi, tj) = (&x[i * k..(i + 1) * k], &tile[j * k..(j + 1) * k]);
                             // SAFETY: one output.
                             unsafe { tile_product(xi, (1, k), tj, 1, one.as_mut_ptr(), 1) };
+                            assert_eq!(one[0].to_bits(), got.to_bits(), "k {k} t {t} nb {nb}");
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// The bf16 prefill product against f64 over bf16-rounded activations at 1, 3, 5, 17
+    /// and 40 token rows (past a conversion block) and 1 to 7 weight rows, k with and
+    /// without a tail; each output the same bits alone.
+    #[test]
+    fn bf16_tile_products_match_f64_and_each_output_is_the_same_bits_alone() {
+        if !has_avx512_bf16() {
+            eprintln!("SKIPPED: no AVX-512 BF16 on this CPU");
+            return;
+        }
+        for k in [37usize, 64, 200] {
+            let (w, wx) = encode(DType::BF16, &rand_vec(7 * k, k as u64));
+            let rb = 2 * k;
+            let mut scratch = vec![0f32; bf16_scratch_f32s(k)];
+            for t in [1usize, 3, 5, 17, 40] {
+                let x = rand_vec(t * k, 100 + t as u64);
+                let xr: Vec<f64> = x.iter().map(|&v| bf16::from_f32(v).to_f64()).collect();
+                for nb in 1..=7 {
+                    let ldo = nb + 1;
+                    let mut out = vec![f32::NAN; t * ldo];
+                    // SAFETY: out holds t rows of ldo >= nb.
+                    unsafe {
+                        let o = out.as_mut_ptr();
+                        tile_product_bf16(&x, (t, k), (&w, rb, nb), &mut scratch, o, ldo)
+                    };
+                    for i in 0..t {
+                        for j in 0..nb {
+                            let want: f64 = (0..k).map(|c| xr[i * k + c] * wx[j * k + c]).sum();
+                            let got = out[i * ldo + j];
+                            assert!(
+                                (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                                "k {k} t {t} nb {nb} [{i},{j}]: {got} vs {want}"
+                            );
+                            let mut one = [0f32];
+                            let (xi, wj) = (&x[i * k..(i + 1) * k], &w[j * rb..(j + 1) * rb]);
+                            // SAFETY: one output.
+                            unsafe {
+                                let o = one.as_mut_ptr();
+                                tile_product_bf16(xi, (1, k), (wj, rb, 1), &mut scratch, o, 1)
+                            };
                             assert_eq!(one[0].to_bits(), got.to_bits(), "k {k} t {t} nb {nb}");
                         }
                     }

@@ -108,6 +108,7 @@ impl CpuBackend {
         if needs(DecodePath::Rows4) {
             gemv::block_sums_into(&xs[..g * k], xsums);
         }
+        let fast = acts != Acts::F32;
         let acts = DecodeActs { q8, q16, xsums };
         self.run(|par| {
             // Single-token rows (decode) run through the dot-product kernels, whose result for
@@ -118,7 +119,7 @@ impl CpuBackend {
                 decode_rows(par, mm, g, &acts);
             }
             if rows > g {
-                prefill_rows(par, mm, g, rows - g);
+                prefill_rows(par, mm, g, rows - g, fast);
             }
         });
         for o in outs.iter_mut() {
@@ -132,6 +133,20 @@ impl CpuBackend {
                 }
             }
         }
+    }
+}
+
+/// Whether prefill rows of `dtype` weights take `floatdot::tile_product_bf16`: bf16
+/// weights, not `--exact` (`fast`), and a CPU with AVX-512 BF16.
+fn bf16_dots(dtype: DType, fast: bool) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        fast && dtype == DType::BF16 && super::floatdot::has_avx512_bf16()
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        let _ = (dtype, fast);
+        false
     }
 }
 
@@ -205,6 +220,20 @@ struct Matmul<'a> {
 impl Matmul<'_> {
     fn decode_chunk(&self) -> usize {
         decode_chunk(self.m, self.threads)
+    }
+
+    /// Weight rows per prefill task: a dequantized tile's (`tile_rows`), or with bf16 dots
+    /// (no tile: the weights are read as they are) about two tasks a thread, since every
+    /// task reads the whole activation block once.
+    fn prefill_task_rows(&self, fast: bool) -> usize {
+        if bf16_dots(self.dtype, fast) {
+            self.m
+                .div_ceil(2 * self.threads)
+                .next_multiple_of(4)
+                .max(16)
+        } else {
+            tile_rows(self.k)
+        }
     }
 
     /// Rows `r0..r0 + n` of the first `g` decode rows against weight rows `j0..j1`: into
@@ -340,9 +369,11 @@ fn decode_rows(par: &Par, mm: &[Matmul], g: usize, acts: &DecodeActs<'_>) {
 }
 
 /// `t` prefill rows from row `g` on, of every product: weight tiles dequantized to f32,
-/// then sgemm, a tile of each product's rows a task.
-fn prefill_rows(par: &Par, mm: &[Matmul], g: usize, t: usize) {
-    let count = |p: &Matmul| p.m.div_ceil(tile_rows(p.k));
+/// then sgemm (block formats) or `floatdot::tile_product` (float weights), a tile of each
+/// product's rows a task. `fast` (not `--exact`): bf16 weights meet bf16 activations
+/// where the CPU has AVX-512 BF16 (`floatdot::tile_product_bf16`, no dequantized tile).
+fn prefill_rows(par: &Par, mm: &[Matmul], g: usize, t: usize, fast: bool) {
+    let count = |p: &Matmul| p.m.div_ceil(p.prefill_task_rows(fast));
     let total = mm.iter().map(count).sum();
     par.for_each(total, |task| {
         let (p, ti) = locate(mm, count, task);
@@ -357,12 +388,25 @@ fn prefill_rows(par: &Par, mm: &[Matmul], g: usize, t: usize) {
             ..
         } = *p;
         let xt = &xs[g * k..(g + t) * k];
-        let rows = tile_rows(k);
-        let (j0, j1) = (ti * rows, ((ti + 1) * rows).min(m));
+        let task_rows = p.prefill_task_rows(fast);
+        let (j0, j1) = (ti * task_rows, ((ti + 1) * task_rows).min(m));
         let nb = j1 - j0;
+        let rows = tile_rows(k);
         TILE.with(|tile| {
             let mut tile = tile.borrow_mut();
             tile.resize(rows * k, 0.0);
+            #[cfg(target_arch = "x86_64")]
+            if bf16_dots(dtype, fast) {
+                let w = (&wb[j0 * rb..j1 * rb], rb, nb);
+                // SAFETY: out[g.., j0..j1] (row stride m), disjoint across tasks; the tile
+                // scratch holds rows * k >= TILE_ROWS_MIN * k f32, enough for the
+                // activations' bf16 blocks.
+                unsafe {
+                    let out = optr.at(g * m + j0);
+                    super::floatdot::tile_product_bf16(xt, (t, k), w, &mut tile, out, m)
+                };
+                return;
+            }
             gemv::dequant_rows(dtype, &wb[j0 * rb..j1 * rb], rb, k, &mut tile[..nb * k]);
             // Float weights: the tile against the rows straight from them, packed never
             // (sgemm packed the whole activation block again for every tile).
