@@ -246,7 +246,10 @@ fn decode_steps_allocate_nothing_on_f32_weights() {
 
 #[test]
 fn decode_steps_allocate_nothing_on_16_bit_weights() {
-    check(&fixture("tiny-llama.gguf"), "tiny-llama (f16, bf16 and f32 gguf)");
+    check(
+        &fixture("tiny-llama.gguf"),
+        "tiny-llama (f16, bf16 and f32 gguf)",
+    );
 }
 
 #[test]
