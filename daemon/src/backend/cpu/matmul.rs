@@ -398,9 +398,14 @@ fn prefill_rows(par: &Par, mm: &[Matmul], g: usize, t: usize, fast: bool) {
             #[cfg(target_arch = "x86_64")]
             if bf16_dots(dtype, fast) {
                 let w = (&wb[j0 * rb..j1 * rb], rb, nb);
-                // SAFETY: out[g.., j0..j1] (row stride m), disjoint across tasks; the tile
-                // scratch holds rows * k >= TILE_ROWS_MIN * k f32, enough for the
-                // activations' bf16 blocks.
+                // The tile scratch holds the activations' bf16 blocks: TILE_ROWS_MIN * k f32
+                // is enough from k = 31 on; narrower rows (a toy model) take a few more.
+                let need = super::floatdot::bf16_scratch_f32s(k);
+                if tile.len() < need {
+                    tile.resize(need, 0.0);
+                }
+                // SAFETY: out[g.., j0..j1] (row stride m), disjoint across tasks; the
+                // activations and weights are live slices of those shapes.
                 unsafe {
                     let out = optr.at(g * m + j0);
                     super::floatdot::tile_product_bf16(xt, (t, k), w, &mut tile, out, m)

@@ -974,3 +974,39 @@ fn matmuls_of_one_activation_give_each_matmuls_bits() {
         }
     }
 }
+
+#[test]
+fn prefill_rows_of_narrow_16_bit_weights_on_the_default_path() {
+    // Rows narrower than the bf16 kernel's 32-element steps, on the default numerics (bf16
+    // activations where the CPU has AVX-512 BF16): within bf16 rounding of f64.
+    let b = backend();
+    b.set_int8_activations(true);
+    let mut r = Rng::new(12);
+    for (dtype, k) in [(DType::BF16, 8usize), (DType::BF16, 20), (DType::F16, 8)] {
+        let m = 5;
+        let (wb, wx) = encode(dtype, &r.symmetric_vec(m * k));
+        let w = mem_bytes(&b, &wb);
+        let rows = 7;
+        let x = r.symmetric_vec(rows * k);
+        let xm = mem_f32(&b, &x);
+        let mut out = b.alloc(rows * m * 4, "out").unwrap();
+        let wr = WeightRef {
+            mem: &w,
+            offset: 0,
+            dtype,
+            rows: m,
+            cols: k,
+        };
+        b.matmul(&xm, rows, 0, wr, None, &mut out);
+        for i in 0..rows {
+            for j in 0..m {
+                let want: f64 = (0..k).map(|c| x[i * k + c] as f64 * wx[j * k + c]).sum();
+                let got = out.f32s()[i * m + j] as f64;
+                assert!(
+                    (got - want).abs() <= 1e-2 * (1.0 + want.abs()),
+                    "{dtype} k {k} [{i},{j}]: {got} vs {want}"
+                );
+            }
+        }
+    }
+}
