@@ -17,6 +17,7 @@ against the llama.cpp run of its own round), then their median.
 """
 import argparse
 import ctypes
+import re
 import json
 import os
 import subprocess
@@ -63,7 +64,7 @@ SMOLLM2 = os.path.join(os.environ.get("SLUICE_CACHE", os.path.expanduser("~/.cac
 
 def rewritten(src, name, ftype):
     """`src` rewritten as `name` (F16, BF16) by llama.cpp's quantizer, made once beside it."""
-    dst = src.replace(".Q4_1.gguf", f".{name}.gguf")
+    dst = re.sub(r"(\.Q4_1)?\.gguf$", f".{name}.gguf", src)
     if not os.path.exists(dst):
         params = llama_cpp.llama_model_quantize_default_params()
         params.ftype, params.allow_requantize, params.nthread = ftype, True, 2

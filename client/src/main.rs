@@ -502,6 +502,60 @@ async fn cmd_generate(
     }
 }
 
+/// Speculative decoding's counts in `sluice status --json`.
+fn speculative_json(x: &pb::Speculative) -> serde_json::Value {
+    serde_json::json!({
+        "drafter": x.drafter,
+        "drafted_tokens": x.drafted_tokens,
+        "accepted_tokens": x.accepted_tokens,
+        "tokens_per_step": x.tokens_per_step,
+    })
+}
+
+/// `sluice status`'s line on speculative decoding, when the model drafts.
+fn print_speculative(x: Option<&pb::Speculative>) {
+    let Some(x) = x.filter(|x| !x.drafter.is_empty()) else {
+        return;
+    };
+    let steps: u64 = x.tokens_per_step.iter().sum();
+    let tokens: u64 = (1..).zip(&x.tokens_per_step).map(|(i, n)| i * n).sum();
+    println!(
+        "drafting         {}: {} of {} drafted tokens accepted ({:.2}); {:.2} tokens a decode step",
+        x.drafter,
+        x.accepted_tokens,
+        x.drafted_tokens,
+        x.accepted_tokens as f64 / x.drafted_tokens.max(1) as f64,
+        tokens as f64 / steps.max(1) as f64
+    );
+}
+
+/// `sluice status --json`: the Status reply as one object.
+fn status_json(st: &pb::StatusResponse) -> serde_json::Value {
+    let layers: Vec<_> = st.layers.iter().map(|l| serde_json::json!({"layer": l.layer, "placement": l.placement, "raw_bytes": l.raw_bytes})).collect();
+    let stages: Vec<_> = st.stages.iter().map(|s| serde_json::json!({"stage": s.stage, "bytes_per_s": s.bytes_per_s, "seconds_last_pass": s.stall_s})).collect();
+    serde_json::json!({
+        "model": st.model, "backend": st.backend, "device_bytes_budget": st.device_bytes_budget,
+        "device_bytes_peak": st.device_bytes_peak, "kv_cache_bytes": st.kv_cache_bytes,
+        "host_cache_bytes": st.host_cache_bytes, "layers_resident": st.layers_resident,
+        "layers_streamed": st.layers_streamed, "bytes_streamed_per_pass": st.bytes_streamed_per_pass,
+        "last_pass_time_s": st.last_pass_time_s, "decode_tokens_per_s": st.decode_tokens_per_s,
+        "queue_depth": st.queue_depth, "active_sequences": st.active_sequences,
+        "limiting_stage": st.limiting_stage, "stages": stages, "layers": layers,
+        "passes": st.passes, "bytes_streamed_total": st.bytes_streamed_total,
+        "host_bytes_budget": st.host_bytes_budget, "host_bytes_planned": st.host_bytes_planned,
+        "host_bytes_peak": st.host_bytes_peak, "host_bytes_peak_source": st.host_bytes_peak_source,
+        "numerics": st.numerics, "int_dots": st.int_dots, "kv_dtype": st.kv_dtype,
+        "max_batch": st.max_batch, "max_context": st.max_context,
+        "io_read_buffers": st.io_read_buffers, "io_read_buffers_free": st.io_read_buffers_free,
+        "io_slots": st.io_slots, "io_slots_free": st.io_slots_free, "io_slots_pageable": st.io_slots_pageable,
+        "io_units_failed": st.io_units_failed, "io_reads_stalled": st.io_reads_stalled,
+        "io_short_reads": st.io_short_reads, "host_heap_in_use_bytes": st.host_heap_in_use_bytes,
+        "expert_routing": st.expert_routing.iter().map(|r| serde_json::json!({"layer": r.layer, "tokens": r.tokens})).collect::<Vec<_>>(),
+        "expert_streaming": st.expert_streaming.as_ref().map(expert_streaming_json),
+        "speculative": st.speculative.as_ref().map(speculative_json),
+    })
+}
+
 /// `sluice status`: the daemon's plan, per-stage rates and queue.
 async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
     let mut client = connect(addr).await?;
@@ -513,31 +567,7 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
         .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
         .into_inner();
     if json {
-        let layers: Vec<_> = st.layers.iter().map(|l| serde_json::json!({"layer": l.layer, "placement": l.placement, "raw_bytes": l.raw_bytes})).collect();
-        let stages: Vec<_> = st.stages.iter().map(|s| serde_json::json!({"stage": s.stage, "bytes_per_s": s.bytes_per_s, "seconds_last_pass": s.stall_s})).collect();
-        println!(
-            "{}",
-            serde_json::json!({
-                "model": st.model, "backend": st.backend, "device_bytes_budget": st.device_bytes_budget,
-                "device_bytes_peak": st.device_bytes_peak, "kv_cache_bytes": st.kv_cache_bytes,
-                "host_cache_bytes": st.host_cache_bytes, "layers_resident": st.layers_resident,
-                "layers_streamed": st.layers_streamed, "bytes_streamed_per_pass": st.bytes_streamed_per_pass,
-                "last_pass_time_s": st.last_pass_time_s, "decode_tokens_per_s": st.decode_tokens_per_s,
-                "queue_depth": st.queue_depth, "active_sequences": st.active_sequences,
-                "limiting_stage": st.limiting_stage, "stages": stages, "layers": layers,
-                "passes": st.passes, "bytes_streamed_total": st.bytes_streamed_total,
-                "host_bytes_budget": st.host_bytes_budget, "host_bytes_planned": st.host_bytes_planned,
-                "host_bytes_peak": st.host_bytes_peak, "host_bytes_peak_source": st.host_bytes_peak_source,
-                "numerics": st.numerics, "int_dots": st.int_dots, "kv_dtype": st.kv_dtype,
-                "max_batch": st.max_batch, "max_context": st.max_context,
-                "io_read_buffers": st.io_read_buffers, "io_read_buffers_free": st.io_read_buffers_free,
-                "io_slots": st.io_slots, "io_slots_free": st.io_slots_free, "io_slots_pageable": st.io_slots_pageable,
-                "io_units_failed": st.io_units_failed, "io_reads_stalled": st.io_reads_stalled,
-                "io_short_reads": st.io_short_reads, "host_heap_in_use_bytes": st.host_heap_in_use_bytes,
-                "expert_routing": st.expert_routing.iter().map(|r| serde_json::json!({"layer": r.layer, "tokens": r.tokens})).collect::<Vec<_>>(),
-                "expert_streaming": st.expert_streaming.as_ref().map(expert_streaming_json),
-            })
-        );
+        println!("{}", status_json(&st));
     } else {
         let mib = |b: u64| format!("{:.1} MiB", b as f64 / 1048576.0);
         let dots = if st.int_dots.is_empty() {
@@ -602,6 +632,7 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
                 st.io_slots_pageable
             );
         }
+        print_speculative(st.speculative.as_ref());
         if !st.expert_routing.is_empty() {
             println!("experts          tokens per expert since load, per sparse layer: the most chosen (share of the layer's tokens)");
             for r in &st.expert_routing {

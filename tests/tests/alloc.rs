@@ -83,6 +83,7 @@ const OPTS: [ModelOptions; 2] = [
         max_batch_tokens: 32,
         kv_dtype: sluice::backend::KvDtype::F32,
         exact: true,
+        verify_rows: 0,
     },
     ModelOptions {
         max_context: 64,
@@ -90,6 +91,7 @@ const OPTS: [ModelOptions; 2] = [
         max_batch_tokens: 32,
         kv_dtype: sluice::backend::KvDtype::F16,
         exact: false,
+        verify_rows: 0,
     },
 ];
 
@@ -130,11 +132,13 @@ fn allocations_per_step(r: &mut Pipeline<sluice::backend::cpu::CpuBackend>) -> (
             slot: 0,
             pos: 0,
             tokens: prompt.clone(),
+            verify: false,
         },
         SeqStep {
             slot: 1,
             pos: 0,
             tokens: prompt,
+            verify: false,
         },
     ];
     r.step(&steps, &mut logits).expect("prefill");

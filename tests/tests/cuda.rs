@@ -172,6 +172,7 @@ const OPS_OPTS: ModelOptions = ModelOptions {
     max_batch_tokens: 64,
     kv_dtype: sluice::backend::KvDtype::F32,
     exact: true,
+    verify_rows: 0,
 };
 
 struct Pair {
@@ -1031,6 +1032,7 @@ fn run<B: Backend>(
             slot: s,
             pos: 0,
             tokens: t.clone(),
+            verify: false,
         })
         .collect();
     r.step(&steps, &mut logits).unwrap();
@@ -1047,6 +1049,7 @@ fn run<B: Backend>(
                 slot: s,
                 pos: prompt + d,
                 tokens: vec![feed(s)],
+                verify: false,
             })
             .collect();
         r.step(&steps, &mut logits).unwrap();
@@ -1066,6 +1069,7 @@ fn compare_model(src: &Path, tol: f64, decode: usize) {
         max_batch_tokens: 64,
         kv_dtype: sluice::backend::KvDtype::F32,
         exact: true,
+        verify_rows: 0,
     };
     let mut cpu = cpu_runner(
         store.clone(),

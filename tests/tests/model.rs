@@ -34,6 +34,7 @@ fn step(runner: &mut Pipeline<CpuBackend>, pos: usize, tokens: Vec<u32>, logits:
                 slot: 0,
                 pos,
                 tokens,
+                verify: false,
             }],
             logits,
         )
@@ -151,6 +152,7 @@ fn runner_kv(
         max_batch_tokens: batch,
         kv_dtype: kv,
         exact,
+        verify_rows: 0,
     };
     let io = IoConfig {
         staging_slots: 2,
@@ -513,6 +515,7 @@ fn smollm2_greedy_continuations_match_transformers() {
             logprobs: None,
             logit_bias: Vec::new(),
             format: Default::default(),
+            draft: None,
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(
@@ -762,6 +765,7 @@ fn gemma3_270m_matches_transformers() {
             logprobs: None,
             logit_bias: Vec::new(),
             format: Default::default(),
+            draft: None,
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(
@@ -924,6 +928,7 @@ fn repetition_penalty_continuations_match_transformers() {
             logprobs: None,
             logit_bias: Vec::new(),
             format: Default::default(),
+            draft: None,
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(
@@ -960,6 +965,7 @@ fn a_mixtures_sequence_gets_the_same_bits_alone_as_in_a_batch() {
                 slot,
                 pos,
                 tokens: tokens.to_vec(),
+                verify: false,
             };
             let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             // Alone: a's prompt, then four decode steps.

@@ -20,6 +20,7 @@ const OPTS: ModelOptions = ModelOptions {
     max_batch_tokens: 64,
     kv_dtype: sluice::backend::KvDtype::F32,
     exact: true,
+    verify_rows: 0,
 };
 
 fn store(src: &Path, dir: &Path) -> Arc<Store> {
@@ -169,11 +170,13 @@ fn outputs(r: &mut Pipeline<CpuBackend>, vocab: u32) -> (Vec<u32>, Vec<u32>) {
                 slot: 0,
                 pos: 0,
                 tokens: a.clone(),
+                verify: false,
             },
             SeqStep {
                 slot: 1,
                 pos: 0,
                 tokens: b.clone(),
+                verify: false,
             },
         ],
         &mut logits,
@@ -186,11 +189,13 @@ fn outputs(r: &mut Pipeline<CpuBackend>, vocab: u32) -> (Vec<u32>, Vec<u32>) {
                 slot: 1,
                 pos: 7,
                 tokens: vec![9],
+                verify: false,
             },
             SeqStep {
                 slot: 0,
                 pos: 20,
                 tokens: vec![4],
+                verify: false,
             },
         ],
         &mut logits,
@@ -206,6 +211,7 @@ fn outputs(r: &mut Pipeline<CpuBackend>, vocab: u32) -> (Vec<u32>, Vec<u32>) {
                 slot: 0,
                 pos,
                 tokens: vec![next],
+                verify: false,
             }],
             &mut logits,
         )
@@ -567,6 +573,7 @@ fn failing_step(r: &mut Pipeline<CpuBackend>, logits: &mut Vec<f32>) -> String {
                 slot: 0,
                 pos: 0,
                 tokens: vec![1, 2, 3],
+                verify: false,
             }],
             logits,
         )

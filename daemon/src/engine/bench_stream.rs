@@ -131,6 +131,7 @@ fn prefill<B: Backend>(
             slot: b,
             pos: 0,
             tokens: token_ids(prompt, vocab, b as u64 + 1),
+            verify: false,
         })
         .collect();
     let per_step = (r.options().max_batch_tokens / prompt).max(1);
@@ -153,6 +154,7 @@ fn decode_step<B: Backend>(
             slot: b,
             pos,
             tokens: token_ids(1, vocab, (pos * 131 + b) as u64),
+            verify: false,
         })
         .collect();
     Ok(r.step(&s, logits)?)
@@ -300,6 +302,7 @@ pub fn model_options(batches: &[usize], prompt_tokens: usize, steps: usize) -> M
         max_batch_tokens: (max_batch * prompt_tokens).max(max_batch),
         kv_dtype: crate::backend::KvDtype::F32,
         exact: true,
+        verify_rows: 0,
     }
 }
 

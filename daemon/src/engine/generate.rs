@@ -2,7 +2,9 @@
 //! slots 0..N, one pass per step for all) driven to its end, one step at a time, with the
 //! text as it becomes final and the timings.
 
+use super::draft::SpecStats;
 use super::sequence::{Finish, GenerateParams, SeqLimits, Sequence};
+use super::step::StepBuilder;
 use super::EngineError;
 use crate::backend::Backend;
 use crate::model::SeqStep;
@@ -22,6 +24,11 @@ pub struct GenerateOutput {
     pub decode_s: f64,
     /// Decode steps run (each after the first sampled token).
     pub decode_steps: usize,
+    /// Passes of the batch once every prompt was in (each serves every sequence still
+    /// running).
+    pub decode_passes: usize,
+    /// Speculative decoding's counts for this sequence (zeros without drafting).
+    pub speculative: SpecStats,
 }
 
 impl GenerateOutput {
@@ -29,8 +36,14 @@ impl GenerateOutput {
         self.prompt_token_ids.len() as f64 / self.prefill_s.max(1e-9)
     }
 
+    /// Tokens the decode steps yielded: every generated token after the first (which the
+    /// last prefill step gives).
+    pub fn decode_tokens(&self) -> usize {
+        self.generated_token_ids.len().saturating_sub(1)
+    }
+
     pub fn decode_tokens_per_s(&self) -> f64 {
-        self.decode_steps as f64 / self.decode_s.max(1e-9)
+        self.decode_tokens() as f64 / self.decode_s.max(1e-9)
     }
 }
 
@@ -83,35 +96,30 @@ pub fn generate_parallel<B: Backend>(
     let mut logits = Vec::new();
     let t0 = Instant::now();
     let mut decode_start = None;
-    let mut steps: Vec<SeqStep> = (0..n)
-        .map(|_| SeqStep {
-            slot: 0,
-            pos: 0,
-            tokens: Vec::with_capacity(opts.max_batch_tokens),
-        })
-        .collect();
+    let mut steps: Vec<SeqStep> = Vec::with_capacity(n);
+    let mut spec = vec![SpecStats::default(); n];
+    let mut builder = StepBuilder::default();
     // Which sequence each step of the pass belongs to.
     let mut owner = Vec::with_capacity(n);
+    let mut decode_passes = 0;
     loop {
-        // Decode rows first (one token each), then prompt chunks in what is left.
-        let mut budget = opts.max_batch_tokens;
-        owner.clear();
-        for decoding in [true, false] {
-            for (i, seq) in seqs.iter().enumerate() {
-                if seq.is_decoding() == decoding && seq.fill_step(budget, &mut steps[owner.len()]) {
-                    budget -= steps[owner.len()].tokens.len();
-                    owner.push(i);
-                }
-            }
-        }
-        if owner.is_empty() {
+        let k = builder.build(n, |i| &seqs[i], &opts, &mut steps, &mut owner);
+        if k == 0 {
             break;
         }
-        runner.step(&steps[..owner.len()], &mut logits)?;
-        let vocab = logits.len() / owner.len();
-        for (row, &i) in owner.iter().enumerate() {
-            let ran = steps[row].tokens.len();
-            let piece = seqs[i].advance(ran, &logits[row * vocab..(row + 1) * vocab], tok, 0);
+        runner.step(&steps[..k], &mut logits)?;
+        builder.ran(&steps[..k], runner.last_pass());
+        decode_passes += usize::from(decode_start.is_some());
+        let vocab = tok.vocab() as usize;
+        let mut row = 0;
+        for (k, &i) in owner.iter().enumerate() {
+            let (ran, rows) = (steps[k].tokens.len(), steps[k].logit_rows());
+            let (before, decoding) = (seqs[i].generated().len(), seqs[i].is_decoding());
+            let piece = seqs[i].advance(ran, &logits[row * vocab..(row + rows) * vocab], tok, 0);
+            row += rows;
+            if decoding {
+                spec[i].record(ran - 1, seqs[i].generated().len() - before);
+            }
             if let Some(p) = piece {
                 if i == 0 {
                     on_text(&p.text);
@@ -151,6 +159,8 @@ pub fn generate_parallel<B: Backend>(
             prefill_s,
             decode_s,
             decode_steps,
+            decode_passes,
+            speculative: spec[i],
         });
     }
     Ok(outs)

@@ -6,6 +6,9 @@
 #![cfg_attr(not(test), deny(clippy::unwrap_used, clippy::expect_used))]
 
 pub mod bench_stream;
+pub mod draft;
+#[cfg(test)]
+mod draft_tests;
 pub mod generate;
 pub mod scheduler;
 #[cfg(test)]
@@ -13,6 +16,7 @@ mod scheduler_tests;
 pub mod sequence;
 #[cfg(test)]
 mod sequence_tests;
+pub mod step;
 #[cfg(test)]
 mod test_model;
 
@@ -129,7 +133,7 @@ fn plan_within_host(m: &Manifest, input: &mut PlanInput) -> Result<crate::plan::
         .max(1);
     input.opts.max_batch_tokens = input.opts.max_batch_tokens.min(most);
     let asked = input.opts.max_batch_tokens;
-    let least = BATCH_TOKENS_MIN.max(input.opts.kv_slots);
+    let least = BATCH_TOKENS_MIN.max(input.opts.logit_rows());
     loop {
         match crate::plan::plan(m, input) {
             Err(crate::plan::PlanError::Host(e)) if input.opts.max_batch_tokens > least => {

@@ -5,8 +5,10 @@
 //! cancelled sequences at once. The request queue is bounded: a full queue is refused,
 //! never grown.
 
+use super::draft::SpecStats;
 pub use super::sequence::{Done, Finish};
 use super::sequence::{GenerateParams, Piece, SeqLimits, Sequence};
+use super::step::StepBuilder;
 use crate::backend::Backend;
 use crate::model::SeqStep;
 use crate::pipeline::Pipeline;
@@ -107,6 +109,8 @@ pub struct Status {
     /// A mixture of experts: per decoder layer, tokens routed to each expert (empty for a
     /// dense layer or model).
     pub expert_tokens: Vec<Vec<u64>>,
+    /// Speculative decoding: drafted and accepted tokens, tokens a decode step yields.
+    pub speculative: SpecStats,
 }
 
 /// Limits of the scheduler.
@@ -192,6 +196,10 @@ struct EngineState<B: Backend> {
     members: Vec<usize>,
     /// Decode tokens per second, smoothed over steps.
     decode_rate: f64,
+    /// Speculative decoding's counts since the start.
+    spec: SpecStats,
+    /// Builds each step, with drafts weighed by the passes measured so far.
+    builder: StepBuilder,
 }
 
 /// What admission found.
@@ -334,6 +342,8 @@ impl Scheduler {
             n_steps: 0,
             members: Vec::with_capacity(max_batch),
             decode_rate: 0.0,
+            spec: SpecStats::default(),
+            builder: StepBuilder::default(),
         };
         loop {
             if let Admitted::Closed = self.admit(&mut st) {
@@ -356,7 +366,7 @@ impl Scheduler {
                 {
                     return;
                 }
-                self.publish(&st.runner, 0, st.decode_rate);
+                self.publish(&st.runner, 0, st.decode_rate, &st.spec);
                 continue;
             }
             build_step(&mut st);
@@ -365,8 +375,10 @@ impl Scheduler {
                 fail_step(&mut st, &e);
                 continue;
             }
+            st.builder
+                .ran(&st.steps[..st.n_steps], st.runner.last_pass());
             self.apply_results(&mut st, t0.elapsed().as_secs_f64());
-            self.publish(&st.runner, st.active.len(), st.decode_rate);
+            self.publish(&st.runner, st.active.len(), st.decode_rate, &st.spec);
         }
     }
 
@@ -445,14 +457,23 @@ impl Scheduler {
         let pass_bytes = st.runner.last_pass().bytes_uploaded;
         let vocab = self.tokenizer.vocab() as usize;
         let mut decoded = 0usize;
-        for (row, (&k, step)) in st.members.iter().zip(&st.steps[..st.n_steps]).enumerate() {
+        let mut row = 0;
+        for (&k, step) in st.members.iter().zip(&st.steps[..st.n_steps]) {
             let a = &mut st.active[k];
-            decoded += usize::from(a.seq.is_decoding());
-            let logits = &st.logits[row * vocab..(row + 1) * vocab];
-            if let Some(p) = a
+            let before = a.seq.generated().len();
+            let decoding = a.seq.is_decoding();
+            let rows = step.logit_rows();
+            let logits = &st.logits[row * vocab..(row + rows) * vocab];
+            row += rows;
+            let p = a
                 .seq
-                .advance(step.tokens.len(), logits, &self.tokenizer, pass_bytes)
-            {
+                .advance(step.tokens.len(), logits, &self.tokenizer, pass_bytes);
+            if decoding {
+                let emitted = a.seq.generated().len() - before;
+                decoded += emitted;
+                st.spec.record(step.tokens.len() - 1, emitted);
+            }
+            if let Some(p) = p {
                 let _ = a.events.send(p.into());
             }
         }
@@ -479,7 +500,13 @@ impl Scheduler {
         }
     }
 
-    fn publish<B: Backend>(&self, runner: &Pipeline<B>, active: usize, decode_rate: f64) {
+    fn publish<B: Backend>(
+        &self,
+        runner: &Pipeline<B>,
+        active: usize,
+        decode_rate: f64,
+        spec: &SpecStats,
+    ) {
         let p = runner.last_pass();
         let t = runner.total();
         let io = runner.io().stats();
@@ -531,36 +558,22 @@ impl Scheduler {
         }
         s.totals = t.clone();
         s.io = io;
+        s.speculative = *spec;
     }
 }
 
-/// One step: every decoding sequence's next token first (decode rows lead the batch),
-/// then prefill chunks in the remaining token budget.
+/// One step: every decoding sequence's next token first (decode rows lead the batch, each
+/// with the drafts the row budget pays for), then prefill chunks in the remaining token
+/// budget (`StepBuilder`).
 fn build_step<B: Backend>(st: &mut EngineState<B>) {
-    let budget = st.runner.options().max_batch_tokens;
-    st.n_steps = 0;
-    st.members.clear();
-    let mut left = budget;
-    for decoding in [true, false] {
-        for (k, a) in st.active.iter().enumerate() {
-            if a.seq.is_decoding() != decoding {
-                continue;
-            }
-            if st.n_steps == st.steps.len() {
-                st.steps.push(SeqStep {
-                    slot: 0,
-                    pos: 0,
-                    tokens: Vec::new(),
-                });
-            }
-            let step = &mut st.steps[st.n_steps];
-            if a.seq.fill_step(left, step) {
-                left -= step.tokens.len();
-                st.n_steps += 1;
-                st.members.push(k);
-            }
-        }
-    }
+    let active = &st.active;
+    st.n_steps = st.builder.build(
+        active.len(),
+        |k| &active[k].seq,
+        st.runner.options(),
+        &mut st.steps,
+        &mut st.members,
+    );
 }
 
 /// A failed step fails every sequence that was in it (DATA_LOSS for bad stored data,

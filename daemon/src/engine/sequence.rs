@@ -10,6 +10,7 @@
 //!                                     └─ end token / stop string / max tokens / context ──> Finished
 //! ```
 
+use super::draft::{DraftAsk, DraftConfig, SeqDraft};
 use crate::model::SeqStep;
 use crate::text::detok::{Detokenizer, StopMatcher};
 use crate::text::sampler::OutputFormat;
@@ -30,6 +31,9 @@ pub struct GenerateParams {
     pub logit_bias: Vec<(u32, f32)>,
     /// What the text must be (JSON mode: one object, then the end).
     pub format: OutputFormat,
+    /// Speculative decoding: the drafter that proposes tokens for each step to verify
+    /// (None: one token a step).
+    pub draft: Option<DraftConfig>,
 }
 
 /// Why a sequence ended.
@@ -121,6 +125,8 @@ pub struct Sequence {
     t_first: Option<Instant>,
     decode_steps: usize,
     bytes_streamed: u64,
+    /// Speculative decoding's state, when the request drafts.
+    draft: Option<SeqDraft>,
 }
 
 impl Sequence {
@@ -132,7 +138,9 @@ impl Sequence {
         limits: SeqLimits,
     ) -> Result<Sequence, String> {
         validate(&prompt, &params, limits)?;
+        let draft = params.draft.map(|cfg| SeqDraft::new(&cfg, &prompt));
         Ok(Sequence {
+            draft,
             sampler: Sampler::with_prompt(params.sampling, &prompt)
                 .constrained(&params.logit_bias, &params.format),
             stops: StopMatcher::new(params.stop.clone()),
@@ -167,9 +175,24 @@ impl Sequence {
         &self.generated
     }
 
-    /// Decode steps run (each after the first sampled token).
+    /// Decode steps run (each after the first sampled token; one step may emit several
+    /// tokens when it verified drafts).
     pub fn decode_steps(&self) -> usize {
         self.decode_steps
+    }
+
+    /// A decoding sequence's claim on its next step's drafted rows; None when it does not
+    /// draft or is not decoding.
+    pub fn draft_ask(&self) -> Option<DraftAsk> {
+        let d = self.draft.as_ref()?;
+        self.pending.map(|_| d.ask())
+    }
+
+    /// Drafted tokens that went into steps and those accepted (0, 0 without drafting).
+    pub fn drafted(&self) -> (u64, u64) {
+        self.draft
+            .as_ref()
+            .map_or((0, 0), |d| (d.drafted, d.accepted))
     }
 
     /// Set once the sequence has ended; it then takes no more steps.
@@ -183,14 +206,11 @@ impl Sequence {
     }
 
     /// The sequence's part of the next step with at most `budget` tokens: its pending
-    /// token when decoding, else the next chunk of its prompt. None when it has ended or
-    /// the budget is spent.
+    /// token when decoding (and its drafted tokens after it to verify, as many as the
+    /// budget leaves room for), else the next chunk of its prompt. None when it has ended
+    /// or the budget is spent.
     pub fn next_step(&self, budget: usize) -> Option<SeqStep> {
-        let mut step = SeqStep {
-            slot: 0,
-            pos: 0,
-            tokens: Vec::new(),
-        };
+        let mut step = SeqStep::default();
         self.fill_step(budget, &mut step).then_some(step)
     }
 
@@ -201,8 +221,16 @@ impl Sequence {
             return false;
         }
         out.tokens.clear();
+        out.verify = false;
         match self.pending {
-            Some(t) => out.tokens.push(t),
+            Some(t) => {
+                out.tokens.push(t);
+                if let Some(d) = &self.draft {
+                    let n = d.proposal.len().min(budget - 1);
+                    out.tokens.extend_from_slice(&d.proposal[..n]);
+                    out.verify = n > 0;
+                }
+            }
             None if self.prefilled < self.prompt.len() => {
                 let n = (self.prompt.len() - self.prefilled).min(budget);
                 out.tokens
@@ -216,9 +244,12 @@ impl Sequence {
     }
 
     /// Takes the result of a step that ran `ran` of this sequence's tokens and produced
-    /// `logits` (its last row): once the prompt is in, samples the next token and applies
-    /// the finish rules, in this order: end token, stop string, max tokens, context.
-    /// Returns the text that became final, if any.
+    /// `logits` (its last row; every row of a verified span): once the prompt is in,
+    /// samples the next token and applies the finish rules, in this order: end token,
+    /// stop string, max tokens, context. A verified span goes on to its next row while
+    /// the token sampled equals the draft that row ran, so every token emitted is the
+    /// sampler's own draw from the logits of the text before it. Returns the text that
+    /// became final, if any.
     pub fn advance(
         &mut self,
         ran: usize,
@@ -227,20 +258,75 @@ impl Sequence {
         bytes_streamed: u64,
     ) -> Option<Piece> {
         self.bytes_streamed += bytes_streamed;
-        self.pos += ran;
-        if self.pending.take().is_some() {
-            self.decode_steps += 1;
-        } else {
+        let piece = if self.pending.take().is_none() {
+            self.pos += ran;
             self.prefilled += ran;
             if self.prefilled < self.prompt.len() {
                 return None;
             }
+            self.emit(logits, tok)
+        } else {
+            self.decode_steps += 1;
+            self.verify_rows(ran, logits, tok)
+        };
+        if let (Some(d), true) = (&mut self.draft, self.pending.is_some()) {
+            // The span after the pending token stays inside the context, and what it can
+            // yield inside max_tokens.
+            let room = (self.max_context.saturating_sub(self.pos + 1)).min(
+                self.params
+                    .max_tokens
+                    .saturating_sub(self.generated.len() + 1),
+            );
+            d.propose(room);
         }
+        piece
+    }
+
+    /// A decode step's rows (`ran` of them, several when it verified drafts): each sampled
+    /// in turn while the token sampled is the draft the next row ran.
+    fn verify_rows(&mut self, ran: usize, logits: &[f32], tok: &Tokenizer) -> Option<Piece> {
+        let vocab = logits.len() / ran;
+        let mut piece: Option<Piece> = None;
+        let mut accepted = 0;
+        for (j, row) in logits.chunks_exact(vocab).enumerate() {
+            // Row j ran the pending token (j = 0) or draft j - 1, which matched.
+            self.pos += 1;
+            if let Some(p) = self.emit(row, tok) {
+                match &mut piece {
+                    None => piece = Some(p),
+                    Some(all) => {
+                        all.text.push_str(&p.text);
+                        all.token_ids.extend(p.token_ids);
+                        all.logprobs.extend(p.logprobs);
+                    }
+                }
+            }
+            let last = self.generated.last().copied();
+            let draft = self.draft.as_ref().and_then(|d| d.proposal.get(j));
+            if self.finished.is_some() || j + 1 == ran || last != draft.copied() {
+                break;
+            }
+            accepted += 1;
+            // The next row runs this token: it is in, not pending.
+            self.pending = None;
+        }
+        if let (Some(d), true) = (&mut self.draft, ran > 1) {
+            d.verified(ran - 1, accepted);
+        }
+        piece
+    }
+
+    /// Samples a token from `logits` (a row) and applies the finish rules: the token is
+    /// then pending, or the sequence has finished. Returns the text that became final.
+    fn emit(&mut self, logits: &[f32], tok: &Tokenizer) -> Option<Piece> {
         let texts = (!self.params.format.is_text()).then(|| tok.texts());
         let token = self.sampler.sample_in(logits, texts);
         self.t_first.get_or_insert_with(Instant::now);
         self.generated.push(token);
         self.unsent_ids.push(token);
+        if let Some(d) = &mut self.draft {
+            d.extend(&[token]);
+        }
         if let Some(top) = self.params.logprobs {
             self.unsent_logprobs
                 .push(crate::text::sampler::logprobs(logits, token, top));
@@ -292,7 +378,8 @@ impl Sequence {
             finish,
             time_to_first_token_s: prefill,
             prefill_tokens_per_s: self.prompt.len() as f64 / prefill.max(1e-9),
-            decode_tokens_per_s: self.decode_steps as f64 / decode.max(1e-9),
+            // Every token after the first, however many a step yielded.
+            decode_tokens_per_s: self.generated.len().saturating_sub(1) as f64 / decode.max(1e-9),
             bytes_streamed: self.bytes_streamed,
             prompt_token_ids: self.prompt,
             generated_token_ids: self.generated,

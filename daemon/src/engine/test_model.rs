@@ -82,5 +82,6 @@ pub fn greedy(max_tokens: usize, stop: &[&str], ignore_eos: bool) -> GeneratePar
         logprobs: None,
         logit_bias: Vec::new(),
         format: Default::default(),
+        draft: None,
     }
 }

@@ -6,9 +6,11 @@
 //! importers fill.
 //!
 //! Written against the `Backend` trait so every backend runs the same code. A step runs a
-//! batch of sequences, each with its new tokens (a prefill chunk or one decode token),
-//! through one layer unit at a time: `forward_unit` is the loop body the streaming
+//! batch of sequences, each with its new tokens (a prefill chunk, one decode token, or a
+//! decode token and the drafts after it to verify), through one layer unit at a time: `forward_unit` is the loop body the streaming
 //! pipeline drives, so one pass over the weights serves the whole batch.
+
+mod head;
 
 use super::layout::Workspace;
 pub use super::layout::{kv_cache_bytes, kv_layout, workspace_bytes, ModelOptions};
@@ -95,13 +97,29 @@ fn gated_act(c: &ArchConfig) -> GatedAct {
 }
 
 /// One sequence's part of a step.
-#[derive(Clone, Debug)]
+#[derive(Clone, Debug, Default)]
 pub struct SeqStep {
     /// KV-cache slot of the sequence.
     pub slot: usize,
     /// Tokens already in its cache (the position of the first new token).
     pub pos: usize,
     pub tokens: Vec<u32>,
+    /// A decode token and the drafted tokens after it, to verify: every row of the span
+    /// gives logits (not only its last), and the rows take the decode kernels like lone
+    /// decode rows, so each row's logits have the bits that row would have decoded alone
+    /// (the backends' batch invariance; ARCHITECTURE.md, speculative decoding).
+    pub verify: bool,
+}
+
+impl SeqStep {
+    /// Rows of logits this part of a step gives: each of a verified span's, else its last.
+    pub fn logit_rows(&self) -> usize {
+        if self.verify {
+            self.tokens.len()
+        } else {
+            1
+        }
+    }
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -130,10 +148,12 @@ pub struct Decoder<B: Backend> {
     cache_k: B::Mem,
     cache_v: B::Mem,
     ws: Workspace<B::Mem>,
-    // The step in progress. Single-token spans come first (their rows take the decode
-    // kernels); `step_of` maps a span back to its index in the caller's step.
+    // The step in progress. Single-token and verified spans come first (their rows take
+    // the decode kernels).
     spans: Vec<SeqSpan>,
-    step_of: Vec<usize>,
+    /// The batch rows whose logits the step gives, in the caller's step order (each span's
+    /// last row, or every row of a verified span).
+    logit_rows: Vec<usize>,
     gemv_rows: usize,
     positions: Vec<u32>,
     ids: Vec<u32>,
@@ -288,7 +308,7 @@ impl<B: Backend> Decoder<B> {
             cache_v,
             ws,
             spans: Vec::new(),
-            step_of: Vec::new(),
+            logit_rows: Vec::with_capacity(opts.logit_rows()),
             gemv_rows: 0,
             positions: Vec::new(),
             ids: Vec::new(),
@@ -367,14 +387,23 @@ impl<B: Backend> Decoder<B> {
                 self.opts.max_batch_tokens
             )));
         }
+        let logit_rows: usize = steps.iter().map(SeqStep::logit_rows).sum();
+        if logit_rows > self.opts.logit_rows() {
+            return Err(ModelError::Step(format!(
+                "{logit_rows} rows of logits in a step; at most {} (one a sequence and {} verified drafts)",
+                self.opts.logit_rows(),
+                self.opts.verify_rows
+            )));
+        }
         self.spans.clear();
-        self.step_of.clear();
         self.positions.clear();
         self.ids.clear();
-        // Single-token spans first, then prefill chunks, each group in step order.
+        // Decode rows first (single tokens and verified spans), then prefill chunks, each
+        // group in step order.
+        let decodes = |s: &SeqStep| s.tokens.len() == 1 || s.verify;
         let order = (0..steps.len())
-            .filter(|&i| steps[i].tokens.len() == 1)
-            .chain((0..steps.len()).filter(|&i| steps[i].tokens.len() > 1));
+            .filter(|&i| decodes(&steps[i]))
+            .chain((0..steps.len()).filter(|&i| !decodes(&steps[i])));
         let mut row = 0;
         for i in order {
             let s = &steps[i];
@@ -384,14 +413,30 @@ impl<B: Backend> Decoder<B> {
                 pos: s.pos,
                 slot: s.slot,
             });
-            self.step_of.push(i);
             self.positions
                 .extend((s.pos..s.pos + s.tokens.len()).map(|p| p as u32));
             self.ids.extend_from_slice(&s.tokens);
             row += s.tokens.len();
         }
-        self.gemv_rows = steps.iter().filter(|s| s.tokens.len() == 1).count();
+        self.gemv_rows = steps
+            .iter()
+            .filter(|s| decodes(s))
+            .map(|s| s.tokens.len())
+            .sum();
         self.rows = row;
+        // Logit rows in the caller's step order: each group's rows were laid out in it.
+        self.logit_rows.clear();
+        let (mut decode_row, mut prefill_row) = (0, self.gemv_rows);
+        for s in steps {
+            let at = if decodes(s) {
+                &mut decode_row
+            } else {
+                &mut prefill_row
+            };
+            let end = *at + s.tokens.len();
+            self.logit_rows.extend(end - s.logit_rows()..end);
+            *at = end;
+        }
         self.logits_on_host = false;
         Ok(())
     }
@@ -867,106 +912,6 @@ impl<B: Backend> Decoder<B> {
         if let Some(s) = self.cfg.ext.embed_scale {
             b.scale(&mut self.ws.x, s, self.rows * self.cfg.hidden as usize);
         }
-    }
-
-    /// The head unit's work up to the output projection (each sequence's last row,
-    /// normed), when the projection then runs in row parts (`head_part`).
-    pub fn head_norm(&mut self, b: &B, mem: &B::Mem) {
-        let _span = tracing::trace_span!("unit", unit = self.unit_kinds.len() - 1).entered();
-        self.head_prologue(b, mem);
-        let n = self.spans.len();
-        self.host_logits.clear();
-        self.host_logits
-            .resize(n * self.cfg.vocab as usize, f32::NAN);
-        self.logits_on_host = true;
-    }
-
-    /// Logits of vocabulary rows `rows` from part `mem` of the output projection's unit
-    /// (whose bytes start at the unit's raw offset `raw_base`), after `head_norm`.
-    pub fn head_part(&mut self, b: &B, mem: &B::Mem, raw_base: u64, rows: Range<u64>) {
-        debug_assert!(self.logits_on_host, "head_norm first");
-        let row_bytes = self
-            .lm_head
-            .dtype
-            .row_bytes(self.lm_head.cols as u64)
-            .expect("validated at load") as usize;
-        let (r0, r1) = (rows.start as usize, rows.end as usize);
-        let loc = TensorLoc {
-            offset: self.lm_head.offset + r0 * row_bytes - raw_base as usize,
-            rows: r1 - r0,
-            ..self.lm_head
-        };
-        let n = self.spans.len();
-        b.matmul_head(&self.ws.last_n, n, loc.at(mem), &mut self.ws.logits);
-        let part = &mut self.part_logits;
-        part.resize(n * (r1 - r0), 0.0);
-        b.download_f32(&self.ws.logits, 0, part);
-        let v = self.cfg.vocab as usize;
-        for (i, row) in part.chunks_exact(r1 - r0).enumerate() {
-            self.host_logits[i * v + r0..i * v + r1].copy_from_slice(row);
-        }
-    }
-
-    /// Logits of vocabulary rows `rows` (ascending) from `table`, which holds those rows of
-    /// the output projection one after another (the rows between head parts), after
-    /// `head_norm`.
-    pub fn head_rows(&mut self, b: &B, table: &B::Mem, rows: &[u64]) {
-        debug_assert!(self.logits_on_host, "head_norm first");
-        if rows.is_empty() {
-            return;
-        }
-        let loc = TensorLoc {
-            offset: 0,
-            rows: rows.len(),
-            ..self.lm_head
-        };
-        let n = self.spans.len();
-        b.matmul_head(&self.ws.last_n, n, loc.at(table), &mut self.ws.logits);
-        let part = &mut self.part_logits;
-        part.resize(n * rows.len(), 0.0);
-        b.download_f32(&self.ws.logits, 0, part);
-        let v = self.cfg.vocab as usize;
-        for (i, got) in part.chunks_exact(rows.len()).enumerate() {
-            for (&r, &l) in rows.iter().zip(got) {
-                self.host_logits[i * v + r as usize] = l;
-            }
-        }
-    }
-
-    fn head_prologue(&mut self, b: &B, mem: &B::Mem) {
-        let h = self.cfg.hidden as usize;
-        // Only each sequence's last position needs logits.
-        // Rows go in the caller's step order, so the logits come out in it.
-        for (sp, &i) in self.spans.iter().zip(&self.step_of) {
-            b.copy_row(&self.ws.x, sp.row + sp.n - 1, &mut self.ws.last, i, h);
-        }
-        let n = self.spans.len();
-        b.rms_norm(
-            &self.ws.last,
-            self.norm.at(mem),
-            self.cfg.rms_eps,
-            n,
-            &mut self.ws.last_n,
-        );
-    }
-
-    fn head(&mut self, b: &B, mem: &B::Mem, lm: &B::Mem) {
-        self.head_prologue(b, mem);
-        let n = self.spans.len();
-        // One row per sequence: every row through the decode kernels (batch-invariant),
-        // with f32 activations (`matmul_head`).
-        b.matmul_head(&self.ws.last_n, n, self.lm_head.at(lm), &mut self.ws.logits);
-    }
-
-    /// The logits of the step: one row of `vocab` per sequence, in step order.
-    pub fn logits(&self, b: &B, out: &mut Vec<f32>) {
-        let v = self.cfg.vocab as usize;
-        out.resize(self.spans.len() * v, 0.0);
-        if self.logits_on_host {
-            out.copy_from_slice(&self.host_logits);
-            return;
-        }
-        b.download_f32(&self.ws.logits, 0, out);
     }
 }
 

@@ -20,13 +20,21 @@ pub struct ModelOptions {
     /// rows of quantized weights are quantized to 8 bits per 32-element block and use
     /// integer dot products where the backend has them.
     pub exact: bool,
+    /// Drafted tokens one step may verify over all sequences (speculative decoding; 0:
+    /// none): each gives a row of logits beside the one each sequence gets.
+    pub verify_rows: usize,
 }
 
 impl ModelOptions {
+    /// Rows of logits one step may give: one a sequence and the verified drafts.
+    pub fn logit_rows(&self) -> usize {
+        self.kv_slots + self.verify_rows
+    }
+
     /// What a backend needs to size its scratch for this model under these limits.
     pub fn scratch_shape(&self, cfg: &ArchConfig) -> ScratchShape {
         ScratchShape {
-            rows: self.max_batch_tokens.max(self.kv_slots) as u64,
+            rows: self.max_batch_tokens.max(self.logit_rows()) as u64,
             hidden: cfg.hidden as u64,
             q_dim: cfg.q_dim(),
             heads: cfg.n_heads as u64,
@@ -71,7 +79,7 @@ impl<M> Workspace<M> {
     ) -> Result<Self, BackendError> {
         let (h, q, kv, vocab) = (c.hidden as u64, c.q_dim(), c.kv_dim(), c.vocab as u64);
         let t = opts.max_batch_tokens;
-        let s = opts.kv_slots;
+        let s = opts.logit_rows();
         let a = |n: u64, what: &str| backend.alloc(n as usize * 4, what);
         let ffn = ffn_rows(c);
         Ok(Workspace {
@@ -162,7 +170,7 @@ pub fn workspace_bytes(cfg: &ArchConfig, opts: &ModelOptions) -> u64 {
         .moe
         .as_ref()
         .map_or(0, |m| t * (m.n_experts as u64 + 3 * h));
-    let s = opts.kv_slots as u64;
+    let s = opts.logit_rows() as u64;
     let qk = if cfg.arch.recipe().qk_norm {
         t * (q + kv)
     } else {

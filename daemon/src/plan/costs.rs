@@ -167,7 +167,7 @@ impl<'m> UnitCosts<'m> {
                     .max()?;
                 let n = sp.experts.len() as u64;
                 let expert_raw = (lu.raw_len - sp.dense_raw) / n.max(1);
-                let routed = (moe.top_k as u64 * opts.kv_slots as u64).min(n);
+                let routed = (moe.top_k as u64 * opts.logit_rows() as u64).min(n);
                 Some((need, sp.dense_raw + routed * expert_raw))
             })
             .collect();
@@ -188,7 +188,7 @@ impl<'m> UnitCosts<'m> {
             table,
             tied: m.arch.tied_embeddings,
             direct: unit.stored_as_raw(),
-            gather: (frame * opts.kv_slots as u64).min(unit.stored_len),
+            gather: (frame * opts.logit_rows() as u64).min(unit.stored_len),
             sparse,
             pieced,
         }

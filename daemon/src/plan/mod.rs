@@ -44,6 +44,7 @@ pub(crate) fn test_input(
             max_batch_tokens,
             kv_dtype: crate::model::KvDtype::F32,
             exact: true,
+            verify_rows: 0,
         },
         prefetch: None,
         expert_cache: None,

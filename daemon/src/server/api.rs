@@ -218,6 +218,8 @@ pub struct Frontend {
     pub max_tokens_default: u32,
     pub limits: RequestLimits,
     pub metrics: Arc<Metrics>,
+    /// Speculative decoding for every request of this model (`--draft`), or None.
+    pub draft: Option<crate::engine::draft::DraftConfig>,
 }
 
 /// A request `Frontend::check` found valid, tokenized, not yet queued.
@@ -234,6 +236,22 @@ pub struct Submitted {
     pub prompt_tokens: usize,
     pub truncated: bool,
     pub events: Events,
+}
+
+/// A sampling setting out of its range, as the 400 that names it (the message begins with
+/// the parameter's name).
+fn sampling_error(m: String) -> ApiError {
+    let param = [
+        "temperature",
+        "top_p",
+        "min_p",
+        "repetition_penalty",
+        "presence_penalty",
+        "frequency_penalty",
+    ]
+    .into_iter()
+    .find(|p| m.starts_with(p));
+    ApiError::invalid(param, m)
 }
 
 impl Frontend {
@@ -514,20 +532,7 @@ impl Frontend {
 
     fn prepare(&self, input: GenerateInput) -> Result<(Vec<u32>, GenerateParams, bool), ApiError> {
         self.check_model(&input.model)?;
-        input.sampling.validate().map_err(|m| {
-            // The message begins with the parameter's name.
-            let param = [
-                "temperature",
-                "top_p",
-                "min_p",
-                "repetition_penalty",
-                "presence_penalty",
-                "frequency_penalty",
-            ]
-            .into_iter()
-            .find(|p| m.starts_with(p));
-            ApiError::invalid(param, m)
-        })?;
+        input.sampling.validate().map_err(sampling_error)?;
         if input.stop.len() > self.limits.max_stop {
             return Err(ApiError::invalid(
                 Some("stop"),
@@ -632,6 +637,7 @@ impl Frontend {
                 logprobs: input.logprobs,
                 logit_bias: input.logit_bias,
                 format: input.format,
+                draft: self.draft,
             },
             truncated,
         ))

@@ -83,6 +83,12 @@ pub struct ServeConfig {
     /// A read the disk has not answered for this long ("30s", "500ms") fails the requests
     /// that need its layer with UNAVAILABLE instead of holding them; "off" waits for ever.
     pub read_timeout: String,
+    /// Speculative decoding for every model: "ngram" (prompt lookup); None: off.
+    pub draft: Option<crate::engine::draft::DraftKind>,
+    /// Tokens a sequence drafts for one pass at most.
+    pub draft_max: usize,
+    /// Verify every proposal whole instead of the rows measured pass times pay for.
+    pub draft_fixed: bool,
 }
 
 impl Default for ServeConfig {
@@ -120,11 +126,32 @@ impl Default for ServeConfig {
             max_tokens_default: 256,
             shutdown_grace_s: 30,
             read_timeout: "30s".into(),
+            draft: None,
+            draft_max: crate::engine::draft::DRAFT_MAX_DEFAULT,
+            draft_fixed: false,
         }
     }
 }
 
 impl ServeConfig {
+    /// Speculative decoding's settings (None: off).
+    pub fn draft_config(&self) -> Option<crate::engine::draft::DraftConfig> {
+        self.draft.map(|kind| crate::engine::draft::DraftConfig {
+            kind,
+            max: self.draft_max,
+            fixed: self.draft_fixed,
+        })
+    }
+
+    /// Drafted tokens one pass may verify over the batch: each sequence's `draft_max`,
+    /// within the pass's token budget (0 without drafting).
+    pub fn verify_rows(&self) -> usize {
+        match self.draft {
+            None => 0,
+            Some(_) => (self.max_batch * self.draft_max)
+                .min(self.batch_tokens.saturating_sub(self.max_batch)),
+        }
+    }
     /// `read_timeout` parsed: None for "off" (or 0).
     pub fn read_timeout(&self) -> Result<Option<std::time::Duration>, String> {
         let t = self.read_timeout.trim();

@@ -165,6 +165,66 @@ fn labeled(out: &mut String, name: &str, help: &str, label: &str, samples: &[(&s
     }
 }
 
+/// The model served and how, as labels of a constant gauge.
+fn model_info(out: &mut String, st: &Static) {
+    header(
+        out,
+        "sluice_model_info",
+        "The model served and how (always 1).",
+        "gauge",
+    );
+    let _ = writeln!(
+        out,
+        "sluice_model_info{{model=\"{}\",backend=\"{}\",numerics=\"{}\",kv_dtype=\"{}\"}} 1",
+        label(&st.model),
+        label(&st.backend),
+        st.numerics,
+        label(&st.kv_dtype)
+    );
+}
+
+/// Speculative decoding's counters and the histogram of tokens per decode step.
+fn speculative(out: &mut String, s: &crate::engine::draft::SpecStats) {
+    scalar(
+        out,
+        "sluice_draft_tokens_total",
+        "Drafted tokens that passes verified (speculative decoding).",
+        "counter",
+        s.drafted_tokens,
+    );
+    scalar(
+        out,
+        "sluice_draft_accepted_tokens_total",
+        "Drafted tokens the sequences' own sampling agreed with.",
+        "counter",
+        s.accepted_tokens,
+    );
+    tokens_per_step(out, &s.tokens_per_step);
+}
+
+/// The histogram of tokens a sequence's decode step yielded (more than one where drafts
+/// were accepted), its buckets cumulative as the text format wants them.
+fn tokens_per_step(out: &mut String, counts: &[u64]) {
+    let name = "sluice_tokens_per_step";
+    header(
+        out,
+        name,
+        "Tokens a sequence's decode step yielded: its own, and the drafts it accepted.",
+        "histogram",
+    );
+    let (mut seen, mut sum) = (0u64, 0u64);
+    for (i, &n) in counts.iter().enumerate() {
+        seen += n;
+        sum += (i as u64 + 1) * n;
+        if i + 1 < counts.len() {
+            let _ = writeln!(out, "{name}_bucket{{le=\"{}\"}} {seen}", i + 1);
+        }
+    }
+    let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {seen}");
+    let _ = writeln!(out, "{name}_sum {sum}");
+    let _ = writeln!(out, "{name}_count {seen}");
+}
+
 /// A label value as the text format wants it: backslash, quote and newline escaped.
 fn label(v: &str) -> String {
     v.replace('\\', "\\\\")
@@ -419,20 +479,8 @@ impl Metrics {
                 ("load_waiting_for_slot", io.slot_stall_s),
             ],
         );
-        header(
-            &mut out,
-            "sluice_model_info",
-            "The model served and how (always 1).",
-            "gauge",
-        );
-        let _ = writeln!(
-            out,
-            "sluice_model_info{{model=\"{}\",backend=\"{}\",numerics=\"{}\",kv_dtype=\"{}\"}} 1",
-            label(&st.model),
-            label(&st.backend),
-            st.numerics,
-            label(&st.kv_dtype)
-        );
+        speculative(&mut out, &s.speculative);
+        model_info(&mut out, st);
         out
     }
 }
@@ -454,5 +502,25 @@ mod tests {
         assert!(out.contains("x_seconds_bucket{le=\"+Inf\"} 4\n"), "{out}");
         assert!(out.contains("x_seconds_count 4\n"), "{out}");
         assert_eq!(label("a\"b\\c\nd"), "a\\\"b\\\\c\\nd");
+    }
+
+    #[test]
+    fn tokens_per_step_is_a_cumulative_histogram() {
+        let mut counts = [0u64; 17];
+        counts[0] = 5; // five steps of one token
+        counts[2] = 2; // two of three
+        counts[16] = 1; // one of 17 or more (counted as 17 in the sum)
+        let mut out = String::new();
+        tokens_per_step(&mut out, &counts);
+        for want in [
+            "sluice_tokens_per_step_bucket{le=\"1\"} 5\n",
+            "sluice_tokens_per_step_bucket{le=\"3\"} 7\n",
+            "sluice_tokens_per_step_bucket{le=\"16\"} 7\n",
+            "sluice_tokens_per_step_bucket{le=\"+Inf\"} 8\n",
+            "sluice_tokens_per_step_sum 28\n",
+            "sluice_tokens_per_step_count 8\n",
+        ] {
+            assert!(out.contains(want), "{want:?} in {out}");
+        }
     }
 }

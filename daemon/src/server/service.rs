@@ -1,7 +1,7 @@
 //! The `sluice.v1.Inference` service. Conversion between engine errors and gRPC status
 //! codes happens here and nowhere else.
 
-use super::api::{ApiError, ErrorKind, GenerateInput, Prompt, RequestLimits};
+use super::api::{ApiError, ErrorKind, Frontend, GenerateInput, Prompt, RequestLimits};
 use super::metrics::{Api, Metrics};
 use super::models::{parse_keep_alive, Models};
 use crate::engine::scheduler::{Event, Finish};
@@ -346,18 +346,8 @@ impl Inference for Service {
                     tokens: t.clone(),
                 })
                 .collect(),
-            expert_streaming: Some(pb::ExpertStreaming {
-                routed: s.totals.experts_routed,
-                cache_hits: s.totals.expert_cache_hits,
-                loaded: s.totals.experts_loaded,
-                bytes_loaded: s.totals.expert_bytes_loaded,
-                predicted: s.totals.experts_predicted,
-                predicted_used: s.totals.experts_predicted_used,
-                prefetched: s.totals.expert_prefetches,
-                prefetched_unused: s.totals.expert_prefetches_wasted,
-                cache_slots: p.expert_cache_slots as u32,
-                hot_slots: p.expert_hot_slots as u32,
-            }),
+            speculative: Some(speculative_of(&served.front, &s.speculative)),
+            expert_streaming: Some(expert_streaming_of(&s.totals, p)),
         }))
     }
 
@@ -380,5 +370,34 @@ impl Inference for Service {
             status_code: u32::from(code),
             body_json: body.to_string(),
         }))
+    }
+}
+
+/// Status's speculative decoding: the model's drafter and the counts since it loaded.
+fn speculative_of(front: &Frontend, s: &crate::engine::draft::SpecStats) -> pb::Speculative {
+    pb::Speculative {
+        drafter: front.draft.map_or(String::new(), |d| d.kind.to_string()),
+        drafted_tokens: s.drafted_tokens,
+        accepted_tokens: s.accepted_tokens,
+        tokens_per_step: s.tokens_per_step.to_vec(),
+    }
+}
+
+/// Status's expert streaming: what the passes' sparse layers routed, found and loaded.
+fn expert_streaming_of(
+    t: &crate::pipeline::PassStats,
+    p: &crate::plan::Plan,
+) -> pb::ExpertStreaming {
+    pb::ExpertStreaming {
+        routed: t.experts_routed,
+        cache_hits: t.expert_cache_hits,
+        loaded: t.experts_loaded,
+        bytes_loaded: t.expert_bytes_loaded,
+        predicted: t.experts_predicted,
+        predicted_used: t.experts_predicted_used,
+        prefetched: t.expert_prefetches,
+        prefetched_unused: t.expert_prefetches_wasted,
+        cache_slots: p.expert_cache_slots as u32,
+        hot_slots: p.expert_hot_slots as u32,
     }
 }

@@ -137,6 +137,29 @@ pub struct RunArgs {
     /// Print one JSON object instead of the text.
     #[arg(long)]
     json: bool,
+    /// Speculative decoding: `ngram` drafts the next tokens by prompt lookup (the prompt
+    /// and the text so far) and each pass verifies them; the output is the model's own,
+    /// token for token (default: off).
+    #[arg(long, value_name = "DRAFTER")]
+    draft: Option<sluice::engine::draft::DraftKind>,
+    /// Tokens a sequence drafts for one pass at most.
+    #[arg(long, default_value_t = sluice::engine::draft::DRAFT_MAX_DEFAULT)]
+    draft_max: usize,
+    /// Verify every proposal whole (up to --draft-max) instead of the rows that measured
+    /// pass times pay for: for experiments.
+    #[arg(long)]
+    draft_fixed: bool,
+}
+
+impl RunArgs {
+    /// Speculative decoding's settings (None: off).
+    fn draft(&self) -> Option<sluice::engine::draft::DraftConfig> {
+        self.draft.map(|kind| sluice::engine::draft::DraftConfig {
+            kind,
+            max: self.draft_max,
+            fixed: self.draft_fixed,
+        })
+    }
 }
 
 pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
@@ -159,17 +182,26 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     let max_context = a
         .max_context
         .unwrap_or((m.arch.max_context as usize).min(4096));
+    let parallel = a.parallel as usize;
+    // Each sequence's drafts, verified a pass.
+    let verify_rows = if a.draft.is_some() {
+        parallel * a.draft_max
+    } else {
+        0
+    };
     let opts = sluice::model::ModelOptions {
         max_context,
-        kv_slots: a.parallel as usize,
-        // No step carries more than the prompts (the same prompt for each sequence): a
-        // larger prefill chunk would be workspace nothing fills, taken from the budget.
+        kv_slots: parallel,
+        // No step carries more than the prompts (the same prompt for each sequence) or a
+        // decode step's rows: a larger prefill chunk would be workspace nothing fills,
+        // taken from the budget.
         max_batch_tokens: a
             .batch_tokens
-            .min(prompt_ids.len().max(1) * a.parallel as usize)
+            .min((prompt_ids.len().max(1) * parallel).max(parallel + verify_rows))
             .max(1),
         kv_dtype: sluice::engine::kv_dtype_for(a.exact, a.kv_dtype),
         exact: a.exact,
+        verify_rows,
     };
     // A profile's hottest experts, those that served half its routed tokens, are planned
     // resident.
@@ -191,7 +223,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         // Logits of a row per sequence and the generated text are the run's own allocations.
         host: sluice::engine::host_input(
             a.host_memory,
-            4 * m.arch.vocab as u64 * u64::from(a.parallel),
+            4 * m.arch.vocab as u64 * opts.logit_rows() as u64,
         ),
     };
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
@@ -308,6 +340,7 @@ fn run_generate<B: Backend>(
     use sluice::engine::generate::generate_parallel;
     use sluice::engine::sequence::GenerateParams;
     use std::io::Write;
+    let (parallel, draft) = (a.parallel as usize, a.draft());
     if !a.json {
         eprint!("{}", runner.plan.table());
         eprintln!("sampling: {}", sampling.describe());
@@ -347,9 +380,9 @@ fn run_generate<B: Backend>(
             (None, true) => OutputFormat::JsonObject,
             (None, false) => OutputFormat::Text,
         },
+        draft,
     };
     let stdout = std::io::stdout();
-    let parallel = a.parallel as usize;
     let outs = generate_parallel(&mut runner, tok, prompt_ids, &params, parallel, |piece| {
         if !a.json {
             let mut l = stdout.lock();
@@ -359,8 +392,8 @@ fn run_generate<B: Backend>(
     })?;
     let out = &outs[0];
     // The batch's decode rate: every sequence's decode tokens over the shared wall time.
-    let decode_steps: usize = outs.iter().map(|o| o.decode_steps).sum();
-    let decode_tokens_per_s = decode_steps as f64 / out.decode_s.max(1e-9);
+    let decode_tokens: usize = outs.iter().map(|o| o.decode_tokens()).sum();
+    let decode_tokens_per_s = decode_tokens as f64 / out.decode_s.max(1e-9);
     let prefill_tokens_per_s =
         (out.prompt_token_ids.len() * parallel) as f64 / out.prefill_s.max(1e-9);
     let b = &runner.backend;
@@ -426,6 +459,7 @@ fn run_generate<B: Backend>(
         // Past json!'s recursion limit: added after.
         j["int_dots"] = sluice::engine::int_dots_for(b.name(), runner.options().exact).into();
         j["host_bytes_vmhwm"] = sluice::hostmem::peak_rss_bytes().into();
+        speculative_json(&mut j, &outs, draft);
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
         println!();
@@ -434,7 +468,7 @@ fn run_generate<B: Backend>(
             out.prompt_token_ids.len() * parallel,
             out.prefill_s,
             prefill_tokens_per_s,
-            decode_steps,
+            decode_tokens,
             out.decode_s,
             decode_tokens_per_s,
             out.finish_reason,
@@ -458,18 +492,8 @@ fn run_generate<B: Backend>(
             fmt_bytes(host_peak),
             fmt_bytes(plan.host.total_bytes),
         );
-        if total.experts_routed > 0 {
-            eprintln!(
-                "experts: {} routed in streamed layers, {} from the expert cache, {} loaded ({}); prediction ({:?}) precision {:.2}, recall {:.2}",
-                total.experts_routed,
-                total.expert_cache_hits,
-                total.experts_loaded,
-                fmt_bytes(total.expert_bytes_loaded),
-                runner.pipeline_options().expert_prediction,
-                ratio(total.experts_predicted_used, total.experts_predicted),
-                ratio(total.experts_predicted_used, total.experts_routed),
-            );
-        }
+        print_experts(&total, runner.pipeline_options().expert_prediction);
+        print_drafting(&outs);
     }
     if let Some(path) = &a.save_expert_profile {
         runner.expert_profile().save(path)?;
@@ -489,6 +513,61 @@ fn ratio(a: u64, b: u64) -> f64 {
 }
 
 /// Both predictors of a mixture's routing over the run (the lookahead only where measured).
+/// The line on streamed experts, when a sparse layer streamed.
+fn print_experts(total: &sluice::pipeline::PassStats, mode: sluice::pipeline::Prediction) {
+    if total.experts_routed > 0 {
+        eprintln!(
+            "experts: {} routed in streamed layers, {} from the expert cache, {} loaded ({}); prediction ({mode:?}) precision {:.2}, recall {:.2}",
+            total.experts_routed,
+            total.expert_cache_hits,
+            total.experts_loaded,
+            fmt_bytes(total.expert_bytes_loaded),
+            ratio(total.experts_predicted_used, total.experts_predicted),
+            ratio(total.experts_predicted_used, total.experts_routed),
+        );
+    }
+}
+
+/// The line on speculative decoding, when the sequences drafted.
+fn print_drafting(outs: &[sluice::engine::generate::GenerateOutput]) {
+    let mut s = sluice::engine::draft::SpecStats::default();
+    for o in outs {
+        s.add(&o.speculative);
+    }
+    if s.drafted_tokens > 0 {
+        eprintln!(
+            "drafting: {} of {} drafted tokens accepted ({:.2}); {:.2} tokens a decode step, {} decode passes",
+            s.accepted_tokens,
+            s.drafted_tokens,
+            ratio(s.accepted_tokens, s.drafted_tokens),
+            s.tokens_per_step_mean(),
+            outs.first().map_or(0, |o| o.decode_passes),
+        );
+    }
+}
+
+/// `--json`'s decode steps and passes and speculative decoding's counts, over the batch.
+fn speculative_json(
+    j: &mut serde_json::Value,
+    outs: &[sluice::engine::generate::GenerateOutput],
+    draft: Option<sluice::engine::draft::DraftConfig>,
+) {
+    let mut s = sluice::engine::draft::SpecStats::default();
+    for o in outs {
+        s.add(&o.speculative);
+    }
+    j["decode_steps"] = outs.iter().map(|o| o.decode_steps).sum::<usize>().into();
+    j["decode_passes"] = outs.first().map_or(0, |o| o.decode_passes).into();
+    j["draft"] = draft.map(|d| d.kind.to_string()).into();
+    j["speculative"] = serde_json::json!({
+        "drafted_tokens": s.drafted_tokens,
+        "accepted_tokens": s.accepted_tokens,
+        "acceptance": ratio(s.accepted_tokens, s.drafted_tokens),
+        "tokens_per_step": s.tokens_per_step,
+        "tokens_per_step_mean": s.tokens_per_step_mean(),
+    });
+}
+
 fn prediction_json(p: &sluice::model::moe::PredictionStats) -> serde_json::Value {
     let (prev, ahead) = (&p.previous, &p.lookahead);
     serde_json::json!({

@@ -143,6 +143,18 @@ pub struct ServeArgs {
     /// layer with UNAVAILABLE ("30s" by default, "500ms", "off" to wait for ever).
     #[arg(long)]
     pub read_timeout: Option<String>,
+    /// Speculative decoding: `ngram` drafts each sequence's next tokens by prompt lookup
+    /// (its own prompt and text), and each pass verifies them with the batch; outputs are
+    /// the model's own, token for token (default: off).
+    #[arg(long, value_name = "DRAFTER")]
+    pub draft: Option<sluice::engine::draft::DraftKind>,
+    /// Tokens a sequence drafts for one pass at most (default 8).
+    #[arg(long)]
+    pub draft_max: Option<usize>,
+    /// Verify every proposal whole (up to --draft-max) instead of the rows that measured
+    /// pass times pay for: for experiments.
+    #[arg(long)]
+    pub draft_fixed: bool,
 }
 
 fn parse_byte_size(s: &str) -> Result<ByteSize, String> {
@@ -170,8 +182,13 @@ impl ServeArgs {
             shutdown_grace_s,
             host_cache,
             backend,
-            device
+            device,
+            draft_max
         );
+        if self.draft.is_some() {
+            c.draft = self.draft;
+        }
+        c.draft_fixed |= self.draft_fixed;
         if self.model.is_some() {
             c.model = self.model;
         }
@@ -298,15 +315,17 @@ impl ModelLoader {
                 max_batch_tokens: cfg.batch_tokens,
                 kv_dtype: sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype),
                 exact: cfg.exact,
+                verify_rows: cfg.verify_rows(),
             },
             prefetch: cfg.prefetch,
             expert_cache: cfg.expert_cache,
             expert_profile: profile_hot,
             backend_reserved: 0,
-            // Logits rows of a full batch are the scheduler's own allocation.
+            // Logits rows of a full batch (and its drafts) are the scheduler's own
+            // allocation.
             host: sluice::engine::host_input(
                 cfg.host_memory.map(|b| b.0),
-                4 * m.arch.vocab as u64 * cfg.max_batch as u64,
+                4 * m.arch.vocab as u64 * (cfg.max_batch + cfg.verify_rows()) as u64,
             ),
         }
     }
@@ -387,25 +406,12 @@ impl ModelLoader {
         let front = Arc::new(Frontend {
             usage: Arc::default(),
             sched,
-            meta: ModelMeta {
-                name: name.to_string(),
-                architecture: m.arch.arch.to_string(),
-                layers: m.arch.n_layers,
-                hidden: m.arch.hidden,
-                vocab: m.arch.vocab,
-                context: cfg.max_context as u32,
-                trained_context: m.arch.max_context,
-                sampling: sluice::engine::sampling_defaults(m),
-                stored_bytes: m.stored_bytes(),
-                raw_bytes: m.raw_bytes(),
-                created: std::time::SystemTime::now()
-                    .duration_since(std::time::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_secs()),
-            },
+            meta: model_meta(name, m, cfg.max_context),
             template,
             max_tokens_default: cfg.max_tokens_default,
             limits: self.limits,
             metrics: self.metrics.clone(),
+            draft: cfg.draft_config(),
         });
         let stat = Static::of(name, backend_name, numerics, kv_dtype.to_string(), &plan);
         Ok(Served {
@@ -785,4 +791,23 @@ fn listen_until_stopped(
         tracing::info!("stopped");
         Ok(())
     })
+}
+
+/// What the API says of a model loaded as `name` with a context of `context` positions.
+fn model_meta(name: &str, m: &sluice::store::Manifest, context: usize) -> ModelMeta {
+    ModelMeta {
+        name: name.to_string(),
+        architecture: m.arch.arch.to_string(),
+        layers: m.arch.n_layers,
+        hidden: m.arch.hidden,
+        vocab: m.arch.vocab,
+        context: context as u32,
+        trained_context: m.arch.max_context,
+        sampling: sluice::engine::sampling_defaults(m),
+        stored_bytes: m.stored_bytes(),
+        raw_bytes: m.raw_bytes(),
+        created: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_secs()),
+    }
 }

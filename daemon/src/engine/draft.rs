@@ -1,0 +1,519 @@
+//! Speculative decoding's drafters: what proposes the tokens a step verifies after a
+//! sequence's pending token (ARCHITECTURE.md, speculative decoding).
+//!
+//! A drafter sees a sequence's text (its prompt, then each token as it is accepted) and
+//! proposes up to a given number of tokens to follow. The target model then runs the
+//! pending token and the proposal as one span of decode rows (`SeqStep::verify`), and the
+//! sequence samples row after row with its own sampler while the proposal agrees with what
+//! it sampled (`Sequence::advance`). Each emitted token is therefore the one the sampler
+//! draws from the model's own logits for the same text: the drafter decides only how many
+//! rows one pass yields, never which tokens. With a seed, a drafted run's tokens are those
+//! of a run without drafting, bit for bit; greedy ones always.
+//!
+//! `ngram` (prompt lookup): the longest suffix of the text, NGRAM_MAX tokens down to one,
+//! that occurred before; the tokens that followed its most recent earlier occurrence are
+//! the proposal. An index from each n-gram to the end of its latest occurrence, updated as
+//! tokens arrive, makes a proposal a few hash lookups however long the text is. It costs
+//! no model and no memory to speak of (four index entries a token), and it is what
+//! summaries and edits want: they copy names and phrases from their prompt.
+
+use serde::Serialize;
+use std::collections::HashMap;
+use std::fmt;
+use std::str::FromStr;
+
+/// Proposes tokens to follow a sequence's text.
+pub trait Drafter: Send {
+    /// Tokens appended to the text (the prompt first, then each accepted token).
+    fn extend(&mut self, tokens: &[u32]);
+    /// Up to `max` tokens to follow the text so far, into `out` (cleared first; left
+    /// empty when it has nothing to propose).
+    fn propose(&mut self, max: usize, out: &mut Vec<u32>);
+}
+
+/// Which drafter a model runs with (`--draft`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum DraftKind {
+    /// Prompt lookup over the sequence's own text.
+    Ngram,
+}
+
+impl FromStr for DraftKind {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "ngram" => Ok(DraftKind::Ngram),
+            other => Err(format!(
+                "unknown drafter {other:?}: `ngram` (prompt lookup) is the one there is"
+            )),
+        }
+    }
+}
+
+impl fmt::Display for DraftKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DraftKind::Ngram => "ngram",
+        })
+    }
+}
+
+/// Speculative decoding's settings for a model.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct DraftConfig {
+    pub kind: DraftKind,
+    /// Tokens a sequence drafts for one step at most (`--draft-max`).
+    pub max: usize,
+    /// Verify every proposal whole (up to `max`) instead of the rows that measured pass
+    /// times pay for (`--draft-fixed`: experiments, and tests that must see drafts).
+    pub fixed: bool,
+}
+
+/// A decoding sequence's claim on a step's drafted rows (`Sequence::draft_ask`).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct DraftAsk {
+    /// Its acceptance so far (`SeqDraft::acceptance`).
+    pub acceptance: f64,
+    /// Drafts it proposes.
+    pub proposed: usize,
+    /// Its proposal goes in whole, within the pass's cap (`DraftConfig::fixed`).
+    pub fixed: bool,
+}
+
+/// `--draft-max`'s default: on a 2-core CPU a verified row costs about a decode row's
+/// compute, and ngram proposals past eight tokens are rarely accepted whole.
+pub const DRAFT_MAX_DEFAULT: usize = 8;
+
+impl DraftConfig {
+    /// A new drafter for one sequence.
+    pub fn drafter(&self) -> Box<dyn Drafter> {
+        match self.kind {
+            DraftKind::Ngram => Box::new(Ngram::default()),
+        }
+    }
+}
+
+/// Buckets of `SpecStats::tokens_per_step`: 1 to 16 tokens, the last for more.
+pub const STEP_TOKENS_BUCKETS: usize = 17;
+
+/// Speculative decoding's counts over a run or a daemon's life (Status, /metrics,
+/// `run --json`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Serialize)]
+pub struct SpecStats {
+    /// Drafted tokens that went into steps to verify.
+    pub drafted_tokens: u64,
+    /// Of those, the ones the sequence's own sampling agreed with.
+    pub accepted_tokens: u64,
+    /// Decode steps of a sequence by the tokens each yielded: `[i]` counts steps that
+    /// yielded i + 1 (the last bucket: 17 or more).
+    pub tokens_per_step: [u64; STEP_TOKENS_BUCKETS],
+}
+
+impl SpecStats {
+    /// A sequence's decode step verified `drafted` tokens and yielded `emitted`.
+    pub fn record(&mut self, drafted: usize, emitted: usize) {
+        self.drafted_tokens += drafted as u64;
+        self.accepted_tokens += emitted.saturating_sub(1).min(drafted) as u64;
+        if emitted > 0 {
+            self.tokens_per_step[(emitted - 1).min(STEP_TOKENS_BUCKETS - 1)] += 1;
+        }
+    }
+
+    /// Adds another run's counts.
+    pub fn add(&mut self, o: &SpecStats) {
+        self.drafted_tokens += o.drafted_tokens;
+        self.accepted_tokens += o.accepted_tokens;
+        for (a, b) in self.tokens_per_step.iter_mut().zip(o.tokens_per_step) {
+            *a += b;
+        }
+    }
+
+    /// The tokens a decode step yielded on average.
+    pub fn tokens_per_step_mean(&self) -> f64 {
+        let steps: u64 = self.tokens_per_step.iter().sum();
+        let tokens: u64 = self
+            .tokens_per_step
+            .iter()
+            .enumerate()
+            .map(|(i, &n)| (i as u64 + 1) * n)
+            .sum();
+        tokens as f64 / steps.max(1) as f64
+    }
+}
+
+/// A sequence's acceptance before its first verified step.
+const ACCEPTANCE_PRIOR: f64 = 0.5;
+
+/// How many drafted rows a pass verifies, chosen from what passes measured: a pass costs
+/// the longer of its streaming and its compute, and compute grows with the rows it carries
+/// (a least-squares line through recent passes' compute against their rows, older passes
+/// weighing less). A row whose expected yield (its sequence's acceptance to the power of
+/// its depth: every draft before it must be accepted too) raises the expected tokens per
+/// second of the pass goes in, best first: while the pass waits for its loads, rows are
+/// free; past that, each must be worth its compute.
+#[derive(Clone, Debug, Default)]
+pub struct RowBudget {
+    // Decayed sums of the fit: weight, rows, seconds, rows^2, rows x seconds.
+    w: f64,
+    x: f64,
+    y: f64,
+    xx: f64,
+    xy: f64,
+    /// The last pass's time waiting for loads (its streaming beyond its compute).
+    stall_s: f64,
+}
+
+/// How much of the old fit a new pass leaves.
+const FIT_DECAY: f64 = 0.95;
+
+impl RowBudget {
+    /// A pass carried `rows` rows, computed for `compute_s` and waited `stall_s` for loads.
+    pub fn observe(&mut self, rows: usize, compute_s: f64, stall_s: f64) {
+        let (x, y) = (rows as f64, compute_s);
+        self.w = FIT_DECAY * self.w + 1.0;
+        self.x = FIT_DECAY * self.x + x;
+        self.y = FIT_DECAY * self.y + y;
+        self.xx = FIT_DECAY * self.xx + x * x;
+        self.xy = FIT_DECAY * self.xy + x * y;
+        self.stall_s = stall_s;
+    }
+
+    /// Compute seconds of a pass of `rows` rows, as the fit has it: (intercept, per row).
+    /// Until the passes' rows have varied, a row is taken to cost nothing beyond the pass.
+    pub fn line(&self) -> (f64, f64) {
+        if self.w == 0.0 {
+            return (0.0, 0.0);
+        }
+        let (mx, my) = (self.x / self.w, self.y / self.w);
+        let var = self.xx / self.w - mx * mx;
+        if var < 0.25 {
+            return (my, 0.0);
+        }
+        let slope = ((self.xy / self.w - mx * my) / var).max(0.0);
+        ((my - slope * mx).max(0.0), slope)
+    }
+
+    /// Drafted rows for each of a step's sequences, into `out` (one count per ask): the
+    /// fixed asks' proposals whole, then the rows that pay, with the step's other rows
+    /// `base_rows` (one a sequence, prefill chunks) and at most `cap` drafted rows in all.
+    pub fn allot(&self, asks: &[DraftAsk], base_rows: usize, cap: usize, out: &mut Vec<usize>) {
+        out.clear();
+        out.resize(asks.len(), 0);
+        let mut left = cap;
+        for (o, ask) in out.iter_mut().zip(asks).filter(|(_, a)| a.fixed) {
+            *o = ask.proposed.min(left);
+            left -= *o;
+        }
+        let (a, b) = self.line();
+        let compute = |rows: usize| a + b * rows as f64;
+        // The pass as it stands: its compute, or its loads where they take longer.
+        let first = base_rows + (cap - left);
+        let floor = compute(first) + self.stall_s;
+        let mut tokens = asks.len() as f64;
+        let mut time = floor.max(compute(first)).max(1e-9);
+        // Each row after those the pass already carries.
+        for rows in first..first + left {
+            // The best next row: the sequence whose next draft is likeliest to be accepted.
+            let best = (0..asks.len())
+                .filter(|&i| !asks[i].fixed && out[i] < asks[i].proposed)
+                .map(|i| (i, asks[i].acceptance.powi(out[i] as i32 + 1)))
+                .max_by(|x, y| x.1.total_cmp(&y.1));
+            let Some((i, gain)) = best else { break };
+            let t = floor.max(compute(rows + 1)).max(1e-9);
+            if (tokens + gain) / t < tokens / time {
+                break;
+            }
+            out[i] += 1;
+            tokens += gain;
+            time = t;
+        }
+    }
+}
+
+/// The longest n-gram a proposal matches on.
+const NGRAM_MAX: usize = 4;
+
+/// Prompt lookup (see the module doc).
+#[derive(Default)]
+pub struct Ngram {
+    text: Vec<u32>,
+    /// Hash of an n-gram (n folded in) -> the end of its latest occurrence, for every
+    /// n-gram that ends before the text does (the text's own suffix is looked up, never
+    /// found as itself).
+    index: HashMap<u64, u32>,
+}
+
+/// FNV-1a over the tokens, n folded in.
+fn gram_hash(gram: &[u32]) -> u64 {
+    let mut h = 0xcbf2_9ce4_8422_2325u64 ^ gram.len() as u64;
+    for &t in gram {
+        for b in t.to_le_bytes() {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+    }
+    h
+}
+
+impl Drafter for Ngram {
+    fn extend(&mut self, tokens: &[u32]) {
+        for &t in tokens {
+            // The n-grams ending at the current end become lookable once a token follows.
+            let end = self.text.len();
+            for n in 1..=NGRAM_MAX.min(end) {
+                self.index
+                    .insert(gram_hash(&self.text[end - n..end]), end as u32);
+            }
+            self.text.push(t);
+        }
+    }
+
+    fn propose(&mut self, max: usize, out: &mut Vec<u32>) {
+        out.clear();
+        let end = self.text.len();
+        if max == 0 {
+            return;
+        }
+        for n in (1..=NGRAM_MAX.min(end)).rev() {
+            let suffix = &self.text[end - n..];
+            let Some(&at) = self.index.get(&gram_hash(suffix)) else {
+                continue;
+            };
+            let at = at as usize;
+            // A hash collision is no match.
+            if at < n || &self.text[at - n..at] != suffix {
+                continue;
+            }
+            // What followed, read on into the proposal itself where it reaches the end
+            // (an overlapping copy: a repeating pattern proposes its next repeats).
+            for k in 0..max {
+                let t = match self.text.get(at + k) {
+                    Some(&t) => t,
+                    None => out[at + k - end],
+                };
+                out.push(t);
+            }
+            return;
+        }
+    }
+}
+
+/// A sequence's drafting: its drafter, the proposal for its next step, and how well its
+/// proposals have done (a sequence whose drafts keep failing drafts less, then pauses).
+pub struct SeqDraft {
+    drafter: Box<dyn Drafter>,
+    max: usize,
+    fixed: bool,
+    /// Tokens to verify after the pending one in the next step.
+    pub proposal: Vec<u32>,
+    /// Drafted tokens that went into steps, and those accepted, since the start.
+    pub drafted: u64,
+    pub accepted: u64,
+    /// The current length limit: doubles after a proposal accepted whole, halves after
+    /// one whose first token failed.
+    limit: usize,
+    /// Steps left without drafting (after failures at the least length), and the next
+    /// pause's length.
+    paused: usize,
+    pause: usize,
+    /// The chance that a draft is accepted given the ones before it were, smoothed over
+    /// this sequence's verified steps (what `RowBudget` weighs its rows by).
+    pub acceptance: f64,
+}
+
+impl SeqDraft {
+    pub fn new(cfg: &DraftConfig, prompt: &[u32]) -> SeqDraft {
+        let mut drafter = cfg.drafter();
+        drafter.extend(prompt);
+        SeqDraft {
+            drafter,
+            max: cfg.max,
+            fixed: cfg.fixed,
+            proposal: Vec::with_capacity(cfg.max),
+            drafted: 0,
+            accepted: 0,
+            limit: cfg.max,
+            paused: 0,
+            pause: 1,
+            acceptance: ACCEPTANCE_PRIOR,
+        }
+    }
+
+    /// Its claim on the next step's drafted rows.
+    pub fn ask(&self) -> DraftAsk {
+        DraftAsk {
+            acceptance: self.acceptance,
+            proposed: self.proposal.len(),
+            fixed: self.fixed,
+        }
+    }
+
+    /// Tokens were accepted into the text.
+    pub fn extend(&mut self, tokens: &[u32]) {
+        self.drafter.extend(tokens);
+    }
+
+    /// The outcome of a verified step: `drafted` tokens went in, the first `accepted` of
+    /// them matched what the sequence sampled.
+    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+        self.drafted += drafted as u64;
+        self.accepted += accepted as u64;
+        // A run of `accepted` successes then (unless all were accepted) one failure: the
+        // per-draft chance that run measures.
+        let tries = (accepted + usize::from(accepted < drafted)) as f64;
+        let rate = accepted as f64 / tries.max(1.0);
+        self.acceptance = 0.7 * self.acceptance + 0.3 * rate;
+        if accepted == drafted {
+            self.limit = (self.limit * 2).min(self.max);
+            self.pause = 1;
+        } else if accepted == 0 {
+            if self.limit == 1 {
+                self.paused = self.pause;
+                self.pause = (self.pause * 2).min(64);
+            }
+            self.limit = (self.limit / 2).max(1);
+        }
+    }
+
+    /// Makes the proposal for the next step: at most `room` tokens (what the context and
+    /// `max_tokens` leave), none while paused.
+    pub fn propose(&mut self, room: usize) {
+        self.proposal.clear();
+        if self.paused > 0 {
+            self.paused -= 1;
+            return;
+        }
+        let n = self.limit.min(room);
+        self.drafter.propose(n, &mut self.proposal);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ngram(text: &[u32]) -> Ngram {
+        let mut d = Ngram::default();
+        d.extend(text);
+        d
+    }
+
+    #[test]
+    fn ngram_proposes_what_followed_the_longest_suffix_seen_before() {
+        // "1 2 3 4 9 | 5 2 3 4 7 | ... 2 3 4": the 3-gram 2 3 4 last ended before 7.
+        let mut d = ngram(&[1, 2, 3, 4, 9, 5, 2, 3, 4, 7, 8, 6, 2, 3, 4]);
+        let mut out = Vec::new();
+        d.propose(3, &mut out);
+        assert_eq!(out, [7, 8, 6]);
+        // Past the end of the text the continuation reads on into itself.
+        d.propose(10, &mut out);
+        assert_eq!(out, [7, 8, 6, 2, 3, 4, 7, 8, 6, 2]);
+        d.propose(0, &mut out);
+        assert!(out.is_empty());
+    }
+
+    #[test]
+    fn ngram_falls_back_to_shorter_suffixes_and_proposes_nothing_unseen() {
+        let mut out = Vec::new();
+        // Only the last token, 5, occurred before (followed by 6).
+        ngram(&[5, 6, 7, 1, 5]).propose(2, &mut out);
+        assert_eq!(out, [6, 7]);
+        ngram(&[1, 2, 3]).propose(4, &mut out);
+        assert!(out.is_empty());
+        ngram(&[]).propose(4, &mut out);
+        assert!(out.is_empty());
+        // A run of one token proposes more of it.
+        ngram(&[4, 4, 4]).propose(3, &mut out);
+        assert_eq!(out, [4, 4, 4]);
+    }
+
+    #[test]
+    fn ngram_extends_token_by_token_as_it_does_at_once() {
+        let text = [
+            3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3,
+        ];
+        let mut one = Ngram::default();
+        let (mut a, mut b) = (Vec::new(), Vec::new());
+        for (i, &t) in text.iter().enumerate() {
+            one.extend(&[t]);
+            one.propose(5, &mut a);
+            ngram(&text[..=i]).propose(5, &mut b);
+            assert_eq!(a, b, "after {} tokens", i + 1);
+        }
+    }
+
+    fn ask(acceptance: f64, proposed: usize) -> DraftAsk {
+        DraftAsk {
+            acceptance,
+            proposed,
+            fixed: false,
+        }
+    }
+
+    #[test]
+    fn the_row_budget_drafts_freely_while_loads_bound_the_pass_and_weighs_rows_after() {
+        let mut b = RowBudget::default();
+        let mut out = Vec::new();
+        // Nothing measured: rows look free, every proposal goes in, within the cap.
+        b.allot(&[ask(0.5, 4), ask(0.9, 8)], 2, 10, &mut out);
+        assert_eq!(
+            out,
+            [2, 8],
+            "the likelier sequence's rows first, to the cap"
+        );
+        // Compute 10 ms + 1 ms a row, measured over passes of 2 to 12 rows.
+        for rows in [2, 6, 12, 4, 9, 2, 7] {
+            b.observe(rows, 0.010 + 0.001 * rows as f64, 0.0);
+        }
+        let (a, slope) = b.line();
+        assert!(
+            (a - 0.010).abs() < 1e-9 && (slope - 0.001).abs() < 1e-9,
+            "{a} {slope}"
+        );
+        // Compute-bound: a row costing 1 ms of a 12 ms pass is worth it only while its
+        // chance beats about a twelfth of a token.
+        b.allot(&[ask(0.05, 8)], 1, 16, &mut out);
+        assert_eq!(out, [0], "a 5 % draft does not pay for its compute");
+        b.allot(&[ask(0.9, 8)], 1, 16, &mut out);
+        assert!(out[0] >= 4, "{out:?}");
+        // A fixed ask gets its proposal whole all the same, within the cap.
+        let fixed = DraftAsk {
+            fixed: true,
+            ..ask(0.05, 8)
+        };
+        b.allot(&[fixed, ask(0.05, 8)], 2, 6, &mut out);
+        assert_eq!(out, [6, 0]);
+        // The same pass waiting 50 ms for its loads: rows are free up to the wait.
+        b.observe(1, 0.011, 0.050);
+        b.allot(&[ask(0.05, 8)], 1, 16, &mut out);
+        assert_eq!(out, [8], "free rows are taken even at 5 %");
+    }
+
+    #[test]
+    fn a_failing_sequence_drafts_less_then_pauses_and_recovers() {
+        let cfg = DraftConfig {
+            kind: DraftKind::Ngram,
+            max: 8,
+            fixed: false,
+        };
+        let mut s = SeqDraft::new(&cfg, &[1, 2, 1, 2, 1, 2]);
+        s.propose(100);
+        assert_eq!(s.proposal, [1, 2, 1, 2, 1, 2, 1, 2]);
+        for (drafted, limit) in [(8, 4), (4, 2), (2, 1)] {
+            s.verified(drafted, 0);
+            assert_eq!(s.limit, limit);
+        }
+        // Failing at one token pauses drafting (a step, then two, then four).
+        s.verified(1, 0);
+        s.propose(100);
+        assert!(s.proposal.is_empty());
+        s.propose(100);
+        assert_eq!(s.proposal, [1]);
+        s.verified(1, 1);
+        assert_eq!(s.limit, 2);
+        assert_eq!((s.drafted, s.accepted), (8 + 4 + 2 + 1 + 1, 1));
+        s.propose(1);
+        assert_eq!(s.proposal.len(), 1, "room limits the proposal");
+    }
+}

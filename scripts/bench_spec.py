@@ -1,0 +1,214 @@
+#!/usr/bin/env python3
+"""Speculative decoding under a memory limit: plain sluice against sluice with each drafter,
+beside llama.cpp (llama-cpp-python) plain and with its prompt-lookup drafting
+(`LlamaPromptLookupDecoding`), every engine inside the same memory cgroup, where sluice's
+target model streams. The targets are F16: SmolLM2-135M and Gemma 3 270M rewritten as F16
+by llama.cpp's own quantizer (`llama_model_quantize`, allow_requantize; made once, beside
+the GGUF in the model cache). The prompts (scripts/bench_spec_prompts.json: summaries of
+committed documents, a code rewrite, chat questions) go to every engine as the same token
+ids: the model's own chat template rendered by llama-cpp-python's Jinja formatter and
+tokenized by llama.cpp. Greedy decoding, --decode tokens past the end token (the same
+count for every engine).
+
+For each model, batch (sluice: `run --parallel`; llama.cpp runs batch 1 only: its Python
+API has no batched drafting) and engine, over all prompts: decode tokens/s (the batch's),
+tokens a streamed pass yields, bytes read from storage per token (sluice's own count),
+drafted-token acceptance; then each drafter's speed-up over plain sluice and over
+llama.cpp's prompt lookup, per round and their median. Engines alternate within a round.
+Every sluice run's greedy ids must equal plain sluice's, prompt by prompt (a mismatch is
+printed and fails the script).
+
+    pip install llama-cpp-python
+    cargo build --release
+    python3 scripts/bench_spec.py [--models smollm2,gemma3] [--batch 1,8] [--rounds 2]
+        [--decode 96] [--limit-smollm2 192MiB] [--limit-gemma3 320MiB] [--threads 2]
+        [--draft-max 8] [--no-llama]
+
+Needs root (a child memory cgroup of this process's own, v1 or v2).
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_cpu import RELEASE, SMOLLM2, rewritten  # noqa: E402
+from bench_memlimit import Cgroup, drop_caches  # noqa: E402
+
+import llama_cpp  # noqa: E402
+from llama_cpp.llama_chat_format import Jinja2ChatFormatter  # noqa: E402
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SLUICED = os.environ.get("SLUICED", os.path.join(RELEASE, "sluiced"))
+CACHE = os.environ.get("SLUICE_CACHE", os.path.expanduser("~/.cache/sluice"))
+GEMMA3 = os.path.join(CACHE, "models", "gemma-3-270m-q4_k_m.gguf")
+MIB = 2**20
+
+LLAMA_WORKER = r'''
+import json, sys, time
+import llama_cpp
+from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+gguf, threads, ids, decode, lookup = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
+llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512,
+                      use_mmap=True, verbose=False, draft_model=draft)
+out, t0 = [], time.perf_counter()
+t1 = None
+for t in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
+    out.append(int(t))
+    if t1 is None:
+        t1 = time.perf_counter()
+    if len(out) == decode + 1:
+        break
+t2 = time.perf_counter()
+print(json.dumps({"decode_tps": (len(out) - 1) / (t2 - t1), "ttft": t1 - t0, "ids": out}))
+'''
+
+
+def chat_ids(gguf, prompt):
+    """The prompt as a user message in the model's own chat template, as llama.cpp
+    tokenizes it (special tokens parsed, the template's own BOS only)."""
+    llm = llama_cpp.Llama(model_path=gguf, vocab_only=True, verbose=False)
+    meta = llm.metadata
+    eos = llm.detokenize([llm.token_eos()]).decode(errors="replace")
+    bos = llm.detokenize([llm.token_bos()], special=True).decode(errors="replace") if llm.token_bos() >= 0 else ""
+    fmt = Jinja2ChatFormatter(meta["tokenizer.chat_template"], eos_token=eos, bos_token=bos)
+    text = fmt(messages=[{"role": "user", "content": prompt}]).prompt
+    return llm.tokenize(text.encode(), add_bos=False, special=True)
+
+
+def sluice_run(store, ids, batch, limit, a, draft):
+    cg = Cgroup("sluice-spec", limit)
+    drop_caches()
+    argv = [SLUICED, "run", store, "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(a.decode + 1),
+            "--ignore-eos", "--max-context", "2048", "--threads", str(a.threads), "--host-memory", str(limit),
+            "--parallel", str(batch), "--json"]
+    if draft:
+        argv += ["--draft", draft, "--draft-max", str(a.draft_max)]
+    rc, out, err, _, _ = cg.run(argv)
+    cg.close()
+    if rc != 0:
+        sys.exit(f"sluice failed ({' '.join(argv[:3])} ...): {err.strip()[-400:]}")
+    j = json.loads(out)
+    tokens = sum(len(s["generated_token_ids"]) - 1 for s in j["sequences"])
+    per_pass = j["bytes_read"] / max(j["passes"], 1)
+    spec = j["speculative"]
+    return {"tps": j["decode_tokens_per_s"], "per_pass": tokens / max(j["decode_passes"], 1),
+            "read_per_token": per_pass * j["decode_passes"] / max(tokens, 1),
+            "drafted": spec["drafted_tokens"], "accepted": spec["accepted_tokens"],
+            "ids": j["sequences"][0]["generated_token_ids"], "streamed": j["layers_streamed"]}
+
+
+def llama_run(gguf, ids, limit, a, lookup):
+    cg = Cgroup("sluice-spec", limit)
+    drop_caches()
+    rc, out, err, _, _ = cg.run([sys.executable, "-c", LLAMA_WORKER, gguf, str(a.threads), json.dumps(ids),
+                                 str(a.decode), str(lookup)])
+    cg.close()
+    if rc != 0:
+        return {"error": (err.strip().splitlines() or [f"exit {rc}"])[-1][:100]}
+    j = json.loads(out.strip().splitlines()[-1])
+    return {"tps": j["decode_tps"], "ids": j["ids"]}
+
+
+def bench(name, gguf, limit, prompts, a):
+    store = os.path.join(CACHE, "bench-spec", os.path.basename(gguf) + ".store")
+    if not os.path.isdir(store):
+        subprocess.run([SLUICED, "pack", gguf, "-o", store], check=True, capture_output=True)
+    idss = [chat_ids(gguf, p["prompt"]) for p in prompts]
+    engines = [("sluice", None), ("sluice ngram", "ngram")]
+    print(f"\n{name}: {os.path.basename(gguf)}, limit {limit / MIB:.0f} MiB, {a.threads} threads, {len(prompts)} prompts "
+          f"({', '.join(str(len(i)) for i in idss)} tokens), {a.decode} greedy tokens each, --draft-max {a.draft_max}")
+    for batch in a.batches:
+        rows = {e: [] for e, _ in engines}
+        llama = {"llama.cpp": [], "llama.cpp lookup": []} if batch == 1 and not a.no_llama else {}
+        for r in range(a.rounds):
+            for k, (p, ids) in enumerate(zip(prompts, idss)):
+                plain_ids = None
+                for e, draft in engines:
+                    s = sluice_run(store, ids, batch, limit, a, draft)
+                    s.update(kind=p["kind"], round=r)
+                    if plain_ids is None:
+                        plain_ids = s["ids"]
+                    elif s["ids"] != plain_ids:
+                        a.mismatch.append(f"{name} batch {batch} prompt {k} {e}: ids differ from plain sluice's")
+                    rows[e].append(s)
+                for e, lookup in (("llama.cpp", 0), ("llama.cpp lookup", 10)):
+                    if e in llama:
+                        l = llama_run(gguf, ids, limit, a, lookup)
+                        l.update(kind=p["kind"], round=r)
+                        llama[e].append(l)
+        print(f"batch {batch}:")
+        print(f"  {'engine':<18} {'kind':<8} {'tok/s':>8} {'tok/pass':>9} {'MB read/tok':>12} {'acceptance':>11}")
+        for e, runs in rows.items():
+            for kind in sorted({x["kind"] for x in runs}):
+                sel = [x for x in runs if x["kind"] == kind]
+                acc = sum(x["accepted"] for x in sel) / max(sum(x["drafted"] for x in sel), 1)
+                print(f"  {e:<18} {kind:<8} {statistics.median(x['tps'] for x in sel):>8.2f} "
+                      f"{statistics.median(x['per_pass'] for x in sel):>9.2f} "
+                      f"{statistics.median(x['read_per_token'] for x in sel) / 1e6:>12.1f} "
+                      f"{acc if e != 'sluice' else float('nan'):>11.2f}")
+        for e, runs in llama.items():
+            for kind in sorted({x["kind"] for x in runs}):
+                sel = [x for x in runs if x["kind"] == kind and "error" not in x]
+                tps = statistics.median(x["tps"] for x in sel) if sel else float("nan")
+                print(f"  {e:<18} {kind:<8} {tps:>8.2f}")
+        # Speed-ups per round, all prompts of a kind together (total tokens over total time).
+        for kind in sorted({p["kind"] for p in prompts}):
+            def rate(runs, r):
+                sel = [x for x in runs if x["kind"] == kind and x["round"] == r and "error" not in x]
+                return len(sel) / sum(1 / x["tps"] for x in sel) if sel else float("nan")
+            for e, _ in engines[1:]:
+                vs_plain = [rate(rows[e], r) / rate(rows["sluice"], r) for r in range(a.rounds)]
+                line = f"  {kind:<8} {e}: {statistics.median(vs_plain):.2f}x plain sluice (rounds {', '.join(f'{v:.2f}' for v in vs_plain)})"
+                if llama:
+                    vs_lookup = [rate(rows[e], r) / rate(llama["llama.cpp lookup"], r) for r in range(a.rounds)]
+                    vs_llama = [rate(rows[e], r) / rate(llama["llama.cpp"], r) for r in range(a.rounds)]
+                    line += (f", {statistics.median(vs_lookup):.2f}x llama.cpp lookup (rounds "
+                             f"{', '.join(f'{v:.2f}' for v in vs_lookup)}), {statistics.median(vs_llama):.2f}x llama.cpp plain")
+                print(line)
+
+
+def size(s):
+    units = {"kib": 2**10, "mib": 2**20, "gib": 2**30}
+    for u, m in units.items():
+        if s.lower().endswith(u):
+            return int(float(s[:-3]) * m)
+    return int(s)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="smollm2,gemma3")
+    ap.add_argument("--batch", default="1,8")
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--decode", type=int, default=96)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--draft-max", type=int, default=8)
+    ap.add_argument("--limit-smollm2", default="192MiB")
+    ap.add_argument("--limit-gemma3", default="320MiB")
+    ap.add_argument("--kinds", default="summary,code,chat")
+    ap.add_argument("--no-llama", action="store_true")
+    a = ap.parse_args()
+    a.batches = [int(b) for b in a.batch.split(",")]
+    a.mismatch = []
+    prompts = [p for p in json.load(open(os.path.join(ROOT, "scripts", "bench_spec_prompts.json")))
+               if p["kind"] in a.kinds.split(",")]
+    os.makedirs(os.path.join(CACHE, "bench-spec"), exist_ok=True)
+    for m in a.models.split(","):
+        if m == "smollm2":
+            bench("SmolLM2-135M F16", rewritten(SMOLLM2, "F16", 1), size(a.limit_smollm2), prompts, a)
+        elif m == "gemma3":
+            bench("Gemma 3 270M F16", rewritten(GEMMA3, "F16", 1), size(a.limit_gemma3), prompts, a)
+        else:
+            sys.exit(f"unknown model {m}: smollm2 or gemma3")
+    for m in a.mismatch:
+        print("MISMATCH:", m)
+    sys.exit(1 if a.mismatch else 0)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,442 @@
+//! Speculative decoding gives the model's own outputs: a verified span's rows have the bits
+//! lone decode rows have (every architecture, both numerics, beside other sequences, after
+//! rejected drafts, across a sliding window's ring), so greedy text is token for token the
+//! text without drafting and seeded sampling draws the same tokens; and drafting does
+//! happen and pay on text that repeats.
+
+use sluice::backend::cpu::CpuBackend;
+use sluice::engine::draft::{DraftConfig, DraftKind, SpecStats};
+use sluice::engine::generate::{generate_parallel, GenerateOutput};
+use sluice::engine::sequence::GenerateParams;
+use sluice::io::IoConfig;
+use sluice::model::{ModelOptions, SeqStep};
+use sluice::pipeline::Pipeline;
+use sluice::text::{SamplingParams, Tokenizer};
+use sluice_tests::*;
+use std::path::Path;
+
+/// Every architecture's tiny model: Llama, Qwen2, Qwen3, Gemma 3 and Mistral (sliding
+/// windows of 8), the three mixtures (gpt-oss with attention sinks and a window).
+const MODELS: [&str; 8] = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma3",
+    "tiny-mistral",
+    "tiny-mixtral",
+    "tiny-qwen3moe",
+    "tiny-gptoss",
+];
+
+fn runner(
+    src: &Path,
+    dir: &Path,
+    exact: bool,
+    kv_slots: usize,
+    verify_rows: usize,
+) -> Pipeline<CpuBackend> {
+    let store = pack_store(src, dir, "zstd:1", 1 << 20);
+    let opts = ModelOptions {
+        max_context: 128,
+        kv_slots,
+        max_batch_tokens: 64,
+        kv_dtype: sluice::engine::kv_dtype_for(exact, None),
+        exact,
+        verify_rows,
+    };
+    let io = IoConfig {
+        staging_slots: 2,
+        queue_depth: 8,
+        read_buffers: 8,
+        request_bytes: 1 << 20,
+        ..IoConfig::default()
+    };
+    let input = sluice::plan::PlanInput {
+        device_budget: None,
+        host_cache_budget: 0,
+        opts,
+        prefetch: None,
+        expert_cache: None,
+        expert_profile: None,
+        backend_reserved: 0,
+        host: Default::default(),
+    };
+    sluice::engine::cpu_runner(store, &input, 2, io, Default::default()).unwrap()
+}
+
+fn seq(slot: usize, pos: usize, tokens: &[u32], verify: bool) -> SeqStep {
+    SeqStep {
+        slot,
+        pos,
+        tokens: tokens.to_vec(),
+        verify,
+    }
+}
+
+fn bits(l: &[f32]) -> Vec<u32> {
+    l.iter().map(|v| v.to_bits()).collect()
+}
+
+#[test]
+fn a_verified_spans_rows_have_the_bits_of_lone_decode_rows() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Past the window of 8, so the rings wrap while drafts come and go.
+    let prompt: Vec<u32> = (0..20).map(|i| 3 + (i * 37) % 250).collect();
+    let next = [11u32, 12, 13, 14, 15];
+    let p = prompt.len();
+    for src in MODELS {
+        for exact in [true, false] {
+            let what = |s: &str| format!("{src} exact={exact}: {s}");
+            let dir = tmp.path().join(format!("{src}-{exact}"));
+            let mut r = runner(&fixture(src), &dir, exact, 3, 8);
+            let vocab = r.store.manifest().arch.vocab as usize;
+            let mut logits = Vec::new();
+            // Alone in slot 0: the prompt, then the tokens one decode step each.
+            let mut alone = Vec::new();
+            r.step(&[seq(0, 0, &prompt, false)], &mut logits).unwrap();
+            for (i, &t) in next.iter().enumerate() {
+                r.step(&[seq(0, p + i, &[t], false)], &mut logits).unwrap();
+                assert_eq!(logits.len(), vocab);
+                alone.push(bits(&logits));
+            }
+            // Slot 1, beside slot 2's prompt: a span of the first token and two drafts
+            // that fail (their KV is written, then never read).
+            r.step(&[seq(1, 0, &prompt, false)], &mut logits).unwrap();
+            let other: Vec<u32> = (0..9).map(|i| 40 + i).collect();
+            r.step(
+                &[seq(2, 0, &other, false), seq(1, p, &[11, 250, 251], true)],
+                &mut logits,
+            )
+            .unwrap();
+            assert_eq!(
+                logits.len(),
+                4 * vocab,
+                "{}",
+                what("one row for slot 2, three for 1")
+            );
+            assert_eq!(
+                bits(&logits[vocab..2 * vocab]),
+                alone[0],
+                "{}",
+                what("row 0")
+            );
+            // Only the first was right: the next span starts after it, over the rejected
+            // drafts' cache rows, beside slot 2 decoding.
+            r.step(
+                &[
+                    seq(1, p + 1, &[12, 13, 14, 15], true),
+                    seq(2, 9, &[7], false),
+                ],
+                &mut logits,
+            )
+            .unwrap();
+            assert_eq!(logits.len(), 5 * vocab);
+            for j in 0..4 {
+                assert_eq!(
+                    bits(&logits[j * vocab..(j + 1) * vocab]),
+                    alone[j + 1],
+                    "{}",
+                    what(&format!("row {j} of the second span"))
+                );
+            }
+        }
+    }
+}
+
+/// A prompt that repeats, so prompt lookup has something to propose.
+fn repeating_prompt(tok: &Tokenizer) -> Vec<u32> {
+    let text = "one two three four five six, one two three four five six, one two three";
+    let ids = tok.encode(text, false).unwrap();
+    assert!(ids.len() >= 12, "{ids:?}");
+    ids
+}
+
+fn params(sampling: SamplingParams, draft: Option<DraftConfig>) -> GenerateParams {
+    GenerateParams {
+        max_tokens: 40,
+        sampling,
+        stop: Vec::new(),
+        ignore_eos: true,
+        logprobs: None,
+        logit_bias: Vec::new(),
+        format: Default::default(),
+        draft,
+    }
+}
+
+/// Every proposal verified whole: these tests are about what verification gives, not
+/// about how many rows pay (the row budget's own tests are in engine/draft.rs).
+const NGRAM: DraftConfig = DraftConfig {
+    kind: DraftKind::Ngram,
+    max: 6,
+    fixed: true,
+};
+
+fn greedy() -> SamplingParams {
+    SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    }
+}
+
+/// The outputs of `n` sequences of `prompt`, with and without drafting, from two runners.
+fn both(
+    src: &str,
+    dir: &Path,
+    exact: bool,
+    n: usize,
+    sampling: SamplingParams,
+) -> (Vec<GenerateOutput>, Vec<GenerateOutput>) {
+    let mut plain = runner(&fixture(src), &dir.join("plain"), exact, n, 0);
+    let mut drafted = runner(&fixture(src), &dir.join("drafted"), exact, n, n * NGRAM.max);
+    let tok = Tokenizer::from_manifest(plain.store.manifest()).unwrap();
+    let prompt = repeating_prompt(&tok);
+    let a = generate_parallel(
+        &mut plain,
+        &tok,
+        &prompt,
+        &params(sampling, None),
+        n,
+        |_| {},
+    )
+    .unwrap();
+    let b = generate_parallel(
+        &mut drafted,
+        &tok,
+        &prompt,
+        &params(sampling, Some(NGRAM)),
+        n,
+        |_| {},
+    )
+    .unwrap();
+    (a, b)
+}
+
+fn total(outs: &[GenerateOutput]) -> SpecStats {
+    let mut s = SpecStats::default();
+    for o in outs {
+        s.add(&o.speculative);
+    }
+    s
+}
+
+#[test]
+fn greedy_text_with_ngram_drafts_is_the_text_without_on_every_architecture() {
+    let tmp = tempfile::tempdir().unwrap();
+    for src in MODELS {
+        for exact in [true, false] {
+            for n in [1, 3] {
+                let dir = tmp.path().join(format!("{src}-{exact}-{n}"));
+                let (plain, drafted) = both(src, &dir, exact, n, greedy());
+                for (a, b) in plain.iter().zip(&drafted) {
+                    assert_eq!(
+                        a.generated_token_ids, b.generated_token_ids,
+                        "{src} exact={exact} batch {n}"
+                    );
+                    assert_eq!(a.finish_reason, b.finish_reason);
+                }
+                let s = total(&drafted);
+                assert!(s.drafted_tokens > 0, "{src}: nothing was drafted: {s:?}");
+                assert_eq!(total(&plain).drafted_tokens, 0);
+                // Fewer decode steps than tokens, by the accepted drafts.
+                let steps: usize = drafted.iter().map(|o| o.decode_steps).sum();
+                let tokens: usize = drafted.iter().map(|o| o.decode_tokens()).sum();
+                assert_eq!(
+                    steps as u64 + s.accepted_tokens,
+                    tokens as u64,
+                    "{src} exact={exact} batch {n}: {s:?}"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn seeded_sampling_with_drafts_draws_the_tokens_it_draws_without() {
+    let tmp = tempfile::tempdir().unwrap();
+    let sampling = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        min_p: 0.02,
+        repetition_penalty: 1.1,
+        seed: 7,
+        ..SamplingParams::default()
+    };
+    for src in ["tiny-llama", "tiny-gemma3", "tiny-qwen3moe"] {
+        let (plain, drafted) = both(src, &tmp.path().join(src), false, 3, sampling);
+        for (a, b) in plain.iter().zip(&drafted) {
+            assert_eq!(a.generated_token_ids, b.generated_token_ids, "{src}");
+        }
+        // The three sequences differ (seeds 7, 8, 9), and drafting ran.
+        assert_ne!(plain[0].generated_token_ids, plain[1].generated_token_ids);
+        assert!(total(&drafted).drafted_tokens > 0, "{src}");
+    }
+}
+
+/// A chat request whose answer copies from its prompt (what prompt lookup is for).
+const SUMMARY: &str = "Summarize in three sentences, keeping the names: The Harbor Street Library reopened on Monday after eighteen months of repairs that cost the city 4.2 million dollars. The building, designed in 1911 by the architect Clara Mendel, had been closed since a winter storm damaged its roof. The head librarian, Tomas Okafor, said the library lent 31,000 books in the year before it closed.";
+
+/// `sluiced run --json` of SUMMARY, as a chat message where the store has a template
+/// (the Gemma 3 GGUF has none: its text is then the prompt itself).
+fn run_json(store: &str, chat: bool, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "run",
+        store,
+        if chat { "--chat" } else { "--ignore-eos" },
+        "--prompt",
+        SUMMARY,
+        "--max-tokens",
+        "48",
+        "--temperature",
+        "0",
+        "--max-context",
+        "512",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    serde_json::from_str(&sluiced_ok(&args)).expect("run --json")
+}
+
+fn sequences_ids(j: &serde_json::Value) -> Vec<serde_json::Value> {
+    j["sequences"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["generated_token_ids"].clone())
+        .collect()
+}
+
+#[test]
+fn real_models_greedy_text_is_the_same_with_ngram_drafts_resident_and_streamed() {
+    let tmp = tempfile::tempdir().unwrap();
+    for (name, gguf, budget) in [
+        ("smollm2", smollm2_gguf(), "64MiB"),
+        ("gemma3", gemma3_gguf(), "160MiB"),
+    ] {
+        let store = tmp.path().join(name);
+        let store = store.to_str().unwrap();
+        sluiced_ok(&["pack", gguf.to_str().unwrap(), "-o", store]);
+        for (placement, extra) in [
+            ("resident", &[][..]),
+            ("streamed", &["--device-memory", budget][..]),
+        ] {
+            for parallel in ["1", "3"] {
+                let mut plain_args = extra.to_vec();
+                plain_args.extend(["--parallel", parallel]);
+                let chat = name == "smollm2";
+                let plain = run_json(store, chat, &plain_args);
+                // Resident, every proposal is verified whole (the row budget could find
+                // rows not worth their compute here); streamed, the measured budget has
+                // the passes' waits for loads to fill.
+                let mut draft_args = plain_args.clone();
+                draft_args.extend(["--draft", "ngram"]);
+                if placement == "resident" {
+                    draft_args.push("--draft-fixed");
+                }
+                let drafted = run_json(store, chat, &draft_args);
+                let what = format!("{name} {placement} --parallel {parallel}");
+                if placement == "streamed" {
+                    assert!(plain["layers_streamed"].as_u64().unwrap() > 0, "{what}");
+                }
+                assert_eq!(sequences_ids(&plain), sequences_ids(&drafted), "{what}");
+                assert_eq!(plain["text"], drafted["text"], "{what}");
+                let s = &drafted["speculative"];
+                assert!(
+                    s["accepted_tokens"].as_u64().unwrap() > 0,
+                    "{what}: nothing accepted: {s}"
+                );
+                assert_eq!(plain["speculative"]["drafted_tokens"], 0, "{what}");
+                // Accepted drafts are tokens that took no pass of their own.
+                assert!(
+                    drafted["decode_passes"].as_u64().unwrap()
+                        < plain["decode_passes"].as_u64().unwrap(),
+                    "{what}: {} passes drafted, {} plain",
+                    drafted["decode_passes"],
+                    plain["decode_passes"]
+                );
+            }
+        }
+    }
+}
+
+fn completion(d: &Daemon, n: u32) -> serde_json::Value {
+    let body = serde_json::json!({
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": SUMMARY}],
+        "max_tokens": 40,
+        "temperature": 0,
+        "n": n,
+    });
+    let (code, out) = post_json(&d.http, "/v1/chat/completions", &body.to_string());
+    assert_eq!(code, 200, "{out}");
+    serde_json::from_str(&out).unwrap()
+}
+
+#[test]
+fn the_daemon_drafts_when_asked_and_answers_as_without_and_reports_it() {
+    let plain = Daemon::start(&[]);
+    let drafted = Daemon::start(&["--draft", "ngram", "--draft-max", "6", "--draft-fixed"]);
+    for n in [1, 3] {
+        let (a, b) = (completion(&plain, n), completion(&drafted, n));
+        for i in 0..n as usize {
+            assert_eq!(
+                a["choices"][i]["message"]["content"], b["choices"][i]["message"]["content"],
+                "choice {i} of {n}"
+            );
+        }
+    }
+    // Over gRPC too (grpcurl), then Status and /metrics say what drafting did.
+    let body =
+        serde_json::json!({"prompt": SUMMARY, "max_tokens": 24, "sampling": {"temperature": 0}});
+    let texts: Vec<String> = [&plain, &drafted]
+        .iter()
+        .map(|d| {
+            let o = std::process::Command::new("grpcurl")
+                .args(["-plaintext", "-d", &body.to_string()])
+                .arg(d.addr.trim_start_matches("http://"))
+                .arg("sluice.v1.Inference/Generate")
+                .output()
+                .expect("grpcurl");
+            assert!(o.status.success(), "{}", stderr(&o));
+            // The stream's pieces (a drafted step may carry several tokens in one).
+            let out = stdout(&o);
+            serde_json::Deserializer::from_str(&out)
+                .into_iter::<serde_json::Value>()
+                .map_while(Result::ok)
+                .filter_map(|m| m["piece"]["text"].as_str().map(str::to_string))
+                .collect()
+        })
+        .collect();
+    assert!(!texts[0].is_empty());
+    assert_eq!(texts[0], texts[1]);
+    let status = std::process::Command::new("grpcurl")
+        .args(["-plaintext", "-d", "{}"])
+        .arg(drafted.addr.trim_start_matches("http://"))
+        .arg("sluice.v1.Inference/Status")
+        .output()
+        .expect("grpcurl");
+    let st: serde_json::Value = serde_json::from_str(&stdout(&status)).expect("Status JSON");
+    let spec = &st["speculative"];
+    assert_eq!(spec["drafter"], "ngram", "{st}");
+    // proto3 JSON: 64-bit counts as strings, zeros left out.
+    let count = |k: &str| -> u64 { spec[k].as_str().unwrap_or("0").parse().unwrap() };
+    let (accepted, drafted_n) = (count("acceptedTokens"), count("draftedTokens"));
+    assert!(accepted > 0 && accepted <= drafted_n, "{spec}");
+    let metrics = stdout(&curl(&["-s", &format!("{}/metrics", drafted.http)]));
+    assert!(
+        metrics.contains(&format!("sluice_draft_accepted_tokens_total {accepted}")),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("sluice_tokens_per_step_bucket{le=\"2\"}"),
+        "{metrics}"
+    );
+    let human = stdout(
+        &std::process::Command::new(bin("sluice"))
+            .args(["--addr", &drafted.addr, "status"])
+            .output()
+            .expect("sluice status"),
+    );
+    assert!(human.contains("drafting         ngram"), "{human}");
+}
