@@ -7,7 +7,7 @@ by llama.cpp's own quantizer (`llama_model_quantize`, allow_requantize; made onc
 the GGUF in the model cache). The prompts (scripts/bench_spec_prompts.json: summaries of
 committed documents, a code rewrite, chat questions) go to every engine as the same token
 ids: the model's own chat template rendered by llama-cpp-python's Jinja formatter and
-tokenized by llama.cpp. Greedy decoding, --decode tokens past the end token (the same
+tokenized by llama.cpp (a GGUF without a template, as Gemma 3's: the text after its BOS). Greedy decoding, --decode tokens past the end token (the same
 count for every engine).
 
 For each model, batch (sluice: `run --parallel`; llama.cpp runs batch 1 only: its Python
@@ -22,7 +22,10 @@ printed and fails the script).
     cargo build --release
     python3 scripts/bench_spec.py [--models smollm2,gemma3] [--batch 1,8] [--rounds 2]
         [--decode 96] [--limit-smollm2 192MiB] [--limit-gemma3 320MiB] [--threads 2]
-        [--draft-max 8] [--no-llama]
+        [--draft-max 8] [--no-llama] [--llama-decode 48] [--llama-kinds summary,code,chat]
+
+llama.cpp decodes --llama-decode tokens on the --llama-kinds prompts (fewer where its reads
+under the limit make it slow; compare with the same count where it is not).
 
 Needs root (a child memory cgroup of this process's own, v1 or v2).
 """
@@ -49,22 +52,60 @@ MIB = 2**20
 
 LLAMA_WORKER = r'''
 import json, sys, time
+import numpy as np
 import llama_cpp
-from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+# llama.cpp through its C API (llama-cpp-python's bindings): greedy decoding, and with LOOKUP > 0
+# prompt lookup as llama.cpp's lookup example and llama-cpp-python's LlamaPromptLookupDecoding
+# do it (the last 2-gram, else 1-gram, searched in the text; the tokens after its first match,
+# LOOKUP at most), verified in one llama_decode with logits for every row, the rejected rows'
+# cells removed from the KV cache. (llama-cpp-python's own draft_model path keeps logits for the
+# whole context, n_ctx x n_vocab floats, which no memory limit here holds.)
 gguf, threads, ids, decode, lookup = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
-draft = LlamaPromptLookupDecoding(num_pred_tokens=lookup) if lookup else None
-llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=2048, n_batch=512,
-                      use_mmap=True, verbose=False, draft_model=draft)
-out, t0 = [], time.perf_counter()
-t1 = None
-for t in llm.generate(ids, temp=0.0, top_k=1, top_p=1.0, min_p=0.0, repeat_penalty=1.0, reset=True):
-    out.append(int(t))
-    if t1 is None:
-        t1 = time.perf_counter()
-    if len(out) == decode + 1:
-        break
+low = llama_cpp
+llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=len(ids) + decode + lookup + 8,
+                      n_batch=512, use_mmap=True, verbose=False)
+ctx, n_vocab = llm._ctx.ctx, llm.n_vocab()
+batch = low.llama_batch_init(512, 0, 1)
+mem = low.llama_get_memory(ctx)
+def submit(tokens, pos0, all_logits):
+    batch.n_tokens = len(tokens)
+    for i, t in enumerate(tokens):
+        batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, pos0 + i, 1
+        batch.seq_id[i][0] = 0
+        batch.logits[i] = all_logits or i == len(tokens) - 1
+    if low.llama_decode(ctx, batch) != 0:
+        raise SystemExit("llama_decode failed")
+def argmax(i):
+    return int(np.argmax(np.ctypeslib.as_array(low.llama_get_logits_ith(ctx, i), shape=(n_vocab,))))
+def propose(text):
+    for n in (2, 1):
+        if len(text) <= n:
+            continue
+        tail = text[-n:]
+        for i in range(len(text) - n):
+            if text[i:i + n] == tail:
+                return text[i + n:i + n + lookup]
+    return []
+t0 = time.perf_counter()
+for i in range(0, len(ids), 512):
+    submit(ids[i:i + 512], i, False)
+out = [argmax(-1)]
+t1 = time.perf_counter()
+passes = 0
+while len(out) < decode + 1:
+    pos = len(ids) + len(out) - 1
+    draft = propose(ids + out)[:decode + 1 - len(out) - 1] if lookup else []
+    submit([out[-1]] + draft, pos, True)
+    passes += 1
+    for j in range(len(draft) + 1):
+        t = argmax(j)
+        out.append(t)
+        if len(out) == decode + 1 or j == len(draft) or t != draft[j]:
+            break
+    # Rows past the accepted ones leave the cache.
+    low.llama_memory_seq_rm(mem, 0, len(ids) + len(out) - 1, -1)
 t2 = time.perf_counter()
-print(json.dumps({"decode_tps": (len(out) - 1) / (t2 - t1), "ttft": t1 - t0, "ids": out}))
+print(json.dumps({"decode_tps": (len(out) - 1) / (t2 - t1), "ttft": t1 - t0, "passes": passes, "ids": out}))
 '''
 
 
@@ -73,6 +114,9 @@ def chat_ids(gguf, prompt):
     tokenizes it (special tokens parsed, the template's own BOS only)."""
     llm = llama_cpp.Llama(model_path=gguf, vocab_only=True, verbose=False)
     meta = llm.metadata
+    if "tokenizer.chat_template" not in meta:
+        # No template (the Gemma 3 GGUF): the prompt is the text, after the model's BOS.
+        return llm.tokenize(prompt.encode(), add_bos=True, special=False)
     eos = llm.detokenize([llm.token_eos()]).decode(errors="replace")
     bos = llm.detokenize([llm.token_bos()], special=True).decode(errors="replace") if llm.token_bos() >= 0 else ""
     fmt = Jinja2ChatFormatter(meta["tokenizer.chat_template"], eos_token=eos, bos_token=bos)
@@ -84,7 +128,8 @@ def sluice_run(store, ids, batch, limit, a, draft):
     cg = Cgroup("sluice-spec", limit)
     drop_caches()
     argv = [SLUICED, "run", store, "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(a.decode + 1),
-            "--ignore-eos", "--max-context", "2048", "--threads", str(a.threads), "--host-memory", str(limit),
+            "--ignore-eos", "--max-context", str(len(ids) + a.decode + a.draft_max + 16), "--threads", str(a.threads),
+            "--host-memory", str(limit),
             "--parallel", str(batch), "--json"]
     if draft:
         argv += ["--draft", draft, "--draft-max", str(a.draft_max)]
@@ -106,12 +151,12 @@ def llama_run(gguf, ids, limit, a, lookup):
     cg = Cgroup("sluice-spec", limit)
     drop_caches()
     rc, out, err, _, _ = cg.run([sys.executable, "-c", LLAMA_WORKER, gguf, str(a.threads), json.dumps(ids),
-                                 str(a.decode), str(lookup)])
+                                 str(a.llama_decode), str(lookup)])
     cg.close()
     if rc != 0:
         return {"error": (err.strip().splitlines() or [f"exit {rc}"])[-1][:100]}
     j = json.loads(out.strip().splitlines()[-1])
-    return {"tps": j["decode_tps"], "ids": j["ids"]}
+    return {"tps": j["decode_tps"], "ids": j["ids"], "per_pass": (len(j["ids"]) - 1) / max(j["passes"], 1)}
 
 
 def bench(name, gguf, limit, prompts, a):
@@ -137,7 +182,7 @@ def bench(name, gguf, limit, prompts, a):
                         a.mismatch.append(f"{name} batch {batch} prompt {k} {e}: ids differ from plain sluice's")
                     rows[e].append(s)
                 for e, lookup in (("llama.cpp", 0), ("llama.cpp lookup", 10)):
-                    if e in llama:
+                    if e in llama and p["kind"] in a.llama_kinds.split(","):
                         l = llama_run(gguf, ids, limit, a, lookup)
                         l.update(kind=p["kind"], round=r)
                         llama[e].append(l)
@@ -155,7 +200,9 @@ def bench(name, gguf, limit, prompts, a):
             for kind in sorted({x["kind"] for x in runs}):
                 sel = [x for x in runs if x["kind"] == kind and "error" not in x]
                 tps = statistics.median(x["tps"] for x in sel) if sel else float("nan")
-                print(f"  {e:<18} {kind:<8} {tps:>8.2f}")
+                per = statistics.median(x["per_pass"] for x in sel) if sel else float("nan")
+                errs = sorted({x["error"] for x in runs if x["kind"] == kind and "error" in x})
+                print(f"  {e:<18} {kind:<8} {tps:>8.2f} {per:>9.2f}" + (f"  failed: {'; '.join(errs)}" if errs else ""))
         # Speed-ups per round, all prompts of a kind together (total tokens over total time).
         for kind in sorted({p["kind"] for p in prompts}):
             def rate(runs, r):
@@ -164,7 +211,7 @@ def bench(name, gguf, limit, prompts, a):
             for e, _ in engines[1:]:
                 vs_plain = [rate(rows[e], r) / rate(rows["sluice"], r) for r in range(a.rounds)]
                 line = f"  {kind:<8} {e}: {statistics.median(vs_plain):.2f}x plain sluice (rounds {', '.join(f'{v:.2f}' for v in vs_plain)})"
-                if llama:
+                if llama and kind in a.llama_kinds.split(","):
                     vs_lookup = [rate(rows[e], r) / rate(llama["llama.cpp lookup"], r) for r in range(a.rounds)]
                     vs_llama = [rate(rows[e], r) / rate(llama["llama.cpp"], r) for r in range(a.rounds)]
                     line += (f", {statistics.median(vs_lookup):.2f}x llama.cpp lookup (rounds "
@@ -192,6 +239,10 @@ def main():
     ap.add_argument("--limit-gemma3", default="320MiB")
     ap.add_argument("--kinds", default="summary,code,chat")
     ap.add_argument("--no-llama", action="store_true")
+    # llama.cpp reads the whole model from disk for every pass under the limit (its mmap's
+    # pages are evicted): a few tokens give its rate.
+    ap.add_argument("--llama-decode", type=int, default=48)
+    ap.add_argument("--llama-kinds", default="summary,code,chat")
     a = ap.parse_args()
     a.batches = [int(b) for b in a.batch.split(",")]
     a.mismatch = []

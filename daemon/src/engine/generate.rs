@@ -98,7 +98,7 @@ pub fn generate_parallel<B: Backend>(
     let mut decode_start = None;
     let mut steps: Vec<SeqStep> = Vec::with_capacity(n);
     let mut spec = vec![SpecStats::default(); n];
-    let mut builder = StepBuilder::default();
+    let mut builder = StepBuilder::new(runner.backend.unified());
     // Which sequence each step of the pass belongs to.
     let mut owner = Vec::with_capacity(n);
     let mut decode_passes = 0;

@@ -332,6 +332,7 @@ impl Scheduler {
 
     fn run<B: Backend>(self, runner: Pipeline<B>, rx: Receiver<Request>) {
         let max_batch = runner.options().kv_slots;
+        let serial = runner.backend.unified();
         let mut st = EngineState {
             runner,
             rx,
@@ -343,7 +344,7 @@ impl Scheduler {
             members: Vec::with_capacity(max_batch),
             decode_rate: 0.0,
             spec: SpecStats::default(),
-            builder: StepBuilder::default(),
+            builder: StepBuilder::new(serial),
         };
         loop {
             if let Admitted::Closed = self.admit(&mut st) {

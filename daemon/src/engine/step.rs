@@ -18,6 +18,14 @@ pub struct StepBuilder {
 }
 
 impl StepBuilder {
+    /// `serial`: the compute shares the cores that read and decompress the streamed layers
+    /// (the CPU backend; `RowBudget::serial`).
+    pub fn new(serial: bool) -> StepBuilder {
+        let mut b = StepBuilder::default();
+        b.rows.serial = serial;
+        b
+    }
+
     /// Fills the first entries of `steps` (grown as needed) with the next pass over the `n`
     /// sequences `seq(0..n)`, and `owner` with the sequence of each; returns how many.
     pub fn build<'a>(
