@@ -57,6 +57,32 @@ pub fn gemma3_gguf() -> PathBuf {
     )
 }
 
+/// A plan with no device or host-cache budget (every unit resident on the CPU) and the
+/// planner's defaults for the rest, for `opts`.
+pub fn plan_input(opts: sluice::model::ModelOptions) -> sluice::plan::PlanInput {
+    sluice::plan::PlanInput {
+        device_budget: None,
+        host_cache_budget: 0,
+        opts,
+        prefetch: None,
+        expert_cache: None,
+        expert_profile: None,
+        backend_reserved: 0,
+        host: Default::default(),
+    }
+}
+
+/// The small I/O engine the tests' pipelines read through: 2 staging slots, 8 reads of 1 MiB.
+pub fn small_io() -> sluice::io::IoConfig {
+    sluice::io::IoConfig {
+        staging_slots: 2,
+        queue_depth: 8,
+        read_buffers: 8,
+        request_bytes: 1 << 20,
+        ..sluice::io::IoConfig::default()
+    }
+}
+
 /// A binary of the workspace, from the same target directory as the test executable.
 /// `cargo test` does not rebuild another package's binaries: scripts/test.sh runs
 /// `cargo build --release --workspace` first.

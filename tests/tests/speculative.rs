@@ -8,7 +8,6 @@ use sluice::backend::cpu::CpuBackend;
 use sluice::engine::draft::{DraftConfig, DraftKind, SpecStats};
 use sluice::engine::generate::{generate_parallel, GenerateOutput};
 use sluice::engine::sequence::GenerateParams;
-use sluice::io::IoConfig;
 use sluice::model::{ModelOptions, SeqStep};
 use sluice::pipeline::Pipeline;
 use sluice::text::{SamplingParams, Tokenizer};
@@ -44,24 +43,7 @@ fn runner(
         exact,
         verify_rows,
     };
-    let io = IoConfig {
-        staging_slots: 2,
-        queue_depth: 8,
-        read_buffers: 8,
-        request_bytes: 1 << 20,
-        ..IoConfig::default()
-    };
-    let input = sluice::plan::PlanInput {
-        device_budget: None,
-        host_cache_budget: 0,
-        opts,
-        prefetch: None,
-        expert_cache: None,
-        expert_profile: None,
-        backend_reserved: 0,
-        host: Default::default(),
-    };
-    sluice::engine::cpu_runner(store, &input, 2, io, Default::default()).unwrap()
+    sluice::engine::cpu_runner(store, &plan_input(opts), 2, small_io(), Default::default()).unwrap()
 }
 
 fn seq(slot: usize, pos: usize, tokens: &[u32], verify: bool) -> SeqStep {
