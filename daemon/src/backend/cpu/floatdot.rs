@@ -1,7 +1,15 @@
 //! Float weights (f32, f16, bf16) on the decode path: dot products of up to four
-//! activation rows against each weight row, every weight loaded and widened once for all
-//! of them (f16 by F16C's `vcvtph2ps`, bf16 by a 16-bit shift), and their conversion to f32
-//! for the prefill tiles.
+//! activation rows (eight where the CPU has AVX-512) against each weight row, every weight
+//! loaded and widened once for all of them (f16 by F16C's `vcvtph2ps`, bf16 by a 16-bit
+//! shift), and their conversion to f32 for the prefill tiles.
+//!
+//! Groups of eight need 16 accumulators beside the weights, more than AVX2's 16 vector
+//! registers hold; AVX-512VL gives 256-bit operations 32. So on such a CPU the same 256-bit
+//! kernel is compiled once more with AVX-512VL enabled and takes groups of five to eight:
+//! each weight is read and widened once for eight rows instead of twice for two groups of
+//! four. The arithmetic is the same instructions in the same order, so the bits are too.
+//! (512-bit operations were measured slower on Zen 4 at batch 1, which splits them into
+//! halves and stalls on the wider loads, and would change a row's summation order.)
 //!
 //! A row's number does not depend on the rows beside it: whatever the group, an output is
 //! its weight row against its activation row in 16-element steps into two accumulators
@@ -20,8 +28,28 @@ use std::arch::x86_64::*;
 /// How far ahead of the weights being read they are prefetched.
 const PREFETCH_BYTES: usize = 512;
 
-/// Activation rows one pass over a weight row serves at most.
-pub(super) const ROWS: usize = 4;
+/// Activation rows one pass over a weight row serves at most, on any CPU.
+pub(super) const ROWS: usize = 8;
+
+/// Activation rows the AVX2 register file serves in one pass.
+const ROWS_AVX2: usize = 4;
+
+/// Whether this CPU has AVX-512F and AVX-512VL (32 vector registers for 256-bit
+/// operations), checked once.
+fn has_avx512vl() -> bool {
+    static HAS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *HAS.get_or_init(|| is_x86_feature_detected!("avx512f") && is_x86_feature_detected!("avx512vl"))
+}
+
+/// Activation rows one pass over a weight row serves on this CPU: eight with AVX-512VL,
+/// four with AVX2 alone.
+pub(super) fn rows() -> usize {
+    if has_avx512vl() {
+        ROWS
+    } else {
+        ROWS_AVX2
+    }
+}
 
 /// Whether `dtype` is a float format these kernels take.
 pub(super) fn covers(dtype: DType) -> bool {
@@ -162,9 +190,33 @@ unsafe fn rows_n<const N: usize, const R: usize>(
     }
 }
 
+/// `rows_n` with AVX-512VL's 32 registers, for groups of five to eight rows: the same
+/// instructions in the same order.
+///
+/// # Safety
+/// The CPU supports AVX2, FMA, F16C, AVX-512F and AVX-512VL; as `rows_n`.
+#[target_feature(enable = "avx2,fma,f16c,avx512f,avx512vl")]
+unsafe fn rows_wide<const N: usize, const R: usize>(
+    dtype: DType,
+    w: &[u8],
+    rb: usize,
+    xs: &[&[f32]; N],
+    res: &mut [[f32; R]],
+) {
+    // SAFETY: this function's contract, which its caller upholds.
+    unsafe {
+        match dtype {
+            DType::F32 => rows_of::<F32, N, R>(w, rb, xs, res),
+            DType::F16 => rows_of::<F16, N, R>(w, rb, xs, res),
+            DType::BF16 => rows_of::<Bf16, N, R>(w, rb, xs, res),
+            _ => unreachable!("float weights only (covers)"),
+        }
+    }
+}
+
 /// `res[j][r]` = weight row j of `w` (`rb` bytes each, float `dtype`) against activation
-/// row `xs[r]`, for the 1 to `ROWS` rows of `xs` (`res` rows at least that wide). Needs
-/// AVX2, FMA and F16C (`has_avx2`).
+/// row `xs[r]`, for the 1 to `rows()` rows of `xs` (`res` rows at least that wide). Needs
+/// AVX2, FMA and F16C (`has_avx2`), and AVX-512VL for more than four rows.
 pub(super) fn gemv_rows<const R: usize>(
     dtype: DType,
     w: &[u8],
@@ -183,14 +235,27 @@ pub(super) fn gemv_rows<const R: usize>(
     );
     let k = rb / dtype.block_bytes() as usize;
     assert!(xs.iter().all(|x| x.len() >= k), "activation rows of {k}");
-    // SAFETY: AVX2, FMA and F16C present (asserted); rows of k elements (asserted).
+    assert!(
+        (1..=rows()).contains(&xs.len()),
+        "1 to {} activation rows on this CPU, not {}",
+        rows(),
+        xs.len()
+    );
+    // SAFETY: AVX2, FMA and F16C present (asserted), AVX-512VL for more than four rows
+    // (rows() is four without it, asserted); rows of k elements (asserted).
     unsafe {
         match *xs {
             [a] => rows_n::<1, R>(dtype, w, rb, &[a], res),
             [a, b] => rows_n::<2, R>(dtype, w, rb, &[a, b], res),
             [a, b, c] => rows_n::<3, R>(dtype, w, rb, &[a, b, c], res),
             [a, b, c, d] => rows_n::<4, R>(dtype, w, rb, &[a, b, c, d], res),
-            _ => panic!("1 to {ROWS} activation rows, not {}", xs.len()),
+            [a, b, c, d, e] => rows_wide::<5, R>(dtype, w, rb, &[a, b, c, d, e], res),
+            [a, b, c, d, e, f] => rows_wide::<6, R>(dtype, w, rb, &[a, b, c, d, e, f], res),
+            [a, b, c, d, e, f, g] => rows_wide::<7, R>(dtype, w, rb, &[a, b, c, d, e, f, g], res),
+            [a, b, c, d, e, f, g, h] => {
+                rows_wide::<8, R>(dtype, w, rb, &[a, b, c, d, e, f, g, h], res)
+            }
+            _ => unreachable!("1 to {ROWS} rows (asserted)"),
         }
     }
 }
@@ -572,7 +637,7 @@ mod tests {
         }
     }
 
-    /// Every float format at 1, 3, 5 and 17 activation rows (groups of up to four, and
+    /// Every float format at 1, 3, 5 and 17 activation rows (groups of up to `rows()`, and
     /// rows past a multiple of 16 elements) against an f64 reference, and every row the
     /// same bits in its group as alone and through the one-row `gemv`.
     #[test]
@@ -586,15 +651,15 @@ mod tests {
             for dtype in [DType::F32, DType::F16, DType::BF16] {
                 let (w, wx) = encode(dtype, &rand_vec(m * k, seed));
                 let rb = k * dtype.block_bytes() as usize;
-                for rows in [1usize, 3, 5, 17] {
-                    let x = rand_vec(rows * k, seed + 10);
+                for n in [1usize, 3, 5, 17] {
+                    let x = rand_vec(n * k, seed + 10);
                     let xr: Vec<&[f32]> = x.chunks_exact(k).collect();
                     let mut res = vec![[0f32; ROWS]; m];
                     let mut alone = vec![0f32; m];
-                    for (g, group) in xr.chunks(ROWS).enumerate() {
+                    for (g, group) in xr.chunks(rows()).enumerate() {
                         gemv_rows(dtype, &w, rb, group, &mut res);
                         for (i, xi) in group.iter().enumerate() {
-                            let r = g * ROWS + i;
+                            let r = g * rows() + i;
                             // SAFETY: AVX2, FMA and F16C present (checked above).
                             unsafe { gemv(dtype, &w, rb, xi, &mut alone) };
                             for j in 0..m {
@@ -602,7 +667,7 @@ mod tests {
                                 let got = res[j][i];
                                 assert!(
                                     (got as f64 - want).abs() <= 1e-5 * (1.0 + want.abs()),
-                                    "{dtype} k {k} rows {rows} [{r},{j}]: {got} vs {want}"
+                                    "{dtype} k {k} rows {n} [{r},{j}]: {got} vs {want}"
                                 );
                                 assert_eq!(
                                     got.to_bits(),

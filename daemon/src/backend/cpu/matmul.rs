@@ -154,7 +154,8 @@ fn bf16_dots(dtype: DType, fast: bool) -> bool {
 const MAX_SHARED: usize = 4;
 
 /// How a weight meets the decode rows: integer dots against their 8- or 16-bit blocks,
-/// the four-row f32 kernels (with per-block sums), or the one-row f32 dots.
+/// float weights' row groups (`floatdot`, four or eight rows), the four-row f32 kernels
+/// (with per-block sums), or the one-row f32 dots.
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 enum DecodePath {
     Int8,
@@ -170,7 +171,7 @@ impl DecodePath {
         match self {
             DecodePath::Int8 | DecodePath::Int16 => q8::ROWS_MAX,
             #[cfg(target_arch = "x86_64")]
-            DecodePath::Float => super::floatdot::ROWS,
+            DecodePath::Float => super::floatdot::rows(),
             #[cfg(not(target_arch = "x86_64"))]
             DecodePath::Float => 1,
             DecodePath::Rows4 | DecodePath::Rows => 4,
