@@ -90,10 +90,13 @@ fn main() -> std::process::ExitCode {
         Cmd::Inspect(a) => inspect::run(a),
         Cmd::Verify(a) => inspect::verify(a),
         Cmd::Run(a) => run::run(*a),
-        Cmd::Serve(a) => (*a)
-            .config()
-            .and_then(serve::serve)
-            .map(|()| std::process::ExitCode::SUCCESS),
+        Cmd::Serve(a) => {
+            // Before any thread starts, so no thread has an arena beyond the cap.
+            sluice::hostmem::limit_arenas(sluice::hostmem::SERVE_ARENAS);
+            (*a).config()
+                .and_then(serve::serve)
+                .map(|()| std::process::ExitCode::SUCCESS)
+        }
         Cmd::Synth(a) => synth::run(a),
         Cmd::BenchStream(a) => bench::run_stream(a),
         Cmd::BenchIo(a) => bench::run_io(a),
