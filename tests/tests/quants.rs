@@ -144,3 +144,56 @@ fn gemma3_270m_every_tensor_dequantizes_like_gguf_py() {
         );
     }
 }
+
+/// `pack --quantize`'s quantizers, byte for byte against blocks ggml itself wrote
+/// (`ggml_quantize_chunk`, no importance matrix: tests/fixtures/make_quantize_reference.py)
+/// for rows that take every path: Gaussians (some rounded through f16), outliers, one-signed,
+/// constant, zero, below ggml's zero threshold, large, sparse, exact ties.
+#[test]
+fn every_quantizer_writes_the_blocks_ggml_writes() {
+    use sluice::dtype::quantize::{can_quantize, quantize_row};
+    let dir = fixture("reference/quantize");
+    let meta: serde_json::Value = serde_json::from_slice(
+        &std::fs::read(dir.join("meta.json"))
+            .expect("meta.json (run tests/fixtures/make_quantize_reference.py)"),
+    )
+    .expect("meta.json");
+    let (rows, cols) = (
+        meta["rows"].as_u64().expect("rows") as usize,
+        meta["cols"].as_u64().expect("cols") as usize,
+    );
+    let x: Vec<f32> = std::fs::read(dir.join("input.f32"))
+        .expect("input.f32")
+        .chunks_exact(4)
+        .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+        .collect();
+    assert_eq!(x.len(), rows * cols);
+    let types: Vec<DType> = ALL_DTYPES
+        .into_iter()
+        .filter(|&t| can_quantize(t))
+        .collect();
+    assert_eq!(types.len(), 10, "{types:?}");
+    for t in types {
+        let want = std::fs::read(dir.join(format!("{}.bin", t.name())))
+            .unwrap_or_else(|e| panic!("{}.bin: {e}", t.name()));
+        let row_bytes = cols / t.block_elems() as usize * t.block_bytes() as usize;
+        assert_eq!(want.len(), rows * row_bytes, "{}", t.ggml_name());
+        let mut got = vec![0u8; row_bytes];
+        for r in 0..rows {
+            quantize_row(t, &x[r * cols..(r + 1) * cols], &mut got);
+            let w = &want[r * row_bytes..(r + 1) * row_bytes];
+            if let Some(i) = got.iter().zip(w).position(|(a, b)| a != b) {
+                let b = i / t.block_bytes() as usize;
+                panic!(
+                    "{} row {r}: block {b}, byte {} is {:#04x}, ggml wrote {:#04x}\n ours {:02x?}\n ggml {:02x?}",
+                    t.ggml_name(),
+                    i % t.block_bytes() as usize,
+                    got[i],
+                    w[i],
+                    &got[b * t.block_bytes() as usize..(b + 1) * t.block_bytes() as usize],
+                    &w[b * t.block_bytes() as usize..(b + 1) * t.block_bytes() as usize],
+                );
+            }
+        }
+    }
+}

@@ -2,6 +2,7 @@
 //! quantized on disk, across PCIe and in device memory.
 
 pub mod ggml;
+pub mod quantize;
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

@@ -159,3 +159,48 @@ pub fn summarize(m: &Manifest) -> Summary {
         shared_code_bytes: postcard::to_stdvec(&m.codes).map_or(0, |b| b.len() as u64),
     }
 }
+
+/// One tensor of a store as `sluiced inspect --tensors` lists it: where it is, its type and
+/// shape, and the XXH3-64 of its decoded bytes (two stores hold the same tensor exactly
+/// when these agree).
+#[derive(Serialize, Debug, PartialEq, Eq)]
+pub struct TensorDigest {
+    pub unit: String,
+    pub name: String,
+    pub dtype: DType,
+    pub shape: Vec<u64>,
+    pub bytes: u64,
+    pub xxh3: String,
+}
+
+/// Every tensor of `store`, in blob order, read and decoded unit by unit (each frame's
+/// checksum checked on the way); `on_unit` gets each unit's stored bytes as it is done.
+pub fn tensor_digests(
+    store: &super::Store,
+    mut on_unit: impl FnMut(u64),
+) -> Result<Vec<TensorDigest>, super::StoreError> {
+    let file = store.open_weights()?;
+    let m = store.manifest();
+    let mut dec = store
+        .frame_decoder(m.frame_raw_len_max() as usize)
+        .map_err(|e| super::StoreError::io("make a frame decoder for", store.dir(), e))?;
+    let (mut stored, mut raw) = (Vec::new(), Vec::new());
+    let mut out = Vec::new();
+    for (i, u) in m.units.iter().enumerate() {
+        raw.resize(u.raw_len as usize, 0);
+        store.read_unit(&file, i, &mut stored, &mut raw, &mut dec)?;
+        for t in &u.tensors {
+            let bytes = &raw[t.offset as usize..(t.offset + t.len) as usize];
+            out.push(TensorDigest {
+                unit: u.kind.to_string(),
+                name: t.name.clone(),
+                dtype: t.dtype,
+                shape: t.shape.clone(),
+                bytes: t.len,
+                xxh3: format!("{:016x}", crate::util::xxh3(bytes)),
+            });
+        }
+        on_unit(u.stored_len);
+    }
+    Ok(out)
+}

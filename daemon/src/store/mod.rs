@@ -13,6 +13,7 @@ pub mod format;
 pub mod fuzz;
 pub mod inspect;
 pub mod link;
+pub mod quantize;
 pub mod reader;
 pub mod spec;
 pub mod verify;

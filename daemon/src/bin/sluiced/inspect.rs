@@ -16,16 +16,44 @@ pub struct InspectArgs {
     /// Print one JSON object instead of tables.
     #[arg(long)]
     pub json: bool,
+    /// Also list every tensor: its unit, type, shape, bytes and the XXH3-64 of its decoded
+    /// bytes (reads and decodes the whole store; two stores hold a tensor alike exactly
+    /// where the digests agree).
+    #[arg(long)]
+    pub tensors: bool,
 }
 
 pub fn run(a: InspectArgs) -> Result<std::process::ExitCode> {
-    let InspectArgs { dir, json } = a;
+    let InspectArgs { dir, json, tensors } = a;
     let store = Store::open(&sluice::util::store_path(&dir, None))?;
     let s = store::inspect::summarize(store.manifest());
-    if json {
-        println!("{}", serde_json::to_string_pretty(&s)?);
+    let digests = if tensors {
+        let pb = progress_bar(store.manifest().stored_bytes(), "reading");
+        let d = store::inspect::tensor_digests(&store, |b| pb.inc(b))?;
+        pb.finish_and_clear();
+        Some(d)
     } else {
-        print_summary(&dir, &s);
+        None
+    };
+    if json {
+        let mut v = serde_json::to_value(&s)?;
+        if let (Some(d), Some(o)) = (&digests, v.as_object_mut()) {
+            o.insert("tensors".into(), serde_json::to_value(d)?);
+        }
+        println!("{}", serde_json::to_string_pretty(&v)?);
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
+    print_summary(&dir, &s);
+    for t in digests.iter().flatten() {
+        let shape: Vec<String> = t.shape.iter().map(u64::to_string).collect();
+        println!(
+            "  {:<52} {:<6} {:<14} {:>10} {}",
+            t.name,
+            t.dtype.name(),
+            shape.join("x"),
+            fmt_bytes(t.bytes),
+            t.xxh3
+        );
     }
     Ok(std::process::ExitCode::SUCCESS)
 }

@@ -2,9 +2,14 @@
 
 use super::util::{parse_codec, parse_size_u32, progress_bar};
 use anyhow::{bail, Context, Result};
+use sluice::dtype::quantize::can_quantize;
+use sluice::dtype::DType;
+use sluice::import::ImportedModel;
+use sluice::store::quantize::Quantized;
+use sluice::store::writer::{PackOptions, PackReport, PackSource, UnitSpec};
 use sluice::store::{self, Codec};
 use sluice::util::fmt_bytes;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 #[derive(clap::Args)]
@@ -63,6 +68,14 @@ pub struct PackArgs {
     /// without repacking.)
     #[arg(long, value_name = "FILE")]
     pub chat_template: Option<PathBuf>,
+    /// Quantize the float weight matrices while packing, to q8_0, q4_0, q4_1, q5_0, q5_1,
+    /// q2_k, q3_k, q4_k, q5_k or q6_k: ggml's reference quantizers, so the blocks are what
+    /// `llama-quantize --pure` writes (a bf16 download made small enough, or a draft). Norms,
+    /// biases, a mixture's router and tensors already quantized stay as they are; a K-quant
+    /// matrix whose rows are not a multiple of 256 takes llama.cpp's fallback (q4_k -> q5_0,
+    /// q5_k -> q5_1, q6_k -> q8_0; q2_k and q3_k -> q4_0).
+    #[arg(long, value_name = "TYPE", conflicts_with = "link")]
+    pub quantize: Option<String>,
 }
 
 pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
@@ -79,7 +92,9 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         force,
         link,
         chat_template,
+        quantize,
     } = a;
+    let quantize = quantize.as_deref().map(parse_quantize).transpose()?;
     let auto_codec = codec == "auto";
     let codec: Codec = if auto_codec {
         Codec::None
@@ -120,7 +135,8 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         model.chat_template = Some(t);
     }
     let units = model.units()?;
-    let total: u64 = model.tensors.values().map(|t| t.len).sum();
+    let threads =
+        threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let auto = if auto_codec {
         let disk = match disk_gbps {
             Some(d) => d,
@@ -136,18 +152,15 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
     } else {
         None
     };
-    let opts = store::writer::PackOptions {
+    let opts = PackOptions {
         codec,
         auto,
         frame_size,
-        threads: threads
-            .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get())),
+        threads,
         force,
         link,
     };
-    let pb = progress_bar(total, if link { "linking" } else { "packing" });
-    let report = store::writer::pack(&model, &units, &output, &opts, |b| pb.inc(b))?;
-    pb.finish_and_clear();
+    let report = pack_shown(&model, &units, &output, &opts, quantize)?;
     for line in &report.auto {
         println!("{line}");
     }
@@ -183,6 +196,95 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         report.raw_bytes as f64 / secs / 1e6,
     );
     Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// Packs `model` (its matrices quantized to `quantize`, if given) under a progress bar,
+/// then says what `--quantize` made of it.
+fn pack_shown(
+    model: &ImportedModel,
+    units: &[UnitSpec],
+    output: &Path,
+    opts: &PackOptions,
+    quantize: Option<DType>,
+) -> Result<PackReport> {
+    let quantized = match quantize {
+        Some(t) => Some(Quantized::new(model, t, opts.threads).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
+    let total: u64 = model
+        .tensors
+        .keys()
+        .filter_map(|n| match &quantized {
+            Some(q) => q.tensor(n),
+            None => model.tensor(n),
+        })
+        .map(|t| t.len)
+        .sum();
+    let pb = progress_bar(total, if opts.link { "linking" } else { "packing" });
+    let report = match &quantized {
+        Some(q) => store::writer::pack(q, units, output, opts, |b| pb.inc(b))?,
+        None => store::writer::pack(model, units, output, opts, |b| pb.inc(b))?,
+    };
+    pb.finish_and_clear();
+    if let Some(t) = quantize {
+        for line in quantize_summary(model, t) {
+            println!("{line}");
+        }
+    }
+    Ok(report)
+}
+
+/// `--quantize TYPE`'s type, by its name in any case.
+fn parse_quantize(name: &str) -> Result<DType> {
+    sluice::dtype::ALL_DTYPES
+        .into_iter()
+        .find(|t| t.name().eq_ignore_ascii_case(name) && can_quantize(*t))
+        .with_context(|| {
+            format!(
+                "--quantize {name}: expected one of {}",
+                store::quantize::quantizable().join(", ")
+            )
+        })
+}
+
+/// What `--quantize` made of the model: a line per (source type -> stored type) with its
+/// tensors and bytes, and one for what it kept.
+fn quantize_summary(model: &ImportedModel, to: DType) -> Vec<String> {
+    use std::collections::BTreeMap;
+    let mut groups: BTreeMap<(DType, Option<DType>), (usize, u64, u64)> = BTreeMap::new();
+    for name in model.tensors.keys() {
+        let Some(l) = model.tensor(name) else {
+            continue;
+        };
+        let t = store::quantize::target(to, name, &l);
+        let out = t.map_or(l.len, |t| {
+            l.shape.iter().product::<u64>() / t.block_elems() * t.block_bytes()
+        });
+        let g = groups.entry((l.dtype, t)).or_default();
+        *g = (g.0 + 1, g.1 + l.len, g.2 + out);
+    }
+    groups
+        .into_iter()
+        .map(|((from, t), (n, a, b))| match t {
+            Some(t) => format!(
+                "quantized {n} {from} tensor{} to {t}: {} -> {}{}",
+                if n == 1 { "" } else { "s" },
+                fmt_bytes(a),
+                fmt_bytes(b),
+                if t == to {
+                    ""
+                } else {
+                    " (rows not whole blocks of the asked type: llama.cpp's fallback)"
+                }
+            ),
+            None => format!(
+                "kept {n} {from} tensor{} as {} ({})",
+                if n == 1 { "" } else { "s" },
+                if n == 1 { "it is" } else { "they are" },
+                fmt_bytes(a)
+            ),
+        })
+        .collect()
 }
 
 /// The read rate of the disk under `src` (its model files, 1 GiB at most, O_DIRECT), said
