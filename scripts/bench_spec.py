@@ -23,6 +23,11 @@ printed and fails the script).
     python3 scripts/bench_spec.py [--models smollm2,gemma3] [--batch 1,8] [--rounds 2]
         [--decode 96] [--limit-smollm2 192MiB] [--limit-gemma3 320MiB] [--threads 2]
         [--draft-max 8] [--no-llama] [--llama-decode 48] [--llama-kinds summary,code,chat]
+        [--self-draft q8_0,q5_k]
+
+Drafters: `ngram` (prompt lookup), and for each --self-draft TYPE the target's own weights
+quantized to TYPE by `sluiced pack --quantize` (a separate store, made once in the cache) as
+a draft model, resident inside the same limit and host budget as the target.
 
 llama.cpp decodes --llama-decode tokens on the --llama-kinds prompts (fewer where its reads
 under the limit make it slow; compare with the same count where it is not).
@@ -165,6 +170,13 @@ def bench(name, gguf, limit, prompts, a):
         subprocess.run([SLUICED, "pack", gguf, "-o", store], check=True, capture_output=True)
     idss = [chat_ids(gguf, p["prompt"]) for p in prompts]
     engines = [("sluice", None), ("sluice ngram", "ngram")]
+    for t in filter(None, a.self_draft.split(",")):
+        # The self-draft: the target's own weights quantized by `pack --quantize`, a store of
+        # its own, resident inside the same limit.
+        draft = os.path.join(CACHE, "bench-spec", f"{os.path.basename(gguf)}.{t}.store")
+        if not os.path.isdir(draft):
+            subprocess.run([SLUICED, "pack", gguf, "-o", draft, "--quantize", t], check=True, capture_output=True)
+        engines.append((f"sluice draft {t}", draft))
     print(f"\n{name}: {os.path.basename(gguf)}, limit {limit / MIB:.0f} MiB, {a.threads} threads, {len(prompts)} prompts "
           f"({', '.join(str(len(i)) for i in idss)} tokens), {a.decode} greedy tokens each, --draft-max {a.draft_max}")
     for batch in a.batches:
@@ -238,6 +250,8 @@ def main():
     ap.add_argument("--limit-smollm2", default="192MiB")
     ap.add_argument("--limit-gemma3", default="320MiB")
     ap.add_argument("--kinds", default="summary,code,chat")
+    ap.add_argument("--self-draft", default="q8_0",
+                    help="types of the self-drafts to run (pack --quantize), comma-separated; '' for none")
     ap.add_argument("--no-llama", action="store_true")
     # llama.cpp reads the whole model from disk for every pass under the limit (its mmap's
     # pages are evicted): a few tokens give its rate.

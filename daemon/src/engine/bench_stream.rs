@@ -348,9 +348,10 @@ pub fn run(
         type Output = BenchStreamReport;
         fn call<B: Backend + 'static>(
             self,
-            make: &dyn Fn(&PlanInput) -> Result<Pipeline<B>, EngineError>,
+            make: &crate::engine::MakePipeline<B>,
         ) -> Result<BenchStreamReport, EngineError> {
-            bench_stream(self.0, self.1, make)
+            let store = self.0.clone();
+            bench_stream(self.0, self.1, &|input: &PlanInput| make(&store, input))
         }
     }
     let run = crate::pipeline::PipelineOptions {
@@ -358,7 +359,7 @@ pub fn run(
         expert_prediction: o.expert_prediction,
         ..Default::default()
     };
-    on_backend(chosen, &store, o.threads, &o.io, run, Job(store.clone(), o))
+    on_backend(chosen, o.threads, &o.io, run, Job(store, o))
 }
 
 /// Runs the benchmark with pipelines from `make` (one backend).

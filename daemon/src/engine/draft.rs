@@ -37,6 +37,10 @@ pub trait Drafter: Send {
 pub enum DraftKind {
     /// Prompt lookup over the sequence's own text.
     Ngram,
+    /// A draft model's greedy decoding (`draft_model::DraftModel`; `sluiced run --draft
+    /// STORE`), which fills the proposals before each step.
+    #[serde(skip)]
+    Model,
 }
 
 impl FromStr for DraftKind {
@@ -56,6 +60,7 @@ impl fmt::Display for DraftKind {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(match self {
             DraftKind::Ngram => "ngram",
+            DraftKind::Model => "model",
         })
     }
 }
@@ -87,10 +92,11 @@ pub struct DraftAsk {
 pub const DRAFT_MAX_DEFAULT: usize = 8;
 
 impl DraftConfig {
-    /// A new drafter for one sequence.
-    pub fn drafter(&self) -> Box<dyn Drafter> {
+    /// A new drafter for one sequence (None: a draft model fills its proposals).
+    pub fn drafter(&self) -> Option<Box<dyn Drafter>> {
         match self.kind {
-            DraftKind::Ngram => Box::new(Ngram::default()),
+            DraftKind::Ngram => Some(Box::new(Ngram::default())),
+            DraftKind::Model => None,
         }
     }
 }
@@ -329,7 +335,12 @@ impl Drafter for Ngram {
 /// summary, 4.80 -> 4.00 on another), and the row budget already weighs every row by the
 /// sequence's acceptance.
 pub struct SeqDraft {
-    drafter: Box<dyn Drafter>,
+    /// Its drafter; None where a draft model proposes (`DraftModel::propose`).
+    drafter: Option<Box<dyn Drafter>>,
+    /// With a draft model: the tokens its KV cache holds for this sequence (positions
+    /// 0..), and how many tokens the next proposal is to have.
+    pub fed: Vec<u32>,
+    pub want: usize,
     max: usize,
     fixed: bool,
     /// Tokens to verify after the pending one in the next step.
@@ -353,9 +364,13 @@ const FAILS_BEFORE_PAUSE: usize = 4;
 impl SeqDraft {
     pub fn new(cfg: &DraftConfig, prompt: &[u32]) -> SeqDraft {
         let mut drafter = cfg.drafter();
-        drafter.extend(prompt);
+        if let Some(d) = &mut drafter {
+            d.extend(prompt);
+        }
         SeqDraft {
             drafter,
+            fed: Vec::new(),
+            want: 0,
             max: cfg.max,
             fixed: cfg.fixed,
             proposal: Vec::with_capacity(cfg.max),
@@ -366,6 +381,11 @@ impl SeqDraft {
             pause: 1,
             acceptance: ACCEPTANCE_PRIOR,
         }
+    }
+
+    /// Whether a draft model makes its proposals.
+    pub fn by_model(&self) -> bool {
+        self.drafter.is_none()
     }
 
     /// Its claim on the next step's drafted rows.
@@ -379,7 +399,9 @@ impl SeqDraft {
 
     /// Tokens were accepted into the text.
     pub fn extend(&mut self, tokens: &[u32]) {
-        self.drafter.extend(tokens);
+        if let Some(d) = &mut self.drafter {
+            d.extend(tokens);
+        }
     }
 
     /// The outcome of a verified step: `drafted` tokens went in, the first `accepted` of
@@ -407,13 +429,19 @@ impl SeqDraft {
 
     /// Makes the proposal for the next step: at most `room` tokens (what the context and
     /// `max_tokens` leave), none while paused.
+    /// With a draft model this only sets `want`: the model fills the proposal before the
+    /// step.
     pub fn propose(&mut self, room: usize) {
         self.proposal.clear();
+        self.want = 0;
         if self.paused > 0 {
             self.paused -= 1;
             return;
         }
-        self.drafter.propose(self.max.min(room), &mut self.proposal);
+        match &mut self.drafter {
+            Some(d) => d.propose(self.max.min(room), &mut self.proposal),
+            None => self.want = self.max.min(room),
+        }
     }
 }
 

@@ -3,6 +3,7 @@
 //! text as it becomes final and the timings.
 
 use super::draft::SpecStats;
+use super::draft_model::DraftModel;
 use super::sequence::{Finish, GenerateParams, SeqLimits, Sequence};
 use super::step::StepBuilder;
 use super::EngineError;
@@ -29,6 +30,9 @@ pub struct GenerateOutput {
     pub decode_passes: usize,
     /// Speculative decoding's counts for this sequence (zeros without drafting).
     pub speculative: SpecStats,
+    /// A draft model's time and passes over the batch's run (zeros without one).
+    pub draft_s: f64,
+    pub draft_passes: u64,
 }
 
 impl GenerateOutput {
@@ -73,6 +77,20 @@ pub fn generate_parallel<B: Backend>(
     prompt: &[u32],
     params: &GenerateParams,
     n: usize,
+    on_text: impl FnMut(&str),
+) -> Result<Vec<GenerateOutput>, EngineError> {
+    generate_with(runner, None, tok, prompt, params, n, on_text)
+}
+
+/// `generate_parallel` with a draft model proposing each sequence's tokens before each
+/// step (`params.draft` of kind `Model`; `draft` in the same KV slots).
+pub fn generate_with<B: Backend>(
+    runner: &mut Pipeline<B>,
+    mut draft: Option<&mut DraftModel<B>>,
+    tok: &Tokenizer,
+    prompt: &[u32],
+    params: &GenerateParams,
+    n: usize,
     mut on_text: impl FnMut(&str),
 ) -> Result<Vec<GenerateOutput>, EngineError> {
     let opts = *runner.options();
@@ -103,6 +121,9 @@ pub fn generate_parallel<B: Backend>(
     let mut owner = Vec::with_capacity(n);
     let mut decode_passes = 0;
     loop {
+        if let Some(d) = draft.as_deref_mut() {
+            d.propose(&mut seqs)?;
+        }
         let k = builder.build(n, |i| &seqs[i], &opts, &mut steps, &mut owner);
         if k == 0 {
             break;
@@ -136,9 +157,36 @@ pub fn generate_parallel<B: Backend>(
         }
     }
     let t1 = decode_start.unwrap_or_else(Instant::now);
-    let prefill_s = (t1 - t0).as_secs_f64();
-    let decode_s = t1.elapsed().as_secs_f64();
-    let mut outs = Vec::with_capacity(n);
+    let ran = Ran {
+        prefill_s: (t1 - t0).as_secs_f64(),
+        decode_s: t1.elapsed().as_secs_f64(),
+        decode_passes,
+        draft_s: draft.as_ref().map_or(0.0, |d| d.seconds),
+        draft_passes: draft.as_ref().map_or(0, |d| d.passes),
+    };
+    Ok(outputs(seqs, texts, &spec, ran, tok, on_text))
+}
+
+/// What a batch's run measured, which every sequence's output carries.
+struct Ran {
+    prefill_s: f64,
+    decode_s: f64,
+    decode_passes: usize,
+    draft_s: f64,
+    draft_passes: u64,
+}
+
+/// Each sequence closed (its held-back text released to `texts` and, for sequence 0,
+/// `on_text`) into its output.
+fn outputs(
+    seqs: Vec<Sequence>,
+    mut texts: Vec<String>,
+    spec: &[SpecStats],
+    ran: Ran,
+    tok: &Tokenizer,
+    mut on_text: impl FnMut(&str),
+) -> Vec<GenerateOutput> {
+    let mut outs = Vec::with_capacity(seqs.len());
     for (i, seq) in seqs.into_iter().enumerate() {
         let decode_steps = seq.decode_steps();
         // `fill_step` returns false only once the sequence has finished.
@@ -156,12 +204,14 @@ pub fn generate_parallel<B: Backend>(
             generated_token_ids: done.generated_token_ids,
             text: std::mem::take(&mut texts[i]),
             finish_reason: done.finish,
-            prefill_s,
-            decode_s,
+            prefill_s: ran.prefill_s,
+            decode_s: ran.decode_s,
             decode_steps,
-            decode_passes,
+            decode_passes: ran.decode_passes,
             speculative: spec[i],
+            draft_s: ran.draft_s,
+            draft_passes: ran.draft_passes,
         });
     }
-    Ok(outs)
+    outs
 }

@@ -7,6 +7,7 @@
 
 pub mod bench_stream;
 pub mod draft;
+pub mod draft_model;
 #[cfg(test)]
 mod draft_tests;
 pub mod generate;
@@ -297,12 +298,17 @@ pub fn choose_backend(choice: BackendChoice, device: usize) -> Result<Chosen, En
 
 /// What to do with pipelines on whichever backend was chosen. A trait rather than a
 /// closure because the body is generic over the backend type.
+/// Plans memory for a store's pipeline on the chosen backend and builds it (`on_backend`).
+pub type MakePipeline<'a, B> =
+    dyn Fn(&Arc<Store>, &PlanInput) -> Result<Pipeline<B>, EngineError> + 'a;
+
 pub trait OnBackend {
     type Output;
-    /// `make` plans memory for an input and builds a pipeline on the chosen backend.
+    /// `make` plans memory for an input and builds a pipeline of a store on the chosen
+    /// backend (the model's, or another's: a draft model's).
     fn call<B: Backend + 'static>(
         self,
-        make: &dyn Fn(&PlanInput) -> Result<Pipeline<B>, EngineError>,
+        make: &MakePipeline<B>,
     ) -> Result<Self::Output, EngineError>
     where
         B::Mem: 'static;
@@ -361,19 +367,18 @@ impl Chosen {
 /// `cuda_runner` on the probed device).
 pub fn on_backend<F: OnBackend>(
     chosen: &Chosen,
-    store: &Arc<Store>,
     threads: usize,
     io: &IoConfig,
     run: PipelineOptions,
     f: F,
 ) -> Result<F::Output, EngineError> {
     match chosen {
-        Chosen::Cpu { .. } => {
-            f.call(&|input: &PlanInput| cpu_runner(store.clone(), input, threads, io.clone(), run))
-        }
-        Chosen::Cuda(info) => {
-            f.call(&|input: &PlanInput| cuda_runner(store.clone(), input, info, io.clone(), run))
-        }
+        Chosen::Cpu { .. } => f.call(&|store: &Arc<Store>, input: &PlanInput| {
+            cpu_runner(store.clone(), input, threads, io.clone(), run)
+        }),
+        Chosen::Cuda(info) => f.call(&|store: &Arc<Store>, input: &PlanInput| {
+            cuda_runner(store.clone(), input, info, io.clone(), run)
+        }),
     }
 }
 

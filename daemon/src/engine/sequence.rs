@@ -129,6 +129,29 @@ pub struct Sequence {
     draft: Option<SeqDraft>,
 }
 
+impl AsMut<Sequence> for Sequence {
+    fn as_mut(&mut self) -> &mut Sequence {
+        self
+    }
+}
+
+/// A sequence's text and drafting state, for the draft model that proposes its tokens.
+pub struct ModelDraft<'a> {
+    pub slot: usize,
+    prompt: &'a [u32],
+    generated: &'a [u32],
+    pub draft: &'a mut SeqDraft,
+    /// Tokens to propose for the next step.
+    pub want: usize,
+}
+
+impl ModelDraft<'_> {
+    /// The prompt, then every token generated (the pending one last).
+    pub fn text(&self) -> impl Iterator<Item = u32> + '_ {
+        self.prompt.iter().chain(self.generated).copied()
+    }
+}
+
 impl Sequence {
     /// Validates the request (see `validate`) and makes a sequence in KV slot `slot`.
     pub fn new(
@@ -186,6 +209,21 @@ impl Sequence {
     pub fn draft_ask(&self) -> Option<DraftAsk> {
         let d = self.draft.as_ref()?;
         self.pending.map(|_| d.ask())
+    }
+
+    /// A decoding sequence's drafting by a draft model (None: it does not draft with one,
+    /// or is not decoding).
+    pub fn model_draft(&mut self) -> Option<ModelDraft<'_>> {
+        let d = self.draft.as_mut().filter(|d| d.by_model())?;
+        self.pending?;
+        let want = d.want;
+        Some(ModelDraft {
+            slot: self.slot,
+            prompt: &self.prompt,
+            generated: &self.generated,
+            draft: d,
+            want,
+        })
     }
 
     /// Drafted tokens that went into steps and those accepted (0, 0 without drafting).

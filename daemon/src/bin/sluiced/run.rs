@@ -138,10 +138,13 @@ pub struct RunArgs {
     #[arg(long)]
     json: bool,
     /// Speculative decoding: `ngram` drafts the next tokens by prompt lookup (the prompt
-    /// and the text so far) and each pass verifies them; the output is the model's own,
-    /// token for token (default: off).
-    #[arg(long, value_name = "DRAFTER")]
-    draft: Option<sluice::engine::draft::DraftKind>,
+    /// and the text so far); a store (a directory, or a name in the models directory)
+    /// drafts them with that model, kept whole in memory beside this one within the same
+    /// budgets: a small model of the same family, or a quantized copy of this one
+    /// (`sluiced pack --quantize`), with this model's vocabulary. Each pass verifies the
+    /// drafts; the output is the model's own, token for token (default: off).
+    #[arg(long, value_name = "ngram|STORE")]
+    draft: Option<String>,
     /// Tokens a sequence drafts for one pass at most.
     #[arg(long, default_value_t = sluice::engine::draft::DRAFT_MAX_DEFAULT)]
     draft_max: usize,
@@ -154,11 +157,18 @@ pub struct RunArgs {
 impl RunArgs {
     /// Speculative decoding's settings (None: off).
     fn draft(&self) -> Option<sluice::engine::draft::DraftConfig> {
-        self.draft.map(|kind| sluice::engine::draft::DraftConfig {
-            kind,
-            max: self.draft_max,
-            fixed: self.draft_fixed,
-        })
+        use sluice::engine::draft::DraftKind;
+        self.draft
+            .as_deref()
+            .map(|d| sluice::engine::draft::DraftConfig {
+                kind: if d == "ngram" {
+                    DraftKind::Ngram
+                } else {
+                    DraftKind::Model
+                },
+                max: self.draft_max,
+                fixed: self.draft_fixed,
+            })
     }
 }
 
@@ -230,7 +240,13 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     // Each setting given on the command line, the model's default for the rest.
     let defaults = sluice::engine::sampling_defaults(m);
     let sampling = sluice::server::service::sampling_of(&a.sampling.request(), &defaults);
+    let draft_store = match a.draft.as_deref() {
+        Some(d) if d != "ngram" => Some(draft_store(d, &tok)?),
+        _ => None,
+    };
     let job = Generate {
+        store: store.clone(),
+        draft_store,
         sampling,
         profile,
         a: &a,
@@ -244,14 +260,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         measure_lookahead: a.measure_expert_prediction,
         ..Default::default()
     };
-    on_backend(
-        &chosen,
-        &store,
-        a.threads,
-        &IoConfig::single_stream(),
-        run,
-        job,
-    )??;
+    on_backend(&chosen, a.threads, &IoConfig::single_stream(), run, job)??;
     Ok(std::process::ExitCode::SUCCESS)
 }
 
@@ -300,8 +309,67 @@ fn prompt_ids(
     Ok(tok.encode(&t.render(&msgs, true)?, false)?)
 }
 
+/// `--draft STORE`'s store, refused unless its vocabulary is the model's (`tok`'s).
+fn draft_store(d: &str, tok: &Tokenizer) -> Result<std::sync::Arc<Store>> {
+    let path = store_path(std::path::Path::new(d), None);
+    let mut s = Store::open(&path).with_context(|| {
+        format!("--draft {d}: not `ngram` and no store there (give `ngram`, a store directory or a model name)")
+    })?;
+    let dtok = Tokenizer::from_manifest(s.manifest())?;
+    s.release_tokenizer_spec();
+    if let Some(why) = sluice::engine::draft_model::vocab_mismatch(tok, &dtok) {
+        bail!("--draft {d}: cannot draft for this model: {why}; a draft needs the model's vocabulary, token for token");
+    }
+    Ok(std::sync::Arc::new(s))
+}
+
+/// The draft model of `--draft STORE` on the backend `make` builds for: planned within
+/// the run's budgets, and whole (a draft that would stream is refused: it would cost a
+/// pass of reads per drafted token).
+fn draft_model<B: Backend>(
+    make: &sluice::engine::MakePipeline<B>,
+    store: &std::sync::Arc<Store>,
+    input: &sluice::plan::PlanInput,
+    quiet: bool,
+) -> Result<sluice::engine::draft_model::DraftModel<B>, EngineError> {
+    let mut di = input.clone();
+    di.opts.verify_rows = 0;
+    di.expert_profile = None;
+    let runner = make(store, &di)?;
+    let streamed = runner.plan.layers_streamed();
+    if streamed > 0 {
+        return Err(EngineError::Invalid(format!(
+            "--draft {}: the draft would stream {streamed} of its {} units within this memory; a draft must be resident: give more memory (--host-memory, --device-memory) or a smaller draft (sluiced pack --quantize)",
+            store.dir().display(),
+            runner.plan.units.len()
+        )));
+    }
+    if !quiet {
+        eprint!(
+            "draft model {}:\n{}",
+            store.dir().display(),
+            runner.plan.table()
+        );
+    }
+    Ok(sluice::engine::draft_model::DraftModel::new(runner))
+}
+
+/// `input` with what the draft's plan holds taken out of its budgets.
+fn leave_room(input: &mut sluice::plan::PlanInput, draft: &sluice::plan::Plan) {
+    let host = draft
+        .host
+        .total_bytes
+        .saturating_sub(draft.host.overhead_bytes);
+    input.host.budget = input.host.budget.map(|b| b.saturating_sub(host));
+    input.device_budget = input
+        .device_budget
+        .map(|b| b.saturating_sub(draft.device_bytes()));
+}
+
 /// `sluiced run`'s work once the backend is known.
 struct Generate<'a> {
+    store: std::sync::Arc<Store>,
+    draft_store: Option<std::sync::Arc<Store>>,
     sampling: sluice::text::SamplingParams,
     profile: Option<sluice::pipeline::ExpertProfile>,
     a: &'a RunArgs,
@@ -314,11 +382,20 @@ impl OnBackend for Generate<'_> {
     type Output = Result<()>;
     fn call<B: Backend + 'static>(
         self,
-        make: &dyn Fn(&sluice::plan::PlanInput) -> Result<Pipeline<B>, EngineError>,
+        make: &sluice::engine::MakePipeline<B>,
     ) -> Result<Result<()>, EngineError> {
-        let runner = make(&self.input)?;
+        let mut input = self.input.clone();
+        let draft = match &self.draft_store {
+            Some(ds) => Some(draft_model(make, ds, &input, self.a.json)?),
+            None => None,
+        };
+        if let Some(d) = &draft {
+            leave_room(&mut input, &d.runner().plan);
+        }
+        let runner = make(&self.store, &input)?;
         Ok(run_generate(
             runner,
+            draft,
             self.a,
             self.tok,
             self.prompt_ids,
@@ -328,17 +405,38 @@ impl OnBackend for Generate<'_> {
     }
 }
 
+/// What each of `sluiced run`'s sequences generates under.
+fn generate_params(
+    a: &RunArgs,
+    sampling: sluice::text::SamplingParams,
+) -> Result<sluice::engine::sequence::GenerateParams> {
+    Ok(sluice::engine::sequence::GenerateParams {
+        max_tokens: a.max_tokens,
+        sampling,
+        stop: a.stop.clone(),
+        ignore_eos: a.ignore_eos,
+        logprobs: None,
+        logit_bias: a.logit_bias.clone(),
+        format: match (&a.json_schema, a.json_object) {
+            (Some(path), _) => OutputFormat::JsonSchema(load_schema(path)?),
+            (None, true) => OutputFormat::JsonObject,
+            (None, false) => OutputFormat::Text,
+        },
+        draft: a.draft(),
+    })
+}
+
 /// Generates for `sluiced run` on whichever backend was chosen.
 fn run_generate<B: Backend>(
     mut runner: Pipeline<B>,
+    mut draft_model: Option<sluice::engine::draft_model::DraftModel<B>>,
     a: &RunArgs,
     tok: &Tokenizer,
     prompt_ids: &[u32],
     profile: Option<sluice::pipeline::ExpertProfile>,
     sampling: sluice::text::SamplingParams,
 ) -> Result<()> {
-    use sluice::engine::generate::generate_parallel;
-    use sluice::engine::sequence::GenerateParams;
+    use sluice::engine::generate::generate_with;
     use std::io::Write;
     let (parallel, draft) = (a.parallel as usize, a.draft());
     if !a.json {
@@ -368,28 +466,24 @@ fn run_generate<B: Backend>(
             context - prompt_ids.len()
         );
     }
-    let params = GenerateParams {
-        max_tokens: a.max_tokens,
-        sampling,
-        stop: a.stop.clone(),
-        ignore_eos: a.ignore_eos,
-        logprobs: None,
-        logit_bias: a.logit_bias.clone(),
-        format: match (&a.json_schema, a.json_object) {
-            (Some(path), _) => OutputFormat::JsonSchema(load_schema(path)?),
-            (None, true) => OutputFormat::JsonObject,
-            (None, false) => OutputFormat::Text,
-        },
-        draft,
-    };
+    let params = generate_params(a, sampling)?;
     let stdout = std::io::stdout();
-    let outs = generate_parallel(&mut runner, tok, prompt_ids, &params, parallel, |piece| {
-        if !a.json {
-            let mut l = stdout.lock();
-            let _ = l.write_all(piece.as_bytes());
-            let _ = l.flush();
-        }
-    })?;
+    let dm = draft_model.as_mut();
+    let outs = generate_with(
+        &mut runner,
+        dm,
+        tok,
+        prompt_ids,
+        &params,
+        parallel,
+        |piece| {
+            if !a.json {
+                let mut l = stdout.lock();
+                let _ = l.write_all(piece.as_bytes());
+                let _ = l.flush();
+            }
+        },
+    )?;
     let out = &outs[0];
     // The batch's decode rate: every sequence's decode tokens over the shared wall time.
     let decode_tokens: usize = outs.iter().map(|o| o.decode_tokens()).sum();
@@ -535,13 +629,19 @@ fn print_drafting(outs: &[sluice::engine::generate::GenerateOutput]) {
         s.add(&o.speculative);
     }
     if s.drafted_tokens > 0 {
+        let o = &outs[0];
         eprintln!(
-            "drafting: {} of {} drafted tokens accepted ({:.2}); {:.2} tokens a decode step, {} decode passes",
+            "drafting: {} of {} drafted tokens accepted ({:.2}); {:.2} tokens a decode step, {} decode passes{}",
             s.accepted_tokens,
             s.drafted_tokens,
             ratio(s.accepted_tokens, s.drafted_tokens),
             s.tokens_per_step_mean(),
-            outs.first().map_or(0, |o| o.decode_passes),
+            o.decode_passes,
+            if o.draft_passes > 0 {
+                format!("; the draft model ran {} passes in {:.3} s ({:.0} % of decoding)", o.draft_passes, o.draft_s, 100.0 * o.draft_s / o.decode_s.max(1e-9))
+            } else {
+                String::new()
+            },
         );
     }
 }
@@ -560,6 +660,8 @@ fn speculative_json(
     j["decode_passes"] = outs.first().map_or(0, |o| o.decode_passes).into();
     j["draft"] = draft.map(|d| d.kind.to_string()).into();
     j["speculative"] = serde_json::json!({
+        "draft_s": outs.first().map_or(0.0, |o| o.draft_s),
+        "draft_passes": outs.first().map_or(0, |o| o.draft_passes),
         "drafted_tokens": s.drafted_tokens,
         "accepted_tokens": s.accepted_tokens,
         "acceptance": ratio(s.accepted_tokens, s.drafted_tokens),

@@ -6,7 +6,6 @@ use anyhow::{bail, Context, Result};
 use sluice::backend::Backend;
 use sluice::engine::scheduler::{Scheduler, SchedulerConfig};
 use sluice::engine::{BackendChoice, EngineError, OnBackend};
-use sluice::pipeline::Pipeline;
 use sluice::plan::Plan;
 use sluice::server::api::{Frontend, ModelMeta, RequestLimits};
 use sluice::server::auth::{check_exposure, ApiKeys, GrpcAuth};
@@ -249,6 +248,7 @@ impl ServeArgs {
 
 /// Builds the pipeline on the chosen backend and starts the scheduler's engine thread.
 struct StartScheduler {
+    store: Arc<Store>,
     input: sluice::plan::PlanInput,
     profile: Option<sluice::pipeline::ExpertProfile>,
     tokenizer: Arc<Tokenizer>,
@@ -259,12 +259,12 @@ impl OnBackend for StartScheduler {
     type Output = (Plan, Scheduler, std::thread::JoinHandle<()>, &'static str);
     fn call<B: Backend + 'static>(
         self,
-        make: &dyn Fn(&sluice::plan::PlanInput) -> Result<Pipeline<B>, EngineError>,
+        make: &sluice::engine::MakePipeline<B>,
     ) -> Result<Self::Output, EngineError>
     where
         B::Mem: 'static,
     {
-        let mut runner = make(&self.input)?;
+        let mut runner = make(&self.store, &self.input)?;
         if let Some(p) = self.profile {
             let n = runner.load_expert_profile(p)?;
             tracing::info!(
@@ -383,6 +383,7 @@ impl ModelLoader {
             .as_ref()
             .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));
         let start = StartScheduler {
+            store: store.clone(),
             input: self.input(m, device_room, hot),
             profile,
             tokenizer,
@@ -391,14 +392,8 @@ impl ModelLoader {
             },
         };
         let io = self.io();
-        let (plan, sched, engine, backend_name) = sluice::engine::on_backend(
-            &self.chosen,
-            &store,
-            cfg.threads,
-            &io,
-            Default::default(),
-            start,
-        )?;
+        let (plan, sched, engine, backend_name) =
+            sluice::engine::on_backend(&self.chosen, cfg.threads, &io, Default::default(), start)?;
         tracing::info!("{name}: {}\n{}", dir.display(), plan.table());
         let kv_dtype = sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype);
         let numerics = if cfg.exact { "exact" } else { "fast" };

@@ -1,0 +1,239 @@
+//! Drafting with a model: a second, smaller (or more quantized) model of the same
+//! vocabulary, kept whole in memory, proposes each decoding sequence's next tokens by its
+//! own greedy decoding; the target then verifies them as it verifies any proposal
+//! (`Sequence::advance`), so outputs stay exactly the target's.
+//!
+//! The draft runs on the same backend as the target, in the same KV slots (its own cache,
+//! one slot per target slot). Each sequence remembers the tokens the draft's cache holds
+//! (`SeqDraft::fed`); before a step, the part of the sequence's text the draft has not seen
+//! (the prompt the first time, then the tokens the last verification accepted and the one
+//! it sampled) runs in one batched pass for every drafting sequence at once (prefill
+//! chunks within the draft's token budget), then one decode pass per further draft token.
+//! A rejected draft token leaves its K and V in the draft's cache past the accepted text;
+//! the next catch-up writes over them from the first position that differs, and no query
+//! reads past its own position (the target's verified rows work the same way).
+
+use super::sequence::Sequence;
+use super::EngineError;
+use crate::backend::Backend;
+use crate::model::SeqStep;
+use crate::pipeline::Pipeline;
+use crate::text::Tokenizer;
+use std::time::Instant;
+
+/// A draft model's pipeline and the buffers of its passes (kept between steps).
+pub struct DraftModel<B: Backend> {
+    runner: Pipeline<B>,
+    steps: Vec<SeqStep>,
+    /// The sequence (index into the caller's list) of each step.
+    owner: Vec<usize>,
+    logits: Vec<f32>,
+    /// Wall time spent drafting, since the start.
+    pub seconds: f64,
+    /// Draft passes run, since the start.
+    pub passes: u64,
+}
+
+/// Why a store cannot draft for a model: its vocabulary differs (the first token that
+/// does, or the sizes).
+pub fn vocab_mismatch(target: &Tokenizer, draft: &Tokenizer) -> Option<String> {
+    if target.vocab() != draft.vocab() {
+        return Some(format!(
+            "its vocabulary has {} tokens and the model's {}",
+            draft.vocab(),
+            target.vocab()
+        ));
+    }
+    (0..target.vocab())
+        .find(|&i| target.token_bytes(i) != draft.token_bytes(i))
+        .map(|i| {
+            format!(
+                "token {i} is {:?} in the model and {:?} in the draft",
+                target.piece(i),
+                draft.piece(i)
+            )
+        })
+}
+
+/// Where the draft of one sequence stands in a `propose` call.
+struct Drafting {
+    /// Index of the sequence in the caller's list.
+    seq: usize,
+    /// Tokens of its text the draft has yet to run.
+    todo: Vec<u32>,
+    /// Tokens it is to propose.
+    want: usize,
+}
+
+impl<B: Backend> DraftModel<B> {
+    /// A draft on `runner`, whose options (slots, context) match the target's and which
+    /// keeps every unit resident.
+    pub fn new(runner: Pipeline<B>) -> DraftModel<B> {
+        DraftModel {
+            runner,
+            steps: Vec::new(),
+            owner: Vec::new(),
+            logits: Vec::new(),
+            seconds: 0.0,
+            passes: 0,
+        }
+    }
+
+    pub fn runner(&self) -> &Pipeline<B> {
+        &self.runner
+    }
+
+    /// Fills the proposal of every sequence of `seqs` that drafts with a model and asks for
+    /// tokens (`Sequence::model_draft`): the draft catches up on its text, then decodes
+    /// greedily, every sequence in the same passes.
+    pub fn propose<S: AsMut<Sequence>>(&mut self, seqs: &mut [S]) -> Result<(), EngineError> {
+        let t0 = Instant::now();
+        let mut active = Self::asking(seqs);
+        self.catch_up(seqs, &mut active)?;
+        self.decode(seqs, &active)?;
+        self.seconds += t0.elapsed().as_secs_f64();
+        Ok(())
+    }
+
+    /// The sequences that ask for drafts, each with the text its draft cache lacks (its
+    /// record of the cache cut back to where it agrees with the text).
+    fn asking<S: AsMut<Sequence>>(seqs: &mut [S]) -> Vec<Drafting> {
+        let mut active: Vec<Drafting> = Vec::new();
+        for (i, s) in seqs.iter_mut().enumerate() {
+            let Some(d) = s.as_mut().model_draft() else {
+                continue;
+            };
+            if d.want == 0 {
+                continue;
+            }
+            let same = d
+                .draft
+                .fed
+                .iter()
+                .zip(d.text())
+                .take_while(|(a, b)| **a == *b)
+                .count();
+            d.draft.fed.truncate(same);
+            active.push(Drafting {
+                seq: i,
+                todo: d.text().skip(same).collect(),
+                want: d.want,
+            });
+        }
+        active
+    }
+
+    /// Catch-up passes: each sequence's unseen text in chunks; the pass that runs a
+    /// sequence's last unseen token gives its first draft.
+    fn catch_up<S: AsMut<Sequence>>(
+        &mut self,
+        seqs: &mut [S],
+        active: &mut [Drafting],
+    ) -> Result<(), EngineError> {
+        let max_tokens = self.runner.options().max_batch_tokens;
+        while active.iter().any(|a| !a.todo.is_empty()) {
+            let mut left = max_tokens;
+            self.steps.clear();
+            self.owner.clear();
+            for (k, a) in active.iter().enumerate() {
+                if a.todo.is_empty() || left == 0 {
+                    continue;
+                }
+                let Some(d) = seqs[a.seq].as_mut().model_draft() else {
+                    continue;
+                };
+                let n = a.todo.len().min(left);
+                left -= n;
+                self.steps.push(SeqStep {
+                    tokens: a.todo[..n].to_vec(),
+                    slot: d.slot,
+                    pos: d.draft.fed.len(),
+                    verify: false,
+                });
+                self.owner.push(k);
+            }
+            if self.steps.is_empty() {
+                break;
+            }
+            self.pass()?;
+            for (row, (k, step)) in self.owner.iter().zip(&self.steps).enumerate() {
+                let a = &mut active[*k];
+                let Some(d) = seqs[a.seq].as_mut().model_draft() else {
+                    continue;
+                };
+                d.draft.fed.extend_from_slice(&step.tokens);
+                a.todo.drain(..step.tokens.len());
+                if a.todo.is_empty() {
+                    d.draft
+                        .proposal
+                        .push(argmax(&self.logits, self.steps.len(), row));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Decode passes: each runs every sequence's last draft token and proposes its next.
+    fn decode<S: AsMut<Sequence>>(
+        &mut self,
+        seqs: &mut [S],
+        active: &[Drafting],
+    ) -> Result<(), EngineError> {
+        loop {
+            self.steps.clear();
+            self.owner.clear();
+            for (k, a) in active.iter().enumerate() {
+                let Some(d) = seqs[a.seq].as_mut().model_draft() else {
+                    continue;
+                };
+                let Some(&last) = d.draft.proposal.last() else {
+                    continue;
+                };
+                if d.draft.proposal.len() >= a.want {
+                    continue;
+                }
+                self.steps.push(SeqStep {
+                    tokens: vec![last],
+                    slot: d.slot,
+                    pos: d.draft.fed.len(),
+                    verify: false,
+                });
+                self.owner.push(k);
+            }
+            if self.steps.is_empty() {
+                break;
+            }
+            self.pass()?;
+            for (row, (k, step)) in self.owner.iter().zip(&self.steps).enumerate() {
+                let Some(d) = seqs[active[*k].seq].as_mut().model_draft() else {
+                    continue;
+                };
+                d.draft.fed.extend_from_slice(&step.tokens);
+                d.draft
+                    .proposal
+                    .push(argmax(&self.logits, self.steps.len(), row));
+            }
+        }
+        Ok(())
+    }
+
+    fn pass(&mut self) -> Result<(), EngineError> {
+        self.runner.step(&self.steps, &mut self.logits)?;
+        self.passes += 1;
+        Ok(())
+    }
+}
+
+/// The token of the largest logit in row `row` of `logits`, rows of `rows` (the first of
+/// equals).
+fn argmax(logits: &[f32], rows: usize, row: usize) -> u32 {
+    let vocab = logits.len() / rows;
+    let r = &logits[row * vocab..(row + 1) * vocab];
+    let mut best = 0;
+    for (i, &v) in r.iter().enumerate() {
+        if v > r[best] {
+            best = i;
+        }
+    }
+    best as u32
+}

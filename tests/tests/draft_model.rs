@@ -1,0 +1,298 @@
+//! Speculative decoding with a draft model (`sluiced run --draft STORE`): a q8_0 copy made
+//! by `sluiced pack --quantize` drafts, the target verifies, and the text is the target's
+//! own, token for token, greedy and seeded, on every architecture, alone and
+//! beside other sequences; the real models resident and streamed with the draft inside the
+//! same budget; a draft of another vocabulary, or one that would not be resident, is
+//! refused with what to do.
+
+use sluice::backend::cpu::CpuBackend;
+use sluice::engine::draft::{DraftConfig, DraftKind, SpecStats};
+use sluice::engine::draft_model::DraftModel;
+use sluice::engine::generate::{generate_with, GenerateOutput};
+use sluice::engine::sequence::GenerateParams;
+use sluice::model::ModelOptions;
+use sluice::pipeline::Pipeline;
+use sluice::store::Store;
+use sluice::text::{SamplingParams, Tokenizer};
+use sluice_tests::*;
+use std::path::Path;
+use std::sync::Arc;
+
+const MODELS: [&str; 8] = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma3",
+    "tiny-mistral",
+    "tiny-mixtral",
+    "tiny-qwen3moe",
+    "tiny-gptoss",
+];
+
+/// Every proposal verified whole: these tests are about what verification gives.
+const MODEL: DraftConfig = DraftConfig {
+    kind: DraftKind::Model,
+    max: 5,
+    fixed: true,
+};
+
+fn runner(store: Arc<Store>, kv_slots: usize, verify_rows: usize) -> Pipeline<CpuBackend> {
+    let opts = ModelOptions {
+        max_context: 128,
+        kv_slots,
+        max_batch_tokens: 64,
+        kv_dtype: sluice::engine::kv_dtype_for(false, None),
+        exact: false,
+        verify_rows,
+    };
+    sluice::engine::cpu_runner(store, &plan_input(opts), 2, small_io(), Default::default())
+        .expect("runner")
+}
+
+fn params(sampling: SamplingParams, draft: Option<DraftConfig>) -> GenerateParams {
+    GenerateParams {
+        max_tokens: 32,
+        sampling,
+        stop: Vec::new(),
+        ignore_eos: true,
+        logprobs: None,
+        logit_bias: Vec::new(),
+        format: Default::default(),
+        draft,
+    }
+}
+
+fn total(outs: &[GenerateOutput]) -> SpecStats {
+    let mut s = SpecStats::default();
+    for o in outs {
+        s.add(&o.speculative);
+    }
+    s
+}
+
+/// `n` sequences of a prompt of `src`, plain and with its q8_0 copy drafting.
+fn both(
+    src: &str,
+    dir: &Path,
+    n: usize,
+    sampling: SamplingParams,
+) -> (Vec<GenerateOutput>, Vec<GenerateOutput>) {
+    let target = pack_store(&fixture(src), &dir.join("t"), "none", 1 << 20);
+    let draft_dir = dir.join("d");
+    sluiced_ok(&[
+        "pack",
+        fixture(src).to_str().expect("path"),
+        "-o",
+        draft_dir.to_str().expect("path"),
+        "--quantize",
+        "q8_0",
+    ]);
+    let draft = Arc::new(Store::open(&draft_dir).expect("draft store"));
+    let tok = Tokenizer::from_manifest(target.manifest()).expect("tokenizer");
+    let prompt = tok
+        .encode("one two three four five six seven", false)
+        .expect("encode");
+    let mut plain = runner(target.clone(), n, 0);
+    let a = generate_with(
+        &mut plain,
+        None,
+        &tok,
+        &prompt,
+        &params(sampling, None),
+        n,
+        |_| {},
+    )
+    .expect("plain");
+    drop(plain);
+    let mut target = runner(target, n, n * MODEL.max);
+    let mut dm = DraftModel::new(runner(draft, n, 0));
+    let p = params(sampling, Some(MODEL));
+    let b =
+        generate_with(&mut target, Some(&mut dm), &tok, &prompt, &p, n, |_| {}).expect("drafted");
+    assert!(
+        dm.passes > 0 && b[0].draft_passes == dm.passes,
+        "{src}: {} passes",
+        dm.passes
+    );
+    (a, b)
+}
+
+#[test]
+fn text_with_a_draft_model_is_the_text_without_on_every_architecture() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let seeded = SamplingParams {
+        temperature: 0.8,
+        top_k: 40,
+        top_p: 0.95,
+        repetition_penalty: 1.1,
+        seed: 7,
+        ..SamplingParams::default()
+    };
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    for src in MODELS {
+        for (how, sampling) in [("greedy", greedy), ("seeded", seeded)] {
+            for n in [1, 3] {
+                let what = format!("{src} {how} batch {n}");
+                let dir = tmp.path().join(what.replace(' ', "-"));
+                let (plain, drafted) = both(src, &dir, n, sampling);
+                for (a, b) in plain.iter().zip(&drafted) {
+                    assert_eq!(a.generated_token_ids, b.generated_token_ids, "{what}");
+                    assert_eq!(a.finish_reason, b.finish_reason, "{what}");
+                }
+                let s = total(&drafted);
+                // A tiny random model's sampled tokens rarely are its copy's argmax: only
+                // greedy decoding must accept drafts; seeded runs must verify them.
+                assert!(s.drafted_tokens > 0, "{what}: nothing drafted: {s:?}");
+                if how == "greedy" {
+                    assert!(s.accepted_tokens > 0, "{what}: nothing accepted: {s:?}");
+                }
+                // Accepted drafts are tokens that took no step of their own.
+                let steps: usize = drafted.iter().map(|o| o.decode_steps).sum();
+                let tokens: usize = drafted.iter().map(|o| o.decode_tokens()).sum();
+                assert_eq!(
+                    steps as u64 + s.accepted_tokens,
+                    tokens as u64,
+                    "{what}: {s:?}"
+                );
+            }
+        }
+    }
+}
+
+/// `sluiced run --json` of a chat prompt, greedy.
+fn run_json(store: &str, extra: &[&str]) -> serde_json::Value {
+    let mut args = vec![
+        "run",
+        store,
+        "--prompt",
+        "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+        "--max-tokens",
+        "40",
+        "--temperature",
+        "0",
+        "--max-context",
+        "256",
+        "--ignore-eos",
+        "--json",
+    ];
+    args.extend_from_slice(extra);
+    serde_json::from_str(&sluiced_ok(&args)).expect("run --json")
+}
+
+#[test]
+fn real_models_text_is_the_same_with_a_draft_model_resident_and_streamed() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let smol = tmp.path().join("smollm2");
+    let gemma = tmp.path().join("gemma3");
+    let path = |p: &Path| p.to_str().expect("path").to_string();
+    sluiced_ok(&[
+        "pack",
+        smollm2_gguf().to_str().expect("p"),
+        "-o",
+        &path(&smol),
+    ]);
+    sluiced_ok(&[
+        "pack",
+        gemma3_gguf().to_str().expect("p"),
+        "-o",
+        &path(&gemma),
+    ]);
+    // Both GGUFs are quantized already (nothing here to make a lighter copy from), so each
+    // model drafts for itself: the draft's cache, catch-up and positions on the real
+    // architectures (Gemma's sliding windows and 262k vocabulary), resident and beside a
+    // streamed target in one budget. Rejections are the tiny models' test's (seeded).
+    for (target, budget) in [(&smol, "160MiB"), (&gemma, "480MiB")] {
+        let draft = target;
+        for (placement, extra) in [
+            ("resident", &[][..]),
+            ("streamed", &["--device-memory", budget][..]),
+        ] {
+            for parallel in ["1", "2"] {
+                let what = format!("{} {placement} --parallel {parallel}", path(target));
+                let mut plain_args = extra.to_vec();
+                plain_args.extend(["--parallel", parallel]);
+                let plain = run_json(&path(target), &plain_args);
+                let d = path(draft);
+                let mut args = plain_args.clone();
+                args.extend(["--draft", &d, "--draft-fixed"]);
+                let drafted = run_json(&path(target), &args);
+                if placement == "streamed" {
+                    assert!(
+                        drafted["layers_streamed"].as_u64().expect("n") > 0,
+                        "{what}"
+                    );
+                }
+                assert_eq!(plain["sequences"], drafted["sequences"], "{what}");
+                let s = &drafted["speculative"];
+                assert!(s["accepted_tokens"].as_u64().expect("n") > 0, "{what}: {s}");
+                assert!(s["draft_passes"].as_u64().expect("n") > 0, "{what}: {s}");
+                assert!(
+                    drafted["decode_passes"].as_u64() < plain["decode_passes"].as_u64(),
+                    "{what}: {} passes drafted, {} plain",
+                    drafted["decode_passes"],
+                    plain["decode_passes"]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_draft_of_another_vocabulary_or_too_big_to_stay_resident_is_refused() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let llama = pack_store(
+        &fixture("tiny-llama"),
+        &tmp.path().join("l"),
+        "none",
+        1 << 20,
+    );
+    let qwen = pack_store(
+        &fixture("tiny-gemma3"),
+        &tmp.path().join("q"),
+        "none",
+        1 << 20,
+    );
+    let (l, q) = (
+        llama.dir().to_str().expect("p"),
+        qwen.dir().to_str().expect("p"),
+    );
+    let e = sluiced_err(&["run", l, "--prompt-ids", "1,2,3", "--draft", q]);
+    assert!(
+        e.contains("cannot draft for this model") && e.contains("384 tokens"),
+        "{e}"
+    );
+    let e = sluiced_err(&[
+        "run",
+        l,
+        "--prompt-ids",
+        "1,2,3",
+        "--draft",
+        "/nonexistent/store",
+    ]);
+    assert!(
+        e.contains("--draft /nonexistent/store") && e.contains("ngram"),
+        "{e}"
+    );
+    let smol = tmp.path().join("smollm2");
+    let smol = smol.to_str().expect("p");
+    sluiced_ok(&["pack", smollm2_gguf().to_str().expect("p"), "-o", smol]);
+    let e = sluiced_err(&[
+        "run",
+        smol,
+        "--prompt-ids",
+        "1,2,3",
+        "--max-context",
+        "256",
+        "--draft",
+        smol,
+        "--device-memory",
+        "64MiB",
+    ]);
+    assert!(
+        e.contains("must be resident") && e.contains("--quantize"),
+        "{e}"
+    );
+}
