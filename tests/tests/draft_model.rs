@@ -296,3 +296,51 @@ fn a_draft_of_another_vocabulary_or_too_big_to_stay_resident_is_refused() {
         "{e}"
     );
 }
+
+fn chat(d: &Daemon, n: u32) -> serde_json::Value {
+    let body = serde_json::json!({
+        "model": "smollm2",
+        "messages": [{"role": "user", "content": "Write a short story about a lighthouse keeper."}],
+        "max_tokens": 32,
+        "temperature": 0,
+        "n": n,
+    });
+    let (code, out) = post_json(&d.http, "/v1/chat/completions", &body.to_string());
+    assert_eq!(code, 200, "{out}");
+    serde_json::from_str(&out).expect("completion JSON")
+}
+
+#[test]
+fn the_daemon_drafts_with_a_model_and_answers_as_without() {
+    let plain = Daemon::start(&[]);
+    let store = plain.store();
+    let drafted = Daemon::start(&[
+        "--draft",
+        store.to_str().expect("path"),
+        "--draft-max",
+        "6",
+        "--draft-fixed",
+    ]);
+    for n in [1, 2] {
+        let (a, b) = (chat(&plain, n), chat(&drafted, n));
+        for i in 0..n as usize {
+            let text = &a["choices"][i]["message"]["content"];
+            assert!(text.as_str().is_some_and(|t| !t.is_empty()), "{a}");
+            assert_eq!(
+                text, &b["choices"][i]["message"]["content"],
+                "choice {i} of {n}"
+            );
+        }
+    }
+    let status = std::process::Command::new("grpcurl")
+        .args(["-plaintext", "-d", "{}"])
+        .arg(drafted.addr.trim_start_matches("http://"))
+        .arg("sluice.v1.Inference/Status")
+        .output()
+        .expect("grpcurl");
+    let st: serde_json::Value = serde_json::from_str(&stdout(&status)).expect("Status JSON");
+    let spec = &st["speculative"];
+    assert_eq!(spec["drafter"], "model", "{st}");
+    let count = |k: &str| -> u64 { spec[k].as_str().unwrap_or("0").parse().unwrap_or(0) };
+    assert!(count("acceptedTokens") > 0, "{spec}");
+}

@@ -55,6 +55,41 @@ pub fn vocab_mismatch(target: &Tokenizer, draft: &Tokenizer) -> Option<String> {
         })
 }
 
+/// The draft model of `store` on the backend `make` builds for, planned within `input`'s
+/// budgets (its options as the target's, without verify rows) and whole: a draft that
+/// would stream is refused, since every drafted token would cost a pass of reads.
+pub fn build_draft<B: Backend>(
+    make: &super::MakePipeline<B>,
+    store: &std::sync::Arc<crate::store::Store>,
+    input: &crate::plan::PlanInput,
+) -> Result<DraftModel<B>, EngineError> {
+    let mut di = input.clone();
+    di.opts.verify_rows = 0;
+    di.expert_profile = None;
+    let runner = make(store, &di)?;
+    let streamed = runner.plan.layers_streamed();
+    if streamed > 0 {
+        return Err(EngineError::Invalid(format!(
+            "draft {}: it would stream {streamed} of its {} units within this memory; a draft must be resident: give more memory (--host-memory, --device-memory) or a smaller draft (sluiced pack --quantize)",
+            store.dir().display(),
+            runner.plan.units.len()
+        )));
+    }
+    Ok(DraftModel::new(runner))
+}
+
+/// `input` with what a draft's plan holds taken out of its host and device budgets.
+pub fn leave_room(input: &mut crate::plan::PlanInput, draft: &crate::plan::Plan) {
+    let host = draft
+        .host
+        .total_bytes
+        .saturating_sub(draft.host.overhead_bytes);
+    input.host.budget = input.host.budget.map(|b| b.saturating_sub(host));
+    input.device_budget = input
+        .device_budget
+        .map(|b| b.saturating_sub(draft.device_bytes()));
+}
+
 /// Where the draft of one sequence stands in a `propose` call.
 struct Drafting {
     /// Index of the sequence in the caller's list.

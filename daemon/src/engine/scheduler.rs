@@ -6,6 +6,7 @@
 //! never grown.
 
 use super::draft::SpecStats;
+use super::draft_model::DraftModel;
 pub use super::sequence::{Done, Finish};
 use super::sequence::{GenerateParams, Piece, SeqLimits, Sequence};
 use super::step::StepBuilder;
@@ -181,6 +182,12 @@ struct Active {
     events: UnboundedSender<Event>,
 }
 
+impl AsMut<Sequence> for Active {
+    fn as_mut(&mut self) -> &mut Sequence {
+        &mut self.seq
+    }
+}
+
 /// The engine thread's state between steps. Every buffer here is kept across steps.
 struct EngineState<B: Backend> {
     runner: Pipeline<B>,
@@ -200,6 +207,8 @@ struct EngineState<B: Backend> {
     spec: SpecStats,
     /// Builds each step, with drafts weighed by the passes measured so far.
     builder: StepBuilder,
+    /// A draft model proposing the sequences' tokens before each step.
+    draft: Option<DraftModel<B>>,
 }
 
 /// What admission found.
@@ -211,9 +220,11 @@ enum Admitted {
 }
 
 impl Scheduler {
-    /// Starts the engine thread with `runner`; returns the handle and the thread.
+    /// Starts the engine thread with `runner` (and a draft model to propose tokens);
+    /// returns the handle and the thread.
     pub fn start<B: Backend + 'static>(
         runner: Pipeline<B>,
+        draft: Option<DraftModel<B>>,
         tokenizer: Arc<Tokenizer>,
         cfg: SchedulerConfig,
     ) -> (Scheduler, std::thread::JoinHandle<()>)
@@ -243,7 +254,7 @@ impl Scheduler {
         #[allow(clippy::expect_used)]
         let h = std::thread::Builder::new()
             .name("sluice-engine".into())
-            .spawn(move || inner.run(runner, rx))
+            .spawn(move || inner.run(runner, draft, rx))
             .expect("spawn the engine thread");
         (s, h)
     }
@@ -330,7 +341,12 @@ impl Scheduler {
             .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(Instant::now() + grace);
     }
 
-    fn run<B: Backend>(self, runner: Pipeline<B>, rx: Receiver<Request>) {
+    fn run<B: Backend>(
+        self,
+        runner: Pipeline<B>,
+        draft: Option<DraftModel<B>>,
+        rx: Receiver<Request>,
+    ) {
         let max_batch = runner.options().kv_slots;
         let serial = runner.backend.unified();
         let mut st = EngineState {
@@ -345,6 +361,7 @@ impl Scheduler {
             decode_rate: 0.0,
             spec: SpecStats::default(),
             builder: StepBuilder::new(serial),
+            draft,
         };
         loop {
             if let Admitted::Closed = self.admit(&mut st) {
@@ -370,6 +387,7 @@ impl Scheduler {
                 self.publish(&st.runner, 0, st.decode_rate, &st.spec);
                 continue;
             }
+            propose_drafts(&mut st);
             build_step(&mut st);
             let t0 = Instant::now();
             if let Err(e) = st.runner.step(&st.steps[..st.n_steps], &mut st.logits) {
@@ -560,6 +578,20 @@ impl Scheduler {
         s.totals = t.clone();
         s.io = io;
         s.speculative = *spec;
+    }
+}
+
+/// The draft model's proposals for the sequences that draft with it. A draft that fails
+/// (its own read or device error) is dropped and the model serves on without it: the
+/// requests did not ask for it and lose nothing.
+fn propose_drafts<B: Backend>(st: &mut EngineState<B>) {
+    let Some(d) = &mut st.draft else { return };
+    if let Err(e) = d.propose(&mut st.active) {
+        tracing::error!("the draft model failed ({e}); serving on without it");
+        st.draft = None;
+        for a in &mut st.active {
+            a.seq.clear_proposal();
+        }
     }
 }
 

@@ -100,7 +100,7 @@ fn one_slot_held(
     let store = test_model::store(tmp.path());
     let tok = Arc::new(Tokenizer::from_manifest(store.manifest()).expect("tokenizer"));
     let pipeline = pipeline_of(&store, 1, 4096);
-    let (s, engine) = Scheduler::start(pipeline, tok, SchedulerConfig { queue_max });
+    let (s, engine) = Scheduler::start(pipeline, None, tok, SchedulerConfig { queue_max });
     let running = submit(&s, vec![1, 2, 3], 4000).expect("submit");
     let t0 = Instant::now();
     while s.status().active_sequences != 1 {
@@ -131,7 +131,12 @@ fn a_batch_gives_each_request_the_tokens_it_gets_alone() {
                 .generated_token_ids
         })
         .collect();
-    let (s, engine) = Scheduler::start(pipeline(&store, 3), tok, SchedulerConfig { queue_max: 8 });
+    let (s, engine) = Scheduler::start(
+        pipeline(&store, 3),
+        None,
+        tok,
+        SchedulerConfig { queue_max: 8 },
+    );
     let rxs: Vec<_> = prompts()
         .into_iter()
         .map(|p| submit(&s, p, 12).expect("submit"))

@@ -226,6 +226,14 @@ impl Sequence {
         })
     }
 
+    /// Drops the proposal for the next step (its drafter failed).
+    pub fn clear_proposal(&mut self) {
+        if let Some(d) = &mut self.draft {
+            d.proposal.clear();
+            d.want = 0;
+        }
+    }
+
     /// Drafted tokens that went into steps and those accepted (0, 0 without drafting).
     pub fn drafted(&self) -> (u64, u64) {
         self.draft

@@ -83,8 +83,10 @@ pub struct ServeConfig {
     /// A read the disk has not answered for this long ("30s", "500ms") fails the requests
     /// that need its layer with UNAVAILABLE instead of holding them; "off" waits for ever.
     pub read_timeout: String,
-    /// Speculative decoding for every model: "ngram" (prompt lookup); None: off.
-    pub draft: Option<crate::engine::draft::DraftKind>,
+    /// Speculative decoding for every model: "ngram" (prompt lookup), or a draft model's
+    /// store (a directory or a name in the models directory), used for every model whose
+    /// vocabulary it has; None: off.
+    pub draft: Option<String>,
     /// Tokens a sequence drafts for one pass at most.
     pub draft_max: usize,
     /// Verify every proposal whole instead of the rows measured pass times pay for.
@@ -136,11 +138,18 @@ impl Default for ServeConfig {
 impl ServeConfig {
     /// Speculative decoding's settings (None: off).
     pub fn draft_config(&self) -> Option<crate::engine::draft::DraftConfig> {
-        self.draft.map(|kind| crate::engine::draft::DraftConfig {
-            kind,
-            max: self.draft_max,
-            fixed: self.draft_fixed,
-        })
+        use crate::engine::draft::DraftKind;
+        self.draft
+            .as_deref()
+            .map(|d| crate::engine::draft::DraftConfig {
+                kind: if d == "ngram" {
+                    DraftKind::Ngram
+                } else {
+                    DraftKind::Model
+                },
+                max: self.draft_max,
+                fixed: self.draft_fixed,
+            })
     }
 
     /// Drafted tokens one pass may verify over the batch: each sequence's `draft_max`,

@@ -323,49 +323,6 @@ fn draft_store(d: &str, tok: &Tokenizer) -> Result<std::sync::Arc<Store>> {
     Ok(std::sync::Arc::new(s))
 }
 
-/// The draft model of `--draft STORE` on the backend `make` builds for: planned within
-/// the run's budgets, and whole (a draft that would stream is refused: it would cost a
-/// pass of reads per drafted token).
-fn draft_model<B: Backend>(
-    make: &sluice::engine::MakePipeline<B>,
-    store: &std::sync::Arc<Store>,
-    input: &sluice::plan::PlanInput,
-    quiet: bool,
-) -> Result<sluice::engine::draft_model::DraftModel<B>, EngineError> {
-    let mut di = input.clone();
-    di.opts.verify_rows = 0;
-    di.expert_profile = None;
-    let runner = make(store, &di)?;
-    let streamed = runner.plan.layers_streamed();
-    if streamed > 0 {
-        return Err(EngineError::Invalid(format!(
-            "--draft {}: the draft would stream {streamed} of its {} units within this memory; a draft must be resident: give more memory (--host-memory, --device-memory) or a smaller draft (sluiced pack --quantize)",
-            store.dir().display(),
-            runner.plan.units.len()
-        )));
-    }
-    if !quiet {
-        eprint!(
-            "draft model {}:\n{}",
-            store.dir().display(),
-            runner.plan.table()
-        );
-    }
-    Ok(sluice::engine::draft_model::DraftModel::new(runner))
-}
-
-/// `input` with what the draft's plan holds taken out of its budgets.
-fn leave_room(input: &mut sluice::plan::PlanInput, draft: &sluice::plan::Plan) {
-    let host = draft
-        .host
-        .total_bytes
-        .saturating_sub(draft.host.overhead_bytes);
-    input.host.budget = input.host.budget.map(|b| b.saturating_sub(host));
-    input.device_budget = input
-        .device_budget
-        .map(|b| b.saturating_sub(draft.device_bytes()));
-}
-
 /// `sluiced run`'s work once the backend is known.
 struct Generate<'a> {
     store: std::sync::Arc<Store>,
@@ -386,11 +343,18 @@ impl OnBackend for Generate<'_> {
     ) -> Result<Result<()>, EngineError> {
         let mut input = self.input.clone();
         let draft = match &self.draft_store {
-            Some(ds) => Some(draft_model(make, ds, &input, self.a.json)?),
+            Some(ds) => Some(sluice::engine::draft_model::build_draft(make, ds, &input)?),
             None => None,
         };
         if let Some(d) = &draft {
-            leave_room(&mut input, &d.runner().plan);
+            if !self.a.json {
+                eprint!(
+                    "draft model {}:\n{}",
+                    d.runner().store.dir().display(),
+                    d.runner().plan.table()
+                );
+            }
+            sluice::engine::draft_model::leave_room(&mut input, &d.runner().plan);
         }
         let runner = make(&self.store, &input)?;
         Ok(run_generate(

@@ -143,10 +143,12 @@ pub struct ServeArgs {
     #[arg(long)]
     pub read_timeout: Option<String>,
     /// Speculative decoding: `ngram` drafts each sequence's next tokens by prompt lookup
-    /// (its own prompt and text), and each pass verifies them with the batch; outputs are
-    /// the model's own, token for token (default: off).
-    #[arg(long, value_name = "DRAFTER")]
-    pub draft: Option<sluice::engine::draft::DraftKind>,
+    /// (its own prompt and text); a store (a directory, or a name in the models directory)
+    /// drafts them with that model, loaded whole beside each model whose vocabulary it has
+    /// (a quantized copy: `sluiced pack --quantize`). Each pass verifies the drafts with the
+    /// batch; outputs are the model's own, token for token (default: off).
+    #[arg(long, value_name = "ngram|STORE")]
+    pub draft: Option<String>,
     /// Tokens a sequence drafts for one pass at most (default 8).
     #[arg(long)]
     pub draft_max: Option<usize>,
@@ -249,6 +251,8 @@ impl ServeArgs {
 /// Builds the pipeline on the chosen backend and starts the scheduler's engine thread.
 struct StartScheduler {
     store: Arc<Store>,
+    /// A draft model's store, loaded whole beside the model.
+    draft: Option<Arc<Store>>,
     input: sluice::plan::PlanInput,
     profile: Option<sluice::pipeline::ExpertProfile>,
     tokenizer: Arc<Tokenizer>,
@@ -264,7 +268,20 @@ impl OnBackend for StartScheduler {
     where
         B::Mem: 'static,
     {
-        let mut runner = make(&self.store, &self.input)?;
+        let mut input = self.input.clone();
+        let draft = match &self.draft {
+            Some(ds) => Some(sluice::engine::draft_model::build_draft(make, ds, &input)?),
+            None => None,
+        };
+        if let Some(d) = &draft {
+            tracing::info!(
+                "draft model {}\n{}",
+                d.runner().store.dir().display(),
+                d.runner().plan.table()
+            );
+            sluice::engine::draft_model::leave_room(&mut input, &d.runner().plan);
+        }
+        let mut runner = make(&self.store, &input)?;
         if let Some(p) = self.profile {
             let n = runner.load_expert_profile(p)?;
             tracing::info!(
@@ -274,7 +291,7 @@ impl OnBackend for StartScheduler {
         }
         let plan = runner.plan.clone();
         let name = runner.backend.name();
-        let (s, e) = Scheduler::start(runner, self.tokenizer, self.cfg);
+        let (s, e) = Scheduler::start(runner, draft, self.tokenizer, self.cfg);
         Ok((plan, s, e, name))
     }
 }
@@ -330,6 +347,34 @@ impl ModelLoader {
         }
     }
 
+    /// The drafting a model serves with, and the draft model's store where that is a model:
+    /// `--draft`'s store when its vocabulary is the model's, else no drafting (logged).
+    fn draft_for(
+        &self,
+        name: &str,
+        tok: &Tokenizer,
+    ) -> Result<(
+        Option<sluice::engine::draft::DraftConfig>,
+        Option<Arc<Store>>,
+    )> {
+        let cfg = &self.cfg;
+        let Some(d) = cfg.draft.as_deref().filter(|d| *d != "ngram") else {
+            return Ok((cfg.draft_config(), None));
+        };
+        let dir = sluice::util::store_path(Path::new(d), cfg.models_dir.as_deref());
+        let mut store = Store::open(&dir).with_context(|| format!("draft {d}"))?;
+        let dtok = Tokenizer::from_manifest(store.manifest())?;
+        store.release_tokenizer_spec();
+        if let Some(why) = sluice::engine::draft_model::vocab_mismatch(tok, &dtok) {
+            tracing::warn!(
+                model = name,
+                "draft {d} cannot draft for this model ({why}): serving it without drafting"
+            );
+            return Ok((None, None));
+        }
+        Ok((cfg.draft_config(), Some(Arc::new(store))))
+    }
+
     /// Loads the store at `dir` as `name`, with the expert profile at `profile` and the chat
     /// template `template` instead of the store's (the pinned model's `expert_profile` and
     /// `chat_template`).
@@ -382,8 +427,10 @@ impl ModelLoader {
         let hot = profile
             .as_ref()
             .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));
+        let (draft, draft_store) = self.draft_for(name, &tokenizer)?;
         let start = StartScheduler {
             store: store.clone(),
+            draft: draft_store,
             input: self.input(m, device_room, hot),
             profile,
             tokenizer,
@@ -406,7 +453,7 @@ impl ModelLoader {
             max_tokens_default: cfg.max_tokens_default,
             limits: self.limits,
             metrics: self.metrics.clone(),
-            draft: cfg.draft_config(),
+            draft,
         });
         let stat = Static::of(name, backend_name, numerics, kv_dtype.to_string(), &plan);
         Ok(Served {
