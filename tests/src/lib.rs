@@ -10,6 +10,19 @@ pub mod source;
 /// The committed tiny fixture models (tests/fixtures, made by make_tiny.py); from
 /// $SLUICE_FIXTURES when set (a test binary run away from its build tree, as
 /// scripts/gpu-check.sh does with a prebuilt bundle).
+/// Every architecture's tiny model (fixtures): Llama, Qwen2, Qwen3, Gemma 3 and Mistral
+/// (sliding windows of 8), the three mixtures (gpt-oss with attention sinks and a window).
+pub const TINY_ARCHS: [&str; 8] = [
+    "tiny-llama",
+    "tiny-qwen2",
+    "tiny-qwen3",
+    "tiny-gemma3",
+    "tiny-mistral",
+    "tiny-mixtral",
+    "tiny-qwen3moe",
+    "tiny-gptoss",
+];
+
 pub fn fixture(name: &str) -> PathBuf {
     match std::env::var_os("SLUICE_FIXTURES") {
         Some(dir) => PathBuf::from(dir).join(name),

@@ -18,17 +18,6 @@ use sluice_tests::*;
 use std::path::Path;
 use std::sync::Arc;
 
-const MODELS: [&str; 8] = [
-    "tiny-llama",
-    "tiny-qwen2",
-    "tiny-qwen3",
-    "tiny-gemma3",
-    "tiny-mistral",
-    "tiny-mixtral",
-    "tiny-qwen3moe",
-    "tiny-gptoss",
-];
-
 /// Every proposal verified whole: these tests are about what verification gives.
 const MODEL: DraftConfig = DraftConfig {
     kind: DraftKind::Model,
@@ -132,7 +121,7 @@ fn text_with_a_draft_model_is_the_text_without_on_every_architecture() {
         temperature: 0.0,
         ..SamplingParams::default()
     };
-    for src in MODELS {
+    for src in TINY_ARCHS {
         for (how, sampling) in [("greedy", greedy), ("seeded", seeded)] {
             for n in [1, 3] {
                 let what = format!("{src} {how} batch {n}");

@@ -14,19 +14,6 @@ use sluice::text::{SamplingParams, Tokenizer};
 use sluice_tests::*;
 use std::path::Path;
 
-/// Every architecture's tiny model: Llama, Qwen2, Qwen3, Gemma 3 and Mistral (sliding
-/// windows of 8), the three mixtures (gpt-oss with attention sinks and a window).
-const MODELS: [&str; 8] = [
-    "tiny-llama",
-    "tiny-qwen2",
-    "tiny-qwen3",
-    "tiny-gemma3",
-    "tiny-mistral",
-    "tiny-mixtral",
-    "tiny-qwen3moe",
-    "tiny-gptoss",
-];
-
 fn runner(
     src: &Path,
     dir: &Path,
@@ -66,7 +53,7 @@ fn a_verified_spans_rows_have_the_bits_of_lone_decode_rows() {
     let prompt: Vec<u32> = (0..20).map(|i| 3 + (i * 37) % 250).collect();
     let next = [11u32, 12, 13, 14, 15];
     let p = prompt.len();
-    for src in MODELS {
+    for src in TINY_ARCHS {
         for exact in [true, false] {
             let what = |s: &str| format!("{src} exact={exact}: {s}");
             let dir = tmp.path().join(format!("{src}-{exact}"));
@@ -205,7 +192,7 @@ fn total(outs: &[GenerateOutput]) -> SpecStats {
 #[test]
 fn greedy_text_with_ngram_drafts_is_the_text_without_on_every_architecture() {
     let tmp = tempfile::tempdir().unwrap();
-    for src in MODELS {
+    for src in TINY_ARCHS {
         for exact in [true, false] {
             for n in [1, 3] {
                 let dir = tmp.path().join(format!("{src}-{exact}-{n}"));

@@ -43,6 +43,17 @@ pub enum DraftKind {
     Model,
 }
 
+impl DraftKind {
+    /// The drafter `--draft NAME` names: `ngram`, else a draft model's store.
+    pub fn of(name: &str) -> DraftKind {
+        if name == "ngram" {
+            DraftKind::Ngram
+        } else {
+            DraftKind::Model
+        }
+    }
+}
+
 impl FromStr for DraftKind {
     type Err = String;
 

@@ -169,10 +169,12 @@ unsafe fn rows_of<W: Float, const N: usize, const R: usize>(
     }
 }
 
+/// `rows_of` for `dtype`'s element type, inlined into each caller's target features.
+///
 /// # Safety
-/// The CPU supports AVX2, FMA and F16C; each `xs[r]` holds a weight row's elements.
-#[target_feature(enable = "avx2,fma,f16c")]
-unsafe fn rows_n<const N: usize, const R: usize>(
+/// As `rows_of`.
+#[inline(always)]
+unsafe fn rows_typed<const N: usize, const R: usize>(
     dtype: DType,
     w: &[u8],
     rb: usize,
@@ -190,6 +192,20 @@ unsafe fn rows_n<const N: usize, const R: usize>(
     }
 }
 
+/// # Safety
+/// The CPU supports AVX2, FMA and F16C; each `xs[r]` holds a weight row's elements.
+#[target_feature(enable = "avx2,fma,f16c")]
+unsafe fn rows_n<const N: usize, const R: usize>(
+    dtype: DType,
+    w: &[u8],
+    rb: usize,
+    xs: &[&[f32]; N],
+    res: &mut [[f32; R]],
+) {
+    // SAFETY: this function's contract, which its caller upholds.
+    unsafe { rows_typed::<N, R>(dtype, w, rb, xs, res) }
+}
+
 /// `rows_n` with AVX-512VL's 32 registers, for groups of five to eight rows: the same
 /// instructions in the same order.
 ///
@@ -204,14 +220,7 @@ unsafe fn rows_wide<const N: usize, const R: usize>(
     res: &mut [[f32; R]],
 ) {
     // SAFETY: this function's contract, which its caller upholds.
-    unsafe {
-        match dtype {
-            DType::F32 => rows_of::<F32, N, R>(w, rb, xs, res),
-            DType::F16 => rows_of::<F16, N, R>(w, rb, xs, res),
-            DType::BF16 => rows_of::<Bf16, N, R>(w, rb, xs, res),
-            _ => unreachable!("float weights only (covers)"),
-        }
-    }
+    unsafe { rows_typed::<N, R>(dtype, w, rb, xs, res) }
 }
 
 /// `res[j][r]` = weight row j of `w` (`rb` bytes each, float `dtype`) against activation
