@@ -85,6 +85,18 @@ pub fn plan_input(opts: sluice::model::ModelOptions) -> sluice::plan::PlanInput 
     }
 }
 
+/// The daemon's Status, asked over gRPC by grpcurl, as proto3 JSON.
+pub fn grpc_status(d: &Daemon) -> serde_json::Value {
+    let o = std::process::Command::new("grpcurl")
+        .args(["-plaintext", "-d", "{}"])
+        .arg(d.addr.trim_start_matches("http://"))
+        .arg("sluice.v1.Inference/Status")
+        .output()
+        .expect("grpcurl");
+    assert!(o.status.success(), "{}", stderr(&o));
+    serde_json::from_str(&stdout(&o)).expect("Status JSON")
+}
+
 /// The small I/O engine the tests' pipelines read through: 2 staging slots, 8 reads of 1 MiB.
 pub fn small_io() -> sluice::io::IoConfig {
     sluice::io::IoConfig {

@@ -997,13 +997,7 @@ fn io() -> IoConfig {
 fn input(budget: Option<u64>, opts: ModelOptions) -> PlanInput {
     PlanInput {
         device_budget: budget,
-        host_cache_budget: 0,
-        opts,
-        prefetch: None,
-        expert_cache: None,
-        expert_profile: None,
-        backend_reserved: 0,
-        host: Default::default(),
+        ..sluice_tests::plan_input(opts)
     }
 }
 

@@ -321,13 +321,7 @@ fn the_daemon_drafts_with_a_model_and_answers_as_without() {
             );
         }
     }
-    let status = std::process::Command::new("grpcurl")
-        .args(["-plaintext", "-d", "{}"])
-        .arg(drafted.addr.trim_start_matches("http://"))
-        .arg("sluice.v1.Inference/Status")
-        .output()
-        .expect("grpcurl");
-    let st: serde_json::Value = serde_json::from_str(&stdout(&status)).expect("Status JSON");
+    let st = grpc_status(&drafted);
     let spec = &st["speculative"];
     assert_eq!(spec["drafter"], "model", "{st}");
     let count = |k: &str| -> u64 { spec[k].as_str().unwrap_or("0").parse().unwrap_or(0) };

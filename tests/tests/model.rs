@@ -163,16 +163,7 @@ fn runner_kv(
     };
     sluice::engine::cpu_runner(
         store,
-        &sluice::plan::PlanInput {
-            device_budget: None,
-            host_cache_budget: 0,
-            opts,
-            prefetch: None,
-            expert_cache: None,
-            expert_profile: None,
-            backend_reserved: 0,
-            host: Default::default(),
-        },
+        &sluice_tests::plan_input(opts),
         2,
         io,
         Default::default(),

@@ -379,13 +379,7 @@ fn the_daemon_drafts_when_asked_and_answers_as_without_and_reports_it() {
         .collect();
     assert!(!texts[0].is_empty());
     assert_eq!(texts[0], texts[1]);
-    let status = std::process::Command::new("grpcurl")
-        .args(["-plaintext", "-d", "{}"])
-        .arg(drafted.addr.trim_start_matches("http://"))
-        .arg("sluice.v1.Inference/Status")
-        .output()
-        .expect("grpcurl");
-    let st: serde_json::Value = serde_json::from_str(&stdout(&status)).expect("Status JSON");
+    let st = grpc_status(&drafted);
     let spec = &st["speculative"];
     assert_eq!(spec["drafter"], "ngram", "{st}");
     // proto3 JSON: 64-bit counts as strings, zeros left out.

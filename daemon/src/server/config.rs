@@ -142,11 +142,7 @@ impl ServeConfig {
         self.draft
             .as_deref()
             .map(|d| crate::engine::draft::DraftConfig {
-                kind: if d == "ngram" {
-                    DraftKind::Ngram
-                } else {
-                    DraftKind::Model
-                },
+                kind: DraftKind::of(d),
                 max: self.draft_max,
                 fixed: self.draft_fixed,
             })

@@ -161,11 +161,7 @@ impl RunArgs {
         self.draft
             .as_deref()
             .map(|d| sluice::engine::draft::DraftConfig {
-                kind: if d == "ngram" {
-                    DraftKind::Ngram
-                } else {
-                    DraftKind::Model
-                },
+                kind: DraftKind::of(d),
                 max: self.draft_max,
                 fixed: self.draft_fixed,
             })
