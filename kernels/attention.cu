@@ -2,7 +2,11 @@
 // query row r (position pos[r]) of head h attends to positions lo..pos[r] of its sequence
 // (lo = 0, or pos[r] + 1 - window for a sliding-window layer), whose slot of `cap`
 // positions starts at element base[r]; position j is at j % cap (a ring when cap is less
-// than the context); kv head = h / (heads / kv_heads).
+// than the context); kv head = h / (heads / kv_heads). A token tree's row (anc[r] != 0: its
+// ancestors in its span, itself included, bit i the span's row i) is at position
+// root + depth, root = pos[r] + 1 - popcount(anc[r]): its key j >= root is the ancestor at
+// depth j - root, stored at root + (that ancestor's row), so it reads, in order, the keys
+// a lone decode row of the same text reads (`RowKeys` in backend/mod.rs).
 // The cache is f32 or f16 (attention_part_f16: rows widened to f32 as they are read;
 // scores and sums in f32). `sinks` (null, or one f32 logit per query head: gpt-oss) joins
 // each softmax as a logit whose weight is then dropped.
@@ -47,12 +51,20 @@ __device__ __forceinline__ void visible(int p, int window, int& lo, int& n) {
     n = p + 1 - lo;
 }
 
+// Where key position j of a row is stored: j itself for a causal row (tree == 0) and below
+// a tree's root; past the root, the row of the (j - root)-th ancestor (its set bit).
+__device__ __forceinline__ int tree_key(int j, int root, unsigned long long tree) {
+    if (tree == 0ull || j < root) return j;
+    for (int i = 0; i < j - root; i++) tree &= tree - 1ull;
+    return root + __ffsll((long long)tree) - 1;
+}
+
 template <typename KV, int DPL>
 __device__ __forceinline__ void attend(AttShared& sh, const float* __restrict__ q, const KV* __restrict__ cache_k,
                                        const KV* __restrict__ cache_v, float* __restrict__ part,
                                        const u32* __restrict__ pos, const unsigned long long* __restrict__ base,
-                                       int heads, int kv_heads, int head_dim, float scale, int cap, int window,
-                                       int split, int s_max) {
+                                       const unsigned long long* __restrict__ anc, int heads, int kv_heads,
+                                       int head_dim, float scale, int cap, int window, int split, int s_max) {
     auto& qs = sh.qs;
     auto& red = sh.red;
     auto& wmax = sh.wmax;
@@ -64,6 +76,8 @@ __device__ __forceinline__ void attend(AttShared& sh, const float* __restrict__ 
     const int width_kv = kv_heads * head_dim;
     int lo, n;
     visible((int)pos[r], window, lo, n);
+    const unsigned long long tree = anc[r];
+    const int root = (int)pos[r] + 1 - __popcll(tree);
     // This block's positions: begin .. end - 1 of the n (the whole block leaves together).
     const int begin = sp * split;
     if (begin >= n) return;
@@ -91,7 +105,7 @@ __device__ __forceinline__ void attend(AttShared& sh, const float* __restrict__ 
             for (int i = 0; i < DPL; i++) acc[g][i] = 0.0f;
         }
         for (int j = first; j < end; j += warps) {
-            const size_t at = (size_t)((lo + j) % cap) * width_kv;
+            const size_t at = (size_t)(tree_key(lo + j, root, tree) % cap) * width_kv;
             float kr[DPL], vr[DPL];
 #pragma unroll
             for (int i = 0; i < DPL; i++) {
@@ -164,18 +178,22 @@ __device__ __forceinline__ void attend(AttShared& sh, const float* __restrict__ 
 // head_dim <= ATT_HD (the backend refuses larger heads): DPL dims per lane.
 template <typename KV>
 __device__ __forceinline__ void attention_part(const float* q, const KV* cache_k, const KV* cache_v, float* part,
-                                               const u32* pos, const unsigned long long* base, int heads,
-                                               int kv_heads, int head_dim, float scale, int cap, int window,
-                                               int split, int s_max) {
+                                               const u32* pos, const unsigned long long* base,
+                                               const unsigned long long* anc, int heads, int kv_heads, int head_dim,
+                                               float scale, int cap, int window, int split, int s_max) {
     __shared__ AttShared sh;
     if (head_dim <= 32)
-        attend<KV, 1>(sh, q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
+        attend<KV, 1>(sh, q, cache_k, cache_v, part, pos, base, anc, heads, kv_heads, head_dim, scale, cap, window,
+                      split, s_max);
     else if (head_dim <= 64)
-        attend<KV, 2>(sh, q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
+        attend<KV, 2>(sh, q, cache_k, cache_v, part, pos, base, anc, heads, kv_heads, head_dim, scale, cap, window,
+                      split, s_max);
     else if (head_dim <= 128)
-        attend<KV, 4>(sh, q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
+        attend<KV, 4>(sh, q, cache_k, cache_v, part, pos, base, anc, heads, kv_heads, head_dim, scale, cap, window,
+                      split, s_max);
     else
-        attend<KV, 8>(sh, q, cache_k, cache_v, part, pos, base, heads, kv_heads, head_dim, scale, cap, window, split, s_max);
+        attend<KV, 8>(sh, q, cache_k, cache_v, part, pos, base, anc, heads, kv_heads, head_dim, scale, cap, window,
+                      split, s_max);
 }
 
 // The cache's element type is the kernel's (f32 or f16 as u16); the launcher passes both
@@ -184,9 +202,10 @@ __device__ __forceinline__ void attention_part(const float* q, const KV* cache_k
     extern "C" __global__ void __launch_bounds__(256, 2)                                                    \
         name(const float* __restrict__ q, const void* __restrict__ cache_k, const void* __restrict__ cache_v, \
              float* __restrict__ part, const u32* __restrict__ pos, const unsigned long long* __restrict__ base, \
-             int heads, int kv_heads, int head_dim, float scale, int cap, int window, int split, int s_max) {   \
-        attention_part(q, (const KV*)cache_k, (const KV*)cache_v, part, pos, base, heads, kv_heads, head_dim,   \
-                       scale, cap, window, split, s_max);                                                       \
+             const unsigned long long* __restrict__ anc, int heads, int kv_heads, int head_dim, float scale,       \
+             int cap, int window, int split, int s_max) {                                                        \
+        attention_part(q, (const KV*)cache_k, (const KV*)cache_v, part, pos, base, anc, heads, kv_heads,        \
+                       head_dim, scale, cap, window, split, s_max);                                             \
     }
 ATTENTION_PART(attention_part_f32, float)
 ATTENTION_PART(attention_part_f16, u16)

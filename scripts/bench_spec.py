@@ -23,11 +23,12 @@ printed and fails the script).
     python3 scripts/bench_spec.py [--models smollm2,gemma3] [--batch 1,8] [--rounds 2]
         [--decode 96] [--limit-smollm2 192MiB] [--limit-gemma3 320MiB] [--threads 2]
         [--draft-max 8] [--no-llama] [--llama-decode 48] [--llama-kinds summary,code,chat]
-        [--self-draft q8_0,q5_k]
+        [--self-draft q8_0,q5_k] [--branches 2]
 
 Drafters: `ngram` (prompt lookup), and for each --self-draft TYPE the target's own weights
 quantized to TYPE by `sluiced pack --quantize` (a separate store, made once in the cache) as
-a draft model, resident inside the same limit and host budget as the target.
+a draft model, resident inside the same limit and host budget as the target. With
+--branches N each drafter also runs with token trees (`--draft-branches N`).
 
 llama.cpp decodes --llama-decode tokens on the --llama-kinds prompts (fewer where its reads
 under the limit make it slow; compare with the same count where it is not).
@@ -129,15 +130,17 @@ def chat_ids(gguf, prompt):
     return llm.tokenize(text.encode(), add_bos=False, special=True)
 
 
-def sluice_run(store, ids, batch, limit, a, draft):
+def sluice_run(store, ids, batch, limit, a, draft, branches=0):
     cg = Cgroup("sluice-spec", limit)
     drop_caches()
     argv = [SLUICED, "run", store, "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(a.decode + 1),
-            "--ignore-eos", "--max-context", str(len(ids) + a.decode + a.draft_max + 16), "--threads", str(a.threads),
+            "--ignore-eos", "--max-context", str(len(ids) + a.decode + 80), "--threads", str(a.threads),
             "--host-memory", str(limit),
             "--parallel", str(batch), "--json"]
     if draft:
         argv += ["--draft", draft, "--draft-max", str(a.draft_max)]
+    if branches:
+        argv += ["--draft-branches", str(branches)]
     rc, out, err, _, _ = cg.run(argv)
     cg.close()
     if rc != 0:
@@ -169,24 +172,28 @@ def bench(name, gguf, limit, prompts, a):
     if not os.path.isdir(store):
         subprocess.run([SLUICED, "pack", gguf, "-o", store], check=True, capture_output=True)
     idss = [chat_ids(gguf, p["prompt"]) for p in prompts]
-    engines = [("sluice", None), ("sluice ngram", "ngram")]
+    engines = [("sluice", None, 0), ("sluice ngram", "ngram", 0)]
+    if a.branches:
+        engines.append(("sluice ngram tree", "ngram", a.branches))
     for t in filter(None, a.self_draft.split(",")):
         # The self-draft: the target's own weights quantized by `pack --quantize`, a store of
         # its own, resident inside the same limit.
         draft = os.path.join(CACHE, "bench-spec", f"{os.path.basename(gguf)}.{t}.store")
         if not os.path.isdir(draft):
             subprocess.run([SLUICED, "pack", gguf, "-o", draft, "--quantize", t], check=True, capture_output=True)
-        engines.append((f"sluice draft {t}", draft))
+        engines.append((f"sluice draft {t}", draft, 0))
+        if a.branches:
+            engines.append((f"sluice draft {t} tree", draft, a.branches))
     print(f"\n{name}: {os.path.basename(gguf)}, limit {limit / MIB:.0f} MiB, {a.threads} threads, {len(prompts)} prompts "
           f"({', '.join(str(len(i)) for i in idss)} tokens), {a.decode} greedy tokens each, --draft-max {a.draft_max}")
     for batch in a.batches:
-        rows = {e: [] for e, _ in engines}
+        rows = {e: [] for e, _, _ in engines}
         llama = {"llama.cpp": [], "llama.cpp lookup": []} if batch == 1 and not a.no_llama else {}
         for r in range(a.rounds):
             for k, (p, ids) in enumerate(zip(prompts, idss)):
                 plain_ids = None
-                for e, draft in engines:
-                    s = sluice_run(store, ids, batch, limit, a, draft)
+                for e, draft, branches in engines:
+                    s = sluice_run(store, ids, batch, limit, a, draft, branches)
                     s.update(kind=p["kind"], round=r)
                     if plain_ids is None:
                         plain_ids = s["ids"]
@@ -199,12 +206,12 @@ def bench(name, gguf, limit, prompts, a):
                         l.update(kind=p["kind"], round=r)
                         llama[e].append(l)
         print(f"batch {batch}:")
-        print(f"  {'engine':<18} {'kind':<8} {'tok/s':>8} {'tok/pass':>9} {'MB read/tok':>12} {'acceptance':>11}")
+        print(f"  {'engine':<24} {'kind':<8} {'tok/s':>8} {'tok/pass':>9} {'MB read/tok':>12} {'acceptance':>11}")
         for e, runs in rows.items():
             for kind in sorted({x["kind"] for x in runs}):
                 sel = [x for x in runs if x["kind"] == kind]
                 acc = sum(x["accepted"] for x in sel) / max(sum(x["drafted"] for x in sel), 1)
-                print(f"  {e:<18} {kind:<8} {statistics.median(x['tps'] for x in sel):>8.2f} "
+                print(f"  {e:<24} {kind:<8} {statistics.median(x['tps'] for x in sel):>8.2f} "
                       f"{statistics.median(x['per_pass'] for x in sel):>9.2f} "
                       f"{statistics.median(x['read_per_token'] for x in sel) / 1e6:>12.1f} "
                       f"{acc if e != 'sluice' else float('nan'):>11.2f}")
@@ -214,13 +221,13 @@ def bench(name, gguf, limit, prompts, a):
                 tps = statistics.median(x["tps"] for x in sel) if sel else float("nan")
                 per = statistics.median(x["per_pass"] for x in sel) if sel else float("nan")
                 errs = sorted({x["error"] for x in runs if x["kind"] == kind and "error" in x})
-                print(f"  {e:<18} {kind:<8} {tps:>8.2f} {per:>9.2f}" + (f"  failed: {'; '.join(errs)}" if errs else ""))
+                print(f"  {e:<24} {kind:<8} {tps:>8.2f} {per:>9.2f}" + (f"  failed: {'; '.join(errs)}" if errs else ""))
         # Speed-ups per round, all prompts of a kind together (total tokens over total time).
         for kind in sorted({p["kind"] for p in prompts}):
             def rate(runs, r):
                 sel = [x for x in runs if x["kind"] == kind and x["round"] == r and "error" not in x]
                 return len(sel) / sum(1 / x["tps"] for x in sel) if sel else float("nan")
-            for e, _ in engines[1:]:
+            for e, _, _ in engines[1:]:
                 vs_plain = [rate(rows[e], r) / rate(rows["sluice"], r) for r in range(a.rounds)]
                 line = f"  {kind:<8} {e}: {statistics.median(vs_plain):.2f}x plain sluice (rounds {', '.join(f'{v:.2f}' for v in vs_plain)})"
                 if llama and kind in a.llama_kinds.split(","):
@@ -252,6 +259,8 @@ def main():
     ap.add_argument("--kinds", default="summary,code,chat")
     ap.add_argument("--self-draft", default="q8_0",
                     help="types of the self-drafts to run (pack --quantize), comma-separated; '' for none")
+    ap.add_argument("--branches", type=int, default=0,
+                    help="also run each drafter with token trees of this many branches (--draft-branches)")
     ap.add_argument("--no-llama", action="store_true")
     # llama.cpp reads the whole model from disk for every pass under the limit (its mmap's
     # pages are evicted): a few tokens give its rate.

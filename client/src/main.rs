@@ -509,10 +509,14 @@ fn speculative_json(x: &pb::Speculative) -> serde_json::Value {
         "drafted_tokens": x.drafted_tokens,
         "accepted_tokens": x.accepted_tokens,
         "tokens_per_step": x.tokens_per_step,
+        "draft_passes": x.draft_passes,
+        "draft_seconds": x.draft_seconds,
+        "pass_seconds": x.pass_seconds,
     })
 }
 
-/// `sluice status`'s line on speculative decoding, when the model drafts.
+/// `sluice status`'s line on speculative decoding, when the model drafts, and the draft
+/// model's share of the engine's time.
 fn print_speculative(x: Option<&pb::Speculative>) {
     let Some(x) = x.filter(|x| !x.drafter.is_empty()) else {
         return;
@@ -527,6 +531,14 @@ fn print_speculative(x: Option<&pb::Speculative>) {
         x.accepted_tokens as f64 / x.drafted_tokens.max(1) as f64,
         tokens as f64 / steps.max(1) as f64
     );
+    if x.draft_passes > 0 {
+        println!(
+            "draft model      {} passes, {:.1} s: {:.0} % of the engine's time",
+            x.draft_passes,
+            x.draft_seconds,
+            100.0 * x.draft_seconds / (x.draft_seconds + x.pass_seconds).max(1e-9)
+        );
+    }
 }
 
 /// `sluice status --json`: the Status reply as one object.

@@ -183,6 +183,8 @@ static void launch(dim3_ grid, unsigned block, const std::function<void()>& kern
 
 static inline void __syncthreads() { emu::barrier(emu::block_arrived, emu::block_gen, emu::alive); }
 static inline void __syncwarp() { emu::warp_barrier(); }
+static inline int __popcll(unsigned long long x) { return __builtin_popcountll(x); }
+static inline int __ffsll(long long x) { return __builtin_ffsll(x); }
 template <typename T>
 static inline T __shfl_xor_sync(unsigned, T v, int o) {
     static_assert(sizeof(T) <= sizeof(uint64_t), "a shuffled value fits a slot");
@@ -354,10 +356,11 @@ static std::map<std::string, std::pair<size_t, Launcher>> kernels() {
                                                 I(a[5]), I(a[6]));
                             }};
 #define ATTENTION_PART_K(n)                                                                              \
-    k[#n] = {14, [](const std::vector<Arg>& a) {                                                           \
+    k[#n] = {15, [](const std::vector<Arg>& a) {                                                           \
                  n(P<const float*>(a[0]), P<const void*>(a[1]), P<const void*>(a[2]), P<float*>(a[3]),     \
-                   P<const u32*>(a[4]), P<const unsigned long long*>(a[5]), I(a[6]), I(a[7]), I(a[8]), F(a[9]), \
-                   I(a[10]), I(a[11]), I(a[12]), I(a[13]));                                                 \
+                   P<const u32*>(a[4]), P<const unsigned long long*>(a[5]),                                 \
+                   P<const unsigned long long*>(a[6]), I(a[7]), I(a[8]), I(a[9]), F(a[10]), I(a[11]),       \
+                   I(a[12]), I(a[13]), I(a[14]));                                                           \
              }};
     ATTENTION_PART_K(attention_part_f32) ATTENTION_PART_K(attention_part_f16)
     k["attention_combine_f32"] = {9, [](const std::vector<Arg>& a) {

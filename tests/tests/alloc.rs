@@ -133,12 +133,14 @@ fn allocations_per_step(r: &mut Pipeline<sluice::backend::cpu::CpuBackend>) -> (
             pos: 0,
             tokens: prompt.clone(),
             verify: false,
+            ..Default::default()
         },
         SeqStep {
             slot: 1,
             pos: 0,
             tokens: prompt,
             verify: false,
+            ..Default::default()
         },
     ];
     r.step(&steps, &mut logits).expect("prefill");

@@ -565,6 +565,7 @@ fn attention_over_long_contexts_and_wide_head_groups_matches_the_cpu_backend() {
                 spans: &c.spans,
                 shape: c.shape,
                 cache: c.cache,
+                ancestors: &[],
             };
             let (mut oc, mut og) = p.zeros(rows * wq);
             p.cpu.attention(&qm.0, &ck.0, &cv.0, &step, None, &mut oc);
@@ -913,6 +914,7 @@ fn rope_kv_cache_and_attention(kv: sluice::backend::KvDtype) {
                 spans,
                 shape,
                 cache: layout[layer],
+                ancestors: &[],
             };
             p.cpu.kv_store(&kc, &vm.0, &mut ckc, &mut cvc, &step);
             p.gpu.kv_store(&kg, &vm.1, &mut ckg, &mut cvg, &step);
@@ -1027,6 +1029,7 @@ fn run<B: Backend>(
             pos: 0,
             tokens: t.clone(),
             verify: false,
+            ..Default::default()
         })
         .collect();
     r.step(&steps, &mut logits).unwrap();
@@ -1044,6 +1047,7 @@ fn run<B: Backend>(
                 pos: prompt + d,
                 tokens: vec![feed(s)],
                 verify: false,
+                ..Default::default()
             })
             .collect();
         r.step(&steps, &mut logits).unwrap();

@@ -370,7 +370,8 @@ fn gemv_kernels_match_the_cpu_backend_and_do_not_depend_on_the_batch() {
 /// Attention on the emulator against the CPU backend: query-head groups of 1, 3, 4 and 16
 /// (two passes of the kernel's eight), heads of 32, 64, 80 and 256 dimensions, a sliding
 /// window in a ring, attention sinks; f32 and f16 caches of random values; two decode rows
-/// and a prefill span per step.
+/// and a prefill span per step, the span also as a token tree (each tree row with the bits
+/// of the kernels' lone decode row of its text).
 #[test]
 fn attention_kernels_match_the_cpu_backend() {
     let mut rng = Rng::new(9);
@@ -383,134 +384,209 @@ fn attention_kernels_match_the_cpu_backend() {
             (6, 2, 64, 50, None, true),
         ] {
             let c = AttnCase::new(kv, (heads, kv_heads, head_dim), ctx, window, &mut rng);
-            let (rows, wq, cache) = (c.rows, heads * head_dim, c.cache);
             let sinks: Vec<f32> = (0..heads).map(|_| 2.0 * rng.symmetric_f32()).collect();
-            let step = AttnStep {
-                layer: 0,
-                spans: &c.spans,
-                shape: c.shape,
-                cache,
-            };
-            // The CPU backend.
-            let (qm, km, vm, sm) = (
-                cpu_put(&cpu, &f32_bytes(&c.q)),
-                cpu_put(&cpu, &c.k),
-                cpu_put(&cpu, &c.v),
-                cpu_put(&cpu, &f32_bytes(&sinks)),
-            );
-            let mut om = cpu.alloc(rows * wq * 4, "out").expect("alloc");
-            let sref = with_sinks.then_some(wref(&sm, DType::F32, 1, heads));
-            cpu.attention(&qm, &km, &vm, &step, sref, &mut om);
-            let mut want = vec![0f32; rows * wq];
-            cpu.download_f32(&om, 0, &mut want);
-            cpu.check().expect("cpu attention");
-            // The kernel: positions and cache bases per row, as the CUDA backend's metadata.
-            let width = kv_heads * head_dim;
-            let mut pos = Vec::new();
-            let mut base = Vec::new();
-            for sp in &c.spans {
-                for t in 0..sp.n {
-                    pos.push((sp.pos + t) as u32);
-                    base.push((sp.slot * cache.cap * width) as u64);
-                }
+            for tree in [false, true] {
+                let what = format!("{kv:?}: {heads} heads on {kv_heads}, {head_dim} dims, context {ctx}, window {window:?}, sinks {with_sinks}, tree {tree}");
+                attention_case(&cpu, &c, (&sinks, with_sinks), tree, &what);
             }
-            let mut s = Script::new();
-            s.load(0, &f32_bytes(&c.q));
-            s.load(1, &c.k);
-            s.load(2, &c.v);
-            s.load(
-                4,
-                &pos.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<_>>(),
-            );
-            s.load(
-                5,
-                &base
-                    .iter()
-                    .flat_map(|p| p.to_le_bytes())
-                    .collect::<Vec<_>>(),
-            );
-            s.load(6, &f32_bytes(&sinks));
-            let kernel = match kv {
-                KvDtype::F32 => "attention_part_f32",
-                KvDtype::F16 => "attention_part_f16",
-            };
-            let sink_arg = if with_sinks { b(6, 0) } else { "null".into() };
-            let seen = |p: usize| p + 1 - cache.first_visible(p);
-            // Rows r0..r1 of the step with splits of `split` positions, into buffer `out`.
-            let attend = |s: &mut Script, r0: usize, r1: usize, split: usize, out: usize| {
-                let s_max = pos[r0..r1]
-                    .iter()
-                    .map(|&p| seen(p as usize).div_ceil(split))
-                    .max()
-                    .unwrap_or(1);
-                let part = 100 + out;
-                s.zeros(part, (r1 - r0) * s_max * heads * (head_dim + 2) * 4);
-                s.launch3(
-                    kernel,
-                    (r1 - r0, kv_heads, s_max),
-                    256,
-                    &[
-                        b(0, r0 * wq * 4),
-                        b(1, 0),
-                        b(2, 0),
-                        b(part, 0),
-                        b(4, r0 * 4),
-                        b(5, r0 * 8),
-                        i(heads),
-                        i(kv_heads),
-                        i(head_dim),
-                        format!("f:{:e}", c.shape.scale),
-                        i(cache.cap),
-                        i(window.unwrap_or(0)),
-                        i(split),
-                        i(s_max),
-                    ],
-                );
-                s.launch(
-                    "attention_combine_f32",
-                    (r1 - r0, heads),
-                    128,
-                    &[
-                        b(part, 0),
-                        b(out, r0 * wq * 4),
-                        b(4, r0 * 4),
-                        i(heads),
-                        i(head_dim),
-                        i(window.unwrap_or(0)),
-                        i(split),
-                        i(s_max),
-                        sink_arg.clone(),
-                    ],
-                );
-            };
-            // One split per row (the backend's 1024 positions), splits of 16 positions, and
-            // splits of 16 with the rows in two launches (the bits of one launch).
-            s.zeros(3, rows * wq * 4);
-            attend(&mut s, 0, rows, 1024, 3);
-            let whole = s.save(3);
-            s.zeros(7, rows * wq * 4);
-            attend(&mut s, 0, rows, 16, 7);
-            let split = s.save(7);
-            s.zeros(8, rows * wq * 4);
-            attend(&mut s, 0, 3, 16, 8);
-            attend(&mut s, 3, rows, 16, 8);
-            let grouped = s.save(8);
-            let got = s.run();
-            let what = format!("{kernel}: {heads} heads on {kv_heads}, {head_dim} dims, context {ctx}, window {window:?}, sinks {with_sinks}");
-            same_bits(
-                &format!("{what}: rows in two launches"),
-                &got[grouped],
-                &got[split],
-            );
-            close(
-                &format!("{what}, splits of 16"),
-                &want,
-                &got[split],
-                head_dim,
-                1e-5,
-            );
-            close(&what, &want, &got[whole], head_dim, 1e-5);
         }
+    }
+}
+
+/// The third span of `AttnCase` (5 rows at 10) as a token tree: parents root, 0, 0, 1, 2.
+const TREE_ANCESTORS: [u64; 7] = [0, 0, 0b1, 0b11, 0b101, 0b1011, 0b10101];
+
+/// One case of `attention_kernels_match_the_cpu_backend`, its third span a tree when
+/// `tree`: the kernels against the CPU backend, and a tree row's bits against the kernels'
+/// own lone decode row over the same keys in chain order.
+fn attention_case(
+    cpu: &CpuBackend,
+    c: &AttnCase,
+    (sinks, with_sinks): (&[f32], bool),
+    tree: bool,
+    what: &str,
+) {
+    let (heads, kv_heads, head_dim) = (c.shape.heads, c.shape.kv_heads, c.shape.head_dim);
+    let (rows, wq, cache, kv) = (c.rows, heads * head_dim, c.cache, c.shape.kv);
+    let window = cache.window;
+    let anc: &[u64] = if tree { &TREE_ANCESTORS } else { &[] };
+    let step = AttnStep {
+        layer: 0,
+        spans: &c.spans,
+        shape: c.shape,
+        cache,
+        ancestors: anc,
+    };
+    // The CPU backend.
+    let (qm, km, vm, sm) = (
+        cpu_put(cpu, &f32_bytes(&c.q)),
+        cpu_put(cpu, &c.k),
+        cpu_put(cpu, &c.v),
+        cpu_put(cpu, &f32_bytes(sinks)),
+    );
+    let mut om = cpu.alloc(rows * wq * 4, "out").expect("alloc");
+    let sref = with_sinks.then_some(wref(&sm, DType::F32, 1, heads));
+    cpu.attention(&qm, &km, &vm, &step, sref, &mut om);
+    let mut want = vec![0f32; rows * wq];
+    cpu.download_f32(&om, 0, &mut want);
+    cpu.check().expect("cpu attention");
+    // The kernel: positions, cache bases and tree ancestors per row, as the CUDA
+    // backend's metadata.
+    let width = kv_heads * head_dim;
+    let mut pos = Vec::new();
+    let mut base = Vec::new();
+    for sp in &c.spans {
+        for t in 0..sp.n {
+            pos.push(step.row_keys(sp, t).pos as u32);
+            base.push((sp.slot * cache.cap * width) as u64);
+        }
+    }
+    let anc_rows: Vec<u64> = (0..rows)
+        .map(|r| anc.get(r).copied().unwrap_or(0))
+        .collect();
+    let u32s = |v: &[u32]| v.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<_>>();
+    let u64s = |v: &[u64]| v.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<_>>();
+    let mut s = Script::new();
+    s.load(0, &f32_bytes(&c.q));
+    s.load(1, &c.k);
+    s.load(2, &c.v);
+    s.load(4, &u32s(&pos));
+    s.load(5, &u64s(&base));
+    s.load(6, &f32_bytes(sinks));
+    s.load(9, &u64s(&anc_rows));
+    let kernel = match kv {
+        KvDtype::F32 => "attention_part_f32",
+        KvDtype::F16 => "attention_part_f16",
+    };
+    let sink_arg = if with_sinks { b(6, 0) } else { "null".into() };
+    let seen = |p: usize| p + 1 - cache.first_visible(p);
+    // Rows r0..r1 of the step with splits of `split` positions, into buffer `out`; the
+    // buffers of the cache, queries and metadata: `bufs` (k, v, q, pos, base, anc).
+    let attend = |s: &mut Script,
+                  (r0, r1): (usize, usize),
+                  split: usize,
+                  out: usize,
+                  bufs: [usize; 6],
+                  pos: &[u32]| {
+        let [bk, bv, bq, bp, bb, ba] = bufs;
+        let s_max = pos[r0..r1]
+            .iter()
+            .map(|&p| seen(p as usize).div_ceil(split))
+            .max()
+            .unwrap_or(1);
+        let part = 100 + out;
+        s.zeros(part, (r1 - r0) * s_max * heads * (head_dim + 2) * 4);
+        s.launch3(
+            kernel,
+            (r1 - r0, kv_heads, s_max),
+            256,
+            &[
+                b(bq, r0 * wq * 4),
+                b(bk, 0),
+                b(bv, 0),
+                b(part, 0),
+                b(bp, r0 * 4),
+                b(bb, r0 * 8),
+                b(ba, r0 * 8),
+                i(heads),
+                i(kv_heads),
+                i(head_dim),
+                format!("f:{:e}", c.shape.scale),
+                i(cache.cap),
+                i(window.unwrap_or(0)),
+                i(split),
+                i(s_max),
+            ],
+        );
+        s.launch(
+            "attention_combine_f32",
+            (r1 - r0, heads),
+            128,
+            &[
+                b(part, 0),
+                b(out, r0 * wq * 4),
+                b(bp, r0 * 4),
+                i(heads),
+                i(head_dim),
+                i(window.unwrap_or(0)),
+                i(split),
+                i(s_max),
+                sink_arg.clone(),
+            ],
+        );
+    };
+    let main = [1, 2, 0, 4, 5, 9];
+    // One split per row (the backend's 1024 positions), splits of 16 positions, and
+    // splits of 16 with the rows in two launches (the bits of one launch).
+    s.zeros(3, rows * wq * 4);
+    attend(&mut s, (0, rows), 1024, 3, main, &pos);
+    let whole = s.save(3);
+    s.zeros(7, rows * wq * 4);
+    attend(&mut s, (0, rows), 16, 7, main, &pos);
+    let split = s.save(7);
+    s.zeros(8, rows * wq * 4);
+    attend(&mut s, (0, 3), 16, 8, main, &pos);
+    attend(&mut s, (3, rows), 16, 8, main, &pos);
+    let grouped = s.save(8);
+    // Each tree row alone: a causal row at its position over a cache whose positions from
+    // the root hold its ancestors' K and V in depth order.
+    let mut lone = Vec::new();
+    if tree {
+        let sp = c.spans[2];
+        let kvb = kv.bytes();
+        for t in 0..sp.n {
+            let a = TREE_ANCESTORS[sp.row + t];
+            let (mut k2, mut v2) = (c.k.clone(), c.v.clone());
+            let path = (0..64).filter(|&r| a >> r & 1 == 1);
+            for (d, r) in path.enumerate() {
+                let from = cache.at(&c.shape, sp.slot, sp.pos + r) * kvb;
+                let to = cache.at(&c.shape, sp.slot, sp.pos + d) * kvb;
+                k2.copy_within(from..from + width * kvb, to);
+                v2.copy_within(from..from + width * kvb, to);
+            }
+            let n = 20 + 10 * t;
+            s.load(n, &k2);
+            s.load(n + 1, &v2);
+            s.load(
+                n + 2,
+                &f32_bytes(&c.q[(sp.row + t) * wq..(sp.row + t + 1) * wq]),
+            );
+            let p = [pos[sp.row + t]];
+            s.load(n + 3, &u32s(&p));
+            s.load(n + 4, &u64s(&base[sp.row + t..sp.row + t + 1]));
+            s.load(n + 5, &u64s(&[0]));
+            s.zeros(n + 6, wq * 4);
+            attend(
+                &mut s,
+                (0, 1),
+                1024,
+                n + 6,
+                [n, n + 1, n + 2, n + 3, n + 4, n + 5],
+                &p,
+            );
+            lone.push((sp.row + t, s.save(n + 6)));
+        }
+    }
+    let got = s.run();
+    same_bits(
+        &format!("{what}: rows in two launches"),
+        &got[grouped],
+        &got[split],
+    );
+    close(
+        &format!("{what}, splits of 16"),
+        &want,
+        &got[split],
+        head_dim,
+        1e-5,
+    );
+    close(what, &want, &got[whole], head_dim, 1e-5);
+    for (r, at) in lone {
+        same_bits(
+            &format!("{what}: tree row {r} and the lone row of its text"),
+            &got[at],
+            &got[whole][r * wq..(r + 1) * wq],
+        );
     }
 }
 
@@ -707,6 +783,7 @@ fn norm_rope_kv_store_and_elementwise_kernels_match_the_cpu_backend() {
             spans: &c.spans,
             shape: c.shape,
             cache: c.cache,
+            ancestors: &[],
         };
         let (km, vm) = (
             cpu_put(&cpu, &f32_bytes(&kin)),

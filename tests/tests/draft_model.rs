@@ -23,6 +23,13 @@ const MODEL: DraftConfig = DraftConfig {
     kind: DraftKind::Model,
     max: 5,
     fixed: true,
+    branches: 0,
+};
+
+/// MODEL with token trees: the draft's runner-ups as two leaves beside its chain.
+const MODEL_TREE: DraftConfig = DraftConfig {
+    branches: 2,
+    ..MODEL
 };
 
 fn runner(store: Arc<Store>, kv_slots: usize, verify_rows: usize) -> Pipeline<CpuBackend> {
@@ -63,7 +70,7 @@ fn total(outs: &[GenerateOutput]) -> SpecStats {
 fn both(
     src: &str,
     dir: &Path,
-    n: usize,
+    (n, draft): (usize, DraftConfig),
     sampling: SamplingParams,
 ) -> (Vec<GenerateOutput>, Vec<GenerateOutput>) {
     let target = pack_store(&fixture(src), &dir.join("t"), "none", 1 << 20);
@@ -76,7 +83,7 @@ fn both(
         "--quantize",
         "q8_0",
     ]);
-    let draft = Arc::new(Store::open(&draft_dir).expect("draft store"));
+    let draft_store = Arc::new(Store::open(&draft_dir).expect("draft store"));
     let tok = Tokenizer::from_manifest(target.manifest()).expect("tokenizer");
     let prompt = tok
         .encode("one two three four five six seven", false)
@@ -93,9 +100,9 @@ fn both(
     )
     .expect("plain");
     drop(plain);
-    let mut target = runner(target, n, n * MODEL.max);
-    let mut dm = DraftModel::new(runner(draft, n, 0));
-    let p = params(sampling, Some(MODEL));
+    let mut target = runner(target, n, n * draft.rows());
+    let mut dm = DraftModel::new(runner(draft_store, n, 0));
+    let p = params(sampling, Some(draft));
     let b =
         generate_with(&mut target, Some(&mut dm), &tok, &prompt, &p, n, |_| {}).expect("drafted");
     assert!(
@@ -123,10 +130,10 @@ fn text_with_a_draft_model_is_the_text_without_on_every_architecture() {
     };
     for src in TINY_ARCHS {
         for (how, sampling) in [("greedy", greedy), ("seeded", seeded)] {
-            for n in [1, 3] {
-                let what = format!("{src} {how} batch {n}");
+            for (n, draft) in [(1, MODEL), (3, MODEL), (1, MODEL_TREE), (3, MODEL_TREE)] {
+                let what = format!("{src} {how} batch {n} branches {}", draft.branches);
                 let dir = tmp.path().join(what.replace(' ', "-"));
-                let (plain, drafted) = both(src, &dir, n, sampling);
+                let (plain, drafted) = both(src, &dir, (n, draft), sampling);
                 for (a, b) in plain.iter().zip(&drafted) {
                     assert_eq!(a.generated_token_ids, b.generated_token_ids, "{what}");
                     assert_eq!(a.finish_reason, b.finish_reason, "{what}");
@@ -309,6 +316,8 @@ fn the_daemon_drafts_with_a_model_and_answers_as_without() {
         "--draft-max",
         "6",
         "--draft-fixed",
+        "--draft-branches",
+        "2",
     ]);
     for n in [1, 2] {
         let (a, b) = (chat(&plain, n), chat(&drafted, n));
@@ -326,4 +335,11 @@ fn the_daemon_drafts_with_a_model_and_answers_as_without() {
     assert_eq!(spec["drafter"], "model", "{st}");
     let count = |k: &str| -> u64 { spec[k].as_str().unwrap_or("0").parse().unwrap_or(0) };
     assert!(count("acceptedTokens") > 0, "{spec}");
+    // The draft model's passes and its share of the time.
+    assert!(count("draftPasses") > 0, "{spec}");
+    let secs = |k: &str| spec[k].as_f64().unwrap_or(0.0);
+    assert!(
+        secs("draftSeconds") > 0.0 && secs("passSeconds") > 0.0,
+        "{spec}"
+    );
 }

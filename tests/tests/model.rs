@@ -35,6 +35,7 @@ fn step(runner: &mut Pipeline<CpuBackend>, pos: usize, tokens: Vec<u32>, logits:
                 pos,
                 tokens,
                 verify: false,
+                ..Default::default()
             }],
             logits,
         )
@@ -957,6 +958,7 @@ fn a_mixtures_sequence_gets_the_same_bits_alone_as_in_a_batch() {
                 pos,
                 tokens: tokens.to_vec(),
                 verify: false,
+                ..Default::default()
             };
             let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             // Alone: a's prompt, then four decode steps.

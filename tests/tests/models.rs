@@ -305,3 +305,42 @@ fn a_model_that_does_not_fit_beside_an_idle_one_unloads_it() {
     assert_eq!(served_ids(&d.addr, "gemma3", &[]), gemma_ids);
     assert!(names(&d.addr).contains(&"gemma3".to_string()));
 }
+
+#[test]
+fn a_store_directorys_draft_file_chooses_its_models_drafting() {
+    let (tmp, dir) = two_stores();
+    let want_smol = run_ids(&dir.join("smollm2"));
+    std::fs::write(dir.join("smollm2").join("draft"), "ngram\n").unwrap();
+    // A file that names nothing.
+    std::fs::write(dir.join("gemma3").join("draft"), "ngram\nq8_0\n").unwrap();
+    let d = Daemon::serve(
+        tmp,
+        &["--models-dir", dir.to_str().unwrap()],
+        &[
+            "--keep-alive",
+            "-1",
+            "--max-context",
+            "512",
+            "--draft-fixed",
+        ],
+    );
+    // SmolLM2 drafts by prompt lookup (no --draft given), its output its own.
+    assert_eq!(served_ids(&d.addr, "smollm2", &[]), want_smol);
+    let st: Value = serde_json::from_str(&stdout(&sluice(
+        &d.addr,
+        &["--model", "smollm2", "status", "--json"],
+    )))
+    .unwrap();
+    assert_eq!(st["speculative"]["drafter"], "ngram", "{st}");
+    // Gemma's file is refused when it loads, naming the file and what it wants.
+    let o = sluice(
+        &d.addr,
+        &["--model", "gemma3", "generate", PROMPT, "--max-tokens", "2"],
+    );
+    assert!(!o.status.success());
+    let err = stderr(&o);
+    assert!(
+        err.contains("gemma3/draft") && err.contains("one line"),
+        "{err}"
+    );
+}

@@ -171,12 +171,14 @@ fn outputs(r: &mut Pipeline<CpuBackend>, vocab: u32) -> (Vec<u32>, Vec<u32>) {
                 pos: 0,
                 tokens: a.clone(),
                 verify: false,
+                ..Default::default()
             },
             SeqStep {
                 slot: 1,
                 pos: 0,
                 tokens: b.clone(),
                 verify: false,
+                ..Default::default()
             },
         ],
         &mut logits,
@@ -190,12 +192,14 @@ fn outputs(r: &mut Pipeline<CpuBackend>, vocab: u32) -> (Vec<u32>, Vec<u32>) {
                 pos: 7,
                 tokens: vec![9],
                 verify: false,
+                ..Default::default()
             },
             SeqStep {
                 slot: 0,
                 pos: 20,
                 tokens: vec![4],
                 verify: false,
+                ..Default::default()
             },
         ],
         &mut logits,
@@ -212,6 +216,7 @@ fn outputs(r: &mut Pipeline<CpuBackend>, vocab: u32) -> (Vec<u32>, Vec<u32>) {
                 pos,
                 tokens: vec![next],
                 verify: false,
+                ..Default::default()
             }],
             &mut logits,
         )
@@ -574,6 +579,7 @@ fn failing_step(r: &mut Pipeline<CpuBackend>, logits: &mut Vec<f32>) -> String {
                 pos: 0,
                 tokens: vec![1, 2, 3],
                 verify: false,
+                ..Default::default()
             }],
             logits,
         )

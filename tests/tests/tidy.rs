@@ -23,9 +23,8 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("client/src/batch.rs", "run", 185),
     ("client/src/chat.rs", "run", 115),
     ("client/src/main.rs", "cmd_status", 119),
-    ("daemon/src/backend/cuda/bench.rs", "run", 157),
-    ("daemon/src/backend/cuda/device.rs", "attention", 134),
-    ("daemon/src/backend/cuda/device.rs", "new", 126),
+    ("daemon/src/backend/cuda/bench.rs", "run", 153),
+    ("daemon/src/backend/cuda/device.rs", "new", 116),
     ("daemon/src/backend/cuda/matmul.rs", "prefill_rows", 101),
     ("daemon/src/backend/cuda/moe.rs", "experts_grouped", 105),
     ("daemon/src/bin/sluiced/bench.rs", "run_stream", 136),
@@ -59,7 +58,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
 /// Files over `FILE_LINES_MAX` today: (file, lines).
 const LONG_FILES: &[(&str, usize)] = &[
     ("daemon/src/backend/cpu/q8.rs", 1091),
-    ("daemon/src/backend/cuda/device.rs", 1103),
     ("daemon/src/import/gguf.rs", 1117),
     ("daemon/src/import/hf.rs", 1102),
     ("daemon/src/store/codec.rs", 1188),

@@ -267,6 +267,64 @@ pub struct AttnStep<'a> {
     pub spans: &'a [SeqSpan],
     pub shape: AttnShape,
     pub cache: LayerCache,
+    /// Token trees (speculative decoding): per batch row, the rows of its span it attends
+    /// to, itself included (bit i: the span's row i), or 0 for a causal row; empty when no
+    /// span of the step is a tree. See `RowKeys`.
+    pub ancestors: &'a [u64],
+}
+
+/// The rows of a token tree a span holds at most (one bit each in `AttnStep::ancestors`).
+pub const TREE_ROWS_MAX: usize = 64;
+
+/// The keys one query row attends to. A causal row at position p sees positions
+/// `first_visible(p)..=p` of its slot. A token tree's row (a drafted node, verified in the
+/// same pass as its siblings) is at position `root + depth`, its rope and window position;
+/// it sees the committed positions before the tree's root and, past them, its ancestors and
+/// itself: key j (a position, root <= j <= p) is the ancestor at depth j - root, whose K
+/// and V its own row of the span wrote at `root + row`. So a node's keys are, in order, the
+/// keys the same text gives a lone decode row, and every sum over them runs as that row's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RowKeys {
+    /// The row's position (rope, window).
+    pub pos: usize,
+    /// The span's first position (the tree's root).
+    root: usize,
+    /// Its ancestors in the span, itself included; 0: a causal row.
+    ancestors: u64,
+}
+
+impl RowKeys {
+    /// Where key `j` (a position the row sees, `j <= pos`) is in the slot.
+    #[inline]
+    pub fn key(&self, j: usize) -> usize {
+        if self.ancestors == 0 || j < self.root {
+            return j;
+        }
+        // The (j - root)-th ancestor row, counting from the root: its set bit.
+        let mut m = self.ancestors;
+        for _ in 0..j - self.root {
+            m &= m - 1;
+        }
+        self.root + m.trailing_zeros() as usize
+    }
+}
+
+impl AttnStep<'_> {
+    /// Row `t` of span `sp`: its position and the keys it attends to.
+    pub fn row_keys(&self, sp: &SeqSpan, t: usize) -> RowKeys {
+        match self.ancestors.get(sp.row + t) {
+            Some(&a) if a != 0 => RowKeys {
+                pos: sp.pos + a.count_ones() as usize - 1,
+                root: sp.pos,
+                ancestors: a,
+            },
+            _ => RowKeys {
+                pos: sp.pos + t,
+                root: sp.pos,
+                ancestors: 0,
+            },
+        }
+    }
 }
 
 /// Ops take device allocations (`Mem`) holding f32 activations unless a `WeightRef` says
@@ -421,6 +479,17 @@ pub trait Backend: Send + Sync {
         positions: &[u32],
         table: &Self::Mem,
     );
+    /// Copies the K and V at position `from` of `slot` to position `to`, for each pair of
+    /// `moves` in order, in this layer's cache (`step.cache`): an accepted path of a token
+    /// tree, from the rows its nodes ran at to the positions of their depths.
+    fn kv_move(
+        &self,
+        cache_k: &mut Self::Mem,
+        cache_v: &mut Self::Mem,
+        step: &AttnStep<'_>,
+        slot: usize,
+        moves: &[(u32, u32)],
+    );
     /// Writes the new K and V rows of each span into the layer's cache.
     fn kv_store(
         &self,
@@ -430,7 +499,8 @@ pub trait Backend: Send + Sync {
         cache_v: &mut Self::Mem,
         step: &AttnStep<'_>,
     );
-    /// Causal grouped-query attention of each span's new queries over its cached keys.
+    /// Causal grouped-query attention of each span's new queries over its cached keys (a
+    /// token tree's rows over their ancestors: `AttnStep::row_keys`).
     /// `sinks` (f32, one per query head; gpt-oss) joins each softmax as a logit of its own
     /// whose weight is then dropped: out = sum_j e^(s_j - m) v_j / (sum_j e^(s_j - m) +
     /// e^(sink - m)), m the largest of the scores and the sink.

@@ -132,6 +132,7 @@ fn prefill<B: Backend>(
             pos: 0,
             tokens: token_ids(prompt, vocab, b as u64 + 1),
             verify: false,
+            ..Default::default()
         })
         .collect();
     let per_step = (r.options().max_batch_tokens / prompt).max(1);
@@ -155,6 +156,7 @@ fn decode_step<B: Backend>(
             pos,
             tokens: token_ids(1, vocab, (pos * 131 + b) as u64),
             verify: false,
+            ..Default::default()
         })
         .collect();
     Ok(r.step(&s, logits)?)

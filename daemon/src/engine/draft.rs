@@ -17,6 +17,7 @@
 //! no model and no memory to speak of (four index entries a token), and it is what
 //! summaries and edits want: they copy names and phrases from their prompt.
 
+use crate::backend::TREE_ROWS_MAX;
 use serde::Serialize;
 use std::collections::HashMap;
 use std::fmt;
@@ -29,6 +30,116 @@ pub trait Drafter: Send {
     /// Up to `max` tokens to follow the text so far, into `out` (cleared first; left
     /// empty when it has nothing to propose).
     fn propose(&mut self, max: usize, out: &mut Vec<u32>);
+    /// A token tree: the chain `propose` gives, then up to `branches` other continuations
+    /// where the drafter has them (each up to `max / 2` tokens), into `out`. The default
+    /// has none.
+    fn propose_tree(&mut self, max: usize, branches: usize, out: &mut Proposal) {
+        let _ = branches;
+        out.clear();
+        self.propose(max, &mut out.tokens);
+    }
+}
+
+/// `Proposal::parents` of a node that follows the pending token.
+pub const FROM_PENDING: u16 = u16::MAX;
+
+/// The edge factor of a node on the drafter's main line (`Proposal::edges`).
+pub const MAIN_LINE: f32 = -1.0;
+
+/// A drafted token tree, its nodes in an order where a node's parent comes before it and
+/// any prefix is a tree: the drafter's main chain first, then its branches. A chain
+/// (`parents` empty) is the common case; each node then follows the one before.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Proposal {
+    pub tokens: Vec<u32>,
+    /// Each node's parent: a node before it, or FROM_PENDING. Empty: a chain.
+    pub parents: Vec<u16>,
+    /// Each node's chance of being the token sampled after its parent, relative to the
+    /// sequence's acceptance: MAIN_LINE (the acceptance itself), or for an alternative
+    /// the share of what the main line misses that it is expected to take. Empty: a chain.
+    pub edges: Vec<f32>,
+}
+
+impl Proposal {
+    pub fn clear(&mut self) {
+        self.tokens.clear();
+        self.parents.clear();
+        self.edges.clear();
+    }
+
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Node `k`'s parent (FROM_PENDING for the first of a chain).
+    pub fn parent(&self, k: usize) -> u16 {
+        match self.parents.get(k) {
+            Some(&p) => p,
+            None if k == 0 => FROM_PENDING,
+            None => (k - 1) as u16,
+        }
+    }
+
+    /// Whether the first `n` nodes branch anywhere (else they are a chain).
+    pub fn branches_in(&self, n: usize) -> bool {
+        (0..n.min(self.parents.len())).any(|k| self.parent(k) != k.wrapping_sub(1) as u16)
+    }
+
+    /// Adds a node after `parent` (FROM_PENDING or a node), with its edge factor.
+    pub fn push(&mut self, token: u32, parent: u16, edge: f32) {
+        if self.parents.len() < self.tokens.len() {
+            // A chain so far: its parents and edges made explicit.
+            let n = self.tokens.len();
+            self.parents.clear();
+            self.parents.push(FROM_PENDING);
+            self.parents.extend((1..n).map(|k| (k - 1) as u16));
+            self.edges.clear();
+            self.edges.resize(n, MAIN_LINE);
+        }
+        self.tokens.push(token);
+        self.parents.push(parent);
+        self.edges.push(edge);
+    }
+
+    /// The expected chance that node `k` is accepted, the sequence's acceptance being
+    /// `a`: the product of its path's edges (a main-line edge is `a`, an alternative with
+    /// share s is (1 - a) s).
+    pub fn chance(&self, k: usize, a: f64) -> f64 {
+        let mut p = 1.0;
+        let mut at = k as u16;
+        while at != FROM_PENDING {
+            let i = at as usize;
+            p *= match self.edges.get(i) {
+                Some(&e) if e >= 0.0 => (1.0 - a) * e as f64,
+                _ => a,
+            };
+            at = self.parent(i);
+        }
+        p
+    }
+
+    /// Keeps the first nodes, as many as fit: `room` rows (the context and `max_tokens`),
+    /// and a tree's rows in one span's mask (`TREE_ROWS_MAX`, the pending token's among
+    /// them).
+    pub fn fit(&mut self, room: usize) {
+        let n = if self.branches_in(self.len()) {
+            room.min(TREE_ROWS_MAX - 1)
+        } else {
+            room
+        };
+        self.tokens.truncate(n);
+        self.parents.truncate(n);
+        self.edges.truncate(n);
+    }
+
+    /// Node `k`'s children among the first `n` nodes whose token is `token`: the first.
+    pub fn child(&self, k: u16, n: usize, token: u32) -> Option<usize> {
+        (0..n).find(|&c| self.parent(c) == k && self.tokens[c] == token)
+    }
 }
 
 /// Which drafter a model runs with (`--draft`).
@@ -85,6 +196,9 @@ pub struct DraftConfig {
     /// Verify every proposal whole (up to `max`) instead of the rows that measured pass
     /// times pay for (`--draft-fixed`: experiments, and tests that must see drafts).
     pub fixed: bool,
+    /// Branches a token tree may have besides its main chain (`--draft-branches`; 0:
+    /// chains only).
+    pub branches: usize,
 }
 
 /// A decoding sequence's claim on a step's drafted rows (`Sequence::draft_ask`).
@@ -103,6 +217,15 @@ pub struct DraftAsk {
 pub const DRAFT_MAX_DEFAULT: usize = 8;
 
 impl DraftConfig {
+    /// Nodes a sequence's proposal has at most: the chain and its branches (each up to
+    /// max / 2 tokens), a tree within one span's mask.
+    pub fn rows(&self) -> usize {
+        if self.branches == 0 {
+            return self.max;
+        }
+        (self.max + self.branches * (self.max / 2).max(1)).min(TREE_ROWS_MAX - 1)
+    }
+
     /// A new drafter for one sequence (None: a draft model fills its proposals).
     pub fn drafter(&self) -> Option<Box<dyn Drafter>> {
         match self.kind {
@@ -126,6 +249,10 @@ pub struct SpecStats {
     /// Decode steps of a sequence by the tokens each yielded: `[i]` counts steps that
     /// yielded i + 1 (the last bucket: 17 or more).
     pub tokens_per_step: [u64; STEP_TOKENS_BUCKETS],
+    /// A draft model's passes and their wall time (0 for ngram: a few hash lookups a
+    /// step, inside the engine's step time).
+    pub draft_passes: u64,
+    pub draft_seconds: f64,
 }
 
 impl SpecStats {
@@ -145,6 +272,8 @@ impl SpecStats {
         for (a, b) in self.tokens_per_step.iter_mut().zip(o.tokens_per_step) {
             *a += b;
         }
+        self.draft_passes += o.draft_passes;
+        self.draft_seconds += o.draft_seconds;
     }
 
     /// The tokens a decode step yielded on average.
@@ -219,10 +348,18 @@ impl RowBudget {
         ((my - slope * mx).max(0.0), slope)
     }
 
-    /// Drafted rows for each of a step's sequences, into `out` (one count per ask): the
-    /// fixed asks' proposals whole, then the rows that pay, with the step's other rows
-    /// `base_rows` (one a sequence, prefill chunks) and at most `cap` drafted rows in all.
-    pub fn allot(&self, asks: &[DraftAsk], base_rows: usize, cap: usize, out: &mut Vec<usize>) {
+    /// Drafted rows for each of a step's sequences, into `out` (one count per ask: a
+    /// prefix of its proposal): the fixed asks' proposals whole, then the rows that pay,
+    /// with the step's other rows `base_rows` (one a sequence, prefill chunks) and at most
+    /// `cap` drafted rows in all. `chance(i, k)`: the chance that ask i's node k is
+    /// accepted (`Proposal::chance`).
+    pub fn allot(
+        &self,
+        asks: &[DraftAsk],
+        (base_rows, cap): (usize, usize),
+        chance: impl Fn(usize, usize) -> f64,
+        out: &mut Vec<usize>,
+    ) {
         out.clear();
         out.resize(asks.len(), 0);
         let mut left = cap;
@@ -250,7 +387,7 @@ impl RowBudget {
             // The best next row: the sequence whose next draft is likeliest to be accepted.
             let best = (0..asks.len())
                 .filter(|&i| !asks[i].fixed && out[i] < asks[i].proposed)
-                .map(|i| (i, asks[i].acceptance.powi(out[i] as i32 + 1)))
+                .map(|i| (i, chance(i, out[i])))
                 .max_by(|x, y| x.1.total_cmp(&y.1));
             let Some((i, gain)) = best else { break };
             let t = pass(rows + 1);
@@ -305,34 +442,91 @@ impl Drafter for Ngram {
 
     fn propose(&mut self, max: usize, out: &mut Vec<u32>) {
         out.clear();
-        let end = self.text.len();
-        if max == 0 {
-            return;
+        if let Some(&at) = self.matches(1).first() {
+            self.continuation(at, max, out);
         }
+    }
+
+    /// The chain `propose` gives, then the continuations of other earlier occurrences of
+    /// the text's suffix (the other of its first and latest occurrence, then those of
+    /// shorter suffixes), each a branch from where it leaves the tree, up to `max / 2`
+    /// tokens. An alternative is taken to be sampled a third of the time the main line
+    /// is not (an ngram has no probabilities; the acceptance it is weighed by is measured).
+    fn propose_tree(&mut self, max: usize, branches: usize, out: &mut Proposal) {
+        out.clear();
+        let starts = self.matches(1 + branches);
+        let Some((&main, others)) = starts.split_first() else {
+            return;
+        };
+        self.continuation(main, max, &mut out.tokens);
+        let mut alt = Vec::new();
+        for &at in others {
+            self.continuation(at, max / 2, &mut alt);
+            // Down the tree while it has this continuation's tokens; a branch from there.
+            let (mut parent, mut k) = (FROM_PENDING, 0);
+            while let Some(c) = alt.get(k).and_then(|&t| out.child(parent, out.len(), t)) {
+                parent = c as u16;
+                k += 1;
+            }
+            for (i, &t) in alt.iter().enumerate().skip(k) {
+                let edge = if i == k { ALTERNATIVE_SHARE } else { MAIN_LINE };
+                out.push(t, parent, edge);
+                parent = (out.len() - 1) as u16;
+            }
+        }
+    }
+}
+
+/// What `Ngram::propose_tree` takes an alternative continuation's share to be.
+const ALTERNATIVE_SHARE: f32 = 0.33;
+
+impl Ngram {
+    /// Up to `most` distinct positions where earlier occurrences of the text's suffix end,
+    /// the best first: for the longest suffix that occurred before (NGRAM_MAX tokens down to
+    /// one), its latest occurrence (for one token, its first: weak evidence, and a word's
+    /// first occurrence is where the text introduced it, a document's opening or a name's
+    /// first mention, what an answer starts by copying), then its other, then shorter
+    /// suffixes' in the same way. Two tokens or more place the passage being copied, and
+    /// a copy in progress follows its latest occurrence.
+    fn matches(&self, most: usize) -> Vec<usize> {
+        let end = self.text.len();
+        let mut found = Vec::new();
         for n in (1..=NGRAM_MAX.min(end)).rev() {
             let suffix = &self.text[end - n..];
             let Some(&(first, latest)) = self.index.get(&gram_hash(suffix)) else {
                 continue;
             };
-            // Two tokens or more place the passage being copied, and its latest
-            // occurrence is the one a copy in progress follows; one token is weak evidence,
-            // and a word's first occurrence is where the text introduced it (the opening
-            // of a document, a name's first mention), what an answer starts by copying.
-            let at = if n > 1 { latest } else { first } as usize;
-            // A hash collision is no match.
-            if at < n || &self.text[at - n..at] != suffix {
-                continue;
+            let order = if n > 1 {
+                [latest, first]
+            } else {
+                [first, latest]
+            };
+            for at in order.map(|a| a as usize) {
+                // A hash collision is no match.
+                if found.len() < most
+                    && at >= n
+                    && &self.text[at - n..at] == suffix
+                    && !found.contains(&at)
+                {
+                    found.push(at);
+                }
             }
-            // What followed, read on into the proposal itself where it reaches the end
-            // (an overlapping copy: a repeating pattern proposes its next repeats).
-            for k in 0..max {
-                let t = match self.text.get(at + k) {
-                    Some(&t) => t,
-                    None => out[at + k - end],
-                };
-                out.push(t);
-            }
-            return;
+        }
+        found
+    }
+
+    /// `max` tokens of what followed position `at`, into `out` (cleared first), read on
+    /// into themselves where they reach the end of the text (an overlapping copy: a
+    /// repeating pattern proposes its next repeats).
+    fn continuation(&self, at: usize, max: usize, out: &mut Vec<u32>) {
+        out.clear();
+        let end = self.text.len();
+        for k in 0..max {
+            let t = match self.text.get(at + k) {
+                Some(&t) => t,
+                None => out[at + k - end],
+            };
+            out.push(t);
         }
     }
 }
@@ -352,10 +546,13 @@ pub struct SeqDraft {
     /// 0..), and how many tokens the next proposal is to have.
     pub fed: Vec<u32>,
     pub want: usize,
+    /// Rows the next step's proposal may take (what the context leaves).
+    pub rows_room: usize,
     max: usize,
     fixed: bool,
-    /// Tokens to verify after the pending one in the next step.
-    pub proposal: Vec<u32>,
+    branches: usize,
+    /// Tokens to verify after the pending one in the next step: a chain, or a tree.
+    pub proposal: Proposal,
     /// Drafted tokens that went into steps, and those accepted, since the start.
     pub drafted: u64,
     pub accepted: u64,
@@ -382,9 +579,11 @@ impl SeqDraft {
             drafter,
             fed: Vec::new(),
             want: 0,
+            rows_room: 0,
             max: cfg.max,
             fixed: cfg.fixed,
-            proposal: Vec::with_capacity(cfg.max),
+            branches: cfg.branches,
+            proposal: Proposal::default(),
             drafted: 0,
             accepted: 0,
             fails: 0,
@@ -392,6 +591,16 @@ impl SeqDraft {
             pause: 1,
             acceptance: ACCEPTANCE_PRIOR,
         }
+    }
+
+    /// Branches a proposal may have besides its main chain.
+    pub fn branches(&self) -> usize {
+        self.branches
+    }
+
+    /// The chance that node `k` of the proposal is accepted (`Proposal::chance`).
+    pub fn chance(&self, k: usize) -> f64 {
+        self.proposal.chance(k, self.acceptance)
     }
 
     /// Whether a draft model makes its proposals.
@@ -415,14 +624,15 @@ impl SeqDraft {
         }
     }
 
-    /// The outcome of a verified step: `drafted` tokens went in, the first `accepted` of
-    /// them matched what the sequence sampled.
-    pub fn verified(&mut self, drafted: usize, accepted: usize) {
+    /// The outcome of a verified step: `drafted` tokens went in, a path of `accepted` of
+    /// them matched what the sequence sampled, and (`rejected`) the token sampled after it
+    /// was not among the drafts on offer there.
+    pub fn verified(&mut self, drafted: usize, accepted: usize, rejected: bool) {
         self.drafted += drafted as u64;
         self.accepted += accepted as u64;
-        // A run of `accepted` successes then (unless all were accepted) one failure: the
+        // A run of `accepted` successes then (unless the drafts ran out) one failure: the
         // per-draft chance that run measures.
-        let tries = (accepted + usize::from(accepted < drafted)) as f64;
+        let tries = (accepted + usize::from(rejected)) as f64;
         let rate = accepted as f64 / tries.max(1.0);
         self.acceptance = 0.7 * self.acceptance + 0.3 * rate;
         if accepted > 0 {
@@ -438,19 +648,23 @@ impl SeqDraft {
         }
     }
 
-    /// Makes the proposal for the next step: at most `room` tokens (what the context and
-    /// `max_tokens` leave), none while paused.
-    /// With a draft model this only sets `want`: the model fills the proposal before the
-    /// step.
-    pub fn propose(&mut self, room: usize) {
+    /// Makes the proposal for the next step: at most `room` tokens deep (what the context
+    /// and `max_tokens` leave) and `rows_room` nodes (what the context leaves), none while
+    /// paused. With a draft model this only sets `want`: the model fills the proposal
+    /// before the step.
+    pub fn propose(&mut self, room: usize, rows_room: usize) {
         self.proposal.clear();
         self.want = 0;
+        self.rows_room = rows_room;
         if self.paused > 0 {
             self.paused -= 1;
             return;
         }
         match &mut self.drafter {
-            Some(d) => d.propose(self.max.min(room), &mut self.proposal),
+            Some(d) => {
+                d.propose_tree(self.max.min(room), self.branches, &mut self.proposal);
+                self.proposal.fit(rows_room);
+            }
             None => self.want = self.max.min(room),
         }
     }
@@ -513,6 +727,60 @@ mod tests {
         }
     }
 
+    /// `RowBudget::allot` over chains: node k of ask i is accepted with its acceptance to
+    /// the power k + 1.
+    fn allot(b: &RowBudget, asks: &[DraftAsk], rows: (usize, usize), out: &mut Vec<usize>) {
+        b.allot(
+            asks,
+            rows,
+            |i, k| asks[i].acceptance.powi(k as i32 + 1),
+            out,
+        );
+    }
+
+    #[test]
+    fn ngram_trees_branch_where_earlier_occurrences_go_on_differently() {
+        // After "1 2": "3 4" (its latest occurrence), "7 8" (its first), and for the last
+        // token alone "5 6" (its first occurrence; its latest is the same as "1 2"'s).
+        let text = [9, 2, 5, 6, 1, 2, 7, 8, 1, 2, 3, 4, 0, 1, 2];
+        let mut d = ngram(&text);
+        let mut t = Proposal::default();
+        d.propose_tree(4, 0, &mut t);
+        let mut chain = Vec::new();
+        d.propose(4, &mut chain);
+        assert_eq!(t.tokens, chain, "no branches: the chain");
+        assert!(t.parents.is_empty() && !t.branches_in(4));
+        d.propose_tree(4, 3, &mut t);
+        // The chain, then each other continuation (2 tokens) from the root.
+        assert_eq!(t.tokens, [3, 4, 0, 1, 7, 8, 5, 6]);
+        assert_eq!(
+            t.parents,
+            [FROM_PENDING, 0, 1, 2, FROM_PENDING, 4, FROM_PENDING, 6]
+        );
+        assert!(t.branches_in(8) && !t.branches_in(4));
+        assert_eq!(t.child(FROM_PENDING, 8, 5), Some(6));
+        assert_eq!(t.child(FROM_PENDING, 6, 5), None, "only the first 6 nodes");
+        assert_eq!(t.child(4, 8, 8), Some(5));
+        // A chain node is accepted with the acceptance to its depth; an alternative with
+        // what the chain misses, times its share, then the acceptance down its line.
+        let a = 0.8;
+        assert!((t.chance(1, a) - a * a).abs() < 1e-12);
+        let alt = (1.0 - a) * f64::from(ALTERNATIVE_SHARE);
+        assert!(
+            (t.chance(5, a) - alt * a).abs() < 1e-9,
+            "{}",
+            t.chance(5, a)
+        );
+        // A continuation that shares the tree's first tokens branches where it leaves it.
+        let mut d = ngram(&[5, 1, 2, 3, 9, 1, 2, 3, 4, 0, 1, 2]);
+        d.propose_tree(4, 1, &mut t);
+        assert_eq!(t.tokens, [3, 4, 0, 1, 9], "{t:?}");
+        assert_eq!(t.parents[4], 0, "after the shared 3");
+        // Room cuts a tree to its first nodes, still a tree.
+        t.fit(3);
+        assert_eq!((t.tokens.len(), t.parents.len(), t.edges.len()), (3, 3, 3));
+    }
+
     fn ask(acceptance: f64, proposed: usize) -> DraftAsk {
         DraftAsk {
             acceptance,
@@ -526,7 +794,7 @@ mod tests {
         let mut b = RowBudget::default();
         let mut out = Vec::new();
         // Nothing measured: rows look free, every proposal goes in, within the cap.
-        b.allot(&[ask(0.5, 4), ask(0.9, 8)], 2, 10, &mut out);
+        allot(&b, &[ask(0.5, 4), ask(0.9, 8)], (2, 10), &mut out);
         assert_eq!(
             out,
             [2, 8],
@@ -543,28 +811,28 @@ mod tests {
         );
         // Compute-bound: a row costing 1 ms of a 12 ms pass is worth it only while its
         // chance beats about a twelfth of a token.
-        b.allot(&[ask(0.05, 8)], 1, 16, &mut out);
+        allot(&b, &[ask(0.05, 8)], (1, 16), &mut out);
         assert_eq!(out, [0], "a 5 % draft does not pay for its compute");
-        b.allot(&[ask(0.9, 8)], 1, 16, &mut out);
+        allot(&b, &[ask(0.9, 8)], (1, 16), &mut out);
         assert!(out[0] >= 4, "{out:?}");
         // A fixed ask gets its proposal whole all the same, within the cap.
         let fixed = DraftAsk {
             fixed: true,
             ..ask(0.05, 8)
         };
-        b.allot(&[fixed, ask(0.05, 8)], 2, 6, &mut out);
+        allot(&b, &[fixed, ask(0.05, 8)], (2, 6), &mut out);
         assert_eq!(out, [6, 0]);
         // The same pass waiting 50 ms for its loads: rows are free up to the wait.
         b.observe(1, 0.011, 0.050);
-        b.allot(&[ask(0.05, 8)], 1, 16, &mut out);
+        allot(&b, &[ask(0.05, 8)], (1, 16), &mut out);
         assert_eq!(out, [8], "free rows are taken even at 5 %");
         // Where loads and compute share the cores, a row costs its 1 ms on top of the
         // 61 ms pass: worth it at 5 % for one sequence, not for eight (each row must then
         // beat 8 x 1/61 of a token).
         b.serial = true;
-        b.allot(&[ask(0.05, 8)], 1, 16, &mut out);
+        allot(&b, &[ask(0.05, 8)], (1, 16), &mut out);
         assert!(out[0] > 0, "{out:?}");
-        b.allot(&[ask(0.05, 8); 8], 8, 16, &mut out);
+        allot(&b, &[ask(0.05, 8); 8], (8, 16), &mut out);
         assert_eq!(out, [0; 8]);
     }
 
@@ -574,36 +842,37 @@ mod tests {
             kind: DraftKind::Ngram,
             max: 8,
             fixed: false,
+            branches: 0,
         };
         let mut s = SeqDraft::new(&cfg, &[1, 2, 1, 2, 1, 2]);
-        s.propose(100);
-        assert_eq!(s.proposal, [1, 2, 1, 2, 1, 2, 1, 2]);
+        s.propose(100, 100);
+        assert_eq!(s.proposal.tokens, [1, 2, 1, 2, 1, 2, 1, 2]);
         // Three failed steps: still drafting, whole proposals.
         for _ in 0..3 {
-            s.verified(8, 0);
-            s.propose(100);
+            s.verified(8, 0, true);
+            s.propose(100, 100);
             assert_eq!(s.proposal.len(), 8);
         }
         assert!(s.acceptance < 0.2, "{}", s.acceptance);
         // The fourth pauses drafting for a step; four more, for two.
-        s.verified(8, 0);
-        s.propose(100);
+        s.verified(8, 0, true);
+        s.propose(100, 100);
         assert!(s.proposal.is_empty());
-        s.propose(100);
+        s.propose(100, 100);
         assert_eq!(s.proposal.len(), 8);
         for _ in 0..4 {
-            s.verified(8, 0);
+            s.verified(8, 0, true);
         }
         for _ in 0..2 {
-            s.propose(100);
+            s.propose(100, 100);
             assert!(s.proposal.is_empty());
         }
         // An accepted draft ends the run of failures and the pauses' growth.
-        s.propose(100);
-        s.verified(8, 3);
+        s.propose(100, 100);
+        s.verified(8, 3, true);
         assert_eq!((s.fails, s.pause), (0, 1));
         assert_eq!((s.drafted, s.accepted), (9 * 8, 3));
-        s.propose(1);
+        s.propose(1, 1);
         assert_eq!(s.proposal.len(), 1, "room limits the proposal");
     }
 }

@@ -63,10 +63,7 @@ pub fn build_draft<B: Backend>(
     store: &std::sync::Arc<crate::store::Store>,
     input: &crate::plan::PlanInput,
 ) -> Result<DraftModel<B>, EngineError> {
-    let mut di = input.clone();
-    di.opts.verify_rows = 0;
-    di.expert_profile = None;
-    let runner = make(store, &di)?;
+    let runner = make(store, &draft_input(input))?;
     let streamed = runner.plan.layers_streamed();
     if streamed > 0 {
         return Err(EngineError::Invalid(format!(
@@ -76,6 +73,15 @@ pub fn build_draft<B: Backend>(
         )));
     }
     Ok(DraftModel::new(runner))
+}
+
+/// A draft's plan input beside a target planned with `input`: the same options and
+/// budgets, without verify rows or an expert profile.
+pub fn draft_input(input: &crate::plan::PlanInput) -> crate::plan::PlanInput {
+    let mut di = input.clone();
+    di.opts.verify_rows = 0;
+    di.expert_profile = None;
+    di
 }
 
 /// `input` with what a draft's plan holds taken out of its host and device budgets.
@@ -98,6 +104,59 @@ struct Drafting {
     todo: Vec<u32>,
     /// Tokens it is to propose.
     want: usize,
+    /// Branches its tree may have, and the candidates: (the chain node it is an
+    /// alternative to, its token, the draft's probability of it, its share of what the
+    /// chain's token leaves).
+    branches: usize,
+    alts: Vec<(usize, u32, f32, f32)>,
+}
+
+/// A draft's runner-up below this probability is no branch.
+const BRANCH_MIN_P: f32 = 0.05;
+
+impl Drafting {
+    /// The next token of the chain from the draft's row, its runner-up kept as a
+    /// candidate branch when the tree has room for branches.
+    fn next(&mut self, proposal: &mut super::draft::Proposal, row: &[f32]) {
+        let (best, second, p1, p2) = top2(row);
+        if self.branches > 0 && p2 >= BRANCH_MIN_P && p1 < 1.0 {
+            self.alts
+                .push((proposal.len(), second, p2, (p2 / (1.0 - p1)).min(1.0)));
+        }
+        proposal.tokens.push(best);
+    }
+
+    /// The best candidates as leaves of the chain, the likeliest first (shallower on
+    /// equal odds), each beside the chain node it is an alternative to.
+    fn branch(&mut self, proposal: &mut super::draft::Proposal) {
+        use super::draft::FROM_PENDING;
+        let chain = proposal.len();
+        self.alts.retain(|a| a.0 < chain);
+        self.alts
+            .sort_by(|x, y| y.2.total_cmp(&x.2).then(x.0.cmp(&y.0)));
+        for &(k, token, _, share) in self.alts.iter().take(self.branches) {
+            let parent = if k == 0 { FROM_PENDING } else { (k - 1) as u16 };
+            proposal.push(token, parent, share);
+        }
+    }
+}
+
+/// The two largest logits of a row: (token, runner-up, their softmax probabilities).
+fn top2(row: &[f32]) -> (u32, u32, f32, f32) {
+    let (mut a, mut b) = (0usize, usize::MAX);
+    for (i, &v) in row.iter().enumerate().skip(1) {
+        if v > row[a] {
+            (a, b) = (i, a);
+        } else if b == usize::MAX || v > row[b] {
+            b = i;
+        }
+    }
+    if b == usize::MAX {
+        return (a as u32, a as u32, 1.0, 0.0);
+    }
+    let m = row[a];
+    let sum: f32 = row.iter().map(|&v| (v - m).exp()).sum();
+    (a as u32, b as u32, 1.0 / sum, (row[b] - m).exp() / sum)
 }
 
 impl<B: Backend> DraftModel<B> {
@@ -125,7 +184,7 @@ impl<B: Backend> DraftModel<B> {
         let t0 = Instant::now();
         let mut active = Self::asking(seqs);
         self.catch_up(seqs, &mut active)?;
-        self.decode(seqs, &active)?;
+        self.decode(seqs, &mut active)?;
         self.seconds += t0.elapsed().as_secs_f64();
         Ok(())
     }
@@ -153,6 +212,8 @@ impl<B: Backend> DraftModel<B> {
                 seq: i,
                 todo: d.text().skip(same).collect(),
                 want: d.want,
+                branches: d.draft.branches(),
+                alts: Vec::new(),
             });
         }
         active
@@ -184,6 +245,7 @@ impl<B: Backend> DraftModel<B> {
                     slot: d.slot,
                     pos: d.draft.fed.len(),
                     verify: false,
+                    ..Default::default()
                 });
                 self.owner.push(k);
             }
@@ -199,20 +261,22 @@ impl<B: Backend> DraftModel<B> {
                 d.draft.fed.extend_from_slice(&step.tokens);
                 a.todo.drain(..step.tokens.len());
                 if a.todo.is_empty() {
-                    d.draft
-                        .proposal
-                        .push(argmax(&self.logits, self.steps.len(), row));
+                    a.next(
+                        &mut d.draft.proposal,
+                        logit_row(&self.logits, self.steps.len(), row),
+                    );
                 }
             }
         }
         Ok(())
     }
 
-    /// Decode passes: each runs every sequence's last draft token and proposes its next.
+    /// Decode passes: each runs every sequence's last draft token and proposes its next;
+    /// then each tree's branches.
     fn decode<S: AsMut<Sequence>>(
         &mut self,
         seqs: &mut [S],
-        active: &[Drafting],
+        active: &mut [Drafting],
     ) -> Result<(), EngineError> {
         loop {
             self.steps.clear();
@@ -221,7 +285,7 @@ impl<B: Backend> DraftModel<B> {
                 let Some(d) = seqs[a.seq].as_mut().model_draft() else {
                     continue;
                 };
-                let Some(&last) = d.draft.proposal.last() else {
+                let Some(&last) = d.draft.proposal.tokens.last() else {
                     continue;
                 };
                 if d.draft.proposal.len() >= a.want {
@@ -232,6 +296,7 @@ impl<B: Backend> DraftModel<B> {
                     slot: d.slot,
                     pos: d.draft.fed.len(),
                     verify: false,
+                    ..Default::default()
                 });
                 self.owner.push(k);
             }
@@ -240,13 +305,21 @@ impl<B: Backend> DraftModel<B> {
             }
             self.pass()?;
             for (row, (k, step)) in self.owner.iter().zip(&self.steps).enumerate() {
-                let Some(d) = seqs[active[*k].seq].as_mut().model_draft() else {
+                let a = &mut active[*k];
+                let Some(d) = seqs[a.seq].as_mut().model_draft() else {
                     continue;
                 };
                 d.draft.fed.extend_from_slice(&step.tokens);
-                d.draft
-                    .proposal
-                    .push(argmax(&self.logits, self.steps.len(), row));
+                a.next(
+                    &mut d.draft.proposal,
+                    logit_row(&self.logits, self.steps.len(), row),
+                );
+            }
+        }
+        for a in active.iter_mut().filter(|a| a.branches > 0) {
+            if let Some(d) = seqs[a.seq].as_mut().model_draft() {
+                a.branch(&mut d.draft.proposal);
+                d.draft.proposal.fit(d.draft.rows_room);
             }
         }
         Ok(())
@@ -259,16 +332,8 @@ impl<B: Backend> DraftModel<B> {
     }
 }
 
-/// The token of the largest logit in row `row` of `logits`, rows of `rows` (the first of
-/// equals).
-fn argmax(logits: &[f32], rows: usize, row: usize) -> u32 {
+/// Row `row` of `logits`, rows of `rows`.
+fn logit_row(logits: &[f32], rows: usize, row: usize) -> &[f32] {
     let vocab = logits.len() / rows;
-    let r = &logits[row * vocab..(row + 1) * vocab];
-    let mut best = 0;
-    for (i, &v) in r.iter().enumerate() {
-        if v > r[best] {
-            best = i;
-        }
-    }
-    best as u32
+    &logits[row * vocab..(row + 1) * vocab]
 }

@@ -7,6 +7,7 @@
 use super::draft::{DraftConfig, DraftKind};
 use super::sequence::{GenerateParams, SeqLimits, Sequence};
 use super::test_model::{self, VOCAB};
+use crate::model::TREE_ROOT;
 use crate::text::{SamplingParams, Tokenizer};
 use crate::util::rng::Rng;
 
@@ -61,17 +62,23 @@ enum Verify {
     Right,
     /// Broken: rows after the first get the logits of the text without their own token.
     Broken,
+    /// Broken for trees: a tree's rows get the logits of the span read as a chain (what
+    /// attention that ignored the tree's mask would give).
+    Chain,
+}
+
+/// One seeded sequence's draw: its continuation's index, the drafted and accepted tokens,
+/// and the verified steps that were trees.
+struct Draw {
+    index: usize,
+    drafted: u64,
+    accepted: u64,
+    trees: u64,
 }
 
 /// One seeded sequence driven to its end: its continuation's index, and the drafted and
 /// accepted tokens.
-fn draw(
-    tok: &Tokenizer,
-    prompt: &[u32],
-    seed: u64,
-    draft: bool,
-    verify: Verify,
-) -> (usize, u64, u64) {
+fn draw(tok: &Tokenizer, prompt: &[u32], seed: u64, draft: Option<usize>, verify: Verify) -> Draw {
     let params = GenerateParams {
         max_tokens: GENERATED,
         sampling: SamplingParams {
@@ -84,10 +91,11 @@ fn draw(
         logprobs: None,
         logit_bias: Vec::new(),
         format: Default::default(),
-        draft: draft.then_some(DraftConfig {
+        draft: draft.map(|branches| DraftConfig {
             kind: DraftKind::Ngram,
             max: 3,
             fixed: false,
+            branches,
         }),
     };
     let limits = SeqLimits {
@@ -95,6 +103,7 @@ fn draw(
         vocab: VOCAB,
     };
     let mut seq = Sequence::new(prompt.to_vec(), params, 0, limits).expect("valid");
+    let mut trees = 0;
     while let Some(step) = seq.next_step(16) {
         let mut rows = Vec::new();
         let known = step.pos;
@@ -104,10 +113,19 @@ fn draw(
             .copied()
             .take(known)
             .collect();
+        trees += u64::from(!step.parents.is_empty());
         for j in 0..step.logit_rows() {
             let last = step.tokens.len() - step.logit_rows() + j;
             let mut ctx = text.clone();
-            ctx.extend_from_slice(&step.tokens[..=last]);
+            // The row's text: its ancestors' tokens and its own (a chain: those before).
+            let mut path = vec![last];
+            while let Some(&p) = step.parents.get(path[0]).filter(|&&p| p != TREE_ROOT) {
+                path.insert(0, p as usize);
+            }
+            if step.parents.is_empty() || verify == Verify::Chain {
+                path = (0..=last).collect();
+            }
+            ctx.extend(path.iter().map(|&r| step.tokens[r]));
             if verify == Verify::Broken && j > 0 {
                 ctx.pop();
             }
@@ -123,7 +141,12 @@ fn draw(
         i * 4 + d
     });
     let (drafted, accepted) = seq.drafted();
-    (index, drafted, accepted)
+    Draw {
+        index,
+        drafted,
+        accepted,
+        trees,
+    }
 }
 
 /// Pearson's chi-square of `counts` against `p` over `n` draws, and the statistic's
@@ -159,9 +182,14 @@ fn drafted_sampling_draws_the_models_exact_distribution_and_a_broken_rule_fails(
     ];
     let (mut drafted, mut accepted) = (0, 0);
     for seed in 0..DRAWS {
-        let (plain, _, _) = draw(&tok, &prompt, seed, false, Verify::Right);
-        let (spec, d, a) = draw(&tok, &prompt, seed, true, Verify::Right);
-        let (broken, _, _) = draw(&tok, &prompt, seed, true, Verify::Broken);
+        let plain = draw(&tok, &prompt, seed, None, Verify::Right).index;
+        let Draw {
+            index: spec,
+            drafted: d,
+            accepted: a,
+            ..
+        } = draw(&tok, &prompt, seed, Some(0), Verify::Right);
+        let broken = draw(&tok, &prompt, seed, Some(0), Verify::Broken).index;
         // Each emitted token is the sampler's own draw: the same seed, the same text.
         assert_eq!(plain, spec, "seed {seed}");
         counts[0][plain] += 1;
@@ -187,5 +215,47 @@ fn drafted_sampling_draws_the_models_exact_distribution_and_a_broken_rule_fails(
     assert!(
         broken > 2.0 * crit,
         "a broken rule went unseen: {broken} against {crit}"
+    );
+}
+
+#[test]
+fn tree_drafted_sampling_draws_the_models_exact_distribution_and_a_chain_reading_fails() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = test_model::store(tmp.path());
+    let tok = Tokenizer::from_manifest(store.manifest()).expect("tokenizer");
+    // "abcabdabca": earlier occurrences of the text's end go on differently (after "a":
+    // "bc", "bd"), so prompt lookup drafts trees.
+    let prompt: Vec<u32> = [0, 1, 2, 0, 1, 3, 0, 1, 2, 0].map(|i| ALPHABET[i]).to_vec();
+    let p = exact(&prompt);
+    let mut counts = [vec![0u64; p.len()], vec![0u64; p.len()]];
+    let (mut drafted, mut accepted, mut trees) = (0, 0, 0);
+    for seed in 0..DRAWS {
+        let plain = draw(&tok, &prompt, seed, None, Verify::Right).index;
+        let tree = draw(&tok, &prompt, seed, Some(3), Verify::Right);
+        let chain = draw(&tok, &prompt, seed, Some(3), Verify::Chain).index;
+        // Each emitted token is the sampler's own draw: the same seed, the same text.
+        assert_eq!(plain, tree.index, "seed {seed}");
+        counts[0][plain] += 1;
+        counts[1][chain] += 1;
+        drafted += tree.drafted;
+        accepted += tree.accepted;
+        trees += tree.trees;
+    }
+    let [(plain, crit), (chain, _)] = [0, 1].map(|i| chi_square(&counts[i], &p, DRAWS));
+    eprintln!(
+        "chi-square over {} continuations, {DRAWS} draws: plain and tree-drafted {plain:.1}, tree rows read as a chain {chain:.1}; 0.1 % critical value {crit:.1}; {trees} tree steps, {accepted} of {drafted} drafted tokens accepted",
+        p.len()
+    );
+    assert!(
+        trees > DRAWS / 4 && accepted > DRAWS / 4,
+        "{trees} trees, {accepted} of {drafted}"
+    );
+    assert!(
+        plain < crit,
+        "plain and tree-drafted {plain}, critical {crit}"
+    );
+    assert!(
+        chain > 2.0 * crit,
+        "tree rows read as a chain went unseen: {chain} against {crit}"
     );
 }

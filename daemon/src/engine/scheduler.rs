@@ -586,7 +586,9 @@ impl Scheduler {
 /// requests did not ask for it and lose nothing.
 fn propose_drafts<B: Backend>(st: &mut EngineState<B>) {
     let Some(d) = &mut st.draft else { return };
-    if let Err(e) = d.propose(&mut st.active) {
+    let r = d.propose(&mut st.active);
+    (st.spec.draft_passes, st.spec.draft_seconds) = (d.passes, d.seconds);
+    if let Err(e) = r {
         tracing::error!("the draft model failed ({e}); serving on without it");
         st.draft = None;
         for a in &mut st.active {

@@ -11,7 +11,7 @@
 //! ```
 
 use super::draft::{DraftAsk, DraftConfig, SeqDraft};
-use crate::model::SeqStep;
+use crate::model::{SeqStep, TREE_ROOT};
 use crate::text::detok::{Detokenizer, StopMatcher};
 use crate::text::sampler::OutputFormat;
 use crate::text::{Sampler, SamplingParams, TokenLogprob, Tokenizer};
@@ -127,6 +127,9 @@ pub struct Sequence {
     bytes_streamed: u64,
     /// Speculative decoding's state, when the request drafts.
     draft: Option<SeqDraft>,
+    /// The KV copies the next step makes first: the accepted path of the last verified
+    /// tree, from the rows its nodes ran at to the positions of their depths.
+    kv_moves: Vec<(u32, u32)>,
 }
 
 impl AsMut<Sequence> for Sequence {
@@ -183,6 +186,7 @@ impl Sequence {
             t_first: None,
             decode_steps: 0,
             bytes_streamed: 0,
+            kv_moves: Vec::new(),
         })
     }
 
@@ -209,6 +213,11 @@ impl Sequence {
     pub fn draft_ask(&self) -> Option<DraftAsk> {
         let d = self.draft.as_ref()?;
         self.pending.map(|_| d.ask())
+    }
+
+    /// The chance that node `k` of its proposal is accepted (0 without one).
+    pub fn draft_chance(&self, k: usize) -> f64 {
+        self.draft.as_ref().map_or(0.0, |d| d.chance(k))
     }
 
     /// A decoding sequence's drafting by a draft model (None: it does not draft with one,
@@ -268,13 +277,24 @@ impl Sequence {
         }
         out.tokens.clear();
         out.verify = false;
+        out.parents.clear();
+        out.kv_moves.clear();
         match self.pending {
             Some(t) => {
                 out.tokens.push(t);
+                out.kv_moves.extend_from_slice(&self.kv_moves);
                 if let Some(d) = &self.draft {
-                    let n = d.proposal.len().min(budget - 1);
-                    out.tokens.extend_from_slice(&d.proposal[..n]);
+                    let p = &d.proposal;
+                    let n = p.len().min(budget - 1);
+                    out.tokens.extend_from_slice(&p.tokens[..n]);
                     out.verify = n > 0;
+                    if p.branches_in(n) {
+                        // Rows: the pending token, then the nodes; a node's parent row is
+                        // its parent node's plus one, or the pending token's (0).
+                        out.parents.push(TREE_ROOT);
+                        out.parents
+                            .extend((0..n).map(|k| p.parent(k).wrapping_add(1)));
+                    }
                 }
             }
             None if self.prefilled < self.prompt.len() => {
@@ -313,29 +333,41 @@ impl Sequence {
             self.emit(logits, tok)
         } else {
             self.decode_steps += 1;
+            self.kv_moves.clear();
             self.verify_rows(ran, logits, tok)
         };
         if let (Some(d), true) = (&mut self.draft, self.pending.is_some()) {
             // The span after the pending token stays inside the context, and what it can
             // yield inside max_tokens.
-            let room = (self.max_context.saturating_sub(self.pos + 1)).min(
+            let rows = self.max_context.saturating_sub(self.pos + 1);
+            let room = rows.min(
                 self.params
                     .max_tokens
                     .saturating_sub(self.generated.len() + 1),
             );
-            d.propose(room);
+            d.propose(room, rows);
         }
         piece
     }
 
-    /// A decode step's rows (`ran` of them, several when it verified drafts): each sampled
-    /// in turn while the token sampled is the draft the next row ran.
+    /// A decode step's rows (`ran` of them, several when it verified drafts): sampled from
+    /// the pending token's row on, each time going on to the row of the draft that is the
+    /// token sampled (in a tree, the child of the row that has it) while there is one.
+    /// The rows of an accepted path in a tree ran at other positions than their depths:
+    /// their KV moves there at the start of the next step.
     fn verify_rows(&mut self, ran: usize, logits: &[f32], tok: &Tokenizer) -> Option<Piece> {
         let vocab = logits.len() / ran;
         let mut piece: Option<Piece> = None;
-        let mut accepted = 0;
-        for (j, row) in logits.chunks_exact(vocab).enumerate() {
-            // Row j ran the pending token (j = 0) or draft j - 1, which matched.
+        let (mut accepted, mut rejected) = (0, false);
+        // The row being sampled: the pending token's, then the accepted drafts' rows.
+        let mut j = 0;
+        loop {
+            let row = &logits[j * vocab..(j + 1) * vocab];
+            if j != accepted {
+                // This row's K and V (at pos, before the increment) belong at the depth's.
+                let at = (self.pos - accepted) as u32;
+                self.kv_moves.push((at + j as u32, at + accepted as u32));
+            }
             self.pos += 1;
             if let Some(p) = self.emit(row, tok) {
                 match &mut piece {
@@ -347,17 +379,28 @@ impl Sequence {
                     }
                 }
             }
-            let last = self.generated.last().copied();
-            let draft = self.draft.as_ref().and_then(|d| d.proposal.get(j));
-            if self.finished.is_some() || j + 1 == ran || last != draft.copied() {
+            let (Some(last), Some(d)) = (self.generated.last().copied(), &self.draft) else {
                 break;
+            };
+            // Row j ran node j - 1 of the proposal (the pending token for j = 0).
+            let node = (j as u16).wrapping_sub(1);
+            if self.finished.is_some() {
+                break;
+            }
+            match d.proposal.child(node, ran - 1, last) {
+                Some(c) => j = c + 1,
+                None => {
+                    // Drafts were on offer here and the sampled token was none of them.
+                    rejected = (0..ran - 1).any(|c| d.proposal.parent(c) == node);
+                    break;
+                }
             }
             accepted += 1;
             // The next row runs this token: it is in, not pending.
             self.pending = None;
         }
         if let (Some(d), true) = (&mut self.draft, ran > 1) {
-            d.verified(ran - 1, accepted);
+            d.verified(ran - 1, accepted, rejected);
         }
         piece
     }

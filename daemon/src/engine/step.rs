@@ -14,6 +14,8 @@ use crate::pipeline::PassStats;
 pub struct StepBuilder {
     rows: RowBudget,
     asks: Vec<DraftAsk>,
+    /// The sequence of each ask.
+    askers: Vec<usize>,
     allotted: Vec<usize>,
 }
 
@@ -38,11 +40,19 @@ impl StepBuilder {
     ) -> usize {
         let mut left = opts.max_batch_tokens;
         self.asks.clear();
-        self.asks.extend((0..n).filter_map(|i| seq(i).draft_ask()));
+        self.askers.clear();
+        for i in 0..n {
+            if let Some(a) = seq(i).draft_ask() {
+                self.asks.push(a);
+                self.askers.push(i);
+            }
+        }
         let decoding = (0..n).filter(|&i| seq(i).is_decoding()).count();
         let cap = opts.verify_rows.min(left.saturating_sub(decoding));
+        let askers = &self.askers;
+        let chance = |a: usize, k: usize| seq(askers[a]).draft_chance(k);
         self.rows
-            .allot(&self.asks, decoding, cap, &mut self.allotted);
+            .allot(&self.asks, (decoding, cap), chance, &mut self.allotted);
         let mut ask = 0;
         owner.clear();
         for decoding in [true, false] {

@@ -11,6 +11,10 @@
 //! pipeline drives, so one pass over the weights serves the whole batch.
 
 mod head;
+mod step;
+
+use step::{check_steps, TreeRows};
+pub use step::{SeqStep, TREE_ROOT};
 
 use super::layout::Workspace;
 pub use super::layout::{kv_cache_bytes, kv_layout, workspace_bytes, ModelOptions};
@@ -96,32 +100,6 @@ fn gated_act(c: &ArchConfig) -> GatedAct {
     }
 }
 
-/// One sequence's part of a step.
-#[derive(Clone, Debug, Default)]
-pub struct SeqStep {
-    /// KV-cache slot of the sequence.
-    pub slot: usize,
-    /// Tokens already in its cache (the position of the first new token).
-    pub pos: usize,
-    pub tokens: Vec<u32>,
-    /// A decode token and the drafted tokens after it, to verify: every row of the span
-    /// gives logits (not only its last), and the rows take the decode kernels like lone
-    /// decode rows, so each row's logits have the bits that row would have decoded alone
-    /// (the backends' batch invariance; ARCHITECTURE.md, speculative decoding).
-    pub verify: bool,
-}
-
-impl SeqStep {
-    /// Rows of logits this part of a step gives: each of a verified span's, else its last.
-    pub fn logit_rows(&self) -> usize {
-        if self.verify {
-            self.tokens.len()
-        } else {
-            1
-        }
-    }
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum ModelError {
     #[error(transparent)]
@@ -151,6 +129,8 @@ pub struct Decoder<B: Backend> {
     // The step in progress. Single-token and verified spans come first (their rows take
     // the decode kernels).
     spans: Vec<SeqSpan>,
+    /// The step's token trees and KV moves.
+    tree: TreeRows,
     /// The batch rows whose logits the step gives, in the caller's step order (each span's
     /// last row, or every row of a verified span).
     logit_rows: Vec<usize>,
@@ -290,9 +270,8 @@ impl<B: Backend> Decoder<B> {
             })?),
             None => None,
         };
-        let t = opts.max_batch_tokens;
         let ws = Workspace::new(backend, &c, &opts)?;
-        let moe = Mixture::new(&c, t);
+        let moe = Mixture::new(&c, opts.max_batch_tokens);
         Ok(Decoder {
             cfg: c,
             opts,
@@ -308,6 +287,7 @@ impl<B: Backend> Decoder<B> {
             cache_v,
             ws,
             spans: Vec::new(),
+            tree: TreeRows::default(),
             logit_rows: Vec::with_capacity(opts.logit_rows()),
             gemv_rows: 0,
             positions: Vec::new(),
@@ -348,56 +328,12 @@ impl<B: Backend> Decoder<B> {
 
     /// Starts a step: checks it against the limits and lays out the batch rows.
     pub fn begin(&mut self, steps: &[SeqStep]) -> Result<(), ModelError> {
-        if steps.is_empty() || steps.len() > self.opts.kv_slots {
-            return Err(ModelError::Step(format!(
-                "{} sequences in a step; 1..={} allowed",
-                steps.len(),
-                self.opts.kv_slots
-            )));
-        }
-        for (i, s) in steps.iter().enumerate() {
-            if s.tokens.is_empty() {
-                return Err(ModelError::Step(format!("sequence {i} has no tokens")));
-            }
-            if s.slot >= self.opts.kv_slots || steps[..i].iter().any(|o| o.slot == s.slot) {
-                return Err(ModelError::Step(format!(
-                    "sequence {i}: KV slot {} is out of range or used twice",
-                    s.slot
-                )));
-            }
-            if s.pos + s.tokens.len() > self.opts.max_context {
-                return Err(ModelError::Step(format!(
-                    "sequence {i}: {} + {} tokens exceed the context of {}",
-                    s.pos,
-                    s.tokens.len(),
-                    self.opts.max_context
-                )));
-            }
-            if let Some(&bad) = s.tokens.iter().find(|&&t| t >= self.cfg.vocab) {
-                return Err(ModelError::Step(format!(
-                    "sequence {i}: token id {bad} is past the vocabulary ({})",
-                    self.cfg.vocab
-                )));
-            }
-        }
-        let total: usize = steps.iter().map(|s| s.tokens.len()).sum();
-        if total > self.opts.max_batch_tokens {
-            return Err(ModelError::Step(format!(
-                "{total} tokens in a step; at most {}",
-                self.opts.max_batch_tokens
-            )));
-        }
-        let logit_rows: usize = steps.iter().map(SeqStep::logit_rows).sum();
-        if logit_rows > self.opts.logit_rows() {
-            return Err(ModelError::Step(format!(
-                "{logit_rows} rows of logits in a step; at most {} (one a sequence and {} verified drafts)",
-                self.opts.logit_rows(),
-                self.opts.verify_rows
-            )));
-        }
+        check_steps(steps, &self.opts, self.cfg.vocab)?;
         self.spans.clear();
         self.positions.clear();
         self.ids.clear();
+        self.tree.clear();
+        let trees = steps.iter().any(|s| !s.parents.is_empty());
         // Decode rows first (single tokens and verified spans), then prefill chunks, each
         // group in step order.
         let decodes = |s: &SeqStep| s.tokens.len() == 1 || s.verify;
@@ -413,8 +349,7 @@ impl<B: Backend> Decoder<B> {
                 pos: s.pos,
                 slot: s.slot,
             });
-            self.positions
-                .extend((s.pos..s.pos + s.tokens.len()).map(|p| p as u32));
+            self.tree.push(s, trees, &mut self.positions);
             self.ids.extend_from_slice(&s.tokens);
             row += s.tokens.len();
         }
@@ -538,7 +473,10 @@ impl<B: Backend> Decoder<B> {
             spans: &self.spans,
             shape: self.shape,
             cache: l.cache,
+            ancestors: &self.tree.ancestors,
         };
+        let caches = (&mut self.cache_k, &mut self.cache_v);
+        self.tree.move_kv(b, caches, &step);
         b.kv_store(&ws.k, &ws.v, &mut self.cache_k, &mut self.cache_v, &step);
         b.attention(
             &ws.q,

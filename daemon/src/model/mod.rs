@@ -8,5 +8,5 @@ pub mod rope;
 
 pub use crate::backend::KvDtype;
 pub use crate::store::arch::{Activation, Arch, ArchConfig, ArchExt, Recipe, RopeScaling};
-pub use decoder::{Decoder, ModelError, ModelOptions, SeqStep};
+pub use decoder::{Decoder, ModelError, ModelOptions, SeqStep, TREE_ROOT};
 pub use rope::{inv_freq, rope_table};

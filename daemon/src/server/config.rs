@@ -91,6 +91,8 @@ pub struct ServeConfig {
     pub draft_max: usize,
     /// Verify every proposal whole instead of the rows measured pass times pay for.
     pub draft_fixed: bool,
+    /// Branches a drafted token tree may have besides its main chain (0: chains).
+    pub draft_branches: usize,
 }
 
 impl Default for ServeConfig {
@@ -131,6 +133,7 @@ impl Default for ServeConfig {
             draft: None,
             draft_max: crate::engine::draft::DRAFT_MAX_DEFAULT,
             draft_fixed: false,
+            draft_branches: 0,
         }
     }
 }
@@ -138,24 +141,29 @@ impl Default for ServeConfig {
 impl ServeConfig {
     /// Speculative decoding's settings (None: off).
     pub fn draft_config(&self) -> Option<crate::engine::draft::DraftConfig> {
-        use crate::engine::draft::DraftKind;
-        self.draft
-            .as_deref()
-            .map(|d| crate::engine::draft::DraftConfig {
-                kind: DraftKind::of(d),
-                max: self.draft_max,
-                fixed: self.draft_fixed,
-            })
+        self.draft_config_for(self.draft.as_deref())
     }
 
-    /// Drafted tokens one pass may verify over the batch: each sequence's `draft_max`,
-    /// within the pass's token budget (0 without drafting).
-    pub fn verify_rows(&self) -> usize {
-        match self.draft {
-            None => 0,
-            Some(_) => (self.max_batch * self.draft_max)
-                .min(self.batch_tokens.saturating_sub(self.max_batch)),
-        }
+    /// Speculative decoding's settings with the drafter `draft` (None: off).
+    pub fn draft_config_for(
+        &self,
+        draft: Option<&str>,
+    ) -> Option<crate::engine::draft::DraftConfig> {
+        use crate::engine::draft::DraftKind;
+        draft.map(|d| crate::engine::draft::DraftConfig {
+            kind: DraftKind::of(d),
+            max: self.draft_max,
+            fixed: self.draft_fixed,
+            branches: self.draft_branches,
+        })
+    }
+
+    /// Drafted tokens one pass may verify over the batch with `draft`: each sequence's
+    /// tree, within the pass's token budget (0 without drafting).
+    pub fn verify_rows(&self, draft: Option<&crate::engine::draft::DraftConfig>) -> usize {
+        draft.map_or(0, |d| {
+            (self.max_batch * d.rows()).min(self.batch_tokens.saturating_sub(self.max_batch))
+        })
     }
     /// `read_timeout` parsed: None for "off" (or 0).
     pub fn read_timeout(&self) -> Result<Option<std::time::Duration>, String> {

@@ -200,6 +200,20 @@ fn speculative(out: &mut String, s: &crate::engine::draft::SpecStats) {
         s.accepted_tokens,
     );
     tokens_per_step(out, &s.tokens_per_step);
+    scalar(
+        out,
+        "sluice_draft_passes_total",
+        "Passes of the draft model (speculative decoding with --draft STORE).",
+        "counter",
+        s.draft_passes,
+    );
+    scalar(
+        out,
+        "sluice_draft_seconds_total",
+        "Wall time of the draft model's passes.",
+        "counter",
+        s.draft_seconds,
+    );
 }
 
 /// The histogram of tokens a sequence's decode step yielded (more than one where drafts

@@ -346,7 +346,11 @@ impl Inference for Service {
                     tokens: t.clone(),
                 })
                 .collect(),
-            speculative: Some(speculative_of(&served.front, &s.speculative)),
+            speculative: Some(speculative_of(
+                &served.front,
+                &s.speculative,
+                s.totals.pass_time_s,
+            )),
             expert_streaming: Some(expert_streaming_of(&s.totals, p)),
         }))
     }
@@ -374,12 +378,19 @@ impl Inference for Service {
 }
 
 /// Status's speculative decoding: the model's drafter and the counts since it loaded.
-fn speculative_of(front: &Frontend, s: &crate::engine::draft::SpecStats) -> pb::Speculative {
+fn speculative_of(
+    front: &Frontend,
+    s: &crate::engine::draft::SpecStats,
+    pass_seconds: f64,
+) -> pb::Speculative {
     pb::Speculative {
         drafter: front.draft.map_or(String::new(), |d| d.kind.to_string()),
         drafted_tokens: s.drafted_tokens,
         accepted_tokens: s.accepted_tokens,
         tokens_per_step: s.tokens_per_step.to_vec(),
+        draft_passes: s.draft_passes,
+        draft_seconds: s.draft_seconds,
+        pass_seconds,
     }
 }
 

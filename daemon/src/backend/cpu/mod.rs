@@ -623,6 +623,33 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn kv_move(
+        &self,
+        cache_k: &mut CpuMem,
+        cache_v: &mut CpuMem,
+        step: &AttnStep<'_>,
+        slot: usize,
+        moves: &[(u32, u32)],
+    ) {
+        let (shape, cache) = (step.shape, step.cache);
+        let width = shape.kv_heads * shape.head_dim;
+        for &(from, to) in moves {
+            let (from, to) = (from as usize, to as usize);
+            assert!(
+                from.max(to) < shape.max_context && slot < shape.slots,
+                "KV move {from} -> {to} of slot {slot} outside the cache of layer {}",
+                step.layer
+            );
+            let (src, dst) = (cache.at(&shape, slot, from), cache.at(&shape, slot, to));
+            for mem in [&mut *cache_k, &mut *cache_v] {
+                match shape.kv {
+                    KvDtype::F32 => mem.f32s_mut().copy_within(src..src + width, dst),
+                    KvDtype::F16 => mem.u16s_mut().copy_within(src..src + width, dst),
+                }
+            }
+        }
+    }
+
     fn attention(
         &self,
         q: &CpuMem,

@@ -340,6 +340,7 @@ fn attention_over_the_cache(kv: KvDtype) {
         spans: &spans,
         shape,
         cache,
+        ancestors: &[],
     };
     b.kv_store(&km, &vm, &mut ck, &mut cv, &step);
     // Without and with attention sinks (gpt-oss: a logit per head in each softmax).
@@ -458,6 +459,7 @@ fn f32_attention_by_kv_head_is_the_bits_of_a_head_at_a_time() {
             spans,
             shape,
             cache,
+            ancestors: &[],
         };
         for sink in [None, Some(&sinks)] {
             let w = sink.map(|_| WeightRef {
@@ -559,6 +561,7 @@ fn sliding_window_ring(kv: KvDtype) {
             spans: &spans,
             shape,
             cache,
+            ancestors: &[],
         };
         let (qm, km, vm) = (mem_f32(&b, &q), mem_f32(&b, &k), mem_f32(&b, &v));
         let mut out = b.alloc(n * 16 * 4, "out").unwrap();
@@ -775,6 +778,7 @@ fn a_long_row_is_the_same_bits_split_in_chunks_alone_in_a_batch_or_in_a_prefill(
             spans,
             shape,
             cache,
+            ancestors: &[],
         };
         let rows: usize = spans.iter().map(|s| s.n).sum();
         let mut out = b.alloc(rows * wq * 4, "out").unwrap();

@@ -241,17 +241,13 @@ pub fn run(ordinal: usize, reps: usize) -> Result<KernelBench, BackendError> {
     let mut o = b.alloc(q_bytes as usize, "attention output")?;
     let mut attention = Vec::new();
     for &ctx in ATTENTION_CONTEXTS {
-        let spans = [SeqSpan {
-            row: 0,
-            n: 1,
-            pos: ctx - 1,
-            slot: 0,
-        }];
+        let spans = [decode_row(ctx - 1)];
         let step = AttnStep {
             layer: 0,
             spans: &spans,
             shape: attn,
             cache,
+            ancestors: &[],
         };
         let s = b.time_compute(reps, || {
             b.attention(&q, &ck, &cv, &step, None, &mut o);
@@ -435,5 +431,15 @@ impl CudaBackend {
         self.check()?;
         times.sort_by(|a, b| a.total_cmp(b));
         Ok(times[times.len() / 2])
+    }
+}
+
+/// One decode row at position `pos` of slot 0.
+fn decode_row(pos: usize) -> SeqSpan {
+    SeqSpan {
+        row: 0,
+        n: 1,
+        pos,
+        slot: 0,
     }
 }

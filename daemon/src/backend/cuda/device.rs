@@ -14,7 +14,9 @@
 use super::arena::Arena;
 use super::handles::{carve, dev_err, Blas, CudaMem, CudaPinner, DeviceAlloc, PinnedHost};
 use super::kernels::{Dims, Kernel, KernelTable};
-use super::meta::{group_slot_bytes, GroupHost, Meta, MetaKind, SpanMeta, GROUP_META_SLOTS};
+use super::meta::{
+    group_slot_bytes, GroupHost, Meta, MetaKind, SpanMeta, GROUP_META_SLOTS, ROW_META,
+};
 use super::probe::{check_driver, driver_present, info_of};
 use super::DeviceInfo;
 use crate::backend::experts::experts_each;
@@ -23,7 +25,6 @@ use crate::backend::{
     AttnStep, Backend, BackendError, CopyStats, ExpertCall, ExpertScratch, ExpertShape, MemBudget,
     RouteGating, ScratchShape, WeightRef,
 };
-use crate::dtype::DType;
 use crate::hostbuf::Pinner;
 use cudarc::cublas::{result as blas, sys as bsys};
 use cudarc::driver::{result, sys, CudaContext, CudaStream};
@@ -32,7 +33,7 @@ use std::sync::{Arc, Mutex};
 
 /// Threads of an attention block (ATT_WARPS warps in kernels/attention.cu) and the widest
 /// head it takes (ATT_HD).
-const ATTENTION_THREADS: u32 = 256;
+pub(super) const ATTENTION_THREADS: u32 = 256;
 pub const ATTENTION_HEAD_DIM_MAX: usize = 256;
 /// Positions one attention block takes: a row seeing n positions is spread over
 /// ceil(n / ATTENTION_SPLIT) blocks per KV head, so one decode row at a long context still
@@ -118,10 +119,10 @@ impl Layout {
         let (h, q, i, v) = (shape.hidden, shape.q_dim, shape.intermediate, shape.vocab);
         let kmax = h.max(q).max(i);
         let widest = v.max(i).max(q).max(h);
-        // ids u32, positions u32, KV destinations u64, cache bases u64 per row; then the
-        // expert metadata ring: a row list (u32) and weights (f32) per slot; then the
-        // grouped-expert slots; then the routing's output.
-        let ring = rows * 24 + EXPERT_META_SLOTS as u64 * rows * 8;
+        // ids u32, positions u32, KV destinations u64, cache bases u64, tree ancestors u64
+        // per row; then the expert metadata ring: a row list (u32) and weights (f32) per
+        // slot; then the grouped-expert slots; then the routing's output.
+        let ring = rows * ROW_META + EXPERT_META_SLOTS as u64 * rows * 8;
         let group_off = ring.div_ceil(8) * 8;
         let route_off = group_off + (GROUP_META_SLOTS * group_slot_bytes(rows as usize)) as u64;
         let route_bytes = rows * shape.top_k * 8;
@@ -249,7 +250,7 @@ impl CudaBackend {
             ctx.new_event(Some(sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))
                 .map_err(dev_err(&dev, "event"))
         };
-        let copied = [ev()?, ev()?, ev()?, ev()?];
+        let copied = [ev()?, ev()?, ev()?, ev()?, ev()?];
         let expert_copied = (0..EXPERT_META_SLOTS)
             .map(|_| ev())
             .collect::<Result<Vec<_>, _>>()?;
@@ -287,22 +288,12 @@ impl CudaBackend {
             attn_part,
             attn_splits: Mutex::new(Vec::with_capacity(rows)),
             _blas_ws: blas_ws,
-            meta: Mutex::new(Meta {
-                host,
-                held: std::array::from_fn(|_| Vec::with_capacity(rows * 8)),
-                valid: [false; 4],
+            meta: Mutex::new(Meta::new(
+                (host, meta_dev_ptr, rows),
                 copied,
-                pos: Vec::with_capacity(rows),
-                kv: Vec::with_capacity(rows),
-                base: Vec::with_capacity(rows),
-                dev: meta_dev_ptr,
-                rows,
-                expert_copied,
-                expert_next: 0,
-                group_copied,
-                group_next: 0,
+                (expert_copied, group_copied),
                 group_off,
-            }),
+            )),
             group: Mutex::new(GroupHost::default()),
             err: Mutex::new(None),
             copies: Mutex::new(CopyStats::default()),
@@ -327,7 +318,7 @@ impl CudaBackend {
         m.expert_rows(&self.compute, rows, weights)
     }
 
-    fn spans_meta(&self, step: &AttnStep<'_>) -> Result<SpanMeta, String> {
+    pub(super) fn spans_meta(&self, step: &AttnStep<'_>) -> Result<SpanMeta, String> {
         let mut m = self.meta.lock().map_err(|_| "metadata lock poisoned")?;
         m.spans(&self.compute, step)
     }
@@ -725,6 +716,18 @@ impl Backend for CudaBackend {
         self.record("kv_store", r);
     }
 
+    fn kv_move(
+        &self,
+        cache_k: &mut CudaMem,
+        cache_v: &mut CudaMem,
+        step: &AttnStep<'_>,
+        slot: usize,
+        moves: &[(u32, u32)],
+    ) {
+        let r = self.move_kv((cache_k, cache_v), step, slot, moves);
+        self.record("kv_move", r);
+    }
+
     fn attention(
         &self,
         q: &CudaMem,
@@ -734,129 +737,7 @@ impl Backend for CudaBackend {
         sinks: Option<WeightRef<'_, CudaMem>>,
         out: &mut CudaMem,
     ) {
-        let r = (|| -> Result<(), String> {
-            let sh = step.shape;
-            // One f32 per query head, or null.
-            let sinks = match sinks {
-                None => 0,
-                Some(w) if w.dtype == DType::F32 && w.rows * w.cols == sh.heads => {
-                    if w.offset + sh.heads * 4 > w.mem.len {
-                        return Err("attention sinks outside their allocation".into());
-                    }
-                    w.mem.ptr + w.offset as u64
-                }
-                Some(w) => {
-                    return Err(format!(
-                        "attention sinks are {} x {} {}; the kernel takes {} f32",
-                        w.rows, w.cols, w.dtype, sh.heads
-                    ))
-                }
-            };
-            let kvb = sh.kv.bytes() as u64;
-            let end = (step.cache.base + step.cache.elems(&sh)) as u64 * kvb;
-            if end > cache_k.len as u64 || cache_v.len != cache_k.len {
-                return Err(format!("layer {} outside the KV cache", step.layer));
-            }
-            if sh.head_dim > ATTENTION_HEAD_DIM_MAX
-                || sh.kv_heads == 0
-                || !sh.heads.is_multiple_of(sh.kv_heads)
-            {
-                return Err(format!(
-                    "{} query heads over {} KV heads of {} dims: the attention kernel takes whole groups of heads of at most {ATTENTION_HEAD_DIM_MAX} dims",
-                    sh.heads, sh.kv_heads, sh.head_dim
-                ));
-            }
-            let rows: usize = step.spans.iter().map(|s| s.n).sum();
-            let wq = sh.heads * sh.head_dim;
-            if q.len < rows * wq * 4 || out.len < rows * wq * 4 {
-                return Err("shapes".into());
-            }
-            self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-            let SpanMeta { pos, base, .. } = self.spans_meta(step)?;
-            let off = step.cache.base as u64 * kvb;
-            let (ck, cv) = (cache_k.ptr + off, cache_v.ptr + off);
-            let (heads, kvh, hd) = (sh.heads as i32, sh.kv_heads as i32, sh.head_dim as i32);
-            let (cap, win) = (
-                step.cache.cap as i32,
-                step.cache.window.map_or(0, |w| w as i32),
-            );
-            // Each row's splits of ATTENTION_SPLIT positions (by row: spans name their
-            // rows); rows go in launches whose partials fit the scratch (s_max records
-            // per row, for every head). The list is kept: steps allocate nothing.
-            let mut splits = self
-                .attn_splits
-                .lock()
-                .map_err(|_| "attention lock poisoned")?;
-            splits.clear();
-            splits.resize(rows, 1);
-            for sp in step.spans {
-                for t in 0..sp.n {
-                    let p = sp.pos + t;
-                    let seen = p + 1 - step.cache.first_visible(p);
-                    splits[sp.row + t] = seen.div_ceil(ATTENTION_SPLIT);
-                }
-            }
-            let record = (sh.heads * (sh.head_dim + 2) * 4) as u64;
-            attention_launches(
-                &splits,
-                record,
-                self.attn_part.len as u64,
-                |r0, r1, s_max| {
-                    let n = (r1 - r0) as u32;
-                    let part_dims = Dims {
-                        grid: (n, sh.kv_heads as u32, s_max as u32),
-                        block: ATTENTION_THREADS,
-                        smem: 0,
-                    };
-                    let qr = q.ptr + (r0 * wq * 4) as u64;
-                    let (pr, br) = (pos + (r0 * 4) as u64, base + (r0 * 8) as u64);
-                    let part = self.attn_part.ptr;
-                    let (split, sm) = (ATTENTION_SPLIT as i32, s_max as i32);
-                    let kernel = match sh.kv {
-                        KvDtype::F32 => Kernel::AttentionPartF32,
-                        KvDtype::F16 => Kernel::AttentionPartF16,
-                    };
-                    self.kernels.attention_part(
-                        &self.compute,
-                        kernel,
-                        part_dims,
-                        qr,
-                        ck,
-                        cv,
-                        part,
-                        pr,
-                        br,
-                        heads,
-                        kvh,
-                        hd,
-                        sh.scale,
-                        cap,
-                        win,
-                        split,
-                        sm,
-                    )?;
-                    let combine_dims = Dims {
-                        grid: (n, sh.heads as u32, 1),
-                        block: 128,
-                        smem: 0,
-                    };
-                    self.kernels.attention_combine(
-                        &self.compute,
-                        Kernel::AttentionCombineF32,
-                        combine_dims,
-                        part,
-                        out.ptr + (r0 * wq * 4) as u64,
-                        pr,
-                        heads,
-                        hd,
-                        win,
-                        split,
-                        sm,
-                        sinks,
-                    )
-                },
-            )
-        })();
+        let r = self.attend(q, (cache_k, cache_v), step, sinks, out);
         self.record("attention", r);
     }
 

@@ -241,6 +241,7 @@ kernels! {
         part: u64 = "float*",
         pos: u64 = "const u32*",
         base: u64 = "const unsigned long long*",
+        anc: u64 = "const unsigned long long*",
         heads: i32 = "int",
         kv_heads: i32 = "int",
         head_dim: i32 = "int",

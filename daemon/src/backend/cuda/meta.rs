@@ -10,14 +10,15 @@ use cudarc::driver::{result, CudaEvent, CudaStream};
 pub(super) struct Meta {
     pub(super) host: PinnedHost,
     /// Per kind: the bytes the device holds, when `valid`.
-    pub(super) held: [Vec<u8>; 4],
-    pub(super) valid: [bool; 4],
+    pub(super) held: [Vec<u8>; 5],
+    pub(super) valid: [bool; 5],
     /// Per kind: recorded after the last copy out of its part of `host`.
-    pub(super) copied: [CudaEvent; 4],
+    pub(super) copied: [CudaEvent; 5],
     /// Scratch for the per-row metadata of a step's spans.
     pub(super) pos: Vec<u32>,
     pub(super) kv: Vec<u64>,
     pub(super) base: Vec<u64>,
+    pub(super) anc: Vec<u64>,
     /// Device address of the metadata allocation, and the rows it holds per kind.
     pub(super) dev: u64,
     pub(super) rows: usize,
@@ -98,6 +99,9 @@ pub(super) struct SpanMeta {
     pub(super) kv_dst: u64,
     /// u64 element offset of each row's slot in the layer's KV cache.
     pub(super) base: u64,
+    /// u64 per row: its ancestors in its token tree, itself included (0: a causal row;
+    /// `AttnStep::ancestors`).
+    pub(super) anc: u64,
 }
 // SAFETY: `host` is a pinned allocation owned by the backend, used under its mutex.
 unsafe impl Send for Meta {}
@@ -108,9 +112,40 @@ pub(super) enum MetaKind {
     Pos,
     Kv,
     Base,
+    Anc,
 }
 
+/// Bytes of per-row metadata (`MetaKind`'s arrays), before the expert ring.
+pub(super) const ROW_META: u64 = 32;
+
 impl Meta {
+    /// Metadata for steps of up to `rows` rows, in `host` (pinned) and at `dev`, with the
+    /// events of its per-row kinds and of its expert and grouped-expert slots.
+    pub(super) fn new(
+        (host, dev, rows): (PinnedHost, u64, usize),
+        copied: [CudaEvent; 5],
+        (expert_copied, group_copied): (Vec<CudaEvent>, Vec<CudaEvent>),
+        group_off: usize,
+    ) -> Meta {
+        Meta {
+            host,
+            held: std::array::from_fn(|_| Vec::with_capacity(rows * 8)),
+            valid: [false; 5],
+            copied,
+            pos: Vec::with_capacity(rows),
+            kv: Vec::with_capacity(rows),
+            base: Vec::with_capacity(rows),
+            anc: Vec::with_capacity(rows),
+            dev,
+            rows,
+            expert_copied,
+            expert_next: 0,
+            group_copied,
+            group_next: 0,
+            group_off,
+        }
+    }
+
     /// Uploads one metadata array on `stream` when it differs from what the device holds;
     /// returns its device address. Allocates nothing: the held copies have room for
     /// `rows` rows from the start.
@@ -133,6 +168,7 @@ impl Meta {
             MetaKind::Pos => (rows * 4, 4),
             MetaKind::Kv => (rows * 8, 8),
             MetaKind::Base => (rows * 16, 8),
+            MetaKind::Anc => (rows * 24, 8),
         };
         if std::mem::size_of::<T>() != size {
             return Err(format!(
@@ -154,7 +190,8 @@ impl Meta {
         m.copied[kind as usize]
             .synchronize()
             .map_err(|e| e.to_string())?;
-        // SAFETY: host holds rows * 24 bytes; off + bytes.len() <= rows * 24 by the check.
+        // SAFETY: host holds rows * ROW_META bytes; off + bytes.len() <= rows * ROW_META by
+        // the check.
         let host = unsafe {
             std::slice::from_raw_parts_mut((m.host.ptr as *mut u8).add(off), bytes.len())
         };
@@ -194,9 +231,9 @@ impl Meta {
         m.expert_next = m.expert_next.wrapping_add(1);
         let ev = m.expert_copied.get(slot).ok_or("no expert metadata ring")?;
         ev.synchronize().map_err(|e| e.to_string())?;
-        let off = m.rows * 24 + slot * m.rows * 8;
+        let off = m.rows * ROW_META as usize + slot * m.rows * 8;
         let n = rows.len() * 4;
-        // SAFETY: the pinned buffer holds rows * (24 + 8 x slots) bytes; this slot's two
+        // SAFETY: the pinned buffer holds rows * (ROW_META + 8 x slots) bytes; this slot's two
         // arrays of `rows.len()` <= m.rows entries lie inside it, and no copy reads them
         // (its event has completed).
         let host =
@@ -314,10 +351,11 @@ impl Meta {
         let width = (sh.kv_heads * sh.head_dim) as u64;
         let rows: usize = step.spans.iter().map(|s| s.n).sum();
         let m = self;
-        let (mut pos, mut kv, mut base) = (
+        let (mut pos, mut kv, mut base, mut anc) = (
             std::mem::take(&mut m.pos),
             std::mem::take(&mut m.kv),
             std::mem::take(&mut m.base),
+            std::mem::take(&mut m.anc),
         );
         pos.clear();
         pos.resize(rows, 0);
@@ -325,11 +363,14 @@ impl Meta {
         kv.resize(rows, 0);
         base.clear();
         base.resize(rows, 0);
+        anc.clear();
+        anc.resize(rows, 0);
         for sp in step.spans {
             check_span(sp, step, rows)?;
             for t in 0..sp.n {
                 let r = sp.row + t;
-                pos[r] = (sp.pos + t) as u32;
+                pos[r] = step.row_keys(sp, t).pos as u32;
+                anc[r] = step.ancestors.get(r).copied().unwrap_or(0);
                 // Offsets inside the layer's part of the cache (the caller adds its base).
                 kv[r] = (step.cache.at(&sh, sp.slot, sp.pos + t) - step.cache.base) as u64;
                 base[r] = (sp.slot * step.cache.cap) as u64 * width;
@@ -339,8 +380,9 @@ impl Meta {
             pos: m.upload(stream, MetaKind::Pos, &pos)?,
             kv_dst: m.upload(stream, MetaKind::Kv, &kv)?,
             base: m.upload(stream, MetaKind::Base, &base)?,
+            anc: m.upload(stream, MetaKind::Anc, &anc)?,
         };
-        (m.pos, m.kv, m.base) = (pos, kv, base);
+        (m.pos, m.kv, m.base, m.anc) = (pos, kv, base, anc);
         Ok(out)
     }
 }
@@ -349,6 +391,15 @@ fn check_span(sp: &SeqSpan, step: &AttnStep<'_>, rows: usize) -> Result<(), Stri
     let sh = &step.shape;
     if !step.cache.fits(sh, sp.pos, sp.n) || sp.slot >= sh.slots || sp.row + sp.n > rows {
         return Err(format!("span {sp:?} outside the KV cache"));
+    }
+    // A tree row's ancestors are rows of its own span, the row itself the last of them.
+    for t in 0..sp.n {
+        let a = step.ancestors.get(sp.row + t).copied().unwrap_or(0);
+        if a != 0 && (sp.n > 64 || 63 - a.leading_zeros() as usize != t) {
+            return Err(format!(
+                "span {sp:?}: row {t}'s tree ancestors {a:#x} are not its own"
+            ));
+        }
     }
     Ok(())
 }

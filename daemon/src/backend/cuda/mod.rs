@@ -6,6 +6,7 @@
 //! `--backend auto` falls back to the CPU with the reason.
 
 pub mod arena;
+mod attend;
 pub mod bench;
 pub mod device;
 mod handles;

@@ -152,6 +152,12 @@ pub struct RunArgs {
     /// pass times pay for: for experiments.
     #[arg(long)]
     draft_fixed: bool,
+    /// Draft token trees: besides its main chain, up to N other continuations per
+    /// sequence (ngram: other earlier occurrences of the text's end; a draft model: its
+    /// runner-up tokens where they are close), all verified in the same pass (default 0:
+    /// chains).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    draft_branches: usize,
 }
 
 impl RunArgs {
@@ -164,6 +170,7 @@ impl RunArgs {
                 kind: DraftKind::of(d),
                 max: self.draft_max,
                 fixed: self.draft_fixed,
+                branches: self.draft_branches,
             })
     }
 }
@@ -190,11 +197,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         .unwrap_or((m.arch.max_context as usize).min(4096));
     let parallel = a.parallel as usize;
     // Each sequence's drafts, verified a pass.
-    let verify_rows = if a.draft.is_some() {
-        parallel * a.draft_max
-    } else {
-        0
-    };
+    let verify_rows = a.draft().map_or(0, |d| parallel * d.rows());
     let opts = sluice::model::ModelOptions {
         max_context,
         kv_slots: parallel,

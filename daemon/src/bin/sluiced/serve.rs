@@ -156,6 +156,10 @@ pub struct ServeArgs {
     /// pass times pay for: for experiments.
     #[arg(long)]
     pub draft_fixed: bool,
+    /// Draft token trees: up to N other continuations per sequence besides its main chain,
+    /// verified in the same pass (default 0: chains).
+    #[arg(long, value_name = "N")]
+    pub draft_branches: Option<usize>,
 }
 
 fn parse_byte_size(s: &str) -> Result<ByteSize, String> {
@@ -184,7 +188,8 @@ impl ServeArgs {
             host_cache,
             backend,
             device,
-            draft_max
+            draft_max,
+            draft_branches
         );
         if self.draft.is_some() {
             c.draft = self.draft;
@@ -321,8 +326,10 @@ impl ModelLoader {
         m: &sluice::store::Manifest,
         device_room: Option<u64>,
         profile_hot: Option<usize>,
+        draft: Option<&sluice::engine::draft::DraftConfig>,
     ) -> sluice::plan::PlanInput {
         let cfg = &self.cfg;
+        let verify_rows = cfg.verify_rows(draft);
         sluice::plan::PlanInput {
             device_budget: device_room,
             host_cache_budget: cfg.host_cache.0,
@@ -332,7 +339,7 @@ impl ModelLoader {
                 max_batch_tokens: cfg.batch_tokens,
                 kv_dtype: sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype),
                 exact: cfg.exact,
-                verify_rows: cfg.verify_rows(),
+                verify_rows,
             },
             prefetch: cfg.prefetch,
             expert_cache: cfg.expert_cache,
@@ -342,24 +349,31 @@ impl ModelLoader {
             // allocation.
             host: sluice::engine::host_input(
                 cfg.host_memory.map(|b| b.0),
-                4 * m.arch.vocab as u64 * (cfg.max_batch + cfg.verify_rows()) as u64,
+                4 * m.arch.vocab as u64 * (cfg.max_batch + verify_rows) as u64,
             ),
         }
     }
 
-    /// The drafting a model serves with, and the draft model's store where that is a model:
-    /// `--draft`'s store when its vocabulary is the model's, else no drafting (logged).
+    /// The drafting the model in `dir` serves with, and the draft model's store where that
+    /// is a model: the store directory's `draft` file, else `--draft`; a draft model only
+    /// when its vocabulary is the model's, else no drafting (logged).
     fn draft_for(
         &self,
         name: &str,
+        dir: &Path,
         tok: &Tokenizer,
     ) -> Result<(
         Option<sluice::engine::draft::DraftConfig>,
         Option<Arc<Store>>,
     )> {
         let cfg = &self.cfg;
-        let Some(d) = cfg.draft.as_deref().filter(|d| *d != "ngram") else {
-            return Ok((cfg.draft_config(), None));
+        let chosen = match crate::util::draft_sidecar(dir)? {
+            Some(d) => d,
+            None => cfg.draft.clone(),
+        };
+        let config = cfg.draft_config_for(chosen.as_deref());
+        let Some(d) = chosen.as_deref().filter(|d| *d != "ngram") else {
+            return Ok((config, None));
         };
         let dir = sluice::util::store_path(Path::new(d), cfg.models_dir.as_deref());
         let mut store = Store::open(&dir).with_context(|| format!("draft {d}"))?;
@@ -372,7 +386,7 @@ impl ModelLoader {
             );
             return Ok((None, None));
         }
-        Ok((cfg.draft_config(), Some(Arc::new(store))))
+        Ok((config, Some(Arc::new(store))))
     }
 
     /// Loads the store at `dir` as `name`, with the expert profile at `profile` and the chat
@@ -427,11 +441,11 @@ impl ModelLoader {
         let hot = profile
             .as_ref()
             .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));
-        let (draft, draft_store) = self.draft_for(name, &tokenizer)?;
+        let (draft, draft_store) = self.draft_for(name, dir, &tokenizer)?;
         let start = StartScheduler {
             store: store.clone(),
             draft: draft_store,
-            input: self.input(m, device_room, hot),
+            input: self.input(m, device_room, hot, draft.as_ref()),
             profile,
             tokenizer,
             cfg: SchedulerConfig {
@@ -471,12 +485,32 @@ impl ModelLoader {
 }
 
 impl Loader for ModelLoader {
+    /// The model's plan as `load` makes it: beside its draft model where it has one (the
+    /// draft planned first and whole, its bytes out of the model's budgets).
     fn plan(&self, dir: &Path, device_room: Option<u64>) -> Result<Plan, String> {
         let store = Store::open(dir).map_err(|e| e.to_string())?;
         let m = store.manifest();
         let io = self.io();
-        sluice::engine::plan_for(&self.chosen, m, &self.input(m, device_room, None), &io)
-            .map_err(|e| e.to_string())
+        let tok = Tokenizer::from_manifest(m).map_err(|e| e.to_string())?;
+        let name = dir.display().to_string();
+        let (draft, draft_store) = self
+            .draft_for(&name, dir, &tok)
+            .map_err(|e| format!("{e:#}"))?;
+        let mut input = self.input(m, device_room, None, draft.as_ref());
+        if let Some(ds) = draft_store {
+            let di = sluice::engine::draft_model::draft_input(&input);
+            let dp = sluice::engine::plan_for(&self.chosen, ds.manifest(), &di, &io)
+                .map_err(|e| format!("its draft: {e}"))?;
+            if dp.layers_streamed() > 0 {
+                return Err(format!(
+                    "its draft {} would stream {} of its units",
+                    ds.dir().display(),
+                    dp.layers_streamed()
+                ));
+            }
+            sluice::engine::draft_model::leave_room(&mut input, &dp);
+        }
+        sluice::engine::plan_for(&self.chosen, m, &input, &io).map_err(|e| e.to_string())
     }
 
     fn load(&self, name: &str, dir: &Path, device_room: Option<u64>) -> Result<Served, String> {

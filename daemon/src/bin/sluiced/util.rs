@@ -52,6 +52,31 @@ pub fn chat_template_sidecar(dir: &std::path::Path) -> anyhow::Result<Option<Str
     read_chat_template(&path).map(Some)
 }
 
+/// A store directory's drafting for `serve`, where it differs from the daemon's `draft`: a
+/// file of one line, `ngram`, `off`, or a draft model's store (a directory, or a name in the
+/// models directory).
+pub const DRAFT_SIDECAR: &str = "draft";
+
+/// The drafting the `draft` file in `dir` names: None without the file, Some(None) for
+/// `off`.
+pub fn draft_sidecar(dir: &std::path::Path) -> anyhow::Result<Option<Option<String>>> {
+    use anyhow::Context;
+    let path = dir.join(DRAFT_SIDECAR);
+    if !path.is_file() {
+        return Ok(None);
+    }
+    let text =
+        std::fs::read_to_string(&path).with_context(|| format!("reading {}", path.display()))?;
+    let d = text.trim();
+    if d.is_empty() || d.lines().count() > 1 {
+        anyhow::bail!(
+            "{}: want one line: `ngram`, `off`, or a draft model's store (a directory or a name in the models directory)",
+            path.display()
+        );
+    }
+    Ok(Some((d != "off").then(|| d.to_string())))
+}
+
 pub fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
     let pb = indicatif::ProgressBar::new(total);
     let style = indicatif::ProgressStyle::with_template(

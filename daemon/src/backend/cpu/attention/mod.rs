@@ -139,9 +139,10 @@ impl CpuBackend {
                     sc.reserve(max_context.saturating_sub(len));
                     for t in 0..sp.n {
                         // Attends to positions lo..=p (all of them, or its window).
-                        let p = sp.pos + t;
+                        let rk = step.row_keys(&sp, t);
+                        let p = rk.pos;
                         let lo = cache.first_visible(p);
-                        let kv_row = |j: usize| cache.at(&shape, sp.slot, j) + g * head_dim;
+                        let kv_row = |j: usize| cache.at(&shape, sp.slot, rk.key(j)) + g * head_dim;
                         let qrow = &qs[(sp.row + t) * width_q + h * head_dim..][..head_dim];
                         sc.resize(p + 1 - lo, 0.0);
                         kv.scores(qrow, lo, kv_row, &mut sc);
@@ -204,7 +205,7 @@ impl CpuBackend {
                     if c != ALL {
                         // SAFETY: this task's own block of the partials.
                         let out = unsafe { pptr.slice(at, block) };
-                        chunk_keys(&mut keys, step, sp.slot, sp.pos, g, c);
+                        chunk_keys(&mut keys, step, &sp, 0, g, c);
                         let qg = &qs[sp.row * width_q + g * group * hd..][..group * hd];
                         kernels::group_scores_f32(qg, hd, ks, &keys, out, ATTN_CHUNK);
                         return;
@@ -212,15 +213,14 @@ impl CpuBackend {
                     SCORES.with(|sc| {
                         let mut sc = sc.borrow_mut();
                         for t in 0..sp.n {
-                            let p = sp.pos + t;
-                            let len = visible(p);
+                            let len = visible(step.row_keys(&sp, t).pos);
                             let row = (sp.row + t) * width_q;
                             let n_chunks = len.div_ceil(ATTN_CHUNK);
                             for (h0, gh) in head_subgroups(g, group) {
                                 let qg = &qs[row + h0 * hd..][..gh * hd];
                                 sc.resize(gh * len, 0.0);
                                 for c in 0..n_chunks {
-                                    chunk_keys(&mut keys, step, sp.slot, p, g, c);
+                                    chunk_keys(&mut keys, step, &sp, t, g, c);
                                     let out = &mut sc[c * ATTN_CHUNK..];
                                     kernels::group_scores_f32(qg, hd, ks, &keys, out, len);
                                 }
@@ -232,7 +232,7 @@ impl CpuBackend {
                                 let o = unsafe { optr.slice(row + h0 * hd, gh * hd) };
                                 o.fill(0.0);
                                 for c in 0..n_chunks {
-                                    chunk_keys(&mut keys, step, sp.slot, p, g, c);
+                                    chunk_keys(&mut keys, step, &sp, t, g, c);
                                     let w = &sc[c * ATTN_CHUNK..];
                                     kernels::group_pv_f32(w, len, hd, vs, &keys, o);
                                 }
@@ -304,7 +304,7 @@ impl CpuBackend {
                                 part.clear();
                                 part.resize(gh * w, 0.0);
                                 for c in 0..len.div_ceil(ATTN_CHUNK) {
-                                    chunk_keys(&mut keys, step, sp.slot, sp.pos, g, c);
+                                    chunk_keys(&mut keys, step, &sp, 0, g, c);
                                     let p = &sc[c * ATTN_CHUNK..];
                                     kernels::group_pv_f32(p, len, w, &vs[c0..], &keys, &mut part);
                                 }
@@ -373,7 +373,7 @@ impl CpuBackend {
                             if c != ALL {
                                 // SAFETY: this task's own record of the partials.
                                 let out = unsafe { pptr.slice(at, rec) };
-                                chunk_keys(&mut keys, step, sp.slot, sp.pos, g, c);
+                                chunk_keys(&mut keys, step, &sp, 0, g, c);
                                 for (h0, gh) in subgroups(g) {
                                     let qg = &qs[sp.row * width_q + h0 * hd..][..gh * hd];
                                     let r =
@@ -383,7 +383,7 @@ impl CpuBackend {
                                 return;
                             }
                             for t in 0..sp.n {
-                                let p = sp.pos + t;
+                                let p = step.row_keys(&sp, t).pos;
                                 let n_chunks =
                                     (p + 1 - cache.first_visible(p)).div_ceil(ATTN_CHUNK);
                                 let row = (sp.row + t) * width_q;
@@ -391,7 +391,7 @@ impl CpuBackend {
                                     let qg = &qs[row + h0 * hd..][..gh * hd];
                                     let w = gh * (2 + hd);
                                     for c in 0..n_chunks {
-                                        chunk_keys(&mut keys, step, sp.slot, sp.pos + t, g, c);
+                                        chunk_keys(&mut keys, step, &sp, t, g, c);
                                         let r = if c == 0 { &mut acc[..w] } else { &mut cur[..w] };
                                         chunk_partial(qg, hd, (ks, vs), &keys, scale, &mut sc, r);
                                         if c > 0 {
@@ -460,21 +460,22 @@ fn head_subgroups(g: usize, group: usize) -> impl Iterator<Item = (usize, usize)
 /// Keys a chunk of grouped f16 attention (`CpuBackend::attention_grouped`).
 pub(super) const ATTN_CHUNK: usize = 256;
 
-/// The cache offsets of KV head `g`'s keys in chunk `c` (of ATTN_CHUNK) of the keys a
-/// query at position `p` of `slot` sees, into `keys`.
+/// The cache offsets of KV head `g`'s keys in chunk `c` (of ATTN_CHUNK) of the keys row `t`
+/// of span `sp` sees (`AttnStep::row_keys`), into `keys`.
 fn chunk_keys(
     keys: &mut Vec<usize>,
     step: &AttnStep<'_>,
-    slot: usize,
-    p: usize,
+    sp: &SeqSpan,
+    t: usize,
     g: usize,
     c: usize,
 ) {
     let (shape, cache) = (&step.shape, &step.cache);
-    let lo = cache.first_visible(p) + c * ATTN_CHUNK;
-    let hi = (lo + ATTN_CHUNK).min(p + 1);
+    let rk = step.row_keys(sp, t);
+    let lo = cache.first_visible(rk.pos) + c * ATTN_CHUNK;
+    let hi = (lo + ATTN_CHUNK).min(rk.pos + 1);
     keys.clear();
-    keys.extend((lo..hi).map(|j| cache.at(shape, slot, j) + g * shape.head_dim));
+    keys.extend((lo..hi).map(|j| cache.at(shape, sp.slot, rk.key(j)) + g * shape.head_dim));
 }
 
 /// The softmax partial of one chunk of keys for `gh` query heads `qg` (rows of `hd`):
