@@ -304,38 +304,49 @@ const ACCEPTANCE_PRIOR: f64 = 0.5;
 /// (the CPU backend), a pass's wait for loads does not hide compute: a row then costs its
 /// compute on top of the wait (`serial`). Measured on this 2-core machine: taken as free,
 /// drafted rows at batch 8 cost 10-20 % of the tokens/s of plain decoding.
+///
+/// A mixture's rows route to experts, and a row that routes to one no other row needs
+/// makes the pass load it: the wait for loads then grows with the rows. A second line,
+/// the wait against the rows, gives each row that cost too (its slope; zero where loads do
+/// not depend on the rows, as a dense model's), so drafts never make a pass read more
+/// experts than the tokens they yield are worth.
 #[derive(Clone, Debug, Default)]
 pub struct RowBudget {
     /// Compute and loads share the cores: a pass takes their sum, not the longer.
     pub serial: bool,
-    // Decayed sums of the fit: weight, rows, seconds, rows^2, rows x seconds.
+    /// Compute seconds against rows, and the wait for loads against rows.
+    compute: Fit,
+    loads: Fit,
+    /// The last pass's time waiting for loads (its streaming beyond its compute).
+    stall_s: f64,
+}
+
+/// A least-squares line through (rows, seconds) of recent passes, older passes weighing
+/// less: decayed sums of weight, rows, seconds, rows^2 and rows x seconds.
+#[derive(Clone, Copy, Debug, Default)]
+struct Fit {
     w: f64,
     x: f64,
     y: f64,
     xx: f64,
     xy: f64,
-    /// The last pass's time waiting for loads (its streaming beyond its compute).
-    stall_s: f64,
 }
 
 /// How much of the old fit a new pass leaves.
 const FIT_DECAY: f64 = 0.95;
 
-impl RowBudget {
-    /// A pass carried `rows` rows, computed for `compute_s` and waited `stall_s` for loads.
-    pub fn observe(&mut self, rows: usize, compute_s: f64, stall_s: f64) {
-        let (x, y) = (rows as f64, compute_s);
+impl Fit {
+    fn observe(&mut self, x: f64, y: f64) {
         self.w = FIT_DECAY * self.w + 1.0;
         self.x = FIT_DECAY * self.x + x;
         self.y = FIT_DECAY * self.y + y;
         self.xx = FIT_DECAY * self.xx + x * x;
         self.xy = FIT_DECAY * self.xy + x * y;
-        self.stall_s = stall_s;
     }
 
-    /// Compute seconds of a pass of `rows` rows, as the fit has it: (intercept, per row).
-    /// Until the passes' rows have varied, a row is taken to cost nothing beyond the pass.
-    pub fn line(&self) -> (f64, f64) {
+    /// (intercept, per row), neither below zero. Until the passes' rows have varied, a
+    /// row is taken to cost nothing beyond the pass.
+    fn line(&self) -> (f64, f64) {
         if self.w == 0.0 {
             return (0.0, 0.0);
         }
@@ -346,6 +357,25 @@ impl RowBudget {
         }
         let slope = ((self.xy / self.w - mx * my) / var).max(0.0);
         ((my - slope * mx).max(0.0), slope)
+    }
+}
+
+impl RowBudget {
+    /// A pass carried `rows` rows, computed for `compute_s` and waited `stall_s` for loads.
+    pub fn observe(&mut self, rows: usize, compute_s: f64, stall_s: f64) {
+        self.compute.observe(rows as f64, compute_s);
+        self.loads.observe(rows as f64, stall_s);
+        self.stall_s = stall_s;
+    }
+
+    /// Compute seconds of a pass of `rows` rows, as the fit has it: (intercept, per row).
+    pub fn line(&self) -> (f64, f64) {
+        self.compute.line()
+    }
+
+    /// The wait for loads each row adds (a mixture's experts), as the fit has it.
+    pub fn load_per_row(&self) -> f64 {
+        self.loads.line().1
     }
 
     /// Drafted rows for each of a step's sequences, into `out` (one count per ask: a
@@ -369,14 +399,16 @@ impl RowBudget {
         }
         let (a, b) = self.line();
         let compute = |rows: usize| a + b * rows as f64;
-        // The pass as it stands: its compute, or its loads where they take longer.
+        // The pass as it stands: its compute, or its loads where they take longer; each
+        // row past those adds its compute and the loads it brings.
         let first = base_rows + (cap - left);
-        let floor = compute(first) + self.stall_s;
+        let per_row = self.load_per_row();
+        let loads = |rows: usize| self.stall_s + per_row * (rows - first) as f64;
         let pass = |rows: usize| {
             let t = if self.serial {
-                compute(rows) + self.stall_s
+                compute(rows) + loads(rows)
             } else {
-                floor.max(compute(rows))
+                (compute(first) + loads(rows)).max(compute(rows))
             };
             t.max(1e-9)
         };
@@ -834,6 +866,29 @@ mod tests {
         assert!(out[0] > 0, "{out:?}");
         allot(&b, &[ask(0.05, 8); 8], (8, 16), &mut out);
         assert_eq!(out, [0; 8]);
+    }
+
+    #[test]
+    fn rows_that_bring_loads_with_them_cost_those_loads() {
+        // A mixture: each row routes to experts the pass then loads, 5 ms of waiting a
+        // row on top of 40 ms, and 1 ms of compute a row.
+        let mut b = RowBudget::default();
+        for rows in [1, 4, 8, 2, 6, 3] {
+            let r = rows as f64;
+            b.observe(rows, 0.010 + 0.001 * r, 0.040 + 0.005 * r);
+        }
+        assert!(
+            (b.load_per_row() - 0.005).abs() < 1e-9,
+            "{}",
+            b.load_per_row()
+        );
+        // The pass waits for its loads, yet a row costs 5 ms of them: a 5 % draft does
+        // not pay (a dense model's loads would make it free: the test above).
+        let mut out = Vec::new();
+        allot(&b, &[ask(0.05, 8)], (1, 16), &mut out);
+        assert_eq!(out, [0]);
+        allot(&b, &[ask(0.9, 8)], (1, 16), &mut out);
+        assert!(out[0] >= 3, "{out:?}");
     }
 
     #[test]
