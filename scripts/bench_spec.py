@@ -143,6 +143,10 @@ def sluice_run(store, ids, batch, limit, a, draft, branches=0):
         argv += ["--draft-branches", str(branches)]
     rc, out, err, _, _ = cg.run(argv)
     cg.close()
+    if rc != 0 and "a draft must be resident" in err:
+        # The draft does not fit beside this batch's KV cache within the limit: refused,
+        # as it should be, and reported as such.
+        return {"refused": err.strip().splitlines()[-1][:160]}
     if rc != 0:
         sys.exit(f"sluice failed ({' '.join(argv[:3])} ...): {err.strip()[-400:]}")
     j = json.loads(out)
@@ -195,6 +199,9 @@ def bench(name, gguf, limit, prompts, a):
                 for e, draft, branches in engines:
                     s = sluice_run(store, ids, batch, limit, a, draft, branches)
                     s.update(kind=p["kind"], round=r)
+                    if "refused" in s:
+                        a.refused.add(f"{name} batch {batch} {e}: {s['refused']}")
+                        continue
                     if plain_ids is None:
                         plain_ids = s["ids"]
                     elif s["ids"] != plain_ids:
@@ -269,6 +276,7 @@ def main():
     a = ap.parse_args()
     a.batches = [int(b) for b in a.batch.split(",")]
     a.mismatch = []
+    a.refused = set()
     prompts = [p for p in json.load(open(os.path.join(ROOT, "scripts", "bench_spec_prompts.json")))
                if p["kind"] in a.kinds.split(",")]
     os.makedirs(os.path.join(CACHE, "bench-spec"), exist_ok=True)
@@ -279,6 +287,8 @@ def main():
             bench("Gemma 3 270M F16", rewritten(GEMMA3, "F16", 1), size(a.limit_gemma3), prompts, a)
         else:
             sys.exit(f"unknown model {m}: smollm2 or gemma3")
+    for m in sorted(a.refused):
+        print("REFUSED:", m)
     for m in a.mismatch:
         print("MISMATCH:", m)
     sys.exit(1 if a.mismatch else 0)

@@ -221,6 +221,12 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     let profile_hot = profile
         .as_ref()
         .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));
+    // The draft's store is open before the process's overhead is measured (`host_input`):
+    // its manifest and index are the process's, counted by neither plan otherwise.
+    let draft_store = match a.draft.as_deref() {
+        Some(d) if d != "ngram" => Some(draft_store(d, &tok)?),
+        _ => None,
+    };
     let input = sluice::plan::PlanInput {
         device_budget: a.device_memory,
         host_cache_budget: a.host_cache,
@@ -239,10 +245,6 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     // Each setting given on the command line, the model's default for the rest.
     let defaults = sluice::engine::sampling_defaults(m);
     let sampling = sluice::server::service::sampling_of(&a.sampling.request(), &defaults);
-    let draft_store = match a.draft.as_deref() {
-        Some(d) if d != "ngram" => Some(draft_store(d, &tok)?),
-        _ => None,
-    };
     let job = Generate {
         store: store.clone(),
         draft_store,
