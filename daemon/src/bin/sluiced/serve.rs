@@ -354,6 +354,15 @@ impl ModelLoader {
         }
     }
 
+    /// The drafter the model in `dir` serves with: its store directory's `draft` file, else
+    /// `--draft` (None: it does not draft).
+    fn drafter_of(&self, dir: &Path) -> Result<Option<String>> {
+        Ok(match crate::util::draft_sidecar(dir)? {
+            Some(d) => d,
+            None => self.cfg.draft.clone(),
+        })
+    }
+
     /// The drafting the model in `dir` serves with, and the draft model's store where that
     /// is a model: the store directory's `draft` file, else `--draft`; a draft model only
     /// when its vocabulary is the model's, else no drafting (logged).
@@ -367,10 +376,7 @@ impl ModelLoader {
         Option<Arc<Store>>,
     )> {
         let cfg = &self.cfg;
-        let chosen = match crate::util::draft_sidecar(dir)? {
-            Some(d) => d,
-            None => cfg.draft.clone(),
-        };
+        let chosen = self.drafter_of(dir)?;
         let config = cfg.draft_config_for(chosen.as_deref());
         let Some(d) = chosen.as_deref().filter(|d| *d != "ngram") else {
             return Ok((config, None));
@@ -491,11 +497,18 @@ impl Loader for ModelLoader {
         let store = Store::open(dir).map_err(|e| e.to_string())?;
         let m = store.manifest();
         let io = self.io();
-        let tok = Tokenizer::from_manifest(m).map_err(|e| e.to_string())?;
         let name = dir.display().to_string();
-        let (draft, draft_store) = self
-            .draft_for(&name, dir, &tok)
-            .map_err(|e| format!("{e:#}"))?;
+        // A draft model's vocabulary is checked against the model's tokenizer, built only
+        // then (a large vocabulary takes a while).
+        let chosen = self.drafter_of(dir).map_err(|e| format!("{e:#}"))?;
+        let (draft, draft_store) = match chosen.as_deref() {
+            Some(d) if d != "ngram" => {
+                let tok = Tokenizer::from_manifest(m).map_err(|e| e.to_string())?;
+                self.draft_for(&name, dir, &tok)
+                    .map_err(|e| format!("{e:#}"))?
+            }
+            other => (self.cfg.draft_config_for(other), None),
+        };
         let mut input = self.input(m, device_room, None, draft.as_ref());
         if let Some(ds) = draft_store {
             let di = sluice::engine::draft_model::draft_input(&input);
