@@ -118,10 +118,16 @@ impl Drafting {
     /// The next token of the chain from the draft's row, its runner-up kept as a
     /// candidate branch when the tree has room for branches.
     fn next(&mut self, proposal: &mut super::draft::Proposal, row: &[f32]) {
-        let (best, second, p1, p2) = top2(row);
-        if self.branches > 0 && p2 >= BRANCH_MIN_P && p1 < 1.0 {
-            self.alts
-                .push((proposal.len(), second, p2, (p2 / (1.0 - p1)).min(1.0)));
+        let (best, second) = top2(row);
+        if self.branches > 0 && second != best {
+            // Their probabilities: a pass over the row, only where the tree may branch.
+            let m = row[best as usize];
+            let sum: f32 = row.iter().map(|&v| (v - m).exp()).sum();
+            let (p1, p2) = (1.0 / sum, (row[second as usize] - m).exp() / sum);
+            if p2 >= BRANCH_MIN_P && p1 < 1.0 {
+                let share = (p2 / (1.0 - p1)).min(1.0);
+                self.alts.push((proposal.len(), second, p2, share));
+            }
         }
         proposal.tokens.push(best);
     }
@@ -141,8 +147,9 @@ impl Drafting {
     }
 }
 
-/// The two largest logits of a row: (token, runner-up, their softmax probabilities).
-fn top2(row: &[f32]) -> (u32, u32, f32, f32) {
+/// The tokens of the two largest logits of a row, the first of equals first (the runner-up
+/// is the token itself for a row of one).
+fn top2(row: &[f32]) -> (u32, u32) {
     let (mut a, mut b) = (0usize, usize::MAX);
     for (i, &v) in row.iter().enumerate().skip(1) {
         if v > row[a] {
@@ -151,12 +158,7 @@ fn top2(row: &[f32]) -> (u32, u32, f32, f32) {
             b = i;
         }
     }
-    if b == usize::MAX {
-        return (a as u32, a as u32, 1.0, 0.0);
-    }
-    let m = row[a];
-    let sum: f32 = row.iter().map(|&v| (v - m).exp()).sum();
-    (a as u32, b as u32, 1.0 / sum, (row[b] - m).exp() / sum)
+    (a as u32, if b == usize::MAX { a } else { b } as u32)
 }
 
 impl<B: Backend> DraftModel<B> {
