@@ -64,15 +64,21 @@ pub fn build_draft<B: Backend>(
     input: &crate::plan::PlanInput,
 ) -> Result<DraftModel<B>, EngineError> {
     let runner = make(store, &draft_input(input))?;
-    let streamed = runner.plan.layers_streamed();
-    if streamed > 0 {
-        return Err(EngineError::Invalid(format!(
-            "draft {}: it would stream {streamed} of its {} units within this memory; a draft must be resident: give more memory (--host-memory, --device-memory) or a smaller draft (sluiced pack --quantize)",
-            store.dir().display(),
-            runner.plan.units.len()
-        )));
-    }
+    resident(store, &runner.plan).map_err(EngineError::Invalid)?;
     Ok(DraftModel::new(runner))
+}
+
+/// Refuses a draft whose plan streams: every drafted token would cost a pass of reads.
+pub fn resident(store: &crate::store::Store, plan: &crate::plan::Plan) -> Result<(), String> {
+    let streamed = plan.layers_streamed();
+    if streamed == 0 {
+        return Ok(());
+    }
+    Err(format!(
+        "draft {}: it would stream {streamed} of its {} units within this memory; a draft must be resident: give more memory (--host-memory, --device-memory) or a smaller draft (sluiced pack --quantize)",
+        store.dir().display(),
+        plan.units.len()
+    ))
 }
 
 /// A draft's plan input beside a target planned with `input`: the same options and

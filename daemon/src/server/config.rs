@@ -139,11 +139,6 @@ impl Default for ServeConfig {
 }
 
 impl ServeConfig {
-    /// Speculative decoding's settings (None: off).
-    pub fn draft_config(&self) -> Option<crate::engine::draft::DraftConfig> {
-        self.draft_config_for(self.draft.as_deref())
-    }
-
     /// Speculative decoding's settings with the drafter `draft` (None: off).
     pub fn draft_config_for(
         &self,

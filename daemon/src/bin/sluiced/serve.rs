@@ -363,20 +363,19 @@ impl ModelLoader {
         })
     }
 
-    /// The drafting the model in `dir` serves with, and the draft model's store where that
-    /// is a model: the store directory's `draft` file, else `--draft`; a draft model only
-    /// when its vocabulary is the model's, else no drafting (logged).
+    /// The drafting `chosen` (`drafter_of`) gives the model `name`, and the draft model's
+    /// store where that is a model: a draft model only when its vocabulary is the model's
+    /// (`tok`'s), else no drafting (logged).
     fn draft_for(
         &self,
         name: &str,
-        dir: &Path,
+        chosen: Option<String>,
         tok: &Tokenizer,
     ) -> Result<(
         Option<sluice::engine::draft::DraftConfig>,
         Option<Arc<Store>>,
     )> {
         let cfg = &self.cfg;
-        let chosen = self.drafter_of(dir)?;
         let config = cfg.draft_config_for(chosen.as_deref());
         let Some(d) = chosen.as_deref().filter(|d| *d != "ngram") else {
             return Ok((config, None));
@@ -447,7 +446,7 @@ impl ModelLoader {
         let hot = profile
             .as_ref()
             .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));
-        let (draft, draft_store) = self.draft_for(name, dir, &tokenizer)?;
+        let (draft, draft_store) = self.draft_for(name, self.drafter_of(dir)?, &tokenizer)?;
         let start = StartScheduler {
             store: store.clone(),
             draft: draft_store,
@@ -504,7 +503,7 @@ impl Loader for ModelLoader {
         let (draft, draft_store) = match chosen.as_deref() {
             Some(d) if d != "ngram" => {
                 let tok = Tokenizer::from_manifest(m).map_err(|e| e.to_string())?;
-                self.draft_for(&name, dir, &tok)
+                self.draft_for(&name, chosen, &tok)
                     .map_err(|e| format!("{e:#}"))?
             }
             other => (self.cfg.draft_config_for(other), None),
@@ -514,13 +513,7 @@ impl Loader for ModelLoader {
             let di = sluice::engine::draft_model::draft_input(&input);
             let dp = sluice::engine::plan_for(&self.chosen, ds.manifest(), &di, &io)
                 .map_err(|e| format!("its draft: {e}"))?;
-            if dp.layers_streamed() > 0 {
-                return Err(format!(
-                    "its draft {} would stream {} of its units",
-                    ds.dir().display(),
-                    dp.layers_streamed()
-                ));
-            }
+            sluice::engine::draft_model::resident(&ds, &dp)?;
             sluice::engine::draft_model::leave_room(&mut input, &dp);
         }
         sluice::engine::plan_for(&self.chosen, m, &input, &io).map_err(|e| e.to_string())
