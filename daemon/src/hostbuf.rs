@@ -239,6 +239,36 @@ impl AlignedBuf {
             unsafe { std::ptr::write_volatile(self.ptr.as_ptr().add(at), 0) };
         }
     }
+
+    /// Gives the whole pages inside `range` back to the kernel (MADV_DONTNEED): they read
+    /// as zero afterwards and take memory again only when next written. For a mapped
+    /// buffer whose contents there are no longer needed (a finished sequence's part of
+    /// the CPU arena's KV cache); allocator memory and pinned buffers are left as they
+    /// are. Returns the bytes given back.
+    pub fn discard(&mut self, range: std::ops::Range<usize>) -> usize {
+        if !self.mapped || self.pinned.is_some() || range.end > self.len {
+            return 0;
+        }
+        let page = IO_ALIGN;
+        let (lo, hi) = (range.start.next_multiple_of(page), range.end / page * page);
+        if lo >= hi {
+            return 0;
+        }
+        // SAFETY: [lo, hi) is page-aligned and inside this buffer's own mapping (`mapped`,
+        // `range.end <= len`); &mut self is exclusive, so no reference into it is live.
+        let r = unsafe {
+            libc::madvise(
+                self.ptr.as_ptr().add(lo) as *mut libc::c_void,
+                hi - lo,
+                libc::MADV_DONTNEED,
+            )
+        };
+        if r == 0 {
+            hi - lo
+        } else {
+            0
+        }
+    }
 }
 
 impl Drop for AlignedBuf {
@@ -347,5 +377,44 @@ mod tests {
             }
         }
         assert!(AlignedBuf::many(0, 4096).expect("empty pool").is_empty());
+    }
+
+    /// Which of the `n` pages from `ptr` are resident (mincore).
+    fn resident(ptr: *mut u8, n: usize) -> Vec<bool> {
+        let mut v = vec![0u8; n];
+        // SAFETY: ptr is page-aligned and maps n pages; v holds one byte per page.
+        let r = unsafe { libc::mincore(ptr as *mut libc::c_void, n * IO_ALIGN, v.as_mut_ptr()) };
+        assert_eq!(r, 0, "mincore");
+        v.iter().map(|&b| b & 1 == 1).collect()
+    }
+
+    #[test]
+    fn discard_gives_back_the_whole_pages_inside_the_range_and_they_read_zero() {
+        let pages = MMAP_MIN / IO_ALIGN + 64;
+        let mut b = AlignedBuf::new(pages * IO_ALIGN).expect("buffer");
+        b.as_mut_slice().fill(9);
+        assert!(resident(b.as_ptr(), pages).iter().all(|&r| r));
+        // From inside page 3 to inside page 10: pages 4..10 go, 3 and 10 keep their bytes.
+        let given = b.discard(3 * IO_ALIGN + 100..10 * IO_ALIGN + 5);
+        assert_eq!(given, 6 * IO_ALIGN);
+        let res = resident(b.as_ptr(), pages);
+        for (p, &r) in res.iter().enumerate() {
+            assert_eq!(r, !(4..10).contains(&p), "page {p}");
+        }
+        let bytes = b.as_slice();
+        for (p, page) in bytes.chunks(IO_ALIGN).enumerate() {
+            let want = if (4..10).contains(&p) { 0 } else { 9 };
+            assert!(page.iter().all(|&x| x == want), "page {p}");
+        }
+        // Written again, the pages come back; a range past the end gives nothing back.
+        b.as_mut_slice()[5 * IO_ALIGN] = 1;
+        assert!(resident(b.as_ptr(), pages)[5]);
+        assert_eq!(b.discard(0..(pages + 1) * IO_ALIGN), 0);
+        assert_eq!(b.discard(100..200), 0, "no whole page inside");
+        // Allocator memory (below MMAP_MIN) is never handed back from under the allocator.
+        let mut small = AlignedBuf::new(8 * IO_ALIGN).expect("small buffer");
+        small.as_mut_slice().fill(3);
+        assert_eq!(small.discard(0..8 * IO_ALIGN), 0);
+        assert!(small.as_slice().iter().all(|&x| x == 3));
     }
 }

@@ -1007,6 +1007,58 @@ fn a_mixtures_sequence_gets_the_same_bits_alone_as_in_a_batch() {
     }
 }
 
+/// A finished sequence's KV pages go back to the system (`Pipeline::discard_slot`), and
+/// nothing else changes: the same steps give the same bits with and without the discard,
+/// the neighbouring slot's sequence included, on a full cache and a sliding-window ring.
+#[test]
+fn a_discarded_slot_gives_its_kv_pages_back_and_changes_no_bits() {
+    let tmp = tempfile::tempdir().unwrap();
+    // Exact: an f32 cache, 128 bytes a position for tiny-llama (2 layers), so each slot of
+    // 2048 positions is 64 whole pages per layer and K or V.
+    for (src, per_slot) in [("tiny-llama", 2 * 2 * 2048 * 128), ("tiny-gemma3", 0)] {
+        let seq = |slot: usize, pos: usize, tokens: &[u32]| SeqStep {
+            slot,
+            pos,
+            tokens: tokens.to_vec(),
+            verify: false,
+            ..Default::default()
+        };
+        let a: Vec<u32> = (0..9).map(|i| 5 + i * 31 % 200).collect();
+        let b: Vec<u32> = (0..40).map(|i| 7 + i * 17 % 200).collect();
+        let c: Vec<u32> = (0..23).map(|i| 3 + i * 13 % 200).collect();
+        let steps: Vec<Vec<SeqStep>> = vec![
+            vec![seq(1, 0, &b), seq(0, 0, &a)],
+            vec![seq(1, b.len(), &[20]), seq(0, a.len(), &[11])],
+            // b is over here: its slot is discarded before the next step.
+            vec![seq(0, a.len() + 1, &[12]), seq(1, 0, &c)],
+            vec![seq(1, c.len(), &[30]), seq(0, a.len() + 2, &[13])],
+        ];
+        let mut runs = Vec::new();
+        for discard in [false, true] {
+            let dir = tmp.path().join(format!("{src}-{discard}"));
+            let mut r = runner_with(&fixture(src), &dir, 2048, 64, true, 4);
+            let mut logits = Vec::new();
+            let mut out = Vec::new();
+            for (i, st) in steps.iter().enumerate() {
+                if discard && i == 2 {
+                    let given = r.discard_slot(1);
+                    if per_slot > 0 {
+                        assert_eq!(given, per_slot, "{src}: bytes given back");
+                    }
+                    assert!(given > 0, "{src}: nothing given back");
+                    assert_eq!(r.discard_slot(9), 0, "{src}: no such slot");
+                }
+                r.step(st, &mut logits).unwrap();
+                out.push(logits.iter().map(|v| v.to_bits()).collect::<Vec<_>>());
+            }
+            runs.push(out);
+        }
+        for (i, (x, y)) in runs[0].iter().zip(&runs[1]).enumerate() {
+            assert!(x == y, "{src}: step {i} changed by the discard");
+        }
+    }
+}
+
 /// transformers 5 holds a layer's experts fused (`mlp.experts.gate_up_proj` [experts, 2 x
 /// rows, hidden], gate rows first; `mlp.experts.down_proj` [experts, hidden, rows]); a
 /// checkpoint written that way imports to the same tensors as the per-expert one.

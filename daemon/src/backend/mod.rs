@@ -378,6 +378,13 @@ pub trait Backend: Send + Sync {
     /// Marks the ops enqueued so far as the last readers of `mem`: the next upload into it
     /// (`upload_begin`) waits for them, not for everything.
     fn release_after(&self, _mem: &Self::Mem) {}
+    /// The bytes in `range` of `mem` hold nothing anyone reads before writing them again
+    /// (a finished sequence's KV): a backend whose memory is the process's may give their
+    /// pages back to the system (the CPU does; they read as zero after). Returns the bytes
+    /// given back. Default: none.
+    fn discard(&self, _mem: &mut Self::Mem, _range: std::ops::Range<usize>) -> usize {
+        0
+    }
     /// Page-locks host buffers that uploads read from, when the device gains from it.
     /// Device memory is host memory (the CPU backend): streamed units run straight from
     /// the I/O engine's staging slots (`borrow_host`) and resident units are decoded

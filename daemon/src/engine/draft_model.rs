@@ -185,6 +185,11 @@ impl<B: Backend> DraftModel<B> {
         &self.runner
     }
 
+    /// Gives back the memory of `slot`'s draft KV cache, whose sequence is over.
+    pub fn discard_slot(&mut self, slot: usize) {
+        self.runner.discard_slot(slot);
+    }
+
     /// Fills the proposal of every sequence of `seqs` that drafts with a model and asks for
     /// tokens (`Sequence::model_draft`): the draft catches up on its text, then decodes
     /// greedily, every sequence in the same passes.

@@ -211,6 +211,18 @@ struct EngineState<B: Backend> {
     draft: Option<DraftModel<B>>,
 }
 
+impl<B: Backend> EngineState<B> {
+    /// Frees the slot of a sequence that is over, and its KV memory with it (the target's
+    /// and the draft model's: `Pipeline::discard_slot`).
+    fn free_slot(&mut self, slot: usize) {
+        self.free_slots.push(slot);
+        self.runner.discard_slot(slot);
+        if let Some(d) = &mut self.draft {
+            d.discard_slot(slot);
+        }
+    }
+}
+
 /// What admission found.
 enum Admitted {
     /// Keep running.
@@ -373,7 +385,7 @@ impl Scheduler {
             while i < st.active.len() {
                 if st.active[i].events.is_closed() {
                     let a = st.active.swap_remove(i);
-                    st.free_slots.push(a.seq.slot());
+                    st.free_slot(a.seq.slot());
                 } else {
                     i += 1;
                 }
@@ -451,11 +463,13 @@ impl Scheduler {
         if !past_deadline {
             return;
         }
-        for a in st.active.drain(..) {
-            st.free_slots.push(a.seq.slot());
+        let mut gone = std::mem::take(&mut st.active);
+        for a in gone.drain(..) {
+            st.free_slot(a.seq.slot());
             let (_, done) = a.seq.close(Finish::Cancelled, &self.tokenizer);
             let _ = a.events.send(Event::Done(done));
         }
+        st.active = gone;
         while let Ok(req) = st.rx.try_recv() {
             self.queued.fetch_sub(1, Ordering::AcqRel);
             let _ = req.events.send(Event::Done(Done {
@@ -509,7 +523,7 @@ impl Scheduler {
             k -= 1;
             if let Some(why) = st.active[k].seq.finished() {
                 let a = st.active.swap_remove(k);
-                st.free_slots.push(a.seq.slot());
+                st.free_slot(a.seq.slot());
                 let (tail, done) = a.seq.close(why, &self.tokenizer);
                 if let Some(p) = tail {
                     let _ = a.events.send(p.into());
@@ -623,9 +637,9 @@ fn fail_step<B: Backend>(st: &mut EngineState<B>, e: &crate::pipeline::PipelineE
     };
     tracing::error!("step of {} sequences failed: {e}", st.n_steps);
     st.members.sort_unstable_by(|a, b| b.cmp(a));
-    for &k in &st.members {
-        let a = st.active.swap_remove(k);
-        st.free_slots.push(a.seq.slot());
+    for i in 0..st.members.len() {
+        let a = st.active.swap_remove(st.members[i]);
+        st.free_slot(a.seq.slot());
         let _ = a.events.send(Event::Failed {
             failure,
             message: e.to_string(),

@@ -317,6 +317,29 @@ impl<B: Backend> Decoder<B> {
         self.unit_kinds.len()
     }
 
+    /// Tells the backend that `slot`'s part of every layer's KV cache holds nothing
+    /// anyone will read (its sequence is over; the next one there writes each position
+    /// before a query reads it), so the CPU gives those pages back: a daemon's resident
+    /// set then follows the KV in use, not the longest sequence each slot has ever held.
+    /// Returns the bytes given back.
+    pub fn discard_slot(&mut self, b: &B, slot: usize) -> usize {
+        if slot >= self.shape.slots {
+            return 0;
+        }
+        let (width, kvb) = (
+            self.shape.kv_heads * self.shape.head_dim,
+            self.opts.kv_dtype.bytes(),
+        );
+        let mut given = 0;
+        for l in &self.layers {
+            let start = l.cache.at(&self.shape, slot, 0) * kvb;
+            let range = start..start + l.cache.cap * width * kvb;
+            given += b.discard(&mut self.cache_k, range.clone());
+            given += b.discard(&mut self.cache_v, range);
+        }
+        given
+    }
+
     /// Index of the unit whose blob the output projection reads (embedding when tied).
     pub fn lm_head_unit(&self) -> usize {
         if self.cfg.tied_embeddings {

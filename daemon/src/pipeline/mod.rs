@@ -869,6 +869,12 @@ impl<B: Backend> Pipeline<B> {
         self.model.options()
     }
 
+    /// Gives back the memory of `slot`'s KV cache, whose sequence is over
+    /// (`Decoder::discard_slot`). Returns the bytes given back.
+    pub fn discard_slot(&mut self, slot: usize) -> usize {
+        self.model.discard_slot(&self.backend, slot)
+    }
+
     /// The policies this pipeline runs with.
     pub fn pipeline_options(&self) -> &PipelineOptions {
         &self.opts

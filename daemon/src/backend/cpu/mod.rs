@@ -453,6 +453,13 @@ impl Backend for CpuBackend {
         mem.len
     }
 
+    fn discard(&self, mem: &mut CpuMem, range: std::ops::Range<usize>) -> usize {
+        match &mut mem.owned {
+            Some((buf, _)) => buf.discard(range.start..range.end.min(mem.len)),
+            None => 0,
+        }
+    }
+
     fn upload(&self, dst: &mut CpuMem, src: &[u8]) -> Result<(), BackendError> {
         self.upload_part(dst, 0, src)
     }
