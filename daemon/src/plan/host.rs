@@ -24,6 +24,8 @@ pub(super) struct HostShape {
     pub decoders: u64,
     /// The compute threads' own scratch.
     pub compute: u64,
+    /// The engine's host copy of a pass's logits and the sequences' samplers (`sampling`).
+    pub sampling: u64,
     /// The bytes the disk should have queued: the read buffers, or for reads that land in
     /// the staging slots, a typical unit (one read whole while the one before computes).
     pub in_flight: u64,
@@ -89,19 +91,30 @@ impl HostShape {
             reads,
             decoders,
             compute: round(h.compute_scratch),
+            sampling: sampling(m, input),
             in_flight,
         }
     }
 
-    /// Decoder and compute scratch.
+    /// Decoder and compute scratch, and the sampling's.
     pub fn scratch(&self) -> u64 {
-        self.decoders + self.compute
+        self.decoders + self.compute + self.sampling
     }
 
     /// What the host holds whatever the split: the overhead, the reads and the scratch.
     pub fn fixed(&self, h: &HostInput) -> u64 {
         h.overhead + self.reads + self.scratch()
     }
+}
+
+/// What the engine holds on the host to pick tokens, each a vocabulary long: a pass's
+/// logits as the backend hands them over (every logit row, verified tree rows included,
+/// f32), and per sequence its sampler's penalized row (f32) and candidates ((f32, u32)).
+/// Gemma 3's 262,144 tokens make that 1 MiB a logit row and 3 MiB a sequence.
+pub fn sampling(m: &Manifest, input: &PlanInput) -> u64 {
+    let vocab = m.arch.vocab as u64;
+    let (rows, seqs) = (input.opts.logit_rows() as u64, input.opts.kv_slots as u64);
+    round(vocab * (4 * rows + 12 * seqs))
 }
 
 /// The host staging slots streamed units load into, and the units requested ahead.

@@ -175,6 +175,8 @@ pub struct HostPlan {
     pub scratch_bytes: u64,
     /// The compute threads' own scratch (HostInput::compute_scratch).
     pub compute_scratch_bytes: u64,
+    /// The engine's logits and samplers on the host (`host::sampling`).
+    pub sampling_bytes: u64,
     /// A streamed embedding's lookup: the gathered rows, a frame's read buffer and its
     /// decoded bytes (0 when the embedding is resident).
     pub gather_bytes: u64,
@@ -524,6 +526,7 @@ fn assemble(m: &Manifest, h: &HostInput, costs: &UnitCosts, s: Settled) -> Plan 
             staging_slot_bytes: st.slot_bytes,
             scratch_bytes: shape.decoders,
             compute_scratch_bytes: shape.compute,
+            sampling_bytes: shape.sampling,
             gather_bytes: st.gather.host,
             host_cache_bytes: cache.bytes,
             arena_bytes: s.arena,

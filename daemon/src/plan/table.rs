@@ -185,6 +185,7 @@ impl Plan {
         if h.compute_scratch_bytes > 0 {
             line(s, "  compute scratch", fmt_bytes(h.compute_scratch_bytes));
         }
+        line(s, "  logits and samplers", fmt_bytes(h.sampling_bytes));
         if h.gather_bytes > 0 {
             line(s, "  embedding row gather", fmt_bytes(h.gather_bytes));
         }

@@ -248,6 +248,20 @@ fn a_host_budget_bounds_every_host_role_of_a_unified_backend() {
     assert_eq!(free.layers_streamed(), 0);
     assert_eq!(free.host.arena_bytes, free.device_bytes());
     assert_eq!(free.host.compute_scratch_bytes, 300 << 10);
+    // The engine's logits and samplers: a vocabulary (2048) of f32 per logit row, 12 bytes
+    // a token per sequence; a tree's verified rows count like any other.
+    let rows =
+        |i: &PlanInput| (i.opts.logit_rows() * 4 * 2048 + i.opts.kv_slots * 12 * 2048) as u64;
+    assert_eq!(free.host.sampling_bytes, rows(&unified(None)));
+    let mut tree = unified(None);
+    tree.opts.verify_rows = 63;
+    let wide = plan(m, &tree).expect("plan with tree rows");
+    assert_eq!(wide.host.sampling_bytes, rows(&tree));
+    assert_eq!(
+        wide.host.total_bytes - free.host.total_bytes,
+        wide.host.sampling_bytes - free.host.sampling_bytes
+            + (wide.host.arena_bytes - free.host.arena_bytes)
+    );
     // Below the arena plus the overhead something must stream, whatever the reads take.
     let full = free.host.arena_bytes + free.host.overhead_bytes;
     let least = plan(m, &unified(Some(1 << 20)))
@@ -270,6 +284,7 @@ fn a_host_budget_bounds_every_host_role_of_a_unified_backend() {
                 + h.read_bytes()
                 + h.scratch_bytes
                 + h.compute_scratch_bytes
+                + h.sampling_bytes
                 + h.gather_bytes
                 + h.arena_bytes
                 + h.staging_slots as u64 * h.staging_slot_bytes,
