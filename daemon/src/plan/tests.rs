@@ -345,6 +345,17 @@ fn keeping_the_embedding_resident_charges_no_row_gather() {
             streamed.embedding_gathered,
             "{name}: the least plan streams the embedding"
         );
+        // The tied head streams in row parts too, its logits gathered on the host: a
+        // vocabulary of f32 more for each verified row.
+        let mut wide = make(Some(lo + (4 << 20)));
+        wide.opts.verify_rows += 8;
+        let wide = plan(m, &wide).expect("a plan with tree rows");
+        assert!(wide.embedding_gathered, "{name}");
+        assert_eq!(
+            wide.host.gather_bytes - streamed.host.gather_bytes,
+            4 * 8 * 16384,
+            "{name}: the gather holds the head's logits"
+        );
         let mut hi = spent(&plan(m, &make(None)).expect("plan"));
         assert!(resident(hi).is_some() && resident(lo).is_none(), "{name}");
         while hi - lo > 1 {

@@ -235,11 +235,8 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         expert_cache: a.expert_cache,
         expert_profile: profile_hot,
         backend_reserved: 0,
-        // Logits of a row per sequence and the generated text are the run's own allocations.
-        host: sluice::engine::host_input(
-            a.host_memory,
-            4 * m.arch.vocab as u64 * opts.logit_rows() as u64,
-        ),
+        // The engine's logits and samplers are the plan's (`plan::host::sampling`).
+        host: sluice::engine::host_input(a.host_memory, 0),
     };
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
     // Each setting given on the command line, the model's default for the rest.

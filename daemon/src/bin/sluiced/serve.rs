@@ -323,7 +323,6 @@ impl ModelLoader {
 
     fn input(
         &self,
-        m: &sluice::store::Manifest,
         device_room: Option<u64>,
         profile_hot: Option<usize>,
         draft: Option<&sluice::engine::draft::DraftConfig>,
@@ -345,12 +344,8 @@ impl ModelLoader {
             expert_cache: cfg.expert_cache,
             expert_profile: profile_hot,
             backend_reserved: 0,
-            // Logits rows of a full batch (and its drafts) are the scheduler's own
-            // allocation.
-            host: sluice::engine::host_input(
-                cfg.host_memory.map(|b| b.0),
-                4 * m.arch.vocab as u64 * (cfg.max_batch + verify_rows) as u64,
-            ),
+            // The scheduler's logits and samplers are the plan's (`plan::host::sampling`).
+            host: sluice::engine::host_input(cfg.host_memory.map(|b| b.0), 0),
         }
     }
 
@@ -450,7 +445,7 @@ impl ModelLoader {
         let start = StartScheduler {
             store: store.clone(),
             draft: draft_store,
-            input: self.input(m, device_room, hot, draft.as_ref()),
+            input: self.input(device_room, hot, draft.as_ref()),
             profile,
             tokenizer,
             cfg: SchedulerConfig {
@@ -508,7 +503,7 @@ impl Loader for ModelLoader {
             }
             other => (self.cfg.draft_config_for(other), None),
         };
-        let mut input = self.input(m, device_room, None, draft.as_ref());
+        let mut input = self.input(device_room, None, draft.as_ref());
         if let Some(ds) = draft_store {
             let di = sluice::engine::draft_model::draft_input(&input);
             let dp = sluice::engine::plan_for(&self.chosen, ds.manifest(), &di, &io)
