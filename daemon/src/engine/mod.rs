@@ -120,9 +120,13 @@ fn cpu_runner_as(
 /// Tokens per prefill step the planner may lower the chunk to when the host budget is short.
 pub const BATCH_TOKENS_MIN: usize = 32;
 
-/// Plans `input`; when the host budget is what is short, halves the prefill chunk
+/// Plans `input`; when the host budget is what is short, halves whichever of two
+/// step shapes holds more memory, before giving up, and says so: the prefill chunk
 /// (`max_batch_tokens`, whose workspace grows with it) down to `BATCH_TOKENS_MIN` (or the
-/// batch) before giving up, saying so: prefill then takes more passes, decode is the same.
+/// batch), so prefill takes more passes and decode is the same; or the drafted rows one
+/// pass may verify (`verify_rows`, each a vocabulary of logits in the arena and on the
+/// host: 3 MiB a row for Gemma 3's tied 262k-token head), down to none, so the row budget
+/// allots fewer tree rows (none: no drafting).
 fn plan_within_host(m: &Manifest, input: &mut PlanInput) -> Result<crate::plan::Plan, EngineError> {
     // A step never holds more tokens than its sequences' contexts: a workspace sized past
     // that (512 tokens of prefill under a 256-token context) is memory no step can use,
@@ -133,33 +137,76 @@ fn plan_within_host(m: &Manifest, input: &mut PlanInput) -> Result<crate::plan::
         .saturating_mul(input.opts.kv_slots)
         .max(1);
     input.opts.max_batch_tokens = input.opts.max_batch_tokens.min(most);
-    let asked = input.opts.max_batch_tokens;
-    let least = BATCH_TOKENS_MIN.max(input.opts.logit_rows());
+    let asked = input.opts;
     loop {
         match crate::plan::plan(m, input) {
-            Err(crate::plan::PlanError::Host(e)) if input.opts.max_batch_tokens > least => {
-                input.opts.max_batch_tokens = (input.opts.max_batch_tokens / 2).max(least);
+            Err(crate::plan::PlanError::Host(e)) if shrink_step(m, &mut input.opts) => {
                 tracing::debug!(
-                    "host budget short by {} bytes: trying a prefill chunk of {} tokens",
+                    "host budget short by {} bytes: trying a prefill chunk of {} tokens and {} verified rows",
                     e.need - e.budget,
-                    input.opts.max_batch_tokens
+                    input.opts.max_batch_tokens,
+                    input.opts.verify_rows
                 );
             }
             Err(e) => {
-                input.opts.max_batch_tokens = asked;
+                input.opts = asked;
                 return Err(e.into());
             }
             Ok(p) => {
-                if input.opts.max_batch_tokens < asked {
+                let o = &input.opts;
+                if o.max_batch_tokens < asked.max_batch_tokens {
                     tracing::info!(
-                        "prefill chunk lowered from {asked} to {} tokens to fit the host budget (its workspace)",
-                        input.opts.max_batch_tokens
+                        "prefill chunk lowered from {} to {} tokens to fit the host budget (its workspace)",
+                        asked.max_batch_tokens,
+                        o.max_batch_tokens
+                    );
+                }
+                if o.verify_rows < asked.verify_rows {
+                    tracing::info!(
+                        "drafted rows a pass verifies lowered from {} to {} to fit the host budget (their logits){}",
+                        asked.verify_rows,
+                        o.verify_rows,
+                        if o.verify_rows == 0 { ": no drafting" } else { "" }
                     );
                 }
                 return Ok(p);
             }
         }
     }
+}
+
+/// Halves the step shape that holds more memory (`plan_within_host`); false when neither
+/// can shrink.
+fn shrink_step(m: &Manifest, o: &mut crate::model::ModelOptions) -> bool {
+    let least = BATCH_TOKENS_MIN.max(o.logit_rows());
+    let cfg = &m.arch;
+    let ws = |o: &crate::model::ModelOptions| crate::model::layout::workspace_bytes(cfg, o);
+    let chunk = if o.max_batch_tokens > least {
+        ws(o)
+            - ws(&crate::model::ModelOptions {
+                max_batch_tokens: least,
+                ..*o
+            })
+    } else {
+        0
+    };
+    // The arena's logits and workspace rows, and the host's logits (twice where a tied
+    // head streams: counted either way, the larger share decides).
+    let verify = ws(o)
+        - ws(&crate::model::ModelOptions {
+            verify_rows: 0,
+            ..*o
+        })
+        + 8 * o.verify_rows as u64 * cfg.vocab as u64;
+    if chunk == 0 && o.verify_rows == 0 {
+        return false;
+    }
+    if verify >= chunk && o.verify_rows > 0 {
+        o.verify_rows /= 2;
+    } else {
+        o.max_batch_tokens = (o.max_batch_tokens / 2).max(least);
+    }
+    true
 }
 
 /// The I/O engine's shape as the plan's upper bounds: reads in flight, their size, the
@@ -446,6 +493,39 @@ mod tests {
         )
         .expect("pipeline");
         *r.options()
+    }
+
+    /// A short host budget lowers the verified rows before the prefill chunk where they
+    /// hold more (a large vocabulary's logits), to what fits; none left is an error that
+    /// leaves the options as asked.
+    #[test]
+    fn a_short_host_budget_lowers_the_verified_rows_first_for_a_large_vocabulary() {
+        let tmp = tempfile::tempdir().expect("tempdir");
+        let store = test_model::tied_store(tmp.path(), 128, 32768);
+        let m = store.manifest();
+        let input = |budget: Option<u64>, verify_rows: usize| {
+            let mut i = crate::plan::test_input(256, 2, 64);
+            i.opts.verify_rows = verify_rows;
+            i.host.budget = budget;
+            i.host.unified = true;
+            i
+        };
+        let plain = crate::plan::plan(m, &input(None, 0)).expect("plan");
+        // 64 verified rows hold 8 MiB of logits in the arena and 16 on the host here.
+        let budget = plain.host.total_bytes + (6 << 20);
+        let mut i = input(Some(budget), 64);
+        let p = plan_within_host(m, &mut i).expect("a plan with fewer verified rows");
+        assert!(p.host.total_bytes <= budget);
+        assert!(
+            (1..64).contains(&i.opts.verify_rows),
+            "verified rows {}",
+            i.opts.verify_rows
+        );
+        assert_eq!(i.opts.max_batch_tokens, 64, "the chunk held less: kept");
+        // Where not even the plain plan fits, the options come back as asked.
+        let mut i = input(Some(plain.host.total_bytes / 4), 64);
+        assert!(plan_within_host(m, &mut i).is_err());
+        assert_eq!((i.opts.verify_rows, i.opts.max_batch_tokens), (64, 64));
     }
 
     /// The prefill chunk (and the workspace sized by it) never outgrows what the

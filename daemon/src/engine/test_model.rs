@@ -33,6 +33,28 @@ pub fn store(dir: &std::path::Path) -> Arc<Store> {
     Arc::new(Store::open(&out).expect("open the tiny model"))
 }
 
+/// A 4-layer synthetic model of `hidden` with a tied embedding of `vocab` rows, packed raw
+/// in frames of 1 MiB (for the planner: no tokenizer to speak of).
+pub fn tied_store(dir: &std::path::Path, hidden: u32, vocab: u32) -> Arc<Store> {
+    let mut spec = SynthSpec::llama_like(hidden, 4, DType::F32);
+    spec.vocab = vocab;
+    let mut model = synth::model(&spec);
+    model.arch.tied_embeddings = true;
+    model.tensors.remove("lm_head.weight");
+    let units = model.units().expect("units");
+    let out = dir.join("tied");
+    let opts = PackOptions {
+        auto: None,
+        codec: "none".parse().expect("codec"),
+        frame_size: 1 << 20,
+        threads: 1,
+        force: true,
+        link: false,
+    };
+    pack(&model, &units, &out, &opts, |_| {}).expect("pack the tied model");
+    Arc::new(Store::open(&out).expect("open the tied model"))
+}
+
 /// A byte-level BPE vocabulary without merges: token b (< 256) is byte b, in GPT-2's
 /// byte-to-character mapping; the rest are control tokens.
 fn byte_level_vocab() -> GgufVocab {
