@@ -109,11 +109,17 @@ impl HostShape {
 
 /// What the engine holds on the host to pick tokens, each a vocabulary long: a pass's
 /// logits as the backend hands them over (every logit row, verified tree rows included,
-/// f32), and per sequence its sampler's penalized row (f32) and candidates ((f32, u32)).
-/// Gemma 3's 262,144 tokens make that 1 MiB a logit row and 3 MiB a sequence.
+/// f32), and per sequence its sampler's penalized row (f32) and candidates ((f32, u32))
+/// where it may keep them (`HostInput::sampler_rows`). Gemma 3's 262,144 tokens make that
+/// 1 MiB a logit row and 3 MiB a sequence.
 pub fn sampling(m: &Manifest, input: &PlanInput) -> u64 {
     let vocab = m.arch.vocab as u64;
-    let (rows, seqs) = (input.opts.logit_rows() as u64, input.opts.kv_slots as u64);
+    let rows = input.opts.logit_rows() as u64;
+    let seqs = if input.host.sampler_rows {
+        input.opts.kv_slots as u64
+    } else {
+        0
+    };
     round(vocab * (4 * rows + 12 * seqs))
 }
 

@@ -130,6 +130,10 @@ pub struct HostInput {
     /// What the compute threads keep for themselves outside the device arena (the CPU
     /// backend's, `CpuBackend::scratch_bytes`; 0 for CUDA, whose scratch is on the device).
     pub compute_scratch: u64,
+    /// Whether the sequences' samplers may keep vocabulary-long rows (`host::sampling`):
+    /// a server's requests may ask for any sampling; a greedy run without penalties,
+    /// biases or JSON keeps none.
+    pub sampler_rows: bool,
 }
 
 impl Default for HostInput {
@@ -146,6 +150,7 @@ impl Default for HostInput {
             in_flight_max_bytes: 32 << 20,
             workers: 1,
             compute_scratch: 0,
+            sampler_rows: true,
         }
     }
 }

@@ -227,7 +227,10 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         Some(d) if d != "ngram" => Some(draft_store(d, &tok)?),
         _ => None,
     };
-    let input = sluice::plan::PlanInput {
+    // Each setting given on the command line, the model's default for the rest.
+    let defaults = sluice::engine::sampling_defaults(m);
+    let sampling = sluice::server::service::sampling_of(&a.sampling.request(), &defaults);
+    let mut input = sluice::plan::PlanInput {
         device_budget: a.device_memory,
         host_cache_budget: a.host_cache,
         opts,
@@ -238,10 +241,14 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         // The engine's logits and samplers are the plan's (`plan::host::sampling`).
         host: sluice::engine::host_input(a.host_memory, 0),
     };
+    // Greedy decoding without penalties, biases or JSON takes the argmax of each row in
+    // place: the samplers keep no rows of their own.
+    input.host.sampler_rows = sampling.temperature > 0.0
+        || sampling.penalizes()
+        || !a.logit_bias.is_empty()
+        || a.json_object
+        || a.json_schema.is_some();
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
-    // Each setting given on the command line, the model's default for the rest.
-    let defaults = sluice::engine::sampling_defaults(m);
-    let sampling = sluice::server::service::sampling_of(&a.sampling.request(), &defaults);
     let job = Generate {
         store: store.clone(),
         draft_store,
