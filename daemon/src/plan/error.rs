@@ -53,7 +53,7 @@ pub struct DeviceBudgetError {
 /// The host budget cannot hold the least plan: every host role with its bytes.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
-    "host budget {} ({budget} bytes) is too small: process overhead {} + read buffers {} + decoder and compute scratch {} + {} {} + staging slots {}{} = {} ({need} bytes) at least; raise --host-memory, or lower --max-context / --max-batch",
+    "host budget {} ({budget} bytes) is too small: process overhead {} + read buffers {} + scratch (decoders, compute, logits and samplers) {} + {} {} + staging slots {}{} = {} ({need} bytes) at least; raise --host-memory, or lower --max-context / --max-batch / --draft-max",
     fmt_bytes(*budget),
     fmt_bytes(*overhead),
     fmt_bytes(*reads),

@@ -1,4 +1,5 @@
-//! The host side's shape: read buffers and requests, decoder and compute scratch.
+//! The host side's shape: read buffers and requests, decoder and compute scratch, the
+//! engine's logits and samplers.
 
 use super::costs::UnitCosts;
 use super::streamed::Streamed;

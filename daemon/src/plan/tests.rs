@@ -399,6 +399,7 @@ fn too_small_a_host_budget_names_every_role_and_the_least_that_runs() {
     for part in [
         "process overhead",
         "read buffers",
+        "logits and samplers",
         "device arena",
         "staging slots",
         "raise --host-memory",
