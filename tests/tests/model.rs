@@ -42,6 +42,17 @@ fn step(runner: &mut Pipeline<CpuBackend>, pos: usize, tokens: Vec<u32>, logits:
         .unwrap();
 }
 
+/// `tokens` at `pos` of `slot`, one plain span of a step.
+fn seq(slot: usize, pos: usize, tokens: &[u32]) -> SeqStep {
+    SeqStep {
+        slot,
+        pos,
+        tokens: tokens.to_vec(),
+        verify: false,
+        ..Default::default()
+    }
+}
+
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
@@ -953,13 +964,6 @@ fn a_mixtures_sequence_gets_the_same_bits_alone_as_in_a_batch() {
             let vocab = r.store.manifest().arch.vocab as usize;
             let a: Vec<u32> = (0..9).map(|i| 5 + i * 31 % 280).collect();
             let b: Vec<u32> = (0..12).map(|i| 7 + i * 17 % 280).collect();
-            let seq = |slot: usize, pos: usize, tokens: &[u32]| SeqStep {
-                slot,
-                pos,
-                tokens: tokens.to_vec(),
-                verify: false,
-                ..Default::default()
-            };
             let bits = |l: &[f32]| l.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
             // Alone: a's prompt, then four decode steps.
             let mut logits = Vec::new();
@@ -1016,13 +1020,6 @@ fn a_discarded_slot_gives_its_kv_pages_back_and_changes_no_bits() {
     // Exact: an f32 cache, 128 bytes a position for tiny-llama (2 layers), so each slot of
     // 2048 positions is 64 whole pages per layer and K or V.
     for (src, per_slot) in [("tiny-llama", 2 * 2 * 2048 * 128), ("tiny-gemma3", 0)] {
-        let seq = |slot: usize, pos: usize, tokens: &[u32]| SeqStep {
-            slot,
-            pos,
-            tokens: tokens.to_vec(),
-            verify: false,
-            ..Default::default()
-        };
         let a: Vec<u32> = (0..9).map(|i| 5 + i * 31 % 200).collect();
         let b: Vec<u32> = (0..40).map(|i| 7 + i * 17 % 200).collect();
         let c: Vec<u32> = (0..23).map(|i| 3 + i * 13 % 200).collect();
