@@ -22,7 +22,8 @@ secs="${1:-60}"
 work_root="${SLUICE_FUZZ_WORK:-${SLUICE_CACHE:-$HOME/.cache/sluice}/fuzz}"
 merge="${SLUICE_FUZZ_MERGE:-0}"
 command -v cargo-fuzz >/dev/null || cargo +nightly install --locked cargo-fuzz
-targets=(gguf safetensors manifest frame template tokenizer openai grpc)
+# SLUICE_FUZZ_TARGETS="openai grpc" fuzzes only those (the parsers a change touched).
+read -r -a targets <<<"${SLUICE_FUZZ_TARGETS:-gguf safetensors manifest frame template tokenizer openai grpc}"
 cd fuzz
 cargo +nightly fuzz build
 mkdir -p "$work_root"
