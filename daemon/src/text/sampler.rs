@@ -302,7 +302,6 @@ impl SamplingParams {
         Ok(())
     }
 
-    /// Whether a penalty is on (the sampler then keeps a penalized copy of each row).
     pub fn penalizes(&self) -> bool {
         self.repetition_penalty != 1.0
             || self.presence_penalty != 0.0
