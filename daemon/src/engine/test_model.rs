@@ -19,18 +19,27 @@ pub fn store(dir: &std::path::Path) -> Arc<Store> {
     let mut model = synth::model(&spec);
     model.special.end_tokens = vec![END_TOKEN];
     model.tokenizer = TokenizerSpec::Gguf(byte_level_vocab());
+    packed(&model, &dir.join("tiny"), "lz4", 1 << 16)
+}
+
+/// `model` packed at `out` with `codec` in frames of `frame_size`, opened.
+fn packed(
+    model: &crate::import::ImportedModel,
+    out: &std::path::Path,
+    codec: &str,
+    frame_size: u32,
+) -> Arc<Store> {
     let units = model.units().expect("units");
-    let out = dir.join("tiny");
     let opts = PackOptions {
         auto: None,
-        codec: "lz4".parse().expect("codec"),
-        frame_size: 1 << 16,
+        codec: codec.parse().expect("codec"),
+        frame_size,
         threads: 1,
         force: true,
         link: false,
     };
-    pack(&model, &units, &out, &opts, |_| {}).expect("pack the tiny model");
-    Arc::new(Store::open(&out).expect("open the tiny model"))
+    pack(model, &units, out, &opts, |_| {}).expect("pack the test model");
+    Arc::new(Store::open(out).expect("open the test model"))
 }
 
 /// A 4-layer synthetic model of `hidden` with a tied embedding of `vocab` rows, packed raw
@@ -41,18 +50,7 @@ pub fn tied_store(dir: &std::path::Path, hidden: u32, vocab: u32) -> Arc<Store> 
     let mut model = synth::model(&spec);
     model.arch.tied_embeddings = true;
     model.tensors.remove("lm_head.weight");
-    let units = model.units().expect("units");
-    let out = dir.join("tied");
-    let opts = PackOptions {
-        auto: None,
-        codec: "none".parse().expect("codec"),
-        frame_size: 1 << 20,
-        threads: 1,
-        force: true,
-        link: false,
-    };
-    pack(&model, &units, &out, &opts, |_| {}).expect("pack the tied model");
-    Arc::new(Store::open(&out).expect("open the tied model"))
+    packed(&model, &dir.join("tied"), "none", 1 << 20)
 }
 
 /// A byte-level BPE vocabulary without merges: token b (< 256) is byte b, in GPT-2's
