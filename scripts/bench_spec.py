@@ -23,12 +23,14 @@ printed and fails the script).
     python3 scripts/bench_spec.py [--models smollm2,gemma3] [--batch 1,8] [--rounds 2]
         [--decode 96] [--limit-smollm2 192MiB] [--limit-gemma3 320MiB] [--threads 2]
         [--draft-max 8] [--no-llama] [--llama-decode 48] [--llama-kinds summary,code,chat]
-        [--self-draft q8_0,q5_k] [--branches 2]
+        [--self-draft q8_0,q5_k] [--draft-store q8_0] [--branches 2]
 
-Drafters: `ngram` (prompt lookup), and for each --self-draft TYPE the target's own weights
-quantized to TYPE by `sluiced pack --quantize` (a separate store, made once in the cache) as
-a draft model, resident inside the same limit and host budget as the target. With
---branches N each drafter also runs with token trees (`--draft-branches N`).
+Drafters: `ngram` (prompt lookup); for each --self-draft TYPE `--draft self:TYPE` (the
+target drafting for itself: the units it keeps resident shared, resident copies of the
+units it streams quantized to TYPE by `sluiced pack --quantize`, made once in the cache);
+for each --draft-store TYPE the target's own weights quantized to TYPE as a separate draft
+store, resident whole. Every draft lives inside the same limit and host budget as the
+target. With --branches N each drafter also runs with token trees (`--draft-branches N`).
 
 llama.cpp decodes --llama-decode tokens on the --llama-kinds prompts (fewer where its reads
 under the limit make it slow; compare with the same count where it is not).
@@ -143,7 +145,7 @@ def sluice_run(store, ids, batch, limit, a, draft, branches=0):
         argv += ["--draft-branches", str(branches)]
     rc, out, err, _, _ = cg.run(argv)
     cg.close()
-    if rc != 0 and "a draft must be resident" in err:
+    if rc != 0 and ("a draft must be resident" in err or "with a self-draft of" in err):
         # The draft does not fit beside this batch's KV cache within the limit: refused,
         # as it should be, and reported as such.
         return {"refused": err.strip().splitlines()[-1][:160]}
@@ -180,8 +182,17 @@ def bench(name, gguf, limit, prompts, a):
     if a.branches:
         engines.append(("sluice ngram tree", "ngram", a.branches))
     for t in filter(None, a.self_draft.split(",")):
-        # The self-draft: the target's own weights quantized by `pack --quantize`, a store of
-        # its own, resident inside the same limit.
+        # The self-draft (`--draft self:TYPE`): the target's resident units shared, copies of
+        # its streamed ones quantized by `pack --quantize`, made once in the cache (here,
+        # outside the cgroup, before the rounds).
+        subprocess.run([SLUICED, "run", store, "--prompt-ids", "1", "--max-tokens", "1", "--max-context", "64",
+                        "--draft", f"self:{t}"], check=True, capture_output=True)
+        engines.append((f"sluice self:{t}", f"self:{t}", 0))
+        if a.branches:
+            engines.append((f"sluice self:{t} tree", f"self:{t}", a.branches))
+    for t in filter(None, a.draft_store.split(",")):
+        # A draft store: the target's own weights quantized by `pack --quantize`, a store of
+        # its own, resident whole inside the same limit.
         draft = os.path.join(CACHE, "bench-spec", f"{os.path.basename(gguf)}.{t}.store")
         if not os.path.isdir(draft):
             subprocess.run([SLUICED, "pack", gguf, "-o", draft, "--quantize", t], check=True, capture_output=True)
@@ -265,7 +276,9 @@ def main():
     ap.add_argument("--limit-gemma3", default="320MiB")
     ap.add_argument("--kinds", default="summary,code,chat")
     ap.add_argument("--self-draft", default="q8_0",
-                    help="types of the self-drafts to run (pack --quantize), comma-separated; '' for none")
+                    help="types of the self-drafts to run (--draft self:TYPE), comma-separated; '' for none")
+    ap.add_argument("--draft-store", default="",
+                    help="types of separate draft stores of the target (pack --quantize) to run, comma-separated")
     ap.add_argument("--branches", type=int, default=0,
                     help="also run each drafter with token trees of this many branches (--draft-branches)")
     ap.add_argument("--no-llama", action="store_true")

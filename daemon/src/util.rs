@@ -95,6 +95,15 @@ pub fn default_models_dir() -> Option<std::path::PathBuf> {
     Some(data.join("sluice").join("models"))
 }
 
+/// Where sluice keeps what it can make again (compiled kernels, self-draft stores):
+/// $SLUICE_CACHE, else ~/.cache/sluice.
+pub fn cache_root() -> Option<std::path::PathBuf> {
+    let var = |k: &str| std::env::var_os(k).filter(|v| !v.is_empty());
+    var("SLUICE_CACHE")
+        .map(std::path::PathBuf::from)
+        .or_else(|| var("HOME").map(|h| std::path::Path::new(&h).join(".cache/sluice")))
+}
+
 /// A store as the user names it: a path, or (when no such path exists and it is a bare
 /// name) the store of that name in the models directory.
 pub fn store_path(

@@ -81,6 +81,7 @@ pub fn plan_input(opts: sluice::model::ModelOptions) -> sluice::plan::PlanInput 
         expert_cache: None,
         expert_profile: None,
         backend_reserved: 0,
+        self_draft_reserved: 0,
         host: Default::default(),
     }
 }

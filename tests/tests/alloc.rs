@@ -116,6 +116,7 @@ fn pipeline(
         expert_cache: None,
         expert_profile: None,
         backend_reserved: 0,
+        self_draft_reserved: 0,
         host: Default::default(),
     };
     cpu_runner(store.clone(), &input, threads, io, Default::default()).expect("pipeline")
@@ -187,6 +188,7 @@ fn check(src: &std::path::Path, name: &str) {
             expert_cache: None,
             expert_profile: None,
             backend_reserved: 0,
+            self_draft_reserved: 0,
             host: Default::default(),
         };
         let full = plan(store.manifest(), &input(None)).expect("plan");

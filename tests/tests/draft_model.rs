@@ -160,6 +160,11 @@ fn text_with_a_draft_model_is_the_text_without_on_every_architecture() {
 
 /// `sluiced run --json` of a chat prompt, greedy.
 fn run_json(store: &str, extra: &[&str]) -> serde_json::Value {
+    run_json_env(store, extra, &[])
+}
+
+/// `run_json` with environment variables for `sluiced`.
+fn run_json_env(store: &str, extra: &[&str], env: &[(&str, &str)]) -> serde_json::Value {
     let mut args = vec![
         "run",
         store,
@@ -175,7 +180,14 @@ fn run_json(store: &str, extra: &[&str]) -> serde_json::Value {
         "--json",
     ];
     args.extend_from_slice(extra);
-    serde_json::from_str(&sluiced_ok(&args)).expect("run --json")
+    let o = std::process::Command::new(bin("sluiced"))
+        .args(&args)
+        .envs(env.iter().copied())
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("spawn sluiced");
+    assert!(o.status.success(), "{args:?}: {}", stderr(&o));
+    serde_json::from_str(&stdout(&o)).expect("run --json")
 }
 
 #[test]
@@ -330,6 +342,24 @@ fn the_daemon_drafts_with_a_model_and_answers_as_without() {
             );
         }
     }
+    // The model drafting for itself (`--draft self:TYPE`), its copy made in the cache (the
+    // serving path: everything resident and shared here; streaming is `run`'s test's).
+    let cache = tempfile::tempdir().expect("tempdir");
+    let cache_dir = cache.path().to_str().expect("path");
+    let own = Daemon::start_env(
+        &["--draft", "self:q8_0", "--draft-fixed"],
+        &[("SLUICE_CACHE", cache_dir)],
+    );
+    for n in [1, 2] {
+        let (a, b) = (chat(&plain, n), chat(&own, n));
+        for i in 0..n as usize {
+            let text = |c: &serde_json::Value| c["choices"][i]["message"]["content"].clone();
+            assert_eq!(text(&a), text(&b), "self-draft: choice {i} of {n}");
+        }
+    }
+    let st = grpc_status(&own);
+    let accepted = st["speculative"]["acceptedTokens"].as_str().unwrap_or("0");
+    assert!(accepted.parse::<u64>().unwrap_or(0) > 0, "{st}");
     let st = grpc_status(&drafted);
     let spec = &st["speculative"];
     assert_eq!(spec["drafter"], "model", "{st}");
@@ -342,4 +372,193 @@ fn the_daemon_drafts_with_a_model_and_answers_as_without() {
         secs("draftSeconds") > 0.0 && secs("passSeconds") > 0.0,
         "{spec}"
     );
+}
+
+/// Every tensor of `a` and `b`, unit by unit, by name: the same bytes.
+fn same_tensors(a: &Store, b: &Store) {
+    let read = |s: &Store, u: usize| -> Vec<u8> {
+        let file = s.open_weights().expect("weights");
+        let mut dec = s
+            .frame_decoder(s.manifest().frame_raw_len_max() as usize)
+            .expect("decoder");
+        let mut out = vec![0u8; s.units()[u].raw_len as usize];
+        s.read_unit(&file, u, &mut Vec::new(), &mut out, &mut dec)
+            .expect("read unit");
+        out
+    };
+    assert_eq!(a.units().len(), b.units().len());
+    for u in 0..a.units().len() {
+        let (ra, rb) = (read(a, u), read(b, u));
+        for (ta, tb) in a.units()[u].tensors.iter().zip(&b.units()[u].tensors) {
+            assert_eq!((&ta.name, ta.dtype), (&tb.name, tb.dtype));
+            let bytes = |r: &[u8], t: &sluice::store::TensorEntry| -> Vec<u8> {
+                r[t.offset as usize..(t.offset + t.len) as usize].to_vec()
+            };
+            assert!(bytes(&ra, ta) == bytes(&rb, tb), "{} differs", ta.name);
+        }
+    }
+}
+
+/// `--draft self:q8_0` on every architecture, with a device budget that streams part of
+/// the model: the quantized copy is `pack --quantize`'s, tensor for tensor, made once; the
+/// draft runs the units the model keeps resident from the model's own memory and holds
+/// copies of the streamed ones only, within the plan; the text is the model's own.
+#[test]
+fn a_self_draft_shares_the_resident_units_and_its_text_is_the_text_without_on_every_architecture() {
+    use sluice::engine::draft_model::{with_draft, DraftSource};
+    use sluice::engine::self_draft;
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let greedy = SamplingParams {
+        temperature: 0.0,
+        ..SamplingParams::default()
+    };
+    let chosen = sluice::engine::Chosen::Cpu { why: String::new() };
+    let plan = |m: &sluice::store::Manifest, i: &sluice::plan::PlanInput| {
+        sluice::engine::plan_for(&chosen, m, i, &small_io(), 2)
+    };
+    let make = |s: &Arc<Store>, i: &sluice::plan::PlanInput| {
+        sluice::engine::cpu_runner(s.clone(), i, 2, small_io(), Default::default())
+    };
+    for src in TINY_ARCHS {
+        let dir = tmp.path().join(src);
+        let target = pack_store(&fixture(src), &dir.join("t"), "none", 1 << 20);
+        let cache = dir.join("cache");
+        let q = self_draft::quantized_store(&target, sluice::dtype::DType::Q8_0, 2, Some(&cache))
+            .expect("quantized copy");
+        let packed = dir.join("p");
+        sluiced_ok(&[
+            "pack",
+            fixture(src).to_str().expect("path"),
+            "-o",
+            packed.to_str().expect("path"),
+            "--quantize",
+            "q8_0",
+        ]);
+        same_tensors(&q, &Store::open(&packed).expect("packed copy"));
+        let again =
+            self_draft::quantized_store(&target, sluice::dtype::DType::Q8_0, 2, Some(&cache))
+                .expect("found again");
+        assert_eq!(again.dir(), q.dir(), "{src}: made once");
+        for n in [1, 3] {
+            let what = format!("{src} batch {n}");
+            let opts = |verify_rows| ModelOptions {
+                max_context: 128,
+                kv_slots: n,
+                max_batch_tokens: 64,
+                kv_dtype: sluice::engine::kv_dtype_for(false, None),
+                exact: false,
+                verify_rows,
+            };
+            // Room for the model whole, and for the draft's own decoder: the copies then
+            // push some of the model's units out to stream.
+            let whole = plan(target.manifest(), &plan_input(opts(n * MODEL.rows())))
+                .expect("plan")
+                .device_bytes();
+            let (draft_fixed, _) = sluice::plan::decoder_bytes(q.manifest(), &opts(0));
+            let mut input = plan_input(opts(n * MODEL.rows()));
+            input.device_budget = Some(whole + draft_fixed);
+            let source = DraftSource::SelfDraft(q.clone());
+            let (mut runner, dm) = with_draft(&make, &plan, &target, Some(&source), &input)
+                .unwrap_or_else(|e| panic!("{what}: {e}"));
+            let mut dm = dm.expect("a self-draft");
+            let (resident, streamed) =
+                (runner.plan.layers_resident(), runner.plan.layers_streamed());
+            assert!(
+                resident > 0 && streamed > 0,
+                "{what}: {resident} resident, {streamed} streamed"
+            );
+            assert!(
+                dm.describe().contains(&format!("{resident} units shared")),
+                "{what}: {}",
+                dm.describe()
+            );
+            let mut plain = make(&target, &{
+                let mut i = plan_input(opts(0));
+                i.device_budget = input.device_budget;
+                i
+            })
+            .expect("plain runner");
+            let prompt = [1, 5, 9, 2, 7, 3, 8, 4];
+            let a = generate_with(
+                &mut plain,
+                None,
+                &Tokenizer::from_manifest(target.manifest()).expect("tok"),
+                &prompt,
+                &params(greedy, None),
+                n,
+                |_| {},
+            )
+            .expect("plain");
+            let tok = Tokenizer::from_manifest(target.manifest()).expect("tok");
+            let b = generate_with(
+                &mut runner,
+                Some(&mut dm),
+                &tok,
+                &prompt,
+                &params(greedy, Some(MODEL)),
+                n,
+                |_| {},
+            )
+            .expect("self-drafted");
+            for (x, y) in a.iter().zip(&b) {
+                assert_eq!(x.generated_token_ids, y.generated_token_ids, "{what}");
+            }
+            let s = total(&b);
+            assert!(s.accepted_tokens > 0 && dm.passes > 0, "{what}: {s:?}");
+            // The draft's memory is the model's plan's, and within it: the copies of the
+            // streamed units only (the shared ones cost nothing).
+            let budget = sluice::backend::Backend::budget(&runner.backend);
+            assert!(budget.peak() <= runner.plan.device_bytes(), "{what}");
+            let (fixed, raw) = sluice::plan::decoder_bytes(q.manifest(), &opts(0));
+            let copies: u64 = (0..raw.len())
+                .filter(|&u| runner.plan.placement(u) != sluice::plan::Placement::Resident)
+                .map(|u| raw[u])
+                .sum();
+            assert!(
+                fixed + copies <= runner.plan.self_draft_bytes
+                    && runner.plan.self_draft_bytes < fixed + raw.iter().sum::<u64>(),
+                "{what}: {} reserved for {fixed} + {copies}",
+                runner.plan.self_draft_bytes
+            );
+        }
+    }
+}
+
+/// `sluiced run --draft self:q8_0` on SmolLM2 streamed within a host budget: the text is
+/// the model's own, the quantized copy is made once in the cache directory, and a type
+/// nothing quantizes to is refused with the ones there are.
+#[test]
+fn real_model_self_draft_gives_the_text_without() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let smol = tmp.path().join("smollm2");
+    let smol = smol.to_str().expect("p");
+    sluiced_ok(&["pack", smollm2_gguf().to_str().expect("p"), "-o", smol]);
+    let cache = tmp.path().join("cache");
+    let env = [("SLUICE_CACHE", cache.to_str().expect("path"))];
+    let run = |extra: &[&str]| {
+        let mut args = vec!["--host-memory", "160MiB"];
+        args.extend_from_slice(extra);
+        run_json_env(smol, &args, &env)
+    };
+    let plain = run(&[]);
+    for _ in 0..2 {
+        let drafted = run(&["--draft", "self:q8_0", "--draft-fixed"]);
+        assert_eq!(plain["sequences"], drafted["sequences"]);
+        assert!(
+            drafted["layers_streamed"].as_u64().expect("n") > 0,
+            "{drafted}"
+        );
+        let s = &drafted["speculative"];
+        assert!(s["accepted_tokens"].as_u64().expect("n") > 0, "{s}");
+        assert!(
+            drafted["host_bytes_peak"].as_u64() <= drafted["host_bytes_budget"].as_u64(),
+            "{drafted}"
+        );
+    }
+    let made: Vec<_> = std::fs::read_dir(cache.join("self-draft"))
+        .expect("the copies' directory")
+        .collect();
+    assert_eq!(made.len(), 1, "one copy, made once: {made:?}");
+    let e = sluiced_err(&["run", smol, "--prompt-ids", "1,2,3", "--draft", "self:f16"]);
+    assert!(e.contains("self:TYPE") && e.contains("q8_0"), "{e}");
 }

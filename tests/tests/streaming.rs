@@ -89,6 +89,7 @@ fn runner_run(
             expert_cache,
             expert_profile: None,
             backend_reserved: 0,
+            self_draft_reserved: 0,
             host: Default::default(),
         },
         2,
@@ -114,6 +115,7 @@ fn free_plan(s: &Store) -> sluice::plan::Plan {
             expert_cache: None,
             expert_profile: None,
             backend_reserved: 0,
+            self_draft_reserved: 0,
             host: Default::default(),
         },
     )
@@ -347,6 +349,7 @@ fn gemma3_270m_streamed_is_bit_identical_to_resident() {
             expert_cache: None,
             expert_profile: None,
             backend_reserved: 0,
+            self_draft_reserved: 0,
             host: Default::default(),
         },
     )
@@ -442,6 +445,7 @@ fn a_budget_too_small_fails_at_start_with_the_numbers() {
             expert_cache: None,
             expert_profile: None,
             backend_reserved: 0,
+            self_draft_reserved: 0,
             host: Default::default(),
         },
         1,
@@ -968,6 +972,7 @@ fn input_at(device_budget: Option<u64>, host: sluice::plan::HostInput) -> PlanIn
         expert_cache: None,
         expert_profile: None,
         backend_reserved: 0,
+        self_draft_reserved: 0,
         host,
     }
 }
@@ -1454,6 +1459,7 @@ fn an_expert_profile_pins_the_hottest_experts_and_outputs_stay_bit_identical() {
             expert_cache: None,
             expert_profile: Some(hot),
             backend_reserved: 0,
+            self_draft_reserved: 0,
             host: sluice::plan::HostInput {
                 unified,
                 ..Default::default()

@@ -30,7 +30,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("daemon/src/bin/sluiced/bench.rs", "run_stream", 136),
     ("daemon/src/bin/sluiced/codec.rs", "load", 142),
     ("daemon/src/bin/sluiced/inspect.rs", "print_summary", 143),
-    ("daemon/src/bin/sluiced/pack.rs", "run", 119),
+    ("daemon/src/bin/sluiced/pack.rs", "run", 113),
     ("daemon/src/bin/sluiced/run.rs", "run_generate", 170),
     (
         "daemon/src/bin/sluiced/serve.rs",

@@ -329,6 +329,7 @@ pub fn budget_for_weights_share(
             expert_cache: None,
             expert_profile: None,
             backend_reserved: 0,
+            self_draft_reserved: 0,
             host: Default::default(),
         },
     )?;
@@ -370,8 +371,7 @@ pub fn bench_stream<B: Backend>(
     o: &BenchStreamOptions,
     make: &dyn Fn(&PlanInput) -> Result<Pipeline<B>, EngineError>,
 ) -> Result<BenchStreamReport, EngineError> {
-    let m = store.manifest();
-    let vocab = m.arch.vocab;
+    let (m, vocab) = (store.manifest(), store.manifest().arch.vocab);
     let opts = model_options(&o.batches, o.prompt_tokens, o.steps);
     let input = |budget: Option<u64>, host: Option<&crate::plan::HostInput>| PlanInput {
         device_budget: budget,
@@ -384,6 +384,7 @@ pub fn bench_stream<B: Backend>(
             .as_ref()
             .map(|p| p.hot_set(crate::pipeline::PROFILE_HOT_SHARE)),
         backend_reserved: 0,
+        self_draft_reserved: 0,
         host: host.cloned().unwrap_or_default(),
     };
     // A streamed run's pipeline, with the expert profile asked for (`make` gives it the

@@ -17,13 +17,20 @@ use super::sequence::Sequence;
 use super::EngineError;
 use crate::backend::Backend;
 use crate::model::SeqStep;
-use crate::pipeline::Pipeline;
+use crate::pipeline::{Pipeline, SelfDraft};
 use crate::text::Tokenizer;
 use std::time::Instant;
 
+/// What runs a draft's passes: a pipeline of its own, or a self-draft on the model's
+/// pipeline (`pipeline::SelfDraft`).
+enum Runner<B: Backend> {
+    Model(Box<Pipeline<B>>),
+    SelfDraft(Box<SelfDraft<B>>),
+}
+
 /// A draft model's pipeline and the buffers of its passes (kept between steps).
 pub struct DraftModel<B: Backend> {
-    runner: Pipeline<B>,
+    runner: Runner<B>,
     steps: Vec<SeqStep>,
     /// The sequence (index into the caller's list) of each step.
     owner: Vec<usize>,
@@ -66,6 +73,70 @@ pub fn build_draft<B: Backend>(
     let runner = make(store, &draft_input(input))?;
     resident(store, &runner.plan).map_err(EngineError::Invalid)?;
     Ok(DraftModel::new(runner))
+}
+
+/// Where a model's draft comes from: a store of its own, loaded whole beside the model, or
+/// the model's units quantized (`self_draft::quantized_store`), run as a self-draft on the
+/// model's own pipeline.
+pub enum DraftSource {
+    Model(std::sync::Arc<crate::store::Store>),
+    SelfDraft(std::sync::Arc<crate::store::Store>),
+}
+
+/// Plans a manifest's memory on the backend a `MakePipeline` builds for, without building.
+pub type PlanFn<'a> = dyn Fn(&crate::store::Manifest, &crate::plan::PlanInput) -> Result<crate::plan::Plan, EngineError>
+    + 'a;
+
+/// The model's pipeline on `store` and its draft from `draft`: a draft model planned first
+/// and whole, its bytes out of the model's budgets (`leave_room`); a self-draft reserved in
+/// the model's own memory (`self_draft::plan_room`) and built on its pipeline.
+pub fn with_draft<B: Backend>(
+    make: &super::MakePipeline<B>,
+    plan: &PlanFn,
+    store: &std::sync::Arc<crate::store::Store>,
+    draft: Option<&DraftSource>,
+    input: &crate::plan::PlanInput,
+) -> Result<(Pipeline<B>, Option<DraftModel<B>>), EngineError> {
+    match draft {
+        None => Ok((make(store, input)?, None)),
+        Some(DraftSource::Model(ds)) => {
+            let d = build_draft(make, ds, input)?;
+            let mut input = input.clone();
+            if let Some(p) = d.plan() {
+                leave_room(&mut input, p);
+            }
+            Ok((make(store, &input)?, Some(d)))
+        }
+        Some(DraftSource::SelfDraft(q)) => {
+            let m = store.manifest();
+            let (room, _) = super::self_draft::plan_room(&|i| plan(m, i), q.manifest(), input)?;
+            let runner = make(store, &room)?;
+            let d = runner.self_draft(q.clone(), draft_input(input).opts)?;
+            Ok((runner, Some(DraftModel::new_self(d))))
+        }
+    }
+}
+
+/// The plan `with_draft` makes for the model, made without building anything.
+pub fn plan_with_draft(
+    plan: &PlanFn,
+    m: &crate::store::Manifest,
+    draft: Option<&DraftSource>,
+    input: &crate::plan::PlanInput,
+) -> Result<crate::plan::Plan, EngineError> {
+    match draft {
+        None => plan(m, input),
+        Some(DraftSource::Model(ds)) => {
+            let dp = plan(ds.manifest(), &draft_input(input))?;
+            resident(ds, &dp).map_err(EngineError::Invalid)?;
+            let mut input = input.clone();
+            leave_room(&mut input, &dp);
+            plan(m, &input)
+        }
+        Some(DraftSource::SelfDraft(q)) => {
+            Ok(super::self_draft::plan_room(&|i| plan(m, i), q.manifest(), input)?.1)
+        }
+    }
 }
 
 /// Refuses a draft whose plan streams: every drafted token would cost a pass of reads.
@@ -171,6 +242,15 @@ impl<B: Backend> DraftModel<B> {
     /// A draft on `runner`, whose options (slots, context) match the target's and which
     /// keeps every unit resident.
     pub fn new(runner: Pipeline<B>) -> DraftModel<B> {
+        Self::on(Runner::Model(Box::new(runner)))
+    }
+
+    /// The self-draft `d` of the model whose pipeline each call passes.
+    pub fn new_self(d: SelfDraft<B>) -> DraftModel<B> {
+        Self::on(Runner::SelfDraft(Box::new(d)))
+    }
+
+    fn on(runner: Runner<B>) -> DraftModel<B> {
         DraftModel {
             runner,
             steps: Vec::new(),
@@ -181,23 +261,54 @@ impl<B: Backend> DraftModel<B> {
         }
     }
 
-    pub fn runner(&self) -> &Pipeline<B> {
-        &self.runner
+    /// The draft's own plan: a separate draft model's (None for a self-draft, whose
+    /// memory is in the model's plan).
+    pub fn plan(&self) -> Option<&crate::plan::Plan> {
+        match &self.runner {
+            Runner::Model(p) => Some(&p.plan),
+            Runner::SelfDraft(_) => None,
+        }
     }
 
-    /// Gives back the memory of `slot`'s draft KV cache, whose sequence is over.
-    pub fn discard_slot(&mut self, slot: usize) {
-        self.runner.discard_slot(slot);
+    /// What the draft is and holds, for the start-up log.
+    pub fn describe(&self) -> String {
+        match &self.runner {
+            Runner::Model(p) => format!("draft model {}:\n{}", p.store.dir().display(), p.plan.table()),
+            Runner::SelfDraft(d) => format!(
+                "self-draft {}: {} units shared with the model, {} units from its quantized copy; {} in the model's memory\n",
+                d.store.dir().display(),
+                d.shared_units,
+                d.store.units().len() - d.shared_units,
+                crate::util::fmt_bytes(d.bytes),
+            ),
+        }
+    }
+
+    /// Gives back the memory of `slot`'s draft KV cache, whose sequence is over (`target`:
+    /// the model's pipeline, a self-draft's backend).
+    pub fn discard_slot(&mut self, target: &Pipeline<B>, slot: usize) {
+        match &mut self.runner {
+            Runner::Model(p) => {
+                p.discard_slot(slot);
+            }
+            Runner::SelfDraft(d) => {
+                d.discard_slot(&target.backend, slot);
+            }
+        }
     }
 
     /// Fills the proposal of every sequence of `seqs` that drafts with a model and asks for
     /// tokens (`Sequence::model_draft`): the draft catches up on its text, then decodes
     /// greedily, every sequence in the same passes.
-    pub fn propose<S: AsMut<Sequence>>(&mut self, seqs: &mut [S]) -> Result<(), EngineError> {
+    pub fn propose<S: AsMut<Sequence>>(
+        &mut self,
+        target: &mut Pipeline<B>,
+        seqs: &mut [S],
+    ) -> Result<(), EngineError> {
         let t0 = Instant::now();
         let mut active = Self::asking(seqs);
-        self.catch_up(seqs, &mut active)?;
-        self.decode(seqs, &mut active)?;
+        self.catch_up(target, seqs, &mut active)?;
+        self.decode(target, seqs, &mut active)?;
         self.seconds += t0.elapsed().as_secs_f64();
         Ok(())
     }
@@ -236,10 +347,14 @@ impl<B: Backend> DraftModel<B> {
     /// sequence's last unseen token gives its first draft.
     fn catch_up<S: AsMut<Sequence>>(
         &mut self,
+        target: &mut Pipeline<B>,
         seqs: &mut [S],
         active: &mut [Drafting],
     ) -> Result<(), EngineError> {
-        let max_tokens = self.runner.options().max_batch_tokens;
+        let max_tokens = match &self.runner {
+            Runner::Model(p) => p.options().max_batch_tokens,
+            Runner::SelfDraft(d) => d.options().max_batch_tokens,
+        };
         while active.iter().any(|a| !a.todo.is_empty()) {
             let mut left = max_tokens;
             self.steps.clear();
@@ -265,7 +380,7 @@ impl<B: Backend> DraftModel<B> {
             if self.steps.is_empty() {
                 break;
             }
-            self.pass()?;
+            self.pass(target)?;
             for (row, (k, step)) in self.owner.iter().zip(&self.steps).enumerate() {
                 let a = &mut active[*k];
                 let Some(d) = seqs[a.seq].as_mut().model_draft() else {
@@ -288,6 +403,7 @@ impl<B: Backend> DraftModel<B> {
     /// then each tree's branches.
     fn decode<S: AsMut<Sequence>>(
         &mut self,
+        target: &mut Pipeline<B>,
         seqs: &mut [S],
         active: &mut [Drafting],
     ) -> Result<(), EngineError> {
@@ -316,7 +432,7 @@ impl<B: Backend> DraftModel<B> {
             if self.steps.is_empty() {
                 break;
             }
-            self.pass()?;
+            self.pass(target)?;
             for (row, (k, step)) in self.owner.iter().zip(&self.steps).enumerate() {
                 let a = &mut active[*k];
                 let Some(d) = seqs[a.seq].as_mut().model_draft() else {
@@ -338,8 +454,11 @@ impl<B: Backend> DraftModel<B> {
         Ok(())
     }
 
-    fn pass(&mut self) -> Result<(), EngineError> {
-        self.runner.step(&self.steps, &mut self.logits)?;
+    fn pass(&mut self, target: &mut Pipeline<B>) -> Result<(), EngineError> {
+        match &mut self.runner {
+            Runner::Model(p) => p.step(&self.steps, &mut self.logits)?,
+            Runner::SelfDraft(d) => target.self_draft_step(d, &self.steps, &mut self.logits)?,
+        }
         self.passes += 1;
         Ok(())
     }

@@ -122,7 +122,7 @@ pub fn generate_with<B: Backend>(
     let mut decode_passes = 0;
     loop {
         if let Some(d) = draft.as_deref_mut() {
-            d.propose(&mut seqs)?;
+            d.propose(runner, &mut seqs)?;
         }
         let k = builder.build(n, |i| &seqs[i], &opts, &mut steps, &mut owner);
         if k == 0 {

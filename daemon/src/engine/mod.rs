@@ -14,6 +14,7 @@ pub mod generate;
 pub mod scheduler;
 #[cfg(test)]
 mod scheduler_tests;
+pub mod self_draft;
 pub mod sequence;
 #[cfg(test)]
 mod sequence_tests;
@@ -393,11 +394,22 @@ impl Chosen {
     }
 
     /// The input the runner `on_backend` builds plans with: the CPU's device memory is
-    /// host memory; CUDA counts its scratch and defaults the budget.
-    fn plan_input(&self, m: &Manifest, input: &PlanInput, io: &IoConfig) -> PlanInput {
+    /// host memory and its `threads` keep scratch beside it; CUDA counts its scratch and
+    /// defaults the budget.
+    fn plan_input(
+        &self,
+        m: &Manifest,
+        input: &PlanInput,
+        io: &IoConfig,
+        threads: usize,
+    ) -> PlanInput {
         let mut input = input.clone();
         match self {
-            Chosen::Cpu { .. } => input.host.unified = true,
+            Chosen::Cpu { .. } => {
+                input.host.unified = true;
+                input.host.compute_scratch =
+                    CpuBackend::scratch_bytes(&input.opts.scratch_shape(&m.arch), threads);
+            }
             Chosen::Cuda(info) => {
                 input.backend_reserved = self.scratch_bytes(m, &input.opts);
                 if input.device_budget.is_none() {
@@ -441,16 +453,18 @@ fn cuda_default_budget(info: &DeviceInfo) -> u64 {
         .saturating_sub(cuda_headroom(info.total_bytes))
 }
 
-/// The plan the runner `on_backend` builds for `chosen` would make of this input, made
-/// without allocating or loading anything: a daemon serving several models asks it whether
-/// one fits beside the others before loading it.
+/// The plan the runner `on_backend` builds for `chosen` (with `threads` on the CPU) would
+/// make of this input, made without allocating or loading anything: a daemon serving
+/// several models asks it whether one fits beside the others before loading it, and a
+/// self-draft's rounds ask it what streams (`self_draft::plan_room`).
 pub fn plan_for(
     chosen: &Chosen,
     m: &Manifest,
     input: &PlanInput,
     io: &IoConfig,
+    threads: usize,
 ) -> Result<crate::plan::Plan, EngineError> {
-    let mut input = chosen.plan_input(m, input, io);
+    let mut input = chosen.plan_input(m, input, io, threads);
     plan_within_host(m, &mut input)
 }
 
@@ -466,7 +480,7 @@ pub fn cuda_runner(
     run: PipelineOptions,
 ) -> Result<Pipeline<CudaBackend>, EngineError> {
     let m = store.manifest();
-    let mut input = Chosen::Cuda(info.clone()).plan_input(m, input, &io);
+    let mut input = Chosen::Cuda(info.clone()).plan_input(m, input, &io, 0);
     let plan = plan_within_host(m, &mut input)?;
     let backend = CudaBackend::new(
         info.ordinal,

@@ -218,7 +218,7 @@ impl<B: Backend> EngineState<B> {
         self.free_slots.push(slot);
         self.runner.discard_slot(slot);
         if let Some(d) = &mut self.draft {
-            d.discard_slot(slot);
+            d.discard_slot(&self.runner, slot);
         }
     }
 }
@@ -600,7 +600,7 @@ impl Scheduler {
 /// requests did not ask for it and lose nothing.
 fn propose_drafts<B: Backend>(st: &mut EngineState<B>) {
     let Some(d) = &mut st.draft else { return };
-    let r = d.propose(&mut st.active);
+    let r = d.propose(&mut st.runner, &mut st.active);
     (st.spec.draft_passes, st.spec.draft_seconds) = (d.passes, d.seconds);
     if let Err(e) = r {
         tracing::error!("the draft model failed ({e}); serving on without it");

@@ -78,7 +78,9 @@ use std::time::Instant;
 mod gather;
 use gather::Gathered;
 mod load;
+mod self_draft;
 mod stats;
+pub use self_draft::SelfDraft;
 pub use stats::PassStats;
 
 /// Where an upload lands: a streaming slot, or a slot of the expert cache.

@@ -263,6 +263,8 @@ pub(super) struct FixedCosts {
     pub workspace: u64,
     /// The backend's own (`PlanInput::backend_reserved`).
     pub backend: u64,
+    /// A self-draft's (`PlanInput::self_draft_reserved`).
+    pub self_draft: u64,
     /// Per unit, its raw bytes.
     pub raw: Vec<u64>,
     /// KV cache, workspace and the backend's: what a step cannot run without.
@@ -277,12 +279,14 @@ impl FixedCosts {
         let kv = 2 * round(kv_cache_bytes(a, &input.opts) / 2);
         let workspace = round(workspace_bytes(a, &input.opts));
         let backend = round(input.backend_reserved);
+        let self_draft = round(input.self_draft_reserved);
         let raw: Vec<u64> = m.units.iter().map(|u| round(u.raw_len)).collect();
-        let device = kv + workspace + backend;
+        let device = kv + workspace + backend + self_draft;
         FixedCosts {
             kv,
             workspace,
             backend,
+            self_draft,
             all_resident: device + raw.iter().sum::<u64>(),
             raw,
             device,

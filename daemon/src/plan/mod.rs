@@ -50,6 +50,7 @@ pub(crate) fn test_input(
         expert_cache: None,
         expert_profile: None,
         backend_reserved: 0,
+        self_draft_reserved: 0,
         host: Default::default(),
     }
 }
@@ -100,6 +101,10 @@ pub struct PlanInput {
     /// Device bytes the backend keeps for itself (CUDA: kernel metadata, cuBLAS scratch
     /// and workspace; CPU: 0), reserved before anything else.
     pub backend_reserved: u64,
+    /// Device bytes a self-draft (`--draft self:TYPE`) holds in the model's own memory,
+    /// reserved beside the backend's: its KV cache and workspace, and the quantized copies
+    /// of the units this plan streams (`engine::self_draft::plan_room` settles them).
+    pub self_draft_reserved: u64,
     /// The host side: its budget and what is already spent.
     pub host: HostInput,
 }
@@ -234,6 +239,8 @@ pub struct Plan {
     pub workspace_bytes: u64,
     /// The backend's own scratch (see PlanInput::backend_reserved).
     pub backend_bytes: u64,
+    /// A self-draft's share of the device memory (see PlanInput::self_draft_reserved).
+    pub self_draft_bytes: u64,
     pub stream_slots: usize,
     pub stream_slot_bytes: u64,
     pub resident_bytes: u64,
@@ -312,11 +319,33 @@ impl Plan {
             + self.workspace_bytes
             + self.gather_table_bytes
             + self.backend_bytes
+            + self.self_draft_bytes
             + self.stream_slots as u64 * self.stream_slot_bytes
             + self.resident_bytes
             + self.expert_cache_slots as u64 * self.expert_slot_bytes
             + self.dense_resident_bytes
     }
+}
+
+/// What a decoder of `m` with `opts` allocates before any weights (its KV cache,
+/// workspace and rotary tables), as a plan counts it, and each unit's bytes as allocated:
+/// a self-draft of `m` holds the first and the units its model streams.
+pub fn decoder_bytes(m: &Manifest, opts: &ModelOptions) -> (u64, Vec<u64>) {
+    let f = FixedCosts::new(
+        m,
+        &PlanInput {
+            device_budget: None,
+            host_cache_budget: 0,
+            opts: *opts,
+            prefetch: None,
+            expert_cache: None,
+            expert_profile: None,
+            backend_reserved: 0,
+            self_draft_reserved: 0,
+            host: HostInput::default(),
+        },
+    );
+    (f.device, f.raw)
 }
 
 /// Plans memory for `m` within the budgets of `input`. A host budget error names the least
@@ -492,6 +521,7 @@ fn assemble(m: &Manifest, h: &HostInput, costs: &UnitCosts, s: Settled) -> Plan 
         kv_cache_bytes: fixed.kv,
         workspace_bytes: fixed.workspace,
         backend_bytes: fixed.backend,
+        self_draft_bytes: fixed.self_draft,
         stream_slots: st.slots,
         stream_slot_bytes: if st.slots > 0 { st.slot_bytes } else { 0 },
         resident_bytes: s.resident_bytes,

@@ -14,6 +14,16 @@ impl Plan {
         if self.backend_bytes > 0 {
             line(&mut s, "backend scratch", fmt_bytes(self.backend_bytes));
         }
+        if self.self_draft_bytes > 0 {
+            line(
+                &mut s,
+                "self-draft",
+                format!(
+                    "{} (its KV cache, workspace and quantized copies of the streamed units)",
+                    fmt_bytes(self.self_draft_bytes)
+                ),
+            );
+        }
         line(
             &mut s,
             "streaming slots",

@@ -83,9 +83,10 @@ pub struct ServeConfig {
     /// A read the disk has not answered for this long ("30s", "500ms") fails the requests
     /// that need its layer with UNAVAILABLE instead of holding them; "off" waits for ever.
     pub read_timeout: String,
-    /// Speculative decoding for every model: "ngram" (prompt lookup), or a draft model's
+    /// Speculative decoding for every model: "ngram" (prompt lookup), a draft model's
     /// store (a directory or a name in the models directory), used for every model whose
-    /// vocabulary it has; None: off.
+    /// vocabulary it has, or "self:TYPE" (each model drafting with itself, the units it
+    /// streams quantized to TYPE); None: off.
     pub draft: Option<String>,
     /// Tokens a sequence drafts for one pass at most.
     pub draft_max: usize,

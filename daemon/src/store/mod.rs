@@ -15,6 +15,7 @@ pub mod inspect;
 pub mod link;
 pub mod quantize;
 pub mod reader;
+pub mod source;
 pub mod spec;
 pub mod verify;
 pub mod writer;

@@ -726,12 +726,7 @@ fn load_module(
 
 /// Where compiled kernels are cached: $SLUICE_CACHE/kernels or ~/.cache/sluice/kernels.
 fn cache_dir() -> Option<std::path::PathBuf> {
-    let root = std::env::var_os("SLUICE_CACHE")
-        .map(std::path::PathBuf::from)
-        .or_else(|| {
-            std::env::var_os("HOME").map(|h| std::path::Path::new(&h).join(".cache/sluice"))
-        })?;
-    Some(root.join("kernels"))
+    Some(crate::util::cache_root()?.join("kernels"))
 }
 
 fn write_atomic(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {

@@ -4,7 +4,6 @@ use super::util::{parse_codec, parse_size_u32, progress_bar};
 use anyhow::{bail, Context, Result};
 use sluice::dtype::quantize::can_quantize;
 use sluice::dtype::DType;
-use sluice::import::ImportedModel;
 use sluice::store::quantize::Quantized;
 use sluice::store::writer::{PackOptions, PackReport, PackSource, UnitSpec};
 use sluice::store::{self, Codec};
@@ -14,7 +13,8 @@ use std::time::Instant;
 
 #[derive(clap::Args)]
 pub struct PackArgs {
-    /// A .gguf file, or a directory with config.json, *.safetensors and tokenizer.json.
+    /// A .gguf file, a directory with config.json, *.safetensors and tokenizer.json, or a
+    /// store (rewritten: quantized with --quantize, recompressed with --codec).
     pub src: PathBuf,
     /// Output store directory (must not exist unless --force).
     #[arg(short, long, required_unless_present = "name", conflicts_with = "name")]
@@ -129,12 +129,6 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         Some(p) => Some(super::util::read_chat_template(p)?),
         None => None,
     };
-    let mut model =
-        sluice::import::open(&src).with_context(|| format!("import {}", src.display()))?;
-    if let Some(t) = template {
-        model.chat_template = Some(t);
-    }
-    let units = model.units()?;
     let threads =
         threads.unwrap_or_else(|| std::thread::available_parallelism().map_or(1, |n| n.get()));
     let auto = if auto_codec {
@@ -160,7 +154,7 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
         force,
         link,
     };
-    let report = pack_shown(&model, &units, &output, &opts, quantize)?;
+    let report = pack_any(&src, template, &output, &opts, quantize)?;
     for line in &report.auto {
         println!("{line}");
     }
@@ -198,10 +192,43 @@ pub fn run(a: PackArgs) -> Result<std::process::ExitCode> {
     Ok(std::process::ExitCode::SUCCESS)
 }
 
+/// Packs `src` into `output`: a GGUF file or a Hugging Face directory imported (with the
+/// chat template `template`, if given), or a store rewritten (its tensors as they are);
+/// quantized with `quantize`, framed and compressed as `opts` says.
+fn pack_any(
+    src: &Path,
+    template: Option<String>,
+    output: &Path,
+    opts: &PackOptions,
+    quantize: Option<DType>,
+) -> Result<PackReport> {
+    if !src.join(store::format::MANIFEST_FILE).is_file() {
+        let mut model =
+            sluice::import::open(src).with_context(|| format!("import {}", src.display()))?;
+        model.chat_template = template.or(model.chat_template);
+        return pack_shown(&model, &model.units()?, output, opts, quantize);
+    }
+    if template.is_some() || opts.link {
+        bail!(
+            "{}: --chat-template and --link take a GGUF file or a Hugging Face directory; a store's template is a chat_template.jinja file in its directory",
+            src.display()
+        );
+    }
+    let s = store::Store::open(src)?;
+    let source = store::source::StoreSource::new(&s)?;
+    let report = pack_shown(&source, &source.units(), output, opts, quantize)?;
+    if let Err(e) = source.finish() {
+        // A unit that could not be read was packed as zeros: not a store to keep.
+        let _ = std::fs::remove_dir_all(output);
+        return Err(e).with_context(|| format!("read {}", src.display()));
+    }
+    Ok(report)
+}
+
 /// Packs `model` (its matrices quantized to `quantize`, if given) under a progress bar,
 /// then says what `--quantize` made of it.
-fn pack_shown(
-    model: &ImportedModel,
+fn pack_shown<S: PackSource>(
+    model: &S,
     units: &[UnitSpec],
     output: &Path,
     opts: &PackOptions,
@@ -211,9 +238,8 @@ fn pack_shown(
         Some(t) => Some(Quantized::new(model, t, opts.threads).map_err(anyhow::Error::msg)?),
         None => None,
     };
-    let total: u64 = model
-        .tensors
-        .keys()
+    let names = || units.iter().flat_map(|u| u.tensors.iter());
+    let total: u64 = names()
         .filter_map(|n| match &quantized {
             Some(q) => q.tensor(n),
             None => model.tensor(n),
@@ -227,7 +253,7 @@ fn pack_shown(
     };
     pb.finish_and_clear();
     if let Some(t) = quantize {
-        for line in quantize_summary(model, t) {
+        for line in quantize_summary(model, names(), t) {
             println!("{line}");
         }
     }
@@ -249,10 +275,14 @@ fn parse_quantize(name: &str) -> Result<DType> {
 
 /// What `--quantize` made of the model: a line per (source type -> stored type) with its
 /// tensors and bytes, and one for what it kept.
-fn quantize_summary(model: &ImportedModel, to: DType) -> Vec<String> {
+fn quantize_summary<'n>(
+    model: &impl PackSource,
+    names: impl Iterator<Item = &'n String>,
+    to: DType,
+) -> Vec<String> {
     use std::collections::BTreeMap;
     let mut groups: BTreeMap<(DType, Option<DType>), (usize, u64, u64)> = BTreeMap::new();
-    for name in model.tensors.keys() {
+    for name in names {
         let Some(l) = model.tensor(name) else {
             continue;
         };

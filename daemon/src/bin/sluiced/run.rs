@@ -141,9 +141,12 @@ pub struct RunArgs {
     /// and the text so far); a store (a directory, or a name in the models directory)
     /// drafts them with that model, kept whole in memory beside this one within the same
     /// budgets: a small model of the same family, or a quantized copy of this one
-    /// (`sluiced pack --quantize`), with this model's vocabulary. Each pass verifies the
-    /// drafts; the output is the model's own, token for token (default: off).
-    #[arg(long, value_name = "ngram|STORE")]
+    /// (`sluiced pack --quantize`), with this model's vocabulary. `self:TYPE` (q8_0,
+    /// q4_k, ...) drafts with this model itself: the units it keeps resident as they are,
+    /// the units it streams from a resident copy quantized to TYPE (made once, kept in the
+    /// cache directory). Each pass verifies the drafts; the output is the model's own,
+    /// token for token (default: off).
+    #[arg(long, value_name = "ngram|STORE|self:TYPE")]
     draft: Option<String>,
     /// Tokens a sequence drafts for one pass at most.
     #[arg(long, default_value_t = sluice::engine::draft::DRAFT_MAX_DEFAULT)]
@@ -224,7 +227,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     // The draft's store is open before the process's overhead is measured (`host_input`):
     // its manifest and index are the process's, counted by neither plan otherwise.
     let draft_store = match a.draft.as_deref() {
-        Some(d) if d != "ngram" => Some(draft_store(d, &tok)?),
+        Some(d) if d != "ngram" => Some(draft_source(d, &store, &tok, a.threads)?),
         _ => None,
     };
     // Each setting given on the command line, the model's default for the rest.
@@ -238,6 +241,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         expert_cache: a.expert_cache,
         expert_profile: profile_hot,
         backend_reserved: 0,
+        self_draft_reserved: 0,
         // The engine's logits and samplers are the plan's (`plan::host::sampling`).
         host: sluice::engine::host_input(a.host_memory, 0),
     };
@@ -249,9 +253,12 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         || a.json_object
         || a.json_schema.is_some();
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
+    let io = IoConfig::single_stream();
     let job = Generate {
         store: store.clone(),
         draft_store,
+        chosen: &chosen,
+        io: io.clone(),
         sampling,
         profile,
         a: &a,
@@ -265,7 +272,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         measure_lookahead: a.measure_expert_prediction,
         ..Default::default()
     };
-    on_backend(&chosen, a.threads, &IoConfig::single_stream(), run, job)??;
+    on_backend(&chosen, a.threads, &io, run, job)??;
     Ok(std::process::ExitCode::SUCCESS)
 }
 
@@ -314,11 +321,29 @@ fn prompt_ids(
     Ok(tok.encode(&t.render(&msgs, true)?, false)?)
 }
 
+/// `--draft`'s draft: `self:TYPE` (the model's units quantized, made once by `threads`
+/// threads), else a store.
+fn draft_source(
+    d: &str,
+    store: &Store,
+    tok: &Tokenizer,
+    threads: usize,
+) -> Result<sluice::engine::draft_model::DraftSource> {
+    use sluice::engine::{draft_model::DraftSource, self_draft};
+    Ok(match self_draft::parse(d) {
+        Some(t) => {
+            let t = t.map_err(anyhow::Error::msg)?;
+            DraftSource::SelfDraft(crate::util::self_draft_store(store, t, threads)?)
+        }
+        None => DraftSource::Model(draft_store(d, tok)?),
+    })
+}
+
 /// `--draft STORE`'s store, refused unless its vocabulary is the model's (`tok`'s).
 fn draft_store(d: &str, tok: &Tokenizer) -> Result<std::sync::Arc<Store>> {
     let path = store_path(std::path::Path::new(d), None);
     let mut s = Store::open(&path).with_context(|| {
-        format!("--draft {d}: not `ngram` and no store there (give `ngram`, a store directory or a model name)")
+        format!("--draft {d}: not `ngram` and no store there (give `ngram`, `self:TYPE`, a store directory or a model name)")
     })?;
     let dtok = Tokenizer::from_manifest(s.manifest())?;
     s.release_tokenizer_spec();
@@ -331,7 +356,10 @@ fn draft_store(d: &str, tok: &Tokenizer) -> Result<std::sync::Arc<Store>> {
 /// `sluiced run`'s work once the backend is known.
 struct Generate<'a> {
     store: std::sync::Arc<Store>,
-    draft_store: Option<std::sync::Arc<Store>>,
+    draft_store: Option<sluice::engine::draft_model::DraftSource>,
+    /// The backend and reads the pipelines are built for (plans of a self-draft's rounds).
+    chosen: &'a sluice::engine::Chosen,
+    io: IoConfig,
     sampling: sluice::text::SamplingParams,
     profile: Option<sluice::pipeline::ExpertProfile>,
     a: &'a RunArgs,
@@ -346,22 +374,19 @@ impl OnBackend for Generate<'_> {
         self,
         make: &sluice::engine::MakePipeline<B>,
     ) -> Result<Result<()>, EngineError> {
-        let mut input = self.input.clone();
-        let draft = match &self.draft_store {
-            Some(ds) => Some(sluice::engine::draft_model::build_draft(make, ds, &input)?),
-            None => None,
+        let plan = |m: &sluice::store::Manifest, i: &sluice::plan::PlanInput| {
+            sluice::engine::plan_for(self.chosen, m, i, &self.io, self.a.threads)
         };
-        if let Some(d) = &draft {
-            if !self.a.json {
-                eprint!(
-                    "draft model {}:\n{}",
-                    d.runner().store.dir().display(),
-                    d.runner().plan.table()
-                );
-            }
-            sluice::engine::draft_model::leave_room(&mut input, &d.runner().plan);
+        let (runner, draft) = sluice::engine::draft_model::with_draft(
+            make,
+            &plan,
+            &self.store,
+            self.draft_store.as_ref(),
+            &self.input,
+        )?;
+        if let (Some(d), false) = (&draft, self.a.json) {
+            eprint!("{}", d.describe());
         }
-        let runner = make(&self.store, &input)?;
         Ok(run_generate(
             runner,
             draft,

@@ -145,9 +145,11 @@ pub struct ServeArgs {
     /// Speculative decoding: `ngram` drafts each sequence's next tokens by prompt lookup
     /// (its own prompt and text); a store (a directory, or a name in the models directory)
     /// drafts them with that model, loaded whole beside each model whose vocabulary it has
-    /// (a quantized copy: `sluiced pack --quantize`). Each pass verifies the drafts with the
-    /// batch; outputs are the model's own, token for token (default: off).
-    #[arg(long, value_name = "ngram|STORE")]
+    /// (a quantized copy: `sluiced pack --quantize`); `self:TYPE` drafts each model with
+    /// itself, the units it streams from a resident copy quantized to TYPE (made once, in
+    /// the cache directory). Each pass verifies the drafts with the batch; outputs are the
+    /// model's own, token for token (default: off).
+    #[arg(long, value_name = "ngram|STORE|self:TYPE")]
     pub draft: Option<String>,
     /// Tokens a sequence drafts for one pass at most (default 8).
     #[arg(long)]
@@ -256,8 +258,12 @@ impl ServeArgs {
 /// Builds the pipeline on the chosen backend and starts the scheduler's engine thread.
 struct StartScheduler {
     store: Arc<Store>,
-    /// A draft model's store, loaded whole beside the model.
-    draft: Option<Arc<Store>>,
+    /// A draft model's store (loaded whole beside the model), or a self-draft's.
+    draft: Option<sluice::engine::draft_model::DraftSource>,
+    /// The backend and reads the pipelines are built for (plans of a self-draft's rounds).
+    chosen: sluice::engine::Chosen,
+    io: sluice::io::IoConfig,
+    threads: usize,
     input: sluice::plan::PlanInput,
     profile: Option<sluice::pipeline::ExpertProfile>,
     tokenizer: Arc<Tokenizer>,
@@ -273,20 +279,19 @@ impl OnBackend for StartScheduler {
     where
         B::Mem: 'static,
     {
-        let mut input = self.input.clone();
-        let draft = match &self.draft {
-            Some(ds) => Some(sluice::engine::draft_model::build_draft(make, ds, &input)?),
-            None => None,
+        let plan = |m: &sluice::store::Manifest, i: &sluice::plan::PlanInput| {
+            sluice::engine::plan_for(&self.chosen, m, i, &self.io, self.threads)
         };
+        let (mut runner, draft) = sluice::engine::draft_model::with_draft(
+            make,
+            &plan,
+            &self.store,
+            self.draft.as_ref(),
+            &self.input,
+        )?;
         if let Some(d) = &draft {
-            tracing::info!(
-                "draft model {}\n{}",
-                d.runner().store.dir().display(),
-                d.runner().plan.table()
-            );
-            sluice::engine::draft_model::leave_room(&mut input, &d.runner().plan);
+            tracing::info!("{}", d.describe());
         }
-        let mut runner = make(&self.store, &input)?;
         if let Some(p) = self.profile {
             let n = runner.load_expert_profile(p)?;
             tracing::info!(
@@ -344,6 +349,7 @@ impl ModelLoader {
             expert_cache: cfg.expert_cache,
             expert_profile: profile_hot,
             backend_reserved: 0,
+            self_draft_reserved: 0,
             // The scheduler's logits and samplers are the plan's (`plan::host::sampling`).
             host: sluice::engine::host_input(cfg.host_memory.map(|b| b.0), 0),
         }
@@ -365,16 +371,24 @@ impl ModelLoader {
         &self,
         name: &str,
         chosen: Option<String>,
-        tok: &Tokenizer,
+        store: &Store,
+        tok: Option<&Tokenizer>,
     ) -> Result<(
         Option<sluice::engine::draft::DraftConfig>,
-        Option<Arc<Store>>,
+        Option<sluice::engine::draft_model::DraftSource>,
     )> {
+        use sluice::engine::draft_model::DraftSource;
         let cfg = &self.cfg;
         let config = cfg.draft_config_for(chosen.as_deref());
         let Some(d) = chosen.as_deref().filter(|d| *d != "ngram") else {
             return Ok((config, None));
         };
+        if let Some(t) = sluice::engine::self_draft::parse(d) {
+            let t = t.map_err(anyhow::Error::msg)?;
+            let q = crate::util::self_draft_store(store, t, cfg.threads)?;
+            return Ok((config, Some(DraftSource::SelfDraft(q))));
+        }
+        let tok = tok.context("a draft model's vocabulary is checked against the model's")?;
         let dir = sluice::util::store_path(Path::new(d), cfg.models_dir.as_deref());
         let mut store = Store::open(&dir).with_context(|| format!("draft {d}"))?;
         let dtok = Tokenizer::from_manifest(store.manifest())?;
@@ -386,7 +400,7 @@ impl ModelLoader {
             );
             return Ok((None, None));
         }
-        Ok((config, Some(Arc::new(store))))
+        Ok((config, Some(DraftSource::Model(Arc::new(store)))))
     }
 
     /// Loads the store at `dir` as `name`, with the expert profile at `profile` and the chat
@@ -441,10 +455,15 @@ impl ModelLoader {
         let hot = profile
             .as_ref()
             .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));
-        let (draft, draft_store) = self.draft_for(name, self.drafter_of(dir)?, &tokenizer)?;
+        let (draft, draft_store) =
+            self.draft_for(name, self.drafter_of(dir)?, &store, Some(&tokenizer))?;
+        let io = self.io();
         let start = StartScheduler {
             store: store.clone(),
             draft: draft_store,
+            chosen: self.chosen.clone(),
+            io: io.clone(),
+            threads: cfg.threads,
             input: self.input(device_room, hot, draft.as_ref()),
             profile,
             tokenizer,
@@ -452,7 +471,6 @@ impl ModelLoader {
                 queue_max: cfg.queue_max,
             },
         };
-        let io = self.io();
         let (plan, sched, engine, backend_name) =
             sluice::engine::on_backend(&self.chosen, cfg.threads, &io, Default::default(), start)?;
         tracing::info!("{name}: {}\n{}", dir.display(), plan.table());
@@ -497,21 +515,21 @@ impl Loader for ModelLoader {
         let chosen = self.drafter_of(dir).map_err(|e| format!("{e:#}"))?;
         let (draft, draft_store) = match chosen.as_deref() {
             Some(d) if d != "ngram" => {
-                let tok = Tokenizer::from_manifest(m).map_err(|e| e.to_string())?;
-                self.draft_for(&name, chosen, &tok)
+                let tok = match sluice::engine::self_draft::parse(d) {
+                    Some(_) => None,
+                    None => Some(Tokenizer::from_manifest(m).map_err(|e| e.to_string())?),
+                };
+                self.draft_for(&name, chosen, &store, tok.as_ref())
                     .map_err(|e| format!("{e:#}"))?
             }
             other => (self.cfg.draft_config_for(other), None),
         };
-        let mut input = self.input(device_room, None, draft.as_ref());
-        if let Some(ds) = draft_store {
-            let di = sluice::engine::draft_model::draft_input(&input);
-            let dp = sluice::engine::plan_for(&self.chosen, ds.manifest(), &di, &io)
-                .map_err(|e| format!("its draft: {e}"))?;
-            sluice::engine::draft_model::resident(&ds, &dp)?;
-            sluice::engine::draft_model::leave_room(&mut input, &dp);
-        }
-        sluice::engine::plan_for(&self.chosen, m, &input, &io).map_err(|e| e.to_string())
+        let input = self.input(device_room, None, draft.as_ref());
+        let plan = |m: &sluice::store::Manifest, i: &sluice::plan::PlanInput| {
+            sluice::engine::plan_for(&self.chosen, m, i, &io, self.cfg.threads)
+        };
+        sluice::engine::draft_model::plan_with_draft(&plan, m, draft_store.as_ref(), &input)
+            .map_err(|e| e.to_string())
     }
 
     fn load(&self, name: &str, dir: &Path, device_room: Option<u64>) -> Result<Served, String> {

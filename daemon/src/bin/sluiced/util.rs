@@ -88,3 +88,67 @@ pub fn progress_bar(total: u64, what: &str) -> indicatif::ProgressBar {
     pb.set_message(what.to_string());
     pb
 }
+
+/// `--draft self:TYPE`'s copy of `store`'s units quantized to `to`: found in the cache
+/// directory, else made there once by `sluiced pack STORE --quantize TYPE` (`threads`
+/// threads) in a child process, so that the quantizing threads' heap (which glibc keeps in
+/// their arenas) stays out of this process's resident set, which the plans count.
+pub fn self_draft_store(
+    store: &sluice::store::Store,
+    to: sluice::dtype::DType,
+    threads: usize,
+) -> anyhow::Result<std::sync::Arc<sluice::store::Store>> {
+    use anyhow::Context;
+    use sluice::engine::self_draft;
+    let cache = sluice::util::cache_root();
+    let dir = self_draft::copy_dir(store, to, cache.as_deref())?;
+    if !dir.is_dir() {
+        let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
+        tracing::info!(
+            "self-draft: quantizing {} to {to} into {} (once)",
+            store.dir().display(),
+            dir.display()
+        );
+        let t0 = std::time::Instant::now();
+        let exe = std::env::current_exe().context("self-draft: this executable's path")?;
+        let out = std::process::Command::new(exe)
+            .arg("pack")
+            .arg(store.dir())
+            .arg("-o")
+            .arg(&tmp)
+            .args(["--quantize", to.name(), "--codec", "none", "--force"])
+            .args(["--threads", &threads.max(1).to_string()])
+            .output()
+            .context("self-draft: start `sluiced pack`")?;
+        if !out.status.success() {
+            let _ = std::fs::remove_dir_all(&tmp);
+            anyhow::bail!(
+                "--draft self:{to}: quantizing {} failed: {}",
+                store.dir().display(),
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+        }
+        if let Some(p) = dir.parent() {
+            std::fs::create_dir_all(p).with_context(|| format!("create {}", p.display()))?;
+        }
+        // Another process may have made it meanwhile: theirs is as good.
+        if std::fs::rename(&tmp, &dir).is_err() && !dir.is_dir() {
+            anyhow::bail!(
+                "--draft self:{to}: cannot move {} to {}",
+                tmp.display(),
+                dir.display()
+            );
+        }
+        let _ = std::fs::remove_dir_all(&tmp);
+        tracing::info!(
+            "self-draft: quantized in {:.1} s",
+            t0.elapsed().as_secs_f64()
+        );
+    }
+    Ok(self_draft::quantized_store(
+        store,
+        to,
+        threads,
+        cache.as_deref(),
+    )?)
+}
