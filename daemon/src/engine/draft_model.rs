@@ -181,6 +181,10 @@ struct Drafting {
     todo: Vec<u32>,
     /// Tokens it is to propose.
     want: usize,
+    /// Its text's length: where the chain's first drafted token runs.
+    base: usize,
+    /// The tokens drafted on after the likeliest branch's first (`extend_branch`).
+    ext: Vec<u32>,
     /// Branches its tree may have, and the candidates: (the chain node it is an
     /// alternative to, its token, the draft's probability of it, its share of what the
     /// chain's token leaves).
@@ -197,9 +201,15 @@ impl Drafting {
     fn next(&mut self, proposal: &mut super::draft::Proposal, row: &[f32]) {
         let (best, second) = top2(row);
         if self.branches > 0 && second != best {
-            // Their probabilities: a pass over the row, only where the tree may branch.
+            // Their probabilities, only where the tree may branch: the row's softmax from
+            // the logits within 20 of the best (each of the rest weighs under e^-20: a
+            // 262k vocabulary of them moves the sum by 5e-4 at most).
             let m = row[best as usize];
-            let sum: f32 = row.iter().map(|&v| (v - m).exp()).sum();
+            let sum: f32 = row
+                .iter()
+                .filter(|&&v| v > m - 20.0)
+                .map(|&v| (v - m).exp())
+                .sum();
             let (p1, p2) = (1.0 / sum, (row[second as usize] - m).exp() / sum);
             if p2 >= BRANCH_MIN_P && p1 < 1.0 {
                 let share = (p2 / (1.0 - p1)).min(1.0);
@@ -209,17 +219,36 @@ impl Drafting {
         proposal.tokens.push(best);
     }
 
-    /// The best candidates as leaves of the chain, the likeliest first (shallower on
-    /// equal odds), each beside the chain node it is an alternative to.
-    fn branch(&mut self, proposal: &mut super::draft::Proposal) {
-        use super::draft::FROM_PENDING;
-        let chain = proposal.len();
+    /// Ranks the candidate branches of a chain of `chain` nodes, the likeliest first
+    /// (shallower on equal odds).
+    fn rank(&mut self, chain: usize) {
         self.alts.retain(|a| a.0 < chain);
         self.alts
             .sort_by(|x, y| y.2.total_cmp(&x.2).then(x.0.cmp(&y.0)));
-        for &(k, token, _, share) in self.alts.iter().take(self.branches) {
+    }
+
+    /// Tokens drafted on after the likeliest branch's first: up to half the chain's
+    /// length in all, as ngram's branches (the rows `DraftConfig::rows` plans).
+    fn ext_max(&self) -> usize {
+        if self.branches == 0 || self.alts.is_empty() {
+            return 0;
+        }
+        (self.want / 2).saturating_sub(1)
+    }
+
+    /// The best candidates as branches of the chain (`rank`), each beside the chain node
+    /// it is an alternative to; the likeliest goes on with the tokens drafted after it.
+    fn branch(&mut self, proposal: &mut super::draft::Proposal) {
+        use super::draft::{FROM_PENDING, MAIN_LINE};
+        self.rank(proposal.len());
+        for (i, &(k, token, _, share)) in self.alts.iter().take(self.branches).enumerate() {
             let parent = if k == 0 { FROM_PENDING } else { (k - 1) as u16 };
             proposal.push(token, parent, share);
+            if i == 0 {
+                for &t in &self.ext {
+                    proposal.push(t, (proposal.len() - 1) as u16, MAIN_LINE);
+                }
+            }
         }
     }
 }
@@ -336,6 +365,8 @@ impl<B: Backend> DraftModel<B> {
                 seq: i,
                 todo: d.text().skip(same).collect(),
                 want: d.want,
+                base: d.text().count(),
+                ext: Vec::new(),
                 branches: d.draft.branches(),
                 alts: Vec::new(),
             });
@@ -445,6 +476,7 @@ impl<B: Backend> DraftModel<B> {
                 );
             }
         }
+        self.extend_branch(target, seqs, active)?;
         for a in active.iter_mut().filter(|a| a.branches > 0) {
             if let Some(d) = seqs[a.seq].as_mut().model_draft() {
                 a.branch(&mut d.draft.proposal);
@@ -452,6 +484,60 @@ impl<B: Backend> DraftModel<B> {
             }
         }
         Ok(())
+    }
+
+    /// Drafts on along each tree's likeliest branch, every sequence in the same passes:
+    /// the branch's first token runs where the chain node it is an alternative to ran, so
+    /// the draft's cache then holds the branch, and its record (`SeqDraft::fed`) says so;
+    /// the next catch-up goes back to the text from where they differ.
+    fn extend_branch<S: AsMut<Sequence>>(
+        &mut self,
+        target: &mut Pipeline<B>,
+        seqs: &mut [S],
+        active: &mut [Drafting],
+    ) -> Result<(), EngineError> {
+        for a in active.iter_mut().filter(|a| a.branches > 0) {
+            if let Some(d) = seqs[a.seq].as_mut().model_draft() {
+                a.rank(d.draft.proposal.len());
+            }
+        }
+        loop {
+            self.steps.clear();
+            self.owner.clear();
+            for (k, a) in active.iter().enumerate() {
+                let Some(&(node, first, _, _)) = a.alts.first() else {
+                    continue;
+                };
+                if a.ext.len() >= a.ext_max() {
+                    continue;
+                }
+                let Some(d) = seqs[a.seq].as_mut().model_draft() else {
+                    continue;
+                };
+                self.steps.push(SeqStep {
+                    tokens: vec![a.ext.last().copied().unwrap_or(first)],
+                    slot: d.slot,
+                    pos: a.base + node + a.ext.len(),
+                    verify: false,
+                    ..Default::default()
+                });
+                self.owner.push(k);
+            }
+            if self.steps.is_empty() {
+                return Ok(());
+            }
+            self.pass(target)?;
+            for (row, (k, step)) in self.owner.iter().zip(&self.steps).enumerate() {
+                let a = &mut active[*k];
+                let Some(d) = seqs[a.seq].as_mut().model_draft() else {
+                    continue;
+                };
+                d.draft.fed.truncate(step.pos);
+                d.draft.fed.extend_from_slice(&step.tokens);
+                let (best, _) = top2(logit_row(&self.logits, self.steps.len(), row));
+                a.ext.push(best);
+            }
+        }
     }
 
     fn pass(&mut self, target: &mut Pipeline<B>) -> Result<(), EngineError> {
@@ -468,4 +554,44 @@ impl<B: Backend> DraftModel<B> {
 fn logit_row(logits: &[f32], rows: usize, row: usize) -> &[f32] {
     let vocab = logits.len() / rows;
     &logits[row * vocab..(row + 1) * vocab]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::draft::{Proposal, FROM_PENDING, MAIN_LINE};
+
+    fn drafting(branches: usize) -> Drafting {
+        Drafting {
+            seq: 0,
+            todo: Vec::new(),
+            want: 8,
+            base: 10,
+            ext: Vec::new(),
+            branches,
+            alts: Vec::new(),
+        }
+    }
+
+    /// The likeliest branch goes on with the tokens drafted after it, the others stay
+    /// leaves; parents come before their children.
+    #[test]
+    fn the_likeliest_branch_goes_on_and_the_others_are_leaves() {
+        let mut p = Proposal {
+            tokens: vec![1, 2, 3, 1],
+            ..Proposal::default()
+        };
+        let mut d = drafting(2);
+        // Alternatives to chain nodes 2 (likeliest) and 0.
+        d.alts = vec![(0, 7, 0.1, 0.3), (2, 9, 0.3, 0.6)];
+        d.ext = vec![5, 6];
+        d.branch(&mut p);
+        assert_eq!(p.tokens, vec![1, 2, 3, 1, 9, 5, 6, 7]);
+        assert_eq!(
+            p.parents,
+            vec![FROM_PENDING, 0, 1, 2, 1, 4, 5, FROM_PENDING]
+        );
+        assert_eq!(p.edges[4..], [0.6, MAIN_LINE, MAIN_LINE, 0.3]);
+        assert_eq!(d.ext_max(), 3, "half the chain's length in all");
+    }
 }
