@@ -52,7 +52,7 @@ def llama_cpp_run(gguf, ids, threads, decode):
 
 def sluice_run(store, ids, threads, decode, extra=(), binary=None):
     out = subprocess.run([binary or os.path.join(RELEASE, "sluiced"), "run", store, "--prompt-ids", ",".join(map(str, ids)),
-                          "--max-tokens", str(decode + 1), "--ignore-eos", "--threads", str(threads), "--json", *extra],
+                          "--max-tokens", str(decode + 1), "--temperature", "0", "--ignore-eos", "--threads", str(threads), "--json", *extra],
                          check=True, capture_output=True, text=True).stdout
     j = json.loads(out)
     return j["prefill_tokens_per_s"], j["decode_tokens_per_s"]

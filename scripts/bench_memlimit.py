@@ -202,7 +202,7 @@ def llama_cpp(gguf, limit, batch, a):
 def sluice(store, limit, batch, a):
     cg = Cgroup("sluice-memlimit", limit)
     drop_caches()
-    argv = [SLUICED, "run", store, "--prompt", PROMPT, "--max-tokens", str(a.decode + 1), "--ignore-eos",
+    argv = [SLUICED, "run", store, "--prompt", PROMPT, "--max-tokens", str(a.decode + 1), "--temperature", "0", "--ignore-eos",
             "--max-context", "256", "--threads", str(a.threads), "--host-memory", str(limit),
             "--parallel", str(batch), "--json"]
     rc, out, err, read, late = cg.run(argv, a.time_limit)
@@ -228,7 +228,7 @@ def sluice(store, limit, batch, a):
 def unlimited(store, batch, a):
     """sluice's decode tokens/s with no memory limit (every unit resident): the compute
     bound of a batch."""
-    argv = [SLUICED, "run", store, "--prompt", PROMPT, "--max-tokens", str(a.decode + 1), "--ignore-eos",
+    argv = [SLUICED, "run", store, "--prompt", PROMPT, "--max-tokens", str(a.decode + 1), "--temperature", "0", "--ignore-eos",
             "--max-context", "256", "--threads", str(a.threads), "--parallel", str(batch), "--json"]
     p = subprocess.run(argv, capture_output=True, text=True)
     if p.returncode != 0:

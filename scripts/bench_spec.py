@@ -135,8 +135,10 @@ def chat_ids(gguf, prompt):
 def sluice_run(store, ids, batch, limit, a, draft, branches=0):
     cg = Cgroup("sluice-spec", limit)
     drop_caches()
+    # Greedy, as llama.cpp's worker decodes: `run` otherwise samples with the model's (or
+    # llama.cpp's usual) settings, temperature 0.8.
     argv = [SLUICED, "run", store, "--prompt-ids", ",".join(map(str, ids)), "--max-tokens", str(a.decode + 1),
-            "--ignore-eos", "--max-context", str(len(ids) + a.decode + 80), "--threads", str(a.threads),
+            "--temperature", "0", "--ignore-eos", "--max-context", str(len(ids) + a.decode + 80), "--threads", str(a.threads),
             "--host-memory", str(limit),
             "--parallel", str(batch), "--json"]
     if draft:
