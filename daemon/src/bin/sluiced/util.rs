@@ -145,10 +145,14 @@ pub fn self_draft_store(
             t0.elapsed().as_secs_f64()
         );
     }
-    Ok(self_draft::quantized_store(
-        store,
-        to,
-        threads,
-        cache.as_deref(),
-    )?)
+    let q = self_draft::quantized_store(store, to, threads, cache.as_deref())?;
+    let raw = |s: &sluice::store::Store| s.units().iter().map(|u| u.raw_len).sum::<u64>();
+    if raw(&q) * 10 >= raw(store) * 9 {
+        tracing::warn!(
+            "self-draft: the {to} copy is {} of the model's {}: its matrices are quantized already, so the draft costs about what the model does; a self-draft pays on a 16- or 32-bit model",
+            sluice::util::fmt_bytes(raw(&q)),
+            sluice::util::fmt_bytes(raw(store))
+        );
+    }
+    Ok(q)
 }
