@@ -102,11 +102,10 @@ fn cpu_runner_as(
     run: PipelineOptions,
     unified: bool,
 ) -> Result<Pipeline<CpuBackend>, EngineError> {
-    let mut input = input.clone();
+    // The input `plan_for` plans with, as a discrete device where asked.
+    let cpu = Chosen::Cpu { why: String::new() };
+    let mut input = cpu.plan_input(store.manifest(), input, &io, threads);
     input.host.unified = unified;
-    input.host.compute_scratch =
-        CpuBackend::scratch_bytes(&input.opts.scratch_shape(&store.manifest().arch), threads);
-    fit_reads(&mut input, &io);
     let plan = plan_within_host(store.manifest(), &mut input)?;
     let backend = if unified {
         CpuBackend::new(plan.device_budget, threads)?

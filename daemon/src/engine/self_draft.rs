@@ -54,35 +54,38 @@ pub fn copy_dir(
 
 /// The store of `target`'s units quantized to `to` (`copy_dir`): made once here (by
 /// `threads` threads) and found there afterwards. (`sluiced` makes it in a `sluiced pack`
-/// of the store instead, whose threads' heap then stays out of the serving process.)
+/// of the store instead, whose threads' heap then stays out of the serving process, and
+/// opens it with `open_copy`.)
 pub fn quantized_store(
     target: &Store,
     to: DType,
     threads: usize,
     cache: Option<&std::path::Path>,
 ) -> Result<Arc<Store>, EngineError> {
-    let fail = |what: String| EngineError::Invalid(format!("--draft self:{to}: {what}"));
     let dir = copy_dir(target, to, cache)?;
-    // Its tokenizer is the model's: the copy's manifest keeps none in memory.
-    let open = |why: &str| {
-        Store::open(&dir)
-            .map(|mut s| {
-                s.release_tokenizer_spec();
-                Arc::new(s)
-            })
-            .map_err(|e| fail(format!("{e}; {why}")))
-    };
-    if dir.is_dir() {
-        return open(&format!("delete {} and it is made again", dir.display()));
+    if !dir.is_dir() {
+        make_copy(target, to, threads, &dir).map_err(|e| {
+            EngineError::Invalid(format!("--draft self:{to}: making its quantized copy: {e}"))
+        })?;
     }
+    open_copy(&dir, to)
+}
+
+/// Quantizes `target`'s units to `to` into `dir`, through a temporary directory beside it.
+fn make_copy(
+    target: &Store,
+    to: DType,
+    threads: usize,
+    dir: &std::path::Path,
+) -> Result<(), String> {
     let t0 = std::time::Instant::now();
     tracing::info!(
         "self-draft: quantizing {} to {to} into {} (once)",
         target.dir().display(),
         dir.display()
     );
-    let src = StoreSource::new(target).map_err(|e| fail(e.to_string()))?;
-    let q = Quantized::new(&src, to, threads).map_err(fail)?;
+    let src = StoreSource::new(target).map_err(|e| e.to_string())?;
+    let q = Quantized::new(&src, to, threads)?;
     let tmp = dir.with_extension(format!("tmp{}", std::process::id()));
     let opts = PackOptions {
         // Quantized blocks hardly compress, and the copy is read once a start.
@@ -95,17 +98,30 @@ pub fn quantized_store(
         .map_err(|e| e.to_string())
         .and_then(|_| src.finish().map_err(|e| e.to_string()))
         .and_then(|()| {
-            std::fs::rename(&tmp, &dir).map_err(|e| format!("rename into {}: {e}", dir.display()))
+            std::fs::rename(&tmp, dir).map_err(|e| format!("rename into {}: {e}", dir.display()))
         });
-    if let Err(e) = packed {
-        let _ = std::fs::remove_dir_all(&tmp);
-        return Err(fail(format!("making its quantized copy: {e}")));
+    match &packed {
+        Ok(()) => tracing::info!(
+            "self-draft: quantized in {:.1} s",
+            t0.elapsed().as_secs_f64()
+        ),
+        Err(_) => {
+            let _ = std::fs::remove_dir_all(&tmp);
+        }
     }
-    tracing::info!(
-        "self-draft: quantized in {:.1} s",
-        t0.elapsed().as_secs_f64()
-    );
-    open("it was just made")
+    packed
+}
+
+/// The quantized copy in `dir` (`copy_dir`), its tokenizer dropped (it is the model's).
+pub fn open_copy(dir: &std::path::Path, to: DType) -> Result<Arc<Store>, EngineError> {
+    let mut s = Store::open(dir).map_err(|e| {
+        EngineError::Invalid(format!(
+            "--draft self:{to}: {e}; delete {} and it is made again",
+            dir.display()
+        ))
+    })?;
+    s.release_tokenizer_spec();
+    Ok(Arc::new(s))
 }
 
 /// Plans a model beside its self-draft on `q` (the model's units quantized): the input

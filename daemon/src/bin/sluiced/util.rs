@@ -145,7 +145,7 @@ pub fn self_draft_store(
             t0.elapsed().as_secs_f64()
         );
     }
-    let q = self_draft::quantized_store(store, to, threads, cache.as_deref())?;
+    let q = self_draft::open_copy(&dir, to)?;
     let raw = |s: &sluice::store::Store| s.units().iter().map(|u| u.raw_len).sum::<u64>();
     if raw(&q) * 10 >= raw(store) * 9 {
         tracing::warn!(
