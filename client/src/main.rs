@@ -565,7 +565,47 @@ fn status_json(st: &pb::StatusResponse) -> serde_json::Value {
         "expert_routing": st.expert_routing.iter().map(|r| serde_json::json!({"layer": r.layer, "tokens": r.tokens})).collect::<Vec<_>>(),
         "expert_streaming": st.expert_streaming.as_ref().map(expert_streaming_json),
         "speculative": st.speculative.as_ref().map(speculative_json),
+        "prefix_cache": st.prefix_cache.as_ref().map(prefix_cache_json),
     })
+}
+
+/// The prefix cache's counts in `sluice status --json`.
+fn prefix_cache_json(x: &pb::PrefixCache) -> serde_json::Value {
+    serde_json::json!({
+        "enabled": x.enabled,
+        "kept_slots": x.kept_slots,
+        "kept_tokens": x.kept_tokens,
+        "prompts": x.prompts,
+        "hits": x.hits,
+        "prompt_tokens": x.prompt_tokens,
+        "cached_tokens": x.cached_tokens,
+        "evictions": x.evictions,
+    })
+}
+
+/// `sluice status`'s lines on speculative decoding and the prefix cache.
+fn print_engine_features(st: &pb::StatusResponse) {
+    print_speculative(st.speculative.as_ref());
+    print_prefix_cache(st.prefix_cache.as_ref());
+}
+
+/// `sluice status`'s line on the prefix cache.
+fn print_prefix_cache(x: Option<&pb::PrefixCache>) {
+    let Some(x) = x else { return };
+    if !x.enabled {
+        println!("prefix cache     off");
+        return;
+    }
+    println!(
+        "prefix cache     {} of {} prompts reused KV; {} of {} prompt tokens not prefilled ({:.0} %); {} slots keep {} positions",
+        x.hits,
+        x.prompts,
+        x.cached_tokens,
+        x.prompt_tokens,
+        100.0 * x.cached_tokens as f64 / x.prompt_tokens.max(1) as f64,
+        x.kept_slots,
+        x.kept_tokens
+    );
 }
 
 /// `sluice status`: the daemon's plan, per-stage rates and queue.
@@ -644,7 +684,7 @@ async fn cmd_status(addr: &Target, model: &str, json: bool) -> Result<()> {
                 st.io_slots_pageable
             );
         }
-        print_speculative(st.speculative.as_ref());
+        print_engine_features(&st);
         if !st.expert_routing.is_empty() {
             println!("experts          tokens per expert since load, per sparse layer: the most chosen (share of the layer's tokens)");
             for r in &st.expert_routing {

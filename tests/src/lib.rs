@@ -265,14 +265,7 @@ impl Daemon {
     pub fn start_env(extra: &[&str], env: &[(&str, &str)]) -> Daemon {
         let tmp = tempfile::tempdir().expect("temp dir");
         let store = tmp.path().join("smollm2");
-        sluiced_ok(&[
-            "pack",
-            smollm2_gguf().to_str().expect("utf-8 path"),
-            "-o",
-            store.to_str().expect("utf-8 path"),
-            "--codec",
-            "lz4",
-        ]);
+        pack_lz4(&smollm2_gguf(), &store);
         let store = store.to_str().expect("utf-8 path").to_string();
         Daemon::serve_env(tmp, &["--model", &store], extra, env)
     }
@@ -359,6 +352,18 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
+}
+
+/// Packs `gguf` into the store `store` with lz4 (`sluiced pack`).
+pub fn pack_lz4(gguf: &Path, store: &Path) {
+    sluiced_ok(&[
+        "pack",
+        gguf.to_str().expect("utf-8 path"),
+        "-o",
+        store.to_str().expect("utf-8 path"),
+        "--codec",
+        "lz4",
+    ]);
 }
 
 /// POSTs a JSON `body` to `base` + `path` with curl; returns the status and the body.

@@ -595,14 +595,7 @@ fn smollm2_tokenizer_matches_llama_cpp_on_varied_strings() {
 fn sluiced_run_json_reports_ids_text_and_rates() {
     let tmp = tempfile::tempdir().unwrap();
     let dir = tmp.path().join("s");
-    sluiced_ok(&[
-        "pack",
-        smollm2_gguf().to_str().unwrap(),
-        "-o",
-        dir.to_str().unwrap(),
-        "--codec",
-        "lz4",
-    ]);
+    pack_lz4(&smollm2_gguf(), &dir);
     let out = sluiced_ok(&[
         "run",
         "--temperature",

@@ -124,14 +124,7 @@ fn a_slurm_array_writes_every_id_once_even_with_a_task_cancelled_and_requeued() 
     let tmp = tempfile::tempdir().unwrap();
     let cluster = Cluster::start(&tmp.path().join("slurm"));
     let store = tmp.path().join("smollm2");
-    sluiced_ok(&[
-        "pack",
-        smollm2_gguf().to_str().unwrap(),
-        "-o",
-        store.to_str().unwrap(),
-        "--codec",
-        "lz4",
-    ]);
+    pack_lz4(&smollm2_gguf(), &store);
     let n_docs = 36;
     let input = tmp.path().join("docs.jsonl");
     let docs: String = (0..n_docs)

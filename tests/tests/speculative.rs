@@ -122,6 +122,7 @@ fn tree(slot: usize, pos: usize, nodes: &[(u32, u16)], moves: &[(u32, u32)]) -> 
         verify: true,
         parents: nodes.iter().map(|n| n.1).collect(),
         kv_moves: moves.to_vec(),
+        prompt: false,
     }
 }
 

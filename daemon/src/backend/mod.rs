@@ -17,6 +17,7 @@ use crate::dtype::DType;
 use crate::hostbuf::Pinner;
 pub use experts::{ExpertCall, ExpertScratch, ExpertShape, GatedAct, RouteGating};
 use serde::Serialize;
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Element type of the KV cache: f16 (half the memory and the traffic per decode token;
@@ -245,6 +246,28 @@ impl LayerCache {
     pub fn at(&self, shape: &AttnShape, slot: usize, pos: usize) -> usize {
         let width = shape.kv_heads * shape.head_dim;
         self.base + (slot * self.cap + pos % self.cap) * width
+    }
+
+    /// The positions of `positions` this layer still holds once its slot has written up to
+    /// (not including) `written` (all of them in a full-attention layer; in a ring, those
+    /// the last `cap` writes left), as runs that are contiguous in the slot: `(first
+    /// position, count)`, at most two.
+    pub fn held_runs(&self, positions: Range<usize>, written: usize) -> [(usize, usize); 2] {
+        let start = positions.start.max(written.saturating_sub(self.cap));
+        let end = positions.end.max(start);
+        // Where the ring wraps inside [start, end), if it does.
+        let wrap = (start / self.cap + 1) * self.cap;
+        if end <= wrap {
+            [(start, end - start), (end, 0)]
+        } else {
+            [(start, wrap - start), (wrap, end - wrap)]
+        }
+    }
+
+    /// Whether a query at `pos` finds every position it attends to among those this layer
+    /// holds once its slot has written up to `written` (`pos <= written`).
+    pub fn sees_all(&self, pos: usize, written: usize) -> bool {
+        self.first_visible(pos) >= written.saturating_sub(self.cap)
     }
 
     /// The first position a query at `pos` attends to.
@@ -496,6 +519,19 @@ pub trait Backend: Send + Sync {
         step: &AttnStep<'_>,
         slot: usize,
         moves: &[(u32, u32)],
+    );
+    /// Copies the K and V of `positions` of slot `slots.0` to the same positions of slot
+    /// `slots.1` in one layer's cache (`place`; a ring's positions where `LayerCache::at`
+    /// puts them, the last `cap` of them where there are more): a
+    /// prompt's prefix that another sequence computed (the prefix cache). Ordered with the
+    /// ops before and after it, like `kv_move`; `from != to`.
+    fn kv_copy(
+        &self,
+        cache_k: &mut Self::Mem,
+        cache_v: &mut Self::Mem,
+        place: (&AttnShape, &LayerCache),
+        slots: (usize, usize),
+        positions: Range<usize>,
     );
     /// Writes the new K and V rows of each span into the layer's cache.
     fn kv_store(

@@ -4,6 +4,7 @@
 
 use super::draft::SpecStats;
 use super::draft_model::DraftModel;
+use super::prefix::PrefixCache;
 use super::sequence::{Finish, GenerateParams, SeqLimits, Sequence};
 use super::step::StepBuilder;
 use super::EngineError;
@@ -33,6 +34,27 @@ pub struct GenerateOutput {
     /// A draft model's time and passes over the batch's run (zeros without one).
     pub draft_s: f64,
     pub draft_passes: u64,
+    /// Prompt tokens whose KV came from another sequence's (the prefix cache: `--parallel`
+    /// sequences share their prompt's).
+    pub cached_tokens: usize,
+}
+
+/// How many sequences of the prompt run together, and whether they share its KV.
+#[derive(Clone, Copy, Debug)]
+pub struct Batch {
+    pub n: usize,
+    /// The prefix cache: the sequences after the first take the prompt's KV from it.
+    pub prefix_cache: bool,
+}
+
+/// `n` sequences, sharing the prompt's KV.
+impl From<usize> for Batch {
+    fn from(n: usize) -> Batch {
+        Batch {
+            n,
+            prefix_cache: true,
+        }
+    }
 }
 
 impl GenerateOutput {
@@ -90,10 +112,12 @@ pub fn generate_with<B: Backend>(
     tok: &Tokenizer,
     prompt: &[u32],
     params: &GenerateParams,
-    n: usize,
+    batch: impl Into<Batch>,
     mut on_text: impl FnMut(&str),
 ) -> Result<Vec<GenerateOutput>, EngineError> {
     let opts = *runner.options();
+    let batch: Batch = batch.into();
+    let n = batch.n;
     if n == 0 || n > opts.kv_slots {
         return Err(EngineError::Invalid(format!(
             "{n} parallel sequences with {} KV slots",
@@ -120,7 +144,9 @@ pub fn generate_with<B: Backend>(
     // Which sequence each step of the pass belongs to.
     let mut owner = Vec::with_capacity(n);
     let mut decode_passes = 0;
+    let mut prefix = PrefixCache::new(opts.kv_slots, batch.prefix_cache);
     loop {
+        prefix.before_step(runner, &mut seqs);
         if let Some(d) = draft.as_deref_mut() {
             d.propose(runner, &mut seqs)?;
         }
@@ -189,6 +215,7 @@ fn outputs(
     let mut outs = Vec::with_capacity(seqs.len());
     for (i, seq) in seqs.into_iter().enumerate() {
         let decode_steps = seq.decode_steps();
+        let cached_tokens = seq.cached();
         // `fill_step` returns false only once the sequence has finished.
         let (tail, done) = seq.close(Finish::Length, tok);
         if let Some(p) = tail {
@@ -211,6 +238,7 @@ fn outputs(
             speculative: spec[i],
             draft_s: ran.draft_s,
             draft_passes: ran.draft_passes,
+            cached_tokens,
         });
     }
     outs

@@ -11,6 +11,7 @@ pub mod draft_model;
 #[cfg(test)]
 mod draft_tests;
 pub mod generate;
+pub mod prefix;
 pub mod scheduler;
 #[cfg(test)]
 mod scheduler_tests;

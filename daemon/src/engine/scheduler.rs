@@ -7,6 +7,7 @@
 
 use super::draft::SpecStats;
 use super::draft_model::DraftModel;
+use super::prefix::{PrefixCache, PrefixStats};
 pub use super::sequence::{Done, Finish};
 use super::sequence::{GenerateParams, Piece, SeqLimits, Sequence};
 use super::step::StepBuilder;
@@ -112,6 +113,8 @@ pub struct Status {
     pub expert_tokens: Vec<Vec<u64>>,
     /// Speculative decoding: drafted and accepted tokens, tokens a decode step yields.
     pub speculative: SpecStats,
+    /// The prefix cache: what its tiers hold, prompts that reused KV, tokens not prefilled.
+    pub prefix_cache: PrefixStats,
 }
 
 /// Limits of the scheduler.
@@ -119,6 +122,8 @@ pub struct Status {
 pub struct SchedulerConfig {
     /// Requests waiting for a slot at most; beyond, submit answers QueueFull.
     pub queue_max: usize,
+    /// Reuse the KV of prompt prefixes (`--prefix-cache`; `PrefixCache`).
+    pub prefix_cache: bool,
 }
 
 #[derive(Clone)]
@@ -132,6 +137,7 @@ pub struct Scheduler {
     pub tokenizer: Arc<Tokenizer>,
     pub max_context: usize,
     queue_max: usize,
+    prefix_cache: bool,
 }
 
 /// Places held in the queue for one call's requests (`Scheduler::reserve`): each request
@@ -188,6 +194,12 @@ impl AsMut<Sequence> for Active {
     }
 }
 
+impl AsRef<Sequence> for Active {
+    fn as_ref(&self) -> &Sequence {
+        &self.seq
+    }
+}
+
 /// The engine thread's state between steps. Every buffer here is kept across steps.
 struct EngineState<B: Backend> {
     runner: Pipeline<B>,
@@ -209,14 +221,21 @@ struct EngineState<B: Backend> {
     builder: StepBuilder,
     /// A draft model proposing the sequences' tokens before each step.
     draft: Option<DraftModel<B>>,
+    /// KV of prompt prefixes that slots hold, for the sequences that share them.
+    prefix: PrefixCache,
 }
 
 impl<B: Backend> EngineState<B> {
-    /// Frees the slot of a sequence that is over, and its KV memory with it (the target's
-    /// and the draft model's: `Pipeline::discard_slot`).
-    fn free_slot(&mut self, slot: usize) {
+    /// Frees the slot of a sequence that is over: the prefix cache keeps its KV (`valid`:
+    /// its KV holds its text, which a failed step may have broken), else its KV memory is
+    /// given back (`Pipeline::discard_slot`); the draft model's is given back either way.
+    fn free_slot(&mut self, seq: &Sequence, valid: bool) {
+        let slot = seq.slot();
         self.free_slots.push(slot);
-        self.runner.discard_slot(slot);
+        self.prefix.release(slot, seq, valid);
+        if !self.prefix.enabled() || !valid {
+            self.runner.discard_slot(slot);
+        }
         if let Some(d) = &mut self.draft {
             d.discard_slot(&self.runner, slot);
         }
@@ -260,6 +279,7 @@ impl Scheduler {
             tokenizer,
             max_context,
             queue_max: cfg.queue_max.max(1),
+            prefix_cache: cfg.prefix_cache,
         };
         let inner = s.clone();
         // A thread that cannot be made at start leaves nothing to serve with: fatal.
@@ -361,6 +381,7 @@ impl Scheduler {
     ) {
         let max_batch = runner.options().kv_slots;
         let serial = runner.backend.unified();
+        let prefix = PrefixCache::new(max_batch, self.prefix_cache);
         let mut st = EngineState {
             runner,
             rx,
@@ -374,6 +395,7 @@ impl Scheduler {
             spec: SpecStats::default(),
             builder: StepBuilder::new(serial),
             draft,
+            prefix,
         };
         loop {
             if let Admitted::Closed = self.admit(&mut st) {
@@ -385,7 +407,7 @@ impl Scheduler {
             while i < st.active.len() {
                 if st.active[i].events.is_closed() {
                     let a = st.active.swap_remove(i);
-                    st.free_slot(a.seq.slot());
+                    st.free_slot(&a.seq, true);
                 } else {
                     i += 1;
                 }
@@ -396,9 +418,10 @@ impl Scheduler {
                 {
                     return;
                 }
-                self.publish(&st.runner, 0, st.decode_rate, &st.spec);
+                self.publish(&st, 0);
                 continue;
             }
+            st.prefix.before_step(&mut st.runner, &mut st.active);
             propose_drafts(&mut st);
             build_step(&mut st);
             let t0 = Instant::now();
@@ -409,14 +432,14 @@ impl Scheduler {
             st.builder
                 .ran(&st.steps[..st.n_steps], st.runner.last_pass());
             self.apply_results(&mut st, t0.elapsed().as_secs_f64());
-            self.publish(&st.runner, st.active.len(), st.decode_rate, &st.spec);
+            self.publish(&st, st.active.len());
         }
     }
 
     /// Admits queued requests while KV slots are free; blocks (briefly) only when nothing
     /// runs.
     fn admit<B: Backend>(&self, st: &mut EngineState<B>) -> Admitted {
-        while let Some(&slot) = st.free_slots.last() {
+        while !st.free_slots.is_empty() {
             let next = if st.active.is_empty() {
                 match st.rx.recv_timeout(Duration::from_millis(50)) {
                     Ok(r) => Ok(r),
@@ -432,9 +455,14 @@ impl Scheduler {
                 Err(TryRecvError::Disconnected) => return Admitted::Closed,
             };
             self.queued.fetch_sub(1, Ordering::AcqRel);
+            let at = st
+                .prefix
+                .choose_slot(&st.runner, &st.free_slots, &req.prompt_ids);
+            let slot = st.free_slots[at];
             match Sequence::new(req.prompt_ids, req.params, slot, self.limits()) {
                 Ok(seq) => {
-                    st.free_slots.pop();
+                    st.free_slots.remove(at);
+                    st.prefix.admitted(seq.prompt().len());
                     st.active.push(Active {
                         seq,
                         events: req.events,
@@ -465,7 +493,7 @@ impl Scheduler {
         }
         let mut gone = std::mem::take(&mut st.active);
         for a in gone.drain(..) {
-            st.free_slot(a.seq.slot());
+            st.free_slot(&a.seq, true);
             let (_, done) = a.seq.close(Finish::Cancelled, &self.tokenizer);
             let _ = a.events.send(Event::Done(done));
         }
@@ -480,6 +508,7 @@ impl Scheduler {
                 prefill_tokens_per_s: 0.0,
                 decode_tokens_per_s: 0.0,
                 bytes_streamed: 0,
+                cached_tokens: 0,
             }));
         }
     }
@@ -523,7 +552,7 @@ impl Scheduler {
             k -= 1;
             if let Some(why) = st.active[k].seq.finished() {
                 let a = st.active.swap_remove(k);
-                st.free_slot(a.seq.slot());
+                st.free_slot(&a.seq, true);
                 let (tail, done) = a.seq.close(why, &self.tokenizer);
                 if let Some(p) = tail {
                     let _ = a.events.send(p.into());
@@ -533,13 +562,8 @@ impl Scheduler {
         }
     }
 
-    fn publish<B: Backend>(
-        &self,
-        runner: &Pipeline<B>,
-        active: usize,
-        decode_rate: f64,
-        spec: &SpecStats,
-    ) {
+    fn publish<B: Backend>(&self, state: &EngineState<B>, active: usize) {
+        let (runner, decode_rate, spec) = (&state.runner, state.decode_rate, &state.spec);
         let p = runner.last_pass();
         let t = runner.total();
         let io = runner.io().stats();
@@ -592,6 +616,7 @@ impl Scheduler {
         s.totals = t.clone();
         s.io = io;
         s.speculative = *spec;
+        s.prefix_cache = state.prefix.stats();
     }
 }
 
@@ -639,7 +664,7 @@ fn fail_step<B: Backend>(st: &mut EngineState<B>, e: &crate::pipeline::PipelineE
     st.members.sort_unstable_by(|a, b| b.cmp(a));
     for i in 0..st.members.len() {
         let a = st.active.swap_remove(st.members[i]);
-        st.free_slot(a.seq.slot());
+        st.free_slot(&a.seq, false);
         let _ = a.events.send(Event::Failed {
             failure,
             message: e.to_string(),

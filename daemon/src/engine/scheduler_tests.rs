@@ -100,7 +100,15 @@ fn one_slot_held(
     let store = test_model::store(tmp.path());
     let tok = Arc::new(Tokenizer::from_manifest(store.manifest()).expect("tokenizer"));
     let pipeline = pipeline_of(&store, 1, 4096);
-    let (s, engine) = Scheduler::start(pipeline, None, tok, SchedulerConfig { queue_max });
+    let (s, engine) = Scheduler::start(
+        pipeline,
+        None,
+        tok,
+        SchedulerConfig {
+            queue_max,
+            prefix_cache: true,
+        },
+    );
     let running = submit(&s, vec![1, 2, 3], 4000).expect("submit");
     let t0 = Instant::now();
     while s.status().active_sequences != 1 {
@@ -135,7 +143,10 @@ fn a_batch_gives_each_request_the_tokens_it_gets_alone() {
         pipeline(&store, 3),
         None,
         tok,
-        SchedulerConfig { queue_max: 8 },
+        SchedulerConfig {
+            queue_max: 8,
+            prefix_cache: true,
+        },
     );
     let rxs: Vec<_> = prompts()
         .into_iter()

@@ -101,6 +101,8 @@ pub struct Done {
     pub prefill_tokens_per_s: f64,
     pub decode_tokens_per_s: f64,
     pub bytes_streamed: u64,
+    /// Prompt tokens whose KV came from the prefix cache rather than a prefill.
+    pub cached_tokens: usize,
 }
 
 pub struct Sequence {
@@ -130,10 +132,24 @@ pub struct Sequence {
     /// The KV copies the next step makes first: the accepted path of the last verified
     /// tree, from the rows its nodes ran at to the positions of their depths.
     kv_moves: Vec<(u32, u32)>,
+    /// Positions of its slot written so far, rejected drafts' rows included (where a
+    /// ring's contents end: `Decoder::can_resume`).
+    written: usize,
+    /// Prompt tokens taken from the prefix cache (`resume_at`).
+    cached: usize,
+    /// Prefilling waits for another sequence that is computing the same prefix
+    /// (`PrefixCache::before_step`): it takes no step meanwhile.
+    pub(super) waiting: bool,
 }
 
 impl AsMut<Sequence> for Sequence {
     fn as_mut(&mut self) -> &mut Sequence {
+        self
+    }
+}
+
+impl AsRef<Sequence> for Sequence {
+    fn as_ref(&self) -> &Sequence {
         self
     }
 }
@@ -187,6 +203,9 @@ impl Sequence {
             decode_steps: 0,
             bytes_streamed: 0,
             kv_moves: Vec::new(),
+            written: 0,
+            cached: 0,
+            waiting: false,
         })
     }
 
@@ -200,6 +219,57 @@ impl Sequence {
 
     pub fn generated(&self) -> &[u32] {
         &self.generated
+    }
+
+    /// Token `i` of its text: the prompt, then every token generated.
+    pub fn token(&self, i: usize) -> Option<u32> {
+        match i.checked_sub(self.prompt.len()) {
+            None => Some(self.prompt[i]),
+            Some(g) => self.generated.get(g).copied(),
+        }
+    }
+
+    /// Positions of its KV cache that hold its text's K and V: its position, short of an
+    /// accepted tree path whose KV has not moved into place yet.
+    pub fn kv_valid(&self) -> usize {
+        self.kv_moves
+            .iter()
+            .map(|m| m.1 as usize)
+            .min()
+            .unwrap_or(self.pos)
+            .min(self.pos)
+    }
+
+    /// Positions of its slot written so far (`Decoder::can_resume`).
+    pub fn written(&self) -> usize {
+        self.written
+    }
+
+    /// Still prefilling its prompt, not ended.
+    pub fn prefilling(&self) -> bool {
+        self.finished.is_none() && self.pending.is_none() && self.prefilled < self.prompt.len()
+    }
+
+    /// Prompt tokens in its KV cache.
+    pub fn prefilled(&self) -> usize {
+        self.prefilled
+    }
+
+    /// Prompt tokens taken from the prefix cache.
+    pub fn cached(&self) -> usize {
+        self.cached
+    }
+
+    /// Its KV cache holds the prompt's first `at` tokens (copied or kept from another
+    /// sequence's: the prefix cache), so prefilling goes on from there. `at` is past what
+    /// it holds and short of the whole prompt: the last prompt token always runs, for its
+    /// logits.
+    pub fn resume_at(&mut self, at: usize) {
+        debug_assert!(self.prefilling() && at > self.prefilled && at < self.prompt.len());
+        self.cached += at - self.prefilled;
+        self.prefilled = at;
+        self.pos = at;
+        self.written = self.written.max(at);
     }
 
     /// Decode steps run (each after the first sampled token; one step may emit several
@@ -272,11 +342,12 @@ impl Sequence {
     /// `next_step` into a step the caller reuses (its token list keeps its capacity, so a
     /// step loop allocates nothing); false where `next_step` gives None.
     pub fn fill_step(&self, budget: usize, out: &mut SeqStep) -> bool {
-        if self.finished.is_some() || budget == 0 {
+        if self.finished.is_some() || budget == 0 || (self.waiting && self.pending.is_none()) {
             return false;
         }
         out.tokens.clear();
         out.verify = false;
+        out.prompt = self.pending.is_none();
         out.parents.clear();
         out.kv_moves.clear();
         match self.pending {
@@ -324,6 +395,7 @@ impl Sequence {
         bytes_streamed: u64,
     ) -> Option<Piece> {
         self.bytes_streamed += bytes_streamed;
+        self.written = self.written.max(self.pos + ran);
         let piece = if self.pending.take().is_none() {
             self.pos += ran;
             self.prefilled += ran;
@@ -470,6 +542,7 @@ impl Sequence {
             // Every token after the first, however many a step yielded.
             decode_tokens_per_s: self.generated.len().saturating_sub(1) as f64 / decode.max(1e-9),
             bytes_streamed: self.bytes_streamed,
+            cached_tokens: self.cached,
             prompt_token_ids: self.prompt,
             generated_token_ids: self.generated,
         };

@@ -340,6 +340,40 @@ impl<B: Backend> Decoder<B> {
         given
     }
 
+    /// Whether a sequence can go on from position `pos` with the KV a slot holds once it has
+    /// written up to `written` (`pos <= written`): every layer still holds what a query at
+    /// `pos` attends to (a full-attention layer always does; a ring, when `written` is at
+    /// most its capacity past the window's start).
+    pub fn can_resume(&self, pos: usize, written: usize) -> bool {
+        pos <= written && self.layers.iter().all(|l| l.cache.sees_all(pos, written))
+    }
+
+    /// Copies positions `positions` of slot `from`'s KV cache (which has written up to
+    /// `written`) to slot `to`, in every layer: in a ring only those it still holds, which
+    /// are all a query at `positions.end` reads when `can_resume(positions.end, written)`.
+    pub fn copy_kv(
+        &mut self,
+        b: &B,
+        (from, to): (usize, usize),
+        positions: std::ops::Range<usize>,
+        written: usize,
+    ) {
+        if from == to || positions.is_empty() {
+            return;
+        }
+        for l in &self.layers {
+            let start = positions.start.max(written.saturating_sub(l.cache.cap));
+            let run = start.min(positions.end)..positions.end;
+            b.kv_copy(
+                &mut self.cache_k,
+                &mut self.cache_v,
+                (&self.shape, &l.cache),
+                (from, to),
+                run,
+            );
+        }
+    }
+
     /// Index of the unit whose blob the output projection reads (embedding when tied).
     pub fn lm_head_unit(&self) -> usize {
         if self.cfg.tied_embeddings {
@@ -359,7 +393,7 @@ impl<B: Backend> Decoder<B> {
         let trees = steps.iter().any(|s| !s.parents.is_empty());
         // Decode rows first (single tokens and verified spans), then prefill chunks, each
         // group in step order.
-        let decodes = |s: &SeqStep| s.tokens.len() == 1 || s.verify;
+        let decodes = |s: &SeqStep| (s.tokens.len() == 1 && !s.prompt) || s.verify;
         let order = (0..steps.len())
             .filter(|&i| decodes(&steps[i]))
             .chain((0..steps.len()).filter(|&i| !decodes(&steps[i])));

@@ -877,6 +877,17 @@ impl<B: Backend> Pipeline<B> {
         self.model.discard_slot(&self.backend, slot)
     }
 
+    /// Copies the KV of `positions` from slot `from` (written up to `written`) to slot `to`
+    /// (`Decoder::copy_kv`): a prefix another sequence computed.
+    pub fn copy_kv(
+        &mut self,
+        slots: (usize, usize),
+        positions: std::ops::Range<usize>,
+        written: usize,
+    ) {
+        self.model.copy_kv(&self.backend, slots, positions, written);
+    }
+
     /// The policies this pipeline runs with.
     pub fn pipeline_options(&self) -> &PipelineOptions {
         &self.opts

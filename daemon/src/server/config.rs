@@ -94,6 +94,9 @@ pub struct ServeConfig {
     pub draft_fixed: bool,
     /// Branches a drafted token tree may have besides its main chain (0: chains).
     pub draft_branches: usize,
+    /// Reuse the KV of prompt prefixes that KV slots still hold (a conversation's earlier
+    /// turns, a shared system prompt, `n` choices); false: every prompt is prefilled whole.
+    pub prefix_cache: bool,
 }
 
 impl Default for ServeConfig {
@@ -135,6 +138,7 @@ impl Default for ServeConfig {
             draft_max: crate::engine::draft::DRAFT_MAX_DEFAULT,
             draft_fixed: false,
             draft_branches: 0,
+            prefix_cache: true,
         }
     }
 }

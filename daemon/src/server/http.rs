@@ -577,6 +577,7 @@ async fn complete(
 ) -> Result<Value, ApiError> {
     let mut choices = Vec::with_capacity(events.len());
     let mut completion_tokens = 0;
+    let mut cached = CachedTokens::new(events.len(), head.n);
     for (index, mut ev) in events.into_iter().enumerate() {
         let mut text = String::new();
         let mut lps = Vec::new();
@@ -593,6 +594,7 @@ async fn complete(
                 }
                 Some(Event::Done(d)) => {
                     completion_tokens += d.generated_token_ids.len();
+                    cached.done(index, d.cached_tokens);
                     match openai::finish_reason(d.finish) {
                         Some(f) => break f,
                         None => return Err(cut_off(d.generated_token_ids.len())),
@@ -630,8 +632,38 @@ async fn complete(
         "model": head.model,
         "system_fingerprint": null,
         "choices": choices,
-        "usage": openai::usage(prompt_tokens, completion_tokens),
+        "usage": openai::usage(prompt_tokens, completion_tokens, cached.total()),
     }))
+}
+
+/// A call's prompt tokens served from the prefix cache, as OpenAI counts prompt tokens:
+/// each prompt once, for all its `n` choices. A prompt's count is its choices' least: what
+/// the cache held for it before the call (its other choices take the prompt's KV from the
+/// one that computes it, which Status and each gRPC stream count).
+struct CachedTokens {
+    n: usize,
+    least: Vec<usize>,
+}
+
+impl CachedTokens {
+    fn new(choices: usize, n: usize) -> CachedTokens {
+        let n = n.max(1);
+        CachedTokens {
+            n,
+            least: vec![usize::MAX; choices.div_ceil(n)],
+        }
+    }
+
+    /// Choice `i` ended with `cached` of its prompt's tokens from the cache.
+    fn done(&mut self, i: usize, cached: usize) {
+        if let Some(l) = self.least.get_mut(i / self.n) {
+            *l = (*l).min(cached);
+        }
+    }
+
+    fn total(&self) -> usize {
+        self.least.iter().filter(|&&l| l != usize::MAX).sum()
+    }
 }
 
 type SseItem = Result<SseEvent, Infallible>;
@@ -668,6 +700,7 @@ async fn pump(head: Head, events: Vec<Events>, include_usage: bool, tx: mpsc::Se
         }
     }
     let (mut prompt_tokens, mut completion_tokens) = (0, 0);
+    let mut cached = CachedTokens::new(n, head.n);
     let mut offsets = vec![0usize; n];
     let mut error = None;
     loop {
@@ -689,6 +722,7 @@ async fn pump(head: Head, events: Vec<Events>, include_usage: bool, tx: mpsc::Se
                     prompt_tokens += d.prompt_token_ids.len();
                 }
                 completion_tokens += d.generated_token_ids.len();
+                cached.done(i, d.cached_tokens);
                 match openai::finish_reason(d.finish) {
                     Some(f) => head.choice_delta(i, None, Value::Null, Some(f)),
                     None => {
@@ -713,7 +747,7 @@ async fn pump(head: Head, events: Vec<Events>, include_usage: bool, tx: mpsc::Se
             return;
         }
     } else if include_usage {
-        let u = openai::usage(prompt_tokens, completion_tokens);
+        let u = openai::usage(prompt_tokens, completion_tokens, cached.total());
         if !send(head.chunk(Vec::new(), Some(u), true)).await {
             return;
         }

@@ -216,6 +216,63 @@ fn speculative(out: &mut String, s: &crate::engine::draft::SpecStats) {
     );
 }
 
+/// Speculative decoding's and the prefix cache's counters.
+fn engine_counters(out: &mut String, s: &crate::engine::scheduler::Status) {
+    speculative(out, &s.speculative);
+    prefix_cache(out, &s.prefix_cache);
+}
+
+/// The prefix cache's counters and what its slots keep.
+fn prefix_cache(out: &mut String, p: &crate::engine::prefix::PrefixStats) {
+    let rows: [(&str, &str, &str, u64); 7] = [
+        (
+            "sluice_prefix_cache_prompts_total",
+            "Prompts admitted.",
+            "counter",
+            p.prompts,
+        ),
+        (
+            "sluice_prefix_cache_hits_total",
+            "Prompts that took KV from the prefix cache.",
+            "counter",
+            p.hits,
+        ),
+        (
+            "sluice_prefix_cache_prompt_tokens_total",
+            "Prompt tokens admitted.",
+            "counter",
+            p.prompt_tokens,
+        ),
+        (
+            "sluice_prefix_cache_cached_tokens_total",
+            "Prompt tokens whose KV came from the prefix cache instead of a prefill.",
+            "counter",
+            p.cached_tokens,
+        ),
+        (
+            "sluice_prefix_cache_evictions_total",
+            "KV slots whose kept KV was given up for a prompt that shared nothing with it.",
+            "counter",
+            p.evictions,
+        ),
+        (
+            "sluice_prefix_cache_kept_slots",
+            "Free KV slots keeping a finished sequence's KV.",
+            "gauge",
+            p.kept_slots as u64,
+        ),
+        (
+            "sluice_prefix_cache_kept_tokens",
+            "Positions of KV the kept slots hold.",
+            "gauge",
+            p.kept_tokens,
+        ),
+    ];
+    for (name, help, kind, v) in rows {
+        scalar(out, name, help, kind, v);
+    }
+}
+
 /// The histogram of tokens a sequence's decode step yielded (more than one where drafts
 /// were accepted), its buckets cumulative as the text format wants them.
 fn tokens_per_step(out: &mut String, counts: &[u64]) {
@@ -493,7 +550,7 @@ impl Metrics {
                 ("load_waiting_for_slot", io.slot_stall_s),
             ],
         );
-        speculative(&mut out, &s.speculative);
+        engine_counters(&mut out, s);
         model_info(&mut out, st);
         out
     }

@@ -463,8 +463,14 @@ pub fn error_body(e: &ApiError) -> Value {
     json!({"error": {"message": e.message, "type": kind, "param": e.param, "code": code}})
 }
 
-pub fn usage(prompt: usize, completion: usize) -> Value {
-    json!({"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion})
+/// OpenAI's usage object; `cached`: prompt tokens served from the prefix cache.
+pub fn usage(prompt: usize, completion: usize, cached: usize) -> Value {
+    json!({
+        "prompt_tokens": prompt,
+        "completion_tokens": completion,
+        "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": cached},
+    })
 }
 
 #[cfg(test)]

@@ -165,6 +165,7 @@ impl Inference for Service {
                         prefill_tokens_per_s: d.prefill_tokens_per_s,
                         decode_tokens_per_s: d.decode_tokens_per_s,
                         bytes_streamed: d.bytes_streamed,
+                        cached_tokens: d.cached_tokens as u32,
                     }),
                     prompt_token_ids: d.prompt_token_ids,
                     generated_token_ids: d.generated_token_ids,
@@ -288,20 +289,7 @@ impl Inference for Service {
             device_bytes_peak: s.device_bytes_peak,
             kv_cache_bytes: p.kv_cache_bytes,
             host_cache_bytes: p.host_cache_bytes,
-            layers: p
-                .units
-                .iter()
-                .map(|u| pb::LayerPlacement {
-                    layer: u.unit.clone(),
-                    placement: match u.placement {
-                        Placement::Resident => "resident",
-                        Placement::Streamed => "streamed",
-                        Placement::HostCached => "host-cached",
-                    }
-                    .into(),
-                    raw_bytes: u.raw_bytes,
-                })
-                .collect(),
+            layers: layers_of(p),
             layers_resident: p.layers_resident() as u32,
             layers_streamed: p.layers_streamed() as u32,
             bytes_streamed_per_pass: p.upload_bytes_per_pass,
@@ -352,6 +340,7 @@ impl Inference for Service {
                 s.totals.pass_time_s,
             )),
             expert_streaming: Some(expert_streaming_of(&s.totals, p)),
+            prefix_cache: Some(prefix_cache_of(&s.prefix_cache)),
         }))
     }
 
@@ -391,6 +380,37 @@ fn speculative_of(
         draft_passes: s.draft_passes,
         draft_seconds: s.draft_seconds,
         pass_seconds,
+    }
+}
+
+/// Status's units and where the plan put each.
+fn layers_of(p: &crate::plan::Plan) -> Vec<pb::LayerPlacement> {
+    p.units
+        .iter()
+        .map(|u| pb::LayerPlacement {
+            layer: u.unit.clone(),
+            placement: match u.placement {
+                Placement::Resident => "resident",
+                Placement::Streamed => "streamed",
+                Placement::HostCached => "host-cached",
+            }
+            .into(),
+            raw_bytes: u.raw_bytes,
+        })
+        .collect()
+}
+
+/// Status's prefix cache.
+fn prefix_cache_of(p: &crate::engine::prefix::PrefixStats) -> pb::PrefixCache {
+    pb::PrefixCache {
+        enabled: p.enabled,
+        kept_slots: p.kept_slots as u32,
+        kept_tokens: p.kept_tokens,
+        prompts: p.prompts,
+        hits: p.hits,
+        prompt_tokens: p.prompt_tokens,
+        cached_tokens: p.cached_tokens,
+        evictions: p.evictions,
     }
 }
 

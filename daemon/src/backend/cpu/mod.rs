@@ -27,8 +27,8 @@ pub use elementwise::{gelu_tanh, silu};
 pub use gemv::dequant_rows;
 
 use super::{
-    check_upload, AttnStep, Backend, BackendError, KvDtype, MatmulOut, MemBudget, ScratchShape,
-    WeightRef,
+    check_upload, AttnShape, AttnStep, Backend, BackendError, KvDtype, LayerCache, MatmulOut,
+    MemBudget, ScratchShape, WeightRef,
 };
 use crate::dtype::DType;
 use crate::hostbuf::{AlignedBuf, IO_ALIGN};
@@ -652,6 +652,33 @@ impl Backend for CpuBackend {
                 match shape.kv {
                     KvDtype::F32 => mem.f32s_mut().copy_within(src..src + width, dst),
                     KvDtype::F16 => mem.u16s_mut().copy_within(src..src + width, dst),
+                }
+            }
+        }
+    }
+
+    fn kv_copy(
+        &self,
+        cache_k: &mut CpuMem,
+        cache_v: &mut CpuMem,
+        (shape, cache): (&AttnShape, &LayerCache),
+        (from, to): (usize, usize),
+        positions: std::ops::Range<usize>,
+    ) {
+        assert!(
+            from != to && from.max(to) < shape.slots && positions.end <= shape.max_context,
+            "KV copy of positions {positions:?} from slot {from} to slot {to} outside the cache"
+        );
+        let width = shape.kv_heads * shape.head_dim;
+        for (first, n) in cache.held_runs(positions.clone(), positions.end) {
+            if n == 0 {
+                continue;
+            }
+            let (src, dst) = (cache.at(shape, from, first), cache.at(shape, to, first));
+            for mem in [&mut *cache_k, &mut *cache_v] {
+                match shape.kv {
+                    KvDtype::F32 => mem.f32s_mut().copy_within(src..src + n * width, dst),
+                    KvDtype::F16 => mem.u16s_mut().copy_within(src..src + n * width, dst),
                 }
             }
         }

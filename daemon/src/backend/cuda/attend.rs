@@ -1,12 +1,13 @@
 //! Attention on the device (`Backend::attention`: the checks, each row's splits, the
-//! launches of kernels/attention.cu) and the KV moves of token trees (`Backend::kv_move`).
+//! launches of kernels/attention.cu), the KV moves of token trees (`Backend::kv_move`) and
+//! the prefix cache's copies between slots (`Backend::kv_copy`).
 
 use super::device::ATTENTION_THREADS;
 use super::device::{attention_launches, CudaBackend, ATTENTION_HEAD_DIM_MAX, ATTENTION_SPLIT};
 use super::handles::CudaMem;
 use super::kernels::{Dims, Kernel};
 use super::meta::SpanMeta;
-use crate::backend::{AttnStep, KvDtype, WeightRef};
+use crate::backend::{AttnShape, AttnStep, KvDtype, LayerCache, WeightRef};
 use crate::dtype::DType;
 use cudarc::driver::result;
 
@@ -128,22 +129,64 @@ impl CudaBackend {
             }
             let src = step.cache.at(&sh, slot, from) * kvb;
             let dst = step.cache.at(&sh, slot, to) * kvb;
-            for mem in [&*cache_k, &*cache_v] {
-                if src.max(dst) + bytes > mem.len {
-                    return Err(format!("layer {} outside the KV cache", step.layer));
-                }
-                // SAFETY: both rows are inside the allocation (checked); they are
-                // different positions of one slot, so they do not overlap.
-                unsafe {
-                    result::memcpy_dtod_async(
-                        mem.ptr + dst as u64,
-                        mem.ptr + src as u64,
-                        bytes,
-                        self.compute.cu_stream(),
-                    )
-                }
-                .map_err(|e| e.to_string())?;
+            // Different positions of one slot: they do not overlap.
+            self.copy_kv_bytes((cache_k, cache_v), (src, dst), bytes)
+                .map_err(|e| format!("layer {}: {e}", step.layer))?;
+        }
+        Ok(())
+    }
+
+    /// Copies `bytes` at `src` to `dst` in both the K and the V cache, on the compute
+    /// stream; the two ranges must not overlap.
+    fn copy_kv_bytes(
+        &self,
+        (cache_k, cache_v): (&CudaMem, &CudaMem),
+        (src, dst): (usize, usize),
+        bytes: usize,
+    ) -> Result<(), String> {
+        for mem in [cache_k, cache_v] {
+            if src.max(dst) + bytes > mem.len || src.abs_diff(dst) < bytes {
+                return Err("a KV copy outside the cache, or onto itself".into());
             }
+            // SAFETY: both ranges are inside the allocation and do not overlap (checked).
+            unsafe {
+                result::memcpy_dtod_async(
+                    mem.ptr + dst as u64,
+                    mem.ptr + src as u64,
+                    bytes,
+                    self.compute.cu_stream(),
+                )
+            }
+            .map_err(|e| e.to_string())?;
+        }
+        Ok(())
+    }
+
+    /// `Backend::kv_copy`: each run of positions the ring keeps contiguous, one
+    /// device-to-device copy on the compute stream (ordered with the steps around it).
+    pub(super) fn copy_kv(
+        &self,
+        (cache_k, cache_v): (&mut CudaMem, &mut CudaMem),
+        (sh, cache): (&AttnShape, &LayerCache),
+        (from, to): (usize, usize),
+        positions: std::ops::Range<usize>,
+    ) -> Result<(), String> {
+        if from == to || from.max(to) >= sh.slots || positions.end > sh.max_context {
+            return Err(format!(
+                "KV copy of positions {positions:?} from slot {from} to slot {to} outside the cache"
+            ));
+        }
+        let kvb = sh.kv.bytes();
+        let width = sh.kv_heads * sh.head_dim;
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        for (first, n) in cache.held_runs(positions.clone(), positions.end) {
+            if n == 0 {
+                continue;
+            }
+            let src = cache.at(sh, from, first) * kvb;
+            let dst = cache.at(sh, to, first) * kvb;
+            // Different slots: they do not overlap.
+            self.copy_kv_bytes((cache_k, cache_v), (src, dst), n * width * kvb)?;
         }
         Ok(())
     }

@@ -22,8 +22,8 @@ use super::DeviceInfo;
 use crate::backend::experts::experts_each;
 use crate::backend::KvDtype;
 use crate::backend::{
-    AttnStep, Backend, BackendError, CopyStats, ExpertCall, ExpertScratch, ExpertShape, MemBudget,
-    RouteGating, ScratchShape, WeightRef,
+    AttnShape, AttnStep, Backend, BackendError, CopyStats, ExpertCall, ExpertScratch, ExpertShape,
+    LayerCache, MemBudget, RouteGating, ScratchShape, WeightRef,
 };
 use crate::hostbuf::Pinner;
 use cudarc::cublas::{result as blas, sys as bsys};
@@ -726,6 +726,18 @@ impl Backend for CudaBackend {
     ) {
         let r = self.move_kv((cache_k, cache_v), step, slot, moves);
         self.record("kv_move", r);
+    }
+
+    fn kv_copy(
+        &self,
+        cache_k: &mut CudaMem,
+        cache_v: &mut CudaMem,
+        place: (&AttnShape, &LayerCache),
+        slots: (usize, usize),
+        positions: std::ops::Range<usize>,
+    ) {
+        let r = self.copy_kv((cache_k, cache_v), place, slots, positions);
+        self.record("kv_copy", r);
     }
 
     fn attention(

@@ -161,9 +161,21 @@ pub struct RunArgs {
     /// chains).
     #[arg(long, default_value_t = 0, value_name = "N")]
     draft_branches: usize,
+    /// With --parallel: the sequences after the first take the prompt's KV from the first
+    /// instead of prefilling it too (default on; `off` for comparison).
+    #[arg(long, value_name = "on|off", default_value = "on", action = clap::ArgAction::Set, value_parser = crate::util::parse_on_off)]
+    prefix_cache: bool,
 }
 
 impl RunArgs {
+    /// `--parallel` sequences, sharing the prompt's KV unless `--prefix-cache off`.
+    fn batch(&self) -> sluice::engine::generate::Batch {
+        sluice::engine::generate::Batch {
+            n: self.parallel as usize,
+            prefix_cache: self.prefix_cache,
+        }
+    }
+
     /// Speculative decoding's settings (None: off).
     fn draft(&self) -> Option<sluice::engine::draft::DraftConfig> {
         use sluice::engine::draft::DraftKind;
@@ -469,7 +481,7 @@ fn run_generate<B: Backend>(
         tok,
         prompt_ids,
         &params,
-        parallel,
+        a.batch(),
         |piece| {
             if !a.json {
                 let mut l = stdout.lock();
@@ -640,7 +652,8 @@ fn print_drafting(outs: &[sluice::engine::generate::GenerateOutput]) {
     }
 }
 
-/// `--json`'s decode steps and passes and speculative decoding's counts, over the batch.
+/// `--json`'s decode steps and passes, speculative decoding's counts and the prompt tokens
+/// taken from the prefix cache, over the batch.
 fn speculative_json(
     j: &mut serde_json::Value,
     outs: &[sluice::engine::generate::GenerateOutput],
@@ -653,6 +666,11 @@ fn speculative_json(
     j["decode_steps"] = outs.iter().map(|o| o.decode_steps).sum::<usize>().into();
     j["decode_passes"] = outs.first().map_or(0, |o| o.decode_passes).into();
     j["draft"] = draft.map(|d| d.kind.to_string()).into();
+    // The prefix cache: prompt tokens each sequence took from another's KV.
+    j["cached_tokens"] = outs.iter().map(|o| o.cached_tokens).sum::<usize>().into();
+    for (i, o) in outs.iter().enumerate() {
+        j["sequences"][i]["cached_tokens"] = o.cached_tokens.into();
+    }
     j["speculative"] = serde_json::json!({
         "draft_s": outs.first().map_or(0.0, |o| o.draft_s),
         "draft_passes": outs.first().map_or(0, |o| o.draft_passes),

@@ -162,6 +162,11 @@ pub struct ServeArgs {
     /// verified in the same pass (default 0: chains).
     #[arg(long, value_name = "N")]
     pub draft_branches: Option<usize>,
+    /// Reuse the KV of prompt prefixes that KV slots still hold: a conversation's earlier
+    /// turns, a system prompt or template shared by requests, a call's `n` choices
+    /// (default on; `off` prefills every prompt whole, for comparison).
+    #[arg(long, value_name = "on|off", value_parser = crate::util::parse_on_off)]
+    pub prefix_cache: Option<bool>,
 }
 
 fn parse_byte_size(s: &str) -> Result<ByteSize, String> {
@@ -191,7 +196,8 @@ impl ServeArgs {
             backend,
             device,
             draft_max,
-            draft_branches
+            draft_branches,
+            prefix_cache
         );
         if self.draft.is_some() {
             c.draft = self.draft;
@@ -469,6 +475,7 @@ impl ModelLoader {
             tokenizer,
             cfg: SchedulerConfig {
                 queue_max: cfg.queue_max,
+                prefix_cache: cfg.prefix_cache,
             },
         };
         let (plan, sched, engine, backend_name) =

@@ -14,6 +14,15 @@ pub fn parse_dtype(s: &str) -> Result<sluice::dtype::DType, String> {
         })
 }
 
+/// `on` or `off` (also true/false, yes/no, 1/0).
+pub fn parse_on_off(s: &str) -> Result<bool, String> {
+    match s.to_ascii_lowercase().as_str() {
+        "on" | "true" | "yes" | "1" => Ok(true),
+        "off" | "false" | "no" | "0" => Ok(false),
+        _ => Err(format!("{s:?}: expected on or off")),
+    }
+}
+
 pub fn parse_codec(s: &str) -> Result<Codec, String> {
     s.parse()
 }

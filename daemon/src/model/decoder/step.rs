@@ -20,6 +20,11 @@ pub struct SeqStep {
     /// decode rows, so each row's logits have the bits that row would have decoded alone
     /// (the backends' batch invariance; ARCHITECTURE.md, speculative decoding).
     pub verify: bool,
+    /// A chunk of a prompt: its rows take the prefill kernels however few they are (one
+    /// included), so a prompt token's K and V have the same bits whichever chunk carried
+    /// it, and a prefill after a reused prefix gives what prefilling the whole prompt gives
+    /// (the prefix cache; ARCHITECTURE.md). Not with `verify`.
+    pub prompt: bool,
     /// A verified span that is a token tree: each row's parent row (`TREE_ROOT` for the
     /// first, the pending token; every other's parent before it). Empty: a chain, each row
     /// after the one before. Row i runs at position `pos + depth(i)` and writes its K and
@@ -61,6 +66,11 @@ pub(super) fn check_steps(
     for (i, s) in steps.iter().enumerate() {
         if s.tokens.is_empty() {
             return Err(ModelError::Step(format!("sequence {i} has no tokens")));
+        }
+        if s.prompt && s.verify {
+            return Err(ModelError::Step(format!(
+                "sequence {i} is both a prompt chunk and a verified span"
+            )));
         }
         if s.slot >= opts.kv_slots || steps[..i].iter().any(|o| o.slot == s.slot) {
             return Err(ModelError::Step(format!(
