@@ -206,6 +206,12 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// The prefix cache: `sluice cache clear` empties it (the --model's, else every loaded
+    /// model's): the KV slots keep for prompts that share their text.
+    Cache {
+        #[command(subcommand)]
+        action: CacheCmd,
+    },
     /// Token ids of a text, with each token's text.
     Tokenize {
         /// The text; `-` reads it from standard input.
@@ -214,6 +220,12 @@ enum Cmd {
         #[arg(long)]
         add_special_tokens: bool,
     },
+}
+
+#[derive(Subcommand)]
+enum CacheCmd {
+    /// Empty the prefix cache; prints the positions of KV each model gave up.
+    Clear,
 }
 
 pub(crate) fn finish_name(f: i32) -> &'static str {
@@ -405,6 +417,9 @@ async fn run(cli: Cli) -> Result<()> {
             text,
             add_special_tokens,
         } => cmd_tokenize(&addr, &model, text, add_special_tokens).await,
+        Cmd::Cache {
+            action: CacheCmd::Clear,
+        } => cmd_cache_clear(&addr, &model).await,
     }
 }
 
@@ -830,6 +845,27 @@ async fn cmd_models(addr: &Target, json: bool, loaded_only: bool) -> Result<()> 
 }
 
 /// `sluice tokenize`.
+async fn cmd_cache_clear(addr: &Target, model: &str) -> Result<()> {
+    let mut client = connect(addr).await?;
+    let r = client
+        .clear_cache(pb::ClearCacheRequest {
+            model: model.to_string(),
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("{:?}: {}", e.code(), e.message()))?
+        .into_inner();
+    if r.models.is_empty() {
+        println!("no model is loaded: nothing to clear");
+    }
+    for m in r.models {
+        println!(
+            "{}: prefix cache emptied, {} positions of KV given up",
+            m.model, m.positions
+        );
+    }
+    Ok(())
+}
+
 async fn cmd_tokenize(
     addr: &Target,
     model: &str,

@@ -348,5 +348,38 @@ fn the_daemon_reuses_a_conversations_kv_on_both_real_models_and_reports_it() {
             metrics.contains(&format!("sluice_prefix_cache_cached_tokens_total {cached}")),
             "{metrics}"
         );
+        // `sluice cache clear` empties it: the same conversation then reuses nothing, and
+        // answers the same.
+        let o = std::process::Command::new(bin("sluice"))
+            .args(["--addr", &on.addr, "cache", "clear"])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert!(
+            stdout(&o).contains(&format!("{name}: prefix cache emptied")),
+            "{}",
+            stdout(&o)
+        );
+        assert!(
+            grpc_status(&on)["prefixCache"]["keptSlots"].is_null(),
+            "kept slots after a clear"
+        );
+        let again = turns(&on, name, chat);
+        assert_eq!(again[0].0, a[0].0, "{name}");
+        assert_eq!(
+            again[0].1["prompt_tokens_details"]["cached_tokens"], 0,
+            "{name}"
+        );
+        // The same over HTTP, behind the same key as every request; a body must be an
+        // object naming a model, or nothing.
+        let (code, body) = post_json(&on.http, "/v1/cache/clear", "");
+        assert_eq!(code, 200, "{body}");
+        let j: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(j["cleared"][0]["model"], name, "{j}");
+        assert!(j["cleared"][0]["positions"].as_u64().unwrap() > 0, "{j}");
+        let (code, body) = post_json(&on.http, "/v1/cache/clear", "[1]");
+        assert_eq!(code, 400, "{body}");
+        let (code, body) = post_json(&on.http, "/v1/cache/clear", r#"{"model": "nope"}"#);
+        assert_eq!(code, 404, "{body}");
     }
 }

@@ -138,6 +138,17 @@ pub struct Scheduler {
     pub max_context: usize,
     queue_max: usize,
     prefix_cache: bool,
+    /// Requests to empty the prefix cache and what the engine did with them.
+    clears: Arc<Mutex<Clears>>,
+}
+
+/// Requests to empty the prefix cache (`Scheduler::ask_clear`): how many were asked, how
+/// many the engine has served, and the positions its last one gave up.
+#[derive(Default)]
+struct Clears {
+    asked: u64,
+    done: u64,
+    dropped: u64,
 }
 
 /// Places held in the queue for one call's requests (`Scheduler::reserve`): each request
@@ -280,6 +291,7 @@ impl Scheduler {
             max_context,
             queue_max: cfg.queue_max.max(1),
             prefix_cache: cfg.prefix_cache,
+            clears: Arc::default(),
         };
         let inner = s.clone();
         // A thread that cannot be made at start leaves nothing to serve with: fatal.
@@ -363,6 +375,46 @@ impl Scheduler {
         s
     }
 
+    /// Asks the engine to empty the prefix cache before its next step (`sluice cache
+    /// clear`); returns the ticket `clear_done` answers for.
+    pub fn ask_clear(&self) -> u64 {
+        let mut c = self
+            .clears
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        c.asked += 1;
+        c.asked
+    }
+
+    /// Once the engine has emptied the prefix cache for `ticket`: the positions of KV it
+    /// gave up.
+    pub fn clear_done(&self, ticket: u64) -> Option<u64> {
+        let c = self
+            .clears
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (c.done >= ticket).then_some(c.dropped)
+    }
+
+    /// Empties the prefix cache if asked to: the kept slots give up their KV, and their
+    /// memory goes back (`Pipeline::discard_slot`).
+    fn serve_clears<B: Backend>(&self, st: &mut EngineState<B>) {
+        let mut c = self
+            .clears
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if c.done == c.asked {
+            return;
+        }
+        c.dropped = st.prefix.clear();
+        for &slot in &st.free_slots {
+            st.runner.discard_slot(slot);
+        }
+        c.done = c.asked;
+        drop(c);
+        self.publish(st, st.active.len());
+    }
+
     /// Stops admission; requests already admitted or queued finish, or are cancelled once
     /// `grace` has passed.
     pub fn shutdown(&self, grace: Duration) {
@@ -398,6 +450,7 @@ impl Scheduler {
             prefix,
         };
         loop {
+            self.serve_clears(&mut st);
             if let Admitted::Closed = self.admit(&mut st) {
                 return;
             }

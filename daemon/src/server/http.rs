@@ -104,6 +104,7 @@ pub fn router(state: Arc<HttpState>) -> Router {
     Router::new()
         .route("/v1/chat/completions", post(chat))
         .route("/v1/completions", post(completions))
+        .route("/v1/cache/clear", post(clear_cache))
         .route("/v1/models", get(models))
         .route("/v1/models/{*id}", get(model))
         .route("/health", get(health))
@@ -230,6 +231,39 @@ async fn models(State(s): State<Arc<HttpState>>, h: HeaderMap) -> Response {
         Ok(m) => {
             let data: Vec<Value> = m.list(false).iter().map(|l| model_object(m, l)).collect();
             json_response(StatusCode::OK, &json!({"object": "list", "data": data}))
+        }
+        Err(e) => error_response(&e),
+    }
+}
+
+/// POST /v1/cache/clear (`{"model": NAME}`, or no body: every loaded model): empties the
+/// prefix cache; answers `{"cleared": [{"model", "positions"}]}`.
+async fn clear_cache(
+    State(s): State<Arc<HttpState>>,
+    h: HeaderMap,
+    body: axum::body::Bytes,
+) -> Response {
+    let model = match serde_json::from_slice::<Value>(&body) {
+        _ if body.iter().all(u8::is_ascii_whitespace) => Ok(String::new()),
+        Ok(Value::Object(o)) => match o.get("model") {
+            None => Ok(String::new()),
+            Some(Value::String(m)) => Ok(m.clone()),
+            Some(_) => Err("model must be a string"),
+        },
+        _ => Err("the body must be a JSON object, {\"model\": NAME}, or empty"),
+    }
+    .map_err(|m| ApiError::new(ErrorKind::Invalid, m));
+    let r = match (s.authorize(&h).and_then(|()| s.models()), model) {
+        (Ok(m), Ok(model)) => m.clear_prefix_caches(&model).await,
+        (Err(e), _) | (_, Err(e)) => Err(e),
+    };
+    match r {
+        Ok(c) => {
+            let cleared: Vec<Value> = c
+                .into_iter()
+                .map(|(model, positions)| json!({"model": model, "positions": positions}))
+                .collect();
+            json_response(StatusCode::OK, &json!({"cleared": cleared}))
         }
         Err(e) => error_response(&e),
     }

@@ -595,6 +595,45 @@ impl Models {
         Ok((name, s))
     }
 
+    /// The loaded models `model` names: all of them for "", else the one it means when it
+    /// is loaded (none when it is not; an unknown name is an error).
+    pub fn loaded_now(&self, model: &str) -> Result<Vec<(String, Arc<Served>)>, ApiError> {
+        if !model.is_empty() {
+            let (name, s) = self.loaded(model)?;
+            return Ok(s.map(|s| (name, s)).into_iter().collect());
+        }
+        Ok(lock(&self.table)
+            .iter()
+            .filter_map(|(n, e)| Some((n.clone(), e.served()?.clone())))
+            .collect())
+    }
+
+    /// Empties the prefix cache of the loaded models `model` names ("": every loaded model),
+    /// both wires' `cache clear`: per model, the positions of KV it gave up. Each engine does
+    /// it between two steps; one that does not within 30 s answers UNAVAILABLE.
+    pub async fn clear_prefix_caches(&self, model: &str) -> Result<Vec<(String, u64)>, ApiError> {
+        let mut out = Vec::new();
+        for (name, served) in self.loaded_now(model)? {
+            let sched = &served.front.sched;
+            let ticket = sched.ask_clear();
+            let t0 = std::time::Instant::now();
+            let dropped = loop {
+                if let Some(n) = sched.clear_done(ticket) {
+                    break n;
+                }
+                if t0.elapsed() > std::time::Duration::from_secs(30) {
+                    return Err(ApiError::new(
+                        super::api::ErrorKind::Unavailable,
+                        format!("{name}: the engine did not empty its prefix cache within 30 s"),
+                    ));
+                }
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            };
+            out.push((name, dropped));
+        }
+        Ok(out)
+    }
+
     /// Every model (or only the loaded ones), by name.
     pub fn list(&self, loaded_only: bool) -> Vec<Listing> {
         self.refresh();

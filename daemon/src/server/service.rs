@@ -344,6 +344,24 @@ impl Inference for Service {
         }))
     }
 
+    async fn clear_cache(
+        &self,
+        req: GrpcRequest<pb::ClearCacheRequest>,
+    ) -> Result<Response<pb::ClearCacheResponse>, Status> {
+        let model = req.into_inner().model;
+        let cleared = self
+            .models
+            .clear_prefix_caches(&model)
+            .await
+            .map_err(status_of)?;
+        Ok(Response::new(pb::ClearCacheResponse {
+            models: cleared
+                .into_iter()
+                .map(|(model, positions)| pb::ClearedCache { model, positions })
+                .collect(),
+        }))
+    }
+
     async fn complete(
         &self,
         req: GrpcRequest<pb::CompleteRequest>,
