@@ -399,20 +399,26 @@ impl Scheduler {
     /// Empties the prefix cache if asked to: the kept slots give up their KV, and their
     /// memory goes back (`Pipeline::discard_slot`).
     fn serve_clears<B: Backend>(&self, st: &mut EngineState<B>) {
-        let mut c = self
+        let c = self
             .clears
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         if c.done == c.asked {
             return;
         }
-        c.dropped = st.prefix.clear();
+        let asked = c.asked;
+        drop(c);
+        let dropped = st.prefix.clear();
         for &slot in &st.free_slots {
             st.runner.discard_slot(slot);
         }
-        c.done = c.asked;
-        drop(c);
+        // Status says so before the asker hears it is done.
         self.publish(st, st.active.len());
+        let mut c = self
+            .clears
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        (c.done, c.dropped) = (asked, dropped);
     }
 
     /// Stops admission; requests already admitted or queued finish, or are cancelled once

@@ -239,3 +239,54 @@ fn a_call_of_several_prompts_is_queued_whole_or_not_at_all() {
     }
     engine.join().expect("engine thread");
 }
+
+/// The prompt tokens a request took from the prefix cache, once it is done.
+fn cached_of(mut rx: UnboundedReceiver<Event>) -> usize {
+    loop {
+        match rx.blocking_recv().expect("the stream ends with Done") {
+            Event::Piece { .. } => {}
+            Event::Done(d) => return d.cached_tokens,
+            Event::Failed { message, .. } => panic!("request failed: {message}"),
+        }
+    }
+}
+
+#[test]
+fn kept_slots_serve_their_prompts_again_and_the_least_recently_kept_goes_first() {
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = test_model::store(tmp.path());
+    let tok = Arc::new(Tokenizer::from_manifest(store.manifest()).expect("tokenizer"));
+    let cfg = SchedulerConfig {
+        queue_max: 8,
+        prefix_cache: true,
+    };
+    let (s, engine) = Scheduler::start(pipeline(&store, 2), None, tok, cfg);
+    let (a, b, c): (Vec<u32>, Vec<u32>, Vec<u32>) =
+        ((1..21).collect(), (30..50).collect(), (60..80).collect());
+    let run = |p: &Vec<u32>| cached_of(submit(&s, p.clone(), 3).expect("submit"));
+    // Two slots: A and B are kept, one each; each comes back to its own (19 of 20 tokens:
+    // the last always runs).
+    assert_eq!((run(&a), run(&b)), (0, 0));
+    assert_eq!((run(&a), run(&b)), (19, 19));
+    // C shares nothing: it takes the slot kept longest (A's, kept before B's last run).
+    assert_eq!(run(&c), 0);
+    assert_eq!(s.status().prefix_cache.evictions, 1);
+    // B is still kept; A is not.
+    assert_eq!(run(&b), 19);
+    assert_eq!(run(&a), 0);
+    // A prompt that goes on from a kept text takes the text, not more.
+    let mut longer = a.clone();
+    longer.extend([90, 91, 92]);
+    assert_eq!(run(&longer), 20);
+    let st = s.status().prefix_cache;
+    assert_eq!((st.prompts, st.hits, st.cached_tokens), (8, 4, 19 * 3 + 20));
+    // Emptied: nothing is kept, nothing reused.
+    let ticket = s.ask_clear();
+    while s.clear_done(ticket).is_none() {
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(s.status().prefix_cache.kept_slots, 0);
+    assert_eq!(run(&b), 0);
+    s.shutdown(Duration::from_secs(10));
+    engine.join().expect("engine thread");
+}
