@@ -590,6 +590,7 @@ fn prefix_cache_json(x: &pb::PrefixCache) -> serde_json::Value {
         "enabled": x.enabled,
         "kept_slots": x.kept_slots,
         "kept_tokens": x.kept_tokens,
+        "kept_bytes": x.kept_bytes,
         "prompts": x.prompts,
         "hits": x.hits,
         "prompt_tokens": x.prompt_tokens,
@@ -612,14 +613,15 @@ fn print_prefix_cache(x: Option<&pb::PrefixCache>) {
         return;
     }
     println!(
-        "prefix cache     {} of {} prompts reused KV; {} of {} prompt tokens not prefilled ({:.0} %); {} slots keep {} positions",
+        "prefix cache     {} of {} prompts reused KV; {} of {} prompt tokens not prefilled ({:.0} %); {} slots keep {} positions ({:.1} MiB)",
         x.hits,
         x.prompts,
         x.cached_tokens,
         x.prompt_tokens,
         100.0 * x.cached_tokens as f64 / x.prompt_tokens.max(1) as f64,
         x.kept_slots,
-        x.kept_tokens
+        x.kept_tokens,
+        x.kept_bytes as f64 / (1 << 20) as f64
     );
 }
 

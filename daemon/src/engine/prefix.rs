@@ -24,6 +24,8 @@ use serde::Serialize;
 struct Kept {
     /// The text whose K and V are at positions 0..tokens.len().
     tokens: Vec<u32>,
+    /// Bytes of KV cache they take.
+    bytes: u64,
     /// Positions written (a ring's contents end there).
     written: usize,
     /// When it was kept (the least recent goes first).
@@ -37,6 +39,8 @@ pub struct PrefixStats {
     /// Free slots holding a finished sequence's KV, and the positions they hold.
     pub kept_slots: usize,
     pub kept_tokens: u64,
+    /// Bytes of KV cache those positions take.
+    pub kept_bytes: u64,
     /// Prompts admitted, those that reused at least one token, prompt tokens in all and
     /// those taken from the cache (not prefilled).
     pub prompts: u64,
@@ -120,6 +124,7 @@ impl PrefixCache {
             .flatten()
             .map(|k| k.tokens.len() as u64)
             .sum();
+        s.kept_bytes = self.kept.iter().flatten().map(|k| k.bytes).sum();
         s
     }
 
@@ -272,9 +277,10 @@ impl PrefixCache {
         })
     }
 
-    /// Sequence `seq` in `slot` is over: the slot keeps its KV and text (nothing when the
-    /// cache is off, or when its KV may be wrong: `valid` false after a failed step).
-    pub fn release(&mut self, slot: usize, seq: &Sequence, valid: bool) {
+    /// Sequence `seq` is over: its slot keeps its KV and text (nothing when the cache is
+    /// off, or when its KV may be wrong: `valid` false after a failed step).
+    pub fn release<B: Backend>(&mut self, runner: &Pipeline<B>, (seq, valid): (&Sequence, bool)) {
+        let slot = seq.slot();
         if !self.on || slot >= self.kept.len() {
             return;
         }
@@ -282,6 +288,7 @@ impl PrefixCache {
         let n = if valid { seq.kv_valid() } else { 0 };
         self.kept[slot] = (n > 0).then(|| Kept {
             tokens: (0..n).filter_map(|i| seq.token(i)).collect(),
+            bytes: runner.model.kv_bytes(n),
             written: seq.written(),
             at: self.clock,
         });

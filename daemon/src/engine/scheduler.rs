@@ -243,7 +243,7 @@ impl<B: Backend> EngineState<B> {
     fn free_slot(&mut self, seq: &Sequence, valid: bool) {
         let slot = seq.slot();
         self.free_slots.push(slot);
-        self.prefix.release(slot, seq, valid);
+        self.prefix.release(&self.runner, (seq, valid));
         if !self.prefix.enabled() || !valid {
             self.runner.discard_slot(slot);
         }

@@ -280,12 +280,24 @@ fn kept_slots_serve_their_prompts_again_and_the_least_recently_kept_goes_first()
     assert_eq!(run(&longer), 20);
     let st = s.status().prefix_cache;
     assert_eq!((st.prompts, st.hits, st.cached_tokens), (8, 4, 19 * 3 + 20));
+    // Two slots keep B's and the longer prompt's KV, each with the 2 of its 3 generated
+    // tokens that ran: 22 and 25 positions (Status is published after the step that ended
+    // the request, so it may lag its Done a moment).
+    let t0 = Instant::now();
+    let mut st = s.status().prefix_cache;
+    while st.kept_tokens != 47 && t0.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(1));
+        st = s.status().prefix_cache;
+    }
+    assert_eq!((st.kept_slots, st.kept_tokens), (2, 47));
+    assert!(st.kept_bytes > 0, "{st:?}");
     // Emptied: nothing is kept, nothing reused.
     let ticket = s.ask_clear();
     while s.clear_done(ticket).is_none() {
         std::thread::sleep(Duration::from_millis(1));
     }
-    assert_eq!(s.status().prefix_cache.kept_slots, 0);
+    let st = s.status().prefix_cache;
+    assert_eq!((st.kept_slots, st.kept_bytes), (0, 0));
     assert_eq!(run(&b), 0);
     s.shutdown(Duration::from_secs(10));
     engine.join().expect("engine thread");

@@ -348,6 +348,16 @@ impl<B: Backend> Decoder<B> {
         pos <= written && self.layers.iter().all(|l| l.cache.sees_all(pos, written))
     }
 
+    /// Bytes of KV cache the first `n` positions of a slot take (K and V, every layer; a
+    /// ring holds its last `cap` at most).
+    pub fn kv_bytes(&self, n: usize) -> u64 {
+        let width = (self.shape.kv_heads * self.shape.head_dim * self.opts.kv_dtype.bytes()) as u64;
+        self.layers
+            .iter()
+            .map(|l| 2 * width * n.min(l.cache.cap) as u64)
+            .sum()
+    }
+
     /// Copies positions `positions` of slot `from`'s KV cache (which has written up to
     /// `written`) to slot `to`, in every layer: in a ring only those it still holds, which
     /// are all a query at `positions.end` reads when `can_resume(positions.end, written)`.

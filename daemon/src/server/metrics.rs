@@ -224,7 +224,7 @@ fn engine_counters(out: &mut String, s: &crate::engine::scheduler::Status) {
 
 /// The prefix cache's counters and what its slots keep.
 fn prefix_cache(out: &mut String, p: &crate::engine::prefix::PrefixStats) {
-    let rows: [(&str, &str, &str, u64); 7] = [
+    let rows: [(&str, &str, &str, u64); 8] = [
         (
             "sluice_prefix_cache_prompts_total",
             "Prompts admitted.",
@@ -266,6 +266,12 @@ fn prefix_cache(out: &mut String, p: &crate::engine::prefix::PrefixStats) {
             "Positions of KV the kept slots hold.",
             "gauge",
             p.kept_tokens,
+        ),
+        (
+            "sluice_prefix_cache_kept_bytes",
+            "Bytes of KV cache the kept positions take.",
+            "gauge",
+            p.kept_bytes,
         ),
     ];
     for (name, help, kind, v) in rows {

@@ -424,6 +424,7 @@ fn prefix_cache_of(p: &crate::engine::prefix::PrefixStats) -> pb::PrefixCache {
         enabled: p.enabled,
         kept_slots: p.kept_slots as u32,
         kept_tokens: p.kept_tokens,
+        kept_bytes: p.kept_bytes,
         prompts: p.prompts,
         hits: p.hits,
         prompt_tokens: p.prompt_tokens,
