@@ -7,6 +7,7 @@
 //! did not prefill; and the daemon reports them as OpenAI does, on both real models.
 
 use sluice::backend::cpu::CpuBackend;
+use sluice::engine::draft::{DraftConfig, DraftKind};
 use sluice::engine::scheduler::{Event, Finish, Request, Scheduler, SchedulerConfig};
 use sluice::engine::sequence::GenerateParams;
 use sluice::model::{ModelOptions, SeqStep};
@@ -34,6 +35,20 @@ fn runner(
         kv_dtype: sluice::engine::kv_dtype_for(exact, None),
         exact,
         verify_rows: 0,
+    };
+    sluice::engine::cpu_runner(store, &plan_input(opts), 2, small_io(), Default::default()).unwrap()
+}
+
+/// `runner` with the fast numerics and room for `verify_rows` drafted rows a pass.
+fn runner_rows(src: &Path, dir: &Path, slots: usize, verify_rows: usize) -> Pipeline<CpuBackend> {
+    let store = pack_store(src, dir, "zstd:1", 1 << 20);
+    let opts = ModelOptions {
+        max_context: 128,
+        kv_slots: slots,
+        max_batch_tokens: 64,
+        kv_dtype: sluice::engine::kv_dtype_for(false, None),
+        exact: false,
+        verify_rows,
     };
     sluice::engine::cpu_runner(store, &plan_input(opts), 2, small_io(), Default::default()).unwrap()
 }
@@ -117,27 +132,40 @@ fn a_prefill_after_a_reused_prefix_has_the_bits_of_the_whole_prefill_on_every_ar
     }
 }
 
-fn greedy(max_tokens: usize) -> GenerateParams {
-    GenerateParams {
+/// How the requests of a run sample and draft.
+#[derive(Clone, Copy)]
+struct Decoding {
+    sampling: SamplingParams,
+    draft: Option<DraftConfig>,
+}
+
+fn greedy() -> Decoding {
+    Decoding {
+        sampling: SamplingParams::default(),
+        draft: None,
+    }
+}
+
+fn submit(
+    s: &Scheduler,
+    prompt: &[u32],
+    max_tokens: usize,
+    how: Decoding,
+) -> UnboundedReceiver<Event> {
+    let (events, rx) = unbounded_channel();
+    let params = GenerateParams {
         max_tokens,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            ..SamplingParams::default()
-        },
+        sampling: how.sampling,
         stop: Vec::new(),
         ignore_eos: true,
         logprobs: None,
         logit_bias: Vec::new(),
         format: Default::default(),
-        draft: None,
-    }
-}
-
-fn submit(s: &Scheduler, prompt: &[u32], max_tokens: usize) -> UnboundedReceiver<Event> {
-    let (events, rx) = unbounded_channel();
+        draft: how.draft,
+    };
     s.submit(Request {
         prompt_ids: prompt.to_vec(),
-        params: greedy(max_tokens),
+        params,
         events,
     })
     .unwrap();
@@ -162,7 +190,11 @@ fn collect(mut rx: UnboundedReceiver<Event>) -> (Vec<u32>, usize) {
 /// What one scheduler gives: three turns of a conversation (each prompt the last one, its
 /// answer and a new message), then three requests sent at once sharing a long prefix (two
 /// the same prompt); per request its tokens and what it took from the cache.
-fn conversation(r: Pipeline<CpuBackend>, prefix_cache: bool) -> Vec<(Vec<u32>, usize)> {
+fn conversation(
+    r: Pipeline<CpuBackend>,
+    prefix_cache: bool,
+    how: Decoding,
+) -> Vec<(Vec<u32>, usize)> {
     let tok = Arc::new(Tokenizer::from_manifest(r.store.manifest()).unwrap());
     let (s, engine) = Scheduler::start(
         r,
@@ -176,7 +208,7 @@ fn conversation(r: Pipeline<CpuBackend>, prefix_cache: bool) -> Vec<(Vec<u32>, u
     let mut out = Vec::new();
     let mut prompt: Vec<u32> = (0..20).map(|i| 3 + (i * 37) % 250).collect();
     for turn in 0..3u32 {
-        let (answer, cached) = collect(submit(&s, &prompt, 6));
+        let (answer, cached) = collect(submit(&s, &prompt, 6, how));
         prompt.extend_from_slice(&answer);
         prompt.extend((0..5).map(|i| 100 + 7 * turn + i));
         out.push((answer, cached));
@@ -185,9 +217,9 @@ fn conversation(r: Pipeline<CpuBackend>, prefix_cache: bool) -> Vec<(Vec<u32>, u
     let mut other = shared.clone();
     other.extend([9, 8, 7]);
     let rxs = [
-        submit(&s, &shared, 5),
-        submit(&s, &shared, 5),
-        submit(&s, &other, 5),
+        submit(&s, &shared, 5, how),
+        submit(&s, &shared, 5, how),
+        submit(&s, &other, 5, how),
     ];
     out.extend(rxs.into_iter().map(collect));
     s.shutdown(std::time::Duration::from_secs(60));
@@ -200,8 +232,16 @@ fn greedy_outputs_with_the_prefix_cache_are_the_outputs_without_on_every_archite
     let tmp = tempfile::tempdir().unwrap();
     for src in TINY_ARCHS {
         let dir = tmp.path().join(src);
-        let with = conversation(runner(&fixture(src), &dir.join("on"), false, 3, 16), true);
-        let without = conversation(runner(&fixture(src), &dir.join("off"), false, 3, 16), false);
+        let with = conversation(
+            runner(&fixture(src), &dir.join("on"), false, 3, 16),
+            true,
+            greedy(),
+        );
+        let without = conversation(
+            runner(&fixture(src), &dir.join("off"), false, 3, 16),
+            false,
+            greedy(),
+        );
         for (i, (a, b)) in with.iter().zip(&without).enumerate() {
             assert_eq!(a.0, b.0, "{src}: request {i}'s tokens");
             assert_eq!(b.1, 0, "{src}: request {i} reused KV with the cache off");
@@ -218,6 +258,52 @@ fn greedy_outputs_with_the_prefix_cache_are_the_outputs_without_on_every_archite
         // lose a pass waiting (up to 31 tokens each for two of them).
         let at_once: usize = cached[3..].iter().sum();
         assert!(at_once >= 2 * 59 - 2 * 31, "{src}: {cached:?}");
+    }
+}
+
+#[test]
+fn seeded_sampling_and_drafted_token_trees_with_the_prefix_cache_give_the_tokens_without() {
+    // Seeded sampling draws from the same logits with the cache as without; with ngram
+    // token trees, a sequence can end with an accepted path whose KV has not moved into
+    // place yet, which its slot must not keep as if it had.
+    let sampled = Decoding {
+        sampling: SamplingParams {
+            temperature: 0.9,
+            seed: 7,
+            ..SamplingParams::default()
+        },
+        draft: None,
+    };
+    let tree = DraftConfig {
+        kind: DraftKind::Ngram,
+        max: 6,
+        fixed: true,
+        branches: 3,
+    };
+    let drafted = Decoding {
+        draft: Some(tree),
+        ..greedy()
+    };
+    let tmp = tempfile::tempdir().unwrap();
+    for src in ["tiny-llama", "tiny-gemma3", "tiny-gptoss"] {
+        for (k, how) in [sampled, drafted].into_iter().enumerate() {
+            let dir = tmp.path().join(format!("{src}-{k}"));
+            let rows = 3 * tree.rows();
+            let with = conversation(
+                runner_rows(&fixture(src), &dir.join("on"), 3, rows),
+                true,
+                how,
+            );
+            let without = conversation(
+                runner_rows(&fixture(src), &dir.join("off"), 3, rows),
+                false,
+                how,
+            );
+            for (i, (a, b)) in with.iter().zip(&without).enumerate() {
+                assert_eq!(a.0, b.0, "{src} ({k}): request {i}'s tokens");
+            }
+            assert!(with[1].1 > 0 && with[2].1 > 0, "{src} ({k}): {with:?}");
+        }
     }
 }
 
