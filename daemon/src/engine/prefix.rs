@@ -192,7 +192,8 @@ impl PrefixCache {
     /// Before a step: each prefilling sequence takes the longest prefix of its prompt that
     /// any slot holds past what it has (its own slot's kept KV in place, else a copy from
     /// the other slot), then waits where another prefilling sequence ahead of it is
-    /// computing more of its prompt (see the module doc). Slots in use keep nothing after.
+    /// computing more of its prompt (see the module doc). A slot copied into keeps nothing
+    /// from then on (its kept text's KV is overwritten), and slots in use keep nothing after.
     pub fn before_step<B: Backend, S: AsRef<Sequence> + AsMut<Sequence>>(
         &mut self,
         runner: &mut Pipeline<B>,
@@ -208,7 +209,13 @@ impl PrefixCache {
             let best = self.best_source(runner, seqs, i);
             let s = seqs[i].as_mut();
             if let Some((slot, at, written)) = best.filter(|b| b.1 > s.prefilled()) {
-                runner.copy_kv((slot, s.slot()), s.prefilled()..at, written);
+                if slot != s.slot() {
+                    runner.copy_kv((slot, s.slot()), s.prefilled()..at, written);
+                    // Its slot no longer holds what it kept, for the sequences after it.
+                    if let Some(k) = self.kept.get_mut(s.slot()) {
+                        *k = None;
+                    }
+                }
                 if s.cached() == 0 {
                     self.stats.hits += 1;
                 }

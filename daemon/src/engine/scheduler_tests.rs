@@ -302,3 +302,56 @@ fn kept_slots_serve_their_prompts_again_and_the_least_recently_kept_goes_first()
     s.shutdown(Duration::from_secs(10));
     engine.join().expect("engine thread");
 }
+
+/// A request's generated tokens, whatever its finish.
+fn tokens_of(rx: UnboundedReceiver<Event>) -> Vec<u32> {
+    collect(rx).0
+}
+
+#[test]
+fn a_kept_slot_overwritten_by_its_new_sequence_is_no_longer_a_source() {
+    // Three slots: R decodes for long in one; T's and then U's texts are kept in the other
+    // two. X (sharing R's prompt, not T's or U's) and Y (sharing T's) arrive together: X
+    // takes the slot kept longest (T's) and copies R's prefix over T's KV there; Y, placed
+    // after it, must not then take T's text from that slot.
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let store = test_model::store(tmp.path());
+    let tok = Arc::new(Tokenizer::from_manifest(store.manifest()).expect("tokenizer"));
+    let r: Vec<u32> = (100..140).collect();
+    let t: Vec<u32> = (1..41).collect();
+    let u: Vec<u32> = (200..240).collect();
+    let mut x = r[..36].to_vec();
+    x.extend([7, 7, 7]);
+    let mut y = t[..36].to_vec();
+    y.extend([9, 9, 9]);
+    let run = |prefix_cache: bool| -> Vec<u32> {
+        let cfg = SchedulerConfig {
+            queue_max: 8,
+            prefix_cache,
+        };
+        let (s, engine) = Scheduler::start(pipeline_of(&store, 3, 4096), None, tok.clone(), cfg);
+        let long = submit(&s, r.clone(), 3000).expect("submit");
+        assert_eq!(
+            tokens_of(submit(&s, t.clone(), 2).expect("submit")).len(),
+            2
+        );
+        assert_eq!(
+            tokens_of(submit(&s, u.clone(), 2).expect("submit")).len(),
+            2
+        );
+        let mut places = s.reserve(2).expect("places");
+        let (rx, ry) = (request(x.clone(), 4), request(y.clone(), 4));
+        places.submit(rx.0).expect("submit");
+        places.submit(ry.0).expect("submit");
+        let (_, got) = (tokens_of(rx.1), tokens_of(ry.1));
+        drop(long);
+        s.shutdown(Duration::ZERO);
+        engine.join().expect("engine thread");
+        got
+    };
+    assert_eq!(
+        run(true),
+        run(false),
+        "Y's tokens with the cache and without"
+    );
+}
