@@ -183,6 +183,14 @@ fn the_openai_client_gets_what_sluiced_run_gives() {
     for (k, v) in usage.as_object().unwrap() {
         assert_eq!(&s["usage"][k], v, "stream usage {k}");
     }
+    // The streamed call sent the same messages again: its prompt came from the prefix
+    // cache (all but the last token, which always runs), and the openai package reads the
+    // count where OpenAI puts it.
+    assert_eq!(
+        s["usage"]["prompt_tokens_details"]["cached_tokens"],
+        json!(prompt_n - 1),
+        "{s}"
+    );
     let finishes: Vec<&Value> = s["finish_reasons"]
         .as_array()
         .unwrap()
