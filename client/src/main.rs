@@ -796,8 +796,8 @@ async fn cmd_models(addr: &Target, json: bool, loaded_only: bool) -> Result<()> 
     };
     if !json && loaded_only {
         println!(
-            "{:<24} {:>12} {:>12} {:>9}  UNTIL",
-            "NAME", "DEVICE", "HOST", "REQUESTS"
+            "{:<24} {:>12} {:>12} {:>12} {:>9}  UNTIL",
+            "NAME", "DEVICE", "HOST", "PREFIX KV", "REQUESTS"
         );
     }
     for m in r.models {
@@ -811,15 +811,16 @@ async fn cmd_models(addr: &Target, json: bool, loaded_only: bool) -> Result<()> 
                     "raw_bytes": m.raw_bytes, "quantization": m.quantization,
                     "loaded": m.loaded, "device_bytes": m.device_bytes, "host_bytes": m.host_bytes,
                     "unload_in_s": m.unload_in_s, "active_requests": m.active_requests,
-                    "path": m.path,
+                    "path": m.path, "prefix_cache_bytes": m.prefix_cache_bytes,
                 })
             );
         } else if loaded_only {
             println!(
-                "{:<24} {:>12} {:>12} {:>9}  {}",
+                "{:<24} {:>12} {:>12} {:>12} {:>9}  {}",
                 m.name,
                 mib(m.device_bytes),
                 mib(m.host_bytes),
+                mib(m.prefix_cache_bytes),
                 m.active_requests,
                 until(&m)
             );

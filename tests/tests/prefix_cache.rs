@@ -434,6 +434,30 @@ fn the_daemon_reuses_a_conversations_kv_on_both_real_models_and_reports_it() {
             metrics.contains(&format!("sluice_prefix_cache_cached_tokens_total {cached}")),
             "{metrics}"
         );
+        // `sluice ps` shows the KV it keeps.
+        let ps = |json: bool| -> String {
+            let mut args = vec!["--addr", &on.addr, "ps"];
+            if json {
+                args.push("--json");
+            }
+            let o = std::process::Command::new(bin("sluice"))
+                .args(&args)
+                .output()
+                .unwrap();
+            assert!(o.status.success(), "{}", stderr(&o));
+            stdout(&o)
+        };
+        let kept = |text: String| -> u64 {
+            let j: serde_json::Value = serde_json::from_str(text.trim()).unwrap();
+            j["prefix_cache_bytes"].as_u64().unwrap()
+        };
+        // (Status is published after the step that ended a request: it may lag a moment.)
+        let t0 = std::time::Instant::now();
+        while kept(ps(true)) == 0 {
+            assert!(t0.elapsed().as_secs() < 10, "{name}: ps shows no prefix KV");
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        assert!(ps(false).contains("PREFIX KV"), "{name}");
         // `sluice cache clear` empties it: the same conversation then reuses nothing, and
         // answers the same.
         let o = std::process::Command::new(bin("sluice"))
@@ -450,6 +474,7 @@ fn the_daemon_reuses_a_conversations_kv_on_both_real_models_and_reports_it() {
             grpc_status(&on)["prefixCache"]["keptSlots"].is_null(),
             "kept slots after a clear"
         );
+        assert_eq!(kept(ps(true)), 0, "{name}");
         let again = turns(&on, name, chat);
         assert_eq!(again[0].0, a[0].0, "{name}");
         assert_eq!(

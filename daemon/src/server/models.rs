@@ -226,6 +226,8 @@ pub struct Listing {
     /// None: stays loaded (pinned, kept for ever, or busy); only for a loaded model.
     pub unload_in: Option<Duration>,
     pub active_requests: usize,
+    /// KV bytes its prefix cache keeps (0 when not loaded).
+    pub prefix_cache_bytes: u64,
     /// Unix seconds the model was found (OpenAI's `created`).
     pub created: u64,
 }
@@ -662,6 +664,8 @@ impl Models {
                     host_bytes: served.map_or(0, |s| s.plan.host.total_bytes),
                     unload_in,
                     active_requests: active,
+                    prefix_cache_bytes: served
+                        .map_or(0, |s| s.front.sched.status().prefix_cache.kept_bytes),
                     created: self.created,
                 })
             })

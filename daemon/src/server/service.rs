@@ -250,6 +250,7 @@ impl Inference for Service {
                 },
                 active_requests: l.active_requests as u32,
                 path: l.dir.display().to_string(),
+                prefix_cache_bytes: l.prefix_cache_bytes,
             })
             .collect();
         Ok(Response::new(pb::ListModelsResponse { models }))
