@@ -17,7 +17,11 @@ prompts longer than the context. Then it checks:
   of the run: the resident set climbs for the first minutes while every thread, buffer and pool
   meets its first peak, and the check is for drift after that, not for the climb); the
   heap's live allocations (glibc mallinfo2) at the end are no more than at warm-up;
-- greedy outputs after the soak equal those before.
+- greedy outputs after the soak equal those before;
+- the prefix cache's host tier (--kv-cache-host) and disk tier (--kv-cache-dir, with
+  --kv-cache-disk) stay within their budgets at every sample, by their own count and, on
+  disk, by the files' sizes; the resident-set and heap checks above are on the memory
+  less the host tier's own count (the tier fills to its budget on purpose).
 
 For the middle third of the run the disk misbehaves under the daemon (SLUICE_FAULTS: a
 fifth of reads cut short, 2 % answered 300 ms late, under a 5 s read timeout): the same
@@ -169,6 +173,8 @@ def main():
     ap.add_argument("--no-faults", action="store_true",
                     help="no disk faults in the middle third of the run")
     ap.add_argument("--store", help="a packed SmolLM2 store (default: pack one)")
+    ap.add_argument("--kv-cache-host", default="32MiB", help="the prefix cache's host tier")
+    ap.add_argument("--kv-cache-disk", default="64MiB", help="its disk tier (in the soak's temp dir)")
     args = ap.parse_args()
 
     import grpc
@@ -186,13 +192,15 @@ def main():
     context = 512
     log = open(os.path.join(tmp, "sluiced.log"), "w")
     faults = os.path.join(tmp, "faults")
+    kv_dir = os.path.join(tmp, "kv")
     open(faults, "w").close()
     daemon = subprocess.Popen(
         [f"{BIN}/sluiced", "serve", "--model", store, "--config", "/dev/null",
          "--listen", f"127.0.0.1:{gport}", "--http-listen", f"127.0.0.1:{hport}",
          "--device-memory", args.device_memory, "--max-batch", "8",
          "--max-context", str(context), "--queue-max", str(args.queue_max),
-         "--read-timeout", "5s"],
+         "--read-timeout", "5s", "--kv-cache-host", args.kv_cache_host,
+         "--kv-cache-dir", kv_dir, "--kv-cache-disk", args.kv_cache_disk],
         stdout=log, stderr=log, env=dict(os.environ, SLUICE_FAULTS=faults))
     deadline = time.time() + 120
     while True:
@@ -332,7 +340,20 @@ def main():
         t.start()
     # The resident set every --sample-s seconds from the start, the disk's faults switched
     # on for the middle third; the warm-up's figures once it has passed.
-    curve, anon, filed = [], [], []
+    curve, anon, filed, tiers = [], [], [], []
+
+    def tier_sample():
+        p = stub.Status(pb.StatusRequest()).prefix_cache
+        tiers.append(p)
+        return p.host_bytes
+
+    def sample(now):
+        # The resident set less the host tier's own count: it fills to its budget on purpose.
+        tier = tier_sample() / 2**20
+        curve.append((now, rss_kib(daemon.pid) / 1024 - tier))
+        anon.append((now, rss_kib(daemon.pid, "RssAnon") / 1024 - tier))
+        filed.append((now, rss_kib(daemon.pid, "RssFile") / 1024))
+
     rss_warm = heap_warm = warm_outcomes = None
     faults_on = faults_off = None
     while True:
@@ -340,8 +361,9 @@ def main():
         if now >= run_s:
             break
         if rss_warm is None and now >= args.warmup_s:
-            rss_warm = rss_kib(daemon.pid)
-            heap_warm = stub.Status(pb.StatusRequest()).host_heap_in_use_bytes
+            tier = tier_sample()
+            rss_warm = rss_kib(daemon.pid) - tier / 1024
+            heap_warm = stub.Status(pb.StatusRequest()).host_heap_in_use_bytes - tier
             warm_outcomes = sum(stats.outcomes.values())
         if not args.no_faults and faults_on is None and now >= run_s / 3:
             with open(faults, "w") as f:
@@ -351,13 +373,9 @@ def main():
             open(faults, "w").close()
             faults_off = now
         if not curve or now - curve[-1][0] >= args.sample_s:
-            curve.append((now, rss_kib(daemon.pid) / 1024))
-            anon.append((now, rss_kib(daemon.pid, "RssAnon") / 1024))
-            filed.append((now, rss_kib(daemon.pid, "RssFile") / 1024))
+            sample(now)
         time.sleep(min(1.0, args.sample_s / 4))
-    curve.append((time.time() - t_start, rss_kib(daemon.pid) / 1024))
-    anon.append((time.time() - t_start, rss_kib(daemon.pid, "RssAnon") / 1024))
-    filed.append((time.time() - t_start, rss_kib(daemon.pid, "RssFile") / 1024))
+    sample(time.time() - t_start)
     open(faults, "w").close()
     if rss_warm is None:
         sys.exit(f"--minutes {args.minutes} ends before --warmup-s {args.warmup_s}")
@@ -376,8 +394,12 @@ def main():
         time.sleep(0.1)
     after = greedy()
     io_after = io_settled()
-    rss_end = rss_kib(daemon.pid)
-    heap_end = stub.Status(pb.StatusRequest()).host_heap_in_use_bytes
+    tier_end = tier_sample()
+    rss_end = rss_kib(daemon.pid) - tier_end / 1024
+    heap_end = stub.Status(pb.StatusRequest()).host_heap_in_use_bytes - tier_end
+    kv_files = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(kv_dir) for f in fs
+                   if f.endswith((".kvb", ".kvp")))
+    last_tier = tiers[-1]
     daemon.terminate()
     daemon.wait(timeout=60)
 
@@ -412,6 +434,13 @@ def main():
         # (plus a MiB): a leak grows them; the allocator keeping freed pages grows only RSS.
         "heap_in_use_not_grown": heap_end <= heap_warm + 2**20,
         "greedy_outputs_unchanged": before == after,
+        # The prefix cache's tiers were used and kept their budgets, by their own count at
+        # every sample and, on disk, by the files' sizes at the end.
+        "kv_host_tier_within_budget": last_tier.host_blocks > 0 and all(
+            t.host_bytes <= t.host_budget_bytes for t in tiers),
+        "kv_disk_tier_within_budget": last_tier.disk_blocks > 0 and all(
+            t.disk_bytes <= t.disk_budget_bytes for t in tiers)
+            and kv_files <= last_tier.disk_budget_bytes,
     }
     print(f"soak: {wall / 60:.1f} min, {args.clients} clients, {total} requests "
           f"({total / wall:.1f}/s; {warm_outcomes} in warm-up)")
@@ -433,6 +462,12 @@ def main():
     print(f"heap in use          {heap_warm / 2**20:.1f} MiB after warm-up, {heap_end / 2**20:.1f} MiB at the end "
           f"({(heap_end - heap_warm) / 2**20:+.1f}; glibc mallinfo2: live allocations only)")
     print(f"layers streamed      {st.layers_streamed} of {st.layers_streamed + st.layers_resident}")
+    print(f"prefix cache tiers   host {last_tier.host_bytes / 2**20:.1f} of {last_tier.host_budget_bytes / 2**20:.1f} MiB "
+          f"(at most {max(t.host_bytes for t in tiers) / 2**20:.1f}), {last_tier.host_hits} prompts took "
+          f"{last_tier.host_tokens} tokens from it; disk {last_tier.disk_bytes / 2**20:.1f} of "
+          f"{last_tier.disk_budget_bytes / 2**20:.1f} MiB ({kv_files / 2**20:.1f} MiB of files), "
+          f"{last_tier.disk_write_errors} failed writes; {last_tier.cached_tokens} of "
+          f"{last_tier.prompt_tokens} prompt tokens not prefilled")
     print(f"I/O pools at idle    before {io_before}, after {io_after} (read buffers free, of, staging slots free)")
     for f in stats.failures[:10]:
         print("  failure:", f)

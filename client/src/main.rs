@@ -596,6 +596,20 @@ fn prefix_cache_json(x: &pb::PrefixCache) -> serde_json::Value {
         "prompt_tokens": x.prompt_tokens,
         "cached_tokens": x.cached_tokens,
         "evictions": x.evictions,
+        "host_budget_bytes": x.host_budget_bytes,
+        "host_bytes": x.host_bytes,
+        "host_blocks": x.host_blocks,
+        "host_hits": x.host_hits,
+        "host_tokens": x.host_tokens,
+        "disk_enabled": x.disk_enabled,
+        "disk_budget_bytes": x.disk_budget_bytes,
+        "disk_bytes": x.disk_bytes,
+        "disk_blocks": x.disk_blocks,
+        "disk_hits": x.disk_hits,
+        "disk_tokens": x.disk_tokens,
+        "disk_write_errors": x.disk_write_errors,
+        "disk_read_errors": x.disk_read_errors,
+        "exported_blocks": x.exported_blocks,
     })
 }
 
@@ -623,6 +637,32 @@ fn print_prefix_cache(x: Option<&pb::PrefixCache>) {
         x.kept_tokens,
         x.kept_bytes as f64 / (1 << 20) as f64
     );
+    let mib = |b: u64| b as f64 / (1 << 20) as f64;
+    let rate = |h: u64| 100.0 * h as f64 / x.prompts.max(1) as f64;
+    if x.host_budget_bytes > 0 {
+        println!(
+            "  host tier      {} blocks, {:.1} of {:.1} MiB; {} prompts ({:.0} %) took {} tokens from it",
+            x.host_blocks,
+            mib(x.host_bytes),
+            mib(x.host_budget_bytes),
+            x.host_hits,
+            rate(x.host_hits),
+            x.host_tokens
+        );
+    }
+    if x.disk_enabled {
+        println!(
+            "  disk tier      {} blocks, {:.1} of {:.1} MiB; {} prompts ({:.0} %) read blocks from it for {} tokens; {} failed writes, {} damaged files",
+            x.disk_blocks,
+            mib(x.disk_bytes),
+            mib(x.disk_budget_bytes),
+            x.disk_hits,
+            rate(x.disk_hits),
+            x.disk_tokens,
+            x.disk_write_errors,
+            x.disk_read_errors
+        );
+    }
 }
 
 /// `sluice status`: the daemon's plan, per-stage rates and queue.
@@ -796,8 +836,8 @@ async fn cmd_models(addr: &Target, json: bool, loaded_only: bool) -> Result<()> 
     };
     if !json && loaded_only {
         println!(
-            "{:<24} {:>12} {:>12} {:>12} {:>9}  UNTIL",
-            "NAME", "DEVICE", "HOST", "PREFIX KV", "REQUESTS"
+            "{:<24} {:>12} {:>12} {:>12} {:>12} {:>12} {:>9}  UNTIL",
+            "NAME", "DEVICE", "HOST", "PREFIX KV", "KV HOST", "KV DISK", "REQUESTS"
         );
     }
     for m in r.models {
@@ -812,15 +852,18 @@ async fn cmd_models(addr: &Target, json: bool, loaded_only: bool) -> Result<()> 
                     "loaded": m.loaded, "device_bytes": m.device_bytes, "host_bytes": m.host_bytes,
                     "unload_in_s": m.unload_in_s, "active_requests": m.active_requests,
                     "path": m.path, "prefix_cache_bytes": m.prefix_cache_bytes,
+                    "kv_host_bytes": m.kv_host_bytes, "kv_disk_bytes": m.kv_disk_bytes,
                 })
             );
         } else if loaded_only {
             println!(
-                "{:<24} {:>12} {:>12} {:>12} {:>9}  {}",
+                "{:<24} {:>12} {:>12} {:>12} {:>12} {:>12} {:>9}  {}",
                 m.name,
                 mib(m.device_bytes),
                 mib(m.host_bytes),
                 mib(m.prefix_cache_bytes),
+                mib(m.kv_host_bytes),
+                mib(m.kv_disk_bytes),
                 m.active_requests,
                 until(&m)
             );

@@ -146,14 +146,9 @@ fn greedy() -> Decoding {
     }
 }
 
-fn submit(
-    s: &Scheduler,
-    prompt: &[u32],
-    max_tokens: usize,
-    how: Decoding,
-) -> UnboundedReceiver<Event> {
-    let (events, rx) = unbounded_channel();
-    let params = GenerateParams {
+/// `max_tokens` tokens decoded `how`, whatever the model ends with.
+fn params(max_tokens: usize, how: Decoding) -> GenerateParams {
+    GenerateParams {
         max_tokens,
         sampling: how.sampling,
         stop: Vec::new(),
@@ -162,10 +157,19 @@ fn submit(
         logit_bias: Vec::new(),
         format: Default::default(),
         draft: how.draft,
-    };
+    }
+}
+
+fn submit(
+    s: &Scheduler,
+    prompt: &[u32],
+    max_tokens: usize,
+    how: Decoding,
+) -> UnboundedReceiver<Event> {
+    let (events, rx) = unbounded_channel();
     s.submit(Request {
         prompt_ids: prompt.to_vec(),
-        params,
+        params: params(max_tokens, how),
         events,
     })
     .unwrap();
@@ -203,6 +207,7 @@ fn conversation(
         SchedulerConfig {
             queue_max: 8,
             prefix_cache,
+            kv_tiers: Default::default(),
         },
     );
     let mut out = Vec::new();
@@ -347,22 +352,45 @@ fn sluiced_run_parallel_sequences_share_the_prompt_and_decode_as_without() {
     }
 }
 
-/// A two-turn conversation through the daemon's HTTP API: each turn's answer and usage.
-/// `chat`: as messages (the model's template renders them); else as one growing prompt
-/// on /v1/completions (Gemma 3 270M is a base model, without a template).
-fn turns(d: &Daemon, model: &str, chat: bool) -> Vec<(String, serde_json::Value)> {
-    let first = "Name three rivers in Europe.";
-    let mut messages = vec![serde_json::json!({"role": "user", "content": first})];
-    let mut prompt = format!("Question: {first}\nAnswer:");
-    let mut out = Vec::new();
-    for next in ["Which of them is the longest?", "And the shortest?"] {
-        let (path, mut body) = if chat {
+/// A conversation through the daemon's HTTP API. `chat`: as messages (the model's template
+/// renders them); else as one growing prompt on /v1/completions (Gemma 3 270M is a base
+/// model, without a template).
+struct Conversation {
+    chat: bool,
+    messages: Vec<serde_json::Value>,
+    prompt: String,
+    next: usize,
+}
+
+const QUESTIONS: [&str; 3] = [
+    "Name three rivers in Europe.",
+    "Which of them is the longest?",
+    "And the shortest?",
+];
+
+impl Conversation {
+    fn new(chat: bool) -> Conversation {
+        let first = QUESTIONS[0];
+        Conversation {
+            chat,
+            messages: vec![serde_json::json!({"role": "user", "content": first})],
+            prompt: format!("Question: {first}\nAnswer:"),
+            next: 1,
+        }
+    }
+
+    /// Sends the conversation so far to `d`; the answer and its usage.
+    fn turn(&mut self, d: &Daemon, model: &str) -> (String, serde_json::Value) {
+        let (path, mut body) = if self.chat {
             (
                 "/v1/chat/completions",
-                serde_json::json!({"messages": messages}),
+                serde_json::json!({"messages": self.messages}),
             )
         } else {
-            ("/v1/completions", serde_json::json!({"prompt": prompt}))
+            (
+                "/v1/completions",
+                serde_json::json!({"prompt": self.prompt}),
+            )
         };
         body["model"] = model.into();
         body["max_tokens"] = 24.into();
@@ -376,12 +404,21 @@ fn turns(d: &Daemon, model: &str, chat: bool) -> Vec<(String, serde_json::Value)
             .or(c["text"].as_str())
             .unwrap()
             .to_string();
-        messages.push(serde_json::json!({"role": "assistant", "content": answer}));
-        messages.push(serde_json::json!({"role": "user", "content": next}));
-        prompt = format!("{prompt}{answer}\nQuestion: {next}\nAnswer:");
-        out.push((answer, j["usage"].clone()));
+        let next = QUESTIONS[self.next];
+        self.next += 1;
+        self.messages
+            .push(serde_json::json!({"role": "assistant", "content": answer}));
+        self.messages
+            .push(serde_json::json!({"role": "user", "content": next}));
+        self.prompt = format!("{}{answer}\nQuestion: {next}\nAnswer:", self.prompt);
+        (answer, j["usage"].clone())
     }
-    out
+}
+
+/// A two-turn conversation on one daemon: each turn's answer and usage.
+fn turns(d: &Daemon, model: &str, chat: bool) -> Vec<(String, serde_json::Value)> {
+    let mut c = Conversation::new(chat);
+    (0..2).map(|_| c.turn(d, model)).collect()
 }
 
 #[test]
@@ -492,5 +529,377 @@ fn the_daemon_reuses_a_conversations_kv_on_both_real_models_and_reports_it() {
         assert_eq!(code, 400, "{body}");
         let (code, body) = post_json(&on.http, "/v1/cache/clear", r#"{"model": "nope"}"#);
         assert_eq!(code, 404, "{body}");
+    }
+}
+
+// ---- The host and disk tiers ----
+
+use sluice::engine::kv_block::BLOCK_TOKENS;
+use sluice::engine::kv_disk::DiskTier;
+use sluice::engine::kv_tiers::{TierConfig, Tiers};
+use sluice::engine::prefix::PrefixStats;
+use sluice::engine::sequence::{SeqLimits, Sequence};
+
+fn sequence(prompt: &[u32], slot: usize) -> Sequence {
+    let limits = SeqLimits {
+        max_context: 128,
+        vocab: 256,
+    };
+    Sequence::new(prompt.to_vec(), params(4, greedy()), slot, limits).unwrap()
+}
+
+#[test]
+fn kv_blocks_taken_back_from_the_tiers_give_the_bits_of_a_whole_prefill_on_every_architecture() {
+    let tmp = tempfile::tempdir().unwrap();
+    // 100 tokens through a ring of 8 + 16 - 1 = 23 positions: blocks exported from it
+    // hold the ring layers only for positions 77 on.
+    let prompt: Vec<u32> = (0..100).map(|i| 3 + (i * 37) % 250).collect();
+    let batch = 16;
+    for src in TINY_ARCHS {
+        for exact in [true, false] {
+            let what = format!("{src} exact={exact}");
+            let mut r = runner(&fixture(src), &tmp.path().join(&what), exact, 3, batch);
+            let arch = &r.store.manifest().arch;
+            let ring = (0..arch.n_layers).any(|l| arch.window(l).is_some());
+            let whole = prefill(&mut r, 0, &prompt, 0, batch);
+            let tiers = TierConfig {
+                host_bytes: 64 << 20,
+                disk: None,
+            };
+            let mut t = Tiers::new(&r, &tiers).unwrap();
+            t.export(&r, &prompt, 0, prompt.len());
+            assert_eq!(t.stats().host_blocks, 6, "{what}");
+            // Six whole blocks (96 positions); a query at 96 sees 89.. in a ring, which
+            // block 5 (80..96) holds.
+            let mut s = sequence(&prompt, 1);
+            assert_eq!(t.take(&mut r, &mut s, 0), 96, "{what}");
+            assert_eq!((s.prefilled(), s.cached()), (96, 96), "{what}");
+            assert!(r.model.can_resume(96, s.written()), "{what}");
+            assert_eq!(
+                prefill(&mut r, 1, &prompt, 96, batch),
+                whole,
+                "{what}: slot 1"
+            );
+            // Nothing is taken that is not at least a block past what the slot has.
+            let mut again = sequence(&prompt, 2);
+            assert_eq!(t.take(&mut r, &mut again, 90), 0, "{what}");
+            // A prompt sharing 70 tokens shares four whole blocks (64); at 64 a ring's
+            // window needs block 3 (48..64), which no exported block holds ring layers for:
+            // a ring model takes nothing, the others take 64 and prefill the rest to the
+            // bits of a whole prefill.
+            let mut other = prompt[..70].to_vec();
+            other.extend((0..20).map(|i| 240 - i));
+            let want = prefill(&mut r, 2, &other, 0, batch);
+            let mut s = sequence(&other, 1);
+            let took = t.take(&mut r, &mut s, 0);
+            assert_eq!(took, if ring { 0 } else { 64 }, "{what}");
+            assert_eq!(
+                prefill(&mut r, 1, &other, took, batch),
+                want,
+                "{what}: the shorter prefix"
+            );
+        }
+    }
+}
+
+/// Runs `turns` (their numbers) of a conversation on a scheduler with one KV slot and `tiers`, a request
+/// with another text after each turn (which takes the slot the conversation kept, so the
+/// next turn finds its prefix only in the tiers); per turn its tokens and cached prompt
+/// tokens, and the cache's counts once the engine is done.
+fn tiered(
+    r: Pipeline<CpuBackend>,
+    (prefix_cache, tiers): (bool, TierConfig),
+    prompt: &mut Vec<u32>,
+    turns: std::ops::Range<u32>,
+) -> (Vec<(Vec<u32>, usize)>, PrefixStats) {
+    let tok = Arc::new(Tokenizer::from_manifest(r.store.manifest()).unwrap());
+    let cfg = SchedulerConfig {
+        queue_max: 8,
+        prefix_cache,
+        kv_tiers: tiers,
+    };
+    let (s, engine) = Scheduler::start(r, None, tok, cfg);
+    let mut out = Vec::new();
+    for turn in turns {
+        let (answer, cached) = collect(submit(&s, prompt, 6, greedy()));
+        prompt.extend_from_slice(&answer);
+        prompt.extend((0..5).map(|i| 100 + 7 * turn + i));
+        out.push((answer, cached));
+        let intruder: Vec<u32> = (0..30).map(|i| 200 - i - turn).collect();
+        collect(submit(&s, &intruder, 2, greedy()));
+    }
+    s.shutdown(std::time::Duration::from_secs(60));
+    engine.join().unwrap();
+    (out, s.status().prefix_cache)
+}
+
+fn first_prompt() -> Vec<u32> {
+    (0..40).map(|i| 3 + (i * 37) % 250).collect()
+}
+
+#[test]
+fn the_host_and_disk_tiers_change_no_output_and_a_restart_resumes_from_disk_on_every_architecture()
+{
+    let tmp = tempfile::tempdir().unwrap();
+    for src in TINY_ARCHS {
+        let dir = tmp.path().join(src);
+        // A pass of 64 tokens: a window of 8 keeps a ring of 71, so these short
+        // conversations' blocks hold every layer.
+        let run = |name: &str, cache: (bool, TierConfig), turns, prompt: &mut Vec<u32>| {
+            tiered(
+                runner(&fixture(src), &dir.join(name), false, 1, 64),
+                cache,
+                prompt,
+                turns,
+            )
+        };
+        let mut p = first_prompt();
+        let (off, st) = run("off", (false, TierConfig::default()), 0..4, &mut p);
+        assert_eq!(st.cached_tokens, 0, "{src}");
+        let host = TierConfig {
+            host_bytes: 16 << 20,
+            disk: None,
+        };
+        let (on, st) = run("host", (true, host), 0..4, &mut first_prompt());
+        let want: Vec<&Vec<u32>> = off.iter().map(|o| &o.0).collect();
+        let got: Vec<&Vec<u32>> = on.iter().map(|o| &o.0).collect();
+        assert_eq!(got, want, "{src}: host tier");
+        // Turn 2 on: the previous turn's text (40 + 6 - 1 positions, then + 11 a turn) in
+        // whole blocks, from host memory.
+        let cached: Vec<usize> = on.iter().map(|o| o.1).collect();
+        assert_eq!(cached, [0, 32, 48, 64], "{src}: host tier");
+        assert_eq!(st.tiers.host_hits, 3, "{src}: {st:?}");
+        assert!(
+            st.tiers.host_bytes <= 16 << 20 && st.tiers.host_blocks >= 4,
+            "{src}"
+        );
+        // The disk tier alone, and across a restart: two turns, then a new scheduler over
+        // the same directory goes on with turns three and four.
+        let kv = dir.join("kv");
+        let disk = || TierConfig {
+            host_bytes: 0,
+            disk: Some(DiskTier::open(&kv, 64 << 20).unwrap()),
+        };
+        let mut p = first_prompt();
+        let (mut on, _) = run("disk1", (true, disk()), 0..2, &mut p);
+        let (after, st) = run("disk2", (true, disk()), 2..4, &mut p);
+        on.extend(after);
+        let got: Vec<&Vec<u32>> = on.iter().map(|o| &o.0).collect();
+        assert_eq!(got, want, "{src}: disk tier");
+        let cached: Vec<usize> = on.iter().map(|o| o.1).collect();
+        assert_eq!(cached, [0, 32, 48, 64], "{src}: disk tier");
+        assert_eq!(
+            (st.tiers.disk_hits, st.tiers.disk.read_errors),
+            (2, 0),
+            "{src}"
+        );
+    }
+}
+
+#[test]
+fn blocks_on_disk_are_never_reused_under_another_store_kv_type_or_numerics() {
+    let tmp = tempfile::tempdir().unwrap();
+    let kv = tmp.path().join("kv");
+    let disk = || TierConfig {
+        host_bytes: 0,
+        disk: Some(DiskTier::open(&kv, 64 << 20).unwrap()),
+    };
+    let src = fixture("tiny-llama");
+    let mut p = first_prompt();
+    let r = runner(&src, &tmp.path().join("a"), false, 1, 64);
+    tiered(r, (true, disk()), &mut p, 0..1);
+    // The same store and numerics again: the first turn's blocks are found.
+    let mut q = p.clone();
+    let r = runner(&src, &tmp.path().join("a"), false, 1, 64);
+    let (same, _) = tiered(r, (true, disk()), &mut q, 1..2);
+    assert_eq!(same[0].1, 32);
+    // The reference numerics (an f32 KV cache, exact matmuls): nothing.
+    let mut q = p.clone();
+    let r = runner(&src, &tmp.path().join("a"), true, 1, 64);
+    let (exact, st) = tiered(r, (true, disk()), &mut q, 1..2);
+    assert_eq!((exact[0].1, st.tiers.disk_hits), (0, 0));
+    // An f32 KV cache with the fast numerics: nothing.
+    let mut q = p.clone();
+    let store = pack_store(&src, &tmp.path().join("a"), "zstd:1", 1 << 20);
+    let opts = ModelOptions {
+        max_context: 128,
+        kv_slots: 1,
+        max_batch_tokens: 64,
+        kv_dtype: sluice::backend::KvDtype::F32,
+        exact: false,
+        verify_rows: 0,
+    };
+    let r = sluice::engine::cpu_runner(store, &plan_input(opts), 2, small_io(), Default::default())
+        .unwrap();
+    let (f32kv, st) = tiered(r, (true, disk()), &mut q, 1..2);
+    assert_eq!((f32kv[0].1, st.tiers.disk_hits), (0, 0));
+    // The same weights packed another way (another manifest): nothing.
+    let mut q = p.clone();
+    let r = runner(&src, &tmp.path().join("b"), false, 1, 64);
+    let other = pack_store(&src, &tmp.path().join("lz4"), "lz4", 1 << 20);
+    assert_ne!(
+        std::fs::read(other.dir().join("manifest.bin")).unwrap(),
+        std::fs::read(r.store.dir().join("manifest.bin")).unwrap()
+    );
+    let r = sluice::engine::cpu_runner(
+        other,
+        &plan_input(*r.options()),
+        2,
+        small_io(),
+        Default::default(),
+    )
+    .unwrap();
+    let (repacked, st) = tiered(r, (true, disk()), &mut q, 1..2);
+    assert_eq!((repacked[0].1, st.tiers.disk_hits), (0, 0));
+}
+
+/// Whether this process may mount a file system (root with CAP_SYS_ADMIN).
+fn mount_tmpfs(at: &Path, bytes: u64) -> bool {
+    std::fs::create_dir_all(at).unwrap();
+    std::process::Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={bytes}")])
+        .arg("tmpfs")
+        .arg(at)
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn damaged_files_another_version_a_full_disk_and_a_second_daemon_are_each_a_miss() {
+    let tmp = tempfile::tempdir().unwrap();
+    let src = fixture("tiny-gemma3");
+    let kv = tmp.path().join("kv");
+    // Another version's directory is left alone and not read.
+    std::fs::create_dir_all(kv.join("v0")).unwrap();
+    std::fs::write(kv.join("v0").join("junk.kvb"), b"old").unwrap();
+    let d = DiskTier::open(&kv, 64 << 20).unwrap();
+    // A second daemon on the same directory is refused, naming the holder.
+    let e = DiskTier::open(&kv, 64 << 20).unwrap_err();
+    assert!(
+        e.contains("in use by another sluiced") && e.contains(&std::process::id().to_string()),
+        "{e}"
+    );
+    let tiers = |d: &Arc<DiskTier>| TierConfig {
+        host_bytes: 0,
+        disk: Some(d.clone()),
+    };
+    let mut p = first_prompt();
+    let r = runner(&src, &tmp.path().join("a"), false, 1, 64);
+    let key = Tiers::new(&r, &tiers(&d)).unwrap().key();
+    let (base, _) = tiered(r, (true, tiers(&d)), &mut p, 0..3);
+    d.flush();
+    // The conversation's blocks: damage the second (a flipped bit) and truncate the third.
+    let names = sluice::engine::kv_block::chain(key, &p, 3);
+    let files: Vec<std::path::PathBuf> =
+        (0..3).map(|i| d.path_of(key, names[i]).unwrap()).collect();
+    let file = |i: usize| files[i].clone();
+    let mut b = std::fs::read(file(1)).unwrap();
+    b[200] ^= 1;
+    std::fs::write(file(1), b).unwrap();
+    let len = std::fs::metadata(file(2)).unwrap().len();
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(file(2))
+        .unwrap()
+        .set_len(len / 2)
+        .unwrap();
+    drop(d);
+    let d = DiskTier::open(&kv, 64 << 20).unwrap();
+    assert!(kv.join("v0").join("junk.kvb").exists());
+    // The next turn takes the first block only, and answers as without a cache.
+    let mut q = p.clone();
+    let r = runner(&src, &tmp.path().join("a"), false, 1, 64);
+    let (next, st) = tiered(r, (true, tiers(&d)), &mut q, 3..4);
+    let mut q2 = p.clone();
+    let r = runner(&src, &tmp.path().join("a"), false, 1, 64);
+    let (want, _) = tiered(r, (false, TierConfig::default()), &mut q2, 3..4);
+    assert_eq!(next[0], (want[0].0.clone(), BLOCK_TOKENS));
+    // Both damaged files were read (a prompt's blocks are read at once), failed their
+    // checks and were deleted; the turn then wrote its blocks afresh.
+    assert_eq!(st.tiers.disk.read_errors, 2, "{st:?}");
+    d.flush();
+    for (i, &name) in names.iter().enumerate().skip(1) {
+        let f = std::fs::read(file(i)).unwrap();
+        sluice::engine::kv_block::decode_frame(&f, key, name).unwrap();
+    }
+    drop(d);
+    // A full disk: writes fail, are counted, and the outputs stay.
+    let small = tmp.path().join("small");
+    let full = if mount_tmpfs(&small, 64 << 10) {
+        small.clone()
+    } else {
+        // Without the right to mount: a cache directory whose model directory is a file
+        // fails every write the same way.
+        eprintln!("no tmpfs (not allowed to mount): writes fail on a file in the way");
+        let k = small.join(format!("v1/{key:016x}"));
+        std::fs::create_dir_all(k.parent().unwrap()).unwrap();
+        std::fs::write(&k, b"in the way").unwrap();
+        small.clone()
+    };
+    let d = DiskTier::open(&full, 1 << 30).unwrap();
+    let mut q = first_prompt();
+    let r = runner(&src, &tmp.path().join("a"), false, 1, 64);
+    let (filled, _) = tiered(r, (true, tiers(&d)), &mut q, 0..3);
+    d.flush();
+    let st = d.stats();
+    assert!(st.write_errors > 0, "{st:?}");
+    let got: Vec<&Vec<u32>> = filled.iter().map(|o| &o.0).collect();
+    let want: Vec<&Vec<u32>> = base.iter().map(|o| &o.0).collect();
+    assert_eq!(got, want);
+    drop(d);
+    let _ = std::process::Command::new("umount").arg(&small).status();
+}
+
+#[test]
+fn a_conversation_resumed_after_a_daemon_restart_prefills_only_its_new_turn_on_both_real_models() {
+    for (name, gguf) in [("smollm2", smollm2_gguf()), ("gemma3", gemma3_gguf())] {
+        let keep = tempfile::tempdir().unwrap();
+        let store = keep.path().join(name);
+        pack_lz4(&gguf, &store);
+        let kv = keep.path().join("kv");
+        let start = |extra: &[&str]| {
+            let mut args = vec!["--max-context", "1024"];
+            args.extend_from_slice(extra);
+            let tmp = tempfile::tempdir().unwrap();
+            Daemon::serve(tmp, &["--model", store.to_str().unwrap()], &args)
+        };
+        let chat = name == "smollm2";
+        let off = start(&["--prefix-cache", "off"]);
+        let want = turns(&off, name, chat);
+        drop(off);
+        let with_disk = ["--kv-cache-dir", kv.to_str().unwrap()];
+        let mut c = Conversation::new(chat);
+        let mut first = start(&with_disk);
+        let a = c.turn(&first, name);
+        // systemctl restart: SIGTERM, a clean stop, a new daemon on the same directory.
+        unsafe { libc::kill(first.child.id() as i32, libc::SIGTERM) };
+        assert!(first.child.wait().unwrap().success(), "{name}");
+        let second = start(&with_disk);
+        let b = c.turn(&second, name);
+        assert_eq!((&a.0, &b.0), (&want[0].0, &want[1].0), "{name}");
+        assert_eq!(b.1["prompt_tokens"], want[1].1["prompt_tokens"], "{name}");
+        // The second turn's prompt begins with the first's (and its answer): every whole
+        // block of the first turn's prompt comes from disk, the new turn is prefilled.
+        let p1 = a.1["prompt_tokens"].as_u64().unwrap();
+        let cached = b.1["prompt_tokens_details"]["cached_tokens"]
+            .as_u64()
+            .unwrap();
+        let blocks = p1 / BLOCK_TOKENS as u64 * BLOCK_TOKENS as u64;
+        assert!(
+            cached >= blocks,
+            "{name}: {cached} cached, the first prompt had {p1}"
+        );
+        let pc = &grpc_status(&second)["prefixCache"];
+        let count = |k: &str| -> u64 { pc[k].as_str().unwrap_or("0").parse().unwrap() };
+        assert_eq!(count("diskHits"), 1, "{pc}");
+        assert_eq!(count("diskTokens"), cached, "{pc}");
+        assert!(
+            count("diskBlocks") > 0 && count("diskReadErrors") == 0,
+            "{pc}"
+        );
+        // A second daemon on the same directory runs, without the disk tier.
+        let third = start(&with_disk);
+        let pc3 = &grpc_status(&third)["prefixCache"];
+        assert!(pc3["diskEnabled"].is_null(), "{pc3}");
     }
 }

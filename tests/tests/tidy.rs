@@ -37,7 +37,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
         "listen_until_stopped",
         112,
     ),
-    ("daemon/src/bin/sluiced/serve.rs", "serve", 147),
+    ("daemon/src/bin/sluiced/serve.rs", "serve", 145),
     ("daemon/src/engine/bench_stream.rs", "bench_stream", 120),
     ("daemon/src/import/gguf.rs", "arch_config", 147),
     ("daemon/src/import/gguf.rs", "map_tensors", 141),

@@ -533,6 +533,13 @@ pub trait Backend: Send + Sync {
         slots: (usize, usize),
         positions: Range<usize>,
     );
+    /// Copies `out.len()` bytes at byte `offset` of a KV cache allocation to the host,
+    /// after the ops before it: a prefix-cache block leaving for the host tier.
+    fn kv_read(&self, cache: &Self::Mem, offset: usize, out: &mut [u8]);
+    /// Copies `src` to byte `offset` of a KV cache allocation, ordered with the ops before
+    /// and after it (`src` may be reused once this returns): a prefix-cache block coming
+    /// back from the host or disk tier.
+    fn kv_write(&self, cache: &mut Self::Mem, offset: usize, src: &[u8]);
     /// Writes the new K and V rows of each span into the layer's cache.
     fn kv_store(
         &self,

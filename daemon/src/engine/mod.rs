@@ -11,6 +11,9 @@ pub mod draft_model;
 #[cfg(test)]
 mod draft_tests;
 pub mod generate;
+pub mod kv_block;
+pub mod kv_disk;
+pub mod kv_tiers;
 pub mod prefix;
 pub mod scheduler;
 #[cfg(test)]

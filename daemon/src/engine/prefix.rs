@@ -15,6 +15,7 @@
 //! last `cap` positions: a prefix is taken only where every layer still holds what the
 //! first new query attends to (`Decoder::can_resume`).
 
+use super::kv_tiers::{TierConfig, TierStats, Tiers};
 use super::sequence::Sequence;
 use crate::backend::Backend;
 use crate::pipeline::Pipeline;
@@ -49,6 +50,8 @@ pub struct PrefixStats {
     pub cached_tokens: u64,
     /// Kept slots given to a prompt that shared nothing with them.
     pub evictions: u64,
+    /// The host and disk tiers (`kv_tiers`).
+    pub tiers: TierStats,
 }
 
 /// Tokens a sequence waits for another to compute before it waits rather than computes
@@ -62,6 +65,8 @@ pub struct PrefixCache {
     kept: Vec<Option<Kept>>,
     clock: u64,
     stats: PrefixStats,
+    /// Blocks in host memory and on disk, beyond the slots.
+    tiers: Option<Tiers>,
 }
 
 /// A slot's KV another sequence may take from: its slot, its text, the positions that hold
@@ -108,7 +113,17 @@ impl PrefixCache {
                 enabled: on,
                 ..PrefixStats::default()
             },
+            tiers: None,
         }
+    }
+
+    /// With host and disk tiers for `runner`'s model (none when the cache is off or `cfg`
+    /// sizes neither).
+    pub fn with_tiers<B: Backend>(mut self, runner: &Pipeline<B>, cfg: &TierConfig) -> Self {
+        if self.on {
+            self.tiers = Tiers::new(runner, cfg);
+        }
+        self
     }
 
     pub fn enabled(&self) -> bool {
@@ -125,6 +140,9 @@ impl PrefixCache {
             .map(|k| k.tokens.len() as u64)
             .sum();
         s.kept_bytes = self.kept.iter().flatten().map(|k| k.bytes).sum();
+        if let Some(t) = &self.tiers {
+            s.tiers = t.stats();
+        }
         s
     }
 
@@ -208,6 +226,17 @@ impl PrefixCache {
             }
             let best = self.best_source(runner, seqs, i);
             let s = seqs[i].as_mut();
+            let beat = best.map_or(0, |b| b.1).max(s.prefilled());
+            let first = s.cached() == 0;
+            let from_tiers = match &mut self.tiers {
+                Some(t) => t.take(runner, s, beat),
+                None => 0,
+            };
+            if from_tiers > 0 {
+                self.stats.hits += first as u64;
+                self.stats.cached_tokens += from_tiers as u64;
+                continue;
+            }
             if let Some((slot, at, written)) = best.filter(|b| b.1 > s.prefilled()) {
                 if slot != s.slot() {
                     runner.copy_kv((slot, s.slot()), s.prefilled()..at, written);
@@ -220,7 +249,8 @@ impl PrefixCache {
                     self.stats.hits += 1;
                 }
                 self.stats.cached_tokens += (at - s.prefilled()) as u64;
-                s.resume_at(at);
+                let written = written.max(s.written());
+                s.resume_at(at, written);
             }
         }
         for s in seqs.iter() {
@@ -293,19 +323,27 @@ impl PrefixCache {
         }
         self.clock += 1;
         let n = if valid { seq.kv_valid() } else { 0 };
+        let tokens: Vec<u32> = (0..n).filter_map(|i| seq.token(i)).collect();
+        if let Some(t) = &mut self.tiers {
+            t.export(runner, &tokens, slot, seq.written());
+        }
         self.kept[slot] = (n > 0).then(|| Kept {
-            tokens: (0..n).filter_map(|i| seq.token(i)).collect(),
+            tokens,
             bytes: runner.model.kv_bytes(n),
             written: seq.written(),
             at: self.clock,
         });
     }
 
-    /// Empties every tier (`sluice cache clear`); returns the positions given up.
+    /// Empties every tier (`sluice cache clear`); returns the positions given up (the
+    /// slots' and the blocks').
     pub fn clear(&mut self) -> u64 {
-        let n = self.stats().kept_tokens;
+        let mut n = self.stats().kept_tokens;
         for k in &mut self.kept {
             *k = None;
+        }
+        if let Some(t) = &mut self.tiers {
+            n += (t.clear() * super::kv_block::BLOCK_TOKENS) as u64;
         }
         n
     }

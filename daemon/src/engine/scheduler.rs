@@ -7,6 +7,7 @@
 
 use super::draft::SpecStats;
 use super::draft_model::DraftModel;
+use super::kv_tiers::TierConfig;
 use super::prefix::{PrefixCache, PrefixStats};
 pub use super::sequence::{Done, Finish};
 use super::sequence::{GenerateParams, Piece, SeqLimits, Sequence};
@@ -124,6 +125,8 @@ pub struct SchedulerConfig {
     pub queue_max: usize,
     /// Reuse the KV of prompt prefixes (`--prefix-cache`; `PrefixCache`).
     pub prefix_cache: bool,
+    /// Its host and disk tiers (`--kv-cache-host`, `--kv-cache-dir`).
+    pub kv_tiers: TierConfig,
 }
 
 #[derive(Clone)]
@@ -138,6 +141,7 @@ pub struct Scheduler {
     pub max_context: usize,
     queue_max: usize,
     prefix_cache: bool,
+    kv_tiers: TierConfig,
     /// Requests to empty the prefix cache and what the engine did with them.
     clears: Arc<Mutex<Clears>>,
 }
@@ -291,6 +295,7 @@ impl Scheduler {
             max_context,
             queue_max: cfg.queue_max.max(1),
             prefix_cache: cfg.prefix_cache,
+            kv_tiers: cfg.kv_tiers,
             clears: Arc::default(),
         };
         let inner = s.clone();
@@ -439,7 +444,8 @@ impl Scheduler {
     ) {
         let max_batch = runner.options().kv_slots;
         let serial = runner.backend.unified();
-        let prefix = PrefixCache::new(max_batch, self.prefix_cache);
+        let prefix =
+            PrefixCache::new(max_batch, self.prefix_cache).with_tiers(&runner, &self.kv_tiers);
         let mut st = EngineState {
             runner,
             rx,

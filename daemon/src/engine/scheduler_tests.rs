@@ -107,6 +107,7 @@ fn one_slot_held(
         SchedulerConfig {
             queue_max,
             prefix_cache: true,
+            kv_tiers: Default::default(),
         },
     );
     let running = submit(&s, vec![1, 2, 3], 4000).expect("submit");
@@ -146,6 +147,7 @@ fn a_batch_gives_each_request_the_tokens_it_gets_alone() {
         SchedulerConfig {
             queue_max: 8,
             prefix_cache: true,
+            kv_tiers: Default::default(),
         },
     );
     let rxs: Vec<_> = prompts()
@@ -259,6 +261,7 @@ fn kept_slots_serve_their_prompts_again_and_the_least_recently_kept_goes_first()
     let cfg = SchedulerConfig {
         queue_max: 8,
         prefix_cache: true,
+        kv_tiers: Default::default(),
     };
     let (s, engine) = Scheduler::start(pipeline(&store, 2), None, tok, cfg);
     let (a, b, c): (Vec<u32>, Vec<u32>, Vec<u32>) =
@@ -328,6 +331,7 @@ fn a_kept_slot_overwritten_by_its_new_sequence_is_no_longer_a_source() {
         let cfg = SchedulerConfig {
             queue_max: 8,
             prefix_cache,
+            kv_tiers: Default::default(),
         };
         let (s, engine) = Scheduler::start(pipeline_of(&store, 3, 4096), None, tok.clone(), cfg);
         let long = submit(&s, r.clone(), 3000).expect("submit");

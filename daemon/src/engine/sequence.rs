@@ -263,13 +263,14 @@ impl Sequence {
     /// Its KV cache holds the prompt's first `at` tokens (copied or kept from another
     /// sequence's: the prefix cache), so prefilling goes on from there. `at` is past what
     /// it holds and short of the whole prompt: the last prompt token always runs, for its
-    /// logits.
-    pub fn resume_at(&mut self, at: usize) {
+    /// logits. `written`: what its slot now counts as written (the source's, where a ring's
+    /// contents end: `LayerCache::held_runs`), at least `at`.
+    pub fn resume_at(&mut self, at: usize, written: usize) {
         debug_assert!(self.prefilling() && at > self.prefilled && at < self.prompt.len());
         self.cached += at - self.prefilled;
         self.prefilled = at;
         self.pos = at;
-        self.written = self.written.max(at);
+        self.written = written.max(at);
     }
 
     /// Decode steps run (each after the first sampled token; one step may emit several

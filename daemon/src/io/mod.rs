@@ -29,6 +29,7 @@ mod api;
 pub mod bench;
 mod event_loop;
 mod faults;
+pub mod files;
 mod limits;
 #[cfg(test)]
 mod loop_tests;

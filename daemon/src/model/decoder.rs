@@ -11,6 +11,7 @@
 //! pipeline drives, so one pass over the weights serves the whole batch.
 
 mod head;
+mod slots;
 mod step;
 
 use step::{check_steps, TreeRows};
@@ -315,73 +316,6 @@ impl<B: Backend> Decoder<B> {
 
     pub fn units(&self) -> usize {
         self.unit_kinds.len()
-    }
-
-    /// Tells the backend that `slot`'s part of every layer's KV cache holds nothing
-    /// anyone will read (its sequence is over; the next one there writes each position
-    /// before a query reads it), so the CPU gives those pages back: a daemon's resident
-    /// set then follows the KV in use, not the longest sequence each slot has ever held.
-    /// Returns the bytes given back.
-    pub fn discard_slot(&mut self, b: &B, slot: usize) -> usize {
-        if slot >= self.shape.slots {
-            return 0;
-        }
-        let (width, kvb) = (
-            self.shape.kv_heads * self.shape.head_dim,
-            self.opts.kv_dtype.bytes(),
-        );
-        let mut given = 0;
-        for l in &self.layers {
-            let start = l.cache.at(&self.shape, slot, 0) * kvb;
-            let range = start..start + l.cache.cap * width * kvb;
-            given += b.discard(&mut self.cache_k, range.clone());
-            given += b.discard(&mut self.cache_v, range);
-        }
-        given
-    }
-
-    /// Whether a sequence can go on from position `pos` with the KV a slot holds once it has
-    /// written up to `written` (`pos <= written`): every layer still holds what a query at
-    /// `pos` attends to (a full-attention layer always does; a ring, when `written` is at
-    /// most its capacity past the window's start).
-    pub fn can_resume(&self, pos: usize, written: usize) -> bool {
-        pos <= written && self.layers.iter().all(|l| l.cache.sees_all(pos, written))
-    }
-
-    /// Bytes of KV cache the first `n` positions of a slot take (K and V, every layer; a
-    /// ring holds its last `cap` at most).
-    pub fn kv_bytes(&self, n: usize) -> u64 {
-        let width = (self.shape.kv_heads * self.shape.head_dim * self.opts.kv_dtype.bytes()) as u64;
-        self.layers
-            .iter()
-            .map(|l| 2 * width * n.min(l.cache.cap) as u64)
-            .sum()
-    }
-
-    /// Copies positions `positions` of slot `from`'s KV cache (which has written up to
-    /// `written`) to slot `to`, in every layer: in a ring only those it still holds, which
-    /// are all a query at `positions.end` reads when `can_resume(positions.end, written)`.
-    pub fn copy_kv(
-        &mut self,
-        b: &B,
-        (from, to): (usize, usize),
-        positions: std::ops::Range<usize>,
-        written: usize,
-    ) {
-        if from == to || positions.is_empty() {
-            return;
-        }
-        for l in &self.layers {
-            let start = positions.start.max(written.saturating_sub(l.cache.cap));
-            let run = start.min(positions.end)..positions.end;
-            b.kv_copy(
-                &mut self.cache_k,
-                &mut self.cache_v,
-                (&self.shape, &l.cache),
-                (from, to),
-                run,
-            );
-        }
     }
 
     /// Index of the unit whose blob the output projection reads (embedding when tied).

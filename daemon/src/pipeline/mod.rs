@@ -888,6 +888,29 @@ impl<B: Backend> Pipeline<B> {
         self.model.copy_kv(&self.backend, slots, positions, written);
     }
 
+    /// The K and V of `positions` of `slot` on the host (`Decoder::export_kv`).
+    pub fn export_kv(
+        &self,
+        slot: usize,
+        positions: std::ops::Range<usize>,
+        written: usize,
+    ) -> (Vec<bool>, Vec<u8>) {
+        self.model
+            .export_kv(&self.backend, slot, positions, written)
+    }
+
+    /// Writes a block `export_kv` gave back into `slot` (`Decoder::import_kv`).
+    pub fn import_kv(
+        &mut self,
+        slot: usize,
+        positions: std::ops::Range<usize>,
+        block: (&[bool], &[u8]),
+        want: &[bool],
+    ) -> Result<(), ModelError> {
+        self.model
+            .import_kv(&self.backend, slot, positions, block, want)
+    }
+
     /// The policies this pipeline runs with.
     pub fn pipeline_options(&self) -> &PipelineOptions {
         &self.opts

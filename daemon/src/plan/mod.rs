@@ -139,6 +139,46 @@ pub struct HostInput {
     /// a server's requests may ask for any sampling; a greedy run without penalties,
     /// biases or JSON keeps none.
     pub sampler_rows: bool,
+    /// The prefix cache's host tier (`--kv-cache-host`).
+    pub kv_tier: KvHostTier,
+}
+
+/// What the prefix cache's host tier may take (`--kv-cache-host`).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum KvHostTier {
+    /// No host tier (`sluiced run`, benchmarks, `--prefix-cache off`).
+    #[default]
+    Off,
+    /// A quarter of what the host budget leaves once the plan's other roles are in, at
+    /// most `KV_HOST_AUTO_MAX` (that much without a budget).
+    Auto,
+    /// This many bytes, or what the budget leaves where that is less (a warning says so).
+    Bytes(u64),
+}
+
+/// The host tier `KvHostTier::Auto` takes at most.
+pub const KV_HOST_AUTO_MAX: u64 = 1 << 30;
+
+impl KvHostTier {
+    /// The bytes it takes where `room` is left of the host budget (None: no budget).
+    fn bytes(self, room: Option<u64>) -> u64 {
+        match (self, room) {
+            (KvHostTier::Off, _) => 0,
+            (KvHostTier::Auto, None) => KV_HOST_AUTO_MAX,
+            (KvHostTier::Auto, Some(r)) => (r / 4).min(KV_HOST_AUTO_MAX),
+            (KvHostTier::Bytes(b), None) => b,
+            (KvHostTier::Bytes(b), Some(r)) => {
+                if b > r {
+                    tracing::warn!(
+                        "--kv-cache-host {} cut to {}: the host budget leaves no more",
+                        crate::util::fmt_bytes(b),
+                        crate::util::fmt_bytes(r)
+                    );
+                }
+                b.min(r)
+            }
+        }
+    }
 }
 
 impl Default for HostInput {
@@ -156,6 +196,7 @@ impl Default for HostInput {
             workers: 1,
             compute_scratch: 0,
             sampler_rows: true,
+            kv_tier: KvHostTier::Off,
         }
     }
 }
@@ -191,6 +232,8 @@ pub struct HostPlan {
     /// decoded bytes (0 when the embedding is resident).
     pub gather_bytes: u64,
     pub host_cache_bytes: u64,
+    /// The prefix cache's host tier: KV blocks of finished prompts (`KvHostTier`).
+    pub kv_cache_host_bytes: u64,
     /// The device arena when device memory is host memory (0 otherwise).
     pub arena_bytes: u64,
     /// Extra bytes held only while resident units load at start (CUDA: the loader's
@@ -441,7 +484,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     };
     let held = host_fixed + staging.bytes + arena;
     let cache = HostCache::new(m, input, raw, &split.resident, held, staging.bytes);
-    let host_total = held + cache.bytes + cache.load_transient;
+    let mut host_total = held + cache.bytes + cache.load_transient;
     if h.budget.is_some_and(|b| host_total > b) {
         let kept = if h.unified { arena } else { cache.bytes };
         let scratch = shape.scratch() + st.gather.host;
@@ -454,6 +497,10 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         ];
         return Err(PlanError::Host(HostBudgetError::new(h, roles)));
     }
+    let kv_host = h
+        .kv_tier
+        .bytes(h.budget.map(|b| b.saturating_sub(host_total)));
+    host_total += kv_host;
     let settled = Settled {
         resident_bytes,
         fixed,
@@ -466,6 +513,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         arena,
         device_budget: budget,
         host_total,
+        kv_host,
     };
     let plan = assemble(m, h, &costs, settled);
     // Assert in pairs: the plan fits the budgets it was made for.
@@ -501,6 +549,8 @@ struct Settled {
     arena: u64,
     device_budget: u64,
     host_total: u64,
+    /// The prefix cache's host tier.
+    kv_host: u64,
 }
 
 /// The plan from what its phases settled: each unit's placement and the bytes a pass
@@ -564,6 +614,7 @@ fn assemble(m: &Manifest, h: &HostInput, costs: &UnitCosts, s: Settled) -> Plan 
             sampling_bytes: shape.sampling,
             gather_bytes: st.gather.host,
             host_cache_bytes: cache.bytes,
+            kv_cache_host_bytes: s.kv_host,
             arena_bytes: s.arena,
             load_transient_bytes: cache.load_transient,
             total_bytes: s.host_total,

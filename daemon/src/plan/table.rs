@@ -205,6 +205,13 @@ impl Plan {
         if h.host_cache_bytes > 0 {
             line(s, "  host cache", fmt_bytes(h.host_cache_bytes));
         }
+        if h.kv_cache_host_bytes > 0 {
+            line(
+                s,
+                "  prefix KV (host tier)",
+                fmt_bytes(h.kv_cache_host_bytes),
+            );
+        }
         if h.load_transient_bytes > 0 {
             line(
                 s,

@@ -97,6 +97,14 @@ pub struct ServeConfig {
     /// Reuse the KV of prompt prefixes that KV slots still hold (a conversation's earlier
     /// turns, a shared system prompt, `n` choices); false: every prompt is prefilled whole.
     pub prefix_cache: bool,
+    /// The prefix cache's host tier: "auto" (a quarter of what the host budget leaves, at
+    /// most 1 GiB), a size, or "off" (`plan::KvHostTier`).
+    pub kv_cache_host: String,
+    /// The prefix cache's disk tier: blocks kept in this directory across restarts (unset:
+    /// no disk tier).
+    pub kv_cache_dir: Option<std::path::PathBuf>,
+    /// What the disk tier may hold.
+    pub kv_cache_disk: ByteSize,
 }
 
 impl Default for ServeConfig {
@@ -139,7 +147,23 @@ impl Default for ServeConfig {
             draft_fixed: false,
             draft_branches: 0,
             prefix_cache: true,
+            kv_cache_host: "auto".into(),
+            kv_cache_dir: None,
+            kv_cache_disk: ByteSize(8 << 30),
         }
+    }
+}
+
+/// `--kv-cache-host`: "auto", "off" (or 0), or a size.
+pub fn parse_kv_host(s: &str) -> Result<crate::plan::KvHostTier, String> {
+    use crate::plan::KvHostTier;
+    match s.trim() {
+        "auto" => Ok(KvHostTier::Auto),
+        "off" | "0" => Ok(KvHostTier::Off),
+        v => v
+            .parse::<ByteSize>()
+            .map(|b| KvHostTier::Bytes(b.0))
+            .map_err(|e| format!("kv_cache_host {v:?}: {e} (or \"auto\", \"off\")")),
     }
 }
 

@@ -277,6 +277,88 @@ fn prefix_cache(out: &mut String, p: &crate::engine::prefix::PrefixStats) {
     for (name, help, kind, v) in rows {
         scalar(out, name, help, kind, v);
     }
+    prefix_tiers(out, &p.tiers);
+}
+
+/// The prefix cache's host and disk tiers.
+fn prefix_tiers(out: &mut String, t: &crate::engine::kv_tiers::TierStats) {
+    let rows: [(&str, &str, &str, u64); 12] = [
+        (
+            "sluice_prefix_cache_host_budget_bytes",
+            "Bytes the host tier may hold (inside the plan's host memory).",
+            "gauge",
+            t.host_budget_bytes,
+        ),
+        (
+            "sluice_prefix_cache_host_bytes",
+            "Bytes of KV blocks the host tier holds.",
+            "gauge",
+            t.host_bytes,
+        ),
+        (
+            "sluice_prefix_cache_host_blocks",
+            "KV blocks the host tier holds.",
+            "gauge",
+            t.host_blocks,
+        ),
+        (
+            "sluice_prefix_cache_host_hits_total",
+            "Prompts that took their prefix from the host tier.",
+            "counter",
+            t.host_hits,
+        ),
+        (
+            "sluice_prefix_cache_host_tokens_total",
+            "Prompt tokens the host tier gave.",
+            "counter",
+            t.host_tokens,
+        ),
+        (
+            "sluice_prefix_cache_disk_budget_bytes",
+            "Bytes the disk tier may hold (0: no disk tier).",
+            "gauge",
+            t.disk.budget_bytes,
+        ),
+        (
+            "sluice_prefix_cache_disk_bytes",
+            "Bytes of KV block files in the disk tier (every model's).",
+            "gauge",
+            t.disk.bytes,
+        ),
+        (
+            "sluice_prefix_cache_disk_blocks",
+            "KV block files in the disk tier (every model's).",
+            "gauge",
+            t.disk.blocks,
+        ),
+        (
+            "sluice_prefix_cache_disk_hits_total",
+            "Prompts that read at least one block of their prefix from disk.",
+            "counter",
+            t.disk_hits,
+        ),
+        (
+            "sluice_prefix_cache_disk_tokens_total",
+            "Prompt tokens those prompts took from the tiers.",
+            "counter",
+            t.disk_tokens,
+        ),
+        (
+            "sluice_prefix_cache_disk_write_errors_total",
+            "Blocks the disk tier failed to write (a full disk): each a later miss.",
+            "counter",
+            t.disk.write_errors,
+        ),
+        (
+            "sluice_prefix_cache_disk_read_errors_total",
+            "Block files that failed their checks when read back (deleted; each a miss).",
+            "counter",
+            t.disk.read_errors,
+        ),
+    ];
+    for (name, help, kind, v) in rows {
+        scalar(out, name, help, kind, v);
+    }
 }
 
 /// The histogram of tokens a sequence's decode step yielded (more than one where drafts

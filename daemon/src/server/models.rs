@@ -226,8 +226,11 @@ pub struct Listing {
     /// None: stays loaded (pinned, kept for ever, or busy); only for a loaded model.
     pub unload_in: Option<Duration>,
     pub active_requests: usize,
-    /// KV bytes its prefix cache keeps (0 when not loaded).
+    /// KV bytes its prefix cache keeps in KV slots, in its host tier and on disk (0 when
+    /// not loaded).
     pub prefix_cache_bytes: u64,
+    pub kv_host_bytes: u64,
+    pub kv_disk_bytes: u64,
     /// Unix seconds the model was found (OpenAI's `created`).
     pub created: u64,
 }
@@ -654,6 +657,9 @@ impl Models {
                     }
                     _ => None,
                 };
+                let prefix = served
+                    .map(|s| s.front.sched.status().prefix_cache)
+                    .unwrap_or_default();
                 Some(Listing {
                     name: name.clone(),
                     dir: e.dir.clone(),
@@ -664,8 +670,9 @@ impl Models {
                     host_bytes: served.map_or(0, |s| s.plan.host.total_bytes),
                     unload_in,
                     active_requests: active,
-                    prefix_cache_bytes: served
-                        .map_or(0, |s| s.front.sched.status().prefix_cache.kept_bytes),
+                    prefix_cache_bytes: prefix.kept_bytes,
+                    kv_host_bytes: prefix.tiers.host_bytes,
+                    kv_disk_bytes: prefix.tiers.disk.bytes,
                     created: self.created,
                 })
             })

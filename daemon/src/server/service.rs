@@ -251,6 +251,8 @@ impl Inference for Service {
                 active_requests: l.active_requests as u32,
                 path: l.dir.display().to_string(),
                 prefix_cache_bytes: l.prefix_cache_bytes,
+                kv_host_bytes: l.kv_host_bytes,
+                kv_disk_bytes: l.kv_disk_bytes,
             })
             .collect();
         Ok(Response::new(pb::ListModelsResponse { models }))
@@ -431,6 +433,20 @@ fn prefix_cache_of(p: &crate::engine::prefix::PrefixStats) -> pb::PrefixCache {
         prompt_tokens: p.prompt_tokens,
         cached_tokens: p.cached_tokens,
         evictions: p.evictions,
+        host_budget_bytes: p.tiers.host_budget_bytes,
+        host_bytes: p.tiers.host_bytes,
+        host_blocks: p.tiers.host_blocks,
+        host_hits: p.tiers.host_hits,
+        host_tokens: p.tiers.host_tokens,
+        disk_enabled: p.tiers.disk_enabled,
+        disk_budget_bytes: p.tiers.disk.budget_bytes,
+        disk_bytes: p.tiers.disk.bytes,
+        disk_blocks: p.tiers.disk.blocks,
+        disk_hits: p.tiers.disk_hits,
+        disk_tokens: p.tiers.disk_tokens,
+        disk_write_errors: p.tiers.disk.write_errors,
+        disk_read_errors: p.tiers.disk.read_errors,
+        exported_blocks: p.tiers.exported_blocks,
     }
 }
 

@@ -684,6 +684,14 @@ impl Backend for CpuBackend {
         }
     }
 
+    fn kv_read(&self, cache: &CpuMem, offset: usize, out: &mut [u8]) {
+        out.copy_from_slice(&cache.bytes()[offset..offset + out.len()]);
+    }
+
+    fn kv_write(&self, cache: &mut CpuMem, offset: usize, src: &[u8]) {
+        cache.bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
+    }
+
     fn attention(
         &self,
         q: &CpuMem,

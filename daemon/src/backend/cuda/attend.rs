@@ -162,6 +162,56 @@ impl CudaBackend {
         Ok(())
     }
 
+    /// `Backend::kv_read`: a device-to-host copy on the compute stream (after the steps
+    /// before it), waited for.
+    pub(super) fn read_kv(
+        &self,
+        cache: &CudaMem,
+        offset: usize,
+        out: &mut [u8],
+    ) -> Result<(), String> {
+        if offset + out.len() > cache.len {
+            return Err(format!(
+                "KV read of {} bytes at {offset} past a cache of {} bytes",
+                out.len(),
+                cache.len
+            ));
+        }
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: the range is inside the allocation (checked); the stream is synchronized
+        // before `out` is read.
+        unsafe {
+            result::memcpy_dtoh_async(out, cache.ptr + offset as u64, self.compute.cu_stream())
+        }
+        .map_err(|e| e.to_string())?;
+        self.compute.synchronize().map_err(|e| e.to_string())
+    }
+
+    /// `Backend::kv_write`: a host-to-device copy on the compute stream (ordered with the
+    /// steps around it), waited for so that `src` may be reused.
+    pub(super) fn write_kv(
+        &self,
+        cache: &CudaMem,
+        offset: usize,
+        src: &[u8],
+    ) -> Result<(), String> {
+        if offset + src.len() > cache.len {
+            return Err(format!(
+                "KV write of {} bytes at {offset} past a cache of {} bytes",
+                src.len(),
+                cache.len
+            ));
+        }
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: the range is inside the allocation (checked); `src` lives until the
+        // stream is synchronized below.
+        unsafe {
+            result::memcpy_htod_async(cache.ptr + offset as u64, src, self.compute.cu_stream())
+        }
+        .map_err(|e| e.to_string())?;
+        self.compute.synchronize().map_err(|e| e.to_string())
+    }
+
     /// `Backend::kv_copy`: each run of positions the ring keeps contiguous, one
     /// device-to-device copy on the compute stream (ordered with the steps around it).
     pub(super) fn copy_kv(

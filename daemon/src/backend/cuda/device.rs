@@ -458,28 +458,7 @@ impl Backend for CudaBackend {
     }
 
     fn download_f32(&self, src: &CudaMem, offset: usize, out: &mut [f32]) {
-        let r = (|| -> Result<(), String> {
-            if (offset + out.len()) * 4 > src.len {
-                return Err(format!(
-                    "{} f32 at {offset} past an allocation of {} bytes",
-                    out.len(),
-                    src.len
-                ));
-            }
-            self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
-            // SAFETY: the range is inside src (checked); the stream is synchronized before
-            // `out` is read.
-            unsafe {
-                result::memcpy_dtoh_async(
-                    out,
-                    src.ptr + (offset * 4) as u64,
-                    self.compute.cu_stream(),
-                )
-            }
-            .map_err(|e| e.to_string())?;
-            self.compute.synchronize().map_err(|e| e.to_string())
-        })();
-        self.record("download", r);
+        self.record("download", self.download(src, offset, out));
     }
 
     fn check(&self) -> Result<(), BackendError> {
@@ -738,6 +717,14 @@ impl Backend for CudaBackend {
     ) {
         let r = self.copy_kv((cache_k, cache_v), place, slots, positions);
         self.record("kv_copy", r);
+    }
+
+    fn kv_read(&self, cache: &CudaMem, offset: usize, out: &mut [u8]) {
+        self.record("kv_read", self.read_kv(cache, offset, out));
+    }
+
+    fn kv_write(&self, cache: &mut CudaMem, offset: usize, src: &[u8]) {
+        self.record("kv_write", self.write_kv(cache, offset, src));
     }
 
     fn attention(

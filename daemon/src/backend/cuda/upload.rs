@@ -1,7 +1,7 @@
 //! Uploads into device memory: the synchronous `upload` for what stays resident, and the
 //! asynchronous, frame-by-frame upload of a streaming slot on the copy stream, ordered
 //! after the compute that last read the slot and timed by per-part events; plus the plain
-//! pinned copy the benchmark compares the copy stream with.
+//! pinned copy the benchmark compares the copy stream with; and the download of logits.
 
 use super::device::CudaBackend;
 use super::handles::{dev_err, CudaMem, DeviceAlloc, PinnedHost, SlotEvents};
@@ -10,6 +10,31 @@ use cudarc::driver::{result, sys};
 use std::cell::Cell;
 
 impl CudaBackend {
+    /// `Backend::download_f32`: a device-to-host copy on the compute stream (after the
+    /// ops before it), waited for.
+    pub(super) fn download(
+        &self,
+        src: &CudaMem,
+        offset: usize,
+        out: &mut [f32],
+    ) -> Result<(), String> {
+        if (offset + out.len()) * 4 > src.len {
+            return Err(format!(
+                "{} f32 at {offset} past an allocation of {} bytes",
+                out.len(),
+                src.len
+            ));
+        }
+        self.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+        // SAFETY: the range is inside src (checked); the stream is synchronized before
+        // `out` is read.
+        unsafe {
+            result::memcpy_dtoh_async(out, src.ptr + (offset * 4) as u64, self.compute.cu_stream())
+        }
+        .map_err(|e| e.to_string())?;
+        self.compute.synchronize().map_err(|e| e.to_string())
+    }
+
     /// A plain page-locked cuMemcpyHtoD of `bytes` (the reference the copy stream's
     /// bandwidth is compared with): median GB/s of `reps` copies.
     pub fn plain_h2d_gbps(&self, bytes: usize, reps: usize) -> Result<f64, BackendError> {

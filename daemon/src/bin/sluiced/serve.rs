@@ -167,6 +167,18 @@ pub struct ServeArgs {
     /// (default on; `off` prefills every prompt whole, for comparison).
     #[arg(long, value_name = "on|off", value_parser = crate::util::parse_on_off)]
     pub prefix_cache: Option<bool>,
+    /// Host memory for prompt KV blocks that left the KV slots, inside --host-memory:
+    /// "auto" (default: a quarter of what the budget leaves, at most 1 GiB), a size, or
+    /// "off".
+    #[arg(long, value_name = "SIZE|auto|off")]
+    pub kv_cache_host: Option<String>,
+    /// Keep prompt KV blocks in this directory too, across restarts (a resumed
+    /// conversation prefills only its new turn). One daemon per directory.
+    #[arg(long, value_name = "DIR")]
+    pub kv_cache_dir: Option<PathBuf>,
+    /// What --kv-cache-dir may hold (default 8GiB); the least recently used go first.
+    #[arg(long, value_name = "SIZE", value_parser = parse_byte_size)]
+    pub kv_cache_disk: Option<ByteSize>,
 }
 
 fn parse_byte_size(s: &str) -> Result<ByteSize, String> {
@@ -197,8 +209,14 @@ impl ServeArgs {
             device,
             draft_max,
             draft_branches,
-            prefix_cache
+            prefix_cache,
+            kv_cache_host,
+            kv_cache_disk
         );
+        if self.kv_cache_dir.is_some() {
+            c.kv_cache_dir = self.kv_cache_dir;
+        }
+        sluice::server::config::parse_kv_host(&c.kv_cache_host).map_err(anyhow::Error::msg)?;
         if self.draft.is_some() {
             c.draft = self.draft;
         }
@@ -307,7 +325,9 @@ impl OnBackend for StartScheduler {
         }
         let plan = runner.plan.clone();
         let name = runner.backend.name();
-        let (s, e) = Scheduler::start(runner, draft, self.tokenizer, self.cfg);
+        let mut cfg = self.cfg;
+        cfg.kv_tiers.host_bytes = plan.host.kv_cache_host_bytes;
+        let (s, e) = Scheduler::start(runner, draft, self.tokenizer, cfg);
         Ok((plan, s, e, name))
     }
 }
@@ -321,9 +341,31 @@ struct ModelLoader {
     read_timeout: Option<Duration>,
     /// The worker process every model's chat template renders in.
     templates: Arc<sluice::text::sandbox::TemplateSandbox>,
+    /// The prefix cache's disk tier, shared by the models.
+    kv_disk: Option<Arc<sluice::engine::kv_disk::DiskTier>>,
 }
 
 impl ModelLoader {
+    fn new(
+        cfg: &ServeConfig,
+        chosen: sluice::engine::Chosen,
+        metrics: Arc<Metrics>,
+        limits: RequestLimits,
+    ) -> Result<ModelLoader> {
+        Ok(ModelLoader {
+            cfg: cfg.clone(),
+            chosen,
+            metrics,
+            limits,
+            read_timeout: cfg.read_timeout().map_err(anyhow::Error::msg)?,
+            templates: Arc::new(sluice::text::sandbox::TemplateSandbox::new(
+                std::env::current_exe()
+                    .context("the path of this sluiced, for its template worker")?,
+            )),
+            kv_disk: open_kv_disk(cfg),
+        })
+    }
+
     /// The I/O engine's settings for every model this daemon loads.
     fn io(&self) -> sluice::io::IoConfig {
         sluice::io::IoConfig {
@@ -357,7 +399,14 @@ impl ModelLoader {
             backend_reserved: 0,
             self_draft_reserved: 0,
             // The scheduler's logits and samplers are the plan's (`plan::host::sampling`).
-            host: sluice::engine::host_input(cfg.host_memory.map(|b| b.0), 0),
+            host: sluice::plan::HostInput {
+                kv_tier: match cfg.prefix_cache {
+                    true => sluice::server::config::parse_kv_host(&cfg.kv_cache_host)
+                        .unwrap_or(sluice::plan::KvHostTier::Auto),
+                    false => sluice::plan::KvHostTier::Off,
+                },
+                ..sluice::engine::host_input(cfg.host_memory.map(|b| b.0), 0)
+            },
         }
     }
 
@@ -476,6 +525,11 @@ impl ModelLoader {
             cfg: SchedulerConfig {
                 queue_max: cfg.queue_max,
                 prefix_cache: cfg.prefix_cache,
+                kv_tiers: sluice::engine::kv_tiers::TierConfig {
+                    // Set from the plan once it is made.
+                    host_bytes: 0,
+                    disk: self.kv_disk.clone(),
+                },
             },
         };
         let (plan, sched, engine, backend_name) =
@@ -676,16 +730,8 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     let keep_alive = sluice::server::models::parse_keep_alive(&cfg.keep_alive)
         .map_err(anyhow::Error::msg)?
         .unwrap_or(KeepAlive::For(Duration::from_secs(300)));
-    let loader = ModelLoader {
-        cfg: cfg.clone(),
-        chosen,
-        metrics: metrics.clone(),
-        limits,
-        read_timeout: cfg.read_timeout().map_err(anyhow::Error::msg)?,
-        templates: Arc::new(sluice::text::sandbox::TemplateSandbox::new(
-            std::env::current_exe().context("the path of this sluiced, for its template worker")?,
-        )),
-    };
+    let loader = ModelLoader::new(&cfg, chosen, metrics.clone(), limits)?;
+    let kv_disk = loader.kv_disk.clone();
     let pinned = match &cfg.model {
         Some(m) => {
             let path = sluice::util::store_path(m, dir.as_deref());
@@ -759,7 +805,13 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
         stop: (stop_tx, stop_rx),
         auth: GrpcAuth { keys, metrics },
     };
-    listen_until_stopped(&rt, &cfg, net, service, models, &what)
+    let r = listen_until_stopped(&rt, &cfg, net, service, models, &what);
+    // The prompts' KV blocks the engines queued for the disk tier, on disk before the next
+    // start looks for them.
+    if let Some(d) = kv_disk {
+        d.flush();
+    }
+    r
 }
 
 /// What serving needs besides the model: the addresses, the HTTP side already running,
@@ -911,5 +963,18 @@ fn model_meta(name: &str, m: &sluice::store::Manifest, context: usize) -> ModelM
         created: std::time::SystemTime::now()
             .duration_since(std::time::UNIX_EPOCH)
             .map_or(0, |d| d.as_secs()),
+    }
+}
+
+/// The prefix cache's disk tier, when `--kv-cache-dir` asks for one and the directory can
+/// be had (else a log line says why, and the daemon runs without it).
+fn open_kv_disk(cfg: &ServeConfig) -> Option<Arc<sluice::engine::kv_disk::DiskTier>> {
+    let dir = cfg.kv_cache_dir.as_ref().filter(|_| cfg.prefix_cache)?;
+    match sluice::engine::kv_disk::DiskTier::open(dir, cfg.kv_cache_disk.0) {
+        Ok(t) => Some(t),
+        Err(e) => {
+            tracing::warn!("KV cache on disk off: {e}");
+            None
+        }
     }
 }

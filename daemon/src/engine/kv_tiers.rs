@@ -1,0 +1,447 @@
+//! The prefix cache's host tier, and the host and disk tiers together (`Tiers`): beyond
+//! the KV slots (the device tier, `prefix.rs`), a prompt's KV is kept in blocks
+//! (`kv_block`), in host memory within a budget and on disk (`kv_disk`).
+//!
+//! A block holds, per layer, whether that layer's K and V of its positions are in it: a
+//! sliding-window layer's ring keeps only its last `cap` positions, so a block exported
+//! from far behind the end of its sequence has no ring layers. A prefix is taken back only
+//! where every ring layer has the blocks its window covers (`Tiers::resume_point`).
+
+use super::kv_block::{chain, model_key, Block, BLOCK_TOKENS};
+use super::kv_disk::{DiskStats, DiskTier};
+use super::sequence::Sequence;
+use crate::backend::{Backend, LayerCache};
+use crate::pipeline::Pipeline;
+use crate::store::format::MANIFEST_FILE;
+use serde::Serialize;
+use std::collections::{BTreeMap, HashMap};
+use std::ops::Range;
+use std::sync::Arc;
+
+/// The host tier: blocks in host memory within a budget, the least recently used given up
+/// first.
+pub struct HostTier {
+    budget: u64,
+    used: u64,
+    clock: u64,
+    blocks: HashMap<u64, (Arc<Block>, u64)>,
+    /// Last use -> block name.
+    order: BTreeMap<u64, u64>,
+}
+
+impl HostTier {
+    pub fn new(budget: u64) -> HostTier {
+        HostTier {
+            budget,
+            used: 0,
+            clock: 0,
+            blocks: HashMap::new(),
+            order: BTreeMap::new(),
+        }
+    }
+
+    pub fn budget(&self) -> u64 {
+        self.budget
+    }
+
+    pub fn bytes(&self) -> u64 {
+        self.used
+    }
+
+    pub fn len(&self) -> usize {
+        self.blocks.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.blocks.is_empty()
+    }
+
+    /// The block named `hash`, without touching its place in the order.
+    pub fn peek(&self, hash: u64) -> Option<&Arc<Block>> {
+        self.blocks.get(&hash).map(|(b, _)| b)
+    }
+
+    /// The block named `hash`, now the most recently used.
+    pub fn get(&mut self, hash: u64) -> Option<Arc<Block>> {
+        self.clock += 1;
+        let (b, at) = self.blocks.get_mut(&hash)?;
+        self.order.remove(at);
+        *at = self.clock;
+        self.order.insert(self.clock, hash);
+        Some(b.clone())
+    }
+
+    /// Keeps `block` as `hash` (replacing what it held), giving up the least recently used
+    /// until it fits; a block larger than the whole budget is not kept. Returns the blocks
+    /// given up.
+    pub fn insert(&mut self, hash: u64, block: Arc<Block>) -> usize {
+        self.remove(hash);
+        let size = block.size();
+        if size > self.budget {
+            return 0;
+        }
+        let mut evicted = 0;
+        while self.used + size > self.budget {
+            let Some((_, oldest)) = self.order.pop_first() else {
+                break;
+            };
+            if let Some((b, _)) = self.blocks.remove(&oldest) {
+                self.used -= b.size();
+                evicted += 1;
+            }
+        }
+        self.clock += 1;
+        self.used += size;
+        self.order.insert(self.clock, hash);
+        self.blocks.insert(hash, (block, self.clock));
+        evicted
+    }
+
+    pub fn remove(&mut self, hash: u64) {
+        if let Some((b, at)) = self.blocks.remove(&hash) {
+            self.order.remove(&at);
+            self.used -= b.size();
+        }
+    }
+
+    /// Gives up every block; returns how many.
+    pub fn clear(&mut self) -> usize {
+        let n = self.blocks.len();
+        self.blocks.clear();
+        self.order.clear();
+        self.used = 0;
+        n
+    }
+}
+
+/// The tiers' sizes (`--kv-cache-host`, and the disk tier `--kv-cache-dir` opened).
+#[derive(Clone, Debug, Default)]
+pub struct TierConfig {
+    /// Host memory for blocks (0: no host tier).
+    pub host_bytes: u64,
+    pub disk: Option<Arc<DiskTier>>,
+}
+
+/// What the host and disk tiers hold and gave (Status, /metrics).
+#[derive(Clone, Copy, Debug, Default, Serialize)]
+pub struct TierStats {
+    pub host_budget_bytes: u64,
+    pub host_bytes: u64,
+    pub host_blocks: u64,
+    /// Prompts that took a prefix from the tiers with every block in host memory, those
+    /// that read some from disk, and the prompt tokens each gave.
+    pub host_hits: u64,
+    pub host_tokens: u64,
+    pub disk_hits: u64,
+    pub disk_tokens: u64,
+    /// Blocks copied out of the KV slots.
+    pub exported_blocks: u64,
+    pub disk_enabled: bool,
+    pub disk: DiskStats,
+}
+
+/// The host and disk tiers of one model's prefix cache.
+pub struct Tiers {
+    key: u64,
+    host: HostTier,
+    disk: Option<Arc<DiskTier>>,
+    layers: Vec<LayerCache>,
+    stats: TierStats,
+}
+
+/// A block found for a prompt, and whether it was read from disk.
+struct Found {
+    block: Arc<Block>,
+    from_disk: bool,
+}
+
+/// Per layer, whether a slot that has written up to `written` still holds all of
+/// `positions` (a ring holds its last `cap`).
+fn held_layers(layers: &[LayerCache], positions: &Range<usize>, written: usize) -> Vec<bool> {
+    layers
+        .iter()
+        .map(|l| positions.start >= written.saturating_sub(l.cap))
+        .collect()
+}
+
+impl Tiers {
+    /// The tiers of `runner`'s model, or None when `cfg` has neither (or the store's
+    /// manifest, which names the blocks, cannot be read: logged).
+    pub fn new<B: Backend>(runner: &Pipeline<B>, cfg: &TierConfig) -> Option<Tiers> {
+        if cfg.host_bytes == 0 && cfg.disk.is_none() {
+            return None;
+        }
+        let path = runner.store.dir().join(MANIFEST_FILE);
+        let manifest = match std::fs::read(&path) {
+            Ok(m) => m,
+            Err(e) => {
+                tracing::warn!(
+                    "prefix cache: {} unreadable ({e}): no host or disk tier for this model",
+                    path.display()
+                );
+                return None;
+            }
+        };
+        let m = &runner.model;
+        let layers: Vec<LayerCache> = m.kv_layers().copied().collect();
+        let o = runner.options();
+        let key = model_key(
+            &manifest,
+            (o.kv_dtype, o.exact),
+            runner.backend.name(),
+            &layers,
+            m.kv_position_bytes(),
+        );
+        Some(Tiers {
+            key,
+            host: HostTier::new(cfg.host_bytes),
+            disk: cfg.disk.clone(),
+            layers,
+            stats: TierStats::default(),
+        })
+    }
+
+    /// The key this model's blocks are named under.
+    pub fn key(&self) -> u64 {
+        self.key
+    }
+
+    pub fn stats(&self) -> TierStats {
+        let mut s = self.stats;
+        s.host_budget_bytes = self.host.budget();
+        s.host_bytes = self.host.bytes();
+        s.host_blocks = self.host.len() as u64;
+        s.disk_enabled = self.disk.is_some();
+        if let Some(d) = &self.disk {
+            s.disk = d.stats();
+        }
+        s
+    }
+
+    /// Gives up the host tier's blocks and this model's on disk; returns how many.
+    pub fn clear(&mut self) -> usize {
+        self.host.clear() + self.disk.as_ref().map_or(0, |d| d.clear(Some(self.key)))
+    }
+
+    /// Keeps the whole blocks of `tokens`, whose K and V `slot` holds (having written up
+    /// to `written`), that the tiers lack: copied to the host tier, and queued for the disk
+    /// tier. A block already kept is only touched, or replaced where this copy holds
+    /// layers (a ring's) that it lacks.
+    pub fn export<B: Backend>(
+        &mut self,
+        runner: &Pipeline<B>,
+        tokens: &[u32],
+        slot: usize,
+        written: usize,
+    ) {
+        let n = tokens.len() / BLOCK_TOKENS;
+        let mut parent = self.key;
+        for (i, h) in chain(self.key, tokens, n).into_iter().enumerate() {
+            let positions = i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS;
+            let held = held_layers(&self.layers, &positions, written);
+            let full = held.iter().all(|&h| h);
+            let in_host = self.host.peek(h).is_some_and(|b| b.covers(&held));
+            let on_disk = self.disk.as_ref().is_none_or(|d| match d.has(self.key, h) {
+                Some(f) => f || !full,
+                None => false,
+            });
+            let kept = match self.host.get(h).filter(|b| b.covers(&held)) {
+                Some(b) => b,
+                None => {
+                    let (held, bytes) = runner.export_kv(slot, positions.clone(), written);
+                    let b = Arc::new(Block {
+                        parent,
+                        tokens: tokens[positions].to_vec(),
+                        held,
+                        bytes,
+                    });
+                    self.stats.exported_blocks += 1;
+                    self.host.insert(h, b.clone());
+                    b
+                }
+            };
+            if in_host && on_disk {
+                parent = h;
+                continue;
+            }
+            if !on_disk {
+                if let Some(d) = &self.disk {
+                    d.write(self.key, h, kept);
+                }
+            }
+            parent = h;
+        }
+    }
+
+    /// The blocks named `hashes` (a prompt's, in order) that the tiers hold and that are
+    /// what they say (tokens and parent), up to the first that is missing or not; the disk's
+    /// are read at once and kept in the host tier too.
+    fn gather(&mut self, prompt: &[u32], hashes: &[u64]) -> Vec<Found> {
+        let on_disk: Vec<u64> = hashes
+            .iter()
+            .copied()
+            .filter(|&h| self.host.peek(h).is_none())
+            .collect();
+        let mut read = match &self.disk {
+            Some(d) if !on_disk.is_empty() => d.read(self.key, &on_disk),
+            _ => Vec::new(),
+        }
+        .into_iter();
+        let mut found = Vec::with_capacity(hashes.len());
+        let mut parent = self.key;
+        for (i, &h) in hashes.iter().enumerate() {
+            let f = match self.host.get(h) {
+                Some(block) => Found {
+                    block,
+                    from_disk: false,
+                },
+                None => match read.next() {
+                    Some(Ok(b)) => {
+                        let block = Arc::new(b);
+                        self.host.insert(h, block.clone());
+                        Found {
+                            block,
+                            from_disk: true,
+                        }
+                    }
+                    _ => break,
+                },
+            };
+            let tokens = &prompt[i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS];
+            if !f.block.is_of(parent, tokens) || f.block.held.len() != self.layers.len() {
+                tracing::warn!(
+                    "prefix cache: block {h:016x} holds another text than its name says (a hash collision): not used"
+                );
+                self.host.remove(h);
+                break;
+            }
+            found.push(f);
+            parent = h;
+        }
+        found
+    }
+
+    /// Where a sequence can resume from `blocks` (a prompt's first blocks, in order): the
+    /// most blocks k, at least one past `beat`, such that each layer holds every block from
+    /// the one its first visible position at k blocks is in (a full-attention layer: all of
+    /// them; a ring: its window). Returns k, the positions its slot counts as written once
+    /// they are in (so that a ring's held positions are the ones written back: see
+    /// `LayerCache::held_runs`), and per layer the first block written back.
+    fn resume_point<B: Backend>(
+        &self,
+        runner: &Pipeline<B>,
+        blocks: &[Found],
+        beat: usize,
+    ) -> Option<(usize, usize, Vec<usize>)> {
+        (1..=blocks.len())
+            .rev()
+            .take_while(|&k| k * BLOCK_TOKENS >= beat + BLOCK_TOKENS)
+            .find_map(|k| {
+                let p = k * BLOCK_TOKENS;
+                let first: Vec<usize> = self
+                    .layers
+                    .iter()
+                    .map(|l| l.first_visible(p) / BLOCK_TOKENS)
+                    .collect();
+                let whole = self
+                    .layers
+                    .iter()
+                    .enumerate()
+                    .all(|(l, _)| blocks[first[l]..k].iter().all(|b| b.block.held[l]));
+                let written = self
+                    .layers
+                    .iter()
+                    .zip(&first)
+                    .filter(|(l, _)| l.window.is_some())
+                    .map(|(l, &f)| f * BLOCK_TOKENS + l.cap)
+                    .fold(p, usize::max);
+                (whole && runner.model.can_resume(p, written)).then_some((k, written, first))
+            })
+    }
+
+    /// Takes the longest prefix of `seq`'s prompt the tiers hold, when it is at least a
+    /// block past `beat` (what its slot holds or the device tier gives it): its blocks are
+    /// written into the sequence's slot and it resumes after them. Returns the prompt
+    /// tokens taken (0: none).
+    pub fn take<B: Backend>(
+        &mut self,
+        runner: &mut Pipeline<B>,
+        seq: &mut Sequence,
+        beat: usize,
+    ) -> usize {
+        let prompt = seq.prompt();
+        // The last prompt token always runs (its logits give the first token).
+        let n = prompt.len().saturating_sub(1) / BLOCK_TOKENS;
+        if n * BLOCK_TOKENS < beat + BLOCK_TOKENS {
+            return 0;
+        }
+        let hashes = chain(self.key, prompt, n);
+        let avail = hashes
+            .iter()
+            .take_while(|&&h| {
+                self.host.peek(h).is_some()
+                    || self
+                        .disk
+                        .as_ref()
+                        .is_some_and(|d| d.has(self.key, h).is_some())
+            })
+            .count();
+        if avail * BLOCK_TOKENS < beat + BLOCK_TOKENS {
+            return 0;
+        }
+        let blocks = self.gather(prompt, &hashes[..avail]);
+        let Some((k, written, first)) = self.resume_point(runner, &blocks, beat) else {
+            return 0;
+        };
+        let slot = seq.slot();
+        for (i, f) in blocks[..k].iter().enumerate() {
+            let want: Vec<bool> = first.iter().map(|&b| i >= b).collect();
+            let positions = i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS;
+            let b = &f.block;
+            if let Err(e) = runner.import_kv(slot, positions, (&b.held, &b.bytes), &want) {
+                tracing::warn!("prefix cache: block {i} of a prompt not taken back: {e}");
+                return 0;
+            }
+        }
+        let p = k * BLOCK_TOKENS;
+        let gained = p - seq.prefilled();
+        if blocks[..k].iter().any(|f| f.from_disk) {
+            self.stats.disk_hits += 1;
+            self.stats.disk_tokens += gained as u64;
+        } else {
+            self.stats.host_hits += 1;
+            self.stats.host_tokens += gained as u64;
+        }
+        seq.resume_at(p, written);
+        gained
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::engine::kv_block::test_block as block;
+
+    #[test]
+    fn the_host_tier_keeps_its_budget_and_gives_up_the_least_recent() {
+        let size = block(0, 2).size();
+        let mut h = HostTier::new(3 * size);
+        for i in 0..3 {
+            h.insert(i, Arc::new(block(i as u8, 2)));
+        }
+        assert!(h.get(0).is_some());
+        assert_eq!(h.insert(3, Arc::new(block(3, 2))), 1);
+        assert!(h.peek(1).is_none(), "1 was the least recently used");
+        assert!(h.peek(0).is_some() && h.peek(3).is_some());
+        assert_eq!(h.bytes(), 3 * size);
+        h.insert(0, Arc::new(block(9, 2)));
+        assert_eq!(
+            (h.len(), h.bytes()),
+            (3, 3 * size),
+            "a replaced block is counted once"
+        );
+        assert_eq!(HostTier::new(size - 1).insert(0, Arc::new(block(0, 2))), 0);
+        assert_eq!(h.clear(), 3);
+        assert_eq!(h.bytes(), 0);
+    }
+}
