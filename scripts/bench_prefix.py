@@ -12,13 +12,19 @@ a client sees):
   cached tokens; and the same turn's new tokens alone (a cold prompt of that many tokens)
   for the goal: turn N's first token within 1.2x of prefilling its new tokens alone;
 - 32 requests sharing a long system prompt (~1,000 tokens), --concurrency at a time:
-  wall time, mean time to first token, passes, cached tokens.
+  wall time, mean time to first token, passes, cached tokens;
+- the same conversation resumed after a restart: turns 1-5 on one daemon, a clean stop
+  (SIGTERM, as `systemctl restart` sends), a new daemon on the same --kv-cache-dir, turn 6:
+  its time to first token against turn 6 on the daemon that ran the whole conversation
+  (goal: within 1.5x) and with the cache off;
+- a batch job (`sluice batch`) of 32 short documents whose --template carries a long
+  instruction (~800 tokens): wall time, passes, cached tokens.
 Beside them, llama.cpp (llama-cpp-python) on the same chat in the same cgroup: its `Llama`
 reuses the previous call's KV for a common prefix by itself; per turn its time to first
 token (`--llama-only` runs just that).
 
-Not measured yet: a conversation resumed after a restart (the NVMe tier is not built) and a
-batch job's template (the shared-prompt case stands for it).
+With the cache on, each daemon has a disk tier in a fresh directory (--kv-cache-dir) and
+the default host tier. Every output is compared: cache on and off must agree.
 
     pip install llama-cpp-python
     cargo build --release
@@ -34,6 +40,8 @@ import os
 import statistics
 import subprocess
 import sys
+import shutil
+import tempfile
 import threading
 import time
 import urllib.request
@@ -76,15 +84,19 @@ QUESTIONS = [f"Question {i}: " + q for i, q in enumerate([
 class Daemon:
     """`sluiced serve` on `store` inside a memory cgroup of `limit` bytes."""
 
-    def __init__(self, store, model, limit, cache_on, a):
+    def __init__(self, store, model, limit, cache_on, a, kv_dir=None):
         self.cg = Cgroup("sluice-prefix", limit)
         drop_caches()
         self.port = free_port()
+        self.grpc = f"127.0.0.1:{free_port()}"
         argv = [SLUICED, "serve", "--model", store, "--config", "/dev/null",
-                "--listen", f"127.0.0.1:{free_port()}", "--http-listen", f"127.0.0.1:{self.port}",
+                "--listen", self.grpc, "--http-listen", f"127.0.0.1:{self.port}",
                 "--host-memory", str(limit), "--max-context", "1024", "--max-batch", str(a.concurrency),
                 "--batch-tokens", str(a.batch_tokens), "--threads", str(a.threads),
                 "--prefix-cache", "on" if cache_on else "off"]
+        if cache_on:
+            self.kv_dir = kv_dir or tempfile.mkdtemp(prefix="sluice-bench-kv-")
+            argv += ["--kv-cache-dir", self.kv_dir]
         procs = os.path.join(self.cg.dir, "cgroup.procs")
         self.log = open(os.path.join(CACHE, "bench-prefix.log"), "a")
         self.p = subprocess.Popen(["sh", "-c", f'echo $$ > {procs}; exec "$0" "$@"', *argv],
@@ -142,7 +154,8 @@ class Daemon:
 
     def close(self):
         self.p.terminate()
-        self.p.wait()
+        if self.p.wait() != 0:
+            sys.exit(f"sluiced serve did not stop cleanly (see {self.log.name})")
         self.log.close()
         self.cg.close()
 
@@ -154,10 +167,13 @@ def free_port():
         return s.getsockname()[1]
 
 
-def chat(d, chat_api, a):
-    """The 6-turn conversation: per turn (ttft, prefill passes, prompt, cached, answer)."""
-    messages, prompt, out = [], "", []
-    for turn in TURNS:
+def chat(d, chat_api, a, turns=None, state=None):
+    """The 6-turn conversation (or `turns` of it, going on from `state`, which it updates):
+    per turn (ttft, prefill passes, prompt, cached, answer)."""
+    state = state if state is not None else {"messages": [], "prompt": ""}
+    messages, out = state["messages"], []
+    for turn in (TURNS if turns is None else turns):
+        prompt = state["prompt"]
         before = d.metric("sluice_passes_total")
         if chat_api:
             messages.append({"role": "user", "content": turn})
@@ -166,7 +182,7 @@ def chat(d, chat_api, a):
         else:
             prompt += f"Question: {turn}\nAnswer:"
             ttft, text, usage = d.stream("/v1/completions", {"prompt": prompt, "max_tokens": a.max_tokens})
-            prompt += text + "\n"
+            state["prompt"] = prompt + text + "\n"
         passes = d.passes_after() - before - (usage["completion_tokens"] - 1)
         out.append({"ttft": ttft, "passes": passes, "prompt": usage["prompt_tokens"],
                     "cached": usage["prompt_tokens_details"]["cached_tokens"], "text": text})
@@ -211,6 +227,59 @@ def shared(d, chat_api, a):
             "prompt": sum(r[2]["prompt_tokens"] for r in res),
             "cached": sum(r[2]["prompt_tokens_details"]["cached_tokens"] for r in res),
             "texts": sorted(r[1] for r in res)}
+
+
+def restart(store, limit, chat_api, a):
+    """Turns 1-5 on one daemon, a clean stop, turn 6 on a new daemon over the same disk tier."""
+    kv = tempfile.mkdtemp(prefix="sluice-bench-kv-")
+    state = {"messages": [], "prompt": ""}
+    d = Daemon(store, os.path.basename(store), limit, True, a, kv_dir=kv)
+    try:
+        first = chat(d, chat_api, a, TURNS[:5], state)
+    finally:
+        d.close()
+    d = Daemon(store, os.path.basename(store), limit, True, a, kv_dir=kv)
+    try:
+        last = chat(d, chat_api, a, TURNS[5:], state)[0]
+        last["disk_tokens"] = d.metric("sluice_prefix_cache_disk_tokens_total")
+    finally:
+        d.close()
+        shutil.rmtree(kv, ignore_errors=True)
+    return first, last
+
+
+DOCS = [f"Document {i}: " + " ".join(
+    ["The shop on", "Elm Street", "sold", str(40 + i), "bicycles in", ["March", "April", "May", "June"][i % 4],
+     "and repaired", str(7 + 3 * i), "of them; two customers asked about", ["helmets", "child seats",
+     "batteries", "insurance"][i % 4], "and one lost a key."]) for i in range(32)]
+INSTRUCTION = ("Read the report below and write one sentence for the monthly newsletter. Keep numbers "
+               "exact, name the month, do not invent anything, and do not mention customers by name. ") * 12
+
+
+def batch(d, a):
+    """`sluice batch` over DOCS with the long INSTRUCTION in its template: wall, passes,
+    cached tokens (the metric's change), outputs by id."""
+    tmp = tempfile.mkdtemp(prefix="sluice-bench-batch-")
+    inp, out = os.path.join(tmp, "in.jsonl"), os.path.join(tmp, "out.jsonl")
+    with open(inp, "w") as f:
+        for i, t in enumerate(DOCS):
+            f.write(json.dumps({"id": f"d{i}", "text": t}) + "\n")
+    before = (d.metric("sluice_passes_total"), d.metric("sluice_prefix_cache_cached_tokens_total"),
+              d.metric("sluice_prefix_cache_prompt_tokens_total"))
+    t0 = time.monotonic()
+    subprocess.run([os.path.join(RELEASE, "sluice"), "--addr", f"http://{d.grpc}", "batch", inp, "-o", out,
+                    "--template", INSTRUCTION + "\\n\\n{text}\\n\\nSentence:", "--max-tokens", "16",
+                    "--temperature", "0", "--raw"], check=True, capture_output=True)
+    wall = time.monotonic() - t0
+    outputs = {}
+    with open(out) as f:
+        for line in f:
+            j = json.loads(line)
+            outputs[j["id"]] = j["output"]
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"wall": wall, "passes": d.passes_after() - before[0],
+            "cached": d.metric("sluice_prefix_cache_cached_tokens_total") - before[1],
+            "prompt": d.metric("sluice_prefix_cache_prompt_tokens_total") - before[2], "outputs": outputs}
 
 
 LLAMA_WORKER = r'''
@@ -288,19 +357,28 @@ def sluice_bench(name, store, limit, chat_api, a):
                 for i, t in enumerate(turns):
                     t["alone"] = alone(d, max(t["prompt"] - t["cached"], 1), 100 * r + i, a)
                 sh = shared(d, chat_api, a)
+                bt = batch(d, a)
             finally:
                 d.close()
-            rounds[on].append((turns, sh))
+            rs = restart(store, limit, chat_api, a) if on else None
+            rounds[on].append((turns, sh, bt, rs))
     # Outputs: every round's texts, cache on and off, must agree.
     ref = rounds[False][0]
     for on in (True, False):
-        for turns, sh in rounds[on]:
+        for turns, sh, bt, rs in rounds[on]:
+            if bt["outputs"] != ref[2]["outputs"]:
+                sys.exit(f"{name}: the batch job's outputs differ with the cache {'on' if on else 'off'}")
+            if rs is not None:
+                resumed = [t["text"] for t in rs[0]] + [rs[1]["text"]]
+                if resumed != [t["text"] for t in ref[0]]:
+                    sys.exit(f"{name}: the conversation resumed after a restart answers otherwise")
             for i, (x, y) in enumerate(zip(turns, ref[0])):
                 if x["text"] != y["text"]:
                     sys.exit(f"{name}: turn {i + 1} differs with the cache {'on' if on else 'off'}:\n{x['text']!r}\n{y['text']!r}")
             if sh["texts"] != ref[1]["texts"]:
                 sys.exit(f"{name}: the shared-prompt answers differ with the cache {'on' if on else 'off'}")
-    print("0 outputs changed (6 turns and 32 shared-prompt answers, every round, cache on and off)")
+    print("0 outputs changed (6 turns, 32 shared-prompt answers, 32 batch items and the resumed "
+          "conversation, every round, cache on and off)")
     med = statistics.median
     print("\nturn | prompt | cached | prefill passes on/off | TTFT on s | TTFT off s | off/on | new tokens alone s | on/alone")
     for i in range(len(TURNS)):
@@ -321,6 +399,25 @@ def sluice_bench(name, store, limit, chat_api, a):
               ", ".join(f"{x['wall']:.2f}" for x in xs) + f"), mean TTFT {med(x['ttft'] for x in xs):6.2f} s, "
               f"passes {med(x['passes'] for x in xs):4.0f}, cached {xs[0]['cached']} of {xs[0]['prompt']} prompt tokens")
     print(f"  off/on wall: {med(x['wall'] for x in off) / med(x['wall'] for x in on):.2f}x")
+    on = [rt[2] for rt in rounds[True]]
+    off = [rt[2] for rt in rounds[False]]
+    print(f"\nsluice batch: 32 items, a {int(on[0]['prompt']) // 32}-token template with a long instruction:")
+    for label, xs in (("on", on), ("off", off)):
+        print(f"  cache {label:3}: wall {med(x['wall'] for x in xs):7.2f} s (rounds " +
+              ", ".join(f"{x['wall']:.2f}" for x in xs) + f"), passes {med(x['passes'] for x in xs):4.0f}, "
+              f"cached {xs[0]['cached']:.0f} of {xs[0]['prompt']:.0f} prompt tokens")
+    print(f"  off/on wall: {med(x['wall'] for x in off) / med(x['wall'] for x in on):.2f}x")
+    rs = [rt[3] for rt in rounds[True]]
+    warm = med(rt[0][5]["ttft"] for rt in rounds[True])
+    cold = med(rt[0][5]["ttft"] for rt in rounds[False])
+    after = med(r[1]["ttft"] for r in rs)
+    print(f"\nturn 6 after a restart (turns 1-5 on a daemon stopped with SIGTERM, turn 6 on a new one "
+          f"over the same --kv-cache-dir):")
+    print(f"  TTFT {after:.3f} s (rounds " + ", ".join(f"{r[1]['ttft']:.3f}" for r in rs) +
+          f"); warm cache {warm:.3f} s; cache off {cold:.3f} s")
+    print(f"  restart/warm {after / warm:.2f}x (goal <= 1.5x); off/restart {cold / after:.2f}x; "
+          f"cached {rs[0][1]['cached']} of {rs[0][1]['prompt']} prompt tokens "
+          f"({rs[0][1]['disk_tokens']:.0f} from the disk tier), prefill passes {med(r[1]['passes'] for r in rs):.0f}")
 
 
 def main():

@@ -80,6 +80,49 @@ impl Block {
     }
 }
 
+/// Splits what `Decoder::export_kv` gave for `n` consecutive blocks whose `layers` held
+/// layers are the same (per layer, the K rows of all their positions, then the V rows)
+/// into each block's bytes (per layer, its K rows then its V rows).
+pub fn split_run(bytes: &[u8], n: usize, layers: usize) -> Vec<Vec<u8>> {
+    if layers == 0 || n == 0 {
+        return vec![Vec::new(); n];
+    }
+    let per_layer = bytes.len() / layers;
+    let (half, part) = (per_layer / 2, per_layer / 2 / n);
+    (0..n)
+        .map(|j| {
+            let mut b = Vec::with_capacity(2 * layers * part);
+            for k in 0..layers {
+                let base = k * per_layer + j * part;
+                b.extend_from_slice(&bytes[base..base + part]);
+                b.extend_from_slice(&bytes[base + half..base + half + part]);
+            }
+            b
+        })
+        .collect()
+}
+
+/// The inverse of `split_run`: consecutive blocks' bytes (the same `layers` held layers)
+/// as one run `Decoder::import_kv` writes at once.
+pub fn join_run(blocks: &[&[u8]], layers: usize) -> Vec<u8> {
+    let n = blocks.len();
+    let total: usize = blocks.iter().map(|b| b.len()).sum();
+    if layers == 0 || n == 0 {
+        return Vec::new();
+    }
+    let part = total / n / layers / 2;
+    let mut out = Vec::with_capacity(total);
+    for k in 0..layers {
+        for half in 0..2 {
+            for b in blocks {
+                let at = (2 * k + half) * part;
+                out.extend_from_slice(&b[at..at + part]);
+            }
+        }
+    }
+    out
+}
+
 /// A block file's first bytes.
 pub const FRAME_MAGIC: &[u8; 8] = b"SLKVBLK\0";
 /// The block file format this build writes and reads.
@@ -207,6 +250,22 @@ mod tests {
         old[8] = 0;
         let e = decode_frame(&old, 11, 22).unwrap_err();
         assert!(e.contains("block format 0"), "{e}");
+    }
+
+    #[test]
+    fn a_run_splits_into_blocks_and_joins_back() {
+        // 3 blocks, 2 held layers, 4 bytes a position's K (or V) a layer... as bytes.
+        let (n, layers, part) = (3, 2, 5);
+        let run: Vec<u8> = (0..(2 * layers * n * part) as u32)
+            .map(|v| v as u8)
+            .collect();
+        let blocks = split_run(&run, n, layers);
+        // Block 1, layer 1's V: layer 1 starts at 2 * n * part, its V half n * part on.
+        let v = 2 * n * part + n * part + part;
+        assert_eq!(&blocks[1][3 * part..4 * part], &run[v..v + part]);
+        let refs: Vec<&[u8]> = blocks.iter().map(|b| &b[..]).collect();
+        assert_eq!(join_run(&refs, layers), run);
+        assert_eq!(split_run(&[], 2, 0), vec![Vec::<u8>::new(); 2]);
     }
 
     #[test]

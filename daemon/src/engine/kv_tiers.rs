@@ -7,7 +7,7 @@
 //! from far behind the end of its sequence has no ring layers. A prefix is taken back only
 //! where every ring layer has the blocks its window covers (`Tiers::resume_point`).
 
-use super::kv_block::{chain, model_key, Block, BLOCK_TOKENS};
+use super::kv_block::{chain, join_run, model_key, split_run, Block, BLOCK_TOKENS};
 use super::kv_disk::{DiskStats, DiskTier};
 use super::sequence::Sequence;
 use crate::backend::{Backend, LayerCache};
@@ -235,41 +235,65 @@ impl Tiers {
         written: usize,
     ) {
         let n = tokens.len() / BLOCK_TOKENS;
-        let mut parent = self.key;
-        for (i, h) in chain(self.key, tokens, n).into_iter().enumerate() {
+        let names = chain(self.key, tokens, n);
+        // The blocks to copy out: (index, layers held); and per block whether the disk
+        // tier wants it.
+        let mut todo: Vec<(usize, Vec<bool>)> = Vec::new();
+        let mut to_disk = vec![false; n];
+        for (i, &h) in names.iter().enumerate() {
             let positions = i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS;
             let held = held_layers(&self.layers, &positions, written);
             let full = held.iter().all(|&h| h);
-            let in_host = self.host.peek(h).is_some_and(|b| b.covers(&held));
-            let on_disk = self.disk.as_ref().is_none_or(|d| match d.has(self.key, h) {
-                Some(f) => f || !full,
-                None => false,
-            });
-            let kept = match self.host.get(h).filter(|b| b.covers(&held)) {
-                Some(b) => b,
-                None => {
-                    let (held, bytes) = runner.export_kv(slot, positions.clone(), written);
-                    let b = Arc::new(Block {
-                        parent,
-                        tokens: tokens[positions].to_vec(),
-                        held,
-                        bytes,
-                    });
-                    self.stats.exported_blocks += 1;
-                    self.host.insert(h, b.clone());
-                    b
-                }
-            };
-            if in_host && on_disk {
-                parent = h;
-                continue;
+            to_disk[i] = self
+                .disk
+                .as_ref()
+                .is_some_and(|d| match d.has(self.key, h) {
+                    Some(f) => !f && full,
+                    None => true,
+                });
+            if self.host.get(h).is_none_or(|b| !b.covers(&held)) {
+                todo.push((i, held));
             }
-            if !on_disk {
-                if let Some(d) = &self.disk {
-                    d.write(self.key, h, kept);
-                }
+        }
+        // Consecutive blocks holding the same layers are copied out together: one copy a
+        // layer for the run, not one a block (each a synchronous transfer on a device).
+        let mut copied: HashMap<usize, Arc<Block>> = HashMap::new();
+        let mut at = 0;
+        while at < todo.len() {
+            let mut end = at + 1;
+            while end < todo.len()
+                && todo[end].0 == todo[end - 1].0 + 1
+                && todo[end].1 == todo[at].1
+            {
+                end += 1;
             }
-            parent = h;
+            let (first, count) = (todo[at].0, end - at);
+            let positions = first * BLOCK_TOKENS..(first + count) * BLOCK_TOKENS;
+            let (held, bytes) = runner.export_kv(slot, positions, written);
+            let layers = held.iter().filter(|&&h| h).count();
+            for (j, bytes) in split_run(&bytes, count, layers).into_iter().enumerate() {
+                let i = first + j;
+                let block = Arc::new(Block {
+                    parent: if i == 0 { self.key } else { names[i - 1] },
+                    tokens: tokens[i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS].to_vec(),
+                    held: held.clone(),
+                    bytes,
+                });
+                self.stats.exported_blocks += 1;
+                self.host.insert(names[i], block.clone());
+                copied.insert(i, block);
+            }
+            at = end;
+        }
+        let Some(d) = &self.disk else { return };
+        for (i, &h) in names.iter().enumerate().filter(|&(i, _)| to_disk[i]) {
+            let block = copied
+                .get(&i)
+                .cloned()
+                .or_else(|| self.host.peek(h).cloned());
+            if let Some(b) = block {
+                d.write(self.key, h, b);
+            }
         }
     }
 
@@ -393,15 +417,24 @@ impl Tiers {
         let Some((k, written, first)) = self.resume_point(runner, &blocks, beat) else {
             return 0;
         };
+        // Consecutive blocks with the same layers held and wanted go back together.
         let slot = seq.slot();
-        for (i, f) in blocks[..k].iter().enumerate() {
-            let want: Vec<bool> = first.iter().map(|&b| i >= b).collect();
-            let positions = i * BLOCK_TOKENS..(i + 1) * BLOCK_TOKENS;
-            let b = &f.block;
-            if let Err(e) = runner.import_kv(slot, positions, (&b.held, &b.bytes), &want) {
-                tracing::warn!("prefix cache: block {i} of a prompt not taken back: {e}");
+        let want = |i: usize| -> Vec<bool> { first.iter().map(|&b| i >= b).collect() };
+        let mut at = 0;
+        while at < k {
+            let (held, wanted) = (&blocks[at].block.held, want(at));
+            let mut end = at + 1;
+            while end < k && blocks[end].block.held == *held && want(end) == wanted {
+                end += 1;
+            }
+            let parts: Vec<&[u8]> = blocks[at..end].iter().map(|f| &f.block.bytes[..]).collect();
+            let bytes = join_run(&parts, held.iter().filter(|&&h| h).count());
+            let positions = at * BLOCK_TOKENS..end * BLOCK_TOKENS;
+            if let Err(e) = runner.import_kv(slot, positions, (held, &bytes), &wanted) {
+                tracing::warn!("prefix cache: blocks {at}..{end} of a prompt not taken back: {e}");
                 return 0;
             }
+            at = end;
         }
         let p = k * BLOCK_TOKENS;
         let gained = p - seq.prefilled();

@@ -609,3 +609,37 @@ fn a_mixture_on_a_unified_backend_runs_at_the_least_host_budget_it_names() {
         e.need
     );
 }
+
+#[test]
+fn the_prefix_caches_host_tier_is_a_role_of_the_host_plan_within_its_budget() {
+    use crate::plan::{KvHostTier, KV_HOST_AUTO_MAX};
+    let tmp = tempfile::tempdir().expect("tempdir");
+    let s = store(tmp.path(), false);
+    let m = s.manifest();
+    let with = |budget: Option<u64>, tier: KvHostTier| {
+        let mut i = unified(budget);
+        i.host.kv_tier = tier;
+        plan(m, &i).expect("plan")
+    };
+    let off = with(None, KvHostTier::Off);
+    assert_eq!(off.host.kv_cache_host_bytes, 0);
+    // Without a budget: auto takes its most, a size what it says; either is in the total.
+    let auto = with(None, KvHostTier::Auto);
+    assert_eq!(auto.host.kv_cache_host_bytes, KV_HOST_AUTO_MAX);
+    assert_eq!(
+        auto.host.total_bytes,
+        off.host.total_bytes + KV_HOST_AUTO_MAX
+    );
+    assert!(auto.table().contains("prefix KV (host tier)"));
+    // Under a budget: auto is a quarter of what the other roles leave; a size larger than
+    // that room is cut to it; the total stays within the budget.
+    let budget = off.host.total_bytes + (64 << 20);
+    let auto = with(Some(budget), KvHostTier::Auto);
+    let room = budget - off.host.total_bytes;
+    assert_eq!(auto.host.kv_cache_host_bytes, room / 4);
+    let big = with(Some(budget), KvHostTier::Bytes(1 << 40));
+    assert_eq!(big.host.kv_cache_host_bytes, room);
+    assert!(big.host.total_bytes <= budget);
+    let small = with(Some(budget), KvHostTier::Bytes(1 << 20));
+    assert_eq!(small.host.kv_cache_host_bytes, 1 << 20);
+}

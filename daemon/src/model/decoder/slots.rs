@@ -156,15 +156,20 @@ impl<B: Backend> Decoder<B> {
             if !want.get(i).copied().unwrap_or(true) {
                 continue;
             }
-            let mut from = 0;
-            for cache in [&mut self.cache_k, &mut self.cache_v] {
+            // A ring shorter than the run keeps its last `cap` positions: the first ones'
+            // rows are passed over.
+            let half = positions.len() * width;
+            for (c, cache) in [&mut self.cache_k, &mut self.cache_v]
+                .into_iter()
+                .enumerate()
+            {
                 for (first, n) in l.cache.held_runs(positions.clone(), positions.end) {
                     if n == 0 {
                         continue;
                     }
+                    let from = c * half + (first - positions.start) * width;
                     let offset = l.cache.at(&self.shape, slot, first) * kvb;
                     b.kv_write(cache, offset, &src[from..from + n * width]);
-                    from += n * width;
                 }
             }
         }
