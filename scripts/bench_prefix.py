@@ -21,7 +21,8 @@ a client sees):
   instruction (~800 tokens): wall time, passes, cached tokens.
 Beside them, llama.cpp (llama-cpp-python) on the same chat in the same cgroup: its `Llama`
 reuses the previous call's KV for a common prefix by itself; per turn its time to first
-token (`--llama-only` runs just that).
+token; and its restart: turns 1-5 in one process with `LlamaDiskCache`, turn 6 in a new
+one (`--llama-only` runs just these).
 
 With the cache on, each daemon has a disk tier in a fresh directory (--kv-cache-dir) and
 the default host tier. Every output is compared: cache on and off must agree.
@@ -286,12 +287,17 @@ LLAMA_WORKER = r'''
 import json, sys, time
 import llama_cpp
 gguf, threads, turns, max_tokens, chat_api = sys.argv[1], int(sys.argv[2]), json.loads(sys.argv[3]), int(sys.argv[4]), sys.argv[5] == "1"
+history, cache_dir = json.loads(sys.argv[6]), sys.argv[7]
 # Llama keeps the last call's tokens and KV and prefills only what follows their common
 # prefix: its own prompt cache for a conversation. (LlamaRAMCache, which also saves whole
-# states between prompts, does not fit under these limits beside the KV cache.)
+# states between prompts, does not fit under these limits beside the KV cache.) With a
+# cache directory, LlamaDiskCache saves the state after each call and a new process loads
+# the longest prefix's state: llama.cpp's way across a restart.
 llm = llama_cpp.Llama(model_path=gguf, n_threads=threads, n_threads_batch=threads, n_ctx=1024, n_batch=128,
                       use_mmap=True, verbose=False)
-messages, prompt, out = [], "", []
+if cache_dir:
+    llm.set_cache(llama_cpp.LlamaDiskCache(cache_dir=cache_dir, capacity_bytes=2 << 30))
+messages, prompt, out = history.get("messages", []), history.get("prompt", ""), []
 for turn in turns:
     t0 = time.monotonic()
     first = None
@@ -313,20 +319,37 @@ for turn in turns:
     else:
         prompt += text + "\n"
     out.append(first if first is not None else time.monotonic() - t0)
-print(json.dumps(out))
+print(json.dumps({"ttft": out, "history": {"messages": messages, "prompt": prompt}}))
 '''
 
 
-def llama_chat(gguf, limit, chat_api, a):
+def llama_run(gguf, limit, chat_api, a, turns, history=None, cache_dir=""):
     cg = Cgroup("sluice-prefix", limit)
     drop_caches()
-    rc, out, err, _, _ = cg.run([sys.executable, "-c", LLAMA_WORKER, gguf, str(a.threads), json.dumps(TURNS),
-                                 str(a.max_tokens), "1" if chat_api else "0"])
+    rc, out, err, _, _ = cg.run([sys.executable, "-c", LLAMA_WORKER, gguf, str(a.threads), json.dumps(turns),
+                                 str(a.max_tokens), "1" if chat_api else "0", json.dumps(history or {}),
+                                 cache_dir])
     cg.close()
     if rc != 0:
         why = "killed by the cgroup's OOM killer" if rc == -9 else f"exit {rc}"
         return {"error": f"{why}: " + (err.strip().splitlines() or [""])[-1][:120]}
-    return {"ttft": json.loads(out.strip().splitlines()[-1])}
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def llama_chat(gguf, limit, chat_api, a):
+    return llama_run(gguf, limit, chat_api, a, TURNS)
+
+
+def llama_restart(gguf, limit, chat_api, a):
+    """Turns 1-5 in one process with LlamaDiskCache, turn 6 in a new one over it."""
+    d = tempfile.mkdtemp(prefix="sluice-bench-llama-cache-")
+    try:
+        first = llama_run(gguf, limit, chat_api, a, TURNS[:5], cache_dir=d)
+        if "error" in first:
+            return first
+        return llama_run(gguf, limit, chat_api, a, TURNS[5:], first["history"], d)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 def bench(name, gguf, limit, chat_api, a):
@@ -345,6 +368,12 @@ def bench(name, gguf, limit, chat_api, a):
         else:
             print("\nllama.cpp (llama-cpp-python, same cgroup, its own KV reuse), TTFT per turn: " +
                   ", ".join(f"{t:.3f}" for t in l["ttft"]) + " s")
+        r = llama_restart(gguf, limit, chat_api, a)
+        if "error" in r:
+            print(f"llama.cpp turn 6 after a restart (LlamaDiskCache): {r['error']}")
+        else:
+            print(f"llama.cpp turn 6 after a restart (turns 1-5 in one process with LlamaDiskCache, turn 6 in a "
+                  f"new one): TTFT {r['ttft'][0]:.3f} s")
 
 
 def sluice_bench(name, store, limit, chat_api, a):
