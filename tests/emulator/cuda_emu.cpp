@@ -7,6 +7,14 @@
 // kernel's code), not the GPU's timing or memory model; tests/tests/cuda_emulated.rs
 // drives it and compares with the CPU backend.
 //
+// It is built to find what the GPU would not say: every __ldg (the kernels' vector loads
+// included) checks its address is aligned to its type; buffers are allocated without slack
+// (an overrun is AddressSanitizer's, which the test build enables with UBSan); shared
+// memory, static and dynamic, is filled with 0xFF bytes (NaN as a float) before each block,
+// so a read before a write shows; and each round of a block's scheduling runs its threads
+// in a seeded shuffled order (SLUICE_EMU_SEED, default 1), so a missing barrier shows as
+// a changed result rather than hiding behind thread 0 always going first.
+//
 // Input (stdin), one command a line:
 //   load ID PATH            buffer ID = the bytes of PATH (64-byte aligned)
 //   zeros ID BYTES          buffer ID = BYTES zero bytes
@@ -15,6 +23,7 @@
 //   save ID PATH            writes buffer ID to PATH
 // ARG: bID+OFFSET (a buffer's address plus a byte offset), i:INT, f:FLOAT, u:U64, null.
 // Compile: g++ -std=c++20 -O2 -ffp-contract=off -I kernels tests/emulator/cuda_emu.cpp
+//          [-fsanitize=address,undefined]
 
 #include <ucontext.h>
 
@@ -27,6 +36,7 @@
 #include <functional>
 #include <iostream>
 #include <map>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -35,7 +45,10 @@
 #define __device__
 #define __global__
 #define __forceinline__ inline
-#define __shared__ static
+// Every static shared variable in one section, which the launcher fills before each block
+// (the linker names its bounds __start_/__stop_emu_shared).
+#define __shared__ static __attribute__((section("emu_shared")))
+extern "C" char __start_emu_shared[] __attribute__((weak)), __stop_emu_shared[] __attribute__((weak));
 #define __constant__ static
 #define __launch_bounds__(...)
 #define __expf sluice_emu_expf
@@ -59,6 +72,11 @@ struct alignas(16) uint4 {
 // one aligned vector load, which faults where the kernel took the scalar path.
 template <typename T>
 static inline T __ldg(const T* p) {
+    if ((uintptr_t)p % alignof(T) != 0) {
+        fprintf(stderr, "emu: __ldg of a %zu-byte type at %p, which is not %zu-byte aligned (block %u, thread %u)\n",
+                sizeof(T), (const void*)p, alignof(T), blockIdx.x, threadIdx.x);
+        abort();
+    }
     T v;
     memcpy(&v, p, sizeof(T));
     return v;
@@ -103,6 +121,19 @@ struct Fiber {
     std::vector<char> stack;
     bool done = false;
 };
+#if defined(__SANITIZE_ADDRESS__)
+// AddressSanitizer is told of each switch between the scheduler's stack and a fiber's.
+extern "C" void __sanitizer_start_switch_fiber(void** fake, const void* bottom, size_t size);
+extern "C" void __sanitizer_finish_switch_fiber(void* fake, const void** bottom, size_t* size);
+static const size_t STACK = 512 << 10;
+#else
+static inline void __sanitizer_start_switch_fiber(void**, const void*, size_t) {}
+static inline void __sanitizer_finish_switch_fiber(void*, const void**, size_t*) {}
+static const size_t STACK = 64 << 10;
+#endif
+static const void* sched_bottom = nullptr;
+static size_t sched_size = 0;
+static std::mt19937 order_rng;
 static std::vector<Fiber> fibers;
 static ucontext_t sched;
 static int cur = 0;
@@ -114,15 +145,19 @@ static std::vector<uint64_t> dyn_smem;
 static int alive = 0;
 
 static void yield() {
+    __sanitizer_start_switch_fiber(nullptr, sched_bottom, sched_size);
     swapcontext(&fibers[cur].ctx, &sched);
+    __sanitizer_finish_switch_fiber(nullptr, nullptr, nullptr);
     threadIdx.x = (unsigned)cur;
 }
 
 static void entry() {
+    __sanitizer_finish_switch_fiber(nullptr, &sched_bottom, &sched_size);
     body();
     fibers[cur].done = true;
     alive--;
-    // Returning resumes `sched` (uc_link).
+    // Returning resumes `sched` (uc_link); the fiber's stack is not used again.
+    __sanitizer_start_switch_fiber(nullptr, sched_bottom, sched_size);
 }
 
 static void barrier(int& arrived, int& gen, int parties) {
@@ -151,7 +186,9 @@ static void launch(dim3_ grid, unsigned block, const std::function<void()>& kern
     blockDim = dim3_{block, 1, 1};
     fibers.resize(block);
     for (auto& f : fibers)
-        if (f.stack.empty()) f.stack.resize(64 << 10);
+        if (f.stack.empty()) f.stack.resize(STACK);
+    std::vector<unsigned> order(block);
+    for (unsigned t = 0; t < block; t++) order[t] = t;
     body = kernel;
     for (unsigned z = 0; z < grid.z; z++)
         for (unsigned y = 0; y < grid.y; y++)
@@ -160,6 +197,10 @@ static void launch(dim3_ grid, unsigned block, const std::function<void()>& kern
                 block_arrived = 0;
                 memset(warp_arrived, 0, sizeof warp_arrived);
                 alive = (int)block;
+                // What a block finds in shared memory is not what the last one left.
+                if (__start_emu_shared != __stop_emu_shared)
+                    memset(__start_emu_shared, 0xFF, (size_t)(__stop_emu_shared - __start_emu_shared));
+                if (!dyn_smem.empty()) memset(dyn_smem.data(), 0xFF, dyn_smem.size() * sizeof(uint64_t));
                 for (unsigned t = 0; t < block; t++) {
                     Fiber& f = fibers[t];
                     f.done = false;
@@ -170,11 +211,15 @@ static void launch(dim3_ grid, unsigned block, const std::function<void()>& kern
                     makecontext(&f.ctx, entry, 0);
                 }
                 while (alive > 0) {
-                    for (unsigned t = 0; t < block; t++) {
+                    std::shuffle(order.begin(), order.end(), order_rng);
+                    for (unsigned t : order) {
                         if (fibers[t].done) continue;
                         cur = (int)t;
                         threadIdx.x = t;
+                        void* fake = nullptr;
+                        __sanitizer_start_switch_fiber(&fake, fibers[t].stack.data(), fibers[t].stack.size());
                         swapcontext(&sched, &fibers[t].ctx);
+                        __sanitizer_finish_switch_fiber(fake, nullptr, nullptr);
                     }
                 }
             }
@@ -221,9 +266,21 @@ static std::map<int, Buf> bufs;
 static Buf alloc(size_t len) {
     Buf b;
     b.len = len;
-    b.p = aligned_alloc(64, (len + 63) / 64 * 64 + 64);
-    memset(b.p, 0, (len + 63) / 64 * 64 + 64);
+    // No slack past `len`: an overrun is outside the allocation (AddressSanitizer's to
+    // catch in the test build).
+    if (posix_memalign(&b.p, 64, len ? len : 1) != 0) {
+        fprintf(stderr, "emu: out of memory for %zu bytes\n", len);
+        exit(2);
+    }
+    memset(b.p, 0, len);
     return b;
+}
+
+// Buffer `id` is now `b` (what it was is freed).
+static void put(int id, Buf b) {
+    auto it = bufs.find(id);
+    if (it != bufs.end()) free(it->second.p);
+    bufs[id] = b;
 }
 
 struct Arg {
@@ -372,6 +429,8 @@ static std::map<std::string, std::pair<size_t, Launcher>> kernels() {
 }
 
 int main() {
+    const char* seed = getenv("SLUICE_EMU_SEED");
+    emu::order_rng.seed(seed ? (unsigned)strtoul(seed, nullptr, 10) : 1u);
     const auto table = kernels();
     std::string line;
     int n = 0;
@@ -392,12 +451,12 @@ int main() {
             }
             Buf b = alloc(data.size());
             memcpy(b.p, data.data(), data.size());
-            bufs[id] = b;
+            put(id, b);
         } else if (cmd == "zeros") {
             int id;
             size_t bytes;
             in >> id >> bytes;
-            bufs[id] = alloc(bytes);
+            put(id, alloc(bytes));
         } else if (cmd == "addrs") {
             int id;
             in >> id;
@@ -406,7 +465,7 @@ int main() {
             while (in >> a) v.push_back(parse_arg(a).v);
             Buf b = alloc(v.size() * 8);
             memcpy(b.p, v.data(), v.size() * 8);
-            bufs[id] = b;
+            put(id, b);
         } else if (cmd == "launch") {
             std::string name;
             dim3_ g;
@@ -450,5 +509,6 @@ int main() {
             return 2;
         }
     }
+    for (auto& [id, b] : bufs) free(b.p);
     return 0;
 }

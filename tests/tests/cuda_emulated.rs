@@ -35,6 +35,26 @@ fn gemv1_grouped_grid(m: usize, pairs: usize) -> (usize, usize) {
 /// A decode-row GEMV's block as the backend launches it.
 const GEMV_BLOCK: usize = sluice::backend::cuda::kernels::GEMV_THREADS as usize;
 
+/// The emulator is built with UBSan, fatal; with SLUICE_EMU_ASAN=1 with AddressSanitizer
+/// too (its buffers have no slack: an overrun is reported, not read from a neighbour). The
+/// fibers' switches make AddressSanitizer slow (the suite takes 13 minutes on 2 cores
+/// against half a minute), so CI leaves it out; run it after changing a kernel's indexing.
+fn sanitizers() -> &'static [&'static str] {
+    if std::env::var_os("SLUICE_EMU_ASAN").is_some_and(|v| v == "1") {
+        &[
+            "-fsanitize=address,undefined",
+            "-fno-sanitize-recover=all",
+            "-fno-omit-frame-pointer",
+        ]
+    } else {
+        &["-fsanitize=undefined", "-fno-sanitize-recover=all"]
+    }
+}
+
+/// How long one script may run: a barrier some threads never reach (a divergent
+/// `__syncthreads`) makes the emulator spin; it is killed and the test fails.
+const SCRIPT_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(300);
+
 /// The emulator, built once per source version into the target directory.
 fn emulator() -> &'static Path {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
@@ -48,12 +68,14 @@ fn emulator() -> &'static Path {
             text.extend_from_slice(body.as_bytes());
         }
         text.extend_from_slice(sluice::backend::cuda::COMMON.as_bytes());
+        text.extend_from_slice(sanitizers().join(" ").as_bytes());
         let key = xxhash_rust::xxh3::xxh3_64(&text);
         let out = Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!("cuda_emu-{key:016x}"));
         if !out.exists() {
             let tmp = out.with_extension(format!("tmp{}", std::process::id()));
             let o = Command::new("g++")
                 .args(["-std=c++20", "-O2", "-ffp-contract=off", "-Wall"])
+                .args(sanitizers())
                 .args(["-Wno-unknown-pragmas", "-Wno-unused-function", "-I"])
                 .arg(&kernels)
                 .arg(&src)
@@ -140,7 +162,38 @@ impl Script {
             .expect("stdin")
             .write_all(self.lines.as_bytes())
             .expect("script");
+        // A watchdog kills a script that runs past SCRIPT_TIMEOUT.
+        let pid = child.id() as i32;
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let killed = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watchdog = {
+            let (done, killed) = (done.clone(), killed.clone());
+            std::thread::spawn(move || {
+                let t0 = std::time::Instant::now();
+                while !done.load(std::sync::atomic::Ordering::Acquire) {
+                    if t0.elapsed() > SCRIPT_TIMEOUT {
+                        killed.store(true, std::sync::atomic::Ordering::Release);
+                        // SAFETY: kill(2) on the child this test spawned and has not reaped.
+                        unsafe { libc::kill(pid, libc::SIGKILL) };
+                        return;
+                    }
+                    std::thread::sleep(std::time::Duration::from_millis(50));
+                }
+            })
+        };
         let o = child.wait_with_output().expect("emulator");
+        done.store(true, std::sync::atomic::Ordering::Release);
+        let _ = watchdog.join();
+        if killed.load(std::sync::atomic::Ordering::Acquire) {
+            let script = self.dir.path().join("script");
+            let _ = std::fs::write(&script, &self.lines);
+            let kept = self.dir.keep();
+            panic!(
+                "the emulator ran past {SCRIPT_TIMEOUT:?} (a barrier some threads never reach?); rerun: {} < {}",
+                emulator().display(),
+                kept.join("script").display()
+            );
+        }
         if !o.status.success() {
             // Keep the inputs and the script to rerun by hand.
             let script = self.dir.path().join("script");
