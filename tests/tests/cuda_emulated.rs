@@ -7,6 +7,7 @@
 //! tests/tests/cuda.rs check the rest where a GPU is lent.
 
 use sluice::backend::cpu::CpuBackend;
+use sluice::backend::cuda::SpanRows;
 use sluice::backend::{AttnStep, Backend, KvDtype};
 use sluice::dtype::{DType, ALL_DTYPES};
 use sluice_tests::ops::{close, f16_bits, f32_bytes, random_weights, wref, AttnCase, Rng};
@@ -483,20 +484,15 @@ fn attention_case(
     let mut want = vec![0f32; rows * wq];
     cpu.download_f32(&om, 0, &mut want);
     cpu.check().expect("cpu attention");
-    // The kernel: positions, cache bases and tree ancestors per row, as the CUDA
-    // backend's metadata.
+    // The kernel: positions, cache bases and tree ancestors per row, from the CUDA
+    // backend's own metadata builder (`SpanRows`, what it uploads).
     let width = kv_heads * head_dim;
-    let mut pos = Vec::new();
-    let mut base = Vec::new();
-    for sp in &c.spans {
-        for t in 0..sp.n {
-            pos.push(step.row_keys(sp, t).pos as u32);
-            base.push((sp.slot * cache.cap * width) as u64);
-        }
-    }
-    let anc_rows: Vec<u64> = (0..rows)
-        .map(|r| anc.get(r).copied().unwrap_or(0))
-        .collect();
+    let SpanRows {
+        pos,
+        base,
+        anc: anc_rows,
+        ..
+    } = SpanRows::of(&step).expect("span rows");
     let u32s = |v: &[u32]| v.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<_>>();
     let u64s = |v: &[u64]| v.iter().flat_map(|p| p.to_le_bytes()).collect::<Vec<_>>();
     let mut s = Script::new();
@@ -844,13 +840,9 @@ fn norm_rope_kv_store_and_elementwise_kernels_match_the_cpu_backend() {
         );
         let (mut ckm, mut cvm) = (cpu_put(&cpu, &c.k), cpu_put(&cpu, &c.v));
         cpu.kv_store(&km, &vm, &mut ckm, &mut cvm, &step);
-        let mut dst = Vec::new();
-        for sp in &c.spans {
-            for t in 0..sp.n {
-                let at = c.cache.at(&c.shape, sp.slot, sp.pos + t) - c.cache.base;
-                dst.push(at as u64);
-            }
-        }
+        // Where the CUDA backend's metadata puts each row (`SpanRows`, what it uploads):
+        // the kernel's cache must then hold the CPU backend's bits.
+        let dst = SpanRows::of(&step).expect("span rows").kv_dst;
         let id = 60 + 10 * k;
         s.load(id, &f32_bytes(&kin));
         s.load(id + 1, &f32_bytes(&vin));
@@ -1016,7 +1008,15 @@ fn mixture_kernels_match_the_host_and_the_cpu_backend() {
         );
         with_bias.push(s.save(o));
     }
-    let (row_ids, starts, pair_ids) = ([4u32, 1], [0u32, 2, 3], [2u32, 0, 1]);
+    // Pairs 0 and 1 on step row 4, pair 2 on row 1 (pairs come expert-major); how the
+    // kernel adds them, from the CUDA backend's own builder (`index_pairs`).
+    let x_rows = [4u32, 4, 1];
+    let (mut row_ids, mut starts, mut pair_ids) = (Vec::new(), Vec::new(), Vec::new());
+    sluice::backend::cuda::index_pairs(
+        &x_rows,
+        &mut Vec::new(),
+        (&mut row_ids, &mut starts, &mut pair_ids),
+    );
     let pw = [0.5f32, -0.25, 2.0];
     s.load(50, &u32s(&row_ids));
     s.load(51, &u32s(&starts));
@@ -1095,14 +1095,12 @@ fn mixture_kernels_match_the_host_and_the_cpu_backend() {
             &want,
         );
     }
+    // The CPU backend's order: expert by expert (pair by pair), each into its row.
     let mut want = x.clone();
-    for (r, &row) in row_ids.iter().enumerate() {
-        for &p in &pair_ids[starts[r] as usize..starts[r + 1] as usize] {
-            let p = p as usize;
-            for c in 0..cols {
-                let d = &mut want[row as usize * cols + c];
-                *d += pw[p] * out[p * cols + c];
-            }
+    for (p, &row) in x_rows.iter().enumerate() {
+        for c in 0..cols {
+            let d = &mut want[row as usize * cols + c];
+            *d += pw[p] * out[p * cols + c];
         }
     }
     same_bits("combine_rows_f32", &got[combined], &want);

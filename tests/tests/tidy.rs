@@ -26,7 +26,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("daemon/src/backend/cuda/bench.rs", "run", 153),
     ("daemon/src/backend/cuda/device.rs", "new", 116),
     ("daemon/src/backend/cuda/matmul.rs", "prefill_rows", 101),
-    ("daemon/src/backend/cuda/moe.rs", "experts_grouped", 105),
     ("daemon/src/bin/sluiced/bench.rs", "run_stream", 136),
     ("daemon/src/bin/sluiced/codec.rs", "load", 142),
     ("daemon/src/bin/sluiced/inspect.rs", "print_summary", 143),

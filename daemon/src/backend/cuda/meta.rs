@@ -15,10 +15,7 @@ pub(super) struct Meta {
     /// Per kind: recorded after the last copy out of its part of `host`.
     pub(super) copied: [CudaEvent; 5],
     /// Scratch for the per-row metadata of a step's spans.
-    pub(super) pos: Vec<u32>,
-    pub(super) kv: Vec<u64>,
-    pub(super) base: Vec<u64>,
-    pub(super) anc: Vec<u64>,
+    pub(super) span_rows: SpanRows,
     /// Device address of the metadata allocation, and the rows it holds per kind.
     pub(super) dev: u64,
     pub(super) rows: usize,
@@ -78,6 +75,40 @@ impl GroupHost {
     pub(super) fn pairs(&self) -> usize {
         self.x_rows.len()
     }
+
+    /// Fills `row_ids`, `starts` and `pair_ids` from `x_rows` (`index_pairs`).
+    pub(super) fn index(&mut self) {
+        index_pairs(
+            &self.x_rows,
+            &mut self.order,
+            (&mut self.row_ids, &mut self.starts, &mut self.pair_ids),
+        );
+    }
+}
+
+/// How `combine_rows` adds a grouped chunk's pairs into the step's rows, from each pair's
+/// activation row (`x_rows`, pairs expert-major): the distinct rows ascending (`row_ids`),
+/// and per row its pairs ascending, `pair_ids[starts[r]..starts[r + 1]]` — the order the
+/// CPU backend adds experts into a row (expert by expert). `order` is scratch.
+pub fn index_pairs(
+    x_rows: &[u32],
+    order: &mut Vec<(u32, u32)>,
+    (row_ids, starts, pair_ids): (&mut Vec<u32>, &mut Vec<u32>, &mut Vec<u32>),
+) {
+    order.clear();
+    order.extend(x_rows.iter().enumerate().map(|(p, &r)| (r, p as u32)));
+    order.sort_unstable();
+    row_ids.clear();
+    starts.clear();
+    pair_ids.clear();
+    for (i, &(r, p)) in order.iter().enumerate() {
+        if i == 0 || order[i - 1].0 != r {
+            starts.push(i as u32);
+            row_ids.push(r);
+        }
+        pair_ids.push(p);
+    }
+    starts.push(order.len() as u32);
 }
 
 /// Device addresses of a grouped chunk's arrays (`GroupHost`'s, in its order).
@@ -132,10 +163,7 @@ impl Meta {
             held: std::array::from_fn(|_| Vec::with_capacity(rows * 8)),
             valid: [false; 5],
             copied,
-            pos: Vec::with_capacity(rows),
-            kv: Vec::with_capacity(rows),
-            base: Vec::with_capacity(rows),
-            anc: Vec::with_capacity(rows),
+            span_rows: SpanRows::with_capacity(rows),
             dev,
             rows,
             expert_copied,
@@ -340,50 +368,80 @@ impl Meta {
         })
     }
 
-    /// The per-row metadata of a step's spans, on the device; built in the metadata's own
-    /// scratch vectors (no allocation per layer).
+    /// The per-row metadata of a step's spans (`SpanRows`), on the device; built in the
+    /// metadata's own scratch vectors (no allocation per layer).
     pub(super) fn spans(
         &mut self,
         stream: &CudaStream,
         step: &AttnStep<'_>,
     ) -> Result<SpanMeta, String> {
+        let mut r = std::mem::take(&mut self.span_rows);
+        let out = r.fill(step).and_then(|()| {
+            Ok(SpanMeta {
+                pos: self.upload(stream, MetaKind::Pos, &r.pos)?,
+                kv_dst: self.upload(stream, MetaKind::Kv, &r.kv_dst)?,
+                base: self.upload(stream, MetaKind::Base, &r.base)?,
+                anc: self.upload(stream, MetaKind::Anc, &r.anc)?,
+            })
+        });
+        self.span_rows = r;
+        out
+    }
+}
+
+/// A step's per-row metadata as the attention and KV-store kernels read it: per batch row,
+/// its position (a tree row's: its depth past the span's start), the element offset in the
+/// layer's part of the KV cache where its K and V go, the element offset of its slot, and
+/// its tree ancestors (0 for a causal row). Built on the host by `fill`, a pure function of
+/// the step that the emulated kernel tests use too.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct SpanRows {
+    pub pos: Vec<u32>,
+    pub kv_dst: Vec<u64>,
+    pub base: Vec<u64>,
+    pub anc: Vec<u64>,
+}
+
+impl SpanRows {
+    fn with_capacity(rows: usize) -> SpanRows {
+        SpanRows {
+            pos: Vec::with_capacity(rows),
+            kv_dst: Vec::with_capacity(rows),
+            base: Vec::with_capacity(rows),
+            anc: Vec::with_capacity(rows),
+        }
+    }
+
+    /// The rows of `step`, or why its spans do not fit its cache.
+    pub fn of(step: &AttnStep<'_>) -> Result<SpanRows, String> {
+        let mut r = SpanRows::default();
+        r.fill(step)?;
+        Ok(r)
+    }
+
+    /// Refills these vectors with the rows of `step` (keeping their room).
+    pub fn fill(&mut self, step: &AttnStep<'_>) -> Result<(), String> {
         let sh = step.shape;
         let width = (sh.kv_heads * sh.head_dim) as u64;
         let rows: usize = step.spans.iter().map(|s| s.n).sum();
-        let m = self;
-        let (mut pos, mut kv, mut base, mut anc) = (
-            std::mem::take(&mut m.pos),
-            std::mem::take(&mut m.kv),
-            std::mem::take(&mut m.base),
-            std::mem::take(&mut m.anc),
-        );
-        pos.clear();
-        pos.resize(rows, 0);
-        kv.clear();
-        kv.resize(rows, 0);
-        base.clear();
-        base.resize(rows, 0);
-        anc.clear();
-        anc.resize(rows, 0);
+        for v in [&mut self.kv_dst, &mut self.base, &mut self.anc] {
+            v.clear();
+            v.resize(rows, 0);
+        }
+        self.pos.clear();
+        self.pos.resize(rows, 0);
         for sp in step.spans {
             check_span(sp, step, rows)?;
             for t in 0..sp.n {
                 let r = sp.row + t;
-                pos[r] = step.row_keys(sp, t).pos as u32;
-                anc[r] = step.ancestors.get(r).copied().unwrap_or(0);
+                self.pos[r] = step.row_keys(sp, t).pos as u32;
+                self.anc[r] = step.ancestors.get(r).copied().unwrap_or(0);
                 // Offsets inside the layer's part of the cache (the caller adds its base).
-                kv[r] = (step.cache.at(&sh, sp.slot, sp.pos + t) - step.cache.base) as u64;
-                base[r] = (sp.slot * step.cache.cap) as u64 * width;
+                self.kv_dst[r] = (step.cache.at(&sh, sp.slot, sp.pos + t) - step.cache.base) as u64;
+                self.base[r] = (sp.slot * step.cache.cap) as u64 * width;
             }
         }
-        let out = SpanMeta {
-            pos: m.upload(stream, MetaKind::Pos, &pos)?,
-            kv_dst: m.upload(stream, MetaKind::Kv, &kv)?,
-            base: m.upload(stream, MetaKind::Base, &base)?,
-            anc: m.upload(stream, MetaKind::Anc, &anc)?,
-        };
-        (m.pos, m.kv, m.base, m.anc) = (pos, kv, base, anc);
-        Ok(out)
+        Ok(())
     }
 }
 

@@ -20,6 +20,7 @@ mod upload;
 
 pub use device::{scratch_bytes, CudaBackend};
 pub use handles::CudaMem;
+pub use meta::{index_pairs, SpanRows};
 pub use probe::{driver_present, probe};
 
 /// What `probe` found.

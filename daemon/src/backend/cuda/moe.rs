@@ -100,7 +100,6 @@ impl CudaBackend {
             .lock()
             .map_err(|_| "expert group lock poisoned")?;
         let g = &mut *guard;
-        let mut order = std::mem::take(&mut g.order);
         let pairs = calls
             .iter()
             .flat_map(|c| c.rows.iter().zip(c.weights).map(move |(&r, &w)| (c, r, w)));
@@ -119,27 +118,13 @@ impl CudaBackend {
             }
             // Per step row, its pairs ascending: pairs come expert-major, so in ascending
             // expert order.
-            order.clear();
-            order.extend(g.x_rows.iter().enumerate().map(|(p, &r)| (r, p as u32)));
-            order.sort_unstable();
-            g.starts.push(0);
-            for (i, &(r, p)) in order.iter().enumerate() {
-                if i > 0 && order[i - 1].0 != r {
-                    g.starts.push(i as u32);
-                }
-                if i == 0 || order[i - 1].0 != r {
-                    g.row_ids.push(r);
-                }
-                g.pair_ids.push(p);
-            }
-            g.starts.push(order.len() as u32);
+            g.index();
             let dev = {
                 let mut m = self.meta.lock().map_err(|_| "metadata lock poisoned")?;
                 m.group(&self.compute, g)?
             };
             self.group_chunk(x, shape, first, g, &dev, s, out)?;
         }
-        g.order = order;
         Ok(true)
     }
 
