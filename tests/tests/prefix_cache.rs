@@ -803,9 +803,14 @@ fn damaged_files_another_version_a_full_disk_and_a_second_daemon_are_each_a_miss
         .unwrap()
         .set_len(len / 2)
         .unwrap();
+    // A stop between writing a block whole and deleting its copy without ring layers
+    // leaves both: the start keeps the whole one.
+    let partial = file(0).with_extension("kvp");
+    std::fs::copy(file(0), &partial).unwrap();
     drop(d);
     let d = DiskTier::open(&kv, 64 << 20).unwrap();
     assert!(kv.join("v0").join("junk.kvb").exists());
+    assert!(!partial.exists() && file(0).exists());
     // The next turn takes the first block only, and answers as without a cache.
     let mut q = p.clone();
     let r = runner(&src, &tmp.path().join("a"), false, 1, 64);

@@ -128,12 +128,8 @@ fn lock<T>(i: &Mutex<T>) -> MutexGuard<'_, T> {
 }
 
 impl Inner {
-    /// A block's file: `.kvb` with every layer, `.kvp` without its ring layers.
-    fn path(&self, (key, hash): (u64, u64), full: bool) -> PathBuf {
-        let ext = if full { "kvb" } else { "kvp" };
-        self.root
-            .join(format!("{key:016x}"))
-            .join(format!("{hash:016x}.{ext}"))
+    fn path(&self, id: (u64, u64), full: bool) -> PathBuf {
+        block_path(&self.root, id, full)
     }
 
     /// Deletes the least recently used files until `room` more bytes fit the budget.
@@ -224,6 +220,13 @@ impl Inner {
         }
         gone.len()
     }
+}
+
+/// A block's file under `root`: `.kvb` with every layer, `.kvp` without its ring layers.
+fn block_path(root: &Path, (key, hash): (u64, u64), full: bool) -> PathBuf {
+    let ext = if full { "kvb" } else { "kvp" };
+    root.join(format!("{key:016x}"))
+        .join(format!("{hash:016x}.{ext}"))
 }
 
 /// Takes the exclusive lock on `dir/lock` (writing this process's id in it), or says which
@@ -322,8 +325,17 @@ impl DiskTier {
         }
         let mut index = Index::default();
         for (id, len, _, full) in scan(&root) {
-            if index.files.get(&id).is_some_and(|e| e.full) {
-                continue;
+            // A block both with and without its ring layers (a stop between writing the one
+            // and deleting the other): the whole one stays.
+            match index.files.get(&id).map(|e| e.full) {
+                Some(true) if !full => {
+                    let _ = std::fs::remove_file(block_path(&root, id, false));
+                    continue;
+                }
+                Some(false) if full => {
+                    let _ = std::fs::remove_file(block_path(&root, id, false));
+                }
+                _ => {}
             }
             index.insert(id, len, full);
         }

@@ -306,11 +306,13 @@ impl Tiers {
             .copied()
             .filter(|&h| self.host.peek(h).is_none())
             .collect();
-        let mut read = match &self.disk {
+        let read = match &self.disk {
             Some(d) if !on_disk.is_empty() => d.read(self.key, &on_disk),
             _ => Vec::new(),
-        }
-        .into_iter();
+        };
+        // By name: a block the host tier held may be given up below, as the disk's come
+        // in; it is then a miss, not another block's bytes.
+        let mut read: HashMap<u64, Result<Block, String>> = on_disk.into_iter().zip(read).collect();
         let mut found = Vec::with_capacity(hashes.len());
         let mut parent = self.key;
         for (i, &h) in hashes.iter().enumerate() {
@@ -319,7 +321,7 @@ impl Tiers {
                     block,
                     from_disk: false,
                 },
-                None => match read.next() {
+                None => match read.remove(&h) {
                     Some(Ok(b)) => {
                         let block = Arc::new(b);
                         self.host.insert(h, block.clone());
