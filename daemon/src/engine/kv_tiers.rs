@@ -251,7 +251,10 @@ impl Tiers {
                     Some(f) => !f && full,
                     None => true,
                 });
-            if self.host.get(h).is_none_or(|b| !b.covers(&held)) {
+            // Copied out where a tier will keep it: the host tier lacks it (and has room
+            // for blocks at all), or the disk tier wants it.
+            let lacking = self.host.get(h).is_none_or(|b| !b.covers(&held));
+            if lacking && (self.host.budget() > 0 || to_disk[i]) {
                 todo.push((i, held));
             }
         }
