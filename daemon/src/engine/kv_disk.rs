@@ -11,13 +11,14 @@
 //! daemon runs without a disk tier.
 
 use super::kv_block::{decode_frame, encode_frame, Block, FRAME_VERSION};
+use crate::plan::KV_WRITE_QUEUE_BYTES;
 use std::collections::{BTreeMap, HashMap};
 use std::fs::File;
 use std::os::fd::AsRawFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{sync_channel, SyncSender, TrySendError};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 
 /// Blocks waiting for the writer at most; more are dropped (counted), never waited for.
 const QUEUE: usize = 256;
@@ -86,13 +87,22 @@ impl Index {
     }
 }
 
+/// Blocks queued for the writer, and their bytes (at most `KV_WRITE_QUEUE_BYTES`).
+#[derive(Default)]
+struct Pending {
+    blocks: HashMap<(u64, u64), Arc<Block>>,
+    bytes: u64,
+}
+
 struct Inner {
     root: PathBuf,
     budget: u64,
     index: Mutex<Index>,
     /// Blocks queued for the writer and not yet written: found and read from here, so a
     /// block is never missing between its queueing and its file.
-    pending: Mutex<HashMap<(u64, u64), Arc<Block>>>,
+    pending: Mutex<Pending>,
+    /// Signalled as the writer takes blocks off `pending`.
+    room: Condvar,
     writes: AtomicU64,
     write_errors: AtomicU64,
     dropped: AtomicU64,
@@ -151,7 +161,12 @@ impl Inner {
 
     fn write(&self, key: u64, hash: u64, block: &Block, full: bool) {
         self.write_file(key, hash, block, full);
-        lock(&self.pending).remove(&(key, hash));
+        let mut p = lock(&self.pending);
+        if let Some(b) = p.blocks.remove(&(key, hash)) {
+            p.bytes -= b.size();
+        }
+        drop(p);
+        self.room.notify_all();
     }
 
     fn write_file(&self, key: u64, hash: u64, block: &Block, full: bool) {
@@ -343,7 +358,8 @@ impl DiskTier {
             root,
             budget,
             index: Mutex::new(index),
-            pending: Mutex::new(HashMap::new()),
+            pending: Mutex::new(Pending::default()),
+            room: Condvar::new(),
             writes: AtomicU64::new(0),
             write_errors: AtomicU64::new(0),
             dropped: AtomicU64::new(0),
@@ -392,7 +408,7 @@ impl DiskTier {
 
     /// Whether block `hash` of model `key` is on disk: Some(true) with every layer.
     pub fn has(&self, key: u64, hash: u64) -> Option<bool> {
-        if let Some(b) = lock(&self.inner.pending).get(&(key, hash)) {
+        if let Some(b) = lock(&self.inner.pending).blocks.get(&(key, hash)) {
             return Some(b.held.iter().all(|&h| h));
         }
         lock(&self.inner.index)
@@ -401,7 +417,9 @@ impl DiskTier {
             .map(|e| e.full)
     }
 
-    /// Queues `block` to be written (in the background); a full queue drops it.
+    /// Queues `block` to be written (in the background). While the queue holds
+    /// `KV_WRITE_QUEUE_BYTES` (what the plan counts for it) this waits for the writer, up to
+    /// a second; then, or when the queue is full of blocks, the block is dropped (counted).
     pub fn write(&self, key: u64, hash: u64, block: Arc<Block>) {
         let full = block.held.iter().all(|&h| h);
         let jobs = self
@@ -409,7 +427,22 @@ impl DiskTier {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
         let Some(tx) = jobs.as_ref() else { return };
+        let size = block.size();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(1);
         let mut pending = lock(&self.inner.pending);
+        while pending.bytes > 0 && pending.bytes + size > KV_WRITE_QUEUE_BYTES {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            if left.is_zero() {
+                self.inner.dropped.fetch_add(1, Ordering::Relaxed);
+                return;
+            }
+            pending = self
+                .inner
+                .room
+                .wait_timeout(pending, left)
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .0;
+        }
         let job = Job::Write {
             key,
             hash,
@@ -418,7 +451,10 @@ impl DiskTier {
         };
         match tx.try_send(job) {
             Ok(()) => {
-                pending.insert((key, hash), block);
+                if let Some(old) = pending.blocks.insert((key, hash), block) {
+                    pending.bytes -= old.size();
+                }
+                pending.bytes += size;
             }
             Err(TrySendError::Full(_)) => {
                 self.inner.dropped.fetch_add(1, Ordering::Relaxed);
@@ -432,7 +468,10 @@ impl DiskTier {
     pub fn read(&self, key: u64, hashes: &[u64]) -> Vec<Result<Block, String>> {
         let queued: Vec<Option<Arc<Block>>> = {
             let p = lock(&self.inner.pending);
-            hashes.iter().map(|&h| p.get(&(key, h)).cloned()).collect()
+            hashes
+                .iter()
+                .map(|&h| p.blocks.get(&(key, h)).cloned())
+                .collect()
         };
         let on_disk: Vec<u64> = hashes
             .iter()

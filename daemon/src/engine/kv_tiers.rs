@@ -12,6 +12,7 @@ use super::kv_disk::{DiskStats, DiskTier};
 use super::sequence::Sequence;
 use crate::backend::{Backend, LayerCache};
 use crate::pipeline::Pipeline;
+use crate::plan::KV_EXPORT_RUN_BYTES;
 use crate::store::format::MANIFEST_FILE;
 use serde::Serialize;
 use std::collections::{BTreeMap, HashMap};
@@ -146,6 +147,8 @@ pub struct Tiers {
     host: HostTier,
     disk: Option<Arc<DiskTier>>,
     layers: Vec<LayerCache>,
+    /// Bytes of a block with every layer.
+    block_bytes: usize,
     stats: TierStats,
 }
 
@@ -196,6 +199,7 @@ impl Tiers {
             key,
             host: HostTier::new(cfg.host_bytes),
             disk: cfg.disk.clone(),
+            block_bytes: layers.len() * BLOCK_TOKENS * m.kv_position_bytes(),
             layers,
             stats: TierStats::default(),
         })
@@ -263,8 +267,12 @@ impl Tiers {
         let mut copied: HashMap<usize, Arc<Block>> = HashMap::new();
         let mut at = 0;
         while at < todo.len() {
+            // At most KV_EXPORT_RUN_BYTES at once (the plan counts it, and the blocks
+            // made of it, beside the host tier).
+            let run_max = (KV_EXPORT_RUN_BYTES as usize / self.block_bytes.max(1)).max(1);
             let mut end = at + 1;
             while end < todo.len()
+                && end - at < run_max
                 && todo[end].0 == todo[end - 1].0 + 1
                 && todo[end].1 == todo[at].1
             {
@@ -425,11 +433,16 @@ impl Tiers {
         // Consecutive blocks with the same layers held and wanted go back together.
         let slot = seq.slot();
         let want = |i: usize| -> Vec<bool> { first.iter().map(|&b| i >= b).collect() };
+        let run_max = (KV_EXPORT_RUN_BYTES as usize / self.block_bytes.max(1)).max(1);
         let mut at = 0;
         while at < k {
             let (held, wanted) = (&blocks[at].block.held, want(at));
             let mut end = at + 1;
-            while end < k && blocks[end].block.held == *held && want(end) == wanted {
+            while end < k
+                && end - at < run_max
+                && blocks[end].block.held == *held
+                && want(end) == wanted
+            {
                 end += 1;
             }
             let parts: Vec<&[u8]> = blocks[at..end].iter().map(|f| &f.block.bytes[..]).collect();

@@ -141,6 +141,8 @@ pub struct HostInput {
     pub sampler_rows: bool,
     /// The prefix cache's host tier (`--kv-cache-host`).
     pub kv_tier: KvHostTier,
+    /// The prefix cache has a disk tier (`--kv-cache-dir`): its write queue is counted.
+    pub kv_disk: bool,
 }
 
 /// What the prefix cache's host tier may take (`--kv-cache-host`).
@@ -158,6 +160,12 @@ pub enum KvHostTier {
 
 /// The host tier `KvHostTier::Auto` takes at most.
 pub const KV_HOST_AUTO_MAX: u64 = 1 << 30;
+/// KV a finished sequence copies out of its slot at once for the prefix cache's tiers
+/// (`Tiers::export` splits longer runs); the copy and its blocks are held together.
+pub const KV_EXPORT_RUN_BYTES: u64 = 2 << 20;
+/// Blocks waiting for the disk tier's writer at most (`DiskTier::write` waits beyond);
+/// with a disk tier the plan also counts one KV slot for a prompt's blocks read back.
+pub const KV_WRITE_QUEUE_BYTES: u64 = 8 << 20;
 
 impl KvHostTier {
     /// The bytes it takes where `room` is left of the host budget (None: no budget).
@@ -197,6 +205,7 @@ impl Default for HostInput {
             compute_scratch: 0,
             sampler_rows: true,
             kv_tier: KvHostTier::Off,
+            kv_disk: false,
         }
     }
 }
@@ -234,6 +243,9 @@ pub struct HostPlan {
     pub host_cache_bytes: u64,
     /// The prefix cache's host tier: KV blocks of finished prompts (`KvHostTier`).
     pub kv_cache_host_bytes: u64,
+    /// What its tiers hold in passing: a finished sequence's copy out of its slot (and
+    /// the blocks made of it), the disk tier's write queue.
+    pub kv_cache_io_bytes: u64,
     /// The device arena when device memory is host memory (0 otherwise).
     pub arena_bytes: u64,
     /// Extra bytes held only while resident units load at start (CUDA: the loader's
@@ -370,6 +382,11 @@ impl Plan {
     }
 }
 
+/// One KV slot's bytes (K and V, every layer).
+fn settled_kv(fixed: &FixedCosts, input: &PlanInput) -> u64 {
+    fixed.kv / input.opts.kv_slots.max(1) as u64
+}
+
 /// What a decoder of `m` with `opts` allocates before any weights (its KV cache,
 /// workspace and rotary tables), as a plan counts it, and each unit's bytes as allocated:
 /// a self-draft of `m` holds the first and the units its model streams.
@@ -497,10 +514,20 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         ];
         return Err(PlanError::Host(HostBudgetError::new(h, roles)));
     }
+    // The tiers' transients first (an export's copy, the write queue), then the host tier
+    // in what is left.
+    // With a disk tier, a prompt's blocks read back are held until written into its slot:
+    // at most one slot's KV.
+    let slot_kv = settled_kv(&fixed, input);
+    let kv_io = match (h.kv_tier != KvHostTier::Off || h.kv_disk, h.kv_disk) {
+        (false, _) => 0,
+        (true, false) => 2 * KV_EXPORT_RUN_BYTES,
+        (true, true) => 2 * KV_EXPORT_RUN_BYTES + KV_WRITE_QUEUE_BYTES + slot_kv,
+    };
     let kv_host = h
         .kv_tier
-        .bytes(h.budget.map(|b| b.saturating_sub(host_total)));
-    host_total += kv_host;
+        .bytes(h.budget.map(|b| b.saturating_sub(host_total + kv_io)));
+    host_total += kv_io + kv_host;
     let settled = Settled {
         resident_bytes,
         fixed,
@@ -514,6 +541,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         device_budget: budget,
         host_total,
         kv_host,
+        kv_io,
     };
     let plan = assemble(m, h, &costs, settled);
     // Assert in pairs: the plan fits the budgets it was made for.
@@ -549,8 +577,9 @@ struct Settled {
     arena: u64,
     device_budget: u64,
     host_total: u64,
-    /// The prefix cache's host tier.
+    /// The prefix cache's host tier, and its copies and write queue.
     kv_host: u64,
+    kv_io: u64,
 }
 
 /// The plan from what its phases settled: each unit's placement and the bytes a pass
@@ -615,6 +644,7 @@ fn assemble(m: &Manifest, h: &HostInput, costs: &UnitCosts, s: Settled) -> Plan 
             gather_bytes: st.gather.host,
             host_cache_bytes: cache.bytes,
             kv_cache_host_bytes: s.kv_host,
+            kv_cache_io_bytes: s.kv_io,
             arena_bytes: s.arena,
             load_transient_bytes: cache.load_transient,
             total_bytes: s.host_total,

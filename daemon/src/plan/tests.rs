@@ -612,30 +612,43 @@ fn a_mixture_on_a_unified_backend_runs_at_the_least_host_budget_it_names() {
 
 #[test]
 fn the_prefix_caches_host_tier_is_a_role_of_the_host_plan_within_its_budget() {
-    use crate::plan::{KvHostTier, KV_HOST_AUTO_MAX};
+    use crate::plan::{KvHostTier, KV_EXPORT_RUN_BYTES, KV_HOST_AUTO_MAX, KV_WRITE_QUEUE_BYTES};
     let tmp = tempfile::tempdir().expect("tempdir");
     let s = store(tmp.path(), false);
     let m = s.manifest();
-    let with = |budget: Option<u64>, tier: KvHostTier| {
+    let with_disk = |budget: Option<u64>, tier: KvHostTier, disk: bool| {
         let mut i = unified(budget);
         i.host.kv_tier = tier;
+        i.host.kv_disk = disk;
         plan(m, &i).expect("plan")
     };
+    let with = |budget: Option<u64>, tier: KvHostTier| with_disk(budget, tier, false);
     let off = with(None, KvHostTier::Off);
     assert_eq!(off.host.kv_cache_host_bytes, 0);
     // Without a budget: auto takes its most, a size what it says; either is in the total.
     let auto = with(None, KvHostTier::Auto);
     assert_eq!(auto.host.kv_cache_host_bytes, KV_HOST_AUTO_MAX);
+    // Beside it, a finished sequence's copy out of its slot and the blocks made of it.
+    let io = 2 * KV_EXPORT_RUN_BYTES;
+    assert_eq!(auto.host.kv_cache_io_bytes, io);
     assert_eq!(
         auto.host.total_bytes,
-        off.host.total_bytes + KV_HOST_AUTO_MAX
+        off.host.total_bytes + KV_HOST_AUTO_MAX + io
     );
     assert!(auto.table().contains("prefix KV (host tier)"));
+    // A disk tier adds its write queue, even without a host tier.
+    // A disk tier adds its write queue and one slot's KV read back, even without a host
+    // tier.
+    let disk = with_disk(None, KvHostTier::Off, true);
+    let slot = disk.kv_cache_bytes / unified(None).opts.kv_slots as u64;
+    let disk_io = io + KV_WRITE_QUEUE_BYTES + slot;
+    assert_eq!(disk.host.kv_cache_io_bytes, disk_io);
+    assert_eq!(disk.host.total_bytes, off.host.total_bytes + disk_io);
     // Under a budget: auto is a quarter of what the other roles leave; a size larger than
     // that room is cut to it; the total stays within the budget.
     let budget = off.host.total_bytes + (64 << 20);
     let auto = with(Some(budget), KvHostTier::Auto);
-    let room = budget - off.host.total_bytes;
+    let room = budget - off.host.total_bytes - io;
     assert_eq!(auto.host.kv_cache_host_bytes, room / 4);
     let big = with(Some(budget), KvHostTier::Bytes(1 << 40));
     assert_eq!(big.host.kv_cache_host_bytes, room);

@@ -405,6 +405,7 @@ impl ModelLoader {
                         .unwrap_or(sluice::plan::KvHostTier::Auto),
                     false => sluice::plan::KvHostTier::Off,
                 },
+                kv_disk: cfg.prefix_cache && cfg.kv_cache_dir.is_some(),
                 ..sluice::engine::host_input(cfg.host_memory.map(|b| b.0), 0)
             },
         }
