@@ -27,6 +27,8 @@ pub(super) struct HostShape {
     pub compute: u64,
     /// The engine's host copy of a pass's logits and the sequences' samplers (`sampling`).
     pub sampling: u64,
+    /// What the prefix cache's tiers hold in passing (`HostPlan::kv_cache_io_bytes`).
+    pub kv_io: u64,
     /// The bytes the disk should have queued: the read buffers, or for reads that land in
     /// the staging slots, a typical unit (one read whole while the one before computes).
     pub in_flight: u64,
@@ -93,13 +95,14 @@ impl HostShape {
             decoders,
             compute: round(h.compute_scratch),
             sampling: sampling(m, input),
+            kv_io: 0,
             in_flight,
         }
     }
 
-    /// Decoder and compute scratch, and the sampling's.
+    /// Decoder and compute scratch, the sampling's, and the prefix cache tiers' transients.
     pub fn scratch(&self) -> u64 {
-        self.decoders + self.compute + self.sampling
+        self.decoders + self.compute + self.sampling + self.kv_io
     }
 
     /// What the host holds whatever the split: the overhead, the reads and the scratch.

@@ -382,9 +382,17 @@ impl Plan {
     }
 }
 
-/// One KV slot's bytes (K and V, every layer).
-fn settled_kv(fixed: &FixedCosts, input: &PlanInput) -> u64 {
-    fixed.kv / input.opts.kv_slots.max(1) as u64
+/// What the prefix cache's tiers hold in passing: a copy out of or into a slot and the
+/// blocks made of it (twice `KV_EXPORT_RUN_BYTES`); with a disk tier, its write queue and
+/// a prompt's blocks read back until they are in its slot (at most one slot's KV).
+fn kv_io(fixed: &FixedCosts, input: &PlanInput) -> u64 {
+    let h = &input.host;
+    let slot_kv = fixed.kv / input.opts.kv_slots.max(1) as u64;
+    match (h.kv_tier != KvHostTier::Off || h.kv_disk, h.kv_disk) {
+        (false, _) => 0,
+        (true, false) => 2 * KV_EXPORT_RUN_BYTES,
+        (true, true) => 2 * KV_EXPORT_RUN_BYTES + KV_WRITE_QUEUE_BYTES + slot_kv,
+    }
 }
 
 /// What a decoder of `m` with `opts` allocates before any weights (its KV cache,
@@ -463,7 +471,8 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     let sparse_all: Vec<Option<SparseUnit>> =
         (0..m.units.len()).map(|u| sparse_unit(m, u)).collect();
     let costs = UnitCosts::new(m, &input.opts, &sparse_all, h.request_bytes_max);
-    let shape = HostShape::new(m, input, &costs, raw, reads_share);
+    let mut shape = HostShape::new(m, input, &costs, raw, reads_share);
+    shape.kv_io = kv_io(&fixed, input);
     let gather = Gather::new(m, &input.opts, &costs);
     let reserve = ExpertReserve::new(m, input, &costs, &sparse_all);
     let split = split::split(&SplitInput {
@@ -514,20 +523,12 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         ];
         return Err(PlanError::Host(HostBudgetError::new(h, roles)));
     }
-    // The tiers' transients first (an export's copy, the write queue), then the host tier
-    // in what is left.
-    // With a disk tier, a prompt's blocks read back are held until written into its slot:
-    // at most one slot's KV.
-    let slot_kv = settled_kv(&fixed, input);
-    let kv_io = match (h.kv_tier != KvHostTier::Off || h.kv_disk, h.kv_disk) {
-        (false, _) => 0,
-        (true, false) => 2 * KV_EXPORT_RUN_BYTES,
-        (true, true) => 2 * KV_EXPORT_RUN_BYTES + KV_WRITE_QUEUE_BYTES + slot_kv,
-    };
+    // The host tier in what the budget leaves (its transients are in the scratch).
     let kv_host = h
         .kv_tier
-        .bytes(h.budget.map(|b| b.saturating_sub(host_total + kv_io)));
-    host_total += kv_io + kv_host;
+        .bytes(h.budget.map(|b| b.saturating_sub(host_total)));
+    host_total += kv_host;
+    let kv_io = shape.kv_io;
     let settled = Settled {
         resident_bytes,
         fixed,
