@@ -14,6 +14,12 @@
       Structured outputs through the `openai` package: chat with response_format
       json_schema, greedy and sampled (n=4, a seed). Each text is validated against the
       schema by the `jsonschema` package: {"text", "finish_reason", "valid", "error"}.
+  openai_client.py guided BASE_URL CHAT_PROMPT REGEX GRAMMAR_FILE GRAMMAR_REGEX MAX_TOKENS
+      Regex, grammar and choice constraints through the `openai` package's extra_body, in
+      vLLM's two spellings: guided_regex greedy and sampled (n=3, a seed), structured_outputs
+      grammar (the Lark grammar in GRAMMAR_FILE) greedy, and guided_choice greedy. Each text
+      is judged by Python's `re.fullmatch` (the grammar's by GRAMMAR_REGEX, a regex of the
+      same language): {"text", "finish_reason", "matches"}.
   openai_client.py metrics BASE_URL
       GET /metrics parsed by `prometheus_client`'s text parser (a parse error fails).
       Prints {"name{label=value,...}": value}.
@@ -119,6 +125,37 @@ def schema_mode(base, chat_prompt, schema_file, max_tokens):
     print(json.dumps(out))
 
 
+def guided_mode(base, chat_prompt, regex, grammar_file, grammar_regex, max_tokens):
+    import re
+
+    import openai
+
+    with open(grammar_file) as f:
+        grammar = f.read()
+    c = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+    model = c.models.list().data[0].id
+    msgs = [{"role": "user", "content": chat_prompt}]
+
+    def judged(ch, rx):
+        text = ch.message.content
+        return {"text": text, "finish_reason": ch.finish_reason,
+                "matches": re.fullmatch(rx, text) is not None}
+
+    def ask(extra, **kw):
+        return c.chat.completions.create(model=model, messages=msgs, max_tokens=max_tokens,
+                                         extra_body=extra, **kw)
+
+    out = {"regex": judged(ask({"guided_regex": regex}, temperature=0).choices[0], regex)}
+    r = ask({"guided_regex": regex}, temperature=1, seed=3, n=3)
+    out["regex_sampled"] = [judged(ch, regex) for ch in r.choices]
+    r = ask({"structured_outputs": {"grammar": grammar}}, temperature=0)
+    out["grammar"] = judged(r.choices[0], grammar_regex)
+    choices = ["yes", "no", "it depends"]
+    r = ask({"guided_choice": choices}, temperature=0)
+    out["choice"] = judged(r.choices[0], "|".join(map(re.escape, choices)))
+    print(json.dumps(out))
+
+
 def metrics(base):
     from prometheus_client.parser import text_string_to_metric_families
 
@@ -142,6 +179,8 @@ if __name__ == "__main__":
         json_mode(base, sys.argv[3], sys.argv[4], int(sys.argv[5]))
     elif mode == "schema":
         schema_mode(base, sys.argv[3], sys.argv[4], int(sys.argv[5]))
+    elif mode == "guided":
+        guided_mode(base, sys.argv[3], sys.argv[4], sys.argv[5], sys.argv[6], int(sys.argv[7]))
     elif mode == "metrics":
         metrics(base)
     else:

@@ -528,6 +528,11 @@ fn params_of(job: &BatchJob, model: &pb::ModelInfo) -> Value {
                     serde_json::from_str(&job.base.json_schema).unwrap_or(Value::Null);
                 p["response_format"] = json!({"json_schema": schema});
             }
+            pb::ResponseFormat::Regex => p["response_format"] = json!({"regex": job.base.regex}),
+            pb::ResponseFormat::Grammar => {
+                p["response_format"] = json!({"grammar": job.base.grammar});
+            }
+            pb::ResponseFormat::Choice => p["response_format"] = json!({"choice": job.base.choice}),
         }
     }
     p

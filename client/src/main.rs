@@ -55,6 +55,14 @@ struct Sampling {
     /// outputs; its properties are written in the schema's order).
     #[arg(long, value_name = "FILE", value_parser = read_json_file, conflicts_with = "json_object")]
     json_schema: Option<String>,
+    /// Generate a text the regular expression matches whole, then end (Rust regex syntax;
+    /// vLLM's guided_regex).
+    #[arg(long, value_name = "REGEX", conflicts_with_all = ["json_object", "json_schema"])]
+    regex: Option<String>,
+    /// Generate a text of the Lark grammar in FILE, then end (llguidance's Lark syntax;
+    /// vLLM's guided_grammar).
+    #[arg(long, value_name = "FILE", value_parser = read_text_file, conflicts_with_all = ["json_object", "json_schema", "regex"])]
+    grammar: Option<String>,
     /// How long the daemon keeps the model loaded after this request ("30s", "5m"; "0"
     /// unloads it once idle, "-1" keeps it; default: the daemon's --keep-alive).
     #[arg(long, allow_hyphen_values = true)]
@@ -90,13 +98,21 @@ impl Sampling {
             sampling: Some(self.params.request()),
             stop: self.stop.clone(),
             keep_alive: self.keep_alive.clone().unwrap_or_default(),
-            response_format: match (&self.json_schema, self.json_object) {
-                (Some(_), _) => pb::ResponseFormat::JsonSchema,
-                (None, true) => pb::ResponseFormat::JsonObject,
-                (None, false) => pb::ResponseFormat::Text,
+            response_format: if self.json_schema.is_some() {
+                pb::ResponseFormat::JsonSchema
+            } else if self.grammar.is_some() {
+                pb::ResponseFormat::Grammar
+            } else if self.regex.is_some() {
+                pb::ResponseFormat::Regex
+            } else if self.json_object {
+                pb::ResponseFormat::JsonObject
+            } else {
+                pb::ResponseFormat::Text
             }
             .into(),
             json_schema: self.json_schema.clone().unwrap_or_default(),
+            regex: self.regex.clone().unwrap_or_default(),
+            grammar: self.grammar.clone().unwrap_or_default(),
             ..Default::default()
         }
     }
@@ -938,6 +954,10 @@ async fn cmd_tokenize(
 }
 
 /// A file that holds JSON (`--json-schema`): its text.
+fn read_text_file(path: &str) -> Result<String, String> {
+    std::fs::read_to_string(path).map_err(|e| format!("read {path}: {e}"))
+}
+
 fn read_json_file(path: &str) -> Result<String, String> {
     let text = std::fs::read_to_string(path).map_err(|e| format!("read {path}: {e}"))?;
     serde_json::from_str::<serde_json::Value>(&text)

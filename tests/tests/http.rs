@@ -1386,28 +1386,31 @@ fn json_mode_makes_objects_and_logit_bias_moves_the_token_it_names() {
 
 /// Structured outputs (`response_format: {"type": "json_schema"}`): greedy and sampled
 /// texts through the real `openai` client are instances of the schema by the `jsonschema`
-/// package's validation, properties in the schema's order; `sluiced run --json-schema` and
-/// grpcurl give the greedy text; a schema with a keyword sluice does not enforce is refused
-/// by name.
+/// package's validation, properties in the schema's order, with the keywords llguidance
+/// brought (pattern, maxLength, minimum/maximum, an exclusive bound, object anyOf);
+/// `sluiced run --json-schema` and grpcurl give the greedy text; a schema with a keyword
+/// sluice does not enforce is refused, naming it and where it is.
 #[test]
 fn structured_outputs_are_instances_of_the_schema() {
     let d = Daemon::start(&["--max-context", "512", "--max-batch", "4"]);
     let schema = json!({
         "type": "object",
         "properties": {
-            "name": {"type": "string"},
-            "age": {"type": "integer"},
+            "name": {"type": "string", "pattern": "^[A-Z][a-z]+$", "maxLength": 12},
+            "age": {"type": "integer", "minimum": 1, "maximum": 25},
             "colour": {"enum": ["black", "white", "ginger", "grey"]},
             "indoor": {"type": "boolean"},
-            "toys": {"type": "array", "items": {"type": "string"}, "minItems": 1, "maxItems": 3},
-            "owner": {"$ref": "#/$defs/person"},
+            "toys": {"type": "array", "items": {"type": "string", "maxLength": 20}, "minItems": 1, "maxItems": 3},
+            "owner": {"anyOf": [{"$ref": "#/$defs/person"}, {"$ref": "#/$defs/shelter"}]},
             "nickname": {"type": "string"}
         },
         "required": ["name", "age", "colour", "indoor", "toys", "owner"],
         "additionalProperties": false,
         "$defs": {"person": {"type": "object", "title": "Person",
-            "properties": {"first": {"type": "string"}, "score": {"type": "number"}},
-            "required": ["first", "score"], "additionalProperties": false}}
+            "properties": {"first": {"type": "string", "minLength": 1}, "score": {"type": "number", "minimum": 0, "exclusiveMaximum": 10}},
+            "required": ["first", "score"], "additionalProperties": false},
+            "shelter": {"type": "object", "properties": {"shelter": {"type": "string"}, "city": {"type": "string"}},
+            "required": ["shelter", "city"], "additionalProperties": false}}
     });
     let file = d.tmp.path().join("cat.schema.json");
     std::fs::write(&file, schema.to_string()).unwrap();
@@ -1465,22 +1468,159 @@ fn structured_outputs_are_instances_of_the_schema() {
     assert!(o.status.success(), "{}", stderr(&o));
     assert_eq!(generated_text(&o), text, "grpcurl differs");
 
-    // A keyword that constrains values and is not enforced: refused, named.
-    let mut pattern = schema.clone();
-    pattern["properties"]["name"]["pattern"] = json!("^[A-Z]");
+    // A keyword that constrains values and is not enforced: refused, named with its place.
+    let mut unique = schema.clone();
+    unique["properties"]["toys"]["uniqueItems"] = json!(true);
     let body = json!({"messages": [{"role": "user", "content": chat}],
-        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": pattern}}});
+        "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": unique}}});
     let (status, _, b) = post(&d, "/v1/chat/completions", &body.to_string(), &[]);
     assert_eq!(status, 400, "{b}");
+    let e: Value = serde_json::from_str(&b).unwrap();
+    assert_eq!(e["error"]["param"], "response_format", "{b}");
     assert!(
-        b.contains("pattern") && b.contains("properties.name"),
+        b.contains("uniqueItems") && b.contains("/properties/toys"),
         "{b}"
     );
-    let o = grpc(&pattern);
+    let o = grpc(&unique);
     assert!(
         !o.status.success()
             && stderr(&o).contains("InvalidArgument")
-            && stderr(&o).contains("pattern"),
+            && stderr(&o).contains("uniqueItems"),
+        "{}",
+        stderr(&o)
+    );
+    assert_eq!(hi(&d).0, 200);
+}
+
+/// Regular expressions, Lark grammars and choices (vLLM's `guided_regex`,
+/// `structured_outputs.grammar`, `guided_choice`) through the real `openai` client's
+/// extra_body, each text judged by Python's `re.fullmatch`; `sluiced run --regex` /
+/// `--grammar` and grpcurl (RESPONSE_FORMAT_REGEX, _GRAMMAR) give the greedy texts; a
+/// regex or grammar llguidance refuses is a 400 naming the field on HTTP and
+/// InvalidArgument on gRPC.
+#[test]
+fn regex_grammar_and_choice_constraints_hold_on_every_wire() {
+    let d = Daemon::start(&["--max-context", "512", "--max-batch", "4"]);
+    let chat = "Give me a phone number and a date.";
+    let regex = r"Call \(\d{3}\) \d{3}-\d{4} on 20\d\d-(0[1-9]|1[0-2])-[0-3]\d\.";
+    let grammar = "start: \"Answer: \" word (\", \" word)* \".\"\nword: /[a-z]+/\n";
+    let grammar_regex = r"Answer: [a-z]+(, [a-z]+)*\.";
+    let file = d.tmp.path().join("answer.lark");
+    std::fs::write(&file, grammar).unwrap();
+    let got = python(&[
+        "guided",
+        &d.http,
+        chat,
+        regex,
+        file.to_str().unwrap(),
+        grammar_regex,
+        "80",
+    ]);
+    for k in ["regex", "choice"] {
+        let g = &got[k];
+        assert_eq!(
+            (&g["finish_reason"], &g["matches"]),
+            (&json!("stop"), &json!(true)),
+            "{k}: {g}"
+        );
+    }
+    // The grammar's greedy text may run to max_tokens (a list of words has no end of its
+    // own); whole or cut, it is one the grammar allows.
+    let g = &got["grammar"];
+    assert!(
+        g["matches"] == true || g["finish_reason"] == "length",
+        "{g}"
+    );
+    assert!(g["text"].as_str().unwrap().starts_with("Answer: "), "{g}");
+    for s in got["regex_sampled"].as_array().unwrap() {
+        assert_eq!(s["matches"], s["finish_reason"] == "stop", "{s}");
+    }
+    let run = sluiced_run(
+        &d,
+        &[
+            "--chat",
+            "--regex",
+            regex,
+            "--prompt",
+            chat,
+            "--max-tokens",
+            "80",
+        ],
+    );
+    assert_eq!(
+        run["text"], got["regex"]["text"],
+        "sluiced run --regex differs"
+    );
+    let run = sluiced_run(
+        &d,
+        &[
+            "--chat",
+            "--grammar",
+            file.to_str().unwrap(),
+            "--prompt",
+            chat,
+            "--max-tokens",
+            "80",
+        ],
+    );
+    assert_eq!(
+        run["text"], got["grammar"]["text"],
+        "sluiced run --grammar differs"
+    );
+    for (format, field, value, want) in [
+        (
+            "RESPONSE_FORMAT_REGEX",
+            "regex",
+            regex,
+            &got["regex"]["text"],
+        ),
+        (
+            "RESPONSE_FORMAT_GRAMMAR",
+            "grammar",
+            grammar,
+            &got["grammar"]["text"],
+        ),
+    ] {
+        let body = json!({"messages": [{"role": "user", "content": chat}], "max_tokens": 80,
+                          "sampling": {"temperature": 0}, "response_format": format, field: value});
+        let o = grpcurl_generate(&d, &body);
+        assert!(o.status.success(), "{}", stderr(&o));
+        assert_eq!(
+            generated_text(&o),
+            want.as_str().unwrap(),
+            "grpcurl {format} differs"
+        );
+    }
+    // Refused: named by field, nothing generated.
+    for (extra, param) in [
+        (json!({"guided_regex": "a("}), "guided_regex"),
+        (
+            json!({"structured_outputs": {"grammar": "start: undefined_rule"}}),
+            "structured_outputs",
+        ),
+        (
+            json!({"grammar": "start: \"a\"", "guided_regex": "b"}),
+            "guided_regex",
+        ),
+    ] {
+        let mut body = json!({"messages": [{"role": "user", "content": chat}], "max_tokens": 8});
+        for (k, v) in extra.as_object().unwrap() {
+            body[k] = v.clone();
+        }
+        let (status, _, b) = post(&d, "/v1/chat/completions", &body.to_string(), &[]);
+        assert_eq!(status, 400, "{b}");
+        let e: Value = serde_json::from_str(&b).unwrap();
+        assert!(
+            e["error"]["param"] == param || b.contains(param),
+            "{param}: {b}"
+        );
+    }
+    let body = json!({"prompt": chat, "response_format": "RESPONSE_FORMAT_REGEX", "regex": "a("});
+    let o = grpcurl_generate(&d, &body);
+    assert!(
+        !o.status.success()
+            && stderr(&o).contains("InvalidArgument")
+            && stderr(&o).contains("regex"),
         "{}",
         stderr(&o)
     );

@@ -51,7 +51,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("daemon/src/store/codec.rs", "decode", 113),
     ("daemon/src/store/format.rs", "validate", 195),
     ("daemon/src/store/writer.rs", "pack_into", 106),
-    ("daemon/src/text/schema.rs", "compile", 138),
 ];
 
 /// Files over `FILE_LINES_MAX` today: (file, lines).
@@ -62,7 +61,7 @@ const LONG_FILES: &[(&str, usize)] = &[
     ("daemon/src/store/codec.rs", 1188),
     ("daemon/src/store/format.rs", 1079),
     ("daemon/src/store/writer.rs", 1059),
-    ("daemon/src/text/sampler.rs", 1147),
+    ("daemon/src/text/sampler.rs", 1085),
 ];
 
 fn roots() -> Vec<PathBuf> {

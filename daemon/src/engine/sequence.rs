@@ -481,8 +481,7 @@ impl Sequence {
     /// Samples a token from `logits` (a row) and applies the finish rules: the token is
     /// then pending, or the sequence has finished. Returns the text that became final.
     fn emit(&mut self, logits: &[f32], tok: &Tokenizer) -> Option<Piece> {
-        let texts = (!self.params.format.is_text()).then(|| tok.texts());
-        let token = self.sampler.sample_in(logits, texts);
+        let token = self.sampler.sample(logits);
         self.t_first.get_or_insert_with(Instant::now);
         self.generated.push(token);
         self.unsent_ids.push(token);

@@ -6,6 +6,7 @@
 use super::metrics::{Api, Metrics};
 use crate::engine::scheduler::{Event, Finish, Places, Request, Scheduler, SubmitError};
 use crate::engine::sequence::GenerateParams;
+use crate::text::grammar::Grammar;
 use crate::text::sampler::{check_logit_bias, OutputFormat};
 use crate::text::{ChatMessage, ChatTemplate, SamplingParams};
 use std::pin::Pin;
@@ -133,8 +134,16 @@ pub struct GenerateInput {
     pub truncate: bool,
     /// Added to these tokens' logits (OpenAI's `logit_bias`), in token order.
     pub logit_bias: Vec<(u32, f32)>,
-    /// What the text must be (JSON mode).
-    pub format: OutputFormat,
+    /// What the text must be (None: any text).
+    pub format: Option<Format>,
+}
+
+/// A constraint on the text, and the request field that asked for it (named when the
+/// grammar is refused).
+#[derive(Clone, Debug)]
+pub struct Format {
+    pub grammar: Grammar,
+    pub param: &'static str,
 }
 
 /// Alternatives per token at most when log-probabilities are asked for (OpenAI's limit).
@@ -255,6 +264,20 @@ fn sampling_error(m: String) -> ApiError {
 }
 
 impl Frontend {
+    /// A request's constraint compiled for the model's vocabulary; a grammar llguidance
+    /// refuses is a 400 naming the field that gave it.
+    fn output_format(&self, f: Option<&Format>) -> Result<OutputFormat, ApiError> {
+        let Some(f) = f else {
+            return Ok(OutputFormat::Text);
+        };
+        self.sched
+            .tokenizer
+            .grammars()
+            .and_then(|g| g.compile(&f.grammar))
+            .map(|c| OutputFormat::Constrained(Box::new(c)))
+            .map_err(|m| ApiError::invalid(Some(f.param), format!("{}: {m}", f.param)))
+    }
+
     pub fn check_model(&self, model: &str) -> Result<(), ApiError> {
         if model.is_empty() || model == self.meta.name {
             Ok(())
@@ -636,7 +659,7 @@ impl Frontend {
                 ignore_eos: false,
                 logprobs: input.logprobs,
                 logit_bias: input.logit_bias,
-                format: input.format,
+                format: self.output_format(input.format.as_ref())?,
                 draft: self.draft,
             },
             truncated,

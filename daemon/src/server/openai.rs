@@ -3,10 +3,10 @@
 //! refused with a 400 that names it, never silently ignored when it would change the
 //! output), and the JSON of responses, stream chunks and errors.
 
-use super::api::{ApiError, ErrorKind, GenerateInput, Prompt};
+use super::api::{ApiError, ErrorKind, Format, GenerateInput, Prompt};
 use super::models::{parse_keep_alive, KeepAlive};
 use crate::engine::scheduler::Finish;
-use crate::text::sampler::OutputFormat;
+use crate::text::grammar::Grammar;
 use crate::text::{ChatMessage, SamplingParams};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -39,6 +39,16 @@ struct Common {
     logit_bias: Option<serde_json::Map<String, Value>>,
     /// Chat's; vLLM takes it on completions too.
     response_format: Option<Value>,
+    /// vLLM's: {"json" | "regex" | "grammar" | "choice" | "json_object": ...}.
+    structured_outputs: Option<Value>,
+    /// vLLM's older fields.
+    guided_json: Option<Value>,
+    guided_regex: Option<String>,
+    guided_grammar: Option<String>,
+    guided_choice: Option<Vec<String>>,
+    /// llama-server's: a grammar (here llguidance's Lark) and a JSON schema.
+    grammar: Option<String>,
+    json_schema: Option<Value>,
     /// Ollama's: how long the model stays loaded after this request.
     keep_alive: Option<Value>,
 }
@@ -179,38 +189,56 @@ impl Common {
         Ok(out)
     }
 
-    /// `response_format`: text, `json_object` (JSON mode) or `json_schema` (structured
-    /// outputs; a schema with parts sluice does not enforce is refused, naming them).
-    fn format(&self) -> Result<OutputFormat, ApiError> {
-        let Some(f) = &self.response_format else {
-            return Ok(OutputFormat::Text);
-        };
-        match f.get("type").and_then(Value::as_str) {
-            Some("text") => Ok(OutputFormat::Text),
-            Some("json_object") => Ok(OutputFormat::JsonObject),
-            Some("json_schema") => {
-                let bad = |m: String| ApiError::invalid(Some("response_format"), m);
-                let schema = f
-                    .get("json_schema")
-                    .and_then(|j| j.get("schema"))
-                    .ok_or_else(|| {
-                        bad(
-                            "response_format json_schema needs json_schema.schema (a JSON schema)"
-                                .into(),
-                        )
-                    })?;
-                crate::text::schema::Schema::compile(schema)
-                    .map(OutputFormat::JsonSchema)
-                    .map_err(|m| bad(format!("response_format json_schema: {m}")))
+    /// What the text must be, from whichever field asks: OpenAI's `response_format`
+    /// (`json_object`, `json_schema`), vLLM's `structured_outputs` and `guided_*`,
+    /// llama-server's `grammar` and `json_schema`. At most one may; the grammar itself is
+    /// checked when it is compiled for the model.
+    fn format(&self) -> Result<Option<Format>, ApiError> {
+        let mut found: Vec<Format> = Vec::new();
+        let mut add = |grammar, param| found.push(Format { grammar, param });
+        if let Some(f) = &self.response_format {
+            if let Some(g) = response_format(f)? {
+                add(g, "response_format");
             }
-            kind => Err(ApiError::invalid(
-                Some("response_format"),
-                format!(
-                    "response_format {} is not one of text, json_object, json_schema",
-                    kind.map_or("without a type".to_string(), |k| format!("{k:?}"))
-                ),
-            )),
         }
+        if let Some(so) = &self.structured_outputs {
+            add(structured_outputs(so)?, "structured_outputs");
+        }
+        if let Some(v) = &self.guided_json {
+            add(
+                Grammar::JsonSchema(schema_value("guided_json", v)?),
+                "guided_json",
+            );
+        }
+        if let Some(r) = &self.guided_regex {
+            add(Grammar::Regex(r.clone()), "guided_regex");
+        }
+        if let Some(g) = &self.guided_grammar {
+            add(Grammar::Lark(g.clone()), "guided_grammar");
+        }
+        if let Some(c) = &self.guided_choice {
+            add(Grammar::Choice(c.clone()), "guided_choice");
+        }
+        if let Some(g) = &self.grammar {
+            add(Grammar::Lark(g.clone()), "grammar");
+        }
+        if let Some(v) = &self.json_schema {
+            add(
+                Grammar::JsonSchema(schema_value("json_schema", v)?),
+                "json_schema",
+            );
+        }
+        if found.len() > 1 {
+            let names: Vec<&str> = found.iter().map(|f| f.param).collect();
+            return Err(ApiError::invalid(
+                Some(found[1].param),
+                format!("{} each constrain the text: give one", names.join(" and ")),
+            ));
+        }
+        for f in &found {
+            check_grammar(f)?;
+        }
+        Ok(found.pop())
     }
 
     fn include_usage(&self) -> bool {
@@ -218,6 +246,103 @@ impl Common {
             .as_ref()
             .and_then(|o| o.include_usage)
             .unwrap_or(false)
+    }
+}
+
+/// A JSON schema given as an object, `true`, or JSON text (vLLM takes both).
+fn schema_value(param: &'static str, v: &Value) -> Result<Value, ApiError> {
+    match v {
+        Value::String(text) => serde_json::from_str(text)
+            .map_err(|e| ApiError::invalid(Some(param), format!("{param} is not JSON: {e}"))),
+        Value::Object(_) | Value::Bool(_) => Ok(v.clone()),
+        _ => Err(ApiError::invalid(
+            Some(param),
+            format!("{param} must be a JSON schema (an object)"),
+        )),
+    }
+}
+
+/// OpenAI's `response_format`: text (None), `json_object` (llama-server also takes a
+/// `schema` beside it), `json_schema` with `json_schema.schema`.
+fn response_format(f: &Value) -> Result<Option<Grammar>, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("response_format"), m);
+    match f.get("type").and_then(Value::as_str) {
+        Some("text") => Ok(None),
+        Some("json_object") => match f.get("schema") {
+            Some(s) => Ok(Some(Grammar::JsonSchema(schema_value(
+                "response_format",
+                s,
+            )?))),
+            None => Ok(Some(Grammar::JsonObject)),
+        },
+        Some("json_schema") => {
+            let schema = f
+                .get("json_schema")
+                .and_then(|j| j.get("schema"))
+                .ok_or_else(|| {
+                    bad(
+                        "response_format json_schema needs json_schema.schema (a JSON schema)"
+                            .into(),
+                    )
+                })?;
+            Ok(Some(Grammar::JsonSchema(schema_value(
+                "response_format",
+                schema,
+            )?)))
+        }
+        kind => Err(bad(format!(
+            "response_format {} is not one of text, json_object, json_schema",
+            kind.map_or("without a type".to_string(), |k| format!("{k:?}"))
+        ))),
+    }
+}
+
+/// vLLM's `structured_outputs`: exactly one of json, regex, grammar, choice, json_object.
+fn structured_outputs(so: &Value) -> Result<Grammar, ApiError> {
+    let bad = |m: String| ApiError::invalid(Some("structured_outputs"), m);
+    let Some(m) = so.as_object() else {
+        return Err(bad("structured_outputs must be an object".into()));
+    };
+    let given: Vec<(&String, &Value)> = m.iter().filter(|(_, v)| !v.is_null()).collect();
+    let [(key, v)] = given.as_slice() else {
+        return Err(bad(format!(
+            "structured_outputs needs exactly one of json, regex, grammar, choice, json_object (it has {})",
+            if given.is_empty() { "none".to_string() } else { given.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>().join(", ") }
+        )));
+    };
+    let text = |v: &Value| {
+        v.as_str()
+            .map(str::to_string)
+            .ok_or_else(|| bad(format!("structured_outputs.{key} must be a string")))
+    };
+    match key.as_str() {
+        "json" => Ok(Grammar::JsonSchema(schema_value("structured_outputs", v)?)),
+        "regex" => Ok(Grammar::Regex(text(v)?)),
+        "grammar" => Ok(Grammar::Lark(text(v)?)),
+        "choice" => serde_json::from_value::<Vec<String>>((*v).clone())
+            .map(Grammar::Choice)
+            .map_err(|_| bad("structured_outputs.choice must be a list of strings".into())),
+        "json_object" if v.as_bool() == Some(true) => Ok(Grammar::JsonObject),
+        k => Err(bad(format!(
+            "structured_outputs.{k} is not supported (json, regex, grammar, choice, json_object)"
+        ))),
+    }
+}
+
+/// What can be refused before the model is known: an empty grammar or choice list.
+fn check_grammar(f: &Format) -> Result<(), ApiError> {
+    let empty = match &f.grammar {
+        Grammar::Regex(r) => r.is_empty().then_some("an empty regex"),
+        Grammar::Lark(g) => g.trim().is_empty().then_some("an empty grammar"),
+        Grammar::Choice(c) => c.is_empty().then_some("an empty choice list"),
+        Grammar::JsonObject | Grammar::JsonSchema(_) => None,
+    };
+    match empty {
+        Some(what) => Err(ApiError::invalid(
+            Some(f.param),
+            format!("{}: {what} allows no text", f.param),
+        )),
+        None => Ok(()),
     }
 }
 
@@ -506,7 +631,7 @@ mod tests {
                 "response_format",
             ),
             (
-                br#"{"messages":[],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":{"type":"object","properties":{"a":{"type":"string","pattern":"^a"}}}}}}"#,
+                br#"{"messages":[],"response_format":{"type":"json_schema","json_schema":{"name":"x","schema":5}}}"#,
                 "response_format",
             ),
             (
@@ -540,7 +665,9 @@ mod tests {
         let c = parse_chat(br#"{"messages":[],"logit_bias":{"70":-100,"3":2.5},"response_format":{"type":"json_object"}}"#).expect("bias");
         let i = &c.inputs[0];
         assert_eq!(i.logit_bias, [(3, 2.5), (70, -100.0)]);
-        assert!(matches!(i.format, OutputFormat::JsonObject));
+        assert!(
+            matches!(&i.format, Some(f) if f.grammar == Grammar::JsonObject && f.param == "response_format")
+        );
         let c = parse_completion(
             br#"{"prompt":["a","b"],"logit_bias":{"9":1},"response_format":{"type":"text"}}"#,
             8,
@@ -549,6 +676,129 @@ mod tests {
         assert!(c
             .inputs
             .iter()
-            .all(|i| i.logit_bias == [(9, 1.0)] && i.format.is_text()));
+            .all(|i| i.logit_bias == [(9, 1.0)] && i.format.is_none()));
+    }
+
+    /// Every way the field has of asking for a constraint reaches the same grammar, and two
+    /// at once are refused, naming both.
+    #[test]
+    fn constraints_arrive_from_every_field() {
+        let chat = |extra: &str| {
+            parse_chat(
+                format!(r#"{{"messages":[{{"role":"user","content":"x"}}],{extra}}}"#).as_bytes(),
+            )
+        };
+        let schema = serde_json::json!({"type": "object", "properties": {"a": {"type": "integer", "minimum": 2}}});
+        for (extra, param, want) in [
+            (
+                format!(
+                    r#""response_format":{{"type":"json_schema","json_schema":{{"name":"x","schema":{schema}}}}}"#
+                ),
+                "response_format",
+                Grammar::JsonSchema(schema.clone()),
+            ),
+            (
+                format!(r#""response_format":{{"type":"json_object","schema":{schema}}}"#),
+                "response_format",
+                Grammar::JsonSchema(schema.clone()),
+            ),
+            (
+                format!(r#""guided_json":{schema}"#),
+                "guided_json",
+                Grammar::JsonSchema(schema.clone()),
+            ),
+            (
+                format!(
+                    r#""guided_json":{}"#,
+                    serde_json::to_string(&schema.to_string()).unwrap()
+                ),
+                "guided_json",
+                Grammar::JsonSchema(schema.clone()),
+            ),
+            (
+                format!(r#""json_schema":{schema}"#),
+                "json_schema",
+                Grammar::JsonSchema(schema.clone()),
+            ),
+            (
+                format!(r#""structured_outputs":{{"json":{schema}}}"#),
+                "structured_outputs",
+                Grammar::JsonSchema(schema.clone()),
+            ),
+            (
+                r#""structured_outputs":{"regex":"a+b"}"#.into(),
+                "structured_outputs",
+                Grammar::Regex("a+b".into()),
+            ),
+            (
+                r#""guided_regex":"a+b""#.into(),
+                "guided_regex",
+                Grammar::Regex("a+b".into()),
+            ),
+            (
+                r#""structured_outputs":{"grammar":"start: \"x\""}"#.into(),
+                "structured_outputs",
+                Grammar::Lark("start: \"x\"".into()),
+            ),
+            (
+                r#""guided_grammar":"start: \"x\"""#.into(),
+                "guided_grammar",
+                Grammar::Lark("start: \"x\"".into()),
+            ),
+            (
+                r#""grammar":"start: \"x\"""#.into(),
+                "grammar",
+                Grammar::Lark("start: \"x\"".into()),
+            ),
+            (
+                r#""structured_outputs":{"choice":["a","b"]}"#.into(),
+                "structured_outputs",
+                Grammar::Choice(vec!["a".into(), "b".into()]),
+            ),
+            (
+                r#""guided_choice":["a","b"]"#.into(),
+                "guided_choice",
+                Grammar::Choice(vec!["a".into(), "b".into()]),
+            ),
+            (
+                r#""structured_outputs":{"json_object":true}"#.into(),
+                "structured_outputs",
+                Grammar::JsonObject,
+            ),
+        ] {
+            let c = chat(&extra).unwrap_or_else(|e| panic!("{extra}: {}", e.message));
+            let f = c.inputs[0].format.as_ref().expect("a constraint");
+            assert_eq!((&f.grammar, f.param), (&want, param), "{extra}");
+        }
+        for (extra, param, says) in [
+            (
+                r#""guided_regex":"a","grammar":"start: \"x\"""#,
+                "grammar",
+                "guided_regex and grammar",
+            ),
+            (
+                r#""structured_outputs":{"regex":"a","choice":["b"]}"#,
+                "structured_outputs",
+                "exactly one",
+            ),
+            (
+                r#""structured_outputs":{"xml":"a"}"#,
+                "structured_outputs",
+                "structured_outputs.xml",
+            ),
+            (r#""guided_choice":[]"#, "guided_choice", "empty choice"),
+            (r#""guided_json":"{not json""#, "guided_json", "not JSON"),
+            (
+                r#""response_format":{"type":"yaml"}"#,
+                "response_format",
+                "\"yaml\"",
+            ),
+        ] {
+            let e = chat(extra)
+                .err()
+                .unwrap_or_else(|| panic!("{extra} accepted"));
+            assert_eq!(e.param, Some(param), "{extra}: {}", e.message);
+            assert!(e.message.contains(says), "{extra}: {}", e.message);
+        }
     }
 }

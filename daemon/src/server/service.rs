@@ -1,12 +1,12 @@
 //! The `sluice.v1.Inference` service. Conversion between engine errors and gRPC status
 //! codes happens here and nowhere else.
 
-use super::api::{ApiError, ErrorKind, Frontend, GenerateInput, Prompt, RequestLimits};
+use super::api::{ApiError, ErrorKind, Format, Frontend, GenerateInput, Prompt, RequestLimits};
 use super::metrics::{Api, Metrics};
 use super::models::{parse_keep_alive, Models};
 use crate::engine::scheduler::{Event, Finish};
 use crate::plan::Placement;
-use crate::text::sampler::OutputFormat;
+use crate::text::grammar::Grammar;
 use crate::text::{ChatMessage, SamplingParams};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::inference_server::Inference;
@@ -52,11 +52,7 @@ pub(crate) fn input_of(
     r: pb::GenerateRequest,
     defaults: &SamplingParams,
 ) -> Result<GenerateInput, ApiError> {
-    let format = match r.response_format() {
-        pb::ResponseFormat::Text => OutputFormat::Text,
-        pb::ResponseFormat::JsonObject => OutputFormat::JsonObject,
-        pb::ResponseFormat::JsonSchema => OutputFormat::JsonSchema(json_schema(&r.json_schema)?),
-    };
+    let format = format_of(&r)?;
     let prompt = if !r.prompt_token_ids.is_empty() {
         Prompt::Ids(r.prompt_token_ids)
     } else if !r.messages.is_empty() {
@@ -107,15 +103,43 @@ pub fn sampling_of(s: &pb::SamplingParams, defaults: &SamplingParams) -> Samplin
     })
 }
 
-/// The schema of RESPONSE_FORMAT_JSON_SCHEMA, compiled.
-fn json_schema(text: &str) -> Result<std::sync::Arc<crate::text::schema::Schema>, ApiError> {
-    let bad = |m: String| ApiError::invalid(Some("json_schema"), m);
-    if text.is_empty() {
-        return Err(bad(
-            "RESPONSE_FORMAT_JSON_SCHEMA needs json_schema (a JSON schema as text)".into(),
-        ));
-    }
-    crate::text::schema::Schema::parse(text).map_err(|m| bad(format!("json_schema: {m}")))
+/// The request's response format with the field that carries it, each checked for being
+/// there (the grammar itself is checked when it is compiled for the model).
+fn format_of(r: &pb::GenerateRequest) -> Result<Option<Format>, ApiError> {
+    let need = |param: &'static str, kind: &str, empty: bool| {
+        if empty {
+            Err(ApiError::invalid(
+                Some(param),
+                format!("RESPONSE_FORMAT_{kind} needs {param}"),
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    let (grammar, param) = match r.response_format() {
+        pb::ResponseFormat::Text => return Ok(None),
+        pb::ResponseFormat::JsonObject => (Grammar::JsonObject, "response_format"),
+        pb::ResponseFormat::JsonSchema => {
+            need("json_schema", "JSON_SCHEMA", r.json_schema.is_empty())?;
+            let schema = serde_json::from_str(&r.json_schema).map_err(|e| {
+                ApiError::invalid(Some("json_schema"), format!("json_schema is not JSON: {e}"))
+            })?;
+            (Grammar::JsonSchema(schema), "json_schema")
+        }
+        pb::ResponseFormat::Regex => {
+            need("regex", "REGEX", r.regex.is_empty())?;
+            (Grammar::Regex(r.regex.clone()), "regex")
+        }
+        pb::ResponseFormat::Grammar => {
+            need("grammar", "GRAMMAR", r.grammar.trim().is_empty())?;
+            (Grammar::Lark(r.grammar.clone()), "grammar")
+        }
+        pb::ResponseFormat::Choice => {
+            need("choice", "CHOICE", r.choice.is_empty())?;
+            (Grammar::Choice(r.choice.clone()), "choice")
+        }
+    };
+    Ok(Some(Format { grammar, param }))
 }
 
 type GenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;

@@ -3,10 +3,9 @@
 pub mod detok;
 #[cfg(any(test, feature = "fuzz"))]
 pub mod fuzz;
-pub mod json;
+pub mod grammar;
 pub mod sampler;
 pub mod sandbox;
-pub mod schema;
 pub mod spm;
 pub mod template;
 pub mod tokenizer;

@@ -1,128 +1,27 @@
-//! Sampling: penalties on tokens already seen, then the request's logit biases, then (JSON
-//! mode) every token that would leave the text no prefix of a JSON object masked out, then
-//! greedy, or temperature followed by top-k, top-p and min-p (transformers' warper order),
-//! drawn with a seeded generator so a seed reproduces a completion. Sampling runs on the
-//! host from each sequence's logits row, so every backend samples the same way.
+//! Sampling: penalties on tokens already seen, then the request's logit biases, then (a
+//! constraint: JSON mode, a schema, a regex or a grammar) every token that cannot continue
+//! the text masked out, then greedy, or temperature followed by top-k, top-p and min-p
+//! (transformers' warper order), drawn with a seeded generator so a seed reproduces a
+//! completion. Sampling runs on the host from each sequence's logits row, so every backend
+//! samples the same way.
 
-use super::json::JsonState;
-use super::schema::{Schema, SchemaState};
-use super::tokenizer::{TokenKind, TokenTexts};
+use super::grammar::Constraint;
 use crate::util::rng::Rng;
 use std::collections::{HashMap, HashSet};
-use std::sync::Arc;
 
 /// What the generated text must be.
 #[derive(Clone, Debug, Default)]
 pub enum OutputFormat {
     #[default]
     Text,
-    /// One JSON object, then the end (OpenAI's `response_format: {"type": "json_object"}`).
-    JsonObject,
-    /// One instance of a JSON schema, then the end (`{"type": "json_schema"}`).
-    JsonSchema(Arc<Schema>),
+    /// A grammar compiled for the model's vocabulary (`Grammars::compile`): each sequence
+    /// starts from its own copy.
+    Constrained(Box<Constraint>),
 }
 
 impl OutputFormat {
     pub fn is_text(&self) -> bool {
         matches!(self, OutputFormat::Text)
-    }
-}
-
-/// Which first bytes can continue a constrained text, directly and after each whitespace
-/// byte: a token whose lead byte cannot is masked without running it through the
-/// automaton. (A token that fits after a run of whitespace fits after the run's first
-/// byte: whitespace between tokens only counts toward its limits, and in a string only a
-/// space is text. Not so inside a literal, a key or an enum value with spaces in it: there
-/// only the first byte is gated.)
-struct Gate {
-    direct: [bool; 256],
-    after: [[bool; 256]; 4],
-    literal: bool,
-}
-
-const WS: [u8; 4] = [b' ', b'\n', b'\t', b'\r'];
-
-impl Gate {
-    fn of(c: &Constraint) -> Gate {
-        let mut g = Gate {
-            direct: [false; 256],
-            after: [[false; 256]; 4],
-            literal: c.in_literal(),
-        };
-        for b in 0..=255u8 {
-            g.direct[b as usize] = c.fits(&[b]);
-            for (w, ws) in WS.iter().enumerate() {
-                g.after[w][b as usize] = c.fits(&[*ws, b]);
-            }
-        }
-        g
-    }
-
-    /// False only where `bytes` cannot fit.
-    fn may_fit(&self, bytes: &[u8]) -> bool {
-        let Some(&first) = bytes.first() else {
-            return true;
-        };
-        let Some(w) = WS.iter().position(|&c| c == first) else {
-            return self.direct[first as usize];
-        };
-        if self.literal {
-            return self.direct[first as usize];
-        }
-        match bytes.iter().find(|c| !WS.contains(c)) {
-            Some(&lead) => self.after[w][lead as usize],
-            // Whitespace only: run it.
-            None => true,
-        }
-    }
-}
-
-/// Where the text stands in what it must be.
-#[derive(Clone, Debug)]
-enum Constraint {
-    Json(JsonState),
-    Schema(Arc<Schema>, SchemaState),
-}
-
-impl Constraint {
-    fn is_done(&self) -> bool {
-        match self {
-            Constraint::Json(j) => j.is_done(),
-            Constraint::Schema(_, s) => s.is_done(),
-        }
-    }
-
-    fn in_plain_string(&self) -> bool {
-        match self {
-            Constraint::Json(j) => j.in_plain_string(),
-            Constraint::Schema(_, s) => s.in_plain_string(),
-        }
-    }
-
-    /// Matching a literal text (true/false/null, a key, an enum value).
-    fn in_literal(&self) -> bool {
-        match self {
-            Constraint::Json(j) => j.in_literal(),
-            Constraint::Schema(_, s) => s.in_literal(),
-        }
-    }
-
-    fn fits(&self, bytes: &[u8]) -> bool {
-        match self {
-            Constraint::Json(j) => j.feed(bytes).is_some(),
-            Constraint::Schema(schema, s) => s.feed(schema, bytes).is_some(),
-        }
-    }
-
-    /// The state after `bytes` (unchanged where they do not fit).
-    fn fed(self, bytes: &[u8]) -> Constraint {
-        match self {
-            Constraint::Json(j) => Constraint::Json(j.feed(bytes).unwrap_or(j)),
-            Constraint::Schema(schema, s) => {
-                let next = s.feed(&schema, bytes).unwrap_or(s);
-                Constraint::Schema(schema, next)
-            }
-        }
     }
 }
 
@@ -321,7 +220,7 @@ pub struct Sampler {
     counts: HashMap<u32, u32>,
     /// Added to token logits (after the penalties).
     bias: Vec<(u32, f32)>,
-    /// JSON mode or a schema: where the text so far stands.
+    /// A constraint: where the text so far stands in it.
     constraint: Option<Constraint>,
 }
 
@@ -365,15 +264,14 @@ impl Sampler {
         self.bias = bias.to_vec();
         self.constraint = match format {
             OutputFormat::Text => None,
-            OutputFormat::JsonObject => Some(Constraint::Json(JsonState::new())),
-            OutputFormat::JsonSchema(s) => Some(Constraint::Schema(s.clone(), SchemaState::new())),
+            OutputFormat::Constrained(c) => Some((**c).clone()),
         };
         self
     }
 
-    /// JSON mode or a schema: the text so far is whole (an object, an instance).
-    pub fn json_done(&self) -> Option<bool> {
-        self.constraint.as_ref().map(Constraint::is_done)
+    /// Under a constraint: the text so far is whole (an end token may come).
+    pub fn constraint_done(&mut self) -> Option<bool> {
+        self.constraint.as_mut().map(Constraint::is_done)
     }
 
     /// The penalties and biases applied to a copy of `logits` (only the tokens they name
@@ -405,34 +303,23 @@ impl Sampler {
         }
     }
 
-    /// Samples the next token of text without constraints (no JSON mode) and remembers it
-    /// for the penalties.
+    /// Samples the next token (under the constraint, if there is one) and remembers it
+    /// for the penalties and the constraint.
     pub fn sample(&mut self, logits: &[f32]) -> u32 {
-        self.sample_in(logits, None)
-    }
-
-    /// Samples the next token and remembers it for the penalties and JSON mode, whose
-    /// checks need the vocabulary's `texts` (without them it is not applied).
-    pub fn sample_in(&mut self, logits: &[f32], texts: Option<&TokenTexts>) -> u32 {
-        let constrained = self.constraint.is_some() && texts.is_some();
+        let constrained = self.constraint.is_some();
         if !self.params.penalizes() && self.bias.is_empty() && !constrained {
             return self.draw(logits);
         }
         self.shape(logits);
         let mut row = std::mem::take(&mut self.penalized);
-        let t = match (self.constraint.take(), texts) {
-            (Some(c), Some(texts)) => {
-                let t = self.draw_json(&mut row, &c, texts, logits);
-                self.constraint = Some(match texts.kind(t) {
-                    TokenKind::Text { .. } => c.fed(texts.bytes(t)),
-                    _ => c,
-                });
+        let t = match self.constraint.take() {
+            Some(mut c) => {
+                let t = self.draw_constrained(&mut row, &mut c, logits);
+                c.consume(t);
+                self.constraint = Some(c);
                 t
             }
-            (c, _) => {
-                self.constraint = c;
-                self.draw(&row)
-            }
+            None => self.draw(&row),
         };
         self.penalized = row;
         if self.params.repetition_penalty != 1.0 {
@@ -448,51 +335,22 @@ impl Sampler {
         self.rng.unit_f32()
     }
 
-    /// JSON mode's (or a schema's) draw: among the tokens that keep the text a prefix of
-    /// what it must be (end tokens once it is whole). Greedy tries the best token first and
-    /// masks the row only when it does not fit; sampling masks the row, so the draw is the
-    /// model's distribution restricted to what fits, then the usual warpers.
-    fn draw_json(
-        &mut self,
-        row: &mut [f32],
-        state: &Constraint,
-        texts: &TokenTexts,
-        logits: &[f32],
-    ) -> u32 {
-        let fits = |t: u32, gate: Option<&Gate>| match texts.kind(t) {
-            TokenKind::End => state.is_done(),
-            TokenKind::Silent => false,
-            TokenKind::Text { plain } => {
-                let b = texts.bytes(t);
-                !state.is_done()
-                    && ((plain && state.in_plain_string())
-                        || (gate.is_none_or(|g| g.may_fit(b)) && state.fits(b)))
-            }
-        };
+    /// A constrained draw: among the tokens that keep the text a prefix of what it must
+    /// be (end tokens once it is whole). Greedy tries the best token first and masks the
+    /// row only when it does not fit; sampling masks the row, so the draw is the model's
+    /// distribution restricted to what fits, then the usual warpers.
+    fn draw_constrained(&mut self, row: &mut [f32], c: &mut Constraint, logits: &[f32]) -> u32 {
         if self.params.temperature <= 0.0 {
             let best = argmax(row);
-            if fits(best, None) {
+            if c.allows(best) {
                 return best;
             }
         }
-        // Most tokens cannot fit for their first byte (or their first after whitespace):
-        // those are masked without running them.
-        let gate = Gate::of(state);
-        let mut any = false;
-        for (t, l) in row.iter_mut().enumerate() {
-            if fits(t as u32, Some(&gate)) {
-                any |= *l > f32::NEG_INFINITY;
-            } else {
-                *l = f32::NEG_INFINITY;
-            }
-        }
-        if !any {
+        if !c.mask(row) {
             // Nothing in the vocabulary continues the text: end it where an end token
-            // exists (the text is then no whole object, as at max_tokens), else go on
+            // exists (the text is then not whole, as at max_tokens), else go on
             // unconstrained.
-            return (0..texts.len() as u32)
-                .find(|&t| texts.kind(t) == TokenKind::End)
-                .unwrap_or_else(|| argmax(logits));
+            return c.first_end().unwrap_or_else(|| argmax(logits));
         }
         self.draw(row)
     }
@@ -615,8 +473,41 @@ pub fn logprobs(logits: &[f32], chosen: u32, top: usize) -> TokenLogprob {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::text::schema::Schema;
-    use crate::text::tokenizer::{TokenKind, TokenTexts};
+    use crate::text::grammar::{Grammar, Grammars, TokenKind, TokenTexts};
+
+    /// `g` compiled for vocabulary `v`.
+    fn compiled(v: &TokenTexts, g: Grammar) -> OutputFormat {
+        let grammars = Grammars::new(v, |id| format!("<special{id}>")).expect("vocabulary");
+        OutputFormat::Constrained(Box::new(grammars.compile(&g).expect("compiles")))
+    }
+
+    /// A vocabulary of these text pieces, then one end token (id `pieces.len()`).
+    fn pieces_vocab(pieces: &[&str]) -> TokenTexts {
+        let tokens: Vec<(&[u8], TokenKind)> = pieces
+            .iter()
+            .map(|p| (p.as_bytes(), TokenKind::Text))
+            .chain([(&b""[..], TokenKind::End)])
+            .collect();
+        TokenTexts::of(&tokens)
+    }
+
+    /// Draws from random logits until an end token or `steps` tokens: the text, and
+    /// whether an end token ended it. No special token that is not an end is ever drawn.
+    fn walk(s: &mut Sampler, v: &TokenTexts, rng: &mut Rng, steps: usize) -> (Vec<u8>, bool) {
+        let mut text = Vec::new();
+        for _ in 0..steps {
+            let logits: Vec<f32> = (0..v.len())
+                .map(|_| rng.below(1000) as f32 / 100.0)
+                .collect();
+            let t = s.sample(&logits);
+            match v.kind(t) {
+                TokenKind::End => return (text, true),
+                TokenKind::Silent => panic!("a silent token drawn"),
+                TokenKind::Text => text.extend_from_slice(v.bytes(t)),
+            }
+        }
+        (text, false)
+    }
 
     #[test]
     fn greedy_takes_the_first_maximum() {
@@ -759,12 +650,8 @@ mod tests {
 
     /// A vocabulary of JSON's pieces, a few that never fit, an end token and a silent one.
     fn json_vocab() -> TokenTexts {
-        let text = |b: &'static str| -> (&'static [u8], TokenKind) {
-            let plain = b
-                .bytes()
-                .all(|c| (0x20..0x7f).contains(&c) && c != b'"' && c != b'\\');
-            (b.as_bytes(), TokenKind::Text { plain })
-        };
+        let text =
+            |b: &'static str| -> (&'static [u8], TokenKind) { (b.as_bytes(), TokenKind::Text) };
         let mut v: Vec<(&[u8], TokenKind)> = [
             "{", "}", "[", "]", ",", ":", "\"", "\"k\"", "\":", "1", "0", "-", ".", "true", "nul",
             "l", "x", "cat", " ", "\n  ", "\\", "\\n", "é", "{\"", "\"}", "]}", "'",
@@ -772,21 +659,20 @@ mod tests {
         .into_iter()
         .map(text)
         .collect();
-        v.push((&[0xC3], TokenKind::Text { plain: false }));
-        v.push((&[0xA9], TokenKind::Text { plain: false }));
+        v.push((&[0xC3], TokenKind::Text));
+        v.push((&[0xA9], TokenKind::Text));
         v.push((b"", TokenKind::End));
         v.push((b"<pad>", TokenKind::Silent));
         TokenTexts::of(&v)
     }
 
-    /// Sampled with random logits, every text JSON mode makes is a prefix of an object,
-    /// and one that reached the end token is a whole object by serde_json's reading.
+    /// Sampled with random logits, every text JSON mode ends is a whole object by
+    /// serde_json's reading, a text is whole exactly when serde_json reads an object, and
+    /// no special token that is not an end token is ever drawn.
     #[test]
     fn json_mode_makes_objects_and_ends_only_when_one_is_whole() {
         let v = json_vocab();
-        let end = (0..v.len() as u32)
-            .find(|&t| v.kind(t) == TokenKind::End)
-            .unwrap();
+        let format = compiled(&v, Grammar::JsonObject);
         let mut rng = Rng::new(1);
         let (mut whole, mut cut) = (0, 0);
         for seed in 0..400 {
@@ -797,31 +683,13 @@ mod tests {
                 seed: seed as u64,
                 ..Default::default()
             })
-            .constrained(&[], &OutputFormat::JsonObject);
-            let mut text = Vec::new();
-            let mut ended = false;
-            for _ in 0..40 {
-                let logits: Vec<f32> = (0..v.len())
-                    .map(|_| rng.below(1000) as f32 / 100.0)
-                    .collect();
-                let t = s.sample_in(&logits, Some(&v));
-                assert_ne!(v.kind(t), TokenKind::Silent, "seed {seed}");
-                if t == end {
-                    ended = true;
-                    break;
-                }
-                text.extend_from_slice(v.bytes(t));
-                assert!(
-                    JsonState::new().feed(&text).is_some(),
-                    "seed {seed}: {:?}",
-                    String::from_utf8_lossy(&text)
-                );
-            }
+            .constrained(&[], &format);
+            let (text, ended) = walk(&mut s, &v, &mut rng, 40);
             let parsed =
                 serde_json::from_slice::<serde_json::Map<String, serde_json::Value>>(&text);
             // (No token starts an exponent, so no number is past serde_json's range.)
             let object = parsed.is_ok();
-            let done = s.json_done() == Some(true);
+            let done = s.constraint_done() == Some(true);
             assert_eq!(
                 done,
                 object,
@@ -829,6 +697,10 @@ mod tests {
                 String::from_utf8_lossy(&text)
             );
             assert!(done || !ended, "seed {seed}");
+            assert!(
+                !text.starts_with(b" ") && !text.starts_with(b"\n"),
+                "no whitespace before the object"
+            );
             if ended {
                 whole += 1;
             } else {
@@ -841,67 +713,166 @@ mod tests {
         );
     }
 
-    /// The gate masks no token that fits: at every state of random walks through JSON mode
-    /// and a schema with spaces inside keys and enum values, each token of a vocabulary of
-    /// whitespace-led pieces is either let through or does not fit.
+    /// The mask and the one-token check (greedy's fast path) agree on every token at every
+    /// state of random walks through JSON mode and a schema with spaces inside keys and
+    /// enum values, over a vocabulary of whitespace-led pieces.
     #[test]
-    fn the_gate_masks_no_token_that_fits() {
-        let schema = Schema::compile(&serde_json::json!({
+    fn the_mask_and_the_token_check_agree() {
+        let schema = serde_json::json!({
             "type": "object",
             "properties": {
                 "k  k": {"enum": ["a  b", "x y", 7, 71]},
-                "s": {"type": "string"},
-                "n": {"type": "array", "items": {"type": "number"}}
+                "s": {"type": "string", "maxLength": 3},
+                "n": {"type": "array", "items": {"type": "number", "minimum": -2}}
             },
             "required": ["k  k"]
-        }))
-        .unwrap();
+        });
         let pieces = [
             "{", "}", "[", "]", ",", ":", "\"", " ", "  ", "\n", "\n  ", "\t", " \"", "  \"k",
             "\"k", " k", "k", "  b", " b", "a", "b", "x", " y", "y\"", "7", " 7", "1", " 1", ".",
             "e", " :", " ,", " }", "\n}", " ]", "s", "\"s\"", "\"n\"", " [", "-", "é", "\\n",
             " true", "null",
         ];
-        let tokens: Vec<(&[u8], TokenKind)> = pieces
-            .iter()
-            .map(|p| (p.as_bytes(), TokenKind::Text { plain: false }))
-            .chain([(&b""[..], TokenKind::End)])
-            .collect();
-        let v = TokenTexts::of(&tokens);
+        let v = pieces_vocab(&pieces);
+        let formats = [
+            compiled(&v, Grammar::JsonObject),
+            compiled(&v, Grammar::JsonSchema(schema)),
+        ];
         let mut rng = Rng::new(3);
-        let mut checked = 0;
+        let mut allowed = 0;
         for seed in 0..200u64 {
-            let format = if seed % 2 == 0 {
-                OutputFormat::JsonObject
-            } else {
-                OutputFormat::JsonSchema(schema.clone())
-            };
             let mut s = Sampler::new(SamplingParams {
                 temperature: 2.0,
                 seed,
                 ..Default::default()
             })
-            .constrained(&[], &format);
+            .constrained(&[], &formats[seed as usize % 2]);
             for _ in 0..40 {
-                let c = s.constraint.clone().unwrap();
+                let mut c = s.constraint.clone().unwrap();
+                let mut row = vec![0.0f32; v.len()];
+                c.mask(&mut row);
+                for t in 0..v.len() as u32 {
+                    let by_mask = row[t as usize] > f32::NEG_INFINITY;
+                    assert_eq!(c.allows(t), by_mask, "token {t} {:?}", v.bytes(t));
+                    allowed += usize::from(by_mask);
+                }
                 if c.is_done() {
                     break;
                 }
-                let gate = Gate::of(&c);
-                for t in 0..v.len() as u32 - 1 {
-                    let b = v.bytes(t);
-                    assert!(
-                        gate.may_fit(b) || !c.fits(b),
-                        "{:?} masked at {c:?}",
-                        String::from_utf8_lossy(b)
-                    );
-                    checked += usize::from(c.fits(b));
-                }
                 let logits: Vec<f32> = (0..v.len()).map(|_| rng.below(100) as f32 / 10.0).collect();
-                s.sample_in(&logits, Some(&v));
+                s.sample(&logits);
             }
         }
-        assert!(checked > 5000, "{checked} fitting tokens checked");
+        assert!(allowed > 2000, "{allowed} allowed tokens checked");
+    }
+
+    /// Whitespace between JSON tokens: spaces and tabs with at most one newline, at most 20
+    /// in a row on either side of it (the old automaton's limits, llama.cpp's rule).
+    #[test]
+    fn json_whitespace_is_bounded() {
+        let pieces = ["{", "}", "\"a\"", ":", "1", " ", "\n", "\t"];
+        let v = pieces_vocab(&pieces);
+        let OutputFormat::Constrained(start) = compiled(&v, Grammar::JsonObject) else {
+            unreachable!()
+        };
+        let id = |p: &str| pieces.iter().position(|q| *q == p).unwrap_or(pieces.len()) as u32;
+        let run = |text: &[&str]| {
+            let mut c = (*start).clone();
+            for p in text {
+                if !c.allows(id(p)) {
+                    return None;
+                }
+                c.consume(id(p));
+            }
+            Some(c)
+        };
+        assert!(run(&[" "]).is_none(), "no whitespace before the object");
+        let mut spaces = vec!["{"];
+        spaces.extend([" "; 20]);
+        assert!(run(&spaces).is_some());
+        spaces.push(" ");
+        assert!(run(&spaces).is_none(), "21 spaces");
+        assert!(run(&["{", " ", "\n", "\t", "\"a\"", ":", "\n", " ", "1", "}"]).is_some());
+        assert!(run(&["{", "\n", "\n"]).is_none(), "a second newline");
+        let mut whole = run(&["{", "\"a\"", ":", "1", "}"]).unwrap();
+        assert!(whole.is_done());
+        let end = pieces.len() as u32;
+        assert!(whole.allows(end), "the end token");
+        assert!(!run(&["{", "\"a\""]).unwrap().allows(end), "no end inside");
+    }
+
+    /// A regex, a Lark grammar and a choice: every sampled text that ends is one their
+    /// own rules accept, checked by hand here.
+    #[test]
+    fn regex_grammar_and_choice_texts_are_what_they_must_be() {
+        let pieces = [
+            "a", "b", "ab", "ba", "c", "bc", "(", ")", "()", "x", " ", "yes", "no", "y", "n", "e",
+            "s", "o",
+        ];
+        let v = pieces_vocab(&pieces);
+        type Check = fn(&str) -> bool;
+        let balanced: Check = |t| {
+            let mut depth = 0i32;
+            t.chars().all(|c| {
+                depth += if c == '(' { 1 } else { -1 };
+                depth >= 0
+            }) && depth == 0
+                && t.chars().all(|c| "()".contains(c))
+        };
+        let cases: [(Grammar, Check); 3] = [
+            (Grammar::Regex("[ab]{2,5}c".into()), |t| {
+                (3..=6).contains(&t.len())
+                    && t.ends_with('c')
+                    && t[..t.len() - 1].chars().all(|c| c == 'a' || c == 'b')
+            }),
+            (
+                Grammar::Lark("start: \"(\" start \")\" start | \"\"".into()),
+                balanced,
+            ),
+            (
+                Grammar::Choice(vec!["yes".into(), "no".into(), "a b".into()]),
+                |t| ["yes", "no", "a b"].contains(&t),
+            ),
+        ];
+        let mut rng = Rng::new(4);
+        for (g, check) in cases {
+            let format = compiled(&v, g.clone());
+            let mut ended = 0;
+            for seed in 0..100u64 {
+                let mut s = Sampler::new(SamplingParams {
+                    temperature: [0.0, 1.0, 2.0][seed as usize % 3],
+                    seed,
+                    ..Default::default()
+                })
+                .constrained(&[], &format);
+                let (text, end) = walk(&mut s, &v, &mut rng, 30);
+                let text = String::from_utf8(text).expect("pieces are text");
+                if end {
+                    assert!(check(&text), "{g:?}: {text:?}");
+                    ended += 1;
+                }
+            }
+            assert!(ended > 30, "{g:?}: {ended} of 100 ended");
+        }
+    }
+
+    /// A schema keyword llguidance does not enforce is refused, naming it and where it is.
+    #[test]
+    fn unenforced_keywords_are_named_with_their_place() {
+        let v = json_vocab();
+        let grammars = Grammars::new(&v, |id| format!("<special{id}>")).unwrap();
+        let schema = serde_json::json!({
+            "type": "object",
+            "properties": {"tags": {"type": "array", "uniqueItems": true}}
+        });
+        let e = grammars.compile(&Grammar::JsonSchema(schema)).unwrap_err();
+        assert!(e.contains("\"uniqueItems\" at /properties/tags"), "{e}");
+        let e = grammars.compile(&Grammar::Regex("a(".into())).unwrap_err();
+        assert!(e.starts_with("regex is not valid"), "{e}");
+        let e = grammars
+            .compile(&Grammar::Lark("start: nothing".into()))
+            .unwrap_err();
+        assert!(e.starts_with("grammar is not valid"), "{e}");
     }
 
     /// Greedy JSON mode takes the best token that fits, which is the best token when it
@@ -923,12 +894,12 @@ mod tests {
             logits[id(b) as usize] = 10.0 - i as f32;
         }
         let mut plain = Sampler::new(SamplingParams::default());
-        assert_eq!(plain.sample_in(&logits, Some(&v)), lone);
-        let mut s =
-            Sampler::new(SamplingParams::default()).constrained(&[], &OutputFormat::JsonObject);
+        assert_eq!(plain.sample(&logits), lone);
+        let mut s = Sampler::new(SamplingParams::default())
+            .constrained(&[], &compiled(&v, Grammar::JsonObject));
         let mut text = Vec::new();
         for _ in 0..12 {
-            let t = s.sample_in(&logits, Some(&v));
+            let t = s.sample(&logits);
             if v.kind(t) == TokenKind::End {
                 break;
             }
@@ -938,7 +909,7 @@ mod tests {
         // a colon in it; ": no longer fits (nothing follows a value but , or }), {"
         // does and ends the string; } closes the object; the end.
         assert_eq!(String::from_utf8_lossy(&text), "{\"\":\":{\"}");
-        assert_eq!(s.json_done(), Some(true));
+        assert_eq!(s.constraint_done(), Some(true));
     }
 
     #[test]
@@ -1036,7 +1007,7 @@ mod tests {
     /// end is an instance: checked field by field on serde_json's reading.
     #[test]
     fn sampled_texts_are_instances() {
-        let schema = Schema::compile(&serde_json::json!({
+        let schema = Grammar::JsonSchema(serde_json::json!({
             "type": "object",
             "properties": {
                 "n": {"type": "integer"},
@@ -1045,31 +1016,17 @@ mod tests {
                 "o": {"type": "string"},
                 "t": {"$ref": "#"}
             },
+            "additionalProperties": false,
             "required": ["n", "k", "l"]
-        }))
-        .unwrap();
+        }));
         let pieces = [
             "{", "}", "[", "]", ",", ":", "\"", "\"n\"", "\"k\":", "\"l\"", "\"o\"", "\"t\":", "1",
             "0", "-", ".", "5", "true", "false", "x", "\"y\"", "ab", " ", "\n  ", "é", "{\"",
             // Every byte the schema's texts need alone, as byte-level vocabularies have.
             "k", "l", "n", "o", "t", "y", "r", "u", "e", "f", "a", "s",
         ];
-        let mut tokens: Vec<(&[u8], TokenKind)> = pieces
-            .iter()
-            .map(|p| {
-                (
-                    p.as_bytes(),
-                    TokenKind::Text {
-                        plain: p
-                            .bytes()
-                            .all(|c| (0x20..0x7f).contains(&c) && c != b'"' && c != b'\\'),
-                    },
-                )
-            })
-            .collect();
-        tokens.push((b"", TokenKind::End));
-        let v = TokenTexts::of(&tokens);
-        let end = (tokens.len() - 1) as u32;
+        let v = pieces_vocab(&pieces);
+        let format = compiled(&v, schema);
         let mut rng = Rng::new(2);
         let mut whole = 0;
         for seed in 0..300u64 {
@@ -1078,27 +1035,8 @@ mod tests {
                 seed,
                 ..Default::default()
             })
-            .constrained(&[], &OutputFormat::JsonSchema(schema.clone()));
-            let mut text = Vec::new();
-            let mut ended = false;
-            for _ in 0..80 {
-                let logits: Vec<f32> = (0..v.len())
-                    .map(|_| rng.below(1000) as f32 / 100.0)
-                    .collect();
-                let t = s.sample_in(&logits, Some(&v));
-                if t == end {
-                    ended = true;
-                    break;
-                }
-                text.extend_from_slice(v.bytes(t));
-                assert!(
-                    crate::text::schema::SchemaState::new()
-                        .feed(&schema, &text)
-                        .is_some(),
-                    "{:?}",
-                    String::from_utf8_lossy(&text)
-                );
-            }
+            .constrained(&[], &format);
+            let (text, ended) = walk(&mut s, &v, &mut rng, 80);
             if !ended {
                 continue;
             }

@@ -3,6 +3,7 @@
 //! regexes are llama.cpp's, llama-vocab.cpp); a GGUF SentencePiece vocabulary through
 //! `spm` (llama.cpp's algorithm).
 
+use super::grammar::{Grammars, TokenKind, TokenTexts};
 use crate::store::format::{GgufVocab, Manifest, SpecialTokens, TokenizerSpec};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -29,69 +30,8 @@ pub struct Tokenizer {
     vocab: u32,
     /// The most bytes one token stands for (`longest_token_bytes`), found on first use.
     longest: std::sync::OnceLock<usize>,
-    /// Every token's text, built on first use (`texts`).
-    texts: std::sync::OnceLock<TokenTexts>,
-}
-
-/// What each token of the vocabulary adds to generated text, for the sampler's constraints
-/// (JSON mode): its bytes, or that it ends generation, or that it adds nothing (a special
-/// token the text leaves out).
-pub struct TokenTexts {
-    bytes: Vec<u8>,
-    /// Token `i`'s bytes are `bytes[starts[i]..starts[i + 1]]`.
-    starts: Vec<u32>,
-    kinds: Vec<TokenKind>,
-}
-
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum TokenKind {
-    /// Text; `plain`: whole UTF-8 characters, none of them `"`, a backslash or a control
-    /// character (it keeps a JSON string one, without running it through the automaton).
-    Text { plain: bool },
-    /// Ends generation (eos, end of turn).
-    End,
-    /// A special token the text leaves out, or one of no bytes.
-    Silent,
-}
-
-impl TokenTexts {
-    /// A table of the given tokens, id by id (a vocabulary made up for tests).
-    pub fn of(tokens: &[(&[u8], TokenKind)]) -> TokenTexts {
-        let mut t = TokenTexts {
-            bytes: Vec::new(),
-            starts: vec![0],
-            kinds: Vec::new(),
-        };
-        for &(b, k) in tokens {
-            t.bytes.extend_from_slice(b);
-            t.starts.push(t.bytes.len() as u32);
-            t.kinds.push(k);
-        }
-        t
-    }
-
-    pub fn len(&self) -> usize {
-        self.kinds.len()
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.kinds.is_empty()
-    }
-
-    pub fn kind(&self, id: u32) -> TokenKind {
-        self.kinds
-            .get(id as usize)
-            .copied()
-            .unwrap_or(TokenKind::Silent)
-    }
-
-    pub fn bytes(&self, id: u32) -> &[u8] {
-        let i = id as usize;
-        match (self.starts.get(i), self.starts.get(i + 1)) {
-            (Some(&a), Some(&b)) => &self.bytes[a as usize..b as usize],
-            _ => &[],
-        }
-    }
+    /// The vocabulary as constraints see it, built on first use (`grammars`).
+    grammars: std::sync::OnceLock<Result<Grammars, String>>,
 }
 
 /// GPT-2's pre-tokenizer regex.
@@ -231,7 +171,7 @@ impl Tokenizer {
             prepend_bos: prepend_bos && special.bos.is_some(),
             vocab,
             longest: std::sync::OnceLock::new(),
-            texts: std::sync::OnceLock::new(),
+            grammars: std::sync::OnceLock::new(),
         })
     }
 
@@ -307,56 +247,50 @@ impl Tokenizer {
         }
     }
 
-    /// Every token's text and kind, built on first use (a JSON-mode request): some 4 MB
-    /// and 0.1 s for a vocabulary of 262k tokens.
-    pub fn texts(&self) -> &TokenTexts {
-        self.texts.get_or_init(|| {
-            let n = self.vocab as usize;
-            let special: std::collections::HashSet<u32> = match &self.inner {
-                Inner::Hf(t) => t
-                    .get_added_tokens_decoder()
-                    .into_iter()
-                    .filter(|(_, a)| a.special)
-                    .map(|(id, _)| id)
-                    .collect(),
-                Inner::Spm(t) => (0..self.vocab).filter(|&id| t.is_control(id)).collect(),
-            };
-            let mut out = TokenTexts {
-                bytes: Vec::new(),
-                starts: Vec::with_capacity(n + 1),
-                kinds: Vec::with_capacity(n),
-            };
-            out.starts.push(0);
-            for id in 0..self.vocab {
-                let kind = if self.is_end(id) {
-                    TokenKind::End
-                } else if special.contains(&id) {
+    /// The vocabulary as constraints (JSON mode, schemas, regexes, grammars) see it,
+    /// built on the first constrained request and shared by all.
+    pub fn grammars(&self) -> Result<&Grammars, String> {
+        self.grammars
+            .get_or_init(|| Grammars::new(&self.texts(), |id| self.piece(id)))
+            .as_ref()
+            .map_err(|e| format!("the vocabulary cannot take constraints: {e}"))
+    }
+
+    /// Every token's text and kind: some 4 MB and 0.1 s for a vocabulary of 262k tokens.
+    fn texts(&self) -> TokenTexts {
+        let special: std::collections::HashSet<u32> = match &self.inner {
+            Inner::Hf(t) => t
+                .get_added_tokens_decoder()
+                .into_iter()
+                .filter(|(_, a)| a.special)
+                .map(|(id, _)| id)
+                .collect(),
+            Inner::Spm(t) => (0..self.vocab).filter(|&id| t.is_control(id)).collect(),
+        };
+        let mut out = TokenTexts::with_capacity(self.vocab as usize);
+        for id in 0..self.vocab {
+            if self.is_end(id) {
+                out.push(&[], TokenKind::End);
+            } else if special.contains(&id) {
+                out.push(&[], TokenKind::Silent);
+            } else {
+                let b = match &self.inner {
+                    Inner::Spm(t) => {
+                        let mut b = Vec::new();
+                        t.piece_bytes(id, false, &mut b);
+                        b
+                    }
+                    Inner::Hf(_) => self.token_bytes(id),
+                };
+                let kind = if b.is_empty() {
                     TokenKind::Silent
                 } else {
-                    let b = match &self.inner {
-                        Inner::Spm(t) => {
-                            let mut b = Vec::new();
-                            t.piece_bytes(id, false, &mut b);
-                            b
-                        }
-                        Inner::Hf(_) => self.token_bytes(id),
-                    };
-                    out.bytes.extend_from_slice(&b);
-                    if b.is_empty() {
-                        TokenKind::Silent
-                    } else {
-                        TokenKind::Text {
-                            plain: std::str::from_utf8(&b).is_ok()
-                                && b.iter()
-                                    .all(|&c| c >= 0x20 && c != 0x7f && c != b'"' && c != b'\\'),
-                        }
-                    }
+                    TokenKind::Text
                 };
-                out.kinds.push(kind);
-                out.starts.push(out.bytes.len() as u32);
+                out.push(&b, kind);
             }
-            out
-        })
+        }
+        out
     }
 
     pub fn token_id(&self, s: &str) -> Option<u32> {

@@ -7,6 +7,7 @@ use sluice::engine::{on_backend, BackendChoice, EngineError, OnBackend};
 use sluice::io::IoConfig;
 use sluice::pipeline::Pipeline;
 use sluice::store::Store;
+use sluice::text::grammar::Grammar;
 use sluice::text::sampler::OutputFormat;
 use sluice::text::{ChatMessage, ChatTemplate, Tokenizer};
 use sluice::util::{fmt_bytes, parse_size, store_path};
@@ -62,6 +63,14 @@ pub struct RunArgs {
     /// outputs; its properties are written in the schema's order).
     #[arg(long, value_name = "FILE", conflicts_with = "json_object")]
     json_schema: Option<PathBuf>,
+    /// Generate a text the regular expression matches whole, then end (Rust regex syntax;
+    /// vLLM's guided_regex).
+    #[arg(long, value_name = "REGEX", conflicts_with_all = ["json_object", "json_schema"])]
+    regex: Option<String>,
+    /// Generate a text of the Lark grammar in FILE, then end (llguidance's Lark syntax;
+    /// vLLM's guided_grammar).
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["json_object", "json_schema", "regex"])]
+    grammar: Option<PathBuf>,
     /// Positions of KV cache (default: the model's context, at most 4096).
     #[arg(long)]
     max_context: Option<usize>,
@@ -262,8 +271,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     input.host.sampler_rows = sampling.temperature > 0.0
         || sampling.penalizes()
         || !a.logit_bias.is_empty()
-        || a.json_object
-        || a.json_schema.is_some();
+        || a.grammar().is_some();
     let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
     let io = IoConfig::single_stream();
     let job = Generate {
@@ -414,8 +422,18 @@ impl OnBackend for Generate<'_> {
 /// What each of `sluiced run`'s sequences generates under.
 fn generate_params(
     a: &RunArgs,
+    tok: &Tokenizer,
     sampling: sluice::text::SamplingParams,
 ) -> Result<sluice::engine::sequence::GenerateParams> {
+    let format = match a.grammar() {
+        None => OutputFormat::Text,
+        Some((flag, g)) => OutputFormat::Constrained(
+            tok.grammars()
+                .and_then(|gs| gs.compile(&g?))
+                .map(Box::new)
+                .map_err(|m| anyhow::anyhow!("{flag}: {m}"))?,
+        ),
+    };
     Ok(sluice::engine::sequence::GenerateParams {
         max_tokens: a.max_tokens,
         sampling,
@@ -423,11 +441,7 @@ fn generate_params(
         ignore_eos: a.ignore_eos,
         logprobs: None,
         logit_bias: a.logit_bias.clone(),
-        format: match (&a.json_schema, a.json_object) {
-            (Some(path), _) => OutputFormat::JsonSchema(load_schema(path)?),
-            (None, true) => OutputFormat::JsonObject,
-            (None, false) => OutputFormat::Text,
-        },
+        format,
         draft: a.draft(),
     })
 }
@@ -472,7 +486,7 @@ fn run_generate<B: Backend>(
             context - prompt_ids.len()
         );
     }
-    let params = generate_params(a, sampling)?;
+    let params = generate_params(a, tok, sampling)?;
     let stdout = std::io::stdout();
     let dm = draft_model.as_mut();
     let outs = generate_with(
@@ -738,10 +752,29 @@ fn parse_logit_bias(s: &str) -> Result<(u32, f32), String> {
     }
 }
 
-/// `--json-schema FILE`, compiled.
-fn load_schema(path: &std::path::Path) -> Result<std::sync::Arc<sluice::text::schema::Schema>> {
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("read the JSON schema {}", path.display()))?;
-    sluice::text::schema::Schema::parse(&text)
-        .map_err(|m| anyhow::anyhow!("{}: {m}", path.display()))
+impl RunArgs {
+    /// The constraint the flags ask for, with the flag that named it (None: any text);
+    /// Err where a file the flag names cannot be read.
+    fn grammar(&self) -> Option<(&'static str, std::result::Result<Grammar, String>)> {
+        let read = |path: &std::path::Path| {
+            std::fs::read_to_string(path)
+                .map_err(|e| format!("cannot read {}: {e}", path.display()))
+        };
+        if let Some(path) = &self.json_schema {
+            let g = read(path).and_then(|text| {
+                serde_json::from_str(&text)
+                    .map(Grammar::JsonSchema)
+                    .map_err(|e| format!("{} is not JSON: {e}", path.display()))
+            });
+            Some(("--json-schema", g))
+        } else if let Some(path) = &self.grammar {
+            Some(("--grammar", read(path).map(Grammar::Lark)))
+        } else if let Some(r) = &self.regex {
+            Some(("--regex", Ok(Grammar::Regex(r.clone()))))
+        } else if self.json_object {
+            Some(("--json-object", Ok(Grammar::JsonObject)))
+        } else {
+            None
+        }
+    }
 }
