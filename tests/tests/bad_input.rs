@@ -673,10 +673,7 @@ fn a_chat_template_that_builds_a_huge_string_kills_only_its_worker() {
     use sluice::text::sandbox::TemplateSandbox;
     use sluice::text::{ChatMessage, ChatTemplate};
     let sandbox = std::sync::Arc::new(TemplateSandbox::new(bin("sluiced")));
-    let msgs = [ChatMessage {
-        role: "user".into(),
-        content: "hello".into(),
-    }];
+    let msgs = [ChatMessage::new("user", "hello")];
     let hostile =
         ChatTemplate::sandboxed(DOUBLING, "<s>".into(), "</s>".into(), sandbox.clone()).unwrap();
     let chatml =

@@ -479,9 +479,8 @@ fn smollm2_greedy_continuations_match_transformers() {
                 .as_array()
                 .unwrap()
                 .iter()
-                .map(|x| ChatMessage {
-                    role: x["role"].as_str().unwrap().into(),
-                    content: x["content"].as_str().unwrap().into(),
+                .map(|x| {
+                    ChatMessage::new(x["role"].as_str().unwrap(), x["content"].as_str().unwrap())
                 })
                 .collect();
             let t = ChatTemplate::new(

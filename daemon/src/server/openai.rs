@@ -411,10 +411,7 @@ fn messages(list: Vec<Value>) -> Result<Vec<ChatMessage>, ApiError> {
             if m.get("tool_calls").is_some_and(|t| !t.is_null()) {
                 return Err(unsupported("messages", "an assistant message with tool_calls"));
             }
-            Ok(ChatMessage {
-                role: role.to_string(),
-                content: content_text(i, m.get("content"))?,
-            })
+            Ok(ChatMessage::new(role, content_text(i, m.get("content"))?))
         })
         .collect()
 }

@@ -59,10 +59,7 @@ pub(crate) fn input_of(
         Prompt::Messages(
             r.messages
                 .into_iter()
-                .map(|m| ChatMessage {
-                    role: m.role,
-                    content: m.content,
-                })
+                .map(|m| ChatMessage::new(m.role, m.content))
                 .collect(),
         )
     } else {
@@ -223,10 +220,7 @@ impl Inference for Service {
             let msgs = r
                 .messages
                 .into_iter()
-                .map(|m| ChatMessage {
-                    role: m.role,
-                    content: m.content,
-                })
+                .map(|m| ChatMessage::new(m.role, m.content))
                 .collect();
             front
                 .prompt_ids(&Prompt::Messages(msgs))

@@ -15,10 +15,7 @@ pub fn template(data: &[u8], templates: &[ChatTemplate]) {
     let messages: Vec<ChatMessage> = parts
         .take(64)
         .enumerate()
-        .map(|(i, c)| ChatMessage {
-            role: roles[i % roles.len()].to_string(),
-            content: c.to_string(),
-        })
+        .map(|(i, c)| ChatMessage::new(roles[i % roles.len()].to_string(), c.to_string()))
         .collect();
     for t in templates {
         let _ = t.render(&messages, true);

@@ -9,9 +9,8 @@
 //!
 //! The wire is a pipe each way: a little-endian u32 length, then that many bytes of JSON.
 
-use super::template::{ChatMessage, ChatTemplate, Renderer, TemplateError};
+use super::template::{ChatTemplate, RenderJob, Renderer, TemplateError};
 use serde::{Deserialize, Serialize};
-use std::borrow::Cow;
 use std::collections::HashMap;
 use std::io::{BufReader, Read, Write};
 use std::path::PathBuf;
@@ -25,16 +24,6 @@ pub const WORKER_ADDRESS_SPACE: u64 = 1 << 30;
 pub const WORKER_COMMAND: &str = "template-worker";
 /// A request or an answer larger than this is refused (the request body limit is MiBs).
 const FRAME_MAX: usize = 256 << 20;
-
-/// Borrowed where the daemon writes it, owned where the worker reads it.
-#[derive(Serialize, Deserialize)]
-struct Job<'a> {
-    source: Cow<'a, str>,
-    bos: Cow<'a, str>,
-    eos: Cow<'a, str>,
-    messages: Cow<'a, [ChatMessage]>,
-    add_generation_prompt: bool,
-}
 
 #[derive(Serialize, Deserialize)]
 enum Answer {
@@ -86,7 +75,7 @@ pub fn worker_main() -> Result<(), String> {
     let (mut input, mut output) = (std::io::stdin().lock(), std::io::stdout().lock());
     let mut compiled: HashMap<(String, String, String), ChatTemplate> = HashMap::new();
     while let Some(frame) = read_frame(&mut input).map_err(|e| e.to_string())? {
-        let answer = match serde_json::from_slice::<Job>(&frame) {
+        let answer = match serde_json::from_slice::<RenderJob>(&frame) {
             Err(e) => Answer::Error(format!("bad request to the template worker: {e}")),
             Ok(job) => {
                 let key = (
@@ -109,8 +98,12 @@ pub fn worker_main() -> Result<(), String> {
                         }
                     }
                 }
-                match compiled.get(&key) {
-                    Some(t) => match t.render(&job.messages, job.add_generation_prompt) {
+                let rendered = compiled.get_mut(&key).map(|t| {
+                    t.set_vars(job.vars.into_owned());
+                    t.render_with_tools(&job.messages, &job.tools, job.add_generation_prompt)
+                });
+                match rendered {
+                    Some(r) => match r {
                         Ok(s) => Answer::Text(s),
                         Err(e) => Answer::Error(e.to_string()),
                     },
@@ -181,22 +174,8 @@ impl TemplateSandbox {
 }
 
 impl Renderer for TemplateSandbox {
-    fn render(
-        &self,
-        source: &str,
-        bos: &str,
-        eos: &str,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, TemplateError> {
-        let job = serde_json::to_vec(&Job {
-            source: Cow::Borrowed(source),
-            bos: Cow::Borrowed(bos),
-            eos: Cow::Borrowed(eos),
-            messages: Cow::Borrowed(messages),
-            add_generation_prompt,
-        })
-        .map_err(|e| TemplateError::new(e.to_string()))?;
+    fn render(&self, job: &RenderJob<'_>) -> Result<String, TemplateError> {
+        let job = serde_json::to_vec(job).map_err(|e| TemplateError::new(e.to_string()))?;
         let mut slot = self
             .worker
             .lock()

@@ -3,6 +3,7 @@
 //! `raise_exception`, `strftime_now`).
 
 use serde::{Deserialize, Serialize};
+use std::borrow::Cow;
 use std::sync::Arc;
 
 /// Instructions one render may run: real templates need a few hundred per message (a
@@ -25,10 +26,28 @@ impl TemplateError {
     }
 }
 
-#[derive(Clone, Debug, Serialize, Deserialize, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, Serialize, Deserialize, PartialEq)]
 pub struct ChatMessage {
     pub role: String,
     pub content: String,
+    /// An assistant message's tool calls, as templates take them (transformers' shape:
+    /// `{"id", "type": "function", "function": {"name", "arguments": {...}}}`, the
+    /// arguments an object). Left out of the template's context when there are none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub tool_calls: Vec<serde_json::Value>,
+    /// A tool message's answer to this call.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tool_call_id: Option<String>,
+}
+
+impl ChatMessage {
+    pub fn new(role: impl Into<String>, content: impl Into<String>) -> ChatMessage {
+        ChatMessage {
+            role: role.into(),
+            content: content.into(),
+            ..Default::default()
+        }
+    }
 }
 
 pub struct ChatTemplate {
@@ -37,19 +56,30 @@ pub struct ChatTemplate {
     eos: String,
     /// Renders go there (with the source), not to `env`.
     sandbox: Option<(Arc<dyn Renderer>, String)>,
+    /// Variables every render sees besides the conversation (transformers' and vLLM's
+    /// chat template kwargs: `date_string`, `enable_thinking`, ...).
+    vars: serde_json::Map<String, serde_json::Value>,
+}
+
+/// One render: the template's source and everything its context holds. Borrowed where the
+/// daemon sends it, owned where the worker reads it.
+#[derive(Serialize, Deserialize)]
+pub struct RenderJob<'a> {
+    pub source: Cow<'a, str>,
+    pub bos: Cow<'a, str>,
+    pub eos: Cow<'a, str>,
+    pub messages: Cow<'a, [ChatMessage]>,
+    #[serde(default)]
+    pub tools: Cow<'a, [serde_json::Value]>,
+    #[serde(default)]
+    pub vars: Cow<'a, serde_json::Map<String, serde_json::Value>>,
+    pub add_generation_prompt: bool,
 }
 
 /// Renders a template's source elsewhere (`sandbox::TemplateSandbox`: in a worker
 /// process).
 pub trait Renderer: Send + Sync {
-    fn render(
-        &self,
-        source: &str,
-        bos: &str,
-        eos: &str,
-        messages: &[ChatMessage],
-        add_generation_prompt: bool,
-    ) -> Result<String, TemplateError>;
+    fn render(&self, job: &RenderJob<'_>) -> Result<String, TemplateError>;
 }
 
 impl ChatTemplate {
@@ -71,10 +101,10 @@ impl ChatTemplate {
                 ))
             },
         );
-        env.add_function("strftime_now", |_fmt: String| -> String {
-            // Deterministic output matters more than the date in a template.
-            String::new()
-        });
+        env.add_function("strftime_now", strftime_now);
+        // Python's json.dumps, as transformers' `tojson` writes (minijinja's own is
+        // compact and escapes HTML), so a template's tools render as transformers'.
+        env.add_filter("tojson", tojson);
         env.add_template_owned("chat", source.to_string())
             .map_err(|e| TemplateError(e.to_string()))?;
         Ok(ChatTemplate {
@@ -82,7 +112,19 @@ impl ChatTemplate {
             bos,
             eos,
             sandbox: None,
+            vars: serde_json::Map::new(),
         })
+    }
+
+    /// The template with variables every render sees (they do not override the
+    /// conversation's own: messages, tools, add_generation_prompt, bos_token, eos_token).
+    pub fn with_vars(mut self, vars: serde_json::Map<String, serde_json::Value>) -> ChatTemplate {
+        self.set_vars(vars);
+        self
+    }
+
+    pub fn set_vars(&mut self, vars: serde_json::Map<String, serde_json::Value>) {
+        self.vars = vars;
     }
 
     /// A template compiled here (so a broken one fails at load) and rendered by `sandbox`
@@ -104,14 +146,27 @@ impl ChatTemplate {
         messages: &[ChatMessage],
         add_generation_prompt: bool,
     ) -> Result<String, TemplateError> {
+        self.render_with_tools(messages, &[], add_generation_prompt)
+    }
+
+    /// The conversation with `tools` (OpenAI's tool objects) passed to the template as
+    /// transformers' `apply_chat_template(..., tools=...)` passes them (none: `None`).
+    pub fn render_with_tools(
+        &self,
+        messages: &[ChatMessage],
+        tools: &[serde_json::Value],
+        add_generation_prompt: bool,
+    ) -> Result<String, TemplateError> {
         if let Some((sandbox, source)) = &self.sandbox {
-            return sandbox.render(
-                source,
-                &self.bos,
-                &self.eos,
-                messages,
+            return sandbox.render(&RenderJob {
+                source: Cow::Borrowed(source),
+                bos: Cow::Borrowed(&self.bos),
+                eos: Cow::Borrowed(&self.eos),
+                messages: Cow::Borrowed(messages),
+                tools: Cow::Borrowed(tools),
+                vars: Cow::Borrowed(&self.vars),
                 add_generation_prompt,
-            );
+            });
         }
         let t = self
             .env
@@ -119,17 +174,21 @@ impl ChatTemplate {
             .map_err(|e| TemplateError(e.to_string()))?;
         let input: usize = messages
             .iter()
-            .map(|m| m.content.len() + m.role.len())
-            .sum();
+            .map(|m| m.content.len() + m.role.len() + json_len(&m.tool_calls))
+            .sum::<usize>()
+            + json_len(tools);
         let mut out = Bounded {
             buf: Vec::new(),
             max: 2 * input + TEMPLATE_OUTPUT_SLACK,
         };
+        let tools = (!tools.is_empty()).then_some(tools);
         let ctx = minijinja::context! {
             messages => messages,
+            tools => tools,
             add_generation_prompt => add_generation_prompt,
             bos_token => self.bos,
             eos_token => self.eos,
+            ..minijinja::Value::from_serialize(&self.vars)
         };
         match t.render_captured_to(ctx, &mut out) {
             Ok(_) => {}
@@ -149,6 +208,80 @@ impl ChatTemplate {
         String::from_utf8(out.buf)
             .map_err(|_| TemplateError("the template wrote invalid UTF-8".into()))
     }
+}
+
+fn json_len(v: &[serde_json::Value]) -> usize {
+    v.iter().map(|x| x.to_string().len()).sum()
+}
+
+/// transformers' `strftime_now`: the local time in a strftime format (Llama 3.1's
+/// template writes today's date with it).
+fn strftime_now(fmt: String) -> Result<String, minijinja::Error> {
+    let bad = || minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, "strftime_now");
+    let cfmt = std::ffi::CString::new(fmt).map_err(|_| bad())?;
+    let mut buf = [0u8; 256];
+    // SAFETY: time/localtime_r/strftime on live, sized buffers.
+    let n = unsafe {
+        let t = libc::time(std::ptr::null_mut());
+        let mut tm: libc::tm = std::mem::zeroed();
+        if libc::localtime_r(&t, &mut tm).is_null() {
+            return Err(bad());
+        }
+        libc::strftime(buf.as_mut_ptr().cast(), buf.len(), cfmt.as_ptr(), &tm)
+    };
+    Ok(String::from_utf8_lossy(&buf[..n]).into_owned())
+}
+
+/// Python's `json.dumps(v, ensure_ascii=False, indent=indent)`: `", "` and `": "` between
+/// items without an indent, `","` and a newline with one; keys in their order.
+fn tojson(
+    v: minijinja::Value,
+    kwargs: minijinja::value::Kwargs,
+) -> Result<minijinja::Value, minijinja::Error> {
+    let indent: Option<usize> = kwargs.get("indent")?;
+    kwargs.assert_all_used()?;
+    let j = serde_json::to_value(&v).map_err(|e| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    })?;
+    let mut out = String::new();
+    py_json(&j, indent, 0, &mut out);
+    Ok(minijinja::Value::from_safe_string(out))
+}
+
+fn py_json(v: &serde_json::Value, indent: Option<usize>, depth: usize, out: &mut String) {
+    use serde_json::Value;
+    let (open, close, items): (char, char, Vec<(Option<&String>, &Value)>) = match v {
+        Value::Array(a) => ('[', ']', a.iter().map(|x| (None, x)).collect()),
+        Value::Object(m) => ('{', '}', m.iter().map(|(k, x)| (Some(k), x)).collect()),
+        scalar => {
+            out.push_str(&scalar.to_string());
+            return;
+        }
+    };
+    out.push(open);
+    if items.is_empty() {
+        out.push(close);
+        return;
+    }
+    let newline = |out: &mut String, d: usize| {
+        if let Some(n) = indent {
+            out.push('\n');
+            out.push_str(&" ".repeat(n * d));
+        }
+    };
+    for (i, (k, x)) in items.into_iter().enumerate() {
+        if i > 0 {
+            out.push_str(if indent.is_some() { "," } else { ", " });
+        }
+        newline(out, depth + 1);
+        if let Some(k) = k {
+            out.push_str(&serde_json::Value::String(k.clone()).to_string());
+            out.push_str(": ");
+        }
+        py_json(x, indent, depth + 1, out);
+    }
+    newline(out, depth);
+    out.push(close);
 }
 
 /// A writer that refuses to grow past `max` bytes.
@@ -178,10 +311,7 @@ mod tests {
 
     fn render(src: &str) -> Result<String, TemplateError> {
         let t = ChatTemplate::new(src, "<s>".into(), "</s>".into())?;
-        let msgs = [ChatMessage {
-            role: "user".into(),
-            content: "hello".into(),
-        }];
+        let msgs = [ChatMessage::new("user", "hello")];
         t.render(&msgs, true)
     }
 

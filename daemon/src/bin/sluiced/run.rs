@@ -329,15 +329,9 @@ fn prompt_ids(
     let t = ChatTemplate::new(src, piece(m.special.bos), piece(m.special.eos))?;
     let mut msgs = Vec::new();
     if let Some(s) = &a.system {
-        msgs.push(ChatMessage {
-            role: "system".into(),
-            content: s.clone(),
-        });
+        msgs.push(ChatMessage::new("system", s.clone()));
     }
-    msgs.push(ChatMessage {
-        role: "user".into(),
-        content: text,
-    });
+    msgs.push(ChatMessage::new("user", text));
     Ok(tok.encode(&t.render(&msgs, true)?, false)?)
 }
 
