@@ -51,6 +51,8 @@ py_has openai || need_pip "python: openai" openai
 py_has prometheus_client || need_pip "python: prometheus_client" prometheus_client
 py_has pexpect || need_pip "python: pexpect" pexpect
 py_has jsonschema || need_pip "python: jsonschema" jsonschema
+# An agent framework users run against local servers drives tool calls (tests/tools.rs).
+py_has langchain_openai || need_pip "python: langchain-openai" langchain-openai
 # The CI soak (tests/soak.rs runs scripts/soak.py) drives gRPC from Python.
 py_has grpc || need_pip "python: grpcio" grpcio
 py_has grpc_tools || need_pip "python: grpcio-tools" grpcio-tools

@@ -261,10 +261,7 @@ fn read_items(
                         }
                     } else {
                         pb::GenerateRequest {
-                            messages: vec![pb::ChatMessage {
-                                role: "user".into(),
-                                content: prompt,
-                            }],
+                            messages: vec![crate::chat::user(prompt)],
                             ..job.base.clone()
                         }
                     }))

@@ -29,6 +29,8 @@ Commands (they never reach the model):
   /set                 show the parameters
   /show                the model, its context and what the conversation holds
   /history [json]      the conversation's messages, as the next request sends them
+  /tool RESULT         answer the model's next unanswered tool call (--tools); once all
+                       are answered, the results go to the model
   /exit, /quit, /bye   leave (so does Ctrl-D on an empty line)
 Input:
   Ctrl-C               stop the reply (the conversation keeps what was said); on the
@@ -97,6 +99,39 @@ pub struct ChatArgs {
     pub sampling: Sampling,
     pub history: Option<PathBuf>,
     pub no_history: bool,
+    /// --tools: functions the model may call, and --tool-choice.
+    pub tools: Vec<pb::Tool>,
+    pub tool_choice: String,
+}
+
+/// `--tools FILE`: OpenAI's tools (a JSON list of `{"type": "function", "function":
+/// {...}}`) as the proto's.
+pub fn read_tools(path: &Path) -> Result<Vec<pb::Tool>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("read {}", path.display()))?;
+    let list: Vec<serde_json::Value> = serde_json::from_str(&text)
+        .with_context(|| format!("{} is not a JSON list of tools", path.display()))?;
+    list.iter()
+        .enumerate()
+        .map(|(i, t)| {
+            let f = t.get("function").unwrap_or(t);
+            let name = f
+                .get("name")
+                .and_then(|n| n.as_str())
+                .with_context(|| format!("{}: tools[{i}] has no function.name", path.display()))?;
+            Ok(pb::Tool {
+                name: name.to_string(),
+                description: f
+                    .get("description")
+                    .and_then(|d| d.as_str())
+                    .unwrap_or_default()
+                    .to_string(),
+                parameters: f
+                    .get("parameters")
+                    .map(|p| p.to_string())
+                    .unwrap_or_default(),
+            })
+        })
+        .collect()
 }
 
 struct Chat {
@@ -109,12 +144,20 @@ struct Chat {
     s: Sampling,
     /// The conversation without the system message: user and assistant turns.
     turns: Vec<pb::ChatMessage>,
+    tools: Vec<pb::Tool>,
+    tool_choice: String,
+}
+
+/// A user message.
+pub(crate) fn user(content: String) -> pb::ChatMessage {
+    msg("user", content)
 }
 
 fn msg(role: &str, content: String) -> pb::ChatMessage {
     pb::ChatMessage {
         role: role.into(),
         content,
+        ..Default::default()
     }
 }
 
@@ -123,6 +166,20 @@ fn grpc(st: tonic::Status) -> anyhow::Error {
 }
 
 impl Chat {
+    fn new(client: Client, info: pb::ModelInfo, args: ChatArgs) -> Chat {
+        Chat {
+            client,
+            model: info.name.clone(),
+            name: info.name,
+            context: info.context_length as usize,
+            system: args.system,
+            s: args.sampling,
+            turns: Vec::new(),
+            tools: args.tools,
+            tool_choice: args.tool_choice,
+        }
+    }
+
     fn messages(&self) -> Vec<pb::ChatMessage> {
         let mut m = Vec::with_capacity(self.turns.len() + 1);
         if let Some(sys) = &self.system {
@@ -215,6 +272,17 @@ impl Chat {
         }
         req.model = self.model.clone();
         req.messages = self.messages();
+        if !self.tools.is_empty() {
+            req.tools = self.tools.clone();
+            // Results just came back: the model answers with them rather than being made
+            // to call again (a forced choice would loop).
+            let answering = self.turns.last().is_some_and(|m| m.role == "tool");
+            req.tool_choice = match self.tool_choice.as_str() {
+                "auto" | "none" | "" => self.tool_choice.clone(),
+                _ if answering => "none".into(),
+                forced => forced.into(),
+            };
+        }
         let out = generate_until(
             &mut self.client,
             req,
@@ -230,10 +298,18 @@ impl Chat {
         match out {
             Ok(Until::Done(o)) => {
                 let f = finish_name(o.done.finish_reason);
-                if !matches!(f, "stop" | "stop_string") {
+                if !matches!(f, "stop" | "stop_string" | "tool_calls") {
                     eprintln!("[{f}: the reply was cut off]");
                 }
-                self.turns.push(msg("assistant", o.text));
+                for c in &o.done.tool_calls {
+                    println!("-> {}({})  [{}]", c.name, c.arguments, c.id);
+                }
+                if !o.done.tool_calls.is_empty() {
+                    eprintln!("[answer each call with /tool RESULT]");
+                }
+                let mut m = msg("assistant", o.text);
+                m.tool_calls = o.done.tool_calls;
+                self.turns.push(m);
                 Ok(())
             }
             Ok(Until::Stopped(text)) => {
@@ -252,6 +328,46 @@ impl Chat {
                 Err(grpc(st))
             }
         }
+    }
+
+    /// The first call of the last assistant message no tool message answers yet.
+    fn pending_call(&self) -> Option<String> {
+        let at = self.turns.iter().rposition(|m| m.role == "assistant")?;
+        let answered: Vec<&str> = self.turns[at + 1..]
+            .iter()
+            .filter(|m| m.role == "tool")
+            .map(|m| m.tool_call_id.as_str())
+            .collect();
+        self.turns[at]
+            .tool_calls
+            .iter()
+            .find(|c| !answered.contains(&c.id.as_str()))
+            .map(|c| c.id.clone())
+    }
+
+    /// `/tool RESULT`: the result goes into the conversation, and once every call has one,
+    /// to the model.
+    async fn tool_result(&mut self, result: &str, sigint: &mut Signal) {
+        match self.answer(result) {
+            Ok(true) => {
+                if let Err(e) = self.reply(sigint).await {
+                    eprintln!("error: {e:#}");
+                }
+            }
+            Ok(false) => eprintln!("[more calls wait for a result]"),
+            Err(e) => eprintln!("error: {e:#}"),
+        }
+    }
+
+    /// The result of the next unanswered call; true once none is left.
+    fn answer(&mut self, result: &str) -> Result<bool> {
+        let id = self
+            .pending_call()
+            .context("/tool: no call of the model is waiting for a result")?;
+        let mut m = msg("tool", result.to_string());
+        m.tool_call_id = id;
+        self.turns.push(m);
+        Ok(self.pending_call().is_none())
     }
 
     fn show(&self) {
@@ -318,10 +434,7 @@ impl Chat {
             "/history" => {
                 let msgs = self.messages();
                 if arg == "json" {
-                    let v: Vec<_> = msgs
-                        .iter()
-                        .map(|m| serde_json::json!({"role": m.role, "content": m.content}))
-                        .collect();
+                    let v: Vec<_> = msgs.iter().map(sluice_proto::openai_message).collect();
                     println!("{}", serde_json::Value::Array(v));
                 } else {
                     for m in msgs {
@@ -373,15 +486,8 @@ pub async fn run(client: Client, args: ChatArgs) -> Result<()> {
                 )
             })?
     };
-    let mut chat = Chat {
-        client,
-        model: info.name.clone(),
-        name: info.name,
-        context: info.context_length as usize,
-        system: args.system,
-        s: args.sampling,
-        turns: Vec::new(),
-    };
+    let (history, no_history) = (args.history.clone(), args.no_history);
+    let mut chat = Chat::new(client, info, args);
     let config = Config::builder()
         .auto_add_history(false)
         .max_history_size(2000)
@@ -392,10 +498,10 @@ pub async fn run(client: Client, args: ChatArgs) -> Result<()> {
     let mut ed: Editor<Lines, FileHistory> =
         Editor::with_config(config).map_err(|e| anyhow::anyhow!("line editor: {e}"))?;
     ed.set_helper(Some(Lines));
-    let hist = if args.no_history {
+    let hist = if no_history {
         None
     } else {
-        history_path(args.history)
+        history_path(history)
     };
     if let Some(p) = &hist {
         load_history(&mut ed, p);
@@ -431,6 +537,10 @@ pub async fn run(client: Client, args: ChatArgs) -> Result<()> {
             }
         }
         let text = line.trim_start();
+        if let Some(result) = text.strip_prefix("/tool ") {
+            chat.tool_result(result.trim(), &mut sigint).await;
+            continue;
+        }
         if text.starts_with('/') && !text.starts_with("//") {
             match chat.command(text.trim_end()) {
                 Ok(true) => continue,

@@ -149,6 +149,14 @@ enum Cmd {
         /// Keep no history file.
         #[arg(long, conflicts_with = "history")]
         no_history: bool,
+        /// Functions the model may call: a JSON file of OpenAI tools
+        /// (`[{"type": "function", "function": {"name", "description", "parameters"}}]`).
+        /// Calls are shown; answer each with /tool RESULT.
+        #[arg(long, value_name = "FILE")]
+        tools: Option<PathBuf>,
+        /// auto, none, required, or a function's name (with --tools).
+        #[arg(long, default_value = "auto", requires = "tools")]
+        tool_choice: String,
         #[command(flatten)]
         s: Sampling,
     },
@@ -251,6 +259,7 @@ pub(crate) fn finish_name(f: i32) -> &'static str {
         pb::FinishReason::StopString => "stop_string",
         pb::FinishReason::Context => "context",
         pb::FinishReason::Cancelled => "cancelled",
+        pb::FinishReason::ToolCalls => "tool_calls",
         pb::FinishReason::Unspecified => "unspecified",
     }
 }
@@ -336,6 +345,7 @@ fn chat_request(
         r.messages.push(pb::ChatMessage {
             role: "system".into(),
             content: sys.clone(),
+            ..Default::default()
         });
     }
     r.messages.extend(history.iter().cloned());
@@ -375,6 +385,8 @@ async fn run(cli: Cli) -> Result<()> {
             system,
             history,
             no_history,
+            tools,
+            tool_choice,
             s,
         } => {
             let args = chat::ChatArgs {
@@ -383,6 +395,11 @@ async fn run(cli: Cli) -> Result<()> {
                 sampling: s,
                 history,
                 no_history,
+                tools: match tools {
+                    Some(path) => chat::read_tools(&path)?,
+                    None => Vec::new(),
+                },
+                tool_choice,
             };
             chat::run(connect(&addr).await?, args).await
         }
@@ -469,6 +486,7 @@ async fn cmd_generate(
             &[pb::ChatMessage {
                 role: "user".into(),
                 content: prompt,
+                ..Default::default()
             }],
         )
     } else {

@@ -13,3 +13,25 @@ pub mod v1 {
 /// The encoded `FileDescriptorSet` of `sluice.proto`, for server reflection.
 pub const FILE_DESCRIPTOR_SET: &[u8] =
     include_bytes!(concat!(env!("OUT_DIR"), "/sluice_descriptor.bin"));
+
+/// A chat message as OpenAI's API writes it: its calls with their JSON arguments, a tool
+/// result with the id of its call. (`sluice chat --history json` prints these; the daemon
+/// reads gRPC messages through the same checks as HTTP ones.)
+#[cfg(feature = "cli")]
+pub fn openai_message(m: &v1::ChatMessage) -> serde_json::Value {
+    let mut v = serde_json::json!({"role": m.role, "content": m.content});
+    if !m.tool_calls.is_empty() {
+        v["tool_calls"] = m
+            .tool_calls
+            .iter()
+            .map(|c| {
+                serde_json::json!({"id": c.id, "type": "function",
+                    "function": {"name": c.name, "arguments": c.arguments}})
+            })
+            .collect();
+    }
+    if !m.tool_call_id.is_empty() {
+        v["tool_call_id"] = m.tool_call_id.clone().into();
+    }
+    v
+}

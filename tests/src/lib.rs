@@ -391,3 +391,30 @@ pub fn curl(args: &[&str]) -> Output {
         .output()
         .expect("curl is missing: apt-get install curl (.ci/run does)")
 }
+
+/// Runs `tests/SCRIPT` (a Python client nobody here wrote drives the daemon) with `args`;
+/// its stdout is one JSON object. `deps` says what to install when it fails.
+pub fn python_json(script: &str, args: &[&str], deps: &str) -> serde_json::Value {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join(script);
+    let o = Command::new("python3")
+        .arg(&path)
+        .args(args)
+        .output()
+        .expect("python3");
+    assert!(
+        o.status.success(),
+        "{script} {args:?} failed (pip install {deps}; .ci/run does): {}",
+        stderr(&o)
+    );
+    serde_json::from_str(&stdout(&o)).unwrap_or_else(|e| panic!("{script} prints JSON: {e}"))
+}
+
+/// `Generate` called by grpcurl with `body` (JSON).
+pub fn grpcurl_generate(d: &Daemon, body: &serde_json::Value) -> Output {
+    Command::new("grpcurl")
+        .args(["-plaintext", "-d", &body.to_string()])
+        .arg(d.addr.trim_start_matches("http://"))
+        .arg("sluice.v1.Inference/Generate")
+        .output()
+        .expect("grpcurl")
+}

@@ -9,18 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn python(args: &[&str]) -> Value {
-    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/openai_client.py");
-    let o = Command::new("python3")
-        .arg(script)
-        .args(args)
-        .output()
-        .expect("python3");
-    assert!(
-        o.status.success(),
-        "openai_client.py {args:?} failed (pip install openai prometheus_client; .ci/run does): {}",
-        stderr(&o)
-    );
-    serde_json::from_str(&stdout(&o)).expect("openai_client.py prints JSON")
+    python_json("openai_client.py", args, "openai prometheus_client")
 }
 
 /// POSTs `body` to `path`; returns the status, the headers and the body.
@@ -1221,16 +1210,6 @@ fn n_choices_are_the_seeded_calls_alone_and_count_each_prompt_once() {
         usage["completion_tokens"].as_u64().unwrap(),
         3 * single["usage"]["completion_tokens"].as_u64().unwrap()
     );
-}
-
-/// `Generate` called by grpcurl with `body` (JSON).
-fn grpcurl_generate(d: &Daemon, body: &Value) -> std::process::Output {
-    Command::new("grpcurl")
-        .args(["-plaintext", "-d", &body.to_string()])
-        .arg(d.addr.trim_start_matches("http://"))
-        .arg("sluice.v1.Inference/Generate")
-        .output()
-        .expect("grpcurl")
 }
 
 /// The text of a `Generate` stream as grpcurl prints it (one JSON object a message).

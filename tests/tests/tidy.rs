@@ -19,9 +19,9 @@ const FILE_LINES_MAX: usize = 1000;
 /// Functions over `FN_LINES_MAX` today: (file, function, lines). Where a file has several
 /// functions of one name, the longest counts.
 const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
-    ("client/src/batch.rs", "read_items", 109),
+    ("client/src/batch.rs", "read_items", 106),
     ("client/src/batch.rs", "run", 185),
-    ("client/src/chat.rs", "run", 115),
+    ("client/src/chat.rs", "run", 112),
     ("client/src/main.rs", "cmd_status", 119),
     ("daemon/src/backend/cuda/bench.rs", "run", 153),
     ("daemon/src/backend/cuda/device.rs", "new", 116),
@@ -45,7 +45,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("daemon/src/import/hf.rs", "import", 215),
     ("daemon/src/import/synth.rs", "model", 150),
     ("daemon/src/model/decoder.rs", "new", 109),
-    ("daemon/src/server/api.rs", "prepare", 112),
+    ("daemon/src/server/api.rs", "prepare", 110),
     ("daemon/src/server/metrics.rs", "render_model", 200),
     ("daemon/src/store/arch.rs", "validate", 133),
     ("daemon/src/store/codec.rs", "decode", 113),

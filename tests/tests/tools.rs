@@ -63,3 +63,237 @@ fn templates_render_tools_as_transformers_does() {
         "{same} equal, {refused} refused alike"
     );
 }
+
+fn tools_client(args: &[&str]) -> Value {
+    sluice_tests::python_json(
+        "tools_client.py",
+        args,
+        "openai jsonschema langchain-openai",
+    )
+}
+
+fn post(d: &sluice_tests::Daemon, body: &Value) -> (u16, Value) {
+    let (status, b) = sluice_tests::post_json(&d.http, "/v1/chat/completions", &body.to_string());
+    (status, serde_json::from_str(&b).unwrap_or(Value::Null))
+}
+
+/// The `openai` package's tool loop on SmolLM2, whose template has no tools (so calls are
+/// forced, in the generic format): request -> call -> result -> answer, streamed and not;
+/// arguments valid by `jsonschema`; a streamed call arrives as OpenAI streams one. Then the
+/// refusals, each a 400 naming its field: `auto` on such a template, a tool_call_id that
+/// matches no call, a malformed tools entry, a schema llguidance does not enforce.
+#[test]
+fn the_openai_tool_loop_runs_on_smollm2() {
+    let d = sluice_tests::Daemon::start(&["--max-context", "1024", "--max-batch", "4"]);
+    let got = tools_client(&["loop", &d.http]);
+    let call = &got["call"];
+    assert_eq!(call["finish_reason"], "tool_calls", "{got}");
+    assert_eq!(call["content"], Value::Null, "{got}");
+    let calls = call["calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "{got}");
+    assert_eq!(
+        (&calls[0]["name"], &calls[0]["type"], &calls[0]["valid"]),
+        (&"get_weather".into(), &"function".into(), &true.into()),
+        "{got}"
+    );
+    let id = calls[0]["id"].as_str().unwrap();
+    assert!(id.starts_with("call_") && id.len() == 29, "{id}");
+    let answer = &got["answer"];
+    assert_eq!(
+        (&answer["finish_reason"], &answer["calls"]),
+        (&"stop".into(), &0.into()),
+        "{got}"
+    );
+    assert!(!answer["content"].as_str().unwrap().is_empty(), "{got}");
+    let s = &got["stream"];
+    for k in [
+        "first_has_id_and_name",
+        "later_only_arguments",
+        "same_as_unstreamed",
+        "valid",
+    ] {
+        assert_eq!(s[k], true, "{k}: {got}");
+    }
+    assert_eq!(s["finish_reason"], "tool_calls", "{got}");
+    assert!(
+        s["deltas"].as_u64().unwrap() > 3,
+        "arguments in pieces: {got}"
+    );
+    let named = &got["named"];
+    assert_eq!(
+        (&named["name"], &named["valid"], &named["finish_reason"]),
+        (&"add".into(), &true.into(), &"tool_calls".into()),
+        "{got}"
+    );
+
+    let weather = serde_json::json!({"type": "function", "function": {"name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}});
+
+    // `sluice chat --tools` shows the call, takes its result with /tool, and the model
+    // answers with it.
+    let file = d.tmp.path().join("tools.json");
+    std::fs::write(&file, serde_json::json!([weather]).to_string()).unwrap();
+    let mut child = std::process::Command::new(sluice_tests::bin("sluice"))
+        .args([
+            "--addr",
+            &d.addr,
+            "chat",
+            "--no-history",
+            "--temperature",
+            "0",
+        ])
+        .args(["--max-tokens", "60", "--tools", file.to_str().unwrap()])
+        .args(["--tool-choice", "get_weather"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("sluice chat");
+    std::io::Write::write_all(
+        child.stdin.as_mut().unwrap(),
+        b"What is the weather in Oslo?\n/tool snowing, -3 C\n/history json\n/exit\n",
+    )
+    .unwrap();
+    let o = child.wait_with_output().unwrap();
+    let out = sluice_tests::stdout(&o);
+    assert!(o.status.success(), "{}", sluice_tests::stderr(&o));
+    assert!(
+        out.contains("-> get_weather({") && out.contains("[call_"),
+        "{out}"
+    );
+    let history: Vec<Value> = out
+        .lines()
+        .find_map(|l| serde_json::from_str(l).ok())
+        .unwrap_or_else(|| panic!("/history json in {out}"));
+    let roles: Vec<&str> = history
+        .iter()
+        .map(|m| m["role"].as_str().unwrap())
+        .collect();
+    assert_eq!(roles, ["user", "assistant", "tool", "assistant"], "{out}");
+    let user = serde_json::json!({"role": "user", "content": "Weather in Rome?"});
+    for (body, param, says) in [
+        (
+            serde_json::json!({"messages": [user], "tools": [weather]}),
+            "tools",
+            "renders no tools",
+        ),
+        (
+            serde_json::json!({"messages": [user, {"role": "assistant", "content": "",
+                "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": "{}"}}]},
+                {"role": "tool", "tool_call_id": "call_2", "content": "sunny"}], "tools": [weather], "tool_choice": "required"}),
+            "messages",
+            "\"call_2\" matches no call",
+        ),
+        (
+            serde_json::json!({"messages": [user], "tools": [weather, {"type": "function", "function": {"name": "a b"}}], "tool_choice": "required"}),
+            "tools",
+            "tools[1]",
+        ),
+        (
+            serde_json::json!({"messages": [user], "tools": [{"type": "function", "function": {"name": "tag",
+                "parameters": {"type": "object", "properties": {"t": {"type": "array", "uniqueItems": true}}}}}], "tool_choice": "required"}),
+            "tools",
+            "uniqueItems",
+        ),
+        (
+            serde_json::json!({"messages": [user], "tools": [weather], "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+            "tool_choice",
+            "\"nope\"",
+        ),
+    ] {
+        let (status, e) = post(&d, &body);
+        assert_eq!(status, 400, "{body}: {e}");
+        assert_eq!(e["error"]["param"], param, "{body}: {e}");
+        assert!(
+            e["error"]["message"].as_str().unwrap().contains(says),
+            "{body}: {e}"
+        );
+    }
+}
+
+/// LangChain (`ChatOpenAI(...).bind_tools`, its @tool functions and ToolMessages) completes
+/// a two-step task on SmolLM2 with forced calls: the weather, then a sum with it.
+#[test]
+fn langchain_completes_a_two_step_tool_task() {
+    let d = sluice_tests::Daemon::start(&["--max-context", "1024"]);
+    let got = tools_client(&["langchain", &d.http]);
+    let steps = got["steps"].as_array().unwrap();
+    assert_eq!(steps.len(), 2, "{got}");
+    assert_eq!(steps[0]["name"], "get_weather", "{got}");
+    assert!(steps[0]["args"]["city"].is_string(), "{got}");
+    assert_eq!(steps[1]["name"], "add", "{got}");
+    let (a, b) = (&steps[1]["args"]["a"], &steps[1]["args"]["b"]);
+    assert!(a.is_number() && b.is_number(), "{got}");
+    // LangChain ran the tool on the model's arguments.
+    let sum = a.as_f64().unwrap() + b.as_f64().unwrap();
+    assert_eq!(steps[1]["result"], format!("{sum:?}"), "{got}");
+    assert!(got["answer"].is_string(), "{got}");
+}
+
+/// A model whose own template has tools (tiny Qwen3 served with Qwen3's real template, the
+/// Hermes format; tiny Llama with Llama 3.1's, the JSON format): forced calls parse and
+/// hold their schemas on HTTP; `auto` leaves the text free; grpcurl gets the calls in
+/// GenerateDone.tool_calls with FINISH_REASON_TOOL_CALLS.
+#[test]
+fn templates_with_tools_get_calls_in_their_own_format() {
+    for (model, template) in [
+        ("tiny-qwen3", "qwen3.jinja"),
+        ("tiny-llama", "llama3.1.jinja"),
+    ] {
+        let tmp = tempfile::tempdir().unwrap();
+        let store = tmp.path().join(model);
+        sluice_tests::sluiced_ok(&[
+            "pack",
+            fixtures().join(model).to_str().unwrap(),
+            "-o",
+            store.to_str().unwrap(),
+        ]);
+        let tpl = fixtures().join("templates").join(template);
+        let d = sluice_tests::Daemon::serve(
+            tmp,
+            &["--model", store.to_str().unwrap()],
+            &[
+                "--chat-template",
+                tpl.to_str().unwrap(),
+                "--max-context",
+                "2048",
+            ],
+        );
+        let got = tools_client(&["forced", &d.http, model]);
+        for k in ["required", "get_weather", "add"] {
+            let r = &got[k];
+            assert_eq!(r["finish_reason"], "tool_calls", "{model} {k}: {got}");
+            let calls = r["calls"].as_array().unwrap();
+            assert!(!calls.is_empty(), "{model} {k}: {got}");
+            for c in calls {
+                assert_eq!(c["valid"], true, "{model} {k}: {got}");
+                if k != "required" {
+                    assert_eq!(c["name"], k, "{model}: {got}");
+                }
+            }
+        }
+        // A random tiny model does not start calls by itself: free text.
+        assert_eq!(got["auto"]["calls"], 0, "{model}: {got}");
+        assert_ne!(got["auto"]["finish_reason"], "tool_calls", "{model}: {got}");
+
+        let body = serde_json::json!({
+            "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+            "max_tokens": 400, "sampling": {"temperature": 0},
+            "tools": [{"name": "get_weather", "description": "The weather.",
+                       "parameters": "{\"type\": \"object\", \"properties\": {\"city\": {\"enum\": [\"Oslo\", \"Rome\"]}}, \"required\": [\"city\"], \"additionalProperties\": false}"}],
+            "tool_choice": "get_weather"});
+        let o = sluice_tests::grpcurl_generate(&d, &body);
+        assert!(o.status.success(), "{}", sluice_tests::stderr(&o));
+        let done: Value = serde_json::Deserializer::from_str(&sluice_tests::stdout(&o))
+            .into_iter::<Value>()
+            .map_while(Result::ok)
+            .find_map(|m| m.get("done").cloned())
+            .expect("a Done message");
+        assert_eq!(done["finishReason"], "FINISH_REASON_TOOL_CALLS", "{done}");
+        let call = &done["toolCalls"][0];
+        assert_eq!(call["name"], "get_weather", "{done}");
+        assert!(call["id"].as_str().unwrap().starts_with("call_"), "{done}");
+        let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
+        assert!(args["city"].is_string(), "{done}");
+    }
+}

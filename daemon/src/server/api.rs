@@ -8,6 +8,7 @@ use crate::engine::scheduler::{Event, Finish, Places, Request, Scheduler, Submit
 use crate::engine::sequence::GenerateParams;
 use crate::text::grammar::Grammar;
 use crate::text::sampler::{check_logit_bias, OutputFormat};
+use crate::text::tools::{self, ToolPlan, Tools};
 use crate::text::{ChatMessage, ChatTemplate, SamplingParams};
 use std::pin::Pin;
 use std::sync::Arc;
@@ -113,10 +114,21 @@ impl std::fmt::Display for ApiError {
 pub enum Prompt {
     /// Text, tokenized with the model's BOS where it has one.
     Text(String),
-    /// Chat messages, rendered with the model's chat template.
-    Messages(Vec<ChatMessage>),
+    /// Chat messages, rendered with the model's chat template, and the tools it renders
+    /// (OpenAI's tool objects; none: the template sees `None`).
+    Messages(Vec<ChatMessage>, Vec<serde_json::Value>),
     /// Token ids as they are (no template, no BOS added).
     Ids(Vec<u32>),
+}
+
+impl Prompt {
+    /// The request field the prompt came in.
+    fn param(&self) -> &'static str {
+        match self {
+            Prompt::Messages(..) => "messages",
+            _ => "prompt",
+        }
+    }
 }
 
 pub struct GenerateInput {
@@ -136,6 +148,8 @@ pub struct GenerateInput {
     pub logit_bias: Vec<(u32, f32)>,
     /// What the text must be (None: any text).
     pub format: Option<Format>,
+    /// Functions the model may call (chat only).
+    pub tools: Option<Tools>,
 }
 
 /// A constraint on the text, and the request field that asked for it (named when the
@@ -264,6 +278,67 @@ fn sampling_error(m: String) -> ApiError {
 }
 
 impl Frontend {
+    /// How this model's template writes calls of `tools`, and whether the calls are
+    /// forced (None: the request offers no calls). The same choice `constrain` makes.
+    pub fn tool_plan(&self, tools: &Tools) -> Option<(tools::ToolFormat, bool, bool)> {
+        let src = self.template.as_ref().map_or("", |t| t.source());
+        let plan = tools::plan(tools, src, &mut Vec::new()).ok()??;
+        Some((plan.format, plan.parallel, tools.forced()))
+    }
+
+    /// What the text is held to: the tools' grammar (the messages and the tools the
+    /// template renders are set for them), else the request's constraint, compiled for
+    /// the model's vocabulary. A grammar llguidance refuses is a 400 naming its field.
+    fn constrain(
+        &self,
+        prompt: &mut Prompt,
+        tools: Option<&Tools>,
+        format: Option<&Format>,
+    ) -> Result<OutputFormat, ApiError> {
+        let src = self.template.as_ref().map_or("", |t| t.source());
+        if let Prompt::Messages(messages, _) = prompt {
+            tools::calls_as_text(src, messages);
+        }
+        let Some(tools) = tools else {
+            return self.output_format(format);
+        };
+        let Prompt::Messages(messages, template_tools) = prompt else {
+            return Err(ApiError::invalid(Some("tools"), "tools need chat messages"));
+        };
+        let plan = tools::plan(tools, src, messages)
+            .map_err(|(field, m)| ApiError::invalid(Some(field), m))?;
+        let Some(ToolPlan {
+            template_tools: rendered,
+            grammar: Some(grammar),
+            trigger,
+            ..
+        }) = plan
+        else {
+            return self.output_format(format);
+        };
+        if let Some(f) = format {
+            return Err(ApiError::invalid(
+                Some(f.param),
+                format!(
+                    "{} and tools both constrain the text: give one (or tool_choice \"none\")",
+                    f.param
+                ),
+            ));
+        }
+        *template_tools = rendered;
+        let grammars = self
+            .sched
+            .tokenizer
+            .grammars()
+            .map_err(|m| ApiError::invalid(Some("tools"), m))?;
+        match trigger {
+            Some(t) => grammars.compile_lazy(&grammar, t),
+            None => grammars.compile(&grammar),
+        }
+        .map(|c| OutputFormat::Constrained(Box::new(c)))
+        .map_err(|m| ApiError::invalid(Some("tools"), format!("tools: {m}")))
+    }
+
     /// A request's constraint compiled for the model's vocabulary; a grammar llguidance
     /// refuses is a 400 naming the field that gave it.
     fn output_format(&self, f: Option<&Format>) -> Result<OutputFormat, ApiError> {
@@ -346,7 +421,7 @@ impl Frontend {
         let tok = &self.sched.tokenizer;
         let ids = match prompt {
             Prompt::Ids(ids) => ids.clone(),
-            Prompt::Messages(msgs) => {
+            Prompt::Messages(msgs, tools) => {
                 if msgs.is_empty() {
                     return Err(ApiError::invalid(Some("messages"), "messages is empty"));
                 }
@@ -367,7 +442,7 @@ impl Frontend {
                     )
                 })?;
                 let text = t
-                    .render(msgs, true)
+                    .render_with_tools(msgs, tools, true)
                     .map_err(|e| ApiError::invalid(Some("messages"), e.to_string()))?;
                 too_long("messages", &text)?;
                 tok.encode(&text, false)
@@ -501,14 +576,14 @@ impl Frontend {
                 return Ok(ids.clone());
             }
             Prompt::Text(t) => std::mem::take(t),
-            Prompt::Messages(m) => match m.last_mut() {
+            Prompt::Messages(m, _) => match m.last_mut() {
                 Some(last) => std::mem::take(&mut last.content),
                 None => return Err(ApiError::invalid(Some("messages"), "messages is empty")),
             },
         };
         let set = |prompt: &mut Prompt, text: &str| match prompt {
             Prompt::Text(t) => *t = text.to_string(),
-            Prompt::Messages(m) => {
+            Prompt::Messages(m, _) => {
                 if let Some(last) = m.last_mut() {
                     last.content = text.to_string();
                 }
@@ -579,10 +654,7 @@ impl Frontend {
                 ),
             ));
         }
-        let prompt_param = match input.prompt {
-            Prompt::Messages(_) => "messages",
-            _ => "prompt",
-        };
+        let prompt_param = input.prompt.param();
         check_logit_bias(&input.logit_bias, self.meta.vocab)
             .map_err(|m| ApiError::invalid(Some("logit_bias"), m))?;
         if input.logprobs.is_some_and(|n| n > TOP_LOGPROBS_MAX) {
@@ -592,6 +664,7 @@ impl Frontend {
             ));
         }
         let mut prompt = input.prompt;
+        let format = self.constrain(&mut prompt, input.tools.as_ref(), input.format.as_ref())?;
         // A prompt far past the context is refused (or, to be truncated, cut) by its bytes
         // before it is tokenized.
         let bytes_max = self.text_bytes_max();
@@ -659,7 +732,7 @@ impl Frontend {
                 ignore_eos: false,
                 logprobs: input.logprobs,
                 logit_bias: input.logit_bias,
-                format: self.output_format(input.format.as_ref())?,
+                format,
                 draft: self.draft,
             },
             truncated,
@@ -761,7 +834,7 @@ impl Drop for Events {
 fn cut_text(prompt: &mut Prompt, max: usize) {
     let text = match prompt {
         Prompt::Text(t) => t,
-        Prompt::Messages(m) => match m.last_mut() {
+        Prompt::Messages(m, _) => match m.last_mut() {
             Some(last) => &mut last.content,
             None => return,
         },

@@ -15,6 +15,8 @@ use super::metrics::{Api, Metrics};
 use super::models::{Listing, Models};
 use super::openai::{self, Call};
 use crate::engine::scheduler::Event;
+use crate::text::tool_parse::{self, ToolEvent, ToolParser};
+use crate::text::tools::ToolFormat;
 use crate::text::{TokenLogprob, Tokenizer};
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -345,6 +347,8 @@ struct Head {
     tok: Arc<Tokenizer>,
     /// Choices per prompt (`n`): a prompt's tokens count once in the usage.
     n: usize,
+    /// The request offered tools: how the model writes calls (`Frontend::tool_plan`).
+    tools: Option<(ToolFormat, bool, bool)>,
 }
 
 impl Head {
@@ -376,6 +380,55 @@ impl Head {
                 json!({"index": index, "text": text.unwrap_or(""), "logprobs": logprobs, "finish_reason": finish})
             }
         }
+    }
+
+    /// A chat choice's message and finish reason: with tools, the text read into content
+    /// and calls (`tool_calls`, the finish reason `tool_calls` when the model ended after
+    /// them).
+    fn message(&self, text: String, finish: &'static str) -> (Value, &'static str) {
+        let Some((format, parallel, forced)) = self.tools else {
+            return (json!({"role": "assistant", "content": text}), finish);
+        };
+        let (content, calls) = tool_parse::parse_all(format, parallel, forced, &text);
+        if calls.is_empty() {
+            return (
+                json!({"role": "assistant", "content": content.unwrap_or_default()}),
+                finish,
+            );
+        }
+        let calls: Vec<Value> = calls
+            .into_iter()
+            .map(|(id, name, arguments)| {
+                json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
+            })
+            .collect();
+        let finish = if finish == "stop" {
+            "tool_calls"
+        } else {
+            finish
+        };
+        (
+            json!({"role": "assistant", "content": content, "tool_calls": calls}),
+            finish,
+        )
+    }
+
+    /// A stream's deltas for a parser's events (content, a call's id and name with empty
+    /// arguments, then its arguments in pieces, as OpenAI streams them).
+    fn tool_deltas(&self, index: usize, events: Vec<ToolEvent>) -> Vec<Value> {
+        events
+            .into_iter()
+            .map(|e| {
+                let delta = match e {
+                    ToolEvent::Text(t) => json!({"content": t}),
+                    ToolEvent::Call { index: i, id, name } => json!({"tool_calls": [
+                        {"index": i, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
+                    ToolEvent::Args { index: i, text } => json!({"tool_calls": [
+                        {"index": i, "function": {"arguments": text}}]}),
+                };
+                json!({"index": index, "delta": delta, "logprobs": null, "finish_reason": null})
+            })
+            .collect()
     }
 
     fn entry(&self, id: u32, logprob: f32) -> Value {
@@ -525,16 +578,27 @@ fn head(front: &Frontend, kind: Kind, n: usize) -> Head {
         kind,
         tok: front.sched.tokenizer.clone(),
         n: n.max(1),
+        tools: None,
     }
+}
+
+/// How the model writes calls of the call's tools, if it offers any.
+fn tools_of(front: &Frontend, call: &Call) -> Option<(ToolFormat, bool, bool)> {
+    call.inputs
+        .first()
+        .and_then(|i| i.tools.as_ref())
+        .and_then(|t| front.tool_plan(t))
 }
 
 /// Submits every prompt of the call; answers with one JSON response or a stream.
 async fn run(front: Arc<Frontend>, call: Call, kind: Kind) -> Response {
+    let tools = tools_of(&front, &call);
     let (events, prompt_tokens) = match submit_all(&front, Api::Http, call.inputs, call.n) {
         Ok(r) => r,
         Err(e) => return error_response(&e),
     };
-    let head = head(&front, kind, call.n);
+    let mut head = head(&front, kind, call.n);
+    head.tools = tools;
     if call.stream {
         stream(head, events, call.include_usage)
     } else {
@@ -593,11 +657,14 @@ pub async fn call_json(
         Err(e) => return refuse(e),
     };
     let front = &served.front;
+    let tools = tools_of(front, &call);
     let (events, prompt_tokens) = match submit_all(front, api, call.inputs, call.n) {
         Ok(r) => r,
         Err(e) => return answer(e),
     };
-    match complete(head(front, kind, call.n), events, prompt_tokens).await {
+    let mut head = head(front, kind, call.n);
+    head.tools = tools;
+    match complete(head, events, prompt_tokens).await {
         Ok(v) => (200, v),
         Err(e) => answer(e),
     }
@@ -645,12 +712,15 @@ async fn complete(
         };
         let logprobs = head.logprobs(&lps, &mut 0);
         choices.push(match head.kind {
-            Kind::Chat => json!({
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish,
-            }),
+            Kind::Chat => {
+                let (message, finish) = head.message(text, finish);
+                json!({
+                    "index": index,
+                    "message": message,
+                    "logprobs": logprobs,
+                    "finish_reason": finish,
+                })
+            }
             Kind::Completion => json!({
                 "index": index,
                 "text": text,
@@ -736,6 +806,12 @@ async fn pump(head: Head, events: Vec<Events>, include_usage: bool, tx: mpsc::Se
     let (mut prompt_tokens, mut completion_tokens) = (0, 0);
     let mut cached = CachedTokens::new(n, head.n);
     let mut offsets = vec![0usize; n];
+    let mut parsers: Vec<Option<ToolParser>> = (0..n)
+        .map(|_| {
+            head.tools
+                .map(|(f, parallel, forced)| ToolParser::new(f, parallel, forced))
+        })
+        .collect();
     let mut error = None;
     loop {
         let next = tokio::select! {
@@ -744,34 +820,47 @@ async fn pump(head: Head, events: Vec<Events>, include_usage: bool, tx: mpsc::Se
             () = tx.closed() => return,
         };
         let Some((i, ev)) = next else { break };
-        let choice = match ev {
+        let choices = match ev {
             // The end token's piece has no text: nothing to send.
             Event::Piece { text, .. } if text.is_empty() => continue,
-            Event::Piece { text, logprobs, .. } => {
-                let lp = head.logprobs(&logprobs, &mut offsets[i]);
-                head.choice_delta(i, Some(&text), lp, None)
-            }
+            Event::Piece { text, logprobs, .. } => match parsers[i].as_mut() {
+                Some(p) => head.tool_deltas(i, p.feed(&text)),
+                None => {
+                    let lp = head.logprobs(&logprobs, &mut offsets[i]);
+                    vec![head.choice_delta(i, Some(&text), lp, None)]
+                }
+            },
             Event::Done(d) => {
+                let (mut out, calls) = match parsers[i].as_mut() {
+                    Some(p) => (head.tool_deltas(i, p.finish()), p.calls()),
+                    None => (Vec::new(), 0),
+                };
                 if i % head.n == 0 {
                     prompt_tokens += d.prompt_token_ids.len();
                 }
                 completion_tokens += d.generated_token_ids.len();
                 cached.done(i, d.cached_tokens);
                 match openai::finish_reason(d.finish) {
-                    Some(f) => head.choice_delta(i, None, Value::Null, Some(f)),
+                    Some("stop") if calls > 0 => {
+                        out.push(head.choice_delta(i, None, Value::Null, Some("tool_calls")))
+                    }
+                    Some(f) => out.push(head.choice_delta(i, None, Value::Null, Some(f))),
                     None => {
                         error = Some(cut_off(d.generated_token_ids.len()));
                         break;
                     }
                 }
+                out
             }
             Event::Failed { failure, message } => {
                 error = Some(failed(failure, message));
                 break;
             }
         };
-        if !send(head.chunk(vec![choice], None, include_usage)).await {
-            return;
+        for c in choices {
+            if !send(head.chunk(vec![c], None, include_usage)).await {
+                return;
+            }
         }
     }
     // The other choices of a failed request are cancelled with it.

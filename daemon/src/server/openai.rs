@@ -7,6 +7,7 @@ use super::api::{ApiError, ErrorKind, Format, GenerateInput, Prompt};
 use super::models::{parse_keep_alive, KeepAlive};
 use crate::engine::scheduler::Finish;
 use crate::text::grammar::Grammar;
+use crate::text::tools::Tools;
 use crate::text::{ChatMessage, SamplingParams};
 use serde::Deserialize;
 use serde_json::{json, Value};
@@ -71,6 +72,8 @@ struct ChatBody {
     logprobs: Option<bool>,
     top_logprobs: Option<u32>,
     tools: Option<Vec<Value>>,
+    tool_choice: Option<Value>,
+    parallel_tool_calls: Option<bool>,
     #[serde(flatten)]
     common: Common,
 }
@@ -390,28 +393,80 @@ fn content_text(i: usize, v: Option<&Value>) -> Result<String, ApiError> {
     }
 }
 
-fn messages(list: Vec<Value>) -> Result<Vec<ChatMessage>, ApiError> {
-    list.into_iter()
-        .enumerate()
-        .map(|(i, m)| {
-            let role = m.get("role").and_then(Value::as_str).ok_or_else(|| {
-                ApiError::invalid(Some("messages"), format!("messages[{i}] has no role"))
-            })?;
-            let role = match role {
-                "system" | "user" | "assistant" | "tool" => role,
-                // OpenAI's newer name for the system role.
-                "developer" => "system",
-                r => {
-                    return Err(ApiError::invalid(
-                        Some("messages"),
-                        format!("messages[{i}]: unknown role {r:?} (system, developer, user, assistant or tool)"),
-                    ))
-                }
-            };
-            if m.get("tool_calls").is_some_and(|t| !t.is_null()) {
-                return Err(unsupported("messages", "an assistant message with tool_calls"));
+pub(crate) fn messages(list: Vec<Value>) -> Result<Vec<ChatMessage>, ApiError> {
+    let mut calls_seen: Vec<String> = Vec::new();
+    let mut out = Vec::with_capacity(list.len());
+    for (i, m) in list.into_iter().enumerate() {
+        let bad = |m: String| ApiError::invalid(Some("messages"), format!("messages[{i}]{m}"));
+        let role = m
+            .get("role")
+            .and_then(Value::as_str)
+            .ok_or_else(|| bad(" has no role".into()))?;
+        let role = match role {
+            "system" | "user" | "assistant" | "tool" => role,
+            // OpenAI's newer name for the system role.
+            "developer" => "system",
+            r => {
+                return Err(bad(format!(
+                    ": unknown role {r:?} (system, developer, user, assistant or tool)"
+                )))
             }
-            Ok(ChatMessage::new(role, content_text(i, m.get("content"))?))
+        };
+        let mut msg = ChatMessage::new(role, content_text(i, m.get("content"))?);
+        if let Some(calls) = m.get("tool_calls").filter(|t| !t.is_null()) {
+            if role != "assistant" {
+                return Err(bad(
+                    ".tool_calls: only an assistant message makes calls".into()
+                ));
+            }
+            msg.tool_calls = tool_calls(calls).map_err(|e| bad(format!(".tool_calls{e}")))?;
+            calls_seen.extend(
+                msg.tool_calls
+                    .iter()
+                    .filter_map(|c| c["id"].as_str().map(str::to_string)),
+            );
+        }
+        if role == "tool" {
+            let id = m
+                .get("tool_call_id")
+                .and_then(Value::as_str)
+                .ok_or_else(|| {
+                    bad(".tool_call_id: a tool message answers a call: give its id".into())
+                })?;
+            if !calls_seen.iter().any(|c| c == id) {
+                return Err(ApiError::invalid(
+                    Some("messages"),
+                    format!("messages[{i}].tool_call_id {id:?} matches no call of an earlier assistant message"),
+                ));
+            }
+            msg.tool_call_id = Some(id.to_string());
+        }
+        out.push(msg);
+    }
+    Ok(out)
+}
+
+/// An assistant message's `tool_calls` as templates take them (transformers' shape: the
+/// arguments an object, not OpenAI's JSON text). An error reads after the field's name.
+fn tool_calls(v: &Value) -> Result<Vec<Value>, String> {
+    let list = v.as_array().ok_or(": must be a list")?;
+    list.iter()
+        .enumerate()
+        .map(|(j, c)| {
+            let id = c.get("id").and_then(Value::as_str).ok_or(format!("[{j}].id is missing"))?;
+            let f = c.get("function").ok_or(format!("[{j}].function is missing"))?;
+            let name = f
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or(format!("[{j}].function.name is missing"))?;
+            let arguments = match f.get("arguments") {
+                Some(Value::String(text)) => serde_json::from_str::<Value>(text)
+                    .map_err(|e| format!("[{j}].function.arguments is not JSON: {e}"))?,
+                Some(o @ Value::Object(_)) => o.clone(),
+                None | Some(Value::Null) => json!({}),
+                Some(_) => return Err(format!("[{j}].function.arguments must be JSON text")),
+            };
+            Ok(json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}}))
         })
         .collect()
 }
@@ -428,9 +483,17 @@ pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
         }
         (false, _) => None,
     };
-    if b.tools.as_ref().is_some_and(|t| !t.is_empty()) {
-        return Err(unsupported("tools", "tool calling"));
-    }
+    let tools = match (&b.tools, &b.tool_choice) {
+        (None, None) => None,
+        (t, choice) => Some(
+            Tools::parse(
+                t.as_deref().unwrap_or_default(),
+                choice.as_ref(),
+                b.parallel_tool_calls,
+            )
+            .map_err(|(field, m)| ApiError::invalid(Some(field), m))?,
+        ),
+    };
     let sampling = b.common.sampling()?;
     let (logit_bias, format) = (b.common.logit_bias()?, b.common.format()?);
     let c = b.common;
@@ -442,7 +505,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
         n: c.n.unwrap_or(1) as usize,
         inputs: vec![GenerateInput {
             model: c.model.unwrap_or_default(),
-            prompt: Prompt::Messages(messages(b.messages)?),
+            prompt: Prompt::Messages(messages(b.messages)?, Vec::new()),
             max_tokens: b.max_completion_tokens.or(c.max_tokens),
             sampling,
             stop: stop_list(c.stop)?,
@@ -450,6 +513,7 @@ pub fn parse_chat(body: &[u8]) -> Result<Call, ApiError> {
             truncate: false,
             logit_bias,
             format,
+            tools,
         }],
     })
 }
@@ -549,6 +613,7 @@ pub fn parse_completion(body: &[u8], max_prompts: usize) -> Result<Call, ApiErro
                 truncate: false,
                 logit_bias: logit_bias.clone(),
                 format: format.clone(),
+                tools: None,
             })
             .collect(),
         n,
@@ -609,7 +674,7 @@ mod tests {
             (Some(5), &["x".to_string()][..])
         );
         assert_eq!(i.sampling.temperature, 0.0);
-        let Prompt::Messages(m) = &i.prompt else {
+        let Prompt::Messages(m, _) = &i.prompt else {
             panic!("messages")
         };
         assert_eq!(

@@ -7,6 +7,8 @@ use super::models::{parse_keep_alive, Models};
 use crate::engine::scheduler::{Event, Finish};
 use crate::plan::Placement;
 use crate::text::grammar::Grammar;
+use crate::text::tool_parse::ToolParser;
+use crate::text::tools::Tools;
 use crate::text::{ChatMessage, SamplingParams};
 use sluice_proto::v1 as pb;
 use sluice_proto::v1::inference_server::Inference;
@@ -53,15 +55,11 @@ pub(crate) fn input_of(
     defaults: &SamplingParams,
 ) -> Result<GenerateInput, ApiError> {
     let format = format_of(&r)?;
+    let tools = tools_of(&r)?;
     let prompt = if !r.prompt_token_ids.is_empty() {
         Prompt::Ids(r.prompt_token_ids)
     } else if !r.messages.is_empty() {
-        Prompt::Messages(
-            r.messages
-                .into_iter()
-                .map(|m| ChatMessage::new(m.role, m.content))
-                .collect(),
-        )
+        Prompt::Messages(chat_messages(&r.messages)?, Vec::new())
     } else {
         Prompt::Text(r.prompt)
     };
@@ -78,7 +76,45 @@ pub(crate) fn input_of(
         truncate: r.truncate,
         logit_bias,
         format,
+        tools,
     })
+}
+
+/// The messages as the OpenAI API would take them, checked by its rules (a tool message
+/// answers an earlier call).
+fn chat_messages(list: &[pb::ChatMessage]) -> Result<Vec<ChatMessage>, ApiError> {
+    super::openai::messages(list.iter().map(sluice_proto::openai_message).collect())
+}
+
+/// The request's tools, tool_choice and parallel_tool_calls, read as the OpenAI API reads
+/// them.
+fn tools_of(r: &pb::GenerateRequest) -> Result<Option<Tools>, ApiError> {
+    if r.tools.is_empty() && r.tool_choice.is_empty() {
+        return Ok(None);
+    }
+    let mut list = Vec::with_capacity(r.tools.len());
+    for (i, t) in r.tools.iter().enumerate() {
+        let parameters = if t.parameters.is_empty() {
+            serde_json::Value::Null
+        } else {
+            serde_json::from_str(&t.parameters).map_err(|e| {
+                ApiError::invalid(
+                    Some("tools"),
+                    format!("tools[{i}].parameters is not JSON: {e}"),
+                )
+            })?
+        };
+        list.push(serde_json::json!({"type": "function", "function": {
+            "name": t.name, "description": t.description, "parameters": parameters}}));
+    }
+    let choice = match r.tool_choice.as_str() {
+        "" => None,
+        "auto" | "none" | "required" => Some(serde_json::Value::from(r.tool_choice.clone())),
+        name => Some(serde_json::json!({"type": "function", "function": {"name": name}})),
+    };
+    Tools::parse(&list, choice.as_ref(), r.parallel_tool_calls)
+        .map(Some)
+        .map_err(|(field, m)| ApiError::invalid(Some(field), m))
 }
 
 /// The sampling a request's settings `s` ask for, `defaults` (the model's) where it leaves
@@ -139,6 +175,31 @@ fn format_of(r: &pb::GenerateRequest) -> Result<Option<Format>, ApiError> {
     Ok(Some(Format { grammar, param }))
 }
 
+/// A parser's events: the content text (returned) and the calls, collected.
+fn tool_events(
+    events: Vec<crate::text::tool_parse::ToolEvent>,
+    calls: &mut Vec<pb::ToolCall>,
+) -> String {
+    use crate::text::tool_parse::ToolEvent;
+    let mut text = String::new();
+    for e in events {
+        match e {
+            ToolEvent::Text(t) => text.push_str(&t),
+            ToolEvent::Call { id, name, .. } => calls.push(pb::ToolCall {
+                id,
+                name,
+                arguments: String::new(),
+            }),
+            ToolEvent::Args { index, text: a } => {
+                if let Some(c) = calls.get_mut(index) {
+                    c.arguments.push_str(&a);
+                }
+            }
+        }
+    }
+    text
+}
+
 type GenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -157,13 +218,14 @@ impl Inference for Service {
         let keep = parse_keep_alive(&r.keep_alive)
             .map_err(|m| refuse(ApiError::invalid(Some("keep_alive"), m)))?;
         let (served, _hold) = self.models.resolve(&r.model, keep).await.map_err(refuse)?;
-        let sub = served
-            .front
-            .submit(
-                Api::Grpc,
-                input_of(r, &served.front.meta.sampling).map_err(refuse)?,
-            )
-            .map_err(status_of)?;
+        let input = input_of(r, &served.front.meta.sampling).map_err(refuse)?;
+        let mut parser = input
+            .tools
+            .as_ref()
+            .and_then(|t| served.front.tool_plan(t))
+            .map(|(format, parallel, forced)| ToolParser::new(format, parallel, forced));
+        let sub = served.front.submit(Api::Grpc, input).map_err(status_of)?;
+        let mut calls: Vec<pb::ToolCall> = Vec::new();
         // The stream ends after Done (the engine drops its sender); a client that goes away
         // drops the receiver, which the engine sees and evicts the sequence.
         let truncated = sub.truncated;
@@ -172,27 +234,42 @@ impl Inference for Service {
                 text, token_ids, ..
             } => Ok(pb::GenerateResponse {
                 event: Some(pb::generate_response::Event::Piece(pb::TokenPiece {
-                    text,
+                    text: match &mut parser {
+                        Some(p) => tool_events(p.feed(&text), &mut calls),
+                        None => text,
+                    },
                     token_ids,
                 })),
             }),
-            Event::Done(d) => Ok(pb::GenerateResponse {
-                event: Some(pb::generate_response::Event::Done(pb::GenerateDone {
-                    finish_reason: finish_reason(d.finish) as i32,
-                    stats: Some(pb::GenerateStats {
-                        prompt_tokens: d.prompt_token_ids.len() as u32,
-                        generated_tokens: d.generated_token_ids.len() as u32,
-                        time_to_first_token_s: d.time_to_first_token_s,
-                        prefill_tokens_per_s: d.prefill_tokens_per_s,
-                        decode_tokens_per_s: d.decode_tokens_per_s,
-                        bytes_streamed: d.bytes_streamed,
-                        cached_tokens: d.cached_tokens as u32,
-                    }),
-                    prompt_token_ids: d.prompt_token_ids,
-                    generated_token_ids: d.generated_token_ids,
-                    prompt_truncated: truncated,
-                })),
-            }),
+            Event::Done(d) => {
+                let mut reason = finish_reason(d.finish);
+                if let Some(p) = &mut parser {
+                    // What was held back at the end is content nobody will read past the
+                    // calls; a text without calls keeps it in the pieces already sent.
+                    tool_events(p.finish(), &mut calls);
+                    if !calls.is_empty() && reason == pb::FinishReason::Stop {
+                        reason = pb::FinishReason::ToolCalls;
+                    }
+                }
+                Ok(pb::GenerateResponse {
+                    event: Some(pb::generate_response::Event::Done(pb::GenerateDone {
+                        tool_calls: std::mem::take(&mut calls),
+                        finish_reason: reason as i32,
+                        stats: Some(pb::GenerateStats {
+                            prompt_tokens: d.prompt_token_ids.len() as u32,
+                            generated_tokens: d.generated_token_ids.len() as u32,
+                            time_to_first_token_s: d.time_to_first_token_s,
+                            prefill_tokens_per_s: d.prefill_tokens_per_s,
+                            decode_tokens_per_s: d.decode_tokens_per_s,
+                            bytes_streamed: d.bytes_streamed,
+                            cached_tokens: d.cached_tokens as u32,
+                        }),
+                        prompt_token_ids: d.prompt_token_ids,
+                        generated_token_ids: d.generated_token_ids,
+                        prompt_truncated: truncated,
+                    })),
+                })
+            }
             Event::Failed { failure, message } => Err(status_of(ApiError::new(
                 ErrorKind::of_failure(failure),
                 message,
@@ -223,7 +300,7 @@ impl Inference for Service {
                 .map(|m| ChatMessage::new(m.role, m.content))
                 .collect();
             front
-                .prompt_ids(&Prompt::Messages(msgs))
+                .prompt_ids(&Prompt::Messages(msgs, Vec::new()))
                 .map_err(status_of)?
         };
         let pieces = ids.iter().map(|&i| tok.piece(i)).collect();

@@ -239,8 +239,28 @@ impl Grammars {
             ends: self.ends.clone().into(),
             vocab: self.vocab,
             kind: g.kind(),
+            lazy: None,
+            env: self.factory.tok_env().clone(),
         })
     }
+
+    /// `g` compiled to hold the text only from where it writes `trigger` (llama.cpp's
+    /// lazy grammar): until then any token may come; `g` is then the text after it.
+    pub fn compile_lazy(&self, g: &Grammar, trigger: &str) -> Result<Constraint, String> {
+        let mut c = self.compile(g)?;
+        c.lazy = Some(Lazy {
+            trigger: trigger.as_bytes().to_vec(),
+            tail: Vec::new(),
+        });
+        Ok(c)
+    }
+}
+
+/// A lazy constraint's watch for its trigger: the last bytes of the text.
+#[derive(Clone, Debug)]
+struct Lazy {
+    trigger: Vec<u8>,
+    tail: Vec<u8>,
 }
 
 /// An llguidance error as a request's: a schema's unimplemented keywords with the place of
@@ -305,6 +325,10 @@ pub struct Constraint {
     ends: Arc<[u32]>,
     vocab: usize,
     kind: &'static str,
+    /// Not yet holding the text: waiting for its trigger.
+    lazy: Option<Lazy>,
+    /// The vocabulary (a token's bytes, for the trigger).
+    env: TokEnv,
 }
 
 impl std::fmt::Debug for Constraint {
@@ -320,7 +344,15 @@ impl Constraint {
 
     /// The text so far is whole: an end token may come now.
     pub fn is_done(&mut self) -> bool {
-        self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
+        self.lazy.is_some()
+            || self.matcher.is_stopped()
+            || self.matcher.is_accepting().unwrap_or(false)
+    }
+
+    /// A lazy constraint has seen its trigger and holds the text now (a strict one
+    /// always does).
+    pub fn is_armed(&self) -> bool {
+        self.lazy.is_none()
     }
 
     /// Nothing but the end may follow (the grammar cannot go on, or it failed).
@@ -339,6 +371,9 @@ impl Constraint {
 
     /// Whether token `t` may come next (without computing the whole mask).
     pub fn allows(&mut self, t: u32) -> bool {
+        if self.lazy.is_some() {
+            return true;
+        }
         if self.is_end(t) {
             return self.is_done();
         }
@@ -351,6 +386,9 @@ impl Constraint {
     /// Sets every token of `row` (a logits row) that may not come next to -inf; returns
     /// whether any token with a finite logit is left.
     pub fn mask(&mut self, row: &mut [f32]) -> bool {
+        if self.lazy.is_some() {
+            return row.iter().any(|&l| l > f32::NEG_INFINITY);
+        }
         let done = self.is_done();
         let ends: Vec<(usize, f32)> = self
             .ends
@@ -386,6 +424,20 @@ impl Constraint {
     /// Moves past token `t` (an end token or one the constraint refused leaves it as it
     /// was).
     pub fn consume(&mut self, t: u32) {
+        if let Some(l) = &mut self.lazy {
+            let bytes = self.env.tok_trie().token(t);
+            if bytes.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
+                l.tail.extend_from_slice(bytes);
+                let keep = l.tail.len().saturating_sub(l.trigger.len());
+                if l.tail.ends_with(&l.trigger) {
+                    // Armed: the grammar holds what follows the trigger.
+                    self.lazy = None;
+                } else {
+                    l.tail.drain(..keep);
+                }
+            }
+            return;
+        }
         if self.is_end(t) || (t as usize) >= self.vocab || self.must_end() {
             return;
         }

@@ -9,6 +9,8 @@ pub mod sandbox;
 pub mod spm;
 pub mod template;
 pub mod tokenizer;
+pub mod tool_parse;
+pub mod tools;
 
 pub use sampler::{Sampler, SamplingParams, TokenLogprob};
 pub use template::{ChatMessage, ChatTemplate};

@@ -52,6 +52,7 @@ impl ChatMessage {
 
 pub struct ChatTemplate {
     env: minijinja::Environment<'static>,
+    source: String,
     bos: String,
     eos: String,
     /// Renders go there (with the source), not to `env`.
@@ -109,11 +110,17 @@ impl ChatTemplate {
             .map_err(|e| TemplateError(e.to_string()))?;
         Ok(ChatTemplate {
             env,
+            source: source.to_string(),
             bos,
             eos,
             sandbox: None,
             vars: serde_json::Map::new(),
         })
+    }
+
+    /// The template's Jinja source.
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// The template with variables every render sees (they do not override the

@@ -1,0 +1,562 @@
+//! Reading calls back out of generated text, piece by piece, by the layout their format's
+//! grammar gave them (`tools.rs`): content before a call, each call's id and function as
+//! soon as its name is read, then its arguments as they come (how OpenAI streams calls).
+
+use super::tools::{Layout, ToolFormat};
+
+/// What a generated text holds, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum ToolEvent {
+    /// Text for the answer's content.
+    Text(String),
+    /// Call `index` begins: its id and function.
+    Call {
+        index: usize,
+        id: String,
+        name: String,
+    },
+    /// More of call `index`'s arguments (JSON text).
+    Args { index: usize, text: String },
+}
+
+#[derive(Clone, Debug, PartialEq)]
+enum State {
+    /// Free text (auto): watching for the start of a call.
+    Content,
+    /// Expecting these bytes, then `next`.
+    Lit(String, Box<State>),
+    /// A function's name, up to its closing quote.
+    Name,
+    /// Arguments: a JSON value, scanned to its end.
+    Args,
+    /// After a call: another (`sep`), the close, or the end.
+    Between,
+    /// Past what the layout explains (a text not written under the grammar): the rest is
+    /// content.
+    Raw,
+}
+
+/// Reads calls back out of a text written in a format's layout, piece by piece.
+pub struct ToolParser {
+    layout: Layout,
+    format: ToolFormat,
+    parallel: bool,
+    state: State,
+    buf: String,
+    /// Calls begun so far.
+    calls: usize,
+    scan: JsonScan,
+    started: bool,
+}
+
+impl ToolParser {
+    /// A parser for texts planned with `forced` (the calls from the first byte) or not.
+    pub fn new(format: ToolFormat, parallel: bool, forced: bool) -> ToolParser {
+        let layout = format.layout();
+        let state = if forced {
+            State::Lit(
+                format!("{}{}", layout.open, layout.head),
+                Box::new(State::Name),
+            )
+        } else {
+            State::Content
+        };
+        ToolParser {
+            layout,
+            format,
+            parallel,
+            state,
+            buf: String::new(),
+            calls: 0,
+            scan: JsonScan::default(),
+            started: false,
+        }
+    }
+
+    /// Calls begun so far.
+    pub fn calls(&self) -> usize {
+        self.calls
+    }
+
+    /// The events `text` (the next piece) completes; some bytes may wait for the next.
+    pub fn feed(&mut self, text: &str) -> Vec<ToolEvent> {
+        self.buf.push_str(text);
+        let mut out = Vec::new();
+        while self.step(&mut out) {}
+        merge(out)
+    }
+
+    /// The events of what is left at the end of the text.
+    pub fn finish(&mut self) -> Vec<ToolEvent> {
+        let mut out = self.feed("");
+        let rest = std::mem::take(&mut self.buf);
+        if !rest.is_empty() {
+            match self.state {
+                State::Args => out.push(ToolEvent::Args {
+                    index: self.calls - 1,
+                    text: rest,
+                }),
+                _ if self.calls == 0 => out.push(ToolEvent::Text(rest)),
+                _ => {}
+            }
+        }
+        merge(out)
+    }
+
+    /// One step over the buffer; false when it needs more text.
+    fn step(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        match std::mem::replace(&mut self.state, State::Raw) {
+            State::Content => self.content(out),
+            State::Raw => {
+                if !self.buf.is_empty() {
+                    out.push(ToolEvent::Text(std::mem::take(&mut self.buf)));
+                }
+                false
+            }
+            State::Lit(want, next) => {
+                let n = want.len().min(self.buf.len());
+                if self.buf.as_bytes()[..n] != want.as_bytes()[..n] {
+                    // Not the layout: the rest is content (or, inside a call, dropped).
+                    self.state = State::Raw;
+                    return true;
+                }
+                if n < want.len() {
+                    self.buf.clear();
+                    self.state = State::Lit(want[n..].to_string(), next);
+                    return false;
+                }
+                self.buf.drain(..n);
+                self.state = *next;
+                true
+            }
+            State::Name => match self.buf.find('"') {
+                Some(end) => {
+                    let name: String = self.buf.drain(..end).collect();
+                    out.push(ToolEvent::Call {
+                        index: self.calls,
+                        id: call_id(),
+                        name,
+                    });
+                    self.calls += 1;
+                    self.scan = JsonScan::default();
+                    self.state = State::Lit(self.layout.mid.to_string(), Box::new(State::Args));
+                    true
+                }
+                None => {
+                    self.state = State::Name;
+                    false
+                }
+            },
+            State::Args => {
+                let (n, done) = self.scan.feed(self.buf.as_bytes());
+                let text: String = self.buf.drain(..n).collect();
+                if !text.is_empty() {
+                    out.push(ToolEvent::Args {
+                        index: self.calls - 1,
+                        text,
+                    });
+                }
+                if done {
+                    self.state = State::Lit(self.layout.tail.to_string(), Box::new(State::Between));
+                    true
+                } else {
+                    self.state = State::Args;
+                    false
+                }
+            }
+            State::Between => self.between(),
+        }
+    }
+
+    fn content(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        if self.format.trigger().is_none() {
+            // Llama 3.1: a call is the whole answer, from its first byte.
+            let Some(first) = self.buf.chars().next() else {
+                self.state = State::Content;
+                return false;
+            };
+            self.started = true;
+            self.state = if first == '{' {
+                State::Lit(self.layout.head.to_string(), Box::new(State::Name))
+            } else {
+                State::Raw
+            };
+            return true;
+        }
+        let open = self.layout.open;
+        if let Some(at) = self.buf.find(open) {
+            if at > 0 {
+                out.push(ToolEvent::Text(self.buf[..at].to_string()));
+            }
+            self.buf.drain(..at + open.len());
+            self.state = State::Lit(self.layout.head.to_string(), Box::new(State::Name));
+            return true;
+        }
+        // Keep back what may be the start of the opening.
+        let keep = (1..open.len().min(self.buf.len() + 1))
+            .rev()
+            .find(|&k| {
+                self.buf.is_char_boundary(self.buf.len() - k)
+                    && open.starts_with(&self.buf[self.buf.len() - k..])
+            })
+            .unwrap_or(0);
+        let cut = self.buf.len() - keep;
+        if cut > 0 {
+            out.push(ToolEvent::Text(self.buf[..cut].to_string()));
+            self.buf.drain(..cut);
+        }
+        self.state = State::Content;
+        false
+    }
+
+    fn between(&mut self) -> bool {
+        let l = &self.layout;
+        if self.parallel && !l.sep.is_empty() {
+            let n = l.sep.len().min(self.buf.len());
+            if n > 0 && self.buf.as_bytes()[..n] == l.sep.as_bytes()[..n] {
+                if n < l.sep.len() {
+                    self.state = State::Between;
+                    return false;
+                }
+                self.buf.drain(..n);
+                self.state = State::Lit(l.head.to_string(), Box::new(State::Name));
+                return true;
+            }
+        }
+        if self.buf.is_empty() {
+            self.state = State::Between;
+            return false;
+        }
+        // The close (or anything after the calls) ends them; it is not content.
+        self.buf.clear();
+        self.state = State::Between;
+        false
+    }
+}
+
+/// Adjacent text events, and adjacent argument pieces of one call, as one.
+fn merge(events: Vec<ToolEvent>) -> Vec<ToolEvent> {
+    let mut out: Vec<ToolEvent> = Vec::with_capacity(events.len());
+    for e in events {
+        match (out.last_mut(), e) {
+            (Some(ToolEvent::Text(a)), ToolEvent::Text(b)) => a.push_str(&b),
+            (
+                Some(ToolEvent::Args { index: i, text: a }),
+                ToolEvent::Args { index: j, text: b },
+            ) if *i == j => a.push_str(&b),
+            (_, e) => out.push(e),
+        }
+    }
+    out
+}
+
+/// Where a JSON value's text stands: how deep, inside a string, after a backslash.
+#[derive(Clone, Debug, Default, PartialEq)]
+struct JsonScan {
+    depth: usize,
+    in_string: bool,
+    escaped: bool,
+    begun: bool,
+}
+
+impl JsonScan {
+    /// Bytes of `b` up to the value's end (all of them if it goes on), and whether it
+    /// ended there. Arguments are objects, so the value ends where its braces close.
+    fn feed(&mut self, b: &[u8]) -> (usize, bool) {
+        for (i, &c) in b.iter().enumerate() {
+            if self.in_string {
+                match (self.escaped, c) {
+                    (true, _) => self.escaped = false,
+                    (false, b'\\') => self.escaped = true,
+                    (false, b'"') => self.in_string = false,
+                    _ => {}
+                }
+                continue;
+            }
+            match c {
+                b'"' => self.in_string = true,
+                b'{' | b'[' => {
+                    self.depth += 1;
+                    self.begun = true;
+                }
+                b'}' | b']' => {
+                    self.depth = self.depth.saturating_sub(1);
+                    if self.begun && self.depth == 0 {
+                        return (i + 1, true);
+                    }
+                }
+                _ => {}
+            }
+        }
+        (b.len(), false)
+    }
+}
+
+/// A call id, unique in this process and not guessable: `call_` and 24 letters or digits
+/// (also a valid Mistral id's alphabet).
+pub fn call_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let state = std::collections::hash_map::RandomState::new();
+    let mut id = String::from("call_");
+    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
+    for part in 0..4u64 {
+        let mut h = state.build_hasher();
+        h.write_u64(n);
+        h.write_u64(part);
+        let mut x = h.finish();
+        for _ in 0..6 {
+            id.push(ALPHABET[(x % 62) as usize] as char);
+            x /= 62;
+        }
+    }
+    id
+}
+
+/// A whole text's content and calls (`ToolParser` over it at once): the content (None
+/// when there is none) and each call's id, function and arguments.
+pub fn parse_all(
+    format: ToolFormat,
+    parallel: bool,
+    forced: bool,
+    text: &str,
+) -> (Option<String>, Vec<(String, String, String)>) {
+    let mut p = ToolParser::new(format, parallel, forced);
+    let mut events = p.feed(text);
+    events.extend(p.finish());
+    let mut content = String::new();
+    let mut calls: Vec<(String, String, String)> = Vec::new();
+    for e in events {
+        match e {
+            ToolEvent::Text(t) => content.push_str(&t),
+            ToolEvent::Call { id, name, .. } => calls.push((id, name, String::new())),
+            ToolEvent::Args { index, text } => {
+                if let Some(c) = calls.get_mut(index) {
+                    c.2.push_str(&text);
+                }
+            }
+        }
+    }
+    ((!content.is_empty()).then_some(content), calls)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::text::tools::tests::tools;
+    use serde_json::{json, Value};
+
+    /// A text split at every byte gives the same events, merged, as the whole.
+    fn pieces_agree(
+        format: ToolFormat,
+        parallel: bool,
+        forced: bool,
+        text: &str,
+    ) -> Vec<ToolEvent> {
+        let whole = {
+            let mut p = ToolParser::new(format, parallel, forced);
+            let mut e = p.feed(text);
+            e.extend(p.finish());
+            e
+        };
+        let mut p = ToolParser::new(format, parallel, forced);
+        let mut split = Vec::new();
+        for (i, c) in text.char_indices() {
+            split.extend(p.feed(&text[i..i + c.len_utf8()]));
+        }
+        split.extend(p.finish());
+        let strip = |v: Vec<ToolEvent>| -> Vec<ToolEvent> {
+            merge(
+                v.into_iter()
+                    .map(|e| match e {
+                        ToolEvent::Call { index, name, .. } => ToolEvent::Call {
+                            index,
+                            id: String::new(),
+                            name,
+                        },
+                        e => e,
+                    })
+                    .collect(),
+            )
+        };
+        let whole = strip(whole);
+        assert_eq!(strip(split), whole, "{text:?}");
+        whole
+    }
+
+    #[test]
+    fn hermes_text_and_calls_come_apart_in_any_pieces() {
+        let text = "Let me look.<tool_call>\n{\"name\": \"get_weather\", \"arguments\": {\"city\": \"a}\\\"b\"}}\n</tool_call>\n<tool_call>\n{\"name\": \"add\", \"arguments\": {\"a\": 1, \"b\": [2]}}\n</tool_call>";
+        let e = pieces_agree(ToolFormat::Hermes, true, false, text);
+        assert_eq!(
+            e,
+            [
+                ToolEvent::Text("Let me look.".into()),
+                ToolEvent::Call {
+                    index: 0,
+                    id: String::new(),
+                    name: "get_weather".into()
+                },
+                ToolEvent::Args {
+                    index: 0,
+                    text: "{\"city\": \"a}\\\"b\"}".into()
+                },
+                ToolEvent::Call {
+                    index: 1,
+                    id: String::new(),
+                    name: "add".into()
+                },
+                ToolEvent::Args {
+                    index: 1,
+                    text: "{\"a\": 1, \"b\": [2]}".into()
+                },
+            ]
+        );
+        // Text with a tag's beginning that is no tag stays text.
+        let e = pieces_agree(ToolFormat::Hermes, true, false, "a < b and <tool tip>");
+        assert_eq!(e, [ToolEvent::Text("a < b and <tool tip>".into())]);
+    }
+
+    #[test]
+    fn llama_and_generic_calls_parse() {
+        let e = pieces_agree(
+            ToolFormat::Llama3,
+            false,
+            false,
+            "{\"name\": \"add\", \"parameters\": {\"a\": 1, \"b\": 2}}",
+        );
+        assert!(
+            matches!(&e[..], [ToolEvent::Call { name, .. }, ToolEvent::Args { text, .. }] if name == "add" && text == "{\"a\": 1, \"b\": 2}"),
+            "{e:?}"
+        );
+        let e = pieces_agree(ToolFormat::Llama3, false, false, "It is 3.");
+        assert_eq!(e, [ToolEvent::Text("It is 3.".into())]);
+        let e = pieces_agree(ToolFormat::Generic, true, true, "{\"tool_calls\": [{\"name\": \"add\", \"arguments\": {\"a\": 1}}, {\"name\": \"get_weather\", \"arguments\": {}}]}");
+        let names: Vec<&str> = e
+            .iter()
+            .filter_map(|e| match e {
+                ToolEvent::Call { name, .. } => Some(name.as_str()),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(names, ["add", "get_weather"]);
+        let (content, calls) = parse_all(
+            ToolFormat::Generic,
+            true,
+            true,
+            "{\"tool_calls\": [{\"name\": \"add\", \"arguments\": {\"a\": 1}}]}",
+        );
+        assert_eq!(content, None);
+        assert_eq!(
+            (calls[0].1.as_str(), calls[0].2.as_str()),
+            ("add", "{\"a\": 1}")
+        );
+        assert!(calls[0].0.starts_with("call_") && calls[0].0.len() == 29);
+    }
+
+    /// Sampled from random logits over a byte vocabulary, every forced call (Hermes and the
+    /// generic format, one or several, any function or a named one) and every lazy Hermes
+    /// text that ends is read back into calls of offered functions whose arguments parse
+    /// and hold their schema's required fields.
+    #[test]
+    fn sampled_calls_parse_and_match_their_schemas() {
+        use crate::text::grammar::{Grammars, TokenKind, TokenTexts};
+        use crate::text::sampler::{OutputFormat, Sampler, SamplingParams};
+        use crate::util::rng::Rng;
+        let mut tokens: Vec<Vec<u8>> = (0x20u8..0x7f).map(|b| vec![b]).collect();
+        tokens.extend([
+            b"\n".to_vec(),
+            b"<tool_call>".to_vec(),
+            b"{\"".to_vec(),
+            b"\": ".to_vec(),
+        ]);
+        let mut v: Vec<(&[u8], TokenKind)> =
+            tokens.iter().map(|t| (&t[..], TokenKind::Text)).collect();
+        v.push((b"", TokenKind::End));
+        let vocab = TokenTexts::of(&v);
+        let end = (v.len() - 1) as u32;
+        let grammars = Grammars::new(&vocab, |id| format!("<s{id}>")).unwrap();
+        let hermes = "{% if tools %}<tool_call>{% endif %}";
+        let mut rng = Rng::new(9);
+        let (mut calls_read, mut lazy_calls) = (0, 0);
+        for (choice, parallel, template, lazy) in [
+            (json!("required"), true, hermes, false),
+            (
+                json!({"type": "function", "function": {"name": "add"}}),
+                false,
+                hermes,
+                false,
+            ),
+            (json!("required"), true, "no template tools", false),
+            (json!("auto"), true, hermes, true),
+        ] {
+            let t = tools(choice, Some(parallel));
+            let p = crate::text::tools::plan(&t, template, &mut Vec::new())
+                .unwrap()
+                .unwrap();
+            let g = p.grammar.as_ref().unwrap();
+            let c = match p.trigger {
+                Some(tr) => grammars.compile_lazy(g, tr),
+                None => grammars.compile(g),
+            }
+            .unwrap_or_else(|e| panic!("{e}\n{g:?}"));
+            let format = OutputFormat::Constrained(Box::new(c));
+            for seed in 0..40u64 {
+                let mut s = Sampler::new(SamplingParams {
+                    temperature: 1.0,
+                    seed,
+                    ..Default::default()
+                })
+                .constrained(&[], &format);
+                let mut text = Vec::new();
+                let mut ended = false;
+                for step in 0..400 {
+                    let mut logits: Vec<f32> = (0..v.len())
+                        .map(|_| rng.below(300) as f32 / 100.0)
+                        .collect();
+                    // Lazy: nudge towards starting a call after a few tokens.
+                    if lazy && step == 3 {
+                        logits[tokens.len() - 3] = 100.0;
+                    }
+                    let tok = s.sample(&logits);
+                    if tok == end {
+                        ended = true;
+                        break;
+                    }
+                    text.extend_from_slice(&tokens[tok as usize]);
+                }
+                if !ended {
+                    continue;
+                }
+                let text = String::from_utf8(text).unwrap();
+                let (_, calls) = parse_all(p.format, p.parallel, t.forced(), &text);
+                // Auto: a text may end before it calls anything.
+                assert!(
+                    !calls.is_empty() || (lazy && !text.contains("<tool_call>")),
+                    "{text}"
+                );
+                assert!(parallel || calls.len() == 1, "{text}");
+                for (_, name, args) in calls {
+                    let a: Value = serde_json::from_str(&args)
+                        .unwrap_or_else(|e| panic!("{e}: {args} in {text}"));
+                    let tool = t
+                        .list
+                        .iter()
+                        .find(|x| x.name == name)
+                        .expect("an offered function");
+                    for r in tool.parameters["required"].as_array().unwrap() {
+                        assert!(a.get(r.as_str().unwrap()).is_some(), "{name} {args}");
+                    }
+                    calls_read += 1;
+                    lazy_calls += usize::from(lazy);
+                }
+            }
+        }
+        assert!(
+            calls_read > 40 && lazy_calls > 5,
+            "{calls_read} calls read, {lazy_calls} lazily"
+        );
+    }
+}
