@@ -171,7 +171,8 @@ impl TokenTexts {
 
 /// One model's vocabulary as llguidance sees it: every token's bytes (special tokens under
 /// llguidance's marker byte, so no text matches them), the end tokens, and the parser
-/// factory with its lexer slices over the vocabulary. Some 0.1 s for 49k tokens.
+/// factory with its lexer slices. Built on the first constrained request: about 1 s and
+/// 115 MB for Gemma 3's 262k tokens.
 pub struct Grammars {
     factory: ParserFactory,
     /// Tokens that end generation: allowed when the text is whole.
@@ -213,6 +214,10 @@ impl Grammars {
             tok_end_of_turn: ends.get(1).copied(),
         };
         let env: TokEnv = Arc::new(ApproximateTokEnv::new(TokTrie::from(&info, &words)));
+        // With llguidance's lexer slices (sub-tries for the insides of JSON strings): they
+        // cost 60 MB and 0.45 s to build on Gemma 3's 262k tokens, but without them a
+        // JSON schema cost SmolLM2 4.5 % of its decode speed (198.4 against 207.8 tokens/s
+        // sampled, 5 rounds alternating), with them none (211.8).
         let mut factory = ParserFactory::new_simple(&env).map_err(|e| e.to_string())?;
         // Errors come back as values; nothing is printed.
         factory.quiet();
