@@ -115,7 +115,9 @@ impl HostShape {
 /// logits as the backend hands them over (every logit row, verified tree rows included,
 /// f32), and per sequence its sampler's penalized row (f32) and candidates ((f32, u32))
 /// where it may keep them (`HostInput::sampler_rows`). Gemma 3's 262,144 tokens make that
-/// 1 MiB a logit row and 3 MiB a sequence.
+/// 1 MiB a logit row and 3 MiB a sequence. Where requests may be constrained
+/// (`HostInput::grammars`), the vocabulary's grammar structures too: built on the first
+/// constrained request, `GRAMMAR_BYTES_PER_TOKEN` a token.
 pub fn sampling(m: &Manifest, input: &PlanInput) -> u64 {
     let vocab = m.arch.vocab as u64;
     let rows = input.opts.logit_rows() as u64;
@@ -124,8 +126,18 @@ pub fn sampling(m: &Manifest, input: &PlanInput) -> u64 {
     } else {
         0
     };
-    round(vocab * (4 * rows + 12 * seqs))
+    let grammars = if input.host.grammars {
+        GRAMMAR_BYTES_PER_TOKEN
+    } else {
+        0
+    };
+    round(vocab * (4 * rows + 12 * seqs + grammars))
 }
+
+/// What llguidance's token trie and lexer slices hold a token, bounded: measured as the
+/// peak a first JSON-mode request adds, 22 MB for SmolLM2's 49,152 tokens and 116 MB for
+/// Gemma 3's 262,144 (447 and 443 bytes a token).
+pub const GRAMMAR_BYTES_PER_TOKEN: u64 = 512;
 
 /// The host staging slots streamed units load into, and the units requested ahead.
 pub(super) struct Staging {

@@ -139,6 +139,10 @@ pub struct HostInput {
     /// a server's requests may ask for any sampling; a greedy run without penalties,
     /// biases or JSON keeps none.
     pub sampler_rows: bool,
+    /// Whether requests may be constrained (JSON mode, schemas, regexes, grammars, tool
+    /// calls): the vocabulary's grammar structures (`text::grammar::Grammars`) are then
+    /// counted in `host::sampling`. A server's may; a run without such a flag's may not.
+    pub grammars: bool,
     /// The prefix cache's host tier (`--kv-cache-host`).
     pub kv_tier: KvHostTier,
     /// The prefix cache has a disk tier (`--kv-cache-dir`): its write queue is counted.
@@ -204,6 +208,7 @@ impl Default for HostInput {
             workers: 1,
             compute_scratch: 0,
             sampler_rows: true,
+            grammars: true,
             kv_tier: KvHostTier::Off,
             kv_disk: false,
         }
@@ -235,7 +240,8 @@ pub struct HostPlan {
     pub scratch_bytes: u64,
     /// The compute threads' own scratch (HostInput::compute_scratch).
     pub compute_scratch_bytes: u64,
-    /// The engine's logits and samplers on the host (`host::sampling`).
+    /// The engine's logits and samplers on the host, with the grammar structures where
+    /// requests may be constrained (`host::sampling`).
     pub sampling_bytes: u64,
     /// A streamed embedding's lookup: the gathered rows, a frame's read buffer and its
     /// decoded bytes (0 when the embedding is resident).

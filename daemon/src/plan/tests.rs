@@ -249,10 +249,16 @@ fn a_host_budget_bounds_every_host_role_of_a_unified_backend() {
     assert_eq!(free.host.arena_bytes, free.device_bytes());
     assert_eq!(free.host.compute_scratch_bytes, 300 << 10);
     // The engine's logits and samplers: a vocabulary (2048) of f32 per logit row, 12 bytes
-    // a token per sequence; a tree's verified rows count like any other.
-    let rows =
-        |i: &PlanInput| (i.opts.logit_rows() * 4 * 2048 + i.opts.kv_slots * 12 * 2048) as u64;
+    // a token per sequence, the grammar structures' 512 a token; a tree's verified rows
+    // count like any other.
+    let rows = |i: &PlanInput| {
+        (i.opts.logit_rows() * 4 * 2048 + i.opts.kv_slots * 12 * 2048 + 512 * 2048) as u64
+    };
     assert_eq!(free.host.sampling_bytes, rows(&unified(None)));
+    let mut plain = unified(None);
+    plain.host.grammars = false;
+    let p = plan(m, &plain).expect("plan without constraints");
+    assert_eq!(free.host.sampling_bytes - p.host.sampling_bytes, 512 * 2048);
     let mut tree = unified(None);
     tree.opts.verify_rows = 63;
     let wide = plan(m, &tree).expect("plan with tree rows");

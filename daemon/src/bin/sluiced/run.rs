@@ -268,6 +268,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     };
     // Greedy decoding without penalties, biases or JSON takes the argmax of each row in
     // place: the samplers keep no rows of their own.
+    input.host.grammars = a.grammar().is_some();
     input.host.sampler_rows = sampling.temperature > 0.0
         || sampling.penalizes()
         || !a.logit_bias.is_empty()
