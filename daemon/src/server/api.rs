@@ -282,7 +282,8 @@ impl Frontend {
     /// forced (None: the request offers no calls). The same choice `constrain` makes.
     pub fn tool_plan(&self, tools: &Tools) -> Option<(tools::ToolFormat, bool, bool)> {
         let src = self.template.as_ref().map_or("", |t| t.source());
-        let plan = tools::plan(tools, src, &mut Vec::new()).ok()??;
+        let special = |name: &str| self.sched.tokenizer.token_id(name);
+        let plan = tools::plan(tools, src, &special, &mut Vec::new()).ok()??;
         Some((plan.format, plan.parallel, tools.forced()))
     }
 
@@ -305,7 +306,8 @@ impl Frontend {
         let Prompt::Messages(messages, template_tools) = prompt else {
             return Err(ApiError::invalid(Some("tools"), "tools need chat messages"));
         };
-        let plan = tools::plan(tools, src, messages)
+        let special = |name: &str| self.sched.tokenizer.token_id(name);
+        let plan = tools::plan(tools, src, &special, messages)
             .map_err(|(field, m)| ApiError::invalid(Some(field), m))?;
         let Some(ToolPlan {
             template_tools: rendered,

@@ -249,22 +249,31 @@ impl Grammars {
         })
     }
 
-    /// `g` compiled to hold the text only from where it writes `trigger` (llama.cpp's
-    /// lazy grammar): until then any token may come; `g` is then the text after it.
-    pub fn compile_lazy(&self, g: &Grammar, trigger: &str) -> Result<Constraint, String> {
+    /// `g` compiled to hold the text only from its trigger on (llama.cpp's lazy
+    /// grammar): until then any token may come; `g` is then the text after it.
+    pub fn compile_lazy(&self, g: &Grammar, trigger: Trigger) -> Result<Constraint, String> {
         let mut c = self.compile(g)?;
         c.lazy = Some(Lazy {
-            trigger: trigger.as_bytes().to_vec(),
+            trigger,
             tail: Vec::new(),
         });
         Ok(c)
     }
 }
 
+/// What arms a lazy constraint.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Trigger {
+    /// The text comes to end with this.
+    Text(&'static str),
+    /// This token is generated (a special token, such as Mistral's `[TOOL_CALLS]`).
+    Token(u32),
+}
+
 /// A lazy constraint's watch for its trigger: the last bytes of the text.
 #[derive(Clone, Debug)]
 struct Lazy {
-    trigger: Vec<u8>,
+    trigger: Trigger,
     tail: Vec<u8>,
 }
 
@@ -430,16 +439,22 @@ impl Constraint {
     /// was).
     pub fn consume(&mut self, t: u32) {
         if let Some(l) = &mut self.lazy {
-            let bytes = self.env.tok_trie().token(t);
-            if bytes.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
-                l.tail.extend_from_slice(bytes);
-                let keep = l.tail.len().saturating_sub(l.trigger.len());
-                if l.tail.ends_with(&l.trigger) {
-                    // Armed: the grammar holds what follows the trigger.
-                    self.lazy = None;
-                } else {
+            let armed = match l.trigger {
+                Trigger::Token(id) => t == id,
+                Trigger::Text(text) => {
+                    let bytes = self.env.tok_trie().token(t);
+                    if bytes.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
+                        l.tail.extend_from_slice(bytes);
+                    }
+                    let keep = l.tail.len().saturating_sub(text.len());
+                    let hit = l.tail.ends_with(text.as_bytes());
                     l.tail.drain(..keep);
+                    hit
                 }
+            };
+            if armed {
+                // The grammar holds what follows the trigger.
+                self.lazy = None;
             }
             return;
         }

@@ -134,7 +134,7 @@ impl ToolParser {
                     let name: String = self.buf.drain(..end).collect();
                     out.push(ToolEvent::Call {
                         index: self.calls,
-                        id: call_id(),
+                        id: call_id(self.format),
                         name,
                     });
                     self.calls += 1;
@@ -169,7 +169,7 @@ impl ToolParser {
     }
 
     fn content(&mut self, out: &mut Vec<ToolEvent>) -> bool {
-        if self.format.trigger().is_none() {
+        if self.format == ToolFormat::Llama3 {
             // Llama 3.1: a call is the whole answer, from its first byte.
             let Some(first) = self.buf.chars().next() else {
                 self.state = State::Content;
@@ -183,13 +183,15 @@ impl ToolParser {
             };
             return true;
         }
-        let open = self.layout.open;
-        if let Some(at) = self.buf.find(open) {
+        // A call's opening and head together (Mistral's special token is not in the text,
+        // so its `[` alone would be any bracket).
+        let open = format!("{}{}", self.layout.open, self.layout.head);
+        if let Some(at) = self.buf.find(&open) {
             if at > 0 {
                 out.push(ToolEvent::Text(self.buf[..at].to_string()));
             }
             self.buf.drain(..at + open.len());
-            self.state = State::Lit(self.layout.head.to_string(), Box::new(State::Name));
+            self.state = State::Name;
             return true;
         }
         // Keep back what may be the start of the opening.
@@ -292,17 +294,22 @@ impl JsonScan {
     }
 }
 
-/// A call id, unique in this process and not guessable: `call_` and 24 letters or digits
-/// (also a valid Mistral id's alphabet).
-pub fn call_id() -> String {
+/// A call id, unique in this process and not guessable: `call_` and 24 letters or digits,
+/// or for Mistral 9 of them (its template refuses any other id).
+pub fn call_id(format: ToolFormat) -> String {
     use std::hash::{BuildHasher, Hasher};
     use std::sync::atomic::{AtomicU64, Ordering};
     static COUNTER: AtomicU64 = AtomicU64::new(0);
     let state = std::collections::hash_map::RandomState::new();
-    let mut id = String::from("call_");
+    let mut id = String::from(if format == ToolFormat::Mistral {
+        ""
+    } else {
+        "call_"
+    });
     let n = COUNTER.fetch_add(1, Ordering::Relaxed);
     const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-    for part in 0..4u64 {
+    let parts = if format == ToolFormat::Mistral { 2 } else { 4 };
+    for part in 0..parts {
         let mut h = state.build_hasher();
         h.write_u64(n);
         h.write_u64(part);
@@ -311,6 +318,9 @@ pub fn call_id() -> String {
             id.push(ALPHABET[(x % 62) as usize] as char);
             x /= 62;
         }
+    }
+    if format == ToolFormat::Mistral {
+        id.truncate(9);
     }
     id
 }
@@ -454,6 +464,17 @@ mod tests {
             ("add", "{\"a\": 1}")
         );
         assert!(calls[0].0.starts_with("call_") && calls[0].0.len() == 29);
+        // Mistral: the text after its special token; ids of 9 letters or digits, as its
+        // template requires of the calls it is given back.
+        let text = "Sure. [{\"name\": \"add\", \"arguments\": {\"a\": [1]}}, {\"name\": \"add\", \"arguments\": {}}]";
+        pieces_agree(ToolFormat::Mistral, true, false, text);
+        let (content, calls) = parse_all(ToolFormat::Mistral, true, false, text);
+        assert_eq!(content.as_deref(), Some("Sure. "));
+        assert_eq!(calls.len(), 2);
+        assert_eq!(calls[0].2, "{\"a\": [1]}");
+        assert!(calls
+            .iter()
+            .all(|c| c.0.len() == 9 && c.0.bytes().all(|b| b.is_ascii_alphanumeric())));
     }
 
     /// Sampled from random logits over a byte vocabulary, every forced call (Hermes and the
@@ -474,11 +495,15 @@ mod tests {
         ]);
         let mut v: Vec<(&[u8], TokenKind)> =
             tokens.iter().map(|t| (&t[..], TokenKind::Text)).collect();
+        // Mistral's special token (the text leaves it out), then the end.
+        let tc = v.len() as u32;
+        v.push((b"", TokenKind::Silent));
         v.push((b"", TokenKind::End));
         let vocab = TokenTexts::of(&v);
         let end = (v.len() - 1) as u32;
         let grammars = Grammars::new(&vocab, |id| format!("<s{id}>")).unwrap();
         let hermes = "{% if tools %}<tool_call>{% endif %}";
+        let mistral = "{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]";
         let mut rng = Rng::new(9);
         let (mut calls_read, mut lazy_calls) = (0, 0);
         for (choice, parallel, template, lazy) in [
@@ -491,9 +516,12 @@ mod tests {
             ),
             (json!("required"), true, "no template tools", false),
             (json!("auto"), true, hermes, true),
+            (json!("required"), true, mistral, false),
+            (json!("auto"), true, mistral, true),
         ] {
             let t = tools(choice, Some(parallel));
-            let p = crate::text::tools::plan(&t, template, &mut Vec::new())
+            let special = |n: &str| (n == "[TOOL_CALLS]").then_some(tc);
+            let p = crate::text::tools::plan(&t, template, &special, &mut Vec::new())
                 .unwrap()
                 .unwrap();
             let g = p.grammar.as_ref().unwrap();
@@ -518,9 +546,17 @@ mod tests {
                         .collect();
                     // Lazy: nudge towards starting a call after a few tokens.
                     if lazy && step == 3 {
-                        logits[tokens.len() - 3] = 100.0;
+                        let start = if template == mistral {
+                            tc
+                        } else {
+                            tokens.len() as u32 - 3
+                        };
+                        logits[start as usize] = 100.0;
                     }
                     let tok = s.sample(&logits);
+                    if tok == tc {
+                        continue;
+                    }
                     if tok == end {
                         ended = true;
                         break;
@@ -534,7 +570,8 @@ mod tests {
                 let (_, calls) = parse_all(p.format, p.parallel, t.forced(), &text);
                 // Auto: a text may end before it calls anything.
                 assert!(
-                    !calls.is_empty() || (lazy && !text.contains("<tool_call>")),
+                    !calls.is_empty()
+                        || (lazy && !text.contains("<tool_call>") && !text.contains("[{\"name")),
                     "{text}"
                 );
                 assert!(parallel || calls.len() == 1, "{text}");

@@ -17,7 +17,7 @@
 //! around names and arguments, the parser (`tool_parse.rs`) reads calls by that same
 //! layout.
 
-use super::grammar::{Grammar, JSON_WHITESPACE};
+use super::grammar::{Grammar, Trigger, JSON_WHITESPACE};
 use super::template::ChatMessage;
 use serde_json::{json, Value};
 
@@ -171,6 +171,9 @@ pub enum ToolFormat {
     Hermes,
     /// `{"name": "f", "parameters": {...}}` as the whole answer (one call).
     Llama3,
+    /// `[TOOL_CALLS][{"name": "f", "arguments": {...}}, ...]` (Mistral; the special token
+    /// first, which the text does not show), one list a turn.
+    Mistral,
     /// `{"tool_calls": [{"name": "f", "arguments": {...}}, ...]}` as the whole answer,
     /// described to the model in its system prompt (templates without tools).
     Generic,
@@ -190,11 +193,12 @@ pub(crate) struct Layout {
 
 impl ToolFormat {
     /// The format a chat template writes calls in; None where it renders no tools or
-    /// writes them in a format sluice does not read yet (Mistral's `[TOOL_CALLS]`,
-    /// gpt-oss's channels).
+    /// writes them in a format sluice does not read yet (gpt-oss's channels).
     pub fn of_template(src: &str) -> Option<ToolFormat> {
         if !src.contains("tools") {
             None
+        } else if src.contains("[TOOL_CALLS]") {
+            Some(ToolFormat::Mistral)
         } else if src.contains("<tool_call>") {
             Some(ToolFormat::Hermes)
         } else if src.contains("\"parameters\": ") && src.contains("ipython") {
@@ -222,6 +226,14 @@ impl ToolFormat {
                 sep: "",
                 close: "",
             },
+            ToolFormat::Mistral => Layout {
+                open: "[",
+                head: "{\"name\": \"",
+                mid: "\", \"arguments\": ",
+                tail: "}",
+                sep: ", ",
+                close: "]",
+            },
             ToolFormat::Generic => Layout {
                 open: "{\"tool_calls\": [",
                 head: "{\"name\": \"",
@@ -238,13 +250,20 @@ impl ToolFormat {
         self != ToolFormat::Llama3
     }
 
-    /// What the text writes to start calling when calls are optional (Hermes' tag);
-    /// None where the grammar itself leaves the choice open (Llama 3.1's first byte).
-    pub(crate) fn trigger(self) -> Option<&'static str> {
+    /// What the text writes to start calling when calls are optional (Hermes' tag,
+    /// Mistral's special token, named by `special`); None where the grammar itself leaves
+    /// the choice open (Llama 3.1's first byte).
+    fn trigger(self, special: Option<u32>) -> Option<Trigger> {
         match self {
-            ToolFormat::Hermes => Some("<tool_call>"),
+            ToolFormat::Hermes => Some(Trigger::Text("<tool_call>")),
+            ToolFormat::Mistral => special.map(Trigger::Token),
             _ => None,
         }
+    }
+
+    /// The special token a call begins with, by name (Mistral's).
+    pub fn special_token(self) -> Option<&'static str> {
+        (self == ToolFormat::Mistral).then_some("[TOOL_CALLS]")
     }
 }
 
@@ -255,23 +274,28 @@ pub struct ToolPlan {
     pub format: ToolFormat,
     pub template_tools: Vec<Value>,
     pub grammar: Option<Grammar>,
-    pub trigger: Option<&'static str>,
+    pub trigger: Option<Trigger>,
     pub parallel: bool,
 }
 
 /// Plans `tools` for a model whose chat template is `template` (its source): the format,
 /// the messages as the template must see them (the generic format's instructions in the
 /// system prompt, calls written as that format writes them), and the grammar. None when
-/// no tool is offered (`tool_choice: none`).
+/// no tool is offered (`tool_choice: none`). `special(name)` is a special token's id in
+/// the model's vocabulary: a format whose calls begin with one it lacks is not read.
 pub fn plan(
     tools: &Tools,
     template: &str,
+    special: &dyn Fn(&str) -> Option<u32>,
     messages: &mut Vec<ChatMessage>,
 ) -> Result<Option<ToolPlan>, Refusal> {
     if tools.choice == ToolChoice::None {
         return Ok(None);
     }
-    let format = match ToolFormat::of_template(template) {
+    let native = ToolFormat::of_template(template)
+        .filter(|f| f.special_token().is_none_or(|name| special(name).is_some()));
+    let token = ToolFormat::Mistral.special_token().and_then(special);
+    let format = match native {
         Some(f) => f,
         None if tools.forced() => ToolFormat::Generic,
         None => {
@@ -290,14 +314,22 @@ pub fn plan(
     };
     let l = format.layout();
     let calls = calls_rule(tools, &l, parallel);
-    let (grammar, trigger) = match (tools.forced(), format.trigger(), format) {
+    // Mistral's calls begin with its special token, which the grammar names by id.
+    let token_lit = match (format, token) {
+        (ToolFormat::Mistral, Some(id)) => format!("<[{id}]> "),
+        _ => String::new(),
+    };
+    let (grammar, trigger) = match (tools.forced(), format.trigger(token), format) {
         (true, _, _) => (
-            format!("start: {}calls{}\n", lit(l.open), lit(l.close)),
+            format!("start: {token_lit}{}calls{}\n", lit(l.open), lit(l.close)),
             None,
         ),
         // After the trigger: the rest of the opening, the calls, the end.
         (false, Some(t), _) => {
-            let rest = l.open.strip_prefix(t).unwrap_or(l.open);
+            let rest = match t {
+                Trigger::Text(text) => l.open.strip_prefix(text).unwrap_or(l.open),
+                Trigger::Token(_) => l.open,
+            };
             (
                 format!("start: {}calls{}\n", lit(rest), lit(l.close)),
                 Some(t),
@@ -464,30 +496,41 @@ pub(crate) mod tests {
         }
     }
 
+    fn no_special(_: &str) -> Option<u32> {
+        None
+    }
+
     #[test]
     fn plans_follow_the_template_and_the_choice() {
         let hermes =
             "{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}<tool_call>{% endif %}";
         let mut m = vec![ChatMessage::new("user", "hi")];
-        let p = plan(&tools(json!("auto"), None), hermes, &mut m)
+        let p = plan(&tools(json!("auto"), None), hermes, &no_special, &mut m)
             .unwrap()
             .unwrap();
         assert_eq!(
             (p.format, p.trigger, p.template_tools.len()),
-            (ToolFormat::Hermes, Some("<tool_call>"), 2)
+            (ToolFormat::Hermes, Some(Trigger::Text("<tool_call>")), 2)
         );
-        let p = plan(&tools(json!("required"), Some(false)), hermes, &mut m)
-            .unwrap()
-            .unwrap();
+        let p = plan(
+            &tools(json!("required"), Some(false)),
+            hermes,
+            &no_special,
+            &mut m,
+        )
+        .unwrap()
+        .unwrap();
         assert_eq!((p.trigger, p.parallel), (None, false));
-        assert!(plan(&tools(json!("none"), None), hermes, &mut m)
-            .unwrap()
-            .is_none());
+        assert!(
+            plan(&tools(json!("none"), None), hermes, &no_special, &mut m)
+                .unwrap()
+                .is_none()
+        );
         // No tools in the template: only a forced call, in the generic format, its
         // instructions in the system prompt.
         let chatml = "{% for m in messages %}{{ m.content }}{% endfor %}";
         assert_eq!(
-            plan(&tools(json!("auto"), None), chatml, &mut m)
+            plan(&tools(json!("auto"), None), chatml, &no_special, &mut m)
                 .err()
                 .map(|e| e.0),
             Some("tools")
@@ -498,6 +541,7 @@ pub(crate) mod tests {
                 None,
             ),
             chatml,
+            &no_special,
             &mut m,
         )
         .unwrap()
@@ -509,6 +553,43 @@ pub(crate) mod tests {
         let Some(Grammar::Lark(g)) = &p.grammar else {
             panic!("a grammar")
         };
+        // Mistral's template: its special token starts the calls, named by id in the
+        // grammar, and arms `auto`; a vocabulary without it is a template without tools.
+        let mistral = "{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]";
+        let special = |n: &str| (n == "[TOOL_CALLS]").then_some(5);
+        let p = plan(
+            &tools(json!("required"), None),
+            mistral,
+            &special,
+            &mut Vec::new(),
+        )
+        .unwrap()
+        .unwrap();
+        let Some(Grammar::Lark(mg)) = &p.grammar else {
+            panic!("a grammar")
+        };
+        assert!(mg.starts_with("start: <[5]> \"[\""), "{mg}");
+        let p = plan(
+            &tools(json!("auto"), None),
+            mistral,
+            &special,
+            &mut Vec::new(),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(
+            (p.format, p.trigger),
+            (ToolFormat::Mistral, Some(Trigger::Token(5)))
+        );
+        let p = plan(
+            &tools(json!("required"), None),
+            mistral,
+            &no_special,
+            &mut Vec::new(),
+        )
+        .unwrap()
+        .unwrap();
+        assert_eq!(p.format, ToolFormat::Generic);
         assert!(
             g.contains("\\\"add\\\"") && !g.contains("get_weather"),
             "{g}"
