@@ -363,12 +363,6 @@ impl Constraint {
             || self.matcher.is_accepting().unwrap_or(false)
     }
 
-    /// A lazy constraint has seen its trigger and holds the text now (a strict one
-    /// always does).
-    pub fn is_armed(&self) -> bool {
-        self.lazy.is_none()
-    }
-
     /// Nothing but the end may follow (the grammar cannot go on, or it failed).
     fn must_end(&self) -> bool {
         self.matcher.is_stopped()
@@ -442,9 +436,12 @@ impl Constraint {
             let armed = match l.trigger {
                 Trigger::Token(id) => t == id,
                 Trigger::Text(text) => {
-                    let bytes = self.env.tok_trie().token(t);
-                    if bytes.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
-                        l.tail.extend_from_slice(bytes);
+                    // A row may be longer than the vocabulary: its extra ids have no text.
+                    if (t as usize) < self.vocab {
+                        let bytes = self.env.tok_trie().token(t);
+                        if bytes.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
+                            l.tail.extend_from_slice(bytes);
+                        }
                     }
                     let keep = l.tail.len().saturating_sub(text.len());
                     let hit = l.tail.ends_with(text.as_bytes());

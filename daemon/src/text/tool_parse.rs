@@ -46,7 +46,6 @@ pub struct ToolParser {
     /// Calls begun so far.
     calls: usize,
     scan: JsonScan,
-    started: bool,
 }
 
 impl ToolParser {
@@ -69,7 +68,6 @@ impl ToolParser {
             buf: String::new(),
             calls: 0,
             scan: JsonScan::default(),
-            started: false,
         }
     }
 
@@ -175,7 +173,6 @@ impl ToolParser {
                 self.state = State::Content;
                 return false;
             };
-            self.started = true;
             self.state = if first == '{' {
                 State::Lit(self.layout.head.to_string(), Box::new(State::Name))
             } else {
