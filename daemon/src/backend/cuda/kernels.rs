@@ -632,7 +632,7 @@ impl KernelTable {
         let mut found: Vec<Option<CudaFunction>> = vec![None; Kernel::ALL.len()];
         for (op, src) in KERNELS {
             let full = source(src);
-            let key = cache_key(&full, &sm, nv, &super::nvrtc::options(&sm));
+            let key = cache_key(&full, &sm, nv, &super::nvrtc::options(&sm, op));
             let path = dir
                 .as_ref()
                 .map(|d| d.join(format!("{op}-{sm}-{key:016x}.cubin")));
@@ -762,7 +762,7 @@ mod tests {
 
     #[test]
     fn the_kernel_cache_key_changes_with_the_source_arch_nvrtc_and_options() {
-        let opts = crate::backend::cuda::nvrtc::options("sm_90");
+        let opts = crate::backend::cuda::nvrtc::options("sm_90", "add");
         let k = cache_key("src", "sm_90", (13, 0), &opts);
         assert_eq!(k, cache_key("src", "sm_90", (13, 0), &opts));
         assert_ne!(k, cache_key("src2", "sm_90", (13, 0), &opts));
@@ -771,6 +771,24 @@ mod tests {
         let mut other = opts.clone();
         other.retain(|o| o != "--use_fast_math");
         assert_ne!(k, cache_key("src", "sm_90", (13, 0), &other));
+        // The policy: the router, the norms and RoPE exact, the rest fast; every name is
+        // a kernel file.
+        let fast = |name: &str| {
+            crate::backend::cuda::nvrtc::options("sm_90", name)
+                .iter()
+                .any(|o| o == "--use_fast_math")
+        };
+        let files: Vec<&str> = crate::backend::cuda::KERNELS
+            .iter()
+            .map(|(n, _)| *n)
+            .collect();
+        for name in crate::backend::cuda::nvrtc::EXACT_MATH {
+            assert!(files.contains(&name) && !fast(name), "{name}");
+        }
+        for name in ["matmul_q", "matmul_k", "attention", "add", "convert"] {
+            assert!(fast(name), "{name}");
+        }
+        assert_eq!(other, crate::backend::cuda::nvrtc::options("sm_90", "rope"));
     }
 
     /// Every weight dtype's multi-row GEMV launches with its chunk format's `W`: the

@@ -29,14 +29,27 @@ pub fn library_present() -> Result<(), String> {
     ))
 }
 
-/// The NVRTC options every kernel file is compiled with for `arch` (a compiled kernel's
+/// Kernel files whose results decide which path the model takes or scale every value
+/// after them — the router's top-k and its renormalization (`moe`), the norms
+/// (`rms_norm`), the rotary embedding (`rope`) — compile without `--use_fast_math`: no
+/// flush of denormals to zero (an MXFP4 scale of exponent 0 or 1 is a denormal), IEEE
+/// division and `sqrtf`, full-precision `expf`, `sinf`, `cosf` and `powf`, as the CPU
+/// backend and the emulator compute them (an explicit `rsqrtf` is still the hardware's
+/// approximation). The rest (the GEMVs and GEMMs, attention, conversions) keep fast math;
+/// their tests compare within tolerances.
+pub const EXACT_MATH: [&str; 3] = ["moe", "rms_norm", "rope"];
+
+/// The NVRTC options kernel file `name` is compiled with for `arch` (a compiled kernel's
 /// cache key includes them).
-pub fn options(arch: &str) -> Vec<String> {
-    vec![
+pub fn options(arch: &str, name: &str) -> Vec<String> {
+    let mut o = vec![
         format!("--gpu-architecture={arch}"),
         "--std=c++17".to_string(),
-        "--use_fast_math".to_string(),
-    ]
+    ];
+    if !EXACT_MATH.contains(&name) {
+        o.push("--use_fast_math".to_string());
+    }
+    o
 }
 
 pub struct Compiled {
@@ -103,7 +116,7 @@ fn compile_with<T>(
     let name_c = CString::new(format!("{name}.cu")).map_err(|_| format!("{name}: bad name"))?;
     let prog = result::create_program(&src_c, Some(name_c.as_c_str()))
         .map_err(|e| format!("{name}: create program: {e:?}"))?;
-    let opts = options(arch);
+    let opts = options(arch, name);
     // SAFETY: prog is a live program from create_program; it is destroyed below on every path.
     let compiled = unsafe { result::compile_program(prog, &opts) };
     // SAFETY: as above.
