@@ -283,8 +283,8 @@ impl Frontend {
     pub fn tool_plan(&self, tools: &Tools) -> Option<(tools::ToolFormat, bool, bool)> {
         let src = self.template.as_ref().map_or("", |t| t.source());
         let special = |name: &str| self.sched.tokenizer.token_id(name);
-        let plan = tools::plan(tools, src, &special, &mut Vec::new()).ok()??;
-        Some((plan.format, plan.parallel, tools.forced()))
+        let (format, parallel) = tools::syntax(tools, src, &special).ok()??;
+        Some((format, parallel, tools.forced()))
     }
 
     /// What the text is held to: the tools' grammar (the messages and the tools the

@@ -772,7 +772,7 @@ mod tests {
             (
                 format!(
                     r#""guided_json":{}"#,
-                    serde_json::to_string(&schema.to_string()).unwrap()
+                    serde_json::Value::from(schema.to_string())
                 ),
                 "guided_json",
                 Grammar::JsonSchema(schema.clone()),

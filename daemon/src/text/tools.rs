@@ -278,34 +278,46 @@ pub struct ToolPlan {
     pub parallel: bool,
 }
 
-/// Plans `tools` for a model whose chat template is `template` (its source): the format,
-/// the messages as the template must see them (the generic format's instructions in the
-/// system prompt, calls written as that format writes them), and the grammar. None when
-/// no tool is offered (`tool_choice: none`). `special(name)` is a special token's id in
-/// the model's vocabulary: a format whose calls begin with one it lacks is not read.
-pub fn plan(
+/// How a model whose chat template is `template` (its source) writes calls of `tools`:
+/// its format and whether several calls may come; None when no tool is offered
+/// (`tool_choice: none`). `special(name)` is a special token's id in the model's
+/// vocabulary: a format whose calls begin with one it lacks is not read. The answer's
+/// parser takes this; `plan` builds the rest on it.
+pub fn syntax(
     tools: &Tools,
     template: &str,
     special: &dyn Fn(&str) -> Option<u32>,
-    messages: &mut Vec<ChatMessage>,
-) -> Result<Option<ToolPlan>, Refusal> {
+) -> Result<Option<(ToolFormat, bool)>, Refusal> {
     if tools.choice == ToolChoice::None {
         return Ok(None);
     }
     let native = ToolFormat::of_template(template)
         .filter(|f| f.special_token().is_none_or(|name| special(name).is_some()));
-    let token = ToolFormat::Mistral.special_token().and_then(special);
     let format = match native {
         Some(f) => f,
         None if tools.forced() => ToolFormat::Generic,
         None => {
             return Err((
                 "tools",
-                "this model's chat template renders no tools in a format sluice reads (Hermes <tool_call>, Llama 3.1 JSON): give tool_choice \"required\" or a function's name to have the call made by constraint alone, or serve the model with a template that has tools (--chat-template FILE)".into(),
+                "this model's chat template renders no tools in a format sluice reads (Hermes <tool_call>, Llama 3.1 JSON, Mistral [TOOL_CALLS]): give tool_choice \"required\" or a function's name to have the call made by constraint alone, or serve the model with a template that has tools (--chat-template FILE)".into(),
             ))
         }
     };
-    let parallel = tools.parallel && format.parallel();
+    Ok(Some((format, tools.parallel && format.parallel())))
+}
+
+/// Plans `tools` for a model (see `syntax`): the format, the messages as the template must
+/// see them (the generic format's instructions in the system prompt), and the grammar.
+pub fn plan(
+    tools: &Tools,
+    template: &str,
+    special: &dyn Fn(&str) -> Option<u32>,
+    messages: &mut Vec<ChatMessage>,
+) -> Result<Option<ToolPlan>, Refusal> {
+    let Some((format, parallel)) = syntax(tools, template, special)? else {
+        return Ok(None);
+    };
+    let token = ToolFormat::Mistral.special_token().and_then(special);
     let template_tools = if format == ToolFormat::Generic {
         generic_instructions(tools, messages);
         Vec::new()
@@ -407,7 +419,9 @@ fn generic_instructions(tools: &Tools, messages: &mut Vec<ChatMessage>) {
 /// message's content as the generic format writes it, so the model sees what it called
 /// (the template would drop the calls). Any request, with tools or without.
 pub fn calls_as_text(template: &str, messages: &mut [ChatMessage]) {
-    if ToolFormat::of_template(template).is_some() {
+    if messages.iter().all(|m| m.tool_calls.is_empty())
+        || ToolFormat::of_template(template).is_some()
+    {
         return;
     }
     for m in messages.iter_mut() {
@@ -500,26 +514,30 @@ pub(crate) mod tests {
         None
     }
 
+    /// The plan of `choice` on `template`, which must offer calls.
+    fn planned(
+        choice: Value,
+        parallel: Option<bool>,
+        template: &str,
+        special: &dyn Fn(&str) -> Option<u32>,
+        m: &mut Vec<ChatMessage>,
+    ) -> ToolPlan {
+        plan(&tools(choice, parallel), template, special, m)
+            .expect("planned")
+            .expect("calls offered")
+    }
+
     #[test]
     fn plans_follow_the_template_and_the_choice() {
         let hermes =
             "{% if tools %}{% for t in tools %}{{ t | tojson }}{% endfor %}<tool_call>{% endif %}";
         let mut m = vec![ChatMessage::new("user", "hi")];
-        let p = plan(&tools(json!("auto"), None), hermes, &no_special, &mut m)
-            .unwrap()
-            .unwrap();
+        let p = planned(json!("auto"), None, hermes, &no_special, &mut m);
         assert_eq!(
             (p.format, p.trigger, p.template_tools.len()),
             (ToolFormat::Hermes, Some(Trigger::Text("<tool_call>")), 2)
         );
-        let p = plan(
-            &tools(json!("required"), Some(false)),
-            hermes,
-            &no_special,
-            &mut m,
-        )
-        .unwrap()
-        .unwrap();
+        let p = planned(json!("required"), Some(false), hermes, &no_special, &mut m);
         assert_eq!((p.trigger, p.parallel), (None, false));
         assert!(
             plan(&tools(json!("none"), None), hermes, &no_special, &mut m)
@@ -535,17 +553,8 @@ pub(crate) mod tests {
                 .map(|e| e.0),
             Some("tools")
         );
-        let p = plan(
-            &tools(
-                json!({"type": "function", "function": {"name": "add"}}),
-                None,
-            ),
-            chatml,
-            &no_special,
-            &mut m,
-        )
-        .unwrap()
-        .unwrap();
+        let add = json!({"type": "function", "function": {"name": "add"}});
+        let p = planned(add, None, chatml, &no_special, &mut m);
         assert_eq!(p.format, ToolFormat::Generic);
         assert!(p.template_tools.is_empty());
         assert_eq!(m[0].role, "system");
@@ -553,46 +562,31 @@ pub(crate) mod tests {
         let Some(Grammar::Lark(g)) = &p.grammar else {
             panic!("a grammar")
         };
-        // Mistral's template: its special token starts the calls, named by id in the
-        // grammar, and arms `auto`; a vocabulary without it is a template without tools.
-        let mistral = "{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]";
-        let special = |n: &str| (n == "[TOOL_CALLS]").then_some(5);
-        let p = plan(
-            &tools(json!("required"), None),
-            mistral,
-            &special,
-            &mut Vec::new(),
-        )
-        .unwrap()
-        .unwrap();
-        let Some(Grammar::Lark(mg)) = &p.grammar else {
-            panic!("a grammar")
-        };
-        assert!(mg.starts_with("start: <[5]> \"[\""), "{mg}");
-        let p = plan(
-            &tools(json!("auto"), None),
-            mistral,
-            &special,
-            &mut Vec::new(),
-        )
-        .unwrap()
-        .unwrap();
-        assert_eq!(
-            (p.format, p.trigger),
-            (ToolFormat::Mistral, Some(Trigger::Token(5)))
-        );
-        let p = plan(
-            &tools(json!("required"), None),
-            mistral,
-            &no_special,
-            &mut Vec::new(),
-        )
-        .unwrap()
-        .unwrap();
-        assert_eq!(p.format, ToolFormat::Generic);
         assert!(
             g.contains("\\\"add\\\"") && !g.contains("get_weather"),
             "{g}"
         );
+        // Mistral's template: its special token starts the calls, named by id in the
+        // grammar, and arms `auto`; a vocabulary without it is a template without tools.
+        let mistral = "{% if tools %}[AVAILABLE_TOOLS]{% endif %}[TOOL_CALLS]";
+        let special = |n: &str| (n == "[TOOL_CALLS]").then_some(5);
+        let p = planned(json!("required"), None, mistral, &special, &mut Vec::new());
+        let Some(Grammar::Lark(mg)) = &p.grammar else {
+            panic!("a grammar")
+        };
+        assert!(mg.starts_with("start: <[5]> \"[\""), "{mg}");
+        let p = planned(json!("auto"), None, mistral, &special, &mut Vec::new());
+        assert_eq!(
+            (p.format, p.trigger),
+            (ToolFormat::Mistral, Some(Trigger::Token(5)))
+        );
+        let p = planned(
+            json!("required"),
+            None,
+            mistral,
+            &no_special,
+            &mut Vec::new(),
+        );
+        assert_eq!(p.format, ToolFormat::Generic);
     }
 }
