@@ -11,6 +11,10 @@
       One forced call (required, then each function by name) and one `auto` turn through
       the `openai` package, on a model whose own template has tools (a random tiny model:
       schemas whose instances are all short).
+  tools_client.py harmony BASE_URL MODEL
+      gpt-oss's harmony format on a random tiny model with harmony's tokens: a forced call
+      (its header and arguments read back from the channels), the tool loop (the call and
+      its result rendered back by gpt-oss's template, then an answer), the call streamed.
   tools_client.py langchain BASE_URL
       LangChain's ChatOpenAI(...).bind_tools: a two-step task (the weather in a city, then
       a sum with the temperature) with forced calls, each tool run by LangChain's own
@@ -35,11 +39,12 @@ ADD = {"type": "function", "function": {
 TOOLS = [WEATHER, ADD]
 # For random tiny models, which write a number's digits or a string's characters for as long
 # as they may: schemas whose every instance is short.
+# (gpt-oss's template needs each function's description.)
 TIGHT = [
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather.", "parameters": {
         "type": "object", "properties": {"city": {"enum": ["Oslo", "Paris", "Rome"]}},
         "required": ["city"], "additionalProperties": False}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
+    {"type": "function", "function": {"name": "add", "description": "Adds.", "parameters": {
         "type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
                                          "b": {"type": "integer", "minimum": 0, "maximum": 9}},
         "required": ["a", "b"], "additionalProperties": False}}},
@@ -60,6 +65,19 @@ def valid(name, arguments, schemas=SCHEMAS):
 def client(base):
     import openai
     return openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
+
+
+def streamed_calls(stream):
+    """A stream's tool-call deltas, its finish reason, the first delta and the arguments."""
+    deltas, finish = [], None
+    for chunk in stream:
+        for d in chunk.choices:
+            if d.delta.tool_calls:
+                deltas.extend(t.model_dump(exclude_none=True) for t in d.delta.tool_calls)
+            finish = d.finish_reason or finish
+    first = deltas[0] if deltas else {}
+    args = "".join(d.get("function", {}).get("arguments", "") for d in deltas)
+    return deltas, finish, first, args
 
 
 def loop(base):
@@ -85,14 +103,7 @@ def loop(base):
     # Streamed, as OpenAI streams calls.
     stream = c.chat.completions.create(model=model, messages=msgs[:1], tools=TOOLS, tool_choice="required",
                                        parallel_tool_calls=False, temperature=0, max_tokens=80, stream=True)
-    deltas, finish = [], None
-    for chunk in stream:
-        for d in chunk.choices:
-            if d.delta.tool_calls:
-                deltas.extend(t.model_dump(exclude_none=True) for t in d.delta.tool_calls)
-            finish = d.finish_reason or finish
-    first = deltas[0] if deltas else {}
-    args = "".join(d.get("function", {}).get("arguments", "") for d in deltas)
+    deltas, finish, first, args = streamed_calls(stream)
     out["stream"] = {"finish_reason": finish, "deltas": len(deltas),
                      "first_has_id_and_name": bool(first.get("id")) and bool(first.get("function", {}).get("name"))
                      and first.get("function", {}).get("arguments") == "" and first.get("type") == "function",
@@ -129,6 +140,34 @@ def forced(base, model):
     ch = r.choices[0]
     out["auto"] = {"finish_reason": ch.finish_reason, "content": ch.message.content,
                    "calls": len(ch.message.tool_calls or [])}
+    print(json.dumps(out))
+
+
+def harmony(base, model):
+    c = client(base)
+    msgs = [{"role": "user", "content": "Weather in Oslo?"}]
+    out = {}
+    r = c.chat.completions.create(model=model, messages=msgs, tools=TIGHT, tool_choice="required",
+                                  temperature=0, max_tokens=400)
+    ch = r.choices[0]
+    calls = ch.message.tool_calls or []
+    out["call"] = {"finish_reason": ch.finish_reason, "content": ch.message.content,
+                   "calls": [{"name": t.function.name, "arguments": t.function.arguments,
+                              "valid": valid(t.function.name, t.function.arguments, TIGHT_SCHEMAS)}
+                             for t in calls]}
+    msgs.append(ch.message.model_dump(exclude_none=True))
+    for t in calls:
+        msgs.append({"role": "tool", "tool_call_id": t.id, "content": "sunny"})
+    r = c.chat.completions.create(model=model, messages=msgs, tools=TIGHT, temperature=0, max_tokens=20)
+    out["answer"] = {"finish_reason": r.choices[0].finish_reason,
+                     "content": r.choices[0].message.content,
+                     "prompt_tokens": r.usage.prompt_tokens}
+    stream = c.chat.completions.create(model=model, messages=msgs[:1], tools=TIGHT,
+                                       tool_choice={"type": "function", "function": {"name": "add"}},
+                                       temperature=0, max_tokens=400, stream=True)
+    deltas, finish, first, args = streamed_calls(stream)
+    out["stream"] = {"finish_reason": finish, "name": first.get("function", {}).get("name"),
+                     "id": bool(first.get("id")), "valid": valid("add", args, TIGHT_SCHEMAS)}
     print(json.dumps(out))
 
 
@@ -169,6 +208,8 @@ if __name__ == "__main__":
         loop(base)
     elif mode == "forced":
         forced(base, sys.argv[3])
+    elif mode == "harmony":
+        harmony(base, sys.argv[3])
     elif mode == "langchain":
         langchain(base)
     else:

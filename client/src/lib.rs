@@ -81,3 +81,19 @@ pub async fn connect(target: &Target) -> anyhow::Result<Client> {
     };
     Ok(InferenceClient::with_interceptor(channel, Auth(auth)).max_decoding_message_size(64 << 20))
 }
+
+/// The model's reasoning as it streams (gpt-oss's analysis channel): on stderr, dimmed
+/// on a terminal, apart from the answer on stdout.
+pub fn show_reasoning(r: &str) {
+    use std::io::{IsTerminal, Write};
+    if r.is_empty() {
+        return;
+    }
+    let mut e = std::io::stderr().lock();
+    let _ = if e.is_terminal() {
+        write!(e, "\x1b[2m{r}\x1b[0m")
+    } else {
+        write!(e, "{r}")
+    };
+    let _ = e.flush();
+}

@@ -280,6 +280,7 @@ async fn generate(
     while let Some(msg) = stream.next().await {
         match msg?.event {
             Some(pb::generate_response::Event::Piece(p)) => {
+                sluice_client::show_reasoning(&p.reasoning);
                 on_piece(&p.text);
                 text.push_str(&p.text);
             }
@@ -321,6 +322,7 @@ pub(crate) async fn generate_until(
         let Some(msg) = msg else { break };
         match msg?.event {
             Some(pb::generate_response::Event::Piece(p)) => {
+                sluice_client::show_reasoning(&p.reasoning);
                 on_piece(&p.text);
                 text.push_str(&p.text);
             }

@@ -518,6 +518,7 @@ fn smollm2_greedy_continuations_match_transformers() {
             logit_bias: Vec::new(),
             format: Default::default(),
             draft: None,
+            markers: false,
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(
@@ -761,6 +762,7 @@ fn gemma3_270m_matches_transformers() {
             logit_bias: Vec::new(),
             format: Default::default(),
             draft: None,
+            markers: false,
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(
@@ -924,6 +926,7 @@ fn repetition_penalty_continuations_match_transformers() {
             logit_bias: Vec::new(),
             format: Default::default(),
             draft: None,
+            markers: false,
         };
         let out = generate(&mut runner, &tok, &prompt, &params, |_| {}).unwrap();
         assert_eq!(

@@ -157,6 +157,7 @@ fn params(max_tokens: usize, how: Decoding) -> GenerateParams {
         logit_bias: Vec::new(),
         format: Default::default(),
         draft: how.draft,
+        markers: false,
     }
 }
 

@@ -232,6 +232,7 @@ fn params(sampling: SamplingParams, draft: Option<DraftConfig>) -> GenerateParam
         logit_bias: Vec::new(),
         format: Default::default(),
         draft,
+        markers: false,
     }
 }
 

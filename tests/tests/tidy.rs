@@ -30,7 +30,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("daemon/src/bin/sluiced/codec.rs", "load", 142),
     ("daemon/src/bin/sluiced/inspect.rs", "print_summary", 143),
     ("daemon/src/bin/sluiced/pack.rs", "run", 113),
-    ("daemon/src/bin/sluiced/run.rs", "run_generate", 170),
+    ("daemon/src/bin/sluiced/run.rs", "run_generate", 169),
     (
         "daemon/src/bin/sluiced/serve.rs",
         "listen_until_stopped",
@@ -45,7 +45,6 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("daemon/src/import/hf.rs", "import", 215),
     ("daemon/src/import/synth.rs", "model", 150),
     ("daemon/src/model/decoder.rs", "new", 109),
-    ("daemon/src/server/api.rs", "prepare", 110),
     ("daemon/src/server/metrics.rs", "render_model", 200),
     ("daemon/src/store/arch.rs", "validate", 133),
     ("daemon/src/store/codec.rs", "decode", 113),
@@ -56,10 +55,10 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
 /// Files over `FILE_LINES_MAX` today: (file, lines).
 const LONG_FILES: &[(&str, usize)] = &[
     ("daemon/src/backend/cpu/q8.rs", 1091),
-    ("daemon/src/import/gguf.rs", 1117),
-    ("daemon/src/import/hf.rs", 1102),
+    ("daemon/src/import/gguf.rs", 1116),
+    ("daemon/src/import/hf.rs", 1101),
     ("daemon/src/store/codec.rs", 1188),
-    ("daemon/src/store/format.rs", 1079),
+    ("daemon/src/store/format.rs", 1057),
     ("daemon/src/store/writer.rs", 1059),
     ("daemon/src/text/sampler.rs", 1085),
 ];

@@ -211,6 +211,63 @@ fn the_openai_tool_loop_runs_on_smollm2() {
     }
 }
 
+/// gpt-oss's harmony format, on the tiny gpt-oss given harmony's tokens and gpt-oss's own
+/// template (`make_tiny_harmony.py`): a forced call is written as a message to the
+/// function on the commentary channel and read back from it, its arguments holding the
+/// schema; the call and its result go back through the template and the model answers;
+/// the call streams as OpenAI streams one; grpcurl gets it in GenerateDone.
+#[test]
+fn harmony_calls_run_the_tool_loop_on_gpt_oss() {
+    let tmp = tempfile::tempdir().unwrap();
+    let store = tmp.path().join("gptoss");
+    sluice_tests::sluiced_ok(&[
+        "pack",
+        fixtures().join("tiny-gptoss-harmony").to_str().unwrap(),
+        "-o",
+        store.to_str().unwrap(),
+    ]);
+    let d = sluice_tests::Daemon::serve(
+        tmp,
+        &["--model", store.to_str().unwrap()],
+        &["--max-context", "4096"],
+    );
+    let got = tools_client(&["harmony", &d.http, "gptoss"]);
+    let call = &got["call"];
+    assert_eq!(call["finish_reason"], "tool_calls", "{got}");
+    assert_eq!(call["content"], Value::Null, "{got}");
+    let calls = call["calls"].as_array().unwrap();
+    assert_eq!(calls.len(), 1, "one call a turn: {got}");
+    assert_eq!(calls[0]["valid"], true, "{got}");
+    // The second turn's prompt holds the call and its result.
+    let answer = &got["answer"];
+    assert_ne!(answer["finish_reason"], "tool_calls", "{got}");
+    assert!(answer["prompt_tokens"].as_u64().unwrap() > 0, "{got}");
+    let s = &got["stream"];
+    assert_eq!(
+        (&s["finish_reason"], &s["name"], &s["id"], &s["valid"]),
+        (
+            &"tool_calls".into(),
+            &"add".into(),
+            &true.into(),
+            &true.into()
+        ),
+        "{got}"
+    );
+
+    let (done, out) = grpc_weather_call(&d);
+    let args: Value =
+        serde_json::from_str(done["toolCalls"][0]["arguments"].as_str().unwrap()).unwrap();
+    assert!(
+        ["Oslo", "Rome"].contains(&args["city"].as_str().unwrap()),
+        "{done}"
+    );
+    // The header's markers never reach the pieces' text.
+    assert!(
+        !out.contains("<|channel|>") && !out.contains("<|message|>"),
+        "{out}"
+    );
+}
+
 /// LangChain (`ChatOpenAI(...).bind_tools`, its @tool functions and ToolMessages) completes
 /// a two-step task on SmolLM2 with forced calls: the weather, then a sum with it.
 #[test]
@@ -228,6 +285,28 @@ fn langchain_completes_a_two_step_tool_task() {
     let sum = a.as_f64().unwrap() + b.as_f64().unwrap();
     assert_eq!(steps[1]["result"], format!("{sum:?}"), "{got}");
     assert!(got["answer"].is_string(), "{got}");
+}
+
+/// grpcurl asks for a call of get_weather (a city of two) by name: the Done message, which
+/// must end with it, and the whole output.
+fn grpc_weather_call(d: &sluice_tests::Daemon) -> (Value, String) {
+    let body = serde_json::json!({
+        "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+        "max_tokens": 400, "sampling": {"temperature": 0},
+        "tools": [{"name": "get_weather", "description": "The weather.",
+                   "parameters": "{\"type\": \"object\", \"properties\": {\"city\": {\"enum\": [\"Oslo\", \"Rome\"]}}, \"required\": [\"city\"], \"additionalProperties\": false}"}],
+        "tool_choice": "get_weather"});
+    let o = sluice_tests::grpcurl_generate(d, &body);
+    assert!(o.status.success(), "{}", sluice_tests::stderr(&o));
+    let out = sluice_tests::stdout(&o);
+    let done: Value = serde_json::Deserializer::from_str(&out)
+        .into_iter::<Value>()
+        .map_while(Result::ok)
+        .find_map(|m| m.get("done").cloned())
+        .expect("a Done message");
+    assert_eq!(done["finishReason"], "FINISH_REASON_TOOL_CALLS", "{done}");
+    assert_eq!(done["toolCalls"][0]["name"], "get_weather", "{done}");
+    (done, out)
 }
 
 /// A model whose own template has tools (tiny Qwen3 served with Qwen3's real template, the
@@ -276,22 +355,8 @@ fn templates_with_tools_get_calls_in_their_own_format() {
         assert_eq!(got["auto"]["calls"], 0, "{model}: {got}");
         assert_ne!(got["auto"]["finish_reason"], "tool_calls", "{model}: {got}");
 
-        let body = serde_json::json!({
-            "messages": [{"role": "user", "content": "Weather in Oslo?"}],
-            "max_tokens": 400, "sampling": {"temperature": 0},
-            "tools": [{"name": "get_weather", "description": "The weather.",
-                       "parameters": "{\"type\": \"object\", \"properties\": {\"city\": {\"enum\": [\"Oslo\", \"Rome\"]}}, \"required\": [\"city\"], \"additionalProperties\": false}"}],
-            "tool_choice": "get_weather"});
-        let o = sluice_tests::grpcurl_generate(&d, &body);
-        assert!(o.status.success(), "{}", sluice_tests::stderr(&o));
-        let done: Value = serde_json::Deserializer::from_str(&sluice_tests::stdout(&o))
-            .into_iter::<Value>()
-            .map_while(Result::ok)
-            .find_map(|m| m.get("done").cloned())
-            .expect("a Done message");
-        assert_eq!(done["finishReason"], "FINISH_REASON_TOOL_CALLS", "{done}");
+        let (done, _) = grpc_weather_call(&d);
         let call = &done["toolCalls"][0];
-        assert_eq!(call["name"], "get_weather", "{done}");
         assert!(call["id"].as_str().unwrap().starts_with("call_"), "{done}");
         let args: Value = serde_json::from_str(call["arguments"].as_str().unwrap()).unwrap();
         assert!(args["city"].is_string(), "{done}");

@@ -97,6 +97,7 @@ fn draw(tok: &Tokenizer, prompt: &[u32], seed: u64, draft: Option<usize>, verify
             fixed: false,
             branches,
         }),
+        markers: false,
     };
     let limits = SeqLimits {
         max_context: 64,

@@ -34,6 +34,10 @@ pub struct GenerateParams {
     /// Speculative decoding: the drafter that proposes tokens for each step to verify
     /// (None: one token a step).
     pub draft: Option<DraftConfig>,
+    /// Harmony's structural tokens (`<|channel|>`, `<|message|>`, ...) are written into
+    /// the text, for a chat answer's parser (`text::harmony`); otherwise special tokens
+    /// are left out.
+    pub markers: bool,
 }
 
 /// Why a sequence ended.
@@ -496,7 +500,16 @@ impl Sequence {
             self.finished = Some(Finish::Stop);
             return None;
         }
-        let (text, stopped) = self.stops.push(&self.detok.push(tok, token));
+        // A harmony chat answer carries its structural tokens as text, for its parser.
+        let marker = tok
+            .harmony()
+            .filter(|_| self.params.markers)
+            .and_then(|h| h.marker(token));
+        let text = match marker {
+            Some(m) => self.detok.flush(tok) + m,
+            None => self.detok.push(tok, token),
+        };
+        let (text, stopped) = self.stops.push(&text);
         let piece = (!text.is_empty()).then(|| Piece {
             text,
             token_ids: std::mem::take(&mut self.unsent_ids),

@@ -103,5 +103,6 @@ pub fn greedy(max_tokens: usize, stop: &[&str], ignore_eos: bool) -> GeneratePar
         logit_bias: Vec::new(),
         format: Default::default(),
         draft: None,
+        markers: false,
     }
 }

@@ -6,9 +6,8 @@ use crate::dtype::{ggml_type_name, DType};
 use crate::store::arch::{
     every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling, SwigluClamp,
 };
-use crate::store::format::{
-    end_of_turn_tokens, GgufVocab, RecommendedSampling, SourceMeta, SpecialTokens, TokenizerSpec,
-};
+use crate::store::format::{GgufVocab, RecommendedSampling, SourceMeta, SpecialTokens};
+use crate::store::{end_of_turn_tokens, format::TokenizerSpec};
 use std::collections::BTreeMap;
 use std::path::Path;
 

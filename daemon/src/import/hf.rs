@@ -9,9 +9,8 @@ use crate::dtype::DType;
 use crate::store::arch::{
     every_but_nth, Arch, ArchConfig, ArchExt, MoeConfig, RopeScaling, SwigluClamp,
 };
-use crate::store::format::{
-    end_of_turn_tokens, RecommendedSampling, SourceMeta, SpecialTokens, TokenizerSpec,
-};
+use crate::store::end_of_turn_tokens;
+use crate::store::format::{RecommendedSampling, SourceMeta, SpecialTokens, TokenizerSpec};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};

@@ -6,8 +6,10 @@
 use super::metrics::{Api, Metrics};
 use crate::engine::scheduler::{Event, Finish, Places, Request, Scheduler, SubmitError};
 use crate::engine::sequence::GenerateParams;
-use crate::text::grammar::Grammar;
+use crate::text::grammar::{Grammar, Trigger};
+use crate::text::harmony;
 use crate::text::sampler::{check_logit_bias, OutputFormat};
+use crate::text::tool_parse::Syntax;
 use crate::text::tools::{self, ToolPlan, Tools};
 use crate::text::{ChatMessage, ChatTemplate, SamplingParams};
 use std::pin::Pin;
@@ -278,13 +280,38 @@ fn sampling_error(m: String) -> ApiError {
 }
 
 impl Frontend {
-    /// How this model's template writes calls of `tools`, and whether the calls are
-    /// forced (None: the request offers no calls). The same choice `constrain` makes.
-    pub fn tool_plan(&self, tools: &Tools) -> Option<(tools::ToolFormat, bool, bool)> {
+    /// Whether this model's chat answers are harmony (gpt-oss): its vocabulary has
+    /// harmony's tokens and its template writes them.
+    pub fn harmony(&self) -> bool {
+        self.sched.tokenizer.harmony().is_some()
+            && self
+                .template
+                .as_ref()
+                .is_some_and(|t| t.source().contains(harmony::CHANNEL))
+    }
+
+    /// How a chat answer is read back (None: as plain text): the calls' format when the
+    /// request offers tools (the same choice `constrain` makes), and a harmony model's
+    /// channels with or without tools.
+    pub fn answer_syntax(&self, chat: bool, tools: Option<&Tools>) -> Option<Syntax> {
         let src = self.template.as_ref().map_or("", |t| t.source());
         let special = |name: &str| self.sched.tokenizer.token_id(name);
-        let (format, parallel) = tools::syntax(tools, src, &special).ok()??;
-        Some((format, parallel, tools.forced()))
+        let offered = tools.and_then(|t| tools::syntax(t, src, &special).ok().flatten());
+        match (offered, tools) {
+            (Some((format, parallel)), Some(t)) => Some(Syntax {
+                format,
+                parallel,
+                forced: t.forced(),
+                tools: true,
+            }),
+            _ if chat && self.harmony() => Some(Syntax {
+                format: tools::ToolFormat::Harmony,
+                parallel: false,
+                forced: false,
+                tools: false,
+            }),
+            _ => None,
+        }
     }
 
     /// What the text is held to: the tools' grammar (the messages and the tools the
@@ -297,11 +324,12 @@ impl Frontend {
         format: Option<&Format>,
     ) -> Result<OutputFormat, ApiError> {
         let src = self.template.as_ref().map_or("", |t| t.source());
+        let harmony = matches!(prompt, Prompt::Messages(..)) && self.harmony();
         if let Prompt::Messages(messages, _) = prompt {
             tools::calls_as_text(src, messages);
         }
         let Some(tools) = tools else {
-            return self.output_format(format);
+            return self.output_format(format, harmony);
         };
         let Prompt::Messages(messages, template_tools) = prompt else {
             return Err(ApiError::invalid(Some("tools"), "tools need chat messages"));
@@ -316,7 +344,7 @@ impl Frontend {
             ..
         }) = plan
         else {
-            return self.output_format(format);
+            return self.output_format(format, harmony);
         };
         if let Some(f) = format {
             return Err(ApiError::invalid(
@@ -342,15 +370,20 @@ impl Frontend {
     }
 
     /// A request's constraint compiled for the model's vocabulary; a grammar llguidance
-    /// refuses is a 400 naming the field that gave it.
-    fn output_format(&self, f: Option<&Format>) -> Result<OutputFormat, ApiError> {
+    /// refuses is a 400 naming the field that gave it. A harmony chat answer is held to it
+    /// from its final channel's body on (the analysis before it is free), and cannot end
+    /// before.
+    fn output_format(&self, f: Option<&Format>, harmony: bool) -> Result<OutputFormat, ApiError> {
         let Some(f) = f else {
             return Ok(OutputFormat::Text);
         };
         self.sched
             .tokenizer
             .grammars()
-            .and_then(|g| g.compile(&f.grammar))
+            .and_then(|g| match harmony {
+                true => g.compile_after(&f.grammar, Trigger::Text(harmony::FINAL)),
+                false => g.compile(&f.grammar),
+            })
             .map(|c| OutputFormat::Constrained(Box::new(c)))
             .map_err(|m| ApiError::invalid(Some(f.param), format!("{}: {m}", f.param)))
     }
@@ -630,21 +663,19 @@ impl Frontend {
         }
     }
 
-    fn prepare(&self, input: GenerateInput) -> Result<(Vec<u32>, GenerateParams, bool), ApiError> {
-        self.check_model(&input.model)?;
-        input.sampling.validate().map_err(sampling_error)?;
-        if input.stop.len() > self.limits.max_stop {
+    /// Stop strings within the limits: how many, and the bytes of each.
+    fn check_stop(&self, stop: &[String]) -> Result<(), ApiError> {
+        if stop.len() > self.limits.max_stop {
             return Err(ApiError::invalid(
                 Some("stop"),
                 format!(
                     "{} stop strings; at most {} are accepted",
-                    input.stop.len(),
+                    stop.len(),
                     self.limits.max_stop
                 ),
             ));
         }
-        if let Some(s) = input
-            .stop
+        if let Some(s) = stop
             .iter()
             .find(|s| s.is_empty() || s.len() > self.limits.max_stop_bytes)
         {
@@ -656,6 +687,13 @@ impl Frontend {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    fn prepare(&self, input: GenerateInput) -> Result<(Vec<u32>, GenerateParams, bool), ApiError> {
+        self.check_model(&input.model)?;
+        input.sampling.validate().map_err(sampling_error)?;
+        self.check_stop(&input.stop)?;
         let prompt_param = input.prompt.param();
         check_logit_bias(&input.logit_bias, self.meta.vocab)
             .map_err(|m| ApiError::invalid(Some("logit_bias"), m))?;
@@ -666,6 +704,7 @@ impl Frontend {
             ));
         }
         let mut prompt = input.prompt;
+        let markers = matches!(prompt, Prompt::Messages(..)) && self.harmony();
         let format = self.constrain(&mut prompt, input.tools.as_ref(), input.format.as_ref())?;
         // A prompt far past the context is refused (or, to be truncated, cut) by its bytes
         // before it is tokenized.
@@ -736,6 +775,7 @@ impl Frontend {
                 logit_bias: input.logit_bias,
                 format,
                 draft: self.draft,
+                markers,
             },
             truncated,
         ))

@@ -15,8 +15,8 @@ use super::metrics::{Api, Metrics};
 use super::models::{Listing, Models};
 use super::openai::{self, Call};
 use crate::engine::scheduler::Event;
-use crate::text::tool_parse::{self, ToolEvent, ToolParser};
-use crate::text::tools::ToolFormat;
+use crate::text::answer::ToolEvent;
+use crate::text::tool_parse::{self, Syntax, ToolParser};
 use crate::text::{TokenLogprob, Tokenizer};
 use axum::body::Body;
 use axum::extract::{Path, State};
@@ -347,8 +347,9 @@ struct Head {
     tok: Arc<Tokenizer>,
     /// Choices per prompt (`n`): a prompt's tokens count once in the usage.
     n: usize,
-    /// The request offered tools: how the model writes calls (`Frontend::tool_plan`).
-    tools: Option<(ToolFormat, bool, bool)>,
+    /// How a chat answer is read back: the calls of the tools offered, a harmony model's
+    /// channels (`Frontend::answer_syntax`); None: plain text.
+    answer: Option<Syntax>,
 }
 
 impl Head {
@@ -382,45 +383,49 @@ impl Head {
         }
     }
 
-    /// A chat choice's message and finish reason: with tools, the text read into content
-    /// and calls (`tool_calls`, the finish reason `tool_calls` when the model ended after
-    /// them).
+    /// A chat choice's message and finish reason: the text read back into reasoning
+    /// (`reasoning_content`, as llama.cpp and vLLM name it), content and calls
+    /// (`tool_calls`, the finish reason `tool_calls` when the model ended after them).
     fn message(&self, text: String, finish: &'static str) -> (Value, &'static str) {
-        let Some((format, parallel, forced)) = self.tools else {
+        let Some(syntax) = self.answer else {
             return (json!({"role": "assistant", "content": text}), finish);
         };
-        let (content, calls) = tool_parse::parse_all(format, parallel, forced, &text);
-        if calls.is_empty() {
-            return (
-                json!({"role": "assistant", "content": content.unwrap_or_default()}),
-                finish,
-            );
+        let a = tool_parse::parse_all(syntax, &text);
+        let mut m = json!({"role": "assistant", "content": a.content});
+        if let Some(r) = a.reasoning {
+            m["reasoning_content"] = json!(r);
         }
-        let calls: Vec<Value> = calls
+        if a.calls.is_empty() {
+            if m["content"].is_null() {
+                m["content"] = json!("");
+            }
+            return (m, finish);
+        }
+        let calls: Vec<Value> = a
+            .calls
             .into_iter()
             .map(|(id, name, arguments)| {
                 json!({"id": id, "type": "function", "function": {"name": name, "arguments": arguments}})
             })
             .collect();
+        m["tool_calls"] = json!(calls);
         let finish = if finish == "stop" {
             "tool_calls"
         } else {
             finish
         };
-        (
-            json!({"role": "assistant", "content": content, "tool_calls": calls}),
-            finish,
-        )
+        (m, finish)
     }
 
-    /// A stream's deltas for a parser's events (content, a call's id and name with empty
-    /// arguments, then its arguments in pieces, as OpenAI streams them).
+    /// A stream's deltas for a parser's events (content, reasoning, a call's id and name
+    /// with empty arguments, then its arguments in pieces, as OpenAI streams them).
     fn tool_deltas(&self, index: usize, events: Vec<ToolEvent>) -> Vec<Value> {
         events
             .into_iter()
             .map(|e| {
                 let delta = match e {
                     ToolEvent::Text(t) => json!({"content": t}),
+                    ToolEvent::Reasoning(t) => json!({"reasoning_content": t}),
                     ToolEvent::Call { index: i, id, name } => json!({"tool_calls": [
                         {"index": i, "id": id, "type": "function", "function": {"name": name, "arguments": ""}}]}),
                     ToolEvent::Args { index: i, text } => json!({"tool_calls": [
@@ -578,27 +583,25 @@ fn head(front: &Frontend, kind: Kind, n: usize) -> Head {
         kind,
         tok: front.sched.tokenizer.clone(),
         n: n.max(1),
-        tools: None,
+        answer: None,
     }
 }
 
-/// How the model writes calls of the call's tools, if it offers any.
-fn tools_of(front: &Frontend, call: &Call) -> Option<(ToolFormat, bool, bool)> {
-    call.inputs
-        .first()
-        .and_then(|i| i.tools.as_ref())
-        .and_then(|t| front.tool_plan(t))
+/// How the call's chat answers are read back (`Frontend::answer_syntax`).
+fn answer_of(front: &Frontend, call: &Call, kind: Kind) -> Option<Syntax> {
+    let tools = call.inputs.first().and_then(|i| i.tools.as_ref());
+    front.answer_syntax(kind == Kind::Chat, tools)
 }
 
 /// Submits every prompt of the call; answers with one JSON response or a stream.
 async fn run(front: Arc<Frontend>, call: Call, kind: Kind) -> Response {
-    let tools = tools_of(&front, &call);
+    let answer = answer_of(&front, &call, kind);
     let (events, prompt_tokens) = match submit_all(&front, Api::Http, call.inputs, call.n) {
         Ok(r) => r,
         Err(e) => return error_response(&e),
     };
     let mut head = head(&front, kind, call.n);
-    head.tools = tools;
+    head.answer = answer;
     if call.stream {
         stream(head, events, call.include_usage)
     } else {
@@ -657,13 +660,13 @@ pub async fn call_json(
         Err(e) => return refuse(e),
     };
     let front = &served.front;
-    let tools = tools_of(front, &call);
+    let syntax = answer_of(front, &call, kind);
     let (events, prompt_tokens) = match submit_all(front, api, call.inputs, call.n) {
         Ok(r) => r,
         Err(e) => return answer(e),
     };
     let mut head = head(front, kind, call.n);
-    head.tools = tools;
+    head.answer = syntax;
     match complete(head, events, prompt_tokens).await {
         Ok(v) => (200, v),
         Err(e) => answer(e),
@@ -806,12 +809,10 @@ async fn pump(head: Head, events: Vec<Events>, include_usage: bool, tx: mpsc::Se
     let (mut prompt_tokens, mut completion_tokens) = (0, 0);
     let mut cached = CachedTokens::new(n, head.n);
     let mut offsets = vec![0usize; n];
-    let mut parsers: Vec<Option<ToolParser>> = (0..n)
-        .map(|_| {
-            head.tools
-                .map(|(f, parallel, forced)| ToolParser::new(f, parallel, forced))
-        })
-        .collect();
+    let mut parsers: Vec<Option<ToolParser>> =
+        (0..n).map(|_| head.answer.map(ToolParser::new)).collect();
+    // Log-probabilities of pieces a parser holds back, for the next delta it sends.
+    let mut held: Vec<Vec<TokenLogprob>> = vec![Vec::new(); n];
     let mut error = None;
     loop {
         let next = tokio::select! {
@@ -824,7 +825,15 @@ async fn pump(head: Head, events: Vec<Events>, include_usage: bool, tx: mpsc::Se
             // The end token's piece has no text: nothing to send.
             Event::Piece { text, .. } if text.is_empty() => continue,
             Event::Piece { text, logprobs, .. } => match parsers[i].as_mut() {
-                Some(p) => head.tool_deltas(i, p.feed(&text)),
+                Some(p) => {
+                    held[i].extend(logprobs);
+                    let mut deltas = head.tool_deltas(i, p.feed(&text));
+                    if let Some(d) = deltas.first_mut() {
+                        d["logprobs"] =
+                            head.logprobs(&std::mem::take(&mut held[i]), &mut offsets[i]);
+                    }
+                    deltas
+                }
                 None => {
                     let lp = head.logprobs(&logprobs, &mut offsets[i]);
                     vec![head.choice_delta(i, Some(&text), lp, None)]

@@ -175,16 +175,18 @@ fn format_of(r: &pb::GenerateRequest) -> Result<Option<Format>, ApiError> {
     Ok(Some(Format { grammar, param }))
 }
 
-/// A parser's events: the content text (returned) and the calls, collected.
+/// A parser's events: the content text and the reasoning (returned) and the calls,
+/// collected.
 fn tool_events(
-    events: Vec<crate::text::tool_parse::ToolEvent>,
+    events: Vec<crate::text::answer::ToolEvent>,
     calls: &mut Vec<pb::ToolCall>,
-) -> String {
-    use crate::text::tool_parse::ToolEvent;
-    let mut text = String::new();
+) -> (String, String) {
+    use crate::text::answer::ToolEvent;
+    let (mut text, mut reasoning) = (String::new(), String::new());
     for e in events {
         match e {
             ToolEvent::Text(t) => text.push_str(&t),
+            ToolEvent::Reasoning(t) => reasoning.push_str(&t),
             ToolEvent::Call { id, name, .. } => calls.push(pb::ToolCall {
                 id,
                 name,
@@ -197,7 +199,7 @@ fn tool_events(
             }
         }
     }
-    text
+    (text, reasoning)
 }
 
 type GenStream = Pin<Box<dyn Stream<Item = Result<pb::GenerateResponse, Status>> + Send>>;
@@ -219,11 +221,11 @@ impl Inference for Service {
             .map_err(|m| refuse(ApiError::invalid(Some("keep_alive"), m)))?;
         let (served, _hold) = self.models.resolve(&r.model, keep).await.map_err(refuse)?;
         let input = input_of(r, &served.front.meta.sampling).map_err(refuse)?;
-        let mut parser = input
-            .tools
-            .as_ref()
-            .and_then(|t| served.front.tool_plan(t))
-            .map(|(format, parallel, forced)| ToolParser::new(format, parallel, forced));
+        let chat = matches!(input.prompt, Prompt::Messages(..));
+        let mut parser = served
+            .front
+            .answer_syntax(chat, input.tools.as_ref())
+            .map(ToolParser::new);
         let sub = served.front.submit(Api::Grpc, input).map_err(status_of)?;
         let mut calls: Vec<pb::ToolCall> = Vec::new();
         // The stream ends after Done (the engine drops its sender); a client that goes away
@@ -232,15 +234,19 @@ impl Inference for Service {
         let stream = sub.events.map(move |ev| match ev {
             Event::Piece {
                 text, token_ids, ..
-            } => Ok(pb::GenerateResponse {
-                event: Some(pb::generate_response::Event::Piece(pb::TokenPiece {
-                    text: match &mut parser {
-                        Some(p) => tool_events(p.feed(&text), &mut calls),
-                        None => text,
-                    },
-                    token_ids,
-                })),
-            }),
+            } => {
+                let (text, reasoning) = match &mut parser {
+                    Some(p) => tool_events(p.feed(&text), &mut calls),
+                    None => (text, String::new()),
+                };
+                Ok(pb::GenerateResponse {
+                    event: Some(pb::generate_response::Event::Piece(pb::TokenPiece {
+                        text,
+                        token_ids,
+                        reasoning,
+                    })),
+                })
+            }
             Event::Done(d) => {
                 let mut reason = finish_reason(d.finish);
                 if let Some(p) = &mut parser {

@@ -369,28 +369,6 @@ pub struct SpecialTokens {
     pub add_bos: bool,
 }
 
-/// Finds the end-of-turn tokens a chat template uses among the vocabulary, so generation
-/// stops at them as well as at eos (at import, and for a template given at run time).
-pub fn end_of_turn_tokens(
-    template: Option<&str>,
-    lookup: impl Fn(&str) -> Option<u32>,
-) -> Vec<u32> {
-    const END_OF_TURN: [&str; 6] = [
-        "<|im_end|>",
-        "<|eot_id|>",
-        "<|end|>",
-        "<end_of_turn>",
-        "<|endoftext|>",
-        "</s>",
-    ];
-    let Some(t) = template else { return Vec::new() };
-    END_OF_TURN
-        .iter()
-        .filter(|s| t.contains(*s))
-        .filter_map(|s| lookup(s))
-        .collect()
-}
-
 #[derive(Serialize, Deserialize, Clone, Debug, PartialEq)]
 pub struct Manifest {
     pub arch: ArchConfig,

@@ -106,3 +106,31 @@ impl StoreError {
         )
     }
 }
+
+/// Finds the end-of-turn tokens a chat template uses among the vocabulary, so generation
+/// stops at them as well as at eos (at import, and for a template given at run time).
+/// Harmony's (gpt-oss) are `<|return|>` and `<|call|>`: its `<|end|>` ends a message.
+pub fn end_of_turn_tokens(
+    template: Option<&str>,
+    lookup: impl Fn(&str) -> Option<u32>,
+) -> Vec<u32> {
+    const END_OF_TURN: [&str; 6] = [
+        "<|im_end|>",
+        "<|eot_id|>",
+        "<|end|>",
+        "<end_of_turn>",
+        "<|endoftext|>",
+        "</s>",
+    ];
+    let Some(t) = template else { return Vec::new() };
+    let harmony = t.contains("<|channel|>") && t.contains("<|return|>");
+    let ends: &[&str] = if harmony {
+        &["<|return|>", "<|call|>"]
+    } else {
+        &END_OF_TURN
+    };
+    ends.iter()
+        .filter(|s| t.contains(*s))
+        .filter_map(|s| lookup(s))
+        .collect()
+}

@@ -256,7 +256,18 @@ impl Grammars {
         c.lazy = Some(Lazy {
             trigger,
             tail: Vec::new(),
+            must: false,
         });
+        Ok(c)
+    }
+
+    /// `compile_lazy` for a text that must come to the trigger: no end token before it
+    /// (a harmony answer's final channel, which a response format holds).
+    pub fn compile_after(&self, g: &Grammar, trigger: Trigger) -> Result<Constraint, String> {
+        let mut c = self.compile_lazy(g, trigger)?;
+        if let Some(l) = &mut c.lazy {
+            l.must = true;
+        }
         Ok(c)
     }
 }
@@ -264,7 +275,8 @@ impl Grammars {
 /// What arms a lazy constraint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Trigger {
-    /// The text comes to end with this.
+    /// The text comes to end with this (special tokens count as their names:
+    /// `<|channel|>final<|message|>`).
     Text(&'static str),
     /// This token is generated (a special token, such as Mistral's `[TOOL_CALLS]`).
     Token(u32),
@@ -275,6 +287,8 @@ pub enum Trigger {
 struct Lazy {
     trigger: Trigger,
     tail: Vec<u8>,
+    /// The text may not end before the trigger.
+    must: bool,
 }
 
 /// An llguidance error as a request's: a schema's unimplemented keywords with the place of
@@ -358,9 +372,10 @@ impl Constraint {
 
     /// The text so far is whole: an end token may come now.
     pub fn is_done(&mut self) -> bool {
-        self.lazy.is_some()
-            || self.matcher.is_stopped()
-            || self.matcher.is_accepting().unwrap_or(false)
+        if let Some(l) = &self.lazy {
+            return !l.must;
+        }
+        self.matcher.is_stopped() || self.matcher.is_accepting().unwrap_or(false)
     }
 
     /// Nothing but the end may follow (the grammar cannot go on, or it failed).
@@ -380,7 +395,7 @@ impl Constraint {
     /// Whether token `t` may come next (without computing the whole mask).
     pub fn allows(&mut self, t: u32) -> bool {
         if self.lazy.is_some() {
-            return true;
+            return !self.is_end(t) || self.is_done();
         }
         if self.is_end(t) {
             return self.is_done();
@@ -395,6 +410,13 @@ impl Constraint {
     /// whether any token with a finite logit is left.
     pub fn mask(&mut self, row: &mut [f32]) -> bool {
         if self.lazy.is_some() {
+            if !self.is_done() {
+                for &t in self.ends.iter() {
+                    if let Some(l) = row.get_mut(t as usize) {
+                        *l = f32::NEG_INFINITY;
+                    }
+                }
+            }
             return row.iter().any(|&l| l > f32::NEG_INFINITY);
         }
         let done = self.is_done();
@@ -439,9 +461,12 @@ impl Constraint {
                     // A row may be longer than the vocabulary: its extra ids have no text.
                     if (t as usize) < self.vocab {
                         let bytes = self.env.tok_trie().token(t);
-                        if bytes.first() != Some(&TokTrie::SPECIAL_TOKEN_MARKER) {
-                            l.tail.extend_from_slice(bytes);
-                        }
+                        // A special token counts as its name.
+                        l.tail.extend_from_slice(
+                            bytes
+                                .strip_prefix(&[TokTrie::SPECIAL_TOKEN_MARKER])
+                                .unwrap_or(bytes),
+                        );
                     }
                     let keep = l.tail.len().saturating_sub(text.len());
                     let hit = l.tail.ends_with(text.as_bytes());

@@ -1,9 +1,11 @@
 //! Text: tokenizer, chat template, sampler, incremental detokenization, stop strings.
 
+pub mod answer;
 pub mod detok;
 #[cfg(any(test, feature = "fuzz"))]
 pub mod fuzz;
 pub mod grammar;
+pub mod harmony;
 pub mod sampler;
 pub mod sandbox;
 pub mod spm;

@@ -4,6 +4,7 @@
 //! `spm` (llama.cpp's algorithm).
 
 use super::grammar::{Grammars, TokenKind, TokenTexts};
+use super::harmony::Harmony;
 use crate::store::format::{GgufVocab, Manifest, SpecialTokens, TokenizerSpec};
 use serde::Serialize;
 use serde_json::{json, Value};
@@ -32,6 +33,8 @@ pub struct Tokenizer {
     longest: std::sync::OnceLock<usize>,
     /// The vocabulary as constraints see it, built on first use (`grammars`).
     grammars: std::sync::OnceLock<Result<Grammars, String>>,
+    /// Harmony's tokens, when the vocabulary has them (gpt-oss).
+    harmony: Option<Harmony>,
 }
 
 /// GPT-2's pre-tokenizer regex.
@@ -165,14 +168,33 @@ impl Tokenizer {
                 special.add_bos,
             ),
         };
-        Ok(Tokenizer {
+        let mut t = Tokenizer {
             inner,
             special: special.clone(),
             prepend_bos: prepend_bos && special.bos.is_some(),
             vocab,
             longest: std::sync::OnceLock::new(),
             grammars: std::sync::OnceLock::new(),
-        })
+            harmony: None,
+        };
+        t.harmony = Harmony::of(|s| t.token_id(s).filter(|&id| id < vocab));
+        if let Some(h) = t.harmony {
+            // `<|end|>` ends a message, not the turn; `<|return|>` and `<|call|>` end it
+            // (stores packed before sluice knew harmony have `<|end|>` among their ends).
+            let ends = &mut t.special.end_tokens;
+            ends.retain(|&id| id != h.end);
+            for id in [h.ret, h.call] {
+                if !ends.contains(&id) {
+                    ends.push(id);
+                }
+            }
+        }
+        Ok(t)
+    }
+
+    /// The vocabulary's harmony tokens (gpt-oss), if it has them.
+    pub fn harmony(&self) -> Option<Harmony> {
+        self.harmony
     }
 
     /// Token ids of `text`. With `add_special`, BOS is added when the model asks for it
@@ -327,7 +349,7 @@ impl Tokenizer {
     /// at run time, `--chat-template`: a base model's store knows none of them); returns
     /// those it added.
     pub fn end_turns_of(&mut self, template: &str) -> Vec<u32> {
-        let ids = crate::store::format::end_of_turn_tokens(Some(template), |s| self.token_id(s));
+        let ids = crate::store::end_of_turn_tokens(Some(template), |s| self.token_id(s));
         let added: Vec<u32> = ids
             .into_iter()
             .filter(|id| !self.special.end_tokens.contains(id))
@@ -368,5 +390,36 @@ fn push_byte_of_char(c: char, out: &mut Vec<u8>) {
     {
         Some(b) => out.push(b as u8),
         None => out.extend_from_slice(c.encode_utf8(&mut [0; 4]).as_bytes()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store packed before sluice knew harmony has `<|end|>` among its end tokens: the
+    /// tokenizer takes it out and ends the turn at `<|return|>` and `<|call|>`; a chat
+    /// template of harmony's gives those two as its end-of-turn tokens.
+    #[test]
+    fn the_turn_ends_at_return_and_call_not_at_end() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join("../tests/fixtures/tiny-gptoss-harmony");
+        let json = std::fs::read_to_string(dir.join("tokenizer.json")).unwrap();
+        let tok = Tokenizer::new(
+            &crate::store::format::TokenizerSpec::HfJson(json),
+            &crate::store::format::SpecialTokens {
+                eos: Some(288),
+                end_tokens: vec![288, 292],
+                ..Default::default()
+            },
+            295,
+        )
+        .unwrap();
+        let h = tok.harmony().expect("harmony's tokens");
+        assert_eq!((h.end, h.ret, h.call), (292, 288, 294));
+        assert!(!tok.is_end(h.end) && tok.is_end(h.ret) && tok.is_end(h.call));
+        let template = std::fs::read_to_string(dir.join("../templates/gpt-oss.jinja")).unwrap();
+        let ends = crate::store::end_of_turn_tokens(Some(&template), |s| tok.token_id(s));
+        assert_eq!(ends, [288, 294]);
     }
 }

@@ -2,22 +2,9 @@
 //! grammar gave them (`tools.rs`): content before a call, each call's id and function as
 //! soon as its name is read, then its arguments as they come (how OpenAI streams calls).
 
+use super::answer::{call_id, held_back, Parse, ToolEvent};
+use super::harmony::HarmonyParser;
 use super::tools::{Layout, ToolFormat};
-
-/// What a generated text holds, in order.
-#[derive(Clone, Debug, PartialEq)]
-pub enum ToolEvent {
-    /// Text for the answer's content.
-    Text(String),
-    /// Call `index` begins: its id and function.
-    Call {
-        index: usize,
-        id: String,
-        name: String,
-    },
-    /// More of call `index`'s arguments (JSON text).
-    Args { index: usize, text: String },
-}
 
 #[derive(Clone, Debug, PartialEq)]
 enum State {
@@ -36,8 +23,47 @@ enum State {
     Raw,
 }
 
+/// Reads an answer back, piece by piece, as its syntax says: calls in a format's layout,
+/// or harmony's messages.
+pub struct ToolParser(Box<dyn Parse>);
+
+impl ToolParser {
+    pub fn new(syntax: Syntax) -> ToolParser {
+        ToolParser(match syntax.format {
+            ToolFormat::Harmony => Box::new(HarmonyParser::new(syntax.tools)),
+            f => Box::new(LayoutParser::new(f, syntax.parallel, syntax.forced)),
+        })
+    }
+
+    /// Calls begun so far.
+    pub fn calls(&self) -> usize {
+        self.0.calls()
+    }
+
+    /// The events `text` (the next piece) completes; some bytes may wait for the next.
+    pub fn feed(&mut self, text: &str) -> Vec<ToolEvent> {
+        self.0.feed(text)
+    }
+
+    /// The events of what is left at the end of the text.
+    pub fn finish(&mut self) -> Vec<ToolEvent> {
+        self.0.finish()
+    }
+}
+
+/// How a chat answer is read: the format calls come in (harmony's answers are read even
+/// without tools, for their channels), whether several calls may come, whether a call is
+/// forced, whether the request offered tools.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Syntax {
+    pub format: ToolFormat,
+    pub parallel: bool,
+    pub forced: bool,
+    pub tools: bool,
+}
+
 /// Reads calls back out of a text written in a format's layout, piece by piece.
-pub struct ToolParser {
+pub struct LayoutParser {
     layout: Layout,
     format: ToolFormat,
     parallel: bool,
@@ -48,9 +74,35 @@ pub struct ToolParser {
     scan: JsonScan,
 }
 
-impl ToolParser {
+impl Parse for LayoutParser {
+    fn buf(&mut self) -> &mut String {
+        &mut self.buf
+    }
+
+    fn step(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+        self.advance(out)
+    }
+
+    /// Bytes of arguments cut short are the call's; text before any call is content.
+    fn rest(&mut self, rest: String, out: &mut Vec<ToolEvent>) {
+        match self.state {
+            State::Args => out.push(ToolEvent::Args {
+                index: self.calls - 1,
+                text: rest,
+            }),
+            _ if self.calls == 0 => out.push(ToolEvent::Text(rest)),
+            _ => {}
+        }
+    }
+
+    fn calls(&self) -> usize {
+        self.calls
+    }
+}
+
+impl LayoutParser {
     /// A parser for texts planned with `forced` (the calls from the first byte) or not.
-    pub fn new(format: ToolFormat, parallel: bool, forced: bool) -> ToolParser {
+    pub fn new(format: ToolFormat, parallel: bool, forced: bool) -> LayoutParser {
         let layout = format.layout();
         let state = if forced {
             State::Lit(
@@ -60,7 +112,7 @@ impl ToolParser {
         } else {
             State::Content
         };
-        ToolParser {
+        LayoutParser {
             layout,
             format,
             parallel,
@@ -71,38 +123,8 @@ impl ToolParser {
         }
     }
 
-    /// Calls begun so far.
-    pub fn calls(&self) -> usize {
-        self.calls
-    }
-
-    /// The events `text` (the next piece) completes; some bytes may wait for the next.
-    pub fn feed(&mut self, text: &str) -> Vec<ToolEvent> {
-        self.buf.push_str(text);
-        let mut out = Vec::new();
-        while self.step(&mut out) {}
-        merge(out)
-    }
-
-    /// The events of what is left at the end of the text.
-    pub fn finish(&mut self) -> Vec<ToolEvent> {
-        let mut out = self.feed("");
-        let rest = std::mem::take(&mut self.buf);
-        if !rest.is_empty() {
-            match self.state {
-                State::Args => out.push(ToolEvent::Args {
-                    index: self.calls - 1,
-                    text: rest,
-                }),
-                _ if self.calls == 0 => out.push(ToolEvent::Text(rest)),
-                _ => {}
-            }
-        }
-        merge(out)
-    }
-
     /// One step over the buffer; false when it needs more text.
-    fn step(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+    fn advance(&mut self, out: &mut Vec<ToolEvent>) -> bool {
         match std::mem::replace(&mut self.state, State::Raw) {
             State::Content => self.content(out),
             State::Raw => {
@@ -132,7 +154,7 @@ impl ToolParser {
                     let name: String = self.buf.drain(..end).collect();
                     out.push(ToolEvent::Call {
                         index: self.calls,
-                        id: call_id(self.format),
+                        id: call_id(self.format == ToolFormat::Mistral),
                         name,
                     });
                     self.calls += 1;
@@ -192,14 +214,7 @@ impl ToolParser {
             return true;
         }
         // Keep back what may be the start of the opening.
-        let keep = (1..open.len().min(self.buf.len() + 1))
-            .rev()
-            .find(|&k| {
-                self.buf.is_char_boundary(self.buf.len() - k)
-                    && open.starts_with(&self.buf[self.buf.len() - k..])
-            })
-            .unwrap_or(0);
-        let cut = self.buf.len() - keep;
+        let cut = self.buf.len() - held_back(&self.buf, &open);
         if cut > 0 {
             out.push(ToolEvent::Text(self.buf[..cut].to_string()));
             self.buf.drain(..cut);
@@ -231,22 +246,6 @@ impl ToolParser {
         self.state = State::Between;
         false
     }
-}
-
-/// Adjacent text events, and adjacent argument pieces of one call, as one.
-fn merge(events: Vec<ToolEvent>) -> Vec<ToolEvent> {
-    let mut out: Vec<ToolEvent> = Vec::with_capacity(events.len());
-    for e in events {
-        match (out.last_mut(), e) {
-            (Some(ToolEvent::Text(a)), ToolEvent::Text(b)) => a.push_str(&b),
-            (
-                Some(ToolEvent::Args { index: i, text: a }),
-                ToolEvent::Args { index: j, text: b },
-            ) if *i == j => a.push_str(&b),
-            (_, e) => out.push(e),
-        }
-    }
-    out
 }
 
 /// Where a JSON value's text stands: how deep, inside a string, after a backslash.
@@ -291,53 +290,27 @@ impl JsonScan {
     }
 }
 
-/// A call id, unique in this process and not guessable: `call_` and 24 letters or digits,
-/// or for Mistral 9 of them (its template refuses any other id).
-pub fn call_id(format: ToolFormat) -> String {
-    use std::hash::{BuildHasher, Hasher};
-    use std::sync::atomic::{AtomicU64, Ordering};
-    static COUNTER: AtomicU64 = AtomicU64::new(0);
-    let state = std::collections::hash_map::RandomState::new();
-    let mut id = String::from(if format == ToolFormat::Mistral {
-        ""
-    } else {
-        "call_"
-    });
-    let n = COUNTER.fetch_add(1, Ordering::Relaxed);
-    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789";
-    let parts = if format == ToolFormat::Mistral { 2 } else { 4 };
-    for part in 0..parts {
-        let mut h = state.build_hasher();
-        h.write_u64(n);
-        h.write_u64(part);
-        let mut x = h.finish();
-        for _ in 0..6 {
-            id.push(ALPHABET[(x % 62) as usize] as char);
-            x /= 62;
-        }
-    }
-    if format == ToolFormat::Mistral {
-        id.truncate(9);
-    }
-    id
+/// A whole answer read back (`ToolParser` over it at once).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Answer {
+    /// None when there is none.
+    pub reasoning: Option<String>,
+    pub content: Option<String>,
+    /// Each call's id, function and arguments.
+    pub calls: Vec<(String, String, String)>,
 }
 
-/// A whole text's content and calls (`ToolParser` over it at once): the content (None
-/// when there is none) and each call's id, function and arguments.
-pub fn parse_all(
-    format: ToolFormat,
-    parallel: bool,
-    forced: bool,
-    text: &str,
-) -> (Option<String>, Vec<(String, String, String)>) {
-    let mut p = ToolParser::new(format, parallel, forced);
+/// A whole text's reasoning, content and calls.
+pub fn parse_all(syntax: Syntax, text: &str) -> Answer {
+    let mut p = ToolParser::new(syntax);
     let mut events = p.feed(text);
     events.extend(p.finish());
-    let mut content = String::new();
+    let (mut reasoning, mut content) = (String::new(), String::new());
     let mut calls: Vec<(String, String, String)> = Vec::new();
     for e in events {
         match e {
             ToolEvent::Text(t) => content.push_str(&t),
+            ToolEvent::Reasoning(t) => reasoning.push_str(&t),
             ToolEvent::Call { id, name, .. } => calls.push((id, name, String::new())),
             ToolEvent::Args { index, text } => {
                 if let Some(c) = calls.get_mut(index) {
@@ -346,51 +319,38 @@ pub fn parse_all(
             }
         }
     }
-    ((!content.is_empty()).then_some(content), calls)
+    Answer {
+        reasoning: (!reasoning.is_empty()).then_some(reasoning),
+        content: (!content.is_empty()).then_some(content),
+        calls,
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::text::answer::tests::agree;
     use crate::text::tools::tests::tools;
     use serde_json::{json, Value};
 
-    /// A text split at every byte gives the same events, merged, as the whole.
+    fn syntax(format: ToolFormat, parallel: bool, forced: bool) -> Syntax {
+        Syntax {
+            format,
+            parallel,
+            forced,
+            tools: true,
+        }
+    }
+
+    /// A text split at every byte gives the same events, merged, as the whole (call ids
+    /// left out).
     fn pieces_agree(
         format: ToolFormat,
         parallel: bool,
         forced: bool,
         text: &str,
     ) -> Vec<ToolEvent> {
-        let whole = {
-            let mut p = ToolParser::new(format, parallel, forced);
-            let mut e = p.feed(text);
-            e.extend(p.finish());
-            e
-        };
-        let mut p = ToolParser::new(format, parallel, forced);
-        let mut split = Vec::new();
-        for (i, c) in text.char_indices() {
-            split.extend(p.feed(&text[i..i + c.len_utf8()]));
-        }
-        split.extend(p.finish());
-        let strip = |v: Vec<ToolEvent>| -> Vec<ToolEvent> {
-            merge(
-                v.into_iter()
-                    .map(|e| match e {
-                        ToolEvent::Call { index, name, .. } => ToolEvent::Call {
-                            index,
-                            id: String::new(),
-                            name,
-                        },
-                        e => e,
-                    })
-                    .collect(),
-            )
-        };
-        let whole = strip(whole);
-        assert_eq!(strip(split), whole, "{text:?}");
-        whole
+        agree(|| LayoutParser::new(format, parallel, forced), text)
     }
 
     #[test]
@@ -449,10 +409,8 @@ mod tests {
             })
             .collect();
         assert_eq!(names, ["add", "get_weather"]);
-        let (content, calls) = parse_all(
-            ToolFormat::Generic,
-            true,
-            true,
+        let Answer { content, calls, .. } = parse_all(
+            syntax(ToolFormat::Generic, true, true),
             "{\"tool_calls\": [{\"name\": \"add\", \"arguments\": {\"a\": 1}}]}",
         );
         assert_eq!(content, None);
@@ -465,7 +423,8 @@ mod tests {
         // template requires of the calls it is given back.
         let text = "Sure. [{\"name\": \"add\", \"arguments\": {\"a\": [1]}}, {\"name\": \"add\", \"arguments\": {}}]";
         pieces_agree(ToolFormat::Mistral, true, false, text);
-        let (content, calls) = parse_all(ToolFormat::Mistral, true, false, text);
+        let Answer { content, calls, .. } =
+            parse_all(syntax(ToolFormat::Mistral, true, false), text);
         assert_eq!(content.as_deref(), Some("Sure. "));
         assert_eq!(calls.len(), 2);
         assert_eq!(calls[0].2, "{\"a\": [1]}");
@@ -564,7 +523,7 @@ mod tests {
                     continue;
                 }
                 let text = String::from_utf8(text).unwrap();
-                let (_, calls) = parse_all(p.format, p.parallel, t.forced(), &text);
+                let calls = parse_all(syntax(p.format, p.parallel, t.forced()), &text).calls;
                 // Auto: a text may end before it calls anything.
                 assert!(
                     !calls.is_empty()

@@ -18,6 +18,7 @@
 //! layout.
 
 use super::grammar::{Grammar, Trigger, JSON_WHITESPACE};
+use super::harmony::{self, Harmony};
 use super::template::ChatMessage;
 use serde_json::{json, Value};
 
@@ -177,6 +178,10 @@ pub enum ToolFormat {
     /// `{"tool_calls": [{"name": "f", "arguments": {...}}, ...]}` as the whole answer,
     /// described to the model in its system prompt (templates without tools).
     Generic,
+    /// OpenAI's harmony (gpt-oss): a message to `functions.NAME` on the commentary
+    /// channel, its body the arguments, ended by `<|call|>`; one call a turn
+    /// (`harmony.rs`).
+    Harmony,
 }
 
 /// The bytes around each call in a format: what opens the calls, each call's head before
@@ -192,11 +197,12 @@ pub(crate) struct Layout {
 }
 
 impl ToolFormat {
-    /// The format a chat template writes calls in; None where it renders no tools or
-    /// writes them in a format sluice does not read yet (gpt-oss's channels).
+    /// The format a chat template writes calls in; None where it renders no tools.
     pub fn of_template(src: &str) -> Option<ToolFormat> {
         if !src.contains("tools") {
             None
+        } else if src.contains(harmony::CHANNEL) && src.contains(harmony::CALL) {
+            Some(ToolFormat::Harmony)
         } else if src.contains("[TOOL_CALLS]") {
             Some(ToolFormat::Mistral)
         } else if src.contains("<tool_call>") {
@@ -242,12 +248,22 @@ impl ToolFormat {
                 sep: ", ",
                 close: "]}",
             },
+            // Harmony's calls are messages, read by their markers (`harmony.rs`): the
+            // grammar's own parts are in `harmony_grammar`.
+            ToolFormat::Harmony => Layout {
+                open: "",
+                head: "",
+                mid: "",
+                tail: "",
+                sep: "",
+                close: "",
+            },
         }
     }
 
     /// More than one call a turn is possible in this format.
     fn parallel(self) -> bool {
-        self != ToolFormat::Llama3
+        !matches!(self, ToolFormat::Llama3 | ToolFormat::Harmony)
     }
 
     /// What the text writes to start calling when calls are optional (Hermes' tag,
@@ -257,13 +273,21 @@ impl ToolFormat {
         match self {
             ToolFormat::Hermes => Some(Trigger::Text("<tool_call>")),
             ToolFormat::Mistral => special.map(Trigger::Token),
+            // The recipient, before or after the channel: `assistant to=functions.` or
+            // `<|channel|>commentary to=functions.`.
+            ToolFormat::Harmony => Some(Trigger::Text(" to=functions.")),
             _ => None,
         }
     }
 
-    /// The special token a call begins with, by name (Mistral's).
+    /// The special token a call begins with, by name (Mistral's; harmony's channel
+    /// marker, which stands for all of its tokens).
     pub fn special_token(self) -> Option<&'static str> {
-        (self == ToolFormat::Mistral).then_some("[TOOL_CALLS]")
+        match self {
+            ToolFormat::Mistral => Some("[TOOL_CALLS]"),
+            ToolFormat::Harmony => Some(harmony::CHANNEL),
+            _ => None,
+        }
     }
 }
 
@@ -299,7 +323,7 @@ pub fn syntax(
         None => {
             return Err((
                 "tools",
-                "this model's chat template renders no tools in a format sluice reads (Hermes <tool_call>, Llama 3.1 JSON, Mistral [TOOL_CALLS]): give tool_choice \"required\" or a function's name to have the call made by constraint alone, or serve the model with a template that has tools (--chat-template FILE)".into(),
+                "this model's chat template renders no tools in a format sluice reads (Hermes <tool_call>, Llama 3.1 JSON, Mistral [TOOL_CALLS], harmony): give tool_choice \"required\" or a function's name to have the call made by constraint alone, or serve the model with a template that has tools (--chat-template FILE)".into(),
             ))
         }
     };
@@ -317,13 +341,29 @@ pub fn plan(
     let Some((format, parallel)) = syntax(tools, template, special)? else {
         return Ok(None);
     };
-    let token = ToolFormat::Mistral.special_token().and_then(special);
     let template_tools = if format == ToolFormat::Generic {
         generic_instructions(tools, messages);
         Vec::new()
     } else {
         tools.list.iter().map(|t| t.object.clone()).collect()
     };
+    if format == ToolFormat::Harmony {
+        let h = Harmony::of(special).ok_or_else(|| {
+            (
+                "tools",
+                "this model's template writes harmony (gpt-oss) calls, but its vocabulary lacks harmony's tokens".to_string(),
+            )
+        })?;
+        let (grammar, trigger) = harmony_grammar(tools, &h);
+        return Ok(Some(ToolPlan {
+            format,
+            template_tools,
+            grammar: Some(Grammar::Lark(grammar)),
+            trigger,
+            parallel: false,
+        }));
+    }
+    let token = ToolFormat::Mistral.special_token().and_then(special);
     let l = format.layout();
     let calls = calls_rule(tools, &l, parallel);
     // Mistral's calls begin with its special token, which the grammar names by id.
@@ -362,6 +402,36 @@ pub fn plan(
     }))
 }
 
+/// Harmony's call grammar: forced, the answer is one message to a function from its first
+/// token (`<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}`,
+/// no analysis before it); lazy, the text after ` to=functions.`: the name, the rest of
+/// the header in either of its orders, the arguments. `<|call|>` ends the turn once the
+/// arguments are whole (an end token: allowed when the grammar accepts).
+fn harmony_grammar(tools: &Tools, h: &Harmony) -> (String, Option<Trigger>) {
+    let (channel, constrain, message) = (
+        format!("<[{}]>", h.channel),
+        format!("<[{}]>", h.constrain),
+        format!("<[{}]>", h.message),
+    );
+    let mut g = if tools.forced() {
+        format!("start: {channel} \"commentary to=functions.\" call\n")
+    } else {
+        "start: call\n".to_string()
+    };
+    let rest = if tools.forced() {
+        format!("\" \" {constrain} \"json\"")
+    } else {
+        format!("({channel} \"commentary\")? (\" \" {constrain}? \"json\")?")
+    };
+    g.push_str(&call_alternatives(tools, |name, schema| {
+        format!("{}{rest} {message} %json {schema}", lit(name))
+    }));
+    let trigger = (!tools.forced())
+        .then(|| ToolFormat::Harmony.trigger(None))
+        .flatten();
+    (g, trigger)
+}
+
 /// `s` as a Lark literal followed by a space (nothing for an empty string).
 fn lit(s: &str) -> String {
     if s.is_empty() {
@@ -374,26 +444,34 @@ fn lit(s: &str) -> String {
 /// The grammar's `calls` rule and one rule per callable function: its head, its name,
 /// its arguments held to its schema (with JSON mode's whitespace rule), its tail.
 fn calls_rule(tools: &Tools, l: &Layout, parallel: bool) -> String {
-    let callable = tools.callable();
     let mut g = if parallel {
         format!("calls: call ({}call)*\n", lit(l.sep))
     } else {
         "calls: call\n".to_string()
     };
+    g.push_str(&call_alternatives(tools, |name, schema| {
+        format!(
+            "{}%json {schema} {}",
+            lit(&format!("{}{name}{}", l.head, l.mid)),
+            lit(l.tail).trim_end()
+        )
+    }));
+    g
+}
+
+/// The `call` rule, one alternative per callable function, and each function's rule as
+/// `rule` writes it from its name and its schema (with JSON mode's whitespace rule).
+fn call_alternatives(tools: &Tools, rule: impl Fn(&str, &Value) -> String) -> String {
+    let callable = tools.callable();
     let names: Vec<String> = (0..callable.len()).map(|i| format!("call_{i}")).collect();
-    g.push_str(&format!("call: {}\n", names.join(" | ")));
+    let mut g = format!("call: {}\n", names.join(" | "));
     for (i, t) in callable.iter().enumerate() {
         let mut schema = t.parameters.clone();
         if let Value::Object(m) = &mut schema {
             m.entry("x-guidance")
                 .or_insert_with(|| json!({"whitespace_pattern": JSON_WHITESPACE}));
         }
-        g.push_str(&format!(
-            "call_{i}: {}%json {} {}\n",
-            lit(&format!("{}{}{}", l.head, t.name, l.mid)),
-            schema,
-            lit(l.tail).trim_end()
-        ));
+        g.push_str(&format!("call_{i}: {}\n", rule(&t.name, &schema)));
     }
     g
 }
@@ -448,6 +526,13 @@ pub fn calls_as_text(template: &str, messages: &mut [ChatMessage]) {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use crate::text::answer::{Parse, ToolEvent};
+    use crate::text::grammar::{Grammars, TokenKind, TokenTexts};
+    use crate::text::harmony::{
+        HarmonyParser, CALL, CHANNEL, CONSTRAIN, END, FINAL, MESSAGE, RETURN, START,
+    };
+    use crate::text::sampler::{OutputFormat, Sampler, SamplingParams};
+    use crate::util::rng::Rng;
 
     pub(crate) fn tools(choice: Value, parallel: Option<bool>) -> Tools {
         let list = [
@@ -588,5 +673,187 @@ pub(crate) mod tests {
             &mut Vec::new(),
         );
         assert_eq!(p.format, ToolFormat::Generic);
+    }
+
+    /// A harmony answer's calls (function, arguments) and content, as `HarmonyParser`
+    /// reads them.
+    fn harmony_read(tools: bool, text: &str) -> (Vec<(String, String)>, String) {
+        let mut p = HarmonyParser::new(tools);
+        let mut events = p.feed(text);
+        events.extend(p.finish());
+        let (mut calls, mut content) = (Vec::new(), String::new());
+        for e in events {
+            match e {
+                ToolEvent::Call { name, .. } => calls.push((name, String::new())),
+                ToolEvent::Args { index, text } => calls[index].1.push_str(&text),
+                ToolEvent::Text(t) => content.push_str(&t),
+                ToolEvent::Reasoning(_) => {}
+            }
+        }
+        (calls, content)
+    }
+
+    /// A byte vocabulary with harmony's tokens: texts are written as a chat answer's are
+    /// (markers as their names, end tokens left out).
+    struct Vocab {
+        texts: Vec<Vec<u8>>,
+        h: Harmony,
+        grammars: Grammars,
+    }
+
+    fn vocab() -> Vocab {
+        let mut texts: Vec<Vec<u8>> = (0x20u8..0x7f).map(|b| vec![b]).collect();
+        texts.push(b"\n".to_vec());
+        let base = texts.len() as u32;
+        let names = [START, CHANNEL, MESSAGE, CONSTRAIN, END, RETURN, CALL];
+        let mut v: Vec<(&[u8], TokenKind)> =
+            texts.iter().map(|t| (&t[..], TokenKind::Text)).collect();
+        for n in names {
+            let kind = if n == RETURN || n == CALL {
+                TokenKind::End
+            } else {
+                TokenKind::Silent
+            };
+            v.push((b"", kind));
+        }
+        let table = TokenTexts::of(&v);
+        texts.extend(names.iter().map(|n| n.as_bytes().to_vec()));
+        let id = |s: &str| names.iter().position(|n| *n == s).map(|i| base + i as u32);
+        let h = Harmony::of(id).expect("harmony");
+        let grammars = Grammars::new(&table, |t| {
+            names
+                .get((t - base) as usize)
+                .map_or(String::new(), |n| n.to_string())
+        })
+        .expect("grammars");
+        Vocab { texts, h, grammars }
+    }
+
+    impl Vocab {
+        /// The tokens of `text`, markers as one token each.
+        fn tokens(&self, mut text: &str) -> Vec<u32> {
+            let mut out = Vec::new();
+            while !text.is_empty() {
+                let (id, n) = (0..self.texts.len() as u32)
+                    .rev()
+                    .find(|&i| text.as_bytes().starts_with(&self.texts[i as usize]))
+                    .map(|i| (i, self.texts[i as usize].len()))
+                    .expect("a token");
+                out.push(id);
+                text = &text[n..];
+            }
+            out
+        }
+
+        /// Samples under `format` from random logits, the first tokens pushed to
+        /// `prefix`'s: the text written (markers in it) and whether an end token ended it.
+        fn sample(&self, format: &OutputFormat, prefix: &[u32], seed: u64) -> (String, bool) {
+            let mut rng = Rng::new(seed);
+            let mut s = Sampler::new(SamplingParams {
+                temperature: 1.0,
+                seed,
+                ..Default::default()
+            })
+            .constrained(&[], format);
+            let mut text = Vec::new();
+            for step in 0..400 {
+                let mut logits: Vec<f32> = (0..self.texts.len())
+                    .map(|_| rng.below(300) as f32 / 100.0)
+                    .collect();
+                if let Some(&t) = prefix.get(step) {
+                    logits[t as usize] = 100.0;
+                }
+                let t = s.sample(&logits);
+                if t == self.h.ret || t == self.h.call {
+                    return (String::from_utf8(text).unwrap(), true);
+                }
+                text.extend_from_slice(&self.texts[t as usize]);
+            }
+            (String::from_utf8(text).unwrap(), false)
+        }
+    }
+
+    /// Sampled from random logits, every forced harmony call (any function, a named one)
+    /// and every lazy one (the model writing `<|channel|>commentary to=functions.` after
+    /// its analysis, or the recipient first) is read back into one call of an offered
+    /// function whose arguments parse and hold its required fields.
+    #[test]
+    fn sampled_harmony_calls_parse_and_match_their_schemas() {
+        let v = vocab();
+        let special = |n: &str| v.tokens(n).first().copied().filter(|_| n.starts_with("<|"));
+        let template = "{% if tools %}<|channel|>commentary<|call|>{% endif %}";
+        let mut read = 0;
+        for (choice, prefix) in [
+            (json!("required"), ""),
+            (json!({"type": "function", "function": {"name": "add"}}), ""),
+            (
+                json!("auto"),
+                "<|channel|>analysis<|message|>ok<|end|><|start|>assistant<|channel|>commentary to=functions.",
+            ),
+            (json!("auto"), " to=functions."),
+        ] {
+            let t = tools(choice, None);
+            let p = plan(&t, template, &special, &mut Vec::new())
+                .unwrap()
+                .unwrap();
+            let g = p.grammar.as_ref().unwrap();
+            let c = match p.trigger {
+                Some(tr) => v.grammars.compile_lazy(g, tr),
+                None => v.grammars.compile(g),
+            }
+            .unwrap_or_else(|e| panic!("{e}\n{g:?}"));
+            let format = OutputFormat::Constrained(Box::new(c));
+            for seed in 0..30 {
+                let (text, ended) = v.sample(&format, &v.tokens(prefix), seed);
+                if !ended {
+                    continue;
+                }
+                let calls = harmony_read(true, &text).0;
+                assert_eq!(calls.len(), 1, "{text}");
+                let (name, args) = &calls[0];
+                let a: Value = serde_json::from_str(args)
+                    .unwrap_or_else(|e| panic!("{e}: {args} in {text}"));
+                let tool = t.list.iter().find(|x| &x.name == name).expect("offered");
+                for r in tool.parameters["required"].as_array().unwrap() {
+                    assert!(a.get(r.as_str().unwrap()).is_some(), "{name} {args}");
+                }
+                read += 1;
+            }
+        }
+        assert!(read > 40, "{read} calls read");
+    }
+
+    /// A response format on a harmony answer holds its final channel's body and no end
+    /// token comes before it: the analysis is free, the final text is the JSON.
+    #[test]
+    fn a_response_format_holds_the_final_channel() {
+        let v = vocab();
+        let g = Grammar::JsonSchema(
+            json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"], "additionalProperties": false}),
+        );
+        let c = v.grammars.compile_after(&g, Trigger::Text(FINAL)).unwrap();
+        // No end token until the final channel.
+        let mut early = c.clone();
+        assert!(!early.allows(v.h.ret) && !early.allows(v.h.call) && early.allows(v.h.end));
+        let mut row = vec![0.0; v.texts.len()];
+        early.mask(&mut row);
+        assert!(row[v.h.ret as usize] == f32::NEG_INFINITY && row[v.h.start as usize] == 0.0);
+        let format = OutputFormat::Constrained(Box::new(c));
+        // An analysis that says "final" does not arm it; the final channel does.
+        let prefix = v.tokens(
+            "<|channel|>analysis<|message|>final<|end|><|start|>assistant<|channel|>final<|message|>",
+        );
+        let mut whole = 0;
+        for seed in 0..20 {
+            let (text, ended) = v.sample(&format, &prefix, seed);
+            if !ended {
+                continue;
+            }
+            let content = harmony_read(false, &text).1;
+            let a: Value = serde_json::from_str(&content).unwrap_or_else(|e| panic!("{e}: {text}"));
+            assert!(a["n"].is_i64(), "{text}");
+            whole += 1;
+        }
+        assert!(whole > 10, "{whole} of 20 ended");
     }
 }

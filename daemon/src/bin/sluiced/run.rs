@@ -7,7 +7,9 @@ use sluice::engine::{on_backend, BackendChoice, EngineError, OnBackend};
 use sluice::io::IoConfig;
 use sluice::pipeline::Pipeline;
 use sluice::store::Store;
-use sluice::text::grammar::Grammar;
+use sluice::text::answer::{Parse, ToolEvent};
+use sluice::text::grammar::{Grammar, Trigger};
+use sluice::text::harmony;
 use sluice::text::sampler::OutputFormat;
 use sluice::text::{ChatMessage, ChatTemplate, Tokenizer};
 use sluice::util::{fmt_bytes, parse_size, store_path};
@@ -422,9 +424,13 @@ fn generate_params(
 ) -> Result<sluice::engine::sequence::GenerateParams> {
     let format = match a.grammar() {
         None => OutputFormat::Text,
+        // A harmony chat answer is held from its final channel on, as the server holds it.
         Some((flag, g)) => OutputFormat::Constrained(
             tok.grammars()
-                .and_then(|gs| gs.compile(&g?))
+                .and_then(|gs| match a.chat && tok.harmony().is_some() {
+                    true => gs.compile_after(&g?, Trigger::Text(harmony::FINAL)),
+                    false => gs.compile(&g?),
+                })
                 .map(Box::new)
                 .map_err(|m| anyhow::anyhow!("{flag}: {m}"))?,
         ),
@@ -438,7 +444,52 @@ fn generate_params(
         logit_bias: a.logit_bias.clone(),
         format,
         draft: a.draft(),
+        // A harmony model's chat answer (gpt-oss): read back by its channels.
+        markers: a.chat && tok.harmony().is_some(),
     })
+}
+
+/// What `sluiced run` prints of the text as it comes (nothing with --json): the text, or
+/// of a harmony chat answer (gpt-oss) the reasoning on stderr and the rest on stdout.
+struct Printer {
+    harmony: Option<sluice::text::harmony::HarmonyParser>,
+    quiet: bool,
+}
+
+impl Printer {
+    fn piece(&mut self, piece: &str) {
+        if self.quiet {
+            return;
+        }
+        match &mut self.harmony {
+            Some(h) => {
+                let events = h.feed(piece);
+                print_answer(events);
+            }
+            None => print_answer(vec![ToolEvent::Text(piece.to_string())]),
+        }
+    }
+
+    fn end(&mut self) {
+        if let (Some(h), false) = (&mut self.harmony, self.quiet) {
+            print_answer(h.finish());
+        }
+    }
+}
+
+fn print_answer(events: Vec<ToolEvent>) {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    for e in events {
+        match e {
+            ToolEvent::Reasoning(r) => eprint!("{r}"),
+            ToolEvent::Text(t) | ToolEvent::Args { text: t, .. } => {
+                let _ = out.write_all(t.as_bytes());
+            }
+            ToolEvent::Call { .. } => {}
+        }
+    }
+    let _ = out.flush();
 }
 
 /// Generates for `sluiced run` on whichever backend was chosen.
@@ -452,7 +503,6 @@ fn run_generate<B: Backend>(
     sampling: sluice::text::SamplingParams,
 ) -> Result<()> {
     use sluice::engine::generate::generate_with;
-    use std::io::Write;
     let (parallel, draft) = (a.parallel as usize, a.draft());
     if !a.json {
         eprint!("{}", runner.plan.table());
@@ -482,7 +532,12 @@ fn run_generate<B: Backend>(
         );
     }
     let params = generate_params(a, tok, sampling)?;
-    let stdout = std::io::stdout();
+    let mut printer = Printer {
+        harmony: params
+            .markers
+            .then(|| sluice::text::harmony::HarmonyParser::new(false)),
+        quiet: a.json,
+    };
     let dm = draft_model.as_mut();
     let outs = generate_with(
         &mut runner,
@@ -491,14 +546,9 @@ fn run_generate<B: Backend>(
         prompt_ids,
         &params,
         a.batch(),
-        |piece| {
-            if !a.json {
-                let mut l = stdout.lock();
-                let _ = l.write_all(piece.as_bytes());
-                let _ = l.flush();
-            }
-        },
+        |piece| printer.piece(piece),
     )?;
+    printer.end();
     let out = &outs[0];
     // The batch's decode rate: every sequence's decode tokens over the shared wall time.
     let decode_tokens: usize = outs.iter().map(|o| o.decode_tokens()).sum();
