@@ -309,6 +309,8 @@ impl Chat {
                 }
                 let mut m = msg("assistant", o.text);
                 m.tool_calls = o.done.tool_calls;
+                // What led to the calls, which templates render before them (gpt-oss's).
+                m.reasoning = o.reasoning;
                 self.turns.push(m);
                 Ok(())
             }

@@ -266,6 +266,8 @@ pub(crate) fn finish_name(f: i32) -> &'static str {
 
 pub(crate) struct Outcome {
     pub(crate) text: String,
+    /// The model's reasoning, apart from the text (gpt-oss's analysis channel).
+    pub(crate) reasoning: String,
     pub(crate) done: pb::GenerateDone,
 }
 
@@ -276,15 +278,22 @@ async fn generate(
     mut on_piece: impl FnMut(&str),
 ) -> Result<Outcome, tonic::Status> {
     let mut stream = client.generate(req).await?.into_inner();
-    let mut text = String::new();
+    let (mut text, mut reasoning) = (String::new(), String::new());
     while let Some(msg) = stream.next().await {
         match msg?.event {
             Some(pb::generate_response::Event::Piece(p)) => {
                 sluice_client::show_reasoning(&p.reasoning);
+                reasoning.push_str(&p.reasoning);
                 on_piece(&p.text);
                 text.push_str(&p.text);
             }
-            Some(pb::generate_response::Event::Done(done)) => return Ok(Outcome { text, done }),
+            Some(pb::generate_response::Event::Done(done)) => {
+                return Ok(Outcome {
+                    text,
+                    reasoning,
+                    done,
+                })
+            }
             None => {}
         }
     }
@@ -313,7 +322,7 @@ pub(crate) async fn generate_until(
         r = call => r?.into_inner(),
         _ = sigint.recv() => return Ok(Until::Stopped(String::new())),
     };
-    let mut text = String::new();
+    let (mut text, mut reasoning) = (String::new(), String::new());
     loop {
         let msg = tokio::select! {
             m = stream.next() => m,
@@ -323,11 +332,16 @@ pub(crate) async fn generate_until(
         match msg?.event {
             Some(pb::generate_response::Event::Piece(p)) => {
                 sluice_client::show_reasoning(&p.reasoning);
+                reasoning.push_str(&p.reasoning);
                 on_piece(&p.text);
                 text.push_str(&p.text);
             }
             Some(pb::generate_response::Event::Done(done)) => {
-                return Ok(Until::Done(Outcome { text, done }))
+                return Ok(Until::Done(Outcome {
+                    text,
+                    reasoning,
+                    done,
+                }))
             }
             None => {}
         }

@@ -33,5 +33,8 @@ pub fn openai_message(m: &v1::ChatMessage) -> serde_json::Value {
     if !m.tool_call_id.is_empty() {
         v["tool_call_id"] = m.tool_call_id.clone().into();
     }
+    if !m.reasoning.is_empty() {
+        v["reasoning_content"] = m.reasoning.clone().into();
+    }
     v
 }

@@ -426,6 +426,16 @@ pub(crate) fn messages(list: Vec<Value>) -> Result<Vec<ChatMessage>, ApiError> {
                     .filter_map(|c| c["id"].as_str().map(str::to_string)),
             );
         }
+        if let Some(r) = ["reasoning_content", "thinking", "reasoning"]
+            .iter()
+            .find_map(|k| m.get(*k).filter(|v| !v.is_null()))
+        {
+            let r = r.as_str().filter(|_| role == "assistant").ok_or_else(|| {
+                bad(".reasoning_content: an assistant message's reasoning, as text".into())
+            })?;
+            msg.reasoning_content = Some(r.to_string());
+            msg.thinking = Some(r.to_string());
+        }
         if role == "tool" {
             let id = m
                 .get("tool_call_id")

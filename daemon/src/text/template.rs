@@ -38,6 +38,13 @@ pub struct ChatMessage {
     /// A tool message's answer to this call.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub tool_call_id: Option<String>,
+    /// An assistant message's reasoning before it (OpenAI-compatible servers'
+    /// `reasoning_content`), under the name Qwen3's template reads ...
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reasoning_content: Option<String>,
+    /// ... and the one gpt-oss's reads (its analysis before a call). Both or neither.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub thinking: Option<String>,
 }
 
 impl ChatMessage {
