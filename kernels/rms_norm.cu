@@ -8,7 +8,9 @@ __device__ void rms_norm(const float* x, const u8* w, float* out, int cols, floa
     float ss = 0.0f;
     for (int i = threadIdx.x; i < cols; i += blockDim.x) ss += xr[i] * xr[i];
     ss = block_sum(ss);
-    const float inv = rsqrtf(ss / (float)cols + eps);
+    // IEEE division and sqrtf (this file compiles without fast math), as the CPU backend
+    // computes it; rsqrtf would be the hardware's approximation (2 ulp).
+    const float inv = 1.0f / sqrtf(ss / (float)cols + eps);
     for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = load(w, i) * (xr[i] * inv);
 }
 

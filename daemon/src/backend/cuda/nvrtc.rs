@@ -34,9 +34,10 @@ pub fn library_present() -> Result<(), String> {
 /// (`rms_norm`), the rotary embedding (`rope`) — compile without `--use_fast_math`: no
 /// flush of denormals to zero (an MXFP4 scale of exponent 0 or 1 is a denormal), IEEE
 /// division and `sqrtf`, full-precision `expf`, `sinf`, `cosf` and `powf`, as the CPU
-/// backend and the emulator compute them (an explicit `rsqrtf` is still the hardware's
-/// approximation). The rest (the GEMVs and GEMMs, attention, conversions) keep fast math;
-/// their tests compare within tolerances.
+/// backend and the emulator compute them (the norm writes `1.0f / sqrtf`, not the
+/// hardware's `rsqrtf`; a block's sum still adds in another order than the CPU's). The
+/// rest (the GEMVs and GEMMs, attention, conversions) keep fast math; their tests compare
+/// within tolerances.
 pub const EXACT_MATH: [&str; 3] = ["moe", "rms_norm", "rope"];
 
 /// The NVRTC options kernel file `name` is compiled with for `arch` (a compiled kernel's
