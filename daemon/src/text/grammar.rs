@@ -275,9 +275,9 @@ impl Grammars {
 /// What arms a lazy constraint.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Trigger {
-    /// The text comes to end with this (special tokens count as their names:
+    /// The text comes to end with one of these (special tokens count as their names:
     /// `<|channel|>final<|message|>`).
-    Text(&'static str),
+    Text(&'static [&'static str]),
     /// This token is generated (a special token, such as Mistral's `[TOOL_CALLS]`).
     Token(u32),
 }
@@ -457,7 +457,7 @@ impl Constraint {
         if let Some(l) = &mut self.lazy {
             let armed = match l.trigger {
                 Trigger::Token(id) => t == id,
-                Trigger::Text(text) => {
+                Trigger::Text(texts) => {
                     // A row may be longer than the vocabulary: its extra ids have no text.
                     if (t as usize) < self.vocab {
                         let bytes = self.env.tok_trie().token(t);
@@ -468,8 +468,9 @@ impl Constraint {
                                 .unwrap_or(bytes),
                         );
                     }
-                    let keep = l.tail.len().saturating_sub(text.len());
-                    let hit = l.tail.ends_with(text.as_bytes());
+                    let longest = texts.iter().map(|t| t.len()).max().unwrap_or(0);
+                    let keep = l.tail.len().saturating_sub(longest);
+                    let hit = texts.iter().any(|t| l.tail.ends_with(t.as_bytes()));
                     l.tail.drain(..keep);
                     hit
                 }

@@ -20,8 +20,12 @@ pub const CONSTRAIN: &str = "<|constrain|>";
 pub const END: &str = "<|end|>";
 pub const RETURN: &str = "<|return|>";
 pub const CALL: &str = "<|call|>";
-/// What opens the answer's final message: a response format holds the text after it.
-pub const FINAL: &str = "<|channel|>final<|message|>";
+/// What opens the answer's final message (with or without a content type, as gpt-oss
+/// writes a structured answer): a response format holds the text after it.
+pub const FINAL: &[&str] = &[
+    "<|channel|>final<|message|>",
+    "<|channel|>final <|constrain|>json<|message|>",
+];
 
 /// A vocabulary's harmony tokens.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

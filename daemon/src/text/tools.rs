@@ -271,11 +271,11 @@ impl ToolFormat {
     /// the choice open (Llama 3.1's first byte).
     fn trigger(self, special: Option<u32>) -> Option<Trigger> {
         match self {
-            ToolFormat::Hermes => Some(Trigger::Text("<tool_call>")),
+            ToolFormat::Hermes => Some(Trigger::Text(&["<tool_call>"])),
             ToolFormat::Mistral => special.map(Trigger::Token),
             // The recipient, before or after the channel: `assistant to=functions.` or
             // `<|channel|>commentary to=functions.`.
-            ToolFormat::Harmony => Some(Trigger::Text(" to=functions.")),
+            ToolFormat::Harmony => Some(Trigger::Text(&[" to=functions."])),
             _ => None,
         }
     }
@@ -379,7 +379,8 @@ pub fn plan(
         // After the trigger: the rest of the opening, the calls, the end.
         (false, Some(t), _) => {
             let rest = match t {
-                Trigger::Text(text) => l.open.strip_prefix(text).unwrap_or(l.open),
+                Trigger::Text(&[text]) => l.open.strip_prefix(text).unwrap_or(l.open),
+                Trigger::Text(_) => l.open,
                 Trigger::Token(_) => l.open,
             };
             (
@@ -620,7 +621,7 @@ pub(crate) mod tests {
         let p = planned(json!("auto"), None, hermes, &no_special, &mut m);
         assert_eq!(
             (p.format, p.trigger, p.template_tools.len()),
-            (ToolFormat::Hermes, Some(Trigger::Text("<tool_call>")), 2)
+            (ToolFormat::Hermes, Some(Trigger::Text(&["<tool_call>"])), 2)
         );
         let p = planned(json!("required"), Some(false), hermes, &no_special, &mut m);
         assert_eq!((p.trigger, p.parallel), (None, false));
@@ -839,20 +840,24 @@ pub(crate) mod tests {
         early.mask(&mut row);
         assert!(row[v.h.ret as usize] == f32::NEG_INFINITY && row[v.h.start as usize] == 0.0);
         let format = OutputFormat::Constrained(Box::new(c));
-        // An analysis that says "final" does not arm it; the final channel does.
-        let prefix = v.tokens(
-            "<|channel|>analysis<|message|>final<|end|><|start|>assistant<|channel|>final<|message|>",
-        );
+        // An analysis that says "final" does not arm it; the final channel does, with or
+        // without a content type.
         let mut whole = 0;
-        for seed in 0..20 {
-            let (text, ended) = v.sample(&format, &prefix, seed);
-            if !ended {
-                continue;
+        for header in FINAL {
+            let prefix = v.tokens(&format!(
+                "<|channel|>analysis<|message|>final<|end|><|start|>assistant{header}"
+            ));
+            for seed in 0..10 {
+                let (text, ended) = v.sample(&format, &prefix, seed);
+                if !ended {
+                    continue;
+                }
+                let content = harmony_read(false, &text).1;
+                let a: Value =
+                    serde_json::from_str(&content).unwrap_or_else(|e| panic!("{e}: {text}"));
+                assert!(a["n"].is_i64(), "{text}");
+                whole += 1;
             }
-            let content = harmony_read(false, &text).1;
-            let a: Value = serde_json::from_str(&content).unwrap_or_else(|e| panic!("{e}: {text}"));
-            assert!(a["n"].is_i64(), "{text}");
-            whole += 1;
         }
         assert!(whole > 10, "{whole} of 20 ended");
     }
