@@ -153,27 +153,28 @@ impl HarmonyParser {
                 false
             }
             State::Header => {
-                if let Some(at) = self.buf.find(MESSAGE) {
-                    let header: String = self.buf.drain(..at + MESSAGE.len()).collect();
-                    let body = self.body_of(&header[..at]);
-                    if let Body::Call(index) = body {
-                        let name = recipient(&header[..at])
-                            .map(|r| r.strip_prefix("functions.").unwrap_or(r).to_string())
-                            .unwrap_or_default();
-                        out.push(ToolEvent::Call {
-                            index,
-                            id: call_id(false),
-                            name,
-                        });
-                    }
-                    self.state = State::Body(body);
-                    return true;
-                }
-                if !could_be_header(&self.buf) {
+                // A header is judged by itself, whether the text came whole or in pieces:
+                // the bytes up to `<|message|>`, or all there are so far.
+                let at = self.buf.find(MESSAGE);
+                if !could_be_header(&self.buf[..at.unwrap_or(self.buf.len())], at.is_some()) {
                     self.state = State::Raw;
                     return true;
                 }
-                false
+                let Some(at) = at else { return false };
+                let header: String = self.buf.drain(..at + MESSAGE.len()).collect();
+                let body = self.body_of(&header[..at]);
+                if let Body::Call(index) = body {
+                    let name = recipient(&header[..at])
+                        .map(|r| r.strip_prefix("functions.").unwrap_or(r).to_string())
+                        .unwrap_or_default();
+                    out.push(ToolEvent::Call {
+                        index,
+                        id: call_id(false),
+                        name,
+                    });
+                }
+                self.state = State::Body(body);
+                true
             }
             State::Body(b) => {
                 if let Some(at) = self.buf.find(END) {
@@ -220,17 +221,17 @@ fn recipient(header: &str) -> Option<&str> {
     (!r.is_empty()).then_some(r)
 }
 
-/// Whether `buf` can still be (the start of) a header: markers, a role, a channel's name,
-/// a recipient, a content type; text that begins otherwise is not harmony.
-fn could_be_header(buf: &str) -> bool {
-    if buf.len() > HEADER_MAX {
+/// Whether `head` is a header (`whole`: it ends at `<|message|>`) or can still become one:
+/// it begins with a marker or a recipient and is not too long. Text that begins otherwise
+/// is not harmony.
+fn could_be_header(head: &str, whole: bool) -> bool {
+    if head.len() > HEADER_MAX {
         return false;
     }
     let starts = [START, CHANNEL, " to=", "to=", END];
-    buf.is_empty()
-        || starts
-            .iter()
-            .any(|s| buf.starts_with(s) || s.starts_with(buf))
+    starts
+        .iter()
+        .any(|s| head.starts_with(s) || (!whole && s.starts_with(head)))
 }
 
 #[cfg(test)]
@@ -306,5 +307,46 @@ mod tests {
         assert_eq!(h.marker(h.ret), None);
         assert_eq!(h.marker(h.call), None);
         assert!(Harmony::of(|s| (s != CALL).then_some(1)).is_none());
+    }
+
+    /// Random texts of markers, parts of markers, recipients, words and multi-byte
+    /// characters, fed whole and a character at a time: no panic, the same events.
+    #[test]
+    fn any_text_reads_the_same_in_any_pieces() {
+        let parts = [
+            START,
+            CHANNEL,
+            MESSAGE,
+            CONSTRAIN,
+            END,
+            "<|",
+            "<|en",
+            "<|end",
+            "|>",
+            "analysis",
+            "final",
+            "commentary",
+            " to=functions.f",
+            " to=",
+            "to=",
+            "assistant",
+            " json",
+            "{\"a\": 1}",
+            "é",
+            "日本",
+            " ",
+            "\n",
+            "x",
+        ];
+        let mut rng = crate::util::rng::Rng::new(11);
+        for _ in 0..400 {
+            let n = 1 + rng.below(24) as usize;
+            let text: String = (0..n)
+                .map(|_| parts[rng.below(parts.len() as u64) as usize])
+                .collect();
+            for tools in [false, true] {
+                agree_on(tools, &text);
+            }
+        }
     }
 }
