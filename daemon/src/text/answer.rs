@@ -141,4 +141,17 @@ pub(crate) mod tests {
         assert_eq!(strip(split), whole, "{text:?}");
         whole
     }
+
+    /// `count` texts of 1 to 24 of `parts` drawn at random (seeded).
+    pub(crate) fn random_texts(parts: &[&str], seed: u64, count: usize) -> Vec<String> {
+        let mut rng = crate::util::rng::Rng::new(seed);
+        (0..count)
+            .map(|_| {
+                let n = 1 + rng.below(24) as usize;
+                (0..n)
+                    .map(|_| parts[rng.below(parts.len() as u64) as usize])
+                    .collect()
+            })
+            .collect()
+    }
 }

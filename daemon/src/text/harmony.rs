@@ -237,7 +237,7 @@ fn could_be_header(head: &str, whole: bool) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::text::answer::tests::agree;
+    use crate::text::answer::tests::{agree, random_texts};
 
     fn agree_on(tools: bool, text: &str) -> Vec<ToolEvent> {
         agree(|| HarmonyParser::new(tools), text)
@@ -338,12 +338,7 @@ mod tests {
             "\n",
             "x",
         ];
-        let mut rng = crate::util::rng::Rng::new(11);
-        for _ in 0..400 {
-            let n = 1 + rng.below(24) as usize;
-            let text: String = (0..n)
-                .map(|_| parts[rng.below(parts.len() as u64) as usize])
-                .collect();
+        for text in random_texts(&parts, 11, 400) {
             for tools in [false, true] {
                 agree_on(tools, &text);
             }

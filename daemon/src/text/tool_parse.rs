@@ -330,7 +330,7 @@ pub fn parse_all(syntax: Syntax, text: &str) -> Answer {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::text::answer::tests::agree;
+    use crate::text::answer::tests::{agree, random_texts};
     use crate::text::tools::tests::tools;
     use serde_json::{json, Value};
 
@@ -380,12 +380,7 @@ mod tests {
             "x",
             " ",
         ];
-        let mut rng = crate::util::rng::Rng::new(12);
-        for _ in 0..300 {
-            let n = 1 + rng.below(24) as usize;
-            let text: String = (0..n)
-                .map(|_| parts[rng.below(parts.len() as u64) as usize])
-                .collect();
+        for text in random_texts(&parts, 12, 300) {
             for format in [
                 ToolFormat::Hermes,
                 ToolFormat::Llama3,
