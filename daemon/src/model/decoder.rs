@@ -18,7 +18,9 @@ use step::{check_steps, TreeRows};
 pub use step::{SeqStep, TREE_ROOT};
 
 use super::layout::Workspace;
-pub use super::layout::{kv_cache_bytes, kv_layout, workspace_bytes, ModelOptions};
+pub use super::layout::{
+    kv_cache_bytes, kv_cache_bytes_of, kv_layout, kv_layout_of, workspace_bytes, ModelOptions,
+};
 use super::moe::{route_rows, Mixture, PredictionStats};
 use super::rope::rope_table;
 use super::{Activation, ArchConfig, RopeScaling};
@@ -146,6 +148,9 @@ pub struct Decoder<B: Backend> {
     logits_on_host: bool,
     /// A mixture's routing state across steps (empty for a dense model).
     moe: Mixture,
+    /// The decoder layers whose KV this decoder holds (all, unless another backend runs
+    /// some: `new_part`).
+    kv_held: std::ops::Range<usize>,
 }
 
 /// An empty Vec of `U` in the allocation of `v`: the standard library collects a Vec's
@@ -192,6 +197,18 @@ impl<B: Backend> Decoder<B> {
     /// Lays out the model from the manifest and allocates its KV cache, rotary table and
     /// workspace from the backend's budget (reserved before any weights).
     pub fn new(backend: &B, m: &Manifest, opts: ModelOptions) -> Result<Self, ModelError> {
+        Decoder::new_part(backend, m, opts, 0..m.arch.n_layers as usize)
+    }
+
+    /// A decoder whose KV cache holds only the decoder layers in `kv_held`: the others run
+    /// on another backend (a placement that computes some layers on the host), which
+    /// holds theirs. Only layers in `kv_held` may run here.
+    pub fn new_part(
+        backend: &B,
+        m: &Manifest,
+        opts: ModelOptions,
+        kv_held: std::ops::Range<usize>,
+    ) -> Result<Self, ModelError> {
         let c = m.arch.clone();
         if opts.max_context == 0 || opts.kv_slots == 0 || opts.max_batch_tokens == 0 {
             return Err(ModelError::Layout(
@@ -217,7 +234,7 @@ impl<B: Backend> Decoder<B> {
             Some(t) => bind(head, t)?,
             None => embed,
         };
-        let (caches, cache_elems) = kv_layout(&c, &opts);
+        let (caches, cache_elems) = kv_layout_of(&c, &opts, kv_held.clone());
         let mut layers = Vec::with_capacity(c.n_layers as usize);
         for (i, u) in m.units[1..=c.n_layers as usize].iter().enumerate() {
             let w = c.layer_spec(i as u32).try_map(|t| bind(u, t))?;
@@ -298,7 +315,18 @@ impl<B: Backend> Decoder<B> {
             part_logits: Vec::new(),
             logits_on_host: false,
             moe,
+            kv_held,
         })
+    }
+
+    /// The hidden state of the step's rows (f32, `rows x hidden`): what one placement
+    /// hands the next.
+    pub fn hidden(&self) -> (&B::Mem, usize) {
+        (&self.ws.x, self.rows * self.cfg.hidden as usize)
+    }
+
+    pub fn hidden_mut(&mut self) -> &mut B::Mem {
+        &mut self.ws.x
     }
 
     /// Per decoder layer, the tokens each expert has served (empty for a dense layer).
@@ -401,6 +429,11 @@ impl<B: Backend> Decoder<B> {
     }
 
     fn decoder(&mut self, b: &B, i: usize, mem: &B::Mem) {
+        assert!(
+            self.kv_held.contains(&i),
+            "decoder layer {i} runs where its KV cache is not held ({:?})",
+            self.kv_held
+        );
         self.attention(b, i, mem);
         let n_experts = self.routed_count(i);
         if n_experts > 0 {

@@ -124,6 +124,17 @@ impl<M> Workspace<M> {
 /// span one step may write (so a prefill chunk does not overwrite what its own first
 /// queries see), never more than the context.
 pub fn kv_layout(cfg: &ArchConfig, opts: &ModelOptions) -> (Vec<LayerCache>, usize) {
+    kv_layout_of(cfg, opts, 0..cfg.n_layers as usize)
+}
+
+/// `kv_layout` where only the layers in `held` keep KV (the others run on another
+/// backend, which holds theirs): every layer keeps its ring's shape, but only the held
+/// ones take room.
+pub fn kv_layout_of(
+    cfg: &ArchConfig,
+    opts: &ModelOptions,
+    held: std::ops::Range<usize>,
+) -> (Vec<LayerCache>, usize) {
     let width = cfg.kv_dim() as usize;
     let mut base = 0;
     let layers = (0..cfg.n_layers)
@@ -133,11 +144,22 @@ pub fn kv_layout(cfg: &ArchConfig, opts: &ModelOptions) -> (Vec<LayerCache>, usi
                 (w + opts.max_batch_tokens.saturating_sub(1)).min(opts.max_context)
             });
             let c = LayerCache { base, cap, window };
-            base += opts.kv_slots * cap * width;
+            if held.contains(&(i as usize)) {
+                base += opts.kv_slots * cap * width;
+            }
             c
         })
         .collect();
     (layers, base)
+}
+
+/// Bytes of KV cache of the layers in `held` (K and V).
+pub fn kv_cache_bytes_of(
+    cfg: &ArchConfig,
+    opts: &ModelOptions,
+    held: std::ops::Range<usize>,
+) -> u64 {
+    2 * kv_layout_of(cfg, opts, held).1 as u64 * opts.kv_dtype.bytes() as u64
 }
 
 /// Bytes of KV cache for these options (K and V, every layer, f32).

@@ -1,6 +1,7 @@
 //! The KV cache's slots beyond a step: what a finished sequence gives back, whether and
 //! how a sequence goes on from KV another slot holds (the prefix cache's device tier), and
-//! blocks of positions copied to the host and back (its host and disk tiers).
+//! blocks of positions copied to the host and back (its host and disk tiers). Each
+//! concerns the layers whose KV this decoder holds (`Decoder::new_part`).
 
 use super::{Decoder, ModelError};
 use crate::backend::{Backend, LayerCache};
@@ -20,7 +21,7 @@ impl<B: Backend> Decoder<B> {
             self.opts.kv_dtype.bytes(),
         );
         let mut given = 0;
-        for l in &self.layers {
+        for l in &self.layers[self.kv_held.clone()] {
             let start = l.cache.at(&self.shape, slot, 0) * kvb;
             let range = start..start + l.cache.cap * width * kvb;
             given += b.discard(&mut self.cache_k, range.clone());
@@ -34,14 +35,17 @@ impl<B: Backend> Decoder<B> {
     /// `pos` attends to (a full-attention layer always does; a ring, when `written` is at
     /// most its capacity past the window's start).
     pub fn can_resume(&self, pos: usize, written: usize) -> bool {
-        pos <= written && self.layers.iter().all(|l| l.cache.sees_all(pos, written))
+        pos <= written
+            && self.layers[self.kv_held.clone()]
+                .iter()
+                .all(|l| l.cache.sees_all(pos, written))
     }
 
     /// Bytes of KV cache the first `n` positions of a slot take (K and V, every layer; a
     /// ring holds its last `cap` at most).
     pub fn kv_bytes(&self, n: usize) -> u64 {
         let width = (self.shape.kv_heads * self.shape.head_dim * self.opts.kv_dtype.bytes()) as u64;
-        self.layers
+        self.layers[self.kv_held.clone()]
             .iter()
             .map(|l| 2 * width * n.min(l.cache.cap) as u64)
             .sum()
@@ -60,7 +64,7 @@ impl<B: Backend> Decoder<B> {
         if from == to || positions.is_empty() {
             return;
         }
-        for l in &self.layers {
+        for l in &self.layers[self.kv_held.clone()] {
             let start = positions.start.max(written.saturating_sub(l.cache.cap));
             let run = start.min(positions.end)..positions.end;
             b.kv_copy(
@@ -75,7 +79,7 @@ impl<B: Backend> Decoder<B> {
 
     /// Each layer's part of the KV cache (its ring, where it has one).
     pub fn kv_layers(&self) -> impl Iterator<Item = &LayerCache> + '_ {
-        self.layers.iter().map(|l| &l.cache)
+        self.layers[self.kv_held.clone()].iter().map(|l| &l.cache)
     }
 
     /// Bytes one position's K and V take in one layer.
@@ -94,9 +98,9 @@ impl<B: Backend> Decoder<B> {
         written: usize,
     ) -> (Vec<bool>, Vec<u8>) {
         let width = self.shape.kv_heads * self.shape.head_dim * self.opts.kv_dtype.bytes();
-        let mut held = Vec::with_capacity(self.layers.len());
+        let mut held = Vec::with_capacity(self.kv_held.len());
         let mut out = Vec::new();
-        for l in &self.layers {
+        for l in &self.layers[self.kv_held.clone()] {
             let runs = l.cache.held_runs(positions.clone(), written);
             let all = runs[0].0 == positions.start && runs[0].1 + runs[1].1 == positions.len();
             held.push(all);
@@ -133,12 +137,12 @@ impl<B: Backend> Decoder<B> {
         let width = self.shape.kv_heads * self.shape.head_dim * kvb;
         let per_layer = 2 * positions.len() * width;
         let need = held.iter().filter(|&&h| h).count() * per_layer;
-        if held.len() != self.layers.len() || bytes.len() != need {
+        if held.len() != self.kv_held.len() || bytes.len() != need {
             return Err(ModelError::Step(format!(
                 "a KV block of {} bytes over {} layers, this model's is {need} bytes over {}",
                 bytes.len(),
                 held.len(),
-                self.layers.len()
+                self.kv_held.len()
             )));
         }
         if slot >= self.shape.slots || positions.end > self.shape.max_context {
@@ -147,7 +151,7 @@ impl<B: Backend> Decoder<B> {
             )));
         }
         let mut at = 0;
-        for (i, l) in self.layers.iter().enumerate() {
+        for (i, l) in self.layers[self.kv_held.clone()].iter().enumerate() {
             if !held[i] {
                 continue;
             }
