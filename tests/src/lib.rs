@@ -418,3 +418,91 @@ pub fn grpcurl_generate(d: &Daemon, body: &serde_json::Value) -> Output {
         .output()
         .expect("grpcurl")
 }
+
+/// Logits of a two-sequence prefill step and a decode step, and a greedy continuation.
+pub fn outputs(
+    r: &mut sluice::pipeline::Pipeline<sluice::backend::cpu::CpuBackend>,
+    vocab: u32,
+) -> (Vec<u32>, Vec<u32>) {
+    let a: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % vocab).collect();
+    let b: Vec<u32> = (0..7).map(|i| (i * 11 + 3) % vocab).collect();
+    let mut logits = Vec::new();
+    r.step(
+        &[
+            sluice::model::SeqStep {
+                slot: 0,
+                pos: 0,
+                tokens: a.clone(),
+                verify: false,
+                ..Default::default()
+            },
+            sluice::model::SeqStep {
+                slot: 1,
+                pos: 0,
+                tokens: b.clone(),
+                verify: false,
+                ..Default::default()
+            },
+        ],
+        &mut logits,
+    )
+    .unwrap();
+    let mut bits: Vec<u32> = logits.iter().map(|f| f.to_bits()).collect();
+    r.step(
+        &[
+            sluice::model::SeqStep {
+                slot: 1,
+                pos: 7,
+                tokens: vec![9],
+                verify: false,
+                ..Default::default()
+            },
+            sluice::model::SeqStep {
+                slot: 0,
+                pos: 20,
+                tokens: vec![4],
+                verify: false,
+                ..Default::default()
+            },
+        ],
+        &mut logits,
+    )
+    .unwrap();
+    bits.extend(logits.iter().map(|f| f.to_bits()));
+    let mut ids = Vec::new();
+    let mut next = sluice::text::sampler::argmax(&logits[..vocab as usize]);
+    for pos in 21..33 {
+        ids.push(next);
+        r.step(
+            &[sluice::model::SeqStep {
+                slot: 0,
+                pos,
+                tokens: vec![next],
+                verify: false,
+                ..Default::default()
+            }],
+            &mut logits,
+        )
+        .unwrap();
+        next = sluice::text::sampler::argmax(&logits);
+    }
+    (bits, ids)
+}
+
+/// Every unit's raw bytes, decoded by the store's plain reader (no I/O engine).
+pub fn decoded_units(store: &sluice::store::Store) -> Vec<Vec<u8>> {
+    let file = store.open_weights().unwrap();
+    let mut dec = store
+        .frame_decoder(store.manifest().frame_raw_len_max() as usize)
+        .unwrap();
+    let mut stored = Vec::new();
+    (0..store.units().len())
+        .map(|i| {
+            let mut raw = vec![0u8; store.units()[i].raw_len as usize];
+            store
+                .read_unit(&file, i, &mut stored, &mut raw, &mut dec)
+                .unwrap();
+            raw
+        })
+        .collect()
+}

@@ -13,24 +13,6 @@ fn packed(src: &Path, out: &Path, codec: &str, frame_size: u32) -> Arc<Store> {
     pack_store(src, out, codec, frame_size)
 }
 
-/// Every unit decoded by the plain reader, the reference for the engine.
-fn reference(store: &Store) -> Vec<Vec<u8>> {
-    let file = store.open_weights().unwrap();
-    let mut dec = store
-        .frame_decoder(store.manifest().frame_raw_len_max() as usize)
-        .unwrap();
-    let mut stored = Vec::new();
-    (0..store.units().len())
-        .map(|i| {
-            let mut raw = vec![0u8; store.units()[i].raw_len as usize];
-            store
-                .read_unit(&file, i, &mut stored, &mut raw, &mut dec)
-                .unwrap();
-            raw
-        })
-        .collect()
-}
-
 /// The engine configurations every test runs: each reader, O_DIRECT and buffered, and a
 /// request size small enough that frames span several reads.
 fn configs() -> Vec<(String, IoConfig)> {
@@ -114,7 +96,7 @@ fn every_reader_delivers_every_layer_bit_exactly() {
         ("tiny-qwen3", "float"),
     ] {
         let store = packed(&fixture(src), &tmp.path().join(src), codec, 4096);
-        let want = reference(&store);
+        let want = decoded_units(&store);
         for (name, cfg) in configs() {
             let e = engine(&store, &cfg);
             stream_all(&e, &want, 3, 3);
@@ -134,7 +116,7 @@ fn every_reader_delivers_every_layer_bit_exactly() {
 fn smollm2_streams_through_both_readers() {
     let tmp = tempfile::tempdir().unwrap();
     let store = packed(&smollm2_gguf(), &tmp.path().join("s"), "zstd:3", 1 << 20);
-    let want = reference(&store);
+    let want = decoded_units(&store);
     for engine_choice in [ReaderChoice::Uring, ReaderChoice::Pread] {
         let cfg = IoConfig {
             reader: engine_choice,
@@ -168,7 +150,7 @@ fn a_corrupted_frame_fails_only_its_layer_and_leaks_nothing() {
 fn corrupted_frame(codec: &str) {
     let tmp = tempfile::tempdir().unwrap();
     let store = packed(&fixture("tiny-llama"), &tmp.path().join("s"), codec, 4096);
-    let want = reference(&store);
+    let want = decoded_units(&store);
     let bad_unit = 2;
     let f = store.units()[bad_unit].frames[3].clone();
     let w = store.weights_path().to_path_buf();
@@ -213,7 +195,7 @@ fn a_file_truncated_under_the_engine_fails_the_layers_past_the_end() {
     for (name, cfg) in configs() {
         let dir = tmp.path().join(name.replace([' ', '='], "_"));
         let store = packed(&fixture("tiny-llama"), &dir, "none", 4096);
-        let want = reference(&store);
+        let want = decoded_units(&store);
         let e = engine(&store, &cfg);
         // Cut weights.bin inside layer 1's blob after the engine opened it.
         let cut = store.units()[2].file_offset + 4096;
@@ -279,7 +261,7 @@ fn dropped_tickets_and_guards_return_their_slots() {
         "zstd:3",
         4096,
     );
-    let want = reference(&store);
+    let want = decoded_units(&store);
     for (name, cfg) in configs() {
         let e = engine(&store, &cfg);
         for round in 0..20 {
@@ -324,7 +306,7 @@ fn a_store_packed_raw_reads_into_its_staging_slots_without_read_buffers() {
     );
     assert!(raw.units().iter().all(|u| u.stored_as_raw()));
     assert!(!zstd.units().iter().any(|u| u.stored_as_raw()));
-    let want = reference(&raw);
+    let want = decoded_units(&raw);
     for (name, cfg) in configs() {
         // Slots registered with io_uring (READ_FIXED into them), and plain reads into them
         // (what a kernel that refuses the registration gets).
@@ -433,7 +415,7 @@ fn staging_slots_are_pinned_once_unpinned_before_they_are_freed_and_pageable_whe
         "lz4",
         64 << 10,
     );
-    let want = reference(&store);
+    let want = decoded_units(&store);
     let p = Arc::new(RecordingPinner {
         fail: false,
         tries: Default::default(),
@@ -517,7 +499,7 @@ fn decoded_prefixes_are_exact_and_a_dropped_ticket_mid_load_returns_its_slot() {
         "zstd:1",
         4096,
     );
-    let want = reference(&store);
+    let want = decoded_units(&store);
     let unit = (0..want.len()).max_by_key(|&u| want[u].len()).unwrap();
     assert!(store.units()[unit].frames.len() > 4);
     for (name, cfg) in configs().into_iter().step_by(3) {
@@ -567,7 +549,7 @@ fn parts_of_a_unit_larger_than_a_slot_load_its_exact_bytes() {
             codec,
             4096,
         );
-        let want = reference(&store);
+        let want = decoded_units(&store);
         let u = 0;
         let frames = store.units()[u].frames.len();
         assert!(frames >= 6, "{codec}: the embedding has {frames} frames");
@@ -633,7 +615,7 @@ fn each_expert_of_a_mixture_loads_on_its_own() {
             codec,
             4096,
         );
-        let want = reference(&store);
+        let want = decoded_units(&store);
         let sparse: Vec<usize> = (0..store.units().len())
             .filter(|&u| {
                 store.units()[u]
@@ -726,8 +708,8 @@ fn linked_stores_deliver_the_copied_stores_bytes_through_every_reader() {
         let report = sluice::store::writer::pack(&model, &units, &dir, &opts, |_| {}).unwrap();
         assert!(report.linked.is_some(), "{src}");
         let linked = Arc::new(Store::open(&dir).unwrap());
-        let want = reference(&copied);
-        assert!(reference(&linked) == want, "{src}: the plain reader");
+        let want = decoded_units(&copied);
+        assert!(decoded_units(&linked) == want, "{src}: the plain reader");
         for (name, cfg) in configs() {
             let e = engine(&linked, &cfg);
             stream_all(&e, &want, 2, 3);

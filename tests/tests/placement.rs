@@ -4,31 +4,21 @@
 //! the KV cache of its own layers only (`Decoder::new_part`), the hidden state handed
 //! across where the place changes. The logits must be those of one decoder over every
 //! layer, bit for bit, through a prompt and decode steps (so the KV each side keeps is
-//! read back), on every architecture.
+//! read back), on every architecture. Then the same through the pipeline
+//! (`HostInput::cpu_layers`): the plan puts the first layers on the host, out of the
+//! device's budget and into the host's, and the pipeline's outputs are one device's, its
+//! units resident or streamed, each backend within its budget.
 
 use sluice::backend::cpu::CpuBackend;
 use sluice::backend::{Backend, KvDtype};
+use sluice::engine::cpu_runner_discrete;
+use sluice::io::IoConfig;
 use sluice::model::{Decoder, ModelOptions, SeqStep};
+use sluice::pipeline::Pipeline;
+use sluice::plan::{plan, Placement, PlanInput};
 use sluice::store::Store;
 use sluice_tests::*;
-
-/// Every unit's raw bytes, decoded by the store's plain reader.
-fn unit_bytes(store: &Store) -> Vec<Vec<u8>> {
-    let file = store.open_weights().unwrap();
-    let mut dec = store
-        .frame_decoder(store.manifest().frame_raw_len_max() as usize)
-        .unwrap();
-    let mut stored = Vec::new();
-    (0..store.units().len())
-        .map(|i| {
-            let mut raw = vec![0u8; store.units()[i].raw_len as usize];
-            store
-                .read_unit(&file, i, &mut stored, &mut raw, &mut dec)
-                .unwrap();
-            raw
-        })
-        .collect()
-}
+use std::sync::Arc;
 
 fn backend(discrete: bool, opts: &ModelOptions, store: &Store) -> CpuBackend {
     let b = if discrete {
@@ -93,7 +83,7 @@ fn hand(from: &Side, to: &mut Side) {
 /// The logits of each step: by one decoder over every layer (`host_layers` None), or with
 /// decoder layers `0..host_layers` on the host and the rest on the device.
 fn logits(store: &Store, host_layers: Option<usize>, steps: &[Vec<SeqStep>]) -> Vec<Vec<f32>> {
-    let raw = unit_bytes(store);
+    let raw = decoded_units(store);
     let m = store.manifest();
     let n_layers = m.arch.n_layers as usize;
     let opts = ModelOptions {
@@ -181,4 +171,154 @@ fn layers_on_the_host_give_the_logits_of_one_backend_on_every_architecture() {
             }
         }
     }
+}
+
+const OPTS: ModelOptions = ModelOptions {
+    max_context: 64,
+    kv_slots: 2,
+    max_batch_tokens: 64,
+    kv_dtype: KvDtype::F32,
+    exact: true,
+    verify_rows: 0,
+};
+
+fn input(s: &Store, budget: Option<u64>, cpu_layers: usize) -> PlanInput {
+    let mut i = plan_input(OPTS);
+    i.device_budget = budget;
+    i.prefetch = Some(3);
+    i.host.cpu_layers = cpu_layers;
+    i.host.cpu_scratch = CpuBackend::scratch_bytes(&OPTS.scratch_shape(&s.manifest().arch), 2);
+    i
+}
+
+fn runner(s: &Arc<Store>, budget: Option<u64>, cpu_layers: usize) -> Pipeline<CpuBackend> {
+    let io = IoConfig {
+        queue_depth: 8,
+        read_buffers: 8,
+        request_bytes: 256 << 10,
+        ..IoConfig::default()
+    };
+    let run = sluice::pipeline::PipelineOptions {
+        cpu_threads: 2,
+        ..Default::default()
+    };
+    cpu_runner_discrete(s.clone(), &input(s, budget, cpu_layers), 2, io, run).unwrap()
+}
+
+#[test]
+fn the_pipeline_computes_the_first_layers_on_the_host_with_the_outputs_of_one_device() {
+    let tmp = tempfile::tempdir().unwrap();
+    let mut streamed_runs = 0;
+    for name in [
+        "tiny-llama",
+        "tiny-qwen2.gguf",
+        "tiny-llama-q.gguf",
+        "tiny-qwen3",
+        "tiny-gemma3",
+        "tiny-qwen3moe-mixed",
+        "tiny-mixtral.gguf",
+        "tiny-gptoss",
+    ] {
+        let s = pack_store(&fixture(name), &tmp.path().join(name), "zstd:1", 64 << 10);
+        let (vocab, n_layers) = (s.manifest().arch.vocab, s.manifest().arch.n_layers as usize);
+        let free = plan(s.manifest(), &input(&s, None, 0)).unwrap();
+        let want = outputs(&mut runner(&s, None, 0), vocab);
+        for cpu_layers in [1, n_layers] {
+            let p = plan(s.manifest(), &input(&s, None, cpu_layers)).unwrap();
+            // The host layers leave the device: their weights and their KV.
+            let host_units: Vec<usize> = (0..s.units().len())
+                .filter(|&u| p.placement(u) == Placement::Host)
+                .collect();
+            assert_eq!(host_units, (1..=cpu_layers).collect::<Vec<_>>(), "{name}");
+            let weights: u64 = host_units.iter().map(|&u| s.units()[u].raw_len).sum();
+            assert!(p.device_bytes() + weights <= free.device_bytes(), "{name}");
+            assert!(p.kv_cache_bytes < free.kv_cache_bytes, "{name}");
+            assert_eq!(
+                p.kv_cache_bytes + p.cpu_kv_cache_bytes,
+                free.kv_cache_bytes,
+                "{name}"
+            );
+            assert!(
+                p.host.cpu_layers_bytes >= p.cpu_arena_bytes() && p.cpu_weights_bytes >= weights
+            );
+            // Resident, and streamed: the least device budget that runs, where that is
+            // less than all of what the device holds.
+            let least = plan(s.manifest(), &input(&s, Some(4096), cpu_layers))
+                .err()
+                .map_or(0, |e| e.need());
+            let streamed = (least > 0 && least < p.device_bytes()).then_some(least);
+            for budget in [None, streamed]
+                .into_iter()
+                .filter(|b| b.is_some() || cpu_layers > 0)
+            {
+                let mut r = runner(&s, budget, cpu_layers);
+                if budget.is_some() {
+                    assert!(r.plan.layers_streamed() > 0, "{name}: nothing streams");
+                    streamed_runs += 1;
+                }
+                let got = outputs(&mut r, vocab);
+                assert!(
+                    got == want,
+                    "{name}: {cpu_layers} layers on the host, budget {budget:?}: outputs differ"
+                );
+                for (side, b) in [
+                    ("device", r.backend.budget()),
+                    ("host", r.host_backend().unwrap().budget()),
+                ] {
+                    assert!(
+                        b.peak() <= b.limit(),
+                        "{name} {side}: peak {} over {}",
+                        b.peak(),
+                        b.limit()
+                    );
+                }
+            }
+        }
+    }
+    // Streamed as well as resident, with layers on the host, on most architectures.
+    assert!(streamed_runs >= 6, "{streamed_runs} streamed runs");
+}
+
+#[test]
+fn a_placement_that_cannot_be_is_refused() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = pack_store(
+        &fixture("tiny-llama"),
+        &tmp.path().join("l"),
+        "zstd:1",
+        64 << 10,
+    );
+    let n = s.manifest().arch.n_layers as usize;
+    let e = plan(s.manifest(), &input(&s, None, n + 1))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.contains(&format!("--cpu-layers {}", n + 1))
+            && e.contains(&format!("{n} decoder layers")),
+        "{e}"
+    );
+    let mut unified = input(&s, None, 1);
+    unified.host.unified = true;
+    let e = plan(s.manifest(), &unified).unwrap_err().to_string();
+    assert!(
+        e.contains("already computes every layer on the host"),
+        "{e}"
+    );
+    // The least host budget of the whole model on the device does not hold the layers
+    // computed on the host as well: refused, naming them.
+    let least = |cpu_layers: usize| {
+        let mut i = input(&s, None, cpu_layers);
+        i.host.budget = Some(1);
+        plan(s.manifest(), &i).unwrap_err()
+    };
+    let need = least(0).need();
+    let mut tight = input(&s, None, n);
+    tight.host.budget = Some(need);
+    let e = plan(s.manifest(), &tight).unwrap_err();
+    assert!(e.need() > need, "{e}");
+    assert!(
+        e.to_string().contains("layers computed on the CPU")
+            && e.to_string().contains("--cpu-layers"),
+        "{e}"
+    );
 }

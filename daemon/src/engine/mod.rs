@@ -407,6 +407,11 @@ impl Chosen {
         threads: usize,
     ) -> PlanInput {
         let mut input = input.clone();
+        // Layers computed on the host run on a CPU backend of `threads` beside the device.
+        if input.host.cpu_layers > 0 {
+            input.host.cpu_scratch =
+                CpuBackend::scratch_bytes(&input.opts.scratch_shape(&m.arch), threads);
+        }
         match self {
             Chosen::Cpu { .. } => {
                 input.host.unified = true;

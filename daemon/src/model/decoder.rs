@@ -168,6 +168,22 @@ fn recycle<T, U>(mut v: Vec<T>) -> Vec<U> {
         .collect()
 }
 
+/// The kinds of `m`'s units, checked to be the embedding, each decoder layer, the head.
+fn unit_kinds(m: &Manifest) -> Result<Vec<UnitKind>, ModelError> {
+    let n = m.arch.n_layers;
+    let kinds: Vec<UnitKind> = m.units.iter().map(|u| u.kind).collect();
+    let expected: Vec<UnitKind> = std::iter::once(UnitKind::Embedding)
+        .chain((0..n).map(UnitKind::Decoder))
+        .chain(std::iter::once(UnitKind::Head))
+        .collect();
+    if kinds != expected {
+        return Err(ModelError::Layout(format!(
+            "units {kinds:?} are not embedding, {n} decoder layers, head"
+        )));
+    }
+    Ok(kinds)
+}
+
 /// Where tensor `spec` lies in `unit`, checked against the shape the spec gives it.
 fn bind(unit: &LayerUnit, spec: &TensorSpec) -> Result<TensorLoc, ModelError> {
     let name = &spec.name;
@@ -215,17 +231,7 @@ impl<B: Backend> Decoder<B> {
                 "max context, KV slots and batch tokens must be at least 1".into(),
             ));
         }
-        let kinds: Vec<UnitKind> = m.units.iter().map(|u| u.kind).collect();
-        let expected: Vec<UnitKind> = std::iter::once(UnitKind::Embedding)
-            .chain((0..c.n_layers).map(UnitKind::Decoder))
-            .chain(std::iter::once(UnitKind::Head))
-            .collect();
-        if kinds != expected {
-            return Err(ModelError::Layout(format!(
-                "units {kinds:?} are not embedding, {} decoder layers, head",
-                c.n_layers
-            )));
-        }
+        let kinds = unit_kinds(m)?;
         let embed = bind(&m.units[0], &c.embedding_spec())?;
         let head = m.units.last().expect("checked");
         let head_spec = c.head_spec();

@@ -23,7 +23,12 @@ pub(super) fn load_kept<B: Backend>(
 ) -> Result<(Vec<Option<B::Mem>>, Vec<Option<AlignedBuf>>), PipelineError> {
     let n = store.units().len();
     let kept: Vec<usize> = (0..n)
-        .filter(|&u| plan.placement(u) != Placement::Streamed)
+        .filter(|&u| {
+            matches!(
+                plan.placement(u),
+                Placement::Resident | Placement::HostCached
+            )
+        })
         .collect();
     let loader = IoEngine::new(
         store.clone(),
@@ -69,7 +74,7 @@ pub(super) fn load_kept<B: Backend>(
                 buf.as_mut_slice()[..slot.data().len()].copy_from_slice(slot.data());
                 host_cache[u] = Some(buf);
             }
-            Placement::Streamed => unreachable!("filtered above"),
+            Placement::Streamed | Placement::Host => unreachable!("filtered above"),
         }
     }
     drop(loader);

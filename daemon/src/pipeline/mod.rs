@@ -77,6 +77,8 @@ use std::time::Instant;
 
 mod gather;
 use gather::Gathered;
+mod host;
+mod kv;
 mod load;
 mod self_draft;
 mod stats;
@@ -121,6 +123,8 @@ pub struct PipelineOptions {
     pub measure_lookahead: bool,
     /// Bytes of a unit's decoded prefix worth an upload of their own.
     pub upload_chunk: usize,
+    /// Threads of the host CPU backend that computes `Plan::cpu_layers`.
+    pub cpu_threads: usize,
 }
 
 impl Default for PipelineOptions {
@@ -131,6 +135,7 @@ impl Default for PipelineOptions {
             expert_prediction: Prediction::default(),
             measure_lookahead: false,
             upload_chunk: UPLOAD_CHUNK_DEFAULT,
+            cpu_threads: std::thread::available_parallelism().map_or(1, |n| n.get()),
         }
     }
 }
@@ -197,6 +202,8 @@ pub struct Pipeline<B: Backend> {
     borrowed: Vec<(Load, B::Mem, crate::io::HeldSlot)>,
     /// Upload parts made before their unit was complete, failed passes included.
     partial_uploads: u64,
+    /// The decoder layers the host CPU computes beside the device (`Plan::cpu_layers`).
+    host: Option<host::HostPart>,
     last: PassStats,
     total: PassStats,
 }
@@ -220,11 +227,15 @@ fn planned_reads(plan: &Plan, io_cfg: IoConfig) -> IoConfig {
 /// The streamed loads of one pass in order, given which units are `resident`. The
 /// embedding never loads whole when it streams: its lookup gathers rows and a tied head
 /// reads it in parts, right after the head unit's final norm.
-fn pass_loads<M>(plan: &Plan, resident: &[Option<M>]) -> Vec<Load> {
+fn pass_loads<M>(
+    plan: &Plan,
+    resident: &[Option<M>],
+    on_host: impl Fn(usize) -> bool,
+) -> Vec<Load> {
     let n = resident.len();
     let mut loads = Vec::with_capacity(n + plan.head_parts.len());
     for (u, r) in resident.iter().enumerate().skip(1) {
-        if r.is_none() {
+        if r.is_none() && !on_host(u) {
             match (&plan.sparse[u], plan.dense_resident.get(u), &plan.pieces[u]) {
                 (Some(_), Some(true), _) => {}
                 (Some(_), _, _) => loads.push(Load::Dense(u)),
@@ -292,7 +303,9 @@ impl<B: Backend> Pipeline<B> {
         io_cfg: IoConfig,
         run: PipelineOptions,
     ) -> Result<Self, PipelineError> {
-        let model = Decoder::new(&backend, store.manifest(), opts)?;
+        let n_layers = store.manifest().arch.n_layers as usize;
+        let model = Decoder::new_part(&backend, store.manifest(), opts, plan.cpu_layers..n_layers)?;
+        let host = host::HostPart::new(&store, &plan, opts, run.cpu_threads)?;
         let io_cfg = planned_reads(&plan, io_cfg);
         let unified = backend.unified();
         let plan_slots = plan.stream_slots;
@@ -311,7 +324,12 @@ impl<B: Backend> Pipeline<B> {
             load::load_kept(&backend, &store, &plan, &io_cfg)?
         };
         let streamed: Vec<usize> = (0..n)
-            .filter(|&u| plan.placement(u) != Placement::Resident)
+            .filter(|&u| {
+                matches!(
+                    plan.placement(u),
+                    Placement::Streamed | Placement::HostCached
+                )
+            })
             .collect();
         let io = IoEngine::new(
             store.clone(),
@@ -329,7 +347,7 @@ impl<B: Backend> Pipeline<B> {
                 ..io_cfg
             },
         )?;
-        let loads = pass_loads(&plan, &resident);
+        let loads = pass_loads(&plan, &resident, |u| plan.placement(u) == Placement::Host);
         let gathered = match resident[0] {
             Some(_) => None,
             None => Some(Gathered::new(
@@ -365,6 +383,7 @@ impl<B: Backend> Pipeline<B> {
             in_slot: vec![None; plan_slots],
             pinned: None,
             partial_uploads: 0,
+            host,
             last: PassStats::default(),
             total: PassStats::default(),
         })
@@ -495,6 +514,9 @@ impl<B: Backend> Pipeline<B> {
 
     fn pass(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), PipelineError> {
         self.model.begin(steps)?;
+        if let Some(h) = &mut self.host {
+            h.model.begin(steps)?;
+        }
         self.moe.begin_pass();
         let t_pass = Instant::now();
         let mut st = PassStats {
@@ -510,6 +532,9 @@ impl<B: Backend> Pipeline<B> {
         for u in 0..n {
             if u == 0 && self.gathered.is_some() {
                 self.embed_gathered(&mut st)?;
+                continue;
+            }
+            if self.on_host(u, &mut st)? {
                 continue;
             }
             // The study of the router lookahead: the next layer's router on the hidden
@@ -585,6 +610,20 @@ impl<B: Backend> Pipeline<B> {
         self.backend.check()?;
         self.account(st, copy0, t_pass);
         Ok(())
+    }
+
+    /// Runs unit `u` on the host CPU where the plan computes it there (`Plan::cpu_layers`);
+    /// false where it runs on the device.
+    fn on_host(&mut self, u: usize, st: &mut PassStats) -> Result<bool, PipelineError> {
+        let Some(h) = self.host.as_mut().filter(|h| h.runs(u)) else {
+            return Ok(false);
+        };
+        if !self.opts.skip_compute {
+            let t0 = Instant::now();
+            h.run(u, &self.backend, &mut self.model)?;
+            st.compute_s += t0.elapsed().as_secs_f64();
+        }
+        Ok(true)
     }
 
     /// A dense layer that streams in pieces (`Plan::pieces`): each piece is fetched as the
@@ -869,46 +908,6 @@ impl<B: Backend> Pipeline<B> {
 
     pub fn options(&self) -> &ModelOptions {
         self.model.options()
-    }
-
-    /// Gives back the memory of `slot`'s KV cache, whose sequence is over
-    /// (`Decoder::discard_slot`). Returns the bytes given back.
-    pub fn discard_slot(&mut self, slot: usize) -> usize {
-        self.model.discard_slot(&self.backend, slot)
-    }
-
-    /// Copies the KV of `positions` from slot `from` (written up to `written`) to slot `to`
-    /// (`Decoder::copy_kv`): a prefix another sequence computed.
-    pub fn copy_kv(
-        &mut self,
-        slots: (usize, usize),
-        positions: std::ops::Range<usize>,
-        written: usize,
-    ) {
-        self.model.copy_kv(&self.backend, slots, positions, written);
-    }
-
-    /// The K and V of `positions` of `slot` on the host (`Decoder::export_kv`).
-    pub fn export_kv(
-        &self,
-        slot: usize,
-        positions: std::ops::Range<usize>,
-        written: usize,
-    ) -> (Vec<bool>, Vec<u8>) {
-        self.model
-            .export_kv(&self.backend, slot, positions, written)
-    }
-
-    /// Writes a block `export_kv` gave back into `slot` (`Decoder::import_kv`).
-    pub fn import_kv(
-        &mut self,
-        slot: usize,
-        positions: std::ops::Range<usize>,
-        block: (&[bool], &[u8]),
-        want: &[bool],
-    ) -> Result<(), ModelError> {
-        self.model
-            .import_kv(&self.backend, slot, positions, block, want)
     }
 
     /// The policies this pipeline runs with.

@@ -1,7 +1,7 @@
 //! What streaming or keeping each unit costs, and the residency search over slot sizes.
 
 use super::{layer_pieces, round, LayerPiece, SparseUnit, ALLOC_ALIGN};
-use crate::model::decoder::{kv_cache_bytes, workspace_bytes};
+use crate::model::decoder::{kv_cache_bytes_of, workspace_bytes};
 use crate::model::ModelOptions;
 use crate::store::format::{Manifest, UnitKind};
 
@@ -269,18 +269,54 @@ pub(super) struct FixedCosts {
     pub raw: Vec<u64>,
     /// KV cache, workspace and the backend's: what a step cannot run without.
     pub device: u64,
+    /// The layers computed on the host CPU: none of their bytes is the device's.
+    pub cpu: CpuPart,
     /// `device` and every unit resident.
     pub all_resident: u64,
+}
+
+/// What the decoder layers computed on the host CPU hold there (`HostInput::cpu_layers`):
+/// the host backend's arena (their weights, their KV cache, a workspace) and its threads'
+/// scratch.
+#[derive(Clone, Copy, Debug, Default)]
+pub(super) struct CpuPart {
+    pub layers: usize,
+    pub weights: u64,
+    pub kv: u64,
+    pub workspace: u64,
+    pub scratch: u64,
+}
+
+impl CpuPart {
+    pub fn total(&self) -> u64 {
+        self.weights + self.kv + self.workspace + self.scratch
+    }
 }
 
 impl FixedCosts {
     pub fn new(m: &Manifest, input: &super::PlanInput) -> Self {
         let a = &m.arch;
-        let kv = 2 * round(kv_cache_bytes(a, &input.opts) / 2);
+        let (n, cpu_layers) = (a.n_layers as usize, input.host.cpu_layers);
+        let on_cpu = |u: usize| (1..=cpu_layers).contains(&u);
+        let kv = 2 * round(kv_cache_bytes_of(a, &input.opts, cpu_layers..n) / 2);
         let workspace = round(workspace_bytes(a, &input.opts));
         let backend = round(input.backend_reserved);
         let self_draft = round(input.self_draft_reserved);
-        let raw: Vec<u64> = m.units.iter().map(|u| round(u.raw_len)).collect();
+        // A unit computed on the host costs the device nothing.
+        let raw: Vec<u64> = (m.units.iter().enumerate())
+            .map(|(u, lu)| if on_cpu(u) { 0 } else { round(lu.raw_len) })
+            .collect();
+        let cpu = if cpu_layers == 0 {
+            CpuPart::default()
+        } else {
+            CpuPart {
+                layers: cpu_layers,
+                weights: (1..=cpu_layers).map(|u| round(m.units[u].raw_len)).sum(),
+                kv: 2 * round(kv_cache_bytes_of(a, &input.opts, 0..cpu_layers) / 2),
+                workspace,
+                scratch: round(input.host.cpu_scratch),
+            }
+        };
         let device = kv + workspace + backend + self_draft;
         FixedCosts {
             kv,
@@ -290,6 +326,7 @@ impl FixedCosts {
             all_resident: device + raw.iter().sum::<u64>(),
             raw,
             device,
+            cpu,
         }
     }
 }

@@ -12,6 +12,9 @@ pub enum PlanError {
     Device(#[from] DeviceBudgetError),
     #[error(transparent)]
     Host(#[from] HostBudgetError),
+    /// A placement that cannot be (`--cpu-layers` past the model, or without a device).
+    #[error("{0}")]
+    Placement(String),
 }
 
 impl PlanError {
@@ -20,6 +23,7 @@ impl PlanError {
         match self {
             PlanError::Device(e) => e.need,
             PlanError::Host(e) => e.need,
+            PlanError::Placement(_) => 0,
         }
     }
 }
@@ -53,7 +57,7 @@ pub struct DeviceBudgetError {
 /// The host budget cannot hold the least plan: every host role with its bytes.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
 #[error(
-    "host budget {} ({budget} bytes) is too small: process overhead {} + read buffers {} + scratch (decoders, compute, logits and samplers) {} + {} {} + staging slots {}{} = {} ({need} bytes) at least; raise --host-memory, or lower --max-context / --max-batch / --draft-max",
+    "host budget {} ({budget} bytes) is too small: process overhead {} + read buffers {} + scratch (decoders, compute, logits and samplers) {} + {} {} + staging slots {}{}{} = {} ({need} bytes) at least; raise --host-memory, or lower --max-context / --max-batch / --draft-max{}",
     fmt_bytes(*budget),
     fmt_bytes(*overhead),
     fmt_bytes(*reads),
@@ -62,7 +66,9 @@ pub struct DeviceBudgetError {
     fmt_bytes(*device),
     fmt_bytes(*staging),
     if *load_transient > 0 { format!(" + loading staging {}", fmt_bytes(*load_transient)) } else { String::new() },
-    fmt_bytes(*need)
+    if *cpu_layers > 0 { format!(" + layers computed on the CPU (weights, KV cache, workspace, scratch) {}", fmt_bytes(*cpu_layers)) } else { String::new() },
+    fmt_bytes(*need),
+    if *cpu_layers > 0 { " / --cpu-layers" } else { "" }
 )]
 pub struct HostBudgetError {
     pub budget: u64,
@@ -73,16 +79,19 @@ pub struct HostBudgetError {
     pub device: u64,
     pub staging: u64,
     pub load_transient: u64,
+    /// The layers computed on the host CPU (`HostInput::cpu_layers`).
+    pub cpu_layers: u64,
     pub need: u64,
     pub unified: bool,
 }
 
 impl HostBudgetError {
     /// The error for `h`'s budget with these roles: reads, scratch, the arena (unified) or
-    /// host cache, staging, loading staging; the need is their sum with the overhead.
+    /// host cache, staging, loading staging, the layers computed on the CPU; the need is
+    /// their sum with the overhead.
     pub(super) fn new(
         h: &HostInput,
-        [reads, scratch, held, staging, load_transient]: [u64; 5],
+        [reads, scratch, held, staging, load_transient, cpu_layers]: [u64; 6],
     ) -> Self {
         HostBudgetError {
             budget: h.budget.unwrap_or(0),
@@ -92,7 +101,8 @@ impl HostBudgetError {
             device: held,
             staging,
             load_transient,
-            need: h.overhead + reads + scratch + held + staging + load_transient,
+            cpu_layers,
+            need: h.overhead + reads + scratch + held + staging + load_transient + cpu_layers,
             unified: h.unified,
         }
     }

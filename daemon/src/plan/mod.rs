@@ -147,6 +147,12 @@ pub struct HostInput {
     pub kv_tier: KvHostTier,
     /// The prefix cache has a disk tier (`--kv-cache-dir`): its write queue is counted.
     pub kv_disk: bool,
+    /// Decoder layers computed on the host CPU from host memory, the first ones
+    /// (`--cpu-layers`, llama.cpp's habit): their weights, KV cache and a workspace are
+    /// host memory, the device holds none of them.
+    pub cpu_layers: usize,
+    /// The host CPU backend's own scratch for those layers (`CpuBackend::scratch_bytes`).
+    pub cpu_scratch: u64,
 }
 
 /// What the prefix cache's host tier may take (`--kv-cache-host`).
@@ -211,6 +217,8 @@ impl Default for HostInput {
             grammars: true,
             kv_tier: KvHostTier::Off,
             kv_disk: false,
+            cpu_layers: 0,
+            cpu_scratch: 0,
         }
     }
 }
@@ -257,6 +265,9 @@ pub struct HostPlan {
     /// Extra bytes held only while resident units load at start (CUDA: the loader's
     /// staging), 0 once running.
     pub load_transient_bytes: u64,
+    /// The layers computed on the host CPU (`HostInput::cpu_layers`): their weights, KV
+    /// cache, workspace and compute scratch.
+    pub cpu_layers_bytes: u64,
     /// The most the plan holds at once: overhead + everything above (the larger of the
     /// loading and the running phase).
     pub total_bytes: u64,
@@ -276,6 +287,8 @@ pub enum Placement {
     Streamed,
     /// Streamed to the device from a decompressed host copy (no disk, no decompression).
     HostCached,
+    /// Computed on the host CPU from host memory (`HostInput::cpu_layers`).
+    Host,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -296,7 +309,15 @@ pub struct UnitPlan {
 #[derive(Clone, Debug, Serialize)]
 pub struct Plan {
     pub device_budget: u64,
+    /// The device's KV cache: its layers' (not those computed on the host).
     pub kv_cache_bytes: u64,
+    /// Decoder layers computed on the host CPU, the first ones (`HostInput::cpu_layers`),
+    /// and what they hold there: weights, KV cache, a workspace (the host backend's arena,
+    /// `cpu_arena_bytes`).
+    pub cpu_layers: usize,
+    pub cpu_weights_bytes: u64,
+    pub cpu_kv_cache_bytes: u64,
+    pub cpu_workspace_bytes: u64,
     pub workspace_bytes: u64,
     /// The backend's own scratch (see PlanInput::backend_reserved).
     pub backend_bytes: u64,
@@ -371,7 +392,15 @@ impl Plan {
     }
 
     pub fn layers_streamed(&self) -> usize {
-        self.units.len() - self.layers_resident()
+        self.units
+            .iter()
+            .filter(|u| matches!(u.placement, Placement::Streamed | Placement::HostCached))
+            .count()
+    }
+
+    /// The host CPU backend's arena for the layers it computes (0 without such layers).
+    pub fn cpu_arena_bytes(&self) -> u64 {
+        self.cpu_weights_bytes + self.cpu_kv_cache_bytes + self.cpu_workspace_bytes
     }
 
     /// Device bytes the plan allocates at most.
@@ -471,6 +500,7 @@ fn plan_with(m: &Manifest, input: &PlanInput) -> Result<Plan, PlanError> {
 fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, PlanError> {
     let h = &input.host;
     warn_past_context(m, &input.opts);
+    check_cpu_layers(m, h)?;
     let fixed = FixedCosts::new(m, input);
     let raw = &fixed.raw;
     // Layers of a mixture that can stream only their routed experts.
@@ -514,7 +544,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     } else {
         split.device_budget
     };
-    let held = host_fixed + staging.bytes + arena;
+    let held = host_fixed + staging.bytes + arena + fixed.cpu.total();
     let cache = HostCache::new(m, input, raw, &split.resident, held, staging.bytes);
     let mut host_total = held + cache.bytes + cache.load_transient;
     if h.budget.is_some_and(|b| host_total > b) {
@@ -526,6 +556,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
             kept,
             staging.bytes,
             cache.load_transient,
+            fixed.cpu.total(),
         ];
         return Err(PlanError::Host(HostBudgetError::new(h, roles)));
     }
@@ -559,6 +590,25 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     );
     assert!(h.budget.is_none_or(|b| host_total <= b));
     Ok(plan)
+}
+
+/// `--cpu-layers` within the model's decoder layers, and beside a discrete device (on the
+/// CPU backend every layer already runs on the host).
+fn check_cpu_layers(m: &Manifest, h: &HostInput) -> Result<(), PlanError> {
+    let n = m.arch.n_layers as usize;
+    if h.cpu_layers > n {
+        return Err(PlanError::Placement(format!(
+            "--cpu-layers {} is more than the model's {n} decoder layers",
+            h.cpu_layers
+        )));
+    }
+    if h.cpu_layers > 0 && h.unified {
+        return Err(PlanError::Placement(format!(
+            "--cpu-layers {}: the CPU backend already computes every layer on the host; give it with a GPU (--backend cuda)",
+            h.cpu_layers
+        )));
+    }
+    Ok(())
 }
 
 fn warn_past_context(m: &Manifest, opts: &ModelOptions) {
@@ -605,6 +655,10 @@ fn assemble(m: &Manifest, h: &HostInput, costs: &UnitCosts, s: Settled) -> Plan 
     Plan {
         device_budget: s.device_budget,
         kv_cache_bytes: fixed.kv,
+        cpu_layers: h.cpu_layers,
+        cpu_weights_bytes: fixed.cpu.weights,
+        cpu_kv_cache_bytes: fixed.cpu.kv,
+        cpu_workspace_bytes: fixed.cpu.workspace,
         workspace_bytes: fixed.workspace,
         backend_bytes: fixed.backend,
         self_draft_bytes: fixed.self_draft,
@@ -654,6 +708,7 @@ fn assemble(m: &Manifest, h: &HostInput, costs: &UnitCosts, s: Settled) -> Plan 
             kv_cache_io_bytes: s.kv_io,
             arena_bytes: s.arena,
             load_transient_bytes: cache.load_transient,
+            cpu_layers_bytes: fixed.cpu.total(),
             total_bytes: s.host_total,
         },
     }
@@ -668,8 +723,11 @@ fn pass_bytes(m: &Manifest, costs: &UnitCosts, s: &Settled) -> (Vec<UnitPlan>, [
     let dense_resident = &s.experts.dense_resident;
     let mut units = Vec::with_capacity(m.units.len());
     let (mut disk, mut host, mut upload) = (0u64, 0u64, 0u64);
+    let on_cpu = |u: usize| (1..=s.fixed.cpu.layers).contains(&u);
     for (u, lu) in m.units.iter().enumerate() {
-        let placement = if resident[u] {
+        let placement = if on_cpu(u) {
+            Placement::Host
+        } else if resident[u] {
             Placement::Resident
         } else if cached[u] {
             Placement::HostCached
@@ -700,7 +758,7 @@ fn pass_bytes(m: &Manifest, costs: &UnitCosts, s: &Settled) -> (Vec<UnitPlan>, [
             (lu.stored_len, lu.raw_len)
         };
         match placement {
-            Placement::Resident => {}
+            Placement::Resident | Placement::Host => {}
             Placement::Streamed => {
                 disk += stored;
                 upload += raw_loaded;

@@ -205,7 +205,14 @@ fn unified_least(si: &SplitInput, fixed: u64, scratch: u64) -> PlanError {
     let kv = si.fixed.kv;
     match (least, h.budget) {
         (Some((arena, staged)), Some(_)) => {
-            let roles = [si.shape.reads, scratch, arena, staged, 0];
+            let roles = [
+                si.shape.reads,
+                scratch,
+                arena,
+                staged,
+                0,
+                si.fixed.cpu.total(),
+            ];
             PlanError::Host(HostBudgetError::new(h, roles))
         }
         _ => least_budget_error(raw, e, dev.unwrap_or(0), kv, fixed - kv, 0),

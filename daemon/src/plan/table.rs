@@ -82,6 +82,7 @@ impl Plan {
                     .count()
             ),
         );
+        self.cpu_lines(&mut s);
         line(&mut s, "prefetch depth", self.prefetch.to_string());
         self.host_lines(&mut s);
         line(
@@ -101,6 +102,25 @@ impl Plan {
         );
         self.unit_runs(&mut s);
         s
+    }
+
+    /// The decoder layers computed on the host CPU, and what they hold there.
+    fn cpu_lines(&self, s: &mut String) {
+        if self.cpu_layers == 0 {
+            return;
+        }
+        line(
+            s,
+            "CPU layers",
+            format!(
+                "{} (decoder layers 0 .. {}) computed on the host: weights {}, KV cache {}, workspace {}",
+                self.cpu_layers,
+                self.cpu_layers - 1,
+                fmt_bytes(self.cpu_weights_bytes),
+                fmt_bytes(self.cpu_kv_cache_bytes),
+                fmt_bytes(self.cpu_workspace_bytes)
+            ),
+        );
     }
 
     /// A mixture's streamed experts: the cache, its hot slots, the resident dense parts.
@@ -205,6 +225,16 @@ impl Plan {
         if h.host_cache_bytes > 0 {
             line(s, "  host cache", fmt_bytes(h.host_cache_bytes));
         }
+        if h.cpu_layers_bytes > 0 {
+            line(
+                s,
+                "  CPU layers",
+                format!(
+                    "{} (with their compute scratch)",
+                    fmt_bytes(h.cpu_layers_bytes)
+                ),
+            );
+        }
         if h.kv_cache_host_bytes > 0 {
             line(
                 s,
@@ -224,9 +254,10 @@ impl Plan {
 
     /// Runs of units with the same placement, e.g. "layers 0-11 resident".
     fn unit_runs(&self, s: &mut String) {
-        let how = |u: &UnitPlan| match u.pieces {
-            0 => format!("{:?}", u.placement),
-            n => format!("{:?} in {n} pieces", u.placement),
+        let how = |u: &UnitPlan| match (u.placement, u.pieces) {
+            (Placement::Host, _) => "computed on the host CPU".to_string(),
+            (p, 0) => format!("{p:?}"),
+            (p, n) => format!("{p:?} in {n} pieces"),
         };
         let mut i = 0;
         while i < self.units.len() {

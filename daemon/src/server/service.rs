@@ -515,6 +515,7 @@ fn layers_of(p: &crate::plan::Plan) -> Vec<pb::LayerPlacement> {
                 Placement::Resident => "resident",
                 Placement::Streamed => "streamed",
                 Placement::HostCached => "host-cached",
+                Placement::Host => "cpu",
             }
             .into(),
             raw_bytes: u.raw_bytes,

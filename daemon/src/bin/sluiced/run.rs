@@ -97,6 +97,11 @@ pub struct RunArgs {
     /// room when that is less).
     #[arg(long, value_parser = parse_size)]
     host_memory: Option<u64>,
+    /// Decoder layers to compute on the host CPU from host memory beside the GPU, the
+    /// first ones (llama.cpp's -ngl counted from the other end): their weights, KV cache
+    /// and workspace take host memory instead of device memory.
+    #[arg(long, default_value = "0")]
+    cpu_layers: usize,
     /// Layers requested ahead of the one computing.
     #[arg(long)]
     prefetch: Option<usize>,
@@ -250,7 +255,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
     // The draft's store is open before the process's overhead is measured (`host_input`):
     // its manifest and index are the process's, counted by neither plan otherwise.
     let draft_store = match a.draft.as_deref() {
-        Some(d) if d != "ngram" => Some(draft_source(d, &store, &tok, a.threads)?),
+        Some(d) if d != "ngram" => Some(draft_source(d, &store, &tok, &a)?),
         _ => None,
     };
     // Each setting given on the command line, the model's default for the rest.
@@ -268,6 +273,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         // The engine's logits and samplers are the plan's (`plan::host::sampling`).
         host: sluice::engine::host_input(a.host_memory, 0),
     };
+    input.host.cpu_layers = a.cpu_layers;
     // Greedy decoding without penalties, biases or JSON takes the argmax of each row in
     // place: the samplers keep no rows of their own.
     input.host.grammars = a.grammar().is_some();
@@ -293,6 +299,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         expert_eviction: a.expert_eviction,
         expert_prediction: a.expert_prediction,
         measure_lookahead: a.measure_expert_prediction,
+        cpu_threads: a.threads,
         ..Default::default()
     };
     on_backend(&chosen, a.threads, &io, run, job)??;
@@ -344,13 +351,16 @@ fn draft_source(
     d: &str,
     store: &Store,
     tok: &Tokenizer,
-    threads: usize,
+    a: &RunArgs,
 ) -> Result<sluice::engine::draft_model::DraftSource> {
     use sluice::engine::{draft_model::DraftSource, self_draft};
+    if a.cpu_layers > 0 {
+        bail!("--cpu-layers with a draft model or a self-draft is not supported yet: give one or the other (--draft ngram works)");
+    }
     Ok(match self_draft::parse(d) {
         Some(t) => {
             let t = t.map_err(anyhow::Error::msg)?;
-            DraftSource::SelfDraft(crate::util::self_draft_store(store, t, threads)?)
+            DraftSource::SelfDraft(crate::util::self_draft_store(store, t, a.threads)?)
         }
         None => DraftSource::Model(draft_store(d, tok)?),
     })
