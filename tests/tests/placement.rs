@@ -7,7 +7,7 @@
 //! read back), on every architecture. Then the same through the pipeline
 //! (`HostInput::cpu_layers`): the plan puts the first layers on the host, out of the
 //! device's budget and into the host's, and the pipeline's outputs are one device's, its
-//! units resident or streamed, each backend within its budget.
+//! units resident or streamed, two sequences and eight, each backend within its budget.
 
 use sluice::backend::cpu::CpuBackend;
 use sluice::backend::{Backend, KvDtype};
@@ -175,7 +175,7 @@ fn layers_on_the_host_give_the_logits_of_one_backend_on_every_architecture() {
 
 const OPTS: ModelOptions = ModelOptions {
     max_context: 64,
-    kv_slots: 2,
+    kv_slots: 8,
     max_batch_tokens: 64,
     kv_dtype: KvDtype::F32,
     exact: true,
@@ -205,6 +205,39 @@ fn runner(s: &Arc<Store>, budget: Option<u64>, cpu_layers: usize) -> Pipeline<Cp
     cpu_runner_discrete(s.clone(), &input(s, budget, cpu_layers), 2, io, run).unwrap()
 }
 
+/// The logits' bits of eight sequences prefilled in one step (prompts of 1 to 15 tokens),
+/// then decoding three steps together.
+fn batch_of_eight(r: &mut Pipeline<CpuBackend>, vocab: u32) -> Vec<u32> {
+    let mut logits = Vec::new();
+    let mut bits = Vec::new();
+    let lens: Vec<usize> = (0..8).map(|i| 1 + 2 * i).collect();
+    let prompt: Vec<SeqStep> = (0..8)
+        .map(|i| SeqStep {
+            slot: i,
+            pos: 0,
+            tokens: (0..lens[i] as u32)
+                .map(|t| (t * 29 + i as u32 * 7 + 1) % vocab)
+                .collect(),
+            ..Default::default()
+        })
+        .collect();
+    r.step(&prompt, &mut logits).unwrap();
+    bits.extend(logits.iter().map(|f| f.to_bits()));
+    for k in 0..3 {
+        let decode: Vec<SeqStep> = (0..8)
+            .map(|i| SeqStep {
+                slot: i,
+                pos: lens[i] + k,
+                tokens: vec![(k as u32 * 11 + i as u32 * 3 + 2) % vocab],
+                ..Default::default()
+            })
+            .collect();
+        r.step(&decode, &mut logits).unwrap();
+        bits.extend(logits.iter().map(|f| f.to_bits()));
+    }
+    bits
+}
+
 #[test]
 fn the_pipeline_computes_the_first_layers_on_the_host_with_the_outputs_of_one_device() {
     let tmp = tempfile::tempdir().unwrap();
@@ -222,7 +255,10 @@ fn the_pipeline_computes_the_first_layers_on_the_host_with_the_outputs_of_one_de
         let s = pack_store(&fixture(name), &tmp.path().join(name), "zstd:1", 64 << 10);
         let (vocab, n_layers) = (s.manifest().arch.vocab, s.manifest().arch.n_layers as usize);
         let free = plan(s.manifest(), &input(&s, None, 0)).unwrap();
-        let want = outputs(&mut runner(&s, None, 0), vocab);
+        let want = {
+            let mut r = runner(&s, None, 0);
+            (outputs(&mut r, vocab), batch_of_eight(&mut r, vocab))
+        };
         for cpu_layers in [1, n_layers] {
             let p = plan(s.manifest(), &input(&s, None, cpu_layers)).unwrap();
             // The host layers leave the device: their weights and their KV.
@@ -256,7 +292,7 @@ fn the_pipeline_computes_the_first_layers_on_the_host_with_the_outputs_of_one_de
                     assert!(r.plan.layers_streamed() > 0, "{name}: nothing streams");
                     streamed_runs += 1;
                 }
-                let got = outputs(&mut r, vocab);
+                let got = (outputs(&mut r, vocab), batch_of_eight(&mut r, vocab));
                 assert!(
                     got == want,
                     "{name}: {cpu_layers} layers on the host, budget {budget:?}: outputs differ"
