@@ -17,6 +17,8 @@ pub(super) struct HostPart {
     pub(super) model: Decoder<CpuBackend>,
     /// Per unit, its weights where the host computes it.
     weights: Vec<Option<CpuMem>>,
+    /// The units it computes: decoder layers 0 .. cpu_layers (units 1 ..= cpu_layers).
+    units: std::ops::RangeInclusive<usize>,
     /// The hidden state on its way across (f32, and its bytes).
     across: Vec<f32>,
     bytes: Vec<u8>,
@@ -72,6 +74,7 @@ impl HostPart {
             backend,
             model,
             weights,
+            units: 1..=plan.cpu_layers,
             across: Vec::new(),
             bytes: Vec::new(),
         }))
@@ -79,12 +82,7 @@ impl HostPart {
 
     /// Whether unit `u` runs here.
     pub(super) fn runs(&self, u: usize) -> bool {
-        self.weights.get(u).is_some_and(Option::is_some)
-    }
-
-    /// The last unit that runs here.
-    fn last(&self) -> usize {
-        self.weights.iter().rposition(Option::is_some).unwrap_or(0)
+        self.units.contains(&u)
     }
 
     /// Runs unit `u` here: the hidden state comes over from `device` before the first
@@ -95,7 +93,7 @@ impl HostPart {
         device: &B,
         dev_model: &mut Decoder<B>,
     ) -> Result<(), PipelineError> {
-        if self.weights.iter().position(Option::is_some) == Some(u) {
+        if u == *self.units.start() {
             let (x, n) = dev_model.hidden();
             self.across.resize(n, 0.0);
             device.download_f32(x, 0, &mut self.across);
@@ -104,7 +102,7 @@ impl HostPart {
         }
         let w = self.weights[u].as_ref().expect("a unit the host runs");
         self.model.forward_unit(&self.backend, u, w, None);
-        if u == self.last() {
+        if u == *self.units.end() {
             let (x, n) = self.model.hidden();
             self.across.resize(n, 0.0);
             self.backend.download_f32(x, 0, &mut self.across);

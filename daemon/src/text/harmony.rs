@@ -74,9 +74,53 @@ impl Parse for HarmonyParser {
         &mut self.buf
     }
 
-    /// A marker cut between pieces waits for the next.
+    /// One step over the buffer; false when it needs more text.
     fn step(&mut self, out: &mut Vec<ToolEvent>) -> bool {
-        self.advance(out)
+        match self.state.clone() {
+            State::Raw => {
+                let t = std::mem::take(&mut self.buf);
+                self.emit(Body::Content, t, out);
+                false
+            }
+            State::Header => {
+                // A header is judged by itself, whether the text came whole or in pieces:
+                // the bytes up to `<|message|>`, or all there are so far.
+                let at = self.buf.find(MESSAGE);
+                if !could_be_header(&self.buf[..at.unwrap_or(self.buf.len())], at.is_some()) {
+                    self.state = State::Raw;
+                    return true;
+                }
+                let Some(at) = at else { return false };
+                let header: String = self.buf.drain(..at + MESSAGE.len()).collect();
+                let body = self.body_of(&header[..at]);
+                if let Body::Call(index) = body {
+                    let name = recipient(&header[..at])
+                        .map(|r| r.strip_prefix("functions.").unwrap_or(r).to_string())
+                        .unwrap_or_default();
+                    out.push(ToolEvent::Call {
+                        index,
+                        id: call_id(false),
+                        name,
+                    });
+                }
+                self.state = State::Body(body);
+                true
+            }
+            State::Body(b) => {
+                if let Some(at) = self.buf.find(END) {
+                    let text: String = self.buf.drain(..at).collect();
+                    self.buf.drain(..END.len());
+                    self.emit(b, text, out);
+                    self.state = State::Header;
+                    return true;
+                }
+                // Keep back what may be the start of `<|end|>`.
+                let keep = held_back(&self.buf, END);
+                let text: String = self.buf.drain(..self.buf.len() - keep).collect();
+                self.emit(b, text, out);
+                false
+            }
+        }
     }
 
     /// A body's last bytes (a header cut short is dropped).
@@ -142,55 +186,6 @@ impl HarmonyParser {
             Body::Content => ToolEvent::Text(text),
             Body::Call(index) => ToolEvent::Args { index, text },
         });
-    }
-
-    /// One step over the buffer; false when it needs more text.
-    fn advance(&mut self, out: &mut Vec<ToolEvent>) -> bool {
-        match self.state.clone() {
-            State::Raw => {
-                let t = std::mem::take(&mut self.buf);
-                self.emit(Body::Content, t, out);
-                false
-            }
-            State::Header => {
-                // A header is judged by itself, whether the text came whole or in pieces:
-                // the bytes up to `<|message|>`, or all there are so far.
-                let at = self.buf.find(MESSAGE);
-                if !could_be_header(&self.buf[..at.unwrap_or(self.buf.len())], at.is_some()) {
-                    self.state = State::Raw;
-                    return true;
-                }
-                let Some(at) = at else { return false };
-                let header: String = self.buf.drain(..at + MESSAGE.len()).collect();
-                let body = self.body_of(&header[..at]);
-                if let Body::Call(index) = body {
-                    let name = recipient(&header[..at])
-                        .map(|r| r.strip_prefix("functions.").unwrap_or(r).to_string())
-                        .unwrap_or_default();
-                    out.push(ToolEvent::Call {
-                        index,
-                        id: call_id(false),
-                        name,
-                    });
-                }
-                self.state = State::Body(body);
-                true
-            }
-            State::Body(b) => {
-                if let Some(at) = self.buf.find(END) {
-                    let text: String = self.buf.drain(..at).collect();
-                    self.buf.drain(..END.len());
-                    self.emit(b, text, out);
-                    self.state = State::Header;
-                    return true;
-                }
-                // Keep back what may be the start of `<|end|>`.
-                let keep = held_back(&self.buf, END);
-                let text: String = self.buf.drain(..self.buf.len() - keep).collect();
-                self.emit(b, text, out);
-                false
-            }
-        }
     }
 
     /// Whose the body after `header` is (a call is counted here).

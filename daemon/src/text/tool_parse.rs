@@ -79,52 +79,8 @@ impl Parse for LayoutParser {
         &mut self.buf
     }
 
-    fn step(&mut self, out: &mut Vec<ToolEvent>) -> bool {
-        self.advance(out)
-    }
-
-    /// Bytes of arguments cut short are the call's; text before any call is content.
-    fn rest(&mut self, rest: String, out: &mut Vec<ToolEvent>) {
-        match self.state {
-            State::Args => out.push(ToolEvent::Args {
-                index: self.calls - 1,
-                text: rest,
-            }),
-            _ if self.calls == 0 => out.push(ToolEvent::Text(rest)),
-            _ => {}
-        }
-    }
-
-    fn calls(&self) -> usize {
-        self.calls
-    }
-}
-
-impl LayoutParser {
-    /// A parser for texts planned with `forced` (the calls from the first byte) or not.
-    pub fn new(format: ToolFormat, parallel: bool, forced: bool) -> LayoutParser {
-        let layout = format.layout();
-        let state = if forced {
-            State::Lit(
-                format!("{}{}", layout.open, layout.head),
-                Box::new(State::Name),
-            )
-        } else {
-            State::Content
-        };
-        LayoutParser {
-            layout,
-            format,
-            parallel,
-            state,
-            buf: String::new(),
-            calls: 0,
-            scan: JsonScan::default(),
-        }
-    }
-
     /// One step over the buffer; false when it needs more text.
-    fn advance(&mut self, out: &mut Vec<ToolEvent>) -> bool {
+    fn step(&mut self, out: &mut Vec<ToolEvent>) -> bool {
         match std::mem::replace(&mut self.state, State::Raw) {
             State::Content => self.content(out),
             State::Raw => {
@@ -186,6 +142,46 @@ impl LayoutParser {
                 }
             }
             State::Between => self.between(),
+        }
+    }
+
+    /// Bytes of arguments cut short are the call's; text before any call is content.
+    fn rest(&mut self, rest: String, out: &mut Vec<ToolEvent>) {
+        match self.state {
+            State::Args => out.push(ToolEvent::Args {
+                index: self.calls - 1,
+                text: rest,
+            }),
+            _ if self.calls == 0 => out.push(ToolEvent::Text(rest)),
+            _ => {}
+        }
+    }
+
+    fn calls(&self) -> usize {
+        self.calls
+    }
+}
+
+impl LayoutParser {
+    /// A parser for texts planned with `forced` (the calls from the first byte) or not.
+    pub fn new(format: ToolFormat, parallel: bool, forced: bool) -> LayoutParser {
+        let layout = format.layout();
+        let state = if forced {
+            State::Lit(
+                format!("{}{}", layout.open, layout.head),
+                Box::new(State::Name),
+            )
+        } else {
+            State::Content
+        };
+        LayoutParser {
+            layout,
+            format,
+            parallel,
+            state,
+            buf: String::new(),
+            calls: 0,
+            scan: JsonScan::default(),
         }
     }
 
