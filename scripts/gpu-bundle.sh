@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --release --workspace
-test_bin=$(cargo test --release -p sluice-tests --test cuda --no-run --message-format=json 2>/dev/null |
+test_bin=$(cargo test --release --workspace --test cuda --no-run --message-format=json 2>/dev/null |
   python3 -c 'import json,sys
 for l in sys.stdin:
     m = json.loads(l)

@@ -14,6 +14,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export SLUICE_SLURM_TEST=${SLUICE_SLURM_TEST:-1}
+# A fresh build gains nothing from incremental caches, and they take ~1.5 GB of target/
+# (CI's disk is small); a developer's own `CARGO_INCREMENTAL=1` keeps them.
+export CARGO_INCREMENTAL=${CARGO_INCREMENTAL:-0}
 scripts/test-deps.sh
 export SLUICE_SMOLLM2_GGUF="$(scripts/fetch-model.sh)"
 export SLUICE_GEMMA3_GGUF="$(scripts/fetch-model.sh gemma3-270m)"
@@ -74,15 +77,16 @@ privileged() { # name, probe, cargo test arguments...
          return
        fi ;;
   esac
-  cargo test --release -p sluice-tests "$@" -- --ignored || failed+=("-p sluice-tests $* -- --ignored ($name)")
+  # --workspace: the features the main run resolved, so nothing is built a second time.
+  cargo test --release --workspace "$@" -- --ignored || failed+=("--workspace $* -- --ignored ($name)")
 }
 privileged "the memory cgroup test" can_cgroup --test memlimit
 privileged "the full-disk test" can_unshare --test faults
 
 # The Slurm test starts a one-machine cluster as root (scripts/slurm-local.sh).
 if [ "$SLUICE_SLURM_TEST" = 1 ]; then
-  cargo test --release -p sluice-tests --test slurm -- --ignored --nocapture ||
-    failed+=("-p sluice-tests --test slurm (the Slurm cluster test)")
+  cargo test --release --workspace --test slurm -- --ignored --nocapture ||
+    failed+=("--workspace --test slurm (the Slurm cluster test)")
 else
   echo "test: the Slurm cluster test was left out (SLUICE_SLURM_TEST=$SLUICE_SLURM_TEST)" >&2
 fi

@@ -4,6 +4,7 @@
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+pub mod engine;
 pub mod ops;
 pub mod source;
 

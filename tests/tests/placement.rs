@@ -7,16 +7,23 @@
 //! read back), on every architecture. Then the same through the pipeline
 //! (`HostInput::cpu_layers`): the plan puts the first layers on the host, out of the
 //! device's budget and into the host's, and the pipeline's outputs are one device's, its
-//! units resident or streamed, two sequences and eight, each backend within its budget.
+//! units resident or streamed, two sequences and eight, each backend within its budget;
+//! and the scheduler serving on such a pipeline (prefix cache and its host tier, token
+//! trees, the experts' counts) gives what it gives on one device.
 
 use sluice::backend::cpu::CpuBackend;
 use sluice::backend::{Backend, KvDtype};
 use sluice::engine::cpu_runner_discrete;
+use sluice::engine::draft::{DraftConfig, DraftKind};
+use sluice::engine::kv_tiers::TierConfig;
+use sluice::engine::scheduler::{Scheduler, SchedulerConfig};
 use sluice::io::IoConfig;
 use sluice::model::{Decoder, ModelOptions, SeqStep};
 use sluice::pipeline::Pipeline;
 use sluice::plan::{plan, Placement, PlanInput};
 use sluice::store::Store;
+use sluice::text::Tokenizer;
+use sluice_tests::engine::*;
 use sluice_tests::*;
 use std::sync::Arc;
 
@@ -183,15 +190,28 @@ const OPTS: ModelOptions = ModelOptions {
 };
 
 fn input(s: &Store, budget: Option<u64>, cpu_layers: usize) -> PlanInput {
-    let mut i = plan_input(OPTS);
+    input_with(s, budget, cpu_layers, OPTS)
+}
+
+fn input_with(s: &Store, budget: Option<u64>, cpu_layers: usize, opts: ModelOptions) -> PlanInput {
+    let mut i = plan_input(opts);
     i.device_budget = budget;
     i.prefetch = Some(3);
     i.host.cpu_layers = cpu_layers;
-    i.host.cpu_scratch = CpuBackend::scratch_bytes(&OPTS.scratch_shape(&s.manifest().arch), 2);
+    i.host.cpu_scratch = CpuBackend::scratch_bytes(&opts.scratch_shape(&s.manifest().arch), 2);
     i
 }
 
 fn runner(s: &Arc<Store>, budget: Option<u64>, cpu_layers: usize) -> Pipeline<CpuBackend> {
+    runner_with(s, budget, cpu_layers, OPTS)
+}
+
+fn runner_with(
+    s: &Arc<Store>,
+    budget: Option<u64>,
+    cpu_layers: usize,
+    opts: ModelOptions,
+) -> Pipeline<CpuBackend> {
     let io = IoConfig {
         queue_depth: 8,
         read_buffers: 8,
@@ -202,7 +222,14 @@ fn runner(s: &Arc<Store>, budget: Option<u64>, cpu_layers: usize) -> Pipeline<Cp
         cpu_threads: 2,
         ..Default::default()
     };
-    cpu_runner_discrete(s.clone(), &input(s, budget, cpu_layers), 2, io, run).unwrap()
+    cpu_runner_discrete(
+        s.clone(),
+        &input_with(s, budget, cpu_layers, opts),
+        2,
+        io,
+        run,
+    )
+    .unwrap()
 }
 
 /// The logits' bits of eight sequences prefilled in one step (prompts of 1 to 15 tokens),
@@ -313,6 +340,82 @@ fn the_pipeline_computes_the_first_layers_on_the_host_with_the_outputs_of_one_de
     }
     // Streamed as well as resident, with layers on the host, on most architectures.
     assert!(streamed_runs >= 6, "{streamed_runs} streamed runs");
+}
+
+/// What a scheduler serving `r` gives (the daemon's engine, as `sluiced serve` runs it):
+/// a conversation's turns, each prompt the last one, its answer and a new message, with
+/// another request between turns that takes a slot, so the next turn finds its prefix in
+/// a slot or in the host tier; each request decoded `how`. Per request its tokens and the
+/// prompt tokens it took from the cache, then the tokens routed to each expert.
+/// Per request its tokens and cached prompt tokens; the tokens routed to each expert.
+type Served = (Vec<(Vec<u32>, usize)>, Vec<Vec<u64>>);
+
+fn served(r: Pipeline<CpuBackend>, how: Decoding) -> Served {
+    let tok = Arc::new(Tokenizer::from_manifest(r.store.manifest()).unwrap());
+    let cfg = SchedulerConfig {
+        queue_max: 8,
+        prefix_cache: true,
+        kv_tiers: TierConfig {
+            host_bytes: 16 << 20,
+            disk: None,
+        },
+    };
+    let (s, engine) = Scheduler::start(r, None, tok, cfg);
+    let mut out = Vec::new();
+    let mut prompt: Vec<u32> = (0..40).map(|i| 3 + (i * 37) % 250).collect();
+    for turn in 0..4u32 {
+        let (answer, cached) = collect(submit(&s, &prompt, 6, how));
+        prompt.extend_from_slice(&answer);
+        prompt.extend((0..5).map(|i| 100 + 7 * turn + i));
+        out.push((answer, cached));
+        let other: Vec<u32> = (0..30).map(|i| 200 - i - turn).collect();
+        out.push(collect(submit(&s, &other, 3, how)));
+    }
+    s.shutdown(std::time::Duration::from_secs(60));
+    engine.join().unwrap();
+    (out, s.status().expert_tokens)
+}
+
+#[test]
+fn the_scheduler_serves_with_layers_on_the_host_as_with_one_device() {
+    // What `sluiced serve --cpu-layers` runs: the prefix cache (reuse in place, copies
+    // across slots, blocks out to the host tier and back across both parts), ngram token
+    // trees verified in one pass, and the experts' counts the status reports, each the
+    // same as one device's.
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = ModelOptions {
+        max_context: 128,
+        kv_slots: 2,
+        max_batch_tokens: 64,
+        kv_dtype: KvDtype::F16,
+        exact: false,
+        verify_rows: 16,
+    };
+    let trees = Decoding {
+        draft: Some(DraftConfig {
+            kind: DraftKind::Ngram,
+            max: 6,
+            fixed: true,
+            branches: 2,
+        }),
+        ..greedy()
+    };
+    for name in ["tiny-llama", "tiny-gemma3", "tiny-qwen3moe-mixed"] {
+        let s = pack_store(&fixture(name), &tmp.path().join(name), "zstd:1", 64 << 10);
+        for how in [greedy(), trees] {
+            let one = served(runner_with(&s, None, 0, opts), how);
+            let split = served(runner_with(&s, None, 1, opts), how);
+            assert_eq!(split.0, one.0, "{name}: tokens and cached tokens");
+            assert!(
+                one.0.iter().skip(2).step_by(2).all(|o| o.1 >= 32),
+                "{name}: the conversation's prefix was not reused: {:?}",
+                one.0
+            );
+            assert_eq!(split.1, one.1, "{name}: tokens routed to each expert");
+            let routed: u64 = split.1.iter().flatten().sum();
+            assert_eq!(routed > 0, name.contains("moe"), "{name}: {routed} routed");
+        }
+    }
 }
 
 #[test]

@@ -8,15 +8,14 @@
 
 use sluice::backend::cpu::CpuBackend;
 use sluice::engine::draft::{DraftConfig, DraftKind};
-use sluice::engine::scheduler::{Event, Finish, Request, Scheduler, SchedulerConfig};
-use sluice::engine::sequence::GenerateParams;
+use sluice::engine::scheduler::{Scheduler, SchedulerConfig};
 use sluice::model::{ModelOptions, SeqStep};
 use sluice::pipeline::Pipeline;
 use sluice::text::{SamplingParams, Tokenizer};
+use sluice_tests::engine::*;
 use sluice_tests::*;
 use std::path::Path;
 use std::sync::Arc;
-use tokio::sync::mpsc::{unbounded_channel, UnboundedReceiver};
 
 /// A runner on a tiny model: a context of 128, `batch_tokens` a pass (a window of 8 keeps
 /// a ring of 8 + batch_tokens - 1 positions).
@@ -128,66 +127,6 @@ fn a_prefill_after_a_reused_prefix_has_the_bits_of_the_whole_prefill_on_every_ar
             } else {
                 assert!(ring, "{what}: a full-attention model always resumes");
             }
-        }
-    }
-}
-
-/// How the requests of a run sample and draft.
-#[derive(Clone, Copy)]
-struct Decoding {
-    sampling: SamplingParams,
-    draft: Option<DraftConfig>,
-}
-
-fn greedy() -> Decoding {
-    Decoding {
-        sampling: SamplingParams::default(),
-        draft: None,
-    }
-}
-
-/// `max_tokens` tokens decoded `how`, whatever the model ends with.
-fn params(max_tokens: usize, how: Decoding) -> GenerateParams {
-    GenerateParams {
-        max_tokens,
-        sampling: how.sampling,
-        stop: Vec::new(),
-        ignore_eos: true,
-        logprobs: None,
-        logit_bias: Vec::new(),
-        format: Default::default(),
-        draft: how.draft,
-        markers: false,
-    }
-}
-
-fn submit(
-    s: &Scheduler,
-    prompt: &[u32],
-    max_tokens: usize,
-    how: Decoding,
-) -> UnboundedReceiver<Event> {
-    let (events, rx) = unbounded_channel();
-    s.submit(Request {
-        prompt_ids: prompt.to_vec(),
-        params: params(max_tokens, how),
-        events,
-    })
-    .unwrap();
-    rx
-}
-
-/// A request's generated tokens and the prompt tokens it took from the cache.
-fn collect(mut rx: UnboundedReceiver<Event>) -> (Vec<u32>, usize) {
-    loop {
-        match rx.blocking_recv() {
-            Some(Event::Done(d)) => {
-                assert_eq!(d.finish, Finish::Length);
-                return (d.generated_token_ids, d.cached_tokens);
-            }
-            Some(Event::Failed { message, .. }) => panic!("{message}"),
-            Some(Event::Piece { .. }) => {}
-            None => panic!("the engine went away"),
         }
     }
 }

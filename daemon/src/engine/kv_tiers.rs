@@ -392,7 +392,7 @@ impl Tiers {
                     .filter(|(l, _)| l.window.is_some())
                     .map(|(l, &f)| f * BLOCK_TOKENS + l.cap)
                     .fold(p, usize::max);
-                (whole && runner.model.can_resume(p, written)).then_some((k, written, first))
+                (whole && runner.can_resume(p, written)).then_some((k, written, first))
             })
     }
 

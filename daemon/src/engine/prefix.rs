@@ -151,7 +151,7 @@ impl PrefixCache {
     /// (0 where not).
     fn usable<B: Backend>(runner: &Pipeline<B>, prompt: &[u32], src: &Source<'_>) -> usize {
         let n = common(prompt, &src.text, src.valid).min(prompt.len() - 1);
-        if n > 0 && runner.model.can_resume(n, src.written) {
+        if n > 0 && runner.can_resume(n, src.written) {
             n
         } else {
             0
@@ -329,7 +329,7 @@ impl PrefixCache {
         }
         self.kept[slot] = (n > 0).then(|| Kept {
             tokens,
-            bytes: runner.model.kv_bytes(n),
+            bytes: runner.kv_bytes(n),
             written: seq.written(),
             at: self.clock,
         });

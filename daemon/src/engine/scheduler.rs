@@ -287,7 +287,11 @@ impl Scheduler {
             deadline: Arc::new(Mutex::new(None)),
             // The experts' layout from the start (zero counts), before any step publishes.
             status: Arc::new(Mutex::new(Status {
-                expert_tokens: runner.model.expert_tokens().to_vec(),
+                expert_tokens: {
+                    let mut t = Vec::new();
+                    runner.expert_tokens_into(&mut t);
+                    t
+                },
                 ..Status::default()
             })),
             pools: runner.io().pool_gauge(),
@@ -670,14 +674,7 @@ impl Scheduler {
         s.device_bytes_peak = runner.backend.budget().peak();
         s.stages = st;
         // In place: the same shape every step, so nothing is allocated after the first.
-        let routed = runner.model.expert_tokens();
-        if s.expert_tokens.len() == routed.len() {
-            for (d, x) in s.expert_tokens.iter_mut().zip(routed) {
-                d.clone_from(x);
-            }
-        } else {
-            s.expert_tokens = routed.to_vec();
-        }
+        runner.expert_tokens_into(&mut s.expert_tokens);
         s.totals = t.clone();
         s.io = io;
         s.speculative = *spec;

@@ -4,7 +4,7 @@
 //! the step's hidden state crosses where the place changes — after the embedding to the
 //! host, after the last host layer back to the device. Every other unit runs as planned.
 
-use super::PipelineError;
+use super::{Pipeline, PipelineError};
 use crate::backend::cpu::{CpuBackend, CpuMem};
 use crate::backend::Backend;
 use crate::io::IoError;
@@ -110,6 +110,28 @@ impl HostPart {
             device.upload(dev_model.hidden_mut(), &self.bytes)?;
         }
         Ok(())
+    }
+}
+
+impl<B: Backend> Pipeline<B> {
+    /// Tokens routed to each expert of each layer so far, into `out` (its room kept from
+    /// step to step): each part counts its own layers (`Decoder::expert_tokens`, zeros
+    /// elsewhere), so their sum is the model's.
+    pub fn expert_tokens_into(&self, out: &mut Vec<Vec<u64>>) {
+        let dev = self.model.expert_tokens();
+        if out.len() != dev.len() || out.iter().zip(dev).any(|(o, d)| o.len() != d.len()) {
+            *out = dev.to_vec();
+        } else {
+            for (o, d) in out.iter_mut().zip(dev) {
+                o.copy_from_slice(d);
+            }
+        }
+        let Some(h) = &self.host else { return };
+        for (o, x) in out.iter_mut().zip(h.model.expert_tokens()) {
+            for (o, x) in o.iter_mut().zip(x) {
+                *o += x;
+            }
+        }
     }
 }
 

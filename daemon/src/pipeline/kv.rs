@@ -8,6 +8,21 @@ use crate::backend::Backend;
 use crate::model::ModelError;
 
 impl<B: Backend> Pipeline<B> {
+    /// Whether a query at `pos` of a slot written up to `written` sees all it attends to,
+    /// in every part's layers (`Decoder::can_resume`: a ring may have moved past it).
+    pub fn can_resume(&self, pos: usize, written: usize) -> bool {
+        self.host
+            .as_ref()
+            .is_none_or(|h| h.model.can_resume(pos, written))
+            && self.model.can_resume(pos, written)
+    }
+
+    /// Bytes of KV cache the first `n` positions of a slot take, every part's layers
+    /// (`Decoder::kv_bytes`).
+    pub fn kv_bytes(&self, n: usize) -> u64 {
+        self.host.as_ref().map_or(0, |h| h.model.kv_bytes(n)) + self.model.kv_bytes(n)
+    }
+
     /// Gives back the memory of `slot`'s KV cache, whose sequence is over
     /// (`Decoder::discard_slot`). Returns the bytes given back.
     pub fn discard_slot(&mut self, slot: usize) -> usize {

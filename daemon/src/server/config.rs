@@ -49,6 +49,9 @@ pub struct ServeConfig {
     /// Memory the whole daemon may use on the host, e.g. "16GiB" (on the CPU backend the
     /// arena too); unset: 80% of MemAvailable or of the memory cgroup's room.
     pub host_memory: Option<ByteSize>,
+    /// Decoder layers computed on the host CPU from host memory beside the GPU, the first
+    /// ones (llama.cpp's -ngl counted from the other end); 0: none.
+    pub cpu_layers: usize,
     /// The reference numerics (f32 activations, f32 KV cache).
     pub exact: bool,
     /// KV cache element type, "f16" or "f32" (unset: f16, f32 when exact).
@@ -126,6 +129,7 @@ impl Default for ServeConfig {
             device_memory: None,
             host_cache: ByteSize(0),
             host_memory: None,
+            cpu_layers: 0,
             exact: false,
             kv_dtype: None,
             max_batch: 8,

@@ -86,6 +86,11 @@ pub struct ServeArgs {
     /// 80% of MemAvailable (or of the memory cgroup's room when that is less).
     #[arg(long, value_parser = parse_byte_size)]
     pub host_memory: Option<ByteSize>,
+    /// Decoder layers to compute on the host CPU from host memory beside the GPU, the
+    /// first ones (llama.cpp's -ngl counted from the other end): their weights, KV cache
+    /// and workspace take host memory instead of device memory (default 0).
+    #[arg(long)]
+    pub cpu_layers: Option<usize>,
     /// Sequences in one pass over the weights, i.e. KV-cache slots (default 8).
     #[arg(long)]
     pub max_batch: Option<usize>,
@@ -201,6 +206,7 @@ impl ServeArgs {
             max_batch,
             max_context,
             batch_tokens,
+            cpu_layers,
             queue_max,
             threads,
             shutdown_grace_s,
@@ -406,6 +412,7 @@ impl ModelLoader {
                     false => sluice::plan::KvHostTier::Off,
                 },
                 kv_disk: cfg.prefix_cache && cfg.kv_cache_dir.is_some(),
+                cpu_layers: cfg.cpu_layers,
                 ..sluice::engine::host_input(cfg.host_memory.map(|b| b.0), 0)
             },
         }
@@ -439,6 +446,9 @@ impl ModelLoader {
         let Some(d) = chosen.as_deref().filter(|d| *d != "ngram") else {
             return Ok((config, None));
         };
+        if cfg.cpu_layers > 0 {
+            bail!("draft {d} with --cpu-layers {} is not supported yet: give one or the other (--draft ngram works)", cfg.cpu_layers);
+        }
         if let Some(t) = sluice::engine::self_draft::parse(d) {
             let t = t.map_err(anyhow::Error::msg)?;
             let q = crate::util::self_draft_store(store, t, cfg.threads)?;
