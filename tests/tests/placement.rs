@@ -419,6 +419,91 @@ fn the_scheduler_serves_with_layers_on_the_host_as_with_one_device() {
 }
 
 #[test]
+fn placement_auto_measures_rates_and_predicts_every_placement_it_measures() {
+    // `sluiced bench-placement`'s library on the emulated device: the rates from passes
+    // of the model, then every placement at one row and at four, predicted and measured,
+    // one chosen at each row count. The figures themselves are the benchmark's to report
+    // (a shared machine's timings are not a test's); here they must be sane.
+    let tmp = tempfile::tempdir().unwrap();
+    let s = pack_store(
+        &fixture("tiny-llama"),
+        &tmp.path().join("l"),
+        "zstd:1",
+        64 << 10,
+    );
+    let n = s.manifest().arch.n_layers as usize;
+    let least = plan(s.manifest(), &input(&s, Some(4096), 0))
+        .unwrap_err()
+        .need();
+    let i = input(&s, Some(least), 0);
+    let io = small_io();
+    let run = sluice::pipeline::PipelineOptions {
+        cpu_threads: 2,
+        ..Default::default()
+    };
+    let make = |i: &PlanInput| cpu_runner_discrete(s.clone(), i, 2, io.clone(), run);
+    let r = sluice::engine::placement::bench(&make, s.manifest(), &i, &[1, 4], n, 2).unwrap();
+    let positive = |x: f64| x.is_finite() && x > 0.0;
+    let rates = &r.rates;
+    assert!(positive(rates.stream_bytes_per_s), "{rates:?}");
+    for c in [rates.device, rates.cpu] {
+        assert!(
+            positive(c.weight_bytes_per_s) && positive(c.row_bytes_per_s),
+            "{rates:?}"
+        );
+    }
+    assert_eq!(
+        r.runs.len(),
+        2 * (n + 1),
+        "every placement at both row counts"
+    );
+    for rows in [1, 4] {
+        let at: Vec<_> = r.runs.iter().filter(|m| m.rows == rows).collect();
+        assert_eq!(at.iter().filter(|m| m.chosen).count(), 1, "{at:?}");
+        let layers: Vec<usize> = at.iter().map(|m| m.predicted.cpu_layers).collect();
+        assert_eq!(layers, (0..=n).collect::<Vec<_>>());
+        for m in at {
+            assert!(positive(m.measured_pass_s) && positive(m.ratio), "{m:?}");
+            // The whole model streams with none on the host, nothing with all of it.
+            let p = &m.predicted;
+            assert_eq!(p.cpu_s == 0.0, p.cpu_layers == 0, "{m:?}");
+            assert!(p.pass_s >= p.cpu_s + p.device_s.max(p.stream_s) - p.stream_s.min(p.cpu_s));
+        }
+    }
+    let all = r.runs.iter().find(|m| m.predicted.cpu_layers == n).unwrap();
+    let none = r.runs.iter().find(|m| m.predicted.cpu_layers == 0).unwrap();
+    assert!(all.predicted.stream_s < none.predicted.stream_s, "{r:?}");
+    // The run's flag: a GPU's choice, refused where there is no GPU to place beside.
+    let store = tmp.path().join("l");
+    let store = store.to_str().unwrap();
+    let e = sluiced_err(&[
+        "run",
+        store,
+        "--prompt",
+        "hi",
+        "--backend",
+        "cpu",
+        "--placement",
+        "auto",
+    ]);
+    assert!(
+        e.contains("--placement auto") && e.contains("CPU backend"),
+        "{e}"
+    );
+    let e = sluiced_err(&[
+        "run",
+        store,
+        "--prompt",
+        "hi",
+        "--placement",
+        "auto",
+        "--cpu-layers",
+        "1",
+    ]);
+    assert!(e.contains("leave out --cpu-layers 1"), "{e}");
+}
+
+#[test]
 fn a_placement_that_cannot_be_is_refused() {
     let tmp = tempfile::tempdir().unwrap();
     let s = pack_store(

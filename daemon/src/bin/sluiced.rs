@@ -11,6 +11,8 @@ mod codec;
 mod inspect;
 #[path = "sluiced/pack.rs"]
 mod pack;
+#[path = "sluiced/placement.rs"]
+mod placement;
 #[path = "sluiced/run.rs"]
 mod run;
 #[path = "sluiced/serve.rs"]
@@ -52,6 +54,10 @@ enum Cmd {
     /// Stream every layer of a store through the I/O engine and report rates against
     /// their limits measured in the same run.
     BenchIo(bench::BenchIoArgs),
+    /// Measure the rates --placement auto chooses with, then every placement (the first
+    /// layers on the host CPU, none to all) at each row count: predicted and measured pass
+    /// times.
+    BenchPlacement(placement::BenchPlacementArgs),
     /// Measure every frame codec on a model's tensors (a store, a safetensors file or a
     /// GGUF): ratio and one core's compress and decompress rates, per dtype.
     BenchCodec(bench::BenchCodecArgs),
@@ -101,6 +107,7 @@ fn main() -> std::process::ExitCode {
         Cmd::BenchStream(a) => bench::run_stream(a),
         Cmd::BenchIo(a) => bench::run_io(a),
         Cmd::BenchCodec(a) => bench::run_codec(a),
+        Cmd::BenchPlacement(a) => placement::run(a),
         Cmd::BenchKernels(a) => bench::run_kernels(a),
         Cmd::TemplateWorker => sluice::text::sandbox::worker_main()
             .map(|()| std::process::ExitCode::SUCCESS)

@@ -14,6 +14,7 @@ pub mod generate;
 pub mod kv_block;
 pub mod kv_disk;
 pub mod kv_tiers;
+pub mod placement;
 pub mod prefix;
 pub mod scheduler;
 #[cfg(test)]

@@ -621,7 +621,9 @@ impl<B: Backend> Pipeline<B> {
         if !self.opts.skip_compute {
             let t0 = Instant::now();
             h.run(u, &self.backend, &mut self.model)?;
-            st.compute_s += t0.elapsed().as_secs_f64();
+            let t = t0.elapsed().as_secs_f64();
+            st.compute_s += t;
+            st.host_compute_s += t;
         }
         Ok(true)
     }

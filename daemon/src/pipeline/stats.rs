@@ -10,6 +10,9 @@ pub struct PassStats {
     pub pass_time_s: f64,
     /// Time in layer compute.
     pub compute_s: f64,
+    /// The part of it in layers the host CPU computes beside the device
+    /// (`Plan::cpu_layers`).
+    pub host_compute_s: f64,
     /// Host time in upload calls (the copy itself for a synchronous backend).
     pub upload_s: f64,
     /// Device time of the copies (asynchronous backends; 0 otherwise): bytes_uploaded /
@@ -49,6 +52,7 @@ impl PassStats {
         self.passes += o.passes;
         self.pass_time_s += o.pass_time_s;
         self.compute_s += o.compute_s;
+        self.host_compute_s += o.host_compute_s;
         self.upload_s += o.upload_s;
         self.copy_device_s += o.copy_device_s;
         self.load_stall_s += o.load_stall_s;

@@ -14,6 +14,7 @@ mod error;
 mod experts;
 mod host;
 mod layout;
+pub mod placement;
 mod split;
 mod streamed;
 mod table;

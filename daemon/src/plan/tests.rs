@@ -18,7 +18,7 @@ fn store_framed(dir: &std::path::Path, tied: bool, frame_size: u32, vocab: u32) 
     store_shaped(dir, tied, frame_size, vocab, 6)
 }
 
-fn store_shaped(
+pub(super) fn store_shaped(
     dir: &std::path::Path,
     tied: bool,
     frame_size: u32,
@@ -55,7 +55,7 @@ fn pack_raw(model: &crate::import::ImportedModel, out: &std::path::Path, frame_s
     Store::open(out).expect("open")
 }
 
-fn input(budget: Option<u64>, host_cache: u64) -> PlanInput {
+pub(super) fn input(budget: Option<u64>, host_cache: u64) -> PlanInput {
     PlanInput {
         device_budget: budget,
         host_cache_budget: host_cache,

@@ -102,6 +102,13 @@ pub struct RunArgs {
     /// and workspace take host memory instead of device memory.
     #[arg(long, default_value = "0")]
     cpu_layers: usize,
+    /// How many of the first decoder layers the host CPU computes: "device" (as
+    /// --cpu-layers says, none by default) or "auto" (measures this machine's streaming,
+    /// device and CPU rates with passes of the model, then takes the placement whose
+    /// predicted pass time at the run's --parallel rows is least; see `sluiced
+    /// bench-placement`).
+    #[arg(long, default_value = "device", value_parser = ["device", "auto"])]
+    placement: String,
     /// Layers requested ahead of the one computing.
     #[arg(long)]
     prefetch: Option<usize>,
@@ -281,7 +288,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         || sampling.penalizes()
         || !a.logit_bias.is_empty()
         || a.grammar().is_some();
-    let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
+    let chosen = placement_backend(&a)?;
     let io = IoConfig::single_stream();
     let job = Generate {
         store: store.clone(),
@@ -354,8 +361,8 @@ fn draft_source(
     a: &RunArgs,
 ) -> Result<sluice::engine::draft_model::DraftSource> {
     use sluice::engine::{draft_model::DraftSource, self_draft};
-    if a.cpu_layers > 0 {
-        bail!("--cpu-layers with a draft model or a self-draft is not supported yet: give one or the other (--draft ngram works)");
+    if a.cpu_layers > 0 || a.placement == "auto" {
+        bail!("--cpu-layers or --placement auto with a draft model or a self-draft is not supported yet: give one or the other (--draft ngram works)");
     }
     Ok(match self_draft::parse(d) {
         Some(t) => {
@@ -404,12 +411,16 @@ impl OnBackend for Generate<'_> {
         let plan = |m: &sluice::store::Manifest, i: &sluice::plan::PlanInput| {
             sluice::engine::plan_for(self.chosen, m, i, &self.io, self.a.threads)
         };
+        let mut input = self.input.clone();
+        if self.a.placement == "auto" {
+            input.host.cpu_layers = auto_placement(make, &self.store, &input, self.a)?;
+        }
         let (runner, draft) = sluice::engine::draft_model::with_draft(
             make,
             &plan,
             &self.store,
             self.draft_store.as_ref(),
-            &self.input,
+            &input,
         )?;
         if let (Some(d), false) = (&draft, self.a.json) {
             eprint!("{}", d.describe());
@@ -424,6 +435,47 @@ impl OnBackend for Generate<'_> {
             self.sampling,
         ))
     }
+}
+
+/// The backend `a` asks for, where its placement flags can be.
+fn placement_backend(a: &RunArgs) -> Result<sluice::engine::Chosen> {
+    if a.placement == "auto" && a.cpu_layers > 0 {
+        bail!(
+            "--placement auto chooses the host layers itself: leave out --cpu-layers {}",
+            a.cpu_layers
+        );
+    }
+    let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
+    if let (sluice::engine::Chosen::Cpu { .. }, "auto") = (&chosen, a.placement.as_str()) {
+        bail!("--placement auto places layers between the host CPU and a GPU: the CPU backend computes every layer on the host already (give --backend cuda, or leave it out)");
+    }
+    Ok(chosen)
+}
+
+/// `--placement auto`: the host layers whose predicted pass time at the run's rows (its
+/// --parallel sequences) is least, from rates measured with passes of the model here.
+fn auto_placement<B: Backend + 'static>(
+    make: &sluice::engine::MakePipeline<B>,
+    store: &std::sync::Arc<Store>,
+    input: &sluice::plan::PlanInput,
+    a: &RunArgs,
+) -> Result<usize, EngineError> {
+    use sluice::engine::placement::calibrate;
+    let rows = a.parallel.max(1) as usize;
+    let rates = calibrate(&|i| make(store, i), input, rows.max(8))?;
+    let c = sluice::plan::placement::choose(store.manifest(), input, &rates, rows)?;
+    if let (Some(p), false) = (c.chosen(), a.json) {
+        eprintln!(
+            "placement auto: {} layers on the host CPU at {rows} rows a pass, predicted {:.1} ms (CPU {:.1}, device {:.1}, streaming {:.1}); all on the device {:.1} ms",
+            p.cpu_layers,
+            p.pass_s * 1e3,
+            p.cpu_s * 1e3,
+            p.device_s * 1e3,
+            p.stream_s * 1e3,
+            c.candidates.first().map_or(f64::NAN, |n| n.pass_s * 1e3),
+        );
+    }
+    Ok(c.cpu_layers)
 }
 
 /// What each of `sluiced run`'s sequences generates under.

@@ -1,0 +1,201 @@
+//! `sluiced bench-placement`: the rates `--placement auto` chooses with, measured here,
+//! then every placement that fits (the first layers on the host CPU, none to all) at each
+//! row count, its predicted pass time beside the measured one. On the CPU backend the
+//! device is the CPU acting as a discrete one (`CpuBackend::new_discrete`: streamed units
+//! are copied into its slots, as to a GPU).
+
+use anyhow::{Context, Result};
+use sluice::backend::Backend;
+use sluice::engine::placement::{bench, PlacementReport};
+use sluice::engine::{bench_stream, BackendChoice, Chosen, EngineError, OnBackend};
+use sluice::model::ModelOptions;
+use sluice::plan::PlanInput;
+use sluice::store::Store;
+use sluice::util::{fmt_bytes, parse_size};
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(clap::Args)]
+pub struct BenchPlacementArgs {
+    /// Store directory, or a store's name in the models directory.
+    pub dir: PathBuf,
+    /// Device budget for the weights as a share of the model's raw size (e.g. 50%), on top
+    /// of KV cache, workspace and streaming slots; or an absolute --device-memory.
+    #[arg(long, default_value = "50%")]
+    pub weights_budget: String,
+    /// Total device budget (overrides --weights-budget).
+    #[arg(long, value_parser = parse_size)]
+    pub device_memory: Option<u64>,
+    /// Layers requested ahead of the one computing (default: from the plan).
+    #[arg(long)]
+    pub prefetch: Option<usize>,
+    /// Rows a pass carries, comma-separated: each placement is measured at each.
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    pub rows: Vec<usize>,
+    /// Host layers to measure up to (default: every decoder layer).
+    #[arg(long)]
+    pub max_cpu_layers: Option<usize>,
+    /// Passes per measurement; the fastest counts.
+    #[arg(long, default_value_t = 3)]
+    pub tries: usize,
+    /// Compute threads, of the device on the CPU backend and of the host layers (0: all
+    /// cores).
+    #[arg(long, default_value_t = 0)]
+    pub threads: usize,
+    /// auto, cpu or cuda.
+    #[arg(long, default_value = "auto")]
+    pub backend: BackendChoice,
+    /// CUDA device ordinal.
+    #[arg(long, default_value_t = 0)]
+    pub device: usize,
+    /// Print one JSON object instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+pub fn run(a: BenchPlacementArgs) -> Result<std::process::ExitCode> {
+    let store = Arc::new(Store::open(&sluice::util::store_path(&a.dir, None))?);
+    if a.rows.is_empty() || a.rows.contains(&0) {
+        anyhow::bail!("--rows {:?}: give row counts of at least 1", a.rows);
+    }
+    let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
+    let input = plan_input(&a, &store, &chosen)?;
+    let threads = match a.threads {
+        0 => std::thread::available_parallelism().map_or(1, |n| n.get()),
+        t => t,
+    };
+    let max_cpu = a.max_cpu_layers.unwrap_or(usize::MAX);
+    let io = sluice::io::IoConfig::serving();
+    let run = sluice::pipeline::PipelineOptions {
+        cpu_threads: threads,
+        ..Default::default()
+    };
+    let m = store.manifest().clone();
+    let r = match &chosen {
+        Chosen::Cpu { .. } => bench(
+            &|i: &PlanInput| {
+                sluice::engine::cpu_runner_discrete(store.clone(), i, threads, io.clone(), run)
+            },
+            &m,
+            &input,
+            &a.rows,
+            max_cpu,
+            a.tries,
+        )?,
+        Chosen::Cuda(_) => {
+            struct Job<'a>(Arc<Store>, &'a PlanInput, &'a [usize], usize, usize);
+            impl OnBackend for Job<'_> {
+                type Output = PlacementReport;
+                fn call<B: Backend + 'static>(
+                    self,
+                    make: &sluice::engine::MakePipeline<B>,
+                ) -> Result<PlacementReport, EngineError> {
+                    let m = self.0.manifest().clone();
+                    let store = self.0.clone();
+                    bench(&|i| make(&store, i), &m, self.1, self.2, self.3, self.4)
+                }
+            }
+            sluice::engine::on_backend(
+                &chosen,
+                threads,
+                &io,
+                run,
+                Job(store.clone(), &input, &a.rows, max_cpu, a.tries),
+            )?
+        }
+    };
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&r)?);
+    } else {
+        let device = match chosen {
+            Chosen::Cpu { .. } => "the CPU acting as a discrete device".to_string(),
+            Chosen::Cuda(ref info) => info.name.clone(),
+        };
+        let budget = input.device_budget.unwrap_or(0);
+        println!(
+            "device {device}, budget {}; host layers on {threads} threads",
+            fmt_bytes(budget)
+        );
+        print_table(&r);
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
+/// The plan input the placements are measured in: one sequence, a pass of the most rows
+/// asked for, the device budget given or the share of the weights.
+fn plan_input(a: &BenchPlacementArgs, store: &Store, chosen: &Chosen) -> Result<PlanInput> {
+    let most = a.rows.iter().copied().max().unwrap_or(1).max(2);
+    let opts = ModelOptions {
+        max_context: most.max(64),
+        kv_slots: 1,
+        max_batch_tokens: most,
+        kv_dtype: sluice::engine::kv_dtype_for(false, None),
+        exact: false,
+        verify_rows: 0,
+    };
+    let budget = match a.device_memory {
+        Some(b) => b,
+        None => {
+            let pct: f64 = a
+                .weights_budget
+                .trim_end_matches('%')
+                .parse()
+                .with_context(|| {
+                    format!(
+                        "--weights-budget {:?}: expected a percentage like 50%",
+                        a.weights_budget
+                    )
+                })?;
+            bench_stream::budget_for_weights_share(store, opts, a.prefetch, pct, chosen)?
+        }
+    };
+    Ok(PlanInput {
+        device_budget: Some(budget),
+        host_cache_budget: 0,
+        opts,
+        prefetch: a.prefetch,
+        expert_cache: None,
+        expert_profile: None,
+        backend_reserved: 0,
+        self_draft_reserved: 0,
+        host: sluice::engine::host_input(None, 0),
+    })
+}
+
+fn print_table(r: &PlacementReport) {
+    let gb = |x: f64| x / 1e9;
+    println!(
+        "rates: streaming {:.2} GB/s; device {:.2} GB/s of weights at one row, {:.2} per row beyond; CPU {:.2} GB/s, {:.2} per row",
+        gb(r.rates.stream_bytes_per_s.min(1e18)),
+        gb(r.rates.device.weight_bytes_per_s),
+        gb(r.rates.device.row_bytes_per_s),
+        gb(r.rates.cpu.weight_bytes_per_s),
+        gb(r.rates.cpu.row_bytes_per_s),
+    );
+    println!(
+        "{:>5} {:>10} {:>10} {:>10} {:>10} {:>12} {:>12} {:>8}",
+        "rows",
+        "cpu layers",
+        "cpu ms",
+        "device ms",
+        "stream ms",
+        "predicted ms",
+        "measured ms",
+        "ratio"
+    );
+    for m in &r.runs {
+        let p = &m.predicted;
+        println!(
+            "{:>5} {:>10} {:>10.2} {:>10.2} {:>10.2} {:>12.2} {:>12.2} {:>8.3}{}",
+            m.rows,
+            p.cpu_layers,
+            p.cpu_s * 1e3,
+            p.device_s * 1e3,
+            p.stream_s * 1e3,
+            p.pass_s * 1e3,
+            m.measured_pass_s * 1e3,
+            m.ratio,
+            if m.chosen { "  chosen" } else { "" }
+        );
+    }
+}

@@ -1,0 +1,163 @@
+//! The rates `plan::placement` chooses with, measured on this machine with passes of the
+//! model itself (`calibrate`), and `sluiced bench-placement`: every placement that fits,
+//! its predicted pass time beside the one measured.
+//!
+//! Three pipelines' passes, each the fastest of two: the planned placement with no host
+//! layers streaming alone (`Pipeline::set_skip_compute`: the bytes it uploads over the
+//! time, disk, decompression and copy together); the same computing, at one row and at
+//! `rows` rows (a prompt chunk), for the device's rate over the weights it computes; and
+//! one with its first layer on the host, for the host CPU's. The device's compute is the
+//! pass's `compute_s`: on a synchronous backend (the CPU's) the compute itself; on CUDA
+//! the time the host spends enqueueing it, less than the device's, which at the rows a
+//! pass carries is far below the streaming it waits for.
+
+use super::EngineError;
+use crate::backend::Backend;
+use crate::model::SeqStep;
+use crate::pipeline::{PassStats, Pipeline};
+use crate::plan::placement::{predict, ComputeRate, Prediction, Rates};
+use crate::plan::{Placement, PlanInput};
+use serde::Serialize;
+
+/// Builds a pipeline for a plan input (the model's store on the chosen backend).
+pub type Make<'a, B> = dyn Fn(&PlanInput) -> Result<Pipeline<B>, EngineError> + 'a;
+
+/// A pass of `rows` rows (a prompt chunk at the start of slot 0; the model's vocabulary
+/// `vocab` bounds the tokens), the fastest of `tries`.
+fn pass<B: Backend>(
+    r: &mut Pipeline<B>,
+    rows: usize,
+    tries: usize,
+) -> Result<PassStats, EngineError> {
+    let vocab = r.store.manifest().arch.vocab.max(2);
+    let step = [SeqStep {
+        slot: 0,
+        pos: 0,
+        tokens: (0..rows as u32)
+            .map(|t| 1 + (t * 7) % (vocab - 1))
+            .collect(),
+        ..Default::default()
+    }];
+    let mut logits = Vec::new();
+    r.step(&step, &mut logits)?;
+    let mut best = r.last_pass().clone();
+    for _ in 1..tries {
+        r.step(&step, &mut logits)?;
+        if r.last_pass().pass_time_s < best.pass_time_s {
+            best = r.last_pass().clone();
+        }
+    }
+    Ok(best)
+}
+
+/// Raw bytes of the units `r` computes on the device, and of those on the host.
+fn computed_bytes<B: Backend>(r: &Pipeline<B>) -> (u64, u64) {
+    let units = r.store.units();
+    (0..units.len()).fold((0, 0), |(d, h), u| match r.plan.placement(u) {
+        Placement::Host => (d, h + units[u].raw_len),
+        _ => (d + units[u].raw_len, h),
+    })
+}
+
+/// Measures the rates for the store `make` builds pipelines of, within `input`'s budgets,
+/// with passes of one row and of `rows` rows (at least two; at most what a pass and the
+/// context take).
+pub fn calibrate<B: Backend>(
+    make: &Make<'_, B>,
+    input: &PlanInput,
+    rows: usize,
+) -> Result<Rates, EngineError> {
+    let rows = rows
+        .clamp(2, input.opts.max_batch_tokens.max(2))
+        .min(input.opts.max_context);
+    let mut i = input.clone();
+    i.host.cpu_layers = 0;
+    let mut r = make(&i)?;
+    pass(&mut r, 1, 1)?;
+    let stream_bytes_per_s = if r.plan.upload_bytes_per_pass > 0 {
+        r.set_skip_compute(true);
+        let s = pass(&mut r, 1, 2)?;
+        r.set_skip_compute(false);
+        s.bytes_uploaded as f64 / s.pass_time_s.max(1e-9)
+    } else {
+        // Nothing streams: no placement's prediction has streaming in it.
+        f64::MAX
+    };
+    let (device_bytes, _) = computed_bytes(&r);
+    let (one, many) = (pass(&mut r, 1, 2)?, pass(&mut r, rows, 2)?);
+    let device = ComputeRate::fit(device_bytes, one.compute_s, many.compute_s, rows);
+    drop(r);
+    i.host.cpu_layers = 1;
+    let mut r = make(&i)?;
+    pass(&mut r, 1, 1)?;
+    let (_, host_bytes) = computed_bytes(&r);
+    let (one, many) = (pass(&mut r, 1, 2)?, pass(&mut r, rows, 2)?);
+    let cpu = ComputeRate::fit(host_bytes, one.host_compute_s, many.host_compute_s, rows);
+    Ok(Rates {
+        stream_bytes_per_s,
+        device,
+        cpu,
+    })
+}
+
+/// One placement at one row count: predicted and measured.
+#[derive(Clone, Debug, Serialize)]
+pub struct Measured {
+    pub rows: usize,
+    pub chosen: bool,
+    pub predicted: Prediction,
+    pub measured_pass_s: f64,
+    /// Measured over predicted.
+    pub ratio: f64,
+}
+
+/// `sluiced bench-placement`'s figures: the rates, then per row count every placement that
+/// fits, predicted and measured (each the fastest of `tries` passes).
+#[derive(Clone, Debug, Serialize)]
+pub struct PlacementReport {
+    pub rates: Rates,
+    pub rows: Vec<usize>,
+    pub runs: Vec<Measured>,
+}
+
+/// Calibrates, chooses for each of `rows`, and measures every candidate placement (host
+/// layers from none to `max_cpu_layers`) at each.
+pub fn bench<B: Backend>(
+    make: &Make<'_, B>,
+    m: &crate::store::Manifest,
+    input: &PlanInput,
+    rows: &[usize],
+    max_cpu_layers: usize,
+    tries: usize,
+) -> Result<PlacementReport, EngineError> {
+    let calib_rows = rows.iter().copied().max().unwrap_or(8).max(2);
+    let rates = calibrate(make, input, calib_rows)?;
+    let mut runs = Vec::new();
+    let mut choices = Vec::new();
+    for &n in rows {
+        choices.push(crate::plan::placement::choose(m, input, &rates, n)?);
+    }
+    let n_max = max_cpu_layers.min(m.arch.n_layers as usize);
+    for cpu_layers in 0..=n_max {
+        let mut i = input.clone();
+        i.host.cpu_layers = cpu_layers;
+        let Ok(mut r) = make(&i) else { continue };
+        pass(&mut r, 1, 1)?;
+        for (k, &n) in rows.iter().enumerate() {
+            let st = pass(&mut r, n, tries)?;
+            let predicted = predict(r.store.manifest(), &r.plan, &rates, n);
+            runs.push(Measured {
+                rows: n,
+                chosen: choices[k].cpu_layers == cpu_layers,
+                predicted,
+                measured_pass_s: st.pass_time_s,
+                ratio: st.pass_time_s / predicted.pass_s.max(1e-12),
+            });
+        }
+    }
+    Ok(PlacementReport {
+        rates,
+        rows: rows.to_vec(),
+        runs,
+    })
+}

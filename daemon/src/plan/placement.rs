@@ -1,0 +1,242 @@
+//! `--placement auto`: how many of the first decoder layers the host CPU computes beside
+//! the device (`HostInput::cpu_layers`), chosen from measured rates for the rows a pass
+//! carries. Each candidate is planned as it would run (the device memory the host layers
+//! free holds more resident layers, so fewer bytes stream) and its pass time predicted:
+//!
+//!   cpu    = host layers' weight bytes x (1 / cpu.weights + rows / cpu.rows)
+//!   device = device units' weight bytes x (1 / device.weights + rows / device.rows)
+//!   stream = bytes uploaded per pass / stream rate
+//!   pass   = cpu + max(device, stream - overlap)
+//!
+//! A layer's compute is a pass over its weights (memory-bound at one row) plus arithmetic
+//! that grows with the rows; the two rates are fitted from a pass at one row and one at
+//! many (`engine::placement::calibrate`). The host layers run first in every pass, and the
+//! loads of the first streamed units go on meanwhile: up to `prefetch` of them are already
+//! requested (`overlap`, at most the host's time). So at one row, where a CPU reads its
+//! DDR faster than NVMe and PCIe deliver, the host layers win; at many rows the CPU's
+//! arithmetic costs more than the streaming it saves, and every layer goes to the device.
+
+use super::{plan, Placement, Plan, PlanError, PlanInput};
+use crate::store::Manifest;
+use serde::{Deserialize, Serialize};
+
+/// A backend's compute on one decoder layer: weight bytes per second at one row (reading
+/// them), and weight bytes per second per row beyond (the arithmetic).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct ComputeRate {
+    pub weight_bytes_per_s: f64,
+    pub row_bytes_per_s: f64,
+}
+
+impl ComputeRate {
+    /// Seconds to compute `bytes` of weights for `rows` rows.
+    pub fn seconds(&self, bytes: u64, rows: usize) -> f64 {
+        let b = bytes as f64;
+        b / self.weight_bytes_per_s.max(1.0) + rows as f64 * b / self.row_bytes_per_s.max(1.0)
+    }
+
+    /// The rate whose `seconds` are `t1` at one row and `tn` at `rows` rows for `bytes`
+    /// of weights (the arithmetic never negative, the reading never free).
+    pub fn fit(bytes: u64, t1: f64, tn: f64, rows: usize) -> ComputeRate {
+        let b = bytes.max(1) as f64;
+        let per_row = ((tn - t1) / (rows.max(2) - 1) as f64).max(1e-12);
+        let read = (t1 - per_row).max(t1 * 0.05).max(1e-12);
+        ComputeRate {
+            weight_bytes_per_s: b / read,
+            row_bytes_per_s: b / per_row,
+        }
+    }
+}
+
+/// What this machine does per second, measured (`engine::placement::calibrate`).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Rates {
+    /// Bytes uploaded per second while streaming: disk, decompression and the copy
+    /// together, as a pass of streaming alone delivers them.
+    pub stream_bytes_per_s: f64,
+    /// The device's compute.
+    pub device: ComputeRate,
+    /// The host CPU's, on the threads it computes host layers with.
+    pub cpu: ComputeRate,
+}
+
+/// A placement's predicted pass time and its parts (seconds).
+#[derive(Clone, Copy, Debug, PartialEq, Serialize)]
+pub struct Prediction {
+    pub cpu_layers: usize,
+    pub cpu_s: f64,
+    pub device_s: f64,
+    pub stream_s: f64,
+    pub pass_s: f64,
+}
+
+/// Predicts a pass of `rows` rows through `p` (a plan of `m`) at `rates`.
+pub fn predict(m: &Manifest, p: &Plan, rates: &Rates, rows: usize) -> Prediction {
+    let (mut host, mut device, mut streamed) = (0u64, 0u64, 0usize);
+    for (u, unit) in m.units.iter().enumerate() {
+        match p.placement(u) {
+            Placement::Host => host += unit.raw_len,
+            Placement::Streamed | Placement::HostCached => {
+                streamed += 1;
+                device += unit.raw_len;
+            }
+            Placement::Resident => device += unit.raw_len,
+        }
+    }
+    let cpu_s = rates.cpu.seconds(host, rows);
+    let device_s = rates.device.seconds(device, rows);
+    let stream_s = p.upload_bytes_per_pass as f64 / rates.stream_bytes_per_s.max(1.0);
+    // The loads requested ahead go on while the host computes.
+    let ahead = (p.prefetch as f64 / streamed.max(1) as f64).min(1.0);
+    let overlap = cpu_s.min(stream_s * ahead);
+    Prediction {
+        cpu_layers: p.cpu_layers,
+        cpu_s,
+        device_s,
+        stream_s,
+        pass_s: cpu_s + device_s.max(stream_s - overlap),
+    }
+}
+
+/// The placement chosen for a pass of `rows` rows: its host layers and every candidate's
+/// prediction (those that fit the budgets).
+#[derive(Clone, Debug, Serialize)]
+pub struct Choice {
+    pub rows: usize,
+    pub cpu_layers: usize,
+    pub candidates: Vec<Prediction>,
+}
+
+impl Choice {
+    /// The chosen candidate's prediction.
+    pub fn chosen(&self) -> Option<&Prediction> {
+        self.candidates
+            .iter()
+            .find(|c| c.cpu_layers == self.cpu_layers)
+    }
+}
+
+/// Chooses how many of `m`'s first decoder layers the host computes for passes of `rows`
+/// rows: every count from none to all whose plan fits `input`'s budgets, predicted at
+/// `rates`, the fastest taken (within 2 %, the fewer host layers: the device's numbers
+/// are the reference ones, and a tie is not worth host memory). The error is the plan's
+/// when no count fits.
+pub fn choose(
+    m: &Manifest,
+    input: &PlanInput,
+    rates: &Rates,
+    rows: usize,
+) -> Result<Choice, PlanError> {
+    let mut candidates = Vec::new();
+    let mut first_err = None;
+    for n in 0..=m.arch.n_layers as usize {
+        let mut i = input.clone();
+        i.host.cpu_layers = n;
+        match plan(m, &i) {
+            Ok(p) => candidates.push(predict(m, &p, rates, rows)),
+            Err(e) => {
+                first_err.get_or_insert(e);
+            }
+        }
+    }
+    let best = candidates
+        .iter()
+        .map(|c| c.pass_s)
+        .fold(f64::INFINITY, f64::min);
+    let Some(pick) = candidates.iter().find(|c| c.pass_s <= best * 1.02) else {
+        return Err(first_err.expect("no candidate planned, so one failed"));
+    };
+    Ok(Choice {
+        rows,
+        cpu_layers: pick.cpu_layers,
+        candidates,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::HostInput;
+
+    /// Rates of the workstation the issue names: a Gen4 NVMe with decompression and
+    /// PCIe behind it delivering ~5 GB/s, a GPU reading its weights at ~2 TB/s, a CPU
+    /// reading DDR5 at ~60 GB/s but doing a row's arithmetic at ~20 GB of weights a
+    /// second, 200x slower than the GPU.
+    fn workstation() -> Rates {
+        Rates {
+            stream_bytes_per_s: 5e9,
+            device: ComputeRate {
+                weight_bytes_per_s: 2e12,
+                row_bytes_per_s: 4e12,
+            },
+            cpu: ComputeRate {
+                weight_bytes_per_s: 60e9,
+                row_bytes_per_s: 20e9,
+            },
+        }
+    }
+
+    /// A synthetic model of eight layers, a device budget four layers short of holding it
+    /// all, and one load requested ahead (a large model streams many more layers than it
+    /// requests ahead: little of its streaming hides behind the host's compute).
+    fn model(dir: &std::path::Path) -> (Manifest, PlanInput) {
+        let store = crate::plan::tests::store_shaped(dir, false, 1 << 20, 2048, 8);
+        let m = store.manifest().clone();
+        let mut input = crate::plan::tests::input(None, 0);
+        input.prefetch = Some(1);
+        input.host = HostInput {
+            cpu_scratch: 1 << 20,
+            ..HostInput::default()
+        };
+        let all = plan(&m, &input).unwrap().device_bytes();
+        input.device_budget = Some(all - 4 * m.units[1].raw_len);
+        (m, input)
+    }
+
+    #[test]
+    fn the_cpu_takes_layers_at_one_row_and_none_at_sixteen() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (m, input) = model(tmp.path());
+        let one = choose(&m, &input, &workstation(), 1).unwrap();
+        assert!(one.cpu_layers > 0, "{one:?}");
+        // It is the fastest prediction, and faster than streaming them all.
+        let none = one.candidates.iter().find(|c| c.cpu_layers == 0).unwrap();
+        let chosen = one.chosen().unwrap();
+        assert!(chosen.pass_s < none.pass_s, "{one:?}");
+        assert!(one.candidates.iter().all(|c| c.pass_s >= chosen.pass_s));
+        let sixteen = choose(&m, &input, &workstation(), 16).unwrap();
+        assert_eq!(sixteen.cpu_layers, 0, "{sixteen:?}");
+    }
+
+    #[test]
+    fn a_slow_cpu_or_a_fast_stream_keeps_every_layer_on_the_device() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (m, input) = model(tmp.path());
+        let mut slow = workstation();
+        slow.cpu.weight_bytes_per_s = 0.2e9;
+        assert_eq!(choose(&m, &input, &slow, 1).unwrap().cpu_layers, 0);
+        let mut fast = workstation();
+        fast.stream_bytes_per_s = 500e9;
+        assert_eq!(choose(&m, &input, &fast, 1).unwrap().cpu_layers, 0);
+    }
+
+    #[test]
+    fn host_layers_free_device_memory_for_resident_ones() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (m, input) = model(tmp.path());
+        let c = choose(&m, &input, &workstation(), 1).unwrap();
+        let streamed = |n: usize| c.candidates.iter().find(|p| p.cpu_layers == n).unwrap();
+        // Each layer moved to the host streams one layer fewer, until nothing streams.
+        assert!(streamed(1).stream_s < streamed(0).stream_s);
+        assert_eq!(streamed(8).stream_s, 0.0);
+        let ends = m.units[0].raw_len + m.units[9].raw_len;
+        assert_eq!(streamed(8).device_s, workstation().device.seconds(ends, 1));
+    }
+
+    #[test]
+    fn a_rate_fitted_from_two_passes_gives_them_back() {
+        let r = ComputeRate::fit(1 << 30, 0.02, 0.1, 9);
+        assert!((r.seconds(1 << 30, 1) - 0.02).abs() < 1e-9);
+        assert!((r.seconds(1 << 30, 9) - 0.1).abs() < 1e-9);
+    }
+}
