@@ -104,6 +104,17 @@ pub fn cache_root() -> Option<std::path::PathBuf> {
         .or_else(|| var("HOME").map(|h| std::path::Path::new(&h).join(".cache/sluice")))
 }
 
+/// Writes `data` to `path` whole or not at all (a file of this process beside it, renamed
+/// over it), making its directory first.
+pub fn write_atomic(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
+    if let Some(d) = path.parent() {
+        std::fs::create_dir_all(d)?;
+    }
+    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+    std::fs::write(&tmp, data)?;
+    std::fs::rename(&tmp, path)
+}
+
 /// A store as the user names it: a path, or (when no such path exists and it is a bare
 /// name) the store of that name in the models directory.
 pub fn store_path(

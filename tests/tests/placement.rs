@@ -419,6 +419,87 @@ fn the_scheduler_serves_with_layers_on_the_host_as_with_one_device() {
 }
 
 #[test]
+fn a_draft_model_drafts_for_a_model_with_layers_on_the_host_and_the_text_is_the_text_without() {
+    // The draft is its own pipeline, resident on the device; the target's first layer
+    // runs on the host and verifies chains and trees as one device does.
+    use sluice::engine::draft_model::DraftModel;
+    use sluice::engine::generate::generate_with;
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = ModelOptions {
+        max_context: 128,
+        kv_slots: 3,
+        max_batch_tokens: 64,
+        kv_dtype: KvDtype::F16,
+        exact: false,
+        verify_rows: 3 * 8,
+    };
+    for name in ["tiny-llama", "tiny-qwen3moe-mixed"] {
+        let dir = tmp.path().join(name);
+        let s = pack_store(&fixture(name), &dir.join("t"), "zstd:1", 64 << 10);
+        let draft_dir = dir.join("d");
+        sluiced_ok(&[
+            "pack",
+            fixture(name).to_str().unwrap(),
+            "-o",
+            draft_dir.to_str().unwrap(),
+            "--quantize",
+            "q8_0",
+        ]);
+        let draft_store = Arc::new(Store::open(&draft_dir).unwrap());
+        let tok = Tokenizer::from_manifest(s.manifest()).unwrap();
+        let prompt = tok.encode("one two three four five six", false).unwrap();
+        for branches in [0, 2] {
+            let how = Decoding {
+                draft: Some(DraftConfig {
+                    kind: DraftKind::Model,
+                    max: 5,
+                    fixed: true,
+                    branches,
+                }),
+                ..greedy()
+            };
+            let p = params(12, how);
+            let mut outs = Vec::new();
+            for cpu_layers in [0, 1] {
+                let mut target = runner_with(&s, None, cpu_layers, opts);
+                let draft_opts = ModelOptions {
+                    verify_rows: 0,
+                    ..opts
+                };
+                let mut dm = DraftModel::new(runner_with(&draft_store, None, 0, draft_opts));
+                let o = generate_with(&mut target, Some(&mut dm), &tok, &prompt, &p, 3, |_| {})
+                    .unwrap();
+                let accepted: u64 = o.iter().map(|o| o.speculative.accepted_tokens).sum();
+                assert!(
+                    accepted > 0,
+                    "{name}: {cpu_layers} host layers: none accepted"
+                );
+                outs.push(
+                    o.into_iter()
+                        .map(|o| o.generated_token_ids)
+                        .collect::<Vec<_>>(),
+                );
+            }
+            assert_eq!(outs[1], outs[0], "{name}, {branches} branches");
+            // And the text without a draft.
+            let mut plain = runner_with(&s, None, 1, opts);
+            let o = generate_with(
+                &mut plain,
+                None,
+                &tok,
+                &prompt,
+                &params(12, greedy()),
+                3,
+                |_| {},
+            )
+            .unwrap();
+            let o: Vec<_> = o.into_iter().map(|o| o.generated_token_ids).collect();
+            assert_eq!(o, outs[0], "{name}, {branches} branches: without a draft");
+        }
+    }
+}
+
+#[test]
 fn placement_auto_measures_rates_and_predicts_every_placement_it_measures() {
     // `sluiced bench-placement`'s library on the emulated device: the rates from passes
     // of the model, then every placement at one row and at four, predicted and measured,
@@ -473,6 +554,26 @@ fn placement_auto_measures_rates_and_predicts_every_placement_it_measures() {
     let all = r.runs.iter().find(|m| m.predicted.cpu_layers == n).unwrap();
     let none = r.runs.iter().find(|m| m.predicted.cpu_layers == 0).unwrap();
     assert!(all.predicted.stream_s < none.predicted.stream_s, "{r:?}");
+    // The rates are kept: measured once, read back the same; a damaged file is measured
+    // again and replaced.
+    use sluice::engine::placement::cached_rates;
+    let cache = tmp.path().join("cache");
+    let (first, now) = cached_rates(Some(&cache), "k", &make, &i, 4).unwrap();
+    assert!(now);
+    let (kept, now) = cached_rates(Some(&cache), "k", &make, &i, 4).unwrap();
+    // (JSON's decimal digits give the floats back to their last bit or so.)
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-9 * a.abs().max(b.abs());
+    let same = |a: &sluice::plan::placement::Rates, b: &sluice::plan::placement::Rates| {
+        close(a.stream_bytes_per_s, b.stream_bytes_per_s)
+            && [(a.device, b.device), (a.cpu, b.cpu)].iter().all(|(x, y)| {
+                close(x.weight_bytes_per_s, y.weight_bytes_per_s)
+                    && close(x.row_bytes_per_s, y.row_bytes_per_s)
+            })
+    };
+    assert!(!now && same(&kept, &first), "{kept:?} {first:?}");
+    std::fs::write(cache.join("placement/k.json"), "{").unwrap();
+    assert!(cached_rates(Some(&cache), "k", &make, &i, 4).unwrap().1);
+    assert!(!cached_rates(Some(&cache), "k", &make, &i, 4).unwrap().1);
     // The run's flag: a GPU's choice, refused where there is no GPU to place beside.
     let store = tmp.path().join("l");
     let store = store.to_str().unwrap();
@@ -501,6 +602,23 @@ fn placement_auto_measures_rates_and_predicts_every_placement_it_measures() {
         "1",
     ]);
     assert!(e.contains("leave out --cpu-layers 1"), "{e}");
+    let e = sluiced_err(&[
+        "serve",
+        "--model",
+        store,
+        "--backend",
+        "cpu",
+        "--placement",
+        "auto",
+        "--listen",
+        "127.0.0.1:0",
+        "--http-listen",
+        "off",
+    ]);
+    assert!(
+        e.contains("placement \"auto\"") && e.contains("CPU backend"),
+        "{e}"
+    );
 }
 
 #[test]

@@ -17,6 +17,8 @@ mod placement;
 mod run;
 #[path = "sluiced/serve.rs"]
 mod serve;
+#[path = "sluiced/serve_args.rs"]
+mod serve_args;
 #[path = "sluiced/synth.rs"]
 mod synth;
 #[path = "sluiced/util.rs"]
@@ -45,7 +47,7 @@ enum Cmd {
     Run(Box<run::RunArgs>),
     /// Serve the model over gRPC (sluice.v1.Inference) and the OpenAI-compatible HTTP API
     /// (flags override the config file).
-    Serve(Box<serve::ServeArgs>),
+    Serve(Box<serve_args::ServeArgs>),
     /// Write a synthetic Llama-shaped store with random weights, for benchmarks.
     Synth(synth::SynthArgs),
     /// Measure streaming: overlap (pass time vs compute-only and streaming-only) and decode

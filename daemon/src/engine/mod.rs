@@ -378,6 +378,15 @@ impl Chosen {
         }
     }
 
+    /// The device by its kind and ordinal ("cpu", "cuda0"): what measured rates are kept
+    /// under (`placement::rates_key`).
+    pub fn device_key(&self) -> String {
+        match self {
+            Chosen::Cpu { .. } => "cpu".into(),
+            Chosen::Cuda(info) => format!("cuda{}", info.ordinal),
+        }
+    }
+
     /// The device memory plans may use when no budget is given: CUDA's free memory less
     /// `cuda_headroom`; None on the CPU, whose device memory is the host's (the host
     /// budget bounds it).

@@ -10,6 +10,10 @@
 //! pass's `compute_s`: on a synchronous backend (the CPU's) the compute itself; on CUDA
 //! the time the host spends enqueueing it, less than the device's, which at the rows a
 //! pass carries is far below the streaming it waits for.
+//!
+//! The rates are kept in `$SLUICE_CACHE/placement/` (`cached_rates`), one file per store
+//! (its manifest's hash), backend, device and numerics, so a restart does not measure
+//! again: delete the file to measure afresh (a new disk, another load on the machine).
 
 use super::EngineError;
 use crate::backend::Backend;
@@ -98,6 +102,76 @@ pub fn calibrate<B: Backend>(
         device,
         cpu,
     })
+}
+
+/// What the rates of a store are kept under: its manifest's hash, the backend and device
+/// (`device`, e.g. "cuda0"), the host threads and the numerics.
+pub fn rates_key(store: &crate::store::Store, device: &str, threads: usize, exact: bool) -> String {
+    let manifest = std::fs::read(store.dir().join(crate::store::format::MANIFEST_FILE))
+        .map(|b| crate::util::xxh3(&b))
+        .unwrap_or(0);
+    let numerics = if exact { "exact" } else { "fast" };
+    format!("{manifest:016x}-{device}-{threads}t-{numerics}")
+}
+
+/// The rates kept under `key` in `cache` (`util::cache_root`), else measured now
+/// (`calibrate`) and kept there; true when measured now. A cache that cannot be read or
+/// written only means measuring (said in the log).
+pub fn cached_rates<B: Backend>(
+    cache: Option<&std::path::Path>,
+    key: &str,
+    make: &Make<'_, B>,
+    input: &PlanInput,
+    rows: usize,
+) -> Result<(Rates, bool), EngineError> {
+    let path = cache.map(|c| c.join("placement").join(format!("{key}.json")));
+    if let Some(p) = &path {
+        if let Ok(bytes) = std::fs::read(p) {
+            match serde_json::from_slice::<Rates>(&bytes) {
+                Ok(r) => return Ok((r, false)),
+                Err(e) => tracing::warn!("{}: {e}; measuring the rates again", p.display()),
+            }
+        }
+    }
+    let rates = calibrate(make, input, rows)?;
+    if let Some(p) = &path {
+        let saved = serde_json::to_vec_pretty(&rates)
+            .map_err(std::io::Error::other)
+            .and_then(|json| crate::util::write_atomic(p, &json));
+        if let Err(e) = saved {
+            tracing::warn!("placement rates not kept at {}: {e}", p.display());
+        }
+    }
+    Ok((rates, true))
+}
+
+/// `--placement auto`: the rates of `store` on `device` with `threads` host threads (kept,
+/// or measured now and kept),
+/// and the host layers whose predicted pass time at `rows` rows is least, said in the log.
+pub fn auto<B: Backend>(
+    make: &Make<'_, B>,
+    store: &crate::store::Store,
+    (device, threads): (&str, usize),
+    input: &PlanInput,
+    rows: usize,
+) -> Result<crate::plan::placement::Choice, EngineError> {
+    let key = rates_key(store, device, threads, input.opts.exact);
+    let cache = crate::util::cache_root();
+    let (rates, now) = cached_rates(cache.as_deref(), &key, make, input, rows.max(8))?;
+    let c = crate::plan::placement::choose(store.manifest(), input, &rates, rows)?;
+    if let Some(p) = c.chosen() {
+        let none = c.candidates.first().map_or(f64::NAN, |n| n.pass_s * 1e3);
+        tracing::info!(
+            "placement auto: {} layers on the host CPU at {rows} rows a pass, predicted {:.1} ms (CPU {:.1}, device {:.1}, streaming {:.1}); all on the device {none:.1} ms; rates {} ({key})",
+            p.cpu_layers,
+            p.pass_s * 1e3,
+            p.cpu_s * 1e3,
+            p.device_s * 1e3,
+            p.stream_s * 1e3,
+            if now { "measured now" } else { "kept from before" },
+        );
+    }
+    Ok(c)
 }
 
 /// One placement at one row count: predicted and measured.

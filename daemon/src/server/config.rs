@@ -52,6 +52,10 @@ pub struct ServeConfig {
     /// Decoder layers computed on the host CPU from host memory beside the GPU, the first
     /// ones (llama.cpp's -ngl counted from the other end); 0: none.
     pub cpu_layers: usize,
+    /// "device" (the host computes `cpu_layers`, none by default) or "auto" (the host
+    /// layers whose predicted pass time at a full batch, `max_batch` rows, is least, from
+    /// this machine's rates measured with passes of each model; `sluiced bench-placement`).
+    pub placement: String,
     /// The reference numerics (f32 activations, f32 KV cache).
     pub exact: bool,
     /// KV cache element type, "f16" or "f32" (unset: f16, f32 when exact).
@@ -130,6 +134,7 @@ impl Default for ServeConfig {
             host_cache: ByteSize(0),
             host_memory: None,
             cpu_layers: 0,
+            placement: "device".into(),
             exact: false,
             kv_dtype: None,
             max_batch: 8,
@@ -245,6 +250,16 @@ impl ServeConfig {
         }
         super::models::parse_keep_alive(&self.keep_alive)?;
         self.read_timeout()?;
+        match (self.placement.as_str(), self.cpu_layers) {
+            ("device", _) => {}
+            ("auto", 0) => {}
+            ("auto", n) => {
+                return Err(format!(
+                    "placement \"auto\" chooses the host layers itself: leave out cpu_layers ({n})"
+                ))
+            }
+            (p, _) => return Err(format!("placement {p:?}: expected \"device\" or \"auto\"")),
+        }
         if self.max_request_bytes.0 < 1024 || self.max_messages == 0 {
             return Err(
                 "max_request_bytes must be at least 1KiB and max_messages at least 1".into(),
@@ -281,5 +296,20 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("unknown unit"), "{e}");
+    }
+
+    #[test]
+    fn a_placement_is_device_or_auto_and_auto_takes_no_cpu_layers() {
+        let parse = |t: &str| toml::from_str::<ServeConfig>(t).expect("parses");
+        assert!(parse("placement = \"auto\"").validate().is_ok());
+        assert!(parse("placement = \"device\"\ncpu_layers = 4")
+            .validate()
+            .is_ok());
+        let e = parse("placement = \"auto\"\ncpu_layers = 4")
+            .validate()
+            .unwrap_err();
+        assert!(e.contains("leave out cpu_layers (4)"), "{e}");
+        let e = parse("placement = \"gpu\"").validate().unwrap_err();
+        assert!(e.contains("\"device\" or \"auto\""), "{e}");
     }
 }

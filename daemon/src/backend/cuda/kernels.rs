@@ -700,7 +700,7 @@ fn load_module(
             tracing::warn!("NVRTC on kernels/{op}.cu: {log}");
         }
         if let Some(p) = path {
-            if let Err(e) = write_atomic(p, &bin) {
+            if let Err(e) = crate::util::write_atomic(p, &bin) {
                 tracing::warn!("kernel cache {}: {e}", p.display());
             }
         }
@@ -727,15 +727,6 @@ fn load_module(
 /// Where compiled kernels are cached: $SLUICE_CACHE/kernels or ~/.cache/sluice/kernels.
 fn cache_dir() -> Option<std::path::PathBuf> {
     Some(crate::util::cache_root()?.join("kernels"))
-}
-
-fn write_atomic(path: &std::path::Path, data: &[u8]) -> std::io::Result<()> {
-    if let Some(d) = path.parent() {
-        std::fs::create_dir_all(d)?;
-    }
-    let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-    std::fs::write(&tmp, data)?;
-    std::fs::rename(&tmp, path)
 }
 
 #[cfg(test)]

@@ -361,10 +361,13 @@ fn draft_source(
     a: &RunArgs,
 ) -> Result<sluice::engine::draft_model::DraftSource> {
     use sluice::engine::{draft_model::DraftSource, self_draft};
-    if a.cpu_layers > 0 || a.placement == "auto" {
-        bail!("--cpu-layers or --placement auto with a draft model or a self-draft is not supported yet: give one or the other (--draft ngram works)");
+    if a.placement == "auto" {
+        bail!("--placement auto with a draft model or a self-draft is not supported yet: give --cpu-layers N instead");
     }
     Ok(match self_draft::parse(d) {
+        Some(_) if a.cpu_layers > 0 => {
+            bail!("--cpu-layers with a self-draft is not supported yet (the layers on the host have no quantized copy to draft with): give a draft model (--draft STORE) or --draft ngram")
+        }
         Some(t) => {
             let t = t.map_err(anyhow::Error::msg)?;
             DraftSource::SelfDraft(crate::util::self_draft_store(store, t, a.threads)?)
@@ -413,7 +416,16 @@ impl OnBackend for Generate<'_> {
         };
         let mut input = self.input.clone();
         if self.a.placement == "auto" {
-            input.host.cpu_layers = auto_placement(make, &self.store, &input, self.a)?;
+            let rows = self.a.parallel.max(1) as usize;
+            let device = (self.chosen.device_key(), self.a.threads);
+            input.host.cpu_layers = sluice::engine::placement::auto(
+                &|i| make(&self.store, i),
+                &self.store,
+                (&device.0, device.1),
+                &input,
+                rows,
+            )?
+            .cpu_layers;
         }
         let (runner, draft) = sluice::engine::draft_model::with_draft(
             make,
@@ -450,32 +462,6 @@ fn placement_backend(a: &RunArgs) -> Result<sluice::engine::Chosen> {
         bail!("--placement auto places layers between the host CPU and a GPU: the CPU backend computes every layer on the host already (give --backend cuda, or leave it out)");
     }
     Ok(chosen)
-}
-
-/// `--placement auto`: the host layers whose predicted pass time at the run's rows (its
-/// --parallel sequences) is least, from rates measured with passes of the model here.
-fn auto_placement<B: Backend + 'static>(
-    make: &sluice::engine::MakePipeline<B>,
-    store: &std::sync::Arc<Store>,
-    input: &sluice::plan::PlanInput,
-    a: &RunArgs,
-) -> Result<usize, EngineError> {
-    use sluice::engine::placement::calibrate;
-    let rows = a.parallel.max(1) as usize;
-    let rates = calibrate(&|i| make(store, i), input, rows.max(8))?;
-    let c = sluice::plan::placement::choose(store.manifest(), input, &rates, rows)?;
-    if let (Some(p), false) = (c.chosen(), a.json) {
-        eprintln!(
-            "placement auto: {} layers on the host CPU at {rows} rows a pass, predicted {:.1} ms (CPU {:.1}, device {:.1}, streaming {:.1}); all on the device {:.1} ms",
-            p.cpu_layers,
-            p.pass_s * 1e3,
-            p.cpu_s * 1e3,
-            p.device_s * 1e3,
-            p.stream_s * 1e3,
-            c.candidates.first().map_or(f64::NAN, |n| n.pass_s * 1e3),
-        );
-    }
-    Ok(c.cpu_layers)
 }
 
 /// What each of `sluiced run`'s sequences generates under.
