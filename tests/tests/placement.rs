@@ -20,7 +20,7 @@ use sluice::engine::scheduler::{Scheduler, SchedulerConfig};
 use sluice::io::IoConfig;
 use sluice::model::{Decoder, ModelOptions, SeqStep};
 use sluice::pipeline::Pipeline;
-use sluice::plan::{plan, Placement, PlanInput};
+use sluice::plan::{plan, DeviceInput, Placement, PlanInput};
 use sluice::store::Store;
 use sluice::text::Tokenizer;
 use sluice_tests::engine::*;
@@ -324,22 +324,26 @@ fn the_pipeline_computes_the_first_layers_on_the_host_with_the_outputs_of_one_de
                     got == want,
                     "{name}: {cpu_layers} layers on the host, budget {budget:?}: outputs differ"
                 );
-                for (side, b) in [
-                    ("device", r.backend.budget()),
-                    ("host", r.host_backend().unwrap().budget()),
-                ] {
-                    assert!(
-                        b.peak() <= b.limit(),
-                        "{name} {side}: peak {} over {}",
-                        b.peak(),
-                        b.limit()
-                    );
-                }
+                within_budgets(name, &r);
             }
         }
     }
     // Streamed as well as resident, with layers on the host, on most architectures.
     assert!(streamed_runs >= 6, "{streamed_runs} streamed runs");
+}
+
+/// Every backend of `r` (the device, the host part's, the other devices') peaked within
+/// its budget.
+fn within_budgets(name: &str, r: &Pipeline<CpuBackend>) {
+    let devices = std::iter::once(&r.backend).chain(r.other_backends());
+    for (what, b) in (devices.enumerate())
+        .map(|(d, b)| (format!("device {d}"), b))
+        .chain(r.host_backend().map(|b| ("host".to_string(), b)))
+    {
+        let b = b.budget();
+        let (peak, limit) = (b.peak(), b.limit());
+        assert!(peak <= limit, "{name} {what}: peak {peak} over {limit}");
+    }
 }
 
 /// What a scheduler serving `r` gives (the daemon's engine, as `sluiced serve` runs it):
@@ -378,7 +382,7 @@ fn served(r: Pipeline<CpuBackend>, how: Decoding) -> Served {
 
 #[test]
 fn the_scheduler_serves_with_layers_on_the_host_as_with_one_device() {
-    // What `sluiced serve --cpu-layers` runs: the prefix cache (reuse in place, copies
+    // What `sluiced serve --cpu-layers` (and `--devices`) runs: the prefix cache (reuse in place, copies
     // across slots, blocks out to the host tier and back across both parts), ngram token
     // trees verified in one pass, and the experts' counts the status reports, each the
     // same as one device's.
@@ -406,6 +410,10 @@ fn the_scheduler_serves_with_layers_on_the_host_as_with_one_device() {
             let one = served(runner_with(&s, None, 0, opts), how);
             let split = served(runner_with(&s, None, 1, opts), how);
             assert_eq!(split.0, one.0, "{name}: tokens and cached tokens");
+            // And over two devices.
+            let two = runner_split_with(&s, (None, 0), (&[1 << 30], &[1.0, 1.0]), opts);
+            let two = served(two.unwrap(), how);
+            assert_eq!(two, one, "{name}: two devices");
             assert!(
                 one.0.iter().skip(2).step_by(2).all(|o| o.1 >= 32),
                 "{name}: the conversation's prefix was not reused: {:?}",
@@ -619,6 +627,147 @@ fn placement_auto_measures_rates_and_predicts_every_placement_it_measures() {
         e.contains("placement \"auto\"") && e.contains("CPU backend"),
         "{e}"
     );
+}
+
+/// `runner` with the devices beside the first that `devices` budgets, and `split`.
+fn runner_split(
+    s: &Arc<Store>,
+    (budget, cpu_layers): (Option<u64>, usize),
+    devices: &[u64],
+    split: &[f64],
+) -> Result<Pipeline<CpuBackend>, sluice::engine::EngineError> {
+    runner_split_with(s, (budget, cpu_layers), (devices, split), OPTS)
+}
+
+fn runner_split_with(
+    s: &Arc<Store>,
+    (budget, cpu_layers): (Option<u64>, usize),
+    (devices, split): (&[u64], &[f64]),
+    opts: ModelOptions,
+) -> Result<Pipeline<CpuBackend>, sluice::engine::EngineError> {
+    let mut i = input_with(s, budget, cpu_layers, opts);
+    i.host.devices = (devices.iter().enumerate())
+        .map(|(k, &budget)| DeviceInput {
+            name: format!("emulated:{}", k + 1),
+            ordinal: k + 1,
+            budget,
+            reserved: 0,
+        })
+        .collect();
+    i.host.split = split.to_vec();
+    let io = small_io();
+    let run = sluice::pipeline::PipelineOptions {
+        cpu_threads: 2,
+        ..Default::default()
+    };
+    cpu_runner_discrete(s.clone(), &i, 2, io, run)
+}
+
+#[test]
+fn a_model_split_over_two_devices_and_the_host_gives_the_outputs_of_one_device() {
+    // Three emulated devices (the first streams where its budget is short) and the host:
+    // the spans' logits are one device's, bit for bit, through prompts, decode steps and a
+    // batch of eight, on every architecture; every device within its own budget, given
+    // exactly what its span needs.
+    let tmp = tempfile::tempdir().unwrap();
+    let mut streamed_runs = 0;
+    for name in TINY_ARCHS {
+        let s = pack_store(&fixture(name), &tmp.path().join(name), "zstd:1", 64 << 10);
+        let (vocab, n) = (s.manifest().arch.vocab, s.manifest().arch.n_layers as usize);
+        let want = {
+            let mut r = runner(&s, None, 0);
+            (outputs(&mut r, vocab), batch_of_eight(&mut r, vocab))
+        };
+        for (cpu_layers, split) in [(0, vec![1.0, 1.0]), (1, vec![2.0, 1.0, 1.0])] {
+            if n < split.len() + cpu_layers {
+                continue;
+            }
+            let big = vec![1 << 30; split.len() - 1];
+            let p = runner_split(&s, (None, cpu_layers), &big, &split)
+                .unwrap()
+                .plan;
+            let needs: Vec<u64> = p.devices.iter().map(|d| d.total()).collect();
+            // Each unit is computed in one place, the other devices' layers last.
+            let others: Vec<usize> = (0..s.units().len())
+                .filter(|&u| p.placement(u) == Placement::OtherDevice)
+                .collect();
+            let first = p.devices[0].layers.start;
+            assert_eq!(others, (first + 1..=n).collect::<Vec<_>>(), "{name}");
+            let least = runner_split(&s, (Some(4096), cpu_layers), &needs, &split)
+                .err()
+                .map_or(0, |e| match e {
+                    sluice::engine::EngineError::Plan(e) => e.need(),
+                    e => panic!("{name}: {e}"),
+                });
+            let streamed = (least > 0 && least < p.device_bytes()).then_some(least);
+            for budget in [None, streamed] {
+                let mut r = runner_split(&s, (budget, cpu_layers), &needs, &split).unwrap();
+                if budget.is_some() {
+                    assert!(r.plan.layers_streamed() > 0, "{name}: nothing streams");
+                    streamed_runs += 1;
+                }
+                let got = (outputs(&mut r, vocab), batch_of_eight(&mut r, vocab));
+                assert!(
+                    got == want,
+                    "{name}: split {split:?}, {cpu_layers} on the host, budget {budget:?}: outputs differ"
+                );
+                within_budgets(name, &r);
+            }
+        }
+    }
+    assert!(streamed_runs >= 6, "{streamed_runs} streamed runs");
+}
+
+#[test]
+fn a_device_that_cannot_hold_its_span_is_refused_with_its_numbers() {
+    let tmp = tempfile::tempdir().unwrap();
+    let s = pack_store(
+        &fixture("tiny-llama"),
+        &tmp.path().join("l"),
+        "zstd:1",
+        64 << 10,
+    );
+    let p = runner_split(&s, (None, 0), &[1 << 30], &[1.0, 1.0])
+        .unwrap()
+        .plan;
+    let need = p.devices[0].total();
+    let e = runner_split(&s, (None, 0), &[need - 1], &[1.0, 1.0])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(
+        e.contains("emulated:1 cannot hold its layers")
+            && e.contains("weights")
+            && e.contains("KV cache")
+            && e.contains("--split"),
+        "{e}"
+    );
+    let e = runner_split(&s, (None, 0), &[1 << 30], &[1.0])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("give 2 shares"), "{e}");
+    let e = runner_split(&s, (None, 0), &[1 << 30], &[1.0, 0.0])
+        .err()
+        .unwrap()
+        .to_string();
+    assert!(e.contains("gives emulated:1 no layer"), "{e}");
+    // The flags: GPUs named as CUDA names them, several only on the CUDA backend.
+    let store = tmp.path().join("l");
+    let run = |extra: &[&str]| {
+        let mut args = vec!["run", store.to_str().unwrap(), "--prompt", "hi"];
+        args.extend(extra);
+        sluiced_err(&args)
+    };
+    let e = run(&["--backend", "cpu", "--devices", "cuda:0,cuda:1"]);
+    assert!(
+        e.contains("--devices: the CPU backend is one device"),
+        "{e}"
+    );
+    let e = run(&["--devices", "gpu1,gpu2"]);
+    assert!(e.contains("\"gpu1\" is not a device"), "{e}");
+    let e = run(&["--backend", "cpu", "--split", "1,1"]);
+    assert!(e.contains("give the devices too"), "{e}");
 }
 
 #[test]

@@ -112,14 +112,23 @@ fn cpu_runner_as(
     let mut input = cpu.plan_input(store.manifest(), input, &io, threads);
     input.host.unified = unified;
     let plan = plan_within_host(store.manifest(), &mut input)?;
-    let backend = if unified {
+    let setup = |b: CpuBackend| {
+        b.set_int8_activations(!input.opts.exact);
+        b.reserve_scratch(&input.opts.scratch_shape(&store.manifest().arch));
+        b
+    };
+    let backend = setup(if unified {
         CpuBackend::new(plan.device_budget, threads)?
     } else {
         CpuBackend::new_discrete(plan.device_budget, threads)?
-    };
-    backend.set_int8_activations(!input.opts.exact);
-    backend.reserve_scratch(&input.opts.scratch_shape(&store.manifest().arch));
-    Ok(Pipeline::new(backend, store, plan, input.opts, io, run)?)
+    });
+    // The devices beside it (tests of `--devices`): each a discrete CPU of its budget.
+    let others = (plan.devices.iter())
+        .map(|d| Ok(setup(CpuBackend::new_discrete(d.budget, threads)?)))
+        .collect::<Result<Vec<_>, EngineError>>()?;
+    let mut p = Pipeline::new(backend, store, plan, input.opts, io, run)?;
+    p.add_devices(others)?;
+    Ok(p)
 }
 
 /// Tokens per prefill step the planner may lower the chunk to when the host budget is short.
@@ -348,6 +357,70 @@ pub fn choose_backend(choice: BackendChoice, device: usize) -> Result<Chosen, En
     }
 }
 
+/// `--devices` as ordinals: "cuda:N" (or "N") each, no device twice.
+pub fn parse_devices(list: &[String]) -> Result<Vec<usize>, EngineError> {
+    let mut out = Vec::with_capacity(list.len());
+    for d in list {
+        let n = d.strip_prefix("cuda:").unwrap_or(d);
+        let ordinal: usize = n.parse().map_err(|_| {
+            EngineError::Invalid(format!(
+                "--devices: {d:?} is not a device; name CUDA devices as cuda:0,cuda:1"
+            ))
+        })?;
+        if out.contains(&ordinal) {
+            return Err(EngineError::Invalid(format!(
+                "--devices names cuda:{ordinal} twice"
+            )));
+        }
+        out.push(ordinal);
+    }
+    Ok(out)
+}
+
+/// The plan's inputs for the devices beside the first (`--devices` after its first
+/// entry) on the chosen backend: each probed, its budget its free memory less the
+/// headroom; and the split, as given (`--split`) or in proportion to the budgets, the
+/// first device's `first_budget` first.
+pub fn other_devices(
+    chosen: &Chosen,
+    ordinals: &[usize],
+    split: &[f64],
+    first_budget: Option<u64>,
+) -> Result<(Vec<crate::plan::DeviceInput>, Vec<f64>), EngineError> {
+    if ordinals.is_empty() {
+        if !split.is_empty() {
+            return Err(EngineError::Invalid(
+                "--split shares the layers among --devices: give the devices too".into(),
+            ));
+        }
+        return Ok((Vec::new(), Vec::new()));
+    }
+    let Chosen::Cuda(first) = chosen else {
+        return Err(EngineError::Invalid(
+            "--devices: the CPU backend is one device, the host; several devices are GPUs (--backend cuda)".into(),
+        ));
+    };
+    let mut devices = Vec::with_capacity(ordinals.len());
+    for &o in ordinals {
+        let info =
+            cuda_usable(o).map_err(|e| EngineError::Invalid(format!("--devices cuda:{o}: {e}")))?;
+        devices.push(crate::plan::DeviceInput {
+            name: format!("cuda:{o} ({})", info.name),
+            ordinal: o,
+            budget: cuda_default_budget(&info),
+            reserved: 0,
+        });
+    }
+    let split = match split.is_empty() {
+        false => split.to_vec(),
+        true => std::iter::once(first_budget.unwrap_or_else(|| cuda_default_budget(first)))
+            .chain(devices.iter().map(|d| d.budget))
+            .map(|b| b as f64)
+            .collect(),
+    };
+    Ok((devices, split))
+}
+
 /// What to do with pipelines on whichever backend was chosen. A trait rather than a
 /// closure because the body is generic over the backend type.
 /// Plans memory for a store's pipeline on the chosen backend and builds it (`on_backend`).
@@ -430,6 +503,9 @@ impl Chosen {
             }
             Chosen::Cuda(info) => {
                 input.backend_reserved = self.scratch_bytes(m, &input.opts);
+                for d in &mut input.host.devices {
+                    d.reserved = input.backend_reserved;
+                }
                 if input.device_budget.is_none() {
                     input.device_budget = Some(cuda_default_budget(info));
                 }
@@ -500,12 +576,15 @@ pub fn cuda_runner(
     let m = store.manifest();
     let mut input = Chosen::Cuda(info.clone()).plan_input(m, input, &io, 0);
     let plan = plan_within_host(m, &mut input)?;
-    let backend = CudaBackend::new(
-        info.ordinal,
-        plan.device_bytes(),
-        &input.opts.scratch_shape(&m.arch),
-    )?;
-    Ok(Pipeline::new(backend, store, plan, input.opts, io, run)?)
+    let shape = input.opts.scratch_shape(&m.arch);
+    let backend = CudaBackend::new(info.ordinal, plan.device_bytes(), &shape)?;
+    // The devices beside it (`--devices`): each holds its span (`plan::devices`).
+    let others = (plan.devices.iter().zip(&input.host.devices))
+        .map(|(span, d)| CudaBackend::new(d.ordinal, span.total(), &shape))
+        .collect::<Result<Vec<_>, _>>()?;
+    let mut p = Pipeline::new(backend, store, plan, input.opts, io, run)?;
+    p.add_devices(others)?;
+    Ok(p)
 }
 
 #[cfg(test)]

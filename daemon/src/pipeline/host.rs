@@ -1,47 +1,63 @@
-//! Decoder layers computed on the host CPU beside the device (`Plan::cpu_layers`, the
-//! first ones: llama.cpp's `-ngl` habit, `--cpu-layers`): their weights are read once
-//! into the host backend's arena, their KV cache lives there (`Decoder::new_part`), and
-//! the step's hidden state crosses where the place changes — after the embedding to the
-//! host, after the last host layer back to the device. Every other unit runs as planned.
+//! Decoder layers computed on another backend beside the device: the first ones on the
+//! host CPU (`Plan::cpu_layers`: llama.cpp's `-ngl` habit, `--cpu-layers`), later spans on
+//! other devices (`Plan::devices`, `--devices`). Each is a `Part`: its weights read once
+//! into its backend, its layers' KV cache there (`Decoder::new_part`), and the step's
+//! hidden state crossing where the place changes — from the device before the part's
+//! first layer, back after its last. Every other unit runs as planned.
 
 use super::{Pipeline, PipelineError};
-use crate::backend::cpu::{CpuBackend, CpuMem};
+use crate::backend::cpu::CpuBackend;
 use crate::backend::Backend;
 use crate::io::IoError;
 use crate::model::{Decoder, ModelOptions};
-use crate::plan::{Placement, Plan};
+use crate::plan::Plan;
 use crate::store::Store;
 
-pub(super) struct HostPart {
-    pub(super) backend: CpuBackend,
-    pub(super) model: Decoder<CpuBackend>,
-    /// Per unit, its weights where the host computes it.
-    weights: Vec<Option<CpuMem>>,
-    /// The units it computes: decoder layers 0 .. cpu_layers (units 1 ..= cpu_layers).
+/// Layers computed on the host CPU.
+pub(super) type HostPart = Part<CpuBackend>;
+
+pub(super) struct Part<C: Backend> {
+    pub(super) backend: C,
+    pub(super) model: Decoder<C>,
+    /// Per unit, its weights where this part computes it.
+    weights: Vec<Option<C::Mem>>,
+    /// The units it computes: decoder layers `layers` (units `start + 1 ..= end`).
     units: std::ops::RangeInclusive<usize>,
     /// The hidden state on its way across (f32, and its bytes).
     across: Vec<f32>,
     bytes: Vec<u8>,
 }
 
-impl HostPart {
-    /// The host part of `plan` (None when it computes no layer on the host): its backend
-    /// on `threads` threads within the plan's arena, its decoder, its layers' weights.
+/// The host part of `plan` (None when it computes no layer on the host): its backend on
+/// `threads` threads within the plan's arena.
+pub(super) fn host_part(
+    store: &Store,
+    plan: &Plan,
+    opts: ModelOptions,
+    threads: usize,
+) -> Result<Option<HostPart>, PipelineError> {
+    if plan.cpu_layers == 0 {
+        return Ok(None);
+    }
+    let backend = CpuBackend::new(plan.cpu_arena_bytes(), threads)?;
+    backend.set_int8_activations(!opts.exact);
+    backend.reserve_scratch(&opts.scratch_shape(&store.manifest().arch));
+    Part::new(store, backend, opts, 0..plan.cpu_layers).map(Some)
+}
+
+impl<C: Backend> Part<C> {
+    /// The part computing decoder `layers` on `backend` (set up for the model's numerics
+    /// and scratch): its KV cache and workspace first, as the plan counts them, then the
+    /// layers' weights read once into it.
     pub(super) fn new(
         store: &Store,
-        plan: &Plan,
+        backend: C,
         opts: ModelOptions,
-        threads: usize,
-    ) -> Result<Option<HostPart>, PipelineError> {
-        if plan.cpu_layers == 0 {
-            return Ok(None);
-        }
-        let backend = CpuBackend::new(plan.cpu_arena_bytes(), threads)?;
-        backend.set_int8_activations(!opts.exact);
+        layers: std::ops::Range<usize>,
+    ) -> Result<Part<C>, PipelineError> {
         let m = store.manifest();
-        backend.reserve_scratch(&opts.scratch_shape(&m.arch));
-        // KV cache and workspace first, as the plan counts them.
-        let model = Decoder::new_part(&backend, m, opts, 0..plan.cpu_layers)?;
+        let model = Decoder::new_part(&backend, m, opts, layers.clone())?;
+        let units = layers.start + 1..=layers.end;
         let data = |e| PipelineError::Io(IoError::Data(e));
         let file = store.open_weights().map_err(data)?;
         let mut dec = store
@@ -53,31 +69,37 @@ impl HostPart {
                     e,
                 ))
             })?;
-        let mut stored = Vec::new();
+        let (mut stored, mut raw) = (Vec::new(), Vec::new());
         let mut weights = Vec::with_capacity(store.units().len());
         for (u, unit) in store.units().iter().enumerate() {
-            if plan.placement(u) != Placement::Host {
+            if !units.contains(&u) {
                 weights.push(None);
                 continue;
             }
-            let mut mem =
-                backend.alloc(unit.raw_len as usize, &format!("weights of {}", unit.kind))?;
-            let dst = backend
-                .host_bytes_mut(&mut mem)
-                .expect("the host backend's memory is host bytes");
-            store
-                .read_unit(&file, u, &mut stored, dst, &mut dec)
-                .map_err(data)?;
+            let len = unit.raw_len as usize;
+            let mut mem = backend.alloc(len, &format!("weights of {}", unit.kind))?;
+            match backend.host_bytes_mut(&mut mem) {
+                Some(dst) => store
+                    .read_unit(&file, u, &mut stored, dst, &mut dec)
+                    .map_err(data)?,
+                None => {
+                    raw.resize(len, 0);
+                    store
+                        .read_unit(&file, u, &mut stored, &mut raw, &mut dec)
+                        .map_err(data)?;
+                    backend.upload(&mut mem, &raw)?;
+                }
+            }
             weights.push(Some(mem));
         }
-        Ok(Some(HostPart {
+        Ok(Part {
             backend,
             model,
             weights,
-            units: 1..=plan.cpu_layers,
+            units,
             across: Vec::new(),
             bytes: Vec::new(),
-        }))
+        })
     }
 
     /// Whether unit `u` runs here.
@@ -114,6 +136,27 @@ impl HostPart {
 }
 
 impl<B: Backend> Pipeline<B> {
+    /// Builds the spans of the devices beside this one (`Plan::devices`), on `backends`,
+    /// one per device in order: each holds its span's weights, KV cache and workspace.
+    pub fn add_devices(&mut self, backends: Vec<B>) -> Result<(), PipelineError> {
+        assert_eq!(
+            backends.len(),
+            self.plan.devices.len(),
+            "one backend per device the plan places layers on"
+        );
+        let opts = *self.model.options();
+        for (b, d) in backends.into_iter().zip(self.plan.devices.clone()) {
+            self.others
+                .push(Part::new(&self.store, b, opts, d.layers.clone())?);
+        }
+        Ok(())
+    }
+
+    /// The backends of the devices beside this one (`add_devices`), in order.
+    pub fn other_backends(&self) -> impl Iterator<Item = &B> {
+        self.others.iter().map(|p| &p.backend)
+    }
+
     /// Tokens routed to each expert of each layer so far, into `out` (its room kept from
     /// step to step): each part counts its own layers (`Decoder::expert_tokens`, zeros
     /// elsewhere), so their sum is the model's.
@@ -126,10 +169,12 @@ impl<B: Backend> Pipeline<B> {
                 o.copy_from_slice(d);
             }
         }
-        let Some(h) = &self.host else { return };
-        for (o, x) in out.iter_mut().zip(h.model.expert_tokens()) {
-            for (o, x) in o.iter_mut().zip(x) {
-                *o += x;
+        let parts = self.host.iter().map(|h| h.model.expert_tokens());
+        for counts in parts.chain(self.others.iter().map(|p| p.model.expert_tokens())) {
+            for (o, x) in out.iter_mut().zip(counts) {
+                for (o, x) in o.iter_mut().zip(x) {
+                    *o += x;
+                }
             }
         }
     }

@@ -1,7 +1,8 @@
 //! The KV cache across a pipeline's placements: a slot given back, a prefix copied from
 //! one slot to another, blocks of positions copied out to the host and back (the prefix
-//! cache's tiers). With layers computed on the host (`Plan::cpu_layers`) each part holds
-//! its own layers' KV, the host's first in a block's layer order.
+//! cache's tiers). With layers computed elsewhere (`Plan::cpu_layers` on the host,
+//! `Plan::devices` on other devices) each part holds its own layers' KV; a block holds
+//! them in layer order: the host's, this device's, then each other device's.
 
 use super::Pipeline;
 use crate::backend::Backend;
@@ -15,12 +16,15 @@ impl<B: Backend> Pipeline<B> {
             .as_ref()
             .is_none_or(|h| h.model.can_resume(pos, written))
             && self.model.can_resume(pos, written)
+            && self.others.iter().all(|p| p.model.can_resume(pos, written))
     }
 
     /// Bytes of KV cache the first `n` positions of a slot take, every part's layers
     /// (`Decoder::kv_bytes`).
     pub fn kv_bytes(&self, n: usize) -> u64 {
-        self.host.as_ref().map_or(0, |h| h.model.kv_bytes(n)) + self.model.kv_bytes(n)
+        self.host.as_ref().map_or(0, |h| h.model.kv_bytes(n))
+            + self.model.kv_bytes(n)
+            + self.others.iter().map(|p| p.model.kv_bytes(n)).sum::<u64>()
     }
 
     /// Gives back the memory of `slot`'s KV cache, whose sequence is over
@@ -30,7 +34,10 @@ impl<B: Backend> Pipeline<B> {
             .host
             .as_mut()
             .map_or(0, |h| h.model.discard_slot(&h.backend, slot));
-        host + self.model.discard_slot(&self.backend, slot)
+        let others: usize = (self.others.iter_mut())
+            .map(|p| p.model.discard_slot(&p.backend, slot))
+            .sum();
+        host + others + self.model.discard_slot(&self.backend, slot)
     }
 
     /// Copies the KV of `positions` from slot `from` (written up to `written`) to slot `to`
@@ -45,6 +52,10 @@ impl<B: Backend> Pipeline<B> {
             h.model
                 .copy_kv(&h.backend, slots, positions.clone(), written);
         }
+        for p in &mut self.others {
+            p.model
+                .copy_kv(&p.backend, slots, positions.clone(), written);
+        }
         self.model.copy_kv(&self.backend, slots, positions, written);
     }
 
@@ -55,22 +66,30 @@ impl<B: Backend> Pipeline<B> {
         positions: std::ops::Range<usize>,
         written: usize,
     ) -> (Vec<bool>, Vec<u8>) {
-        // Layer order: the host's layers (the first ones), then the device's.
+        // Layer order: the host's layers (the first ones), this device's, the others'.
         let (mut held, mut bytes) = match &self.host {
             Some(h) => h
                 .model
                 .export_kv(&h.backend, slot, positions.clone(), written),
             None => (Vec::new(), Vec::new()),
         };
-        let (dev_held, dev_bytes) = self
+        let mut add = |(h, b): (Vec<bool>, Vec<u8>)| {
+            held.extend(h);
+            bytes.extend(b);
+        };
+        add(self
             .model
-            .export_kv(&self.backend, slot, positions, written);
-        held.extend(dev_held);
-        bytes.extend(dev_bytes);
+            .export_kv(&self.backend, slot, positions.clone(), written));
+        for p in &self.others {
+            add(p
+                .model
+                .export_kv(&p.backend, slot, positions.clone(), written));
+        }
         (held, bytes)
     }
 
-    /// Writes a block `export_kv` gave back into `slot` (`Decoder::import_kv`).
+    /// Writes a block `export_kv` gave back into `slot` (`Decoder::import_kv`), each part
+    /// its own layers' share of it.
     pub fn import_kv(
         &mut self,
         slot: usize,
@@ -78,35 +97,56 @@ impl<B: Backend> Pipeline<B> {
         block: (&[bool], &[u8]),
         want: &[bool],
     ) -> Result<(), ModelError> {
-        let (held, bytes) = block;
-        let Some(h) = &mut self.host else {
+        if self.host.is_none() && self.others.is_empty() {
             return self
                 .model
                 .import_kv(&self.backend, slot, positions, block, want);
-        };
-        // The host's layers first (`export_kv`), their bytes those of the layers held.
-        let n = self.plan.cpu_layers.min(held.len());
+        }
         let per_layer = positions.len() * self.model.kv_position_bytes();
-        let cut = (held[..n].iter().filter(|&&x| x).count() * per_layer).min(bytes.len());
-        let (want_host, want_dev) = want.split_at(n.min(want.len()));
-        h.model.import_kv(
-            &h.backend,
-            slot,
-            positions.clone(),
-            (&held[..n], &bytes[..cut]),
-            want_host,
-        )?;
-        self.model.import_kv(
-            &self.backend,
-            slot,
-            positions,
-            (&held[n..], &bytes[cut..]),
-            want_dev,
-        )
+        let mut cut = Cut {
+            block,
+            want,
+            per_layer,
+        };
+        if let Some(h) = &mut self.host {
+            let (b, w) = cut.take(self.plan.cpu_layers);
+            h.model
+                .import_kv(&h.backend, slot, positions.clone(), b, w)?;
+        }
+        let (b, w) = cut.take(self.model.kv_held_layers());
+        self.model
+            .import_kv(&self.backend, slot, positions.clone(), b, w)?;
+        for p in &mut self.others {
+            let (b, w) = cut.take(p.model.kv_held_layers());
+            p.model
+                .import_kv(&p.backend, slot, positions.clone(), b, w)?;
+        }
+        Ok(())
     }
 
     /// The host CPU backend that computes `Plan::cpu_layers` (None without such layers).
     pub fn host_backend(&self) -> Option<&crate::backend::cpu::CpuBackend> {
         self.host.as_ref().map(|h| &h.backend)
+    }
+}
+
+/// What is left of a block as each part takes its layers' share, in layer order.
+struct Cut<'a> {
+    block: (&'a [bool], &'a [u8]),
+    want: &'a [bool],
+    per_layer: usize,
+}
+
+impl<'a> Cut<'a> {
+    /// The next `layers` layers' share: their flags, the bytes of those held, what is
+    /// wanted of them.
+    fn take(&mut self, layers: usize) -> ((&'a [bool], &'a [u8]), &'a [bool]) {
+        let (held, bytes) = self.block;
+        let n = layers.min(held.len());
+        let len = (held[..n].iter().filter(|&&x| x).count() * self.per_layer).min(bytes.len());
+        let (want, rest) = self.want.split_at(n.min(self.want.len()));
+        self.block = (&held[n..], &bytes[len..]);
+        self.want = rest;
+        ((&held[..n], &bytes[..len]), want)
     }
 }

@@ -74,7 +74,9 @@ pub(super) fn load_kept<B: Backend>(
                 buf.as_mut_slice()[..slot.data().len()].copy_from_slice(slot.data());
                 host_cache[u] = Some(buf);
             }
-            Placement::Streamed | Placement::Host => unreachable!("filtered above"),
+            Placement::Streamed | Placement::Host | Placement::OtherDevice => {
+                unreachable!("filtered above")
+            }
         }
     }
     drop(loader);

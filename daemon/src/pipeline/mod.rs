@@ -204,6 +204,8 @@ pub struct Pipeline<B: Backend> {
     partial_uploads: u64,
     /// The decoder layers the host CPU computes beside the device (`Plan::cpu_layers`).
     host: Option<host::HostPart>,
+    /// The spans of the devices beside this one (`Plan::devices`, `add_devices`).
+    others: Vec<host::Part<B>>,
     last: PassStats,
     total: PassStats,
 }
@@ -304,8 +306,10 @@ impl<B: Backend> Pipeline<B> {
         run: PipelineOptions,
     ) -> Result<Self, PipelineError> {
         let n_layers = store.manifest().arch.n_layers as usize;
-        let model = Decoder::new_part(&backend, store.manifest(), opts, plan.cpu_layers..n_layers)?;
-        let host = host::HostPart::new(&store, &plan, opts, run.cpu_threads)?;
+        // Its layers: after the host's, before the other devices'.
+        let end = plan.devices.first().map_or(n_layers, |d| d.layers.start);
+        let model = Decoder::new_part(&backend, store.manifest(), opts, plan.cpu_layers..end)?;
+        let host = host::host_part(&store, &plan, opts, run.cpu_threads)?;
         let io_cfg = planned_reads(&plan, io_cfg);
         let unified = backend.unified();
         let plan_slots = plan.stream_slots;
@@ -347,7 +351,9 @@ impl<B: Backend> Pipeline<B> {
                 ..io_cfg
             },
         )?;
-        let loads = pass_loads(&plan, &resident, |u| plan.placement(u) == Placement::Host);
+        let loads = pass_loads(&plan, &resident, |u| {
+            matches!(plan.placement(u), Placement::Host | Placement::OtherDevice)
+        });
         let gathered = match resident[0] {
             Some(_) => None,
             None => Some(Gathered::new(
@@ -384,6 +390,7 @@ impl<B: Backend> Pipeline<B> {
             pinned: None,
             partial_uploads: 0,
             host,
+            others: Vec::new(),
             last: PassStats::default(),
             total: PassStats::default(),
         })
@@ -513,10 +520,7 @@ impl<B: Backend> Pipeline<B> {
     }
 
     fn pass(&mut self, steps: &[SeqStep], logits: &mut Vec<f32>) -> Result<(), PipelineError> {
-        self.model.begin(steps)?;
-        if let Some(h) = &mut self.host {
-            h.model.begin(steps)?;
-        }
+        self.begin_parts(steps)?;
         self.moe.begin_pass();
         let t_pass = Instant::now();
         let mut st = PassStats {
@@ -612,9 +616,29 @@ impl<B: Backend> Pipeline<B> {
         Ok(())
     }
 
+    /// Starts a step in every part's decoder: this device's, the host's, the others'.
+    fn begin_parts(&mut self, steps: &[SeqStep]) -> Result<(), PipelineError> {
+        self.model.begin(steps)?;
+        if let Some(h) = &mut self.host {
+            h.model.begin(steps)?;
+        }
+        for p in &mut self.others {
+            p.model.begin(steps)?;
+        }
+        Ok(())
+    }
+
     /// Runs unit `u` on the host CPU where the plan computes it there (`Plan::cpu_layers`);
     /// false where it runs on the device.
     fn on_host(&mut self, u: usize, st: &mut PassStats) -> Result<bool, PipelineError> {
+        if let Some(p) = self.others.iter_mut().find(|p| p.runs(u)) {
+            if !self.opts.skip_compute {
+                let t0 = Instant::now();
+                p.run(u, &self.backend, &mut self.model)?;
+                st.compute_s += t0.elapsed().as_secs_f64();
+            }
+            return Ok(true);
+        }
         let Some(h) = self.host.as_mut().filter(|h| h.runs(u)) else {
             return Ok(false);
         };

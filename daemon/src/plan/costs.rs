@@ -273,6 +273,9 @@ pub(super) struct FixedCosts {
     pub cpu: CpuPart,
     /// `device` and every unit resident.
     pub all_resident: u64,
+    /// The first unit computed on another device (`devices`; past the last decoder layer
+    /// without other devices).
+    pub others_from: usize,
 }
 
 /// What the decoder layers computed on the host CPU hold there (`HostInput::cpu_layers`):
@@ -297,14 +300,20 @@ impl FixedCosts {
     pub fn new(m: &Manifest, input: &super::PlanInput) -> Self {
         let a = &m.arch;
         let (n, cpu_layers) = (a.n_layers as usize, input.host.cpu_layers);
+        // The first device's layers; those after them are other devices' (`devices`).
+        let first = super::devices::first_layers(m, input);
         let on_cpu = |u: usize| (1..=cpu_layers).contains(&u);
-        let kv = 2 * round(kv_cache_bytes_of(a, &input.opts, cpu_layers..n) / 2);
+        let on_other = |u: usize| u > first.end && u <= n;
+        let kv = 2 * round(kv_cache_bytes_of(a, &input.opts, first.clone()) / 2);
         let workspace = round(workspace_bytes(a, &input.opts));
         let backend = round(input.backend_reserved);
         let self_draft = round(input.self_draft_reserved);
-        // A unit computed on the host costs the device nothing.
+        // A unit computed on the host or another device costs this device nothing.
         let raw: Vec<u64> = (m.units.iter().enumerate())
-            .map(|(u, lu)| if on_cpu(u) { 0 } else { round(lu.raw_len) })
+            .map(|(u, lu)| match on_cpu(u) || on_other(u) {
+                true => 0,
+                false => round(lu.raw_len),
+            })
             .collect();
         let cpu = if cpu_layers == 0 {
             CpuPart::default()
@@ -327,6 +336,7 @@ impl FixedCosts {
             raw,
             device,
             cpu,
+            others_from: first.end + 1,
         }
     }
 }

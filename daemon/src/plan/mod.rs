@@ -10,6 +10,7 @@ use crate::model::ModelOptions;
 use crate::store::format::Manifest;
 
 mod costs;
+pub mod devices;
 mod error;
 mod experts;
 mod host;
@@ -21,6 +22,7 @@ mod table;
 
 pub use costs::gather_host_bytes;
 use costs::{FixedCosts, Gather, UnitCosts};
+pub use devices::{DeviceInput, DeviceSpan};
 pub use error::{DeviceBudgetError, HostBudgetError, PlanError};
 use experts::{ExpertReserve, ExpertResidency};
 use host::{HostCache, HostShape, Staging};
@@ -154,6 +156,12 @@ pub struct HostInput {
     pub cpu_layers: usize,
     /// The host CPU backend's own scratch for those layers (`CpuBackend::scratch_bytes`).
     pub cpu_scratch: u64,
+    /// Devices beside the first (`--devices`): each computes a span of the later layers,
+    /// resident within its own budget (`devices::spans`).
+    pub devices: Vec<DeviceInput>,
+    /// The share of the layers after the host's each device computes, the first device's
+    /// first (`--split`; one per device).
+    pub split: Vec<f64>,
 }
 
 /// What the prefix cache's host tier may take (`--kv-cache-host`).
@@ -220,6 +228,8 @@ impl Default for HostInput {
             kv_disk: false,
             cpu_layers: 0,
             cpu_scratch: 0,
+            devices: Vec::new(),
+            split: Vec::new(),
         }
     }
 }
@@ -290,6 +300,8 @@ pub enum Placement {
     HostCached,
     /// Computed on the host CPU from host memory (`HostInput::cpu_layers`).
     Host,
+    /// Computed on a device beside the first, resident there (`Plan::devices`).
+    OtherDevice,
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -316,6 +328,8 @@ pub struct Plan {
     /// and what they hold there: weights, KV cache, a workspace (the host backend's arena,
     /// `cpu_arena_bytes`).
     pub cpu_layers: usize,
+    /// The devices beside the first and the layers each computes (`HostInput::devices`).
+    pub devices: Vec<DeviceSpan>,
     pub cpu_weights_bytes: u64,
     pub cpu_kv_cache_bytes: u64,
     pub cpu_workspace_bytes: u64,
@@ -502,6 +516,7 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
     let h = &input.host;
     warn_past_context(m, &input.opts);
     check_cpu_layers(m, h)?;
+    let devices = devices::spans(m, input)?;
     let fixed = FixedCosts::new(m, input);
     let raw = &fixed.raw;
     // Layers of a mixture that can stream only their routed experts.
@@ -582,7 +597,8 @@ fn plan_once(m: &Manifest, input: &PlanInput, reads_share: u64) -> Result<Plan, 
         kv_host,
         kv_io,
     };
-    let plan = assemble(m, h, &costs, settled);
+    let mut plan = assemble(m, h, &costs, settled);
+    plan.devices = devices;
     // Assert in pairs: the plan fits the budgets it was made for.
     let dev = plan.device_bytes();
     assert!(
@@ -657,6 +673,7 @@ fn assemble(m: &Manifest, h: &HostInput, costs: &UnitCosts, s: Settled) -> Plan 
         device_budget: s.device_budget,
         kv_cache_bytes: fixed.kv,
         cpu_layers: h.cpu_layers,
+        devices: Vec::new(),
         cpu_weights_bytes: fixed.cpu.weights,
         cpu_kv_cache_bytes: fixed.cpu.kv,
         cpu_workspace_bytes: fixed.cpu.workspace,
@@ -725,9 +742,12 @@ fn pass_bytes(m: &Manifest, costs: &UnitCosts, s: &Settled) -> (Vec<UnitPlan>, [
     let mut units = Vec::with_capacity(m.units.len());
     let (mut disk, mut host, mut upload) = (0u64, 0u64, 0u64);
     let on_cpu = |u: usize| (1..=s.fixed.cpu.layers).contains(&u);
+    let on_other = |u: usize| u >= s.fixed.others_from && u <= m.arch.n_layers as usize;
     for (u, lu) in m.units.iter().enumerate() {
         let placement = if on_cpu(u) {
             Placement::Host
+        } else if on_other(u) {
+            Placement::OtherDevice
         } else if resident[u] {
             Placement::Resident
         } else if cached[u] {
@@ -759,7 +779,7 @@ fn pass_bytes(m: &Manifest, costs: &UnitCosts, s: &Settled) -> (Vec<UnitPlan>, [
             (lu.stored_len, lu.raw_len)
         };
         match placement {
-            Placement::Resident | Placement::Host => {}
+            Placement::Resident | Placement::Host | Placement::OtherDevice => {}
             Placement::Streamed => {
                 disk += stored;
                 upload += raw_loaded;

@@ -80,7 +80,7 @@ pub fn predict(m: &Manifest, p: &Plan, rates: &Rates, rows: usize) -> Prediction
                 streamed += 1;
                 device += unit.raw_len;
             }
-            Placement::Resident => device += unit.raw_len,
+            Placement::Resident | Placement::OtherDevice => device += unit.raw_len,
         }
     }
     let cpu_s = rates.cpu.seconds(host, rows);

@@ -104,8 +104,26 @@ impl Plan {
         s
     }
 
-    /// The decoder layers computed on the host CPU, and what they hold there.
+    /// The decoder layers computed on the host CPU, and what they hold there; those of the
+    /// other devices.
     fn cpu_lines(&self, s: &mut String) {
+        for d in &self.devices {
+            line(
+                s,
+                &d.name,
+                format!(
+                    "decoder layers {} .. {} resident: weights {}, KV cache {}, workspace {}, backend {}; {} of {}",
+                    d.layers.start,
+                    d.layers.end.saturating_sub(1),
+                    fmt_bytes(d.weights_bytes),
+                    fmt_bytes(d.kv_cache_bytes),
+                    fmt_bytes(d.workspace_bytes),
+                    fmt_bytes(d.backend_bytes),
+                    fmt_bytes(d.total()),
+                    fmt_bytes(d.budget)
+                ),
+            );
+        }
         if self.cpu_layers == 0 {
             return;
         }
@@ -256,6 +274,7 @@ impl Plan {
     fn unit_runs(&self, s: &mut String) {
         let how = |u: &UnitPlan| match (u.placement, u.pieces) {
             (Placement::Host, _) => "computed on the host CPU".to_string(),
+            (Placement::OtherDevice, _) => "resident on another device".to_string(),
             (p, 0) => format!("{p:?}"),
             (p, n) => format!("{p:?} in {n} pieces"),
         };

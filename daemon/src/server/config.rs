@@ -56,6 +56,13 @@ pub struct ServeConfig {
     /// layers whose predicted pass time at a full batch, `max_batch` rows, is least, from
     /// this machine's rates measured with passes of each model; `sluiced bench-placement`).
     pub placement: String,
+    /// Devices to split each model over, e.g. ["cuda:0", "cuda:1"]: the first streams and
+    /// holds the embedding and head (replaces `device`), each other holds a span of the
+    /// later layers resident within its free memory. Empty: `device` alone.
+    pub devices: Vec<String>,
+    /// Shares of the layers after the host's per device of `devices` (empty: in
+    /// proportion to their memory budgets).
+    pub split: Vec<f64>,
     /// The reference numerics (f32 activations, f32 KV cache).
     pub exact: bool,
     /// KV cache element type, "f16" or "f32" (unset: f16, f32 when exact).
@@ -135,6 +142,8 @@ impl Default for ServeConfig {
             host_memory: None,
             cpu_layers: 0,
             placement: "device".into(),
+            devices: Vec::new(),
+            split: Vec::new(),
             exact: false,
             kv_dtype: None,
             max_batch: 8,

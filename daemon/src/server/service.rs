@@ -516,6 +516,7 @@ fn layers_of(p: &crate::plan::Plan) -> Vec<pb::LayerPlacement> {
                 Placement::Streamed => "streamed",
                 Placement::HostCached => "host-cached",
                 Placement::Host => "cpu",
+                Placement::OtherDevice => "other-device",
             }
             .into(),
             raw_bytes: u.raw_bytes,

@@ -109,6 +109,15 @@ pub struct RunArgs {
     /// bench-placement`).
     #[arg(long, default_value = "device", value_parser = ["device", "auto"])]
     placement: String,
+    /// Devices to split the model over, the first the one that streams and holds the
+    /// embedding and head (e.g. cuda:0,cuda:1; replaces --device): each other device
+    /// holds a span of the later layers resident within its free memory.
+    #[arg(long, value_delimiter = ',')]
+    devices: Vec<String>,
+    /// Shares of the layers after the host's per device of --devices, in order (e.g. 3,1;
+    /// default: in proportion to their memory budgets).
+    #[arg(long, value_delimiter = ',')]
+    split: Vec<f64>,
     /// Layers requested ahead of the one computing.
     #[arg(long)]
     prefetch: Option<usize>,
@@ -288,7 +297,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         || sampling.penalizes()
         || !a.logit_bias.is_empty()
         || a.grammar().is_some();
-    let chosen = placement_backend(&a)?;
+    let chosen = placement_backend(&a, &mut input)?;
     let io = IoConfig::single_stream();
     let job = Generate {
         store: store.clone(),
@@ -449,18 +458,33 @@ impl OnBackend for Generate<'_> {
     }
 }
 
-/// The backend `a` asks for, where its placement flags can be.
-fn placement_backend(a: &RunArgs) -> Result<sluice::engine::Chosen> {
+/// The backend `a` asks for, where its placement flags can be, with its devices beside
+/// the first in `input`.
+fn placement_backend(
+    a: &RunArgs,
+    input: &mut sluice::plan::PlanInput,
+) -> Result<sluice::engine::Chosen> {
     if a.placement == "auto" && a.cpu_layers > 0 {
         bail!(
             "--placement auto chooses the host layers itself: leave out --cpu-layers {}",
             a.cpu_layers
         );
     }
-    let chosen = sluice::engine::choose_backend(a.backend, a.device)?;
+    let first = match sluice::engine::parse_devices(&a.devices)?.first() {
+        Some(&d) => d,
+        None => a.device,
+    };
+    let chosen = sluice::engine::choose_backend(a.backend, first)?;
     if let (sluice::engine::Chosen::Cpu { .. }, "auto") = (&chosen, a.placement.as_str()) {
         bail!("--placement auto places layers between the host CPU and a GPU: the CPU backend computes every layer on the host already (give --backend cuda, or leave it out)");
     }
+    let ordinals = sluice::engine::parse_devices(&a.devices)?;
+    (input.host.devices, input.host.split) = sluice::engine::other_devices(
+        &chosen,
+        ordinals.get(1..).unwrap_or_default(),
+        &a.split,
+        a.device_memory,
+    )?;
     Ok(chosen)
 }
 

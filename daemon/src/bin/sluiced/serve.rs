@@ -22,6 +22,21 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tonic::service::interceptor::InterceptedService;
 
+/// The backend `cfg` asks for (on the first of its `devices`), where its placement can be.
+fn backend_of(cfg: &ServeConfig) -> Result<sluice::engine::Chosen> {
+    let first = match sluice::engine::parse_devices(&cfg.devices)?.first() {
+        Some(&d) => d,
+        None => cfg.device,
+    };
+    let chosen = sluice::engine::choose_backend(cfg.backend, first)?;
+    if let sluice::engine::Chosen::Cpu { .. } = chosen {
+        if cfg.placement == "auto" || cfg.cpu_layers > 0 {
+            bail!("placement \"auto\" and cpu_layers place layers between the host CPU and a GPU: the CPU backend computes every layer on the host already (give --backend cuda, or leave them out)");
+        }
+    }
+    Ok(chosen)
+}
+
 /// Builds the pipeline on the chosen backend and starts the scheduler's engine thread.
 struct StartScheduler {
     store: Arc<Store>,
@@ -102,6 +117,8 @@ struct ModelLoader {
     templates: Arc<sluice::text::sandbox::TemplateSandbox>,
     /// The prefix cache's disk tier, shared by the models.
     kv_disk: Option<Arc<sluice::engine::kv_disk::DiskTier>>,
+    /// The devices beside the first and the split (`devices`, `split`).
+    devices: (Vec<sluice::plan::DeviceInput>, Vec<f64>),
 }
 
 impl ModelLoader {
@@ -111,7 +128,15 @@ impl ModelLoader {
         metrics: Arc<Metrics>,
         limits: RequestLimits,
     ) -> Result<ModelLoader> {
+        let ordinals = sluice::engine::parse_devices(&cfg.devices)?;
+        let devices = sluice::engine::other_devices(
+            &chosen,
+            ordinals.get(1..).unwrap_or_default(),
+            &cfg.split,
+            cfg.device_memory.map(|b| b.0),
+        )?;
         Ok(ModelLoader {
+            devices,
             cfg: cfg.clone(),
             chosen,
             metrics,
@@ -166,6 +191,8 @@ impl ModelLoader {
                 },
                 kv_disk: cfg.prefix_cache && cfg.kv_cache_dir.is_some(),
                 cpu_layers: cfg.cpu_layers,
+                devices: self.devices.0.clone(),
+                split: self.devices.1.clone(),
                 ..sluice::engine::host_input(cfg.host_memory.map(|b| b.0), 0)
             },
         }
@@ -296,8 +323,7 @@ impl ModelLoader {
                 queue_max: cfg.queue_max,
                 prefix_cache: cfg.prefix_cache,
                 kv_tiers: sluice::engine::kv_tiers::TierConfig {
-                    // Set from the plan once it is made.
-                    host_bytes: 0,
+                    host_bytes: 0, // set from the plan once it is made
                     disk: self.kv_disk.clone(),
                 },
             },
@@ -447,12 +473,7 @@ pub fn serve(cfg: ServeConfig) -> Result<()> {
     );
     let listen = addresses(&cfg, &keys)?;
     // Before anything binds: a backend that cannot be had fails the start at once.
-    let chosen = sluice::engine::choose_backend(cfg.backend, cfg.device)?;
-    if let sluice::engine::Chosen::Cpu { .. } = chosen {
-        if cfg.placement == "auto" || cfg.cpu_layers > 0 {
-            bail!("placement \"auto\" and cpu_layers place layers between the host CPU and a GPU: the CPU backend computes every layer on the host already (give --backend cuda, or leave them out)");
-        }
-    }
+    let chosen = backend_of(&cfg)?;
     let metrics = Arc::new(Metrics::default());
     let public = Public {
         health: cfg.public_paths.iter().any(|p| p == "/health"),

@@ -79,6 +79,15 @@ pub struct ServeArgs {
     /// rates measured with passes of each model and kept in $SLUICE_CACHE/placement).
     #[arg(long)]
     pub placement: Option<String>,
+    /// Devices to split each model over, the first the one that streams and holds the
+    /// embedding and head (e.g. cuda:0,cuda:1; replaces --device): each other device
+    /// holds a span of the later layers resident within its free memory.
+    #[arg(long, value_delimiter = ',')]
+    pub devices: Option<Vec<String>>,
+    /// Shares of the layers after the host's per device of --devices, in order (e.g. 3,1;
+    /// default: in proportion to their memory budgets).
+    #[arg(long, value_delimiter = ',')]
+    pub split: Option<Vec<f64>>,
     /// Sequences in one pass over the weights, i.e. KV-cache slots (default 8).
     #[arg(long)]
     pub max_batch: Option<usize>,
@@ -195,6 +204,9 @@ impl ServeArgs {
             max_context,
             batch_tokens,
             cpu_layers,
+            placement,
+            devices,
+            split,
             queue_max,
             threads,
             shutdown_grace_s,
@@ -209,9 +221,6 @@ impl ServeArgs {
         );
         if self.kv_cache_dir.is_some() {
             c.kv_cache_dir = self.kv_cache_dir;
-        }
-        if let Some(p) = self.placement {
-            c.placement = p;
         }
         sluice::server::config::parse_kv_host(&c.kv_cache_host).map_err(anyhow::Error::msg)?;
         if self.draft.is_some() {

@@ -83,6 +83,11 @@ impl<B: Backend> Decoder<B> {
     }
 
     /// Bytes one position's K and V take in one layer.
+    /// How many decoder layers this decoder holds the KV cache of (`Decoder::new_part`).
+    pub fn kv_held_layers(&self) -> usize {
+        self.kv_held.len()
+    }
+
     pub fn kv_position_bytes(&self) -> usize {
         2 * self.shape.kv_heads * self.shape.head_dim * self.opts.kv_dtype.bytes()
     }
