@@ -2,14 +2,16 @@
 //! model itself (`calibrate`), and `sluiced bench-placement`: every placement that fits,
 //! its predicted pass time beside the one measured.
 //!
-//! Three pipelines' passes, each the fastest of two: the planned placement with no host
+//! Two pipelines' passes, each the fastest of two or three: the planned placement with no host
 //! layers streaming alone (`Pipeline::set_skip_compute`: the bytes it uploads over the
-//! time, disk, decompression and copy together); the same computing, at one row and at
-//! `rows` rows (a prompt chunk), for the device's rate over the weights it computes; and
-//! one with its first layer on the host, for the host CPU's. The device's compute is the
-//! pass's `compute_s`: on a synchronous backend (the CPU's) the compute itself; on CUDA
-//! the time the host spends enqueueing it, less than the device's, which at the rows a
-//! pass carries is far below the streaming it waits for.
+//! time, disk, decompression and copy together), and computing as well (how much of the
+//! shorter hides behind the longer: `Rates::overlap`); then, with nothing streaming beside the
+//! compute (the device's budget as large as it may be), a quarter of the layers on the
+//! host, at one row and at `rows` rows (a prompt chunk): the device's rate over the
+//! weights it computes and the host CPU's over its layers. The device's compute is the
+//! pass's `compute_s` less the host's: on a synchronous backend (the CPU's) the compute
+//! itself; on CUDA the time the host spends enqueueing it, less than the device's, which
+//! at the rows a pass carries is far below the streaming it waits for.
 //!
 //! The rates are kept in `$SLUICE_CACHE/placement/` (`cached_rates`), one file per store
 //! (its manifest's hash), backend, device and numerics, so a restart does not measure
@@ -78,29 +80,42 @@ pub fn calibrate<B: Backend>(
     i.host.cpu_layers = 0;
     let mut r = make(&i)?;
     pass(&mut r, 1, 1)?;
-    let stream_bytes_per_s = if r.plan.upload_bytes_per_pass > 0 {
+    let (stream_bytes_per_s, overlap) = if r.plan.upload_bytes_per_pass > 0 {
         r.set_skip_compute(true);
-        let s = pass(&mut r, 1, 2)?;
+        let s = pass(&mut r, rows, 2)?;
         r.set_skip_compute(false);
-        s.bytes_uploaded as f64 / s.pass_time_s.max(1e-9)
+        // How much a pass hides of the shorter of its streaming and its compute (at many
+        // rows, where the compute is not lost in the streaming's noise).
+        let p = pass(&mut r, rows, 2)?;
+        let (stream, compute) = (s.pass_time_s, p.compute_s);
+        let hidden = (stream + compute - p.pass_time_s) / stream.min(compute).max(1e-9);
+        (
+            s.bytes_uploaded as f64 / s.pass_time_s.max(1e-9),
+            hidden.clamp(0.0, 1.0),
+        )
     } else {
         // Nothing streams: no placement's prediction has streaming in it.
-        f64::MAX
+        (f64::MAX, 1.0)
     };
-    let (device_bytes, _) = computed_bytes(&r);
-    let (one, many) = (pass(&mut r, 1, 2)?, pass(&mut r, rows, 2)?);
-    let device = ComputeRate::fit(device_bytes, one.compute_s, many.compute_s, rows);
+    let n = r.store.manifest().arch.n_layers as usize;
     drop(r);
-    i.host.cpu_layers = 1;
+    // The compute with nothing streaming beside it (the decompression workers would take
+    // the host's cores): the device as large as it may be, a quarter of the layers (1 to
+    // 8) on the host, where one layer's time would be mostly the part's fixed costs.
+    i.host.cpu_layers = (n / 4).clamp(1, 8).min(n);
+    i.device_budget = None;
     let mut r = make(&i)?;
     pass(&mut r, 1, 1)?;
-    let (_, host_bytes) = computed_bytes(&r);
-    let (one, many) = (pass(&mut r, 1, 2)?, pass(&mut r, rows, 2)?);
+    let (device_bytes, host_bytes) = computed_bytes(&r);
+    let (one, many) = (pass(&mut r, 1, 3)?, pass(&mut r, rows, 3)?);
+    let on_device = |s: &PassStats| s.compute_s - s.host_compute_s;
+    let device = ComputeRate::fit(device_bytes, on_device(&one), on_device(&many), rows);
     let cpu = ComputeRate::fit(host_bytes, one.host_compute_s, many.host_compute_s, rows);
     Ok(Rates {
         stream_bytes_per_s,
         device,
         cpu,
+        overlap,
     })
 }
 

@@ -6,13 +6,15 @@
 //!   cpu    = host layers' weight bytes x (1 / cpu.weights + rows / cpu.rows)
 //!   device = device units' weight bytes x (1 / device.weights + rows / device.rows)
 //!   stream = bytes uploaded per pass / stream rate
-//!   pass   = cpu + max(device, stream - overlap)
+//!   pass   = cpu + device + rest - overlap x min(device, rest)
+//!   rest   = stream - overlap x min(cpu, what the loads requested ahead stream)
 //!
 //! A layer's compute is a pass over its weights (memory-bound at one row) plus arithmetic
 //! that grows with the rows; the two rates are fitted from a pass at one row and one at
 //! many (`engine::placement::calibrate`). The host layers run first in every pass, and the
 //! loads of the first streamed units go on meanwhile: up to `prefetch` of them are already
-//! requested (`overlap`, at most the host's time). So at one row, where a CPU reads its
+//! requested. `overlap` is measured (`Rates::overlap`): 1 where streaming and compute
+//! run on different hardware, less where they share cores. So at one row, where a CPU reads its
 //! DDR faster than NVMe and PCIe deliver, the host layers win; at many rows the CPU's
 //! arithmetic costs more than the streaming it saves, and every layer goes to the device.
 
@@ -58,6 +60,16 @@ pub struct Rates {
     pub device: ComputeRate,
     /// The host CPU's, on the threads it computes host layers with.
     pub cpu: ComputeRate,
+    /// How much of the shorter of streaming and compute hides behind the longer: 1 where
+    /// they run apart (a GPU computing, host cores decompressing), near 0 where they
+    /// share the same cores (the CPU backend on a small machine). Measured from a pass
+    /// against its streaming alone and its compute.
+    #[serde(default = "one")]
+    pub overlap: f64,
+}
+
+fn one() -> f64 {
+    1.0
 }
 
 /// A placement's predicted pass time and its parts (seconds).
@@ -86,15 +98,18 @@ pub fn predict(m: &Manifest, p: &Plan, rates: &Rates, rows: usize) -> Prediction
     let cpu_s = rates.cpu.seconds(host, rows);
     let device_s = rates.device.seconds(device, rows);
     let stream_s = p.upload_bytes_per_pass as f64 / rates.stream_bytes_per_s.max(1.0);
-    // The loads requested ahead go on while the host computes.
+    // The loads requested ahead go on while the host computes; the rest beside the
+    // device's compute, as far as they overlap at all.
+    let o = rates.overlap.clamp(0.0, 1.0);
     let ahead = (p.prefetch as f64 / streamed.max(1) as f64).min(1.0);
-    let overlap = cpu_s.min(stream_s * ahead);
+    let rest = stream_s - o * cpu_s.min(stream_s * ahead);
+    let hidden = o * device_s.min(rest);
     Prediction {
         cpu_layers: p.cpu_layers,
         cpu_s,
         device_s,
         stream_s,
-        pass_s: cpu_s + device_s.max(stream_s - overlap),
+        pass_s: cpu_s + device_s + rest - hidden,
     }
 }
 
@@ -173,6 +188,7 @@ mod tests {
                 weight_bytes_per_s: 60e9,
                 row_bytes_per_s: 20e9,
             },
+            overlap: 1.0,
         }
     }
 

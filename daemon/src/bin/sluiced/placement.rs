@@ -165,12 +165,13 @@ fn plan_input(a: &BenchPlacementArgs, store: &Store, chosen: &Chosen) -> Result<
 fn print_table(r: &PlacementReport) {
     let gb = |x: f64| x / 1e9;
     println!(
-        "rates: streaming {:.2} GB/s; device {:.2} GB/s of weights at one row, {:.2} per row beyond; CPU {:.2} GB/s, {:.2} per row",
+        "rates: streaming {:.2} GB/s; device {:.2} GB/s of weights at one row, {:.2} per row beyond; CPU {:.2} GB/s, {:.2} per row; overlap {:.2}",
         gb(r.rates.stream_bytes_per_s.min(1e18)),
         gb(r.rates.device.weight_bytes_per_s),
         gb(r.rates.device.row_bytes_per_s),
         gb(r.rates.cpu.weight_bytes_per_s),
         gb(r.rates.cpu.row_bytes_per_s),
+        r.rates.overlap,
     );
     println!(
         "{:>5} {:>10} {:>10} {:>10} {:>10} {:>12} {:>12} {:>8}",
