@@ -153,13 +153,17 @@ pub fn resident(store: &crate::store::Store, plan: &crate::plan::Plan) -> Result
 }
 
 /// A draft's plan input beside a target planned with `input`: the same options and
-/// budgets, without verify rows, an expert profile or layers computed on the host.
+/// budgets, without verify rows, an expert profile or layers computed on the host or
+/// other devices.
 pub fn draft_input(input: &crate::plan::PlanInput) -> crate::plan::PlanInput {
     let mut di = input.clone();
     di.opts.verify_rows = 0;
     di.expert_profile = None;
-    // The target's layers computed on the host are its own placement.
+    // The target's layers computed on the host or other devices are its own placement:
+    // the draft stays whole on the first device.
     di.host.cpu_layers = 0;
+    di.host.devices.clear();
+    di.host.split.clear();
     di
 }
 

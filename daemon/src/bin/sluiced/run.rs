@@ -374,8 +374,8 @@ fn draft_source(
         bail!("--placement auto with a draft model or a self-draft is not supported yet: give --cpu-layers N instead");
     }
     Ok(match self_draft::parse(d) {
-        Some(_) if a.cpu_layers > 0 => {
-            bail!("--cpu-layers with a self-draft is not supported yet (the layers on the host have no quantized copy to draft with): give a draft model (--draft STORE) or --draft ngram")
+        Some(_) if a.cpu_layers > 0 || a.devices.len() > 1 => {
+            bail!("--cpu-layers or several --devices with a self-draft is not supported yet (the layers on the host or other devices have no quantized copy to draft with): give a draft model (--draft STORE) or --draft ngram")
         }
         Some(t) => {
             let t = t.map_err(anyhow::Error::msg)?;

@@ -232,8 +232,8 @@ impl ModelLoader {
             );
         }
         if let Some(t) = sluice::engine::self_draft::parse(d) {
-            if cfg.cpu_layers > 0 {
-                bail!("draft {d} with --cpu-layers {} is not supported yet (the layers on the host have no quantized copy to draft with): give a draft model or --draft ngram", cfg.cpu_layers);
+            if cfg.cpu_layers > 0 || cfg.devices.len() > 1 {
+                bail!("draft {d} with cpu_layers or several devices is not supported yet (the layers on the host or other devices have no quantized copy to draft with): give a draft model or --draft ngram");
             }
             let t = t.map_err(anyhow::Error::msg)?;
             let q = crate::util::self_draft_store(store, t, cfg.threads)?;
