@@ -309,27 +309,47 @@ fn the_pipeline_computes_the_first_layers_on_the_host_with_the_outputs_of_one_de
             let least = plan(s.manifest(), &input(&s, Some(4096), cpu_layers))
                 .err()
                 .map_or(0, |e| e.need());
-            let streamed = (least > 0 && least < p.device_bytes()).then_some(least);
-            for budget in [None, streamed]
-                .into_iter()
-                .filter(|b| b.is_some() || cpu_layers > 0)
-            {
-                let mut r = runner(&s, budget, cpu_layers);
-                if budget.is_some() {
-                    assert!(r.plan.layers_streamed() > 0, "{name}: nothing streams");
-                    streamed_runs += 1;
-                }
-                let got = (outputs(&mut r, vocab), batch_of_eight(&mut r, vocab));
-                assert!(
-                    got == want,
-                    "{name}: {cpu_layers} layers on the host, budget {budget:?}: outputs differ"
-                );
-                within_budgets(name, &r);
-            }
+            let what = format!("{name}: {cpu_layers} layers on the host");
+            streamed_runs += as_one_device(
+                &what,
+                (&want, vocab),
+                (least, p.device_bytes(), cpu_layers > 0),
+                |budget| runner(&s, budget, cpu_layers),
+            );
         }
     }
     // Streamed as well as resident, with layers on the host, on most architectures.
     assert!(streamed_runs >= 6, "{streamed_runs} streamed runs");
+}
+
+/// The outputs of one device (`outputs`, `batch_of_eight`).
+type Outputs = ((Vec<u32>, Vec<u32>), Vec<u32>);
+
+/// Runs the pipelines `make` builds for a device budget — none (where `resident`), and the
+/// `least` that runs where that is below `all` the device holds, so that units stream —
+/// each giving `want` and peaking within its budgets. Returns how many streamed.
+fn as_one_device(
+    what: &str,
+    (want, vocab): (&Outputs, u32),
+    (least, all, resident): (u64, u64, bool),
+    make: impl Fn(Option<u64>) -> Pipeline<CpuBackend>,
+) -> usize {
+    let streamed = (least > 0 && least < all).then_some(least);
+    let mut streamed_runs = 0;
+    for budget in [None, streamed]
+        .into_iter()
+        .filter(|b| b.is_some() || resident)
+    {
+        let mut r = make(budget);
+        if budget.is_some() {
+            assert!(r.plan.layers_streamed() > 0, "{what}: nothing streams");
+            streamed_runs += 1;
+        }
+        let got = (outputs(&mut r, vocab), batch_of_eight(&mut r, vocab));
+        assert!(got == *want, "{what}, budget {budget:?}: outputs differ");
+        within_budgets(what, &r);
+    }
+    streamed_runs
 }
 
 /// Every backend of `r` (the device, the host part's, the other devices') peaked within
@@ -717,20 +737,13 @@ fn a_model_split_over_two_devices_and_the_host_gives_the_outputs_of_one_device()
                     sluice::engine::EngineError::Plan(e) => e.need(),
                     e => panic!("{name}: {e}"),
                 });
-            let streamed = (least > 0 && least < p.device_bytes()).then_some(least);
-            for budget in [None, streamed] {
-                let mut r = runner_split(&s, (budget, cpu_layers), &needs, &split).unwrap();
-                if budget.is_some() {
-                    assert!(r.plan.layers_streamed() > 0, "{name}: nothing streams");
-                    streamed_runs += 1;
-                }
-                let got = (outputs(&mut r, vocab), batch_of_eight(&mut r, vocab));
-                assert!(
-                    got == want,
-                    "{name}: split {split:?}, {cpu_layers} on the host, budget {budget:?}: outputs differ"
-                );
-                within_budgets(name, &r);
-            }
+            let what = format!("{name}: split {split:?}, {cpu_layers} on the host");
+            streamed_runs += as_one_device(
+                &what,
+                (&want, vocab),
+                (least, p.device_bytes(), true),
+                |budget| runner_split(&s, (budget, cpu_layers), &needs, &split).unwrap(),
+            );
         }
     }
     assert!(streamed_runs >= 6, "{streamed_runs} streamed runs");

@@ -65,6 +65,26 @@ pub struct BenchStreamArgs {
     pub json: bool,
 }
 
+/// `--weights-budget PCT`'s device budget: KV cache, workspace and slots, and that share of
+/// the weights (`bench_stream::budget_for_weights_share`).
+pub fn weights_share_budget(
+    weights_budget: &str,
+    store: &Store,
+    opts: sluice::model::ModelOptions,
+    prefetch: Option<usize>,
+    chosen: &sluice::engine::Chosen,
+) -> Result<u64> {
+    let pct: f64 = weights_budget
+        .trim_end_matches('%')
+        .parse()
+        .with_context(|| {
+            format!("--weights-budget {weights_budget:?}: expected a percentage like 50%")
+        })?;
+    Ok(bench_stream::budget_for_weights_share(
+        store, opts, prefetch, pct, chosen,
+    )?)
+}
+
 pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
     let BenchStreamArgs {
         dir,
@@ -101,15 +121,13 @@ pub fn run_stream(a: BenchStreamArgs) -> Result<std::process::ExitCode> {
         (Some(b), _) => Some(b),
         (None, Some(_)) => None,
         (None, None) => {
-            let pct: f64 = weights_budget
-                .trim_end_matches('%')
-                .parse()
-                .with_context(|| {
-                    format!("--weights-budget {weights_budget:?}: expected a percentage like 50%")
-                })?;
             let opts = bench_stream::model_options(&batch, prompt_tokens, steps);
-            Some(bench_stream::budget_for_weights_share(
-                &store, opts, prefetch, pct, &chosen,
+            Some(weights_share_budget(
+                &weights_budget,
+                &store,
+                opts,
+                prefetch,
+                &chosen,
             )?)
         }
     };

@@ -4,10 +4,10 @@
 //! device is the CPU acting as a discrete one (`CpuBackend::new_discrete`: streamed units
 //! are copied into its slots, as to a GPU).
 
-use anyhow::{Context, Result};
+use anyhow::Result;
 use sluice::backend::Backend;
 use sluice::engine::placement::{bench, PlacementReport};
-use sluice::engine::{bench_stream, BackendChoice, Chosen, EngineError, OnBackend};
+use sluice::engine::{BackendChoice, Chosen, EngineError, OnBackend};
 use sluice::model::ModelOptions;
 use sluice::plan::PlanInput;
 use sluice::store::Store;
@@ -136,17 +136,7 @@ fn plan_input(a: &BenchPlacementArgs, store: &Store, chosen: &Chosen) -> Result<
     let budget = match a.device_memory {
         Some(b) => b,
         None => {
-            let pct: f64 = a
-                .weights_budget
-                .trim_end_matches('%')
-                .parse()
-                .with_context(|| {
-                    format!(
-                        "--weights-budget {:?}: expected a percentage like 50%",
-                        a.weights_budget
-                    )
-                })?;
-            bench_stream::budget_for_weights_share(store, opts, a.prefetch, pct, chosen)?
+            crate::bench::weights_share_budget(&a.weights_budget, store, opts, a.prefetch, chosen)?
         }
     };
     Ok(PlanInput {
