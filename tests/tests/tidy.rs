@@ -26,7 +26,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("daemon/src/backend/cuda/bench.rs", "run", 153),
     ("daemon/src/backend/cuda/device.rs", "new", 116),
     ("daemon/src/backend/cuda/matmul.rs", "prefill_rows", 101),
-    ("daemon/src/bin/sluiced/bench.rs", "run_stream", 136),
+    ("daemon/src/bin/sluiced/bench.rs", "run_stream", 134),
     ("daemon/src/bin/sluiced/codec.rs", "load", 142),
     ("daemon/src/bin/sluiced/inspect.rs", "print_summary", 143),
     ("daemon/src/bin/sluiced/pack.rs", "run", 113),
