@@ -23,7 +23,7 @@ printed and fails the script).
     python3 scripts/bench_spec.py [--models smollm2,gemma3] [--batch 1,8] [--rounds 2]
         [--decode 96] [--limit-smollm2 192MiB] [--limit-gemma3 320MiB] [--threads 2]
         [--draft-max 8] [--no-llama] [--llama-decode 48] [--llama-kinds summary,code,chat]
-        [--self-draft q8_0,q5_k] [--draft-store q8_0] [--branches 2]
+        [--self-draft q8_0,q5_k] [--draft-store q8_0] [--branches 2] [--engines ngram,self:q4_k]
 
 Drafters: `ngram` (prompt lookup); for each --self-draft TYPE `--draft self:TYPE` (the
 target drafting for itself: the units it keeps resident shared, resident copies of the
@@ -201,6 +201,10 @@ def bench(name, gguf, limit, prompts, a):
         engines.append((f"sluice draft {t}", draft, 0))
         if a.branches:
             engines.append((f"sluice draft {t} tree", draft, a.branches))
+    if a.engines:
+        # Plain sluice stays: every ratio is against it.
+        keep = set(a.engines.split(","))
+        engines = [e for e in engines if e[0] == "sluice" or e[0].removeprefix("sluice ") in keep]
     print(f"\n{name}: {os.path.basename(gguf)}, limit {limit / MIB:.0f} MiB, {a.threads} threads, {len(prompts)} prompts "
           f"({', '.join(str(len(i)) for i in idss)} tokens), {a.decode} greedy tokens each, --draft-max {a.draft_max}")
     for batch in a.batches:
@@ -283,6 +287,9 @@ def main():
                     help="types of separate draft stores of the target (pack --quantize) to run, comma-separated")
     ap.add_argument("--branches", type=int, default=0,
                     help="also run each drafter with token trees of this many branches (--draft-branches)")
+    ap.add_argument("--engines", default="",
+                    help="run only these drafters (as the table names them: ngram, self:q4_k, ngram tree, "
+                         "draft q8_0, ...), comma-separated, beside plain sluice; '' for all")
     ap.add_argument("--no-llama", action="store_true")
     # llama.cpp reads the whole model from disk for every pass under the limit (its mmap's
     # pages are evicted): a few tokens give its rate.

