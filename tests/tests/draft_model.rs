@@ -359,11 +359,13 @@ fn the_daemon_drafts_with_a_model_and_answers_as_without() {
         }
     }
     let st = grpc_status(&own);
+    // Status names the drafter as --draft did.
+    assert_eq!(st["speculative"]["drafter"], "self:q8_0", "{st}");
     let accepted = st["speculative"]["acceptedTokens"].as_str().unwrap_or("0");
     assert!(accepted.parse::<u64>().unwrap_or(0) > 0, "{st}");
     let st = grpc_status(&drafted);
     let spec = &st["speculative"];
-    assert_eq!(spec["drafter"], "model", "{st}");
+    assert_eq!(spec["drafter"], store.to_str().expect("path"), "{st}");
     let count = |k: &str| -> u64 { spec[k].as_str().unwrap_or("0").parse().unwrap_or(0) };
     assert!(count("acceptedTokens") > 0, "{spec}");
     // The draft model's passes and its share of the time.

@@ -245,6 +245,9 @@ pub struct Frontend {
     pub metrics: Arc<Metrics>,
     /// Speculative decoding for every request of this model (`--draft`), or None.
     pub draft: Option<crate::engine::draft::DraftConfig>,
+    /// What drafts, as `--draft` named it: `ngram`, `self:TYPE` or the draft model's store
+    /// ("" without drafting).
+    pub drafter: String,
 }
 
 /// A request `Frontend::check` found valid, tokenized, not yet queued.

@@ -495,7 +495,7 @@ fn speculative_of(
     pass_seconds: f64,
 ) -> pb::Speculative {
     pb::Speculative {
-        drafter: front.draft.map_or(String::new(), |d| d.kind.to_string()),
+        drafter: front.drafter.clone(),
         drafted_tokens: s.drafted_tokens,
         accepted_tokens: s.accepted_tokens,
         tokens_per_step: s.tokens_per_step.to_vec(),

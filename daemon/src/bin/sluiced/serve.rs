@@ -306,8 +306,10 @@ impl ModelLoader {
         let hot = profile
             .as_ref()
             .map(|p| p.hot_set(sluice::pipeline::PROFILE_HOT_SHARE));
+        let chosen = self.drafter_of(dir)?;
         let (draft, draft_store) =
-            self.draft_for(name, self.drafter_of(dir)?, &store, Some(&tokenizer))?;
+            self.draft_for(name, chosen.clone(), &store, Some(&tokenizer))?;
+        let drafter = chosen.filter(|_| draft.is_some()).unwrap_or_default();
         let io = self.io();
         let start = StartScheduler {
             store: store.clone(),
@@ -343,6 +345,7 @@ impl ModelLoader {
             limits: self.limits,
             metrics: self.metrics.clone(),
             draft,
+            drafter,
         });
         let stat = Static::of(name, backend_name, numerics, kv_dtype.to_string(), &plan);
         Ok(Served {
