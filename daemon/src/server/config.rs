@@ -204,7 +204,8 @@ impl ServeConfig {
     /// tree, within the pass's token budget (0 without drafting).
     pub fn verify_rows(&self, draft: Option<&crate::engine::draft::DraftConfig>) -> usize {
         draft.map_or(0, |d| {
-            (self.max_batch * d.rows()).min(self.batch_tokens.saturating_sub(self.max_batch))
+            d.verify_rows(self.max_batch)
+                .min(self.batch_tokens.saturating_sub(self.max_batch))
         })
     }
     /// `read_timeout` parsed: None for "off" (or 0).

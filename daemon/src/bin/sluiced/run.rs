@@ -244,7 +244,7 @@ pub fn run(a: RunArgs) -> Result<std::process::ExitCode> {
         .unwrap_or((m.arch.max_context as usize).min(4096));
     let parallel = a.parallel as usize;
     // Each sequence's drafts, verified a pass.
-    let verify_rows = a.draft().map_or(0, |d| parallel * d.rows());
+    let verify_rows = a.draft().map_or(0, |d| d.verify_rows(parallel));
     let opts = sluice::model::ModelOptions {
         max_context,
         kv_slots: parallel,
