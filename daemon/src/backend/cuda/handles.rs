@@ -21,6 +21,22 @@ pub struct CudaMem {
     pub(super) budget: Arc<MemBudget>,
     /// Events of a streaming slot (made at its first asynchronous upload).
     pub(super) ev: Option<SlotEvents>,
+    /// Its own device allocation, `ptr`, where the backend gives each allocation one
+    /// (`SEPARATE_ALLOCS_ENV`); the arena range is then only counted.
+    pub(super) _own: Option<DeviceAlloc>,
+}
+
+/// Set to 1, the CUDA backend gives every allocation its own cuMemAlloc of exactly its
+/// size instead of a range of the one arena (still counted there, so plans and budgets
+/// are unchanged): compute-sanitizer's memcheck and initcheck then see an access past a
+/// tensor's end as out of bounds, which inside the arena lands in a neighbour unseen.
+/// For the sanitizer runs of `scripts/gpu-check.sh`, not for serving (one allocation per
+/// tensor costs start-up time and the driver's own padding).
+pub const SEPARATE_ALLOCS_ENV: &str = "SLUICE_CUDA_SEPARATE_ALLOCS";
+
+/// Whether `SEPARATE_ALLOCS_ENV` asks for an allocation per tensor.
+pub fn separate_allocs() -> bool {
+    std::env::var(SEPARATE_ALLOCS_ENV).is_ok_and(|v| v == "1")
 }
 
 pub(super) struct SlotEvents {
@@ -128,7 +144,8 @@ pub(super) fn dev_err<'a>(
 pub(super) fn carve(
     arena: &Arc<Mutex<Arena>>,
     budget: &Arc<MemBudget>,
-    base: u64,
+    base: &DeviceAlloc,
+    separate: bool,
     bytes: usize,
     what: &str,
 ) -> Result<CudaMem, BackendError> {
@@ -138,14 +155,46 @@ pub(super) fn carve(
         .map_err(|_| BackendError::Invalid("arena lock poisoned".into()))?
         .alloc(bytes);
     match off {
-        Some(off) => Ok(CudaMem {
-            ptr: base + off as u64,
-            off,
-            len: bytes,
-            arena: arena.clone(),
-            budget: budget.clone(),
-            ev: None,
-        }),
+        Some(off) => {
+            let own = if separate {
+                let alloc = || -> Result<DeviceAlloc, String> {
+                    base.ctx.bind_to_thread().map_err(|e| e.to_string())?;
+                    // SAFETY: a plain device allocation, owned (and freed) by the guard.
+                    let ptr =
+                        unsafe { result::malloc_sync(bytes.max(1)) }.map_err(|e| e.to_string())?;
+                    Ok(DeviceAlloc {
+                        ptr,
+                        ctx: base.ctx.clone(),
+                    })
+                };
+                match alloc() {
+                    Ok(a) => Some(a),
+                    Err(e) => {
+                        if let Ok(mut a) = arena.lock() {
+                            a.free(off, bytes);
+                        }
+                        budget.release(Arena::rounded(bytes) as u64);
+                        return Err(BackendError::Alloc {
+                            what: format!(
+                                "{what} (its own allocation, {SEPARATE_ALLOCS_ENV}=1: {e})"
+                            ),
+                            bytes: bytes as u64,
+                        });
+                    }
+                }
+            } else {
+                None
+            };
+            Ok(CudaMem {
+                ptr: own.as_ref().map_or(base.ptr + off as u64, |a| a.ptr),
+                off,
+                len: bytes,
+                arena: arena.clone(),
+                budget: budget.clone(),
+                ev: None,
+                _own: own,
+            })
+        }
         None => {
             budget.release(Arena::rounded(bytes) as u64);
             Err(BackendError::Alloc {

@@ -19,7 +19,7 @@ mod probe;
 mod upload;
 
 pub use device::{scratch_bytes, CudaBackend};
-pub use handles::CudaMem;
+pub use handles::{CudaMem, SEPARATE_ALLOCS_ENV};
 pub use meta::{index_pairs, SpanRows};
 pub use probe::{driver_present, probe};
 
