@@ -24,7 +24,7 @@ const LONG_FUNCTIONS: &[(&str, &str, usize)] = &[
     ("client/src/chat.rs", "run", 112),
     ("client/src/main.rs", "cmd_status", 119),
     ("daemon/src/backend/cuda/bench.rs", "run", 153),
-    ("daemon/src/backend/cuda/device.rs", "new", 116),
+    ("daemon/src/backend/cuda/device.rs", "new", 110),
     ("daemon/src/backend/cuda/matmul.rs", "prefill_rows", 101),
     ("daemon/src/bin/sluiced/bench.rs", "run_stream", 134),
     ("daemon/src/bin/sluiced/codec.rs", "load", 142),

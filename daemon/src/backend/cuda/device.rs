@@ -12,7 +12,7 @@
 //! for exactly that work.
 
 use super::arena::Arena;
-use super::handles::{carve, dev_err, Blas, CudaMem, CudaPinner, DeviceAlloc, PinnedHost};
+use super::handles::{carve, dev_err, ArenaBase, Blas, CudaMem, CudaPinner, PinnedHost};
 use super::kernels::{Dims, Kernel, KernelTable};
 use super::meta::{
     group_slot_bytes, GroupHost, Meta, MetaKind, SpanMeta, GROUP_META_SLOTS, ROW_META,
@@ -151,9 +151,7 @@ pub struct CudaBackend {
     pub(super) kernels: KernelTable,
     pub(super) blas: Mutex<Blas>,
     pub(super) arena: Arc<Mutex<Arena>>,
-    pub(super) base: DeviceAlloc,
-    /// Every allocation its own (`handles::SEPARATE_ALLOCS_ENV`), the arena only counting.
-    pub(super) separate: bool,
+    pub(super) base: ArenaBase,
     pub(super) budget: Arc<MemBudget>,
     pub(super) layout: Layout,
     /// The metadata's arena range (`Meta` holds its address).
@@ -222,26 +220,11 @@ impl CudaBackend {
         let compute = ctx.new_stream().map_err(dev_err(&dev, "compute stream"))?;
         let copy = ctx.new_stream().map_err(dev_err(&dev, "copy stream"))?;
         let kernels = KernelTable::load(&ctx, &info)?;
-        // With an allocation per tensor the arena only counts: its base is a token one.
-        let separate = super::handles::separate_allocs();
-        let base_bytes = if separate { 1 } else { arena_bytes.max(1) };
-        // SAFETY: a plain device allocation, owned (and freed) by the guard.
-        let base = DeviceAlloc {
-            ptr: unsafe { result::malloc_sync(base_bytes as usize) }.map_err(|e| {
-                BackendError::device(format!("allocating {base_bytes} bytes"), &dev, e)
-            })?,
-            ctx: ctx.clone(),
-        };
-        if separate {
-            tracing::warn!(
-                "{}=1: every device allocation is its own (for compute-sanitizer), not one arena",
-                super::handles::SEPARATE_ALLOCS_ENV
-            );
-        }
+        let base = ArenaBase::new(&ctx, arena_bytes, &dev)?;
         let arena = Arc::new(Mutex::new(Arena::new(arena_bytes as usize)));
         let budget = Arc::new(MemBudget::new(arena_bytes));
         let carve = |bytes: u64, what: &str| -> Result<CudaMem, BackendError> {
-            carve(&arena, &budget, &base, separate, bytes as usize, what)
+            carve(&arena, &budget, &base, bytes as usize, what)
         };
         let meta_dev = carve(layout.meta, "kernel metadata")?;
         let meta_dev_ptr = meta_dev.ptr;
@@ -289,7 +272,6 @@ impl CudaBackend {
             blas: Mutex::new(handle),
             arena,
             base,
-            separate,
             budget,
             layout,
             meta_dev,
@@ -442,14 +424,7 @@ impl Backend for CudaBackend {
     }
 
     fn alloc(&self, bytes: usize, what: &str) -> Result<CudaMem, BackendError> {
-        carve(
-            &self.arena,
-            &self.budget,
-            &self.base,
-            self.separate,
-            bytes,
-            what,
-        )
+        carve(&self.arena, &self.budget, &self.base, bytes, what)
     }
 
     fn mem_len(&self, mem: &CudaMem) -> usize {

@@ -141,14 +141,46 @@ pub(super) fn dev_err<'a>(
     move |e| BackendError::device(what, device, e)
 }
 
+/// The one device allocation the arena's ranges lie in, or, with an allocation per tensor
+/// (`SEPARATE_ALLOCS_ENV`), a token one: the arena then only counts.
+pub(super) struct ArenaBase {
+    pub(super) alloc: DeviceAlloc,
+    pub(super) separate: bool,
+}
+
+impl ArenaBase {
+    /// Allocates `bytes` on `ctx` (device `dev`), or one byte in the separate mode.
+    pub(super) fn new(
+        ctx: &Arc<CudaContext>,
+        bytes: u64,
+        dev: &str,
+    ) -> Result<ArenaBase, BackendError> {
+        let separate = separate_allocs();
+        let n = if separate { 1 } else { bytes.max(1) };
+        // SAFETY: a plain device allocation, owned (and freed) by the guard.
+        let ptr = unsafe { result::malloc_sync(n as usize) }
+            .map_err(|e| BackendError::device(format!("allocating {n} bytes"), dev, e))?;
+        if separate {
+            tracing::warn!("{SEPARATE_ALLOCS_ENV}=1: every device allocation is its own (for compute-sanitizer), not one arena");
+        }
+        Ok(ArenaBase {
+            alloc: DeviceAlloc {
+                ptr,
+                ctx: ctx.clone(),
+            },
+            separate,
+        })
+    }
+}
+
 pub(super) fn carve(
     arena: &Arc<Mutex<Arena>>,
     budget: &Arc<MemBudget>,
-    base: &DeviceAlloc,
-    separate: bool,
+    base: &ArenaBase,
     bytes: usize,
     what: &str,
 ) -> Result<CudaMem, BackendError> {
+    let (separate, base) = (base.separate, &base.alloc);
     budget.reserve(Arena::rounded(bytes) as u64, what)?;
     let off = arena
         .lock()

@@ -268,22 +268,7 @@ impl ModelLoader {
         let cfg = &self.cfg;
         let mut store = Store::open(dir)?;
         let mut tokenizer = Tokenizer::from_manifest(store.manifest())?;
-        // The template: the config's (--chat-template, the pinned model's), else the store
-        // directory's sidecar file, else the one the store was packed with.
-        let sidecar = crate::util::chat_template_sidecar(dir)?;
-        let (template, from) = match (template, sidecar.as_deref()) {
-            (Some(t), _) => (Some(t), "the config (--chat-template)"),
-            (None, Some(t)) => (Some(t), crate::util::CHAT_TEMPLATE_SIDECAR),
-            (None, None) => (store.manifest().chat_template.as_deref(), "the store"),
-        };
-        let template = template.map(str::to_owned);
-        if let Some(t) = &template {
-            let ends = tokenizer.end_turns_of(t);
-            tracing::info!(
-                model = name,
-                "chat template from {from}, generation also ending at tokens {ends:?}"
-            );
-        }
+        let template = template_source(name, dir, template, &store, &mut tokenizer)?;
         let tokenizer = Arc::new(tokenizer);
         store.release_tokenizer_spec();
         let store = Arc::new(store);
@@ -360,6 +345,33 @@ impl ModelLoader {
             engine: Mutex::new(Some(engine)),
         })
     }
+}
+
+/// The chat template of model `name` at `dir`: the config's (`template`: --chat-template,
+/// the pinned model's), else the store directory's sidecar file, else the one the store
+/// was packed with; `tokenizer` also ends generation at its end-of-turn tokens.
+fn template_source(
+    name: &str,
+    dir: &Path,
+    template: Option<&str>,
+    store: &Store,
+    tokenizer: &mut Tokenizer,
+) -> Result<Option<String>> {
+    let sidecar = crate::util::chat_template_sidecar(dir)?;
+    let (template, from) = match (template, sidecar.as_deref()) {
+        (Some(t), _) => (Some(t), "the config (--chat-template)"),
+        (None, Some(t)) => (Some(t), crate::util::CHAT_TEMPLATE_SIDECAR),
+        (None, None) => (store.manifest().chat_template.as_deref(), "the store"),
+    };
+    let template = template.map(str::to_owned);
+    if let Some(t) = &template {
+        let ends = tokenizer.end_turns_of(t);
+        tracing::info!(
+            model = name,
+            "chat template from {from}, generation also ending at tokens {ends:?}"
+        );
+    }
+    Ok(template)
 }
 
 impl Loader for ModelLoader {
