@@ -844,3 +844,71 @@ fn a_placement_that_cannot_be_is_refused() {
         "{e}"
     );
 }
+
+#[test]
+fn status_says_where_each_layer_runs_and_what_auto_weighed() {
+    use sluice::plan::placement::{choose, ComputeRate, Rates};
+    use sluice::server::service::{layers_of, placement_of};
+    let tmp = tempfile::tempdir().unwrap();
+    let s = pack_store(
+        &fixture("tiny-gemma3"),
+        &tmp.path().join("g"),
+        "zstd:1",
+        64 << 10,
+    );
+    let n = s.manifest().arch.n_layers as usize;
+    // One layer on the host, the last ones on a second device.
+    let p = runner_split(&s, (None, 1), &[1 << 30], &[1.0, 1.0])
+        .unwrap()
+        .plan;
+    let st = placement_of(&p, None);
+    assert_eq!((st.mode.as_str(), st.cpu_layers), ("device", 1));
+    let span = &p.devices[0].layers;
+    assert_eq!(st.devices.len(), 1);
+    let d = &st.devices[0];
+    assert_eq!(
+        (d.device.as_str(), d.first_layer as usize, d.layers as usize),
+        ("emulated:1", span.start, span.len())
+    );
+    assert!(span.start > 1 && span.end == n, "{span:?}");
+    assert!(st.candidates.is_empty() && st.rows == 0);
+    // Each unit: the embedding and the layers between on the device, layer 0 on the host,
+    // the span's layers on the other device named, the head on the device.
+    let layers = layers_of(&p);
+    assert_eq!(layers.len(), s.units().len());
+    for (u, l) in layers.iter().enumerate() {
+        let want = match u {
+            1 => "cpu".to_string(),
+            u if u >= 1 && span.contains(&(u - 1)) => "device:emulated:1".to_string(),
+            _ => "resident".to_string(),
+        };
+        assert_eq!(l.placement, want, "unit {u} ({})", l.layer);
+    }
+    // "auto": the choice the planner made on made-up rates (a CPU as fast at these sizes
+    // as the device's stream), every placement it weighed, the chosen one's prediction.
+    let whole = runner(&s, None, 0).plan.device_bytes();
+    let i = input(&s, Some(whole * 3 / 4), 0);
+    let rates = Rates {
+        stream_bytes_per_s: 1e8,
+        device: ComputeRate {
+            weight_bytes_per_s: 1e12,
+            row_bytes_per_s: 1e12,
+        },
+        cpu: ComputeRate {
+            weight_bytes_per_s: 1e10,
+            row_bytes_per_s: 1e10,
+        },
+        overlap: 1.0,
+    };
+    let c = choose(s.manifest(), &i, &rates, 1).unwrap();
+    let st = placement_of(&p, Some(&c));
+    assert_eq!((st.mode.as_str(), st.rows), ("auto", 1));
+    assert_eq!(st.candidates.len(), c.candidates.len());
+    assert!(st.candidates.len() > 1, "{:?}", st.candidates);
+    let chosen = c.chosen().unwrap();
+    assert_eq!(st.predicted_pass_s, chosen.pass_s);
+    assert!(st
+        .candidates
+        .iter()
+        .all(|x| x.predicted_pass_s >= chosen.pass_s));
+}

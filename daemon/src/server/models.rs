@@ -140,6 +140,8 @@ impl StoreInfo {
 pub struct Served {
     pub front: Arc<Frontend>,
     pub plan: Plan,
+    /// Placement "auto"'s choice (None: as configured).
+    pub placement: Option<crate::plan::placement::Choice>,
     pub stat: Static,
     pub backend: String,
     pub numerics: &'static str,

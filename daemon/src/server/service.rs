@@ -394,6 +394,7 @@ impl Inference for Service {
             kv_cache_bytes: p.kv_cache_bytes,
             host_cache_bytes: p.host_cache_bytes,
             layers: layers_of(p),
+            placement: Some(placement_of(p, served.placement.as_ref())),
             layers_resident: p.layers_resident() as u32,
             layers_streamed: p.layers_streamed() as u32,
             bytes_streamed_per_pass: p.upload_bytes_per_pass,
@@ -506,22 +507,59 @@ fn speculative_of(
 }
 
 /// Status's units and where the plan put each.
-fn layers_of(p: &crate::plan::Plan) -> Vec<pb::LayerPlacement> {
+pub fn layers_of(p: &crate::plan::Plan) -> Vec<pb::LayerPlacement> {
     p.units
         .iter()
-        .map(|u| pb::LayerPlacement {
+        .enumerate()
+        .map(|(i, u)| pb::LayerPlacement {
             layer: u.unit.clone(),
             placement: match u.placement {
-                Placement::Resident => "resident",
-                Placement::Streamed => "streamed",
-                Placement::HostCached => "host-cached",
-                Placement::Host => "cpu",
-                Placement::OtherDevice => "other-device",
-            }
-            .into(),
+                Placement::Resident => "resident".into(),
+                Placement::Streamed => "streamed".into(),
+                Placement::HostCached => "host-cached".into(),
+                Placement::Host => "cpu".into(),
+                // Unit i is decoder layer i - 1.
+                Placement::OtherDevice => p
+                    .devices
+                    .iter()
+                    .find(|d| d.layers.contains(&i.wrapping_sub(1)))
+                    .map_or("device".into(), |d| format!("device:{}", d.name)),
+            },
             raw_bytes: u.raw_bytes,
         })
         .collect()
+}
+
+/// Status's placement: the plan's host layers and other devices' spans, and for
+/// placement "auto" (`auto`) the choice and the placements it weighed.
+pub fn placement_of(
+    p: &crate::plan::Plan,
+    auto: Option<&crate::plan::placement::Choice>,
+) -> pb::Placement {
+    pb::Placement {
+        mode: if auto.is_some() { "auto" } else { "device" }.into(),
+        cpu_layers: p.cpu_layers as u32,
+        devices: p
+            .devices
+            .iter()
+            .map(|d| pb::DeviceLayers {
+                device: d.name.clone(),
+                first_layer: d.layers.start as u32,
+                layers: d.layers.len() as u32,
+            })
+            .collect(),
+        rows: auto.map_or(0, |c| c.rows as u32),
+        predicted_pass_s: auto.and_then(|c| c.chosen()).map_or(0.0, |c| c.pass_s),
+        candidates: auto.map_or(Vec::new(), |c| {
+            c.candidates
+                .iter()
+                .map(|c| pb::PlacementCandidate {
+                    cpu_layers: c.cpu_layers as u32,
+                    predicted_pass_s: c.pass_s,
+                })
+                .collect()
+        }),
+    }
 }
 
 /// Status's prefix cache.

@@ -55,7 +55,13 @@ struct StartScheduler {
 }
 
 impl OnBackend for StartScheduler {
-    type Output = (Plan, Scheduler, std::thread::JoinHandle<()>, &'static str);
+    type Output = (
+        Plan,
+        Option<sluice::plan::placement::Choice>,
+        Scheduler,
+        std::thread::JoinHandle<()>,
+        &'static str,
+    );
     fn call<B: Backend + 'static>(
         self,
         make: &sluice::engine::MakePipeline<B>,
@@ -67,18 +73,20 @@ impl OnBackend for StartScheduler {
             sluice::engine::plan_for(&self.chosen, m, i, &self.io, self.threads)
         };
         let mut input = self.input.clone();
+        let mut choice = None;
         if self.auto_placement {
             // A full batch of decode rows: the rows a busy daemon's passes carry.
             let device = self.chosen.device_key();
             let rows = input.opts.kv_slots;
-            input.host.cpu_layers = sluice::engine::placement::auto(
+            let c = sluice::engine::placement::auto(
                 &|i| make(&self.store, i),
                 &self.store,
                 (&device, self.threads),
                 &input,
                 rows,
-            )?
-            .cpu_layers;
+            )?;
+            input.host.cpu_layers = c.cpu_layers;
+            choice = Some(c);
         }
         let (mut runner, draft) = sluice::engine::draft_model::with_draft(
             make,
@@ -102,7 +110,7 @@ impl OnBackend for StartScheduler {
         let mut cfg = self.cfg;
         cfg.kv_tiers.host_bytes = plan.host.kv_cache_host_bytes;
         let (s, e) = Scheduler::start(runner, draft, self.tokenizer, cfg);
-        Ok((plan, s, e, name))
+        Ok((plan, choice, s, e, name))
     }
 }
 
@@ -315,7 +323,7 @@ impl ModelLoader {
                 },
             },
         };
-        let (plan, sched, engine, backend_name) =
+        let (plan, placement, sched, engine, backend_name) =
             sluice::engine::on_backend(&self.chosen, cfg.threads, &io, Default::default(), start)?;
         tracing::info!("{name}: {}\n{}", dir.display(), plan.table());
         let kv_dtype = sluice::engine::kv_dtype_for(cfg.exact, cfg.kv_dtype);
@@ -336,6 +344,7 @@ impl ModelLoader {
         Ok(Served {
             front,
             plan,
+            placement,
             stat,
             backend: backend_name.into(),
             numerics,
