@@ -2,7 +2,7 @@
 //! model itself (`calibrate`), and `sluiced bench-placement`: every placement that fits,
 //! its predicted pass time beside the one measured.
 //!
-//! Two pipelines' passes, each the fastest of two or three: the planned placement with no host
+//! Pipelines' passes, each the fastest of two or three: the planned placement with no host
 //! layers streaming alone (`Pipeline::set_skip_compute`: the bytes it uploads over the
 //! time, disk, decompression and copy together), and computing as well (how much of the
 //! shorter hides behind the longer: `Rates::overlap`); then, with nothing streaming beside the
@@ -11,11 +11,14 @@
 //! weights it computes and the host CPU's over its layers. The device's compute is the
 //! pass's `compute_s` less the host's: on a synchronous backend (the CPU's) the compute
 //! itself; on CUDA the time the host spends enqueueing it, less than the device's, which
-//! at the rows a pass carries is far below the streaming it waits for.
+//! at the rows a pass carries is far below the streaming it waits for. Last, a third
+//! pipeline at the placement whose streaming and compute are predicted closest gives the
+//! overlap where the choice is made (`balance_overlap`).
 //!
 //! The rates are kept in `$SLUICE_CACHE/placement/` (`cached_rates`), one file per store
-//! (its manifest's hash), backend, device and numerics, so a restart does not measure
-//! again: delete the file to measure afresh (a new disk, another load on the machine).
+//! (its manifest's hash), backend, device, numerics and way of measuring, so a restart
+//! does not measure again: delete the file to measure afresh (a new disk, another load on
+//! the machine).
 
 use super::EngineError;
 use crate::backend::Backend;
@@ -158,7 +161,15 @@ fn balance_overlap<B: Backend>(
         return Ok(());
     };
     i.host.cpu_layers = n;
-    let mut r = make(&i)?;
+    // A placement the planner takes and the backend does not (its own reservations): the
+    // overlap measured with everything on the device stands.
+    let mut r = match make(&i) {
+        Ok(r) => r,
+        Err(e) => {
+            tracing::debug!("placement: the overlap at {n} host layers not measured: {e}");
+            return Ok(());
+        }
+    };
     pass(&mut r, 1, 1)?;
     let measured = pass(&mut r, rows, 3)?.pass_time_s;
     // The prediction falls as the overlap grows: the overlap whose prediction is the
@@ -187,14 +198,18 @@ fn balance_overlap<B: Backend>(
     Ok(())
 }
 
+/// How the kept rates were measured: rates kept by an earlier way of measuring are measured
+/// again (2: the overlap at the balanced placement, `balance_overlap`).
+const RATES_VERSION: &str = "r2";
+
 /// What the rates of a store are kept under: its manifest's hash, the backend and device
-/// (`device`, e.g. "cuda0"), the host threads and the numerics.
+/// (`device`, e.g. "cuda0"), the host threads, the numerics and `RATES_VERSION`.
 pub fn rates_key(store: &crate::store::Store, device: &str, threads: usize, exact: bool) -> String {
     let manifest = std::fs::read(store.dir().join(crate::store::format::MANIFEST_FILE))
         .map(|b| crate::util::xxh3(&b))
         .unwrap_or(0);
     let numerics = if exact { "exact" } else { "fast" };
-    format!("{manifest:016x}-{device}-{threads}t-{numerics}")
+    format!("{manifest:016x}-{device}-{threads}t-{numerics}-{RATES_VERSION}")
 }
 
 /// The rates kept under `key` in `cache` (`util::cache_root`), else measured now
