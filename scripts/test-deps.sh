@@ -36,6 +36,7 @@ fi
 command -v curl >/dev/null || need_apt curl curl
 # g++ builds tests/emulator/cuda_emu.cpp, which runs the CUDA kernels on the CPU.
 command -v g++ >/dev/null || need_apt g++ g++
+command -v flock >/dev/null || need_apt "flock (util-linux)" util-linux
 if [ "$slurm" = 1 ]; then
   # deploy/slurm-batch.sh runs on a real one-machine cluster (tests/tests/slurm.rs), as root.
   for tool in munged slurmctld slurmd sbatch; do

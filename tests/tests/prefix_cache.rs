@@ -712,13 +712,34 @@ fn damaged_files_another_version_a_full_disk_and_a_second_daemon_are_each_a_miss
     // Another version's directory is left alone and not read.
     std::fs::create_dir_all(kv.join("v0")).unwrap();
     std::fs::write(kv.join("v0").join("junk.kvb"), b"old").unwrap();
-    let d = DiskTier::open(&kv, 64 << 20).unwrap();
-    // A second daemon on the same directory is refused, naming the holder.
-    let e = DiskTier::open(&kv, 64 << 20).unwrap_err();
+    // Another process holding the directory's lock (as a second daemon would) is named.
+    let other = tmp.path().join("other");
+    std::fs::create_dir_all(&other).unwrap();
+    let lock = other.join("lock");
+    let mut holder = std::process::Command::new("sh")
+        .arg("-c")
+        .arg("exec 9>>\"$1\"; flock 9; echo 4242 > \"$1\"; sleep 60")
+        .arg("sh")
+        .arg(&lock)
+        .spawn()
+        .unwrap();
+    let t0 = std::time::Instant::now();
+    while std::fs::read_to_string(&lock).unwrap_or_default().trim() != "4242" {
+        assert!(t0.elapsed().as_secs() < 30, "the lock holder did not start");
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let e = DiskTier::open(&other, 64 << 20).unwrap_err();
+    let _ = holder.kill();
+    let _ = holder.wait();
     assert!(
-        e.contains("in use by another sluiced") && e.contains(&std::process::id().to_string()),
+        e.contains("in use by another sluiced (pid 4242)") && e.contains("--kv-cache-dir"),
         "{e}"
     );
+    let d = DiskTier::open(&kv, 64 << 20).unwrap();
+    // A second tier on the same directory in this process is refused too (after waiting
+    // for a tier of its own that may be on its way out).
+    let e = DiskTier::open(&kv, 64 << 20).unwrap_err();
+    assert!(e.contains("in use by this process already"), "{e}");
     let tiers = |d: &Arc<DiskTier>| TierConfig {
         host_bytes: 0,
         disk: Some(d.clone()),

@@ -244,8 +244,14 @@ fn block_path(root: &Path, (key, hash): (u64, u64), full: bool) -> PathBuf {
         .join(format!("{hash:016x}.{ext}"))
 }
 
+/// How long `take_lock` waits for a lock this process's own id holds.
+const OWN_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Takes the exclusive lock on `dir/lock` (writing this process's id in it), or says which
-/// process holds it.
+/// process holds it. A lock that names this process is one of its own tiers on the way
+/// out — or its descriptor, which a child forked meanwhile holds until it execs: waited
+/// for, up to OWN_LOCK_WAIT (a tier reopened in one process, as tests do, otherwise fails
+/// when another thread happens to spawn a process just then).
 fn take_lock(dir: &Path) -> Result<File, String> {
     let path = dir.join("lock");
     let f = std::fs::OpenOptions::new()
@@ -255,13 +261,23 @@ fn take_lock(dir: &Path) -> Result<File, String> {
         .truncate(false)
         .open(&path)
         .map_err(|e| format!("open {}: {e}", path.display()))?;
+    let t0 = std::time::Instant::now();
     // SAFETY: flock on a descriptor this function owns.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+    while unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
         let holder = std::fs::read_to_string(&path).unwrap_or_default();
+        let ours = holder.trim() == std::process::id().to_string();
+        if ours && t0.elapsed() < OWN_LOCK_WAIT {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            continue;
+        }
+        let who = if ours {
+            "this process already".to_string()
+        } else {
+            format!("another sluiced (pid {})", holder.trim())
+        };
         return Err(format!(
-            "{} is in use by another sluiced (pid {}): give each daemon its own --kv-cache-dir",
+            "{} is in use by {who}: give each daemon its own --kv-cache-dir",
             dir.display(),
-            holder.trim()
         ));
     }
     f.set_len(0)
