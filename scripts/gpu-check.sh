@@ -15,7 +15,9 @@
 #   4. the benchmarks stage (SLUICE_GPU_BENCH_S, default 300 s): the streaming benchmark on
 #      a synthetic model (SLUICE_SYNTH_SIZE, default 4GiB) with the device budget at 50 % of
 #      its weights, the kernel benchmark, and SmolLM2 (decode tokens/s resident and
-#      streamed), each within what the stage has left,
+#      streamed; at a quarter of its weights every count of host layers beside the GPU,
+#      predicted and measured, and a workload of batch 1, 8, 1 fixed at the placements
+#      chosen for them against following the batch), each within what the stage has left,
 #   5. the summary table, last, with every stage's wall time.
 # Everything is kept: with $OUT set (the device tool's folder that comes back) under
 # $OUT/gpu-check, else under $SLUICE_CACHE/gpu-check/<date>: output.txt (the whole
@@ -26,7 +28,8 @@
 # a minute for the tests and a few for the benchmarks, per the earlier header: its steps
 # were not timed one by one, which stages.tsv now does): tests 60-120 s; the 4 GiB synthetic
 # model written 15 s (13.2 s on this project's 2-core VM), its streaming benchmark 60-90 s,
-# the kernel benchmark 30-60 s, SmolLM2 packed 5 s and benchmarked 30 s; the sanitizers
+# the kernel benchmark 30-60 s, SmolLM2 packed 5 s and benchmarked 30 s, its placements
+# 10-20 s and the batch-following workload 10-20 s (6 and 7 s on the CPU here); the sanitizers
 # never timed yet (a tool runs the op tests 10-100x slower: the stage stops at its limit
 # and says which tools ran). The stages' limits add up to 13 minutes; within the device
 # tool's 10-minute call, or where the device time left is under 8 minutes, give
@@ -269,7 +272,14 @@ if [ -n "${SLUICE_SMOLLM2_GGUF:-}" ]; then
   fi
   bench smollm2 "$out/smol.json" "$sluiced" bench-stream "$smol" --backend cuda \
     --weights-budget 50% --batch 1,8 --steps 32 --prompt-tokens 16 --json
+  echo "== placement: SmolLM2 at a quarter of its weights, the host CPU beside the GPU"
+  bench placement "$out/placement.json" "$sluiced" bench-placement "$smol" --backend cuda \
+    --weights-budget 25% --rows 1,8 --tries 2 --json
+  bench follow "$out/follow.json" "$sluiced" bench-placement "$smol" --backend cuda \
+    --weights-budget 25% --follow 1,8,1 --follow-decode 32 --rounds 1 --json
 fi
+[ -f "$out/follow.json" ] || echo '{}' > "$out/follow.json"
+[ -f "$out/placement.json" ] || echo '{}' > "$out/placement.json"
 printf '%s\n' "${failed[@]+"${failed[@]}"}" > "$out/failed.txt"
 stage "benchmarks stage" $(( $(date +%s) - bench_start )) "${#failed[@]}"
 stage total $(( $(date +%s) - start )) 0
@@ -277,7 +287,7 @@ stage total $(( $(date +%s) - start )) 0
 echo
 echo "== gpu-check summary ($(( $(date +%s) - start )) s; everything in $out)"
 python3 - "$out/synth.json" "$out/smol.json" "$test_line" "$smol_note" "$out/kernels.json" "$out/failed.txt" \
-  "$out/tests/failed.txt" "$out/stages.tsv" "$san_line" <<'EOF' | tee "$out/summary.txt"
+  "$out/tests/failed.txt" "$out/stages.tsv" "$san_line" "$out/placement.json" "$out/follow.json" <<'EOF' | tee "$out/summary.txt"
 import json, sys
 s, m, tests, note = json.load(open(sys.argv[1])), json.load(open(sys.argv[2])), sys.argv[3], sys.argv[4]
 kern = json.load(open(sys.argv[5]))
@@ -325,6 +335,14 @@ if m:
     row(f"SmolLM2 decode tokens/s, streamed {m['layers_streamed']} of {m['layers_streamed']+m['layers_resident']} units (batch 1)", f"{m['streamed_tokens_per_s']:.1f}")
     for b in m["batches"]:
         row(f"  SmolLM2 streamed batch {b['batch']}: tokens/s", f"{b['tokens_per_s']:.1f}")
+place, follow = json.load(open(sys.argv[10])), json.load(open(sys.argv[11]))
+for r in place.get("runs", []):
+    if r["chosen"] or r["predicted"]["cpu_layers"] == 0:
+        row(f"  SmolLM2 placement {r['predicted']['cpu_layers']} host layers, {r['rows']} rows: pass ms (measured/predicted)",
+            f"{r['measured_pass_s']*1e3:.1f} ({r['ratio']:.2f})", "chosen" if r["chosen"] else "")
+for r in follow.get("runs", []):
+    per = " ".join(f"{p['batch']}:{p['tokens_per_s']:.0f}" for p in r["phases"])
+    row(f"  SmolLM2 batch 1,8,1 {r['mode']}: tok/s per phase; changes", f"{per}; {r['changes']}")
 if kern:
     print("GEMV effective bandwidth (weight bytes / time) over the copy's, every kernel:")
     for g in kern["gemv"]:

@@ -80,6 +80,10 @@ pub(crate) fn placement_json(x: &pb::Placement) -> serde_json::Value {
         "rows": x.rows,
         "predicted_pass_s": x.predicted_pass_s,
         "candidates": x.candidates.iter().map(|c| serde_json::json!({"cpu_layers": c.cpu_layers, "predicted_pass_s": c.predicted_pass_s})).collect::<Vec<_>>(),
+        "changes": x.changes,
+        "changes_failed": x.changes_failed,
+        "last_change_s": x.last_change_s,
+        "last_change_kv_bytes": x.last_change_kv_bytes,
     })
 }
 
@@ -118,6 +122,15 @@ pub(crate) fn print_placement(x: Option<&pb::Placement>) {
                 c.predicted_pass_s * 1e3
             ))
         );
+        if x.changes + x.changes_failed > 0 {
+            println!(
+                "  following the batch: {} changes ({} given up), the last took {:.2} s and carried {:.1} MB of KV",
+                x.changes,
+                x.changes_failed,
+                x.last_change_s,
+                x.last_change_kv_bytes as f64 / 1e6
+            );
+        }
     }
 }
 

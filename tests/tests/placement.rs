@@ -13,13 +13,15 @@
 
 use sluice::backend::cpu::CpuBackend;
 use sluice::backend::{Backend, KvDtype};
-use sluice::engine::cpu_runner_discrete;
 use sluice::engine::draft::{DraftConfig, DraftKind};
 use sluice::engine::kv_tiers::TierConfig;
-use sluice::engine::scheduler::{Scheduler, SchedulerConfig};
+use sluice::engine::replace::Replacer;
+use sluice::engine::scheduler::{Scheduler, SchedulerConfig, Status};
+use sluice::engine::{cpu_runner_discrete, EngineError};
 use sluice::io::IoConfig;
 use sluice::model::{Decoder, ModelOptions, SeqStep};
 use sluice::pipeline::Pipeline;
+use sluice::plan::placement::{choose_among, shapes, ComputeRate, Follow, Rates};
 use sluice::plan::{plan, DeviceInput, Placement, PlanInput};
 use sluice::store::Store;
 use sluice::text::Tokenizer;
@@ -212,6 +214,11 @@ fn runner_with(
     cpu_layers: usize,
     opts: ModelOptions,
 ) -> Pipeline<CpuBackend> {
+    discrete(s, &input_with(s, budget, cpu_layers, opts)).unwrap()
+}
+
+/// The pipeline of `s` for `input` on the emulated device, with two threads each side.
+fn discrete(s: &Arc<Store>, input: &PlanInput) -> Result<Pipeline<CpuBackend>, EngineError> {
     let io = IoConfig {
         queue_depth: 8,
         read_buffers: 8,
@@ -222,14 +229,7 @@ fn runner_with(
         cpu_threads: 2,
         ..Default::default()
     };
-    cpu_runner_discrete(
-        s.clone(),
-        &input_with(s, budget, cpu_layers, opts),
-        2,
-        io,
-        run,
-    )
-    .unwrap()
+    cpu_runner_discrete(s.clone(), input, 2, io, run)
 }
 
 /// The logits' bits of eight sequences prefilled in one step (prompts of 1 to 15 tokens),
@@ -375,6 +375,16 @@ fn within_budgets(name: &str, r: &Pipeline<CpuBackend>) {
 type Served = (Vec<(Vec<u32>, usize)>, Vec<Vec<u64>>);
 
 fn served(r: Pipeline<CpuBackend>, how: Decoding) -> Served {
+    served_by(r, None, how).0
+}
+
+/// `served`, the placement following the batch with `replacer` where there is one, then
+/// two requests at once (both slots decoding); and the status at the end.
+fn served_by(
+    r: Pipeline<CpuBackend>,
+    replacer: Option<Replacer<CpuBackend>>,
+    how: Decoding,
+) -> (Served, Status) {
     let tok = Arc::new(Tokenizer::from_manifest(r.store.manifest()).unwrap());
     let cfg = SchedulerConfig {
         queue_max: 8,
@@ -384,10 +394,10 @@ fn served(r: Pipeline<CpuBackend>, how: Decoding) -> Served {
             disk: None,
         },
     };
-    let (s, engine) = Scheduler::start(r, None, tok, cfg);
+    let (s, engine) = Scheduler::start_following(r, None, replacer, tok, cfg);
     let mut out = Vec::new();
     let mut prompt: Vec<u32> = (0..40).map(|i| 3 + (i * 37) % 250).collect();
-    for turn in 0..4u32 {
+    for turn in 0..5u32 {
         let (answer, cached) = collect(submit(&s, &prompt, 6, how));
         prompt.extend_from_slice(&answer);
         prompt.extend((0..5).map(|i| 100 + 7 * turn + i));
@@ -395,9 +405,40 @@ fn served(r: Pipeline<CpuBackend>, how: Decoding) -> Served {
         let other: Vec<u32> = (0..30).map(|i| 200 - i - turn).collect();
         out.push(collect(submit(&s, &other, 3, how)));
     }
+    let both: Vec<_> = (0..2u32)
+        .map(|k| {
+            let p: Vec<u32> = (0..20).map(|i| 50 + 3 * k + i).collect();
+            submit(&s, &p, 8, how)
+        })
+        .collect();
+    out.extend(both.into_iter().map(collect));
     s.shutdown(std::time::Duration::from_secs(60));
     engine.join().unwrap();
-    (out, s.status().expert_tokens)
+    let status = s.status();
+    ((out, status.expert_tokens.clone()), status)
+}
+
+/// The options `served` runs with: two slots, a ring shorter than the conversation.
+const SERVED: ModelOptions = ModelOptions {
+    max_context: 128,
+    kv_slots: 2,
+    max_batch_tokens: 64,
+    kv_dtype: KvDtype::F16,
+    exact: false,
+    verify_rows: 16,
+};
+
+/// Greedy with ngram token trees of a fixed shape.
+fn ngram_trees() -> Decoding {
+    Decoding {
+        draft: Some(DraftConfig {
+            kind: DraftKind::Ngram,
+            max: 6,
+            fixed: true,
+            branches: 2,
+        }),
+        ..greedy()
+    }
 }
 
 #[test]
@@ -407,23 +448,7 @@ fn the_scheduler_serves_with_layers_on_the_host_as_with_one_device() {
     // trees verified in one pass, and the experts' counts the status reports, each the
     // same as one device's.
     let tmp = tempfile::tempdir().unwrap();
-    let opts = ModelOptions {
-        max_context: 128,
-        kv_slots: 2,
-        max_batch_tokens: 64,
-        kv_dtype: KvDtype::F16,
-        exact: false,
-        verify_rows: 16,
-    };
-    let trees = Decoding {
-        draft: Some(DraftConfig {
-            kind: DraftKind::Ngram,
-            max: 6,
-            fixed: true,
-            branches: 2,
-        }),
-        ..greedy()
-    };
+    let (opts, trees) = (SERVED, ngram_trees());
     for name in ["tiny-llama", "tiny-gemma3", "tiny-qwen3moe-mixed"] {
         let s = pack_store(&fixture(name), &tmp.path().join(name), "zstd:1", 64 << 10);
         for how in [greedy(), trees] {
@@ -435,13 +460,73 @@ fn the_scheduler_serves_with_layers_on_the_host_as_with_one_device() {
             let two = served(two.unwrap(), how);
             assert_eq!(two, one, "{name}: two devices");
             assert!(
-                one.0.iter().skip(2).step_by(2).all(|o| o.1 >= 32),
+                one.0[..10].iter().skip(2).step_by(2).all(|o| o.1 >= 32),
                 "{name}: the conversation's prefix was not reused: {:?}",
                 one.0
             );
             assert_eq!(split.1, one.1, "{name}: tokens routed to each expert");
             let routed: u64 = split.1.iter().flatten().sum();
             assert_eq!(routed > 0, name.contains("moe"), "{name}: {routed} routed");
+        }
+    }
+}
+
+#[test]
+fn the_placement_follows_the_batch_and_the_text_is_one_devices() {
+    // `sluiced serve --placement auto` on the emulated device: the rates are made up so
+    // that at one or two rows a pass the host takes layers and at a prompt's rows it
+    // takes none, and a change costs nothing to begin with, so the placement changes
+    // back and forth between prefills and decode steps, running sequences and kept
+    // prefix slots carried across each time (a ring's KV too). The text, the prompt
+    // tokens the prefix cache gave and the experts' counts are one device's.
+    let tmp = tempfile::tempdir().unwrap();
+    let (opts, trees) = (SERVED, ngram_trees());
+    let huge = ComputeRate {
+        weight_bytes_per_s: 1e15,
+        row_bytes_per_s: 1e15,
+    };
+    let rates = Rates {
+        stream_bytes_per_s: 1.0,
+        device: huge,
+        cpu: ComputeRate {
+            weight_bytes_per_s: 1e15,
+            row_bytes_per_s: 4.0,
+        },
+        overlap: 0.0,
+    };
+    for name in ["tiny-llama", "tiny-gemma3", "tiny-qwen3moe-mixed"] {
+        let s = pack_store(&fixture(name), &tmp.path().join(name), "zstd:1", 64 << 10);
+        let least = plan(s.manifest(), &input_with(&s, Some(4096), 0, opts))
+            .unwrap_err()
+            .need();
+        let i = input_with(&s, Some(least), 0, opts);
+        let shapes = shapes(s.manifest(), &i).unwrap();
+        assert!(choose_among(&shapes, &rates, 1).cpu_layers > 0, "{name}");
+        assert_eq!(choose_among(&shapes, &rates, 30).cpu_layers, 0, "{name}");
+        for how in [greedy(), trees] {
+            let (one, alone) = served_by(runner_with(&s, None, 0, opts), None, how);
+            let follow = Follow::new(shapes.clone(), rates, 0, 0.0);
+            let s2 = s.clone();
+            let rebuild: sluice::engine::replace::Rebuild<CpuBackend> =
+                Box::new(move |i: &PlanInput| discrete(&s2, i));
+            let replacer = Replacer::new(follow, i.clone(), rebuild);
+            let r = runner_with(&s, Some(least), 0, opts);
+            assert!(r.plan.layers_streamed() > 0, "{name}: nothing streams");
+            let (got, status) = served_by(r, Some(replacer), how);
+            assert_eq!(got, one, "{name}: tokens, cached tokens, experts' counts");
+            let f = status.following.unwrap();
+            assert!(f.changes >= 4, "{name}: {} changes", f.changes);
+            assert_eq!(f.failed, 0, "{name}");
+            // What Status reports is the plan in use.
+            let p = f.plan.unwrap();
+            assert_eq!(p.cpu_layers, f.cpu_layers, "{name}");
+            // The passes of every pipeline count (two requests at once may be admitted
+            // a step apart, or not).
+            let (a, b) = (status.totals.passes, alone.totals.passes);
+            assert!(
+                a + 4 >= b && a <= b + 4,
+                "{name}: {a} passes, {b} on one device"
+            );
         }
     }
 }
@@ -861,7 +946,7 @@ fn status_says_where_each_layer_runs_and_what_auto_weighed() {
     let p = runner_split(&s, (None, 1), &[1 << 30], &[1.0, 1.0])
         .unwrap()
         .plan;
-    let st = placement_of(&p, None);
+    let st = placement_of(&p, None, None);
     assert_eq!((st.mode.as_str(), st.cpu_layers), ("device", 1));
     let span = &p.devices[0].layers;
     assert_eq!(st.devices.len(), 1);
@@ -901,7 +986,7 @@ fn status_says_where_each_layer_runs_and_what_auto_weighed() {
         overlap: 1.0,
     };
     let c = choose(s.manifest(), &i, &rates, 1).unwrap();
-    let st = placement_of(&p, Some(&c));
+    let st = placement_of(&p, Some(&c), None);
     assert_eq!((st.mode.as_str(), st.rows), ("auto", 1));
     assert_eq!(st.candidates.len(), c.candidates.len());
     assert!(st.candidates.len() > 1, "{:?}", st.candidates);
@@ -911,4 +996,23 @@ fn status_says_where_each_layer_runs_and_what_auto_weighed() {
         .candidates
         .iter()
         .all(|x| x.predicted_pass_s >= chosen.pass_s));
+    // Following the batch: the changes and what the last one took.
+    let f = sluice::engine::replace::Following {
+        cpu_layers: c.cpu_layers,
+        changes: 3,
+        failed: 1,
+        last_change_s: 0.25,
+        last_change_kv_bytes: 4096,
+        ..Default::default()
+    };
+    let st = placement_of(&p, Some(&c), Some(&f));
+    assert_eq!(
+        (
+            st.changes,
+            st.changes_failed,
+            st.last_change_s,
+            st.last_change_kv_bytes
+        ),
+        (3, 1, 0.25, 4096)
+    );
 }

@@ -351,7 +351,7 @@ pub fn run(
         type Output = BenchStreamReport;
         fn call<B: Backend + 'static>(
             self,
-            make: &crate::engine::MakePipeline<B>,
+            make: &crate::engine::Maker<B>,
         ) -> Result<BenchStreamReport, EngineError> {
             let store = self.0.clone();
             bench_stream(self.0, self.1, &|input: &PlanInput| make(&store, input))

@@ -186,7 +186,9 @@ impl Tiers {
             }
         };
         let m = &runner.model;
-        let layers: Vec<LayerCache> = m.kv_layers().copied().collect();
+        // Every part's layers (the host's, this device's, the others'), as blocks hold
+        // them: a block is the same whatever the placement.
+        let layers: Vec<LayerCache> = runner.kv_layers();
         let o = runner.options();
         let key = model_key(
             &manifest,

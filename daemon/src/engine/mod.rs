@@ -10,12 +10,14 @@ pub mod draft;
 pub mod draft_model;
 #[cfg(test)]
 mod draft_tests;
+pub mod follow_bench;
 pub mod generate;
 pub mod kv_block;
 pub mod kv_disk;
 pub mod kv_tiers;
 pub mod placement;
 pub mod prefix;
+pub mod replace;
 pub mod scheduler;
 #[cfg(test)]
 mod scheduler_tests;
@@ -427,14 +429,17 @@ pub fn other_devices(
 pub type MakePipeline<'a, B> =
     dyn Fn(&Arc<Store>, &PlanInput) -> Result<Pipeline<B>, EngineError> + 'a;
 
+/// `MakePipeline` owned and shared: what a thread that builds pipelines later keeps (the
+/// engine's, changing the placement: `replace`).
+pub type Maker<B> = Arc<
+    dyn Fn(&Arc<Store>, &PlanInput) -> Result<Pipeline<B>, EngineError> + Send + Sync + 'static,
+>;
+
 pub trait OnBackend {
     type Output;
     /// `make` plans memory for an input and builds a pipeline of a store on the chosen
     /// backend (the model's, or another's: a draft model's).
-    fn call<B: Backend + 'static>(
-        self,
-        make: &MakePipeline<B>,
-    ) -> Result<Self::Output, EngineError>
+    fn call<B: Backend + 'static>(self, make: &Maker<B>) -> Result<Self::Output, EngineError>
     where
         B::Mem: 'static;
 }
@@ -525,13 +530,21 @@ pub fn on_backend<F: OnBackend>(
     run: PipelineOptions,
     f: F,
 ) -> Result<F::Output, EngineError> {
+    let io = io.clone();
     match chosen {
-        Chosen::Cpu { .. } => f.call(&|store: &Arc<Store>, input: &PlanInput| {
-            cpu_runner(store.clone(), input, threads, io.clone(), run)
-        }),
-        Chosen::Cuda(info) => f.call(&|store: &Arc<Store>, input: &PlanInput| {
-            cuda_runner(store.clone(), input, info, io.clone(), run)
-        }),
+        Chosen::Cpu { .. } => f.call::<CpuBackend>(
+            &(Arc::new(move |store: &Arc<Store>, input: &PlanInput| {
+                cpu_runner(store.clone(), input, threads, io.clone(), run)
+            }) as Maker<CpuBackend>),
+        ),
+        Chosen::Cuda(info) => {
+            let info = info.clone();
+            f.call(
+                &(Arc::new(move |store: &Arc<Store>, input: &PlanInput| {
+                    cuda_runner(store.clone(), input, &info, io.clone(), run)
+                }) as Maker<_>),
+            )
+        }
     }
 }
 

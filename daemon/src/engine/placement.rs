@@ -252,7 +252,7 @@ pub fn auto<B: Backend>(
     (device, threads): (&str, usize),
     input: &PlanInput,
     rows: usize,
-) -> Result<crate::plan::placement::Choice, EngineError> {
+) -> Result<(crate::plan::placement::Choice, Rates), EngineError> {
     let key = rates_key(store, device, threads, input.opts.exact);
     let cache = crate::util::cache_root();
     let (rates, now) = cached_rates(cache.as_deref(), &key, make, input, rows.max(8))?;
@@ -269,7 +269,7 @@ pub fn auto<B: Backend>(
             if now { "measured now" } else { "kept from before" },
         );
     }
-    Ok(c)
+    Ok((c, rates))
 }
 
 /// One placement at one row count: predicted and measured.

@@ -130,6 +130,11 @@ impl PrefixCache {
         self.on
     }
 
+    /// The free slots whose kept KV may be taken, and the positions each has written.
+    pub fn kept_slots(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        (self.kept.iter().enumerate()).filter_map(|(slot, k)| k.as_ref().map(|k| (slot, k.written)))
+    }
+
     pub fn stats(&self) -> PrefixStats {
         let mut s = self.stats;
         s.kept_slots = self.kept.iter().flatten().count();

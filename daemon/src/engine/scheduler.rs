@@ -9,6 +9,7 @@ use super::draft::SpecStats;
 use super::draft_model::DraftModel;
 use super::kv_tiers::TierConfig;
 use super::prefix::{PrefixCache, PrefixStats};
+use super::replace::{Following, Replacer};
 pub use super::sequence::{Done, Finish};
 use super::sequence::{GenerateParams, Piece, SeqLimits, Sequence};
 use super::step::StepBuilder;
@@ -116,6 +117,8 @@ pub struct Status {
     pub speculative: SpecStats,
     /// The prefix cache: what its tiers hold, prompts that reused KV, tokens not prefilled.
     pub prefix_cache: PrefixStats,
+    /// `--placement auto` following the batch: the placement in use and its changes.
+    pub following: Option<Following>,
 }
 
 /// Limits of the scheduler.
@@ -136,7 +139,8 @@ pub struct Scheduler {
     accepting: Arc<AtomicBool>,
     deadline: Arc<Mutex<Option<Instant>>>,
     status: Arc<Mutex<Status>>,
-    pools: crate::io::PoolGauge,
+    /// The I/O engine's pools (the pipeline's: another after a change of placement).
+    pools: Arc<Mutex<crate::io::PoolGauge>>,
     pub tokenizer: Arc<Tokenizer>,
     pub max_context: usize,
     queue_max: usize,
@@ -238,6 +242,8 @@ struct EngineState<B: Backend> {
     draft: Option<DraftModel<B>>,
     /// KV of prompt prefixes that slots hold, for the sequences that share them.
     prefix: PrefixCache,
+    /// `--placement auto` following the batch (`engine::replace`).
+    replacer: Option<Replacer<B>>,
 }
 
 impl<B: Backend> EngineState<B> {
@@ -277,6 +283,25 @@ impl Scheduler {
     where
         B::Mem: 'static,
     {
+        Scheduler::start_following(runner, draft, None, tokenizer, cfg)
+    }
+
+    /// `start`, the placement following the batch with `replacer` (`engine::replace`;
+    /// not beside a draft model, whose pipeline shares the device: it is left out, and
+    /// said so).
+    pub fn start_following<B: Backend + 'static>(
+        runner: Pipeline<B>,
+        draft: Option<DraftModel<B>>,
+        mut replacer: Option<Replacer<B>>,
+        tokenizer: Arc<Tokenizer>,
+        cfg: SchedulerConfig,
+    ) -> (Scheduler, std::thread::JoinHandle<()>)
+    where
+        B::Mem: 'static,
+    {
+        if draft.is_some() && replacer.take().is_some() {
+            tracing::warn!("placement auto does not follow the batch beside a draft model");
+        }
         // The channel holds the queue: the engine takes a request only when a slot is free.
         let (tx, rx) = sync_channel::<Request>(cfg.queue_max.max(1));
         let max_context = runner.options().max_context;
@@ -294,7 +319,7 @@ impl Scheduler {
                 },
                 ..Status::default()
             })),
-            pools: runner.io().pool_gauge(),
+            pools: Arc::new(Mutex::new(runner.io().pool_gauge())),
             tokenizer,
             max_context,
             queue_max: cfg.queue_max.max(1),
@@ -307,7 +332,7 @@ impl Scheduler {
         #[allow(clippy::expect_used)]
         let h = std::thread::Builder::new()
             .name("sluice-engine".into())
-            .spawn(move || inner.run(runner, draft, rx))
+            .spawn(move || inner.run(runner, draft, replacer, rx))
             .expect("spawn the engine thread");
         (s, h)
     }
@@ -380,7 +405,11 @@ impl Scheduler {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .clone();
         s.queue_depth = self.queued.load(Ordering::Acquire);
-        s.io_pools = self.pools.read();
+        s.io_pools = self
+            .pools
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .read();
         s
     }
 
@@ -444,6 +473,7 @@ impl Scheduler {
         self,
         runner: Pipeline<B>,
         draft: Option<DraftModel<B>>,
+        replacer: Option<Replacer<B>>,
         rx: Receiver<Request>,
     ) {
         let max_batch = runner.options().kv_slots;
@@ -464,6 +494,7 @@ impl Scheduler {
             builder: StepBuilder::new(serial),
             draft,
             prefix,
+            replacer,
         };
         loop {
             self.serve_clears(&mut st);
@@ -501,7 +532,83 @@ impl Scheduler {
             st.builder
                 .ran(&st.steps[..st.n_steps], st.runner.last_pass());
             self.apply_results(&mut st, t0.elapsed().as_secs_f64());
+            let rows = st.steps[..st.n_steps].iter().map(|s| s.tokens.len()).sum();
+            if let Some(c) = st.replacer.as_mut().and_then(|r| r.observe(rows)) {
+                match self.change_placement(st, c) {
+                    Some(s) => st = s,
+                    None => return,
+                }
+            }
             self.publish(&st, st.active.len());
+        }
+    }
+
+    /// Changes the placement to `choice`'s between two passes (`engine::replace`), the
+    /// running sequences' and the kept slots' KV carried across. None when no pipeline
+    /// could be built again: every running sequence fails, admission stops and the
+    /// engine thread ends (the queued requests' streams end with it).
+    fn change_placement<B: Backend>(
+        &self,
+        mut st: EngineState<B>,
+        choice: crate::plan::placement::Choice,
+    ) -> Option<EngineState<B>> {
+        let Some(mut rp) = st.replacer.take() else {
+            return Some(st);
+        };
+        let slots: Vec<(usize, usize)> = (st.active.iter())
+            .map(|a| (a.seq.slot(), a.seq.written()))
+            .chain(st.prefix.kept_slots())
+            .collect();
+        let EngineState {
+            runner,
+            rx,
+            free_slots,
+            active,
+            logits,
+            steps,
+            n_steps,
+            members,
+            decode_rate,
+            spec,
+            builder,
+            draft,
+            prefix,
+            replacer: _,
+        } = st;
+        match rp.change(runner, &slots, choice) {
+            Ok(runner) => {
+                *self
+                    .pools
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner) = runner.io().pool_gauge();
+                Some(EngineState {
+                    runner,
+                    rx,
+                    free_slots,
+                    active,
+                    logits,
+                    steps,
+                    n_steps,
+                    members,
+                    decode_rate,
+                    spec,
+                    builder,
+                    draft,
+                    prefix,
+                    replacer: Some(rp),
+                })
+            }
+            Err(e) => {
+                tracing::error!("placement auto: no pipeline left after a change ({e}); the model stops serving");
+                self.accepting.store(false, Ordering::Release);
+                for a in active {
+                    let _ = a.events.send(Event::Failed {
+                        failure: Failure::Internal,
+                        message: format!("the model's pipeline could not be built again after a change of placement: {e}"),
+                    });
+                }
+                None
+            }
         }
     }
 
@@ -634,8 +741,13 @@ impl Scheduler {
     fn publish<B: Backend>(&self, state: &EngineState<B>, active: usize) {
         let (runner, decode_rate, spec) = (&state.runner, state.decode_rate, &state.spec);
         let p = runner.last_pass();
-        let t = runner.total();
-        let io = runner.io().stats();
+        let mut t = runner.total().clone();
+        let mut io = runner.io().stats();
+        // The pipelines a change of placement replaced count too.
+        if let Some(r) = &state.replacer {
+            t.add(&r.before.0);
+            io = io.plus(&r.before.1);
+        }
         let workers = runner.io().config().workers.max(1) as f64;
         let raw: u64 = runner.store.manifest().raw_bytes();
         let mut st = StageRates {
@@ -675,10 +787,14 @@ impl Scheduler {
         s.stages = st;
         // In place: the same shape every step, so nothing is allocated after the first.
         runner.expert_tokens_into(&mut s.expert_tokens);
-        s.totals = t.clone();
+        if let Some(r) = &state.replacer {
+            super::replace::add_experts(&mut s.expert_tokens, &r.expert_tokens);
+        }
+        s.totals = t;
         s.io = io;
         s.speculative = *spec;
         s.prefix_cache = state.prefix.stats();
+        s.following = state.replacer.as_ref().map(|r| r.status.clone());
     }
 }
 

@@ -40,6 +40,31 @@ pub struct GenerateParams {
     pub markers: bool,
 }
 
+impl GenerateParams {
+    /// Greedy decoding of `max_tokens` tokens at most, nothing else asked (`ignore_eos`:
+    /// past end tokens too).
+    pub fn greedy(max_tokens: usize, ignore_eos: bool) -> GenerateParams {
+        GenerateParams {
+            max_tokens,
+            sampling: SamplingParams {
+                temperature: 0.0,
+                top_k: 0,
+                top_p: 1.0,
+                min_p: 0.0,
+                seed: 0,
+                ..SamplingParams::default()
+            },
+            stop: Vec::new(),
+            ignore_eos,
+            logprobs: None,
+            logit_bias: Vec::new(),
+            format: Default::default(),
+            draft: None,
+            markers: false,
+        }
+    }
+}
+
 /// Why a sequence ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "snake_case")]

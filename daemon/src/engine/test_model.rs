@@ -7,7 +7,6 @@ use crate::import::synth::{self, SynthSpec};
 use crate::store::format::{GgufVocab, TokenizerSpec};
 use crate::store::writer::{pack, PackOptions};
 use crate::store::Store;
-use crate::text::SamplingParams;
 use std::sync::Arc;
 
 pub const END_TOKEN: u32 = 299;
@@ -88,21 +87,7 @@ fn byte_level_vocab() -> GgufVocab {
 /// Greedy sampling, `max_tokens` at most, stop strings as given.
 pub fn greedy(max_tokens: usize, stop: &[&str], ignore_eos: bool) -> GenerateParams {
     GenerateParams {
-        max_tokens,
-        sampling: SamplingParams {
-            temperature: 0.0,
-            top_k: 0,
-            top_p: 1.0,
-            min_p: 0.0,
-            seed: 0,
-            ..SamplingParams::default()
-        },
         stop: stop.iter().map(|s| s.to_string()).collect(),
-        ignore_eos,
-        logprobs: None,
-        logit_bias: Vec::new(),
-        format: Default::default(),
-        draft: None,
-        markers: false,
+        ..GenerateParams::greedy(max_tokens, ignore_eos)
     }
 }

@@ -36,6 +36,33 @@ pub struct IoStats {
     pub slots_busy_max: u64,
 }
 
+impl IoStats {
+    /// These counters and an earlier engine's together (`engine::replace`: the pipeline
+    /// built again): sums, the larger maximum, the queue depth weighted by busy time.
+    pub fn plus(&self, o: &IoStats) -> IoStats {
+        let busy = self.read_busy_s + o.read_busy_s;
+        IoStats {
+            read_bytes: self.read_bytes + o.read_bytes,
+            read_ops: self.read_ops + o.read_ops,
+            short_reads: self.short_reads + o.short_reads,
+            read_busy_s: busy,
+            decoded_stored_bytes: self.decoded_stored_bytes + o.decoded_stored_bytes,
+            decompressed_bytes: self.decompressed_bytes + o.decompressed_bytes,
+            decompress_busy_s: self.decompress_busy_s + o.decompress_busy_s,
+            wait_stall_s: self.wait_stall_s + o.wait_stall_s,
+            buffer_stall_s: self.buffer_stall_s + o.buffer_stall_s,
+            slot_stall_s: self.slot_stall_s + o.slot_stall_s,
+            units_done: self.units_done + o.units_done,
+            units_failed: self.units_failed + o.units_failed,
+            reads_stalled: self.reads_stalled + o.reads_stalled,
+            queue_depth_avg: (self.queue_depth_avg * self.read_busy_s
+                + o.queue_depth_avg * o.read_busy_s)
+                / busy.max(1e-12),
+            slots_busy_max: self.slots_busy_max.max(o.slots_busy_max),
+        }
+    }
+}
+
 /// When the counters' clock started (the loop's times are nanoseconds since).
 pub(super) struct Epoch(Instant);
 

@@ -5,7 +5,7 @@
 //! them in layer order: the host's, this device's, then each other device's.
 
 use super::Pipeline;
-use crate::backend::Backend;
+use crate::backend::{Backend, LayerCache};
 use crate::model::ModelError;
 
 impl<B: Backend> Pipeline<B> {
@@ -128,7 +128,72 @@ impl<B: Backend> Pipeline<B> {
     pub fn host_backend(&self) -> Option<&crate::backend::cpu::CpuBackend> {
         self.host.as_ref().map(|h| &h.backend)
     }
+
+    /// Every layer's part of the KV cache (its ring, where it has one), in layer order
+    /// across the parts: the order `export_kv` writes a block in, whatever the placement.
+    pub fn kv_layers(&self) -> Vec<LayerCache> {
+        let host = self.host.iter().flat_map(|h| h.model.kv_layers());
+        let others = self.others.iter().flat_map(|p| p.model.kv_layers());
+        host.chain(self.model.kv_layers())
+            .chain(others)
+            .copied()
+            .collect()
+    }
+
+    /// All `slot` holds once it has written up to `written`, on the host: what a query
+    /// at `written` and after still attends to, in every layer (a ring's last `cap`
+    /// positions, a full layer's all). `import_slot` writes it into another pipeline of
+    /// the same model whatever its placement (`engine::replace`: the placement changing
+    /// under running sequences).
+    pub fn export_slot(&self, slot: usize, written: usize) -> SlotKv {
+        let blocks = slot_runs(&self.kv_layers(), written)
+            .into_iter()
+            .map(|r| {
+                let (held, bytes) = self.export_kv(slot, r.clone(), written);
+                (r, held, bytes)
+            })
+            .collect();
+        SlotKv { written, blocks }
+    }
+
+    /// Writes what `export_slot` took into `slot`.
+    pub fn import_slot(&mut self, slot: usize, kv: &SlotKv) -> Result<(), ModelError> {
+        for (r, held, bytes) in &kv.blocks {
+            self.import_kv(slot, r.clone(), (held, bytes), held)?;
+        }
+        Ok(())
+    }
 }
+
+/// A slot's KV on the host (`Pipeline::export_slot`): runs of positions, each with the
+/// layers that hold all of it and their K and V rows.
+pub struct SlotKv {
+    pub written: usize,
+    blocks: Vec<(std::ops::Range<usize>, Vec<bool>, Vec<u8>)>,
+}
+
+impl SlotKv {
+    /// Bytes it takes on the host.
+    pub fn bytes(&self) -> usize {
+        self.blocks.iter().map(|b| b.2.len()).sum()
+    }
+}
+
+/// Positions up to `written` cut where a ring's held positions start (`written - cap`)
+/// and every `SLOT_RUN` positions: each run held whole or not at all by each layer, so a
+/// layer's held positions are exactly the runs it holds.
+fn slot_runs(layers: &[LayerCache], written: usize) -> Vec<std::ops::Range<usize>> {
+    let mut cuts: Vec<usize> = (0..written).step_by(SLOT_RUN).collect();
+    cuts.extend(layers.iter().map(|l| written.saturating_sub(l.cap)));
+    cuts.push(written);
+    cuts.sort_unstable();
+    cuts.dedup();
+    cuts.windows(2).map(|w| w[0]..w[1]).collect()
+}
+
+/// Positions a run of `slot_runs` takes at most (so that no one copy holds a long
+/// context's KV twice over).
+const SLOT_RUN: usize = 1024;
 
 /// What is left of a block as each part takes its layers' share, in layer order.
 struct Cut<'a> {

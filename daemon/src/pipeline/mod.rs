@@ -82,6 +82,7 @@ mod kv;
 mod load;
 mod self_draft;
 mod stats;
+pub use kv::SlotKv;
 pub use self_draft::SelfDraft;
 pub use stats::PassStats;
 

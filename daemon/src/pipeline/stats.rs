@@ -48,7 +48,8 @@ pub struct PassStats {
 }
 
 impl PassStats {
-    pub(super) fn add(&mut self, o: &PassStats) {
+    /// Adds `o`'s counts and times to these.
+    pub fn add(&mut self, o: &PassStats) {
         self.passes += o.passes;
         self.pass_time_s += o.pass_time_s;
         self.compute_s += o.compute_s;

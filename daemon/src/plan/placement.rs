@@ -82,35 +82,65 @@ pub struct Prediction {
     pub pass_s: f64,
 }
 
-/// Predicts a pass of `rows` rows through `p` (a plan of `m`) at `rates`.
-pub fn predict(m: &Manifest, p: &Plan, rates: &Rates, rows: usize) -> Prediction {
-    let (mut host, mut device, mut streamed) = (0u64, 0u64, 0usize);
-    for (u, unit) in m.units.iter().enumerate() {
-        match p.placement(u) {
-            Placement::Host => host += unit.raw_len,
-            Placement::Streamed | Placement::HostCached => {
-                streamed += 1;
-                device += unit.raw_len;
+/// What a plan's pass time depends on: the weight bytes each side computes, the units
+/// streamed and the loads requested ahead of them, the bytes uploaded a pass.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PassShape {
+    pub cpu_layers: usize,
+    pub host_bytes: u64,
+    pub device_bytes: u64,
+    pub streamed: usize,
+    pub prefetch: usize,
+    pub upload_bytes: u64,
+}
+
+impl PassShape {
+    pub fn of(m: &Manifest, p: &Plan) -> PassShape {
+        let (mut host, mut device, mut streamed) = (0u64, 0u64, 0usize);
+        for (u, unit) in m.units.iter().enumerate() {
+            match p.placement(u) {
+                Placement::Host => host += unit.raw_len,
+                Placement::Streamed | Placement::HostCached => {
+                    streamed += 1;
+                    device += unit.raw_len;
+                }
+                Placement::Resident | Placement::OtherDevice => device += unit.raw_len,
             }
-            Placement::Resident | Placement::OtherDevice => device += unit.raw_len,
+        }
+        PassShape {
+            cpu_layers: p.cpu_layers,
+            host_bytes: host,
+            device_bytes: device,
+            streamed,
+            prefetch: p.prefetch,
+            upload_bytes: p.upload_bytes_per_pass,
         }
     }
-    let cpu_s = rates.cpu.seconds(host, rows);
-    let device_s = rates.device.seconds(device, rows);
-    let stream_s = p.upload_bytes_per_pass as f64 / rates.stream_bytes_per_s.max(1.0);
-    // The loads requested ahead go on while the host computes; the rest beside the
-    // device's compute, as far as they overlap at all.
-    let o = rates.overlap.clamp(0.0, 1.0);
-    let ahead = (p.prefetch as f64 / streamed.max(1) as f64).min(1.0);
-    let rest = stream_s - o * cpu_s.min(stream_s * ahead);
-    let hidden = o * device_s.min(rest);
-    Prediction {
-        cpu_layers: p.cpu_layers,
-        cpu_s,
-        device_s,
-        stream_s,
-        pass_s: cpu_s + device_s + rest - hidden,
+
+    /// Its pass of `rows` rows at `rates`.
+    pub fn predict(&self, rates: &Rates, rows: usize) -> Prediction {
+        let cpu_s = rates.cpu.seconds(self.host_bytes, rows);
+        let device_s = rates.device.seconds(self.device_bytes, rows);
+        let stream_s = self.upload_bytes as f64 / rates.stream_bytes_per_s.max(1.0);
+        // The loads requested ahead go on while the host computes; the rest beside the
+        // device's compute, as far as they overlap at all.
+        let o = rates.overlap.clamp(0.0, 1.0);
+        let ahead = (self.prefetch as f64 / self.streamed.max(1) as f64).min(1.0);
+        let rest = stream_s - o * cpu_s.min(stream_s * ahead);
+        let hidden = o * device_s.min(rest);
+        Prediction {
+            cpu_layers: self.cpu_layers,
+            cpu_s,
+            device_s,
+            stream_s,
+            pass_s: cpu_s + device_s + rest - hidden,
+        }
     }
+}
+
+/// Predicts a pass of `rows` rows through `p` (a plan of `m`) at `rates`.
+pub fn predict(m: &Manifest, p: &Plan, rates: &Rates, rows: usize) -> Prediction {
+    PassShape::of(m, p).predict(rates, rows)
 }
 
 /// The placement chosen for a pass of `rows` rows: its host layers and every candidate's
@@ -142,30 +172,127 @@ pub fn choose(
     rates: &Rates,
     rows: usize,
 ) -> Result<Choice, PlanError> {
-    let mut candidates = Vec::new();
+    Ok(choose_among(&shapes(m, input)?, rates, rows))
+}
+
+/// Every count of host layers from none to all whose plan fits `input`'s budgets, as
+/// pass shapes; the plan's error when none fits.
+pub fn shapes(m: &Manifest, input: &PlanInput) -> Result<Vec<PassShape>, PlanError> {
+    let mut out = Vec::new();
     let mut first_err = None;
     for n in 0..=m.arch.n_layers as usize {
         let mut i = input.clone();
         i.host.cpu_layers = n;
         match plan(m, &i) {
-            Ok(p) => candidates.push(predict(m, &p, rates, rows)),
+            Ok(p) => out.push(PassShape::of(m, &p)),
             Err(e) => {
                 first_err.get_or_insert(e);
             }
         }
     }
+    match (out.is_empty(), first_err) {
+        (true, Some(e)) => Err(e),
+        _ => Ok(out),
+    }
+}
+
+/// `choose` among placements already planned (`shapes`, not empty).
+pub fn choose_among(shapes: &[PassShape], rates: &Rates, rows: usize) -> Choice {
+    let candidates: Vec<Prediction> = shapes.iter().map(|s| s.predict(rates, rows)).collect();
     let best = candidates
         .iter()
         .map(|c| c.pass_s)
         .fold(f64::INFINITY, f64::min);
-    let Some(pick) = candidates.iter().find(|c| c.pass_s <= best * 1.02) else {
-        return Err(first_err.expect("no candidate planned, so one failed"));
-    };
-    Ok(Choice {
+    let pick = candidates
+        .iter()
+        .find(|c| c.pass_s <= best * 1.02)
+        .map_or(0, |c| c.cpu_layers);
+    Choice {
         rows,
-        cpu_layers: pick.cpu_layers,
+        cpu_layers: pick,
         candidates,
-    })
+    }
+}
+
+/// `--placement auto` while serving: the placement follows the rows the passes carry.
+/// Each pass, each other placement's predicted time for that pass's rows is weighed
+/// against the one in use, and what it would have saved adds to its regret (which never
+/// goes below zero: a stretch where it is slower only cancels what it saved before). A
+/// placement whose regret reaches what a change costs (`change_s`: the engine stops that
+/// long, measured) is moved to, and every regret starts again. The rule is rent-or-buy:
+/// a change is bought once staying has cost as much as changing would, so the time a
+/// run loses is at most twice what knowing the batch ahead would have lost, and a burst
+/// of a few passes (a prompt's prefill at batch 1, one request beside a running one) buys
+/// no change.
+#[derive(Clone, Debug)]
+pub struct Follow {
+    shapes: Vec<PassShape>,
+    rates: Rates,
+    /// Index into `shapes` of the placement in use.
+    current: usize,
+    regret: Vec<f64>,
+    /// Seconds a change costs.
+    pub change_s: f64,
+}
+
+impl Follow {
+    /// Following from the placement with `cpu_layers` host layers (among `shapes`; the
+    /// first one if it is not there).
+    pub fn new(shapes: Vec<PassShape>, rates: Rates, cpu_layers: usize, change_s: f64) -> Follow {
+        let current = shapes
+            .iter()
+            .position(|s| s.cpu_layers == cpu_layers)
+            .unwrap_or(0);
+        Follow {
+            regret: vec![0.0; shapes.len()],
+            shapes,
+            rates,
+            current,
+            change_s,
+        }
+    }
+
+    /// The host layers of the placement in use.
+    pub fn cpu_layers(&self) -> usize {
+        self.shapes.get(self.current).map_or(0, |s| s.cpu_layers)
+    }
+
+    /// Counts a pass of `rows` rows; the placement to move to when one has earned it (the
+    /// choice at those rows, every candidate's prediction).
+    pub fn observe(&mut self, rows: usize) -> Option<Choice> {
+        let now = self
+            .shapes
+            .get(self.current)?
+            .predict(&self.rates, rows)
+            .pass_s;
+        for (r, s) in self.regret.iter_mut().zip(&self.shapes) {
+            *r = (*r + now - s.predict(&self.rates, rows).pass_s).max(0.0);
+        }
+        let (at, most) =
+            (self.regret.iter().enumerate()).fold((self.current, 0.0), |b, (i, &r)| {
+                if r > b.1 {
+                    (i, r)
+                } else {
+                    b
+                }
+            });
+        if at == self.current || most < self.change_s {
+            return None;
+        }
+        let mut c = choose_among(&self.shapes, &self.rates, rows);
+        c.cpu_layers = self.shapes[at].cpu_layers;
+        Some(c)
+    }
+
+    /// The placement with `cpu_layers` host layers is in use now (a change made, or given
+    /// up: `cpu_layers` the one kept), the change having taken `took_s`.
+    pub fn moved(&mut self, cpu_layers: usize, took_s: f64) {
+        if let Some(i) = self.shapes.iter().position(|s| s.cpu_layers == cpu_layers) {
+            self.current = i;
+        }
+        self.regret.iter_mut().for_each(|r| *r = 0.0);
+        self.change_s = took_s.max(1e-3);
+    }
 }
 
 #[cfg(test)]
@@ -247,6 +374,57 @@ mod tests {
         assert_eq!(streamed(8).stream_s, 0.0);
         let ends = m.units[0].raw_len + m.units[9].raw_len;
         assert_eq!(streamed(8).device_s, workstation().device.seconds(ends, 1));
+    }
+
+    #[test]
+    fn the_placement_follows_a_batch_that_stays_and_not_a_burst() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (m, input) = model(tmp.path());
+        let rates = workstation();
+        let shapes = shapes(&m, &input).unwrap();
+        let one = choose_among(&shapes, &rates, 1).cpu_layers;
+        assert!(one > 0);
+        let at = |n: usize, rows: usize| {
+            let s = shapes.iter().find(|s| s.cpu_layers == n).unwrap();
+            s.predict(&rates, rows).pass_s
+        };
+        // A change costs what ten passes at 16 rows save by moving every layer to the
+        // device.
+        let saved = at(one, 16) - at(0, 16);
+        assert!(saved > 0.0);
+        let mut f = Follow::new(shapes.clone(), rates, one, 10.0 * saved);
+        // Passes of 16 rows: the tenth (or the one after, the regret of another count may
+        // lead) buys the change, to the placement that is fastest at 16 rows.
+        let mut passes = 0;
+        let to = loop {
+            passes += 1;
+            assert!(passes <= 11, "no change after {passes} passes of 16 rows");
+            if let Some(c) = f.observe(16) {
+                break c;
+            }
+        };
+        assert!(passes >= 9, "changed after {passes} passes");
+        assert_eq!(to.cpu_layers, 0, "{to:?}");
+        assert_eq!(to.rows, 16);
+        f.moved(to.cpu_layers, 10.0 * saved);
+        assert_eq!(f.cpu_layers(), 0);
+        // A burst of single rows (a request alone for a moment) buys nothing, and the
+        // batch coming back wipes what it earned.
+        for _ in 0..3 {
+            assert!(f.observe(1).is_none());
+        }
+        for _ in 0..20 {
+            assert!(f.observe(16).is_none());
+        }
+        // Single rows that stay move the layers back to the host once they have saved a
+        // change's cost.
+        let back = (1..=1000)
+            .find_map(|k| f.observe(1).map(|c| (k, c)))
+            .unwrap();
+        let per_pass = at(0, 1) - at(back.1.cpu_layers, 1);
+        let needed = (10.0 * saved / per_pass).ceil() as usize;
+        assert!(back.0 >= needed, "{} passes, {needed} needed", back.0);
+        assert!(back.1.cpu_layers > 0, "{back:?}");
     }
 
     #[test]

@@ -105,7 +105,7 @@ impl Default for Metrics {
 }
 
 /// What the rendered page says about the model and its plan, besides the engine's status.
-#[derive(Default)]
+#[derive(Clone, Default)]
 pub struct Static {
     pub model: String,
     pub backend: String,
@@ -119,6 +119,8 @@ pub struct Static {
     pub bytes_streamed_per_pass: u64,
     pub layers_resident: u64,
     pub layers_streamed: u64,
+    /// Decoder layers the host CPU computes (`Plan::cpu_layers`).
+    pub layers_cpu: u64,
 }
 
 impl Static {
@@ -143,8 +145,57 @@ impl Static {
             bytes_streamed_per_pass: plan.upload_bytes_per_pass,
             layers_resident: plan.layers_resident() as u64,
             layers_streamed: plan.layers_streamed() as u64,
+            layers_cpu: plan.cpu_layers as u64,
         }
     }
+}
+
+impl Static {
+    /// The figures of the plan in use, where a change of placement replaced the one
+    /// loaded.
+    fn in_use(&self, s: &Status) -> Option<Static> {
+        let p = s.following.as_ref().and_then(|f| f.plan.as_deref())?;
+        Some(Static::of(
+            &self.model,
+            &self.backend,
+            self.numerics,
+            self.kv_dtype.clone(),
+            p,
+        ))
+    }
+}
+
+/// The units by placement, and the placement's changes where it follows the batch
+/// (placement auto).
+fn render_placement(out: &mut String, st: &Static, s: &Status) {
+    header(
+        out,
+        "sluice_layers",
+        "Units of the model by placement.",
+        "gauge",
+    );
+    for (placement, n) in [
+        ("resident", st.layers_resident),
+        ("streamed", st.layers_streamed),
+        ("cpu", st.layers_cpu),
+    ] {
+        let _ = writeln!(out, "sluice_layers{{placement=\"{placement}\"}} {n}");
+    }
+    let Some(f) = &s.following else { return };
+    scalar(
+        out,
+        "sluice_placement_changes_total",
+        "Changes of placement made following the batch (placement auto).",
+        "counter",
+        f.changes,
+    );
+    scalar(
+        out,
+        "sluice_placement_last_change_seconds",
+        "Seconds the engine stopped for the last change of placement.",
+        "gauge",
+        f.last_change_s,
+    );
 }
 
 fn header(out: &mut String, name: &str, help: &str, kind: &str) {
@@ -444,6 +495,8 @@ impl Metrics {
 
     fn render_model(&self, s: &Status, st: &Static) -> String {
         let mut out = String::with_capacity(8 << 10);
+        let now = st.in_use(s);
+        let st = now.as_ref().unwrap_or(st);
         {
             let m = self.lock();
             header(
@@ -603,18 +656,7 @@ impl Metrics {
             };
             scalar(&mut out, name, help, kind, v);
         }
-        header(
-            &mut out,
-            "sluice_layers",
-            "Units of the model by placement.",
-            "gauge",
-        );
-        for (placement, n) in [
-            ("resident", st.layers_resident),
-            ("streamed", st.layers_streamed),
-        ] {
-            let _ = writeln!(out, "sluice_layers{{placement=\"{placement}\"}} {n}");
-        }
+        render_placement(&mut out, st, s);
         labeled(
             &mut out,
             "sluice_stage_busy_seconds_total",

@@ -378,7 +378,11 @@ impl Inference for Service {
             }));
         };
         let s = served.front.sched.status();
-        let p = &served.plan;
+        // The plan in use: the one loaded, or the last change of placement's.
+        let follow = s.following.as_ref();
+        let p = follow
+            .and_then(|f| f.plan.as_deref())
+            .unwrap_or(&served.plan);
         let st = &s.stages;
         let host_peak = crate::hostmem::host_peak();
         let stage = |name: &str, rate: f64, secs: f64| pb::StageThroughput {
@@ -394,7 +398,13 @@ impl Inference for Service {
             kv_cache_bytes: p.kv_cache_bytes,
             host_cache_bytes: p.host_cache_bytes,
             layers: layers_of(p),
-            placement: Some(placement_of(p, served.placement.as_ref())),
+            placement: Some(placement_of(
+                p,
+                follow
+                    .and_then(|f| f.choice.as_ref())
+                    .or(served.placement.as_ref()),
+                follow,
+            )),
             layers_resident: p.layers_resident() as u32,
             layers_streamed: p.layers_streamed() as u32,
             bytes_streamed_per_pass: p.upload_bytes_per_pass,
@@ -531,12 +541,19 @@ pub fn layers_of(p: &crate::plan::Plan) -> Vec<pb::LayerPlacement> {
 }
 
 /// Status's placement: the plan's host layers and other devices' spans, and for
-/// placement "auto" (`auto`) the choice and the placements it weighed.
+/// placement "auto" (`auto`) the choice and the placements it weighed, and what following
+/// the batch changed (`follow`).
 pub fn placement_of(
     p: &crate::plan::Plan,
     auto: Option<&crate::plan::placement::Choice>,
+    follow: Option<&crate::engine::replace::Following>,
 ) -> pb::Placement {
+    let f = follow.cloned().unwrap_or_default();
     pb::Placement {
+        changes: f.changes,
+        changes_failed: f.failed,
+        last_change_s: f.last_change_s,
+        last_change_kv_bytes: f.last_change_kv_bytes,
         mode: if auto.is_some() { "auto" } else { "device" }.into(),
         cpu_layers: p.cpu_layers as u32,
         devices: p

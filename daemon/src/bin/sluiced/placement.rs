@@ -51,6 +51,25 @@ pub struct BenchPlacementArgs {
     /// Print one JSON object instead of a table.
     #[arg(long)]
     pub json: bool,
+    /// Serve a workload whose batch changes instead: the batches of its phases,
+    /// comma-separated (e.g. 1,8,1), fixed at each placement chosen for them against
+    /// following the batch (`serve --placement auto`). Each phase's decode rate.
+    #[arg(long, value_delimiter = ',')]
+    pub follow: Vec<usize>,
+    /// Tokens each sequence of a --follow phase decodes.
+    #[arg(long, default_value_t = 48)]
+    pub follow_decode: usize,
+    /// Tokens of each --follow sequence's prompt.
+    #[arg(long, default_value_t = 16)]
+    pub follow_prompt: usize,
+    /// Times --follow serves its workload each way, the ways alternating.
+    #[arg(long, default_value_t = 2)]
+    pub rounds: usize,
+    /// Threads of the host layers (default: --threads). On the CPU backend, a host with
+    /// fewer threads than the emulated device makes the choice depend on the batch as a
+    /// GPU's does.
+    #[arg(long)]
+    pub host_threads: Option<usize>,
 }
 
 pub fn run(a: BenchPlacementArgs) -> Result<std::process::ExitCode> {
@@ -67,9 +86,12 @@ pub fn run(a: BenchPlacementArgs) -> Result<std::process::ExitCode> {
     let max_cpu = a.max_cpu_layers.unwrap_or(usize::MAX);
     let io = sluice::io::IoConfig::serving();
     let run = sluice::pipeline::PipelineOptions {
-        cpu_threads: threads,
+        cpu_threads: a.host_threads.unwrap_or(threads).max(1),
         ..Default::default()
     };
+    if !a.follow.is_empty() {
+        return follow(&a, store, &chosen, input, (threads, io, run));
+    }
     let m = store.manifest().clone();
     let r = match &chosen {
         Chosen::Cpu { .. } => bench(
@@ -88,7 +110,7 @@ pub fn run(a: BenchPlacementArgs) -> Result<std::process::ExitCode> {
                 type Output = PlacementReport;
                 fn call<B: Backend + 'static>(
                     self,
-                    make: &sluice::engine::MakePipeline<B>,
+                    make: &sluice::engine::Maker<B>,
                 ) -> Result<PlacementReport, EngineError> {
                     let m = self.0.manifest().clone();
                     let store = self.0.clone();
@@ -121,14 +143,103 @@ pub fn run(a: BenchPlacementArgs) -> Result<std::process::ExitCode> {
     Ok(std::process::ExitCode::SUCCESS)
 }
 
+/// `--follow`: the workload served each way, the rates measured first.
+fn follow(
+    a: &BenchPlacementArgs,
+    store: Arc<Store>,
+    chosen: &Chosen,
+    input: PlanInput,
+    (threads, io, run): (
+        usize,
+        sluice::io::IoConfig,
+        sluice::pipeline::PipelineOptions,
+    ),
+) -> Result<std::process::ExitCode> {
+    use sluice::engine::follow_bench::{bench_follow, FollowRun, Phase};
+    if a.follow.contains(&0) || a.follow_decode == 0 || a.follow_prompt == 0 {
+        anyhow::bail!(
+            "--follow {:?}: give batches of at least 1, and tokens to prompt and decode",
+            a.follow
+        );
+    }
+    let phases: Vec<Phase> = (a.follow.iter())
+        .map(|&batch| Phase {
+            batch,
+            prompt: a.follow_prompt,
+            decode: a.follow_decode,
+        })
+        .collect();
+    struct Job<'a>(Arc<Store>, &'a PlanInput, &'a [Phase], usize);
+    impl OnBackend for Job<'_> {
+        type Output = (sluice::plan::placement::Rates, Vec<FollowRun>);
+        fn call<B: Backend + 'static>(
+            self,
+            make: &sluice::engine::Maker<B>,
+        ) -> Result<Self::Output, EngineError>
+        where
+            B::Mem: 'static,
+        {
+            let (m, store) = (make.clone(), self.0.clone());
+            let make = Arc::new(move |i: &PlanInput| m(&store, i));
+            let most = self.2.iter().map(|p| p.batch).max().unwrap_or(1);
+            let rates = sluice::engine::placement::calibrate(&*make, self.1, most.max(8))?;
+            let runs = bench_follow(make, &self.0, self.1, rates, self.2, self.3)?;
+            Ok((rates, runs))
+        }
+    }
+    let job = Job(store.clone(), &input, &phases, a.rounds.max(1));
+    let (rates, runs) = match chosen {
+        Chosen::Cpu { .. } => {
+            let s = store.clone();
+            let make: sluice::engine::Maker<sluice::backend::cpu::CpuBackend> =
+                Arc::new(move |_: &Arc<Store>, i: &PlanInput| {
+                    sluice::engine::cpu_runner_discrete(s.clone(), i, threads, io.clone(), run)
+                });
+            job.call(&make)?
+        }
+        Chosen::Cuda(_) => sluice::engine::on_backend(chosen, threads, &io, run, job)?,
+    };
+    if a.json {
+        let j = serde_json::json!({"rates": rates, "phases": phases, "runs": runs});
+        println!("{}", serde_json::to_string_pretty(&j)?);
+        return Ok(std::process::ExitCode::SUCCESS);
+    }
+    println!(
+        "{:>10} {:>5} {:>6}  {:>24}  {:>8} {:>8} {:>8}",
+        "mode", "round", "start", "tok/s per phase", "total s", "changes", "change s"
+    );
+    for r in &runs {
+        let per: Vec<String> = (r.phases.iter())
+            .map(|p| format!("{}:{:.1}", p.batch, p.tokens_per_s))
+            .collect();
+        println!(
+            "{:>10} {:>5} {:>6}  {:>24}  {:>8.2} {:>8} {:>8.2}",
+            r.mode,
+            r.round,
+            r.cpu_layers,
+            per.join(" "),
+            r.seconds,
+            r.changes,
+            r.change_s
+        );
+    }
+    Ok(std::process::ExitCode::SUCCESS)
+}
+
 /// The plan input the placements are measured in: one sequence, a pass of the most rows
-/// asked for, the device budget given or the share of the weights.
+/// asked for (with --follow: the largest batch, each sequence's prompt and tokens), the
+/// device budget given or the share of the weights.
 fn plan_input(a: &BenchPlacementArgs, store: &Store, chosen: &Chosen) -> Result<PlanInput> {
     let most = a.rows.iter().copied().max().unwrap_or(1).max(2);
+    let batch = a.follow.iter().copied().max().unwrap_or(1).max(1);
+    let context = match a.follow.is_empty() {
+        true => most.max(64),
+        false => (a.follow_prompt + a.follow_decode + 8).max(64),
+    };
     let opts = ModelOptions {
-        max_context: most.max(64),
-        kv_slots: 1,
-        max_batch_tokens: most,
+        max_context: context,
+        kv_slots: batch,
+        max_batch_tokens: most.max(if a.follow.is_empty() { 0 } else { 64 }),
         kv_dtype: sluice::engine::kv_dtype_for(false, None),
         exact: false,
         verify_rows: 0,

@@ -418,7 +418,7 @@ impl OnBackend for Generate<'_> {
     type Output = Result<()>;
     fn call<B: Backend + 'static>(
         self,
-        make: &sluice::engine::MakePipeline<B>,
+        make: &sluice::engine::Maker<B>,
     ) -> Result<Result<()>, EngineError> {
         let plan = |m: &sluice::store::Manifest, i: &sluice::plan::PlanInput| {
             sluice::engine::plan_for(self.chosen, m, i, &self.io, self.a.threads)
@@ -434,10 +434,11 @@ impl OnBackend for Generate<'_> {
                 &input,
                 rows,
             )?
+            .0
             .cpu_layers;
         }
         let (runner, draft) = sluice::engine::draft_model::with_draft(
-            make,
+            &**make,
             &plan,
             &self.store,
             self.draft_store.as_ref(),

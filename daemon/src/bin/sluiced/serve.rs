@@ -64,7 +64,7 @@ impl OnBackend for StartScheduler {
     );
     fn call<B: Backend + 'static>(
         self,
-        make: &sluice::engine::MakePipeline<B>,
+        make: &sluice::engine::Maker<B>,
     ) -> Result<Self::Output, EngineError>
     where
         B::Mem: 'static,
@@ -74,11 +74,13 @@ impl OnBackend for StartScheduler {
         };
         let mut input = self.input.clone();
         let mut choice = None;
+        let mut rates = None;
         if self.auto_placement {
-            // A full batch of decode rows: the rows a busy daemon's passes carry.
+            // A full batch of decode rows: the rows a busy daemon's passes carry. The
+            // placement then follows the rows the passes carry (`engine::replace`).
             let device = self.chosen.device_key();
             let rows = input.opts.kv_slots;
-            let c = sluice::engine::placement::auto(
+            let (c, r) = sluice::engine::placement::auto(
                 &|i| make(&self.store, i),
                 &self.store,
                 (&device, self.threads),
@@ -87,14 +89,28 @@ impl OnBackend for StartScheduler {
             )?;
             input.host.cpu_layers = c.cpu_layers;
             choice = Some(c);
+            rates = Some(r);
         }
+        let built = std::time::Instant::now();
         let (mut runner, draft) = sluice::engine::draft_model::with_draft(
-            make,
+            &**make,
             &plan,
             &self.store,
             self.draft.as_ref(),
             &input,
         )?;
+        // What building the pipeline took is what a change of placement is reckoned to
+        // cost until one is measured.
+        let replacer = match rates {
+            Some(rates) => Some(follower(
+                make,
+                &self.store,
+                &input,
+                rates,
+                built.elapsed().as_secs_f64(),
+            )?),
+            None => None,
+        };
         if let Some(d) = &draft {
             tracing::info!("{}", d.describe());
         }
@@ -109,9 +125,31 @@ impl OnBackend for StartScheduler {
         let name = runner.backend.name();
         let mut cfg = self.cfg;
         cfg.kv_tiers.host_bytes = plan.host.kv_cache_host_bytes;
-        let (s, e) = Scheduler::start(runner, draft, self.tokenizer, cfg);
+        let (s, e) = Scheduler::start_following(runner, draft, replacer, self.tokenizer, cfg);
         Ok((plan, choice, s, e, name))
     }
+}
+
+/// The follower of the batch for placement "auto" (`engine::replace`): every placement
+/// that fits `input`'s budgets, followed from `input`'s, a change reckoned to cost
+/// `change_s` until one is measured.
+fn follower<B: Backend + 'static>(
+    make: &sluice::engine::Maker<B>,
+    store: &Arc<Store>,
+    input: &sluice::plan::PlanInput,
+    rates: sluice::plan::placement::Rates,
+    change_s: f64,
+) -> Result<sluice::engine::replace::Replacer<B>, EngineError> {
+    let shapes = sluice::plan::placement::shapes(store.manifest(), input)
+        .map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let follow =
+        sluice::plan::placement::Follow::new(shapes, rates, input.host.cpu_layers, change_s);
+    let (make, store) = (make.clone(), store.clone());
+    Ok(sluice::engine::replace::Replacer::new(
+        follow,
+        input.clone(),
+        Box::new(move |i| make(&store, i)),
+    ))
 }
 
 /// Loads models for the daemon: every one with the same limits, on the chosen backend.
