@@ -29,7 +29,7 @@
 # were not timed one by one, which stages.tsv now does): tests 60-120 s; the 4 GiB synthetic
 # model written 15 s (13.2 s on this project's 2-core VM), its streaming benchmark 60-90 s,
 # the kernel benchmark 30-60 s, SmolLM2 packed 5 s and benchmarked 30 s, its placements
-# 10-20 s and the batch-following workload 10-20 s (6 and 7 s on the CPU here); the sanitizers
+# 10-20 s and the batch-following workload 10-20 s (19 and 9 s on the CPU here); the sanitizers
 # never timed yet (a tool runs the op tests 10-100x slower: the stage stops at its limit
 # and says which tools ran). The stages' limits add up to 13 minutes; within the device
 # tool's 10-minute call, or where the device time left is under 8 minutes, give

@@ -111,6 +111,114 @@ pub fn index_pairs(
     starts.push(order.len() as u32);
 }
 
+/// The (expert, row) pairs one grouped chunk holds: what the gate, up and down scratch
+/// (`gate`, `up`, `y` bytes, rows of `inter`, `inter` and `hidden` f32) and the metadata
+/// slots (`meta_rows`) have room for; 0 when not one.
+pub fn grouped_capacity(
+    (gate, up, y): (usize, usize, usize),
+    (inter, hidden): (usize, usize),
+    meta_rows: usize,
+) -> usize {
+    if inter == 0 || hidden == 0 {
+        return 0;
+    }
+    (gate / (inter * 4))
+        .min(up / (inter * 4))
+        .min(y / (hidden * 4))
+        .min(meta_rows)
+}
+
+/// The chunks of `pairs` pairs (expert-major, as `experts_grouped` lists them) `cap` at a
+/// time: consecutive ranges, so that each step row's pairs come chunk after chunk in the
+/// order they are listed, ascending expert — with `index_pairs` inside a chunk, the
+/// order the CPU backend adds experts into a row.
+pub fn grouped_chunks(pairs: usize, cap: usize) -> impl Iterator<Item = std::ops::Range<usize>> {
+    let cap = cap.max(1);
+    (0..pairs.div_ceil(cap)).map(move |k| k * cap..((k + 1) * cap).min(pairs))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The order the CPU backend adds a call's experts into each step row
+    /// (`backend::experts::experts_each`): expert by expert in the call's order, each of
+    /// its rows.
+    fn cpu_order(calls: &[Vec<u32>]) -> Vec<Vec<usize>> {
+        let rows = calls
+            .iter()
+            .flatten()
+            .map(|&r| r as usize + 1)
+            .max()
+            .unwrap_or(0);
+        let mut per_row = vec![Vec::new(); rows];
+        for (e, c) in calls.iter().enumerate() {
+            for &r in c {
+                per_row[r as usize].push(e);
+            }
+        }
+        per_row
+    }
+
+    #[test]
+    fn chunks_add_each_rows_experts_in_the_cpu_backends_order() {
+        // Calls of a decode step: per expert (ascending) the step rows routed to it.
+        let cases: Vec<Vec<Vec<u32>>> = vec![
+            vec![vec![0, 1, 2], vec![1], vec![0, 2], vec![2]],
+            vec![vec![3], vec![0, 3], vec![], vec![1, 2, 3], vec![0]],
+            (0..8)
+                .map(|e| (0..5).filter(|r| (r + e) % 3 != 0).collect())
+                .collect(),
+        ];
+        for calls in &cases {
+            // Pairs expert-major, as `experts_grouped` lists them.
+            let pairs: Vec<(usize, u32)> = (calls.iter().enumerate())
+                .flat_map(|(e, c)| c.iter().map(move |&r| (e, r)))
+                .collect();
+            for cap in 1..=pairs.len() + 1 {
+                let mut got = vec![Vec::new(); cpu_order(calls).len()];
+                let mut seen = 0;
+                for chunk in grouped_chunks(pairs.len(), cap) {
+                    assert!(
+                        chunk.len() <= cap && !chunk.is_empty(),
+                        "{chunk:?} cap {cap}"
+                    );
+                    assert_eq!(chunk.start, seen, "chunks are consecutive");
+                    seen = chunk.end;
+                    let x_rows: Vec<u32> = pairs[chunk.clone()].iter().map(|p| p.1).collect();
+                    let (mut row_ids, mut starts, mut ids) = (Vec::new(), Vec::new(), Vec::new());
+                    index_pairs(
+                        &x_rows,
+                        &mut Vec::new(),
+                        (&mut row_ids, &mut starts, &mut ids),
+                    );
+                    // combine_rows adds row row_ids[i]'s pairs ids[starts[i]..starts[i+1]].
+                    for (i, &r) in row_ids.iter().enumerate() {
+                        for &p in &ids[starts[i] as usize..starts[i + 1] as usize] {
+                            got[r as usize].push(pairs[chunk.start + p as usize].0);
+                        }
+                    }
+                }
+                assert_eq!(seen, pairs.len(), "every pair in a chunk");
+                assert_eq!(got, cpu_order(calls), "cap {cap}: {calls:?}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_chunk_holds_what_every_scratch_and_the_metadata_have_room_for() {
+        // Gate and up hold 10 rows of 64, y 6 rows of 32, the metadata 8.
+        let c = grouped_capacity((10 * 256, 10 * 256, 6 * 128), (64, 32), 8);
+        assert_eq!(c, 6);
+        assert_eq!(
+            grouped_capacity((10 * 256, 10 * 256, 6 * 128), (64, 32), 3),
+            3
+        );
+        assert_eq!(grouped_capacity((255, 10 * 256, 6 * 128), (64, 32), 8), 0);
+        assert_eq!(grouped_capacity((1 << 20, 1 << 20, 1 << 20), (0, 32), 8), 0);
+    }
+}
+
 /// Device addresses of a grouped chunk's arrays (`GroupHost`'s, in its order).
 pub(super) struct GroupDev {
     pub(super) w: [u64; 3],

@@ -87,10 +87,11 @@ impl CudaBackend {
             return Err("expert rows outside the activations".into());
         }
         // Pairs a chunk holds: what the scratch and the metadata slots have room for.
-        let cap = (s.gate.len / (inter * 4))
-            .min(s.up.len / (inter * 4))
-            .min(s.y.len / (h * 4))
-            .min(self.layout.rows as usize);
+        let cap = super::meta::grouped_capacity(
+            (s.gate.len, s.up.len, s.y.len),
+            (inter, h),
+            self.layout.rows as usize,
+        );
         if cap == 0 {
             return Err("no room for one expert row in the scratch".into());
         }
@@ -100,13 +101,13 @@ impl CudaBackend {
             .lock()
             .map_err(|_| "expert group lock poisoned")?;
         let g = &mut *guard;
-        let pairs = calls
+        let n: usize = calls.iter().map(|c| c.rows.len()).sum();
+        let mut pairs = calls
             .iter()
             .flat_map(|c| c.rows.iter().zip(c.weights).map(move |(&r, &w)| (c, r, w)));
-        let mut pending = pairs.peekable();
-        while pending.peek().is_some() {
+        for chunk in super::meta::grouped_chunks(n, cap) {
             g.clear();
-            for (c, r, wt) in pending.by_ref().take(cap) {
+            for (c, r, wt) in pairs.by_ref().take(chunk.len()) {
                 for i in 0..3 {
                     g.w[i].push(c.w[i].mem.ptr + c.w[i].offset as u64);
                     if let Some(b) = c.bias {
