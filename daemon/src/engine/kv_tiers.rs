@@ -98,6 +98,23 @@ impl HostTier {
         evicted
     }
 
+    /// A new budget (the plan of another placement leaves another room): the least
+    /// recently used blocks are given up until the tier fits it. Returns those given up.
+    pub fn set_budget(&mut self, budget: u64) -> usize {
+        self.budget = budget;
+        let mut evicted = 0;
+        while self.used > self.budget {
+            let Some((_, oldest)) = self.order.pop_first() else {
+                break;
+            };
+            if let Some((b, _)) = self.blocks.remove(&oldest) {
+                self.used -= b.size();
+                evicted += 1;
+            }
+        }
+        evicted
+    }
+
     pub fn remove(&mut self, hash: u64) {
         if let Some((b, at)) = self.blocks.remove(&hash) {
             self.order.remove(&at);
@@ -205,6 +222,11 @@ impl Tiers {
             layers,
             stats: TierStats::default(),
         })
+    }
+
+    /// The host tier's budget, another placement's (`HostTier::set_budget`).
+    pub fn set_host_budget(&mut self, budget: u64) -> usize {
+        self.host.set_budget(budget)
     }
 
     /// The key this model's blocks are named under.
@@ -494,7 +516,13 @@ mod tests {
             "a replaced block is counted once"
         );
         assert_eq!(HostTier::new(size - 1).insert(0, Arc::new(block(0, 2))), 0);
-        assert_eq!(h.clear(), 3);
+        // Another placement's plan leaves the tier less room: the least recent go.
+        assert!(h.get(2).is_some());
+        assert_eq!(h.set_budget(size + size / 2), 2);
+        assert_eq!((h.len(), h.bytes(), h.budget()), (1, size, size + size / 2));
+        assert!(h.peek(2).is_some(), "2 was the most recently used");
+        assert_eq!(h.set_budget(4 * size), 0);
+        assert_eq!(h.clear(), 1);
         assert_eq!(h.bytes(), 0);
     }
 }

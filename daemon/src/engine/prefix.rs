@@ -130,6 +130,17 @@ impl PrefixCache {
         self.on
     }
 
+    /// The host tier's budget, the plan in use's (a change of placement); a cache with
+    /// no host tier has none to set.
+    pub fn set_host_budget(&mut self, budget: u64) {
+        if let Some(t) = &mut self.tiers {
+            let n = t.set_host_budget(budget);
+            if n > 0 {
+                tracing::info!("prefix cache: {n} blocks given up to the host tier's new budget");
+            }
+        }
+    }
+
     /// The free slots whose kept KV may be taken, and the positions each has written.
     pub fn kept_slots(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
         (self.kept.iter().enumerate()).filter_map(|(slot, k)| k.as_ref().map(|k| (slot, k.written)))

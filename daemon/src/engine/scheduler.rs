@@ -559,6 +559,7 @@ impl Scheduler {
             .map(|a| (a.seq.slot(), a.seq.written()))
             .chain(st.prefix.kept_slots())
             .collect();
+        let tier_before = st.runner.plan.host.kv_cache_host_bytes;
         let EngineState {
             runner,
             rx,
@@ -581,6 +582,14 @@ impl Scheduler {
                     .pools
                     .lock()
                     .unwrap_or_else(std::sync::PoisonError::into_inner) = runner.io().pool_gauge();
+                // The host tier grows or shrinks by what the new plan gives it more or
+                // less than the old one did.
+                let mut prefix = prefix;
+                let now = runner.plan.host.kv_cache_host_bytes;
+                if now != tier_before {
+                    let budget = prefix.stats().tiers.host_budget_bytes;
+                    prefix.set_host_budget((budget + now).saturating_sub(tier_before));
+                }
                 Some(EngineState {
                     runner,
                     rx,
