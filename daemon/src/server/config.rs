@@ -52,9 +52,11 @@ pub struct ServeConfig {
     /// Decoder layers computed on the host CPU from host memory beside the GPU, the first
     /// ones (llama.cpp's -ngl counted from the other end); 0: none.
     pub cpu_layers: usize,
-    /// "device" (the host computes `cpu_layers`, none by default) or "auto" (the host
+    /// "device" (the host computes `cpu_layers`, none by default), "auto" (the host
     /// layers whose predicted pass time at a full batch, `max_batch` rows, is least, from
-    /// this machine's rates measured with passes of each model; `sluiced bench-placement`).
+    /// this machine's rates measured with passes of each model, `sluiced bench-placement`;
+    /// then following the rows the passes carry, `engine::replace`) or "auto-once" (chosen
+    /// at load and kept: no change stops the engine).
     pub placement: String,
     /// Devices to split each model over, e.g. ["cuda:0", "cuda:1"]: the first streams and
     /// holds the embedding and head (replaces `device`), each other holds a span of the
@@ -262,13 +264,17 @@ impl ServeConfig {
         self.read_timeout()?;
         match (self.placement.as_str(), self.cpu_layers) {
             ("device", _) => {}
-            ("auto", 0) => {}
-            ("auto", n) => {
+            ("auto" | "auto-once", 0) => {}
+            (p @ ("auto" | "auto-once"), n) => {
                 return Err(format!(
-                    "placement \"auto\" chooses the host layers itself: leave out cpu_layers ({n})"
+                    "placement {p:?} chooses the host layers itself: leave out cpu_layers ({n})"
                 ))
             }
-            (p, _) => return Err(format!("placement {p:?}: expected \"device\" or \"auto\"")),
+            (p, _) => {
+                return Err(format!(
+                    "placement {p:?}: expected \"device\", \"auto\" or \"auto-once\""
+                ))
+            }
         }
         if self.max_request_bytes.0 < 1024 || self.max_messages == 0 {
             return Err(
@@ -312,6 +318,14 @@ mod tests {
     fn a_placement_is_device_or_auto_and_auto_takes_no_cpu_layers() {
         let parse = |t: &str| toml::from_str::<ServeConfig>(t).expect("parses");
         assert!(parse("placement = \"auto\"").validate().is_ok());
+        assert!(parse("placement = \"auto-once\"").validate().is_ok());
+        let e = parse("placement = \"auto-once\"\ncpu_layers = 2")
+            .validate()
+            .unwrap_err();
+        assert!(
+            e.contains("auto-once") && e.contains("cpu_layers (2)"),
+            "{e}"
+        );
         assert!(parse("placement = \"device\"\ncpu_layers = 4")
             .validate()
             .is_ok());
@@ -320,6 +334,6 @@ mod tests {
             .unwrap_err();
         assert!(e.contains("leave out cpu_layers (4)"), "{e}");
         let e = parse("placement = \"gpu\"").validate().unwrap_err();
-        assert!(e.contains("\"device\" or \"auto\""), "{e}");
+        assert!(e.contains("\"device\", \"auto\" or \"auto-once\""), "{e}");
     }
 }

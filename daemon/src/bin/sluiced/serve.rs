@@ -30,7 +30,7 @@ fn backend_of(cfg: &ServeConfig) -> Result<sluice::engine::Chosen> {
     };
     let chosen = sluice::engine::choose_backend(cfg.backend, first)?;
     if let sluice::engine::Chosen::Cpu { .. } = chosen {
-        if cfg.placement == "auto" || cfg.cpu_layers > 0 {
+        if cfg.placement != "device" || cfg.cpu_layers > 0 {
             bail!("placement \"auto\" and cpu_layers place layers between the host CPU and a GPU: the CPU backend computes every layer on the host already (give --backend cuda, or leave them out)");
         }
     }
@@ -47,8 +47,10 @@ struct StartScheduler {
     io: sluice::io::IoConfig,
     threads: usize,
     input: sluice::plan::PlanInput,
-    /// `placement = "auto"`: the host layers are chosen from measured rates first.
+    /// `placement = "auto"` or "auto-once": the host layers are chosen from measured
+    /// rates first; "auto": and then follow the batch.
     auto_placement: bool,
+    follow_batch: bool,
     profile: Option<sluice::pipeline::ExpertProfile>,
     tokenizer: Arc<Tokenizer>,
     cfg: SchedulerConfig,
@@ -101,7 +103,7 @@ impl OnBackend for StartScheduler {
         )?;
         // What building the pipeline took is what a change of placement is reckoned to
         // cost until one is measured.
-        let replacer = match rates {
+        let replacer = match rates.filter(|_| self.follow_batch) {
             Some(rates) => Some(follower(
                 make,
                 &self.store,
@@ -272,9 +274,10 @@ impl ModelLoader {
         let Some(d) = chosen.as_deref().filter(|d| *d != "ngram") else {
             return Ok((config, None));
         };
-        if cfg.placement == "auto" {
+        if cfg.placement != "device" {
             bail!(
-                "draft {d} with placement \"auto\" is not supported yet: give cpu_layers instead"
+                "draft {d} with placement {:?} is not supported yet: give cpu_layers instead",
+                cfg.placement
             );
         }
         if let Some(t) = sluice::engine::self_draft::parse(d) {
@@ -349,7 +352,8 @@ impl ModelLoader {
             io: io.clone(),
             threads: cfg.threads,
             input: self.input(device_room, hot, draft.as_ref()),
-            auto_placement: cfg.placement == "auto",
+            auto_placement: cfg.placement != "device",
+            follow_batch: cfg.placement == "auto",
             profile,
             tokenizer,
             cfg: SchedulerConfig {

@@ -74,9 +74,10 @@ pub struct ServeArgs {
     /// and workspace take host memory instead of device memory (default 0).
     #[arg(long)]
     pub cpu_layers: Option<usize>,
-    /// "device" (the host computes --cpu-layers, none by default) or "auto" (the host
+    /// "device" (the host computes --cpu-layers, none by default), "auto" (the host
     /// layers whose predicted pass time at a full batch is least, from this machine's
-    /// rates measured with passes of each model and kept in $SLUICE_CACHE/placement).
+    /// rates measured with passes of each model and kept in $SLUICE_CACHE/placement, then
+    /// changed as the batch changes) or "auto-once" (chosen at load and kept).
     #[arg(long)]
     pub placement: Option<String>,
     /// Devices to split each model over, the first the one that streams and holds the
