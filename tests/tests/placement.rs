@@ -14,6 +14,7 @@
 use sluice::backend::cpu::CpuBackend;
 use sluice::backend::{Backend, KvDtype};
 use sluice::engine::draft::{DraftConfig, DraftKind};
+use sluice::engine::draft_model::DraftModel;
 use sluice::engine::kv_tiers::TierConfig;
 use sluice::engine::replace::Replacer;
 use sluice::engine::scheduler::{Scheduler, SchedulerConfig, Status};
@@ -375,14 +376,14 @@ fn within_budgets(name: &str, r: &Pipeline<CpuBackend>) {
 type Served = (Vec<(Vec<u32>, usize)>, Vec<Vec<u64>>);
 
 fn served(r: Pipeline<CpuBackend>, how: Decoding) -> Served {
-    served_by(r, None, how).0
+    served_by(r, (None, None), how).0
 }
 
 /// `served`, the placement following the batch with `replacer` where there is one, then
 /// two requests at once (both slots decoding); and the status at the end.
 fn served_by(
     r: Pipeline<CpuBackend>,
-    replacer: Option<Replacer<CpuBackend>>,
+    (draft, replacer): (Option<DraftModel<CpuBackend>>, Option<Replacer<CpuBackend>>),
     how: Decoding,
 ) -> (Served, Status) {
     let tok = Arc::new(Tokenizer::from_manifest(r.store.manifest()).unwrap());
@@ -394,7 +395,7 @@ fn served_by(
             disk: None,
         },
     };
-    let (s, engine) = Scheduler::start_following(r, None, replacer, tok, cfg);
+    let (s, engine) = Scheduler::start_following(r, draft, replacer, tok, cfg);
     let mut out = Vec::new();
     let mut prompt: Vec<u32> = (0..40).map(|i| 3 + (i * 37) % 250).collect();
     for turn in 0..5u32 {
@@ -478,7 +479,8 @@ fn the_placement_follows_the_batch_and_the_text_is_one_devices() {
     // takes none, and a change costs nothing to begin with, so the placement changes
     // back and forth between prefills and decode steps, running sequences and kept
     // prefix slots carried across each time (a ring's KV too). The text, the prompt
-    // tokens the prefix cache gave and the experts' counts are one device's.
+    // tokens the prefix cache gave and the experts' counts are one device's; beside a
+    // draft model too (its own pipeline, which a change leaves alone).
     let tmp = tempfile::tempdir().unwrap();
     let (opts, trees) = (SERVED, ngram_trees());
     let huge = ComputeRate {
@@ -494,8 +496,38 @@ fn the_placement_follows_the_batch_and_the_text_is_one_devices() {
         },
         overlap: 0.0,
     };
-    for name in ["tiny-llama", "tiny-gemma3", "tiny-qwen3moe-mixed"] {
-        let s = pack_store(&fixture(name), &tmp.path().join(name), "zstd:1", 64 << 10);
+    let drafted = Decoding {
+        draft: Some(DraftConfig {
+            kind: DraftKind::Model,
+            max: 4,
+            fixed: true,
+            branches: 2,
+        }),
+        ..greedy()
+    };
+    let cases = [
+        ("tiny-llama", false),
+        ("tiny-gemma3", false),
+        ("tiny-qwen3moe-mixed", false),
+        ("tiny-llama", true),
+    ];
+    for (name, with_draft) in cases {
+        let dir = tmp.path().join(format!("{name}-{with_draft}"));
+        let s = pack_store(&fixture(name), &dir.join("t"), "zstd:1", 64 << 10);
+        // A draft model: the same model quantized, resident on the device beside it.
+        let draft = with_draft.then(|| {
+            let d = dir.join("d");
+            let (src, out) = (fixture(name), d.to_str().unwrap().to_string());
+            let src = src.to_str().unwrap();
+            sluiced_ok(&["pack", src, "-o", &out, "--quantize", "q8_0"]);
+            let store = Arc::new(Store::open(&d).unwrap());
+            let opts = ModelOptions {
+                verify_rows: 0,
+                ..opts
+            };
+            move || Some(DraftModel::new(runner_with(&store, None, 0, opts)))
+        });
+        let draft = || draft.as_ref().and_then(|d| d());
         let least = plan(s.manifest(), &input_with(&s, Some(4096), 0, opts))
             .unwrap_err()
             .need();
@@ -503,8 +535,14 @@ fn the_placement_follows_the_batch_and_the_text_is_one_devices() {
         let shapes = shapes(s.manifest(), &i).unwrap();
         assert!(choose_among(&shapes, &rates, 1).cpu_layers > 0, "{name}");
         assert_eq!(choose_among(&shapes, &rates, 30).cpu_layers, 0, "{name}");
-        for how in [greedy(), trees] {
-            let (one, alone) = served_by(runner_with(&s, None, 0, opts), None, how);
+        let hows = if with_draft {
+            vec![drafted]
+        } else {
+            vec![greedy(), trees]
+        };
+        for how in hows {
+            let one = runner_with(&s, None, 0, opts);
+            let (one, alone) = served_by(one, (draft(), None), how);
             let follow = Follow::new(shapes.clone(), rates, 0, 0.0);
             let s2 = s.clone();
             let rebuild: sluice::engine::replace::Rebuild<CpuBackend> =
@@ -512,11 +550,18 @@ fn the_placement_follows_the_batch_and_the_text_is_one_devices() {
             let replacer = Replacer::new(follow, i.clone(), rebuild);
             let r = runner_with(&s, Some(least), 0, opts);
             assert!(r.plan.layers_streamed() > 0, "{name}: nothing streams");
-            let (got, status) = served_by(r, Some(replacer), how);
+            let (got, status) = served_by(r, (draft(), Some(replacer)), how);
             assert_eq!(got, one, "{name}: tokens, cached tokens, experts' counts");
             let f = status.following.unwrap();
             assert!(f.changes >= 4, "{name}: {} changes", f.changes);
             assert_eq!(f.failed, 0, "{name}");
+            if with_draft {
+                let spec = status.speculative;
+                assert!(
+                    spec.accepted_tokens > 0,
+                    "{name}: nothing drafted: {spec:?}"
+                );
+            }
             // What Status reports is the plan in use.
             let p = f.plan.unwrap();
             assert_eq!(p.cpu_layers, f.cpu_layers, "{name}");
@@ -536,7 +581,6 @@ fn a_draft_model_drafts_for_a_model_with_layers_on_the_host_and_the_text_is_the_
     // The draft is its own pipeline, resident on the device; the target's first layer
     // runs on the host (or its layers over two devices) and verifies chains and trees as
     // one device does. The draft is planned without the target's placement.
-    use sluice::engine::draft_model::DraftModel;
     use sluice::engine::generate::generate_with;
     let mut i = plan_input(OPTS);
     i.host.cpu_layers = 1;

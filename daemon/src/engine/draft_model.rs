@@ -75,6 +75,31 @@ pub fn build_draft<B: Backend>(
     Ok(DraftModel::new(runner))
 }
 
+/// A draft model built first, and `input` with its bytes out of the budgets: the room
+/// the model's placement is chosen in (`--placement auto`, whose passes measure the
+/// model beside the draft). A self-draft lives in the model's own pipeline, which a
+/// choice of placement would change under it: refused.
+pub fn draft_first<B: Backend>(
+    make: &super::MakePipeline<B>,
+    draft: Option<&DraftSource>,
+    input: &crate::plan::PlanInput,
+) -> Result<(Option<DraftModel<B>>, crate::plan::PlanInput), EngineError> {
+    match draft {
+        None => Ok((None, input.clone())),
+        Some(DraftSource::Model(ds)) => {
+            let d = build_draft(make, ds, input)?;
+            let mut room = input.clone();
+            if let Some(p) = d.plan() {
+                leave_room(&mut room, p);
+            }
+            Ok((Some(d), room))
+        }
+        Some(DraftSource::SelfDraft(_)) => Err(EngineError::Invalid(
+            "placement auto with a self-draft is not supported yet (the self-draft shares the layers auto would move): give cpu_layers, or a draft model".into(),
+        )),
+    }
+}
+
 /// Where a model's draft comes from: a store of its own, loaded whole beside the model, or
 /// the model's units quantized (`self_draft::quantized_store`), run as a self-draft on the
 /// model's own pipeline.

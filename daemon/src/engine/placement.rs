@@ -272,6 +272,44 @@ pub fn auto<B: Backend>(
     Ok((c, rates))
 }
 
+/// What `auto_built` built: the model's pipeline at the chosen placement, its draft, the
+/// choice, the rates, the input it was planned with (host layers set) and the seconds
+/// the pipeline took to build.
+pub struct Placed<B: Backend> {
+    pub runner: crate::pipeline::Pipeline<B>,
+    pub draft: Option<super::draft_model::DraftModel<B>>,
+    pub choice: crate::plan::placement::Choice,
+    pub rates: Rates,
+    pub input: PlanInput,
+    pub build_s: f64,
+}
+
+/// `--placement auto` with its pipeline built: a draft model first (`draft_first`: the
+/// placement is chosen in the room it leaves), the host layers for `rows` rows a pass
+/// (`auto`), then the model's pipeline.
+pub fn auto_built<B: Backend>(
+    make: &super::MakePipeline<B>,
+    store: &std::sync::Arc<crate::store::Store>,
+    draft: Option<&super::draft_model::DraftSource>,
+    (device, threads): (&str, usize),
+    input: &PlanInput,
+    rows: usize,
+) -> Result<Placed<B>, EngineError> {
+    let (draft, mut input) = super::draft_model::draft_first(make, draft, input)?;
+    let (choice, rates) = auto(&|i| make(store, i), store, (device, threads), &input, rows)?;
+    input.host.cpu_layers = choice.cpu_layers;
+    let t0 = std::time::Instant::now();
+    let runner = make(store, &input)?;
+    Ok(Placed {
+        runner,
+        draft,
+        choice,
+        rates,
+        input,
+        build_s: t0.elapsed().as_secs_f64(),
+    })
+}
+
 /// One placement at one row count: predicted and measured.
 #[derive(Clone, Debug, Serialize)]
 pub struct Measured {

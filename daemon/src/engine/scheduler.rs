@@ -287,8 +287,8 @@ impl Scheduler {
     }
 
     /// `start`, the placement following the batch with `replacer` (`engine::replace`;
-    /// not beside a draft model, whose pipeline shares the device: it is left out, and
-    /// said so).
+    /// beside a draft model's own pipeline, not beside a self-draft, which lives in the
+    /// model's: it is then left out, and said so).
     pub fn start_following<B: Backend + 'static>(
         runner: Pipeline<B>,
         draft: Option<DraftModel<B>>,
@@ -299,8 +299,9 @@ impl Scheduler {
     where
         B::Mem: 'static,
     {
-        if draft.is_some() && replacer.take().is_some() {
-            tracing::warn!("placement auto does not follow the batch beside a draft model");
+        let self_draft = draft.as_ref().is_some_and(|d| d.plan().is_none());
+        if self_draft && replacer.take().is_some() {
+            tracing::warn!("placement auto does not follow the batch beside a self-draft");
         }
         // The channel holds the queue: the engine takes a request only when a slot is free.
         let (tx, rx) = sync_channel::<Request>(cfg.queue_max.max(1));

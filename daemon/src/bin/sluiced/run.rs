@@ -370,8 +370,8 @@ fn draft_source(
     a: &RunArgs,
 ) -> Result<sluice::engine::draft_model::DraftSource> {
     use sluice::engine::{draft_model::DraftSource, self_draft};
-    if a.placement == "auto" {
-        bail!("--placement auto with a draft model or a self-draft is not supported yet: give --cpu-layers N instead");
+    if a.placement == "auto" && self_draft::parse(d).is_some() {
+        bail!("--placement auto with a self-draft is not supported yet (the self-draft shares the layers auto would move): give --cpu-layers N, or a draft model (--draft STORE)");
     }
     Ok(match self_draft::parse(d) {
         Some(_) if a.cpu_layers > 0 || a.devices.len() > 1 => {
@@ -423,27 +423,25 @@ impl OnBackend for Generate<'_> {
         let plan = |m: &sluice::store::Manifest, i: &sluice::plan::PlanInput| {
             sluice::engine::plan_for(self.chosen, m, i, &self.io, self.a.threads)
         };
-        let mut input = self.input.clone();
-        if self.a.placement == "auto" {
-            let rows = self.a.parallel.max(1) as usize;
-            let device = (self.chosen.device_key(), self.a.threads);
-            input.host.cpu_layers = sluice::engine::placement::auto(
-                &|i| make(&self.store, i),
+        let (runner, draft) = if self.a.placement == "auto" {
+            let p = sluice::engine::placement::auto_built(
+                &**make,
                 &self.store,
-                (&device.0, device.1),
-                &input,
-                rows,
+                self.draft_store.as_ref(),
+                (&self.chosen.device_key(), self.a.threads),
+                &self.input,
+                self.a.parallel.max(1) as usize,
+            )?;
+            (p.runner, p.draft)
+        } else {
+            sluice::engine::draft_model::with_draft(
+                &**make,
+                &plan,
+                &self.store,
+                self.draft_store.as_ref(),
+                &self.input,
             )?
-            .0
-            .cpu_layers;
-        }
-        let (runner, draft) = sluice::engine::draft_model::with_draft(
-            &**make,
-            &plan,
-            &self.store,
-            self.draft_store.as_ref(),
-            &input,
-        )?;
+        };
         if let (Some(d), false) = (&draft, self.a.json) {
             eprint!("{}", d.describe());
         }

@@ -74,44 +74,33 @@ impl OnBackend for StartScheduler {
         let plan = |m: &sluice::store::Manifest, i: &sluice::plan::PlanInput| {
             sluice::engine::plan_for(&self.chosen, m, i, &self.io, self.threads)
         };
-        let mut input = self.input.clone();
-        let mut choice = None;
-        let mut rates = None;
-        if self.auto_placement {
-            // A full batch of decode rows: the rows a busy daemon's passes carry. The
-            // placement then follows the rows the passes carry (`engine::replace`).
-            let device = self.chosen.device_key();
-            let rows = input.opts.kv_slots;
-            let (c, r) = sluice::engine::placement::auto(
-                &|i| make(&self.store, i),
+        // A full batch of decode rows: the rows a busy daemon's passes carry. The
+        // placement then follows the rows the passes carry (`engine::replace`).
+        let (mut runner, draft, choice, replacer) = if self.auto_placement {
+            let p = sluice::engine::placement::auto_built(
+                &**make,
                 &self.store,
-                (&device, self.threads),
-                &input,
-                rows,
+                self.draft.as_ref(),
+                (&self.chosen.device_key(), self.threads),
+                &self.input,
+                self.input.opts.kv_slots,
             )?;
-            input.host.cpu_layers = c.cpu_layers;
-            choice = Some(c);
-            rates = Some(r);
-        }
-        let built = std::time::Instant::now();
-        let (mut runner, draft) = sluice::engine::draft_model::with_draft(
-            &**make,
-            &plan,
-            &self.store,
-            self.draft.as_ref(),
-            &input,
-        )?;
-        // What building the pipeline took is what a change of placement is reckoned to
-        // cost until one is measured.
-        let replacer = match rates.filter(|_| self.follow_batch) {
-            Some(rates) => Some(follower(
-                make,
+            // What building the pipeline took is what a change of placement is reckoned
+            // to cost until one is measured.
+            let replacer = match self.follow_batch {
+                true => Some(follower(make, &self.store, &p.input, p.rates, p.build_s)?),
+                false => None,
+            };
+            (p.runner, p.draft, Some(p.choice), replacer)
+        } else {
+            let (runner, draft) = sluice::engine::draft_model::with_draft(
+                &**make,
+                &plan,
                 &self.store,
-                &input,
-                rates,
-                built.elapsed().as_secs_f64(),
-            )?),
-            None => None,
+                self.draft.as_ref(),
+                &self.input,
+            )?;
+            (runner, draft, None, None)
         };
         if let Some(d) = &draft {
             tracing::info!("{}", d.describe());
@@ -274,13 +263,13 @@ impl ModelLoader {
         let Some(d) = chosen.as_deref().filter(|d| *d != "ngram") else {
             return Ok((config, None));
         };
-        if cfg.placement != "device" {
-            bail!(
-                "draft {d} with placement {:?} is not supported yet: give cpu_layers instead",
-                cfg.placement
-            );
-        }
         if let Some(t) = sluice::engine::self_draft::parse(d) {
+            if cfg.placement != "device" {
+                bail!(
+                    "draft {d} with placement {:?} is not supported yet (the self-draft shares the layers auto would move): give cpu_layers, or a draft model",
+                    cfg.placement
+                );
+            }
             if cfg.cpu_layers > 0 || cfg.devices.len() > 1 {
                 bail!("draft {d} with cpu_layers or several devices is not supported yet (the layers on the host or other devices have no quantized copy to draft with): give a draft model or --draft ngram");
             }
