@@ -5,9 +5,9 @@
 //! (the running sequences' and the prefix cache's kept slots') is copied to the host
 //! (`Pipeline::export_slot`), the pipeline is given up (its device and host memory with
 //! it), the new placement's is built, and the KV written back into it
-//! (`Pipeline::import_slot`). A sequence goes on from the same KV, so its tokens are those
-//! it would have had (the bits of each layer's compute do not depend on where it runs:
-//! the host's layers run the same kernels on the same backend kind). What a change took
+//! (`Pipeline::import_slot`). A sequence goes on from the same KV as the new placement
+//! computes: on the CPU emulating a device, one device's tokens bit for bit; on a GPU the
+//! host's layers round as the CPU's kernels do (as with `--cpu-layers`). What a change took
 //! is measured and is the next one's cost. A pipeline that cannot be built at the new
 //! placement leaves the old one built again, and the choice followed from there.
 
