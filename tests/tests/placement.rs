@@ -472,6 +472,25 @@ fn the_scheduler_serves_with_layers_on_the_host_as_with_one_device() {
     }
 }
 
+/// Made-up rates under which one or two rows a pass want host layers and a prompt's rows
+/// want none: streaming a byte costs a second, the host's arithmetic a quarter second a
+/// row, everything else nothing.
+fn one_row_wants_the_host() -> Rates {
+    let free = ComputeRate {
+        weight_bytes_per_s: 1e15,
+        row_bytes_per_s: 1e15,
+    };
+    Rates {
+        stream_bytes_per_s: 1.0,
+        device: free,
+        cpu: ComputeRate {
+            row_bytes_per_s: 4.0,
+            ..free
+        },
+        overlap: 0.0,
+    }
+}
+
 #[test]
 fn the_placement_follows_the_batch_and_the_text_is_one_devices() {
     // `sluiced serve --placement auto` on the emulated device: the rates are made up so
@@ -483,19 +502,7 @@ fn the_placement_follows_the_batch_and_the_text_is_one_devices() {
     // draft model too (its own pipeline, which a change leaves alone).
     let tmp = tempfile::tempdir().unwrap();
     let (opts, trees) = (SERVED, ngram_trees());
-    let huge = ComputeRate {
-        weight_bytes_per_s: 1e15,
-        row_bytes_per_s: 1e15,
-    };
-    let rates = Rates {
-        stream_bytes_per_s: 1.0,
-        device: huge,
-        cpu: ComputeRate {
-            weight_bytes_per_s: 1e15,
-            row_bytes_per_s: 4.0,
-        },
-        overlap: 0.0,
-    };
+    let rates = one_row_wants_the_host();
     let drafted = Decoding {
         draft: Some(DraftConfig {
             kind: DraftKind::Model,
@@ -574,6 +581,51 @@ fn the_placement_follows_the_batch_and_the_text_is_one_devices() {
             );
         }
     }
+}
+
+#[test]
+fn a_placement_that_cannot_be_built_leaves_the_old_one_and_is_not_tried_again() {
+    // The rates want host layers at one row, but no pipeline with host layers can be
+    // built (as when another process took the memory): each change is given up, the old
+    // placement built again with the KV carried back, and that count never tried again;
+    // the text is one device's.
+    let tmp = tempfile::tempdir().unwrap();
+    let opts = SERVED;
+    let s = pack_store(
+        &fixture("tiny-llama"),
+        &tmp.path().join("t"),
+        "zstd:1",
+        64 << 10,
+    );
+    let least = plan(s.manifest(), &input_with(&s, Some(4096), 0, opts))
+        .unwrap_err()
+        .need();
+    let i = input_with(&s, Some(least), 0, opts);
+    let shapes = shapes(s.manifest(), &i).unwrap();
+    let rates = one_row_wants_the_host();
+    let wanted = choose_among(&shapes, &rates, 1).cpu_layers;
+    assert!(wanted > 0);
+    let (one, _) = served_by(runner_with(&s, None, 0, opts), (None, None), greedy());
+    let s2 = s.clone();
+    let rebuild: sluice::engine::replace::Rebuild<CpuBackend> =
+        Box::new(move |i: &PlanInput| match i.host.cpu_layers {
+            0 => discrete(&s2, i),
+            n => Err(EngineError::Invalid(format!("{n} host layers: no room"))),
+        });
+    let follow = Follow::new(shapes.clone(), rates, 0, 0.0);
+    let replacer = Replacer::new(follow, i.clone(), rebuild);
+    let r = runner_with(&s, Some(least), 0, opts);
+    let (got, status) = served_by(r, (None, Some(replacer)), greedy());
+    assert_eq!(got, one, "tokens and cached tokens");
+    let f = status.following.unwrap();
+    assert_eq!((f.changes, f.cpu_layers), (0, 0), "{f:?}");
+    // Every count with host layers fails once at most.
+    let counts = shapes.iter().filter(|s| s.cpu_layers > 0).count() as u64;
+    assert!(
+        f.failed >= 1 && f.failed <= counts,
+        "{} failed of {counts}",
+        f.failed
+    );
 }
 
 #[test]

@@ -9,7 +9,8 @@
 //! computes: on the CPU emulating a device, one device's tokens bit for bit; on a GPU the
 //! host's layers round as the CPU's kernels do (as with `--cpu-layers`). What a change took
 //! is measured and is the next one's cost. A pipeline that cannot be built at the new
-//! placement leaves the old one built again, and the choice followed from there.
+//! placement leaves the old one built again, that placement is not tried again, and the
+//! choice is followed from there.
 
 use super::EngineError;
 use crate::backend::Backend;
@@ -124,6 +125,9 @@ impl<B: Backend> Replacer<B> {
         }
         let took = t0.elapsed().as_secs_f64();
         self.follow.moved(now, took);
+        if now != choice.cpu_layers {
+            self.follow.refuse(choice.cpu_layers);
+        }
         if now == choice.cpu_layers {
             self.status.changes += 1;
             tracing::info!(

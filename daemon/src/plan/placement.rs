@@ -293,6 +293,20 @@ impl Follow {
         self.regret.iter_mut().for_each(|r| *r = 0.0);
         self.change_s = took_s.max(1e-3);
     }
+
+    /// The placement with `cpu_layers` host layers could not be built (the backend's own
+    /// reservations, memory another process took): it is not tried again.
+    pub fn refuse(&mut self, cpu_layers: usize) {
+        if let Some(i) = self.shapes.iter().position(|s| s.cpu_layers == cpu_layers) {
+            if i != self.current {
+                self.shapes.remove(i);
+                self.regret.remove(i);
+                if i < self.current {
+                    self.current -= 1;
+                }
+            }
+        }
+    }
 }
 
 #[cfg(test)]
