@@ -215,3 +215,43 @@ impl<'a> Cut<'a> {
         ((&held[..n], &bytes[..len]), want)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn layer(cap: usize, window: Option<usize>) -> LayerCache {
+        LayerCache {
+            base: 0,
+            cap,
+            window,
+        }
+    }
+
+    #[test]
+    fn a_slots_runs_are_each_held_whole_or_not_at_all_by_every_layer() {
+        // A full layer (cap the context), rings of 71 and 300 positions.
+        let layers = [layer(4096, None), layer(71, Some(8)), layer(300, Some(200))];
+        for written in [0, 1, 70, 71, 72, 78, 299, 300, 1023, 1024, 2500] {
+            let runs = slot_runs(&layers, written);
+            // The runs tile 0..written in order.
+            let mut at = 0;
+            for r in &runs {
+                assert!(r.start == at && r.end > r.start, "{written}: {runs:?}");
+                assert!(r.len() <= SLOT_RUN, "{written}: {runs:?}");
+                at = r.end;
+            }
+            assert_eq!(at, written, "{runs:?}");
+            // Each run lies wholly inside or wholly before each layer's held positions.
+            for l in &layers {
+                let first = written.saturating_sub(l.cap);
+                for r in &runs {
+                    assert!(
+                        r.end <= first || r.start >= first,
+                        "{written}: {r:?}, {first}"
+                    );
+                }
+            }
+        }
+    }
+}
