@@ -76,9 +76,10 @@ impl<B: Backend> Replacer<B> {
         }
     }
 
-    /// Counts a pass of `rows` rows; the choice to move to, when one has earned it.
-    pub fn observe(&mut self, rows: usize) -> Option<Choice> {
-        self.follow.observe(rows)
+    /// Counts a pass of `rows` rows that took `measured` seconds; the choice to move to,
+    /// when one has earned it.
+    pub fn observe(&mut self, rows: usize, measured: f64) -> Option<Choice> {
+        self.follow.observe(rows, Some(measured))
     }
 
     /// Changes `runner` to `choice`'s placement, the KV of `slots` (slot, positions

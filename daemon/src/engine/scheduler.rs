@@ -534,7 +534,8 @@ impl Scheduler {
                 .ran(&st.steps[..st.n_steps], st.runner.last_pass());
             self.apply_results(&mut st, t0.elapsed().as_secs_f64());
             let rows = st.steps[..st.n_steps].iter().map(|s| s.tokens.len()).sum();
-            if let Some(c) = st.replacer.as_mut().and_then(|r| r.observe(rows)) {
+            let took = st.runner.last_pass().pass_time_s;
+            if let Some(c) = st.replacer.as_mut().and_then(|r| r.observe(rows, took)) {
                 match self.change_placement(st, c) {
                     Some(s) => st = s,
                     None => return,

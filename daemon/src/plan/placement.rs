@@ -257,16 +257,23 @@ impl Follow {
         self.shapes.get(self.current).map_or(0, |s| s.cpu_layers)
     }
 
-    /// Counts a pass of `rows` rows; the placement to move to when one has earned it (the
-    /// choice at those rows, every candidate's prediction).
-    pub fn observe(&mut self, rows: usize) -> Option<Choice> {
+    /// Counts a pass of `rows` rows that took `measured` seconds (None: not measured);
+    /// the placement to move to when one has earned it (the choice at those rows, every
+    /// candidate's prediction). What a candidate would have saved is its predicted saving
+    /// in the measured pass's seconds: the predictions scaled by the measured pass over
+    /// the predicted one (within 10x either way), so that savings and a change's cost,
+    /// which is measured, are in the same seconds where the rates are off by a factor.
+    pub fn observe(&mut self, rows: usize, measured: Option<f64>) -> Option<Choice> {
         let now = self
             .shapes
             .get(self.current)?
             .predict(&self.rates, rows)
             .pass_s;
+        let scale = measured
+            .filter(|m| m.is_finite() && *m > 0.0 && now > 0.0)
+            .map_or(1.0, |m| (m / now).clamp(0.1, 10.0));
         for (r, s) in self.regret.iter_mut().zip(&self.shapes) {
-            *r = (*r + now - s.predict(&self.rates, rows).pass_s).max(0.0);
+            *r = (*r + (now - s.predict(&self.rates, rows).pass_s) * scale).max(0.0);
         }
         let (at, most) =
             (self.regret.iter().enumerate()).fold((self.current, 0.0), |b, (i, &r)| {
@@ -413,7 +420,7 @@ mod tests {
         let to = loop {
             passes += 1;
             assert!(passes <= 11, "no change after {passes} passes of 16 rows");
-            if let Some(c) = f.observe(16) {
+            if let Some(c) = f.observe(16, None) {
                 break c;
             }
         };
@@ -425,20 +432,47 @@ mod tests {
         // A burst of single rows (a request alone for a moment) buys nothing, and the
         // batch coming back wipes what it earned.
         for _ in 0..3 {
-            assert!(f.observe(1).is_none());
+            assert!(f.observe(1, None).is_none());
         }
         for _ in 0..20 {
-            assert!(f.observe(16).is_none());
+            assert!(f.observe(16, None).is_none());
         }
         // Single rows that stay move the layers back to the host once they have saved a
         // change's cost.
         let back = (1..=1000)
-            .find_map(|k| f.observe(1).map(|c| (k, c)))
+            .find_map(|k| f.observe(1, None).map(|c| (k, c)))
             .unwrap();
         let per_pass = at(0, 1) - at(back.1.cpu_layers, 1);
         let needed = (10.0 * saved / per_pass).ceil() as usize;
         assert!(back.0 >= needed, "{} passes, {needed} needed", back.0);
         assert!(back.1.cpu_layers > 0, "{back:?}");
+    }
+
+    #[test]
+    fn savings_are_counted_in_the_seconds_the_passes_measure() {
+        let tmp = tempfile::tempdir().unwrap();
+        let (m, input) = model(tmp.path());
+        let rates = workstation();
+        let shapes = shapes(&m, &input).unwrap();
+        let one = choose_among(&shapes, &rates, 1).cpu_layers;
+        let at = |n: usize| {
+            let s = shapes.iter().find(|s| s.cpu_layers == n).unwrap();
+            s.predict(&rates, 16).pass_s
+        };
+        let saved = at(one) - at(0);
+        // Passes measured at twice their prediction save twice the seconds: a change
+        // costing ten predicted savings is bought after five.
+        let passes = |measured: Option<f64>| {
+            let mut f = Follow::new(shapes.clone(), rates, one, 10.0 * saved);
+            (1..=100)
+                .find(|_| f.observe(16, measured).is_some())
+                .unwrap()
+        };
+        let (plain, doubled) = (passes(None), passes(Some(2.0 * at(one))));
+        assert!((9..=11).contains(&plain), "{plain}");
+        assert!((4..=6).contains(&doubled), "{doubled}");
+        // A measurement off by more than ten times counts as ten.
+        assert_eq!(passes(Some(1e6 * at(one))), 1);
     }
 
     #[test]
