@@ -88,7 +88,13 @@ impl OnBackend for StartScheduler {
             // What building the pipeline took is what a change of placement is reckoned
             // to cost until one is measured.
             let replacer = match self.follow_batch {
-                true => Some(follower(make, &self.store, &p.input, p.rates, p.build_s)?),
+                true => Some(follower(
+                    make,
+                    (&self.store, self.profile.clone()),
+                    &p.input,
+                    p.rates,
+                    p.build_s,
+                )?),
                 false => None,
             };
             (p.runner, p.draft, Some(p.choice), replacer)
@@ -123,23 +129,29 @@ impl OnBackend for StartScheduler {
 
 /// The follower of the batch for placement "auto" (`engine::replace`): every placement
 /// that fits `input`'s budgets, followed from `input`'s, a change reckoned to cost
-/// `change_s` until one is measured.
+/// `change_s` until one is measured; each pipeline it builds warms its expert cache from
+/// `profile` as the first did.
 fn follower<B: Backend + 'static>(
     make: &sluice::engine::Maker<B>,
-    store: &Arc<Store>,
+    (store, profile): (&Arc<Store>, Option<sluice::pipeline::ExpertProfile>),
     input: &sluice::plan::PlanInput,
     rates: sluice::plan::placement::Rates,
     change_s: f64,
 ) -> Result<sluice::engine::replace::Replacer<B>, EngineError> {
-    let shapes = sluice::plan::placement::shapes(store.manifest(), input)
-        .map_err(|e| EngineError::Invalid(e.to_string()))?;
+    let shapes = sluice::plan::placement::shapes(store.manifest(), input)?;
     let follow =
         sluice::plan::placement::Follow::new(shapes, rates, input.host.cpu_layers, change_s);
     let (make, store) = (make.clone(), store.clone());
     Ok(sluice::engine::replace::Replacer::new(
         follow,
         input.clone(),
-        Box::new(move |i| make(&store, i)),
+        Box::new(move |i| {
+            let mut r = make(&store, i)?;
+            if let Some(p) = &profile {
+                r.load_expert_profile(p.clone())?;
+            }
+            Ok(r)
+        }),
     ))
 }
 
