@@ -805,7 +805,14 @@ impl Scheduler {
         s.io = io;
         s.speculative = *spec;
         s.prefix_cache = state.prefix.stats();
-        s.following = state.replacer.as_ref().map(|r| r.status.clone());
+        // Copied when a change (made or given up) altered it, not every pass: it holds
+        // the last choice's candidates.
+        if let Some(r) = &state.replacer {
+            let seen = s.following.as_ref().map(|f| (f.changes, f.failed));
+            if seen != Some((r.status.changes, r.status.failed)) {
+                s.following = Some(r.status.clone());
+            }
+        }
     }
 }
 

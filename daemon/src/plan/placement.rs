@@ -397,6 +397,12 @@ mod tests {
         assert_eq!(streamed(8).device_s, workstation().device.seconds(ends, 1));
     }
 
+    /// The predicted pass of `rows` rows with `n` host layers.
+    fn pass_at(shapes: &[PassShape], rates: &Rates, n: usize, rows: usize) -> f64 {
+        let s = shapes.iter().find(|s| s.cpu_layers == n).unwrap();
+        s.predict(rates, rows).pass_s
+    }
+
     #[test]
     fn the_placement_follows_a_batch_that_stays_and_not_a_burst() {
         let tmp = tempfile::tempdir().unwrap();
@@ -405,10 +411,7 @@ mod tests {
         let shapes = shapes(&m, &input).unwrap();
         let one = choose_among(&shapes, &rates, 1).cpu_layers;
         assert!(one > 0);
-        let at = |n: usize, rows: usize| {
-            let s = shapes.iter().find(|s| s.cpu_layers == n).unwrap();
-            s.predict(&rates, rows).pass_s
-        };
+        let at = |n: usize, rows: usize| pass_at(&shapes, &rates, n, rows);
         // A change costs what ten passes at 16 rows save by moving every layer to the
         // device.
         let saved = at(one, 16) - at(0, 16);
@@ -455,10 +458,7 @@ mod tests {
         let rates = workstation();
         let shapes = shapes(&m, &input).unwrap();
         let one = choose_among(&shapes, &rates, 1).cpu_layers;
-        let at = |n: usize| {
-            let s = shapes.iter().find(|s| s.cpu_layers == n).unwrap();
-            s.predict(&rates, 16).pass_s
-        };
+        let at = |n: usize| pass_at(&shapes, &rates, n, 16);
         let saved = at(one) - at(0);
         // Passes measured at twice their prediction save twice the seconds: a change
         // costing ten predicted savings is bought after five.
